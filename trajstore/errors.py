@@ -1,0 +1,83 @@
+"""The whole trajstore exception tree.
+
+::
+
+    TrajstoreError                  base of everything trajstore raises on purpose
+    ├── ValidationError             an event or argument breaks a SPEC rule; nothing was stored
+    │   └── ConflictError           an event's identity is already stored with other content,
+    │                               or another writer advanced the trajectory first
+    ├── StoreUnavailable            the database or payload storage cannot be reached
+    ├── CorruptStoreError           the index points at payload that is missing or unreadable
+    └── ResumeStateError            a reader state_dict does not fit the reader it is loaded into
+
+Every message is one line that names the offending value and where it was found.
+"""
+
+from __future__ import annotations
+
+
+class TrajstoreError(Exception):
+    """Base class of every error trajstore raises on purpose."""
+
+
+class ValidationError(TrajstoreError, ValueError):
+    """An event (or an argument) breaks a rule of the contract; nothing was stored.
+
+    ``index`` is the position of the event in the append call (None when not
+    about an event), ``trajectory_id`` the trajectory it names, ``rule`` a short
+    machine-readable name of the broken rule.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        index: int | None = None,
+        trajectory_id: str | None = None,
+        rule: str = "invalid",
+    ) -> None:
+        self.reason = message
+        self.index = index
+        self.trajectory_id = trajectory_id
+        self.rule = rule
+        super().__init__(self._render())
+
+    def _render(self) -> str:
+        where = []
+        if self.index is not None:
+            where.append(f"event {self.index}")
+        if self.trajectory_id is not None:
+            where.append(f"trajectory {self.trajectory_id!r}")
+        prefix = f"{', '.join(where)}: " if where else ""
+        return f"{prefix}{self.reason} [{self.rule}]"
+
+    def at(self, index: int, trajectory_id: str | None = None) -> "ValidationError":
+        """The same error, located at event ``index`` of an append call."""
+        err = type(self)(
+            self.reason,
+            index=index,
+            trajectory_id=trajectory_id if trajectory_id is not None else self.trajectory_id,
+            rule=self.rule,
+        )
+        return err
+
+
+class ConflictError(ValidationError):
+    """The event's identity is already stored with different content, or a
+    concurrent writer appended to the same trajectory first."""
+
+    def __init__(self, message: str, **kwargs) -> None:
+        kwargs.setdefault("rule", "conflict")
+        super().__init__(message, **kwargs)
+
+
+class StoreUnavailable(TrajstoreError):
+    """The SQL database or the payload storage cannot be reached."""
+
+
+class CorruptStoreError(TrajstoreError):
+    """The index points at payload that is missing or unreadable."""
+
+
+class ResumeStateError(TrajstoreError, ValueError):
+    """A reader ``state_dict`` does not match the reader it is loaded into."""

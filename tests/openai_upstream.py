@@ -1,0 +1,207 @@
+"""A deterministic OpenAI-compatible upstream that answers in vLLM's shapes.
+
+What it mimics (vLLM's ``CompletionResponse`` / ``ChatCompletionResponse``):
+``choices[i].token_ids`` and ``prompt_token_ids`` (in the choice for
+completions, top level for chat) only when ``return_token_ids`` is set;
+logprobs as ``token_logprobs`` (completions, ``logprobs: int``) or
+``content[j].logprob`` (chat, ``logprobs: true``); ``routed_experts`` as a
+base64 ``.npy`` of shape ``[prompt + output - 1, layers, topk]`` on every
+non-streaming choice (vLLM started with ``--enable-return-routed-experts``);
+SSE streams with ``prompt_token_ids`` on the first chunk, per-chunk
+``token_ids`` deltas, no routes, and ``data: [DONE]``.
+
+The "tokenizer" maps a byte b to id b + 10; a chat message renders as
+``[ROLE, *content, END]`` and the generation prompt is ``[ASSISTANT]``, so a
+conversation's next prompt extends the previous prompt + output exactly.
+Route rows depend on the call's prompt length, so a position recomputed by a
+later call gets a different row (what "a recorded route is never
+overwritten" must survive).
+
+Also ``serve_in_thread(app)``: runs any ASGI app with uvicorn on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import threading
+import time
+from typing import Any, Iterator
+
+import numpy as np
+
+from trajstore.wire import encode_npy_b64
+
+END, SYSTEM, USER, ASSISTANT, TOOL = 2, 3, 4, 5, 6
+ROLE_IDS = {"system": SYSTEM, "user": USER, "assistant": ASSISTANT, "tool": TOOL}
+NUM_LAYERS, TOPK, NUM_EXPERTS = 2, 2, 16
+MAX_OUTPUT_TOKENS = 6
+
+
+def encode(text: str) -> list[int]:
+    return [b + 10 for b in text.encode()]
+
+
+def decode(ids: list[int]) -> str:
+    return bytes(i - 10 for i in ids if i >= 10).decode(errors="replace")
+
+
+def render_chat(messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    ids: list[int] = []
+    for m in messages:
+        ids += [ROLE_IDS[m["role"]], *encode(m.get("content") or ""), END]
+    return ids + [ASSISTANT] if add_generation_prompt else ids
+
+
+def generate(prompt_ids: list[int], max_tokens: int | None, *, chat: bool) -> tuple[list[int], list[float], str]:
+    """Deterministic output ids (lowercase letters), their logprobs and the finish reason."""
+    n = min(max_tokens or MAX_OUTPUT_TOKENS, MAX_OUTPUT_TOKENS)
+    seed = sum(prompt_ids) + len(prompt_ids)
+    letters = [10 + ord("a") + (seed + 7 * i) % 26 for i in range(n - 1 if chat else n)]
+    logprobs = [-0.05 * ((seed + i) % 10 + 1) for i in range(n)]
+    if chat:
+        return letters + [END], logprobs, "stop"
+    return letters, logprobs, "length"
+
+
+def route_rows(sequence: list[int], prompt_len: int) -> np.ndarray:
+    """Rows for positions 0 .. len(sequence) - 2 of a call whose prompt has ``prompt_len`` tokens."""
+    pos = np.arange(len(sequence) - 1)[:, None, None]
+    tok = np.asarray(sequence[:-1])[:, None, None]
+    layer = np.arange(NUM_LAYERS)[None, :, None]
+    k = np.arange(TOPK)[None, None, :]
+    return ((tok * 3 + pos * 7 + prompt_len * 11 + layer * 5 + k) % NUM_EXPERTS).astype(np.uint8)
+
+
+def _completion_choice(body: dict, prompt: list[int], out: list[int], lps: list[float], finish: str) -> dict:
+    want_ids = bool(body.get("return_token_ids"))
+    logprobs = None
+    if body.get("logprobs") is not None:
+        tokens = [decode([t]) for t in out]
+        logprobs = {"text_offset": list(range(len(out))), "token_logprobs": lps, "tokens": tokens,
+                    "top_logprobs": [None] * len(out)}
+    return {"index": 0, "text": decode(out), "logprobs": logprobs, "finish_reason": finish, "stop_reason": None,
+            "token_ids": out if want_ids else None, "prompt_logprobs": None,
+            "prompt_token_ids": prompt if want_ids else None,
+            "routed_experts": encode_npy_b64(route_rows(prompt + out, len(prompt)))}
+
+
+def _chat_choice(body: dict, prompt: list[int], out: list[int], lps: list[float], finish: str) -> dict:
+    logprobs = None
+    if body.get("logprobs"):
+        logprobs = {"content": [{"token": decode([t]), "logprob": lp, "bytes": None, "top_logprobs": []}
+                                for t, lp in zip(out, lps)]}
+    return {"index": 0, "message": {"role": "assistant", "content": decode(out), "tool_calls": [], "reasoning": None},
+            "logprobs": logprobs, "finish_reason": finish, "stop_reason": None,
+            "token_ids": out if body.get("return_token_ids") else None,
+            "routed_experts": encode_npy_b64(route_rows(prompt + out, len(prompt)))}
+
+
+def _prompt_ids(body: dict, chat: bool) -> list[int]:
+    if chat:
+        return render_chat(body["messages"], body.get("add_generation_prompt", True))
+    prompt = body["prompt"]
+    return list(prompt) if isinstance(prompt, list) else encode(prompt)
+
+
+def respond(body: dict, *, chat: bool) -> dict:
+    """The non-streaming response vLLM would send for ``body``."""
+    prompt = _prompt_ids(body, chat)
+    out, lps, finish = generate(prompt, body.get("max_tokens") or body.get("max_completion_tokens"), chat=chat)
+    usage = {"prompt_tokens": len(prompt), "completion_tokens": len(out), "total_tokens": len(prompt) + len(out)}
+    base = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{sum(prompt)}", "created": 0, "model": body.get("model", "fake"),
+            "usage": usage, "system_fingerprint": None, "kv_transfer_params": None}
+    if chat:
+        choice = _chat_choice(body, prompt, out, lps, finish)
+        return {**base, "object": "chat.completion", "choices": [choice], "prompt_logprobs": None,
+                "prompt_token_ids": prompt if body.get("return_token_ids") else None}
+    return {**base, "object": "text_completion", "choices": [_completion_choice(body, prompt, out, lps, finish)]}
+
+
+def stream_chunks(body: dict, *, chat: bool) -> Iterator[dict]:
+    """The SSE ``data:`` objects vLLM would stream for ``body`` (routes are never streamed)."""
+    prompt = _prompt_ids(body, chat)
+    out, lps, finish = generate(prompt, body.get("max_tokens") or body.get("max_completion_tokens"), chat=chat)
+    want_ids = bool(body.get("return_token_ids"))
+    obj = "chat.completion.chunk" if chat else "text_completion"
+    if chat:
+        first = {"object": obj, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}
+        if want_ids:
+            first["prompt_token_ids"] = prompt
+        yield first
+    for i, (tok, lp) in enumerate(zip(out, lps)):
+        choice: dict = {"index": 0, "finish_reason": finish if i == len(out) - 1 else None}
+        if chat:
+            choice["delta"] = {"content": decode([tok])}
+            if body.get("logprobs"):
+                choice["logprobs"] = {"content": [{"token": decode([tok]), "logprob": lp, "top_logprobs": []}]}
+        else:
+            choice["text"] = decode([tok])
+            if body.get("logprobs") is not None:
+                choice["logprobs"] = {"token_logprobs": [lp], "tokens": [decode([tok])]}
+            if want_ids and i == 0:
+                choice["prompt_token_ids"] = prompt
+        if want_ids:
+            choice["token_ids"] = [tok]
+        yield {"object": obj, "choices": [choice]}
+
+
+def make_upstream() -> Any:
+    """The FastAPI app; ``app.state.requests`` keeps every request body received."""
+    from fastapi import FastAPI, Request
+    from fastapi.responses import StreamingResponse
+
+    app = FastAPI()
+    app.state.requests = []
+
+    async def handle(request: Request, chat: bool) -> Any:
+        body = await request.json()
+        app.state.requests.append(body)
+        if body.get("stream"):
+            def sse() -> Iterator[bytes]:
+                for chunk in stream_chunks(body, chat=chat):
+                    yield f"data: {json.dumps(chunk)}\n\n".encode()
+                yield b"data: [DONE]\n\n"
+            return StreamingResponse(sse(), media_type="text/event-stream")
+        return respond(body, chat=chat)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Any:
+        return await handle(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Any:
+        return await handle(request, chat=True)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": "fake", "object": "model"}]}
+
+    return app
+
+
+@contextlib.contextmanager
+def serve_in_thread(app: Any) -> Iterator[str]:
+    """Run ``app`` with uvicorn on a free loopback port; yields its base URL."""
+    import uvicorn
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    for _ in range(500):
+        if server.started:
+            break
+        time.sleep(0.01)
+    else:
+        raise RuntimeError("test server did not start in 5 s")
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        sock.close()

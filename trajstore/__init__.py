@@ -1,1 +1,32 @@
-"""trajstore: an event-sourced trajectory store and replay service for RL of LLM agents."""
+"""trajstore: an event-sourced trajectory store and replay service for RL of LLM agents.
+
+    import trajstore
+    store = trajstore.connect()          # $TRAJSTORE_URL or the embedded SQLite default
+    store.append(events)                 # wire-format dicts; atomic; idempotent
+    stats = store.materialize()          # fold finished trajectories into samples
+    for s in store.samples(): ...        # trajstore.Sample objects, numpy arrays
+"""
+
+from trajstore.errors import (
+    ConflictError,
+    CorruptStoreError,
+    ResumeStateError,
+    StoreUnavailable,
+    TrajstoreError,
+    ValidationError,
+)
+from trajstore.sample import Sample
+from trajstore.store import AppendResult, Store, connect
+
+__all__ = [
+    "AppendResult",
+    "ConflictError",
+    "CorruptStoreError",
+    "ResumeStateError",
+    "Sample",
+    "Store",
+    "StoreUnavailable",
+    "TrajstoreError",
+    "ValidationError",
+    "connect",
+]

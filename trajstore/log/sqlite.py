@@ -1,0 +1,53 @@
+"""SQLite dialect hooks: the embedded, serverless default.
+
+* WAL journal so readers never block the writer; ``synchronous=FULL`` so a
+  committed append survives power loss (acknowledged = durable).
+* The write engine opens transactions with ``BEGIN IMMEDIATE``: the write
+  lock is taken at the start, so two processes never both read-then-write and
+  deadlock on lock upgrade; ``busy_timeout`` makes the loser wait.
+* The read engine keeps plain deferred transactions.
+"""
+
+from __future__ import annotations
+
+import os
+
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.engine import make_url
+from sqlalchemy.pool import NullPool
+
+_BUSY_TIMEOUT_MS = 60_000
+
+
+def make_engines(url: str) -> tuple[Engine, Engine]:
+    path = make_url(url).database
+    if path and path != ":memory:":
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    return _engine(url, immediate=True), _engine(url, immediate=False)
+
+
+def _engine(url: str, *, immediate: bool) -> Engine:
+    # NullPool: a connection per use; SQLite connections are cheap and this
+    # keeps a forked worker process from inheriting an open one.
+    engine = create_engine(url, poolclass=NullPool, connect_args={"timeout": _BUSY_TIMEOUT_MS / 1000})
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_conn, _record) -> None:
+        dbapi_conn.isolation_level = None  # we issue BEGIN ourselves
+        cur = dbapi_conn.cursor()
+        cur.execute("PRAGMA journal_mode=WAL")
+        cur.execute("PRAGMA synchronous=FULL")
+        cur.execute(f"PRAGMA busy_timeout={_BUSY_TIMEOUT_MS}")
+        cur.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(conn) -> None:
+        conn.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
+
+    return engine
+
+
+def default_payload_dir(url: str) -> str:
+    """Payload beside the database file: ``<db>.payload/``."""
+    path = make_url(url).database or "trajstore.db"
+    return os.path.abspath(path) + ".payload"

@@ -1,0 +1,144 @@
+"""SQL tables of the store: the log index, trajectory tail state, samples.
+
+This module is Alembic's target metadata; the migrations under
+``migrations/versions`` create exactly these tables (and the inspection
+views). Only small columns live here: token-level data is in payload
+segments (``trajstore.payload``) that rows point at by (segment, row).
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    Column,
+    Float,
+    Index,
+    Integer,
+    JSON,
+    LargeBinary,
+    MetaData,
+    String,
+    Table,
+    Text,
+)
+
+metadata = MetaData()
+
+# One row, id = 1. Appenders take positions from it with
+# UPDATE ... RETURNING inside their transaction; the row lock this takes
+# makes commits happen in position order (see docs/log.md).
+log_head = Table(
+    "log_head",
+    metadata,
+    Column("id", Integer, primary_key=True),
+    Column("position", BigInteger, nullable=False),
+)
+
+# Tail state of each trajectory: everything admission needs to validate the
+# next event without reading payload. ``version`` is bumped by every event
+# and guards concurrent writers (optimistic concurrency).
+trajectories = Table(
+    "trajectories",
+    metadata,
+    Column("trajectory_id", String(255), primary_key=True),
+    Column("group_id", String(255), nullable=True, index=True),
+    Column("num_experts", Integer, nullable=True),
+    Column("metadata", JSON, nullable=False),
+    Column("status", String(16), nullable=False),  # running | completed | truncated | aborted | failed
+    Column("version", Integer, nullable=False),
+    Column("last_seq", Integer, nullable=False),
+    Column("reward_mode", String(8), nullable=True),  # scalar | token
+    Column("route_layers", Integer, nullable=True),
+    Column("route_topk", Integer, nullable=True),
+    Column("seq_len", BigInteger, nullable=False),
+    Column("seq_hash", LargeBinary(16), nullable=False),
+    Column("route_len", BigInteger, nullable=False),
+    Column("reward", Float, nullable=True),  # last trajectory-level reward event
+    Column("started_position", BigInteger, nullable=False),
+    Column("finished_position", BigInteger, nullable=True, index=True),
+    Column("created_at", Float, nullable=False),  # unix seconds
+    Column("updated_at", Float, nullable=False),
+)
+
+# The append-only log index: one row per stored event, in position order.
+events = Table(
+    "events",
+    metadata,
+    Column("position", BigInteger, primary_key=True, autoincrement=False),
+    Column("trajectory_id", String(255), nullable=False),
+    Column("type", String(24), nullable=False),
+    Column("seq", Integer, nullable=True),
+    Column("event_id", String(255), nullable=True),
+    # event_id when given, else (type, trajectory, seq); NULL for reward events
+    # without event_id (each one replaces the previous reward).
+    Column("identity", String(600), nullable=True, unique=True),
+    Column("content_hash", LargeBinary(16), nullable=False),
+    Column("model_version", Integer, nullable=True),
+    Column("prompt_len", Integer, nullable=True),
+    Column("prefix_len", Integer, nullable=True),  # prompt tokens reused from the trajectory's sequence
+    Column("output_len", Integer, nullable=True),
+    Column("num_loss_tokens", Integer, nullable=True),
+    Column("routes_start", Integer, nullable=True),  # absolute position of the first stored route row
+    Column("num_route_rows_sent", Integer, nullable=True),
+    Column("num_route_rows", Integer, nullable=True),  # rows stored (new positions only)
+    Column("routes_dtype", String(8), nullable=True),
+    Column("reward", Float, nullable=True),
+    Column("has_token_rewards", Boolean, nullable=True),
+    Column("finish_reason", String(64), nullable=True),
+    Column("status", String(16), nullable=True),
+    Column("segment", String(255), nullable=True),
+    Column("segment_row", Integer, nullable=True),
+    Column("created_at", Float, nullable=False),
+    Index("ix_events_trajectory_seq", "trajectory_id", "position"),
+)
+
+# Payload segment files referenced by events or samples; a file in the
+# payload directory without a row here is garbage from a crashed append.
+segments = Table(
+    "segments",
+    metadata,
+    Column("name", String(255), primary_key=True),
+    Column("kind", String(8), nullable=False),  # events | samples
+    Column("num_rows", Integer, nullable=False),
+    Column("num_bytes", BigInteger, nullable=False),
+    Column("created_at", Float, nullable=False),
+)
+
+# Materialized samples: order key (finished_position, sample_index).
+samples = Table(
+    "samples",
+    metadata,
+    Column("trajectory_id", String(255), primary_key=True),
+    Column("sample_index", Integer, primary_key=True),
+    Column("finished_position", BigInteger, nullable=False),
+    Column("group_id", String(255), nullable=True, index=True),
+    Column("status", String(16), nullable=False),
+    Column("is_last_step", Boolean, nullable=False),
+    Column("prompt_len", Integer, nullable=False),
+    Column("response_len", Integer, nullable=False),
+    Column("num_loss_tokens", Integer, nullable=False),
+    Column("num_merged_calls", Integer, nullable=False),
+    Column("reward", Float, nullable=True),
+    Column("min_model_version", Integer, nullable=False),
+    Column("max_model_version", Integer, nullable=False),
+    Column("num_route_rows", Integer, nullable=True),  # captured (unmasked) rows; NULL without routes
+    Column("segment", String(255), nullable=False),
+    Column("segment_row", Integer, nullable=False),
+    Column("created_at", Float, nullable=False),
+    Index("ix_samples_order", "finished_position", "sample_index", unique=True),
+)
+
+# One row per materializer shard: how far in the log it has folded.
+materializer_checkpoints = Table(
+    "materializer_checkpoints",
+    metadata,
+    Column("shard", String(64), primary_key=True),
+    Column("position", BigInteger, nullable=False),
+    Column("num_steps_before", BigInteger, nullable=False),
+    Column("num_samples_after", BigInteger, nullable=False),
+    Column("prefix_mismatch_count", BigInteger, nullable=False),
+    Column("updated_at", Float, nullable=False),
+)
+
+__all__ = ["metadata", "log_head", "trajectories", "events", "segments", "samples", "materializer_checkpoints"]

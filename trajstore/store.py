@@ -1,0 +1,244 @@
+"""The Store: the public entry point (``trajstore.connect``).
+
+It wires the layers together and owns no rule of its own:
+wire dicts → ``events.parse_event`` → identities / idempotency →
+``admission.admit_batch`` → one payload segment (``payload``) → one index
+transaction (``log``). Folding is ``materializer``'s, reading ``reader``'s.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator, Mapping, Sequence
+
+import numpy as np
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError
+
+from trajstore import facts
+from trajstore.admission import Admitted, admit_batch
+from trajstore.errors import ConflictError, StoreUnavailable, ValidationError
+from trajstore.events import Event, Generation, TrajectoryStarted, content_hash, identity_of, parse_event
+from trajstore.log.base import EventLog, StaleState, TrajectoryWrite
+from trajstore.log.sql import SqlEventLog
+from trajstore.payload import PayloadStore
+
+__all__ = ["Store", "AppendResult", "connect", "DEFAULT_URL", "resolve_url"]
+
+DEFAULT_URL = "sqlite:///trajstore-data/trajstore.db"
+_MAX_ATTEMPTS = 20  # re-admissions after losing an optimistic-concurrency race
+
+
+@dataclass(frozen=True)
+class AppendResult:
+    num_appended: int
+    num_duplicates: int
+    last_position: int | None
+
+
+def resolve_url(url: str | None) -> str:
+    """``url``, else ``$TRAJSTORE_URL``, else the embedded default."""
+    return url or os.environ.get("TRAJSTORE_URL") or DEFAULT_URL
+
+
+def connect(url: str | None = None, *, payload: str | None = None, migrate: bool = True) -> "Store":
+    """Open (and on first use create) a store.
+
+    ``url``: ``sqlite:///path.db`` (embedded) or ``postgresql+psycopg://...``;
+    None means ``$TRAJSTORE_URL``, else ``sqlite:///trajstore-data/trajstore.db``.
+    ``payload``: where the Parquet segments live (a local path or any pyarrow
+    filesystem URI); None means ``$TRAJSTORE_PAYLOAD_DIR`` for PostgreSQL (else
+    ``./trajstore-payload/<database>``) and ``<db file>.payload/`` for SQLite.
+    """
+    return Store(resolve_url(url), payload=payload, migrate=migrate)
+
+
+class Store:
+    def __init__(self, url: str, *, payload: str | None = None, migrate: bool = True) -> None:
+        self.url = url
+        backend = _backend(url)
+        write_engine, read_engine = backend.make_engines(url)
+        if migrate:
+            from trajstore.migrate import upgrade
+
+            try:
+                upgrade(write_engine)
+            except Exception as e:  # driver errors at first contact: one clear line
+                from sqlalchemy.exc import OperationalError
+
+                if isinstance(e, OperationalError):
+                    raise StoreUnavailable(f"cannot open store {_safe(url)}: {str(e.orig).strip().splitlines()[0]}") from None
+                raise
+        self.log: EventLog = SqlEventLog(write_engine, read_engine)
+        self.payload = PayloadStore(payload or backend.default_payload_dir(url))
+
+    # -- appending ---------------------------------------------------------
+    def append(self, events: Iterable[Mapping[str, Any] | Event]) -> AppendResult:
+        """Append wire-format events atomically and idempotently (SPEC "Event wire format").
+
+        Raises ValidationError (naming the event index, trajectory and rule) and
+        stores nothing when any event is refused."""
+        parsed = _parse_all(events)
+        for _ in range(_MAX_ATTEMPTS):
+            try:
+                return self._append_once(parsed)
+            except StaleState:
+                continue  # another writer moved a trajectory first: re-read, re-admit
+        raise ConflictError(f"gave up after {_MAX_ATTEMPTS} concurrent-write conflicts", rule="contention")
+
+    def _append_once(self, parsed: list[tuple[Event, str | None, bytes]]) -> AppendResult:
+        fresh = self._drop_duplicates(parsed)
+        if not fresh:
+            return AppendResult(0, len(parsed), None)
+        index_of = [i for i, _ in fresh]
+        batch = [ev for _, (ev, _, _) in fresh]
+        rows = self.log.load_trajectories({ev.trajectory_id for ev in batch})
+        states = {tid: facts.state_from_row(r) for tid, r in rows.items()}
+        try:
+            admitted = admit_batch(batch, states, self._current_sequence)
+        except ValidationError as e:
+            raise e.at(index_of[e.index] if e.index is not None else 0) from None
+        segment, seg_row, gen_rows = self._write_segment(admitted)
+        try:
+            event_rows = []
+            for (i, (ev, ident, digest)), adm in zip(fresh, admitted):
+                row = facts.event_row(adm, ident, digest, gen_rows.get(id(adm)))
+                row["segment"] = segment if id(adm) in gen_rows else None
+                event_rows.append(row)
+            positions = self.log.commit_append(event_rows, _trajectory_writes(admitted, rows), seg_row)
+        except BaseException:
+            if segment is not None:
+                self.payload.delete(segment)
+            raise
+        return AppendResult(len(fresh), len(parsed) - len(fresh), positions[-1])
+
+    def _drop_duplicates(self, parsed: list[tuple[Event, str | None, bytes]]) -> list[tuple[int, tuple]]:
+        """Events not stored yet; identical retries dropped, conflicting ones refused."""
+        stored = self.log.lookup_identities({ident for _, ident, _ in parsed if ident})
+        seen: dict[str, bytes] = {}
+        fresh = []
+        for i, item in enumerate(parsed):
+            ev, ident, digest = item
+            if ident is not None:
+                known = stored.get(ident, seen.get(ident))
+                if known is not None:
+                    if known != digest:
+                        what = f"event_id {ev.event_id!r}" if ev.event_id else ident.split(":")[0]
+                        raise ConflictError(f"{what} is already stored with different content",
+                                            index=i, trajectory_id=ev.trajectory_id)
+                    continue
+                seen[ident] = digest
+            fresh.append((i, item))
+        return fresh
+
+    def _write_segment(self, admitted: list[Admitted]) -> tuple[str | None, dict | None, dict[int, int]]:
+        gens = [a for a in admitted if a.stored is not None]
+        if not gens:
+            return None, None, {}
+        table = facts.segment_table([a.stored for a in gens])
+        name = self.payload.new_name("events")
+        size = self.payload.write(name, table)
+        seg_row = {"name": name, "kind": "events", "num_rows": len(gens), "num_bytes": size, "created_at": time.time()}
+        return name, seg_row, {id(a): i for i, a in enumerate(gens)}
+
+    def _current_sequence(self, trajectory_id: str) -> np.ndarray:
+        """The trajectory's current token sequence, rebuilt from the log (rare path)."""
+        gens = self.load_generations(trajectory_id)
+        if not gens:
+            return np.zeros(0, dtype=np.int32)
+        return np.concatenate([gens[-1].prompt_ids, gens[-1].output_ids])
+
+    # -- reading the log ---------------------------------------------------
+    def load_generations(self, trajectory_id: str) -> list[Generation]:
+        """One trajectory's generation commands, rebuilt from the log."""
+        rows = [r for r in self.log.trajectory_events([trajectory_id])[trajectory_id] if r["type"] == "generation"]
+        if not rows:
+            return []
+        traj = self.log.load_trajectories([trajectory_id])[trajectory_id]
+        tables = {name: self.payload.read(name) for name in {r["segment"] for r in rows}}
+        shape = (traj["route_layers"], traj["route_topk"]) if traj["route_layers"] else None
+        return facts.generations_from_log(rows, tables, shape)
+
+    def info(self) -> dict[str, Any]:
+        """Counts per status, event type and model version."""
+        return self.log.counts()
+
+    def collect_garbage(self, *, grace_s: float = 3600.0) -> list[str]:
+        """Delete payload files no index row references (left by crashed appends)."""
+        return self.payload.collect_garbage(self.log.referenced_segments(), grace_s=grace_s)
+
+    # -- materialized samples ------------------------------------------------
+    def materialize(self, **kwargs: Any):
+        """Fold every finished trajectory not folded yet; return the metrics."""
+        from trajstore.materializer import Materializer
+
+        return Materializer(self, **kwargs).run()
+
+    def samples(self, **filters: Any) -> Iterator:
+        """Materialized samples in order; see ``trajstore.samples.iter_samples`` for filters."""
+        from trajstore.samples import iter_samples
+
+        return iter_samples(self, **filters)
+
+    def close(self) -> None:
+        self.log.close()
+
+    def __enter__(self) -> "Store":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Store({_safe(self.url)!r}, payload={self.payload.location!r})"
+
+
+def _parse_all(events: Iterable[Mapping[str, Any] | Event]) -> list[tuple[Event, str | None, bytes]]:
+    out = []
+    for i, obj in enumerate(events):
+        try:
+            ev = parse_event(obj)
+        except ValidationError as e:
+            raise e.at(i) from None
+        out.append((ev, identity_of(ev), content_hash(ev)))
+    return out
+
+
+def _trajectory_writes(admitted: Sequence[Admitted], rows: Mapping[str, Any]) -> list[TrajectoryWrite]:
+    """The final state of each trajectory the batch touched."""
+    last: dict[str, Admitted] = {}
+    started: dict[str, TrajectoryStarted] = {}
+    for a in admitted:
+        last[a.event.trajectory_id] = a
+        if isinstance(a.event, TrajectoryStarted):
+            started[a.event.trajectory_id] = a.event
+    writes = []
+    for tid, a in last.items():
+        existing = rows.get(tid)
+        row = facts.trajectory_row(a.state, started.get(tid))
+        writes.append(TrajectoryWrite(row, existing["version"] if existing else None))
+    return writes
+
+
+def _backend(url: str):
+    try:
+        name = make_url(url).get_backend_name()
+    except ArgumentError:
+        raise ValidationError(f"not a store URL: {url!r} (use sqlite:///path.db or postgresql+psycopg://...)",
+                              rule="url") from None
+    if name == "sqlite":
+        from trajstore.log import sqlite as backend
+    elif name == "postgresql":
+        from trajstore.log import postgres as backend
+    else:
+        raise ValidationError(f"unsupported database {name!r} in {_safe(url)} (sqlite or postgresql)", rule="url")
+    return backend
+
+
+def _safe(url: str) -> str:
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except ArgumentError:
+        return url

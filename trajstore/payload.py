@@ -116,17 +116,24 @@ class PayloadStore:
     def new_name(self, kind: str) -> str:
         return f"{kind}-{time.strftime('%Y%m%d')}-{uuid.uuid4().hex}.parquet"
 
-    def write(self, name: str, table: pa.Table) -> int:
-        """Write ``table`` durably as segment ``name``; return its size in bytes."""
+    def write(self, name: str, table: pa.Table, *, atomic: bool = False) -> int:
+        """Write ``table`` durably as segment ``name``; return its size in bytes.
+
+        ``atomic``: write to a temporary name and rename, for segments whose
+        name is deterministic and may be rewritten (with the same bytes) while
+        a reader has the old file open."""
         path = self.path(name)
         try:
             if self.local:
-                with open(path, "wb") as f:
+                target = path + f".{uuid.uuid4().hex}.tmp" if atomic else path
+                with open(target, "wb") as f:
                     pq.write_table(table, f, compression=_COMPRESSION, use_dictionary=False,
                                    write_statistics=False)
                     f.flush()
                     os.fsync(f.fileno())
                     size = f.tell()
+                if atomic:
+                    os.replace(target, path)
                 _fsync_dir(self.root)
                 return size
             with self.fs.open_output_stream(path) as out:
@@ -158,7 +165,7 @@ class PayloadStore:
         return [
             (i.base_name, i.mtime.timestamp() if i.mtime else 0.0)
             for i in infos
-            if i.type == pafs.FileType.File and i.base_name.endswith(".parquet")
+            if i.type == pafs.FileType.File and i.base_name.endswith((".parquet", ".tmp"))
         ]
 
     def collect_garbage(self, referenced: set[str], *, grace_s: float = 3600.0) -> list[str]:

@@ -71,6 +71,10 @@ class EventLog(ABC):
         """Up to ``limit`` committed events with position > ``after_position``, in order."""
 
     @abstractmethod
+    def count_events(self, *, after_position: int, types: Collection[str] | None = None) -> int:
+        """Number of committed events with position > ``after_position``."""
+
+    @abstractmethod
     def trajectory_events(self, trajectory_ids: Collection[str]) -> dict[str, list[dict[str, Any]]]:
         """All events of the given trajectories, each list in position order."""
 

@@ -121,6 +121,13 @@ class SqlEventLog(EventLog):
         with self._read() as conn:
             return [dict(r._mapping) for r in conn.execute(q)]
 
+    def count_events(self, *, after_position: int, types: Collection[str] | None = None) -> int:
+        q = select(func.count()).select_from(events).where(events.c.position > after_position)
+        if types:
+            q = q.where(events.c.type.in_(list(types)))
+        with self._read() as conn:
+            return int(conn.execute(q).scalar_one())
+
     def trajectory_events(self, trajectory_ids: Collection[str]) -> dict[str, list[dict[str, Any]]]:
         ids = sorted(set(trajectory_ids))
         out: dict[str, list[dict[str, Any]]] = {t: [] for t in ids}

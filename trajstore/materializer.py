@@ -1,0 +1,191 @@
+"""The materializer: tails the log and folds finished trajectories, exactly once.
+
+One step:
+  1. read the next ``batch_size`` ``trajectory_finished`` events after this
+     shard's checkpoint (positions are gap-free, see ``trajstore.log.sql``);
+  2. keep the trajectories of this shard (crc32 of the id mod ``num_shards``),
+     rebuild their generation commands from the log and fold them (pure);
+  3. write the samples to one payload segment whose name is a function of
+     (shard, positions), atomically renamed into place;
+  4. in ONE transaction: insert the sample rows and move the checkpoint to
+     the last finished event read, guarded by the checkpoint it started from.
+
+A crash before 4 leaves at most an unreferenced segment that the re-run
+rewrites with the same bytes; a crash after 4 has nothing to redo. Two
+materializers of one shard race on the guard and one of them wins. Memory is
+bounded by one batch: the log is streamed, never loaded whole.
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from trajstore import facts
+from trajstore.fold import FoldMetrics, fold
+from trajstore.log.base import StaleState
+from trajstore.sample import Sample
+from trajstore.samples import sample_table
+
+__all__ = ["Materializer", "MaterializeStats", "shard_of"]
+
+
+def shard_of(trajectory_id: str, num_shards: int) -> int:
+    return zlib.crc32(trajectory_id.encode()) % num_shards
+
+
+@dataclass
+class MaterializeStats:
+    """SPEC metrics of one materialization, plus what it covered."""
+
+    metrics: FoldMetrics = field(default_factory=FoldMetrics)
+    num_trajectories: int = 0
+    position: int = 0  # checkpoint after the run
+
+    @property
+    def num_steps_before(self) -> int:
+        return self.metrics.num_steps_before
+
+    @property
+    def num_samples_after(self) -> int:
+        return self.metrics.num_samples_after
+
+    @property
+    def merge_ratio(self) -> float:
+        return self.metrics.merge_ratio
+
+    @property
+    def prefix_mismatch_count(self) -> int:
+        return self.metrics.prefix_mismatch_count
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**self.metrics.to_dict(), "num_trajectories": self.num_trajectories, "position": self.position}
+
+    def __getitem__(self, key: str) -> Any:
+        return self.to_dict()[key]
+
+
+class Materializer:
+    def __init__(
+        self,
+        store,
+        *,
+        shard_index: int = 0,
+        num_shards: int = 1,
+        batch_size: int = 256,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> None:
+        if not 0 <= shard_index < num_shards:
+            raise ValueError(f"shard_index {shard_index} not in [0, {num_shards})")
+        self.store = store
+        self.shard_index = shard_index
+        self.num_shards = num_shards
+        self.shard = f"{shard_index}/{num_shards}"
+        self.batch_size = batch_size
+        self.progress = progress
+
+    def pending(self) -> int:
+        """Finished trajectories after the checkpoint (all shards)."""
+        return self.store.log.count_events(after_position=self._checkpoint()[0], types=["trajectory_finished"])
+
+    def run(self, *, max_steps: int | None = None) -> MaterializeStats:
+        """Fold until nothing finished is pending (or ``max_steps`` batches)."""
+        stats = MaterializeStats(position=self._checkpoint()[0])
+        total = self.pending() if self.progress else 0
+        steps = 0
+        while max_steps is None or steps < max_steps:
+            done = self.step()
+            if done is None:
+                break
+            metrics, n, position = done
+            stats = MaterializeStats(stats.metrics + metrics, stats.num_trajectories + n, position)
+            steps += 1
+            if self.progress:
+                self.progress(stats.num_trajectories, total)
+        return stats
+
+    def step(self) -> tuple[FoldMetrics, int, int] | None:
+        """Fold one batch; None when nothing is pending."""
+        position, cumulative = self._checkpoint()
+        finished = self.store.log.read_events(
+            after_position=position, limit=self.batch_size, types=["trajectory_finished"]
+        )
+        if not finished:
+            return None
+        mine = [e for e in finished if shard_of(e["trajectory_id"], self.num_shards) == self.shard_index]
+        samples, metrics = self._fold(mine)
+        last = finished[-1]["position"]
+        seg_name = f"samples-{self.shard_index}of{self.num_shards}-{position + 1:012d}-{last:012d}.parquet"
+        seg_row, sample_rows = self._write(seg_name, samples, {e["trajectory_id"]: e["position"] for e in mine})
+        checkpoint = {"position": last, **(cumulative + metrics).to_dict()}
+        checkpoint.pop("merge_ratio")
+        try:
+            self.store.log.commit_samples(self.shard, sample_rows, seg_row, checkpoint, position)
+        except StaleState:
+            return FoldMetrics(), 0, self._checkpoint()[0]  # another materializer did this batch
+        return metrics, len(mine), last
+
+    def _checkpoint(self) -> tuple[int, FoldMetrics]:
+        cp = self.store.log.load_checkpoint(self.shard)
+        if cp is None:
+            return 0, FoldMetrics()
+        return int(cp["position"]), FoldMetrics(
+            int(cp["num_steps_before"]), int(cp["num_samples_after"]), int(cp["prefix_mismatch_count"])
+        )
+
+    def _fold(self, finished: list[dict[str, Any]]) -> tuple[list[Sample], FoldMetrics]:
+        ids = [e["trajectory_id"] for e in finished]
+        if not ids:
+            return [], FoldMetrics()
+        trajs = self.store.log.load_trajectories(ids)
+        events = self.store.log.trajectory_events(ids)
+        needed = {r["segment"] for rows in events.values() for r in rows if r["segment"]}
+        tables = {name: self.store.payload.read(name) for name in sorted(needed)}
+        samples: list[Sample] = []
+        metrics = FoldMetrics()
+        for fin in finished:
+            tid = fin["trajectory_id"]
+            traj, rows = trajs[tid], events[tid]
+            gens = facts.generations_from_log(
+                [r for r in rows if r["type"] == "generation"], tables,
+                (traj["route_layers"], traj["route_topk"]) if traj["route_layers"] else None,
+            )
+            rewards = [r["reward"] for r in rows if r["type"] == "reward"]
+            result = fold(gens, trajectory_id=tid, group_id=traj["group_id"], status=fin["status"],
+                          final_reward=rewards[-1] if rewards else None, num_experts=traj["num_experts"])
+            samples.extend(result.samples)
+            metrics = metrics + result.metrics
+        return samples, metrics
+
+    def _write(self, name: str, samples: list[Sample], finished_at: dict[str, int]):
+        if not samples:
+            return None, []
+        size = self.store.payload.write(name, sample_table(samples), atomic=True)
+        now = time.time()
+        seg_row = {"name": name, "kind": "samples", "num_rows": len(samples), "num_bytes": size, "created_at": now}
+        return seg_row, [_sample_row(s, i, name, finished_at[s.trajectory_id], now) for i, s in enumerate(samples)]
+
+
+def _sample_row(s: Sample, row: int, segment: str, finished_position: int, now: float) -> dict[str, Any]:
+    mask = s.routed_experts_mask
+    return {
+        "trajectory_id": s.trajectory_id,
+        "sample_index": s.sample_index,
+        "finished_position": finished_position,
+        "group_id": s.group_id,
+        "status": s.status,
+        "is_last_step": s.is_last_step,
+        "prompt_len": len(s.prompt_ids),
+        "response_len": len(s.response_ids),
+        "num_loss_tokens": int(s.loss_mask.sum()),
+        "num_merged_calls": 0,
+        "reward": s.reward,
+        "min_model_version": s.min_model_version,
+        "max_model_version": s.max_model_version,
+        "num_route_rows": None if mask is None else int(len(mask) - mask.sum()),
+        "segment": segment,
+        "segment_row": row,
+        "created_at": now,
+    }

@@ -1,0 +1,133 @@
+"""Materialized samples: their payload layout and reading them back.
+
+A sample segment holds one row per sample with the SPEC field names as
+columns; the token-level ones are Arrow lists, routes one binary value per
+sample (raw little-endian bytes) with ``routes_dtype``, ``route_layers``,
+``route_topk`` beside them, and ``routed_experts_mask`` a list<uint8>.
+The SQL ``samples`` table indexes them for filtering and ordering.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Iterator, Sequence
+
+import numpy as np
+import pyarrow as pa
+
+from trajstore.payload import binary_chunks, binary_column, column_chunks, list_column
+from trajstore.sample import Sample
+
+__all__ = ["sample_table", "samples_from_table", "iter_samples", "SAMPLE_LIST_COLUMNS"]
+
+# list columns of a sample segment and their numpy dtypes
+SAMPLE_LIST_COLUMNS: dict[str, type] = {
+    "prompt_ids": np.int32,
+    "response_ids": np.int32,
+    "loss_mask": np.uint8,
+    "rollout_logprobs": np.float32,
+    "token_model_versions": np.int32,
+    "token_rewards": np.float32,
+    "routed_experts_mask": np.uint8,
+}
+
+
+def sample_table(samples: Sequence[Sample]) -> pa.Table:
+    def ints(name: str) -> pa.Array:
+        return pa.array(np.fromiter((getattr(s, name) for s in samples), np.int64, len(samples)))
+
+    routes = [s.routed_experts for s in samples]
+    cols: dict[str, Any] = {
+        "trajectory_id": pa.array([s.trajectory_id for s in samples], pa.string()),
+        "group_id": pa.array([s.group_id for s in samples], pa.string()),
+        "sample_index": ints("sample_index"),
+        "is_last_step": pa.array([s.is_last_step for s in samples], pa.bool_()),
+        "status": pa.array([s.status for s in samples], pa.string()),
+        "reward": pa.array([s.reward for s in samples], pa.float64()),
+        "min_model_version": ints("min_model_version"),
+        "max_model_version": ints("max_model_version"),
+    }
+    for name, dtype in SAMPLE_LIST_COLUMNS.items():
+        cols[name] = list_column([getattr(s, name) for s in samples], dtype)
+    cols["routed_experts"] = binary_column(routes)
+    cols["routes_dtype"] = pa.array([None if r is None else r.dtype.name for r in routes], pa.string())
+    cols["route_layers"] = pa.array([None if r is None else r.shape[1] for r in routes], pa.int32())
+    cols["route_topk"] = pa.array([None if r is None else r.shape[2] for r in routes], pa.int32())
+    return pa.table(cols)
+
+
+def samples_from_table(table: pa.Table, rows: Iterable[int] | None = None) -> list[Sample]:
+    """Sample objects for the given row numbers of a sample segment (all when None)."""
+    if rows is not None:
+        table = table.take(pa.array(np.fromiter(rows, np.int64)))
+    n = table.num_rows
+    lists = {name: column_chunks(table.column(name), dt) for name, dt in SAMPLE_LIST_COLUMNS.items()}
+    raw_routes = binary_chunks(table.column("routed_experts"))
+    py = {name: table.column(name).to_pylist() for name in (
+        "trajectory_id", "group_id", "sample_index", "is_last_step", "status", "reward",
+        "min_model_version", "max_model_version", "routes_dtype", "route_layers", "route_topk")}
+    out = []
+    for i in range(n):
+        mask = lists["routed_experts_mask"][i]
+        routes = None
+        if raw_routes[i] is not None and py["routes_dtype"][i] is not None:
+            routes = np.frombuffer(raw_routes[i], dtype=np.dtype(py["routes_dtype"][i]).newbyteorder("<")).reshape(
+                -1, py["route_layers"][i], py["route_topk"][i])
+        out.append(Sample(
+            trajectory_id=py["trajectory_id"][i],
+            group_id=py["group_id"][i],
+            sample_index=py["sample_index"][i],
+            is_last_step=py["is_last_step"][i],
+            status=py["status"][i],
+            prompt_ids=lists["prompt_ids"][i],
+            response_ids=lists["response_ids"][i],
+            loss_mask=lists["loss_mask"][i],
+            rollout_logprobs=lists["rollout_logprobs"][i],
+            token_model_versions=lists["token_model_versions"][i],
+            reward=py["reward"][i],
+            token_rewards=lists["token_rewards"][i],
+            routed_experts=routes,
+            routed_experts_mask=None if mask is None else mask.view(np.bool_),
+            min_model_version=py["min_model_version"][i],
+            max_model_version=py["max_model_version"][i],
+        ))
+    return out
+
+
+def iter_samples(
+    store,
+    *,
+    status: str | Sequence[str] | None = None,
+    min_model_version: int | None = None,
+    max_model_version: int | None = None,
+    group_id: str | None = None,
+    trajectory_ids: Iterable[str] | None = None,
+    batch_size: int = 256,
+) -> Iterator[Sample]:
+    """Materialized samples in their stable order (finished position, sample index).
+
+    ``min_model_version`` keeps samples whose oldest token is at least that
+    version; ``max_model_version`` those whose newest token is at most that.
+    Memory stays bounded: rows are read ``batch_size`` at a time and each
+    segment is read once per batch."""
+    where = {
+        "status": status,
+        "min_model_version": min_model_version,
+        "max_model_version": max_model_version,
+        "group_id": group_id,
+        "trajectory_ids": list(trajectory_ids) if trajectory_ids is not None else None,
+    }
+    for rows in store.log.iter_sample_rows(where=where, after=None, batch_size=batch_size):
+        yield from load_samples(store, rows)
+
+
+def load_samples(store, rows: Sequence[dict[str, Any]]) -> list[Sample]:
+    """Samples for SQL sample rows, in the rows' order, reading each segment once."""
+    by_segment: dict[str, list[int]] = {}
+    for i, r in enumerate(rows):
+        by_segment.setdefault(r["segment"], []).append(i)
+    out: list[Sample | None] = [None] * len(rows)
+    for name, idx in by_segment.items():
+        table = store.payload.read(name)
+        for i, s in zip(idx, samples_from_table(table, (rows[i]["segment_row"] for i in idx))):
+            out[i] = s
+    return out  # type: ignore[return-value]

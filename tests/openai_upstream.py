@@ -20,7 +20,7 @@ overwritten" must survive).
 Also ``serve_in_thread(app)``: runs any ASGI app with uvicorn on 127.0.0.1.
 """
 
-from __future__ import annotations
+# No `from __future__ import annotations`: FastAPI reads handler annotations at runtime.
 
 import contextlib
 import json

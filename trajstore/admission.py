@@ -87,6 +87,7 @@ class Admitted:
     event: Event
     stored: StoredGeneration | None  # generations only
     state: TrajectoryState  # trajectory state after this event
+    noop: bool = False  # an identical retry that needs no new row
 
 
 def admit(
@@ -106,6 +107,10 @@ def admit(
         return Admitted(event, None, replace(new, version=1))
     if state is None:
         raise ValidationError("unknown trajectory (no trajectory_started event)", rule="unknown_trajectory")
+    if isinstance(event, Reward) and event.event_id is None and state.status != "running" and event.reward == state.reward:
+        # A reward without event_id has no identity; re-sent after the finish with the
+        # value already in force, it is the retry of an acknowledged append.
+        return Admitted(event, None, state, noop=True)
     if state.status != "running":
         raise ValidationError(f"trajectory already finished ({state.status})", rule="finished_trajectory")
     if isinstance(event, TrajectoryFinished):

@@ -100,6 +100,10 @@ class Store:
             admitted = admit_batch(batch, states, self._current_sequence)
         except ValidationError as e:
             raise e.at(index_of[e.index] if e.index is not None else 0) from None
+        kept = [k for k, a in enumerate(admitted) if not a.noop]
+        fresh, admitted = [fresh[k] for k in kept], [admitted[k] for k in kept]
+        if not fresh:
+            return AppendResult(0, len(parsed), None)
         segment, seg_row, gen_rows = self._write_segment(admitted)
         try:
             event_rows = []

@@ -206,6 +206,8 @@ def _routes(obj: Mapping, num_tokens: int, start: int) -> np.ndarray | None:
             raise ValidationError("routed_experts holds non-integer expert ids", rule="non_integer_expert")
     elif arr.dtype.kind not in "iub":
         raise ValidationError(f"routed_experts must hold integers, got {arr.dtype}", rule="non_integer_expert")
+    if len(arr) == 0:
+        return None  # no rows is no routes: nothing to record, the recorded length stays
     max_rows = num_tokens - start
     if len(arr) > max_rows:
         raise ValidationError(

@@ -1,0 +1,43 @@
+"""Builders and probes shared by the tests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from sqlalchemy import func, select
+
+from trajstore.schema import events, materializer_checkpoints, samples, segments, trajectories
+
+
+def started(tid: str = "t1", **kw: Any) -> dict:
+    return {"type": "trajectory_started", "trajectory_id": tid, **kw}
+
+
+def gen(tid: str, seq: int, prompt, output, *, version: int = 0, **kw: Any) -> dict:
+    return {"type": "generation", "trajectory_id": tid, "seq": seq, "prompt_ids": list(prompt),
+            "output_ids": list(output), "model_version": version, **kw}
+
+
+def finished(tid: str = "t1", status: str = "completed", **kw: Any) -> dict:
+    return {"type": "trajectory_finished", "trajectory_id": tid, "status": status, **kw}
+
+
+def reward(tid: str, value: float, **kw: Any) -> dict:
+    return {"type": "reward", "trajectory_id": tid, "reward": value, **kw}
+
+
+def routes(rows: int, layers: int = 1, topk: int = 1, value=None, dtype=np.uint8) -> np.ndarray:
+    if value is None:
+        return np.arange(rows * layers * topk, dtype=np.int64).reshape(rows, layers, topk).astype(dtype) % 7
+    return np.full((rows, layers, topk), value, dtype=dtype)
+
+
+def snapshot(store) -> dict[str, Any]:
+    """Everything an append could change: row counts, the head, the payload files."""
+    with store.log.read_engine.connect() as conn:
+        counts = {t.name: conn.execute(select(func.count()).select_from(t)).scalar_one()
+                  for t in (events, trajectories, segments, samples, materializer_checkpoints)}
+        versions = dict(conn.execute(select(trajectories.c.trajectory_id, trajectories.c.version)).all())
+    return {"counts": counts, "head": store.log.head_position(), "versions": versions,
+            "files": sorted(n for n, _ in store.payload.list_names())}

@@ -270,8 +270,11 @@ _EVENTS_OPENAPI = {
 
 
 def make_app(store: Any, *, token: str | None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-             group_commit: bool = True) -> Any:
-    """The FastAPI app over ``store``. ``token=None`` means no auth (the caller decided)."""
+             group_commit: bool = True, close_store: bool = False) -> Any:
+    """The FastAPI app over ``store``. ``token=None`` means no auth (the caller decided).
+
+    ``close_store``: close the store when the app shuts down.
+    """
     from contextlib import asynccontextmanager
 
     from fastapi import FastAPI, Request
@@ -286,6 +289,8 @@ def make_app(store: Any, *, token: str | None, max_body_bytes: int = DEFAULT_MAX
         yield
         if committer is not None:
             committer.close()
+        if close_store:
+            store.close()
 
     app = FastAPI(title="trajstore ingest", version="1", lifespan=lifespan)
     app.state.metrics = metrics
@@ -347,16 +352,20 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
                         help="largest request body in MiB (default 64); larger ones get 413")
     parser.add_argument("--no-group-commit", action="store_true",
                         help="append each request on its own instead of coalescing concurrent ones")
+    parser.add_argument("--workers", type=int, default=1,
+                        help="server processes on the port, each with its own store connection (default 1)")
     parser.add_argument("--log-level", default="warning", help="uvicorn log level (default warning)")
 
 
 def serve(store_url: str | None = None, host: str = "127.0.0.1", port: int = DEFAULT_PORT, token: str | None = None,
           *, insecure_no_auth: bool = False, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-          group_commit: bool = True, log_level: str = "warning") -> None:
+          group_commit: bool = True, workers: int = 1, log_level: str = "warning") -> None:
     """Run the ingest service until SIGINT/SIGTERM (in-flight requests finish first).
 
     Refuses to start without a token (``token`` or ``$TRAJSTORE_TOKEN``)
-    unless ``insecure_no_auth``.
+    unless ``insecure_no_auth``. ``workers > 1`` runs that many processes on
+    one port, each with its own store connection and group committer: one
+    process is bound by its GIL to about one core.
     """
     token = token or os.environ.get("TRAJSTORE_TOKEN") or None
     if token is None and not insecure_no_auth:
@@ -365,18 +374,33 @@ def serve(store_url: str | None = None, host: str = "127.0.0.1", port: int = DEF
 
     import trajstore
 
-    store = trajstore.connect(store_url)
-    try:
-        app = make_app(store, token=token, max_body_bytes=max_body_bytes, group_commit=group_commit)
-        uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False)
-    finally:
-        store.close()
+    # Connect once here: a bad URL fails before the server starts, and a new
+    # database is migrated by one process, not raced by every worker.
+    trajstore.connect(store_url).close()
+    os.environ[_CONFIG_ENV] = json.dumps(
+        {"store_url": store_url, "token": token, "max_body_bytes": max_body_bytes, "group_commit": group_commit})
+    # uvicorn builds each worker's app from the import string; the settings
+    # reach it through the environment the workers inherit.
+    uvicorn.run("trajstore.service:app_from_env", factory=True, workers=workers if workers > 1 else None,
+                host=host, port=port, log_level=log_level, access_log=False)
+
+
+_CONFIG_ENV = "TRAJSTORE_SERVE_CONFIG"
+
+
+def app_from_env() -> Any:
+    """The app ``serve`` described in ``$TRAJSTORE_SERVE_CONFIG``; it owns (and closes) its store."""
+    import trajstore
+
+    config = json.loads(os.environ[_CONFIG_ENV])
+    store = trajstore.connect(config.pop("store_url"))
+    return make_app(store, close_store=True, **config)
 
 
 def serve_from_args(args: argparse.Namespace) -> None:
     serve(getattr(args, "store", None), args.host, args.port, args.token, insecure_no_auth=args.insecure_no_auth,
           max_body_bytes=int(args.max_body_mb * (1 << 20)), group_commit=not args.no_group_commit,
-          log_level=args.log_level)
+          workers=args.workers, log_level=args.log_level)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,0 +1,198 @@
+"""Ingest throughput: the HTTP service vs store.append in-process, side by side.
+
+    PYTHONPATH=. .venv/bin/python bench/bench_service.py            # 16 clients, ~2000-token events, 48x8 routes
+
+Three runs on fresh SQLite stores in a temp dir, same events:
+
+* ``in-process``: N threads calling ``store.append`` directly (the ceiling);
+* ``http group-commit``: N threads POSTing to ``workers/ingest_server.py``
+  (a separate process) that coalesces concurrent requests;
+* ``http per-request``: the same with ``--no-group-commit``;
+* ``http group-commit 2 workers``: ``--workers 2`` (two server processes).
+
+Each request holds ``--events-per-request`` generation events, each in its
+own trajectory (with its trajectory_started event). Bodies are encoded
+before the clock starts, so the HTTP figures measure the service, not the
+client's JSON encoding. Ack latency is send-to-200 per request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import trajstore  # noqa: E402
+from trajstore.client import HttpSink, encode_events  # noqa: E402
+
+TOKEN = "bench-token"
+
+
+def make_requests(args: argparse.Namespace, client: int, rng: np.random.Generator) -> list[list[dict]]:
+    P, O = args.prompt_tokens, args.output_tokens
+    requests = []
+    for r in range(args.requests_per_client):
+        events = []
+        for e in range(args.events_per_request):
+            tid = f"c{client}-r{r}-e{e}"
+            events.append({"type": "trajectory_started", "trajectory_id": tid, "num_experts": args.num_experts})
+            events.append({
+                "type": "generation", "trajectory_id": tid, "seq": 0, "model_version": 1,
+                "prompt_ids": rng.integers(0, 150_000, P, dtype=np.int32),
+                "output_ids": rng.integers(0, 150_000, O, dtype=np.int32),
+                "logprobs": -rng.random(O, dtype=np.float32),
+                "routed_experts": rng.integers(0, args.num_experts, (P + O - 1, args.layers, args.topk), dtype=np.uint8),
+            })
+        requests.append(events)
+    return requests
+
+
+def cpu_s(pid: int | None = None) -> float:
+    """User + system CPU seconds of a process and its direct children (this process by default)."""
+    if pid is None:
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        return usage.ru_utime + usage.ru_stime
+    total = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(stat.parent.name) == pid or int(fields[1]) == pid:  # fields[1] is the parent pid
+            total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def run_clients(args: argparse.Namespace, work: list[list], send, server_pid: int | None = None) -> dict:
+    """Run one thread per client over its requests; return throughput, latency and CPU figures."""
+    latencies_s: list[float] = []
+    lock = threading.Lock()
+
+    def client(k: int) -> None:
+        mine = []
+        for item in work[k]:
+            t0 = time.perf_counter()
+            send(k, item)
+            mine.append(time.perf_counter() - t0)
+        with lock:
+            latencies_s.extend(mine)
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(len(work))]
+    cpu0, server_cpu0 = cpu_s(), cpu_s(server_pid) if server_pid else 0.0
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    elapsed_s = time.perf_counter() - start
+    client_cpu_s = cpu_s() - cpu0
+    server_cpu_s = cpu_s(server_pid) - server_cpu0 if server_pid else client_cpu_s
+    num_events = len(work) * args.requests_per_client * args.events_per_request
+    lat = np.asarray(latencies_s)
+    return {
+        "events_per_s": num_events / elapsed_s,
+        "tokens_per_s": num_events * (args.prompt_tokens + args.output_tokens) / elapsed_s,
+        "ack_p50_ms": float(np.percentile(lat, 50) * 1e3),
+        "ack_p99_ms": float(np.percentile(lat, 99) * 1e3),
+        # CPU per event of whoever stores (the service process, or this one in-process)
+        "store_cpu_ms_per_event": server_cpu_s / num_events * 1e3,
+        "client_cpu_ms_per_event": client_cpu_s / num_events * 1e3 if server_pid else 0.0,
+        "elapsed_s": elapsed_s,
+        "num_events": num_events,
+    }
+
+
+def bench_in_process(args: argparse.Namespace, work: list[list[list[dict]]], tmp: Path) -> dict:
+    store = trajstore.connect(f"sqlite:///{tmp}/in-process.db")
+    try:
+        return run_clients(args, work, lambda k, events: store.append(events))
+    finally:
+        store.close()
+
+
+def start_service(tmp: Path, name: str, port: int, extra: list[str]) -> subprocess.Popen:
+    cmd = [sys.executable, str(REPO / "workers" / "ingest_server.py"), "--store", f"sqlite:///{tmp}/{name}.db",
+           "--port", str(port), "--max-body-mb", "256", *extra]
+    env = {**os.environ, "TRAJSTORE_TOKEN": TOKEN, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(cmd, env=env)
+    import urllib.request
+
+    for _ in range(300):
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1)
+            return proc
+        except OSError:
+            time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError("ingest service did not start")
+
+
+def bench_http(args: argparse.Namespace, bodies: list[list[bytes]], tmp: Path, name: str, extra: list[str]) -> dict:
+    port = args.port
+    proc = start_service(tmp, name, port, extra)
+    sinks = [HttpSink(f"http://127.0.0.1:{port}", token=TOKEN) for _ in bodies]
+
+    def send(k: int, body: bytes) -> None:
+        status, data = sinks[k].post(body)
+        if status != 200:
+            raise RuntimeError(f"ingest answered {status}: {data[:200]!r}")
+
+    try:
+        return run_clients(args, bodies, send, server_pid=proc.pid)
+    finally:
+        for s in sinks:
+            s.close()
+        proc.terminate()
+        proc.wait(30)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--clients", type=int, default=16)
+    p.add_argument("--requests-per-client", type=int, default=6)
+    p.add_argument("--events-per-request", type=int, default=1)
+    p.add_argument("--prompt-tokens", type=int, default=1500)
+    p.add_argument("--output-tokens", type=int, default=500)
+    p.add_argument("--layers", type=int, default=48)
+    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--num-experts", type=int, default=128)
+    p.add_argument("--port", type=int, default=18700)
+    p.add_argument("--out", default=str(REPO / "bench" / "results" / "bench_service.json"))
+    args = p.parse_args()
+
+    rng = np.random.default_rng(0)
+    work = [make_requests(args, k, rng) for k in range(args.clients)]
+    bodies = [[encode_events(events) for events in client] for client in work]
+    body_mb = np.mean([len(b) for c in bodies for b in c]) / 2**20
+    results = {}
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        results["in-process store.append"] = bench_in_process(args, work, tmp)
+        results["http group-commit"] = bench_http(args, bodies, tmp, "http-group", [])
+        results["http per-request"] = bench_http(args, bodies, tmp, "http-single", ["--no-group-commit"])
+        results["http group-commit 2 workers"] = bench_http(args, bodies, tmp, "http-group-2", ["--workers", "2"])
+    print(f"{args.clients} clients x {args.requests_per_client} requests x {args.events_per_request} events; "
+          f"{args.prompt_tokens}+{args.output_tokens} tokens, routes {args.layers}x{args.topk}; body {body_mb:.2f} MiB")
+    print(f"| {'mode':<26} | events/s | tokens/s | ack p50 ms | ack p99 ms | store CPU ms/event | client CPU ms/event |")
+    print(f"|{'-' * 28}|---------:|---------:|-----------:|-----------:|-------------------:|--------------------:|")
+    for mode, r in results.items():
+        print(f"| {mode:<26} | {r['events_per_s']:8.1f} | {r['tokens_per_s']:8.0f} | {r['ack_p50_ms']:10.1f} "
+              f"| {r['ack_p99_ms']:10.1f} | {r['store_cpu_ms_per_event']:18.1f} | {r['client_cpu_ms_per_event']:19.1f} |")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"args": vars(args), "body_mib": body_mb, "results": results}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -130,6 +130,20 @@ def test_oversized_bodies_get_413_and_store_nothing(service, store_url):
     assert stored_events(store_url) == []
 
 
+def test_writer_splits_batches_the_service_finds_too_large(service, store_url):
+    rng = np.random.default_rng(0)
+    events = []
+    for i in range(6):  # ~360 KB each on the wire; the service takes 1 MiB per request
+        tid = f"big{i}"
+        events += [{"type": "trajectory_started", "trajectory_id": tid},
+                   {"type": "generation", "trajectory_id": tid, "seq": 0, "prompt_ids": list(range(600)),
+                    "output_ids": [1] * 100, "model_version": 0,
+                    "routed_experts": rng.integers(0, 128, (699, 48, 8), dtype=np.uint8)}]
+    with Writer(service, token=TOKEN, batch_size=100, flush_interval_s=30.0) as w:
+        w.extend(events)
+    assert len(stored_events(store_url)) == 12
+
+
 @pytest.mark.parametrize("body, rule", [(b'{"events": [', "malformed_json"), (b'{"event": []}', "malformed_body"),
                                         (b'"x"', "malformed_body")])
 def test_malformed_bodies_get_400(service, store_url, body, rule):

@@ -91,13 +91,15 @@ def encode_events(events: list[dict]) -> bytes:
 class HttpSink:
     """POSTs batches to the ingest service over one kept-alive connection."""
 
-    def __init__(self, url: str, *, token: str | None = None, timeout_s: float = 120.0) -> None:
+    def __init__(self, url: str, *, token: str | None = None, timeout_s: float = 120.0,
+                 max_body_bytes: int = 64 << 20) -> None:
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"ingest URL must be http(s)://host:port, got {url!r}")
         self._parts = parts
         self._path = parts.path.rstrip("/") + "/v1/events"
         self._timeout_s = timeout_s
+        self.max_body_bytes = max_body_bytes
         self._headers = {"Content-Type": "application/json"}
         if token:
             self._headers["Authorization"] = f"Bearer {token}"
@@ -108,7 +110,11 @@ class HttpSink:
         return cls(self._parts.hostname, self._parts.port, timeout=self._timeout_s)
 
     def send(self, events: list[dict]) -> None:
-        status, data = self.post(encode_events(events))
+        body = encode_events(events)
+        if len(body) > self.max_body_bytes:  # the service would answer 413: let the writer split first
+            raise ValidationError(f"body of {len(body)} bytes is over the {self.max_body_bytes}-byte limit",
+                                  rule="body_too_large")
+        status, data = self.post(body)
         if status != 200:
             raise error_from_response(status, data)
 
@@ -196,7 +202,7 @@ class Writer:
         max_batch_tokens: int = 65_536,
         flush_interval_s: float = 0.05,
         max_pending_events: int = 4096,
-        max_pending_tokens: int = 1 << 20,
+        max_pending_tokens: int = 1 << 18,
         put_timeout_s: float = 60.0,
         retry_timeout_s: float = 600.0,
         timeout_s: float = 120.0,

@@ -193,3 +193,18 @@ def test_error_from_response_maps_statuses():
     assert type(error_from_response(503, b"down")) is StoreUnavailable
     assert type(error_from_response(401, b'{"error": {"message": "no"}}')) is TrajstoreError
     assert error_from_response(413, b'{"error": {"rule": "body_too_large", "message": "big"}}').rule == "body_too_large"
+
+
+def test_from_vllm_accepts_offline_outputs_and_server_json():
+    from test_vllm import ROUTES, CompletionOutput, RequestOutput, _chat_json, _dict_logprobs
+
+    sink = RecordingSink()
+    with Writer(sink, flush_interval_s=0.0) as w:
+        traj = w.trajectory("v", num_experts=64)
+        assert traj.from_vllm(RequestOutput([11, 12, 13], [CompletionOutput(0, "", [21, 22], None, _dict_logprobs(), ROUTES)]),
+                              model_version=1) == 0
+        assert traj.from_vllm(_chat_json(), model_version=2) == 1
+        traj.finish()
+    gens = [ev for b in sink.batches for ev in b if ev["type"] == "generation"]
+    assert [(g["seq"], g["model_version"]) for g in gens] == [(0, 1), (1, 2)]
+    assert all(isinstance(g["routed_experts"], np.ndarray) for g in gens)

@@ -141,3 +141,9 @@ def test_refused_record_is_reported_in_a_header(store, upstream):
     with serve_in_thread(make_proxy_app(store, upstream_url)) as proxy:
         resp = httpx.post(f"{proxy}/v1/completions", json={"prompt": "x"}, headers=_headers("done"))
     assert resp.status_code == 200 and "done" in resp.headers["x-trajstore-error"]
+
+
+def test_unreachable_upstream_gets_502(store):
+    with serve_in_thread(make_proxy_app(store, "http://127.0.0.1:9")) as proxy:
+        resp = httpx.post(f"{proxy}/v1/completions", json={"prompt": "x"}, headers=_headers("u"))
+    assert resp.status_code == 502 and resp.json()["error"]["rule"] == "upstream_unreachable"

@@ -155,7 +155,9 @@ def tag_of(headers: Any, body: dict, default_model_version: int, default_num_exp
 
 
 def _forward_headers(headers: Any) -> dict:
-    return {k: v for k, v in headers.items() if k.lower() not in _HOP_BY_HOP and not k.lower().startswith("x-trajstore-")}
+    out = {k: v for k, v in headers.items() if k.lower() not in _HOP_BY_HOP and not k.lower().startswith("x-trajstore-")}
+    out["Accept-Encoding"] = "identity"  # streamed bytes are parsed as SSE on the way through
+    return out
 
 
 def _error(status: int, message: str, rule: str) -> Any:
@@ -229,9 +231,12 @@ def make_proxy_app(store: Any, upstream: str, *, model_version: int = 0, num_exp
                 return _error(400, "a recorded call must have n = 1 (one trajectory per choice)", "n")
             body = request_params_for_recording(body, chat=chat)
         headers = _forward_headers(request.headers)
-        if body.get("stream"):
-            return await stream(path, body, headers, tag)
-        upstream_resp = await client.post(path, json=body, headers=headers)
+        try:
+            if body.get("stream"):
+                return await stream(path, body, headers, tag)
+            upstream_resp = await client.post(path, json=body, headers=headers)
+        except httpx.TransportError as e:
+            return _error(502, f"upstream {upstream} unreachable: {type(e).__name__}: {e}", "upstream_unreachable")
         extra = {}
         if tag is not None and upstream_resp.status_code == 200:
             extra = await record_headers(tag, upstream_resp.content)

@@ -451,6 +451,13 @@ class Writer:
                     self._failed.setdefault(ev["trajectory_id"], error)
 
 
+def _as_routes(routes: Any) -> Any:
+    # Routes stay one numpy array (sent as {b64,dtype,shape}), never a list of Python ints.
+    if hasattr(routes, "detach"):  # a torch tensor; torch itself is never imported
+        return routes.detach().cpu().numpy()
+    return np.asarray(routes) if isinstance(routes, (list, tuple)) else routes
+
+
 class TrajectoryWriter:
     """Writes one trajectory through a Writer; numbers generations 0, 1, 2, ...
 
@@ -485,7 +492,7 @@ class TrajectoryWriter:
         if logprobs is not None:
             event["logprobs"] = logprobs
         if routed_experts is not None:
-            event["routed_experts"] = routed_experts
+            event["routed_experts"] = _as_routes(routed_experts)
         event.update((k, v) for k, v in fields.items() if v is not None)
         return self._put_generations([event])[0]
 

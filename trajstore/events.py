@@ -13,6 +13,7 @@ loss mask uint8, routes uint8 when every id < 256 else uint16.
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Union
@@ -294,18 +295,20 @@ def identity_of(event: Event) -> str | None:
 
 
 def content_hash(event: Event) -> bytes:
-    """A digest of the event's content as sent, independent of its ARRAY encoding."""
-    h = hashlib.blake2b(digest_size=16)
+    """A digest of the event's content as sent, independent of its ARRAY encoding.
+
+    SHA-256 (truncated to 128 bits): with the CPU's SHA extensions it hashes
+    about twice as fast as BLAKE2b, and routes make this the hottest loop of
+    an append."""
+    h = hashlib.sha256()
     for name in event.__dataclass_fields__:  # type: ignore[union-attr]
         value = getattr(event, name)
         h.update(name.encode())
         if isinstance(value, np.ndarray):
             h.update(str(value.shape).encode())
-            h.update(np.ascontiguousarray(value, dtype=value.dtype.newbyteorder("<")).tobytes())
+            h.update(memoryview(np.ascontiguousarray(value, dtype=value.dtype.newbyteorder("<"))).cast("B"))
         elif isinstance(value, Mapping):
-            import json
-
             h.update(json.dumps(value, sort_keys=True, default=str).encode())
         else:
             h.update(repr(value).encode())
-    return h.digest()
+    return h.digest()[:16]

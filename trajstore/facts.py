@@ -25,7 +25,7 @@ from trajstore.admission import Admitted, StoredGeneration, TrajectoryState
 from trajstore.errors import CorruptStoreError
 from trajstore.events import Generation, Reward, TrajectoryFinished, TrajectoryStarted
 from trajstore.schema import events as events_table
-from trajstore.payload import binary_chunks, binary_column, column_chunks, list_column
+from trajstore.payload import SegmentRows, binary_chunks, binary_column, column_chunks, list_column
 
 __all__ = ["segment_table", "event_row", "trajectory_row", "state_from_row", "generations_from_log"]
 
@@ -134,7 +134,7 @@ def state_from_row(row: Mapping[str, Any]) -> TrajectoryState:
 
 def generations_from_log(
     rows: Sequence[Mapping[str, Any]],
-    tables: Mapping[str, pa.Table],
+    tables: Mapping[str, SegmentRows],
     route_shape: tuple[int, int] | None,
 ) -> list[Generation]:
     """Rebuild one trajectory's generation commands from its index rows (seq order)."""
@@ -179,10 +179,8 @@ _LIST_DTYPES = {
 }
 
 
-def _segment_row(tables: Mapping[str, pa.Table], row: Mapping[str, Any]) -> dict[str, Any]:
-    table = tables[row["segment"]]
-    i = int(row["segment_row"])
-    one = table.slice(i, 1)
+def _segment_row(tables: Mapping[str, SegmentRows], row: Mapping[str, Any]) -> dict[str, Any]:
+    one = tables[row["segment"]].row(int(row["segment_row"]))
     cols: dict[str, Any] = {name: column_chunks(one.column(name), dt)[0] for name, dt in _LIST_DTYPES.items()}
     cols["routes"] = binary_chunks(one.column("routes"))[0]
     return cols

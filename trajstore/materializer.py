@@ -26,8 +26,10 @@ from typing import Any, Callable
 from trajstore import facts
 from trajstore.fold import FoldMetrics, fold
 from trajstore.log.base import StaleState
+from trajstore.payload import rows_per_batch
 from trajstore.sample import Sample
 from trajstore.samples import sample_table
+from trajstore.store import read_segment_rows
 
 __all__ = ["Materializer", "MaterializeStats", "shard_of"]
 
@@ -75,6 +77,7 @@ class Materializer:
         shard_index: int = 0,
         num_shards: int = 1,
         batch_size: int = 256,
+        max_batch_tokens: int = 262_144,
         progress: Callable[[int, int], None] | None = None,
     ) -> None:
         if not 0 <= shard_index < num_shards:
@@ -84,6 +87,7 @@ class Materializer:
         self.num_shards = num_shards
         self.shard = f"{shard_index}/{num_shards}"
         self.batch_size = batch_size
+        self.max_batch_tokens = max_batch_tokens
         self.progress = progress
 
     def pending(self) -> int:
@@ -114,8 +118,8 @@ class Materializer:
         )
         if not finished:
             return None
-        mine = [e for e in finished if shard_of(e["trajectory_id"], self.num_shards) == self.shard_index]
-        samples, metrics = self._fold(mine)
+        finished, mine, trajs = self._within_budget(finished)
+        samples, metrics = self._fold(mine, trajs)
         last = finished[-1]["position"]
         seg_name = f"samples-{self.shard_index}of{self.num_shards}-{position + 1:012d}-{last:012d}.parquet"
         seg_row, sample_rows = self._write(seg_name, samples, {e["trajectory_id"]: e["position"] for e in mine})
@@ -135,14 +139,28 @@ class Materializer:
             int(cp["num_steps_before"]), int(cp["num_samples_after"]), int(cp["prefix_mismatch_count"])
         )
 
-    def _fold(self, finished: list[dict[str, Any]]) -> tuple[list[Sample], FoldMetrics]:
+    def _within_budget(self, finished: list[dict[str, Any]]):
+        """Cut the batch after the trajectory that reaches ``max_batch_tokens``:
+        memory is bounded by the batch, not by the log."""
+        mine = [e for e in finished if shard_of(e["trajectory_id"], self.num_shards) == self.shard_index]
+        trajs = self.store.log.load_trajectories([e["trajectory_id"] for e in mine])
+        tokens, keep = 0, len(finished)
+        for k, e in enumerate(finished):
+            if e["trajectory_id"] in trajs:
+                tokens += int(trajs[e["trajectory_id"]]["seq_len"])
+                if tokens >= self.max_batch_tokens:
+                    keep = k + 1
+                    break
+        finished = finished[:keep]
+        last = finished[-1]["position"]
+        return finished, [e for e in mine if e["position"] <= last], trajs
+
+    def _fold(self, finished: list[dict[str, Any]], trajs: dict[str, dict[str, Any]]) -> tuple[list[Sample], FoldMetrics]:
         ids = [e["trajectory_id"] for e in finished]
         if not ids:
             return [], FoldMetrics()
-        trajs = self.store.log.load_trajectories(ids)
         events = self.store.log.trajectory_events(ids)
-        needed = {r["segment"] for rows in events.values() for r in rows if r["segment"]}
-        tables = {name: self.store.payload.read(name) for name in sorted(needed)}
+        tables = read_segment_rows(self.store.payload, [r for rows in events.values() for r in rows])
         samples: list[Sample] = []
         metrics = FoldMetrics()
         for fin in finished:
@@ -162,7 +180,8 @@ class Materializer:
     def _write(self, name: str, samples: list[Sample], finished_at: dict[str, int]):
         if not samples:
             return None, []
-        size = self.store.payload.write(name, sample_table(samples), atomic=True)
+        table = sample_table(samples)
+        size = self.store.payload.write(name, table, rows_per_batch=rows_per_batch(table), atomic=True)
         now = time.time()
         seg_row = {"name": name, "kind": "samples", "num_rows": len(samples), "num_bytes": size, "created_at": now}
         return seg_row, [_sample_row(s, i, name, finished_at[s.trajectory_id], now) for i, s in enumerate(samples)]

@@ -16,6 +16,7 @@ value per row (raw little-endian uint8/uint16 bytes); their dtype and
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 import uuid
@@ -26,11 +27,12 @@ from urllib.parse import urlparse
 import numpy as np
 import pyarrow as pa
 import pyarrow.fs as pafs
+import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 
 from trajstore.errors import CorruptStoreError, StoreUnavailable
 
-__all__ = ["PayloadStore", "list_column", "binary_column", "column_chunks"]
+__all__ = ["PayloadStore", "SegmentRows", "list_column", "binary_column", "column_chunks", "binary_chunks", "rows_per_batch"]
 
 _COMPRESSION = "zstd"
 
@@ -48,23 +50,21 @@ def list_column(chunks: Sequence[np.ndarray | None], dtype: np.dtype) -> pa.Arra
     return pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(values), mask=mask)
 
 
-def binary_column(chunks: Sequence[np.ndarray | None]) -> pa.Array:
-    """A large_binary column holding each array's raw C-order bytes."""
-    sizes = np.fromiter((0 if c is None else c.nbytes for c in chunks), dtype=np.int64, count=len(chunks))
-    offsets = np.zeros(len(chunks) + 1, dtype=np.int64)
-    np.cumsum(sizes, out=offsets[1:])
-    data = np.empty(int(offsets[-1]), dtype=np.uint8)
-    for c, lo, hi in zip(chunks, offsets[:-1], offsets[1:]):
-        if c is not None and hi > lo:
-            data[lo:hi] = np.ascontiguousarray(c).reshape(-1).view(np.uint8)
-    validity = None
-    nulls = np.fromiter((c is None for c in chunks), dtype=bool, count=len(chunks))
-    if nulls.any():
-        validity = pa.array(~nulls).buffers()[1]
-    return pa.Array.from_buffers(
-        pa.large_binary(), len(chunks), [validity, pa.py_buffer(offsets), pa.py_buffer(data)],
-        null_count=int(nulls.sum()),
-    )
+def binary_column(chunks: Sequence[np.ndarray | None]) -> pa.ChunkedArray:
+    """A large_binary column holding each array's raw C-order bytes.
+
+    Zero-copy: each row is its own one-value chunk over the array's memory
+    (routes are the bulk of the payload; copying them would double the memory
+    an append needs)."""
+    parts = []
+    for c in chunks:
+        if c is None:
+            parts.append(pa.nulls(1, pa.large_binary()))
+            continue
+        c = np.ascontiguousarray(c)
+        offsets = pa.py_buffer(np.array([0, c.nbytes], dtype=np.int64))
+        parts.append(pa.Array.from_buffers(pa.large_binary(), 1, [None, offsets, pa.py_buffer(c.reshape(-1).view(np.uint8))]))
+    return pa.chunked_array(parts, type=pa.large_binary())
 
 
 def column_chunks(column: pa.ChunkedArray | pa.Array, dtype: np.dtype) -> list[np.ndarray | None]:
@@ -91,8 +91,29 @@ def binary_chunks(column: pa.ChunkedArray | pa.Array) -> list[memoryview | None]
 
 
 @dataclass
+class SegmentRows:
+    """Some rows of one segment: ``table`` holds them, ``index`` maps a segment
+    row number to its row in ``table``."""
+
+    table: pa.Table
+    index: dict[int, int]
+
+    def row(self, segment_row: int) -> pa.Table:
+        return self.table.slice(self.index[segment_row], 1)
+
+
+@dataclass
 class PayloadStore:
-    """Where segment files live: a local directory or any pyarrow filesystem URI."""
+    """Where segment files live: a local directory or any pyarrow filesystem URI.
+
+    Two formats, chosen by the name's suffix:
+    * ``.arrow``: Arrow IPC file, zstd-compressed buffers, for the event log.
+      Writing is a buffer-by-buffer stream with no re-encoding, so appending a
+      32k-token event needs about one extra copy of its routes (the
+      compressor's output), and record batches of bounded size let a reader
+      decompress only the events it needs;
+    * ``.parquet``: for materialized samples, read by trainers and tools.
+    """
 
     location: str
 
@@ -113,44 +134,75 @@ class PayloadStore:
     def path(self, name: str) -> str:
         return f"{self.root.rstrip('/')}/{name}"
 
-    def new_name(self, kind: str) -> str:
-        return f"{kind}-{time.strftime('%Y%m%d')}-{uuid.uuid4().hex}.parquet"
+    def new_name(self, kind: str, suffix: str = ".arrow") -> str:
+        return f"{kind}-{time.strftime('%Y%m%d')}-{uuid.uuid4().hex}{suffix}"
 
-    def write(self, name: str, table: pa.Table, *, atomic: bool = False) -> int:
+    def write(self, name: str, table: pa.Table, *, rows_per_batch: int | None = None, atomic: bool = False) -> int:
         """Write ``table`` durably as segment ``name``; return its size in bytes.
 
-        ``atomic``: write to a temporary name and rename, for segments whose
-        name is deterministic and may be rewritten (with the same bytes) while
-        a reader has the old file open."""
+        ``rows_per_batch``: rows per record batch / row group (reads of single
+        rows decompress only their batch). ``atomic``: write to a temporary
+        name and rename, for segments whose name is deterministic and may be
+        rewritten (with the same bytes) while a reader has the old file open."""
         path = self.path(name)
+        rows_per_batch = max(1, rows_per_batch or table.num_rows or 1)
+        table = table.replace_schema_metadata({_ROWS_PER_BATCH: str(rows_per_batch)})
         try:
-            if self.local:
-                target = path + f".{uuid.uuid4().hex}.tmp" if atomic else path
-                with open(target, "wb") as f:
-                    pq.write_table(table, f, compression=_COMPRESSION, use_dictionary=False,
-                                   write_statistics=False)
-                    f.flush()
-                    os.fsync(f.fileno())
-                    size = f.tell()
-                if atomic:
-                    os.replace(target, path)
-                _fsync_dir(self.root)
-                return size
-            with self.fs.open_output_stream(path) as out:
-                pq.write_table(table, out, compression=_COMPRESSION, use_dictionary=False, write_statistics=False)
-                return out.tell()
+            if not self.local:
+                with self.fs.open_output_stream(path) as out:
+                    _write_table(name, table, out, rows_per_batch)
+                    return out.tell()
+            target = path + f".{uuid.uuid4().hex}.tmp" if atomic else path
+            with open(target, "wb") as f:
+                _write_table(name, table, f, rows_per_batch)
+                f.flush()
+                os.fsync(f.fileno())
+                size = f.tell()
+            if atomic:
+                os.replace(target, path)
+            _fsync_dir(self.root)
+            return size
         except OSError as e:
             raise StoreUnavailable(f"cannot write payload segment {path!r}: {e}") from None
 
     def read(self, name: str, columns: Iterable[str] | None = None) -> pa.Table:
+        """The whole segment."""
+        with self._open(name) as src:
+            if name.endswith(".arrow"):
+                table = ipc.open_file(src).read_all()
+                return table.select(list(columns)) if columns else table
+            return pq.read_table(src, columns=list(columns) if columns else None)
+
+    def read_rows(self, name: str, rows: Iterable[int]) -> SegmentRows:
+        """The given rows of a segment, decompressing only the batches that hold them."""
+        wanted = sorted(set(int(r) for r in rows))
+        with self._open(name) as src:
+            if name.endswith(".arrow"):
+                reader = ipc.open_file(src)
+                per = int(reader.schema.metadata[_ROWS_PER_BATCH.encode()])
+                batches = sorted({r // per for r in wanted})
+                table = pa.Table.from_batches([reader.get_batch(b) for b in batches], schema=reader.schema)
+            else:
+                pf = pq.ParquetFile(src)
+                per = int(pf.schema_arrow.metadata[_ROWS_PER_BATCH.encode()])
+                batches = sorted({r // per for r in wanted})
+                table = pf.read_row_groups(batches)
+        first = {b: i * per for i, b in enumerate(batches)}
+        return SegmentRows(table, {r: first[r // per] + r % per for r in wanted})
+
+    @contextlib.contextmanager
+    def _open(self, name: str):
         path = self.path(name)
         try:
-            if self.local:
-                return pq.read_table(path, columns=list(columns) if columns else None, memory_map=True)
-            return pq.read_table(path, columns=list(columns) if columns else None, filesystem=self.fs)
+            src = pa.memory_map(path) if self.local else self.fs.open_input_file(path)
         except FileNotFoundError:
             raise CorruptStoreError(f"payload segment {path!r} is missing") from None
-        except (OSError, pa.ArrowInvalid) as e:
+        except OSError as e:
+            raise StoreUnavailable(f"cannot open payload segment {path!r}: {e}") from None
+        try:
+            with src:
+                yield src
+        except (pa.ArrowInvalid, KeyError, TypeError, ValueError) as e:
             raise CorruptStoreError(f"payload segment {path!r} is unreadable: {e}") from None
 
     def delete(self, name: str) -> None:
@@ -160,12 +212,12 @@ class PayloadStore:
             pass
 
     def list_names(self) -> list[tuple[str, float]]:
-        """(name, modification time) of every segment file."""
+        """(name, modification time) of every segment file, temporary ones included."""
         infos = self.fs.get_file_info(pafs.FileSelector(self.root, allow_not_found=True))
         return [
             (i.base_name, i.mtime.timestamp() if i.mtime else 0.0)
             for i in infos
-            if i.type == pafs.FileType.File and i.base_name.endswith((".parquet", ".tmp"))
+            if i.type == pafs.FileType.File and i.base_name.endswith((".arrow", ".parquet", ".tmp"))
         ]
 
     def collect_garbage(self, referenced: set[str], *, grace_s: float = 3600.0) -> list[str]:
@@ -177,6 +229,26 @@ class PayloadStore:
                 self.delete(name)
                 removed.append(name)
         return removed
+
+
+_ROWS_PER_BATCH = "trajstore.rows_per_batch"
+
+
+def _write_table(name: str, table: pa.Table, sink, rows_per_batch: int) -> None:
+    if name.endswith(".arrow"):
+        options = ipc.IpcWriteOptions(compression=_COMPRESSION)
+        with ipc.new_file(sink, table.schema, options=options) as writer:
+            writer.write_table(table, max_chunksize=rows_per_batch)
+    else:
+        pq.write_table(table, sink, compression=_COMPRESSION, use_dictionary=False,
+                       write_statistics=False, row_group_size=rows_per_batch)
+
+
+def rows_per_batch(table: pa.Table, target_bytes: int = 1 << 20) -> int:
+    """Rows per record batch so that a batch holds about ``target_bytes``."""
+    if table.num_rows == 0:
+        return 1
+    return max(1, int(target_bytes * table.num_rows // max(1, table.nbytes)))
 
 
 def _fsync_dir(path: str) -> None:

@@ -127,7 +127,7 @@ def load_samples(store, rows: Sequence[dict[str, Any]]) -> list[Sample]:
         by_segment.setdefault(r["segment"], []).append(i)
     out: list[Sample | None] = [None] * len(rows)
     for name, idx in by_segment.items():
-        table = store.payload.read(name)
-        for i, s in zip(idx, samples_from_table(table, (rows[i]["segment_row"] for i in idx))):
+        part = store.payload.read_rows(name, (rows[i]["segment_row"] for i in idx))
+        for i, s in zip(idx, samples_from_table(part.table, (part.index[rows[i]["segment_row"]] for i in idx))):
             out[i] = s
     return out  # type: ignore[return-value]

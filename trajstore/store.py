@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
@@ -23,7 +24,7 @@ from trajstore.errors import ConflictError, StoreUnavailable, ValidationError
 from trajstore.events import Event, Generation, TrajectoryStarted, content_hash, identity_of, parse_event
 from trajstore.log.base import EventLog, StaleState, TrajectoryWrite
 from trajstore.log.sql import SqlEventLog
-from trajstore.payload import PayloadStore
+from trajstore.payload import PayloadStore, SegmentRows
 
 __all__ = ["Store", "AppendResult", "connect", "DEFAULT_URL", "resolve_url"]
 
@@ -81,60 +82,59 @@ class Store:
         Raises ValidationError (naming the event index, trajectory and rule) and
         stores nothing when any event is refused."""
         parsed = _parse_all(events)
+        digests = _Digests([ev for ev, _ in parsed])
         for _ in range(_MAX_ATTEMPTS):
             try:
-                return self._append_once(parsed)
+                return self._append_once(parsed, digests)
             except StaleState:
                 continue  # another writer moved a trajectory first: re-read, re-admit
         raise ConflictError(f"gave up after {_MAX_ATTEMPTS} concurrent-write conflicts", rule="contention")
 
-    def _append_once(self, parsed: list[tuple[Event, str | None, bytes]]) -> AppendResult:
-        fresh = self._drop_duplicates(parsed)
-        if not fresh:
-            return AppendResult(0, len(parsed), None)
-        index_of = [i for i, _ in fresh]
-        batch = [ev for _, (ev, _, _) in fresh]
-        rows = self.log.load_trajectories({ev.trajectory_id for ev in batch})
+    def _append_once(self, parsed: list[tuple[Event, str | None]], digests: "_Digests") -> AppendResult:
+        fresh = self._drop_duplicates(parsed, digests)
+        rows = self.log.load_trajectories({parsed[i][0].trajectory_id for i in fresh})
         states = {tid: facts.state_from_row(r) for tid, r in rows.items()}
         try:
-            admitted = admit_batch(batch, states, self._current_sequence)
+            admitted = admit_batch([parsed[i][0] for i in fresh], states, self._current_sequence)
         except ValidationError as e:
-            raise e.at(index_of[e.index] if e.index is not None else 0) from None
-        kept = [k for k, a in enumerate(admitted) if not a.noop]
-        fresh, admitted = [fresh[k] for k in kept], [admitted[k] for k in kept]
-        if not fresh:
+            raise e.at(fresh[e.index] if e.index is not None else 0) from None
+        kept = [(i, a) for i, a in zip(fresh, admitted) if not a.noop]
+        if not kept:
             return AppendResult(0, len(parsed), None)
-        segment, seg_row, gen_rows = self._write_segment(admitted)
+        # Content digests are needed only at commit: they are hashed on another
+        # core while this one compresses and writes the payload segment.
+        pending = digests.start([i for i, _ in kept])
+        segment, seg_row, gen_rows = self._write_segment([a for _, a in kept])
         try:
+            digest = pending.result()
             event_rows = []
-            for (i, (ev, ident, digest)), adm in zip(fresh, admitted):
-                row = facts.event_row(adm, ident, digest, gen_rows.get(id(adm)))
+            for i, adm in kept:
+                row = facts.event_row(adm, parsed[i][1], digest[i], gen_rows.get(id(adm)))
                 row["segment"] = segment if id(adm) in gen_rows else None
                 event_rows.append(row)
-            positions = self.log.commit_append(event_rows, _trajectory_writes(admitted, rows), seg_row)
+            positions = self.log.commit_append(event_rows, _trajectory_writes([a for _, a in kept], rows), seg_row)
         except BaseException:
             if segment is not None:
                 self.payload.delete(segment)
             raise
-        return AppendResult(len(fresh), len(parsed) - len(fresh), positions[-1])
+        return AppendResult(len(kept), len(parsed) - len(kept), positions[-1])
 
-    def _drop_duplicates(self, parsed: list[tuple[Event, str | None, bytes]]) -> list[tuple[int, tuple]]:
-        """Events not stored yet; identical retries dropped, conflicting ones refused."""
-        stored = self.log.lookup_identities({ident for _, ident, _ in parsed if ident})
-        seen: dict[str, bytes] = {}
+    def _drop_duplicates(self, parsed: list[tuple[Event, str | None]], digests: "_Digests") -> list[int]:
+        """Indices of events not stored yet; identical retries dropped, conflicting ones refused."""
+        stored = self.log.lookup_identities({ident for _, ident in parsed if ident})
+        first_in_batch: dict[str, int] = {}
         fresh = []
-        for i, item in enumerate(parsed):
-            ev, ident, digest = item
+        for i, (ev, ident) in enumerate(parsed):
             if ident is not None:
-                known = stored.get(ident, seen.get(ident))
-                if known is not None:
-                    if known != digest:
+                if ident in stored or ident in first_in_batch:
+                    known = stored[ident] if ident in stored else digests.get(first_in_batch[ident])
+                    if known != digests.get(i):
                         what = f"event_id {ev.event_id!r}" if ev.event_id else ident.split(":")[0]
                         raise ConflictError(f"{what} is already stored with different content",
                                             index=i, trajectory_id=ev.trajectory_id)
                     continue
-                seen[ident] = digest
-            fresh.append((i, item))
+                first_in_batch[ident] = i
+            fresh.append(i)
         return fresh
 
     def _write_segment(self, admitted: list[Admitted]) -> tuple[str | None, dict | None, dict[int, int]]:
@@ -142,8 +142,8 @@ class Store:
         if not gens:
             return None, None, {}
         table = facts.segment_table([a.stored for a in gens])
-        name = self.payload.new_name("events")
-        size = self.payload.write(name, table)
+        name = self.payload.new_name("events", ".arrow")
+        size = self.payload.write(name, table, rows_per_batch=1)  # one event per record batch
         seg_row = {"name": name, "kind": "events", "num_rows": len(gens), "num_bytes": size, "created_at": time.time()}
         return name, seg_row, {id(a): i for i, a in enumerate(gens)}
 
@@ -161,7 +161,7 @@ class Store:
         if not rows:
             return []
         traj = self.log.load_trajectories([trajectory_id])[trajectory_id]
-        tables = {name: self.payload.read(name) for name in {r["segment"] for r in rows}}
+        tables = read_segment_rows(self.payload, rows)
         shape = (traj["route_layers"], traj["route_topk"]) if traj["route_layers"] else None
         return facts.generations_from_log(rows, tables, shape)
 
@@ -199,15 +199,43 @@ class Store:
         return f"Store({_safe(self.url)!r}, payload={self.payload.location!r})"
 
 
-def _parse_all(events: Iterable[Mapping[str, Any] | Event]) -> list[tuple[Event, str | None, bytes]]:
+def read_segment_rows(payload: PayloadStore, rows: Sequence[Mapping[str, Any]]) -> dict[str, SegmentRows]:
+    """The payload rows that index ``rows`` point at, one read per segment."""
+    wanted: dict[str, list[int]] = {}
+    for r in rows:
+        if r["segment"] is not None:
+            wanted.setdefault(r["segment"], []).append(int(r["segment_row"]))
+    return {name: payload.read_rows(name, idx) for name, idx in sorted(wanted.items())}
+
+
+def _parse_all(events: Iterable[Mapping[str, Any] | Event]) -> list[tuple[Event, str | None]]:
     out = []
     for i, obj in enumerate(events):
         try:
             ev = parse_event(obj)
         except ValidationError as e:
             raise e.at(i) from None
-        out.append((ev, identity_of(ev), content_hash(ev)))
+        out.append((ev, identity_of(ev)))
     return out
+
+
+class _Digests:
+    """Content digests of an append's events, computed once, on demand or in the background."""
+
+    def __init__(self, events: Sequence[Event]) -> None:
+        self.events = events
+        self.cache: dict[int, bytes] = {}
+
+    def get(self, i: int) -> bytes:
+        if i not in self.cache:
+            self.cache[i] = content_hash(self.events[i])
+        return self.cache[i]
+
+    def start(self, indices: Sequence[int]) -> "Future[dict[int, bytes]]":
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trajstore-digest")
+        future = pool.submit(lambda: {i: self.get(i) for i in indices})
+        pool.shutdown(wait=False)
+        return future
 
 
 def _trajectory_writes(admitted: Sequence[Admitted], rows: Mapping[str, Any]) -> list[TrajectoryWrite]:

@@ -147,3 +147,12 @@ def test_unreachable_upstream_gets_502(store):
     with serve_in_thread(make_proxy_app(store, "http://127.0.0.1:9")) as proxy:
         resp = httpx.post(f"{proxy}/v1/completions", json={"prompt": "x"}, headers=_headers("u"))
     assert resp.status_code == 502 and resp.json()["error"]["rule"] == "upstream_unreachable"
+
+
+def test_finish_errors_are_clear(store, upstream):
+    upstream_url, _ = upstream
+    with serve_in_thread(make_proxy_app(store, upstream_url)) as proxy:
+        unknown = httpx.post(f"{proxy}/trajstore/finish", json={"trajectory_id": "never-started"})
+        malformed = httpx.post(f"{proxy}/trajstore/finish", json={"status": "completed"})
+    assert unknown.status_code == 422 and "never-started" in unknown.json()["error"]["message"]
+    assert malformed.status_code == 400 and malformed.json()["error"]["rule"] == "malformed_body"

@@ -186,106 +186,137 @@ class _SSEData:
         return out
 
 
-def make_proxy_app(store: Any, upstream: str, *, model_version: int = 0, num_experts: int | None = None,
-                   timeout_s: float = 600.0) -> Any:
-    """The FastAPI app recording calls into ``store`` and forwarding them to ``upstream``."""
-    from contextlib import asynccontextmanager
+class _Forwarder:
+    """Forwards one call to the upstream and records it (the proxy's handlers)."""
 
-    import httpx
-    from fastapi import FastAPI, Request
-    from fastapi.responses import Response, StreamingResponse
+    def __init__(self, recorder: Recorder, upstream: str, *, model_version: int, num_experts: int | None,
+                 timeout_s: float) -> None:
+        import httpx
 
-    recorder = Recorder(store)
-    client = httpx.AsyncClient(base_url=upstream.rstrip("/"), timeout=httpx.Timeout(timeout_s, connect=10.0))
+        self.recorder, self.upstream = recorder, upstream
+        self.model_version, self.num_experts = model_version, num_experts
+        self.client = httpx.AsyncClient(base_url=upstream.rstrip("/"), timeout=httpx.Timeout(timeout_s, connect=10.0))
 
-    @asynccontextmanager
-    async def lifespan(app: Any):
-        yield
-        await client.aclose()
-
-    app = FastAPI(title="trajstore recording proxy", version="1", lifespan=lifespan)
-    app.state.recorder = recorder
-
-    async def record_headers(tag: Tag, data: Any) -> dict:
+    async def record_headers(self, tag: Tag, data: Any) -> dict:
         try:
             if not isinstance(data, dict):
                 data = json.loads(data)
-            return {"X-Trajstore-Seq": str(await recorder.record(tag, data))}
+            return {"X-Trajstore-Seq": str(await self.recorder.record(tag, data))}
         except (TrajstoreError, ValueError) as e:
             log.warning("not recorded: %s", e)
             return {"X-Trajstore-Error": str(e).replace("\n", " ")[:500]}
 
-    async def forward(request: Request, path: str, chat: bool) -> Any:
+    async def _parse(self, request: Any, chat: bool) -> tuple[dict, Tag | None]:
+        """The body to forward and the call's tag; raises _BadCall."""
         try:
             body = await request.json()
-            if not isinstance(body, dict):
-                raise ValueError("not a JSON object")
         except ValueError as e:
-            return _error(400, f"body is not a JSON object ({e})", "malformed_json")
+            raise _BadCall(400, f"body is not JSON ({e})", "malformed_json") from None
+        if not isinstance(body, dict):
+            raise _BadCall(400, "body must be a JSON object", "malformed_json")
         try:
-            tag = tag_of(request.headers, body, model_version, num_experts)
+            tag = tag_of(request.headers, body, self.model_version, self.num_experts)
         except ValidationError as e:
-            return _error(400, e.reason, e.rule)
+            raise _BadCall(400, e.reason, e.rule) from None
         if tag is not None:
             if (body.get("n") or 1) != 1:
-                return _error(400, "a recorded call must have n = 1 (one trajectory per choice)", "n")
+                raise _BadCall(400, "a recorded call must have n = 1 (one trajectory per choice)", "n")
             body = request_params_for_recording(body, chat=chat)
-        headers = _forward_headers(request.headers)
+        return body, tag
+
+    async def forward(self, request: Any, path: str, chat: bool) -> Any:
+        import httpx
+        from fastapi.responses import Response
+
         try:
+            body, tag = await self._parse(request, chat)
+            headers = _forward_headers(request.headers)
             if body.get("stream"):
-                return await stream(path, body, headers, tag)
-            upstream_resp = await client.post(path, json=body, headers=headers)
+                return await self.stream(path, body, headers, tag)
+            resp = await self.client.post(path, json=body, headers=headers)
+        except _BadCall as e:
+            return _error(e.status, str(e), e.rule)
         except httpx.TransportError as e:
-            return _error(502, f"upstream {upstream} unreachable: {type(e).__name__}: {e}", "upstream_unreachable")
-        extra = {}
-        if tag is not None and upstream_resp.status_code == 200:
-            extra = await record_headers(tag, upstream_resp.content)
-        return Response(upstream_resp.content, status_code=upstream_resp.status_code, headers=extra,
-                        media_type=upstream_resp.headers.get("content-type"))
+            return _error(502, f"upstream {self.upstream} unreachable: {type(e).__name__}: {e}", "upstream_unreachable")
+        extra = await self.record_headers(tag, resp.content) if tag is not None and resp.status_code == 200 else {}
+        return Response(resp.content, status_code=resp.status_code, headers=extra,
+                        media_type=resp.headers.get("content-type"))
 
-    async def stream(path: str, body: dict, headers: dict, tag: Tag | None) -> Any:
-        req = client.build_request("POST", path, json=body, headers=headers)
-        upstream_resp = await client.send(req, stream=True)
-        if upstream_resp.status_code != 200 or tag is None:
-            return StreamingResponse(_passthrough(upstream_resp), status_code=upstream_resp.status_code,
-                                     media_type=upstream_resp.headers.get("content-type"))
-        return StreamingResponse(_recorded(upstream_resp, tag), media_type=upstream_resp.headers.get("content-type"))
+    async def stream(self, path: str, body: dict, headers: dict, tag: Tag | None) -> Any:
+        from fastapi.responses import StreamingResponse
 
-    async def _passthrough(upstream_resp: Any) -> AsyncIterator[bytes]:
-        try:
-            async for chunk in upstream_resp.aiter_raw():
-                yield chunk
-        finally:
-            await upstream_resp.aclose()
+        resp = await self.client.send(self.client.build_request("POST", path, json=body, headers=headers), stream=True)
+        media_type = resp.headers.get("content-type")
+        if resp.status_code != 200 or tag is None:
+            return StreamingResponse(_passthrough(resp), status_code=resp.status_code, media_type=media_type)
+        return StreamingResponse(self._recorded(resp, tag), media_type=media_type)
 
-    async def _recorded(upstream_resp: Any, tag: Tag) -> AsyncIterator[bytes]:
+    async def _recorded(self, resp: Any, tag: Tag) -> AsyncIterator[bytes]:
         acc, sse = OpenAIStreamAccumulator(), _SSEData()
-        async for chunk in _passthrough(upstream_resp):
+        async for chunk in _passthrough(resp):
             for obj in sse.feed(chunk):
                 acc.add(obj)
             yield chunk
         # The stream's bytes are all sent; the record is appended before the
         # response ends, so a harness that saw the end can rely on it.
-        await record_headers(tag, acc.response())
+        await self.record_headers(tag, acc.response())
+
+    async def finish(self, request: Any) -> Any:
+        try:
+            body = await request.json()
+            tid, status = body["trajectory_id"], body.get("status", "completed")
+            await self.recorder.finish(tid, status, body.get("reward"))
+        except ValidationError as e:
+            return _error(409 if e.rule == "conflict" else 422, str(e), e.rule)
+        except (ValueError, KeyError, TypeError) as e:
+            return _error(400, f'body must be {{"trajectory_id", "status", "reward"?}} ({e})', "malformed_body")
+        return {"trajectory_id": tid, "status": status}
+
+
+class _BadCall(Exception):
+    def __init__(self, status: int, message: str, rule: str) -> None:
+        super().__init__(message)
+        self.status, self.rule = status, rule
+
+
+async def _passthrough(resp: Any) -> AsyncIterator[bytes]:
+    try:
+        async for chunk in resp.aiter_raw():
+            yield chunk
+    finally:
+        await resp.aclose()
+
+
+def make_proxy_app(store: Any, upstream: str, *, model_version: int = 0, num_experts: int | None = None,
+                   timeout_s: float = 600.0) -> Any:
+    """The FastAPI app recording calls into ``store`` and forwarding them to ``upstream``."""
+    from contextlib import asynccontextmanager
+
+    from fastapi import FastAPI, Request
+    from fastapi.responses import Response
+
+    fwd = _Forwarder(Recorder(store), upstream, model_version=model_version, num_experts=num_experts,
+                     timeout_s=timeout_s)
+
+    @asynccontextmanager
+    async def lifespan(app: Any):
+        yield
+        await fwd.client.aclose()
+
+    app = FastAPI(title="trajstore recording proxy", version="1", lifespan=lifespan)
+    app.state.recorder = fwd.recorder
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
-        return await forward(request, "/v1/completions", chat=False)
+        return await fwd.forward(request, "/v1/completions", chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
-        return await forward(request, "/v1/chat/completions", chat=True)
+        return await fwd.forward(request, "/v1/chat/completions", chat=True)
 
     @app.post("/trajstore/finish")
     async def finish(request: Request) -> Any:
-        try:
-            body = await request.json()
-            await recorder.finish(body["trajectory_id"], body.get("status", "completed"), body.get("reward"))
-        except (ValueError, KeyError, TypeError) as e:
-            if isinstance(e, ValidationError):
-                return _error(409 if e.rule == "conflict" else 422, str(e), e.rule)
-            return _error(400, f'body must be {{"trajectory_id", "status", "reward"?}} ({e})', "malformed_body")
-        return {"trajectory_id": body["trajectory_id"], "status": body.get("status", "completed")}
+        return await fwd.finish(request)
 
     @app.get("/healthz")
     async def healthz() -> dict:
@@ -293,7 +324,7 @@ def make_proxy_app(store: Any, upstream: str, *, model_version: int = 0, num_exp
 
     @app.get("/v1/models")
     async def models(request: Request) -> Any:
-        resp = await client.get("/v1/models", headers=_forward_headers(request.headers))
+        resp = await fwd.client.get("/v1/models", headers=_forward_headers(request.headers))
         return Response(resp.content, status_code=resp.status_code, media_type=resp.headers.get("content-type"))
 
     return app

@@ -14,22 +14,26 @@ import os
 
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import make_url
-from sqlalchemy.pool import NullPool
+from sqlalchemy.pool import NullPool, StaticPool
 
 _BUSY_TIMEOUT_MS = 60_000
 
 
 def make_engines(url: str) -> tuple[Engine, Engine]:
     path = make_url(url).database
-    if path and path != ":memory:":
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    if not path or path == ":memory:":
+        # one private in-memory database: a single shared connection
+        engine = _engine(url, immediate=True, pool=StaticPool)
+        return engine, engine
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     return _engine(url, immediate=True), _engine(url, immediate=False)
 
 
-def _engine(url: str, *, immediate: bool) -> Engine:
+def _engine(url: str, *, immediate: bool, pool: type = NullPool) -> Engine:
     # NullPool: a connection per use; SQLite connections are cheap and this
     # keeps a forked worker process from inheriting an open one.
-    engine = create_engine(url, poolclass=NullPool, connect_args={"timeout": _BUSY_TIMEOUT_MS / 1000})
+    engine = create_engine(url, poolclass=pool, connect_args={"timeout": _BUSY_TIMEOUT_MS / 1000,
+                                                               "check_same_thread": False})
 
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_conn, _record) -> None:

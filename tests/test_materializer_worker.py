@@ -1,0 +1,49 @@
+"""The long-running materializer worker folds as events arrive and stops cleanly on SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import trajstore
+from trajstore.simulate import RolloutConfig, trajectory_events
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CFG = RolloutConfig(turns=2, prompt_tokens=8, output_tokens=4, observation_tokens=2, layers=2, topk=2)
+
+
+def _wait_for(predicate, timeout_s: float = 60.0) -> bool:
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_worker_follows_the_log_and_stops_on_sigterm(store_url, tmp_path):
+    payload = str(tmp_path / "payload")
+    store = trajstore.connect(store_url, payload=payload)
+    proc = subprocess.Popen(
+        [sys.executable, os.path.join(ROOT, "workers", "materializer.py"), "--store", store_url,
+         "--payload", payload, "--poll-s", "0.1"],
+        stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=ROOT))
+    try:
+        for i in range(5):
+            store.append(trajectory_events(CFG, i))
+        assert _wait_for(lambda: store.info()["samples"] >= 5 and store.log.load_checkpoint("0/1")["position"]
+                         == store.log.head_position())
+        for i in range(5, 8):
+            store.append(trajectory_events(CFG, i))  # arrives after the first fold
+        assert _wait_for(lambda: store.log.load_checkpoint("0/1")["position"] == store.log.head_position())
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0
+    folded = sum(json.loads(line)["num_trajectories"] for line in out.splitlines())
+    assert folded == 8
+    assert sorted({s.trajectory_id for s in store.samples()}) == sorted(trajectory_events(CFG, i)[0]["trajectory_id"] for i in range(8))

@@ -161,7 +161,7 @@ def bench_http(args: argparse.Namespace, bodies: list[list[bytes]], tmp: Path, n
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--clients", type=int, default=16)
-    p.add_argument("--requests-per-client", type=int, default=6)
+    p.add_argument("--requests-per-client", type=int, default=20)
     p.add_argument("--events-per-request", type=int, default=1)
     p.add_argument("--prompt-tokens", type=int, default=1500)
     p.add_argument("--output-tokens", type=int, default=500)

@@ -17,8 +17,8 @@ from trajstore.vllm import request_params_for_recording  # noqa: E402
 
 
 @pytest.fixture
-def store(store_url):
-    s = trajstore.connect(store_url)
+def store(store_url, tmp_path):
+    s = trajstore.connect(store_url, payload=str(tmp_path / "payload"))
     yield s
     s.close()
 

@@ -59,8 +59,8 @@ def trajectory_events(tid: str, num_generations: int = 2) -> list[dict]:
 
 
 @pytest.fixture
-def store(store_url):
-    s = trajstore.connect(store_url)
+def store(store_url, tmp_path):
+    s = trajstore.connect(store_url, payload=str(tmp_path / "payload"))
     yield s
     s.close()
 
@@ -221,10 +221,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start_service(store_url: str, port: int) -> subprocess.Popen:
+def _start_service(store_url: str, port: int, payload: Path) -> subprocess.Popen:
     cmd = [sys.executable, str(REPO / "workers" / "ingest_server.py"), "--store", store_url, "--port", str(port)]
     path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-    proc = subprocess.Popen(cmd, env={**os.environ, "TRAJSTORE_TOKEN": TOKEN, "PYTHONPATH": path}, cwd=REPO)
+    env = {**os.environ, "TRAJSTORE_TOKEN": TOKEN, "PYTHONPATH": path, "TRAJSTORE_PAYLOAD_DIR": str(payload)}
+    proc = subprocess.Popen(cmd, env=env, cwd=REPO)
     for _ in range(300):
         try:
             if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
@@ -238,9 +239,9 @@ def _start_service(store_url: str, port: int) -> subprocess.Popen:
 
 
 @pytest.mark.slow
-def test_sigkill_mid_load_every_acknowledged_event_stored_once(store_url):
+def test_sigkill_mid_load_every_acknowledged_event_stored_once(store_url, tmp_path):
     port = _free_port()
-    proc = _start_service(store_url, port)
+    proc = _start_service(store_url, port, tmp_path / "payload")
     acked: list[str] = []
     lock = threading.Lock()
 
@@ -261,7 +262,7 @@ def test_sigkill_mid_load_every_acknowledged_event_stored_once(store_url):
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
         assert 40 <= len(acked) < num_trajectories * 5, "the kill did not land mid-load"
-        proc = _start_service(store_url, port)
+        proc = _start_service(store_url, port, tmp_path / "payload")
         producer.join(60)
         writer.close(timeout_s=60)
     finally:

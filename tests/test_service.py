@@ -273,3 +273,11 @@ def test_sigkill_mid_load_every_acknowledged_event_stored_once(store_url, tmp_pa
     assert len(ids) == len(set(ids)), "duplicate events"
     assert set(acked) <= set(ids), "acknowledged events missing"
     assert len(ids) == num_trajectories * 5 and len(acked) == len(ids)
+
+
+def test_edges_import_fastapi_lazily():
+    code = ("import sys, trajstore.client, trajstore.service, trajstore.proxy, trajstore.vllm; "
+            "print(sorted(m for m in ('fastapi', 'uvicorn', 'httpx', 'starlette') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
+                         env={**os.environ, "PYTHONPATH": str(REPO)}, check=True)
+    assert out.stdout.strip() == "[]"

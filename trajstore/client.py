@@ -42,7 +42,7 @@ import numpy as np
 from trajstore.errors import ConflictError, StoreUnavailable, TrajstoreError, ValidationError
 from trajstore.wire import encode_b64
 
-__all__ = ["HttpSink", "Sink", "StoreSink", "TrajectoryWriter", "Writer"]
+__all__ = ["HttpSink", "Sink", "StoreSink", "TrajectoryWriter", "Writer", "encode_events", "error_from_response"]
 
 
 class Sink(Protocol):

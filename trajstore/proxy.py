@@ -41,7 +41,7 @@ from typing import Any, AsyncIterator
 from trajstore.errors import TrajstoreError, ValidationError
 from trajstore.vllm import OpenAIStreamAccumulator, generations_from_openai, request_params_for_recording
 
-__all__ = ["Recorder", "add_cli_arguments", "main", "make_proxy_app", "serve_proxy"]
+__all__ = ["Recorder", "add_cli_arguments", "main", "make_proxy_app", "serve_proxy", "serve_proxy_from_args"]
 
 log = logging.getLogger("trajstore.proxy")
 

@@ -39,7 +39,10 @@ from typing import Any
 from trajstore.errors import ConflictError, StoreUnavailable, TrajstoreError, ValidationError
 from trajstore.events import Generation, parse_event
 
-__all__ = ["DEFAULT_MAX_BODY_BYTES", "GroupCommitter", "Metrics", "add_cli_arguments", "main", "make_app", "serve"]
+__all__ = [
+    "DEFAULT_MAX_BODY_BYTES", "GroupCommitter", "Metrics", "add_cli_arguments", "app_from_env", "main", "make_app",
+    "serve", "serve_from_args",
+]
 
 DEFAULT_MAX_BODY_BYTES = 64 << 20
 DEFAULT_PORT = 8700

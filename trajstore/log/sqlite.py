@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import make_url
@@ -52,6 +53,9 @@ def _engine(url: str, *, immediate: bool, pool: type = NullPool) -> Engine:
 
 
 def default_payload_dir(url: str) -> str:
-    """Payload beside the database file: ``<db>.payload/``."""
-    path = make_url(url).database or "trajstore.db"
+    """Payload beside the database file: ``<db>.payload/`` (a temporary
+    directory for an in-memory database, which lives no longer either)."""
+    path = make_url(url).database
+    if not path or path == ":memory:":
+        return tempfile.mkdtemp(prefix="trajstore-memory-payload-")
     return os.path.abspath(path) + ".payload"

@@ -75,10 +75,8 @@ class Recorder:
 
     def _tail(self, trajectory_id: str) -> tuple[bool, int]:
         """(is the trajectory stored?, its next seq) as the store knows it."""
-        # The Store has no public "trajectory tail" call yet; its log's
-        # trajectory row holds last_seq (-1 before the first generation).
-        row = self.store.log.load_trajectories([trajectory_id]).get(trajectory_id)
-        return (False, 0) if row is None else (True, int(row["last_seq"]) + 1)
+        state = self.store.trajectory_state(trajectory_id)
+        return (False, 0) if state is None else (True, state.last_seq + 1)
 
     async def record(self, tag: Tag, response: dict) -> int:
         """Append ``response`` as ``tag``'s next generation; return its seq."""

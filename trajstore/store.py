@@ -19,7 +19,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
 
 from trajstore import facts
-from trajstore.admission import Admitted, admit_batch
+from trajstore.admission import Admitted, TrajectoryState, admit_batch
 from trajstore.errors import ConflictError, StoreUnavailable, ValidationError
 from trajstore.events import Event, Generation, TrajectoryStarted, content_hash, identity_of, parse_event
 from trajstore.log.base import EventLog, StaleState, TrajectoryWrite
@@ -164,6 +164,14 @@ class Store:
         tables = read_segment_rows(self.payload, rows)
         shape = (traj["route_layers"], traj["route_topk"]) if traj["route_layers"] else None
         return facts.generations_from_log(rows, tables, shape)
+
+    def trajectory_state(self, trajectory_id: str) -> TrajectoryState | None:
+        """A trajectory's tail state (status, ``last_seq``, ...), None if unknown.
+
+        Writers that number generations themselves (the proxy) resume from
+        ``last_seq + 1``."""
+        row = self.log.load_trajectories([trajectory_id]).get(trajectory_id)
+        return None if row is None else facts.state_from_row(row)
 
     def info(self) -> dict[str, Any]:
         """Counts per status, event type and model version."""

@@ -258,23 +258,35 @@ def drop_views(execute: Callable[[str], object]) -> None:
 
 
 def reader_role_sql() -> list[str]:
-    """PostgreSQL statements that make ``trajstore_reader`` able to read this database.
+    """PostgreSQL statements that let ``trajstore_reader`` read this database.
 
     Roles belong to the cluster, not the database, so creating it tolerates
     another database (or a concurrent migration) having made it first. A
     migrating user without CREATEROLE cannot make it; then the migration
-    goes on with a NOTICE and an administrator runs these statements (they
-    are in docs/sql.md). The migrating user becomes a member so that
-    ``trajstore sql`` can ``SET ROLE`` to it; default privileges cover the
-    tables and views later migrations add.
+    goes on with a NOTICE and an administrator runs the statements in
+    docs/sql.md. The migrating user becomes a member so that ``trajstore
+    sql`` can ``SET ROLE`` to it; default privileges cover the tables and
+    views later migrations add. Each grant the user may lack the right for
+    (USAGE on a schema it does not own, membership without CREATEROLE)
+    degrades to a NOTICE: the store must still be creatable.
     """
     role = READER_ROLE
+    schema = "quote_ident(current_schema())"
+
+    def tolerant(statement: str) -> str:
+        return f"""
+    BEGIN
+        EXECUTE {statement};
+    EXCEPTION WHEN insufficient_privilege THEN
+        RAISE NOTICE USING MESSAGE = 'trajstore: ' || SQLERRM || '; see docs/sql.md (read-only access)';
+    END;"""
+
     return [
         f"""DO $$
 BEGIN
     IF NOT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = '{role}') THEN
         IF NOT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = current_user AND (rolsuper OR rolcreaterole)) THEN
-            RAISE NOTICE 'cannot create role {role} (no CREATEROLE); trajstore sql needs it, see docs/sql.md';
+            RAISE NOTICE 'trajstore: cannot create role {role} (no CREATEROLE); see docs/sql.md (read-only access)';
             RETURN;
         END IF;
         BEGIN
@@ -282,17 +294,10 @@ BEGIN
         EXCEPTION WHEN duplicate_object OR unique_violation THEN
             NULL;  -- made concurrently by a migration of another database
         END;
-    END IF;
-    EXECUTE 'GRANT USAGE ON SCHEMA ' || quote_ident(current_schema()) || ' TO {role}';
-    EXECUTE 'GRANT SELECT ON ALL TABLES IN SCHEMA ' || quote_ident(current_schema()) || ' TO {role}';
-    EXECUTE 'ALTER DEFAULT PRIVILEGES IN SCHEMA ' || quote_ident(current_schema())
-        || ' GRANT SELECT ON TABLES TO {role}';
-    IF NOT (SELECT rolsuper FROM pg_roles WHERE rolname = current_user) THEN
-        BEGIN
-            EXECUTE 'GRANT {role} TO ' || quote_ident(current_user);
-        EXCEPTION WHEN insufficient_privilege THEN
-            RAISE NOTICE USING MESSAGE = 'cannot make ' || current_user || ' a member of {role}; see docs/sql.md';
-        END;
+    END IF;{tolerant(f"'GRANT USAGE ON SCHEMA ' || {schema} || ' TO {role}'")}
+    EXECUTE 'GRANT SELECT ON ALL TABLES IN SCHEMA ' || {schema} || ' TO {role}';
+    EXECUTE 'ALTER DEFAULT PRIVILEGES IN SCHEMA ' || {schema} || ' GRANT SELECT ON TABLES TO {role}';
+    IF NOT (SELECT rolsuper FROM pg_roles WHERE rolname = current_user) THEN{tolerant(f"'GRANT {role} TO ' || quote_ident(current_user)")}
     END IF;
 END
 $$"""

@@ -1,0 +1,250 @@
+"""A throwaway PostgreSQL cluster for the test suite.
+
+`PgCluster` runs initdb in a fresh temporary directory, starts the server on a
+free loopback TCP port (its unix socket goes into the same directory, never
+/var/run/postgresql), hands out SQLAlchemy URLs, creates and drops databases,
+and at `stop()` shuts the server down and deletes every file it made.
+
+initdb refuses to run as root. When the tests run as root (CI, the dev
+machines), every server binary runs as the `postgres` system user through
+`runuser -u postgres --`, and the temporary directory is chowned to it;
+otherwise the binaries run as the current user. Either way the cluster's
+superuser is named `postgres` and loopback connections use trust auth, so URLs
+carry no password.
+
+fsync stays on (the default): some tests are about durability, and a cluster
+that does not fsync would make them vacuous. Only initdb's own final sync is
+skipped (`--no-sync`), since the freshly made template files hold nothing a
+test relies on surviving an OS crash.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import pwd
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import uuid
+from pathlib import Path
+
+import psycopg
+
+SUPERUSER = "postgres"
+# Some tests run 8+ concurrent writer processes, each holding connections.
+SERVER_SETTINGS = {
+    "listen_addresses": "'127.0.0.1'",
+    "max_connections": "200",
+    "shared_buffers": "64MB",
+    "logging_collector": "off",
+}
+START_TIMEOUT_S = 60
+
+# Runs in a detached process: once the test process is gone without having
+# called stop() (killed by `timeout`, SIGKILL, a crash), stop the server and
+# delete its directory, so no postmaster outlives its test run.
+_WATCHDOG = """
+import os, shutil, subprocess, sys, time
+owner_pid, pg_ctl, data_dir, base_dir, as_postgres = sys.argv[1:6]
+while True:
+    try:
+        os.kill(int(owner_pid), 0)
+    except (ProcessLookupError, PermissionError):  # gone, or its pid reused
+        break
+    time.sleep(1)
+if os.path.isdir(data_dir):
+    cmd = [pg_ctl, "-D", data_dir, "-m", "immediate", "-w", "stop"]
+    if as_postgres == "1":
+        cmd = ["runuser", "-u", "postgres", "--", *cmd]
+    subprocess.run(cmd, cwd="/", stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    shutil.rmtree(base_dir, ignore_errors=True)
+"""
+
+
+class PostgresNotFound(RuntimeError):
+    """No PostgreSQL server binaries (initdb, pg_ctl, postgres) were found."""
+
+
+def find_bindir() -> Path:
+    """Locate a directory holding initdb and pg_ctl.
+
+    Order: $TRAJSTORE_PG_BIN, then `pg_config --bindir`, then the newest
+    /usr/lib/postgresql/*/bin (Debian's layout). Raises PostgresNotFound.
+    """
+    candidates: list[Path] = []
+    if os.environ.get("TRAJSTORE_PG_BIN"):
+        candidates.append(Path(os.environ["TRAJSTORE_PG_BIN"]))
+    pg_config = shutil.which("pg_config")
+    if pg_config:
+        # Debian's pg_config (libpq-dev) may name a bindir with no server in it.
+        out = subprocess.run([pg_config, "--bindir"], capture_output=True, text=True)
+        if out.returncode == 0 and out.stdout.strip():
+            candidates.append(Path(out.stdout.strip()))
+    debian = glob.glob("/usr/lib/postgresql/*/bin")
+    debian.sort(key=lambda p: [int(n) for n in re.findall(r"\d+", p)], reverse=True)
+    candidates += [Path(p) for p in debian]
+    for bindir in candidates:
+        if (bindir / "initdb").is_file() and (bindir / "pg_ctl").is_file():
+            return bindir
+    raise PostgresNotFound(
+        "no PostgreSQL server binaries found (looked in $TRAJSTORE_PG_BIN, "
+        f"`pg_config --bindir`, /usr/lib/postgresql/*/bin: {[str(c) for c in candidates]}); "
+        "install them (`apt-get install -y postgresql`, or run `bash .ci/run`), "
+        "point TRAJSTORE_PG_BIN at them, or set TRAJSTORE_SKIP_POSTGRES=1 to skip "
+        "the PostgreSQL tests"
+    )
+
+
+def free_loopback_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class PgCluster:
+    """One PostgreSQL server in its own temporary directory."""
+
+    def __init__(self, bindir: Path | None = None) -> None:
+        self.bindir = bindir or find_bindir()
+        self.run_as_postgres = os.geteuid() == 0
+        self.base_dir: Path | None = None
+        self.port: int | None = None
+
+    @property
+    def data_dir(self) -> Path:
+        assert self.base_dir is not None
+        return self.base_dir / "data"
+
+    @property
+    def log_path(self) -> Path:
+        assert self.base_dir is not None
+        return self.base_dir / "server.log"
+
+    def url(self, dbname: str = "postgres") -> str:
+        return f"postgresql+psycopg://{SUPERUSER}@127.0.0.1:{self.port}/{dbname}"
+
+    def start(self) -> None:
+        """initdb + pg_ctl start; raises RuntimeError with the server log on failure."""
+        try:
+            self._init_and_start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _init_and_start(self) -> None:
+        self._make_base_dir()
+        self._run(
+            "initdb", "-D", str(self.data_dir), "-U", SUPERUSER, "--auth=trust",
+            "--encoding=UTF8", "--locale=C", "--no-sync",
+        )
+        # A free port can be taken between our probe and the server's bind;
+        # retry with another one rather than fail the whole session.
+        for _ in range(3):
+            self.port = free_loopback_port()
+            self._write_settings()
+            started = self._run(
+                "pg_ctl", "-D", str(self.data_dir), "-l", str(self.log_path),
+                "-w", "-t", str(START_TIMEOUT_S), "start", check=False,
+            )
+            if started.returncode == 0:
+                self._spawn_watchdog()
+                return
+        raise RuntimeError(
+            f"PostgreSQL did not start (pg_ctl exit {started.returncode}): "
+            f"{started.stderr.strip()}\n--- {self.log_path} ---\n{self._log_tail()}"
+        )
+
+    def stop(self) -> None:
+        """Stop the server (if running) and delete its directory."""
+        try:
+            # postmaster.pid also exists after a start that timed out half-way.
+            if self.base_dir is not None and (self.data_dir / "postmaster.pid").exists():
+                self._run("pg_ctl", "-D", str(self.data_dir), "-m", "fast", "-w", "stop",
+                          check=False)
+        finally:
+            if self.base_dir is not None:
+                shutil.rmtree(self.base_dir, ignore_errors=True)
+                self.base_dir = None
+
+    def create_database(self, name: str | None = None) -> str:
+        """CREATE DATABASE (default name t_<random>) and return its SQLAlchemy URL."""
+        name = name or f"t_{uuid.uuid4().hex[:16]}"
+        with self._admin() as conn:
+            conn.execute(f'CREATE DATABASE "{name}"')
+        return self.url(name)
+
+    def drop_database(self, name: str) -> None:
+        """DROP DATABASE, terminating any connection a test left open."""
+        with self._admin() as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+    def __enter__(self) -> PgCluster:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _admin(self) -> psycopg.Connection:
+        return psycopg.connect(
+            host="127.0.0.1", port=self.port, user=SUPERUSER, dbname="postgres",
+            autocommit=True, connect_timeout=10,
+        )
+
+    def _make_base_dir(self) -> None:
+        # As root, the directory must be reachable by `postgres`: /tmp is, while
+        # $TMPDIR or pytest's per-user dirs (mode 0700) may not be.
+        parent = "/tmp" if self.run_as_postgres else None
+        self.base_dir = Path(tempfile.mkdtemp(prefix="trajstore-pg-", dir=parent))
+        if self.run_as_postgres:
+            try:
+                pw = pwd.getpwnam("postgres")
+            except KeyError:
+                raise RuntimeError(
+                    "running as root, but there is no `postgres` system user to run "
+                    "initdb as (Debian's postgresql package creates it)"
+                ) from None
+            os.chown(self.base_dir, pw.pw_uid, pw.pw_gid)
+
+    def _spawn_watchdog(self) -> None:
+        self._watchdog = subprocess.Popen(
+            [sys.executable, "-c", _WATCHDOG, str(os.getpid()), str(self.bindir / "pg_ctl"),
+             str(self.data_dir), str(self.base_dir), "1" if self.run_as_postgres else "0"],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            start_new_session=True, cwd="/",
+        )
+
+    def _write_settings(self) -> None:
+        settings = dict(SERVER_SETTINGS, port=str(self.port),
+                        unix_socket_directories=f"'{self.base_dir}'")
+        # postgresql.auto.conf is read last, so rewriting it on a port retry wins.
+        text = "".join(f"{k} = {v}\n" for k, v in settings.items())
+        auto_conf = self.data_dir / "postgresql.auto.conf"
+        auto_conf.write_text(text)
+        if self.run_as_postgres:
+            pw = pwd.getpwnam("postgres")
+            os.chown(auto_conf, pw.pw_uid, pw.pw_gid)
+
+    def _run(self, tool: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+        cmd = [str(self.bindir / tool), *args]
+        if self.run_as_postgres:
+            cmd = ["runuser", "-u", "postgres", "--", *cmd]
+        # cwd: the server user may not be able to enter the caller's directory.
+        result = subprocess.run(cmd, cwd=self.base_dir, capture_output=True, text=True,
+                                stdin=subprocess.DEVNULL)
+        if check and result.returncode != 0:
+            raise RuntimeError(
+                f"{' '.join(cmd)} failed (exit {result.returncode}): "
+                f"{result.stderr.strip() or result.stdout.strip()}"
+            )
+        return result
+
+    def _log_tail(self, num_lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text().splitlines()[-num_lines:])
+        except OSError:
+            return "(no server log)"

@@ -1,0 +1,199 @@
+"""Collation of samples into training tensors, and the torch ``SampleDataset``.
+
+This is the reader's torch edge: the core (``trajstore.reader``) never
+imports torch. Arrays are filled in numpy (routes stay uint8/uint16) and
+handed to torch zero-copy at the end.
+
+Each sample is laid out as its full sequence ``prompt + response``;
+response-aligned fields (``loss_mask``, ``rollout_logprobs``,
+``token_model_versions``, ``token_rewards``) sit at the positions of the
+response tokens they describe, unshifted (``loss_mask`` is 0 on the prompt).
+Shift for next-token prediction in the loss, as usual.
+
+Layouts:
+    padded  one row per sample, ``[B, S]``, padding on the left or right
+    packed  all samples back to back in one row ``[1, T]`` (THD), with
+            ``cu_seqlens`` ``[B+1]`` and positions restarting per sample
+
+Shape suffixes:
+    B  samples in the batch
+    S  positions per row (padded) or the packed length T (packed: one row)
+    L  recorded MoE layers
+    K  top-k experts per token
+    N  number of sequences (B) plus one, for offsets
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, Literal, Sequence
+
+import numpy as np
+import torch
+
+from trajstore.errors import ValidationError
+from trajstore.sample import Sample
+
+__all__ = ["collate", "collate_arrays", "to_tensors", "SampleDataset"]
+
+Layout = Literal["padded", "packed"]
+
+
+def collate(samples: Sequence[Sample], *, layout: Layout = "padded", padding_side: str = "right",
+            pad_to_multiple_of: int = 1, pad_token_id: int = 0) -> dict[str, Any]:
+    """A batch as torch tensors; see ``collate_arrays`` for the keys."""
+    return to_tensors(collate_arrays(samples, layout=layout, padding_side=padding_side,
+                                     pad_to_multiple_of=pad_to_multiple_of, pad_token_id=pad_token_id))
+
+
+def collate_arrays(samples: Sequence[Sample], *, layout: Layout = "padded", padding_side: str = "right",
+                   pad_to_multiple_of: int = 1, pad_token_id: int = 0) -> dict[str, Any]:
+    """A batch as numpy arrays.
+
+    Keys (padded ``[B, S]``; packed ``[1, T]``):
+      input_ids int64, position_ids int64, attention_mask bool (False = padding),
+      loss_mask float32, rollout_logprobs float32, token_model_versions int32
+      (-1 off the generated tokens), token_rewards float32 (0 where none),
+      routed_experts uint8/uint16 ``[.., L, K]`` and routed_experts_mask bool
+      (True = no route to replay: not captured, padding, or a sample without
+      routes), both absent when no sample has routes;
+      per sample ``[B]``: rewards float32 (NaN when None), prompt_lens and
+      seq_lens int32, and the lists trajectory_ids, sample_indices, group_ids;
+      packed only: cu_seqlens int32 ``[B+1]``.
+    """
+    if layout not in ("padded", "packed"):
+        raise ValidationError(f"layout must be 'padded' or 'packed', got {layout!r}", rule="collate")
+    if padding_side not in ("left", "right"):
+        raise ValidationError(f"padding_side must be 'left' or 'right', got {padding_side!r}", rule="collate")
+    if not samples:
+        raise ValidationError("cannot collate an empty batch", rule="collate")
+    seq_lens_B = np.array([s.num_tokens for s in samples], dtype=np.int32)
+    rows_B, starts_B, shape = _placement(seq_lens_B, layout, padding_side, pad_to_multiple_of)
+    out = _token_fields(samples, rows_B, starts_B, shape, pad_token_id)
+    out.update(_route_fields(samples, rows_B, starts_B, shape))
+    out.update(_sample_fields(samples, seq_lens_B))
+    if layout == "packed":
+        cu_seqlens_N = np.zeros(len(samples) + 1, dtype=np.int32)
+        np.cumsum(seq_lens_B, out=cu_seqlens_N[1:])
+        out["cu_seqlens"] = cu_seqlens_N
+    return out
+
+
+def _placement(seq_lens_B: np.ndarray, layout: str, padding_side: str,
+               multiple: int) -> tuple[np.ndarray, np.ndarray, tuple[int, int]]:
+    """Row and first position of each sample, and the batch's [rows, positions]."""
+    def round_up(n: int) -> int:
+        return -(-n // multiple) * multiple
+
+    if layout == "packed":
+        starts_B = np.zeros(len(seq_lens_B), dtype=np.int64)
+        np.cumsum(seq_lens_B[:-1], out=starts_B[1:])
+        return np.zeros(len(seq_lens_B), dtype=np.int64), starts_B, (1, round_up(int(seq_lens_B.sum())))
+    seq_len = round_up(int(seq_lens_B.max()))
+    starts_B = seq_len - seq_lens_B.astype(np.int64) if padding_side == "left" else np.zeros(len(seq_lens_B), np.int64)
+    return np.arange(len(seq_lens_B)), starts_B, (len(seq_lens_B), seq_len)
+
+
+def _token_fields(samples: Sequence[Sample], rows_B: np.ndarray, starts_B: np.ndarray,
+                  shape: tuple[int, int], pad_token_id: int) -> dict[str, np.ndarray]:
+    input_ids_BS = np.full(shape, pad_token_id, dtype=np.int64)
+    position_ids_BS = np.zeros(shape, dtype=np.int64)
+    attention_mask_BS = np.zeros(shape, dtype=np.bool_)
+    loss_mask_BS = np.zeros(shape, dtype=np.float32)
+    logprobs_BS = np.zeros(shape, dtype=np.float32)
+    versions_BS = np.full(shape, -1, dtype=np.int32)
+    token_rewards_BS = np.zeros(shape, dtype=np.float32)
+    positions = np.arange(shape[1], dtype=np.int64)
+    for s, row, start in zip(samples, rows_B, starts_B):
+        prompt_len, seq_len = len(s.prompt_ids), s.num_tokens
+        whole, response = slice(start, start + seq_len), slice(start + prompt_len, start + seq_len)
+        input_ids_BS[row, start: start + prompt_len] = s.prompt_ids
+        input_ids_BS[row, response] = s.response_ids
+        position_ids_BS[row, whole] = positions[:seq_len]
+        attention_mask_BS[row, whole] = True
+        loss_mask_BS[row, response] = s.loss_mask
+        logprobs_BS[row, response] = s.rollout_logprobs
+        versions_BS[row, response] = s.token_model_versions
+        if s.token_rewards is not None:
+            token_rewards_BS[row, response] = s.token_rewards
+    return {"input_ids": input_ids_BS, "position_ids": position_ids_BS, "attention_mask": attention_mask_BS,
+            "loss_mask": loss_mask_BS, "rollout_logprobs": logprobs_BS, "token_model_versions": versions_BS,
+            "token_rewards": token_rewards_BS}
+
+
+def _route_fields(samples: Sequence[Sample], rows_B: np.ndarray, starts_B: np.ndarray,
+                  shape: tuple[int, int]) -> dict[str, np.ndarray]:
+    with_routes = [s for s in samples if s.routed_experts is not None]
+    if not with_routes:
+        return {}
+    layer_topk = {s.routed_experts.shape[1:] for s in with_routes}
+    if len(layer_topk) > 1:
+        raise ValidationError(f"samples disagree on routes [layers, topk]: {sorted(layer_topk)}", rule="collate")
+    dtype = np.uint16 if any(s.routed_experts.dtype == np.uint16 for s in with_routes) else np.uint8
+    routes_BSLK = np.zeros(shape + next(iter(layer_topk)), dtype=dtype)
+    routes_mask_BS = np.ones(shape, dtype=np.bool_)
+    for s, row, start in zip(samples, rows_B, starts_B):
+        if s.routed_experts is not None:
+            whole = slice(start, start + s.num_tokens)
+            routes_BSLK[row, whole] = s.routed_experts
+            routes_mask_BS[row, whole] = s.routed_experts_mask
+    return {"routed_experts": routes_BSLK, "routed_experts_mask": routes_mask_BS}
+
+
+def _sample_fields(samples: Sequence[Sample], seq_lens_B: np.ndarray) -> dict[str, Any]:
+    return {
+        "rewards": np.array([np.nan if s.reward is None else s.reward for s in samples], dtype=np.float32),
+        "prompt_lens": np.array([len(s.prompt_ids) for s in samples], dtype=np.int32),
+        "seq_lens": seq_lens_B,
+        "trajectory_ids": [s.trajectory_id for s in samples],
+        "sample_indices": [s.sample_index for s in samples],
+        "group_ids": [s.group_id for s in samples],
+    }
+
+
+def to_tensors(arrays: dict[str, Any]) -> dict[str, Any]:
+    """numpy arrays to torch tensors without copying; lists stay lists."""
+    return {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in arrays.items()}
+
+
+class SampleDataset(torch.utils.data.IterableDataset):
+    """Collated batches of one data-parallel rank, for a ``torch.utils.data.DataLoader``.
+
+    Use ``DataLoader(dataset, batch_size=None)``: batching is the reader's.
+    Each batch carries ``"reader_state"``, the reader state after it: save the
+    one of the last batch you trained on and pass it to ``load_state_dict`` on
+    restart (DataLoader workers prefetch, so the dataset object itself cannot
+    know what was consumed). With ``num_workers=n`` worker i collates global
+    steps i, i+n, ... and the DataLoader's round-robin keeps the order.
+    ``current_version`` is read when iteration starts; to change it between
+    steps (staleness), use a ``SampleReader`` directly.
+    """
+
+    def __init__(self, url: str, config: Any = None, *, rank: int = 0, world_size: int = 1,
+                 payload: str | None = None, current_version: int | None = None, layout: Layout = "padded",
+                 padding_side: str = "right", pad_to_multiple_of: int = 1, **fields: Any) -> None:
+        from trajstore.reader import ReaderConfig
+
+        super().__init__()
+        if not isinstance(url, str):  # a Store: workers reconnect by URL
+            url, payload = url.url, url.payload.location
+        self.url, self.payload = url, payload
+        self.config = ReaderConfig(**fields) if config is None else config
+        self.rank, self.world_size, self.current_version = rank, world_size, current_version
+        self.collate_kwargs = {"layout": layout, "padding_side": padding_side, "pad_to_multiple_of": pad_to_multiple_of}
+        self.state: dict[str, Any] | None = None
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.state = state
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        from trajstore.reader import SampleReader
+
+        info = torch.utils.data.get_worker_info()
+        worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        with SampleReader(self.url, self.config, rank=self.rank, world_size=self.world_size,
+                          current_version=self.current_version, payload=self.payload) as reader:
+            if self.state is not None:
+                reader.load_state_dict(self.state)
+            for step, batch in reader.iter_steps(worker, num_workers):
+                tensors = collate(batch, **self.collate_kwargs) if batch else {}
+                yield {**tensors, "step": step, "reader_state": reader.state_dict()}

@@ -1,0 +1,546 @@
+"""The trainer's reader: a resumable cursor over materialized samples.
+
+Order. Samples have a stable order, ``(finished_position, sample_index)``.
+The reader turns it into a global sequence of *units*: one sample each, or
+with ``keep_groups`` one whole GRPO group (``group_size`` trajectories with
+the same ``group_id``), placed where its last trajectory finished. A unit's
+*key* is the order key of its last row, so the unit sequence only grows at
+the end as the store grows: it is prefix-stable.
+
+Steps. Every rank computes the same global steps from the same unit
+sequence: step i takes the next prefix of units that packs into
+``world_size`` batches (``plan_step``) and gives rank r batch r. A rank
+reads all rows' metadata (small SQL rows) but loads payload only for its
+own batch.
+
+State. The global cursor (key of the last consumed unit) and, for groups,
+where to rescan to rebuild groups still open at the cursor. Because a step
+always consumes a prefix of the unit sequence, a state taken after any step
+resumes with any world size or batch size without losing or repeating a
+unit. Every rank's ``state_dict()`` is the same; save any one. See
+docs/reader.md for the reasoning and its limits.
+
+Watermark. Only rows at ``finished_position <= min(checkpoint of every
+materializer shard)`` are read: below it nothing can appear later, so what
+the reader has seen is a prefix of what it will ever see.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Iterator, Sequence
+
+from trajstore.errors import ResumeStateError, ValidationError
+from trajstore.sample import Sample
+
+__all__ = ["ReaderConfig", "ReaderStats", "SampleReader", "SampleDataset", "plan_step"]
+
+STATE_FORMAT = "trajstore.reader"
+STATE_VERSION = 1
+
+Key = tuple[int, int]  # (finished_position, sample_index)
+
+
+@dataclass(frozen=True)
+class ReaderConfig:
+    batch_size: int | None = None
+    """Samples per rank batch (a group counts as its samples). Default 8 when
+    ``max_tokens_per_batch`` is not set either."""
+    max_tokens_per_batch: int | None = None
+    """Prompt+response tokens per rank batch instead of a sample count; units
+    are spread over ranks so their token counts balance. A unit larger than
+    this gets a batch of its own."""
+    keep_groups: bool = False
+    """Keep each GRPO group whole: in one batch of one rank, or skipped whole."""
+    group_size: int | None = None
+    """Trajectories per group; needed with ``keep_groups``. A group is read
+    once that many of its trajectories are materialized."""
+    status: tuple[str, ...] | None = None
+    """Keep only samples with one of these statuses (None: all)."""
+    max_staleness: int | None = None
+    """Skip units whose oldest token is older than ``current_version - max_staleness``."""
+    follow: bool = False
+    """Keep polling for newly materialized samples (async RL)."""
+    timeout_s: float = 60.0
+    """With ``follow``: stop after this long without a new sample."""
+    poll_interval_s: float = 0.5
+    """With ``follow``: sleep between polls that found nothing."""
+    drop_last: bool = False
+    """Leave a final step that is not full unconsumed instead of yielding it
+    (then a rank may get an empty batch); a later reader picks it up."""
+    num_shards: int = 1
+    """Materializer shards writing this store (their checkpoints bound what is safe to read)."""
+    page_rows: int = 1024
+    """Sample rows per SQL query."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.status, str):
+            object.__setattr__(self, "status", (self.status,))
+        elif self.status is not None:
+            object.__setattr__(self, "status", tuple(self.status))
+        if self.batch_size is not None and self.max_tokens_per_batch is not None:
+            raise ValidationError("set batch_size or max_tokens_per_batch, not both", rule="reader_config")
+        for name in ("batch_size", "max_tokens_per_batch", "group_size", "num_shards", "page_rows"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValidationError(f"{name} must be a positive integer, got {value!r}", rule="reader_config")
+        if self.keep_groups and self.group_size is None:
+            raise ValidationError("keep_groups=True needs group_size (trajectories per group)", rule="reader_config")
+        if self.max_staleness is not None and self.max_staleness < 0:
+            raise ValidationError(f"max_staleness must be >= 0, got {self.max_staleness}", rule="reader_config")
+
+    @property
+    def capacity(self) -> int:
+        """Cost a rank batch may hold: samples, or tokens."""
+        return self.max_tokens_per_batch or self.batch_size or 8
+
+    def fingerprint(self) -> dict[str, Any]:
+        """What defines the unit sequence; a state must be resumed with the same."""
+        return {"keep_groups": self.keep_groups, "group_size": self.group_size,
+                "status": None if self.status is None else sorted(self.status)}
+
+
+@dataclass
+class ReaderStats:
+    steps: int = 0
+    """Global steps consumed (the same on every rank)."""
+    batches: int = 0
+    """Batches this rank yielded in this process."""
+    samples: int = 0
+    """Samples this rank yielded in this process."""
+    tokens: int = 0
+    """Prompt+response tokens this rank yielded in this process."""
+    stale_units: int = 0
+    """Units (samples or groups) skipped as too stale, over all ranks."""
+    stale_samples: int = 0
+    filtered_samples: int = 0
+    """Samples dropped by the status filter, over all ranks."""
+    open_groups: int = 0
+    """Groups seen but not complete yet (waiting for members)."""
+    polls: int = 0
+    """Polls in follow mode that found nothing new."""
+
+    _SAVED = ("steps", "stale_units", "stale_samples", "filtered_samples")
+
+    def to_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+@dataclass(eq=False)
+class _Unit:
+    """What the reader schedules: one sample, or one whole group."""
+
+    rows: list[dict[str, Any]]
+    kept: list[dict[str, Any]] = field(default_factory=list)  # rows passing the status filter
+    num_tokens: int = 0
+    oldest_version: int = 0
+
+    @property
+    def key(self) -> Key:
+        return _key(self.rows[-1])
+
+    @property
+    def first(self) -> Key:
+        return _key(self.rows[0])
+
+
+@dataclass
+class _Step:
+    index: int
+    bins: list[list[_Unit]] | None  # per rank; None when every unit of the step was skipped
+    state: dict[str, Any]
+
+
+def _key(row: dict[str, Any]) -> Key:
+    return int(row["finished_position"]), int(row["sample_index"])
+
+
+def plan_step(costs: Sequence[int], world_size: int, capacity: int) -> tuple[int, list[list[int]]]:
+    """How many of the next units (with these costs) one global step takes, and
+    which of them go to each rank.
+
+    The step takes the longest prefix whose total fits ``world_size *
+    capacity`` and that packs into ``world_size`` bins of ``capacity``
+    (longest first onto the least-loaded rank, which balances the ranks); a
+    unit bigger than ``capacity`` fits only an empty bin. Always at least one
+    unit. Each bin lists its units in sequence order. Pure, so every rank
+    computes the same plan.
+    """
+    total, n = 0, 0
+    for c in costs:
+        if n and total + c > world_size * capacity:
+            break
+        total, n = total + c, n + 1
+    while n > 1:
+        bins = _pack(costs[:n], world_size, capacity)
+        if bins is not None:
+            return n, bins
+        n -= 1
+    return n, [[0] if n and r == 0 else [] for r in range(world_size)]
+
+
+def _pack(costs: Sequence[int], world_size: int, capacity: int) -> list[list[int]] | None:
+    loads = [(0, r) for r in range(world_size)]  # a heap of (load, rank): ties go to the lower rank
+    bins: list[list[int]] = [[] for _ in range(world_size)]
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        load, r = heapq.heappop(loads)
+        if load and load + costs[i] > capacity:
+            return None
+        bins[r].append(i)
+        heapq.heappush(loads, (load + costs[i], r))
+    return [sorted(b) for b in bins]
+
+
+class _UnitBuilder:
+    """Turns sample rows (in order) into units, holding trajectories and groups until complete."""
+
+    def __init__(self, config: ReaderConfig) -> None:
+        self.config = config
+        self.trajectory: list[dict[str, Any]] = []
+        self.groups: dict[str, list[Any]] = {}  # group_id -> [trajectories seen, rows]
+        self.seed = None  # on resume: trajectories of a group already counted before the rescan
+
+    def add(self, row: dict[str, Any]) -> _Unit | None:
+        if not self.config.keep_groups:
+            return self._unit([row])
+        if self.trajectory and row["finished_position"] != self.trajectory[0]["finished_position"]:
+            raise _corrupt(self.trajectory[0])
+        self.trajectory.append(row)
+        if not row["is_last_step"]:
+            return None
+        rows, self.trajectory = self.trajectory, []
+        group_id = rows[0]["group_id"]
+        if group_id is None:
+            return self._unit(rows)
+        if group_id not in self.groups:
+            self.groups[group_id] = [self.seed(group_id) if self.seed else 0, []]
+        group = self.groups[group_id]
+        group[0] += 1
+        group[1].extend(rows)
+        if group[0] < self.config.group_size:
+            return None
+        del self.groups[group_id]
+        return self._unit(group[1])
+
+    def first_pending(self) -> Key | None:
+        """Key of the earliest row held in an incomplete trajectory or group."""
+        firsts = [_key(g[1][0]) for g in self.groups.values() if g[1]]
+        if self.trajectory:
+            firsts.append(_key(self.trajectory[0]))
+        return min(firsts, default=None)
+
+    def _unit(self, rows: list[dict[str, Any]]) -> _Unit:
+        status = self.config.status
+        kept = rows if status is None else [r for r in rows if r["status"] in status]
+        return _Unit(rows, kept, sum(int(r["prompt_len"]) + int(r["response_len"]) for r in kept),
+                     min((int(r["min_model_version"]) for r in kept), default=0))
+
+
+def _corrupt(row: dict[str, Any]):
+    from trajstore.errors import CorruptStoreError
+
+    return CorruptStoreError(f"trajectory {row['trajectory_id']!r} has no sample marked is_last_step")
+
+
+class SampleReader:
+    """Batches (lists of ``Sample``) for one data-parallel rank, in the global step order.
+
+    ``store`` is a ``Store`` or a store URL. Settings come as a ``ReaderConfig``
+    and/or its fields as keywords::
+
+        reader = SampleReader(store, rank=r, world_size=w, batch_size=8, keep_groups=True, group_size=4)
+        for batch in reader:                 # list[Sample]
+            ...
+            reader.current_version = step    # staleness is judged against this
+            save(reader.state_dict())        # small JSON; the same on every rank
+
+    ``current_version`` is the trainer's policy version; with ``max_staleness``
+    a unit is skipped when its oldest token is older than ``current_version -
+    max_staleness`` (counted in ``stats``). Set it between batches.
+    """
+
+    def __init__(self, store: Any, config: ReaderConfig | None = None, *, rank: int = 0, world_size: int = 1,
+                 current_version: int | None = None, payload: str | None = None, **fields: Any) -> None:
+        if not isinstance(world_size, int) or world_size < 1 or not isinstance(rank, int) or not 0 <= rank < world_size:
+            raise ValidationError(f"rank {rank!r} not in [0, world_size={world_size!r})", rule="reader_config")
+        self._owns_store = isinstance(store, str)
+        if self._owns_store:
+            from trajstore.store import connect
+
+            store = connect(store, payload=payload, migrate=False)
+        self.store = store
+        self.config = ReaderConfig(**fields) if config is None else replace(config, **fields)
+        self.rank, self.world_size = rank, world_size
+        self.current_version = current_version
+        self.stats = ReaderStats()
+        self._cursor: Key | None = None
+        self._scan_from: Key | None = None
+        self._snapshot: int | None = None
+        self._steps_gen: Iterator[_Step] | None = None
+        self._batches: Iterator[tuple[int, list[Sample]]] | None = None
+
+    # -- iteration ---------------------------------------------------------
+    def __iter__(self) -> "SampleReader":
+        return self
+
+    def __next__(self) -> list[Sample]:
+        if self._batches is None:
+            self._batches = self.iter_steps()
+        return next(self._batches)[1]
+
+    def iter_steps(self, offset: int = 0, stride: int = 1) -> Iterator[tuple[int, list[Sample]]]:
+        """``(global step, batch)`` for steps ``offset, offset + stride, ...``.
+
+        The state advances over every step, loaded or not: DataLoader worker
+        ``offset`` of ``stride`` loads its share and its states stay exact."""
+        if self._steps_gen is None:
+            self._steps_gen = self._steps()
+        for step in self._steps_gen:
+            mine = step.bins is not None and step.index % stride == offset
+            batch = self._load(step.bins[self.rank]) if mine else None
+            self._commit(step.state)
+            if batch is not None:
+                self.stats.batches += 1
+                self.stats.samples += len(batch)
+                self.stats.tokens += sum(s.num_tokens for s in batch)
+                yield step.index, batch
+
+    def _load(self, units: Sequence[_Unit]) -> list[Sample]:
+        """The samples of some units, in order, reading each segment once."""
+        from trajstore.samples import load_samples
+
+        rows = [r for u in units for r in u.kept]
+        return load_samples(self.store, rows) if rows else []
+
+    # -- resume state --------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Where the next batch starts: a small JSON-able dict, identical on every rank."""
+        return {
+            "format": STATE_FORMAT,
+            "version": STATE_VERSION,
+            "fingerprint": self.config.fingerprint(),
+            "cursor": None if self._cursor is None else list(self._cursor),
+            "scan_from": None if self._scan_from is None else list(self._scan_from),
+            "snapshot_position": self._snapshot,
+            "current_version": self.current_version,
+            "stats": {name: getattr(self.stats, name) for name in ReaderStats._SAVED},
+        }
+
+    def load_state_dict(self, state: Any) -> None:
+        """Continue after the batch the state was taken at (any rank, any world size).
+
+        Raises ResumeStateError naming the mismatch when the state is malformed,
+        from another format version, or was saved with a different unit
+        sequence (``keep_groups``, ``group_size``, ``status``)."""
+        _validate_state(state, self.config)
+        self._cursor = _key_or_none(state["cursor"])
+        self._scan_from = _key_or_none(state["scan_from"])
+        self._snapshot = None if self.config.follow else state["snapshot_position"]
+        self.current_version = state["current_version"]
+        for name in ReaderStats._SAVED:
+            setattr(self.stats, name, state["stats"][name])
+        self._steps_gen = self._batches = None
+
+    def _commit(self, state: dict[str, Any]) -> None:
+        self._cursor = _key_or_none(state["cursor"])
+        self._scan_from = _key_or_none(state["scan_from"])
+        self._snapshot = state["snapshot_position"]
+        for name in ReaderStats._SAVED:
+            setattr(self.stats, name, state["stats"][name])
+
+    def close(self) -> None:
+        if self._owns_store:
+            self.store.close()
+
+    def __enter__(self) -> "SampleReader":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # -- planning ------------------------------------------------------------
+    def _steps(self) -> Iterator[_Step]:
+        """Global steps from the committed state on; each carries the state after it."""
+        snapshot = None
+        if not self.config.follow:
+            snapshot = self._snapshot if self._snapshot is not None else self._watermark(check=True)
+        else:
+            self._watermark(check=True)
+        builder = _UnitBuilder(self.config)
+        units = self._units(builder, self._cursor, self._scan_from, snapshot)
+        ahead: deque[_Unit] = deque()
+        counts = {name: getattr(self.stats, name) for name in ReaderStats._SAVED}
+        cursor = self._cursor
+        while True:
+            taken, ended = self._gather(ahead, units)
+            kept = [u for u, skip in taken if not skip]
+            cost = sum(self._cost(u) for u in kept)
+            if not taken or (ended and self.config.drop_last and cost < self.world_size * self.config.capacity):
+                return
+            n, bins = plan_step([self._cost(u) for u in kept], self.world_size, self.config.capacity)
+            if n < len(kept):
+                cut = next(i for i, (u, _) in enumerate(taken) if u is kept[n])
+                ahead.extendleft(u for u, _ in reversed(taken[cut:]))
+                taken, kept = taken[:cut], kept[:n]
+            self._count(taken, counts)
+            cursor = taken[-1][0].key
+            if kept:
+                counts["steps"] += 1
+            yield _Step(counts["steps"] - 1, [[kept[i] for i in b] for b in bins] if kept else None,
+                        self._state_after(cursor, builder, ahead, snapshot, counts))
+            self.stats.open_groups = len(builder.groups)
+            if ended and not ahead:
+                return
+
+    def _gather(self, ahead: deque, units: Iterator[_Unit]) -> tuple[list[tuple[_Unit, bool]], bool]:
+        """The next units up to one step's budget, each with whether it is skipped; and
+        whether the unit sequence ended."""
+        taken: list[tuple[_Unit, bool]] = []
+        cost, budget = 0, self.world_size * self.config.capacity
+        while True:
+            if not ahead:
+                unit = next(units, None)
+                if unit is None:
+                    return taken, True
+                ahead.append(unit)
+            skip = self._skip(ahead[0])
+            if not skip:
+                if cost and cost + self._cost(ahead[0]) > budget:
+                    return taken, False
+                cost += self._cost(ahead[0])
+            taken.append((ahead.popleft(), skip))
+
+    def _skip(self, unit: _Unit) -> bool:
+        if not unit.kept:
+            return True  # every sample filtered out by status
+        version, staleness = self.current_version, self.config.max_staleness
+        return staleness is not None and version is not None and unit.oldest_version < version - staleness
+
+    def _cost(self, unit: _Unit) -> int:
+        return unit.num_tokens if self.config.max_tokens_per_batch else len(unit.kept)
+
+    @staticmethod
+    def _count(taken: list[tuple[_Unit, bool]], counts: dict[str, int]) -> None:
+        for unit, skip in taken:
+            counts["filtered_samples"] += len(unit.rows) - len(unit.kept)
+            if skip and unit.kept:
+                counts["stale_units"] += 1
+                counts["stale_samples"] += len(unit.kept)
+
+    def _state_after(self, cursor: Key, builder: _UnitBuilder, ahead: deque, snapshot: int | None,
+                     counts: dict[str, int]) -> dict[str, Any]:
+        scan_from = None
+        if self.config.keep_groups:
+            firsts = [u.first for u in ahead] + [k for k in [builder.first_pending()] if k is not None]
+            scan_from = min(firsts, default=None)
+        return {"cursor": list(cursor), "scan_from": None if scan_from is None else list(scan_from),
+                "snapshot_position": snapshot, "stats": dict(counts)}
+
+    # -- rows ------------------------------------------------------------------
+    def _units(self, builder: _UnitBuilder, cursor: Key | None, scan_from: Key | None,
+               snapshot: int | None) -> Iterator[_Unit]:
+        """Units completing after ``cursor``, in order."""
+        for row in self._rows(builder, cursor, scan_from, snapshot):
+            unit = builder.add(row)
+            if unit is not None and (cursor is None or unit.key > cursor):
+                yield unit
+
+    def _rows(self, builder: _UnitBuilder, cursor: Key | None, scan_from: Key | None,
+              snapshot: int | None) -> Iterator[dict[str, Any]]:
+        if cursor is not None and scan_from is not None and scan_from <= cursor:
+            # Rebuild the groups that were open at the cursor. A group whose
+            # earlier trajectories lie before the rescan already completed (its
+            # unit is at or before the cursor): its count starts where it was.
+            seen: set[str] = set()
+
+            def seed(group_id: str) -> int:
+                if group_id in seen:
+                    return 0
+                seen.add(group_id)
+                return self._trajectories_before(group_id, scan_from[0]) % self.config.group_size
+
+            builder.seed = seed
+            yield from self._scan((scan_from[0], scan_from[1] - 1), cursor[0], follow=False)
+            builder.seed = None
+        yield from self._scan(cursor, snapshot, follow=self.config.follow)
+
+    def _scan(self, after: Key | None, until: int | None, *, follow: bool) -> Iterator[dict[str, Any]]:
+        """Sample rows after ``after`` up to ``until`` (follow: up to the moving watermark)."""
+        idle_since = time.monotonic()
+        while True:
+            found = False
+            where = {"max_finished_position": self._watermark() if follow else until}
+            for page in self.store.log.iter_sample_rows(where=where, after=after, batch_size=self.config.page_rows):
+                found, after = True, _key(page[-1])
+                yield from page
+            if not follow:
+                return
+            if found:
+                idle_since = time.monotonic()
+                continue
+            if time.monotonic() - idle_since >= self.config.timeout_s:
+                return
+            self.stats.polls += 1
+            time.sleep(self.config.poll_interval_s)
+
+    def _trajectories_before(self, group_id: str, position: int) -> int:
+        where = {"group_id": group_id, "max_finished_position": position - 1}
+        seen = set()
+        for page in self.store.log.iter_sample_rows(where=where, after=None, batch_size=self.config.page_rows):
+            seen.update(r["finished_position"] for r in page)
+        return len(seen)
+
+    def _watermark(self, *, check: bool = False) -> int:
+        """Position up to which every materializer shard has committed its samples."""
+        n = self.config.num_shards
+        checkpoints = [self.store.log.load_checkpoint(f"{i}/{n}") for i in range(n)]
+        position = min(int(cp["position"]) if cp else 0 for cp in checkpoints)
+        if check and position == 0 and any(self.store.log.iter_sample_rows(where={}, after=None, batch_size=1)):
+            raise ValidationError(f"the store has samples but no checkpoint for every one of {n} materializer "
+                                  f"shard(s); set num_shards to the materializer's", rule="reader_config")
+        return position
+
+
+def _key_or_none(value: Any) -> Key | None:
+    return None if value is None else (int(value[0]), int(value[1]))
+
+
+def _validate_state(state: Any, config: ReaderConfig) -> None:
+    if not isinstance(state, dict):
+        raise ResumeStateError(f"reader state must be a dict, got {type(state).__name__}")
+    if state.get("format") != STATE_FORMAT:
+        raise ResumeStateError(f"not a trajstore reader state: format {state.get('format')!r}")
+    if state.get("version") != STATE_VERSION:
+        raise ResumeStateError(f"reader state version {state.get('version')!r} is not the supported {STATE_VERSION}")
+    for name in ("fingerprint", "cursor", "scan_from", "snapshot_position", "current_version", "stats"):
+        if name not in state:
+            raise ResumeStateError(f"reader state lacks {name!r}")
+    saved, mine = state["fingerprint"], config.fingerprint()
+    for name, value in mine.items():
+        if not isinstance(saved, dict) or saved.get(name) != value:
+            theirs = saved.get(name) if isinstance(saved, dict) else saved
+            raise ResumeStateError(f"state was saved with {name}={theirs!r}, this reader has {name}={value!r}")
+    for name in ("cursor", "scan_from"):
+        value = state[name]
+        if value is not None and not (isinstance(value, (list, tuple)) and len(value) == 2
+                                      and all(isinstance(v, int) and v >= 0 for v in value)):
+            raise ResumeStateError(f"reader state {name} must be null or [finished_position, sample_index], got {value!r}")
+    if state["scan_from"] is not None and (state["cursor"] is None or not config.keep_groups):
+        raise ResumeStateError(f"reader state scan_from {state['scan_from']!r} needs a cursor and keep_groups")
+    for name in ("snapshot_position", "current_version"):
+        if state[name] is not None and not isinstance(state[name], int):
+            raise ResumeStateError(f"reader state {name} must be an integer or null, got {state[name]!r}")
+    stats = state["stats"]
+    if not isinstance(stats, dict) or any(not isinstance(stats.get(n), int) for n in ReaderStats._SAVED):
+        raise ResumeStateError(f"reader state stats must hold integers {list(ReaderStats._SAVED)}, got {stats!r}")
+
+
+def __getattr__(name: str) -> Any:
+    if name == "SampleDataset":  # the torch edge, imported only when asked for
+        from trajstore.collate import SampleDataset
+
+        return SampleDataset
+    raise AttributeError(f"module 'trajstore.reader' has no attribute {name!r}")

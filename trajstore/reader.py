@@ -447,6 +447,7 @@ class SampleReader:
             unit = builder.add(row)
             if unit is not None and (cursor is None or unit.key > cursor):
                 yield unit
+        self.stats.open_groups = len(builder.groups)
 
     def _rows(self, builder: _UnitBuilder, cursor: Key | None, scan_from: Key | None,
               snapshot: int | None) -> Iterator[dict[str, Any]]:

@@ -1,0 +1,383 @@
+"""The reader on SQLite and PostgreSQL: resume in a new process (same and other
+world sizes), shard disjointness and coverage, GRPO group integrity,
+staleness, the watermark, follow mode against a live writer process.
+
+Resume failures are reported by name: "missing samples", "duplicate
+samples", "incorrect order".
+
+Run as a script, this file is the other process of the tests:
+    python tests/test_reader.py resume JOB.json     # resume readers from states, print the batches
+    python tests/test_reader.py produce URL PAYLOAD N   # append + materialize N trajectories slowly
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from collections import Counter
+from typing import Any
+
+import pytest
+
+import trajstore
+from trajstore.errors import ResumeStateError, ValidationError
+from trajstore.materializer import Materializer
+from trajstore.reader import ReaderConfig, SampleReader, plan_step
+from trajstore.simulate import RolloutConfig, trajectory_events
+
+HERE = os.path.abspath(__file__)
+ROOT = os.path.dirname(os.path.dirname(HERE))
+
+CFG = RolloutConfig(turns=2, prompt_tokens=12, output_tokens=6, observation_tokens=3, layers=2, topk=2,
+                    num_experts=8, group_size=4, mismatch_prob=0.3, abort_prob=0.2, fail_prob=0.15, seed=3)
+NUM_TRAJECTORIES = 48
+GROUP_SIZE = 4
+
+
+def fill(store, indices, *, materialize_every: int = 7) -> None:
+    """Append whole trajectories in the given order; materialize in small batches now and then."""
+    m = Materializer(store, batch_size=3)
+    for n, i in enumerate(indices, 1):
+        store.append(trajectory_events(CFG, i, version=i // 8))
+        if n % materialize_every == 0:
+            m.run()
+    m.run()
+
+
+def shuffled(n: int = NUM_TRAJECTORIES, seed: int = 0) -> list[int]:
+    """Arrival order of trajectories as in async GRPO: groups overlap their neighbours, so
+    a group can start before and finish after others (the case resume must rebuild)."""
+    rng = random.Random(seed)
+    return sorted(range(n), key=lambda i: i // GROUP_SIZE + rng.uniform(0, 2.5))
+
+
+@pytest.fixture
+def store(store_url, tmp_path):
+    s = trajstore.connect(store_url, payload=str(tmp_path / "payload"))
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def filled(store):
+    fill(store, shuffled())
+    return store
+
+
+def keys(batch) -> list[tuple[str, int]]:
+    return [(s.trajectory_id, s.sample_index) for s in batch]
+
+
+def drive(readers: list[SampleReader], max_steps: int | None = None,
+          schedule: dict | None = None) -> list[list[list[tuple[str, int]]]]:
+    """Read the ranks in lockstep: one entry per global step, one key list per rank.
+    ``schedule`` sets current_version = base + steps // every before each step."""
+    steps = []
+    while max_steps is None or len(steps) < max_steps:
+        if schedule:
+            for r in readers:
+                r.current_version = schedule["base"] + r.stats.steps // schedule["every"]
+        batches = [next(r, None) for r in readers]
+        if all(b is None for b in batches):
+            break
+        assert all(b is not None for b in batches), "ranks disagree on the number of steps"
+        steps.append([keys(b) for b in batches])
+    return steps
+
+
+def make_readers(store_or_url, world_size: int, config: dict, state=None, payload=None) -> list[SampleReader]:
+    readers = [SampleReader(store_or_url, rank=r, world_size=world_size, payload=payload, **config)
+               for r in range(world_size)]
+    if state is not None:
+        for r in readers:
+            r.load_state_dict(state)
+    return readers
+
+
+def flat(steps) -> list[tuple[str, int]]:
+    return [tuple(k) for step in steps for batch in step for k in batch]
+
+
+def assert_resumed(before, after, reference: list[tuple[str, int]]) -> None:
+    """before + after must read ``reference`` exactly once, each step a contiguous run of it."""
+    seen = flat(before) + flat(after)
+    missing = sorted(set(reference) - set(seen))
+    assert not missing, f"missing samples: {missing[:5]} ({len(missing)} in all)"
+    duplicates = sorted(k for k, c in Counter(seen).items() if c > 1)
+    assert not duplicates, f"duplicate samples: {duplicates[:5]} ({len(duplicates)} in all)"
+    extra = sorted(set(seen) - set(reference))
+    assert not extra, f"unexpected samples: {extra[:5]}"
+    rank_of = {k: i for i, k in enumerate(reference)}
+    by_step = [sorted((tuple(k) for batch in step for k in batch), key=rank_of.__getitem__) for step in before + after]
+    assert [k for step in by_step for k in step] == reference, "incorrect order"
+
+
+# --- resume ------------------------------------------------------------------------------------
+
+RESUME_CONFIGS = {
+    "samples": {"batch_size": 3},
+    "groups": {"batch_size": 6, "keep_groups": True, "group_size": GROUP_SIZE},
+    # group ids naming two groups each (8 trajectories share an id, 4 make a group)
+    "groups-reused-ids": {"batch_size": 4, "keep_groups": True, "group_size": GROUP_SIZE // 2},
+    "groups-tokens-stale": {"max_tokens_per_batch": 160, "keep_groups": True, "group_size": GROUP_SIZE,
+                            "max_staleness": 1, "current_version": 3, "status": ["completed"]},
+}
+# (world size before, batches before the stop, world size after)
+RESUMES = [(2, 2, 2), (2, 3, 3), (3, 2, 1), (1, 5, 4)]
+# The trainer's version moving on as it trains: which units are stale then
+# depends on the step, so only a same-world-size run can be compared.
+SCHEDULE = {"base": 2, "every": 3}
+
+
+@pytest.mark.parametrize("config_name", list(RESUME_CONFIGS))
+def test_resume_in_a_new_process_same_and_other_world_size(filled, config_name):
+    config = RESUME_CONFIGS[config_name]
+    store = filled
+    reference = flat(drive(make_readers(store, 1, config)))
+    assert len(reference) > 20
+    jobs, befores = [], []
+    for w_before, k, w_after in RESUMES + [(2, 3, 2)]:
+        schedule = SCHEDULE if len(jobs) == len(RESUMES) else None
+        readers = make_readers(store, w_before, config)
+        befores.append(drive(readers, k, schedule))
+        states = [json.loads(json.dumps(r.state_dict())) for r in readers]
+        assert all(s == states[0] for s in states), "ranks disagree on the state"
+        jobs.append({"world_size": w_after, "state": states[0], "schedule": schedule})
+    results = resume_in_new_process(store, config, jobs)
+    for (w_before, k, w_after), before, result, job in zip(RESUMES + [(2, 3, 2)], befores, results, jobs):
+        after = result["steps"]
+        readers = make_readers(store, w_after, config)
+        uninterrupted = drive(readers, schedule=job["schedule"])
+        # Groups rebuilt on resume must be exactly those still open: no phantom
+        # group may hold the rescan point back for the rest of training.
+        for name in ("cursor", "scan_from", "snapshot_position"):
+            assert result["state"][name] == readers[0].state_dict()[name], f"final {name} differs from an uninterrupted run"
+        if w_after == w_before:
+            assert len(before + after) == len(uninterrupted), "resumed run has another number of steps"
+            for i, (a, b) in enumerate(zip(before + after, uninterrupted)):
+                assert a == b, f"step {i} differs from an uninterrupted run"
+        if job["schedule"] is None:
+            assert_resumed(before, after, reference)
+
+
+def resume_in_new_process(store, config: dict, jobs: list[dict]) -> list[Any]:
+    job = {"url": store.url, "payload": store.payload.location, "config": config, "jobs": jobs}
+    path = os.path.join(store.payload.location, "resume-job.json")
+    with open(path, "w") as f:
+        json.dump(job, f)
+    out = subprocess.run([sys.executable, HERE, "resume", path], capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    results = json.loads(out.stdout)
+    for r in results:
+        r["steps"] = [[[tuple(k) for k in batch] for batch in step] for step in r["steps"]]
+    return results
+
+
+def _resume_main(path: str) -> None:
+    with open(path) as f:
+        job = json.load(f)
+    results = []
+    for j in job["jobs"]:
+        readers = make_readers(job["url"], j["world_size"], job["config"], j["state"], job["payload"])
+        steps = drive(readers, schedule=j["schedule"])
+        results.append({"steps": steps, "state": readers[0].state_dict()})
+    print(json.dumps(results))
+
+
+def test_state_is_small_json_and_carries_the_version(filled):
+    reader = SampleReader(filled, batch_size=4, keep_groups=True, group_size=GROUP_SIZE, current_version=3)
+    next(reader)
+    state = reader.state_dict()
+    assert len(json.dumps(state)) < 600
+    fresh = SampleReader(filled, batch_size=4, keep_groups=True, group_size=GROUP_SIZE)
+    fresh.load_state_dict(json.loads(json.dumps(state)))
+    assert fresh.current_version == 3 and fresh.state_dict() == state
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda s: s.update(format="other"), "not a trajstore reader state"),
+    (lambda s: s.update(version=2), "version 2 is not the supported 1"),
+    (lambda s: s.pop("cursor"), "lacks 'cursor'"),
+    (lambda s: s["fingerprint"].update(keep_groups=False), "saved with keep_groups=False, this reader has keep_groups=True"),
+    (lambda s: s["fingerprint"].update(group_size=8), "saved with group_size=8"),
+    (lambda s: s.update(cursor=[1, "x"]), "cursor must be null or"),
+    (lambda s: s.update(current_version="5"), "current_version must be an integer"),
+    (lambda s: s["stats"].pop("steps"), "stats must hold integers"),
+])
+def test_bad_states_are_refused_with_the_reason(filled, change, message):
+    config = {"batch_size": 4, "keep_groups": True, "group_size": GROUP_SIZE}
+    reader = SampleReader(filled, **config)
+    next(reader)
+    state = json.loads(json.dumps(reader.state_dict()))
+    change(state)
+    with pytest.raises(ResumeStateError, match=message):
+        SampleReader(filled, **config).load_state_dict(state)
+    with pytest.raises(ResumeStateError, match="must be a dict"):
+        SampleReader(filled, **config).load_state_dict([state])
+
+
+def test_status_filter_is_part_of_the_state(filled):
+    reader = SampleReader(filled, batch_size=4, status="completed")
+    next(reader)
+    with pytest.raises(ResumeStateError, match="status"):
+        SampleReader(filled, batch_size=4).load_state_dict(reader.state_dict())
+
+
+# --- sharding, groups, staleness ------------------------------------------------------------------
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 5])
+@pytest.mark.parametrize("config", [{"batch_size": 4}, {"max_tokens_per_batch": 200}], ids=["samples", "tokens"])
+def test_shards_are_disjoint_and_cover_every_sample(filled, world_size, config):
+    everything = [(s.trajectory_id, s.sample_index) for s in filled.samples()]
+    steps = drive(make_readers(filled, world_size, config))
+    per_rank = [set(k for step in steps for k in step[r]) for r in range(world_size)]
+    for a in range(world_size):
+        for b in range(a + 1, world_size):
+            assert not per_rank[a] & per_rank[b], f"ranks {a} and {b} share samples"
+    assert_resumed(steps, [], everything)
+    if "max_tokens_per_batch" in config:
+        tokens = {(s.trajectory_id, s.sample_index): s.num_tokens for s in filled.samples()}
+        for step in steps:
+            for batch in step:
+                assert len(batch) == 1 or sum(tokens[k] for k in batch) <= 200
+
+
+def test_drop_last_leaves_the_tail_for_a_later_reader(filled):
+    everything = [(s.trajectory_id, s.sample_index) for s in filled.samples()]
+    readers = make_readers(filled, 3, {"batch_size": 4, "drop_last": True})
+    steps = drive(readers)
+    assert all(len(batch) == 4 for step in steps for batch in step)
+    assert len(flat(steps)) == len(everything) - len(everything) % 12
+    rest = drive(make_readers(filled, 1, {"batch_size": 4}, readers[0].state_dict()))
+    assert_resumed(steps, rest, everything)
+
+
+def test_groups_stay_whole_in_one_batch_and_incomplete_groups_wait(store):
+    order = [i for i in shuffled() if i != 5]  # group 1 lacks one trajectory
+    fill(store, order)
+    samples = list(store.samples())
+    group_of = {(s.trajectory_id, s.sample_index): s.group_id for s in samples}
+    status_of = {(s.trajectory_id, s.sample_index): s.status for s in samples}
+    config = {"batch_size": 8, "keep_groups": True, "group_size": GROUP_SIZE, "status": ("completed",)}
+    readers = make_readers(store, 2, config)
+    steps = drive(readers)
+    place = {}
+    for i, step in enumerate(steps):
+        for r, batch in enumerate(step):
+            for k in batch:
+                assert place.setdefault(group_of[k], (i, r)) == (i, r), f"group {group_of[k]} split"
+    expected = {k for k in group_of if group_of[k] != "group-3-00001" and status_of[k] == "completed"}
+    assert set(flat(steps)) == expected
+    assert readers[0].stats.open_groups == 1
+    assert readers[0].stats.filtered_samples == sum(
+        1 for k in group_of if status_of[k] != "completed" and group_of[k] != "group-3-00001")
+
+
+def test_stale_units_are_skipped_and_counted(filled):
+    samples = list(filled.samples())
+    reader = SampleReader(filled, batch_size=5, max_staleness=1, current_version=4)
+    got = flat([[keys(b)] for b in reader])
+    fresh = [(s.trajectory_id, s.sample_index) for s in samples if s.min_model_version >= 3]
+    assert got == fresh
+    assert reader.stats.stale_samples == reader.stats.stale_units == len(samples) - len(fresh) > 0
+
+
+def test_stale_groups_are_skipped_whole(filled):
+    samples = list(filled.samples())
+    oldest: dict[str, int] = {}
+    for s in samples:
+        oldest[s.group_id] = min(oldest.get(s.group_id, 99), s.min_model_version)
+    reader = SampleReader(filled, batch_size=8, keep_groups=True, group_size=GROUP_SIZE,
+                          max_staleness=1, current_version=4)
+    got = set(flat([[keys(b)] for b in reader]))
+    assert got == {(s.trajectory_id, s.sample_index) for s in samples if oldest[s.group_id] >= 3}
+    assert reader.stats.stale_units == sum(1 for v in oldest.values() if v < 3)
+
+
+def test_current_version_applies_from_the_next_step(filled):
+    reader = SampleReader(filled, batch_size=2, max_staleness=0)
+    first = next(reader)
+    reader.current_version = 5
+    rest = [s for batch in reader for s in batch]
+    assert all(s.min_model_version >= 5 for s in rest) and first
+
+
+def test_plan_step_is_a_balanced_prefix():
+    assert plan_step([1] * 10, 3, 2) == (6, [[0, 3], [1, 4], [2, 5]])
+    assert plan_step([9, 1, 1], 2, 4) == (1, [[0], []])  # oversized unit alone
+    n, bins = plan_step([5, 1, 4, 2, 3, 3, 7], 2, 8)
+    assert sorted(i for b in bins for i in b) == list(range(n))
+    loads = [sum([5, 1, 4, 2, 3, 3, 7][i] for i in b) for b in bins]
+    assert n == 5 and max(loads) <= 8 and max(loads) - min(loads) <= 1
+    assert plan_step([], 2, 4) == (0, [[], []])
+
+
+def test_config_errors_are_one_line(filled):
+    with pytest.raises(ValidationError, match="needs group_size"):
+        ReaderConfig(keep_groups=True)
+    with pytest.raises(ValidationError, match="not both"):
+        ReaderConfig(batch_size=2, max_tokens_per_batch=10)
+    with pytest.raises(ValidationError, match="rank 2 not in"):
+        SampleReader(filled, rank=2, world_size=2)
+
+
+# --- watermark and follow ---------------------------------------------------------------------------
+
+def test_only_samples_below_every_shard_checkpoint_are_read(store):
+    for i in range(12):
+        store.append(trajectory_events(CFG, i))
+    Materializer(store, shard_index=0, num_shards=2).run()
+    Materializer(store, shard_index=1, num_shards=2, batch_size=4).run(max_steps=1)
+    watermark = store.log.load_checkpoint("1/2")["position"]
+    rows = [r for page in store.log.iter_sample_rows(where={}, after=None, batch_size=1000) for r in page]
+    got = [s for batch in SampleReader(store, batch_size=4, num_shards=2) for s in batch]
+    assert keys(got) == [(r["trajectory_id"], r["sample_index"]) for r in rows if r["finished_position"] <= watermark]
+    assert 0 < len(got) < len(rows)
+    with pytest.raises(ValidationError, match="num_shards"):
+        next(SampleReader(store, batch_size=4))
+
+
+@pytest.mark.parametrize("config", [{"batch_size": 3}, {"batch_size": 8, "keep_groups": True, "group_size": GROUP_SIZE}],
+                         ids=["samples", "groups"])
+def test_follow_sees_every_sample_once_while_another_process_writes(store, config):
+    producer = subprocess.Popen([sys.executable, HERE, "produce", store.url, store.payload.location, "32"],
+                                cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    try:
+        reader = SampleReader(store, follow=True, timeout_s=5.0, poll_interval_s=0.05, **config)
+        steps = [[keys(batch)] for batch in reader]
+    finally:
+        _, err = producer.communicate(timeout=120)
+    assert producer.returncode == 0, err[-2000:]
+    assert reader.stats.polls > 0, "the reader never had to wait: the test did not exercise following"
+    reference = flat(drive(make_readers(store, 1, config)))
+    assert len(reference) >= 32
+    assert_resumed(steps, [], reference)
+
+
+def _produce_main(url: str, payload: str, n: int) -> None:
+    store = trajstore.connect(url, payload=payload)
+    m = Materializer(store, batch_size=2)
+    for k, i in enumerate(shuffled(n, seed=1)):
+        store.append(trajectory_events(CFG, i, version=i // 8))
+        if k % 3 == 2:
+            m.run()
+            time.sleep(0.3)
+    m.run()
+    store.close()
+
+
+def test_core_reader_does_not_import_torch():
+    code = "import sys, trajstore, trajstore.reader; assert 'torch' not in sys.modules, 'torch imported'"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "resume":
+        _resume_main(sys.argv[2])
+    elif sys.argv[1] == "produce":
+        _produce_main(sys.argv[2], sys.argv[3], int(sys.argv[4]))

@@ -1,0 +1,38 @@
+"""Materializer shards as real Ray actors (local Ray cluster) fold every trajectory once."""
+
+from __future__ import annotations
+
+import pytest
+
+import trajstore
+from trajstore.simulate import RolloutConfig, trajectory_events
+
+ray = pytest.importorskip("ray")
+
+CFG = RolloutConfig(turns=3, prompt_tokens=16, output_tokens=8, observation_tokens=4, layers=2, topk=2,
+                    mismatch_prob=0.3, abort_prob=0.2)
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    yield
+    ray.shutdown()
+
+
+def test_ray_shards_fold_everything_exactly_once(local_ray, fresh_pg_url, tmp_path):
+    from trajstore.ray_actors import materialize_with_ray
+
+    payload = str(tmp_path / "payload")
+    store = trajstore.connect(fresh_pg_url, payload=payload)
+    for i in range(30):
+        store.append(trajectory_events(CFG, i))
+    metrics = materialize_with_ray(fresh_pg_url, 3, payload=payload, num_cpus_per_shard=0.5)
+    samples = list(store.samples())
+    assert len({(s.trajectory_id, s.sample_index) for s in samples}) == len(samples) == metrics.num_samples_after
+    assert {s.trajectory_id for s in samples} == {trajectory_events(CFG, i)[0]["trajectory_id"] for i in range(30)}
+    assert metrics.num_steps_before == sum(
+        1 for i in range(30) for e in trajectory_events(CFG, i) if e["type"] == "generation")
+    assert {store.log.load_checkpoint(f"{k}/3")["position"] for k in range(3)} == {store.log.head_position()}
+    again = materialize_with_ray(fresh_pg_url, 3, payload=payload, num_cpus_per_shard=0.5)
+    assert again.num_samples_after == 0

@@ -259,3 +259,23 @@ def test_postgres_owner_without_createrole_is_told_what_to_do(owned_store, capsy
     assert out.splitlines()[1] == str(len(trajectory_events(CFG, 0)))
     rc, _, err = run_cli(capsys, ["--store", url, "sql", "DELETE FROM events"])
     assert rc == 1 and "read-only transaction" in err
+
+
+def test_postgres_analyst_login_in_the_reader_role_cannot_write(store, capsys):
+    """docs/sql.md: hand out a LOGIN role IN ROLE trajstore_reader."""
+    if store.log.write_engine.dialect.name != "postgresql":
+        pytest.skip("PostgreSQL roles")
+    analyst = f"analyst_{uuid.uuid4().hex[:8]}"
+    with store.log.write_engine.begin() as conn:
+        conn.execute(text(f"CREATE ROLE {analyst} LOGIN IN ROLE {READER_ROLE}"))
+    url = make_url(store.url).set(username=analyst)
+    try:
+        rc, out, err = run_cli(capsys, ["--store", url.render_as_string(False), "sql", "--format", "csv",
+                                        "SELECT count(*) FROM trajectory_summary"])
+        assert (rc, err, out.splitlines()[1]) == (0, "", "6")
+        with psycopg.connect(url.set(drivername="postgresql").render_as_string(False)) as direct:
+            with pytest.raises(psycopg.errors.InsufficientPrivilege):
+                direct.execute("DELETE FROM events")
+    finally:
+        with store.log.write_engine.begin() as conn:
+            conn.execute(text(f"DROP ROLE {analyst}"))

@@ -256,3 +256,18 @@ def test_kill_9_materializer_then_restart_equals_clean_run(store_url, tmp_path):
     assert stats.num_samples_after <= clean_stats.num_samples_after
     store.close()
     clean.close()
+
+
+def test_sample_rows_index_the_merge(store):
+    from sqlalchemy import select
+
+    from trajstore.schema import samples as samples_table
+
+    store.append([started("t1"), gen("t1", 0, [1], [2]), gen("t1", 1, [1, 2, 3], [4]), gen("t1", 2, [9], [8]),
+                  finished("t1")])
+    store.materialize()
+    with store.log.read_engine.connect() as conn:
+        rows = conn.execute(select(samples_table.c.sample_index, samples_table.c.num_merged_calls,
+                                   samples_table.c.prompt_len, samples_table.c.response_len)
+                            .order_by(samples_table.c.sample_index)).all()
+    assert [tuple(r) for r in rows] == [(0, 2, 1, 3), (1, 1, 1, 1)]

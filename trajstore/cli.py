@@ -74,14 +74,7 @@ def cmd_materialize(args: argparse.Namespace) -> int:
     store = _store(args)
     m = Materializer(store, shard_index=args.shard, num_shards=args.num_shards, batch_size=args.batch_size)
     with progress_bar("materializing trajectories", total=m.pending()) as advance:
-        done = 0
-
-        def on_progress(n: int, _total: int) -> None:
-            nonlocal done
-            advance(n - done)
-            done = n
-
-        m.progress = on_progress
+        m.progress = advance
         stats = m.run()
     _print_json(stats.to_dict())
     return 0

@@ -73,14 +73,7 @@ def run_demo(args: argparse.Namespace) -> int:
 
     m = Materializer(store)
     with progress_bar("materialize", total=m.pending()) as advance:
-        seen = 0
-
-        def on_progress(n: int, _total: int) -> None:
-            nonlocal seen
-            advance(n - seen)
-            seen = n
-
-        m.progress = on_progress
+        m.progress = advance
         stats = m.run()
     from trajstore.export import export_samples
 

@@ -20,17 +20,12 @@ import pyarrow.parquet as pq
 
 from trajstore.payload import list_column
 from trajstore.sample import Sample
+from trajstore.samples import SAMPLE_LIST_COLUMNS
 
 __all__ = ["export_samples", "export_table", "routes_from_export"]
 
-_LISTS = {
-    "prompt_ids": np.int32,
-    "response_ids": np.int32,
-    "loss_mask": np.uint8,
-    "rollout_logprobs": np.float32,
-    "token_model_versions": np.int32,
-    "token_rewards": np.float32,
-}
+# the sample segment's list columns; the route mask is exported as list<bool> instead
+_LISTS = {k: v for k, v in SAMPLE_LIST_COLUMNS.items() if k != "routed_experts_mask"}
 
 
 def export_table(samples: Sequence[Sample]) -> pa.Table:

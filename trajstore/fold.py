@@ -75,6 +75,8 @@ class FoldMetrics:
 class FoldResult:
     samples: list[Sample]
     metrics: FoldMetrics
+    calls_per_sample: tuple[int, ...] = ()
+    """Generation events merged into each sample (1 = no merge)."""
 
 
 @dataclass(frozen=True)
@@ -137,7 +139,8 @@ def fold(
         samples.append(prev)
     if final_reward is not None:
         samples[-1].reward = float(final_reward)
-    return FoldResult(samples, FoldMetrics(len(generations), len(samples), len(groups) - 1))
+    return FoldResult(samples, FoldMetrics(len(generations), len(samples), len(groups) - 1),
+                      tuple(len(g) for g in groups))
 
 
 def _continues(prev: Generation, gen: Generation) -> bool:

@@ -78,7 +78,7 @@ class Materializer:
         num_shards: int = 1,
         batch_size: int = 256,
         max_batch_tokens: int = 262_144,
-        progress: Callable[[int, int], None] | None = None,
+        progress: Callable[[int], None] | None = None,
     ) -> None:
         if not 0 <= shard_index < num_shards:
             raise ValueError(f"shard_index {shard_index} not in [0, {num_shards})")
@@ -97,7 +97,6 @@ class Materializer:
     def run(self, *, max_steps: int | None = None) -> MaterializeStats:
         """Fold until nothing finished is pending (or ``max_steps`` batches)."""
         stats = MaterializeStats(position=self._checkpoint()[0])
-        total = self.pending() if self.progress else 0
         steps = 0
         while max_steps is None or steps < max_steps:
             done = self.step()
@@ -107,7 +106,7 @@ class Materializer:
             stats = MaterializeStats(stats.metrics + metrics, stats.num_trajectories + n, position)
             steps += 1
             if self.progress:
-                self.progress(stats.num_trajectories, total)
+                self.progress(n)  # trajectories folded by this step
         return stats
 
     def step(self) -> tuple[FoldMetrics, int, int] | None:
@@ -119,10 +118,10 @@ class Materializer:
         if not finished:
             return None
         finished, mine, trajs = self._within_budget(finished)
-        samples, metrics = self._fold(mine, trajs)
+        samples, calls, metrics = self._fold(mine, trajs)
         last = finished[-1]["position"]
         seg_name = f"samples-{self.shard_index}of{self.num_shards}-{position + 1:012d}-{last:012d}.parquet"
-        seg_row, sample_rows = self._write(seg_name, samples, {e["trajectory_id"]: e["position"] for e in mine})
+        seg_row, sample_rows = self._write(seg_name, samples, calls, {e["trajectory_id"]: e["position"] for e in mine})
         checkpoint = {"position": last, **(cumulative + metrics).to_dict()}
         checkpoint.pop("merge_ratio")
         try:
@@ -155,13 +154,15 @@ class Materializer:
         last = finished[-1]["position"]
         return finished, [e for e in mine if e["position"] <= last], trajs
 
-    def _fold(self, finished: list[dict[str, Any]], trajs: dict[str, dict[str, Any]]) -> tuple[list[Sample], FoldMetrics]:
+    def _fold(self, finished: list[dict[str, Any]],
+              trajs: dict[str, dict[str, Any]]) -> tuple[list[Sample], list[int], FoldMetrics]:
         ids = [e["trajectory_id"] for e in finished]
         if not ids:
-            return [], FoldMetrics()
+            return [], [], FoldMetrics()
         events = self.store.log.trajectory_events(ids)
         tables = read_segment_rows(self.store.payload, [r for rows in events.values() for r in rows])
         samples: list[Sample] = []
+        calls: list[int] = []
         metrics = FoldMetrics()
         for fin in finished:
             tid = fin["trajectory_id"]
@@ -174,20 +175,23 @@ class Materializer:
             result = fold(gens, trajectory_id=tid, group_id=traj["group_id"], status=fin["status"],
                           final_reward=rewards[-1] if rewards else None, num_experts=traj["num_experts"])
             samples.extend(result.samples)
+            calls.extend(result.calls_per_sample)
             metrics = metrics + result.metrics
-        return samples, metrics
+        return samples, calls, metrics
 
-    def _write(self, name: str, samples: list[Sample], finished_at: dict[str, int]):
+    def _write(self, name: str, samples: list[Sample], calls: list[int], finished_at: dict[str, int]):
         if not samples:
             return None, []
         table = sample_table(samples)
         size = self.store.payload.write(name, table, rows_per_batch=rows_per_batch(table), atomic=True)
         now = time.time()
         seg_row = {"name": name, "kind": "samples", "num_rows": len(samples), "num_bytes": size, "created_at": now}
-        return seg_row, [_sample_row(s, i, name, finished_at[s.trajectory_id], now) for i, s in enumerate(samples)]
+        return seg_row, [_sample_row(s, i, name, finished_at[s.trajectory_id], c, now)
+                         for i, (s, c) in enumerate(zip(samples, calls))]
 
 
-def _sample_row(s: Sample, row: int, segment: str, finished_position: int, now: float) -> dict[str, Any]:
+def _sample_row(s: Sample, row: int, segment: str, finished_position: int, num_calls: int,
+                now: float) -> dict[str, Any]:
     mask = s.routed_experts_mask
     return {
         "trajectory_id": s.trajectory_id,
@@ -199,7 +203,7 @@ def _sample_row(s: Sample, row: int, segment: str, finished_position: int, now: 
         "prompt_len": len(s.prompt_ids),
         "response_len": len(s.response_ids),
         "num_loss_tokens": int(s.loss_mask.sum()),
-        "num_merged_calls": 0,
+        "num_merged_calls": num_calls,
         "reward": s.reward,
         "min_model_version": s.min_model_version,
         "max_model_version": s.max_model_version,

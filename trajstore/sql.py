@@ -66,10 +66,15 @@ def read_only(url: str | None, *, timeout_s: float | None = None) -> Iterator[Qu
     All queries see one snapshot. The schema is brought up to date first
     (as every command does), so the views exist on a store made by an
     older trajstore."""
+    from sqlalchemy.exc import ArgumentError
+
     from trajstore.store import resolve_url
 
     url = resolve_url(url)
-    backend = make_url(url).get_backend_name()
+    try:
+        backend = make_url(url).get_backend_name()
+    except ArgumentError:
+        raise TrajstoreError(f"not a store URL: {url!r} (use sqlite:///path.db or postgresql+psycopg://...)") from None
     _upgrade(url, backend)
     opener = _sqlite_reader if backend == "sqlite" else _postgres_reader
     with opener(url, timeout_s) as query:
@@ -82,7 +87,7 @@ def run_query(url: str | None, sql: str, *, timeout_s: float | None = None) -> Q
 
 
 def _upgrade(url: str, backend: str) -> None:
-    from sqlalchemy.exc import OperationalError
+    from sqlalchemy.exc import DBAPIError
 
     if backend == "sqlite":
         from trajstore.log import sqlite as dialect
@@ -99,7 +104,7 @@ def _upgrade(url: str, backend: str) -> None:
             from trajstore.migrate import upgrade
 
             upgrade(write_engine)
-    except OperationalError as e:
+    except DBAPIError as e:  # unreachable, or a reader login that cannot migrate
         raise StoreUnavailable(f"cannot open store: {_first_line(str(e.orig))}") from None
     finally:
         write_engine.dispose()

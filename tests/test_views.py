@@ -308,6 +308,9 @@ def test_sample_summary_against_the_samples_themselves(built):
     got = view_rows(built.store, "sample_summary", ("trajectory_id", "sample_index"))
     samples = list(built.store.samples())
     assert len(samples) == len(got)
+    recorded = view_rows(built.store, "samples", ("trajectory_id", "sample_index"))
+    assert {k: r["num_merged_calls"] for k, r in got.items()} == \
+        {k: r["num_merged_calls"] for k, r in recorded.items()}, "the view and the materializer disagree"
     for s in samples:
         row = got[(s.trajectory_id, s.sample_index)]
         assert row["num_tokens"] == s.num_tokens

@@ -69,7 +69,7 @@ def binary_column(chunks: Sequence[np.ndarray | None]) -> pa.ChunkedArray:
 
 def column_chunks(column: pa.ChunkedArray | pa.Array, dtype: np.dtype) -> list[np.ndarray | None]:
     """Per-row numpy views of a list column (zero-copy where Arrow allows)."""
-    arr = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    arr = _one_array(column)
     if len(arr) == 0:
         return []
     offsets = np.asarray(arr.offsets)
@@ -80,7 +80,7 @@ def column_chunks(column: pa.ChunkedArray | pa.Array, dtype: np.dtype) -> list[n
 
 def binary_chunks(column: pa.ChunkedArray | pa.Array) -> list[memoryview | None]:
     """Per-row byte views of a binary column."""
-    arr = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    arr = _one_array(column)
     if len(arr) == 0:
         return []
     offsets = np.frombuffer(arr.buffers()[1], dtype=np.int64)[arr.offset: arr.offset + len(arr) + 1]
@@ -88,6 +88,13 @@ def binary_chunks(column: pa.ChunkedArray | pa.Array) -> list[memoryview | None]
     data_np = np.frombuffer(data, dtype=np.uint8) if data is not None else np.zeros(0, np.uint8)
     valid = np.asarray(arr.is_valid())
     return [data_np[lo:hi] if ok else None for lo, hi, ok in zip(offsets[:-1], offsets[1:], valid)]
+
+
+def _one_array(column: pa.ChunkedArray | pa.Array) -> pa.Array:
+    """The column as one array; ``combine_chunks`` copies even a single chunk, so skip it then."""
+    if not isinstance(column, pa.ChunkedArray):
+        return column
+    return column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
 
 
 @dataclass

@@ -129,13 +129,18 @@ def _route_fields(samples: Sequence[Sample], rows_B: np.ndarray, starts_B: np.nd
     if len(layer_topk) > 1:
         raise ValidationError(f"samples disagree on routes [layers, topk]: {sorted(layer_topk)}", rule="collate")
     dtype = np.uint16 if any(s.routed_experts.dtype == np.uint16 for s in with_routes) else np.uint8
-    routes_BSLK = np.zeros(shape + next(iter(layer_topk)), dtype=dtype)
+    # Uninitialised, then zeroed only where no route is copied: routes are the
+    # bulk of a batch, and writing them twice would cost a second pass.
+    routes_BSLK = np.empty(shape + next(iter(layer_topk)), dtype=dtype)
     routes_mask_BS = np.ones(shape, dtype=np.bool_)
+    copied_BS = np.zeros(shape, dtype=np.bool_)
     for s, row, start in zip(samples, rows_B, starts_B):
         if s.routed_experts is not None:
             whole = slice(start, start + s.num_tokens)
             routes_BSLK[row, whole] = s.routed_experts
             routes_mask_BS[row, whole] = s.routed_experts_mask
+            copied_BS[row, whole] = True
+    routes_BSLK[~copied_BS] = 0
     return {"routed_experts": routes_BSLK, "routed_experts_mask": routes_mask_BS}
 
 

@@ -28,10 +28,14 @@ the reader has seen is a prefix of what it will ever see.
 from __future__ import annotations
 
 import heapq
+import threading
 import time
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Iterator, Sequence
+
+import pyarrow as pa
 
 from trajstore.errors import ResumeStateError, ValidationError
 from trajstore.sample import Sample
@@ -71,6 +75,12 @@ class ReaderConfig:
     drop_last: bool = False
     """Leave a final step that is not full unconsumed instead of yielding it
     (then a rank may get an empty batch); a later reader picks it up."""
+    prefetch: bool = True
+    """Load the next step's batch in a background thread while this one is
+    used (payload decoding releases the GIL). Off with ``max_staleness``,
+    whose next step is planned only once ``current_version`` is set."""
+    read_threads: int = 2
+    """Threads decoding one batch's payload (Parquet decodes a read on one core)."""
     num_shards: int = 1
     """Materializer shards writing this store (their checkpoints bound what is safe to read)."""
     page_rows: int = 1024
@@ -83,7 +93,7 @@ class ReaderConfig:
             object.__setattr__(self, "status", tuple(self.status))
         if self.batch_size is not None and self.max_tokens_per_batch is not None:
             raise ValidationError("set batch_size or max_tokens_per_batch, not both", rule="reader_config")
-        for name in ("batch_size", "max_tokens_per_batch", "group_size", "num_shards", "page_rows"):
+        for name in ("batch_size", "max_tokens_per_batch", "group_size", "num_shards", "page_rows", "read_threads"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValidationError(f"{name} must be a positive integer, got {value!r}", rule="reader_config")
@@ -281,6 +291,7 @@ class SampleReader:
         self._snapshot: int | None = None
         self._steps_gen: Iterator[_Step] | None = None
         self._batches: Iterator[tuple[int, list[Sample]]] | None = None
+        self._pool: ThreadPoolExecutor | None = None
 
     # -- iteration ---------------------------------------------------------
     def __iter__(self) -> "SampleReader":
@@ -298,9 +309,26 @@ class SampleReader:
         ``offset`` of ``stride`` loads its share and its states stay exact."""
         if self._steps_gen is None:
             self._steps_gen = self._steps()
-        for step in self._steps_gen:
+        steps = self._steps_gen
+
+        def produce() -> tuple[_Step, list[Sample] | None] | None:
+            step = next(steps, None)
+            if step is None:
+                return None
             mine = step.bins is not None and step.index % stride == offset
-            batch = self._load(step.bins[self.rank]) if mine else None
+            return step, self._load(step.bins[self.rank]) if mine else None
+
+        # The next step is planned ahead only when that cannot change it: with
+        # max_staleness it depends on current_version, set after this batch.
+        ahead = self.config.prefetch and self.config.max_staleness is None
+        pending = _in_background(produce) if ahead else None
+        while True:
+            item = pending.result() if pending is not None else produce()
+            if item is None:
+                return
+            if ahead:
+                pending = _in_background(produce)  # decode the next batch while this one is used
+            step, batch = item
             self._commit(step.state)
             if batch is not None:
                 self.stats.batches += 1
@@ -309,11 +337,36 @@ class SampleReader:
                 yield step.index, batch
 
     def _load(self, units: Sequence[_Unit]) -> list[Sample]:
-        """The samples of some units, in order, reading each segment once."""
-        from trajstore.samples import load_samples
+        """The samples of some units, in order.
 
+        Each segment's rows are read in up to ``read_threads`` contiguous parts
+        in parallel: one Parquet read decodes its row groups on one core."""
         rows = [r for u in units for r in u.kept]
-        return load_samples(self.store, rows) if rows else []
+        by_segment: dict[str, list[int]] = {}
+        for i, r in enumerate(rows):
+            by_segment.setdefault(r["segment"], []).append(i)
+        n = self.config.read_threads
+        jobs = [(name, part) for name, idx in by_segment.items() for part in _split(idx, n)]
+        if len(jobs) > 1:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(n, thread_name_prefix="trajstore-reader")
+            parts = list(self._pool.map(lambda job: self._read(rows, *job), jobs))
+        else:
+            parts = [self._read(rows, *job) for job in jobs]
+        out: list[Any] = [None] * len(rows)
+        for part in parts:
+            for i, sample in part:
+                out[i] = sample
+        return out
+
+    def _read(self, rows: list[dict[str, Any]], segment: str, idx: list[int]) -> list[tuple[int, Sample]]:
+        """(index in ``rows``, sample) for some rows of one segment. Samples are built per
+        record batch, so their arrays are views of the decoded buffers, not copies."""
+        from trajstore.samples import samples_from_table
+
+        part = self.store.payload.read_rows(segment, (rows[i]["segment_row"] for i in idx))
+        built = [s for b in part.table.to_batches() for s in samples_from_table(pa.Table.from_batches([b]))]
+        return [(i, built[part.index[rows[i]["segment_row"]]]) for i in idx]
 
     # -- resume state --------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -352,6 +405,8 @@ class SampleReader:
             setattr(self.stats, name, state["stats"][name])
 
     def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
         if self._owns_store:
             self.store.close()
 
@@ -503,6 +558,26 @@ class SampleReader:
             raise ValidationError(f"the store has samples but no checkpoint for every one of {n} materializer "
                                   f"shard(s); set num_shards to the materializer's", rule="reader_config")
         return position
+
+
+def _split(items: list[int], n: int) -> list[list[int]]:
+    """``items`` in at most ``n`` contiguous, non-empty parts of near-equal size."""
+    n = min(n, len(items))
+    return [items[k * len(items) // n: (k + 1) * len(items) // n] for k in range(n)]
+
+
+def _in_background(fn: Any) -> Future:
+    """Run ``fn`` in a daemon thread (never holds up interpreter exit, e.g. while following)."""
+    future: Future = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn())
+        except BaseException as e:  # re-raised in the consumer by future.result()
+            future.set_exception(e)
+
+    threading.Thread(target=run, daemon=True, name="trajstore-reader-prefetch").start()
+    return future
 
 
 def _key_or_none(value: Any) -> Key | None:

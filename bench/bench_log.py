@@ -76,8 +76,9 @@ def _raw_table(gens: list[dict]) -> pa.Table:
     })
 
 
-def append_rate(url: str, payload: str, trajs: list[list[dict]], batch: int) -> tuple[float, int]:
-    store = trajstore.connect(url, payload=payload)
+def append_rate(url: str, payload: str, trajs: list[list[dict]], batch: int,
+                compression: str | None = None) -> tuple[float, int]:
+    store = trajstore.connect(url, payload=payload, log_compression=compression)
     t0 = time.perf_counter()
     for i in range(0, len(trajs), batch):
         store.append([e for t in trajs[i : i + batch] for e in t])
@@ -101,8 +102,10 @@ def bench_append(args, pg_url: str | None, out: dict) -> None:
         for rep in range(args.repeats):  # interleaved repeats: the machine is noisy
             raw = raw_pyarrow(trajs, os.path.join(d, f"raw{rep}.parquet"), args.batch)
             lite, lite_size = append_rate(f"sqlite:///{d}/s{rep}.db", f"{d}/s{rep}.payload", trajs, args.batch)
+            zstd, zstd_size = append_rate(f"sqlite:///{d}/z{rep}.db", f"{d}/z{rep}.payload", trajs, args.batch, "zstd")
             rows.setdefault("raw pyarrow", []).append(raw)
             rows.setdefault("sqlite", []).append(lite)
+            rows.setdefault("sqlite, log_compression=zstd", []).append(zstd)
             if pg_url:
                 pg, _ = append_rate(pg_url.replace("/bench", f"/bench{rep}"), f"{d}/pg{rep}.payload", trajs, args.batch)
                 rows.setdefault("postgres", []).append(pg)
@@ -114,7 +117,7 @@ def bench_append(args, pg_url: str | None, out: dict) -> None:
         }
         out["append_setup"] = {"events": args.events, "tokens_per_event": PROMPT + OUTPUT, "routes": f"{LAYERS}x{TOPK} uint8 ids<{EXPERTS}",
                                "events_per_append": args.batch, "repeats": args.repeats}
-        out["bytes_per_token_on_disk"] = lite_size / tokens
+        out["bytes_per_token_on_disk"] = {"default": lite_size / tokens, "log_compression=zstd": zstd_size / tokens}
 
 
 def bench_fold(out: dict, n: int) -> None:

@@ -44,7 +44,8 @@ def resolve_url(url: str | None) -> str:
     return url or os.environ.get("TRAJSTORE_URL") or DEFAULT_URL
 
 
-def connect(url: str | None = None, *, payload: str | None = None, migrate: bool = True) -> "Store":
+def connect(url: str | None = None, *, payload: str | None = None, log_compression: str | None = None,
+            migrate: bool = True) -> "Store":
     """Open (and on first use create) a store.
 
     ``url``: ``sqlite:///path.db`` (embedded) or ``postgresql+psycopg://...``;
@@ -52,12 +53,15 @@ def connect(url: str | None = None, *, payload: str | None = None, migrate: bool
     ``payload``: where the Parquet segments live (a local path or any pyarrow
     filesystem URI); None means ``$TRAJSTORE_PAYLOAD_DIR`` for PostgreSQL (else
     ``./trajstore-payload/<database>``) and ``<db file>.payload/`` for SQLite.
+    ``log_compression``: codec of the log's payload files (None, "lz4",
+    "zstd"); see ``trajstore.payload.PayloadStore``. Readers need not agree.
     """
-    return Store(resolve_url(url), payload=payload, migrate=migrate)
+    return Store(resolve_url(url), payload=payload, log_compression=log_compression, migrate=migrate)
 
 
 class Store:
-    def __init__(self, url: str, *, payload: str | None = None, migrate: bool = True) -> None:
+    def __init__(self, url: str, *, payload: str | None = None, log_compression: str | None = None,
+                 migrate: bool = True) -> None:
         self.url = url
         backend = _backend(url)
         write_engine, read_engine = backend.make_engines(url)
@@ -73,7 +77,7 @@ class Store:
                     raise StoreUnavailable(f"cannot open store {_safe(url)}: {str(e.orig).strip().splitlines()[0]}") from None
                 raise
         self.log: EventLog = SqlEventLog(write_engine, read_engine)
-        self.payload = PayloadStore(payload or backend.default_payload_dir(url))
+        self.payload = PayloadStore(payload or backend.default_payload_dir(url), log_compression)
 
     # -- appending ---------------------------------------------------------
     def append(self, events: Iterable[Mapping[str, Any] | Event]) -> AppendResult:

@@ -56,8 +56,9 @@ def _worker_args(url: str, args: Any) -> list[str]:
 
     argv = ["--store", url, "--steps", str(STEPS), "--max-tokens", str(MAX_TOKENS_PER_BATCH),
             "--group-size", str(DEMO_CONFIG.group_size), "--num-experts", str(DEMO_CONFIG.num_experts),
-            # the rollouts span policy versions 0..4: start at 3 and skip what is > 2 versions old
-            "--start-version", "3", "--max-staleness", "2", "--json"]
+            # The rollouts span policy versions 0..4; the trainer starts at 3 and
+            # moves on every 2 steps, skipping what is more than 2 versions old.
+            "--start-version", "3", "--version-every", "2", "--max-staleness", "2", "--json"]
     if getattr(args, "payload", None):
         argv += ["--payload", args.payload]
     return argv

@@ -201,8 +201,8 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
             report.update(step=reader.stats.steps, samples=len(samples), tokens=int(batch["seq_lens"].sum()),
                           stale_skipped=reader.stats.stale_samples, step_s=round(time.perf_counter() - start, 3),
                           routes=list(batch["routed_experts"].shape), moe_layer_ids=moe_layer_ids)
-            if args.start_version is not None:
-                reader.current_version = args.start_version + reader.stats.steps  # the policy moved on
+            if args.start_version is not None:  # the policy moves on as it trains
+                reader.current_version = args.start_version + reader.stats.steps // args.version_every
             if args.state:
                 _save(args.state, reader.state_dict())
             yield report
@@ -229,6 +229,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-experts", type=int, default=64, help="experts per MoE layer of the rollout model")
     p.add_argument("--moe-layers", type=int, default=2, help="MoE layers in the model (replay the first and last recorded)")
     p.add_argument("--start-version", type=int, default=None, help="trainer policy version at start (staleness)")
+    p.add_argument("--version-every", type=int, default=1, help="steps per policy version")
     p.add_argument("--max-staleness", type=int, default=None)
     p.add_argument("--follow", action="store_true", help="keep polling for new samples")
     p.add_argument("--timeout-s", type=float, default=60.0)

@@ -276,13 +276,13 @@ class SampleReader:
                  current_version: int | None = None, payload: str | None = None, **fields: Any) -> None:
         if not isinstance(world_size, int) or world_size < 1 or not isinstance(rank, int) or not 0 <= rank < world_size:
             raise ValidationError(f"rank {rank!r} not in [0, world_size={world_size!r})", rule="reader_config")
+        self.config = ReaderConfig(**fields) if config is None else replace(config, **fields)
         self._owns_store = isinstance(store, str)
         if self._owns_store:
             from trajstore.store import connect
 
             store = connect(store, payload=payload, migrate=False)
         self.store = store
-        self.config = ReaderConfig(**fields) if config is None else replace(config, **fields)
         self.rank, self.world_size = rank, world_size
         self.current_version = current_version
         self.stats = ReaderStats()

@@ -22,6 +22,8 @@ from collections import Counter
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 import trajstore
 from trajstore.errors import ResumeStateError, ValidationError
@@ -314,6 +316,18 @@ def test_plan_step_is_a_balanced_prefix():
     loads = [sum([5, 1, 4, 2, 3, 3, 7][i] for i in b) for b in bins]
     assert n == 5 and max(loads) <= 8 and max(loads) - min(loads) <= 1
     assert plan_step([], 2, 4) == (0, [[], []])
+
+
+@given(st.lists(st.integers(1, 20), max_size=40), st.integers(1, 5), st.integers(1, 30))
+def test_plan_step_properties(costs, world_size, capacity):
+    n, bins = plan_step(costs, world_size, capacity)
+    assert len(bins) == world_size
+    assert sorted(i for b in bins for i in b) == list(range(n)), "a step is a prefix, every unit placed once"
+    assert all(b == sorted(b) for b in bins)
+    if costs:
+        assert n >= 1
+        assert n == 1 or sum(costs[:n]) <= world_size * capacity
+        assert all(len(b) == 1 or sum(costs[i] for i in b) <= capacity for b in bins)
 
 
 def test_config_errors_are_one_line(filled):

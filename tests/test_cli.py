@@ -150,7 +150,7 @@ def test_demo_runs_end_to_end(tmp_path):
 
 def test_public_api():
     assert sorted(trajstore.__all__) == sorted([
-        "AppendResult", "ConflictError", "CorruptStoreError", "ResumeStateError", "Sample", "Store",
+        "AppendResult", "ConflictError", "CorruptStoreError", "ReaderConfig", "ResumeStateError", "Sample", "SampleReader", "Store",
         "StoreUnavailable", "TrajstoreError", "ValidationError", "connect"])
     for name in trajstore.__all__:
         assert getattr(trajstore, name) is not None

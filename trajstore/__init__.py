@@ -5,6 +5,7 @@
     store.append(events)                 # wire-format dicts; atomic; idempotent
     stats = store.materialize()          # fold finished trajectories into samples
     for s in store.samples(): ...        # trajstore.Sample objects, numpy arrays
+    for batch in trajstore.SampleReader(store, rank=0, world_size=8): ...   # trainer batches, resumable
 """
 
 from trajstore.errors import (
@@ -15,6 +16,7 @@ from trajstore.errors import (
     TrajstoreError,
     ValidationError,
 )
+from trajstore.reader import ReaderConfig, SampleReader
 from trajstore.sample import Sample
 from trajstore.store import AppendResult, Store, connect
 
@@ -22,8 +24,10 @@ __all__ = [
     "AppendResult",
     "ConflictError",
     "CorruptStoreError",
+    "ReaderConfig",
     "ResumeStateError",
     "Sample",
+    "SampleReader",
     "Store",
     "StoreUnavailable",
     "TrajstoreError",

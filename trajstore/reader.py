@@ -35,10 +35,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Iterator, Sequence
 
-import pyarrow as pa
-
 from trajstore.errors import ResumeStateError, ValidationError
 from trajstore.sample import Sample
+from trajstore.samples import read_segment_samples
 
 __all__ = ["ReaderConfig", "ReaderStats", "SampleReader", "SampleDataset", "plan_step"]
 
@@ -360,13 +359,9 @@ class SampleReader:
         return out
 
     def _read(self, rows: list[dict[str, Any]], segment: str, idx: list[int]) -> list[tuple[int, Sample]]:
-        """(index in ``rows``, sample) for some rows of one segment. Samples are built per
-        record batch, so their arrays are views of the decoded buffers, not copies."""
-        from trajstore.samples import samples_from_table
-
-        part = self.store.payload.read_rows(segment, (rows[i]["segment_row"] for i in idx))
-        built = [s for b in part.table.to_batches() for s in samples_from_table(pa.Table.from_batches([b]))]
-        return [(i, built[part.index[rows[i]["segment_row"]]]) for i in idx]
+        """(index in ``rows``, sample) for some rows of one segment."""
+        samples = read_segment_samples(self.store.payload, segment, [rows[i]["segment_row"] for i in idx])
+        return list(zip(idx, samples))
 
     # -- resume state --------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

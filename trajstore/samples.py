@@ -17,7 +17,7 @@ import pyarrow as pa
 from trajstore.payload import binary_chunks, binary_column, column_chunks, list_column
 from trajstore.sample import Sample
 
-__all__ = ["sample_table", "samples_from_table", "iter_samples", "SAMPLE_LIST_COLUMNS"]
+__all__ = ["sample_table", "samples_from_table", "read_segment_samples", "load_samples", "iter_samples", "SAMPLE_LIST_COLUMNS"]
 
 # list columns of a sample segment and their numpy dtypes
 SAMPLE_LIST_COLUMNS: dict[str, type] = {
@@ -120,6 +120,16 @@ def iter_samples(
         yield from load_samples(store, rows)
 
 
+def read_segment_samples(payload, segment: str, segment_rows: Sequence[int]) -> list[Sample]:
+    """The samples at ``segment_rows`` of one sample segment, in that order.
+
+    Built per record batch, so their arrays are views of the decoded buffers
+    (``Table.take`` would copy every selected row, routes included)."""
+    part = payload.read_rows(segment, segment_rows)
+    built = [s for b in part.table.to_batches() for s in samples_from_table(pa.Table.from_batches([b]))]
+    return [built[part.index[r]] for r in segment_rows]
+
+
 def load_samples(store, rows: Sequence[dict[str, Any]]) -> list[Sample]:
     """Samples for SQL sample rows, in the rows' order, reading each segment once."""
     by_segment: dict[str, list[int]] = {}
@@ -127,7 +137,6 @@ def load_samples(store, rows: Sequence[dict[str, Any]]) -> list[Sample]:
         by_segment.setdefault(r["segment"], []).append(i)
     out: list[Sample | None] = [None] * len(rows)
     for name, idx in by_segment.items():
-        part = store.payload.read_rows(name, (rows[i]["segment_row"] for i in idx))
-        for i, s in zip(idx, samples_from_table(part.table, (part.index[rows[i]["segment_row"]] for i in idx))):
+        for i, s in zip(idx, read_segment_samples(store.payload, name, [rows[i]["segment_row"] for i in idx])):
             out[i] = s
     return out  # type: ignore[return-value]

@@ -121,6 +121,6 @@ def _train_stage(console, url: str, args: argparse.Namespace) -> None:
     try:
         from trajstore.trainer import demo_train
     except ImportError as e:
-        console.print(f"train stage skipped ({e}); pip install -e '.[megatron]' to run it")
+        console.print(f"train stage skipped ({e}); pip install -e '.[megatron]' to run it", markup=False)
         return
     demo_train(console, url, args)

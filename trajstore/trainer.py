@@ -15,6 +15,8 @@ checkout (no ``workers/``), the stage is skipped with a message saying why.
 
 from __future__ import annotations
 
+from rich.markup import escape
+
 import importlib.util
 import json
 import os
@@ -38,7 +40,7 @@ def worker_path() -> Path | None:
 def demo_train(console: Any, url: str, args: Any) -> None:
     """Train a few steps on the demo store at ``url`` and print a table of them."""
     if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
-        console.print("train stage skipped: megatron-core is not installed (pip install -e '.[megatron]')")
+        console.print("train stage skipped: megatron-core is not installed (pip install -e '.[megatron]')", markup=False)
         return
     worker = worker_path()
     if worker is None:
@@ -46,7 +48,7 @@ def demo_train(console: Any, url: str, args: Any) -> None:
         return
     reports, error = _run_worker(worker, _worker_args(url, args))
     if error:
-        console.print(f"[red]train stage failed[/red]: {error}")
+        console.print(f"[red]train stage failed[/red]: {escape(error)}")
         return
     _show(console, reports)
 

@@ -6,6 +6,8 @@
   dropped afterwards.
 - `store_url` (function, params "sqlite"/"postgres"): the URL a backend test
   runs against; the PostgreSQL case starts the cluster only when selected.
+- `store` (function): `trajstore.connect(store_url)` with the payload in the
+  test's temp dir.
 
 Without PostgreSQL binaries every PostgreSQL test errors with how to get them;
 TRAJSTORE_SKIP_POSTGRES=1 turns those tests into skips instead.
@@ -18,6 +20,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+import trajstore
 
 from pg_cluster import PgCluster
 
@@ -56,6 +60,14 @@ def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     if request.param == "sqlite":
         return f"sqlite:///{tmp_path / 'store.db'}"
     return request.getfixturevalue("fresh_pg_url")
+
+
+@pytest.fixture
+def store(store_url: str, tmp_path: Path) -> Iterator["trajstore.Store"]:
+    """A store on each backend, payload in the test's temp dir (modules may override)."""
+    s = trajstore.connect(store_url, payload=str(tmp_path / "payload"))
+    yield s
+    s.close()
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -22,13 +22,6 @@ from tests.helpers import finished, gen, reward, started
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.fixture
-def store(store_url, tmp_path):
-    s = trajstore.connect(store_url, payload=str(tmp_path / "payload"))
-    yield s
-    s.close()
-
-
 def run(store, calls, tid="t1", **started_kw):
     store.append([started(tid, **started_kw)] + [gen(tid, i, p, o, **kw) for i, (p, o, kw) in enumerate(calls)]
                  + [finished(tid)])

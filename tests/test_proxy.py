@@ -10,17 +10,9 @@ import pytest
 httpx = pytest.importorskip("httpx", reason="needs the extra: pip install 'trajstore[server]'")
 pytest.importorskip("fastapi", reason="needs the extra: pip install 'trajstore[server]'")
 
-import trajstore  # noqa: E402
 from openai_upstream import NUM_LAYERS, TOPK, encode, make_upstream, render_chat, respond, route_rows, serve_in_thread  # noqa: E402
 from trajstore.proxy import make_proxy_app  # noqa: E402
 from trajstore.vllm import request_params_for_recording  # noqa: E402
-
-
-@pytest.fixture
-def store(store_url, tmp_path):
-    s = trajstore.connect(store_url, payload=str(tmp_path / "payload"))
-    yield s
-    s.close()
 
 
 @pytest.fixture

@@ -58,13 +58,6 @@ def shuffled(n: int = NUM_TRAJECTORIES, seed: int = 0) -> list[int]:
 
 
 @pytest.fixture
-def store(store_url, tmp_path):
-    s = trajstore.connect(store_url, payload=str(tmp_path / "payload"))
-    yield s
-    s.close()
-
-
-@pytest.fixture
 def filled(store):
     fill(store, shuffled())
     return store

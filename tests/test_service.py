@@ -18,7 +18,6 @@ import pytest
 httpx = pytest.importorskip("httpx", reason="needs the extra: pip install 'trajstore[server]'")
 pytest.importorskip("fastapi", reason="needs the extra: pip install 'trajstore[server]'")
 
-import trajstore  # noqa: E402
 from openai_upstream import serve_in_thread  # noqa: E402
 from trajstore.client import Writer, encode_events  # noqa: E402
 from trajstore.errors import ValidationError  # noqa: E402
@@ -56,13 +55,6 @@ def trajectory_events(tid: str, num_generations: int = 2) -> list[dict]:
         prompt = prompt + output + [7]
     events.append({"type": "trajectory_finished", "trajectory_id": tid, "status": "completed"})
     return events
-
-
-@pytest.fixture
-def store(store_url, tmp_path):
-    s = trajstore.connect(store_url, payload=str(tmp_path / "payload"))
-    yield s
-    s.close()
 
 
 @pytest.fixture

@@ -8,17 +8,9 @@ import math
 import numpy as np
 import pytest
 
-import trajstore
 from trajstore.errors import ConflictError, ValidationError
 from trajstore.wire import encode_b64, encode_npy_b64
 from tests.helpers import finished, gen, reward, routes, snapshot, started
-
-
-@pytest.fixture
-def store(store_url, tmp_path):
-    s = trajstore.connect(store_url, payload=str(tmp_path / "payload"))
-    yield s
-    s.close()
 
 
 def _base(tid="t1", **kw):

@@ -8,7 +8,7 @@ import threading
 import time
 
 import pytest
-from sqlalchemy import insert, select, update
+from sqlalchemy import insert, update
 
 import trajstore
 from trajstore.schema import events, log_head

@@ -106,7 +106,7 @@ class Store:
         if not kept:
             return AppendResult(0, len(parsed), None)
         # Content digests are needed only at commit: they are hashed on another
-        # core while this one compresses and writes the payload segment.
+        # core while this one builds and writes the payload segment.
         pending = digests.start([i for i, _ in kept])
         segment, seg_row, gen_rows = self._write_segment([a for _, a in kept])
         try:

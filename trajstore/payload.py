@@ -255,7 +255,15 @@ def _write_table(name: str, table: pa.Table, sink, rows_per_batch: int, log_comp
     if name.endswith(".arrow"):
         options = ipc.IpcWriteOptions(compression=log_compression)
         with ipc.new_file(sink, table.schema, options=options) as writer:
-            writer.write_table(table, max_chunksize=rows_per_batch)
+            # Exactly rows_per_batch rows per record batch: read_rows finds a row's
+            # batch by division. write_table would also split at every column
+            # chunk boundary (the routes column is one chunk per row).
+            for start in range(0, table.num_rows, rows_per_batch):
+                part = table.slice(start, rows_per_batch)
+                batches = part.to_batches()
+                if len(batches) != 1:
+                    batches = part.combine_chunks().to_batches()
+                writer.write_batch(batches[0])
     else:
         pq.write_table(table, sink, compression=_SAMPLE_COMPRESSION, use_dictionary=False,
                        write_statistics=False, row_group_size=rows_per_batch)

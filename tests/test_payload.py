@@ -1,0 +1,88 @@
+"""Payload segments: local directories and pyarrow filesystem URIs, row-selective
+reads, garbage collection."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+import trajstore
+from trajstore.payload import PayloadStore, binary_column, binary_chunks, column_chunks, list_column
+from trajstore.simulate import RolloutConfig, trajectory_events
+
+CFG = RolloutConfig(turns=3, prompt_tokens=20, output_tokens=10, observation_tokens=4, layers=3, topk=2)
+
+
+def test_store_on_a_pyarrow_filesystem_uri(tmp_path):
+    """The non-local path (object storage): pyarrow's in-memory mock filesystem."""
+    store = trajstore.connect(f"sqlite:///{tmp_path}/s.db", payload="mock:///bucket/run1")
+    assert not store.payload.local
+    for i in range(6):
+        store.append(trajectory_events(CFG, i))
+    stats = store.materialize()
+    samples = list(store.samples())
+    assert len(samples) == stats.num_samples_after >= 6
+    local = trajstore.connect(f"sqlite:///{tmp_path}/l.db", payload=str(tmp_path / "local"))
+    for i in range(6):
+        local.append(trajectory_events(CFG, i))
+    local.materialize()
+    assert all(a.equals(b) for a, b in zip(samples, local.samples()))
+    names = {n for n, _ in store.payload.list_names()}
+    assert names == store.log.referenced_segments()
+
+
+@pytest.mark.parametrize("suffix", [".arrow", ".parquet"])
+def test_read_rows_reads_exactly_the_rows_asked(tmp_path, suffix):
+    payload = PayloadStore(str(tmp_path))
+    rng = np.random.default_rng(0)
+    chunks = [rng.integers(0, 100, rng.integers(0, 9), dtype=np.int32) for _ in range(50)]
+    routes = [None if i % 7 == 0 else rng.integers(0, 255, (3, 2, 2), dtype=np.uint8) for i in range(50)]
+    table = pa.table({"ids": list_column(chunks, np.int32), "routes": binary_column(routes)})
+    name = payload.new_name("t", suffix)
+    payload.write(name, table, rows_per_batch=4)
+    wanted = [49, 0, 13, 14, 3]
+    part = payload.read_rows(name, wanted)
+    assert part.table.num_rows < 50  # only the batches holding those rows
+    for r in wanted:
+        row = part.row(r)
+        np.testing.assert_array_equal(column_chunks(row.column("ids"), np.int32)[0], chunks[r])
+        raw = binary_chunks(row.column("routes"))[0]
+        if routes[r] is None:
+            assert raw is None
+        else:
+            assert bytes(raw) == routes[r].tobytes()
+
+
+def test_garbage_collection_respects_grace_and_references(tmp_path):
+    payload = PayloadStore(str(tmp_path))
+    for name in ("keep.arrow", "old.arrow", "new.arrow", "old.parquet.abc.tmp"):
+        open(os.path.join(tmp_path, name), "wb").write(b"x")
+    old = time.time() - 7200
+    for name in ("keep.arrow", "old.arrow", "old.parquet.abc.tmp"):
+        os.utime(os.path.join(tmp_path, name), (old, old))
+    removed = payload.collect_garbage({"keep.arrow"}, grace_s=3600)
+    assert sorted(removed) == ["old.arrow", "old.parquet.abc.tmp"]
+    assert sorted(n for n, _ in payload.list_names()) == ["keep.arrow", "new.arrow"]
+
+
+def test_missing_segment_is_a_clear_error(tmp_path):
+    from trajstore.errors import CorruptStoreError
+
+    store = trajstore.connect(f"sqlite:///{tmp_path}/s.db")
+    store.append(trajectory_events(CFG, 0))
+    for name, _ in store.payload.list_names():
+        os.remove(store.payload.path(name))
+    with pytest.raises(CorruptStoreError, match="is missing"):
+        store.materialize()
+
+
+def test_bad_log_compression_refused(tmp_path):
+    with pytest.raises(ValueError, match="log_compression"):
+        PayloadStore(str(tmp_path), log_compression="gzip")
+    store = trajstore.connect(f"sqlite:///{tmp_path}/z.db", log_compression="zstd")
+    store.append(trajectory_events(CFG, 0))
+    assert store.materialize().num_trajectories == 1

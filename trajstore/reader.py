@@ -1,11 +1,15 @@
 """The trainer's reader: a resumable cursor over materialized samples.
 
+This module holds ``ReaderConfig``, ``ReaderStats`` and ``SampleReader``:
+reading sample rows and payload, the versioned resume state and its
+validation. The pure planning it uses (units, steps, ``plan_step``) lives in
+``batch_plan.py``; ``plan_step`` is re-exported here.
+
 Order. Samples have a stable order, ``(finished_position, sample_index)``.
-The reader turns it into a global sequence of *units*: one sample each, or
-with ``keep_groups`` one whole GRPO group (``group_size`` trajectories with
-the same ``group_id``), placed where its last trajectory finished. A unit's
-*key* is the order key of its last row, so the unit sequence only grows at
-the end as the store grows: it is prefix-stable.
+The reader turns it into a global sequence of *units* (one sample, or with
+``keep_groups`` one whole GRPO group) whose key is the order key of its last
+row, so the unit sequence only grows at the end as the store grows: it is
+prefix-stable.
 
 Steps. Every rank computes the same global steps from the same unit
 sequence: step i takes the next prefix of units that packs into
@@ -27,14 +31,14 @@ the reader has seen is a prefix of what it will ever see.
 
 from __future__ import annotations
 
-import heapq
 import threading
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Iterator, Sequence
 
+from trajstore.batch_plan import Key, Step, Unit, UnitBuilder, plan_step, row_key
 from trajstore.errors import ResumeStateError, ValidationError
 from trajstore.sample import Sample
 from trajstore.samples import read_segment_samples
@@ -43,8 +47,6 @@ __all__ = ["ReaderConfig", "ReaderStats", "SampleReader", "SampleDataset", "plan
 
 STATE_FORMAT = "trajstore.reader"
 STATE_VERSION = 1
-
-Key = tuple[int, int]  # (finished_position, sample_index)
 
 
 @dataclass(frozen=True)
@@ -138,122 +140,6 @@ class ReaderStats:
         return asdict(self)
 
 
-@dataclass(eq=False)
-class _Unit:
-    """What the reader schedules: one sample, or one whole group."""
-
-    rows: list[dict[str, Any]]
-    kept: list[dict[str, Any]] = field(default_factory=list)  # rows passing the status filter
-    num_tokens: int = 0
-    oldest_version: int = 0
-
-    @property
-    def key(self) -> Key:
-        return _key(self.rows[-1])
-
-    @property
-    def first(self) -> Key:
-        return _key(self.rows[0])
-
-
-@dataclass
-class _Step:
-    index: int
-    bins: list[list[_Unit]] | None  # per rank; None when every unit of the step was skipped
-    state: dict[str, Any]
-
-
-def _key(row: dict[str, Any]) -> Key:
-    return int(row["finished_position"]), int(row["sample_index"])
-
-
-def plan_step(costs: Sequence[int], world_size: int, capacity: int) -> tuple[int, list[list[int]]]:
-    """How many of the next units (with these costs) one global step takes, and
-    which of them go to each rank.
-
-    The step takes the longest prefix whose total fits ``world_size *
-    capacity`` and that packs into ``world_size`` bins of ``capacity``
-    (longest first onto the least-loaded rank, which balances the ranks); a
-    unit bigger than ``capacity`` fits only an empty bin. Always at least one
-    unit. Each bin lists its units in sequence order. Pure, so every rank
-    computes the same plan.
-    """
-    total, n = 0, 0
-    for c in costs:
-        if n and total + c > world_size * capacity:
-            break
-        total, n = total + c, n + 1
-    while n > 1:
-        bins = _pack(costs[:n], world_size, capacity)
-        if bins is not None:
-            return n, bins
-        n -= 1
-    return n, [[0] if n and r == 0 else [] for r in range(world_size)]
-
-
-def _pack(costs: Sequence[int], world_size: int, capacity: int) -> list[list[int]] | None:
-    loads = [(0, r) for r in range(world_size)]  # a heap of (load, rank): ties go to the lower rank
-    bins: list[list[int]] = [[] for _ in range(world_size)]
-    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
-        load, r = heapq.heappop(loads)
-        if load and load + costs[i] > capacity:
-            return None
-        bins[r].append(i)
-        heapq.heappush(loads, (load + costs[i], r))
-    return [sorted(b) for b in bins]
-
-
-class _UnitBuilder:
-    """Turns sample rows (in order) into units, holding trajectories and groups until complete."""
-
-    def __init__(self, config: ReaderConfig) -> None:
-        self.config = config
-        self.trajectory: list[dict[str, Any]] = []
-        self.groups: dict[str, list[Any]] = {}  # group_id -> [trajectories seen, rows]
-        self.seed = None  # on resume: trajectories of a group already counted before the rescan
-
-    def add(self, row: dict[str, Any]) -> _Unit | None:
-        if not self.config.keep_groups:
-            return self._unit([row])
-        if self.trajectory and row["finished_position"] != self.trajectory[0]["finished_position"]:
-            raise _corrupt(self.trajectory[0])
-        self.trajectory.append(row)
-        if not row["is_last_step"]:
-            return None
-        rows, self.trajectory = self.trajectory, []
-        group_id = rows[0]["group_id"]
-        if group_id is None:
-            return self._unit(rows)
-        if group_id not in self.groups:
-            self.groups[group_id] = [self.seed(group_id) if self.seed else 0, []]
-        group = self.groups[group_id]
-        group[0] += 1
-        group[1].extend(rows)
-        if group[0] < self.config.group_size:
-            return None
-        del self.groups[group_id]
-        return self._unit(group[1])
-
-    def first_pending(self) -> Key | None:
-        """Key of the earliest row held in an incomplete trajectory or group."""
-        firsts = [_key(g[1][0]) for g in self.groups.values() if g[1]]
-        if self.trajectory:
-            firsts.append(_key(self.trajectory[0]))
-        return min(firsts, default=None)
-
-    def _unit(self, rows: list[dict[str, Any]]) -> _Unit:
-        status = self.config.status
-        kept = rows if status is None else [r for r in rows if r["status"] in status]
-        return _Unit(rows, kept, sum(int(r["prompt_len"]) + int(r["response_len"]) for r in kept),
-                     min((int(r["min_model_version"]) for r in kept), default=0))
-
-
-def _corrupt(row: dict[str, Any]):
-    from trajstore.errors import CorruptStoreError
-
-    return CorruptStoreError(f"trajectory {row['trajectory_id']!r} has no sample marked is_last_step")
-
-
 class SampleReader:
     """Batches (lists of ``Sample``) for one data-parallel rank, in the global step order.
 
@@ -288,7 +174,7 @@ class SampleReader:
         self._cursor: Key | None = None
         self._scan_from: Key | None = None
         self._snapshot: int | None = None
-        self._steps_gen: Iterator[_Step] | None = None
+        self._steps_gen: Iterator[Step] | None = None
         self._batches: Iterator[tuple[int, list[Sample]]] | None = None
         self._pool: ThreadPoolExecutor | None = None
 
@@ -310,7 +196,7 @@ class SampleReader:
             self._steps_gen = self._steps()
         steps = self._steps_gen
 
-        def produce() -> tuple[_Step, list[Sample] | None] | None:
+        def produce() -> tuple[Step, list[Sample] | None] | None:
             step = next(steps, None)
             if step is None:
                 return None
@@ -335,7 +221,7 @@ class SampleReader:
                 self.stats.tokens += sum(s.num_tokens for s in batch)
                 yield step.index, batch
 
-    def _load(self, units: Sequence[_Unit]) -> list[Sample]:
+    def _load(self, units: Sequence[Unit]) -> list[Sample]:
         """The samples of some units, in order.
 
         Each segment's rows are read in up to ``read_threads`` contiguous parts
@@ -412,16 +298,17 @@ class SampleReader:
         self.close()
 
     # -- planning ------------------------------------------------------------
-    def _steps(self) -> Iterator[_Step]:
+    def _steps(self) -> Iterator[Step]:
         """Global steps from the committed state on; each carries the state after it."""
         snapshot = None
         if not self.config.follow:
             snapshot = self._snapshot if self._snapshot is not None else self._watermark(check=True)
         else:
             self._watermark(check=True)
-        builder = _UnitBuilder(self.config)
+        builder = UnitBuilder(keep_groups=self.config.keep_groups, group_size=self.config.group_size,
+                              status=self.config.status)
         units = self._units(builder, self._cursor, self._scan_from, snapshot)
-        ahead: deque[_Unit] = deque()
+        ahead: deque[Unit] = deque()
         counts = {name: getattr(self.stats, name) for name in ReaderStats._SAVED}
         cursor = self._cursor
         while True:
@@ -439,16 +326,16 @@ class SampleReader:
             cursor = taken[-1][0].key
             if kept:
                 counts["steps"] += 1
-            yield _Step(counts["steps"] - 1, [[kept[i] for i in b] for b in bins] if kept else None,
+            yield Step(counts["steps"] - 1, [[kept[i] for i in b] for b in bins] if kept else None,
                         self._state_after(cursor, builder, ahead, snapshot, counts))
             self.stats.open_groups = len(builder.groups)
             if ended and not ahead:
                 return
 
-    def _gather(self, ahead: deque, units: Iterator[_Unit]) -> tuple[list[tuple[_Unit, bool]], bool]:
+    def _gather(self, ahead: deque, units: Iterator[Unit]) -> tuple[list[tuple[Unit, bool]], bool]:
         """The next units up to one step's budget, each with whether it is skipped; and
         whether the unit sequence ended."""
-        taken: list[tuple[_Unit, bool]] = []
+        taken: list[tuple[Unit, bool]] = []
         cost, budget = 0, self.world_size * self.config.capacity
         while True:
             if not ahead:
@@ -463,24 +350,24 @@ class SampleReader:
                 cost += self._cost(ahead[0])
             taken.append((ahead.popleft(), skip))
 
-    def _skip(self, unit: _Unit) -> bool:
+    def _skip(self, unit: Unit) -> bool:
         if not unit.kept:
             return True  # every sample filtered out by status
         version, staleness = self.current_version, self.config.max_staleness
         return staleness is not None and version is not None and unit.oldest_version < version - staleness
 
-    def _cost(self, unit: _Unit) -> int:
+    def _cost(self, unit: Unit) -> int:
         return unit.num_tokens if self.config.max_tokens_per_batch else len(unit.kept)
 
     @staticmethod
-    def _count(taken: list[tuple[_Unit, bool]], counts: dict[str, int]) -> None:
+    def _count(taken: list[tuple[Unit, bool]], counts: dict[str, int]) -> None:
         for unit, skip in taken:
             counts["filtered_samples"] += len(unit.rows) - len(unit.kept)
             if skip and unit.kept:
                 counts["stale_units"] += 1
                 counts["stale_samples"] += len(unit.kept)
 
-    def _state_after(self, cursor: Key, builder: _UnitBuilder, ahead: deque, snapshot: int | None,
+    def _state_after(self, cursor: Key, builder: UnitBuilder, ahead: deque, snapshot: int | None,
                      counts: dict[str, int]) -> dict[str, Any]:
         scan_from = None
         if self.config.keep_groups:
@@ -490,8 +377,8 @@ class SampleReader:
                 "snapshot_position": snapshot, "stats": dict(counts)}
 
     # -- rows ------------------------------------------------------------------
-    def _units(self, builder: _UnitBuilder, cursor: Key | None, scan_from: Key | None,
-               snapshot: int | None) -> Iterator[_Unit]:
+    def _units(self, builder: UnitBuilder, cursor: Key | None, scan_from: Key | None,
+               snapshot: int | None) -> Iterator[Unit]:
         """Units completing after ``cursor``, in order."""
         for row in self._rows(builder, cursor, scan_from, snapshot):
             unit = builder.add(row)
@@ -499,7 +386,7 @@ class SampleReader:
                 yield unit
         self.stats.open_groups = len(builder.groups)
 
-    def _rows(self, builder: _UnitBuilder, cursor: Key | None, scan_from: Key | None,
+    def _rows(self, builder: UnitBuilder, cursor: Key | None, scan_from: Key | None,
               snapshot: int | None) -> Iterator[dict[str, Any]]:
         if cursor is not None and scan_from is not None and scan_from <= cursor:
             # Rebuild the groups that were open at the cursor. A group whose
@@ -525,7 +412,7 @@ class SampleReader:
             found = False
             where = {"max_finished_position": self._watermark() if follow else until}
             for page in self.store.log.iter_sample_rows(where=where, after=after, batch_size=self.config.page_rows):
-                found, after = True, _key(page[-1])
+                found, after = True, row_key(page[-1])
                 yield from page
             if not follow:
                 return

@@ -87,12 +87,15 @@ class Store:
         stores nothing when any event is refused."""
         parsed = _parse_all(events)
         digests = _Digests([ev for ev, _ in parsed])
+        last = ""
         for _ in range(_MAX_ATTEMPTS):
             try:
                 return self._append_once(parsed, digests)
-            except StaleState:
+            except StaleState as e:
+                last = str(e).strip().splitlines()[0] if str(e).strip() else "stale state"
                 continue  # another writer moved a trajectory first: re-read, re-admit
-        raise ConflictError(f"gave up after {_MAX_ATTEMPTS} concurrent-write conflicts", rule="contention")
+        raise ConflictError(f"gave up after {_MAX_ATTEMPTS} concurrent-write conflicts (last: {last})",
+                            rule="contention")
 
     def _append_once(self, parsed: list[tuple[Event, str | None]], digests: "_Digests") -> AppendResult:
         fresh = self._drop_duplicates(parsed, digests)

@@ -188,3 +188,19 @@ def test_uint16_routes_kept_compact(store):
     store.append([started("t1", num_experts=300), gen("t1", 0, [1, 2], [3], routed_experts=routes(2, value=299, dtype=np.int64))])
     (g,) = store.load_generations("t1")
     assert g.routed_experts.dtype == np.uint16 and int(g.routed_experts.max()) == 299
+
+
+def test_endless_write_races_give_up_with_the_reason(store, monkeypatch):
+    """A writer that loses every optimistic-concurrency race stops with one line saying why."""
+    from trajstore.log.base import StaleState
+
+    def always_stale(*args, **kwargs):
+        raise StaleState("trajectory 't1' changed concurrently")
+
+    monkeypatch.setattr(store.log, "commit_append", always_stale)
+    with pytest.raises(ConflictError, match="gave up after 20 .*'t1' changed concurrently") as info:
+        store.append([started("t1")])
+    assert info.value.rule == "contention"
+    monkeypatch.undo()
+    assert store.info()["head_position"] == 0
+    assert store.payload.list_names() == []

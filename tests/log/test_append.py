@@ -199,8 +199,8 @@ def test_endless_write_races_give_up_with_the_reason(store, monkeypatch):
 
     monkeypatch.setattr(store.log, "commit_append", always_stale)
     with pytest.raises(ConflictError, match="gave up after 20 .*'t1' changed concurrently") as info:
-        store.append([started("t1")])
+        store.append([started("t1"), gen("t1", 0, [1, 2], [3])])
     assert info.value.rule == "contention"
     monkeypatch.undo()
     assert store.info()["head_position"] == 0
-    assert store.payload.list_names() == []
+    assert store.payload.list_names() == []  # each lost attempt deleted its segment

@@ -182,14 +182,6 @@ class PayloadStore:
         except OSError as e:
             raise StoreUnavailable(f"cannot write payload segment {path!r}: {e}") from None
 
-    def read(self, name: str, columns: Iterable[str] | None = None) -> pa.Table:
-        """The whole segment."""
-        with self._open(name) as src:
-            if name.endswith(".arrow"):
-                table = ipc.open_file(src).read_all()
-                return table.select(list(columns)) if columns else table
-            return pq.read_table(src, columns=list(columns) if columns else None)
-
     def read_rows(self, name: str, rows: Iterable[int]) -> SegmentRows:
         """The given rows of a segment, decompressing only the batches that hold them."""
         wanted = sorted(set(int(r) for r in rows))

@@ -55,10 +55,8 @@ def sample_table(samples: Sequence[Sample]) -> pa.Table:
     return pa.table(cols)
 
 
-def samples_from_table(table: pa.Table, rows: Iterable[int] | None = None) -> list[Sample]:
-    """Sample objects for the given row numbers of a sample segment (all when None)."""
-    if rows is not None:
-        table = table.take(pa.array(np.fromiter(rows, np.int64)))
+def samples_from_table(table: pa.Table) -> list[Sample]:
+    """Sample objects for every row of (part of) a sample segment; arrays are views."""
     n = table.num_rows
     lists = {name: column_chunks(table.column(name), dt) for name, dt in SAMPLE_LIST_COLUMNS.items()}
     raw_routes = binary_chunks(table.column("routed_experts"))

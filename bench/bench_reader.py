@@ -32,7 +32,7 @@ sys.path.insert(0, ROOT)
 
 import trajstore  # noqa: E402
 from trajstore.materializer import Materializer  # noqa: E402
-from trajstore.simulate import RolloutConfig, trajectory_events  # noqa: E402
+from trajstore.demo.simulate import RolloutConfig, trajectory_events  # noqa: E402
 
 CFG = RolloutConfig(turns=2, prompt_tokens=768, output_tokens=256, observation_tokens=64, layers=48, topk=8,
                     num_experts=128, mismatch_prob=0.1, abort_prob=0.1, fail_prob=0.0, route_drift=0.0)
@@ -90,7 +90,7 @@ def raw_read(paths: list[str]) -> tuple[int, float]:
 
 def reader_read(url: str, payload: str, layout: str) -> tuple[int, float]:
     """(tokens, seconds) of reading every batch and collating it into torch tensors."""
-    from trajstore.collate import collate
+    from trajstore.train.collate import collate
     from trajstore.reader import SampleReader
 
     start, tokens = time.perf_counter(), 0
@@ -141,7 +141,7 @@ def _child_rss(url: str, payload: str) -> None:
     the peak is the reading's."""
     import torch  # noqa: F401  (imported before the baseline, as a trainer has it)
 
-    from trajstore.collate import collate  # noqa: F401
+    from trajstore.train.collate import collate  # noqa: F401
 
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")

@@ -35,7 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import trajstore  # noqa: E402
-from trajstore.client import HttpSink, encode_events  # noqa: E402
+from trajstore.ingest.client import HttpSink, encode_events  # noqa: E402
 
 TOKEN = "bench-token"
 

@@ -13,7 +13,7 @@ an MoE layer touches even with ``use_cpu_initialization=True``:
 - the layer reads its process groups from ``parallel_state``, so we start a
   one-process gloo group and a 1x1 model-parallel layout.
 
-These shims live here, in tests, and never in ``trajstore.megatron``: on a
+These shims live here, in tests, and never in ``trajstore.train.megatron``: on a
 real trainer the GPU paths are the point.
 """
 

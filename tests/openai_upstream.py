@@ -31,7 +31,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from trajstore.wire import encode_npy_b64
+from trajstore._wire import encode_npy_b64
 
 END, SYSTEM, USER, ASSISTANT, TOOL = 2, 3, 4, 5, 6
 ROLE_IDS = {"system": SYSTEM, "user": USER, "assistant": ASSISTANT, "tool": TOOL}

@@ -14,9 +14,9 @@ import pytest
 
 import trajstore
 from trajstore.cli import main
-from trajstore.export import routes_from_export
-from trajstore.simulate import RolloutConfig, trajectory_events
-from trajstore.wire import encode_b64, encode_npy_b64
+from trajstore.inspect.export import routes_from_export
+from trajstore.demo.simulate import RolloutConfig, trajectory_events
+from trajstore._wire import encode_b64, encode_npy_b64
 from tests.helpers import snapshot
 
 CFG = RolloutConfig(turns=3, prompt_tokens=12, output_tokens=6, observation_tokens=3, layers=3, topk=2,

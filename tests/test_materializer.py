@@ -16,7 +16,7 @@ import pytest
 import trajstore
 from trajstore.events import parse_event
 from trajstore.fold import fold
-from trajstore.simulate import RolloutConfig, trajectory_events
+from trajstore.demo.simulate import RolloutConfig, trajectory_events
 from tests.helpers import finished, gen, reward, started
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -10,7 +10,7 @@ import sys
 import time
 
 import trajstore
-from trajstore.simulate import RolloutConfig, trajectory_events
+from trajstore.demo.simulate import RolloutConfig, trajectory_events
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CFG = RolloutConfig(turns=2, prompt_tokens=8, output_tokens=4, observation_tokens=2, layers=2, topk=2)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import trajstore
-from trajstore.simulate import RolloutConfig, trajectory_events
+from trajstore.demo.simulate import RolloutConfig, trajectory_events
 
 ray = pytest.importorskip("ray")
 
@@ -21,7 +21,7 @@ def local_ray():
 
 
 def test_ray_shards_fold_everything_exactly_once(local_ray, fresh_pg_url, tmp_path):
-    from trajstore.ray_actors import materialize_with_ray
+    from trajstore.scale.ray_actors import materialize_with_ray
 
     payload = str(tmp_path / "payload")
     store = trajstore.connect(fresh_pg_url, payload=payload)

@@ -29,7 +29,7 @@ import trajstore
 from trajstore.errors import ResumeStateError, ValidationError
 from trajstore.materializer import Materializer
 from trajstore.reader import ReaderConfig, SampleReader, plan_step
-from trajstore.simulate import RolloutConfig, trajectory_events
+from trajstore.demo.simulate import RolloutConfig, trajectory_events
 
 HERE = os.path.abspath(__file__)
 ROOT = os.path.dirname(os.path.dirname(HERE))

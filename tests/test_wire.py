@@ -14,7 +14,7 @@ from hypothesis.extra import numpy as hnp
 
 from trajstore.errors import ValidationError
 from trajstore.events import parse_event
-from trajstore.wire import decode_array, encode_b64, encode_npy_b64
+from trajstore._wire import decode_array, encode_b64, encode_npy_b64
 
 route_arrays = hnp.arrays(
     dtype=st.sampled_from([np.uint8, np.uint16, np.int32, np.int64]),

@@ -30,7 +30,7 @@ def _print_json(obj: Any) -> None:
     print(json.dumps(obj, indent=2, sort_keys=False, default=str))
 
 
-def cmd_init(args: argparse.Namespace) -> int:
+def _cmd_init(args: argparse.Namespace) -> int:
     store = _store(args)
     print(f"store ready: {store!r}")
     return 0
@@ -51,9 +51,9 @@ def _read_jsonl(path: str) -> Iterator[dict]:
                                       rule="json") from None
 
 
-def cmd_ingest(args: argparse.Namespace) -> int:
+def _cmd_ingest(args: argparse.Namespace) -> int:
     """All events of the file in one atomic append: any bad event stores nothing."""
-    from trajstore.progress import progress_bar
+    from trajstore._progress import progress_bar
 
     with progress_bar("reading events", total=None) as advance:
         events = []
@@ -67,9 +67,9 @@ def cmd_ingest(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_materialize(args: argparse.Namespace) -> int:
+def _cmd_materialize(args: argparse.Namespace) -> int:
     from trajstore.materializer import Materializer
-    from trajstore.progress import progress_bar
+    from trajstore._progress import progress_bar
 
     store = _store(args)
     m = Materializer(store, shard_index=args.shard, num_shards=args.num_shards, batch_size=args.batch_size)
@@ -80,9 +80,9 @@ def cmd_materialize(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_export(args: argparse.Namespace) -> int:
-    from trajstore.export import export_samples
-    from trajstore.progress import progress_bar
+def _cmd_export(args: argparse.Namespace) -> int:
+    from trajstore.inspect.export import export_samples
+    from trajstore._progress import progress_bar
 
     store = _store(args)
     total = store.info()["samples"]
@@ -92,19 +92,19 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_info(args: argparse.Namespace) -> int:
+def _cmd_info(args: argparse.Namespace) -> int:
     _print_json(_store(args).info())
     return 0
 
 
-def cmd_gc(args: argparse.Namespace) -> int:
+def _cmd_gc(args: argparse.Namespace) -> int:
     removed = _store(args).collect_garbage(grace_s=args.grace_s)
     print(f"removed {len(removed)} unreferenced payload file(s)")
     return 0
 
 
-def cmd_demo(args: argparse.Namespace) -> int:
-    from trajstore.demo import run_demo
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from trajstore.demo.run import run_demo
 
     return run_demo(args)
 
@@ -121,18 +121,18 @@ def _parser() -> argparse.ArgumentParser:
         sp.set_defaults(func=fn)
         return sp
 
-    add("init", cmd_init, "create the store (runs the Alembic migrations)")
-    add("ingest", cmd_ingest, "append wire-format events from a JSONL file (or - for stdin), atomically") \
+    add("init", _cmd_init, "create the store (runs the Alembic migrations)")
+    add("ingest", _cmd_ingest, "append wire-format events from a JSONL file (or - for stdin), atomically") \
         .add_argument("file")
-    m = add("materialize", cmd_materialize, "fold finished trajectories into samples; print the metrics")
+    m = add("materialize", _cmd_materialize, "fold finished trajectories into samples; print the metrics")
     m.add_argument("--shard", type=int, default=0)
     m.add_argument("--num-shards", type=int, default=1)
     m.add_argument("--batch-size", type=int, default=256, help="trajectories per transaction")
-    add("export", cmd_export, "write the samples as a Parquet dataset").add_argument("dir")
-    add("info", cmd_info, "counts per status, event type and model version")
-    add("gc", cmd_gc, "delete payload files no index row references") \
+    add("export", _cmd_export, "write the samples as a Parquet dataset").add_argument("dir")
+    add("info", _cmd_info, "counts per status, event type and model version")
+    add("gc", _cmd_gc, "delete payload files no index row references") \
         .add_argument("--grace-s", type=float, default=3600.0, help="only files older than this")
-    d = add("demo", cmd_demo, "the main job end to end on the embedded store, with simulated rollouts")
+    d = add("demo", _cmd_demo, "the main job end to end on the embedded store, with simulated rollouts")
     d.add_argument("--trajectories", type=int, default=200)
     d.add_argument("--workers", type=int, default=4, help="simulated rollout worker processes")
     d.add_argument("--dir", default="trajstore-demo", help="where the demo store and export go")
@@ -143,10 +143,10 @@ def _parser() -> argparse.ArgumentParser:
 
 _EDGES = (
     # name, module, function that runs the parsed args, help
-    ("serve", "trajstore.service", "serve_from_args", "run the HTTP ingest service"),
-    ("proxy", "trajstore.proxy", "serve_proxy_from_args", "run the OpenAI-compatible recording proxy in front of vLLM"),
-    ("sql", "trajstore.sql", "run_from_args", "run a read-only SQL query against the store"),
-    ("report", "trajstore.report", "run_from_args", "render an HTML report with plots of the run"),
+    ("serve", "trajstore.ingest.service", "serve_from_args", "run the HTTP ingest service"),
+    ("proxy", "trajstore.ingest.proxy", "serve_proxy_from_args", "run the OpenAI-compatible recording proxy in front of vLLM"),
+    ("sql", "trajstore.inspect.sql", "run_from_args", "run a read-only SQL query against the store"),
+    ("report", "trajstore.inspect.report", "run_from_args", "render an HTML report with plots of the run"),
 )
 
 

@@ -15,6 +15,15 @@ Every message is one line that names the offending value and where it was found.
 
 from __future__ import annotations
 
+__all__ = [
+    "ConflictError",
+    "CorruptStoreError",
+    "ResumeStateError",
+    "StoreUnavailable",
+    "TrajstoreError",
+    "ValidationError",
+]
+
 
 class TrajstoreError(Exception):
     """Base class of every error trajstore raises on purpose."""

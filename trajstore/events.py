@@ -4,7 +4,7 @@
 into a typed, immutable event with numpy arrays, or raises ValidationError.
 Rules that need the trajectory's history (seq order, known/finished
 trajectory, expert range, route shape, reward mode, route rows below
-``routed_experts_start``) live in ``trajstore.admission``.
+``routed_experts_start``) live in ``trajstore._admission``.
 
 Array dtypes after parsing: token ids int32, logprobs / token rewards float32,
 loss mask uint8, routes uint8 when every id < 256 else uint16.
@@ -21,7 +21,7 @@ from typing import Any, Mapping, Union
 import numpy as np
 
 from trajstore.errors import ValidationError
-from trajstore.wire import decode_array
+from trajstore._wire import decode_array
 
 __all__ = [
     "Event",
@@ -30,6 +30,8 @@ __all__ = [
     "TrajectoryFinished",
     "TrajectoryStarted",
     "FINISH_STATUSES",
+    "content_hash",
+    "identity_of",
     "parse_event",
     "routes_dtype",
 ]

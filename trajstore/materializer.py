@@ -23,13 +23,12 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from trajstore import facts
+from trajstore import _facts as facts
 from trajstore.fold import FoldMetrics, fold
 from trajstore.log.base import StaleState
 from trajstore.payload import rows_per_batch
 from trajstore.sample import Sample
-from trajstore.samples import sample_table
-from trajstore.store import read_segment_rows
+from trajstore._samples import sample_table
 
 __all__ = ["Materializer", "MaterializeStats", "shard_of"]
 
@@ -160,7 +159,7 @@ class Materializer:
         if not ids:
             return [], [], FoldMetrics()
         events = self.store.log.trajectory_events(ids)
-        tables = read_segment_rows(self.store.payload, [r for rows in events.values() for r in rows])
+        tables = self.store.payload.read_locators([r for rows in events.values() for r in rows])
         samples: list[Sample] = []
         calls: list[int] = []
         metrics = FoldMetrics()

@@ -21,7 +21,7 @@ import os
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 from urllib.parse import urlparse
 
 import numpy as np
@@ -198,6 +198,14 @@ class PayloadStore:
                 table = pf.read_row_groups(batches)
         first = {b: i * per for i, b in enumerate(batches)}
         return SegmentRows(table, {r: first[r // per] + r % per for r in wanted})
+
+    def read_locators(self, rows: Sequence[Mapping[str, Any]]) -> dict[str, SegmentRows]:
+        """The payload rows that index ``rows`` (``segment``, ``segment_row``) point at, one read per segment."""
+        wanted: dict[str, list[int]] = {}
+        for r in rows:
+            if r["segment"] is not None:
+                wanted.setdefault(r["segment"], []).append(int(r["segment_row"]))
+        return {name: self.read_rows(name, idx) for name, idx in sorted(wanted.items())}
 
     @contextlib.contextmanager
     def _open(self, name: str):

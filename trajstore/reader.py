@@ -38,12 +38,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Iterator, Sequence
 
-from trajstore.batch_plan import Key, Step, Unit, UnitBuilder, plan_step, row_key
+from trajstore._batch_plan import Key, Step, Unit, UnitBuilder, plan_step, row_key
 from trajstore.errors import ResumeStateError, ValidationError
 from trajstore.sample import Sample
-from trajstore.samples import read_segment_samples
+from trajstore._samples import read_segment_samples
 
-__all__ = ["ReaderConfig", "ReaderStats", "SampleReader", "SampleDataset", "plan_step"]
+__all__ = ["ReaderConfig", "ReaderStats", "SampleReader", "plan_step"]
 
 STATE_FORMAT = "trajstore.reader"
 STATE_VERSION = 1
@@ -494,11 +494,3 @@ def _validate_state(state: Any, config: ReaderConfig) -> None:
     stats = state["stats"]
     if not isinstance(stats, dict) or any(not isinstance(stats.get(n), int) for n in ReaderStats._SAVED):
         raise ResumeStateError(f"reader state stats must hold integers {list(ReaderStats._SAVED)}, got {stats!r}")
-
-
-def __getattr__(name: str) -> Any:
-    if name == "SampleDataset":  # the torch edge, imported only when asked for
-        from trajstore.collate import SampleDataset
-
-        return SampleDataset
-    raise AttributeError(f"module 'trajstore.reader' has no attribute {name!r}")

@@ -18,8 +18,8 @@ import numpy as np
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
 
-from trajstore import facts
-from trajstore.admission import Admitted, TrajectoryState, admit_batch
+from trajstore import _facts as facts
+from trajstore._admission import Admitted, TrajectoryState, admit_batch
 from trajstore.errors import ConflictError, StoreUnavailable, ValidationError
 from trajstore.events import Event, Generation, TrajectoryStarted, content_hash, identity_of, parse_event
 from trajstore.log.base import EventLog, StaleState, TrajectoryWrite
@@ -66,7 +66,7 @@ class Store:
         backend = _backend(url)
         write_engine, read_engine = backend.make_engines(url)
         if migrate:
-            from trajstore.migrate import upgrade
+            from trajstore._migrate import upgrade
 
             try:
                 upgrade(write_engine)
@@ -168,7 +168,7 @@ class Store:
         if not rows:
             return []
         traj = self.log.load_trajectories([trajectory_id])[trajectory_id]
-        tables = read_segment_rows(self.payload, rows)
+        tables = self.payload.read_locators(rows)
         shape = (traj["route_layers"], traj["route_topk"]) if traj["route_layers"] else None
         return facts.generations_from_log(rows, tables, shape)
 
@@ -196,8 +196,8 @@ class Store:
         return Materializer(self, **kwargs).run()
 
     def samples(self, **filters: Any) -> Iterator:
-        """Materialized samples in order; see ``trajstore.samples.iter_samples`` for filters."""
-        from trajstore.samples import iter_samples
+        """Materialized samples in order; see ``trajstore._samples.iter_samples`` for filters."""
+        from trajstore._samples import iter_samples
 
         return iter_samples(self, **filters)
 
@@ -212,15 +212,6 @@ class Store:
 
     def __repr__(self) -> str:
         return f"Store({_safe(self.url)!r}, payload={self.payload.location!r})"
-
-
-def read_segment_rows(payload: PayloadStore, rows: Sequence[Mapping[str, Any]]) -> dict[str, SegmentRows]:
-    """The payload rows that index ``rows`` point at, one read per segment."""
-    wanted: dict[str, list[int]] = {}
-    for r in rows:
-        if r["segment"] is not None:
-            wanted.setdefault(r["segment"], []).append(int(r["segment_row"]))
-    return {name: payload.read_rows(name, idx) for name, idx in sorted(wanted.items())}
 
 
 def _parse_all(events: Iterable[Mapping[str, Any] | Event]) -> list[tuple[Event, str | None]]:

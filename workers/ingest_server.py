@@ -3,7 +3,7 @@
     TRAJSTORE_TOKEN=secret python workers/ingest_server.py --store sqlite:///store.db --port 8700
 """
 
-from trajstore.service import main
+from trajstore.ingest.service import main
 
 if __name__ == "__main__":
     main()

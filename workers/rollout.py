@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 
-from trajstore.client import Writer
+from trajstore.ingest.client import Writer
 
 
 def fake_engine_call(rng: np.random.Generator, prompt: np.ndarray, args: argparse.Namespace) -> dict:
@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description="synthetic rollout worker writing through trajstore.client.Writer")
+    p = argparse.ArgumentParser(description="synthetic rollout worker writing through trajstore.ingest.client.Writer")
     p.add_argument("--sink", default=None, help="http(s)://host:port of the ingest service, or a store URL")
     p.add_argument("--token", default=None, help="bearer token (default $TRAJSTORE_TOKEN)")
     p.add_argument("--worker-id", type=int, default=0)

@@ -140,7 +140,7 @@ def _per_token(values_B: torch.Tensor, batch: dict) -> torch.Tensor:
 
 def train_step(model: TinyMoEModel, optimizer: torch.optim.Optimizer, batch: dict, args: argparse.Namespace,
                moe_layer_ids: list[int]) -> dict[str, Any]:
-    from trajstore.megatron import replay_indices, replay_routes
+    from trajstore.train.megatron import replay_indices, replay_routes
 
     packed = "cu_seqlens" in batch
     indices = replay_indices(
@@ -175,7 +175,7 @@ def reader_config(args: argparse.Namespace) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
     """Train ``args.steps`` steps (or until the reader ends); one report per step, then a summary."""
-    from trajstore.collate import collate
+    from trajstore.train.collate import collate
     from trajstore.reader import SampleReader
 
     reader = SampleReader(args.store, rank=args.rank, world_size=args.world_size, payload=args.payload,

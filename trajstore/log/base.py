@@ -27,6 +27,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Collection, Iterator, Mapping, Sequence
 
+__all__ = ["EventLog", "StaleState", "TrajectoryWrite"]
+
 
 class StaleState(Exception):
     """A concurrent writer changed a trajectory (or took an identity) first."""

@@ -11,6 +11,8 @@ import os
 from sqlalchemy import Engine, create_engine
 from sqlalchemy.engine import make_url
 
+__all__ = ["default_payload_dir", "make_engines"]
+
 
 def make_engines(url: str) -> tuple[Engine, Engine]:
     engine = create_engine(url, pool_pre_ping=True, pool_size=4, max_overflow=8)

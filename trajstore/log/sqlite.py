@@ -18,6 +18,8 @@ from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import make_url
 from sqlalchemy.pool import QueuePool, StaticPool
 
+__all__ = ["default_payload_dir", "make_engines"]
+
 _BUSY_TIMEOUT_MS = 60_000
 
 

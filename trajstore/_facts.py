@@ -1,0 +1,195 @@
+"""How admitted events are laid out in the log, and how they are read back.
+
+Writing: ``segment_table`` turns a batch's stored generations into one
+payload segment (Arrow table), ``event_row`` / ``trajectory_row`` into the
+SQL index records.
+
+Reading: ``generations_from_log`` rebuilds, from index rows and segment
+tables, generation commands the fold accepts: the full prompt is the previous
+call's sequence (``prefix_len`` tokens of it) plus the stored tail, and the
+routes are the stored rows starting at ``routes_start``. The fold gives the
+same samples for these as for the commands that were sent, because the rows
+admission dropped are exactly those the fold ignores (already-recorded
+positions).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import pyarrow as pa
+
+from trajstore._admission import Admitted, StoredGeneration, TrajectoryState
+from trajstore.errors import CorruptStoreError
+from trajstore.events import Generation, Reward, TrajectoryFinished, TrajectoryStarted
+from trajstore.schema import events as events_table
+from trajstore.payload import SegmentRows, binary_chunks, binary_column, column_chunks, list_column
+
+__all__ = ["segment_table", "event_row", "trajectory_row", "state_from_row", "generations_from_log"]
+
+
+def segment_table(stored: Sequence[StoredGeneration]) -> pa.Table:
+    cmds = [s.command for s in stored]
+    return pa.table(
+        {
+            "trajectory_id": pa.array([c.trajectory_id for c in cmds], pa.string()),
+            "seq": pa.array(np.fromiter((c.seq for c in cmds), np.int32, len(cmds))),
+            "prompt_tail": list_column([s.prompt_tail for s in stored], np.int32),
+            "output_ids": list_column([c.output_ids for c in cmds], np.int32),
+            "logprobs": list_column([c.logprobs for c in cmds], np.float32),
+            "loss_mask": list_column([c.loss_mask for c in cmds], np.uint8),
+            "token_rewards": list_column([c.token_rewards for c in cmds], np.float32),
+            "routes": binary_column([s.routes for s in stored]),
+        }
+    )
+
+
+_EVENT_COLUMNS = tuple(c.name for c in events_table.columns if c.name != "position")
+
+
+def event_row(adm: Admitted, identity: str | None, content_hash: bytes, segment_row: int | None) -> dict[str, Any]:
+    ev = adm.event
+    # Every row carries every column: executemany takes its column list from the first row.
+    row: dict[str, Any] = dict.fromkeys(_EVENT_COLUMNS)
+    row |= {
+        "trajectory_id": ev.trajectory_id,
+        "type": ev.type,
+        "seq": None,
+        "event_id": ev.event_id,
+        "identity": identity,
+        "content_hash": content_hash,
+        "created_at": time.time(),
+    }
+    if isinstance(ev, Reward):
+        row["reward"] = ev.reward
+    elif isinstance(ev, TrajectoryFinished):
+        row["status"] = ev.status
+    elif isinstance(ev, Generation):
+        s = adm.stored
+        assert s is not None
+        row.update(
+            seq=ev.seq,
+            model_version=ev.model_version,
+            prompt_len=len(ev.prompt_ids),
+            prefix_len=s.prefix_len,
+            output_len=len(ev.output_ids),
+            num_loss_tokens=int(ev.loss_mask.sum()) if ev.loss_mask is not None else len(ev.output_ids),
+            routes_start=s.routes_start if s.routes is not None else None,
+            num_route_rows_sent=len(ev.routed_experts) if ev.routed_experts is not None else None,
+            num_route_rows=len(s.routes) if s.routes is not None else None,
+            routes_dtype=s.routes.dtype.name if s.routes is not None else None,
+            reward=ev.reward,
+            has_token_rewards=ev.token_rewards is not None,
+            finish_reason=ev.finish_reason,
+            segment_row=segment_row,
+        )
+    return row
+
+
+def trajectory_row(state: TrajectoryState, started: TrajectoryStarted | None) -> dict[str, Any]:
+    now = time.time()
+    row: dict[str, Any] = {
+        "trajectory_id": state.trajectory_id,
+        "status": state.status,
+        "version": state.version,
+        "last_seq": state.last_seq,
+        "reward_mode": state.reward_mode,
+        "route_layers": state.route_layers,
+        "route_topk": state.route_topk,
+        "seq_len": state.seq_len,
+        "seq_hash": state.seq_hash,
+        "route_len": state.route_len,
+        "reward": state.reward,
+        "updated_at": now,
+    }
+    if started is not None:
+        row.update(
+            group_id=started.group_id,
+            num_experts=started.num_experts,
+            metadata=dict(started.metadata),
+            created_at=now,
+        )
+    return row
+
+
+def state_from_row(row: Mapping[str, Any]) -> TrajectoryState:
+    return TrajectoryState(
+        trajectory_id=row["trajectory_id"],
+        group_id=row["group_id"],
+        num_experts=row["num_experts"],
+        status=row["status"],
+        version=row["version"],
+        last_seq=row["last_seq"],
+        reward_mode=row["reward_mode"],
+        route_layers=row["route_layers"],
+        route_topk=row["route_topk"],
+        seq_len=row["seq_len"],
+        seq_hash=bytes(row["seq_hash"]),
+        route_len=row["route_len"],
+        reward=row["reward"],
+    )
+
+
+def generations_from_log(
+    rows: Sequence[Mapping[str, Any]],
+    tables: Mapping[str, SegmentRows],
+    route_shape: tuple[int, int] | None,
+) -> list[Generation]:
+    """Rebuild one trajectory's generation commands from its index rows (seq order)."""
+    out: list[Generation] = []
+    previous = np.zeros(0, dtype=np.int32)
+    for row in rows:
+        cols = _segment_row(tables, row)
+        tail, output = cols["prompt_tail"], cols["output_ids"]
+        prefix = int(row["prefix_len"])
+        if prefix > len(previous):
+            raise CorruptStoreError(
+                f"trajectory {row['trajectory_id']!r} seq {row['seq']}: prefix_len {prefix} exceeds the sequence"
+            )
+        prompt = np.concatenate([previous[:prefix], tail]) if prefix else tail
+        out.append(
+            Generation(
+                trajectory_id=row["trajectory_id"],
+                seq=row["seq"],
+                prompt_ids=prompt,
+                output_ids=output,
+                model_version=row["model_version"],
+                logprobs=cols["logprobs"],
+                loss_mask=cols["loss_mask"],
+                routed_experts=_routes(cols["routes"], row, route_shape),
+                routed_experts_start=row["routes_start"] or 0,
+                reward=row["reward"],
+                token_rewards=cols["token_rewards"],
+                finish_reason=row["finish_reason"],
+                event_id=row["event_id"],
+            )
+        )
+        previous = np.concatenate([prompt, output])
+    return out
+
+
+_LIST_DTYPES = {
+    "prompt_tail": np.int32,
+    "output_ids": np.int32,
+    "logprobs": np.float32,
+    "loss_mask": np.uint8,
+    "token_rewards": np.float32,
+}
+
+
+def _segment_row(tables: Mapping[str, SegmentRows], row: Mapping[str, Any]) -> dict[str, Any]:
+    one = tables[row["segment"]].row(int(row["segment_row"]))
+    cols: dict[str, Any] = {name: column_chunks(one.column(name), dt)[0] for name, dt in _LIST_DTYPES.items()}
+    cols["routes"] = binary_chunks(one.column("routes"))[0]
+    return cols
+
+
+def _routes(raw: Any, row: Mapping[str, Any], shape: tuple[int, int] | None) -> np.ndarray | None:
+    if raw is None or row["routes_dtype"] is None:
+        return None
+    if shape is None:
+        raise CorruptStoreError(f"trajectory {row['trajectory_id']!r} has routes but no [layers, topk]")
+    flat = np.frombuffer(raw, dtype=np.dtype(row["routes_dtype"]).newbyteorder("<"))
+    return flat.reshape(int(row["num_route_rows"]), *shape)

@@ -1,0 +1,45 @@
+"""Running the Alembic migrations from the library (first connect, ``trajstore init``).
+
+Concurrent first connects are serialized: PostgreSQL by a transaction-level
+advisory lock, SQLite by the write engine's ``BEGIN IMMEDIATE``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from alembic import command
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from sqlalchemy import Engine
+
+MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
+_ADVISORY_LOCK_KEY = 0x7472616A  # "traj"
+
+
+def alembic_config() -> Config:
+    cfg = Config()
+    cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
+    return cfg
+
+
+def head_revision() -> str | None:
+    return ScriptDirectory.from_config(alembic_config()).get_current_head()
+
+
+def upgrade(engine: Engine) -> bool:
+    """Bring the schema to head; return True when a migration ran."""
+    head = head_revision()
+    with engine.connect() as conn:
+        if MigrationContext.configure(conn).get_current_revision() == head:
+            return False
+    with engine.begin() as conn:
+        if conn.dialect.name == "postgresql":
+            conn.exec_driver_sql(f"SELECT pg_advisory_xact_lock({_ADVISORY_LOCK_KEY})")
+        if MigrationContext.configure(conn).get_current_revision() == head:
+            return False
+        cfg = alembic_config()
+        cfg.attributes["connection"] = conn
+        command.upgrade(cfg, "head")
+    return True

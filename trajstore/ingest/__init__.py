@@ -1,0 +1,16 @@
+"""The write side's edges: everything that turns what a rollout worker has
+into wire-format events and hands them to ``Store.append``.
+
+* ``client``  — ``Writer``: batching, retrying, thread-safe; to a Store or over HTTP
+* ``sinks``   — where a Writer's batches go (in-process Store, HTTP service)
+* ``vllm``    — vLLM outputs (offline objects, OpenAI JSON) → generation events
+* ``service`` — the HTTP ingest service (``trajstore serve``; FastAPI)
+* ``proxy``   — the OpenAI-compatible recording proxy (``trajstore proxy``)
+
+None of them validates or folds on its own: the core does (``trajstore.events``,
+``trajstore.store``). The core never imports this package.
+"""
+
+from trajstore.ingest.client import TrajectoryWriter, Writer
+
+__all__ = ["TrajectoryWriter", "Writer"]

@@ -1,0 +1,410 @@
+"""Writing events from rollout workers: a thread-safe, batching, retrying writer.
+
+::
+
+    with Writer("http://ingest:8700", token=TOKEN) as writer:      # or a Store, or "sqlite:///x.db"
+        traj = writer.trajectory("t1", group_id="g1", num_experts=128)
+        traj.generation(prompt_ids, output_ids, logprobs=lp, routed_experts=routes, model_version=5)
+        traj.from_vllm(request_output, model_version=5)           # vLLM offline output or server JSON
+        traj.finish("completed", reward=1.0)
+
+Events go into a bounded in-memory queue; a background thread sends them in
+batches (by event count, token count or time) to the sink: an in-process
+``Store`` (``store.append``) or the HTTP ingest service (``POST /v1/events``).
+The sinks live in ``sinks.py`` and are re-exported here; this module holds
+``Writer`` and ``TrajectoryWriter``.
+
+Delivery is at-least-once on the wire and exactly-once in the store: every
+event gets an ``event_id`` when it is queued, so a batch re-sent after a lost
+connection or a service restart carries the same ids and the store treats it
+as an idempotent retry. A refused event (validation or conflict) fails its
+trajectory only: the other trajectories' events in the batch are re-sent, and
+later events of the failed trajectory are dropped instead of piling up seq
+errors. Errors surface from ``flush()``/``close()`` and from the failed
+trajectory's own handle.
+
+A full queue blocks ``put`` (back-pressure) up to ``put_timeout_s``, then
+raises StoreUnavailable: memory stays bounded when the sink falls behind.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections import deque
+from typing import Any, Callable, Iterable, Mapping
+
+import numpy as np
+
+from trajstore.errors import StoreUnavailable, TrajstoreError, ValidationError
+from trajstore.ingest.sinks import HttpSink, Sink, StoreSink, encode_events, error_from_response, make_sink
+
+__all__ = ["HttpSink", "Sink", "StoreSink", "TrajectoryWriter", "Writer", "encode_events", "error_from_response"]
+
+
+def _num_tokens(event: Mapping) -> int:
+    total = 0
+    for key in ("prompt_ids", "output_ids"):
+        value = event.get(key)
+        if isinstance(value, Mapping):
+            total += int(np.prod(value.get("shape") or [0]))
+        elif value is not None and not isinstance(value, str):
+            total += len(value)
+    return total
+
+
+class Writer:
+    """Thread-safe batching writer (see the module docstring).
+
+    ``sink``: ``"http://host:port"`` of the ingest service (bearer ``token``,
+    default ``$TRAJSTORE_TOKEN``), a store URL, a ``Store``, or a ``Sink``.
+    A batch closes at ``batch_size`` events, ``max_batch_tokens`` tokens, or
+    ``flush_interval_s`` after its first event. Queued plus in-flight events
+    are bounded by ``max_pending_events`` and ``max_pending_tokens``.
+    Transient failures are retried with backoff for up to ``retry_timeout_s``.
+    ``on_ack(events)`` runs on the sender thread after each stored batch.
+    """
+
+    def __init__(
+        self,
+        sink: Any = None,
+        *,
+        token: str | None = None,
+        batch_size: int = 64,
+        max_batch_tokens: int = 65_536,
+        flush_interval_s: float = 0.05,
+        max_pending_events: int = 4096,
+        max_pending_tokens: int = 1 << 18,
+        put_timeout_s: float = 60.0,
+        retry_timeout_s: float = 600.0,
+        timeout_s: float = 120.0,
+        assign_event_ids: bool = True,
+        on_ack: Callable[[list[dict]], None] | None = None,
+    ) -> None:
+        self._sink = make_sink(sink, token, timeout_s)
+        self.batch_size, self.max_batch_tokens, self.flush_interval_s = batch_size, max_batch_tokens, flush_interval_s
+        self.max_pending_events, self.max_pending_tokens = max_pending_events, max_pending_tokens
+        self.put_timeout_s, self.retry_timeout_s = put_timeout_s, retry_timeout_s
+        self._on_ack = on_ack
+        self._id_prefix = uuid.uuid4().hex if assign_event_ids else None
+        self._num_ids = 0
+        self._cond = threading.Condition()
+        self._queue: deque[tuple[dict, int]] = deque()
+        # pending = queued + in flight (bounds memory); queued = not yet taken by the sender
+        self._pending_events = self._pending_tokens = self._queued_tokens = 0
+        self._num_put = self._num_done = 0
+        self._flush_target = 0
+        self._closing = self._aborted = False
+        self._errors: list[TrajstoreError] = []
+        self._failed: dict[str, TrajstoreError] = {}
+        self.num_acked = 0
+        self._thread = threading.Thread(target=self._run, name="trajstore-writer", daemon=True)
+        self._thread.start()
+
+    # -- producer side -------------------------------------------------------
+
+    def put(self, event: Mapping) -> dict:
+        """Queue one wire-format event dict; blocks while the queue is full."""
+        event = dict(event)
+        n_tokens = _num_tokens(event)
+        with self._cond:
+            self._check_open(event.get("trajectory_id"))
+            self._wait_for_room(n_tokens)
+            if self._id_prefix is not None and "event_id" not in event:
+                event["event_id"] = f"{self._id_prefix}-{self._num_ids}"
+                self._num_ids += 1
+            self._queue.append((event, n_tokens))
+            self._pending_events += 1
+            self._pending_tokens += n_tokens
+            self._queued_tokens += n_tokens
+            self._num_put += 1
+            self._cond.notify_all()
+        return event
+
+    def extend(self, events: Iterable[Mapping]) -> None:
+        for event in events:
+            self.put(event)
+
+    def _check_open(self, trajectory_id: Any) -> None:
+        if self._closing:
+            raise TrajstoreError("writer is closed")
+        failed = self._failed.get(trajectory_id) if isinstance(trajectory_id, str) else None
+        if failed is not None:
+            raise failed
+
+    def _wait_for_room(self, n_tokens: int) -> None:
+        deadline = time.monotonic() + self.put_timeout_s
+        # An event larger than the token bound alone still goes through once
+        # the queue is empty, so one huge event cannot wedge the writer.
+        while self._pending_events >= self.max_pending_events or (
+            self._pending_events and self._pending_tokens + n_tokens > self.max_pending_tokens
+        ):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise StoreUnavailable(
+                    f"writer queue stayed full for {self.put_timeout_s:g} s "
+                    f"({self._pending_events} events pending): the sink is not keeping up"
+                )
+            self._cond.wait(remaining)
+
+    def trajectory(
+        self,
+        trajectory_id: str,
+        *,
+        group_id: str | None = None,
+        num_experts: int | None = None,
+        metadata: Mapping | None = None,
+        start: bool = True,
+        next_seq: int = 0,
+    ) -> "TrajectoryWriter":
+        """A handle that writes one trajectory and numbers its generations.
+
+        ``start=False, next_seq=k`` resumes a trajectory already started.
+        """
+        if start:
+            event: dict = {"type": "trajectory_started", "trajectory_id": trajectory_id}
+            for key, value in (("group_id", group_id), ("num_experts", num_experts), ("metadata", metadata)):
+                if value is not None:
+                    event[key] = value
+            self.put(event)
+        return TrajectoryWriter(self, trajectory_id, next_seq)
+
+    def flush(self, timeout_s: float | None = None) -> None:
+        """Wait until every event queued so far is stored (or refused); raise the first error."""
+        with self._cond:
+            target = self._num_put
+            self._flush_target = max(self._flush_target, target)
+            self._cond.notify_all()
+            if not self._cond.wait_for(lambda: self._num_done >= target, timeout_s):
+                raise StoreUnavailable(f"flush timed out after {timeout_s:g} s with {target - self._num_done} events unsent")
+            self._raise_errors()
+
+    def _raise_errors(self) -> None:
+        if self._errors:
+            first, self._errors = self._errors[0], []
+            raise first
+
+    @property
+    def errors(self) -> list[TrajstoreError]:
+        """Errors not yet raised by flush()/close()."""
+        with self._cond:
+            return list(self._errors)
+
+    def close(self, timeout_s: float | None = None) -> None:
+        """Send what is queued, stop the sender, close the sink; raise the first error.
+
+        After ``timeout_s`` the sender gives up on unsent events (they are lost
+        and StoreUnavailable is raised).
+        """
+        with self._cond:
+            if self._closing and not self._thread.is_alive():
+                return
+            self._closing = True
+            self._cond.notify_all()
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            with self._cond:
+                self._aborted = True
+                self._cond.notify_all()
+            self._thread.join()
+        self._sink.close()
+        with self._cond:
+            self._raise_errors()
+
+    def __enter__(self) -> "Writer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # -- sender side ---------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            batch = self._next_batch()
+            if batch is None:
+                return
+            try:
+                self._deliver([event for event, _ in batch])
+            except Exception as e:  # a bug or a failing on_ack: never leave flush() waiting
+                self._fail(None, TrajstoreError(f"writer sender failed: {type(e).__name__}: {e}"))
+            with self._cond:
+                self._pending_events -= len(batch)
+                self._pending_tokens -= sum(n for _, n in batch)
+                self._num_done += len(batch)
+                self._cond.notify_all()
+
+    def _batch_ready(self) -> bool:
+        return (
+            len(self._queue) >= self.batch_size
+            or self._queued_tokens >= self.max_batch_tokens
+            or self._closing
+            or self._flush_target > self._num_done
+        )
+
+    def _next_batch(self) -> list[tuple[dict, int]] | None:
+        with self._cond:
+            self._cond.wait_for(lambda: self._queue or self._closing)
+            if not self._queue:
+                return None
+            deadline = time.monotonic() + self.flush_interval_s
+            while not self._batch_ready():
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                self._cond.wait(remaining)
+            batch: list[tuple[dict, int]] = []
+            n_tokens = 0
+            while self._queue and len(batch) < self.batch_size:
+                if batch and n_tokens + self._queue[0][1] > self.max_batch_tokens:
+                    break
+                batch.append(self._queue.popleft())
+                n_tokens += batch[-1][1]
+            self._queued_tokens -= n_tokens
+            return batch
+
+    def _deliver(self, events: list[dict]) -> None:
+        todo = [events]
+        while todo:
+            part = self._without_failed(todo.pop())
+            if not part:
+                continue
+            try:
+                self._send_with_retry(part)
+            except ValidationError as e:
+                if e.rule == "body_too_large" and len(part) > 1:
+                    half = len(part) // 2
+                    todo += [part[half:], part[:half]]  # popped from the end: first half first
+                elif e.index is not None and 0 <= e.index < len(part):
+                    # the whole trajectory fails: its later events could only be refused too
+                    self._fail(part[e.index].get("trajectory_id"), e)
+                    todo.append(part)
+                else:
+                    self._fail_all(part, e)
+            except TrajstoreError as e:
+                self._fail_all(part, e)
+            else:
+                self._acked(part)
+
+    def _send_with_retry(self, events: list[dict]) -> None:
+        deadline = time.monotonic() + self.retry_timeout_s
+        delay = 0.05
+        while True:
+            try:
+                return self._sink.send(events)
+            except (StoreUnavailable, OSError) as e:
+                if self._aborted or time.monotonic() + delay > deadline:
+                    raise StoreUnavailable(f"gave up sending {len(events)} events: {e}") from None
+                time.sleep(delay)
+                delay = min(delay * 2, 2.0)
+
+    def _acked(self, events: list[dict]) -> None:
+        self.num_acked += len(events)
+        if self._on_ack is not None:
+            self._on_ack(events)
+
+    def _without_failed(self, events: list[dict]) -> list[dict]:
+        with self._cond:
+            if not self._failed:
+                return events
+            return [ev for ev in events if ev.get("trajectory_id") not in self._failed]
+
+    def _fail(self, trajectory_id: Any, error: TrajstoreError) -> None:
+        with self._cond:
+            self._errors.append(error)
+            if isinstance(trajectory_id, str):
+                self._failed[trajectory_id] = error
+
+    def _fail_all(self, events: list[dict], error: TrajstoreError) -> None:
+        with self._cond:
+            self._errors.append(error)
+            for ev in events:
+                if isinstance(ev.get("trajectory_id"), str):
+                    self._failed.setdefault(ev["trajectory_id"], error)
+
+
+def _as_routes(routes: Any) -> Any:
+    # Routes stay one numpy array (sent as {b64,dtype,shape}), never a list of Python ints.
+    if hasattr(routes, "detach"):  # a torch tensor; torch itself is never imported
+        return routes.detach().cpu().numpy()
+    return np.asarray(routes) if isinstance(routes, (list, tuple)) else routes
+
+
+class TrajectoryWriter:
+    """Writes one trajectory through a Writer; numbers generations 0, 1, 2, ...
+
+    Used as a context manager it finishes the trajectory on exit: "failed"
+    when the block raised, else "completed" unless ``finish`` was called.
+    """
+
+    def __init__(self, writer: Writer, trajectory_id: str, next_seq: int = 0) -> None:
+        self.writer = writer
+        self.trajectory_id = trajectory_id
+        self._next_seq = next_seq
+        self._lock = threading.Lock()
+        self.finished = False
+
+    @property
+    def next_seq(self) -> int:
+        return self._next_seq
+
+    def generation(
+        self,
+        prompt_ids: Any,
+        output_ids: Any,
+        *,
+        model_version: int,
+        logprobs: Any = None,
+        routed_experts: Any = None,
+        **fields: Any,
+    ) -> int:
+        """Queue one engine call; returns its seq. ``fields``: loss_mask,
+        routed_experts_start, reward, token_rewards, finish_reason, event_id."""
+        event = {"prompt_ids": prompt_ids, "output_ids": output_ids, "model_version": model_version}
+        if logprobs is not None:
+            event["logprobs"] = logprobs
+        if routed_experts is not None:
+            event["routed_experts"] = _as_routes(routed_experts)
+        event.update((k, v) for k, v in fields.items() if v is not None)
+        return self._put_generations([event])[0]
+
+    def from_vllm(self, output: Any, prompt_ids: Any = None, *, model_version: int, **fields: Any) -> int:
+        """Queue what vLLM returned: a ``RequestOutput``/``CompletionOutput``
+        (offline engine) or the OpenAI-compatible server's response JSON."""
+        from trajstore.ingest.vllm import generation_from_output, generations_from_openai
+
+        ids = {"trajectory_id": self.trajectory_id, "seq": 0, "model_version": model_version}
+        if isinstance(output, Mapping):
+            events = generations_from_openai(output, prompt_ids=prompt_ids, **ids, **fields)
+            if len(events) != 1:
+                raise ValidationError(f"a trajectory records one choice per call, the response has {len(events)}", rule="choices")
+        else:
+            events = [generation_from_output(output, prompt_ids, **ids, **fields)]
+        return self._put_generations(events)[0]
+
+    def _put_generations(self, events: list[dict]) -> list[int]:
+        with self._lock:
+            seqs = []
+            for event in events:
+                event.update(type="generation", trajectory_id=self.trajectory_id, seq=self._next_seq)
+                self.writer.put(event)
+                seqs.append(self._next_seq)
+                self._next_seq += 1
+            return seqs
+
+    def reward(self, value: float) -> None:
+        self.writer.put({"type": "reward", "trajectory_id": self.trajectory_id, "reward": value})
+
+    def finish(self, status: str = "completed", *, reward: float | None = None) -> None:
+        if reward is not None:
+            self.reward(reward)
+        self.writer.put({"type": "trajectory_finished", "trajectory_id": self.trajectory_id, "status": status})
+        self.finished = True
+
+    def __enter__(self) -> "TrajectoryWriter":
+        return self
+
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        if not self.finished:
+            self.finish("failed" if exc_type is not None else "completed")

@@ -1,0 +1,416 @@
+"""HTTP ingest service: ``POST /v1/events`` into ``store.append``.
+
+A thin edge over the library (ARCHITECTURE "Edges stay thin"): events are
+parsed with ``trajstore.events.parse_event`` and stored with ``store.append``;
+nothing here re-implements a rule. FastAPI and uvicorn are imported lazily,
+so the core never needs them (``pip install 'trajstore[server]'``).
+
+Endpoints:
+
+* ``POST /v1/events``: body ``{"events": [...]}`` or a JSON list of
+  wire-format events. 200 only after ``store.append`` returned (durable).
+  401 without the bearer token, 413 over ``max_body_bytes``, 400 for bad
+  JSON, 422 for a refused event, 409 for a conflict, 503 when the store is
+  unreachable (retry). Errors are ``{"error": {"index", "trajectory_id",
+  "rule", "message"}}`` and nothing of the request is stored.
+* ``GET /healthz``, ``GET /metrics`` (Prometheus text), ``GET /openapi.json``.
+
+Group commit: requests that arrive while an append runs are coalesced into
+the next ``store.append`` by one committer thread, so N concurrent clients
+cost about one transaction (and one payload file) per round instead of N.
+``store.append`` is atomic, so when a coalesced append is refused nothing is
+stored and the requests are re-appended one by one: a bad event fails only
+its own request. Coalescing never reorders a request's events.
+"""
+
+# No ``from __future__ import annotations``: FastAPI reads the handlers'
+# annotations at runtime, and ``Request`` is imported lazily inside make_app.
+import argparse
+import concurrent.futures
+import hmac
+import json
+import os
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from trajstore.errors import ConflictError, StoreUnavailable, TrajstoreError, ValidationError
+from trajstore.events import Generation, parse_event
+
+__all__ = [
+    "DEFAULT_MAX_BODY_BYTES", "GroupCommitter", "Metrics", "add_cli_arguments", "app_from_env", "main", "make_app",
+    "serve", "serve_from_args", "parse_body"]
+
+DEFAULT_MAX_BODY_BYTES = 64 << 20
+DEFAULT_PORT = 8700
+_LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class Metrics:
+    """Counters and one latency histogram, rendered as Prometheus text."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.requests: dict[int, int] = {}
+        self.errors: dict[str, int] = {}
+        self.events = self.tokens = self.commits = 0
+        self._buckets = [0] * len(_LATENCY_BUCKETS_S)
+        self._latency_sum_s = 0.0
+        self._latency_count = 0
+
+    def observe(self, status: int, latency_s: float, *, events: int = 0, tokens: int = 0, rule: str | None = None) -> None:
+        with self._lock:
+            self.requests[status] = self.requests.get(status, 0) + 1
+            self.events += events
+            self.tokens += tokens
+            if rule is not None:
+                self.errors[rule] = self.errors.get(rule, 0) + 1
+            self._latency_sum_s += latency_s
+            self._latency_count += 1
+            for i, bound in enumerate(_LATENCY_BUCKETS_S):
+                if latency_s <= bound:
+                    self._buckets[i] += 1
+
+    def count_commit(self) -> None:
+        with self._lock:
+            self.commits += 1
+
+    def render(self) -> str:
+        p = "trajstore_ingest"
+        with self._lock:
+            lines = [f"# TYPE {p}_requests_total counter"]
+            lines += [f'{p}_requests_total{{status="{s}"}} {n}' for s, n in sorted(self.requests.items())]
+            lines += [f"# TYPE {p}_errors_total counter"]
+            lines += [f'{p}_errors_total{{rule="{r}"}} {n}' for r, n in sorted(self.errors.items())]
+            for name, value in (("events", self.events), ("tokens", self.tokens), ("commits", self.commits)):
+                lines += [f"# TYPE {p}_{name}_total counter", f"{p}_{name}_total {value}"]
+            lines.append(f"# TYPE {p}_ack_latency_seconds histogram")
+            lines += [f'{p}_ack_latency_seconds_bucket{{le="{b:g}"}} {n}' for b, n in zip(_LATENCY_BUCKETS_S, self._buckets)]
+            lines += [
+                f'{p}_ack_latency_seconds_bucket{{le="+Inf"}} {self._latency_count}',
+                f"{p}_ack_latency_seconds_sum {self._latency_sum_s:.6f}",
+                f"{p}_ack_latency_seconds_count {self._latency_count}",
+            ]
+        return "\n".join(lines) + "\n"
+
+
+@dataclass
+class _Request:
+    events: list
+    num_tokens: int
+    future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+
+
+class GroupCommitter:
+    """One thread that appends queued requests, coalescing those that wait.
+
+    ``submit(events)`` returns a future of ``(group_size, AppendResult)``.
+    A group is capped at ``max_group_events`` events and ``max_group_tokens``
+    tokens (one request alone may exceed them).
+    """
+
+    def __init__(self, store: Any, *, max_group_events: int = 8192, max_group_tokens: int = 1 << 21,
+                 metrics: Metrics | None = None) -> None:
+        self._store = store
+        self.max_group_events, self.max_group_tokens = max_group_events, max_group_tokens
+        self._metrics = metrics
+        self._cond = threading.Condition()
+        self._queue: deque[_Request] = deque()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="trajstore-group-commit", daemon=True)
+        self._thread.start()
+
+    def submit(self, events: list, num_tokens: int = 0) -> concurrent.futures.Future:
+        req = _Request(events, num_tokens)
+        with self._cond:
+            if self._closed:
+                raise StoreUnavailable("the ingest service is shutting down")
+            self._queue.append(req)
+            self._cond.notify()
+        return req.future
+
+    def close(self) -> None:
+        """Commit what is queued, then stop."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self._thread.join()
+
+    def _take(self) -> list[_Request]:
+        with self._cond:
+            self._cond.wait_for(lambda: self._queue or self._closed)
+            group: list[_Request] = []
+            n_events = n_tokens = 0
+            while self._queue:
+                req = self._queue[0]
+                if group and (n_events + len(req.events) > self.max_group_events
+                              or n_tokens + req.num_tokens > self.max_group_tokens):
+                    break
+                group.append(self._queue.popleft())
+                n_events += len(req.events)
+                n_tokens += req.num_tokens
+            return group
+
+    def _run(self) -> None:
+        while group := self._take():
+            if len(group) == 1:
+                self._commit_alone(group[0])
+            else:
+                self._commit_group(group)
+
+    def _append(self, events: list) -> Any:
+        result = self._store.append(events)
+        if self._metrics is not None:
+            self._metrics.count_commit()
+        return result
+
+    def _commit_group(self, group: list[_Request]) -> None:
+        try:
+            result = self._append([ev for req in group for ev in req.events])
+        except ValidationError:
+            # Nothing was stored (append is atomic): find the culprit by
+            # appending each request on its own, in arrival order.
+            for req in group:
+                self._commit_alone(req)
+            return
+        except BaseException as e:
+            for req in group:
+                req.future.set_exception(e)
+            return
+        for req in group:
+            req.future.set_result((len(group), result))
+
+    def _commit_alone(self, req: _Request) -> None:
+        try:
+            req.future.set_result((1, self._append(req.events)))
+        except BaseException as e:
+            req.future.set_exception(e)
+
+
+class _HTTPError(Exception):
+    """An error response: status plus the ``{"error": ...}`` body."""
+
+    def __init__(self, status: int, message: str, *, rule: str, index: int | None = None,
+                 trajectory_id: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.body = {"error": {"index": index, "trajectory_id": trajectory_id, "rule": rule, "message": message}}
+
+    @classmethod
+    def from_error(cls, e: BaseException) -> "_HTTPError":
+        if isinstance(e, ValidationError):
+            status = 409 if isinstance(e, ConflictError) else 422
+            return cls(status, e.reason, rule=e.rule, index=e.index, trajectory_id=e.trajectory_id)
+        if isinstance(e, StoreUnavailable):
+            return cls(503, str(e), rule="store_unavailable")
+        return cls(500, f"{type(e).__name__}: {e}", rule="internal")
+
+
+def parse_body(body: bytes) -> tuple[list, int]:
+    """The parsed events of a request body and their token count; raises _HTTPError."""
+    try:
+        doc = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise _HTTPError(400, f"body is not valid JSON ({e})", rule="malformed_json") from None
+    raw = doc.get("events") if isinstance(doc, dict) else doc
+    if not isinstance(raw, list):
+        raise _HTTPError(400, 'body must be {"events": [...]} or a JSON list of events', rule="malformed_body")
+    events, num_tokens = [], 0
+    for i, obj in enumerate(raw):
+        try:
+            event = parse_event(obj)
+        except ValidationError as e:
+            raise _HTTPError.from_error(e.at(i)) from None
+        if isinstance(event, Generation):
+            num_tokens += event.num_tokens
+        events.append(event)
+    return events, num_tokens
+
+
+async def _read_body(request: Any, max_body_bytes: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
+        raise _HTTPError(413, f"body of {declared} bytes is over the {max_body_bytes}-byte limit", rule="body_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_body_bytes:
+            raise _HTTPError(413, f"body is over the {max_body_bytes}-byte limit", rule="body_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _authorized(request: Any, token: str | None) -> bool:
+    if token is None:
+        return True
+    header = request.headers.get("authorization", "")
+    scheme, _, given = header.partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token.encode())
+
+
+_EVENTS_OPENAPI = {
+    "requestBody": {
+        "required": True,
+        "content": {"application/json": {"schema": {"oneOf": [
+            {"type": "object", "required": ["events"],
+             "properties": {"events": {"type": "array", "items": {"type": "object"}}}},
+            {"type": "array", "items": {"type": "object"}},
+        ]}}},
+    },
+    "responses": {
+        "200": {"description": "stored (durable): num_events, num_appended, num_duplicates, last_position"},
+        "400": {"description": "malformed JSON or body shape"},
+        "401": {"description": "missing or wrong bearer token"},
+        "409": {"description": "an event conflicts with a stored one"},
+        "413": {"description": "body over the size limit"},
+        "422": {"description": "an event breaks a rule; error names index, trajectory_id, rule"},
+        "503": {"description": "store unreachable; retry the same events"},
+    },
+}
+
+
+def make_app(store: Any, *, token: str | None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+             group_commit: bool = True, close_store: bool = False) -> Any:
+    """The FastAPI app over ``store``. ``token=None`` means no auth (the caller decided).
+
+    ``close_store``: close the store when the app shuts down.
+    """
+    from contextlib import asynccontextmanager
+
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse, PlainTextResponse
+    from starlette.concurrency import run_in_threadpool
+
+    metrics = Metrics()
+    committer = GroupCommitter(store, metrics=metrics) if group_commit else None
+
+    @asynccontextmanager
+    async def lifespan(app: Any):
+        yield
+        if committer is not None:
+            committer.close()
+        if close_store:
+            store.close()
+
+    app = FastAPI(title="trajstore ingest", version="1", lifespan=lifespan)
+    app.state.metrics = metrics
+
+    async def commit(events: list, num_tokens: int) -> tuple[int, Any]:
+        if committer is not None:
+            import asyncio
+
+            return await asyncio.wrap_future(committer.submit(events, num_tokens))
+        return 1, await run_in_threadpool(store.append, events)
+
+    @app.post("/v1/events", openapi_extra=_EVENTS_OPENAPI)
+    async def post_events(request: Request) -> Any:
+        start = time.perf_counter()
+        try:
+            if not _authorized(request, token):
+                raise _HTTPError(401, "missing or wrong bearer token", rule="unauthorized")
+            events, num_tokens = await run_in_threadpool(parse_body, await _read_body(request, max_body_bytes))
+            try:
+                group_size, result = await commit(events, num_tokens)
+            except Exception as e:
+                raise _HTTPError.from_error(e) from None
+        except _HTTPError as e:
+            metrics.observe(e.status, time.perf_counter() - start, rule=e.body["error"]["rule"])
+            headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
+            return JSONResponse(e.body, status_code=e.status, headers=headers)
+        metrics.observe(200, time.perf_counter() - start, events=len(events), tokens=num_tokens)
+        return _ack_body(len(events), group_size, result)
+
+    @app.get("/healthz")
+    async def healthz() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/metrics", response_class=PlainTextResponse)
+    async def get_metrics() -> str:
+        return metrics.render()
+
+    return app
+
+
+def _ack_body(num_events: int, group_size: int, result: Any) -> dict:
+    # A coalesced append reports the group's totals; split them only when
+    # that is exact (no duplicates in the group means all of ours were new).
+    appended = getattr(result, "num_appended", None)
+    duplicates = getattr(result, "num_duplicates", None)
+    if group_size > 1:
+        appended, duplicates = (num_events, 0) if duplicates == 0 else (None, None)
+    return {"num_events": num_events, "num_appended": appended, "num_duplicates": duplicates,
+            "last_position": getattr(result, "last_position", None)}
+
+
+def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of ``trajstore serve`` (``--store`` is the CLI's global flag)."""
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
+    parser.add_argument("--token", default=None, help="bearer token clients must send (default $TRAJSTORE_TOKEN)")
+    parser.add_argument("--insecure-no-auth", action="store_true", help="accept requests without a token")
+    parser.add_argument("--max-body-mb", type=float, default=DEFAULT_MAX_BODY_BYTES / (1 << 20),
+                        help="largest request body in MiB (default 64); larger ones get 413")
+    parser.add_argument("--no-group-commit", action="store_true",
+                        help="append each request on its own instead of coalescing concurrent ones")
+    parser.add_argument("--workers", type=int, default=1,
+                        help="server processes on the port, each with its own store connection (default 1)")
+    parser.add_argument("--log-level", default="warning", help="uvicorn log level (default warning)")
+
+
+def serve(store_url: str | None = None, host: str = "127.0.0.1", port: int = DEFAULT_PORT, token: str | None = None,
+          *, insecure_no_auth: bool = False, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+          group_commit: bool = True, workers: int = 1, log_level: str = "warning") -> None:
+    """Run the ingest service until SIGINT/SIGTERM (in-flight requests finish first).
+
+    Refuses to start without a token (``token`` or ``$TRAJSTORE_TOKEN``)
+    unless ``insecure_no_auth``. ``workers > 1`` runs that many processes on
+    one port, each with its own store connection and group committer: one
+    process is bound by its GIL to about one core.
+    """
+    token = token or os.environ.get("TRAJSTORE_TOKEN") or None
+    if token is None and not insecure_no_auth:
+        raise ValueError("no token: pass --token or set $TRAJSTORE_TOKEN (or --insecure-no-auth to run open)")
+    import uvicorn
+
+    import trajstore
+
+    # Connect once here: a bad URL fails before the server starts, and a new
+    # database is migrated by one process, not raced by every worker.
+    trajstore.connect(store_url).close()
+    os.environ[_CONFIG_ENV] = json.dumps(
+        {"store_url": store_url, "token": token, "max_body_bytes": max_body_bytes, "group_commit": group_commit})
+    # uvicorn builds each worker's app from the import string; the settings
+    # reach it through the environment the workers inherit.
+    uvicorn.run("trajstore.ingest.service:app_from_env", factory=True, workers=workers if workers > 1 else None,
+                host=host, port=port, log_level=log_level, access_log=False)
+
+
+_CONFIG_ENV = "TRAJSTORE_SERVE_CONFIG"
+
+
+def app_from_env() -> Any:
+    """The app ``serve`` described in ``$TRAJSTORE_SERVE_CONFIG``; it owns (and closes) its store."""
+    import trajstore
+
+    config = json.loads(os.environ[_CONFIG_ENV])
+    store = trajstore.connect(config.pop("store_url"))
+    return make_app(store, close_store=True, **config)
+
+
+def serve_from_args(args: argparse.Namespace) -> None:
+    serve(getattr(args, "store", None), args.host, args.port, args.token, insecure_no_auth=args.insecure_no_auth,
+          max_body_bytes=int(args.max_body_mb * (1 << 20)), group_commit=not args.no_group_commit,
+          workers=args.workers, log_level=args.log_level)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="trajstore-ingest", description="trajstore HTTP ingest service")
+    parser.add_argument("--store", default=None, help="store URL (default $TRAJSTORE_URL or the embedded default)")
+    add_cli_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        serve_from_args(args)
+    except (ValueError, TrajstoreError) as e:
+        raise SystemExit(f"trajstore serve: {e}") from None

@@ -1,0 +1,150 @@
+"""Where a ``Writer``'s batches go: the ``Sink`` interface and its two implementations.
+
+``StoreSink`` appends to an in-process ``Store``; ``HttpSink`` POSTs to the
+HTTP ingest service (``POST /v1/events``) with the standard library only.
+``encode_events`` builds that request body (numpy arrays as
+``{b64,dtype,shape}``) and ``error_from_response`` turns the service's error
+answer back into the library error it stands for. ``make_sink`` picks a sink
+for a ``Writer``'s ``sink`` argument. All are re-exported by ``client.py``.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+from typing import Any, Protocol
+from urllib.parse import urlsplit
+
+import numpy as np
+
+from trajstore.errors import ConflictError, StoreUnavailable, TrajstoreError, ValidationError
+from trajstore._wire import encode_b64
+
+__all__ = ["HttpSink", "Sink", "StoreSink", "encode_events", "error_from_response", "make_sink"]
+
+
+class Sink(Protocol):
+    """Where a writer's batches go. ``send`` is atomic: all events stored or none.
+
+    It raises ValidationError / ConflictError for refused events (never
+    retried; ``index`` names the event), StoreUnavailable or OSError for
+    failures worth retrying with the same events.
+    """
+
+    def send(self, events: list[dict]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class StoreSink:
+    """Appends to an in-process store (``trajstore.connect(...)``)."""
+
+    def __init__(self, store: Any, *, owned: bool = False) -> None:
+        self.store = store
+        self._owned = owned
+
+    def send(self, events: list[dict]) -> None:
+        self.store.append(events)
+
+    def close(self) -> None:
+        if self._owned:
+            self.store.close()
+
+
+def _json_default(value: Any) -> Any:
+    # Arrays travel as {b64, dtype, shape}: compact, and decoded without a
+    # per-element Python loop on the other side.
+    if isinstance(value, np.ndarray):
+        return encode_b64(value)
+    if isinstance(value, np.generic):
+        return value.item()
+    raise TypeError(f"cannot send a {type(value).__name__} in an event")
+
+
+def encode_events(events: list[dict]) -> bytes:
+    """The ``POST /v1/events`` body for ``events`` (numpy arrays as {b64,dtype,shape})."""
+    return json.dumps({"events": events}, default=_json_default, separators=(",", ":")).encode()
+
+
+class HttpSink:
+    """POSTs batches to the ingest service over one kept-alive connection."""
+
+    def __init__(self, url: str, *, token: str | None = None, timeout_s: float = 120.0,
+                 max_body_bytes: int = 64 << 20) -> None:
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"ingest URL must be http(s)://host:port, got {url!r}")
+        self._parts = parts
+        self._path = parts.path.rstrip("/") + "/v1/events"
+        self._timeout_s = timeout_s
+        self.max_body_bytes = max_body_bytes
+        self._headers = {"Content-Type": "application/json"}
+        if token:
+            self._headers["Authorization"] = f"Bearer {token}"
+        self._conn: http.client.HTTPConnection | None = None
+
+    def _connect(self) -> http.client.HTTPConnection:
+        cls = http.client.HTTPSConnection if self._parts.scheme == "https" else http.client.HTTPConnection
+        return cls(self._parts.hostname, self._parts.port, timeout=self._timeout_s)
+
+    def send(self, events: list[dict]) -> None:
+        body = encode_events(events)
+        if len(body) > self.max_body_bytes:  # the service would answer 413: let the writer split first
+            raise ValidationError(f"body of {len(body)} bytes is over the {self.max_body_bytes}-byte limit",
+                                  rule="body_too_large")
+        status, data = self.post(body)
+        if status != 200:
+            raise error_from_response(status, data)
+
+    def post(self, body: bytes) -> tuple[int, bytes]:
+        """One POST; a dropped kept-alive connection is reopened once (safe: ids make it idempotent)."""
+        for attempt in (0, 1):
+            conn = self._conn or self._connect()
+            try:
+                conn.request("POST", self._path, body, self._headers)
+                resp = conn.getresponse()
+                data = resp.read()
+                self._conn = None if resp.will_close else conn
+                return resp.status, data
+            except (OSError, http.client.HTTPException) as e:
+                conn.close()
+                self._conn = None
+                if attempt:
+                    raise StoreUnavailable(f"ingest service at {self._parts.netloc} unreachable: {e}") from None
+        raise AssertionError("unreachable")
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+
+def error_from_response(status: int, data: bytes) -> TrajstoreError:
+    """The library error an ingest-service error response stands for."""
+    try:
+        err = json.loads(data)["error"]
+        message = str(err.get("message"))
+    except (ValueError, KeyError, TypeError, AttributeError):
+        err, message = {}, data[:200].decode("utf-8", "replace")
+    if status in (400, 413, 422, 409):
+        cls = ConflictError if status == 409 else ValidationError
+        return cls(message, index=err.get("index"), trajectory_id=err.get("trajectory_id"), rule=err.get("rule") or f"http_{status}")
+    if status in (429,) or status >= 500:
+        return StoreUnavailable(f"ingest service answered {status}: {message}")
+    return TrajstoreError(f"ingest service refused the request ({status}): {message}")
+
+
+def make_sink(sink: Any, token: str | None, timeout_s: float) -> Sink:
+    """The sink a ``Writer(sink, ...)`` argument stands for (see ``Writer``)."""
+    if isinstance(sink, str) and sink.startswith(("http://", "https://")):
+        return HttpSink(sink, token=token if token is not None else os.environ.get("TRAJSTORE_TOKEN"), timeout_s=timeout_s)
+    if isinstance(sink, str) or sink is None:
+        import trajstore
+
+        return StoreSink(trajstore.connect(sink), owned=True)
+    if hasattr(sink, "send"):
+        return sink
+    if hasattr(sink, "append"):
+        return StoreSink(sink)
+    raise TypeError(f"sink must be an http(s) URL, a store URL, a Store or a Sink, got {type(sink).__name__}")

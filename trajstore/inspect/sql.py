@@ -1,0 +1,339 @@
+"""``trajstore sql "QUERY"``: read-only SQL against a store, printed as a table, CSV or JSON.
+
+Read-only is enforced by the database, not by looking at the query text:
+
+* **SQLite**: the file is opened with ``file:...?mode=ro`` (SQLite's pager
+  refuses every write to it), ``PRAGMA query_only=ON`` is set, and an
+  authorizer, which SQLite consults while compiling each statement, refuses
+  the statements that would have effects outside the database file or on the
+  connection: ATTACH (and ``VACUUM INTO``, which attaches), DETACH,
+  transaction control, ``load_extension``, and every PRAGMA except a list
+  of introspection ones (so ``PRAGMA query_only=OFF`` is refused).
+* **PostgreSQL**: the query runs inside ``BEGIN ISOLATION LEVEL REPEATABLE
+  READ READ ONLY`` after ``SET LOCAL ROLE trajstore_reader`` (made by
+  migration 0002 with SELECT on the tables and views, nothing else) and
+  after a first statement has taken the transaction's snapshot, so it can
+  no longer be switched back to read-write. The query is sent as one
+  prepared statement (extended protocol), so ``...; DELETE ...`` is refused
+  by the server, and the transaction is always rolled back, never committed.
+
+Either way a refused query raises TrajstoreError with the database's reason
+in one line, and the store is left exactly as it was.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import json
+import os
+import sqlite3
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from decimal import Decimal
+from typing import Any, Callable, Iterator, TextIO
+
+from sqlalchemy.engine import make_url
+
+from trajstore.errors import StoreUnavailable, TrajstoreError
+from trajstore.inspect.views import READER_ROLE
+
+__all__ = ["QueryResult", "read_only", "run_query", "print_result", "add_cli_arguments", "run_from_args"]
+
+FORMATS = ("table", "csv", "json")
+MAX_TABLE_ROWS = 1000  # a rich table of a million rows helps nobody; csv/json print everything
+
+
+@dataclass(frozen=True)
+class QueryResult:
+    columns: list[str]
+    rows: list[tuple[Any, ...]]
+
+    def dicts(self) -> list[dict[str, Any]]:
+        return [dict(zip(self.columns, row)) for row in self.rows]
+
+
+Query = Callable[[str], QueryResult]
+
+
+@contextlib.contextmanager
+def read_only(url: str | None, *, timeout_s: float | None = None) -> Iterator[Query]:
+    """Yield ``query(sql) -> QueryResult`` on a read-only connection to the store.
+
+    All queries see one snapshot. The schema is brought up to date first
+    (as every command does), so the views exist on a store made by an
+    older trajstore."""
+    from sqlalchemy.exc import ArgumentError
+
+    from trajstore.store import resolve_url
+
+    url = resolve_url(url)
+    try:
+        backend = make_url(url).get_backend_name()
+    except ArgumentError:
+        raise TrajstoreError(f"not a store URL: {url!r} (use sqlite:///path.db or postgresql+psycopg://...)") from None
+    _upgrade(url, backend)
+    opener = _sqlite_reader if backend == "sqlite" else _postgres_reader
+    with opener(url, timeout_s) as query:
+        yield query
+
+
+def run_query(url: str | None, sql: str, *, timeout_s: float | None = None) -> QueryResult:
+    with read_only(url, timeout_s=timeout_s) as query:
+        return query(sql)
+
+
+def _upgrade(url: str, backend: str) -> None:
+    from sqlalchemy.exc import DBAPIError
+
+    if backend == "sqlite":
+        from trajstore.log import sqlite as dialect
+        path = make_url(url).database
+        if not path or path == ":memory:" or not os.path.exists(path):
+            raise StoreUnavailable(f"no store at {path!r} (make one with trajstore init or trajstore demo)")
+    elif backend == "postgresql":
+        from trajstore.log import postgres as dialect
+    else:
+        raise TrajstoreError(f"unsupported database {backend!r} (sqlite or postgresql)")
+    write_engine, read_engine = dialect.make_engines(url)
+    try:
+        if not _at_head(read_engine):
+            from trajstore._migrate import upgrade
+
+            upgrade(write_engine)
+    except DBAPIError as e:  # unreachable, or a reader login that cannot migrate
+        raise StoreUnavailable(f"cannot open store: {_first_line(str(e.orig))}") from None
+    finally:
+        write_engine.dispose()
+        read_engine.dispose()
+
+
+def _at_head(engine: Any) -> bool:
+    """Checked on a plain read connection: on SQLite the write engine's
+    BEGIN IMMEDIATE would wait behind a busy writer for nothing."""
+    from alembic.runtime.migration import MigrationContext
+
+    from trajstore._migrate import head_revision
+
+    with engine.connect() as conn:
+        return MigrationContext.configure(conn).get_current_revision() == head_revision()
+
+
+# -- SQLite ------------------------------------------------------------------
+
+# PRAGMAs that only report. Anything else (query_only=OFF, journal_mode=...,
+# user_version=5, wal_checkpoint, optimize) is refused by the authorizer.
+_SQLITE_PRAGMAS_ON_TABLE = frozenset({
+    "table_info", "table_xinfo", "table_list", "index_list", "index_info", "index_xinfo", "foreign_key_list",
+})
+_SQLITE_PRAGMAS_QUERY = frozenset({
+    "database_list", "collation_list", "function_list", "pragma_list", "compile_options", "user_version",
+    "schema_version", "page_count", "page_size", "freelist_count", "journal_mode", "query_only", "encoding",
+})
+_SQLITE_DENIED = {
+    sqlite3.SQLITE_ATTACH: "ATTACH",
+    sqlite3.SQLITE_DETACH: "DETACH",
+    sqlite3.SQLITE_TRANSACTION: "transaction control",
+    sqlite3.SQLITE_SAVEPOINT: "SAVEPOINT",
+}
+
+
+def _sqlite_authorizer(action: int, arg1: str | None, arg2: str | None, _db: str | None, _trigger: str | None) -> int:
+    if action in _SQLITE_DENIED:
+        return sqlite3.SQLITE_DENY
+    if action == sqlite3.SQLITE_PRAGMA:
+        name = (arg1 or "").lower()
+        reads = name in _SQLITE_PRAGMAS_ON_TABLE or (name in _SQLITE_PRAGMAS_QUERY and arg2 is None)
+        if not reads:
+            return sqlite3.SQLITE_DENY
+    if action == sqlite3.SQLITE_FUNCTION and (arg2 or "").lower() == "load_extension":
+        return sqlite3.SQLITE_DENY
+    return sqlite3.SQLITE_OK
+
+
+@contextlib.contextmanager
+def _sqlite_reader(url: str, timeout_s: float | None) -> Iterator[Query]:
+    path = os.path.abspath(make_url(url).database)
+    uri = f"file:{urllib.request.pathname2url(path)}?mode=ro"
+    try:
+        conn = sqlite3.connect(uri, uri=True, isolation_level=None, timeout=60.0)
+    except sqlite3.Error as e:
+        raise StoreUnavailable(f"cannot open {path} read-only: {e}") from None
+    try:
+        conn.execute("PRAGMA query_only=ON")
+        conn.execute("BEGIN")  # one snapshot for every query (WAL)
+        conn.set_authorizer(_sqlite_authorizer)
+        yield lambda sql: _sqlite_execute(conn, sql, timeout_s)
+    finally:
+        conn.set_authorizer(None)
+        conn.close()
+
+
+def _sqlite_execute(conn: sqlite3.Connection, sql: str, timeout_s: float | None) -> QueryResult:
+    if timeout_s:
+        deadline = time.monotonic() + timeout_s
+        conn.set_progress_handler(lambda: int(time.monotonic() > deadline), 10_000)
+    try:
+        cur = conn.execute(sql)
+        columns = [d[0] for d in cur.description or ()]
+        rows = cur.fetchall()
+    except (sqlite3.Error, sqlite3.Warning) as e:
+        msg = str(e)
+        if msg == "interrupted" and timeout_s:
+            msg = f"query exceeded the {timeout_s:g} s timeout"
+        elif msg == "not authorized":
+            msg = "not authorized (trajstore sql is read-only)"
+        raise TrajstoreError(f"SQL error: {_first_line(msg)}") from None
+    finally:
+        conn.set_progress_handler(None, 0)
+    return QueryResult(columns, rows)
+
+
+# -- PostgreSQL ----------------------------------------------------------------
+
+@contextlib.contextmanager
+def _postgres_reader(url: str, timeout_s: float | None) -> Iterator[Query]:
+    import psycopg
+    from sqlalchemy import create_engine
+    from sqlalchemy.pool import NullPool
+
+    # NullPool: the connection is closed afterwards, never reused with our role.
+    engine = create_engine(url, poolclass=NullPool)
+    try:
+        fairy = engine.raw_connection()
+    except Exception as e:
+        raise StoreUnavailable(f"cannot open store: {_first_line(str(getattr(e, 'orig', e)))}") from None
+    conn: psycopg.Connection = fairy.driver_connection
+    try:
+        conn.rollback()
+        conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
+        conn.read_only = True
+        _enter_reader_role(conn, timeout_s)
+        yield lambda sql: _postgres_execute(conn, sql)
+    finally:
+        with contextlib.suppress(Exception):
+            conn.rollback()
+        fairy.invalidate()  # closes it: the session's role and settings die with it
+        engine.dispose()
+
+
+def _enter_reader_role(conn: Any, timeout_s: float | None) -> None:
+    import psycopg
+
+    try:
+        with conn.cursor() as cur:
+            cur.execute(f"SET LOCAL ROLE {READER_ROLE}")
+    except psycopg.Error as e:
+        raise TrajstoreError(
+            f"cannot switch to the read-only role {READER_ROLE} ({_pg_message(e)}); "
+            "see 'Read-only access' in docs/sql.md"
+        ) from None
+    with conn.cursor() as cur:
+        if timeout_s:
+            cur.execute(f"SET LOCAL statement_timeout = {int(timeout_s * 1000)}")
+        # Takes the snapshot: from here the transaction cannot become read-write.
+        cur.execute("SELECT 1")
+
+
+def _postgres_execute(conn: Any, sql: str) -> QueryResult:
+    import psycopg
+
+    try:
+        with conn.cursor() as cur:
+            # Again before every query: an earlier one may have run set_config('role', ...).
+            cur.execute(f"SET LOCAL ROLE {READER_ROLE}")
+            # prepare=True: one Parse message, so the server refuses a second statement.
+            cur.execute(sql, prepare=True)
+            columns = [d.name for d in cur.description or ()]
+            rows = cur.fetchall() if cur.description else []
+    except psycopg.Error as e:
+        raise TrajstoreError(f"SQL error: {_pg_message(e)}") from None
+    return QueryResult(columns, rows)
+
+
+def _pg_message(e: Exception) -> str:
+    diag = getattr(e, "diag", None)
+    primary = getattr(diag, "message_primary", None) or str(e)
+    position = getattr(diag, "statement_position", None)
+    return _first_line(primary) + (f" (at character {position})" if position else "")
+
+
+def _first_line(text: str) -> str:
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    return lines[0] if lines else "unknown error"
+
+
+# -- printing ----------------------------------------------------------------
+
+def _plain(value: Any) -> Any:
+    """A value JSON and CSV can carry."""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value).hex()
+    if isinstance(value, Decimal):
+        return float(value)
+    if isinstance(value, (str, int, float, bool, list, dict)) or value is None:
+        return value
+    return str(value)
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "NULL"
+    if isinstance(value, float):
+        return f"{value:.1f}" if value.is_integer() and abs(value) < 1e15 else f"{value:.6g}"
+    if isinstance(value, (dict, list)):
+        return json.dumps(value)
+    return str(_plain(value))
+
+
+def print_result(result: QueryResult, fmt: str = "table", out: TextIO | None = None) -> None:
+    out = out or sys.stdout
+    if fmt == "csv":
+        writer = csv.writer(out, lineterminator="\n")
+        writer.writerow(result.columns)
+        writer.writerows([[("" if v is None else _plain(v)) for v in row] for row in result.rows])
+    elif fmt == "json":
+        out.write(json.dumps([{k: _plain(v) for k, v in d.items()} for d in result.dicts()], indent=2) + "\n")
+    elif fmt == "table":
+        _print_table(result, out)
+    else:
+        raise ValueError(f"unknown format {fmt!r}; formats: {', '.join(FORMATS)}")
+
+
+def _print_table(result: QueryResult, out: TextIO) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    shown = result.rows[:MAX_TABLE_ROWS]
+    cells = [[_cell(v) for v in row] for row in shown]
+    table = Table(*result.columns, show_edge=False, header_style="bold")
+    for row in cells:
+        table.add_row(*row)
+    # Off a terminal, size the table to its content instead of wrapping at 80 columns.
+    widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(result.columns)]
+    natural = sum(widths) + 3 * len(widths) + 1
+    is_tty = getattr(out, "isatty", lambda: False)()
+    console = Console(file=out, width=None if is_tty else max(natural, 40), highlight=False)
+    console.print(table)
+    if len(result.rows) > len(shown):
+        console.print(f"({len(result.rows) - len(shown)} more rows not shown; add LIMIT or use --format csv)")
+    console.print(f"({len(result.rows)} row{'s' if len(result.rows) != 1 else ''})")
+
+
+# -- CLI ---------------------------------------------------------------------
+
+def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("query", help="one SQL statement, e.g. \"SELECT * FROM trajectory_summary LIMIT 5\" "
+                                      "(views: see docs/sql.md)")
+    parser.add_argument("--format", choices=FORMATS, default="table", help="output format (default: table)")
+    parser.add_argument("--timeout-s", type=float, default=None,
+                        help="cancel the query after this many seconds")
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    result = run_query(args.store, args.query, timeout_s=args.timeout_s)
+    print_result(result, args.format)
+    return 0

@@ -1,0 +1,9 @@
+"""The trainer side's edges, and the only modules that import torch.
+
+* ``collate``  — reader batches → padded or packed (THD) tensors
+* ``megatron`` — replay indices for megatron-core's ``RouterReplay`` (R3)
+
+The reader itself (``trajstore.reader``) is core and torch-free.
+"""
+
+__all__: list[str] = []

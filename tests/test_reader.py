@@ -354,7 +354,10 @@ def test_follow_sees_every_sample_once_while_another_process_writes(store, confi
     producer = subprocess.Popen([sys.executable, HERE, "produce", store.url, store.payload.location, "32"],
                                 cwd=ROOT, stderr=subprocess.PIPE, text=True)
     try:
-        reader = SampleReader(store, follow=True, timeout_s=5.0, poll_interval_s=0.05, **config)
+        # The idle timeout only ends the follow once the producer is done; it must
+        # outlast the producer's start-up and its slowest gap on a loaded machine
+        # (5 s failed with the CPU shared by a dozen processes).
+        reader = SampleReader(store, follow=True, timeout_s=20.0, poll_interval_s=0.05, **config)
         steps = [[keys(batch)] for batch in reader]
     finally:
         _, err = producer.communicate(timeout=120)

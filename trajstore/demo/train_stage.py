@@ -33,7 +33,7 @@ MAX_TOKENS_PER_BATCH = 8192
 
 def worker_path() -> Path | None:
     """workers/trainer.py of the source checkout this package runs from, if any."""
-    path = Path(__file__).resolve().parent.parent / "workers" / "trainer.py"
+    path = Path(__file__).resolve().parents[2] / "workers" / "trainer.py"
     return path if path.is_file() else None
 
 

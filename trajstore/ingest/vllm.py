@@ -59,6 +59,7 @@ from trajstore._wire import decode_array
 __all__ = [
     "LOGPROB_FLOOR",
     "OpenAIStreamAccumulator",
+    "VersionMap",
     "generation_from_output",
     "generations_from_openai",
     "generations_from_tito",

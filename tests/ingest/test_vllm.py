@@ -375,3 +375,10 @@ def test_adapter_events_end_to_end_versions(store):
     assert (sample.min_model_version, sample.max_model_version) == (7, 8)
     assert sample.finish_reason == "length"
     assert np.asarray(sample.rollout_logprobs)[1] == LOGPROB_FLOOR
+
+
+def test_an_unhashable_label_is_refused_not_a_crash():
+    out = VersionedOutput(0, "", OUT5, None, None, weight_versions=[{"version": ["3"], "start": 0, "end": 5}])
+    for version_map in (None, {"3": 3}):
+        with pytest.raises(ValidationError, match="weight version"):
+            generation_from_output(out, PROMPT, trajectory_id="t", seq=0, model_version=0, version_map=version_map)

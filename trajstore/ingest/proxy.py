@@ -343,7 +343,11 @@ class _Forwarder:
         prompt = body.get("token_ids") if kind == "tito" else body.get("prompt")
         if not isinstance(prompt, list) or not prompt or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             return
-        start = await self.recorder.route_start(tag.trajectory_id, prompt)
+        try:
+            start = await self.recorder.route_start(tag.trajectory_id, prompt)
+        except TrajstoreError as e:  # the call still goes through, with every row
+            log.warning("could not read %s's recorded routes: %s", tag.trajectory_id, e)
+            return
         if start:
             params["routed_experts_prompt_start"] = start
 

@@ -132,7 +132,10 @@ def _version_int(label: Any, version_map: VersionMap) -> int:
     """One weight-version label as the integer model version (never a guess)."""
     if version_map is not None:
         if isinstance(version_map, Mapping):
-            value = version_map.get(label, version_map.get(str(label)))
+            try:
+                value = version_map.get(label, version_map.get(str(label)))
+            except TypeError:  # an unhashable label (a list in the JSON, say)
+                value = None
         else:
             try:
                 value = version_map(label)

@@ -347,3 +347,51 @@ def test_serve_proxy_refuses_to_start_without_a_token(monkeypatch):
     monkeypatch.delenv("TRAJSTORE_TOKEN", raising=False)
     with pytest.raises(ValueError, match="no token"):
         serve_proxy("http://127.0.0.1:9", "sqlite:///unused.db")
+
+
+def test_trajstore_proxy_process_takes_its_token_from_the_environment(tmp_path, upstream):
+    """`trajstore proxy` as deployed: a real process, the token from $TRAJSTORE_TOKEN."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    import trajstore
+
+    upstream_url, requests = upstream
+    repo = Path(__file__).resolve().parents[2]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"sqlite:///{tmp_path / 'p.db'}"
+    env = {**os.environ, "TRAJSTORE_TOKEN": TOKEN, "TRAJSTORE_PAYLOAD_DIR": str(tmp_path / "payload"),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.Popen([sys.executable, "-m", "trajstore.cli", "--store", url, "proxy", "--upstream", upstream_url,
+                             "--port", str(port)], env=env, cwd=repo)
+    proxy = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(300):
+            try:
+                if httpx.get(f"{proxy}/healthz", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.05)
+            assert proc.poll() is None, f"proxy exited with {proc.returncode}"
+        body = {"token_ids": [3, 20, 2, 5], "sampling_params": {"max_tokens": 3}}
+        anonymous = httpx.post(f"{proxy}/inference/v1/generate", json=body, headers=_headers("p"))
+        finish = httpx.post(f"{proxy}/trajstore/finish", json={"trajectory_id": "p", "status": "failed", "reward": -100})
+        auth = {"Authorization": f"Bearer {TOKEN}"}
+        recorded = httpx.post(f"{proxy}/inference/v1/generate", json=body, headers={**_headers("p"), **auth})
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    assert anonymous.status_code == 401 and finish.status_code == 401 and len(requests) == 1
+    assert recorded.status_code == 200 and recorded.headers["x-trajstore-seq"] == "0"
+    store = trajstore.connect(url, payload=str(tmp_path / "payload"))
+    try:
+        state = store.trajectory_state("p")
+        assert state.status == "running" and state.reward is None and state.last_seq == 0
+    finally:
+        store.close()

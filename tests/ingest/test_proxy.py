@@ -233,6 +233,14 @@ def test_proxy_asks_only_for_new_route_rows(store, upstream, stream):
     gens = store.load_generations("skip")
     assert [g.routed_experts_start for g in gens] == [0, len(p1 + o1) - 1, len(p2 + o2) - 1]
     assert [len(g.routed_experts) for g in gens] == [len(p + o) - 1 - s for (p, o), s in zip(skipped, [0] + asked[1:])]
+    # rows the engine sent (it honours the start): each position's row crossed the wire once,
+    # O(new tokens) per call instead of O(sequence)
+    p3, o3 = skipped[-1]
+    assert sum(len(p + o) - 1 - (s or 0) for (p, o), s in zip(skipped, asked)) == len(p3 + o3) - 1
+    # with every row sent the store keeps the same rows (it drops the recorded ones); only the wire differs
+    for g_full, g_skip in zip(store.load_generations("full"), gens):
+        assert g_full.routed_experts_start == g_skip.routed_experts_start
+        np.testing.assert_array_equal(g_full.routed_experts, g_skip.routed_experts)
     for tid in ("skip", "full"):
         store.append([{"type": "trajectory_finished", "trajectory_id": tid, "status": "completed"}])
     store.materialize()

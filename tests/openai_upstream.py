@@ -8,7 +8,21 @@ logprobs as ``token_logprobs`` (completions, ``logprobs: int``) or
 base64 ``.npy`` of shape ``[prompt + output - 1, layers, topk]`` on every
 non-streaming choice (vLLM started with ``--enable-return-routed-experts``);
 SSE streams with ``prompt_token_ids`` on the first chunk, per-chunk
-``token_ids`` deltas, no routes, and ``data: [DONE]``.
+``token_ids`` deltas, no routes, and ``data: [DONE]``. A request's
+``routed_experts_prompt_start`` (top level here, ``sampling_params`` for the
+token-in/token-out endpoint) is honoured: rows start at that position.
+
+The token-in/token-out ``POST /inference/v1/generate`` (vLLM's
+``GenerateRequest`` / ``GenerateResponse``): the prompt is ``token_ids``,
+``sampling_params`` holds ``max_tokens``, ``logprobs``, ``stop_token_ids``
+and ``routed_experts_prompt_start`` (refused, as vLLM does, unless below the
+prompt length); each choice has ``token_ids``, ``logprobs.content``,
+``finish_reason``, ``stop_reason`` and ``routed_experts``. Streamed, every
+chunk carries one token and the final one also the routes and version spans.
+
+In-flight weight updates: set ``app.state.weight_update = (at, before,
+after)`` and every choice carries ``weight_versions`` spans: output tokens
+``[0, at)`` sampled by label ``before``, the rest by ``after``.
 
 The "tokenizer" maps a byte b to id b + 10; a chat message renders as
 ``[ROLE, *content, END]`` and the generation prompt is ``[ASSISTANT]``, so a
@@ -74,6 +88,24 @@ def route_rows(sequence: list[int], prompt_len: int) -> np.ndarray:
     return ((tok * 3 + pos * 7 + prompt_len * 11 + layer * 5 + k) % NUM_EXPERTS).astype(np.uint8)
 
 
+def weight_version_spans(update: tuple | None, num_tokens: int) -> list[dict] | None:
+    """``weight_versions`` for an output of ``num_tokens`` under ``update = (at, before, after)``."""
+    if update is None:
+        return None
+    at, before, after = update
+    at = min(at, num_tokens)
+    spans = [{"version": before, "start": 0, "end": at}] if at else []
+    if at < num_tokens:
+        spans.append({"version": after, "start": at, "end": num_tokens})
+    return spans
+
+
+def routes_from(body_or_params: dict, prompt: list[int], out: list[int]) -> np.ndarray:
+    """The rows vLLM returns: from ``routed_experts_prompt_start`` on."""
+    start = body_or_params.get("routed_experts_prompt_start") or 0
+    return route_rows(prompt + out, len(prompt))[start:]
+
+
 def _completion_choice(body: dict, prompt: list[int], out: list[int], lps: list[float], finish: str) -> dict:
     want_ids = bool(body.get("return_token_ids"))
     logprobs = None
@@ -84,7 +116,7 @@ def _completion_choice(body: dict, prompt: list[int], out: list[int], lps: list[
     return {"index": 0, "text": decode(out), "logprobs": logprobs, "finish_reason": finish, "stop_reason": None,
             "token_ids": out if want_ids else None, "prompt_logprobs": None,
             "prompt_token_ids": prompt if want_ids else None,
-            "routed_experts": encode_npy_b64(route_rows(prompt + out, len(prompt)))}
+            "routed_experts": encode_npy_b64(routes_from(body, prompt, out))}
 
 
 def _chat_choice(body: dict, prompt: list[int], out: list[int], lps: list[float], finish: str) -> dict:
@@ -95,7 +127,7 @@ def _chat_choice(body: dict, prompt: list[int], out: list[int], lps: list[float]
     return {"index": 0, "message": {"role": "assistant", "content": decode(out), "tool_calls": [], "reasoning": None},
             "logprobs": logprobs, "finish_reason": finish, "stop_reason": None,
             "token_ids": out if body.get("return_token_ids") else None,
-            "routed_experts": encode_npy_b64(route_rows(prompt + out, len(prompt)))}
+            "routed_experts": encode_npy_b64(routes_from(body, prompt, out))}
 
 
 def _prompt_ids(body: dict, chat: bool) -> list[int]:
@@ -147,24 +179,94 @@ def stream_chunks(body: dict, *, chat: bool) -> Iterator[dict]:
         yield {"object": obj, "choices": [choice]}
 
 
+def _tito_choice(params: dict, prompt: list[int], out: list[int], lps: list[float], finish: str,
+                 update: tuple | None) -> dict:
+    logprobs = None
+    if params.get("logprobs") is not None:
+        logprobs = {"content": [{"token": f"token_id:{t}", "logprob": lp, "bytes": None, "top_logprobs": []}
+                                for t, lp in zip(out, lps)]}
+    choice = {"index": 0, "logprobs": logprobs, "finish_reason": finish, "token_ids": out,
+              "stop_reason": END if END in (params.get("stop_token_ids") or []) else None,
+              "routed_experts": encode_npy_b64(routes_from(params, prompt, out))}
+    if update is not None:
+        choice["weight_versions"] = weight_version_spans(update, len(out))
+    return choice
+
+
+def _tito_check(body: dict) -> tuple[list[int], dict]:
+    prompt, params = list(body["token_ids"]), dict(body.get("sampling_params") or {})
+    start = params.get("routed_experts_prompt_start") or 0
+    if not 0 <= start < len(prompt):
+        raise ValueError("sampling_params.routed_experts_prompt_start must be less than the prompt length")
+    return prompt, params
+
+
+def tito_respond(body: dict, update: tuple | None = None) -> dict:
+    """The ``GenerateResponse`` vLLM's ``/inference/v1/generate`` would send for ``body``."""
+    prompt, params = _tito_check(body)
+    out, lps, finish = generate(prompt, params.get("max_tokens"), chat=True)
+    usage = {"prompt_tokens": len(prompt), "completion_tokens": len(out), "total_tokens": len(prompt) + len(out)}
+    return {"request_id": f"gen-{sum(prompt)}", "model": body.get("model"), "created": 0,
+            "choices": [_tito_choice(params, prompt, out, lps, finish, update)], "usage": usage,
+            "prompt_logprobs": None, "kv_transfer_params": None}
+
+
+def tito_stream_chunks(body: dict, update: tuple | None = None) -> Iterator[dict]:
+    """The ``GenerateStreamResponse`` chunks: one token each; routes and version spans on the final one."""
+    prompt, params = _tito_check(body)
+    out, lps, finish = generate(prompt, params.get("max_tokens"), chat=True)
+    whole = _tito_choice(params, prompt, out, lps, finish, update)
+    for i, (tok, lp) in enumerate(zip(out, lps)):
+        choice: dict = {"index": 0, "finish_reason": None, "token_ids": [tok], "logprobs": None}
+        if params.get("logprobs") is not None:
+            choice["logprobs"] = {"content": [whole["logprobs"]["content"][i]]}
+        if i == len(out) - 1:
+            for key in ("finish_reason", "stop_reason", "routed_experts", "weight_versions"):
+                if key in whole:
+                    choice[key] = whole[key]
+        yield {"request_id": f"gen-{sum(prompt)}", "choices": [choice], "usage": None}
+
+
 def make_upstream() -> Any:
-    """The FastAPI app; ``app.state.requests`` keeps every request body received."""
+    """The FastAPI app; ``app.state.requests`` keeps every request body received, ``app.state.headers`` their headers."""
     from fastapi import FastAPI, Request
-    from fastapi.responses import StreamingResponse
+    from fastapi.responses import JSONResponse, StreamingResponse
 
     app = FastAPI()
     app.state.requests = []
+    app.state.headers = []
+    app.state.weight_update = None
+
+    def sse(chunks: Iterator[dict]) -> Any:
+        def body() -> Iterator[bytes]:
+            for chunk in chunks:
+                yield f"data: {json.dumps(chunk)}\n\n".encode()
+            yield b"data: [DONE]\n\n"
+        return StreamingResponse(body(), media_type="text/event-stream")
 
     async def handle(request: Request, chat: bool) -> Any:
         body = await request.json()
         app.state.requests.append(body)
+        app.state.headers.append(dict(request.headers))
         if body.get("stream"):
-            def sse() -> Iterator[bytes]:
-                for chunk in stream_chunks(body, chat=chat):
-                    yield f"data: {json.dumps(chunk)}\n\n".encode()
-                yield b"data: [DONE]\n\n"
-            return StreamingResponse(sse(), media_type="text/event-stream")
-        return respond(body, chat=chat)
+            return sse(stream_chunks(body, chat=chat))
+        response = respond(body, chat=chat)
+        spans = weight_version_spans(app.state.weight_update, len(response["choices"][0]["token_ids"] or []))
+        if spans is not None:
+            response["choices"][0]["weight_versions"] = spans
+        return response
+
+    @app.post("/inference/v1/generate")
+    async def tito(request: Request) -> Any:
+        body = await request.json()
+        app.state.requests.append(body)
+        app.state.headers.append(dict(request.headers))
+        try:
+            if body.get("stream"):
+                return sse(list(tito_stream_chunks(body, app.state.weight_update)))
+            return tito_respond(body, app.state.weight_update)
+        except ValueError as e:
+            return JSONResponse({"error": {"message": str(e), "type": "BadRequestError", "code": 400}}, status_code=400)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
@@ -175,7 +277,8 @@ def make_upstream() -> Any:
         return await handle(request, chat=True)
 
     @app.get("/v1/models")
-    async def models() -> dict:
+    async def models(request: Request) -> dict:
+        app.state.headers.append(dict(request.headers))
         return {"object": "list", "data": [{"id": "fake", "object": "model"}]}
 
     return app

@@ -6,10 +6,19 @@ the body field ``"trajstore": {"trajectory_id": ...}``, removed before
 forwarding). The proxy forwards ``/v1/completions`` and
 ``/v1/chat/completions`` with ``return_token_ids`` and sampled-token
 ``logprobs`` switched on (``trajstore.ingest.vllm.request_params_for_recording``),
-records the call as the trajectory's next generation event (``seq`` assigned
-here), and returns the upstream's response bytes unchanged. Routes come
-with every non-streaming response when vLLM runs with
-``--enable-return-routed-experts``.
+and vLLM's token-in/token-out ``POST /inference/v1/generate`` with
+``sampling_params.logprobs`` (``request_params_for_tito``), records the call
+as the trajectory's next generation event (``seq`` assigned here), and
+returns the upstream's response bytes unchanged. Routes come with every
+response when vLLM runs with ``--enable-return-routed-experts``.
+
+Only new route rows: when the call's prompt token ids are known before the
+call (``/inference/v1/generate``, or ``/v1/completions`` with a token-id
+prompt) and they continue the trajectory's recorded sequence, the proxy sets
+``routed_experts_prompt_start`` to the number of route rows the trajectory
+has recorded (the store's ``route_len``), unless the caller set it; the
+engine then returns rows for the new positions only and the event carries
+``routed_experts_start``. The sample is the same as with every row sent.
 
 Other headers: ``X-Trajstore-Model-Version`` (else ``--model-version``),
 ``X-Trajstore-Group`` and ``X-Trajstore-Num-Experts`` (used when the call
@@ -18,10 +27,17 @@ starts the trajectory). Calls without a trajectory are forwarded unrecorded.
 trajectory. The response carries ``X-Trajstore-Seq`` when recorded, or
 ``X-Trajstore-Error`` (one line) when the store refused the record.
 
+Auth: with a token (``--token`` / ``$TRAJSTORE_TOKEN``, as ``trajstore
+serve``) every endpoint but ``/healthz``, ``/openapi.json``, ``/docs`` and
+``/redoc`` needs ``Authorization: Bearer <token>``; the harness's client
+sends it as its API key. That header is not forwarded: the upstream gets
+``--upstream-api-key`` instead, if any.
+
 Streams (``"stream": true``) are passed through chunk by chunk while the
 ``data:`` objects are accumulated; the record is appended when the stream
-ends, before the connection closes. vLLM does not stream routes, so streamed
-calls are recorded without them.
+ends, before the connection closes. vLLM streams no routes on the OpenAI
+endpoints (those calls are recorded without them); ``/inference/v1/generate``
+sends routes and version spans on the final chunk.
 
 Seqs survive restarts: the first call for a trajectory the proxy has not
 seen asks the store for the trajectory's last seq. The record and the
@@ -32,14 +48,27 @@ response's durability: the response is sent only after the append returned.
 # annotations at runtime, and ``Request`` is imported lazily.
 import argparse
 import asyncio
+import hmac
 import json
 import logging
+import os
 import threading
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
+import numpy as np
+
+from trajstore._admission import sequence_hash
 from trajstore.errors import TrajstoreError, ValidationError
-from trajstore.ingest.vllm import OpenAIStreamAccumulator, generations_from_openai, request_params_for_recording
+from trajstore.ingest.vllm import (
+    OpenAIStreamAccumulator,
+    VersionMap,
+    generations_from_openai,
+    generations_from_tito,
+    request_params_for_recording,
+    request_params_for_tito,
+    routed_experts_prompt_start_of,
+)
 
 __all__ = ["Recorder", "Tag", "add_cli_arguments", "main", "make_proxy_app", "serve_proxy", "serve_proxy_from_args", "tag_of"]
 
@@ -48,6 +77,9 @@ log = logging.getLogger("trajstore.ingest.proxy")
 DEFAULT_PORT = 8701
 _HOP_BY_HOP = {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "trailer",
                "upgrade", "proxy-authorization", "proxy-authenticate", "accept-encoding"}
+# Open without the token: they change nothing and show no recorded data.
+OPEN_PATHS = frozenset({"/healthz", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
+TITO_PATH = "/inference/v1/generate"
 
 
 @dataclass
@@ -78,16 +110,36 @@ class Recorder:
         state = self.store.trajectory_state(trajectory_id)
         return (False, 0) if state is None else (True, state.last_seq + 1)
 
-    async def record(self, tag: Tag, response: dict) -> int:
-        """Append ``response`` as ``tag``'s next generation; return its seq."""
+    async def route_start(self, trajectory_id: str, prompt_ids: list) -> int:
+        """Route rows the trajectory has recorded that a call with ``prompt_ids`` need not get again.
+
+        Non-zero only when the prompt continues the recorded sequence (the
+        call will merge), so the rows below it are the recorded ones.
+        """
+        from starlette.concurrency import run_in_threadpool
+
+        state = await run_in_threadpool(self.store.trajectory_state, trajectory_id)
+        if state is None or state.status != "running" or state.route_len <= 0:
+            return 0
+        try:
+            prompt = np.asarray(prompt_ids, dtype=np.int64)
+        except (TypeError, ValueError, OverflowError):
+            return 0
+        if prompt.ndim != 1 or len(prompt) < state.seq_len or (prompt.size and (prompt.min() < 0 or prompt.max() > np.iinfo(np.int32).max)):
+            return 0
+        if sequence_hash(prompt[: state.seq_len].astype(np.int32)) != state.seq_hash:
+            return 0
+        return min(state.route_len, len(prompt) - 1)
+
+    async def record(self, tag: Tag, make_events: Callable[[int], list[dict]]) -> int:
+        """Append ``make_events(seq)`` (the call's generation) as ``tag``'s next; return its seq."""
         from starlette.concurrency import run_in_threadpool
 
         async with self._lock(tag.trajectory_id):
             for attempt in (0, 1):
                 known = tag.trajectory_id in self._next_seq
                 stored, seq = (True, self._next_seq[tag.trajectory_id]) if known else await run_in_threadpool(self._tail, tag.trajectory_id)
-                events = generations_from_openai(response, trajectory_id=tag.trajectory_id, seq=seq,
-                                                 model_version=tag.model_version)
+                events = make_events(seq)
                 if not stored:
                     events.insert(0, _started(tag))
                 try:
@@ -152,10 +204,43 @@ def tag_of(headers: Any, body: dict, default_model_version: int, default_num_exp
     )
 
 
-def _forward_headers(headers: Any) -> dict:
-    out = {k: v for k, v in headers.items() if k.lower() not in _HOP_BY_HOP and not k.lower().startswith("x-trajstore-")}
+def _forward_headers(headers: Any, *, authenticated: bool, upstream_api_key: str | None) -> dict:
+    drop = _HOP_BY_HOP | ({"authorization"} if authenticated or upstream_api_key else set())
+    out = {k: v for k, v in headers.items() if k.lower() not in drop and not k.lower().startswith("x-trajstore-")}
     out["Accept-Encoding"] = "identity"  # streamed bytes are parsed as SSE on the way through
+    if upstream_api_key:
+        out["Authorization"] = f"Bearer {upstream_api_key}"
     return out
+
+
+def _bearer_ok(header: str, token: str) -> bool:
+    scheme, _, given = header.partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token.encode())
+
+
+class _BearerAuth:
+    """ASGI middleware: every path outside OPEN_PATHS needs ``Authorization: Bearer <token>``.
+
+    A middleware rather than a check per handler, so an endpoint added later
+    is closed unless it is listed as open.
+    """
+
+    def __init__(self, app: Any, token: str) -> None:
+        self.app, self.token = app, token
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        header = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"), "")
+        if _bearer_ok(header, self.token):
+            await self.app(scope, receive, send)
+            return
+        from fastapi.responses import JSONResponse
+
+        response = JSONResponse({"error": {"message": "missing or wrong bearer token", "rule": "unauthorized"}},
+                                status_code=401, headers={"WWW-Authenticate": "Bearer"})
+        await response(scope, receive, send)
 
 
 def _error(status: int, message: str, rule: str) -> Any:
@@ -184,27 +269,46 @@ class _SSEData:
         return out
 
 
+_KINDS = {"/v1/completions": "completions", "/v1/chat/completions": "chat", TITO_PATH: "tito"}
+
+
 class _Forwarder:
     """Forwards one call to the upstream and records it (the proxy's handlers)."""
 
     def __init__(self, recorder: Recorder, upstream: str, *, model_version: int, num_experts: int | None,
-                 timeout_s: float) -> None:
+                 timeout_s: float, authenticated: bool, upstream_api_key: str | None, version_map: VersionMap,
+                 skip_recorded_routes: bool) -> None:
         import httpx
 
         self.recorder, self.upstream = recorder, upstream
         self.model_version, self.num_experts = model_version, num_experts
+        self.authenticated, self.upstream_api_key = authenticated, upstream_api_key
+        self.version_map, self.skip_recorded_routes = version_map, skip_recorded_routes
         self.client = httpx.AsyncClient(base_url=upstream.rstrip("/"), timeout=httpx.Timeout(timeout_s, connect=10.0))
 
-    async def record_headers(self, tag: Tag, data: Any) -> dict:
+    def headers(self, request: Any) -> dict:
+        return _forward_headers(request.headers, authenticated=self.authenticated, upstream_api_key=self.upstream_api_key)
+
+    def _events(self, kind: str, body: dict, tag: Tag) -> Callable[[Any], Callable[[int], list[dict]]]:
+        """response -> (seq -> the call's generation events)."""
+        def for_response(response: dict) -> Callable[[int], list[dict]]:
+            ids = {"trajectory_id": tag.trajectory_id, "model_version": tag.model_version, "version_map": self.version_map}
+            if kind == "tito":
+                return lambda seq: generations_from_tito(response, body, seq=seq, **ids)
+            start = routed_experts_prompt_start_of(body)
+            return lambda seq: generations_from_openai(response, seq=seq, routed_experts_prompt_start=start, **ids)
+        return for_response
+
+    async def record_headers(self, tag: Tag, data: Any, make: Callable[[Any], Callable[[int], list[dict]]]) -> dict:
         try:
             if not isinstance(data, dict):
                 data = json.loads(data)
-            return {"X-Trajstore-Seq": str(await self.recorder.record(tag, data))}
+            return {"X-Trajstore-Seq": str(await self.recorder.record(tag, make(data)))}
         except (TrajstoreError, ValueError) as e:
             log.warning("not recorded: %s", e)
             return {"X-Trajstore-Error": str(e).replace("\n", " ")[:500]}
 
-    async def _parse(self, request: Any, chat: bool) -> tuple[dict, Tag | None]:
+    async def _parse(self, request: Any, kind: str) -> tuple[dict, Tag | None]:
         """The body to forward and the call's tag; raises _BadCall."""
         try:
             body = await request.json()
@@ -214,42 +318,70 @@ class _Forwarder:
             raise _BadCall(400, "body must be a JSON object", "malformed_json")
         try:
             tag = tag_of(request.headers, body, self.model_version, self.num_experts)
+            if tag is None:
+                return body, None
+            params = body.get("sampling_params") if kind == "tito" else body
+            if ((params.get("n") if isinstance(params, dict) else None) or 1) != 1:
+                raise _BadCall(400, "a recorded call must have n = 1 (one trajectory per choice)", "n")
+            if kind == "tito":
+                body = request_params_for_tito(body)
+            else:
+                body = request_params_for_recording(body, chat=kind == "chat")
+            await self._ask_only_new_rows(kind, body, tag)
         except ValidationError as e:
             raise _BadCall(400, e.reason, e.rule) from None
-        if tag is not None:
-            if (body.get("n") or 1) != 1:
-                raise _BadCall(400, "a recorded call must have n = 1 (one trajectory per choice)", "n")
-            body = request_params_for_recording(body, chat=chat)
         return body, tag
 
-    async def forward(self, request: Any, path: str, chat: bool) -> Any:
+    async def _ask_only_new_rows(self, kind: str, body: dict, tag: Tag) -> None:
+        """Set routed_experts_prompt_start to the recorded rows when the prompt is known and continues them."""
+        if not self.skip_recorded_routes or kind == "chat":
+            return  # a chat prompt is rendered upstream: the proxy cannot tell whether it continues
+        params = body["sampling_params"] if kind == "tito" else body
+        if params.get("routed_experts_prompt_start") is not None:
+            routed_experts_prompt_start_of(body)  # the caller's choice, checked, kept
+            return
+        prompt = body.get("token_ids") if kind == "tito" else body.get("prompt")
+        if not isinstance(prompt, list) or not prompt or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return
+        try:
+            start = await self.recorder.route_start(tag.trajectory_id, prompt)
+        except TrajstoreError as e:  # the call still goes through, with every row
+            log.warning("could not read %s's recorded routes: %s", tag.trajectory_id, e)
+            return
+        if start:
+            params["routed_experts_prompt_start"] = start
+
+    async def forward(self, request: Any, path: str) -> Any:
         import httpx
         from fastapi.responses import Response
 
+        kind = _KINDS[path]
         try:
-            body, tag = await self._parse(request, chat)
-            headers = _forward_headers(request.headers)
+            body, tag = await self._parse(request, kind)
+            headers = self.headers(request)
             if body.get("stream"):
-                return await self.stream(path, body, headers, tag)
+                return await self.stream(path, body, headers, tag, kind)
             resp = await self.client.post(path, json=body, headers=headers)
         except _BadCall as e:
             return _error(e.status, str(e), e.rule)
         except httpx.TransportError as e:
             return _error(502, f"upstream {self.upstream} unreachable: {type(e).__name__}: {e}", "upstream_unreachable")
-        extra = await self.record_headers(tag, resp.content) if tag is not None and resp.status_code == 200 else {}
+        extra = {}
+        if tag is not None and resp.status_code == 200:
+            extra = await self.record_headers(tag, resp.content, self._events(kind, body, tag))
         return Response(resp.content, status_code=resp.status_code, headers=extra,
                         media_type=resp.headers.get("content-type"))
 
-    async def stream(self, path: str, body: dict, headers: dict, tag: Tag | None) -> Any:
+    async def stream(self, path: str, body: dict, headers: dict, tag: Tag | None, kind: str) -> Any:
         from fastapi.responses import StreamingResponse
 
         resp = await self.client.send(self.client.build_request("POST", path, json=body, headers=headers), stream=True)
         media_type = resp.headers.get("content-type")
         if resp.status_code != 200 or tag is None:
             return StreamingResponse(_passthrough(resp), status_code=resp.status_code, media_type=media_type)
-        return StreamingResponse(self._recorded(resp, tag), media_type=media_type)
+        return StreamingResponse(self._recorded(resp, tag, self._events(kind, body, tag)), media_type=media_type)
 
-    async def _recorded(self, resp: Any, tag: Tag) -> AsyncIterator[bytes]:
+    async def _recorded(self, resp: Any, tag: Tag, make: Callable[[Any], Callable[[int], list[dict]]]) -> AsyncIterator[bytes]:
         acc, sse = OpenAIStreamAccumulator(), _SSEData()
         async for chunk in _passthrough(resp):
             for obj in sse.feed(chunk):
@@ -257,7 +389,7 @@ class _Forwarder:
             yield chunk
         # The stream's bytes are all sent; the record is appended before the
         # response ends, so a harness that saw the end can rely on it.
-        await self.record_headers(tag, acc.response())
+        await self.record_headers(tag, acc.response(), make)
 
     async def finish(self, request: Any) -> Any:
         try:
@@ -285,16 +417,25 @@ async def _passthrough(resp: Any) -> AsyncIterator[bytes]:
         await resp.aclose()
 
 
-def make_proxy_app(store: Any, upstream: str, *, model_version: int = 0, num_experts: int | None = None,
-                   timeout_s: float = 600.0) -> Any:
-    """The FastAPI app recording calls into ``store`` and forwarding them to ``upstream``."""
+def make_proxy_app(store: Any, upstream: str, *, token: str | None = None, model_version: int = 0,
+                   num_experts: int | None = None, timeout_s: float = 600.0, upstream_api_key: str | None = None,
+                   version_map: VersionMap = None, skip_recorded_routes: bool = True) -> Any:
+    """The FastAPI app recording calls into ``store`` and forwarding them to ``upstream``.
+
+    ``token=None`` means no auth (the caller decided; ``serve_proxy`` refuses
+    that unless told ``insecure_no_auth``). ``upstream_api_key``: the bearer
+    token the upstream wants. ``version_map``: weight-version labels to model
+    versions (``trajstore.ingest.vllm``). ``skip_recorded_routes=False``:
+    never set ``routed_experts_prompt_start`` (an engine without it).
+    """
     from contextlib import asynccontextmanager
 
     from fastapi import FastAPI, Request
     from fastapi.responses import Response
 
     fwd = _Forwarder(Recorder(store), upstream, model_version=model_version, num_experts=num_experts,
-                     timeout_s=timeout_s)
+                     timeout_s=timeout_s, authenticated=token is not None, upstream_api_key=upstream_api_key,
+                     version_map=version_map, skip_recorded_routes=skip_recorded_routes)
 
     @asynccontextmanager
     async def lifespan(app: Any):
@@ -303,14 +444,20 @@ def make_proxy_app(store: Any, upstream: str, *, model_version: int = 0, num_exp
 
     app = FastAPI(title="trajstore recording proxy", version="1", lifespan=lifespan)
     app.state.recorder = fwd.recorder
+    if token is not None:
+        app.add_middleware(_BearerAuth, token=token)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
-        return await fwd.forward(request, "/v1/completions", chat=False)
+        return await fwd.forward(request, "/v1/completions")
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
-        return await fwd.forward(request, "/v1/chat/completions", chat=True)
+        return await fwd.forward(request, "/v1/chat/completions")
+
+    @app.post(TITO_PATH)
+    async def generate(request: Request) -> Any:
+        return await fwd.forward(request, TITO_PATH)
 
     @app.post("/trajstore/finish")
     async def finish(request: Request) -> Any:
@@ -322,7 +469,7 @@ def make_proxy_app(store: Any, upstream: str, *, model_version: int = 0, num_exp
 
     @app.get("/v1/models")
     async def models(request: Request) -> Any:
-        resp = await fwd.client.get("/v1/models", headers=_forward_headers(request.headers))
+        resp = await fwd.client.get("/v1/models", headers=fwd.headers(request))
         return Response(resp.content, status_code=resp.status_code, media_type=resp.headers.get("content-type"))
 
     return app
@@ -333,31 +480,68 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--upstream", required=True, help="base URL of the vLLM OpenAI server, e.g. http://127.0.0.1:8000")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
+    parser.add_argument("--token", default=None,
+                        help="bearer token every call but /healthz and the API docs must send (default $TRAJSTORE_TOKEN)")
+    parser.add_argument("--insecure-no-auth", action="store_true", help="accept calls without a token")
+    parser.add_argument("--upstream-api-key", default=None,
+                        help="bearer token sent to the upstream (default $TRAJSTORE_UPSTREAM_API_KEY; none)")
     parser.add_argument("--model-version", type=int, default=0,
                         help="model version recorded when a call has no X-Trajstore-Model-Version header (default 0)")
     parser.add_argument("--num-experts", type=int, default=None,
                         help="num_experts of trajectories the proxy starts (default: not declared)")
+    parser.add_argument("--version-map", default=None,
+                        help='JSON object from vLLM weight-version labels to model versions, e.g. \'{"ckpt-a": 3}\' '
+                             "(default: labels must be integers)")
+    parser.add_argument("--no-route-skip", action="store_true",
+                        help="never ask the engine for only the new route rows (routed_experts_prompt_start)")
     parser.add_argument("--log-level", default="warning", help="uvicorn log level (default warning)")
 
 
 def serve_proxy(upstream: str, store_url: str | None = None, host: str = "127.0.0.1", port: int = DEFAULT_PORT, *,
-                model_version: int = 0, num_experts: int | None = None, log_level: str = "warning") -> None:
-    """Run the recording proxy until SIGINT/SIGTERM."""
+                token: str | None = None, insecure_no_auth: bool = False, upstream_api_key: str | None = None,
+                model_version: int = 0, num_experts: int | None = None, version_map: VersionMap = None,
+                skip_recorded_routes: bool = True, log_level: str = "warning") -> None:
+    """Run the recording proxy until SIGINT/SIGTERM.
+
+    Refuses to start without a token (``token`` or ``$TRAJSTORE_TOKEN``)
+    unless ``insecure_no_auth``, as ``trajstore serve`` does.
+    """
+    token = token or os.environ.get("TRAJSTORE_TOKEN") or None
+    if token is None and not insecure_no_auth:
+        raise ValueError("no token: pass --token or set $TRAJSTORE_TOKEN (or --insecure-no-auth to run open)")
+    upstream_api_key = upstream_api_key or os.environ.get("TRAJSTORE_UPSTREAM_API_KEY") or None
     import uvicorn
 
     import trajstore
 
     store = trajstore.connect(store_url)
     try:
-        app = make_proxy_app(store, upstream, model_version=model_version, num_experts=num_experts)
+        app = make_proxy_app(store, upstream, token=token, model_version=model_version, num_experts=num_experts,
+                             upstream_api_key=upstream_api_key, version_map=version_map,
+                             skip_recorded_routes=skip_recorded_routes)
         uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False)
     finally:
         store.close()
 
 
+def _version_map_arg(text: str | None) -> dict | None:
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"--version-map is not JSON ({e})") from None
+    if not isinstance(value, dict) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value.values()):
+        raise ValueError("--version-map must be a JSON object of integers, e.g. '{\"ckpt-a\": 3}'")
+    return value
+
+
 def serve_proxy_from_args(args: argparse.Namespace) -> None:
-    serve_proxy(args.upstream, getattr(args, "store", None), args.host, args.port, model_version=args.model_version,
-                num_experts=args.num_experts, log_level=args.log_level)
+    serve_proxy(args.upstream, getattr(args, "store", None), args.host, args.port, token=args.token,
+                insecure_no_auth=args.insecure_no_auth, upstream_api_key=args.upstream_api_key,
+                model_version=args.model_version, num_experts=args.num_experts,
+                version_map=_version_map_arg(args.version_map), skip_recorded_routes=not args.no_route_skip,
+                log_level=args.log_level)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -14,7 +14,34 @@ Two shapes are accepted, both by duck typing:
   request ``logprobs: true``). Routes are ``choices[i].routed_experts``, a
   base64 ``.npy`` of shape ``[prompt + output - 1, layers, topk]``, present
   only when the server runs with ``--enable-return-routed-experts`` (there is
-  no per-request switch) and only in non-streaming responses.
+  no per-request switch);
+* the token-in/token-out endpoint ``POST /inference/v1/generate``: the
+  request's ``token_ids`` are the prompt, ``choices[i].token_ids`` the
+  output, logprobs in ``choices[i].logprobs.content[j].logprob``, routes in
+  ``choices[i].routed_experts`` (:func:`generations_from_tito`). Streamed,
+  routes and version spans come on the final chunk.
+
+What every path also carries:
+
+* **weight versions.** An engine that swaps weights while a request runs
+  reports ``weight_versions``: spans ``{version, start, end}`` over output
+  token indexes (``[start, end)``), on the final ``CompletionOutput`` and per
+  choice in the server's JSON. They become ``token_model_versions`` (one int
+  per output token) and ``model_version`` its last entry. A label becomes
+  ``int(label)``, or what the caller's ``version_map`` (a mapping or a
+  function) gives it; a label neither can turn into an integer is a
+  ValidationError, never a guess.
+* **skipped route rows.** A request with ``routed_experts_prompt_start = k``
+  gets route rows from position ``k`` on; the event then carries
+  ``routed_experts_start = k`` (pass ``routed_experts_prompt_start`` to the
+  adapter, or the request body to :func:`generations_from_tito`).
+* **logprobs the engine could not give.** ``-inf``/NaN become vLLM's floor
+  ``LOGPROB_FLOOR`` (-9999.0) and the event's ``metadata`` counts them
+  (``{"clamped_logprobs": n}``); the store itself keeps refusing non-finite
+  values sent directly.
+* ``finish_reason`` as given; a non-null ``stop_reason`` (the stop string or
+  token id) goes in ``metadata["stop_reason"]``. ``metadata`` is emitted only
+  when it has something to say.
 
 Routes stay numpy arrays from end to end: decoding goes through
 ``trajstore._wire.decode_array`` (``np.load`` of the ``.npy`` bytes).
@@ -22,7 +49,7 @@ Routes stay numpy arrays from end to end: decoding goes through
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence, Union
 
 import numpy as np
 
@@ -30,12 +57,23 @@ from trajstore.errors import ValidationError
 from trajstore._wire import decode_array
 
 __all__ = [
+    "LOGPROB_FLOOR",
     "OpenAIStreamAccumulator",
+    "VersionMap",
     "generation_from_output",
     "generations_from_openai",
+    "generations_from_tito",
     "logprobs_from_vllm",
     "request_params_for_recording",
+    "request_params_for_tito",
+    "routed_experts_prompt_start_of",
+    "token_model_versions_from_spans",
 ]
+
+LOGPROB_FLOOR = -9999.0  # what vLLM's server puts for a logprob it cannot give; SkyRL clamps to the same
+_INT32_MAX = int(np.iinfo(np.int32).max)
+
+VersionMap = Union[Mapping[Any, int], Callable[[Any], int], None]
 
 _TOKEN_ID_PREFIX = "token_id:"  # what vLLM writes with return_tokens_as_token_ids
 
@@ -90,6 +128,128 @@ def _from_flat_logprobs(flat: Any, token_ids: Sequence[int]) -> np.ndarray:
     return picked
 
 
+def _version_int(label: Any, version_map: VersionMap) -> int:
+    """One weight-version label as the integer model version (never a guess)."""
+    if version_map is not None:
+        if isinstance(version_map, Mapping):
+            try:
+                value = version_map.get(label, version_map.get(str(label)))
+            except TypeError:  # an unhashable label (a list in the JSON, say)
+                value = None
+        else:
+            try:
+                value = version_map(label)
+            except Exception as e:  # the caller's function said no
+                raise ValidationError(f"version_map cannot map weight version {label!r}: {e}", rule="weight_versions") from None
+        if value is None:
+            raise ValidationError(f"weight version {label!r} is not in the version_map", rule="weight_versions")
+    else:
+        value = label
+        if isinstance(label, str) and label.strip().lstrip("+-").isdecimal():
+            value = int(label.strip())
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise ValidationError(
+            f"weight version {label!r} is not an integer: pass version_map to say which model version it is",
+            rule="weight_versions",
+        )
+    if not 0 <= int(value) <= _INT32_MAX:
+        raise ValidationError(f"weight version {label!r} gives model version {int(value)}, outside [0, 2**31)", rule="weight_versions")
+    return int(value)
+
+
+def _span_fields(span: Any) -> tuple[Any, Any, Any]:
+    if isinstance(span, Mapping):
+        return span.get("version"), span.get("start"), span.get("end")
+    if isinstance(span, (list, tuple)) and len(span) == 3:
+        return span[0], span[1], span[2]
+    return getattr(span, "version", None), getattr(span, "start", None), getattr(span, "end", None)
+
+
+def token_model_versions_from_spans(spans: Any, num_tokens: int, *, version_map: VersionMap = None) -> np.ndarray | None:
+    """vLLM's ``weight_versions`` spans as int32 ``[num_tokens]`` model versions.
+
+    Spans are ``{version, start, end}`` (dicts, objects with those attributes,
+    or ``(version, start, end)`` tuples) over output-token indexes, ``end``
+    exclusive. They must tile ``[0, num_tokens)`` in order; None or an empty
+    list means the engine reported none (None is returned).
+    """
+    if spans is None or (hasattr(spans, "__len__") and len(spans) == 0):
+        return None
+    if isinstance(spans, (str, bytes, Mapping)) or not isinstance(spans, Sequence):
+        raise ValidationError(f"weight_versions must be a list of spans, got {type(spans).__name__}", rule="weight_versions")
+    versions, lengths, expected = [], [], 0
+    for i, span in enumerate(spans):
+        label, start, end = _span_fields(span)
+        if not all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in (start, end)):
+            raise ValidationError(f"weight_versions span {i} needs integer start and end, got {start!r}, {end!r}", rule="weight_versions")
+        if start != expected or end < start:
+            raise ValidationError(
+                f"weight_versions span {i} is [{start}, {end}) but the spans must tile the output from {expected}",
+                rule="weight_versions",
+            )
+        if label is None:
+            raise ValidationError(f"weight_versions span {i} has no version", rule="weight_versions")
+        versions.append(_version_int(label, version_map))
+        lengths.append(int(end) - int(start))
+        expected = int(end)
+    if expected != num_tokens:
+        raise ValidationError(
+            f"weight_versions spans cover {expected} output tokens but the call has {num_tokens}", rule="weight_versions"
+        )
+    return np.repeat(np.asarray(versions, dtype=np.int32), lengths)
+
+
+def _clamped(values: np.ndarray) -> tuple[np.ndarray, int]:
+    """``values`` with non-finite entries set to LOGPROB_FLOOR, and how many were."""
+    bad = ~np.isfinite(values)
+    n = int(bad.sum())
+    if n:
+        values = values.copy()
+        values[bad] = LOGPROB_FLOOR
+    return values, n
+
+
+def _complete(
+    event: dict,
+    *,
+    logprobs: np.ndarray | None,
+    routes: Any,
+    routes_start: int,
+    finish_reason: Any,
+    stop_reason: Any,
+    weight_versions: Any,
+    version_map: VersionMap,
+    fields: Mapping[str, Any],
+) -> dict:
+    """Add what every adapter path carries to ``event`` (which has the ids and model_version)."""
+    metadata: dict = {}
+    if logprobs is not None:
+        event["logprobs"], clamped = _clamped(np.asarray(logprobs, dtype=np.float32).reshape(-1))
+        if clamped:
+            metadata["clamped_logprobs"] = clamped
+    versions = token_model_versions_from_spans(weight_versions, len(event["output_ids"]), version_map=version_map)
+    if versions is not None:
+        event["token_model_versions"] = versions
+        if len(versions):
+            event["model_version"] = int(versions[-1])
+    if routes is not None:
+        event["routed_experts"] = _routes_array(routes)
+        if routes_start:
+            event["routed_experts_start"] = int(routes_start)
+    if finish_reason is not None:
+        event["finish_reason"] = str(finish_reason)
+    if stop_reason is not None:
+        metadata["stop_reason"] = stop_reason if isinstance(stop_reason, (int, str)) else str(stop_reason)
+    fields = dict(fields)
+    given = fields.pop("metadata", None)
+    if given:
+        metadata = {**given, **metadata}
+    if metadata:
+        event["metadata"] = metadata
+    event.update(fields)
+    return event
+
+
 def generation_from_output(
     output: Any,
     prompt_ids: Any,
@@ -97,14 +257,19 @@ def generation_from_output(
     trajectory_id: str,
     seq: int,
     model_version: int,
+    version_map: VersionMap = None,
+    routed_experts_prompt_start: int = 0,
     **fields: Any,
 ) -> dict:
     """A generation event dict from a vLLM ``CompletionOutput``-like object.
 
     ``output`` may also be a ``RequestOutput`` (its first completion and its
-    ``prompt_token_ids`` are used when ``prompt_ids`` is None). Extra
-    ``fields`` (loss_mask, reward, routed_experts_start, event_id, ...) are
-    copied into the event as given.
+    ``prompt_token_ids`` are used when ``prompt_ids`` is None). Read:
+    ``token_ids``, ``logprobs``, ``routed_experts``, ``weight_versions``,
+    ``finish_reason``, ``stop_reason``. ``routed_experts_prompt_start``: the
+    request's ``SamplingParams.routed_experts_prompt_start`` (the routes then
+    start at that position). Extra ``fields`` (loss_mask, reward, event_id,
+    metadata, ...) are copied into the event as given (``metadata`` merged).
     """
     if prompt_ids is None and hasattr(output, "outputs"):
         prompt_ids = output.prompt_token_ids
@@ -121,30 +286,23 @@ def generation_from_output(
         "output_ids": output_ids,
         "model_version": model_version,
     }
-    logprobs = logprobs_from_vllm(getattr(output, "logprobs", None), output_ids)
-    if logprobs is not None:
-        event["logprobs"] = logprobs
-    routes = getattr(output, "routed_experts", None)
-    if routes is not None:
-        event["routed_experts"] = _routes_array(routes)
-    if getattr(output, "finish_reason", None) is not None:
-        event["finish_reason"] = str(output.finish_reason)
-    event.update(fields)
-    return event
+    return _complete(
+        event,
+        logprobs=logprobs_from_vllm(getattr(output, "logprobs", None), output_ids),
+        routes=getattr(output, "routed_experts", None),
+        routes_start=routed_experts_prompt_start,
+        finish_reason=getattr(output, "finish_reason", None),
+        stop_reason=getattr(output, "stop_reason", None),
+        weight_versions=getattr(output, "weight_versions", None),
+        version_map=version_map,
+        fields=fields,
+    )
 
 
 def _routes_array(routes: Any) -> np.ndarray:
     if hasattr(routes, "detach"):  # a torch tensor; never import torch for it
         routes = routes.detach().cpu().numpy()
     return decode_array(routes, field="routed_experts", ndim=3)
-
-
-def _is_chat(response: Mapping) -> bool:
-    obj = str(response.get("object", ""))
-    if obj.startswith("chat.completion"):
-        return True
-    choices = response.get("choices") or [{}]
-    return "message" in choices[0] or "delta" in choices[0]
 
 
 def _output_ids_from_logprob_tokens(tokens: Sequence[str] | None) -> list[int] | None:
@@ -155,12 +313,16 @@ def _output_ids_from_logprob_tokens(tokens: Sequence[str] | None) -> list[int] |
     return [int(t[len(_TOKEN_ID_PREFIX):]) for t in tokens]
 
 
-def _choice_logprobs(choice: Mapping, chat: bool) -> tuple[list | None, list | None]:
-    """(logprob values, token names) of one choice, None where absent."""
+def _choice_logprobs(choice: Mapping) -> tuple[list | None, list | None]:
+    """(logprob values, token names) of one choice, None where absent.
+
+    ``logprobs.content[j]`` (chat and ``/inference/v1/generate``) or
+    ``logprobs.token_logprobs`` (completions).
+    """
     lp = choice.get("logprobs")
     if not lp:
         return None, None
-    if chat:
+    if "content" in lp:
         content = lp.get("content")
         if content is None:
             return None, None
@@ -168,8 +330,19 @@ def _choice_logprobs(choice: Mapping, chat: bool) -> tuple[list | None, list | N
     return lp.get("token_logprobs"), lp.get("tokens")
 
 
-def _parse_choice(response: Mapping, choice: Mapping, chat: bool, prompt_ids: Any) -> dict:
-    values, names = _choice_logprobs(choice, chat)
+def _parse_choice(
+    response: Mapping,
+    choice: Mapping,
+    prompt_ids: Any,
+    *,
+    trajectory_id: str,
+    seq: int,
+    model_version: int,
+    version_map: VersionMap,
+    routes_start: int,
+    fields: Mapping[str, Any],
+) -> dict:
+    values, names = _choice_logprobs(choice)
     output_ids = choice.get("token_ids")
     if output_ids is None:
         output_ids = _output_ids_from_logprob_tokens(names)
@@ -184,16 +357,34 @@ def _parse_choice(response: Mapping, choice: Mapping, chat: bool, prompt_ids: An
             "the response has no prompt_token_ids: request return_token_ids=true or pass prompt_ids",
             rule="missing_token_ids",
         )
-    event: dict = {"prompt_ids": np.asarray(prompt_ids, dtype=np.int64), "output_ids": np.asarray(output_ids, dtype=np.int64)}
-    if values is not None:
-        if any(v is None for v in values):
-            raise ValidationError("the response's logprobs hold null entries", rule="logprobs")
-        event["logprobs"] = np.asarray(values, dtype=np.float32)
-    if choice.get("routed_experts") is not None:
-        event["routed_experts"] = _routes_array(choice["routed_experts"])
-    if choice.get("finish_reason") is not None:
-        event["finish_reason"] = str(choice["finish_reason"])
-    return event
+    if values is not None and any(v is None for v in values):
+        raise ValidationError("the response's logprobs hold null entries", rule="logprobs")
+    event: dict = {
+        "type": "generation",
+        "trajectory_id": trajectory_id,
+        "seq": seq,
+        "prompt_ids": np.asarray(prompt_ids, dtype=np.int64),
+        "output_ids": np.asarray(output_ids, dtype=np.int64).reshape(-1),
+        "model_version": model_version,
+    }
+    return _complete(
+        event,
+        logprobs=None if values is None else np.asarray(values, dtype=np.float32),
+        routes=choice.get("routed_experts"),
+        routes_start=routes_start,
+        finish_reason=choice.get("finish_reason"),
+        stop_reason=choice.get("stop_reason"),
+        weight_versions=choice.get("weight_versions"),
+        version_map=version_map,
+        fields=fields,
+    )
+
+
+def _choices(response: Mapping) -> list:
+    choices = response.get("choices")
+    if not isinstance(choices, list) or not choices:
+        raise ValidationError("the response has no choices", rule="missing_field")
+    return sorted(choices, key=lambda c: c.get("index", 0))
 
 
 def generations_from_openai(
@@ -203,6 +394,8 @@ def generations_from_openai(
     seq: int,
     model_version: int,
     prompt_ids: Any = None,
+    version_map: VersionMap = None,
+    routed_experts_prompt_start: int = 0,
     **fields: Any,
 ) -> list[dict]:
     """Generation event dicts, one per choice, from an OpenAI-compatible JSON response.
@@ -211,19 +404,64 @@ def generations_from_openai(
     of alternatives; callers that record them usually want one trajectory
     per choice and pass ``n = 1``). ``prompt_ids`` overrides the response's
     prompt token ids (e.g. a completions call whose prompt was token ids).
+    ``routed_experts_prompt_start``: what the request set (the top-level
+    request field of the same name); ``choices[i].weight_versions`` spans
+    become ``token_model_versions``.
     """
-    choices = response.get("choices")
-    if not isinstance(choices, list) or not choices:
-        raise ValidationError("the response has no choices", rule="missing_field")
-    chat = _is_chat(response)
-    events = []
-    for i, choice in enumerate(sorted(choices, key=lambda c: c.get("index", 0))):
-        body = _parse_choice(response, choice, chat, prompt_ids)
-        event = {"type": "generation", "trajectory_id": trajectory_id, "seq": seq + i, "model_version": model_version}
-        event.update(body)
-        event.update(fields)
-        events.append(event)
-    return events
+    return [
+        _parse_choice(response, choice, prompt_ids, trajectory_id=trajectory_id, seq=seq + i,
+                      model_version=model_version, version_map=version_map,
+                      routes_start=routed_experts_prompt_start, fields=fields)
+        for i, choice in enumerate(_choices(response))
+    ]
+
+
+def routed_experts_prompt_start_of(request: Mapping) -> int:
+    """The ``routed_experts_prompt_start`` a request body sets (0 when unset).
+
+    The OpenAI endpoints take it as a top-level field, ``/inference/v1/generate``
+    inside ``sampling_params``.
+    """
+    params = request.get("sampling_params")
+    value = (params.get("routed_experts_prompt_start") if isinstance(params, Mapping) else None)
+    if value is None:
+        value = request.get("routed_experts_prompt_start")
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValidationError(f"routed_experts_prompt_start must be a non-negative integer, got {value!r}",
+                              rule="routed_experts_start")
+    return value
+
+
+def generations_from_tito(
+    response: Mapping,
+    request: Mapping,
+    *,
+    trajectory_id: str,
+    seq: int,
+    model_version: int,
+    version_map: VersionMap = None,
+    **fields: Any,
+) -> list[dict]:
+    """Generation event dicts from vLLM's token-in/token-out ``POST /inference/v1/generate``.
+
+    ``request`` is the body that was sent: its ``token_ids`` are the prompt and
+    its ``sampling_params.routed_experts_prompt_start`` the first route row's
+    position. The response (``GenerateResponse``) has ``choices[i].token_ids``,
+    ``.logprobs.content[j].logprob`` (request ``sampling_params.logprobs``),
+    ``.routed_experts`` (base64 ``.npy``), ``.weight_versions``,
+    ``.finish_reason`` and ``.stop_reason``.
+    """
+    prompt_ids = request.get("token_ids")
+    if prompt_ids is None:
+        raise ValidationError("the generate request has no token_ids", rule="missing_token_ids")
+    start = routed_experts_prompt_start_of(request)
+    return [
+        _parse_choice(response, choice, prompt_ids, trajectory_id=trajectory_id, seq=seq + i,
+                      model_version=model_version, version_map=version_map, routes_start=start, fields=fields)
+        for i, choice in enumerate(_choices(response))
+    ]
 
 
 def request_params_for_recording(body: Mapping, *, chat: bool) -> dict:
@@ -242,13 +480,35 @@ def request_params_for_recording(body: Mapping, *, chat: bool) -> dict:
     return out
 
 
+def request_params_for_tito(body: Mapping) -> dict:
+    """A ``/inference/v1/generate`` body asking for the sampled tokens' logprobs.
+
+    Token ids always come back from this endpoint; ``sampling_params.logprobs``
+    is set to 0 (the sampled token only) unless the caller set it.
+    """
+    out = dict(body)
+    params = out.get("sampling_params")
+    if params is None:
+        params = {}
+    if not isinstance(params, Mapping):
+        raise ValidationError("sampling_params must be an object", rule="sampling_params")
+    params = dict(params)
+    if params.get("logprobs") is None:
+        params["logprobs"] = 0
+    out["sampling_params"] = params
+    return out
+
+
 class OpenAIStreamAccumulator:
     """Collects the chunks of a streamed (SSE) OpenAI response into one response.
 
     Feed each decoded ``data:`` JSON object to :meth:`add`; :meth:`response`
     returns a non-streaming-shaped dict that :func:`generations_from_openai`
+    (or, for ``/inference/v1/generate`` streams, :func:`generations_from_tito`)
     reads. vLLM sends ``prompt_token_ids`` on the first chunk and each chunk's
-    new ``token_ids`` and logprobs as deltas.
+    new ``token_ids`` and logprobs as deltas; ``finish_reason``,
+    ``stop_reason``, ``routed_experts`` and ``weight_versions`` are kept from
+    whichever chunk carries them (the final one).
     """
 
     def __init__(self) -> None:
@@ -270,15 +530,16 @@ class OpenAIStreamAccumulator:
         if c.get("prompt_token_ids") is not None:
             acc["prompt_token_ids"] = list(c["prompt_token_ids"])
         acc["token_ids"].extend(c.get("token_ids") or [])
-        values, names = _choice_logprobs(c, "delta" in c)
+        values, names = _choice_logprobs(c)
         if values is not None:
             acc["has_logprobs"] = True
             acc["logprobs"].extend(values)
             acc["tokens"].extend(names or [])
-        for key in ("finish_reason", "routed_experts"):
-            if c.get(key) is not None:
+        for key in ("finish_reason", "stop_reason", "routed_experts", "weight_versions"):
+            if c.get(key) is not None:  # vLLM sends routes and version spans on the final chunk
                 acc[key] = c[key]
-        acc["chat"] = "delta" in c
+        acc["chat"] = acc.get("chat", False) or "delta" in c
+        acc["content_logprobs"] = acc.get("content_logprobs", False) or "content" in (c.get("logprobs") or {})
 
     def response(self) -> dict:
         chat = any(acc.get("chat") for acc in self._choices.values())
@@ -293,11 +554,11 @@ class OpenAIStreamAccumulator:
         choice: dict = {"index": index, "finish_reason": acc.get("finish_reason")}
         if acc["token_ids"]:
             choice["token_ids"] = acc["token_ids"]
-        for key in ("prompt_token_ids", "routed_experts"):
+        for key in ("prompt_token_ids", "routed_experts", "weight_versions", "stop_reason"):
             if key in acc:
                 choice[key] = acc[key]
         if acc["has_logprobs"]:
-            if chat:
+            if acc.get("content_logprobs"):
                 content = [{"token": t, "logprob": v} for t, v in zip(acc["tokens"], acc["logprobs"])]
                 choice["logprobs"] = {"content": content}
             else:

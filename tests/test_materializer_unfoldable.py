@@ -201,3 +201,14 @@ def test_store_unavailable_is_not_recorded(store):
     os.rename(location + ".away", location)
     assert unfoldable_rows(store) == [] and store.log.load_checkpoint("0/1") is None
     assert store.materialize().num_trajectories == 1
+
+
+def test_migrations_create_exactly_the_schema(store):
+    """Migration 0003 and trajstore.schema agree (as every migration must)."""
+    from alembic.autogenerate import compare_metadata
+    from alembic.migration import MigrationContext
+
+    from trajstore.schema import metadata
+
+    with store.log.write_engine.connect() as conn:
+        assert compare_metadata(MigrationContext.configure(conn), metadata) == []

@@ -32,8 +32,6 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-import pyarrow as pa
-
 from trajstore import _facts as facts
 from trajstore.errors import CorruptStoreError, StoreUnavailable, TrajstoreError
 from trajstore.fold import FoldMetrics, FoldResult, fold
@@ -145,12 +143,11 @@ class Materializer:
         folded, unfoldable = self._fold(mine, trajs)
         last = finished[-1]["position"]
         seg_name = f"samples-{self.shard_index}of{self.num_shards}-{position + 1:012d}-{last:012d}.parquet"
-        table = self._table(folded, unfoldable)
         samples = [s for r in folded.values() for s in r.samples]
         calls = [c for r in folded.values() for c in r.calls_per_sample]
         metrics = sum((r.metrics for r in folded.values()), FoldMetrics())
         finished_at = {e["trajectory_id"]: e["position"] for e in mine}
-        seg_row, sample_rows = self._write(seg_name, table, samples, calls, finished_at)
+        seg_row, sample_rows = self._write(seg_name, samples, calls, finished_at)
         now = time.time()
         unfoldable_rows = [_unfoldable_row(tid, finished_at[tid], self.shard, err, now)
                            for tid, err in unfoldable.items()]
@@ -244,35 +241,10 @@ class Materializer:
                 bad[name] = e
         return tables, bad
 
-    def _table(self, folded: dict[str, FoldResult], unfoldable: dict[str, BaseException]) -> pa.Table | None:
-        """The batch's sample table. A trajectory whose samples do not fit the
-        columns moves from ``folded`` to ``unfoldable`` (found one by one, only
-        when the whole batch fails)."""
-        samples = [s for r in folded.values() for s in r.samples]
+    def _write(self, name: str, samples: list[Sample], calls: list[int], finished_at: dict[str, int]):
         if not samples:
-            return None
-        try:
-            return sample_table(samples)
-        except StoreUnavailable:
-            raise
-        except _DATA_ERRORS:
-            if len(folded) == 1:
-                raise
-        for tid, result in list(folded.items()):
-            try:
-                sample_table(result.samples) if result.samples else None
-            except StoreUnavailable:
-                raise
-            except _DATA_ERRORS as e:
-                unfoldable[tid] = e
-                del folded[tid]
-        samples = [s for r in folded.values() for s in r.samples]
-        return sample_table(samples) if samples else None
-
-    def _write(self, name: str, table: pa.Table | None, samples: list[Sample], calls: list[int],
-               finished_at: dict[str, int]):
-        if table is None:
             return None, []
+        table = sample_table(samples)
         size = self.store.payload.write(name, table, rows_per_batch=rows_per_batch(table), atomic=True)
         now = time.time()
         seg_row = {"name": name, "kind": "samples", "num_rows": len(samples), "num_bytes": size, "created_at": now}

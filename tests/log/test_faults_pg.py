@@ -249,6 +249,7 @@ def _store_contents(url: str, payload: str):
 
 
 @pytest.mark.slow
+@pytest.mark.postgres
 @pytest.mark.timeout(300)
 def test_acknowledged_events_survive_backend_kills_during_commit_and_restarts(tmp_path):
     if os.environ.get("TRAJSTORE_SKIP_POSTGRES") == "1":

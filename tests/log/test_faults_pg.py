@@ -103,6 +103,9 @@ def test_timeouts_have_defaults_and_url_parameters():
     assert "statement_timeout" not in url and "connect_timeout=3" in url and "sslmode=disable" in url
     assert ":pw@" in url and "options" not in url
     assert args == {"options": "-c work_mem=64MB -c statement_timeout=5min"}
+    # given the libpq way, in options: kept, no default added after it (the last -c would win)
+    _, args = engine_options("postgresql+psycopg://u@db/x?options=-c%20statement_timeout%3D7s")
+    assert args["options"] == "-c statement_timeout=7s"
     for bad in ("connect_timeout=soon", "statement_timeout=1s%20-c%20role%3Dpostgres", "statement_timeout=-1"):
         with pytest.raises(ValidationError) as info:
             engine_options(f"postgresql+psycopg://u@db/x?{bad}")

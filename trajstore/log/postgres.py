@@ -57,14 +57,20 @@ def engine_options(url: str) -> tuple[str, dict[str, str | int]]:
     elif not (isinstance(given, str) and given.isdigit()):
         raise ValidationError(f"connect_timeout={given!r} in the store URL is not a whole number of seconds",
                               rule="url")
-    statement = query.pop("statement_timeout", DEFAULT_STATEMENT_TIMEOUT)
-    if not (isinstance(statement, str) and _DURATION.match(statement)):
+    statement = query.pop("statement_timeout", None)
+    if statement is not None and not (isinstance(statement, str) and _DURATION.match(statement)):
         raise ValidationError(f"statement_timeout={statement!r} in the store URL is not a duration "
                               "(milliseconds, or a number with ms, s, min, h or d)", rule="url")
     options = query.pop("options", "")
     if isinstance(options, tuple):
         options = " ".join(options)
-    connect_args["options"] = f"{options} -c statement_timeout={statement}".strip()
+    if statement is None and "statement_timeout" in options:
+        statement = ""  # given the libpq way (options=-c statement_timeout=...): keep it
+    elif statement is None:
+        statement = DEFAULT_STATEMENT_TIMEOUT
+    if statement:
+        options = f"{options} -c statement_timeout={statement}"
+    connect_args["options"] = options.strip()
     return u.set(query=query).render_as_string(hide_password=False), connect_args
 
 

@@ -181,6 +181,11 @@ def test_cli_materialize_and_info_show_unfoldable(store_url, tmp_path, capsys):
     info = json.loads(capsys.readouterr().out)["unfoldable_trajectories"]
     assert info["count"] == 2 and info["by_error"] == {"CorruptStoreError": 2}
     assert [r["trajectory_id"] for r in info["recent"]] == ["gone", "bad"]
+    # and in SQL, through the read-only inspection command
+    assert main(["--store", store_url, "sql", "--format", "json",
+                 "SELECT trajectory_id, error FROM unfoldable_trajectories ORDER BY finished_position"]) == 0
+    out = capsys.readouterr().out
+    assert out.index('"bad"') < out.index('"gone"') and "CorruptStoreError" in out
     store.close()
 
 

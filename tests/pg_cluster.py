@@ -25,10 +25,12 @@ import os
 import pwd
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import time
 import uuid
 from pathlib import Path
 
@@ -181,6 +183,60 @@ class PgCluster:
         """DROP DATABASE, terminating any connection a test left open."""
         with self._admin() as conn:
             conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+    # -- faults (tests/log/test_faults_pg.py) ------------------------------
+    def backends(self, dbname: str | None = None) -> list[dict]:
+        """Client backends (pid, datname, state, query, wait_event), optionally of one database."""
+        with self._admin() as conn:
+            rows = conn.execute(
+                "SELECT pid, datname, state, query, wait_event FROM pg_stat_activity "
+                "WHERE backend_type = 'client backend' AND pid <> pg_backend_pid() "
+                "AND (%s::text IS NULL OR datname = %s::text)", (dbname, dbname),
+            ).fetchall()
+        return [dict(zip(("pid", "datname", "state", "query", "wait_event"), r)) for r in rows]
+
+    def kill_backend(self, pid: int) -> None:
+        """kill -9 of one server process. The postmaster then terminates every
+        other backend and runs crash recovery before it accepts connections again."""
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass  # it ended on its own
+
+    def alter_system(self, name: str, value: str | None, *, reload: bool = True) -> None:
+        """ALTER SYSTEM SET name = value (RESET when value is None), then reload the configuration."""
+        with self._admin() as conn:
+            if value is None:
+                conn.execute(f"ALTER SYSTEM RESET {name}")
+            else:
+                conn.execute(f"ALTER SYSTEM SET {name} = '{value}'")
+        if reload:
+            self.reload()
+
+    def reload(self) -> None:
+        """pg_ctl reload: SIGHUP to the postmaster (works during crash recovery too)."""
+        self._run("pg_ctl", "-D", str(self.data_dir), "reload", check=False)
+
+    def restart(self, mode: str = "immediate") -> None:
+        """Stop the server (``immediate`` = like a crash: no checkpoint) and start it on the same port."""
+        self._run("pg_ctl", "-D", str(self.data_dir), "-m", mode, "-w", "stop", check=False)
+        started = self._run("pg_ctl", "-D", str(self.data_dir), "-l", str(self.log_path),
+                            "-w", "-t", str(START_TIMEOUT_S), "start", check=False)
+        if started.returncode != 0:
+            raise RuntimeError(f"PostgreSQL did not restart: {started.stderr.strip()}\n{self._log_tail()}")
+
+    def wait_ready(self, timeout_s: float = 60.0) -> None:
+        """Until the server accepts connections again (after a crash or a restart)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                with self._admin() as conn:
+                    conn.execute("SELECT 1")
+                return
+            except psycopg.OperationalError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
 
     def __enter__(self) -> PgCluster:
         self.start()

@@ -21,6 +21,7 @@ def local_ray():
 
 
 def test_ray_shards_fold_everything_exactly_once(local_ray, fresh_pg_url, tmp_path):
+    from trajstore.materializer import MaterializeStats
     from trajstore.scale.ray_actors import materialize_with_ray
 
     payload = str(tmp_path / "payload")
@@ -28,6 +29,10 @@ def test_ray_shards_fold_everything_exactly_once(local_ray, fresh_pg_url, tmp_pa
     for i in range(30):
         store.append(trajectory_events(CFG, i))
     metrics = materialize_with_ray(fresh_pg_url, 3, payload=payload, num_cpus_per_shard=0.5)
+    # what Store.materialize() returns (it returned a bare FoldMetrics before)
+    assert isinstance(metrics, MaterializeStats)
+    assert (metrics.num_trajectories, metrics.num_unfoldable) == (30, 0)
+    assert metrics.position == store.log.head_position()
     samples = list(store.samples())
     assert len({(s.trajectory_id, s.sample_index) for s in samples}) == len(samples) == metrics.num_samples_after
     assert {s.trajectory_id for s in samples} == {trajectory_events(CFG, i)[0]["trajectory_id"] for i in range(30)}
@@ -35,4 +40,4 @@ def test_ray_shards_fold_everything_exactly_once(local_ray, fresh_pg_url, tmp_pa
         1 for i in range(30) for e in trajectory_events(CFG, i) if e["type"] == "generation")
     assert {store.log.load_checkpoint(f"{k}/3")["position"] for k in range(3)} == {store.log.head_position()}
     again = materialize_with_ray(fresh_pg_url, 3, payload=payload, num_cpus_per_shard=0.5)
-    assert again.num_samples_after == 0
+    assert (again.num_samples_after, again.num_trajectories) == (0, 0)

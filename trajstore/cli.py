@@ -93,7 +93,11 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
-    _print_json(_store(args).info())
+    store = _store(args)
+    info = store.info()
+    # finished trajectories the materializer recorded and skipped (docs/materializer.md)
+    info["unfoldable_trajectories"] = store.log.unfoldable_trajectories(limit=10)
+    _print_json(info)
     return 0
 
 
@@ -129,7 +133,7 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--num-shards", type=int, default=1)
     m.add_argument("--batch-size", type=int, default=256, help="trajectories per transaction")
     add("export", _cmd_export, "write the samples as a Parquet dataset").add_argument("dir")
-    add("info", _cmd_info, "counts per status, event type and model version")
+    add("info", _cmd_info, "counts per status, event type and model version; unfoldable trajectories")
     add("gc", _cmd_gc, "delete payload files no index row references") \
         .add_argument("--grace-s", type=float, default=3600.0, help="only files older than this")
     d = add("demo", _cmd_demo, "the main job end to end on the embedded store, with simulated rollouts")

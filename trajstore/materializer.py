@@ -7,8 +7,16 @@ One step:
      rebuild their generation commands from the log and fold them (pure);
   3. write the samples to one payload segment whose name is a function of
      (shard, positions), atomically renamed into place;
-  4. in ONE transaction: insert the sample rows and move the checkpoint to
+  4. in ONE transaction: insert the sample rows, record the trajectories it
+     could not fold (``unfoldable_trajectories``) and move the checkpoint to
      the last finished event read, guarded by the checkpoint it started from.
+
+A trajectory that cannot be folded (its payload is missing or unreadable,
+its index rows contradict each other, the fold refuses it, a value does not
+fit the sample columns) is recorded with the reason and skipped; it never
+stops the trajectories after it (docs/materializer.md, "Unfoldable
+trajectories"). Infrastructure errors (``StoreUnavailable``) still propagate:
+they are retried by running again, never recorded.
 
 A crash before 4 leaves at most an unreferenced segment that the re-run
 rewrites with the same bytes; a crash after 4 has nothing to redo. Two
@@ -18,19 +26,29 @@ bounded by one batch: the log is streamed, never loaded whole.
 
 from __future__ import annotations
 
+import logging
 import time
 import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from trajstore import _facts as facts
-from trajstore.fold import FoldMetrics, fold
+from trajstore.errors import CorruptStoreError, StoreUnavailable, TrajstoreError
+from trajstore.fold import FoldMetrics, FoldResult, fold
 from trajstore.log.base import StaleState
-from trajstore.payload import rows_per_batch
+from trajstore.payload import SegmentRows, rows_per_batch
 from trajstore.sample import Sample
 from trajstore._samples import sample_table
 
 __all__ = ["Materializer", "MaterializeStats", "shard_of"]
+
+log = logging.getLogger(__name__)
+
+# Errors that mean "this trajectory's data cannot be folded", as opposed to
+# "the store cannot be reached right now" (StoreUnavailable, OSError,
+# MemoryError), which must propagate so the run is retried.
+_DATA_ERRORS = (TrajstoreError, ArithmeticError, ValueError, TypeError, IndexError, KeyError)
+_MAX_MESSAGE = 1000  # characters of the reason kept in unfoldable_trajectories.message
 
 
 def shard_of(trajectory_id: str, num_shards: int) -> int:
@@ -42,8 +60,9 @@ class MaterializeStats:
     """SPEC metrics of one materialization, plus what it covered."""
 
     metrics: FoldMetrics = field(default_factory=FoldMetrics)
-    num_trajectories: int = 0
+    num_trajectories: int = 0  # trajectories folded into samples
     position: int = 0  # checkpoint after the run
+    num_unfoldable: int = 0  # trajectories recorded in unfoldable_trajectories and skipped
 
     @property
     def num_steps_before(self) -> int:
@@ -62,10 +81,15 @@ class MaterializeStats:
         return self.metrics.prefix_mismatch_count
 
     def to_dict(self) -> dict[str, Any]:
-        return {**self.metrics.to_dict(), "num_trajectories": self.num_trajectories, "position": self.position}
+        return {**self.metrics.to_dict(), "num_trajectories": self.num_trajectories,
+                "num_unfoldable": self.num_unfoldable, "position": self.position}
 
-    def __getitem__(self, key: str) -> Any:
-        return self.to_dict()[key]
+    def __add__(self, later: "MaterializeStats") -> "MaterializeStats":
+        """This run followed by ``later`` (position: the later checkpoint)."""
+        if not isinstance(later, MaterializeStats):
+            return NotImplemented
+        return MaterializeStats(self.metrics + later.metrics, self.num_trajectories + later.num_trajectories,
+                                later.position, self.num_unfoldable + later.num_unfoldable)
 
 
 class Materializer:
@@ -101,14 +125,13 @@ class Materializer:
             done = self.step()
             if done is None:
                 break
-            metrics, n, position = done
-            stats = MaterializeStats(stats.metrics + metrics, stats.num_trajectories + n, position)
+            stats = stats + done
             steps += 1
             if self.progress:
-                self.progress(n)  # trajectories folded by this step
+                self.progress(done.num_trajectories + done.num_unfoldable)  # trajectories this step took
         return stats
 
-    def step(self) -> tuple[FoldMetrics, int, int] | None:
+    def step(self) -> MaterializeStats | None:
         """Fold one batch; None when nothing is pending."""
         position, cumulative = self._checkpoint()
         finished = self.store.log.read_events(
@@ -117,17 +140,29 @@ class Materializer:
         if not finished:
             return None
         finished, mine, trajs = self._within_budget(finished)
-        samples, calls, metrics = self._fold(mine, trajs)
+        folded, unfoldable = self._fold(mine, trajs)
         last = finished[-1]["position"]
         seg_name = f"samples-{self.shard_index}of{self.num_shards}-{position + 1:012d}-{last:012d}.parquet"
-        seg_row, sample_rows = self._write(seg_name, samples, calls, {e["trajectory_id"]: e["position"] for e in mine})
+        samples = [s for r in folded.values() for s in r.samples]
+        calls = [c for r in folded.values() for c in r.calls_per_sample]
+        metrics = sum((r.metrics for r in folded.values()), FoldMetrics())
+        finished_at = {e["trajectory_id"]: e["position"] for e in mine}
+        seg_row, sample_rows = self._write(seg_name, samples, calls, finished_at)
+        now = time.time()
+        unfoldable_rows = [_unfoldable_row(tid, finished_at[tid], self.shard, err, now)
+                           for tid, err in unfoldable.items()]
         checkpoint = {"position": last, **(cumulative + metrics).to_dict()}
         checkpoint.pop("merge_ratio")
         try:
-            self.store.log.commit_samples(self.shard, sample_rows, seg_row, checkpoint, position)
+            self.store.log.commit_samples(self.shard, sample_rows, seg_row, checkpoint, position,
+                                          unfoldable_rows=unfoldable_rows)
         except StaleState:
-            return FoldMetrics(), 0, self._checkpoint()[0]  # another materializer did this batch
-        return metrics, len(mine), last
+            # another materializer did this batch
+            return MaterializeStats(position=self._checkpoint()[0])
+        for row in unfoldable_rows:
+            log.warning("materializer %s: trajectory %r cannot be folded, recorded and skipped: %s: %s",
+                        self.shard, row["trajectory_id"], row["error"], row["message"])
+        return MaterializeStats(metrics, len(folded), last, len(unfoldable))
 
     def _checkpoint(self) -> tuple[int, FoldMetrics]:
         cp = self.store.log.load_checkpoint(self.shard)
@@ -153,30 +188,58 @@ class Materializer:
         last = finished[-1]["position"]
         return finished, [e for e in mine if e["position"] <= last], trajs
 
-    def _fold(self, finished: list[dict[str, Any]],
-              trajs: dict[str, dict[str, Any]]) -> tuple[list[Sample], list[int], FoldMetrics]:
+    def _fold(self, finished: list[dict[str, Any]], trajs: dict[str, dict[str, Any]]
+              ) -> tuple[dict[str, FoldResult], dict[str, BaseException]]:
+        """Fold each trajectory; the ones that cannot be folded are returned
+        apart with their error, and the others are unaffected."""
+        folded: dict[str, FoldResult] = {}
+        unfoldable: dict[str, BaseException] = {}
         ids = [e["trajectory_id"] for e in finished]
         if not ids:
-            return [], [], FoldMetrics()
+            return folded, unfoldable
         events = self.store.log.trajectory_events(ids)
-        tables = self.store.payload.read_locators([r for rows in events.values() for r in rows])
-        samples: list[Sample] = []
-        calls: list[int] = []
-        metrics = FoldMetrics()
+        tables, bad_segments = self._read_segments([r for rows in events.values() for r in rows])
         for fin in finished:
             tid = fin["trajectory_id"]
-            traj, rows = trajs[tid], events[tid]
-            gens = facts.generations_from_log(
-                [r for r in rows if r["type"] == "generation"], tables,
-                (traj["route_layers"], traj["route_topk"]) if traj["route_layers"] else None,
-            )
-            rewards = [r["reward"] for r in rows if r["type"] == "reward"]
-            result = fold(gens, trajectory_id=tid, group_id=traj["group_id"], status=fin["status"],
-                          final_reward=rewards[-1] if rewards else None, num_experts=traj["num_experts"])
-            samples.extend(result.samples)
-            calls.extend(result.calls_per_sample)
-            metrics = metrics + result.metrics
-        return samples, calls, metrics
+            traj, rows = trajs.get(tid), events[tid]
+            try:
+                if traj is None:
+                    raise CorruptStoreError(f"trajectory {tid!r} is finished in the log but has no row")
+                gen_rows = [r for r in rows if r["type"] == "generation"]
+                for r in gen_rows:
+                    if r["segment"] in bad_segments:
+                        raise bad_segments[r["segment"]]
+                gens = facts.generations_from_log(
+                    gen_rows, tables,
+                    (traj["route_layers"], traj["route_topk"]) if traj["route_layers"] else None,
+                )
+                rewards = [r["reward"] for r in rows if r["type"] == "reward"]
+                folded[tid] = fold(gens, trajectory_id=tid, group_id=traj["group_id"], status=fin["status"],
+                                   final_reward=rewards[-1] if rewards else None, num_experts=traj["num_experts"])
+            except StoreUnavailable:
+                raise
+            except _DATA_ERRORS as e:
+                unfoldable[tid] = e
+        return folded, unfoldable
+
+    def _read_segments(self, rows: list[dict[str, Any]]
+                       ) -> tuple[dict[str, SegmentRows], dict[str, BaseException]]:
+        """The payload rows ``rows`` point at, one read per segment; a segment
+        that is missing or unreadable is returned apart with its error."""
+        wanted: dict[str, list[int]] = {}
+        for r in rows:
+            if r["segment"] is not None:
+                wanted.setdefault(r["segment"], []).append(int(r["segment_row"]))
+        tables: dict[str, SegmentRows] = {}
+        bad: dict[str, BaseException] = {}
+        for name, idx in sorted(wanted.items()):
+            try:
+                tables[name] = self.store.payload.read_rows(name, idx)
+            except StoreUnavailable:
+                raise
+            except _DATA_ERRORS as e:
+                bad[name] = e
+        return tables, bad
 
     def _write(self, name: str, samples: list[Sample], calls: list[int], finished_at: dict[str, int]):
         if not samples:
@@ -187,6 +250,20 @@ class Materializer:
         seg_row = {"name": name, "kind": "samples", "num_rows": len(samples), "num_bytes": size, "created_at": now}
         return seg_row, [_sample_row(s, i, name, finished_at[s.trajectory_id], c, now)
                          for i, (s, c) in enumerate(zip(samples, calls))]
+
+
+def _unfoldable_row(trajectory_id: str, finished_position: int, shard: str, error: BaseException,
+                    now: float) -> dict[str, Any]:
+    message = " ".join(str(error).split()) or type(error).__name__
+    return {
+        "trajectory_id": trajectory_id,
+        "finished_position": finished_position,
+        "shard": shard,
+        "error": type(error).__name__,
+        "rule": getattr(error, "rule", None),
+        "message": message[:_MAX_MESSAGE],
+        "created_at": now,
+    }
 
 
 def _sample_row(s: Sample, row: int, segment: str, finished_position: int, num_calls: int,

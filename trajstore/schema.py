@@ -140,4 +140,21 @@ materializer_checkpoints = Table(
     Column("updated_at", Float, nullable=False),
 )
 
-__all__ = ["metadata", "log_head", "trajectories", "events", "segments", "samples", "materializer_checkpoints"]
+# Finished trajectories the materializer could not fold (missing or unreadable
+# payload, contradictory index rows, a fold refusal, a value that does not fit
+# the sample columns): recorded with the reason in the transaction that moves
+# the shard's checkpoint past them, and skipped (docs/materializer.md).
+unfoldable_trajectories = Table(
+    "unfoldable_trajectories",
+    metadata,
+    Column("trajectory_id", String(255), primary_key=True),
+    Column("finished_position", BigInteger, nullable=False, index=True),
+    Column("shard", String(64), nullable=False),
+    Column("error", String(64), nullable=False),  # exception class, e.g. CorruptStoreError, OverflowError
+    Column("rule", String(64), nullable=True),  # ValidationError.rule when the fold refused it
+    Column("message", String(1000), nullable=False),
+    Column("created_at", Float, nullable=False),
+)
+
+__all__ = ["metadata", "log_head", "trajectories", "events", "segments", "samples", "materializer_checkpoints",
+           "unfoldable_trajectories"]

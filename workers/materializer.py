@@ -4,7 +4,7 @@
 
 SIGTERM / SIGINT stop it after the step in progress commits (a step is one
 transaction, so stopping between steps loses nothing). Prints one JSON line
-per step that folded something.
+per step that folded (or recorded as unfoldable) something.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def run(store_url: str | None, *, shard: int, num_shards: int, poll_s: float, st
     try:
         while not stop.is_set():
             stats = m.run(max_steps=1)
-            if stats.num_trajectories:
+            if stats.num_trajectories or stats.num_unfoldable:
                 print(json.dumps(stats.to_dict()), flush=True)
             elif m.pending() == 0:
                 stop.wait(poll_s)  # nothing to do: sleep, but wake at once on SIGTERM

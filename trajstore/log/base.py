@@ -101,8 +101,11 @@ class EventLog(ABC):
         segment_row: Mapping[str, Any] | None,
         checkpoint: Mapping[str, Any],
         expected_position: int,
+        *,
+        unfoldable_rows: Sequence[dict[str, Any]] = (),
     ) -> None:
-        """Insert sample rows and advance ``shard``'s checkpoint in one transaction.
+        """Insert sample rows (and ``unfoldable_trajectories`` rows) and advance
+        ``shard``'s checkpoint in one transaction.
 
         Raises StaleState when the stored checkpoint is not ``expected_position``
         (another materializer of the same shard got there first)."""

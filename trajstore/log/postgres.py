@@ -2,21 +2,76 @@
 
 Transactions run at READ COMMITTED; appends are ordered by the ``log_head``
 row lock (see ``trajstore.log.sql``). Many processes may append at once.
+
+Timeouts (docs/log.md, "Timeouts"): a server that accepts TCP and never
+answers must not hang a command. Two URL query parameters, both named as
+PostgreSQL names them, have defaults here:
+
+* ``connect_timeout`` — seconds to wait for a connection (libpq's own
+  parameter); default ``DEFAULT_CONNECT_TIMEOUT_S``; ``0`` waits forever;
+* ``statement_timeout`` — the server setting, sent as
+  ``options=-c statement_timeout=...``: milliseconds, or a number with a
+  unit (``ms``, ``s``, ``min``, ``h``, ``d``); default
+  ``DEFAULT_STATEMENT_TIMEOUT``; ``0`` disables it. It also bounds lock waits.
+
+A connect that times out surfaces as ``StoreUnavailable`` (one line); so does
+a statement cancelled by the timeout.
 """
 
 from __future__ import annotations
 
 import os
+import re
 
 from sqlalchemy import Engine, create_engine
 from sqlalchemy.engine import make_url
 
-__all__ = ["default_payload_dir", "make_engines"]
+from trajstore.errors import ValidationError
+
+__all__ = ["DEFAULT_CONNECT_TIMEOUT_S", "DEFAULT_STATEMENT_TIMEOUT", "default_payload_dir", "engine_options",
+           "make_engines"]
+
+DEFAULT_CONNECT_TIMEOUT_S = 10
+DEFAULT_STATEMENT_TIMEOUT = "120s"
+
+_DURATION = re.compile(r"^[0-9]+(ms|s|min|h|d)?$")
 
 
 def make_engines(url: str) -> tuple[Engine, Engine]:
-    engine = create_engine(url, pool_pre_ping=True, pool_size=4, max_overflow=8)
+    url, connect_args = engine_options(url)
+    engine = create_engine(url, pool_pre_ping=True, pool_size=4, max_overflow=8, connect_args=connect_args)
     return engine, engine
+
+
+def engine_options(url: str) -> tuple[str, dict[str, str | int]]:
+    """The URL psycopg gets and the connect arguments carrying the timeouts.
+
+    ``statement_timeout`` is not a libpq parameter, so it leaves the URL and
+    joins ``options``; ``connect_timeout`` stays in the URL when given."""
+    u = make_url(url)
+    query = dict(u.query)
+    connect_args: dict[str, str | int] = {}
+    given = query.get("connect_timeout")
+    if given is None:
+        connect_args["connect_timeout"] = DEFAULT_CONNECT_TIMEOUT_S
+    elif not (isinstance(given, str) and given.isdigit()):
+        raise ValidationError(f"connect_timeout={given!r} in the store URL is not a whole number of seconds",
+                              rule="url")
+    statement = query.pop("statement_timeout", None)
+    if statement is not None and not (isinstance(statement, str) and _DURATION.match(statement)):
+        raise ValidationError(f"statement_timeout={statement!r} in the store URL is not a duration "
+                              "(milliseconds, or a number with ms, s, min, h or d)", rule="url")
+    options = query.pop("options", "")
+    if isinstance(options, tuple):
+        options = " ".join(options)
+    if statement is None and "statement_timeout" in options:
+        statement = ""  # given the libpq way (options=-c statement_timeout=...): keep it
+    elif statement is None:
+        statement = DEFAULT_STATEMENT_TIMEOUT
+    if statement:
+        options = f"{options} -c statement_timeout={statement}"
+    connect_args["options"] = options.strip()
+    return u.set(query=query).render_as_string(hide_password=False), connect_args
 
 
 def default_payload_dir(url: str) -> str:

@@ -26,7 +26,8 @@ from sqlalchemy.exc import IntegrityError, OperationalError
 
 from trajstore.errors import StoreUnavailable
 from trajstore.log.base import EventLog, StaleState, TrajectoryWrite
-from trajstore.schema import events, log_head, materializer_checkpoints, samples, segments, trajectories
+from trajstore.schema import (events, log_head, materializer_checkpoints, samples, segments, trajectories,
+                              unfoldable_trajectories)
 
 _CHUNK = 500  # ids per IN (...) list
 
@@ -176,6 +177,8 @@ class SqlEventLog(EventLog):
         segment_row: Mapping[str, Any] | None,
         checkpoint: Mapping[str, Any],
         expected_position: int,
+        *,
+        unfoldable_rows: Sequence[dict[str, Any]] = (),
     ) -> None:
         cp = dict(checkpoint, shard=shard, updated_at=time.time())
         try:
@@ -194,6 +197,8 @@ class SqlEventLog(EventLog):
                     conn.execute(insert(segments), [dict(segment_row)])
                 if sample_rows:
                     conn.execute(insert(samples), list(sample_rows))
+                if unfoldable_rows:
+                    conn.execute(insert(unfoldable_trajectories), list(unfoldable_rows))
         except IntegrityError as e:
             raise StaleState(str(e.orig)) from None
 
@@ -214,6 +219,21 @@ class SqlEventLog(EventLog):
                 return
             yield rows
             cursor = (rows[-1]["finished_position"], rows[-1]["sample_index"])
+
+    # -- unfoldable trajectories (materializer) -------------------------------
+    def unfoldable_trajectories(self, *, limit: int = 20) -> dict[str, Any]:
+        """How many finished trajectories the materializer recorded as
+        unfoldable, by error class, and the ``limit`` most recent ones."""
+        t = unfoldable_trajectories
+        with self._read() as conn:
+            by_error = dict(conn.execute(select(t.c.error, func.count()).group_by(t.c.error)).all())
+            recent = conn.execute(
+                select(t.c.trajectory_id, t.c.finished_position, t.c.shard, t.c.error, t.c.rule, t.c.message)
+                .order_by(t.c.finished_position.desc()).limit(limit)
+            ).all()
+        return {"count": sum(int(v) for v in by_error.values()),
+                "by_error": {k: int(v) for k, v in sorted(by_error.items())},
+                "recent": [dict(r._mapping) for r in recent]}
 
     def close(self) -> None:
         self.write_engine.dispose()

@@ -8,7 +8,8 @@ filesystem or an object-store URI).
 
     import ray, trajstore.scale.ray_actors as ta
     ray.init()
-    metrics = ta.materialize_with_ray("postgresql+psycopg://...", num_shards=8, payload="s3://bucket/run1")
+    stats = ta.materialize_with_ray("postgresql+psycopg://...", num_shards=8, payload="s3://bucket/run1")
+    stats.num_samples_after, stats.num_unfoldable  # a MaterializeStats, like Store.materialize()
 
 An edge module: the trajstore core never imports ray.
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from trajstore.fold import FoldMetrics
+from trajstore.materializer import MaterializeStats
 
 __all__ = ["MaterializerShard", "materialize_with_ray"]
 
@@ -35,7 +37,7 @@ class MaterializerShard:
                                          batch_size=batch_size)
 
     def run(self) -> dict[str, Any]:
-        """Fold everything pending for this shard; return the SPEC metrics."""
+        """Fold everything pending for this shard; return ``MaterializeStats.to_dict()``."""
         return self.materializer.run().to_dict()
 
     def pending(self) -> int:
@@ -43,8 +45,10 @@ class MaterializerShard:
 
 
 def materialize_with_ray(store_url: str, num_shards: int, *, payload: str | None = None,
-                         num_cpus_per_shard: float = 1.0) -> FoldMetrics:
-    """Run ``num_shards`` materializer actors once; return the summed metrics."""
+                         num_cpus_per_shard: float = 1.0) -> MaterializeStats:
+    """Run ``num_shards`` materializer actors once; return their summed stats,
+    what ``Store.materialize()`` returns (``position``: the lowest shard
+    checkpoint, up to which every shard has folded)."""
     import ray
 
     actor = ray.remote(num_cpus=num_cpus_per_shard)(MaterializerShard)
@@ -52,7 +56,9 @@ def materialize_with_ray(store_url: str, num_shards: int, *, payload: str | None
     results = ray.get([s.run.remote() for s in shards])
     for s in shards:
         ray.kill(s)
-    total = FoldMetrics()
+    total = MaterializeStats(position=min((r["position"] for r in results), default=0))
     for r in results:
-        total = total + FoldMetrics(r["num_steps_before"], r["num_samples_after"], r["prefix_mismatch_count"])
+        total = total + MaterializeStats(
+            FoldMetrics(r["num_steps_before"], r["num_samples_after"], r["prefix_mismatch_count"]),
+            r["num_trajectories"], total.position, r["num_unfoldable"])
     return total

@@ -43,8 +43,8 @@ def segment_table(stored: Sequence[StoredGeneration]) -> pa.Table:
             "token_rewards": list_column([c.token_rewards for c in cmds], np.float32),
             "routes": binary_column([s.routes for s in stored]),
             # null unless the call's tokens span several versions (model_version covers the rest):
-            # always storing it costs 4 bytes per output token (+1016 bytes for a 256-token call,
-            # ~18% of a route-less call's segment row, 0.3% of one with 48x8 routes); null costs ~0.
+            # always storing it costs 4 bytes per output token, as much as output_ids (+1016 bytes
+            # for a 256-token call, 0.3% of a call with 48x8 routes); null costs ~0.
             "token_model_versions": list_column([_varying_versions(c) for c in cmds], np.int32),
         }
     )

@@ -98,3 +98,20 @@ def test_sample_segments_written_before_0004_still_read():
     assert back.logprobs_mask.dtype == np.bool_ and back.finish_reason is None
     [same] = samples_from_table(sample_table([s]))
     assert same.equals(s)
+
+
+def test_log_segments_written_before_0004_still_read():
+    """Old log segments have no token_model_versions column: every token has model_version."""
+    from trajstore._admission import StoredGeneration
+    from trajstore._facts import generations_from_log, segment_table
+    from trajstore.events import parse_event
+    from trajstore.payload import SegmentRows
+
+    g = parse_event(gen("t", 0, [1], [2, 3], version=4, finish_reason="stop"))
+    table = segment_table([StoredGeneration(g, 0, None, 0)]).drop_columns(["token_model_versions"])
+    row = {"trajectory_id": "t", "seq": 0, "segment": "s", "segment_row": 0, "prefix_len": 0, "model_version": 4,
+           "routes_start": None, "routes_dtype": None, "num_route_rows": None, "reward": None,
+           "finish_reason": "stop", "event_id": None}  # an index row from before 0004: no metadata key
+    [back] = generations_from_log([row], {"s": SegmentRows(table, {0: 0})}, None)
+    assert back.token_model_versions is None and back.metadata is None and back.model_version == 4
+    assert list(back.output_ids) == [2, 3] and back.finish_reason == "stop"

@@ -67,7 +67,7 @@ def _vary(i: int, events: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if i == 23:
             g["loss_mask"] = ([1, 0, 1, 1, 0] * n)[:n]
     if i % 3 == 0:
-        gens[0]["metadata"] = {"tool": "search" if i % 2 else "python", "latency_ms": 10.5 + i}
+        gens[0]["metadata"] = {"tool": "search" if i % 2 else "python", "latency_ms": 10.5 + 10 * i}
     return events
 
 
@@ -424,3 +424,35 @@ def test_event_metadata_is_queryable(built, query):
     want = {k for k, c in built.exp.generations.items() if (c["metadata"] or {}).get("tool") == "search"}
     assert got == want and want
     assert latency == max(c["metadata"]["latency_ms"] for c in built.exp.generations.values() if c["metadata"])
+
+
+DOC_METADATA_QUERIES = {  # docs/sql.md "Event metadata (JSON)", run as written through `trajstore sql`
+    "both": """SELECT tool, count(*) AS calls, avg(latency_ms) AS mean_latency_ms
+FROM (
+    SELECT metadata ->> 'tool' AS tool,
+           CAST(metadata ->> 'latency_ms' AS DOUBLE PRECISION) AS latency_ms
+    FROM generation_events
+    WHERE metadata IS NOT NULL
+) m
+GROUP BY tool""",
+    "sqlite": """SELECT trajectory_id, seq FROM generation_events
+WHERE json_extract(metadata, '$.tool') = 'search' AND json_extract(metadata, '$.latency_ms') > 100""",
+    "postgresql": """SELECT trajectory_id, seq FROM generation_events
+WHERE metadata ->> 'tool' = 'search' AND (metadata ->> 'latency_ms')::float > 100""",
+}
+
+
+def test_documented_metadata_queries_run_read_only(built, store_url):
+    from trajstore.inspect.sql import run_query
+
+    dialect = built.store.log.read_engine.dialect.name
+    meta = [(k, c["metadata"]) for k, c in built.exp.generations.items() if c["metadata"]]
+    by_tool = {}
+    for _, m in meta:
+        by_tool.setdefault(m["tool"], []).append(m["latency_ms"])
+    got = {r[0]: (r[1], r[2]) for r in run_query(store_url, DOC_METADATA_QUERIES["both"]).rows}
+    assert got.keys() == by_tool.keys()
+    for tool, latencies in by_tool.items():
+        assert got[tool][0] == len(latencies) and got[tool][1] == pytest.approx(sum(latencies) / len(latencies))
+    rows = {tuple(r) for r in run_query(store_url, DOC_METADATA_QUERIES[dialect]).rows}
+    assert rows == {k for k, m in meta if m["tool"] == "search" and m["latency_ms"] > 100} and rows

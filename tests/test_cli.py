@@ -14,7 +14,6 @@ import pytest
 
 import trajstore
 from trajstore.cli import main
-from trajstore.inspect.export import routes_from_export
 from trajstore.demo.simulate import RolloutConfig, trajectory_events
 from trajstore._wire import encode_b64, encode_npy_b64
 from tests.helpers import snapshot
@@ -64,7 +63,10 @@ def test_ingest_materialize_export(url, tmp_path, capsys):
     for row, s in enumerate(store.samples()):
         assert table.column("trajectory_id")[row].as_py() == s.trajectory_id
         np.testing.assert_array_equal(table.column("response_ids")[row].as_py(), s.response_ids)
-        np.testing.assert_array_equal(routes_from_export(table, row), s.routed_experts)
+        # plain nested lists of numbers, [P+R][layers][topk] (SPEC "Exported columns")
+        np.testing.assert_array_equal(np.array(table.column("routed_experts")[row].as_py()), s.routed_experts)
+        np.testing.assert_array_equal(table.column("logprobs_mask")[row].as_py(), s.logprobs_mask)
+        assert table.column("finish_reason")[row].as_py() == s.finish_reason
         np.testing.assert_array_equal(table.column("routed_experts_mask")[row].as_py(), s.routed_experts_mask)
 
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from trajstore.errors import ValidationError
-from trajstore.events import Generation
+from trajstore.events import Generation, parse_event
 from trajstore.fold import FoldMetrics, fold
 from trajstore.sample import FIELDS, Sample
 
@@ -14,7 +14,7 @@ TID = "t1"
 
 
 def gen(seq, prompt, output, *, version=0, logprobs=None, loss_mask=None, routes=None, start=0, reward=None,
-        token_rewards=None, routes_dtype=np.uint8) -> Generation:
+        token_rewards=None, routes_dtype=np.uint8, token_versions=None, finish_reason=None) -> Generation:
     return Generation(
         trajectory_id=TID,
         seq=seq,
@@ -27,6 +27,8 @@ def gen(seq, prompt, output, *, version=0, logprobs=None, loss_mask=None, routes
         routed_experts_start=start,
         reward=reward,
         token_rewards=None if token_rewards is None else np.asarray(token_rewards, np.float32),
+        token_model_versions=None if token_versions is None else np.asarray(token_versions, np.int32),
+        finish_reason=finish_reason,
     )
 
 
@@ -129,6 +131,81 @@ def test_a1_async_abort_and_resume_under_new_weights():
     assert_array(s.loss_mask, [1, 1, 1, 1, 1], np.uint8)
     assert_array(s.token_model_versions, [5, 5, 6, 6, 6], np.int32)
     assert (s.min_model_version, s.max_model_version) == (5, 6)
+
+
+def test_a2_in_flight_weight_update_inside_one_call():
+    result = run(
+        gen(0, [1, 2], [3, 4, 5, 6], version=8, token_versions=[7, 7, 8, 8], logprobs=[-.1, -.2, -.3, -.4],
+            finish_reason="length"),
+        gen(1, [1, 2, 3, 4, 5, 6, 9], [10], version=8, finish_reason="stop"),
+    )
+    [s] = result.samples
+    assert_array(s.response_ids, [3, 4, 5, 6, 9, 10], np.int32)
+    assert_array(s.token_model_versions, [7, 7, 8, 8, -1, 8], np.int32)
+    assert_array(s.logprobs_mask, [1, 1, 1, 1, 0, 0], np.bool_)
+    assert_array(s.rollout_logprobs, [-.1, -.2, -.3, -.4, 0, 0], np.float32)
+    assert (s.min_model_version, s.max_model_version) == (7, 8)
+    assert s.finish_reason == "stop"
+
+
+def test_a2_from_the_wire_and_the_refused_backwards_versions():
+    first = {"type": "generation", "trajectory_id": TID, "seq": 0, "prompt_ids": [1, 2], "output_ids": [3, 4, 5, 6],
+             "token_model_versions": [7, 7, 8, 8], "logprobs": [-.1, -.2, -.3, -.4], "finish_reason": "length"}
+    second = {"type": "generation", "trajectory_id": TID, "seq": 1, "prompt_ids": [1, 2, 3, 4, 5, 6, 9],
+              "output_ids": [10], "model_version": 8, "finish_reason": "stop"}
+    g0 = parse_event(first)
+    assert g0.model_version == 8  # derived: the last token's version
+    [s] = run(g0, parse_event(second)).samples
+    assert_array(s.token_model_versions, [7, 7, 8, 8, -1, 8], np.int32)
+    assert_array(s.logprobs_mask, [1, 1, 1, 1, 0, 0], np.bool_)
+    assert (s.min_model_version, s.max_model_version, s.finish_reason) == (7, 8, "stop")
+    with pytest.raises(ValidationError, match="never decrease") as e:
+        parse_event(first | {"token_model_versions": [8, 7, 8, 8]})
+    assert e.value.rule == "token_model_versions"
+
+
+@pytest.mark.parametrize("change, rule", [
+    ({"token_model_versions": [7, 7, 8]}, "length_mismatch"),
+    ({"token_model_versions": [7, 7, 8, 8], "model_version": 7}, "model_version"),
+    ({"token_model_versions": [-1, 7, 8, 8]}, "token_model_versions"),
+    ({"token_model_versions": [7, 7, 8, 2**31]}, "token_model_versions"),
+    ({"token_model_versions": [7, 7.5, 8, 8]}, "token_model_versions"),
+    ({"token_model_versions": None}, "missing_field"),
+    ({"output_ids": [], "token_model_versions": [], "logprobs": None}, "missing_field"),
+    ({"metadata": [1, 2]}, "metadata"),
+    ({"metadata": {"x": float("nan")}}, "metadata"),
+])
+def test_token_model_versions_and_metadata_rules(change, rule):
+    event = {"type": "generation", "trajectory_id": TID, "seq": 0, "prompt_ids": [1, 2], "output_ids": [3, 4, 5, 6],
+             "token_model_versions": [7, 7, 8, 8]} | change
+    event = {k: v for k, v in event.items() if v is not None}
+    with pytest.raises(ValidationError) as e:
+        parse_event(event)
+    assert e.value.rule == rule
+
+
+def test_model_version_alone_and_with_agreeing_spans():
+    base = {"type": "generation", "trajectory_id": TID, "seq": 0, "prompt_ids": [1], "output_ids": [2, 3]}
+    assert parse_event(base | {"model_version": 4}).token_model_versions is None
+    g = parse_event(base | {"model_version": 5, "token_model_versions": [4, 5], "metadata": {"tool": "search"}})
+    assert g.model_version == 5 and g.metadata == {"tool": "search"}
+    assert_array(g.token_model_versions, [4, 5], np.int32)
+    empty = parse_event(base | {"output_ids": [], "model_version": 3, "token_model_versions": []})
+    assert empty.model_version == 3 and len(empty.token_model_versions) == 0
+
+
+def test_finish_reason_is_the_last_merged_calls_own():
+    result = run(gen(0, [1], [2], finish_reason="length"), gen(1, [1, 2], [3]),
+                 gen(2, [9], [8], finish_reason="abort"), gen(3, [9, 8], [7], finish_reason="stop"))
+    assert [s.finish_reason for s in result.samples] == [None, "stop"]
+
+
+def test_logprobs_mask_marks_only_reported_logprobs():
+    result = run(gen(0, [1], [2, 3], logprobs=[0.0, -1.0]), gen(1, [1, 2, 3, 4], [5]),
+                 gen(2, [1, 2, 3, 4, 5], [6], logprobs=[0.0]))
+    [s] = result.samples
+    assert_array(s.rollout_logprobs, [0, -1, 0, 0, 0], np.float32)
+    assert_array(s.logprobs_mask, [1, 1, 0, 0, 1], np.bool_)
 
 
 # --- merging ---------------------------------------------------------------------------------
@@ -398,8 +475,8 @@ def test_metrics_aggregate_with_plus():
 def test_sample_fields_match_spec_order():
     assert FIELDS == Sample.FIELDS == (
         "trajectory_id", "group_id", "sample_index", "is_last_step", "status", "prompt_ids",
-        "response_ids", "loss_mask", "rollout_logprobs", "token_model_versions", "reward",
-        "token_rewards", "routed_experts", "routed_experts_mask", "min_model_version",
+        "response_ids", "loss_mask", "rollout_logprobs", "logprobs_mask", "token_model_versions",
+        "finish_reason", "reward", "token_rewards", "routed_experts", "routed_experts_mask", "min_model_version",
         "max_model_version",
     )
 

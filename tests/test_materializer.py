@@ -12,12 +12,14 @@ import time
 
 import numpy as np
 import pytest
+from sqlalchemy import select
 
 import trajstore
 from trajstore.events import parse_event
 from trajstore.fold import fold
 from trajstore.demo.simulate import RolloutConfig, trajectory_events
-from tests.helpers import finished, gen, reward, started
+from trajstore.schema import events as events_table, samples as samples_table
+from tests.helpers import finished, gen, reward, snapshot, started
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -96,6 +98,47 @@ def test_A1(store):
     assert (s.min_model_version, s.max_model_version) == (5, 6)
 
 
+def test_A2(store):
+    _, (s,) = run(store, [
+        ([1, 2], [3, 4, 5, 6], dict(version=8, token_model_versions=[7, 7, 8, 8], logprobs=[-.1, -.2, -.3, -.4],
+                                   finish_reason="length")),
+        ([1, 2, 3, 4, 5, 6, 9], [10], dict(version=8, finish_reason="stop")),
+    ])
+    np.testing.assert_array_equal(s.response_ids, [3, 4, 5, 6, 9, 10])
+    np.testing.assert_array_equal(s.token_model_versions, arr([7, 7, 8, 8, -1, 8], np.int32))
+    assert s.logprobs_mask.dtype == np.bool_
+    np.testing.assert_array_equal(s.logprobs_mask, [1, 1, 1, 1, 0, 0])
+    assert (s.min_model_version, s.max_model_version, s.finish_reason) == (7, 8, "stop")
+    with store.log.read_engine.connect() as conn:
+        row = conn.execute(select(samples_table.c.finish_reason, samples_table.c.min_model_version)).one()
+        spans = conn.execute(select(events_table.c.version_spans, events_table.c.min_model_version,
+                                    events_table.c.model_version).where(events_table.c.seq == 0)).one()
+    assert tuple(row) == ("stop", 7)
+    assert spans.version_spans == [{"model_version": 7, "num_tokens": 2, "num_loss_tokens": 2},
+                                   {"model_version": 8, "num_tokens": 2, "num_loss_tokens": 2}]
+    assert (spans.min_model_version, spans.model_version) == (7, 8)
+
+
+def test_A2_backwards_versions_refused_and_nothing_stored(store):
+    store.append([started("t0"), gen("t0", 0, [1], [2])])
+    before = snapshot(store)
+    bad = [started("t1"), {k: v for k, v in gen("t1", 0, [1, 2], [3, 4, 5, 6]).items() if k != "model_version"}
+           | {"token_model_versions": [8, 7, 8, 8]}]
+    with pytest.raises(trajstore.ValidationError) as e:
+        store.append(bad)
+    assert e.value.rule == "token_model_versions" and e.value.index == 1
+    assert snapshot(store) == before
+
+
+def test_generation_metadata_is_stored_and_queryable(store):
+    store.append([started("t1"), gen("t1", 0, [1], [2], metadata={"tool": "search", "latency_ms": 12.5}),
+                  gen("t1", 1, [1, 2], [3])])
+    with store.log.read_engine.connect() as conn:
+        rows = conn.execute(select(events_table.c.seq, events_table.c.metadata)
+                            .where(events_table.c.type == "generation").order_by(events_table.c.seq)).all()
+    assert [tuple(r) for r in rows] == [(0, {"tool": "search", "latency_ms": 12.5}), (1, None)]
+
+
 def test_trajectory_reward_status_and_group_travel(store):
     store.append([started("t1", group_id="g"), gen("t1", 0, [1], [2], reward=0.25), reward("t1", 0.5),
                   reward("t1", 1.0), finished("t1", "truncated")])
@@ -148,6 +191,17 @@ def _random_trajectory(rng: random.Random, tid: str) -> list[dict]:
         out = [rng.randrange(1000) for _ in range(rng.randint(1, 5))]
         n = len(prompt) + len(out)
         kw: dict = {"logprobs": [-rng.random() for _ in out], "version": seq // 2}
+        if rng.random() < 0.3:
+            kw.pop("logprobs")
+        if rng.random() < 0.4:  # an in-flight weight update inside the call
+            step = rng.randint(0, len(out))
+            kw["token_model_versions"] = [seq // 2] * step + [seq // 2 + 1] * (len(out) - step)
+            if rng.random() < 0.5:
+                kw["version"] = kw["token_model_versions"][-1]
+            else:
+                kw["model_version"] = None  # derived from the last token
+        if rng.random() < 0.7:
+            kw["finish_reason"] = rng.choice(["stop", "length", "abort"])
         if rng.random() < 0.85:
             start = 0
             if seq and prompt[: len(seq_tokens)] == seq_tokens and rng.random() < 0.5:
@@ -156,7 +210,8 @@ def _random_trajectory(rng: random.Random, tid: str) -> list[dict]:
             kw["routed_experts"] = np.array([[[rng.randint(0, hi) for _ in range(K)] for _ in range(L)]
                                              for _ in range(n - 1 - start)])
             kw["routed_experts_start"] = start
-        evs.append(gen(tid, seq, prompt, out, **kw))
+        e = gen(tid, seq, prompt, out, **kw)
+        evs.append({k: v for k, v in e.items() if v is not None})
         seq_tokens = prompt + out
     return evs + [finished(tid)]
 

@@ -3,7 +3,8 @@
 A sample segment holds one row per sample with the SPEC field names as
 columns; the token-level ones are Arrow lists, routes one binary value per
 sample (raw little-endian bytes) with ``routes_dtype``, ``route_layers``,
-``route_topk`` beside them, and ``routed_experts_mask`` a list<uint8>.
+``route_topk`` beside them, and the masks ``routed_experts_mask`` and
+``logprobs_mask`` list<uint8> (read back as bool views).
 The SQL ``samples`` table indexes them for filtering and ordering.
 """
 
@@ -25,6 +26,7 @@ SAMPLE_LIST_COLUMNS: dict[str, type] = {
     "response_ids": np.int32,
     "loss_mask": np.uint8,
     "rollout_logprobs": np.float32,
+    "logprobs_mask": np.uint8,
     "token_model_versions": np.int32,
     "token_rewards": np.float32,
     "routed_experts_mask": np.uint8,
@@ -42,6 +44,7 @@ def sample_table(samples: Sequence[Sample]) -> pa.Table:
         "sample_index": ints("sample_index"),
         "is_last_step": pa.array([s.is_last_step for s in samples], pa.bool_()),
         "status": pa.array([s.status for s in samples], pa.string()),
+        "finish_reason": pa.array([s.finish_reason for s in samples], pa.string()),
         "reward": pa.array([s.reward for s in samples], pa.float64()),
         "min_model_version": ints("min_model_version"),
         "max_model_version": ints("max_model_version"),
@@ -58,11 +61,17 @@ def sample_table(samples: Sequence[Sample]) -> pa.Table:
 def samples_from_table(table: pa.Table) -> list[Sample]:
     """Sample objects for every row of (part of) a sample segment; arrays are views."""
     n = table.num_rows
-    lists = {name: column_chunks(table.column(name), dt) for name, dt in SAMPLE_LIST_COLUMNS.items()}
+    names = set(table.schema.names)
+    lists = {name: column_chunks(table.column(name), dt) for name, dt in SAMPLE_LIST_COLUMNS.items() if name in names}
     raw_routes = binary_chunks(table.column("routed_experts"))
     py = {name: table.column(name).to_pylist() for name in (
         "trajectory_id", "group_id", "sample_index", "is_last_step", "status", "reward",
         "min_model_version", "max_model_version", "routes_dtype", "route_layers", "route_topk")}
+    # Segments written before logprobs_mask / finish_reason existed: nonzero logprobs
+    # were reported (an exact 0.0 cannot be told apart), finish reasons unknown.
+    logprobs_masks = lists.get("logprobs_mask") or [None if lp is None else (lp != 0).view(np.uint8)
+                                                     for lp in lists["rollout_logprobs"]]
+    finish = table.column("finish_reason").to_pylist() if "finish_reason" in names else [None] * n
     out = []
     for i in range(n):
         mask = lists["routed_experts_mask"][i]
@@ -80,7 +89,9 @@ def samples_from_table(table: pa.Table) -> list[Sample]:
             response_ids=lists["response_ids"][i],
             loss_mask=lists["loss_mask"][i],
             rollout_logprobs=lists["rollout_logprobs"][i],
+            logprobs_mask=logprobs_masks[i].view(np.bool_),
             token_model_versions=lists["token_model_versions"][i],
+            finish_reason=finish[i],
             reward=py["reward"][i],
             token_rewards=lists["token_rewards"][i],
             routed_experts=routes,

@@ -59,7 +59,7 @@ class Generation:
     seq: int
     prompt_ids: np.ndarray  # int32 [P], the FULL prompt of this call
     output_ids: np.ndarray  # int32 [O]
-    model_version: int
+    model_version: int  # the last output token's version when token_model_versions is given
     logprobs: np.ndarray | None = None  # float32 [O]
     loss_mask: np.ndarray | None = None  # uint8 [O]
     routed_experts: np.ndarray | None = None  # uint8/uint16 [rows, layers, topk]
@@ -68,6 +68,8 @@ class Generation:
     token_rewards: np.ndarray | None = None  # float32 [O]
     finish_reason: str | None = None
     event_id: str | None = None
+    token_model_versions: np.ndarray | None = None  # int32 [O], non-decreasing; last == model_version
+    metadata: Mapping[str, Any] | None = None  # small JSON object, free-form
     type: str = "generation"
 
     @property
@@ -234,9 +236,8 @@ def _parse_generation(obj: Mapping, tid: str) -> Generation:
     prompt = _token_ids(obj["prompt_ids"], "prompt_ids")
     output = _token_ids(obj["output_ids"], "output_ids")
     n_out = len(output)
-    if "model_version" not in obj:
-        raise ValidationError("generation needs model_version", rule="missing_field")
-    model_version = _int(obj, "model_version")
+    token_versions = _token_model_versions(obj, n_out)
+    model_version = _model_version(obj, token_versions)
     start = _int(obj, "routed_experts_start", default=0)
     reward = obj.get("reward")
     token_rewards = _per_token(obj, "token_rewards", n_out, np.float32, finite=True)
@@ -261,7 +262,77 @@ def _parse_generation(obj: Mapping, tid: str) -> Generation:
         token_rewards=token_rewards,
         finish_reason=_optional_str(obj, "finish_reason"),
         event_id=_optional_str(obj, "event_id"),
+        token_model_versions=token_versions,
+        metadata=_generation_metadata(obj),
     )
+
+
+def _token_model_versions(obj: Mapping, n_out: int) -> np.ndarray | None:
+    """SPEC "Versions": one non-negative int32 per output token, never decreasing."""
+    value = obj.get("token_model_versions")
+    if value is None:
+        return None
+    key = "token_model_versions"
+    arr = decode_array(value, field=key, ndim=1).reshape(-1)
+    if len(arr) != n_out:
+        raise ValidationError(f"{key} has {len(arr)} values but output_ids has {n_out}", rule="length_mismatch")
+    if arr.dtype.kind == "f":
+        if arr.size and not np.all(np.mod(arr, 1) == 0):
+            raise ValidationError(f"{key} holds non-integer versions", rule=key)
+    elif arr.dtype.kind not in "iub":
+        raise ValidationError(f"{key} must hold integers, got {arr.dtype}", rule=key)
+    if arr.size:
+        lo, hi = arr.min(), arr.max()
+        if lo < 0:
+            raise ValidationError(f"{key} holds a negative version ({int(lo)})", rule=key)
+        if hi > _INT32_MAX:
+            raise ValidationError(f"{key} holds a version above int32 ({int(hi)})", rule=key)
+        back = np.flatnonzero(np.diff(arr) < 0)
+        if back.size:
+            i = int(back[0])
+            raise ValidationError(
+                f"{key} goes back from {int(arr[i])} to {int(arr[i + 1])} at output token {i + 1} "
+                "(versions never decrease)",
+                rule=key,
+            )
+    return np.ascontiguousarray(arr, dtype=np.int32)
+
+
+def _model_version(obj: Mapping, token_versions: np.ndarray | None) -> int:
+    """``model_version``, or the last token's version when only the spans are given."""
+    if "model_version" not in obj or obj["model_version"] is None:
+        if token_versions is None:
+            raise ValidationError("generation needs model_version", rule="missing_field")
+        if not len(token_versions):
+            raise ValidationError(
+                "generation with no output tokens needs model_version (token_model_versions is empty)",
+                rule="missing_field",
+            )
+        return int(token_versions[-1])
+    version = _int(obj, "model_version")
+    if version > _INT32_MAX:
+        raise ValidationError(f"model_version must fit int32, got {version}", rule="model_version")
+    if token_versions is not None and len(token_versions) and version != int(token_versions[-1]):
+        raise ValidationError(
+            f"model_version {version} differs from the last of token_model_versions ({int(token_versions[-1])})",
+            rule="model_version",
+        )
+    return version
+
+
+def _generation_metadata(obj: Mapping) -> Mapping[str, Any] | None:
+    """A generation's free-form ``metadata`` (mirrors trajectory_started's)."""
+    metadata = obj.get("metadata")
+    if metadata is None:
+        return None
+    if not isinstance(metadata, Mapping):
+        raise ValidationError(f"metadata must be an object, got {type(metadata).__name__}", rule="metadata")
+    try:  # SQL stores it as JSON: refuse what JSON cannot hold rather than fail in the driver
+        json.dumps(metadata, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise ValidationError(f"metadata is not a JSON object of finite numbers and strings ({e})",
+                              rule="metadata") from None
+    return dict(metadata)
 
 
 def _parse_reward(obj: Mapping, tid: str) -> Reward:
@@ -285,6 +356,9 @@ _PARSERS = {
 }
 
 
+_HASH_SKIP_IF_ABSENT = frozenset({"token_model_versions", "metadata"})
+
+
 def identity_of(event: Event) -> str | None:
     """The event's identity key (SPEC): event_id, else (type, trajectory, seq)."""
     if event.event_id is not None:
@@ -305,6 +379,8 @@ def content_hash(event: Event) -> bytes:
     h = hashlib.sha256()
     for name in event.__dataclass_fields__:  # type: ignore[union-attr]
         value = getattr(event, name)
+        if value is None and name in _HASH_SKIP_IF_ABSENT:
+            continue  # fields added later: events without them keep the digest they were stored with
         h.update(name.encode())
         if isinstance(value, np.ndarray):
             h.update(str(value.shape).encode())

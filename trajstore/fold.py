@@ -1,7 +1,8 @@
 """The pure fold: one trajectory's generation events -> training samples.
 
-Everything SPEC.md says about merging, loss masks, logprobs, model versions,
-rewards and routed experts lives here and nowhere else. No I/O, no clock, no
+Everything SPEC.md says about merging, loss masks, logprobs (and whether the
+engine reported them), model versions (per token, SPEC "Versions"), finish
+reasons, rewards and routed experts lives here and nowhere else. No I/O, no clock, no
 globals: the same events always give the same samples, so the materializer
 can re-fold a trajectory after a crash and get byte-identical rows.
 
@@ -213,7 +214,7 @@ def _make_sample(
     traj: _Trajectory,
 ) -> tuple[Sample, int]:
     """Build sample ``index`` from its events; also return its recorded route length."""
-    response, loss_mask, logprobs, versions, outputs = _tokens(group)
+    response, loss_mask, logprobs, logprobs_mask, versions, outputs = _tokens(group)
     token_rewards = _token_rewards(outputs, len(response)) if traj.reward_mode == "token" else None
     routes = mask = None
     recorded = 0
@@ -221,8 +222,10 @@ def _make_sample(
         inherited = _inherited_rows(group[0], prev, prev_recorded, traj.trajectory_id)
         routes, mask, recorded = _sample_routes(group, inherited, traj.routes)
     rewards = [g.reward for g in group if g.reward is not None]
-    # A sample with no generated token still names the policy that was called.
-    producing = [g.model_version for g in group if len(g.output_ids)] or [g.model_version for g in group]
+    # Over generated tokens (versions never decrease within a call, so its first
+    # token has its oldest); a sample with no generated token still names the policy called.
+    producing = [(_first_version(g), g.model_version) for g in group if len(g.output_ids)] or [
+        (g.model_version, g.model_version) for g in group]
     sample = Sample(
         trajectory_id=traj.trajectory_id,
         group_id=traj.group_id,
@@ -233,20 +236,27 @@ def _make_sample(
         response_ids=response,
         loss_mask=loss_mask,
         rollout_logprobs=logprobs,
+        logprobs_mask=logprobs_mask,
         token_model_versions=versions,
+        finish_reason=group[-1].finish_reason,
         reward=rewards[-1] if rewards else None,
         token_rewards=token_rewards,
         routed_experts=routes,
         routed_experts_mask=mask,
-        min_model_version=int(min(producing)),
-        max_model_version=int(max(producing)),
+        min_model_version=int(min(lo for lo, _ in producing)),
+        max_model_version=int(max(hi for _, hi in producing)),
     )
     return sample, recorded
 
 
+def _first_version(gen: Generation) -> int:
+    tv = gen.token_model_versions
+    return gen.model_version if tv is None or not len(tv) else int(tv[0])
+
+
 def _tokens(
     group: list[Generation],
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, list[tuple[int, Generation]]]:
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, list[tuple[int, Generation]]]:
     """Response arrays of one sample, and (offset, event) for each event's output."""
     pieces = [group[0].output_ids]
     outputs = [(0, group[0])]
@@ -261,14 +271,16 @@ def _tokens(
     # Defaults are the observation (delta) values; outputs overwrite their slices.
     loss_mask = np.zeros(offset, np.uint8)
     logprobs = np.zeros(offset, np.float32)
+    logprobs_mask = np.zeros(offset, np.bool_)
     versions = np.full(offset, -1, np.int32)
     for start, gen in outputs:
         out = slice(start, start + len(gen.output_ids))
         loss_mask[out] = 1 if gen.loss_mask is None else gen.loss_mask
         if gen.logprobs is not None:
             logprobs[out] = gen.logprobs
-        versions[out] = gen.model_version
-    return response, loss_mask, logprobs, versions, outputs
+            logprobs_mask[out] = True
+        versions[out] = gen.model_version if gen.token_model_versions is None else gen.token_model_versions
+    return response, loss_mask, logprobs, logprobs_mask, versions, outputs
 
 
 def _token_rewards(outputs: list[tuple[int, Generation]], num_response: int) -> np.ndarray:

@@ -281,6 +281,7 @@ def _sample_row(s: Sample, row: int, segment: str, finished_position: int, num_c
         "num_loss_tokens": int(s.loss_mask.sum()),
         "num_merged_calls": num_calls,
         "reward": s.reward,
+        "finish_reason": s.finish_reason,
         "min_model_version": s.min_model_version,
         "max_model_version": s.max_model_version,
         "num_route_rows": None if mask is None else int(len(mask) - mask.sum()),

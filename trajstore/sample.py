@@ -1,7 +1,8 @@
 """The training row that folding a trajectory produces (SPEC "Sample fields").
 
 Array dtypes: token ids and model versions int32, loss mask uint8, logprobs
-and token rewards float32, routes uint8/uint16 ``[P+R, layers, topk]``,
+and token rewards float32, logprobs mask bool ``[R]`` (True where the engine
+reported the logprob), routes uint8/uint16 ``[P+R, layers, topk]``,
 route mask bool ``[P+R]`` (True = no captured route at that position).
 """
 
@@ -29,7 +30,9 @@ class Sample:
     response_ids: np.ndarray  # int32 [R]
     loss_mask: np.ndarray  # uint8 [R]
     rollout_logprobs: np.ndarray  # float32 [R], 0.0 where not given
+    logprobs_mask: np.ndarray  # bool [R], True where rollout_logprobs holds a logprob the engine reported
     token_model_versions: np.ndarray  # int32 [R], -1 on observation tokens
+    finish_reason: str | None  # the last merged generation event's own finish_reason
     reward: float | None
     token_rewards: np.ndarray | None  # float32 [R]
     routed_experts: np.ndarray | None  # uint8/uint16 [P+R, layers, topk]

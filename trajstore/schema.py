@@ -73,7 +73,7 @@ events = Table(
     # without event_id (each one replaces the previous reward).
     Column("identity", String(600), nullable=True, unique=True),
     Column("content_hash", LargeBinary(16), nullable=False),
-    Column("model_version", Integer, nullable=True),
+    Column("model_version", Integer, nullable=True),  # the last output token's version
     Column("prompt_len", Integer, nullable=True),
     Column("prefix_len", Integer, nullable=True),  # prompt tokens reused from the trajectory's sequence
     Column("output_len", Integer, nullable=True),
@@ -89,6 +89,12 @@ events = Table(
     Column("segment", String(255), nullable=True),
     Column("segment_row", Integer, nullable=True),
     Column("created_at", Float, nullable=False),
+    # migration 0004: SPEC "Versions" and generation metadata
+    Column("min_model_version", Integer, nullable=True),  # the first output token's version
+    # Only for a call whose tokens span several versions (else NULL): one object per
+    # run of equal versions, {"model_version", "num_tokens", "num_loss_tokens"}, in token order.
+    Column("version_spans", JSON(none_as_null=True), nullable=True),
+    Column("metadata", JSON(none_as_null=True), nullable=True),  # a generation's free-form metadata
     Index("ix_events_trajectory_seq", "trajectory_id", "position"),
 )
 
@@ -125,6 +131,7 @@ samples = Table(
     Column("segment", String(255), nullable=False),
     Column("segment_row", Integer, nullable=False),
     Column("created_at", Float, nullable=False),
+    Column("finish_reason", String(64), nullable=True),  # migration 0004: the last merged call's own
     Index("ix_samples_order", "finished_position", "sample_index", unique=True),
 )
 

@@ -11,6 +11,7 @@ and events of many trajectories interleaved in the log.
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -56,6 +57,17 @@ def _vary(i: int, events: list[dict[str, Any]]) -> list[dict[str, Any]]:
         events = [e for e in events if e["type"] != "trajectory_finished"]  # still running
     if i % 7 == 5:
         events[-1]["status"] = "aborted"
+    if i % 8 == 7:  # weights swapped inside the first call (SPEC "Versions")
+        g = gens[0]
+        n, v = len(g["output_ids"]), g["model_version"]
+        g["token_model_versions"] = [v] * (n // 2) + [v + 1] * (n - n // 2)
+        g["model_version"] = v + 1
+        if i == 15:
+            del g["model_version"]  # derived from the last token
+        if i == 23:
+            g["loss_mask"] = ([1, 0, 1, 1, 0] * n)[:n]
+    if i % 3 == 0:
+        gens[0]["metadata"] = {"tool": "search" if i % 2 else "python", "latency_ms": 10.5 + 10 * i}
     return events
 
 
@@ -103,11 +115,20 @@ def _call_facts(g: dict[str, Any], previous: np.ndarray | None, route_len: int) 
     else:
         stored, new_route_len = sent, start + sent
     loss = g.get("loss_mask")
+    loss = np.ones(len(output), np.int64) if loss is None else np.asarray(loss)
+    tv = np.asarray(g["token_model_versions"]) if "token_model_versions" in g else None
+    last = int(tv[-1]) if tv is not None and len(tv) else g["model_version"]
+    first = int(tv[0]) if tv is not None and len(tv) else last
+    versions = np.full(len(output), last) if tv is None else tv
+    # version -> [generated tokens, loss tokens] of this call
+    per_version = {int(v): [int(np.sum(versions == v)), int(np.sum(loss[versions == v]))]
+                   for v in np.unique(versions)} or {last: [0, 0]}
     return {
         "group_id": None, "is_merged": merged, "is_prefix_mismatch": previous is not None and not merged,
         "prompt_len": len(prompt), "prefix_len": prefix, "num_observed_tokens": len(prompt) - prefix,
-        "output_len": len(output), "num_loss_tokens": int(np.sum(loss)) if loss is not None else len(output),
-        "model_version": g["model_version"], "finish_reason": g.get("finish_reason"),
+        "output_len": len(output), "num_loss_tokens": int(np.sum(loss)),
+        "model_version": last, "min_model_version": first, "finish_reason": g.get("finish_reason"),
+        "metadata": g.get("metadata"), "_per_version": per_version,
         "has_routes": sent is not None, "num_route_rows_sent": sent, "num_route_rows_stored": stored,
         "reward": g.get("reward"), "has_token_rewards": g.get("token_rewards") is not None,
     }, new_route_len
@@ -140,9 +161,11 @@ def _sample_row(group: str | None, s: dict[str, Any], last: bool, status: str, r
     calls = s["calls"]
     num_tokens = s["prompt_len"] + sum(c["output_len"] for c in calls) + sum(
         c["num_observed_tokens"] for c in calls[1:])
-    versions = [c["model_version"] for c in calls if c["output_len"]]
+    versions = [v for c in calls if c["output_len"] for v in (c["min_model_version"], c["model_version"])]
     rows = min(s["route_len"], num_tokens) if s["any_routes"] else None
     return {
+        "finish_reason": calls[-1]["finish_reason"],
+        "finish_reasons": ",".join(sorted({c["finish_reason"] for c in calls} - {None})) or None,
         "group_id": group, "status": status, "is_last_step": last, "prompt_len": s["prompt_len"],
         "response_len": num_tokens - s["prompt_len"], "num_tokens": num_tokens,
         "num_loss_tokens": sum(c["num_loss_tokens"] for c in calls), "num_merged_calls": len(calls),
@@ -166,7 +189,8 @@ def expected(per_trajectory: list[list[dict[str, Any]]], log_order: list[dict[st
     latest = None
     for e in log_order:
         if e["type"] == "generation":
-            latest = e["model_version"] if latest is None else max(latest, e["model_version"])
+            v = e["model_version"] if "model_version" in e else int(e["token_model_versions"][-1])
+            latest = v if latest is None else max(latest, v)
         elif e["type"] == "trajectory_finished":
             latest_at_finish[e["trajectory_id"]] = latest
     for events in per_trajectory:
@@ -189,7 +213,7 @@ def expected(per_trajectory: list[list[dict[str, Any]]], log_order: list[dict[st
 
 
 def _trajectory_row(group, status, samples, calls, reward) -> dict[str, Any]:
-    versions = [c["model_version"] for c in calls]
+    versions = [v for c in calls for v in (c["min_model_version"], c["model_version"])]
     reasons = sorted({c["finish_reason"] for c in calls if c["finish_reason"] is not None})
     return {
         "group_id": group, "status": status, "num_generations": len(calls),
@@ -201,22 +225,26 @@ def _trajectory_row(group, status, samples, calls, reward) -> dict[str, Any]:
         "min_model_version": min(versions, default=None), "max_model_version": max(versions, default=None),
         "model_version_span": max(versions) - min(versions) if versions else None,
         "finish_reasons": ",".join(reasons) or None,
+        "last_finish_reason": calls[-1]["finish_reason"] if calls else None,
     }
 
 
 def _version_rows(exp: Expected) -> dict[int, dict[str, Any]]:
+    # a call counts under every version it generated tokens at, with exactly those tokens
     by_version: dict[int, dict[str, list]] = {}
     for (tid, _), c in exp.generations.items():
-        by_version.setdefault(c["model_version"], {}).setdefault(tid, []).append(c)
+        for v, counts in c["_per_version"].items():
+            by_version.setdefault(v, {}).setdefault(tid, []).append((c, counts))
     out = {}
     for v, trajs in by_version.items():
         t_rows = [exp.trajectories[tid] for tid in trajs]
-        calls = [c for cs in trajs.values() for c in cs]
+        calls = [c for cs in trajs.values() for c, _ in cs]
+        counts = [n for cs in trajs.values() for _, n in cs]
         rewards = [t["reward"] for t in t_rows if t["reward"] is not None]
         out[v] = {
             "num_trajectories": len(trajs), "num_generations": len(calls),
-            "num_generated_tokens": sum(c["output_len"] for c in calls),
-            "num_loss_tokens": sum(c["num_loss_tokens"] for c in calls),
+            "num_generated_tokens": sum(n[0] for n in counts),
+            "num_loss_tokens": sum(n[1] for n in counts),
             "num_aborted_calls": sum(c["finish_reason"] == "abort" for c in calls),
             "num_rewarded": len(rewards), "mean_reward": sum(rewards) / len(rewards) if rewards else None,
             "num_completed": sum(t["status"] == "completed" for t in t_rows),
@@ -263,7 +291,11 @@ def assert_rows_match(view: str, got: dict[Any, dict[str, Any]], want: dict[Any,
     assert set(got) == set(want), f"{view}: rows differ: missing {set(want) - set(got)}, extra {set(got) - set(want)}"
     for k, w in want.items():
         for col, value in w.items():
+            if col.startswith("_"):
+                continue  # a helper fact, not a column
             actual = got[k][col]
+            if col == "metadata" and isinstance(actual, str):
+                actual = json.loads(actual)  # SQLite gives JSON text
             if isinstance(value, bool):
                 actual = bool(actual)  # SQLite gives 0/1
             if isinstance(value, float):
@@ -339,6 +371,8 @@ def test_the_store_covers_the_cases(built):
     assert any(r["reward"] is None for r in t) and any(r["num_generations"] == 0 for r in t)
     assert any(s["num_route_rows"] is None for s in built.exp.samples.values())
     assert any(0 < (s["route_coverage"] or 0) < 1 for s in built.exp.samples.values())
+    assert any(c["min_model_version"] < c["model_version"] for c in g), "no call spans versions"
+    assert any(c["metadata"] for c in g) and any(s["finish_reason"] is None for s in built.exp.samples.values())
 
 
 def test_views_go_away_on_downgrade_and_come_back(store_url, tmp_path):
@@ -357,3 +391,68 @@ def test_views_go_away_on_downgrade_and_come_back(store_url, tmp_path):
             names = set(conn.dialect.get_view_names(conn))
         assert (set(VIEW_NAMES) & names) == (set() if target == "0001" else set(VIEW_NAMES))
     store.close()
+
+
+def test_tokens_per_version_are_exact_for_calls_that_span_versions(built):
+    """A call with tokens at versions v and v+1 splits its tokens between them."""
+    spanning = [c for c in built.exp.generations.values() if c["min_model_version"] < c["model_version"]]
+    got = view_rows(built.store, "model_version_stats", ("model_version",))
+    total = sum(c["output_len"] for c in built.exp.generations.values())
+    assert sum(r["num_generated_tokens"] for r in got.values()) == total
+    for c in spanning:
+        assert set(c["_per_version"]) <= set(got)
+
+
+def test_sample_finish_reasons_agree_with_the_samples(built):
+    got = view_rows(built.store, "sample_summary", ("trajectory_id", "sample_index"))
+    for s in built.store.samples():
+        assert got[(s.trajectory_id, s.sample_index)]["finish_reason"] == s.finish_reason
+
+
+@pytest.mark.parametrize("query", [
+    "SELECT trajectory_id, seq FROM generation_events WHERE metadata ->> 'tool' = 'search'",
+    "SELECT trajectory_id, seq FROM generation_events WHERE {extract} = 'search'",
+])
+def test_event_metadata_is_queryable(built, query):
+    """docs/sql.md: ``->>`` on both backends, or each one's own JSON function."""
+    dialect = built.store.log.read_engine.dialect.name
+    extract = "json_extract(metadata, '$.tool')" if dialect == "sqlite" else "json_extract_path_text(metadata, 'tool')"
+    with built.store.log.read_engine.connect() as conn:
+        got = {tuple(r) for r in conn.execute(text(query.format(extract=extract)))}
+        latency = conn.execute(text(
+            "SELECT max(CAST(metadata ->> 'latency_ms' AS DOUBLE PRECISION)) FROM generation_events")).scalar_one()
+    want = {k for k, c in built.exp.generations.items() if (c["metadata"] or {}).get("tool") == "search"}
+    assert got == want and want
+    assert latency == max(c["metadata"]["latency_ms"] for c in built.exp.generations.values() if c["metadata"])
+
+
+DOC_METADATA_QUERIES = {  # docs/sql.md "Event metadata (JSON)", run as written through `trajstore sql`
+    "both": """SELECT tool, count(*) AS calls, avg(latency_ms) AS mean_latency_ms
+FROM (
+    SELECT metadata ->> 'tool' AS tool,
+           CAST(metadata ->> 'latency_ms' AS DOUBLE PRECISION) AS latency_ms
+    FROM generation_events
+    WHERE metadata IS NOT NULL
+) m
+GROUP BY tool""",
+    "sqlite": """SELECT trajectory_id, seq FROM generation_events
+WHERE json_extract(metadata, '$.tool') = 'search' AND json_extract(metadata, '$.latency_ms') > 100""",
+    "postgresql": """SELECT trajectory_id, seq FROM generation_events
+WHERE metadata ->> 'tool' = 'search' AND (metadata ->> 'latency_ms')::float > 100""",
+}
+
+
+def test_documented_metadata_queries_run_read_only(built, store_url):
+    from trajstore.inspect.sql import run_query
+
+    dialect = built.store.log.read_engine.dialect.name
+    meta = [(k, c["metadata"]) for k, c in built.exp.generations.items() if c["metadata"]]
+    by_tool = {}
+    for _, m in meta:
+        by_tool.setdefault(m["tool"], []).append(m["latency_ms"])
+    got = {r[0]: (r[1], r[2]) for r in run_query(store_url, DOC_METADATA_QUERIES["both"]).rows}
+    assert got.keys() == by_tool.keys()
+    for tool, latencies in by_tool.items():
+        assert got[tool][0] == len(latencies) and got[tool][1] == pytest.approx(sum(latencies) / len(latencies))
+    rows = {tuple(r) for r in run_query(store_url, DOC_METADATA_QUERIES[dialect]).rows}
+    assert rows == {k for k, m in meta if m["tool"] == "search" and m["latency_ms"] > 100} and rows

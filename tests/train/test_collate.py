@@ -29,7 +29,9 @@ def make_sample(prompt_len: int, response_len: int, *, seed: int = 0, routes_dty
         response_ids=rng.integers(1, 1000, response_len).astype(np.int32),
         loss_mask=(rng.random(response_len) < 0.7).astype(np.uint8),
         rollout_logprobs=-rng.random(response_len).astype(np.float32),
+        logprobs_mask=np.ones(response_len, np.bool_),
         token_model_versions=rng.integers(-1, 5, response_len).astype(np.int32),
+        finish_reason="stop",
         reward=reward, token_rewards=rng.random(response_len).astype(np.float32) if token_rewards else None,
         routed_experts=routes, routed_experts_mask=mask, min_model_version=0, max_model_version=4)
 

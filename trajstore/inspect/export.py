@@ -1,12 +1,14 @@
-"""Exporting samples as a Parquet dataset anyone can read (pyarrow, DuckDB, Polars).
+"""Exporting samples as a Parquet dataset anyone can read (pyarrow, DuckDB,
+Polars, Hugging Face ``datasets``) with no trajstore code.
 
-Columns carry the SPEC sample field names. Token-level fields are lists;
-``routed_experts`` is a list with one ``fixed_size_binary[layers*topk*itemsize]``
-value per token (raw little-endian bytes of that token's ``[layers, topk]``
-expert ids), and ``routed_experts_dtype`` / ``route_layers`` / ``route_topk``
-columns say how to view it; ``routed_experts_mask`` is a list<bool>.
+Columns carry the SPEC sample field names, in plain Arrow types (SPEC
+"Exported columns"). Token-level fields are lists of numbers:
+``routed_experts`` is a list (one entry per token of prompt + response) of
+fixed-size lists ``[layers]`` of fixed-size lists ``[topk]`` of uint8/uint16,
+so its type carries the layout; ``routed_experts_mask`` and ``logprobs_mask``
+are lists of booleans, ``loss_mask`` a list of uint8.
 Rows stream in sample order into ``part-NNNNN.parquet`` files; a new file
-starts when the route layout changes (the binary width is part of the schema).
+starts when the route layout changes (it is part of the schema).
 """
 
 from __future__ import annotations
@@ -22,10 +24,11 @@ from trajstore.payload import list_column
 from trajstore.sample import Sample
 from trajstore._samples import SAMPLE_LIST_COLUMNS
 
-__all__ = ["export_samples", "export_table", "routes_from_export"]
+__all__ = ["export_samples", "export_table"]
 
-# the sample segment's list columns; the route mask is exported as list<bool> instead
-_LISTS = {k: v for k, v in SAMPLE_LIST_COLUMNS.items() if k != "routed_experts_mask"}
+# the sample segment's list columns; the masks are exported as list<bool> instead
+_BOOL_LISTS = ("logprobs_mask", "routed_experts_mask")
+_LISTS = {k: v for k, v in SAMPLE_LIST_COLUMNS.items() if k not in _BOOL_LISTS}
 
 
 def export_table(samples: Sequence[Sample]) -> pa.Table:
@@ -36,18 +39,14 @@ def export_table(samples: Sequence[Sample]) -> pa.Table:
         "sample_index": pa.array([s.sample_index for s in samples], pa.int32()),
         "is_last_step": pa.array([s.is_last_step for s in samples], pa.bool_()),
         "status": pa.array([s.status for s in samples], pa.string()),
+        "finish_reason": pa.array([s.finish_reason for s in samples], pa.string()),
     }
     for name, dtype in _LISTS.items():
         cols[name] = list_column([getattr(s, name) for s in samples], dtype)
+    for name in _BOOL_LISTS:
+        cols[name] = list_column([getattr(s, name) for s in samples], np.bool_)
     cols["reward"] = pa.array([s.reward for s in samples], pa.float64())
     cols["routed_experts"] = _routes_column(samples)
-    masks = [s.routed_experts_mask for s in samples]
-    cols["routed_experts_mask"] = list_column(masks, np.bool_)
-    r0 = next((s.routed_experts for s in samples if s.routed_experts is not None), None)
-    has = [s.routed_experts is not None for s in samples]
-    cols["routed_experts_dtype"] = pa.array([r0.dtype.name if h else None for h in has], pa.string())
-    cols["route_layers"] = pa.array([r0.shape[1] if h else None for h in has], pa.int32())
-    cols["route_topk"] = pa.array([r0.shape[2] if h else None for h in has], pa.int32())
     cols["min_model_version"] = pa.array([s.min_model_version for s in samples], pa.int32())
     cols["max_model_version"] = pa.array([s.max_model_version for s in samples], pa.int32())
     return pa.table(cols)
@@ -59,29 +58,21 @@ def _route_layout(s: Sample) -> tuple[str, int, int] | None:
 
 
 def _routes_column(samples: Sequence[Sample]) -> pa.Array:
+    """list<fixed_size_list<fixed_size_list<uintN, topk>, layers>>, one list per sample.
+
+    Built from one numpy buffer (the samples' routes concatenated) wrapped
+    twice in FixedSizeListArray: no Python per token."""
     layout = next((_route_layout(s) for s in samples if s.routed_experts is not None), None)
-    if layout is None:
-        return pa.nulls(len(samples), pa.large_list(pa.binary(1)))
-    width = np.dtype(layout[0]).itemsize * layout[1] * layout[2]
-    present = [s.routed_experts for s in samples if s.routed_experts is not None]
-    data = np.concatenate([np.ascontiguousarray(r).reshape(-1).view(np.uint8) for r in present])
-    values = pa.FixedSizeBinaryArray.from_buffers(pa.binary(width), len(data) // width, [None, pa.py_buffer(data)])
-    lengths = np.array([0 if s.routed_experts is None else len(s.routed_experts) for s in samples], np.int64)
+    dtype, layers, topk = layout if layout is not None else ("uint8", 1, 1)
+    present = [s.routed_experts.reshape(-1) for s in samples if s.routed_experts is not None]
+    flat = np.concatenate(present) if present else np.zeros(0, dtype)
+    per_token = pa.FixedSizeListArray.from_arrays(
+        pa.FixedSizeListArray.from_arrays(pa.array(flat, pa.from_numpy_dtype(np.dtype(dtype))), topk), layers)
+    lengths = np.fromiter((0 if s.routed_experts is None else len(s.routed_experts) for s in samples),
+                          np.int64, len(samples))
     offsets = np.concatenate([[0], np.cumsum(lengths)])
-    mask = pa.array([s.routed_experts is None for s in samples])
-    return pa.LargeListArray.from_arrays(pa.array(offsets), values, mask=mask)
-
-
-def routes_from_export(table: pa.Table, row: int) -> np.ndarray | None:
-    """The ``[P+R, layers, topk]`` routes of one exported row (how a reader decodes them)."""
-    cell = table.column("routed_experts")[row]
-    if not cell.is_valid:
-        return None
-    dtype = np.dtype(table.column("routed_experts_dtype")[row].as_py()).newbyteorder("<")
-    layers, topk = table.column("route_layers")[row].as_py(), table.column("route_topk")[row].as_py()
-    values = cell.values
-    raw = np.frombuffer(values.buffers()[1], np.uint8)[values.offset * values.type.byte_width:]
-    return raw[: len(values) * values.type.byte_width].view(dtype).reshape(len(values), layers, topk)
+    mask = pa.array(np.fromiter((s.routed_experts is None for s in samples), np.bool_, len(samples)))
+    return pa.LargeListArray.from_arrays(pa.array(offsets), per_token, mask=mask)
 
 
 def export_samples(

@@ -8,11 +8,12 @@ Four views, documented column by column in ``docs/sql.md``:
 * ``sample_summary``: one row per materialized sample (the merge result);
 * ``model_version_stats``: one row per model version.
 
-The migrations create them from this module (``create_views``) so the SQL is
-written once. These are the CURRENT definitions: a change to them ships with
-a new migration that calls ``drop_views`` then ``create_views``, and the
-older migrations then produce the new definitions on a fresh database too,
-which is harmless because every migration rebuilds all four.
+These are the CURRENT definitions; the newest migration that changed them
+(0004) creates them from this module (``create_views``). A migration that
+changes them again drops the views, then recreates them from this module,
+and first freezes the previous migration's SQL in that migration's file (as
+0002 holds its own): older migrations must not build views from this module,
+whose SQL reads columns they have not added yet.
 
 Portability rules the SQL keeps, so one text runs on both backends:
 * no ``%`` and no ``:`` (Alembic runs the text through ``sqlalchemy.text``
@@ -21,7 +22,8 @@ Portability rules the SQL keeps, so one text runs on both backends:
   SQLite ``0/1``; both accept ``WHERE has_routes``;
 * sums of sums are cast to BIGINT (PostgreSQL would give NUMERIC) and
   averages and shares to DOUBLE PRECISION (SQLite would divide integers);
-* the one true difference, a sorted comma-joined aggregate, is ``_join_sorted``.
+* the true differences are a sorted comma-joined aggregate (``_join_sorted``)
+  and expanding a JSON array into rows (``_version_spans``).
 
 Which generation folds into which sample is decided from the index alone:
 admission stores ``prefix_len`` = the length of the previous sequence when
@@ -64,15 +66,30 @@ def _join_sorted(column: str, dialect: str) -> str:
     return f"group_concat({column}, ',')"
 
 
+def _version_spans(dialect: str) -> str:
+    """FROM-clause rows of generation_events ``g`` joined to its version spans ``j``.
+
+    ``j.value`` is one span object; ``_span_int`` reads a field of it."""
+    if dialect == "postgresql":
+        return "generation_events g CROSS JOIN LATERAL json_array_elements(g.version_spans) AS j(value)"
+    return "generation_events g, json_each(g.version_spans) j"
+
+
+def _span_int(key: str, dialect: str) -> str:
+    if dialect == "postgresql":
+        return f"CAST(j.value ->> '{key}' AS INTEGER)"
+    return f"CAST(json_extract(j.value, '$.{key}') AS INTEGER)"
+
+
 _GENERATION_EVENTS = """
 SELECT
     trajectory_id, group_id, seq, position, sample_index,
     is_merged,
     seq > 0 AND NOT is_merged AS is_prefix_mismatch,
     prompt_len, prefix_len, num_observed_tokens, output_len, num_loss_tokens,
-    model_version, finish_reason,
+    model_version, min_model_version, version_spans, finish_reason,
     has_routes, routes_start, num_route_rows_sent, num_route_rows_stored,
-    reward, has_token_rewards, created_at
+    reward, has_token_rewards, metadata, created_at
 FROM (
     SELECT
         c.*,
@@ -85,11 +102,13 @@ FROM (
                 PARTITION BY e.trajectory_id ORDER BY e.seq) AS is_merged,
             e.prompt_len, e.prefix_len,
             e.prompt_len - e.prefix_len AS num_observed_tokens,
-            e.output_len, e.num_loss_tokens, e.model_version, e.finish_reason,
+            e.output_len, e.num_loss_tokens, e.model_version,
+            COALESCE(e.min_model_version, e.model_version) AS min_model_version,
+            e.version_spans, e.finish_reason,
             COALESCE(e.num_route_rows_sent, 0) > 0 AS has_routes,
             e.routes_start, e.num_route_rows_sent,
             e.num_route_rows AS num_route_rows_stored,
-            e.reward, e.has_token_rewards, e.created_at
+            e.reward, e.has_token_rewards, e.metadata, e.created_at
         FROM events e
         JOIN trajectories t ON t.trajectory_id = e.trajectory_id
         WHERE e.type = 'generation'
@@ -110,10 +129,19 @@ WITH calls AS (
         MAX(sample_index) + 1 AS num_samples,
         COUNT(*) FILTER (WHERE is_prefix_mismatch) AS num_prefix_mismatches,
         COUNT(*) FILTER (WHERE has_routes) AS num_generations_with_routes,
-        MIN(model_version) AS min_model_version,
+        MIN(min_model_version) AS min_model_version,
         MAX(model_version) AS max_model_version
     FROM generation_events
     GROUP BY trajectory_id
+),
+last_call AS (
+    SELECT trajectory_id, finish_reason
+    FROM (
+        SELECT trajectory_id, finish_reason,
+               ROW_NUMBER() OVER (PARTITION BY trajectory_id ORDER BY seq DESC) AS newest
+        FROM generation_events
+    ) l
+    WHERE newest = 1
 ),
 reasons AS (
     SELECT trajectory_id, {_join_sorted("finish_reason", dialect)} AS finish_reasons
@@ -152,17 +180,20 @@ SELECT
     c.min_model_version, c.max_model_version,
     c.max_model_version - c.min_model_version AS model_version_span,
     r.finish_reasons,
+    lc.finish_reason AS last_finish_reason,
     tm.first_event_at, tm.last_event_at,
     tm.last_event_at - tm.first_event_at AS duration_s
 FROM trajectories t
 LEFT JOIN calls c ON c.trajectory_id = t.trajectory_id
 LEFT JOIN reasons r ON r.trajectory_id = t.trajectory_id
+LEFT JOIN last_call lc ON lc.trajectory_id = t.trajectory_id
 LEFT JOIN last_call_reward lr ON lr.trajectory_id = t.trajectory_id
 LEFT JOIN times tm ON tm.trajectory_id = t.trajectory_id
 """
 
 
-_SAMPLE_SUMMARY = """
+def _sample_summary(dialect: str) -> str:
+    return f"""
 WITH calls AS (
     SELECT
         trajectory_id, sample_index,
@@ -171,6 +202,15 @@ WITH calls AS (
         CAST(SUM(CASE WHEN is_merged THEN num_observed_tokens ELSE 0 END) AS BIGINT) AS num_observed_tokens,
         COUNT(*) FILTER (WHERE has_routes) AS num_calls_with_routes
     FROM generation_events
+    GROUP BY trajectory_id, sample_index
+),
+reasons AS (
+    SELECT trajectory_id, sample_index, {_join_sorted("finish_reason", dialect)} AS finish_reasons
+    FROM (
+        SELECT DISTINCT trajectory_id, sample_index, finish_reason FROM generation_events
+        WHERE finish_reason IS NOT NULL
+        ORDER BY trajectory_id, sample_index, finish_reason
+    ) d
     GROUP BY trajectory_id, sample_index
 ),
 policy AS (
@@ -186,7 +226,7 @@ SELECT
     s.prompt_len + s.response_len AS num_tokens,
     s.num_loss_tokens,
     c.num_merged_calls, c.num_generated_tokens, c.num_observed_tokens,
-    s.reward,
+    s.reward, s.finish_reason, r.finish_reasons,
     s.min_model_version, s.max_model_version,
     s.max_model_version - s.min_model_version AS model_version_span,
     p.latest_model_version,
@@ -197,19 +237,33 @@ SELECT
     s.finished_position
 FROM samples s
 LEFT JOIN calls c ON c.trajectory_id = s.trajectory_id AND c.sample_index = s.sample_index
+LEFT JOIN reasons r ON r.trajectory_id = s.trajectory_id AND r.sample_index = s.sample_index
 LEFT JOIN policy p ON p.position = s.finished_position
 """
 
 
-_MODEL_VERSION_STATS = """
-WITH per_trajectory AS (
+def _model_version_stats(dialect: str) -> str:
+    # One row per (call, version it generated at): a call whose tokens span
+    # versions (SPEC "Versions") contributes one row per span, exactly.
+    return f"""
+WITH call_versions AS (
+    SELECT trajectory_id, model_version, output_len AS num_tokens, num_loss_tokens, finish_reason
+    FROM generation_events
+    WHERE version_spans IS NULL
+    UNION ALL
+    SELECT g.trajectory_id, {_span_int("model_version", dialect)}, {_span_int("num_tokens", dialect)},
+           {_span_int("num_loss_tokens", dialect)}, g.finish_reason
+    FROM {_version_spans(dialect)}
+    WHERE g.version_spans IS NOT NULL
+),
+per_trajectory AS (
     SELECT
         model_version, trajectory_id,
         COUNT(*) AS num_generations,
-        CAST(SUM(output_len) AS BIGINT) AS num_generated_tokens,
+        CAST(SUM(num_tokens) AS BIGINT) AS num_generated_tokens,
         CAST(SUM(num_loss_tokens) AS BIGINT) AS num_loss_tokens,
         COUNT(*) FILTER (WHERE finish_reason = 'abort') AS num_aborted_calls
-    FROM generation_events
+    FROM call_versions
     GROUP BY model_version, trajectory_id
 )
 SELECT
@@ -238,8 +292,8 @@ def view_sql(name: str, dialect: str) -> str:
     builders: dict[str, Callable[[], str]] = {
         "generation_events": lambda: _GENERATION_EVENTS,
         "trajectory_summary": lambda: _trajectory_summary(dialect),
-        "sample_summary": lambda: _SAMPLE_SUMMARY,
-        "model_version_stats": lambda: _MODEL_VERSION_STATS,
+        "sample_summary": lambda: _sample_summary(dialect),
+        "model_version_stats": lambda: _model_version_stats(dialect),
     }
     if name not in builders:
         raise ValueError(f"unknown view {name!r}; views: {', '.join(VIEW_NAMES)}")

@@ -1,0 +1,117 @@
+"""Migrations on both backends: a fresh database steps through every revision,
+and a store at 0002 (the views built before 0004's columns existed) upgrades to
+head and keeps working."""
+
+from __future__ import annotations
+
+from alembic import command
+from sqlalchemy import create_engine, inspect, text
+
+import trajstore
+from trajstore._migrate import alembic_config
+from trajstore.inspect.views import VIEW_NAMES
+from tests.helpers import finished, gen, started
+
+
+def _migrate(engine, target: str, *, down: bool = False) -> None:
+    with engine.begin() as conn:
+        cfg = alembic_config()
+        cfg.attributes["connection"] = conn
+        (command.downgrade if down else command.upgrade)(cfg, target)
+
+
+def _views_answer(engine) -> dict[str, int]:
+    with engine.connect() as conn:
+        return {v: conn.execute(text(f"SELECT count(*) FROM {v}")).scalar_one() for v in VIEW_NAMES}
+
+
+def _columns(engine, table: str) -> set[str]:
+    return {c["name"] for c in inspect(engine).get_columns(table)}
+
+
+NEW_EVENT_COLUMNS = {"min_model_version", "version_spans", "metadata"}
+
+
+def test_a_fresh_database_steps_through_every_revision(store_url):
+    engine = create_engine(store_url)
+    try:
+        _migrate(engine, "0001")
+        _migrate(engine, "0002")
+        assert _views_answer(engine) == dict.fromkeys(VIEW_NAMES, 0)
+        assert not NEW_EVENT_COLUMNS & _columns(engine, "events")
+        _migrate(engine, "head")
+        assert _views_answer(engine) == dict.fromkeys(VIEW_NAMES, 0)
+        assert NEW_EVENT_COLUMNS <= _columns(engine, "events")
+        assert "finish_reason" in _columns(engine, "samples")
+    finally:
+        engine.dispose()
+
+
+def test_a_0002_store_with_data_upgrades_to_head(store_url, tmp_path):
+    payload = str(tmp_path / "payload")
+    store = trajstore.connect(store_url, payload=payload)
+    store.append([started("a"), gen("a", 0, [1], [2, 3], version=3, finish_reason="stop"),
+                  gen("a", 1, [1, 2, 3, 4], [5], version=4), finished("a")])
+    store.materialize()
+    store.close()
+    engine = create_engine(store_url)
+    try:
+        _migrate(engine, "0002", down=True)  # what a store made before 0004 looks like
+        assert not NEW_EVENT_COLUMNS & _columns(engine, "events")
+        assert _views_answer(engine)["generation_events"] == 2
+        with engine.begin() as conn:  # an event appended by the old code: no min_model_version then
+            conn.execute(text("UPDATE events SET model_version = 6 WHERE seq = 1"))
+        _migrate(engine, "head")
+        assert _views_answer(engine) == {"generation_events": 2, "trajectory_summary": 1, "sample_summary": 1,
+                                         "model_version_stats": 2}
+        with engine.connect() as conn:
+            got = conn.execute(text("SELECT seq, min_model_version, model_version FROM events "
+                                    "WHERE type = 'generation' ORDER BY seq")).all()
+            summary = conn.execute(text("SELECT min_model_version, max_model_version, last_finish_reason "
+                                        "FROM trajectory_summary")).one()
+        assert [tuple(r) for r in got] == [(0, 3, 3), (1, 6, 6)]  # filled from model_version
+        assert tuple(summary) == (3, 6, None)
+    finally:
+        engine.dispose()
+    store = trajstore.connect(store_url, payload=payload)  # and the upgraded store keeps working
+    store.append([started("b"), gen("b", 0, [1], [2, 3], token_model_versions=[6, 7], version=7), finished("b")])
+    store.materialize()
+    assert [(s.trajectory_id, s.min_model_version, s.max_model_version) for s in store.samples()] == \
+        [("a", 3, 4), ("b", 6, 7)]
+    store.close()
+
+
+def test_sample_segments_written_before_0004_still_read():
+    """Segments have no migration: old ones lack logprobs_mask and finish_reason."""
+    import numpy as np
+
+    from trajstore._samples import sample_table, samples_from_table
+    from trajstore.events import parse_event
+    from trajstore.fold import fold
+
+    gens = [parse_event(gen("t", 0, [1], [2, 3], logprobs=[-0.5, -1.0], finish_reason="stop")),
+            parse_event(gen("t", 1, [1, 2, 3, 4], [5]))]
+    [s] = fold(gens, trajectory_id="t").samples
+    old = sample_table([s]).drop_columns(["logprobs_mask", "finish_reason"])
+    [back] = samples_from_table(old)
+    np.testing.assert_array_equal(back.logprobs_mask, [True, True, False, False])  # nonzero logprobs
+    assert back.logprobs_mask.dtype == np.bool_ and back.finish_reason is None
+    [same] = samples_from_table(sample_table([s]))
+    assert same.equals(s)
+
+
+def test_log_segments_written_before_0004_still_read():
+    """Old log segments have no token_model_versions column: every token has model_version."""
+    from trajstore._admission import StoredGeneration
+    from trajstore._facts import generations_from_log, segment_table
+    from trajstore.events import parse_event
+    from trajstore.payload import SegmentRows
+
+    g = parse_event(gen("t", 0, [1], [2, 3], version=4, finish_reason="stop"))
+    table = segment_table([StoredGeneration(g, 0, None, 0)]).drop_columns(["token_model_versions"])
+    row = {"trajectory_id": "t", "seq": 0, "segment": "s", "segment_row": 0, "prefix_len": 0, "model_version": 4,
+           "routes_start": None, "routes_dtype": None, "num_route_rows": None, "reward": None,
+           "finish_reason": "stop", "event_id": None}  # an index row from before 0004: no metadata key
+    [back] = generations_from_log([row], {"s": SegmentRows(table, {0: 0})}, None)
+    assert back.token_model_versions is None and back.metadata is None and back.model_version == 4
+    assert list(back.output_ids) == [2, 3] and back.finish_reason == "stop"

@@ -27,7 +27,7 @@ from alembic import op
 from trajstore.inspect import views
 
 revision = '0004'
-down_revision = '0002'
+down_revision = "0003"
 branch_labels = None
 depends_on = None
 

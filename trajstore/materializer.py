@@ -19,13 +19,12 @@ bounded by one batch: the log is streamed, never loaded whole.
 from __future__ import annotations
 
 import time
-import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from trajstore import _facts as facts
 from trajstore.fold import FoldMetrics, fold
-from trajstore.log.base import StaleState
+from trajstore.log.base import Shard, StaleState, shard_index_of
 from trajstore.payload import rows_per_batch
 from trajstore.sample import Sample
 from trajstore._samples import sample_table
@@ -34,7 +33,7 @@ __all__ = ["Materializer", "MaterializeStats", "shard_of"]
 
 
 def shard_of(trajectory_id: str, num_shards: int) -> int:
-    return zlib.crc32(trajectory_id.encode()) % num_shards
+    return shard_index_of(trajectory_id, num_shards)
 
 
 @dataclass
@@ -84,7 +83,7 @@ class Materializer:
         self.store = store
         self.shard_index = shard_index
         self.num_shards = num_shards
-        self.shard = f"{shard_index}/{num_shards}"
+        self.shard = Shard(shard_index, num_shards)
         self.batch_size = batch_size
         self.max_batch_tokens = max_batch_tokens
         self.progress = progress
@@ -124,13 +123,13 @@ class Materializer:
         checkpoint = {"position": last, **(cumulative + metrics).to_dict()}
         checkpoint.pop("merge_ratio")
         try:
-            self.store.log.commit_samples(self.shard, sample_rows, seg_row, checkpoint, position)
+            self.store.materialized.commit_samples(self.shard, sample_rows, seg_row, checkpoint, position)
         except StaleState:
             return FoldMetrics(), 0, self._checkpoint()[0]  # another materializer did this batch
         return metrics, len(mine), last
 
     def _checkpoint(self) -> tuple[int, FoldMetrics]:
-        cp = self.store.log.load_checkpoint(self.shard)
+        cp = self.store.materialized.load_checkpoint(self.shard)
         if cp is None:
             return 0, FoldMetrics()
         return int(cp["position"]), FoldMetrics(
@@ -140,7 +139,7 @@ class Materializer:
     def _within_budget(self, finished: list[dict[str, Any]]):
         """Cut the batch after the trajectory that reaches ``max_batch_tokens``:
         memory is bounded by the batch, not by the log."""
-        mine = [e for e in finished if shard_of(e["trajectory_id"], self.num_shards) == self.shard_index]
+        mine = [e for e in finished if self.shard.owns(e["trajectory_id"])]
         trajs = self.store.log.load_trajectories([e["trajectory_id"] for e in mine])
         tokens, keep = 0, len(finished)
         for k, e in enumerate(finished):

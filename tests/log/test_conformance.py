@@ -196,7 +196,8 @@ def test_backend_killed_mid_statement_is_store_unavailable_and_stores_nothing(fr
 
     t = threading.Thread(target=append)
     t.start()
-    with log.read_engine.connect() as admin:
+    # autocommit: inside one transaction pg_stat_activity is a snapshot that never changes
+    with log.read_engine.connect().execution_options(isolation_level="AUTOCOMMIT") as admin:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             pid = admin.execute(text("SELECT pid FROM pg_stat_activity WHERE wait_event_type = 'Lock' "

@@ -174,3 +174,77 @@ def test_commit_killed_before_it_landed_is_retriable_and_leaves_the_payload_to_g
     assert store.collect_garbage(grace_s=0) == sorted(orphans)
     _assert_every_acknowledged_payload_present(store, ["before", "during"])
     store.close()
+
+
+@pytest.mark.slow
+def test_backends_killed_at_random_under_retrying_appenders(cluster, tmp_path):
+    """Three appenders that retry retriable errors; their backends are SIGKILLed
+    again and again, preferably during COMMIT. Afterwards every acknowledged
+    event is stored once, every index row's payload exists, the only errors the
+    appenders saw were trajstore's, and materialize folds everything."""
+    from tests.log.procs import small_trajectory
+
+    store, _ = _store(cluster, tmp_path)
+    url = store.url
+    acked: list[tuple[int, int]] = []
+    seen_errors: list[BaseException] = []
+
+    def appender(w: int) -> None:
+        s = trajstore.connect(url, payload=store.payload.location, migrate=False)
+        try:
+            for k in range(12):
+                evs = small_trajectory(w, k)
+                for i in range(0, len(evs), 2):
+                    while True:
+                        try:
+                            s.append(evs[i:i + 2])
+                            break
+                        except StoreUnavailable as e:
+                            seen_errors.append(e)
+                            time.sleep(0.05)
+                        except BaseException as e:  # anything else fails the test below
+                            seen_errors.append(e)
+                            return
+                acked.append((w, k))
+        finally:
+            s.close()
+
+    threads = [threading.Thread(target=appender, args=(w,)) for w in range(3)]
+    for t in threads:
+        t.start()
+    kills = 0
+    with_commit = 0
+    while any(t.is_alive() for t in threads) and kills < 8:
+        try:
+            with _admin(cluster) as conn:
+                row = None
+                for _ in range(50):  # prefer a backend running COMMIT
+                    row = conn.execute("SELECT pid, query FROM pg_stat_activity WHERE usename = %s AND state = 'active'"
+                                       " ORDER BY query = 'COMMIT' DESC LIMIT 1", (APPENDER,)).fetchone()
+                    if row and row[1] == "COMMIT":
+                        break
+                    time.sleep(0.005)
+        except psycopg.OperationalError:
+            continue
+        if row:
+            try:
+                os.kill(row[0], signal.SIGKILL)
+            except ProcessLookupError:
+                continue
+            kills += 1
+            with_commit += row[1] == "COMMIT"
+            time.sleep(0.5)
+    for t in threads:
+        t.join(timeout=300)
+    assert not any(t.is_alive() for t in threads)
+    assert kills >= 3
+    foreign = [e for e in seen_errors if not isinstance(e, StoreUnavailable)]
+    assert not foreign, f"appenders saw non-retriable or foreign errors: {foreign[:3]}"
+    assert sorted(acked) == [(w, k) for w in range(3) for k in range(12)]
+    tids = [f"w{w}-t{k}" for w, k in acked]
+    stored = store.log.trajectory_events(tids)
+    assert all(len(stored[t]) == 10 for t in tids), "an acknowledged event is missing or stored twice"
+    files = {name for name, _ in store.payload.list_names()}
+    assert not store.log.referenced_segments() - files, "index rows point at deleted payload files"
+    assert store.materialize().num_trajectories == len(tids)
+    store.close()

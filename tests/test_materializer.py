@@ -17,6 +17,7 @@ from sqlalchemy import select
 import trajstore
 from trajstore.events import parse_event
 from trajstore.fold import fold
+from trajstore.log.base import Shard
 from trajstore.demo.simulate import RolloutConfig, trajectory_events
 from trajstore.schema import events as events_table, samples as samples_table
 from tests.helpers import finished, gen, reward, snapshot, started
@@ -275,18 +276,18 @@ def test_kill_9_materializer_then_restart_equals_clean_run(store_url, tmp_path):
     rng = random.Random(5)
     at_kill = []
     for _ in range(5):
-        before = store.log.load_checkpoint("0/1")
+        before = store.materialized.load_checkpoint(Shard(0, 1))
         proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env)
         deadline = time.time() + 60
-        while store.log.load_checkpoint("0/1") == before and time.time() < deadline and proc.poll() is None:
+        while store.materialized.load_checkpoint(Shard(0, 1)) == before and time.time() < deadline and proc.poll() is None:
             time.sleep(0.01)  # kill only once this run has committed something: mid-run
         time.sleep(rng.uniform(0.0, 0.15))
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-        cp = store.log.load_checkpoint("0/1")
+        cp = store.materialized.load_checkpoint(Shard(0, 1))
         at_kill.append(cp["num_samples_after"] if cp else 0)
     stats = store.materialize()  # the restart finishes the job
-    cp = store.log.load_checkpoint("0/1")
+    cp = store.materialized.load_checkpoint(Shard(0, 1))
     got = list(store.samples())
 
     clean_dir = tmp_path / "clean"

@@ -11,6 +11,7 @@ import time
 
 import trajstore
 from trajstore.demo.simulate import RolloutConfig, trajectory_events
+from trajstore.log.base import Shard
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CFG = RolloutConfig(turns=2, prompt_tokens=8, output_tokens=4, observation_tokens=2, layers=2, topk=2)
@@ -35,11 +36,11 @@ def test_worker_follows_the_log_and_stops_on_sigterm(store_url, tmp_path):
     try:
         for i in range(5):
             store.append(trajectory_events(CFG, i))
-        assert _wait_for(lambda: store.info()["samples"] >= 5 and store.log.load_checkpoint("0/1")["position"]
+        assert _wait_for(lambda: store.info()["samples"] >= 5 and store.materialized.load_checkpoint(Shard(0, 1))["position"]
                          == store.log.head_position())
         for i in range(5, 8):
             store.append(trajectory_events(CFG, i))  # arrives after the first fold
-        assert _wait_for(lambda: store.log.load_checkpoint("0/1")["position"] == store.log.head_position())
+        assert _wait_for(lambda: store.materialized.load_checkpoint(Shard(0, 1))["position"] == store.log.head_position())
     finally:
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=60)

@@ -6,6 +6,7 @@ import pytest
 
 import trajstore
 from trajstore.demo.simulate import RolloutConfig, trajectory_events
+from trajstore.log.base import Shard
 
 ray = pytest.importorskip("ray")
 
@@ -38,6 +39,6 @@ def test_ray_shards_fold_everything_exactly_once(local_ray, fresh_pg_url, tmp_pa
     assert {s.trajectory_id for s in samples} == {trajectory_events(CFG, i)[0]["trajectory_id"] for i in range(30)}
     assert metrics.num_steps_before == sum(
         1 for i in range(30) for e in trajectory_events(CFG, i) if e["type"] == "generation")
-    assert {store.log.load_checkpoint(f"{k}/3")["position"] for k in range(3)} == {store.log.head_position()}
+    assert {store.materialized.load_checkpoint(Shard(k, 3))["position"] for k in range(3)} == {store.log.head_position()}
     again = materialize_with_ray(fresh_pg_url, 3, payload=payload, num_cpus_per_shard=0.5)
     assert (again.num_samples_after, again.num_trajectories) == (0, 0)

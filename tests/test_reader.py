@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 
 import trajstore
 from trajstore.errors import ResumeStateError, ValidationError
+from trajstore.log.base import Shard
 from trajstore.materializer import Materializer
 from trajstore.reader import ReaderConfig, SampleReader, plan_step
 from trajstore.demo.simulate import RolloutConfig, trajectory_events
@@ -339,13 +340,15 @@ def test_only_samples_below_every_shard_checkpoint_are_read(store):
         store.append(trajectory_events(CFG, i))
     Materializer(store, shard_index=0, num_shards=2).run()
     Materializer(store, shard_index=1, num_shards=2, batch_size=4).run(max_steps=1)
-    watermark = store.log.load_checkpoint("1/2")["position"]
-    rows = [r for page in store.log.iter_sample_rows(where={}, after=None, batch_size=1000) for r in page]
+    watermark = store.materialized.load_checkpoint(Shard(1, 2))["position"]
+    rows = [r for page in store.materialized.iter_sample_rows(where={}, after=None, batch_size=1000) for r in page]
     got = [s for batch in SampleReader(store, batch_size=4, num_shards=2) for s in batch]
     assert keys(got) == [(r["trajectory_id"], r["sample_index"]) for r in rows if r["finished_position"] <= watermark]
     assert 0 < len(got) < len(rows)
+    # the shard count comes from the stored checkpoints; a num_shards given by hand must agree
+    assert keys(s for batch in SampleReader(store, batch_size=4) for s in batch) == keys(got)
     with pytest.raises(ValidationError, match="num_shards"):
-        next(SampleReader(store, batch_size=4))
+        next(SampleReader(store, batch_size=4, num_shards=1))
 
 
 @pytest.mark.parametrize("config", [{"batch_size": 3}, {"batch_size": 8, "keep_groups": True, "group_size": GROUP_SIZE}],

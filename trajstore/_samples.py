@@ -125,7 +125,7 @@ def iter_samples(
         "group_id": group_id,
         "trajectory_ids": list(trajectory_ids) if trajectory_ids is not None else None,
     }
-    for rows in store.log.iter_sample_rows(where=where, after=None, batch_size=batch_size):
+    for rows in store.materialized.iter_sample_rows(where=where, after=None, batch_size=batch_size):
         yield from load_samples(store, rows)
 
 

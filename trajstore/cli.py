@@ -96,7 +96,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
     store = _store(args)
     info = store.info()
     # finished trajectories the materializer recorded and skipped (docs/materializer.md)
-    info["unfoldable_trajectories"] = store.log.unfoldable_trajectories(limit=10)
+    info["unfoldable_trajectories"] = store.materialized.unfoldable_trajectories(limit=10)
     _print_json(info)
     return 0
 

@@ -4,10 +4,13 @@
 
     TrajstoreError                  base of everything trajstore raises on purpose
     ├── ValidationError             an event or argument breaks a SPEC rule; nothing was stored
-    │   └── ConflictError           an event's identity is already stored with other content,
-    │                               or another writer advanced the trajectory first
-    ├── StoreUnavailable            the database or payload storage cannot be reached
+    │   └── ConflictError           an event's identity is already stored with other content
+    ├── StoreUnavailable            the database or payload storage cannot be reached; retry
+    │   ├── ContentionError         writers kept racing on the same trajectories; retry
+    │   └── CommitUnknownError      the connection was lost during COMMIT and whether the
+    │                               append landed could not be found out; retry (idempotent)
     ├── CorruptStoreError           the index points at payload that is missing or unreadable
+    ├── IndexInvariantError         the index refused a write trajstore should never make (a bug)
     └── ResumeStateError            a reader state_dict does not fit the reader it is loaded into
 
 Every message is one line that names the offending value and where it was found.
@@ -16,8 +19,11 @@ Every message is one line that names the offending value and where it was found.
 from __future__ import annotations
 
 __all__ = [
+    "CommitUnknownError",
     "ConflictError",
+    "ContentionError",
     "CorruptStoreError",
+    "IndexInvariantError",
     "ResumeStateError",
     "StoreUnavailable",
     "TrajstoreError",
@@ -72,8 +78,7 @@ class ValidationError(TrajstoreError, ValueError):
 
 
 class ConflictError(ValidationError):
-    """The event's identity is already stored with different content, or a
-    concurrent writer appended to the same trajectory first."""
+    """The event's identity is already stored with different content."""
 
     def __init__(self, message: str, **kwargs) -> None:
         kwargs.setdefault("rule", "conflict")
@@ -81,7 +86,26 @@ class ConflictError(ValidationError):
 
 
 class StoreUnavailable(TrajstoreError):
-    """The SQL database or the payload storage cannot be reached."""
+    """The SQL database or the payload storage cannot be reached; retriable."""
+
+
+class ContentionError(StoreUnavailable):
+    """Writers kept advancing the same trajectories first, attempt after attempt.
+
+    Nothing of the append was stored and nothing is wrong with it: retry later."""
+
+
+class CommitUnknownError(StoreUnavailable):
+    """The connection was lost while the database committed an append, and
+    whether it landed could not be found out. Its payload is kept (the garbage
+    collector removes it if the commit did not land); retrying the same events
+    is safe, appends being idempotent."""
+
+
+class IndexInvariantError(TrajstoreError):
+    """The SQL index refused a write that admission should never produce (a
+    constraint other than an identity race, an unexpected SQL error): a
+    trajstore bug. Nothing was stored; retrying will not help."""
 
 
 class CorruptStoreError(TrajstoreError):

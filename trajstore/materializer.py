@@ -28,14 +28,13 @@ from __future__ import annotations
 
 import logging
 import time
-import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from trajstore import _facts as facts
 from trajstore.errors import CorruptStoreError, StoreUnavailable, TrajstoreError
 from trajstore.fold import FoldMetrics, FoldResult, fold
-from trajstore.log.base import StaleState
+from trajstore.log.base import Shard, StaleState, shard_index_of
 from trajstore.payload import SegmentRows, rows_per_batch
 from trajstore.sample import Sample
 from trajstore._samples import sample_table
@@ -52,7 +51,7 @@ _MAX_MESSAGE = 1000  # characters of the reason kept in unfoldable_trajectories.
 
 
 def shard_of(trajectory_id: str, num_shards: int) -> int:
-    return zlib.crc32(trajectory_id.encode()) % num_shards
+    return shard_index_of(trajectory_id, num_shards)
 
 
 @dataclass
@@ -108,7 +107,7 @@ class Materializer:
         self.store = store
         self.shard_index = shard_index
         self.num_shards = num_shards
-        self.shard = f"{shard_index}/{num_shards}"
+        self.shard = Shard(shard_index, num_shards)
         self.batch_size = batch_size
         self.max_batch_tokens = max_batch_tokens
         self.progress = progress
@@ -154,8 +153,8 @@ class Materializer:
         checkpoint = {"position": last, **(cumulative + metrics).to_dict()}
         checkpoint.pop("merge_ratio")
         try:
-            self.store.log.commit_samples(self.shard, sample_rows, seg_row, checkpoint, position,
-                                          unfoldable_rows=unfoldable_rows)
+            self.store.materialized.commit_samples(self.shard, sample_rows, seg_row, checkpoint, position,
+                                                   unfoldable_rows=unfoldable_rows)
         except StaleState:
             # another materializer did this batch
             return MaterializeStats(position=self._checkpoint()[0])
@@ -165,7 +164,7 @@ class Materializer:
         return MaterializeStats(metrics, len(folded), last, len(unfoldable))
 
     def _checkpoint(self) -> tuple[int, FoldMetrics]:
-        cp = self.store.log.load_checkpoint(self.shard)
+        cp = self.store.materialized.load_checkpoint(self.shard)
         if cp is None:
             return 0, FoldMetrics()
         return int(cp["position"]), FoldMetrics(
@@ -175,7 +174,7 @@ class Materializer:
     def _within_budget(self, finished: list[dict[str, Any]]):
         """Cut the batch after the trajectory that reaches ``max_batch_tokens``:
         memory is bounded by the batch, not by the log."""
-        mine = [e for e in finished if shard_of(e["trajectory_id"], self.num_shards) == self.shard_index]
+        mine = [e for e in finished if self.shard.owns(e["trajectory_id"])]
         trajs = self.store.log.load_trajectories([e["trajectory_id"] for e in mine])
         tokens, keep = 0, len(finished)
         for k, e in enumerate(finished):
@@ -252,13 +251,13 @@ class Materializer:
                          for i, (s, c) in enumerate(zip(samples, calls))]
 
 
-def _unfoldable_row(trajectory_id: str, finished_position: int, shard: str, error: BaseException,
+def _unfoldable_row(trajectory_id: str, finished_position: int, shard: Shard, error: BaseException,
                     now: float) -> dict[str, Any]:
     message = " ".join(str(error).split()) or type(error).__name__
     return {
         "trajectory_id": trajectory_id,
         "finished_position": finished_position,
-        "shard": shard,
+        "shard": str(shard),
         "error": type(error).__name__,
         "rule": getattr(error, "rule", None),
         "message": message[:_MAX_MESSAGE],

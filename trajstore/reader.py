@@ -82,8 +82,10 @@ class ReaderConfig:
     whose next step is planned only once ``current_version`` is set."""
     read_threads: int = 2
     """Threads decoding one batch's payload (Parquet decodes a read on one core)."""
-    num_shards: int = 1
-    """Materializer shards writing this store (their checkpoints bound what is safe to read)."""
+    num_shards: int | None = None
+    """Materializer shards writing this store (their checkpoints bound what is
+    safe to read). None: as many as the stored checkpoints name; when given it
+    must agree with them."""
     page_rows: int = 1024
     """Sample rows per SQL query."""
 
@@ -302,9 +304,9 @@ class SampleReader:
         """Global steps from the committed state on; each carries the state after it."""
         snapshot = None
         if not self.config.follow:
-            snapshot = self._snapshot if self._snapshot is not None else self._watermark(check=True)
+            snapshot = self._snapshot if self._snapshot is not None else self._watermark()
         else:
-            self._watermark(check=True)
+            self._watermark()
         builder = UnitBuilder(keep_groups=self.config.keep_groups, group_size=self.config.group_size,
                               status=self.config.status)
         units = self._units(builder, self._cursor, self._scan_from, snapshot)
@@ -411,7 +413,7 @@ class SampleReader:
         while True:
             found = False
             where = {"max_finished_position": self._watermark() if follow else until}
-            for page in self.store.log.iter_sample_rows(where=where, after=after, batch_size=self.config.page_rows):
+            for page in self.store.materialized.iter_sample_rows(where=where, after=after, batch_size=self.config.page_rows):
                 found, after = True, row_key(page[-1])
                 yield from page
             if not follow:
@@ -427,19 +429,13 @@ class SampleReader:
     def _trajectories_before(self, group_id: str, position: int) -> int:
         where = {"group_id": group_id, "max_finished_position": position - 1}
         seen = set()
-        for page in self.store.log.iter_sample_rows(where=where, after=None, batch_size=self.config.page_rows):
+        for page in self.store.materialized.iter_sample_rows(where=where, after=None, batch_size=self.config.page_rows):
             seen.update(r["finished_position"] for r in page)
         return len(seen)
 
-    def _watermark(self, *, check: bool = False) -> int:
+    def _watermark(self) -> int:
         """Position up to which every materializer shard has committed its samples."""
-        n = self.config.num_shards
-        checkpoints = [self.store.log.load_checkpoint(f"{i}/{n}") for i in range(n)]
-        position = min(int(cp["position"]) if cp else 0 for cp in checkpoints)
-        if check and position == 0 and any(self.store.log.iter_sample_rows(where={}, after=None, batch_size=1)):
-            raise ValidationError(f"the store has samples but no checkpoint for every one of {n} materializer "
-                                  f"shard(s); set num_shards to the materializer's", rule="reader_config")
-        return position
+        return self.store.materialized.watermark(self.config.num_shards)
 
 
 def _split(items: list[int], n: int) -> list[list[int]]:

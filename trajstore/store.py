@@ -20,10 +20,10 @@ from sqlalchemy.exc import ArgumentError
 
 from trajstore import _facts as facts
 from trajstore._admission import Admitted, TrajectoryState, admit_batch
-from trajstore.errors import ConflictError, StoreUnavailable, ValidationError
+from trajstore.errors import CommitUnknownError, ConflictError, ContentionError, StoreUnavailable, ValidationError
 from trajstore.events import Event, Generation, TrajectoryStarted, content_hash, identity_of, parse_event
-from trajstore.log.base import EventLog, StaleState, TrajectoryWrite
-from trajstore.log.sql import SqlEventLog
+from trajstore.log.base import EventLog, SampleIndex, StaleState, TrajectoryWrite
+from trajstore.log.sql import first_line, open_sql
 from trajstore.payload import PayloadStore, SegmentRows
 
 __all__ = ["Store", "AppendResult", "connect", "DEFAULT_URL", "resolve_url"]
@@ -60,6 +60,15 @@ def connect(url: str | None = None, *, payload: str | None = None, log_compressi
 
 
 class Store:
+    """The store: ``log`` (the log index), ``materialized`` (the sample index)
+    and ``payload`` (the token columns' files) are the seams the materializer,
+    the reader and the inspection tools use."""
+
+    url: str
+    log: EventLog
+    materialized: SampleIndex
+    payload: PayloadStore
+
     def __init__(self, url: str, *, payload: str | None = None, log_compression: str | None = None,
                  migrate: bool = True) -> None:
         self.url = url
@@ -74,9 +83,9 @@ class Store:
                 from sqlalchemy.exc import OperationalError
 
                 if isinstance(e, OperationalError):
-                    raise StoreUnavailable(f"cannot open store {_safe(url)}: {str(e.orig).strip().splitlines()[0]}") from None
+                    raise StoreUnavailable(f"cannot open store {_safe(url)}: {first_line(e)}") from None
                 raise
-        self.log: EventLog = SqlEventLog(write_engine, read_engine)
+        self.log, self.materialized = open_sql(write_engine, read_engine)
         self.payload = PayloadStore(payload or backend.default_payload_dir(url), log_compression)
 
     # -- appending ---------------------------------------------------------
@@ -84,7 +93,10 @@ class Store:
         """Append wire-format events atomically and idempotently (SPEC "Event wire format").
 
         Raises ValidationError (naming the event index, trajectory and rule) and
-        stores nothing when any event is refused."""
+        stores nothing when any event is refused; StoreUnavailable (retriable:
+        ContentionError when other writers kept winning the race for the same
+        trajectories, CommitUnknownError when the commit's outcome is unknown)
+        when the append may not have been stored. Retrying an append is safe."""
         parsed = _parse_all(events)
         digests = _Digests([ev for ev, _ in parsed])
         last = ""
@@ -94,8 +106,7 @@ class Store:
             except StaleState as e:
                 last = str(e).strip().splitlines()[0] if str(e).strip() else "stale state"
                 continue  # another writer moved a trajectory first: re-read, re-admit
-        raise ConflictError(f"gave up after {_MAX_ATTEMPTS} concurrent-write conflicts (last: {last})",
-                            rule="contention")
+        raise ContentionError(f"gave up after {_MAX_ATTEMPTS} concurrent-write conflicts (last: {last}); retry later")
 
     def _append_once(self, parsed: list[tuple[Event, str | None]], digests: "_Digests") -> AppendResult:
         fresh = self._drop_duplicates(parsed, digests)
@@ -120,9 +131,11 @@ class Store:
                 row["segment"] = segment if id(adm) in gen_rows else None
                 event_rows.append(row)
             positions = self.log.commit_append(event_rows, _trajectory_writes([a for _, a in kept], rows), seg_row)
-        except BaseException:
+        except CommitUnknownError:
+            raise  # the commit may have landed: the segment stays (GC removes it if unreferenced)
+        except Exception:
             if segment is not None:
-                self.payload.delete(segment)
+                self.payload.delete(segment)  # certainly not committed
             raise
         return AppendResult(len(kept), len(parsed) - len(kept), positions[-1])
 
@@ -181,8 +194,8 @@ class Store:
         return None if row is None else facts.state_from_row(row)
 
     def info(self) -> dict[str, Any]:
-        """Counts per status, event type and model version."""
-        return self.log.counts()
+        """Counts per status, event type and model version, and the number of samples."""
+        return {**self.log.counts(), "samples": self.materialized.count_samples()}
 
     def collect_garbage(self, *, grace_s: float = 3600.0) -> list[str]:
         """Delete payload files no index row references (left by crashed appends)."""
@@ -202,7 +215,7 @@ class Store:
         return iter_samples(self, **filters)
 
     def close(self) -> None:
-        self.log.close()
+        self.log.close()  # the sample index shares its engines
 
     def __enter__(self) -> "Store":
         return self

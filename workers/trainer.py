@@ -233,7 +233,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-staleness", type=int, default=None)
     p.add_argument("--follow", action="store_true", help="keep polling for new samples")
     p.add_argument("--timeout-s", type=float, default=60.0)
-    p.add_argument("--num-shards", type=int, default=1, help="materializer shards writing the store")
+    p.add_argument("--num-shards", type=int, default=None,
+                   help="materializer shards writing the store (default: as the store's checkpoints say)")
     p.add_argument("--rank", type=int, default=0)
     p.add_argument("--world-size", type=int, default=1)
     p.add_argument("--state", default=None, help="reader state file: resumed from, saved after each step")

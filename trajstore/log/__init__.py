@@ -1,7 +1,10 @@
-"""The event log's index in SQL.
+"""The SQL index: the log index and the sample index.
 
-* ``base``     — the backend interface and its contract (ordering, atomicity, errors)
-* ``sql``      — that interface on SQLAlchemy Core, shared by both backends
+* ``base``     — the seam: ``EventLog`` (log index), ``SampleIndex`` (samples,
+                 checkpoints, watermark), ``Shard``, and their contract
+                 (ordering, atomicity, which error each failure raises)
+* ``sql``      — both on SQLAlchemy Core, shared by both backends, with the one
+                 error boundary around every transaction
 * ``sqlite``   — the embedded default's engines and payload location
 * ``postgres`` — the production backend's engines and payload location
 """

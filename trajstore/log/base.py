@@ -1,37 +1,66 @@
-"""The narrow interface every log backend implements.
+"""The storage seam: the two narrow interfaces every SQL backend implements.
+
+* ``EventLog``    — the log index: append (positions, identities, trajectory
+  tail state, the segment row), read events in order, the head, and which
+  payload segments are referenced.
+* ``SampleIndex`` — the sample index: the materializer's output rows, each
+  materializer shard's checkpoint, and the read watermark derived from them.
 
 Backends see records (plain dicts shaped like the ``trajstore.schema``
 tables), never domain objects: admission, the fold and payload handling live
 above this layer.
 
-Contract, shared by every backend (and checked by ``tests/log``):
+Contract, shared by every backend (and checked by
+``tests/log/test_conformance.py`` on SQLite and PostgreSQL):
 
-* **Ordering.** ``commit_append`` gives the batch's events consecutive
-  positions, and a reader that has seen position ``p`` will never later see
-  a newly committed event at a position ``< p``: commits become visible in
-  position order. ``read_events(after_position=...)`` therefore never skips
-  an event that commits late.
+* **Ordering.** ``EventLog.commit_append`` gives the batch's events
+  consecutive positions, and a reader that has seen position ``p`` will never
+  later see a newly committed event at a position ``< p``: commits become
+  visible in position order. ``read_events(after_position=...)`` therefore
+  never skips an event that commits late.
 * **Atomicity.** ``commit_append`` stores all of a batch (events, trajectory
-  rows, segment row) or nothing.
+  rows, segment row) or nothing; ``SampleIndex.commit_samples`` stores the
+  sample rows, their segment row and the moved checkpoint, or nothing.
 * **Optimistic concurrency.** Each trajectory row carries ``version``; a
   batch computed from a stale version raises ``StaleState`` and stores
   nothing (the caller re-reads and re-admits). So does a race on an event
-  identity.
-* **Errors.** Driver errors that mean "cannot reach the database" become
-  ``StoreUnavailable``; nothing else from the driver escapes.
+  identity or a trajectory's creation, and a checkpoint that moved.
+* **Idempotency** is the caller's (identities are looked up before admission);
+  the unique identity key makes a lost race a ``StaleState``, never a duplicate.
+* **Errors.** Every driver error is translated at one boundary around the
+  whole transaction (``trajstore.log.sql``); nothing from the driver escapes:
+
+  ==========================================  ==================================
+  failure                                     raises
+  ==========================================  ==================================
+  another writer got there first              ``StaleState`` (retry from fresh state)
+  database unreachable, connection lost       ``StoreUnavailable`` (nothing stored)
+  connection lost during COMMIT, outcome      ``CommitUnknownError`` (a
+  not found out                               ``StoreUnavailable``; retry)
+  a value the database cannot store           ``ValidationError`` (rule ``storable_value``)
+  any other constraint or SQL error           ``IndexInvariantError`` (a bug; no retry)
+  ==========================================  ==================================
+
+  When the connection is lost during COMMIT, ``commit_append`` looks on a
+  fresh connection whether the batch landed and returns its positions if it
+  did: an uncertain commit is never reported as "not stored".
 """
 
 from __future__ import annotations
 
+import zlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Collection, Iterator, Mapping, Sequence
 
-__all__ = ["EventLog", "StaleState", "TrajectoryWrite"]
+from trajstore.errors import ValidationError
+
+__all__ = ["EventLog", "SampleIndex", "Shard", "StaleState", "TrajectoryWrite", "shard_index_of"]
 
 
 class StaleState(Exception):
-    """A concurrent writer changed a trajectory (or took an identity) first."""
+    """A concurrent writer changed a trajectory (or took an identity, or moved a
+    checkpoint) first. Internal: ``Store`` re-admits, the materializer re-reads."""
 
 
 @dataclass(frozen=True)
@@ -42,8 +71,48 @@ class TrajectoryWrite:
     expected_version: int | None
 
 
+@dataclass(frozen=True, order=True)
+class Shard:
+    """One materializer shard, ``index`` of ``count``; spelled ``"index/count"``
+    as the key of its checkpoint. A trajectory belongs to the shard
+    ``crc32(trajectory_id) % count``."""
+
+    index: int = 0
+    count: int = 1
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.index, int) and isinstance(self.count, int) and 0 <= self.index < self.count):
+            raise ValidationError(f"shard {self.index!r}/{self.count!r}: need 0 <= index < count", rule="shard")
+
+    @classmethod
+    def parse(cls, key: str) -> "Shard":
+        """``Shard.parse("1/4") == Shard(1, 4)``."""
+        index, sep, count = str(key).partition("/")
+        try:
+            if not sep:
+                raise ValueError
+            return cls(int(index), int(count))
+        except ValueError:
+            raise ValidationError(f"not a shard key: {key!r} (want 'index/count')", rule="shard") from None
+
+    @classmethod
+    def all(cls, count: int) -> list["Shard"]:
+        return [cls(i, count) for i in range(count)]
+
+    def owns(self, trajectory_id: str) -> bool:
+        return shard_index_of(trajectory_id, self.count) == self.index
+
+    def __str__(self) -> str:
+        return f"{self.index}/{self.count}"
+
+
+def shard_index_of(trajectory_id: str, count: int) -> int:
+    """The index of the shard of ``count`` that folds ``trajectory_id``."""
+    return zlib.crc32(trajectory_id.encode()) % count
+
+
 class EventLog(ABC):
-    """The log index: events, trajectory tail state, segments, samples."""
+    """The log index: events in position order, identities, trajectory tail state, segments."""
 
     # -- appending ---------------------------------------------------------
     @abstractmethod
@@ -61,7 +130,13 @@ class EventLog(ABC):
         trajectory_writes: Sequence[TrajectoryWrite],
         segment_row: Mapping[str, Any] | None,
     ) -> list[int]:
-        """Atomically store a batch; return the events' positions (see class doc)."""
+        """Atomically store a batch; return the events' positions.
+
+        Raises ``StaleState`` (a trajectory's version moved, or an identity or
+        trajectory id was taken concurrently), ``StoreUnavailable`` (nothing was
+        stored), ``CommitUnknownError`` (the outcome is unknown: the caller must
+        keep the batch's payload), ``ValidationError`` or ``IndexInvariantError``
+        (see the module doc)."""
 
     # -- reading -----------------------------------------------------------
     @abstractmethod
@@ -82,21 +157,33 @@ class EventLog(ABC):
 
     @abstractmethod
     def counts(self) -> dict[str, Any]:
-        """Summary counts for ``trajstore info``."""
+        """The log's part of ``trajstore info``: ``head_position``,
+        ``trajectories_by_status``, ``events_by_type``, ``generations_by_model_version``."""
 
     @abstractmethod
     def referenced_segments(self) -> set[str]:
-        """Names of every segment a row points at."""
+        """Names of every payload segment an index row points at (events' and samples')."""
 
-    # -- samples (materializer output) --------------------------------------
     @abstractmethod
-    def load_checkpoint(self, shard: str) -> dict[str, Any] | None:
-        """The materializer checkpoint row of ``shard``."""
+    def close(self) -> None:
+        """Release connections."""
+
+
+class SampleIndex(ABC):
+    """The sample index: materialized sample rows and the shards' checkpoints."""
+
+    @abstractmethod
+    def load_checkpoint(self, shard: Shard) -> dict[str, Any] | None:
+        """The checkpoint row of ``shard`` (None before its first commit)."""
+
+    @abstractmethod
+    def checkpoints(self) -> dict[Shard, dict[str, Any]]:
+        """Every stored checkpoint row by shard."""
 
     @abstractmethod
     def commit_samples(
         self,
-        shard: str,
+        shard: Shard,
         sample_rows: Sequence[dict[str, Any]],
         segment_row: Mapping[str, Any] | None,
         checkpoint: Mapping[str, Any],
@@ -104,17 +191,52 @@ class EventLog(ABC):
         *,
         unfoldable_rows: Sequence[dict[str, Any]] = (),
     ) -> None:
-        """Insert sample rows (and ``unfoldable_trajectories`` rows) and advance
+        """Insert sample rows (and ``unfoldable_trajectories`` rows) and move
         ``shard``'s checkpoint in one transaction.
 
-        Raises StaleState when the stored checkpoint is not ``expected_position``
-        (another materializer of the same shard got there first)."""
+        Raises ``StaleState`` when the stored checkpoint is not
+        ``expected_position`` (another materializer of the same shard got there
+        first); the other errors as in the module doc."""
 
     @abstractmethod
     def iter_sample_rows(self, *, where: Mapping[str, Any], after: tuple[int, int] | None,
                          batch_size: int) -> Iterator[list[dict[str, Any]]]:
-        """Sample rows matching the filters, in (finished_position, sample_index) order."""
+        """Sample rows matching the filters, in (finished_position, sample_index) order,
+        ``batch_size`` rows per list. ``where`` keys: ``status`` (one or several),
+        ``min_model_version``, ``max_model_version``, ``group_id``,
+        ``trajectory_ids``, ``max_finished_position``; None values are ignored."""
 
     @abstractmethod
-    def close(self) -> None:
-        """Release connections."""
+    def count_samples(self) -> int:
+        """Number of sample rows (for ``trajstore info``)."""
+
+    @abstractmethod
+    def unfoldable_trajectories(self, *, limit: int = 20) -> dict[str, Any]:
+        """Finished trajectories the materializer recorded as unfoldable:
+        ``{"count", "by_error": {error class: n}, "recent": [the limit newest rows]}``."""
+
+    def shard_count(self) -> int | None:
+        """How many shards the stored checkpoints were written by (None when
+        there is none yet). Raises ``ValidationError`` when they disagree (the
+        store was materialized with different shard counts)."""
+        counts = {s.count for s in self.checkpoints()}
+        if len(counts) > 1:
+            raise ValidationError(f"materializer checkpoints of different shard counts {sorted(counts)}: "
+                                  "materialize a store with one shard count", rule="shard")
+        return counts.pop() if counts else None
+
+    def watermark(self, num_shards: int | None = None) -> int:
+        """Position up to which every shard has committed its samples (0 when
+        some shard has not started): no sample at or below it can appear later.
+
+        ``num_shards`` defaults to what the checkpoints say; when given it must
+        agree with them (``ValidationError`` otherwise)."""
+        stored = self.checkpoints()
+        found = self.shard_count()
+        if num_shards is not None and found is not None and found != num_shards:
+            raise ValidationError(f"the store's materializer checkpoints are for {found} shard(s), "
+                                  f"not num_shards={num_shards}", rule="reader_config")
+        n = num_shards or found
+        if n is None:
+            return 0
+        return min(int(stored[s]["position"]) if s in stored else 0 for s in Shard.all(n))

@@ -1,4 +1,4 @@
-"""The EventLog on SQLAlchemy Core, shared by SQLite and PostgreSQL.
+"""``EventLog`` and ``SampleIndex`` on SQLAlchemy Core, shared by SQLite and PostgreSQL.
 
 Dialect differences (engine set-up, locking for migrations) live in
 ``sqlite.py`` and ``postgres.py``; this module speaks only portable SQL.
@@ -14,22 +14,49 @@ follows position order, and tailing ``position > checkpoint`` is gap-free.
 The lock is held only for the index transaction; payload files are written
 and fsynced before it starts, so the serialized section is a few small
 INSERTs. SQLite has a single writer anyway (``BEGIN IMMEDIATE``).
+
+The error boundary. Every transaction runs through ``_Db.transaction`` (and
+every read through ``_Db.reading``), which translates whatever the driver
+raises, from connect to COMMIT, in one place (``translate``): lost races
+become ``StaleState``, an unreachable database ``StoreUnavailable``, a value
+the database cannot hold ``ValidationError``, anything else
+``IndexInvariantError``. A connection lost *during* COMMIT is different: the
+commit may have landed. Then the transaction's ``landed`` check runs on a
+fresh connection (retrying while the server recovers); if the batch is there
+the call succeeds, otherwise ``CommitUnknownError`` tells the caller to keep
+the payload and retry.
 """
 
 from __future__ import annotations
 
+import logging
 import time
-from typing import Any, Collection, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any, Callable, Collection, Iterator, Mapping, Sequence, TypeVar
 
-from sqlalchemy import Engine, and_, func, insert, or_, select, update
-from sqlalchemy.exc import IntegrityError, OperationalError
+from sqlalchemy import Connection, Engine, and_, func, insert, or_, select, update
+from sqlalchemy.exc import DataError, DBAPIError, IntegrityError, InterfaceError, OperationalError, StatementError
 
-from trajstore.errors import StoreUnavailable
-from trajstore.log.base import EventLog, StaleState, TrajectoryWrite
+from trajstore.errors import CommitUnknownError, IndexInvariantError, StoreUnavailable, TrajstoreError, ValidationError
+from trajstore.log.base import EventLog, SampleIndex, Shard, StaleState, TrajectoryWrite
 from trajstore.schema import (events, log_head, materializer_checkpoints, samples, segments, trajectories,
                               unfoldable_trajectories)
 
+__all__ = ["SqlEventLog", "SqlSampleIndex", "first_line", "open_sql", "translate"]
+
+log = logging.getLogger(__name__)
+
 _CHUNK = 500  # ids per IN (...) list
+_RESOLVE_S = 30.0  # how long to try to find out whether a commit whose connection broke landed
+T = TypeVar("T")
+
+# Unique keys whose violation means "another writer got there first" (-> StaleState);
+# PostgreSQL reports the constraint name, SQLite "table.column".
+_RACE_KEYS = {
+    "events_identity_key": "events.identity",
+    "trajectories_pkey": "trajectories.trajectory_id",
+    "materializer_checkpoints_pkey": "materializer_checkpoints.shard",
+}
 
 
 def _chunks(items: Sequence[Any], n: int = _CHUNK) -> Iterator[Sequence[Any]]:
@@ -37,10 +64,142 @@ def _chunks(items: Sequence[Any], n: int = _CHUNK) -> Iterator[Sequence[Any]]:
         yield items[i : i + n]
 
 
-class SqlEventLog(EventLog):
-    """EventLog over a write engine and a read engine (they may be the same)."""
+def first_line(e: BaseException) -> str:
+    """The first line of a (driver) error's message, without SQLAlchemy's decoration."""
+    msg = str(getattr(e, "orig", None) or e).strip().splitlines()
+    return msg[0] if msg else type(e).__name__
+
+
+def translate(e: BaseException, what: str) -> Exception:
+    """The trajstore error (or ``StaleState``) for an error raised while ``what`` ran."""
+    if isinstance(e, (TrajstoreError, StaleState)):
+        return e
+    line = first_line(e)
+    if isinstance(e, DBAPIError):
+        sqlstate = str(getattr(e.orig, "sqlstate", None) or "")
+        if isinstance(e, IntegrityError):
+            key = _constraint(e)
+            if key in _RACE_KEYS.values():
+                return StaleState(f"{key} taken concurrently ({line})")
+            return IndexInvariantError(f"{what}: the index refused the write, a trajstore bug ({line})")
+        if sqlstate.startswith("40"):  # serialization failure, deadlock: lost a race
+            return StaleState(f"{what}: {line}")
+        if isinstance(e, DataError) or sqlstate[:2] in ("22", "54"):
+            return ValidationError(f"{what}: the database cannot store a value ({line})", rule="storable_value")
+        if isinstance(e, (OperationalError, InterfaceError)) or e.connection_invalidated:
+            return StoreUnavailable(f"{what}: database unavailable ({line})")
+        return IndexInvariantError(f"{what}: unexpected database error, a trajstore bug ({line})")
+    if isinstance(e, (StatementError, OverflowError, UnicodeError)):
+        # a parameter the driver could not bind (an int beyond 64 bits, a lone surrogate, ...)
+        return ValidationError(f"{what}: the database cannot store a value ({line})", rule="storable_value")
+    return e
+
+
+def _constraint(e: IntegrityError) -> str | None:
+    diag = getattr(e.orig, "diag", None)
+    name = getattr(diag, "constraint_name", None)
+    if name:
+        return _RACE_KEYS.get(name, name)
+    msg = str(e.orig)
+    if msg.startswith("UNIQUE constraint failed: "):
+        return msg.split(": ", 1)[1].split(",")[0].strip()
+    return None
+
+
+def _lost_connection(e: BaseException) -> bool:
+    """Did the COMMIT fail because the connection broke (outcome unknown), rather
+    than because the server answered with an error (rolled back)?"""
+    if not isinstance(e, DBAPIError):
+        return False
+    sqlstate = str(getattr(e.orig, "sqlstate", None) or "")
+    if sqlstate[:2] in ("22", "23", "40", "54"):
+        return False
+    return e.connection_invalidated or isinstance(e, (OperationalError, InterfaceError))
+
+
+class _Db:
+    """The engines and the one error boundary around every transaction."""
 
     def __init__(self, write_engine: Engine, read_engine: Engine) -> None:
+        self.write_engine = write_engine
+        self.read_engine = read_engine
+
+    @contextmanager
+    def reading(self, what: str) -> Iterator[Connection]:
+        try:
+            with self.read_engine.connect() as conn:
+                yield conn
+        except Exception as e:
+            raise translate(e, what) from None
+
+    def transaction(self, what: str, body: Callable[[Connection], T],
+                    landed: Callable[[Connection, T], bool] | None = None) -> T:
+        """Run ``body`` in one write transaction and commit it; translate every error.
+
+        ``landed(conn, result)`` tells, on a fresh connection, whether the
+        transaction committed; it is asked when the connection breaks during
+        COMMIT."""
+        try:
+            conn = self.write_engine.connect()
+        except Exception as e:
+            raise translate(e, what) from None
+        try:
+            try:
+                tx = conn.begin()
+                result = body(conn)
+            except Exception as e:
+                _quietly(conn.rollback)
+                raise translate(e, what) from None
+            try:
+                tx.commit()
+            except Exception as e:
+                if not _lost_connection(e):
+                    raise translate(e, what) from None  # the server refused the commit: rolled back
+                log.warning("%s: connection lost during COMMIT (%s); finding out whether it landed",
+                            what, first_line(e))
+                outcome = None if landed is None else self._find_out(what, lambda c: landed(c, result))
+                if outcome:
+                    log.warning("%s: the commit had landed", what)
+                    return result
+                state = "it is not visible" if outcome is False else "it could not be checked"
+                raise CommitUnknownError(f"{what}: connection lost during COMMIT ({first_line(e)}) and {state}; "
+                                         "retry (appends are idempotent)") from None
+            return result
+        finally:
+            _quietly(conn.close)
+
+    def _find_out(self, what: str, check: Callable[[Connection], bool]) -> bool | None:
+        deadline = time.monotonic() + _RESOLVE_S
+        pause = 0.1
+        while True:
+            try:
+                with self.read_engine.connect() as conn:
+                    return bool(check(conn))
+            except Exception as e:
+                if time.monotonic() + pause > deadline:
+                    log.warning("%s: could not find out whether the commit landed: %s", what, first_line(e))
+                    return None
+            time.sleep(pause)
+            pause = min(pause * 2, 2.0)
+
+    def close(self) -> None:
+        self.write_engine.dispose()
+        if self.read_engine is not self.write_engine:
+            self.read_engine.dispose()
+
+
+def _quietly(fn: Callable[[], Any]) -> None:
+    try:
+        fn()
+    except Exception:  # the connection is already broken: nothing more to learn from it
+        pass
+
+
+class SqlEventLog(EventLog):
+    """The log index over a write engine and a read engine (they may be the same)."""
+
+    def __init__(self, write_engine: Engine, read_engine: Engine, db: _Db | None = None) -> None:
+        self.db = db or _Db(write_engine, read_engine)
         self.write_engine = write_engine
         self.read_engine = read_engine
 
@@ -48,7 +207,7 @@ class SqlEventLog(EventLog):
     def load_trajectories(self, trajectory_ids: Collection[str]) -> dict[str, dict[str, Any]]:
         ids = sorted(set(trajectory_ids))
         out: dict[str, dict[str, Any]] = {}
-        with self._read() as conn:
+        with self.db.reading("loading trajectories") as conn:
             for part in _chunks(ids):
                 for row in conn.execute(select(trajectories).where(trajectories.c.trajectory_id.in_(part))):
                     out[row.trajectory_id] = dict(row._mapping)
@@ -57,7 +216,7 @@ class SqlEventLog(EventLog):
     def lookup_identities(self, identities: Collection[str]) -> dict[str, bytes]:
         ids = sorted(set(identities))
         out: dict[str, bytes] = {}
-        with self._read() as conn:
+        with self.db.reading("looking up event identities") as conn:
             for part in _chunks(ids):
                 q = select(events.c.identity, events.c.content_hash).where(events.c.identity.in_(part))
                 out.update({r.identity: bytes(r.content_hash) for r in conn.execute(q)})
@@ -72,23 +231,24 @@ class SqlEventLog(EventLog):
         n = len(event_rows)
         if n == 0:
             return []
-        try:
-            with self._write() as conn:
-                last = conn.execute(
-                    update(log_head).where(log_head.c.id == 1)
-                    .values(position=log_head.c.position + n).returning(log_head.c.position)
-                ).scalar_one()
-                positions = list(range(last - n + 1, last + 1))
-                rows = [dict(r, position=p) for r, p in zip(event_rows, positions)]
-                self._write_trajectories(conn, trajectory_writes, rows)
-                if segment_row is not None:
-                    conn.execute(insert(segments), [dict(segment_row)])
-                conn.execute(insert(events), rows)
-        except IntegrityError as e:
-            raise StaleState(str(e.orig)) from None
-        return positions
 
-    def _write_trajectories(self, conn, writes: Sequence[TrajectoryWrite], rows: list[dict[str, Any]]) -> None:
+        def body(conn: Connection) -> list[dict[str, Any]]:
+            last = conn.execute(
+                update(log_head).where(log_head.c.id == 1)
+                .values(position=log_head.c.position + n).returning(log_head.c.position)
+            ).scalar_one()
+            rows = [dict(r, position=p) for r, p in zip(event_rows, range(last - n + 1, last + 1))]
+            self._write_trajectories(conn, trajectory_writes, rows)
+            if segment_row is not None:
+                conn.execute(insert(segments), [dict(segment_row)])
+            conn.execute(insert(events), rows)
+            return rows
+
+        rows = self.db.transaction("appending events", body, landed=_events_landed)
+        return [r["position"] for r in rows]
+
+    def _write_trajectories(self, conn: Connection, writes: Sequence[TrajectoryWrite],
+                            rows: list[dict[str, Any]]) -> None:
         marks: dict[str, dict[str, int]] = {}
         for r in rows:
             if r["type"] == "trajectory_started":
@@ -111,7 +271,7 @@ class SqlEventLog(EventLog):
 
     # -- reading -----------------------------------------------------------
     def head_position(self) -> int:
-        with self._read() as conn:
+        with self.db.reading("reading the log head") as conn:
             return int(conn.execute(select(log_head.c.position).where(log_head.c.id == 1)).scalar_one())
 
     def read_events(self, *, after_position: int, limit: int, types: Collection[str] | None = None) -> list[dict[str, Any]]:
@@ -119,20 +279,20 @@ class SqlEventLog(EventLog):
         if types:
             q = q.where(events.c.type.in_(list(types)))
         q = q.order_by(events.c.position).limit(limit)
-        with self._read() as conn:
+        with self.db.reading("reading events") as conn:
             return [dict(r._mapping) for r in conn.execute(q)]
 
     def count_events(self, *, after_position: int, types: Collection[str] | None = None) -> int:
         q = select(func.count()).select_from(events).where(events.c.position > after_position)
         if types:
             q = q.where(events.c.type.in_(list(types)))
-        with self._read() as conn:
+        with self.db.reading("counting events") as conn:
             return int(conn.execute(q).scalar_one())
 
     def trajectory_events(self, trajectory_ids: Collection[str]) -> dict[str, list[dict[str, Any]]]:
         ids = sorted(set(trajectory_ids))
         out: dict[str, list[dict[str, Any]]] = {t: [] for t in ids}
-        with self._read() as conn:
+        with self.db.reading("reading trajectory events") as conn:
             for part in _chunks(ids):
                 q = select(events).where(events.c.trajectory_id.in_(part)).order_by(events.c.position)
                 for r in conn.execute(q):
@@ -140,7 +300,7 @@ class SqlEventLog(EventLog):
         return out
 
     def counts(self) -> dict[str, Any]:
-        with self._read() as conn:
+        with self.db.reading("counting the log") as conn:
             by_status = dict(conn.execute(select(trajectories.c.status, func.count()).group_by(trajectories.c.status)).all())
             by_type = dict(conn.execute(select(events.c.type, func.count()).group_by(events.c.type)).all())
             by_version = conn.execute(
@@ -148,7 +308,6 @@ class SqlEventLog(EventLog):
                 .where(events.c.type == "generation").group_by(events.c.model_version)
                 .order_by(events.c.model_version)
             ).all()
-            n_samples = conn.execute(select(func.count()).select_from(samples)).scalar_one()
             head = conn.execute(select(log_head.c.position)).scalar_one()
         return {
             "head_position": int(head),
@@ -157,22 +316,47 @@ class SqlEventLog(EventLog):
             "generations_by_model_version": [
                 {"model_version": v, "generations": int(c), "output_tokens": int(t or 0)} for v, c, t in by_version
             ],
-            "samples": int(n_samples),
         }
 
     def referenced_segments(self) -> set[str]:
-        with self._read() as conn:
+        with self.db.reading("listing segments") as conn:
             return set(conn.execute(select(segments.c.name)).scalars())
 
-    # -- samples -----------------------------------------------------------
-    def load_checkpoint(self, shard: str) -> dict[str, Any] | None:
-        with self._read() as conn:
-            row = conn.execute(select(materializer_checkpoints).where(materializer_checkpoints.c.shard == shard)).first()
+    def close(self) -> None:
+        self.db.close()
+
+
+def _events_landed(conn: Connection, rows: list[dict[str, Any]]) -> bool:
+    """Are exactly these rows stored at their positions (same trajectory, type and content)?"""
+    want = {r["position"]: (r["trajectory_id"], r["type"], bytes(r["content_hash"])) for r in rows}
+    got: dict[int, tuple[str, str, bytes]] = {}
+    for part in _chunks(sorted(want)):
+        q = select(events.c.position, events.c.trajectory_id, events.c.type, events.c.content_hash) \
+            .where(events.c.position.in_(part))
+        got.update({r.position: (r.trajectory_id, r.type, bytes(r.content_hash)) for r in conn.execute(q)})
+    return got == want
+
+
+class SqlSampleIndex(SampleIndex):
+    """The sample index over the same engines as the log."""
+
+    def __init__(self, write_engine: Engine, read_engine: Engine, db: _Db | None = None) -> None:
+        self.db = db or _Db(write_engine, read_engine)
+
+    def load_checkpoint(self, shard: Shard) -> dict[str, Any] | None:
+        key = str(Shard.parse(str(shard)))
+        with self.db.reading("reading a materializer checkpoint") as conn:
+            row = conn.execute(select(materializer_checkpoints).where(materializer_checkpoints.c.shard == key)).first()
         return dict(row._mapping) if row else None
+
+    def checkpoints(self) -> dict[Shard, dict[str, Any]]:
+        with self.db.reading("reading materializer checkpoints") as conn:
+            rows = [dict(r._mapping) for r in conn.execute(select(materializer_checkpoints))]
+        return {Shard.parse(r["shard"]): r for r in rows}
 
     def commit_samples(
         self,
-        shard: str,
+        shard: Shard,
         sample_rows: Sequence[dict[str, Any]],
         segment_row: Mapping[str, Any] | None,
         checkpoint: Mapping[str, Any],
@@ -180,27 +364,32 @@ class SqlEventLog(EventLog):
         *,
         unfoldable_rows: Sequence[dict[str, Any]] = (),
     ) -> None:
-        cp = dict(checkpoint, shard=shard, updated_at=time.time())
-        try:
-            with self._write() as conn:
-                current = conn.execute(
-                    select(materializer_checkpoints.c.position).where(materializer_checkpoints.c.shard == shard)
-                ).scalar_one_or_none()
-                if (current or 0) != expected_position:
-                    raise StaleState(f"shard {shard!r} checkpoint moved to {current}")
-                if current is None:
-                    conn.execute(insert(materializer_checkpoints), [cp])
-                else:
-                    conn.execute(update(materializer_checkpoints)
-                                 .where(materializer_checkpoints.c.shard == shard).values(**cp))
-                if segment_row is not None:
-                    conn.execute(insert(segments), [dict(segment_row)])
-                if sample_rows:
-                    conn.execute(insert(samples), list(sample_rows))
-                if unfoldable_rows:
-                    conn.execute(insert(unfoldable_trajectories), list(unfoldable_rows))
-        except IntegrityError as e:
-            raise StaleState(str(e.orig)) from None
+        key = str(Shard.parse(str(shard)))
+        cp = dict(checkpoint, shard=key, updated_at=time.time())
+        cps = materializer_checkpoints
+
+        def body(conn: Connection) -> None:
+            # The guarded UPDATE is the version check: a concurrent materializer of
+            # this shard that moved the checkpoint leaves it matching no row.
+            if expected_position == 0 and conn.execute(select(cps.c.shard).where(cps.c.shard == key)).first() is None:
+                conn.execute(insert(cps), [cp])  # a concurrent first commit: primary key race -> StaleState
+            else:
+                res = conn.execute(update(cps).where(cps.c.shard == key)
+                                   .where(cps.c.position == expected_position).values(**cp))
+                if res.rowcount != 1:
+                    raise StaleState(f"shard {key!r} checkpoint is no longer at {expected_position}")
+            if segment_row is not None:
+                conn.execute(insert(segments), [dict(segment_row)])
+            if sample_rows:
+                conn.execute(insert(samples), list(sample_rows))
+            if unfoldable_rows:
+                conn.execute(insert(unfoldable_trajectories), list(unfoldable_rows))
+
+        def landed(conn: Connection, _: None) -> bool:
+            pos = conn.execute(select(cps.c.position).where(cps.c.shard == key)).scalar_one_or_none()
+            return pos is not None and pos >= int(checkpoint["position"])
+
+        self.db.transaction(f"committing samples of shard {key}", body, landed=landed)
 
     def iter_sample_rows(self, *, where: Mapping[str, Any], after: tuple[int, int] | None,
                          batch_size: int) -> Iterator[list[dict[str, Any]]]:
@@ -213,19 +402,20 @@ class SqlEventLog(EventLog):
                 q = q.where(or_(samples.c.finished_position > fp,
                                 and_(samples.c.finished_position == fp, samples.c.sample_index > si)))
             q = q.order_by(samples.c.finished_position, samples.c.sample_index).limit(batch_size)
-            with self._read() as conn:
+            with self.db.reading("reading sample rows") as conn:
                 rows = [dict(r._mapping) for r in conn.execute(q)]
             if not rows:
                 return
             yield rows
             cursor = (rows[-1]["finished_position"], rows[-1]["sample_index"])
 
-    # -- unfoldable trajectories (materializer) -------------------------------
+    def count_samples(self) -> int:
+        with self.db.reading("counting samples") as conn:
+            return int(conn.execute(select(func.count()).select_from(samples)).scalar_one())
+
     def unfoldable_trajectories(self, *, limit: int = 20) -> dict[str, Any]:
-        """How many finished trajectories the materializer recorded as
-        unfoldable, by error class, and the ``limit`` most recent ones."""
         t = unfoldable_trajectories
-        with self._read() as conn:
+        with self.db.reading("reading unfoldable trajectories") as conn:
             by_error = dict(conn.execute(select(t.c.error, func.count()).group_by(t.c.error)).all())
             recent = conn.execute(
                 select(t.c.trajectory_id, t.c.finished_position, t.c.shard, t.c.error, t.c.rule, t.c.message)
@@ -235,17 +425,11 @@ class SqlEventLog(EventLog):
                 "by_error": {k: int(v) for k, v in sorted(by_error.items())},
                 "recent": [dict(r._mapping) for r in recent]}
 
-    def close(self) -> None:
-        self.write_engine.dispose()
-        if self.read_engine is not self.write_engine:
-            self.read_engine.dispose()
 
-    # -- connections -------------------------------------------------------
-    def _read(self):
-        return _translated(self.read_engine)
-
-    def _write(self):
-        return _translated(self.write_engine)
+def open_sql(write_engine: Engine, read_engine: Engine) -> tuple[SqlEventLog, SqlSampleIndex]:
+    """The log index and the sample index of one database, sharing its engines."""
+    db = _Db(write_engine, read_engine)
+    return SqlEventLog(write_engine, read_engine, db), SqlSampleIndex(write_engine, read_engine, db)
 
 
 def _sample_filters(where: Mapping[str, Any]) -> list[Any]:
@@ -265,32 +449,3 @@ def _sample_filters(where: Mapping[str, Any]) -> list[Any]:
     if where.get("max_finished_position") is not None:
         conds.append(c.finished_position <= where["max_finished_position"])
     return conds
-
-
-class _translated:
-    """engine.begin() that turns 'cannot reach the database' into StoreUnavailable."""
-
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
-        self.ctx = None
-
-    def __enter__(self):
-        try:
-            self.ctx = self.engine.begin()
-            return self.ctx.__enter__()
-        except OperationalError as e:
-            raise StoreUnavailable(f"cannot reach the database: {_one_line(e)}") from None
-
-    def __exit__(self, *exc):
-        try:
-            return self.ctx.__exit__(*exc)
-        except OperationalError as e:
-            raise StoreUnavailable(f"database error at commit: {_one_line(e)}") from None
-
-
-def _one_line(e: Exception) -> str:
-    msg = str(getattr(e, "orig", e)).strip().splitlines()
-    return msg[0] if msg else type(e).__name__
-
-
-__all__ = ["SqlEventLog"]

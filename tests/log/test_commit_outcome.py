@@ -1,0 +1,250 @@
+"""The PostgreSQL backend running an append's COMMIT is killed with SIGKILL.
+
+Two real cases, each in its own throwaway cluster (a killed backend makes the
+postmaster restart every session):
+
+* the commit record was already written (the backend waits for a synchronous
+  standby that does not exist): the append landed, so it is acknowledged and
+  its payload stays; before the fix the caller got an error, the payload was
+  deleted and the retry was deduplicated onto a missing file;
+* COMMIT blocks in a deferred trigger before committing: the append did not
+  land; the caller gets a retriable ``CommitUnknownError`` and the payload is
+  left to the garbage collector, never deleted under a possible commit.
+
+Either way every acknowledged event's payload exists and ``materialize`` works.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import psycopg
+import pytest
+
+import trajstore
+from trajstore.errors import CommitUnknownError, StoreUnavailable
+from tests.helpers import finished, gen, started
+
+from pg_cluster import PgCluster
+
+pytestmark = pytest.mark.postgres
+APPENDER = "appender"
+
+
+@pytest.fixture
+def cluster():
+    if os.environ.get("TRAJSTORE_SKIP_POSTGRES") == "1":
+        pytest.skip("TRAJSTORE_SKIP_POSTGRES=1")
+    with PgCluster() as c:
+        with _admin(c) as conn:
+            # everyone commits locally, the appender role waits for a synchronous standby when one is named
+            conn.execute("ALTER SYSTEM SET synchronous_commit = 'local'")
+            conn.execute("SELECT pg_reload_conf()")
+            conn.execute(f"CREATE ROLE {APPENDER} LOGIN SUPERUSER")
+            conn.execute(f"ALTER ROLE {APPENDER} SET synchronous_commit = 'on'")
+        yield c
+
+
+def _admin(c: PgCluster, dbname: str = "postgres") -> psycopg.Connection:
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            return psycopg.connect(host="127.0.0.1", port=c.port, user="postgres", dbname=dbname,
+                                   autocommit=True, connect_timeout=5)
+        except psycopg.OperationalError:  # in crash recovery after the kill
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+def _store(c: PgCluster, tmp_path):
+    db = c.create_database()
+    trajstore.connect(db, payload=str(tmp_path / "payload")).close()  # migrations as the owner
+    url = db.replace("postgres@", f"{APPENDER}@")
+    return trajstore.connect(url, payload=str(tmp_path / "payload"), migrate=False), db.rsplit("/", 1)[1]
+
+
+def _trajectory(tid: str) -> list[dict]:
+    return [started(tid), gen(tid, 0, [1, 2, 3], [4, 5], logprobs=[-0.1, -0.2]),
+            gen(tid, 1, [1, 2, 3, 4, 5, 6], [7], logprobs=[-0.3]), finished(tid)]
+
+
+def _kill_backend_when(c: PgCluster, condition: str) -> int:
+    """SIGKILL the appender's backend once it shows ``condition`` in pg_stat_activity."""
+    deadline = time.monotonic() + 60
+    with _admin(c) as conn:
+        while time.monotonic() < deadline:
+            row = conn.execute(f"SELECT pid FROM pg_stat_activity WHERE usename = %s AND {condition}",
+                               (APPENDER,)).fetchone()
+            if row:
+                os.kill(row[0], signal.SIGKILL)
+                return row[0]
+            time.sleep(0.02)
+        seen = conn.execute("SELECT pid, state, wait_event_type, wait_event, query FROM pg_stat_activity "
+                            "WHERE usename = %s", (APPENDER,)).fetchall()
+    raise AssertionError(f"no appender backend with {condition}: {seen}")
+
+
+def _append_in_thread(store, events) -> tuple[threading.Thread, dict]:
+    out: dict = {}
+
+    def run() -> None:
+        try:
+            out["result"] = store.append(events)
+        except BaseException as e:  # reported to the test below
+            out["error"] = e
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t, out
+
+
+def _append_retrying(store, events):
+    """What a well-behaved caller does: retry retriable errors until acknowledged."""
+    for _ in range(5):
+        try:
+            return store.append(events)
+        except StoreUnavailable:
+            time.sleep(0.5)
+    return store.append(events)
+
+
+def _assert_every_acknowledged_payload_present(store, tids: list[str]) -> None:
+    files = {name for name, _ in store.payload.list_names()}
+    missing = store.log.referenced_segments() - files
+    assert not missing, f"index rows point at deleted payload files: {sorted(missing)}"
+    for tid in tids:
+        assert len(store.load_generations(tid)) == 2
+    stats = store.materialize()
+    assert stats.num_trajectories == len(tids)
+    assert {s.trajectory_id for s in store.samples()} == set(tids)
+
+
+def test_commit_that_landed_before_the_kill_is_acknowledged_and_keeps_its_payload(cluster, tmp_path):
+    store, _ = _store(cluster, tmp_path)
+    store.append(_trajectory("before"))
+    with _admin(cluster) as conn:
+        conn.execute("ALTER SYSTEM SET synchronous_standby_names = 'ghost'")
+        conn.execute("SELECT pg_reload_conf()")
+    time.sleep(0.5)  # let every backend read the new setting
+    t, out = _append_in_thread(store, _trajectory("during"))
+    _kill_backend_when(cluster, "wait_event = 'SyncRep'")  # commit record written, waiting for the standby
+    with _admin(cluster) as conn:  # after crash recovery: no more waiting for a standby
+        conn.execute("ALTER SYSTEM RESET synchronous_standby_names")
+        conn.execute("SELECT pg_reload_conf()")
+    t.join(timeout=120)
+    assert not t.is_alive()
+    # The commit landed: the append is acknowledged (no error to retry).
+    assert "error" not in out, f"append failed although its commit landed: {out['error']!r}"
+    assert out["result"].num_appended == 4
+    assert _append_retrying(store, _trajectory("during")).num_duplicates == 4  # a retry adds nothing
+    _assert_every_acknowledged_payload_present(store, ["before", "during"])
+    store.close()
+
+
+def test_commit_killed_before_it_landed_is_retriable_and_leaves_the_payload_to_gc(cluster, tmp_path):
+    store, dbname = _store(cluster, tmp_path)
+    store.append(_trajectory("before"))
+    with _admin(cluster, dbname) as conn:
+        conn.execute("""CREATE FUNCTION hold_commit() RETURNS trigger LANGUAGE plpgsql AS $$
+                        BEGIN PERFORM pg_advisory_xact_lock(4242); RETURN NULL; END $$""")
+        conn.execute("""CREATE CONSTRAINT TRIGGER hold_commit AFTER INSERT ON segments
+                        DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION hold_commit()""")
+    files_before = {name for name, _ in store.payload.list_names()}
+    holder = _admin(cluster, dbname)  # advisory locks are per database
+    holder.execute("SELECT pg_advisory_lock(4242)")
+    try:
+        t, out = _append_in_thread(store, _trajectory("during"))
+        _kill_backend_when(cluster, "query = 'COMMIT' AND wait_event_type = 'Lock'")
+        t.join(timeout=120)
+        assert not t.is_alive()
+    finally:
+        holder.close()  # gone already: the kill restarted every session
+    err = out.get("error")
+    assert isinstance(err, CommitUnknownError), f"expected a retriable CommitUnknownError, got {out!r}"
+    assert "\n" not in str(err)
+    orphans = {name for name, _ in store.payload.list_names()} - files_before
+    assert len(orphans) == 1, "the payload of an uncertain commit must be kept"
+    with _admin(cluster, dbname) as conn:
+        conn.execute("DROP TRIGGER hold_commit ON segments")
+    assert _append_retrying(store, _trajectory("during")).num_appended == 4
+    assert store.collect_garbage(grace_s=0) == sorted(orphans)
+    _assert_every_acknowledged_payload_present(store, ["before", "during"])
+    store.close()
+
+
+@pytest.mark.slow
+def test_backends_killed_at_random_under_retrying_appenders(cluster, tmp_path):
+    """Three appenders that retry retriable errors; their backends are SIGKILLed
+    again and again, preferably during COMMIT. Afterwards every acknowledged
+    event is stored once, every index row's payload exists, the only errors the
+    appenders saw were trajstore's, and materialize folds everything."""
+    from tests.log.procs import small_trajectory
+
+    store, _ = _store(cluster, tmp_path)
+    url = store.url
+    acked: list[tuple[int, int]] = []
+    seen_errors: list[BaseException] = []
+
+    def appender(w: int) -> None:
+        s = trajstore.connect(url, payload=store.payload.location, migrate=False)
+        try:
+            for k in range(12):
+                evs = small_trajectory(w, k)
+                for i in range(0, len(evs), 2):
+                    while True:
+                        try:
+                            s.append(evs[i:i + 2])
+                            break
+                        except StoreUnavailable as e:
+                            seen_errors.append(e)
+                            time.sleep(0.05)
+                        except BaseException as e:  # anything else fails the test below
+                            seen_errors.append(e)
+                            return
+                acked.append((w, k))
+        finally:
+            s.close()
+
+    threads = [threading.Thread(target=appender, args=(w,)) for w in range(3)]
+    for t in threads:
+        t.start()
+    kills = 0
+    with_commit = 0
+    while any(t.is_alive() for t in threads) and kills < 8:
+        try:
+            with _admin(cluster) as conn:
+                row = None
+                for _ in range(50):  # prefer a backend running COMMIT
+                    row = conn.execute("SELECT pid, query FROM pg_stat_activity WHERE usename = %s AND state = 'active'"
+                                       " ORDER BY query = 'COMMIT' DESC LIMIT 1", (APPENDER,)).fetchone()
+                    if row and row[1] == "COMMIT":
+                        break
+                    time.sleep(0.005)
+        except psycopg.OperationalError:
+            continue
+        if row:
+            try:
+                os.kill(row[0], signal.SIGKILL)
+            except ProcessLookupError:
+                continue
+            kills += 1
+            with_commit += row[1] == "COMMIT"
+            time.sleep(0.5)
+    for t in threads:
+        t.join(timeout=300)
+    assert not any(t.is_alive() for t in threads)
+    assert kills >= 3
+    foreign = [e for e in seen_errors if not isinstance(e, StoreUnavailable)]
+    assert not foreign, f"appenders saw non-retriable or foreign errors: {foreign[:3]}"
+    assert sorted(acked) == [(w, k) for w in range(3) for k in range(12)]
+    tids = [f"w{w}-t{k}" for w, k in acked]
+    stored = store.log.trajectory_events(tids)
+    assert all(len(stored[t]) == 10 for t in tids), "an acknowledged event is missing or stored twice"
+    files = {name for name, _ in store.payload.list_names()}
+    assert not store.log.referenced_segments() - files, "index rows point at deleted payload files"
+    assert store.materialize().num_trajectories == len(tids)
+    store.close()

@@ -142,7 +142,7 @@ def test_a_whole_batch_of_bad_trajectories_still_moves_the_checkpoint(store):
     make_bad_prefix(store, "b")
     stats = store.materialize()
     assert (stats.num_trajectories, stats.num_unfoldable, stats.num_samples_after) == (0, 2, 0)
-    assert stats.position == store.log.head_position() == store.log.load_checkpoint("0/1")["position"]
+    assert stats.position == store.log.head_position() == store.materialized.load_checkpoint("0/1")["position"]
     assert store.materialize().num_unfoldable == 0
 
 
@@ -204,7 +204,7 @@ def test_store_unavailable_is_not_recorded(store):
         store.materialize()
     os.remove(location)
     os.rename(location + ".away", location)
-    assert unfoldable_rows(store) == [] and store.log.load_checkpoint("0/1") is None
+    assert unfoldable_rows(store) == [] and store.materialized.load_checkpoint("0/1") is None
     assert store.materialize().num_trajectories == 1
 
 

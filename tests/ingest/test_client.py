@@ -191,6 +191,7 @@ def test_error_from_response_maps_statuses():
     assert type(err) is ValidationError and err.index == 2 and err.rule == "seq_gap"
     assert type(error_from_response(409, b'{"error": {"message": "x"}}')) is ConflictError
     assert type(error_from_response(503, b"down")) is StoreUnavailable
+    assert type(error_from_response(500, b"boom")) is TrajstoreError  # not retried blindly: the writer isolates it
     assert type(error_from_response(401, b'{"error": {"message": "no"}}')) is TrajstoreError
     assert error_from_response(413, b'{"error": {"rule": "body_too_large", "message": "big"}}').rule == "body_too_large"
 

@@ -126,3 +126,19 @@ def test_one_bad_event_fails_only_its_trajectory(sink, store, poison):
     assert stored_bad is None or stored_bad.status == "running"  # its bad event, and what follows it, never stored
     acked = {ev["trajectory_id"] for batch in sends for ev in batch}
     assert set(good) <= acked
+
+
+def test_a_wrong_token_fails_the_batch_at_once_with_one_line(store, caplog):
+    pytest.importorskip("fastapi", reason="needs the extra: pip install 'trajstore[server]'")
+    from openai_upstream import serve_in_thread
+    from trajstore.ingest.service import make_app
+
+    with serve_in_thread(make_app(store, token="right")) as url:
+        writer = Writer(url, token="wrong", batch_size=100, flush_interval_s=30.0, retry_timeout_s=20.0)
+        writer.extend(_good("a") + _good("b"))
+        with pytest.raises(TrajstoreError, match=r"refused the request \(401\)") as refused:
+            writer.close()
+    assert not isinstance(refused.value, StoreUnavailable)
+    assert "\n" not in str(refused.value)
+    assert store.trajectory_state("a") is None and store.trajectory_state("b") is None
+    assert [r.levelname for r in caplog.records if r.name == "trajstore.ingest.client"] == ["ERROR"]

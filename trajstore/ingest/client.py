@@ -330,6 +330,9 @@ class Writer:
             except (StoreUnavailable, OSError) as e:
                 error = e
             except Exception as e:
+                if 400 <= getattr(e, "http_status", 500) < 500:  # 401, 403, 404: the same for every request
+                    _log.error("trajstore writer: %s: %s", self._sink_name, _first_line(e))
+                    raise
                 if num_trajectories == 1 and attempt < _UNCLASSIFIED_ATTEMPTS:
                     _log.debug("trajstore writer: attempt %d to %s failed: %s", attempt, self._sink_name, _first_line(e))
                     time.sleep(0.05 * attempt)

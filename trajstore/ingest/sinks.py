@@ -165,8 +165,11 @@ def error_from_response(status: int, data: bytes) -> TrajstoreError:
     if status in (429, 502, 503, 504):  # overloaded, restarting, behind a gateway: retried
         return StoreUnavailable(f"ingest service answered {status}: {message}")
     if status >= 500:  # the service failed on this request: not retried blindly (the writer isolates it)
-        return TrajstoreError(f"ingest service failed on the request ({status}): {message}")
-    return TrajstoreError(f"ingest service refused the request ({status}): {message}")
+        error = TrajstoreError(f"ingest service failed on the request ({status}): {message}")
+    else:  # 401, 403, 404: every request would get the same answer
+        error = TrajstoreError(f"ingest service refused the request ({status}): {message}")
+    error.http_status = status  # type: ignore[attr-defined]
+    return error
 
 
 def make_sink(sink: Any, token: str | None, timeout_s: float) -> Sink:

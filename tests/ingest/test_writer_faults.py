@@ -3,6 +3,7 @@ next to good trajectories, on both sinks (in-process Store and HTTP)."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -41,20 +42,30 @@ def _wait_for_a_transaction(cluster, dbname: str) -> None:
             time.sleep(0.002)
 
 
-def test_in_process_writer_survives_two_postgres_crashes(pg_cluster, fresh_pg_url, tmp_path, monkeypatch):
+@pytest.mark.parametrize("via", ["in_process", "http"])
+def test_writer_survives_two_postgres_crashes(pg_cluster, fresh_pg_url, tmp_path, monkeypatch, via):
     monkeypatch.setenv("TRAJSTORE_PAYLOAD_DIR", str(tmp_path / "payload"))
-    writer = Writer(fresh_pg_url, batch_size=4, flush_interval_s=0.01)
-    producers = [threading.Thread(target=_produce, args=(writer, k, 0.05)) for k in range(NUM_TRAJ)]
-    for t in producers:
-        t.start()
-    for _ in range(2):  # two crashes while the producers write, each with an append in flight
-        _wait_for_a_transaction(pg_cluster, fresh_pg_url.rsplit("/", 1)[1])
-        crash_cluster(pg_cluster)
-        time.sleep(0.5)
-        start_cluster_again(pg_cluster)
-    for t in producers:
-        t.join()
-    writer.close()  # clean: no error raised
+    with contextlib.ExitStack() as stack:
+        target = fresh_pg_url
+        if via == "http":
+            pytest.importorskip("fastapi", reason="needs the extra: pip install 'trajstore[server]'")
+            from openai_upstream import serve_in_thread
+            from trajstore.ingest.service import make_app
+
+            service_store = stack.enter_context(trajstore.connect(fresh_pg_url))
+            target = stack.enter_context(serve_in_thread(make_app(service_store, token="tok")))
+        writer = Writer(target, token="tok", batch_size=4, flush_interval_s=0.01)
+        producers = [threading.Thread(target=_produce, args=(writer, k, 0.05)) for k in range(NUM_TRAJ)]
+        for t in producers:
+            t.start()
+        for _ in range(2):  # two crashes while the producers write, each with an append in flight
+            _wait_for_a_transaction(pg_cluster, fresh_pg_url.rsplit("/", 1)[1])
+            crash_cluster(pg_cluster)
+            time.sleep(0.5)
+            start_cluster_again(pg_cluster)
+        for t in producers:
+            t.join()
+        writer.close()  # clean: no error raised
     assert writer.errors == []
     with trajstore.connect(fresh_pg_url, payload=str(tmp_path / "payload")) as store:
         states = {f"t{k}": store.trajectory_state(f"t{k}") for k in range(NUM_TRAJ)}
@@ -63,7 +74,7 @@ def test_in_process_writer_survives_two_postgres_crashes(pg_cluster, fresh_pg_ur
         assert {tid: st.status for tid, st in states.items()} == {f"t{k}": "completed" for k in range(NUM_TRAJ)}
         assert {tid: st.last_seq for tid, st in states.items()} == {f"t{k}": NUM_GEN - 1 for k in range(NUM_TRAJ)}
         store.materialize()
-        assert sorted(s.trajectory_id for s in store.samples()) == sorted(f"t{k}" for k in range(NUM_TRAJ))
+        assert sorted({s.trajectory_id for s in store.samples()}) == sorted(f"t{k}" for k in range(NUM_TRAJ))
 
 
 # -- one bad event next to good trajectories (issue 9.6) ----------------------
@@ -112,7 +123,7 @@ def test_one_bad_event_fails_only_its_trajectory(sink, store, poison):
     sends = []
     # One batch holds everything; a regression that retries the batch gives up
     # after retry_timeout_s with StoreUnavailable, which the assertions catch.
-    writer = Writer(sink, token="tok", batch_size=100, flush_interval_s=30.0, retry_timeout_s=20.0,
+    writer = Writer(sink, token="tok", batch_size=100, flush_interval_s=30.0, retry_timeout_s=5.0,
                     on_ack=sends.append)
     writer.extend(events)
     with pytest.raises(TrajstoreError) as refused:

@@ -311,13 +311,14 @@ class Writer:
     def _send_with_retry(self, events: list[dict]) -> None:
         """Send one part. Retriable failures (StoreUnavailable, OSError,
         contention) are retried with backoff for ``retry_timeout_s``; a failure
-        the sink cannot classify is retried a few times only when the part holds
-        one trajectory (a part of several is split at once instead)."""
+        the sink cannot classify is retried for at most ``_UNCLASSIFIED_RETRY_S``
+        when the part holds one trajectory (a part of several is split at once)."""
         start = time.monotonic()
         deadline = start + self.retry_timeout_s
         delay = 0.05
         attempt = 0
         warned = False
+        budget_s = self.retry_timeout_s
         num_trajectories = len({repr(ev.get("trajectory_id")) for ev in events})
         while True:
             attempt += 1
@@ -333,16 +334,17 @@ class Writer:
                 if 400 <= getattr(e, "http_status", 500) < 500:  # 401, 403, 404: the same for every request
                     _log.error("trajstore writer: %s: %s", self._sink_name, _first_line(e))
                     raise
-                if num_trajectories == 1 and attempt < _UNCLASSIFIED_ATTEMPTS:
-                    _log.debug("trajstore writer: attempt %d to %s failed: %s", attempt, self._sink_name, _first_line(e))
-                    time.sleep(0.05 * attempt)
-                    continue
-                what = (f"trajectory {events[0].get('trajectory_id')!r}" if num_trajectories == 1
-                        else f"a batch of {num_trajectories} trajectories")
-                wrapped = TrajstoreError(f"{self._sink_name} failed on {what}: {type(e).__name__}: {_first_line(e)}")
-                if num_trajectories == 1:
-                    _log.warning("trajstore writer: %s", wrapped)
-                raise _Unclassified(wrapped) from None
+                # One trajectory's part gets a short budget (a service answering 500 while its
+                # database restarts recovers within it); a part of several is split at once.
+                budget_s = min(self.retry_timeout_s, _UNCLASSIFIED_RETRY_S)
+                if num_trajectories > 1 or self._aborted or time.monotonic() + delay > start + budget_s:
+                    what = (f"trajectory {events[0].get('trajectory_id')!r}" if num_trajectories == 1
+                            else f"a batch of {num_trajectories} trajectories")
+                    wrapped = TrajstoreError(f"{self._sink_name} failed on {what}: {type(e).__name__}: {_first_line(e)}")
+                    if num_trajectories == 1:
+                        _log.warning("trajstore writer: %s", wrapped)
+                    raise _Unclassified(wrapped) from None
+                error = e
             else:
                 if warned:
                     _log.info("trajstore writer: %s is back; sent %d events after %d attempts in %.1f s",
@@ -351,7 +353,7 @@ class Writer:
             if not warned:  # one warning per retry burst
                 _log.warning("trajstore writer: cannot send %d events to %s (%s: %s); retrying for up to %g s",
                              len(events), self._sink_name, type(error).__name__, _first_line(error),
-                             self.retry_timeout_s)
+                             budget_s)
                 warned = True
             else:
                 _log.debug("trajstore writer: attempt %d to %s failed: %s", attempt, self._sink_name, _first_line(error))
@@ -390,7 +392,7 @@ class Writer:
 
 
 _UNKNOWN = object()
-_UNCLASSIFIED_ATTEMPTS = 3  # tries of a one-trajectory part the sink fails on for no known reason
+_UNCLASSIFIED_RETRY_S = 15.0  # retries of a one-trajectory part the sink fails on for no known reason
 
 
 class _Unclassified(Exception):

@@ -261,7 +261,7 @@ class SampleReader:
             return batch
         out = []
         for sample in batch:
-            reason = sample.finish_reason
+            reason = getattr(sample, "finish_reason", None)  # a Sample field since SPEC's finish_reason
             if drop and reason in drop:
                 self.stats.dropped_samples += 1
                 continue

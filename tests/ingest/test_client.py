@@ -242,3 +242,8 @@ def test_writer_logs_when_the_sink_is_back(caplog):
             w.put(_gen("t", i))
     assert [r.levelname for r in caplog.records] == ["WARNING", "INFO"]
     assert "is back" in caplog.records[1].getMessage()
+
+
+def test_a_malformed_ingest_url_is_a_one_line_validation_error():
+    with pytest.raises(ValidationError, match=r"ingest URL must be http\(s\)://host:port, got 'http://'"):
+        Writer("http://")

@@ -105,7 +105,7 @@ class HttpSink:
                  max_body_bytes: int = 64 << 20) -> None:
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"ingest URL must be http(s)://host:port, got {url!r}")
+            raise ValidationError(f"ingest URL must be http(s)://host:port, got {url!r}", rule="url")
         self._parts = parts
         self.name = f"{parts.scheme}://{parts.hostname}{f':{parts.port}' if parts.port else ''}{parts.path.rstrip('/')}"
         self._path = parts.path.rstrip("/") + "/v1/events"

@@ -42,7 +42,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from trajstore._batch_plan import Key, Step, Unit, UnitBuilder, plan_step, row_key
-from trajstore.errors import ResumeStateError, ValidationError
+from trajstore.errors import ResumeStateError, TrajstoreError, ValidationError
 from trajstore.sample import Sample
 from trajstore._samples import read_segment_samples
 
@@ -290,7 +290,10 @@ class SampleReader:
         filtered = stats.filtered_samples - before["filtered_samples"]
         if filtered:
             reasons.append(f"the status filter {list(cfg.status or ())} removed {filtered} samples")
-        pending = self._unmaterialized()
+        try:
+            pending = self._unmaterialized()
+        except TrajstoreError:  # explaining must not fail the read
+            pending = 0
         if pending:
             reasons.append(f"{pending} finished trajectories are not materialized yet (run `trajstore materialize`"
                            f"{'' if cfg.num_shards == 1 else ', on every shard'}; num_shards={cfg.num_shards})")

@@ -304,3 +304,15 @@ class PgCluster:
             return "\n".join(self.log_path.read_text().splitlines()[-num_lines:])
         except OSError:
             return "(no server log)"
+
+
+def crash_cluster(cluster: PgCluster) -> None:
+    """Stop the server the way a crash does (``pg_ctl stop -m immediate``): no
+    checkpoint, every backend killed; the data directory stays for restart."""
+    cluster._run("pg_ctl", "-D", str(cluster.data_dir), "-m", "immediate", "-w", "stop")
+
+
+def start_cluster_again(cluster: PgCluster) -> None:
+    """Start a stopped (or crashed) cluster again on the same port; crash recovery runs."""
+    cluster._run("pg_ctl", "-D", str(cluster.data_dir), "-l", str(cluster.log_path),
+                 "-w", "-t", str(START_TIMEOUT_S), "start")

@@ -31,6 +31,7 @@ the reader has seen is a prefix of what it will ever see.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
@@ -38,12 +39,16 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Iterator, Sequence
 
+import numpy as np
+
 from trajstore._batch_plan import Key, Step, Unit, UnitBuilder, plan_step, row_key
-from trajstore.errors import ResumeStateError, ValidationError
+from trajstore.errors import ResumeStateError, TrajstoreError, ValidationError
 from trajstore.sample import Sample
 from trajstore._samples import read_segment_samples
 
 __all__ = ["ReaderConfig", "ReaderStats", "SampleReader", "plan_step"]
+
+_log = logging.getLogger("trajstore.reader")
 
 STATE_FORMAT = "trajstore.reader"
 STATE_VERSION = 1
@@ -65,6 +70,16 @@ class ReaderConfig:
     once that many of its trajectories are materialized."""
     status: tuple[str, ...] | None = None
     """Keep only samples with one of these statuses (None: all)."""
+    drop_finish_reasons: tuple[str, ...] | None = None
+    """Leave out samples whose ``finish_reason`` is one of these, e.g.
+    ``("length",)`` for overlong responses (as SkyRL's filter does). Decided
+    as each batch is loaded: the batch holds fewer samples than planned; the
+    steps, and so the resume state, do not change. Counted in
+    ``stats.dropped_samples``."""
+    mask_finish_reasons: tuple[str, ...] | None = None
+    """Keep samples whose ``finish_reason`` is one of these, with their
+    ``loss_mask`` zeroed: they are in the batch (group baselines see them) but
+    add no loss. Counted in ``stats.masked_samples``."""
     max_staleness: int | None = None
     """Skip units whose oldest token is older than ``current_version - max_staleness``."""
     follow: bool = False
@@ -90,10 +105,16 @@ class ReaderConfig:
     """Sample rows per SQL query."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.status, str):
-            object.__setattr__(self, "status", (self.status,))
-        elif self.status is not None:
-            object.__setattr__(self, "status", tuple(self.status))
+        for name in ("status", "drop_finish_reasons", "mask_finish_reasons"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                object.__setattr__(self, name, (value,))
+            elif value is not None:
+                object.__setattr__(self, name, tuple(value))
+        both = set(self.drop_finish_reasons or ()) & set(self.mask_finish_reasons or ())
+        if both:
+            raise ValidationError(f"finish reasons {sorted(both)} are both dropped and masked; choose one",
+                                  rule="reader_config")
         if self.batch_size is not None and self.max_tokens_per_batch is not None:
             raise ValidationError("set batch_size or max_tokens_per_batch, not both", rule="reader_config")
         for name in ("batch_size", "max_tokens_per_batch", "group_size", "num_shards", "page_rows", "read_threads"):
@@ -131,6 +152,10 @@ class ReaderStats:
     stale_samples: int = 0
     filtered_samples: int = 0
     """Samples dropped by the status filter, over all ranks."""
+    dropped_samples: int = 0
+    """Samples this rank left out by ``drop_finish_reasons`` in this process."""
+    masked_samples: int = 0
+    """Samples this rank loss-masked by ``mask_finish_reasons`` in this process."""
     open_groups: int = 0
     """Groups seen but not complete yet (waiting for members)."""
     polls: int = 0
@@ -179,6 +204,8 @@ class SampleReader:
         self._steps_gen: Iterator[Step] | None = None
         self._batches: Iterator[tuple[int, list[Sample]]] | None = None
         self._pool: ThreadPoolExecutor | None = None
+        self._explained = False  # the reason for yielding nothing is logged once
+        self._open_groups: dict[str, list[Any]] = {}
 
     # -- iteration ---------------------------------------------------------
     def __iter__(self) -> "SampleReader":
@@ -209,19 +236,78 @@ class SampleReader:
         # max_staleness it depends on current_version, set after this batch.
         ahead = self.config.prefetch and self.config.max_staleness is None
         pending = _in_background(produce) if ahead else None
+        before = {name: getattr(self.stats, name) for name in ReaderStats._SAVED}
+        any_batch = False
         while True:
             item = pending.result() if pending is not None else produce()
             if item is None:
+                if not any_batch and offset == 0:  # one DataLoader worker speaks for all
+                    self._explain_empty(before)
                 return
             if ahead:
                 pending = _in_background(produce)  # decode the next batch while this one is used
             step, batch = item
             self._commit(step.state)
+            any_batch = any_batch or step.bins is not None
             if batch is not None:
+                batch = self._by_finish_reason(batch)
                 self.stats.batches += 1
                 self.stats.samples += len(batch)
                 self.stats.tokens += sum(s.num_tokens for s in batch)
                 yield step.index, batch
+
+    def _by_finish_reason(self, batch: list[Sample]) -> list[Sample]:
+        """``drop_finish_reasons`` and ``mask_finish_reasons`` applied to a loaded batch."""
+        drop, mask = self.config.drop_finish_reasons, self.config.mask_finish_reasons
+        if not drop and not mask:
+            return batch
+        out = []
+        for sample in batch:
+            reason = getattr(sample, "finish_reason", None)  # a Sample field since SPEC's finish_reason
+            if drop and reason in drop:
+                self.stats.dropped_samples += 1
+                continue
+            if mask and reason in mask:
+                sample = replace(sample, loss_mask=np.zeros_like(sample.loss_mask))
+                self.stats.masked_samples += 1
+            out.append(sample)
+        return out
+
+    def _explain_empty(self, before: dict[str, int]) -> None:
+        """Say once, through logging, why an iteration yielded no batch at all."""
+        if self._explained:
+            return
+        self._explained = True
+        reasons = []
+        cfg, stats = self.config, self.stats
+        if stats.open_groups:
+            largest = max((g[0] for g in self._open_groups.values()), default=0)
+            reasons.append(f"{stats.open_groups} groups are still open: fewer than group_size={cfg.group_size} of "
+                           f"their trajectories are materialized (the fullest has {largest}); "
+                           f"is group_size the number of trajectories per group?")
+        stale = stats.stale_units - before["stale_units"]
+        if stale:
+            reasons.append(f"all {stale} units ({stats.stale_samples - before['stale_samples']} samples) were staler "
+                           f"than max_staleness={cfg.max_staleness} at current_version={self.current_version}")
+        filtered = stats.filtered_samples - before["filtered_samples"]
+        if filtered:
+            reasons.append(f"the status filter {list(cfg.status or ())} removed {filtered} samples")
+        try:
+            pending = self._unmaterialized()
+        except TrajstoreError:  # explaining must not fail the read
+            pending = 0
+        if pending:
+            reasons.append(f"{pending} finished trajectories are not materialized yet (run `trajstore materialize`"
+                           f"{'' if cfg.num_shards == 1 else ', on every shard'}; num_shards={cfg.num_shards})")
+        if not reasons:
+            reasons.append("no samples after the resumed state's position" if self._cursor is not None
+                           else "the store has no materialized samples and no finished trajectory")
+        _log.warning("trajstore reader (rank %d of %d) yields no batch: %s", self.rank, self.world_size,
+                     "; ".join(reasons))
+
+    def _unmaterialized(self) -> int:
+        """Finished trajectories above the watermark (not materialized by every shard)."""
+        return self.store.log.count_events(after_position=self._watermark(), types=["trajectory_finished"])
 
     def _load(self, units: Sequence[Unit]) -> list[Sample]:
         """The samples of some units, in order.
@@ -309,6 +395,7 @@ class SampleReader:
             self._watermark()
         builder = UnitBuilder(keep_groups=self.config.keep_groups, group_size=self.config.group_size,
                               status=self.config.status)
+        self._open_groups = builder.groups
         units = self._units(builder, self._cursor, self._scan_from, snapshot)
         ahead: deque[Unit] = deque()
         counts = {name: getattr(self.stats, name) for name in ReaderStats._SAVED}

@@ -191,6 +191,7 @@ def test_error_from_response_maps_statuses():
     assert type(err) is ValidationError and err.index == 2 and err.rule == "seq_gap"
     assert type(error_from_response(409, b'{"error": {"message": "x"}}')) is ConflictError
     assert type(error_from_response(503, b"down")) is StoreUnavailable
+    assert type(error_from_response(500, b"boom")) is TrajstoreError  # not retried blindly: the writer isolates it
     assert type(error_from_response(401, b'{"error": {"message": "no"}}')) is TrajstoreError
     assert error_from_response(413, b'{"error": {"rule": "body_too_large", "message": "big"}}').rule == "body_too_large"
 
@@ -208,3 +209,41 @@ def test_from_vllm_accepts_offline_outputs_and_server_json():
     gens = [ev for b in sink.batches for ev in b if ev["type"] == "generation"]
     assert [(g["seq"], g["model_version"]) for g in gens] == [(0, 1), (1, 2)]
     assert all(isinstance(g["routed_experts"], np.ndarray) for g in gens)
+
+
+def test_writer_at_a_down_url_warns_once_per_burst_naming_url_and_error(caplog):
+    import logging
+    import socket
+
+    with socket.socket() as s:  # a loopback port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    caplog.set_level(logging.DEBUG, logger="trajstore.ingest.client")
+    w = Writer(url, token="t", batch_size=10, flush_interval_s=30.0, retry_timeout_s=0.5)
+    w.put(_gen("t", 0))
+    with pytest.raises(StoreUnavailable, match="gave up sending 1 events to http://127.0.0.1"):
+        w.close()
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1, [r.getMessage() for r in warnings]
+    assert url in warnings[0].getMessage() and "refused" in warnings[0].getMessage().lower()
+    assert "retrying for up to 0.5 s" in warnings[0].getMessage()
+    errors = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1 and url in errors[0].getMessage()
+
+
+def test_writer_logs_when_the_sink_is_back(caplog):
+    import logging
+
+    caplog.set_level(logging.INFO, logger="trajstore.ingest.client")
+    sink = RecordingSink(flaky=2)
+    with Writer(sink, batch_size=3, flush_interval_s=30.0) as w:
+        for i in range(3):
+            w.put(_gen("t", i))
+    assert [r.levelname for r in caplog.records] == ["WARNING", "INFO"]
+    assert "is back" in caplog.records[1].getMessage()
+
+
+def test_a_malformed_ingest_url_is_a_one_line_validation_error():
+    with pytest.raises(ValidationError, match=r"ingest URL must be http\(s\)://host:port, got 'http://'"):
+        Writer("http://")

@@ -147,3 +147,81 @@ def test_dataloader_workers_keep_the_order_and_states_resume(store):
     resumed = SampleDataset(store, batch_size=4, layout="packed")
     resumed.load_state_dict(json.loads(json.dumps(plain[2]["reader_state"])))
     assert [b["trajectory_ids"] for b in batches(resumed)] == [b["trajectory_ids"] for b in plain[3:]]
+
+
+def _same_steps(got: list[int], expected: list[int]) -> None:
+    """Assert ``got`` is ``expected`` exactly, naming what is missing, duplicated or out of order."""
+    missing = sorted(set(expected) - set(got))
+    duplicate = sorted({s for s in got if got.count(s) > 1})
+    assert not missing, f"missing steps {missing} (got {got})"
+    assert not duplicate, f"duplicate steps {duplicate} (got {got})"
+    assert got == expected, f"incorrect order: {got} != {expected}"
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_stateful_dataloader_resumes_exactly(store, num_workers, caplog):
+    import logging
+    import pickle
+
+    caplog.set_level(logging.WARNING, logger="torchdata")
+
+    stateful_dataloader = pytest.importorskip("torchdata.stateful_dataloader")
+    StatefulDataLoader = stateful_dataloader.StatefulDataLoader
+
+    def dataset():
+        return SampleDataset(store, batch_size=3, layout="padded")
+
+    whole = [(b["step"], b["trajectory_ids"]) for b in StatefulDataLoader(dataset(), batch_size=None)]
+    assert len(whole) >= 6
+    for cut in (1, 4, len(whole) - 1):
+        loader = StatefulDataLoader(dataset(), batch_size=None, num_workers=num_workers)
+        it = iter(loader)
+        first = [(b["step"], b["trajectory_ids"]) for b in (next(it) for _ in range(cut))]
+        saved = pickle.loads(pickle.dumps(loader.state_dict()))  # as a checkpoint would hold it
+        del it, loader
+        resumed = StatefulDataLoader(dataset(), batch_size=None, num_workers=num_workers)
+        resumed.load_state_dict(saved)
+        caplog.clear()
+        rest = [(b["step"], b["trajectory_ids"]) for b in resumed]
+        # the dataset resumes from its own state, not by re-reading what was consumed
+        assert not [r.getMessage() for r in caplog.records if "fast-forward" in r.getMessage()]
+        got = first + rest
+        _same_steps([s for s, _ in got], [s for s, _ in whole])
+        assert got == whole  # the same samples in every step
+
+
+def test_dataset_state_dict_before_and_after_iteration(store):
+    ds = SampleDataset(store, batch_size=4)
+    assert ds.state_dict() == {"format": "trajstore.sample_dataset", "reader_state": None}
+    first = next(iter(ds))
+    assert ds.state_dict()["reader_state"] == first["reader_state"]
+    again = SampleDataset(store, batch_size=4)
+    again.load_state_dict(ds.state_dict())
+    assert next(iter(again))["step"] == 1
+
+
+def test_logprobs_mask_falls_back_to_the_loss_mask_when_not_recorded():
+    samples = [make_sample(3, 4, seed=1), make_sample(2, 3, seed=2)]
+    out = collate_arrays(samples)
+    assert out["logprobs_mask"].dtype == np.bool_ and out["logprobs_mask"].shape == (2, 7)
+    for row, s in enumerate(samples):
+        p, n = len(s.prompt_ids), s.num_tokens
+        np.testing.assert_array_equal(out["logprobs_mask"][row], [False] * p + s.loss_mask.astype(bool).tolist()
+                                      + [False] * (7 - n))
+    assert out["finish_reasons"] == [None, None]
+
+
+@pytest.mark.skipif("finish_reason" not in Sample.FIELDS, reason="Sample.logprobs_mask/finish_reason come with SPEC's new sample fields")
+def test_logprobs_mask_and_finish_reasons_are_collated():
+    from dataclasses import replace
+
+    recorded = replace(make_sample(3, 4, seed=1), logprobs_mask=np.array([True, False, True, True]),
+                       finish_reason="length")
+    unrecorded = replace(make_sample(2, 3, seed=2), logprobs_mask=None)  # not recorded: its loss-masked tokens count
+    out = collate_arrays([recorded, unrecorded], padding_side="left")
+    assert out["logprobs_mask"].dtype == np.bool_ and out["logprobs_mask"].shape == (2, 7)
+    np.testing.assert_array_equal(out["logprobs_mask"][0], [False] * 3 + [True, False, True, True])
+    np.testing.assert_array_equal(out["logprobs_mask"][1], [False] * 4 + unrecorded.loss_mask.astype(bool).tolist())
+    assert out["finish_reasons"] == ["length", None]
+    packed = collate([recorded, unrecorded], layout="packed")
+    assert packed["logprobs_mask"].dtype == torch.bool and int(packed["logprobs_mask"].sum()) == 3 + int(unrecorded.loss_mask.sum())

@@ -18,9 +18,11 @@ Delivery is at-least-once on the wire and exactly-once in the store: every
 event gets an ``event_id`` when it is queued, so a batch re-sent after a lost
 connection or a service restart carries the same ids and the store treats it
 as an idempotent retry. A refused event (validation or conflict) fails its
-trajectory only: the other trajectories' events in the batch are re-sent, and
-later events of the failed trajectory are dropped instead of piling up seq
-errors. Errors surface from ``flush()``/``close()`` and from the failed
+trajectory only and is never retried: the other trajectories' events in the
+batch are re-sent, and later events of the failed trajectory are dropped
+instead of piling up seq errors. A failure the sink cannot classify (an HTTP
+500, a driver error) is isolated the same way: the batch is split per
+trajectory, and the trajectory that keeps failing fails alone. Errors surface from ``flush()``/``close()`` and from the failed
 trajectory's own handle.
 
 A full queue blocks ``put`` (back-pressure) up to ``put_timeout_s``, then
@@ -29,6 +31,7 @@ raises StoreUnavailable: memory stays bounded when the sink falls behind.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import uuid
@@ -39,6 +42,8 @@ import numpy as np
 
 from trajstore.errors import StoreUnavailable, TrajstoreError, ValidationError
 from trajstore.ingest.sinks import HttpSink, Sink, StoreSink, encode_events, error_from_response, make_sink
+
+_log = logging.getLogger("trajstore.ingest.client")
 
 __all__ = ["HttpSink", "Sink", "StoreSink", "TrajectoryWriter", "Writer", "encode_events", "error_from_response"]
 
@@ -62,7 +67,11 @@ class Writer:
     A batch closes at ``batch_size`` events, ``max_batch_tokens`` tokens, or
     ``flush_interval_s`` after its first event. Queued plus in-flight events
     are bounded by ``max_pending_events`` and ``max_pending_tokens``.
-    Transient failures are retried with backoff for up to ``retry_timeout_s``.
+    Transient failures (connection lost, database restarting, 429/502/503/504)
+    are retried with backoff for up to ``retry_timeout_s`` (120 s), with one
+    ``logging`` warning per retry burst naming the sink and the error; each
+    HTTP request times out after ``timeout_s`` (60 s). A refused event fails
+    its own trajectory and is never retried; the rest of its batch is stored.
     ``on_ack(events)`` runs on the sender thread after each stored batch.
     """
 
@@ -77,12 +86,13 @@ class Writer:
         max_pending_events: int = 4096,
         max_pending_tokens: int = 1 << 18,
         put_timeout_s: float = 60.0,
-        retry_timeout_s: float = 600.0,
-        timeout_s: float = 120.0,
+        retry_timeout_s: float = 120.0,
+        timeout_s: float = 60.0,
         assign_event_ids: bool = True,
         on_ack: Callable[[list[dict]], None] | None = None,
     ) -> None:
         self._sink = make_sink(sink, token, timeout_s)
+        self._sink_name = getattr(self._sink, "name", None) or type(self._sink).__name__
         self.batch_size, self.max_batch_tokens, self.flush_interval_s = batch_size, max_batch_tokens, flush_interval_s
         self.max_pending_events, self.max_pending_tokens = max_pending_events, max_pending_tokens
         self.put_timeout_s, self.retry_timeout_s = put_timeout_s, retry_timeout_s
@@ -265,6 +275,8 @@ class Writer:
             return batch
 
     def _deliver(self, events: list[dict]) -> None:
+        """Store ``events``; a refusal or a failure tied to one trajectory fails
+        that trajectory only, and the rest of the batch is stored."""
         todo = [events]
         while todo:
             part = self._without_failed(todo.pop())
@@ -272,32 +284,87 @@ class Writer:
                 continue
             try:
                 self._send_with_retry(part)
-            except ValidationError as e:
+            except ValidationError as e:  # refused: never retried
+                culprit = _refused_trajectory(part, e)
                 if e.rule == "body_too_large" and len(part) > 1:
                     half = len(part) // 2
                     todo += [part[half:], part[:half]]  # popped from the end: first half first
-                elif e.index is not None and 0 <= e.index < len(part):
+                elif culprit is not _UNKNOWN:
                     # the whole trajectory fails: its later events could only be refused too
-                    self._fail(part[e.index].get("trajectory_id"), e)
-                    todo.append(part)
+                    self._fail(culprit, e)
+                    todo.append([ev for ev in part if ev.get("trajectory_id") != culprit])
+                elif len(_by_trajectory(part)) > 1:
+                    todo += reversed(_by_trajectory(part))  # find out whose event it is
                 else:
                     self._fail_all(part, e)
-            except TrajstoreError as e:
+            except _Unclassified as e:  # the sink failed on this batch: whose event is it?
+                groups = _by_trajectory(part)
+                if len(groups) > 1:
+                    todo += reversed(groups)
+                else:
+                    self._fail_all(part, e.error)
+            except TrajstoreError as e:  # gave up retrying (retry_timeout_s) or aborted by close()
                 self._fail_all(part, e)
             else:
                 self._acked(part)
 
     def _send_with_retry(self, events: list[dict]) -> None:
-        deadline = time.monotonic() + self.retry_timeout_s
+        """Send one part. Retriable failures (StoreUnavailable, OSError,
+        contention) are retried with backoff for ``retry_timeout_s``; a failure
+        the sink cannot classify is retried for at most ``_UNCLASSIFIED_RETRY_S``
+        when the part holds one trajectory (a part of several is split at once)."""
+        start = time.monotonic()
+        deadline = start + self.retry_timeout_s
         delay = 0.05
+        attempt = 0
+        warned = False
+        budget_s = self.retry_timeout_s
+        num_trajectories = len({repr(ev.get("trajectory_id")) for ev in events})
         while True:
+            attempt += 1
             try:
-                return self._sink.send(events)
+                self._sink.send(events)
+            except ValidationError as e:
+                if e.rule != "contention":  # a store that predates ContentionError says "contention" so
+                    raise
+                error: BaseException = e
             except (StoreUnavailable, OSError) as e:
-                if self._aborted or time.monotonic() + delay > deadline:
-                    raise StoreUnavailable(f"gave up sending {len(events)} events: {e}") from None
-                time.sleep(delay)
-                delay = min(delay * 2, 2.0)
+                error = e
+            except Exception as e:
+                if 400 <= getattr(e, "http_status", 500) < 500:  # 401, 403, 404: the same for every request
+                    _log.error("trajstore writer: %s: %s", self._sink_name, _first_line(e))
+                    raise
+                # One trajectory's part gets a short budget (a service answering 500 while its
+                # database restarts recovers within it); a part of several is split at once.
+                budget_s = min(self.retry_timeout_s, _UNCLASSIFIED_RETRY_S)
+                if num_trajectories > 1 or self._aborted or time.monotonic() + delay > start + budget_s:
+                    what = (f"trajectory {events[0].get('trajectory_id')!r}" if num_trajectories == 1
+                            else f"a batch of {num_trajectories} trajectories")
+                    wrapped = TrajstoreError(f"{self._sink_name} failed on {what}: {type(e).__name__}: {_first_line(e)}")
+                    if num_trajectories == 1:
+                        _log.warning("trajstore writer: %s", wrapped)
+                    raise _Unclassified(wrapped) from None
+                error = e
+            else:
+                if warned:
+                    _log.info("trajstore writer: %s is back; sent %d events after %d attempts in %.1f s",
+                                 self._sink_name, len(events), attempt, time.monotonic() - start)
+                return
+            if not warned:  # one warning per retry burst
+                _log.warning("trajstore writer: cannot send %d events to %s (%s: %s); retrying for up to %g s",
+                             len(events), self._sink_name, type(error).__name__, _first_line(error),
+                             budget_s)
+                warned = True
+            else:
+                _log.debug("trajstore writer: attempt %d to %s failed: %s", attempt, self._sink_name, _first_line(error))
+            if self._aborted or time.monotonic() + delay > deadline:
+                why = "the writer was closed" if self._aborted else f"{self.retry_timeout_s:g} s of retries"
+                _log.error("trajstore writer: gave up sending %d events to %s after %s: %s",
+                           len(events), self._sink_name, why, _first_line(error))
+                raise StoreUnavailable(f"gave up sending {len(events)} events to {self._sink_name} after {why}: "
+                                       f"{_first_line(error)}") from None
+            time.sleep(delay)
+            delay = min(delay * 2, 2.0)
 
     def _acked(self, events: list[dict]) -> None:
         self.num_acked += len(events)
@@ -322,6 +389,40 @@ class Writer:
             for ev in events:
                 if isinstance(ev.get("trajectory_id"), str):
                     self._failed.setdefault(ev["trajectory_id"], error)
+
+
+_UNKNOWN = object()
+_UNCLASSIFIED_RETRY_S = 15.0  # retries of a one-trajectory part the sink fails on for no known reason
+
+
+class _Unclassified(Exception):
+    """The sink failed on a part for a reason that is neither a refusal nor retriable."""
+
+    def __init__(self, error: TrajstoreError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def _first_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return lines[0] if lines else type(e).__name__
+
+
+def _refused_trajectory(events: list[dict], e: ValidationError) -> Any:
+    """The trajectory a refusal names, or _UNKNOWN."""
+    if e.index is not None and 0 <= e.index < len(events):
+        return events[e.index].get("trajectory_id")
+    if e.trajectory_id is not None and any(ev.get("trajectory_id") == e.trajectory_id for ev in events):
+        return e.trajectory_id
+    return _UNKNOWN
+
+
+def _by_trajectory(events: list[dict]) -> list[list[dict]]:
+    """``events`` split per trajectory, each in its original order."""
+    groups: dict[str, list[dict]] = {}
+    for ev in events:
+        groups.setdefault(repr(ev.get("trajectory_id")), []).append(ev)
+    return list(groups.values())
 
 
 def _as_routes(routes: Any) -> Any:

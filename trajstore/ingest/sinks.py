@@ -29,8 +29,13 @@ class Sink(Protocol):
 
     It raises ValidationError / ConflictError for refused events (never
     retried; ``index`` names the event), StoreUnavailable or OSError for
-    failures worth retrying with the same events.
+    failures worth retrying with the same events. Anything else is a failure
+    the writer cannot classify: it isolates the trajectories of the batch and
+    fails the one that keeps failing. ``name`` says where the events go (for
+    log lines; no credentials).
     """
+
+    name: str
 
     def send(self, events: list[dict]) -> None: ...
 
@@ -43,13 +48,39 @@ class StoreSink:
     def __init__(self, store: Any, *, owned: bool = False) -> None:
         self.store = store
         self._owned = owned
+        self.name = repr(store)
 
     def send(self, events: list[dict]) -> None:
-        self.store.append(events)
+        try:
+            self.store.append(events)
+        except Exception as e:
+            retriable = _retriable_driver_error(e)
+            if retriable is not None:
+                raise StoreUnavailable(f"{self.name}: {retriable}") from None
+            raise
 
     def close(self) -> None:
         if self._owned:
             self.store.close()
+
+
+def _retriable_driver_error(e: Exception) -> str | None:
+    """One line when ``e`` is a database driver error meaning "lost the
+    connection" (worth retrying: the pool reconnects), else None.
+
+    The store translates these itself; this is the writer's second line of
+    defence, so that a database restart never fails trajectories.
+    """
+    try:
+        from sqlalchemy import exc as sa_exc
+    except ImportError:  # pragma: no cover - sqlalchemy is a core dependency
+        return None
+    if isinstance(e, (sa_exc.OperationalError, sa_exc.InterfaceError)) or (
+        isinstance(e, sa_exc.DBAPIError) and e.connection_invalidated
+    ):
+        lines = str(getattr(e, "orig", None) or e).strip().splitlines()
+        return f"database connection failed: {lines[0] if lines else type(e).__name__}"
+    return None
 
 
 def _json_default(value: Any) -> Any:
@@ -74,8 +105,9 @@ class HttpSink:
                  max_body_bytes: int = 64 << 20) -> None:
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"ingest URL must be http(s)://host:port, got {url!r}")
+            raise ValidationError(f"ingest URL must be http(s)://host:port, got {url!r}", rule="url")
         self._parts = parts
+        self.name = f"{parts.scheme}://{parts.hostname}{f':{parts.port}' if parts.port else ''}{parts.path.rstrip('/')}"
         self._path = parts.path.rstrip("/") + "/v1/events"
         self._timeout_s = timeout_s
         self.max_body_bytes = max_body_bytes
@@ -111,7 +143,7 @@ class HttpSink:
                 conn.close()
                 self._conn = None
                 if attempt:
-                    raise StoreUnavailable(f"ingest service at {self._parts.netloc} unreachable: {e}") from None
+                    raise StoreUnavailable(f"ingest service at {self.name} unreachable: {e}") from None
         raise AssertionError("unreachable")
 
     def close(self) -> None:
@@ -130,9 +162,14 @@ def error_from_response(status: int, data: bytes) -> TrajstoreError:
     if status in (400, 413, 422, 409):
         cls = ConflictError if status == 409 else ValidationError
         return cls(message, index=err.get("index"), trajectory_id=err.get("trajectory_id"), rule=err.get("rule") or f"http_{status}")
-    if status in (429,) or status >= 500:
+    if status in (429, 502, 503, 504):  # overloaded, restarting, behind a gateway: retried
         return StoreUnavailable(f"ingest service answered {status}: {message}")
-    return TrajstoreError(f"ingest service refused the request ({status}): {message}")
+    if status >= 500:  # the service failed on this request: not retried blindly (the writer isolates it)
+        error = TrajstoreError(f"ingest service failed on the request ({status}): {message}")
+    else:  # 401, 403, 404: every request would get the same answer
+        error = TrajstoreError(f"ingest service refused the request ({status}): {message}")
+    error.http_status = status  # type: ignore[attr-defined]
+    return error
 
 
 def make_sink(sink: Any, token: str | None, timeout_s: float) -> Sink:

@@ -51,13 +51,17 @@ def collate_arrays(samples: Sequence[Sample], *, layout: Layout = "padded", padd
 
     Keys (padded ``[B, S]``; packed ``[1, T]``):
       input_ids int64, position_ids int64, attention_mask bool (False = padding),
-      loss_mask float32, rollout_logprobs float32, token_model_versions int32
+      loss_mask float32, rollout_logprobs float32, logprobs_mask bool (True where
+      ``rollout_logprobs`` holds a logprob the engine gave: the sample's
+      ``logprobs_mask`` when recorded, else its loss-masked response tokens;
+      False on prompts, observations and padding), token_model_versions int32
       (-1 off the generated tokens), token_rewards float32 (0 where none),
       routed_experts uint8/uint16 ``[.., L, K]`` and routed_experts_mask bool
       (True = no route to replay: not captured, padding, or a sample without
       routes), both absent when no sample has routes;
       per sample ``[B]``: rewards float32 (NaN when None), prompt_lens and
-      seq_lens int32, and the lists trajectory_ids, sample_indices, group_ids;
+      seq_lens int32, and the lists trajectory_ids, sample_indices, group_ids,
+      finish_reasons (str or None per sample);
       packed only: cu_seqlens int32 ``[B+1]``.
     """
     if layout not in ("padded", "packed"):
@@ -100,6 +104,7 @@ def _token_fields(samples: Sequence[Sample], rows_B: np.ndarray, starts_B: np.nd
     attention_mask_BS = np.zeros(shape, dtype=np.bool_)
     loss_mask_BS = np.zeros(shape, dtype=np.float32)
     logprobs_BS = np.zeros(shape, dtype=np.float32)
+    logprobs_mask_BS = np.zeros(shape, dtype=np.bool_)
     versions_BS = np.full(shape, -1, dtype=np.int32)
     token_rewards_BS = np.zeros(shape, dtype=np.float32)
     positions = np.arange(shape[1], dtype=np.int64)
@@ -112,11 +117,14 @@ def _token_fields(samples: Sequence[Sample], rows_B: np.ndarray, starts_B: np.nd
         attention_mask_BS[row, whole] = True
         loss_mask_BS[row, response] = s.loss_mask
         logprobs_BS[row, response] = s.rollout_logprobs
+        recorded = getattr(s, "logprobs_mask", None)  # a Sample field since SPEC's logprobs_mask
+        logprobs_mask_BS[row, response] = recorded if recorded is not None else s.loss_mask
         versions_BS[row, response] = s.token_model_versions
         if s.token_rewards is not None:
             token_rewards_BS[row, response] = s.token_rewards
     return {"input_ids": input_ids_BS, "position_ids": position_ids_BS, "attention_mask": attention_mask_BS,
-            "loss_mask": loss_mask_BS, "rollout_logprobs": logprobs_BS, "token_model_versions": versions_BS,
+            "loss_mask": loss_mask_BS, "rollout_logprobs": logprobs_BS, "logprobs_mask": logprobs_mask_BS,
+            "token_model_versions": versions_BS,
             "token_rewards": token_rewards_BS}
 
 
@@ -152,6 +160,7 @@ def _sample_fields(samples: Sequence[Sample], seq_lens_B: np.ndarray) -> dict[st
         "trajectory_ids": [s.trajectory_id for s in samples],
         "sample_indices": [s.sample_index for s in samples],
         "group_ids": [s.group_id for s in samples],
+        "finish_reasons": [getattr(s, "finish_reason", None) for s in samples],
     }
 
 
@@ -160,15 +169,29 @@ def to_tensors(arrays: dict[str, Any]) -> dict[str, Any]:
     return {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in arrays.items()}
 
 
+DATASET_STATE_FORMAT = "trajstore.sample_dataset"
+
+
 class SampleDataset(torch.utils.data.IterableDataset):
     """Collated batches of one data-parallel rank, for a ``torch.utils.data.DataLoader``.
 
     Use ``DataLoader(dataset, batch_size=None)``: batching is the reader's.
-    Each batch carries ``"reader_state"``, the reader state after it: save the
-    one of the last batch you trained on and pass it to ``load_state_dict`` on
-    restart (DataLoader workers prefetch, so the dataset object itself cannot
-    know what was consumed). With ``num_workers=n`` worker i collates global
-    steps i, i+n, ... and the DataLoader's round-robin keeps the order.
+    With ``num_workers=n`` worker i collates global steps i, i+n, ... and the
+    DataLoader's round-robin keeps the order.
+
+    Resuming, two ways:
+
+    * torchdata's ``StatefulDataLoader(dataset, batch_size=None, num_workers=n)``:
+      the dataset follows its ``state_dict()`` / ``load_state_dict()``
+      protocol, so ``loader.state_dict()`` (saved in the trainer's checkpoint)
+      resumes exactly after the last batch the loader yielded, workers
+      included (each worker's copy reports where it is; the loader keeps the
+      snapshot of the batches it handed out), without re-reading anything.
+    * A plain ``DataLoader``: each batch carries ``"reader_state"``, the
+      reader state after it; save the one of the last batch you trained on and
+      pass it to ``load_state_dict`` on restart (workers prefetch, so the
+      dataset object in the main process cannot know what was consumed).
+
     ``current_version`` is read when iteration starts; to change it between
     steps (staleness), use a ``SampleReader`` directly.
     """
@@ -185,10 +208,21 @@ class SampleDataset(torch.utils.data.IterableDataset):
         self.config = ReaderConfig(**fields) if config is None else config
         self.rank, self.world_size, self.current_version = rank, world_size, current_version
         self.collate_kwargs = {"layout": layout, "padding_side": padding_side, "pad_to_multiple_of": pad_to_multiple_of}
-        self.state: dict[str, Any] | None = None
+        self.state: dict[str, Any] | None = None  # the reader state iteration starts from
+        self._position: dict[str, Any] | None = None  # the reader state after the last batch this copy yielded
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where this copy of the dataset is (``StatefulDataLoader`` protocol): the
+        reader state after the last batch it yielded, else the one it starts from."""
+        position = self._position if self._position is not None else self.state
+        return {"format": DATASET_STATE_FORMAT, "reader_state": position}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.state = state
+        """Start the next iteration after ``state``: a ``state_dict()`` of this
+        dataset, or a batch's ``"reader_state"`` (a ``SampleReader`` state)."""
+        if isinstance(state, dict) and state.get("format") == DATASET_STATE_FORMAT:
+            state = state.get("reader_state")
+        self.state, self._position = state, None
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         from trajstore.reader import SampleReader
@@ -201,4 +235,5 @@ class SampleDataset(torch.utils.data.IterableDataset):
                 reader.load_state_dict(self.state)
             for step, batch in reader.iter_steps(worker, num_workers):
                 tensors = collate(batch, **self.collate_kwargs) if batch else {}
-                yield {**tensors, "step": step, "reader_state": reader.state_dict()}
+                self._position = reader.state_dict()
+                yield {**tensors, "step": step, "reader_state": self._position}

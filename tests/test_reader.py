@@ -454,8 +454,6 @@ def _with_finish_reason(sample, reason):
     return replace(sample, finish_reason=reason)
 
 
-@pytest.mark.skipif("finish_reason" not in trajstore.Sample.FIELDS,
-                    reason="Sample.finish_reason comes with SPEC's new sample fields")
 def test_finish_reason_drop_and_mask_on_loaded_samples(filled):
     import numpy as np
 
@@ -489,8 +487,7 @@ def test_reader_drops_samples_by_recorded_finish_reason(store):
             overlong.add(events[0]["trajectory_id"])
         store.append(events)
     store.materialize()
-    if all(getattr(s, "finish_reason", None) is None for s in store.samples()):
-        pytest.skip("the fold does not record Sample.finish_reason yet (capture branch, issue 11)")
+    assert {s.finish_reason for s in store.samples() if s.trajectory_id in overlong} == {"length"}
     with SampleReader(store, batch_size=4, drop_finish_reasons=("length",)) as reader:
         read = [s for batch in reader for s in batch]
         dropped = reader.stats.dropped_samples

@@ -263,7 +263,7 @@ class SampleReader:
             return batch
         out = []
         for sample in batch:
-            reason = getattr(sample, "finish_reason", None)  # a Sample field since SPEC's finish_reason
+            reason = sample.finish_reason
             if drop and reason in drop:
                 self.stats.dropped_samples += 1
                 continue

@@ -247,3 +247,21 @@ def test_writer_logs_when_the_sink_is_back(caplog):
 def test_a_malformed_ingest_url_is_a_one_line_validation_error():
     with pytest.raises(ValidationError, match=r"ingest URL must be http\(s\)://host:port, got 'http://'"):
         Writer("http://")
+
+
+def test_writer_records_per_token_versions_and_metadata_into_a_store(tmp_path):
+    """A call that spans a weight update, written through a Writer into a real store (SPEC A2)."""
+    import trajstore
+
+    store = trajstore.connect(f"sqlite:///{tmp_path / 's.db'}", payload=str(tmp_path / "p"))
+    with Writer(store, flush_interval_s=0.0) as w:
+        with w.trajectory("t1") as traj:
+            traj.generation([1, 2], [3, 4, 5, 6], token_model_versions=[7, 7, 8, 8], logprobs=[-0.1] * 4,
+                            finish_reason="length", metadata={"tool": "search"})
+            traj.generation([1, 2, 3, 4, 5, 6, 9], [10], model_version=8, finish_reason="stop")
+    store.materialize()
+    (sample,) = store.samples()
+    assert sample.token_model_versions.tolist() == [7, 7, 8, 8, -1, 8]
+    assert sample.logprobs_mask.tolist() == [True, True, True, True, False, False]
+    assert (sample.min_model_version, sample.max_model_version, sample.finish_reason) == (7, 8, "stop")
+    store.close()

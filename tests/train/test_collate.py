@@ -211,7 +211,6 @@ def test_logprobs_mask_falls_back_to_the_loss_mask_when_not_recorded():
     assert out["finish_reasons"] == [None, None]
 
 
-@pytest.mark.skipif("finish_reason" not in Sample.FIELDS, reason="Sample.logprobs_mask/finish_reason come with SPEC's new sample fields")
 def test_logprobs_mask_and_finish_reasons_are_collated():
     from dataclasses import replace
 

@@ -455,14 +455,18 @@ class TrajectoryWriter:
         prompt_ids: Any,
         output_ids: Any,
         *,
-        model_version: int,
+        model_version: int | None = None,
         logprobs: Any = None,
         routed_experts: Any = None,
         **fields: Any,
     ) -> int:
         """Queue one engine call; returns its seq. ``fields``: loss_mask,
-        routed_experts_start, reward, token_rewards, finish_reason, event_id."""
-        event = {"prompt_ids": prompt_ids, "output_ids": output_ids, "model_version": model_version}
+        token_model_versions (then ``model_version`` may be left out: it is the
+        last entry), routed_experts_start, reward, token_rewards,
+        finish_reason, metadata, event_id."""
+        event: dict[str, Any] = {"prompt_ids": prompt_ids, "output_ids": output_ids}
+        if model_version is not None:
+            event["model_version"] = model_version
         if logprobs is not None:
             event["logprobs"] = logprobs
         if routed_experts is not None:

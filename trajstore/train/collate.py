@@ -117,8 +117,7 @@ def _token_fields(samples: Sequence[Sample], rows_B: np.ndarray, starts_B: np.nd
         attention_mask_BS[row, whole] = True
         loss_mask_BS[row, response] = s.loss_mask
         logprobs_BS[row, response] = s.rollout_logprobs
-        recorded = getattr(s, "logprobs_mask", None)  # a Sample field since SPEC's logprobs_mask
-        logprobs_mask_BS[row, response] = recorded if recorded is not None else s.loss_mask
+        logprobs_mask_BS[row, response] = s.logprobs_mask
         versions_BS[row, response] = s.token_model_versions
         if s.token_rewards is not None:
             token_rewards_BS[row, response] = s.token_rewards
@@ -160,7 +159,7 @@ def _sample_fields(samples: Sequence[Sample], seq_lens_B: np.ndarray) -> dict[st
         "trajectory_ids": [s.trajectory_id for s in samples],
         "sample_indices": [s.sample_index for s in samples],
         "group_ids": [s.group_id for s in samples],
-        "finish_reasons": [getattr(s, "finish_reason", None) for s in samples],
+        "finish_reasons": [s.finish_reason for s in samples],
     }
 
 

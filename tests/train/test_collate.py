@@ -200,15 +200,15 @@ def test_dataset_state_dict_before_and_after_iteration(store):
     assert next(iter(again))["step"] == 1
 
 
-def test_logprobs_mask_falls_back_to_the_loss_mask_when_not_recorded():
+def test_logprobs_mask_is_false_on_prompt_and_padding():
     samples = [make_sample(3, 4, seed=1), make_sample(2, 3, seed=2)]
     out = collate_arrays(samples)
     assert out["logprobs_mask"].dtype == np.bool_ and out["logprobs_mask"].shape == (2, 7)
     for row, s in enumerate(samples):
         p, n = len(s.prompt_ids), s.num_tokens
-        np.testing.assert_array_equal(out["logprobs_mask"][row], [False] * p + s.loss_mask.astype(bool).tolist()
+        np.testing.assert_array_equal(out["logprobs_mask"][row], [False] * p + s.logprobs_mask.tolist()
                                       + [False] * (7 - n))
-    assert out["finish_reasons"] == [None, None]
+    assert out["finish_reasons"] == [s.finish_reason for s in samples]
 
 
 def test_logprobs_mask_and_finish_reasons_are_collated():
@@ -216,11 +216,12 @@ def test_logprobs_mask_and_finish_reasons_are_collated():
 
     recorded = replace(make_sample(3, 4, seed=1), logprobs_mask=np.array([True, False, True, True]),
                        finish_reason="length")
-    unrecorded = replace(make_sample(2, 3, seed=2), logprobs_mask=None)  # not recorded: its loss-masked tokens count
+    # the engine reported no logprob for this one: its mask is all false
+    unrecorded = replace(make_sample(2, 3, seed=2), logprobs_mask=np.zeros(3, np.bool_), finish_reason=None)
     out = collate_arrays([recorded, unrecorded], padding_side="left")
     assert out["logprobs_mask"].dtype == np.bool_ and out["logprobs_mask"].shape == (2, 7)
     np.testing.assert_array_equal(out["logprobs_mask"][0], [False] * 3 + [True, False, True, True])
-    np.testing.assert_array_equal(out["logprobs_mask"][1], [False] * 4 + unrecorded.loss_mask.astype(bool).tolist())
+    np.testing.assert_array_equal(out["logprobs_mask"][1], [False] * 7)
     assert out["finish_reasons"] == ["length", None]
     packed = collate([recorded, unrecorded], layout="packed")
-    assert packed["logprobs_mask"].dtype == torch.bool and int(packed["logprobs_mask"].sum()) == 3 + int(unrecorded.loss_mask.sum())
+    assert packed["logprobs_mask"].dtype == torch.bool and int(packed["logprobs_mask"].sum()) == 3

@@ -341,13 +341,14 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def serve_proxy(upstream: str, store_url: str | None = None, host: str = "127.0.0.1", port: int = DEFAULT_PORT, *,
-                model_version: int = 0, num_experts: int | None = None, log_level: str = "warning") -> None:
+                model_version: int = 0, num_experts: int | None = None, log_level: str = "warning",
+                payload: str | None = None) -> None:
     """Run the recording proxy until SIGINT/SIGTERM."""
     import uvicorn
 
     import trajstore
 
-    store = trajstore.connect(store_url)
+    store = trajstore.connect(store_url, payload=payload)
     try:
         app = make_proxy_app(store, upstream, model_version=model_version, num_experts=num_experts)
         uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False)
@@ -357,7 +358,7 @@ def serve_proxy(upstream: str, store_url: str | None = None, host: str = "127.0.
 
 def serve_proxy_from_args(args: argparse.Namespace) -> None:
     serve_proxy(args.upstream, getattr(args, "store", None), args.host, args.port, model_version=args.model_version,
-                num_experts=args.num_experts, log_level=args.log_level)
+                num_experts=args.num_experts, log_level=args.log_level, payload=getattr(args, "payload", None))
 
 
 def main(argv: list[str] | None = None) -> None:

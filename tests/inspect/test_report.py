@@ -84,4 +84,4 @@ def test_without_matplotlib_the_error_says_what_to_install(demo_like, tmp_path, 
     rc = main(["--store", reader_url_for(store.url), "report", str(tmp_path / "r")])
     err = capsys.readouterr().err
     assert rc == 1
-    assert err == "error: trajstore report needs matplotlib: pip install 'trajstore[report]'\n"
+    assert err == "error: trajstore report needs matplotlib: pip install -e '.[report]' in the trajstore checkout\n"

@@ -93,7 +93,7 @@ def _upgrade(url: str, backend: str) -> None:
         from trajstore.log import sqlite as dialect
         path = make_url(url).database
         if not path or path == ":memory:" or not os.path.exists(path):
-            raise StoreUnavailable(f"no store at {path!r} (make one with trajstore init or trajstore demo)")
+            raise StoreUnavailable(f"no store at {path} (trajstore init, ingest or demo makes one)")
     elif backend == "postgresql":
         from trajstore.log import postgres as dialect
     else:
@@ -102,7 +102,7 @@ def _upgrade(url: str, backend: str) -> None:
     try:
         if not _has_schema(read_engine):
             raise StoreUnavailable(f"no store at {make_url(url).render_as_string(hide_password=True)} "
-                                   "(make one with trajstore init or trajstore demo)")
+                                   "(trajstore init, ingest or demo makes one)")
         if not _at_head(read_engine):
             from trajstore._migrate import upgrade
 

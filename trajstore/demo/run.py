@@ -62,12 +62,20 @@ def _rollout(url: str, payload: str | None, cfg: RolloutConfig, n: int, workers:
                     raise TrajstoreError(f"demo rollout worker failed: {item}")
                 finished += item
                 advance(item)
-    finally:
+    except BaseException:
         for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.terminate()
-                p.join()
+            p.terminate()
+            p.join()
+        raise
+    for p in procs:
+        p.join()  # each worker's Writer flushes its last batch on the way out
+    errors = []
+    while not done.empty():
+        item = done.get()
+        if isinstance(item, str):
+            errors.append(item)
+    if errors:
+        raise TrajstoreError(f"demo rollout worker failed: {errors[0]}")
     for p in procs:
         if p.exitcode != 0:
             raise TrajstoreError(f"demo rollout worker exited with {p.exitcode}")
@@ -130,7 +138,7 @@ def run_demo(args: argparse.Namespace) -> int:
     if not args.no_train:
         _train_stage(console, url, args)
     store.close()
-    console.print(next_steps(url, args.payload, args.dir), markup=False, highlight=False)
+    print(next_steps(url, args.payload, args.dir), flush=True)  # plain: never wrapped, copy-pasteable
     return 0
 
 

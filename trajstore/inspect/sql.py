@@ -9,7 +9,11 @@ Read-only is enforced by the database, not by looking at the query text:
   connection: ATTACH (and ``VACUUM INTO``, which attaches), DETACH,
   transaction control, ``load_extension``, and every PRAGMA except a list
   of introspection ones (so ``PRAGMA query_only=OFF`` is refused).
-* **PostgreSQL**: the query runs inside ``BEGIN ISOLATION LEVEL REPEATABLE
+* **PostgreSQL**: it refuses to run as a login holding more than the
+  reader's rights (a superuser, the owner, a writer: a query could switch
+  back to the login's own rights with ``set_config('role', 'none', false)``);
+  ``trajstore init --reader-login NAME`` makes such a login. The query
+  runs inside ``BEGIN ISOLATION LEVEL REPEATABLE
   READ READ ONLY`` after ``SET LOCAL ROLE trajstore_reader`` (made by
   migration 0002 with SELECT on the tables and views, nothing else) and
   after a first statement has taken the transaction's snapshot, so it can
@@ -41,7 +45,8 @@ from sqlalchemy.engine import make_url
 from trajstore.errors import StoreUnavailable, TrajstoreError
 from trajstore.inspect.views import READER_ROLE
 
-__all__ = ["QueryResult", "read_only", "run_query", "print_result", "add_cli_arguments", "run_from_args"]
+__all__ = ["QueryResult", "read_only", "run_query", "print_result", "with_iso_times", "create_reader_login",
+           "add_cli_arguments", "run_from_args"]
 
 FORMATS = ("table", "csv", "json")
 MAX_TABLE_ROWS = 1000  # a rich table of a million rows helps nobody; csv/json print everything

@@ -235,6 +235,7 @@ def _check_server_option(command: str, option: str, after: bool, tmp_path: Path)
         finally:
             proc.send_signal(signal.SIGINT)
             proc.wait(30)
+    assert f"listening on {base}" in proc.stderr.read()  # where to point clients
     # --store: the store named was used; --payload: the segment landed there, not beside the db.
     assert (tmp_path / "s.db").exists()
     assert any(n.startswith("events") for n in os.listdir(payload))

@@ -57,7 +57,7 @@ def _demo(directory: str, cwd, *extra: str) -> subprocess.CompletedProcess:
 
 def _next_commands(stdout: str) -> list[list[str]]:
     lines = stdout[stdout.index("next:"):].splitlines()[1:]
-    return [shlex.split(line) for line in lines if line.strip()]
+    return [shlex.split(line, comments=True) for line in lines if line.strip()]
 
 
 def test_demo_in_a_non_empty_dir_keeps_the_users_files_and_prints_working_next_commands(tmp_path):

@@ -153,6 +153,12 @@ def _program() -> list[str]:
     return [sys.executable, "-m", "trajstore.cli"]
 
 
+def _has_matplotlib() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("matplotlib") is not None
+
+
 def next_steps(url: str, payload: str | None, directory: str) -> str:
     """The commands to run next, exactly as they work from the current directory."""
     base = _program() + ["--store", url] + (["--payload", payload] if payload else [])
@@ -165,7 +171,7 @@ def next_steps(url: str, payload: str | None, directory: str) -> str:
         "",
         "next: look at the demo's store",
         f"  {q} sql {shlex.quote(query)}",
-        f"  {q} report {report}",
+        f"  {q} report {report}" + ("" if _has_matplotlib() else "   # needs the report extra: pip install -e '.[report]'"),
         f"  {q} export --replace {export}",
         f"  {q} info",
     ])

@@ -167,9 +167,12 @@ def next_steps(url: str, payload: str | None, directory: str) -> str:
              "ORDER BY trajectory_id LIMIT 5")
     report = shlex.quote(os.path.join(directory, "report"))
     export = shlex.quote(os.path.join(directory, "export"))
+    pg = url.startswith("postgresql")
     return "\n".join([
         "",
         "next: look at the demo's store",
+        *([f"  {q} init --reader-login trajstore_analyst   # on PostgreSQL, run sql and report "
+           "with the reader URL this prints (docs/sql.md)"] if pg else []),
         f"  {q} sql {shlex.quote(query)}",
         f"  {q} report {report}" + ("" if _has_matplotlib() else "   # needs the report extra: pip install -e '.[report]'"),
         f"  {q} export --replace {export}",

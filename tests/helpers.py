@@ -41,3 +41,21 @@ def snapshot(store) -> dict[str, Any]:
         versions = dict(conn.execute(select(trajectories.c.trajectory_id, trajectories.c.version)).all())
     return {"counts": counts, "head": store.log.head_position(), "versions": versions,
             "files": sorted(n for n, _ in store.payload.list_names())}
+
+
+TEST_READER_LOGIN = "trajstore_test_analyst"
+
+
+def reader_url_for(store_url: str) -> str:
+    """Inspection runs under a login that holds only the reader's rights (issue 9.9):
+    ``store_url`` itself for SQLite; on PostgreSQL the same database through a
+    reader login, made the way docs/sql.md says (``trajstore init --reader-login``)."""
+    if not store_url.startswith("postgresql"):
+        return store_url
+    import trajstore
+    from sqlalchemy.engine import make_url
+    from trajstore.inspect.sql import create_reader_login
+
+    with trajstore.connect(store_url) as store:
+        create_reader_login(store, TEST_READER_LOGIN, password="")
+    return make_url(store_url).set(username=TEST_READER_LOGIN, password=None).render_as_string(False)

@@ -93,12 +93,13 @@ def test_bad_event_exits_nonzero_and_stores_nothing(url, tmp_path, capsys):
     events = write_jsonl(tmp_path / "ev.jsonl", n=3)
     bad = dict(events[2], logprobs=[0.0])  # wrong length
     with open(tmp_path / "bad.jsonl", "w") as f:
-        f.writelines(json.dumps(e) + "\n" for e in events[:2] + [bad] + events[3:])
+        # a blank line first: the error names the file line (4), not the event index (2)
+        f.writelines(["\n"] + [json.dumps(e) + "\n" for e in events[:2] + [bad] + events[3:]])
     store = trajstore.connect(url)
     before = snapshot(store)
     assert main(["--store", url, "ingest", str(tmp_path / "bad.jsonl")]) == 1
     err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and "event 2" in err and "logprobs" in err and "length_mismatch" in err
+    assert err.count("\n") == 0 and "line 4 of" in err and "logprobs" in err and "length_mismatch" in err
     assert snapshot(store) == before
 
 

@@ -6,14 +6,17 @@ import contextlib
 import sys
 from typing import Callable, Iterator
 
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, DownloadColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 
 @contextlib.contextmanager
-def progress_bar(description: str, total: int | None) -> Iterator[Callable[[int], None]]:
-    """Yield ``advance(n)``; the bar shows on stderr when it is a terminal."""
+def progress_bar(description: str, total: int | None, *, unit: str = "items") -> Iterator[Callable[[int], None]]:
+    """Yield ``advance(n)``; the bar shows on stderr when it is a terminal.
+
+    ``unit="bytes"`` shows the count as sizes (``12.3/45.6 MB``)."""
+    count = DownloadColumn() if unit == "bytes" else MofNCompleteColumn()
     progress = Progress(
-        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        TextColumn("{task.description}"), BarColumn(), count, TimeElapsedColumn(),
         disable=not sys.stderr.isatty(), transient=False,
     )
     with progress:

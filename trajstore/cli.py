@@ -1,15 +1,18 @@
 """The ``trajstore`` command line.
 
 Every command takes ``--store URL`` (default ``$TRAJSTORE_URL``, else the
-embedded SQLite store in ``./trajstore-data``) and ``--payload`` (where the
-Parquet segments live). Errors print one line and exit 1 (2 for usage);
-``--debug`` shows the traceback.
+embedded SQLite store in ``./trajstore-data``), ``--payload`` (where the
+Parquet segments live) and ``--debug``, before or after the command's name.
+Only the commands that write (init, ingest, serve, proxy, demo) create a
+store; the others say ``no store at ...``. Errors print one line and exit 1
+(2 for usage); ``--debug`` shows the traceback.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any, Callable, Iterator
 
@@ -20,10 +23,11 @@ __all__ = ["main"]
 Command = Callable[[argparse.Namespace], int]
 
 
-def _store(args: argparse.Namespace):
+def _store(args: argparse.Namespace, *, create: bool = False):
+    """The store of ``--store``; only commands that write pass ``create=True``."""
     from trajstore.store import connect
 
-    return connect(args.store, payload=args.payload)
+    return connect(args.store, payload=args.payload, create=create)
 
 
 def _print_json(obj: Any) -> None:
@@ -31,37 +35,26 @@ def _print_json(obj: Any) -> None:
 
 
 def _cmd_init(args: argparse.Namespace) -> int:
-    store = _store(args)
+    store = _store(args, create=True)
     print(f"store ready: {store!r}")
+    if args.reader_login:
+        from trajstore.inspect.sql import create_reader_login
+
+        print(create_reader_login(store, args.reader_login))
     return 0
 
 
-def _read_jsonl(path: str) -> Iterator[dict]:
-    from trajstore.errors import ValidationError
-
-    stream = sys.stdin if path == "-" else open(path, encoding="utf-8")
-    with stream:
-        for lineno, line in enumerate(stream, 1):
-            if not line.strip():
-                continue
-            try:
-                yield json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValidationError(f"line {lineno} of {path} is not JSON ({e.msg} at column {e.colno})",
-                                      rule="json") from None
-
-
 def _cmd_ingest(args: argparse.Namespace) -> int:
-    """All events of the file in one atomic append: any bad event stores nothing."""
+    """Validate the whole file (nothing stored on any bad event), then append it in bounded batches."""
     from trajstore._progress import progress_bar
+    from trajstore.ingest.jsonl import ingest_file
 
-    with progress_bar("reading events", total=None) as advance:
-        events = []
-        for ev in _read_jsonl(args.file):
-            events.append(ev)
-            advance(1)
-    store = _store(args)
-    res = store.append(events)
+    if args.file != "-" and (not os.path.exists(args.file) or os.path.isdir(args.file)):
+        raise TrajstoreError(f"no such file: {args.file}")
+    store = _store(args, create=True)
+    total = 2 * os.path.getsize(args.file) if args.file != "-" else None
+    with progress_bar("ingest (validate, then append)", total=total, unit="bytes") as advance:
+        res = ingest_file(store, args.file, progress=advance)
     print(f"appended {res.num_appended} events ({res.num_duplicates} already stored); "
           f"log position {store.log.head_position()}")
     return 0
@@ -76,7 +69,10 @@ def _cmd_materialize(args: argparse.Namespace) -> int:
     with progress_bar("materializing trajectories", total=m.pending()) as advance:
         m.progress = advance
         stats = m.run()
-    _print_json(stats.to_dict())
+    metrics = stats.to_dict()
+    if not metrics.get("num_steps_before"):
+        metrics["merge_ratio"] = "n/a"  # 0 samples from 0 steps is not a ratio
+    _print_json(metrics)
     return 0
 
 
@@ -87,7 +83,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
     store = _store(args)
     total = store.info()["samples"]
     with progress_bar("exporting samples", total=total) as advance:
-        counts = export_samples(store.samples(), args.dir, progress=advance)
+        counts = export_samples(store.samples(), args.dir, progress=advance, replace=args.replace)
     print(f"exported {counts['samples']} samples to {counts['files']} Parquet file(s) in {args.dir}")
     return 0
 
@@ -102,8 +98,16 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
 
 def _cmd_gc(args: argparse.Namespace) -> int:
-    removed = _store(args).collect_garbage(grace_s=args.grace_s)
-    print(f"removed {len(removed)} unreferenced payload file(s)")
+    import time
+
+    store = _store(args)
+    referenced = store.log.referenced_segments()
+    now = time.time()
+    young = sum(1 for name, mtime in store.payload.list_names()
+                if name not in referenced and now - mtime < args.grace_s)
+    removed = store.collect_garbage(grace_s=args.grace_s)
+    print(f"removed {len(removed)} unreferenced payload file(s); kept {young} younger than "
+          f"--grace-s {args.grace_s:g} (they may belong to appends still running)")
     return 0
 
 
@@ -113,33 +117,67 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args)
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("trajstore")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+def _add_global_options(p: argparse.ArgumentParser, *, top: bool) -> None:
+    """The options every command takes, before or after its name.
+
+    On a subcommand they default to SUPPRESS, so ``trajstore --store X info``
+    and ``trajstore info --store X`` mean the same and one does not reset the other."""
+    default = (lambda v: v) if top else (lambda v: argparse.SUPPRESS)
+    p.add_argument("--store", default=default(None), metavar="URL",
+                   help="store URL: sqlite:///PATH.db or postgresql+psycopg://... "
+                        "(default: $TRAJSTORE_URL, else sqlite:///trajstore-data/trajstore.db)")
+    p.add_argument("--payload", default=default(None), metavar="PATH_OR_URI",
+                   help="where the Arrow/Parquet payload lives: a path or pyarrow filesystem URI "
+                        "(default: beside the SQLite file; for PostgreSQL $TRAJSTORE_PAYLOAD_DIR)")
+    p.add_argument("--debug", action="store_true", default=default(False), help="show tracebacks on errors")
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="trajstore", description="Event-sourced trajectory store for RL of LLM agents.")
-    p.add_argument("--store", default=None, help="store URL (default: $TRAJSTORE_URL, else sqlite:///trajstore-data/trajstore.db)")
-    p.add_argument("--payload", default=None, help="payload location: a path or pyarrow filesystem URI")
-    p.add_argument("--debug", action="store_true", help="show tracebacks")
-    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    p.add_argument("--version", action="version", version=f"trajstore {_version()}",
+                   help="print the version and exit")
+    _add_global_options(p, top=True)
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", help="what to do (COMMAND -h: its options)")
 
     def add(name: str, fn: Command, help: str) -> argparse.ArgumentParser:
         sp = sub.add_parser(name, help=help, description=help)
+        _add_global_options(sp, top=False)
         sp.set_defaults(func=fn)
         return sp
 
-    add("init", _cmd_init, "create the store (runs the Alembic migrations)")
-    add("ingest", _cmd_ingest, "append wire-format events from a JSONL file (or - for stdin), atomically") \
-        .add_argument("file")
+    i = add("init", _cmd_init, "create the store (runs the Alembic migrations)")
+    i.add_argument("--reader-login", default=None, metavar="NAME",
+                   help="PostgreSQL: also make NAME a login holding only the read-only role, for trajstore sql "
+                        "and report (password from $TRAJSTORE_READER_PASSWORD; see docs/sql.md)")
+    add("ingest", _cmd_ingest, "validate a JSONL file of wire-format events (or - for stdin), then append it; "
+                               "a bad event stores nothing") \
+        .add_argument("file", help="JSONL file, one wire-format event per line; - reads stdin")
     m = add("materialize", _cmd_materialize, "fold finished trajectories into samples; print the metrics")
-    m.add_argument("--shard", type=int, default=0)
-    m.add_argument("--num-shards", type=int, default=1)
-    m.add_argument("--batch-size", type=int, default=256, help="trajectories per transaction")
-    add("export", _cmd_export, "write the samples as a Parquet dataset").add_argument("dir")
+    m.add_argument("--shard", type=int, default=0, help="this materializer's shard index (default 0)")
+    m.add_argument("--num-shards", type=int, default=1, help="number of materializer shards (default 1)")
+    m.add_argument("--batch-size", type=int, default=256, help="trajectories per transaction (default 256)")
+    e = add("export", _cmd_export, "write the samples as a Parquet dataset (appears whole or not at all)")
+    e.add_argument("dir", help="directory to create with the part-NNNNN.parquet files")
+    e.add_argument("--replace", action="store_true", help="replace an earlier export in DIR (atomically)")
     add("info", _cmd_info, "counts per status, event type and model version; unfoldable trajectories")
     add("gc", _cmd_gc, "delete payload files no index row references") \
-        .add_argument("--grace-s", type=float, default=3600.0, help="only files older than this")
+        .add_argument("--grace-s", type=float, default=3600.0,
+                      help="only files older than this many seconds (default 3600)")
     d = add("demo", _cmd_demo, "the main job end to end on the embedded store, with simulated rollouts")
-    d.add_argument("--trajectories", type=int, default=200)
-    d.add_argument("--workers", type=int, default=4, help="simulated rollout worker processes")
-    d.add_argument("--dir", default="trajstore-demo", help="where the demo store and export go")
+    d.add_argument("--trajectories", type=int, default=200, help="simulated trajectories (default 200)")
+    d.add_argument("--workers", type=int, default=4, help="simulated rollout worker processes (default 4)")
+    d.add_argument("--dir", default="trajstore-demo",
+                   help="where the demo store, export and report go (default ./trajstore-demo); "
+                        "files the demo did not make are never touched")
     d.add_argument("--no-train", action="store_true", help="skip the megatron replay stage")
     _add_edge_commands(sub, add)
     return p
@@ -170,6 +208,12 @@ def _add_edge_commands(sub, add) -> None:
 
 def _edge(mod: Any, run: str) -> Command:
     def call(args: argparse.Namespace) -> int:
+        if args.command in ("serve", "proxy"):  # say where to point clients
+            from trajstore.store import _safe, resolve_url
+
+            print(f"trajstore {args.command}: listening on http://{args.host}:{args.port} "
+                  f"(store {_safe(resolve_url(args.store))}"
+                  f"{f', payload {args.payload}' if args.payload else ''}; Ctrl-C stops)", file=sys.stderr, flush=True)
         try:
             return int(getattr(mod, run)(args) or 0)
         except ValueError as e:  # edges report bad flags as ValueError
@@ -187,11 +231,37 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    except (TrajstoreError, OSError, ImportError) as e:
+    except BrokenPipeError:
+        return _broken_pipe()
+    except Exception as e:
         if args.debug:
             raise
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {_one_line(e)}", file=sys.stderr)
         return 1
+
+
+def _one_line(e: BaseException) -> str:
+    """A trajstore error's message; anything else (a bug or a driver error) named by its type."""
+    from sqlalchemy.exc import DBAPIError
+
+    if isinstance(e, DBAPIError) and e.orig is not None:
+        text = f"database error: {e.orig}"
+    elif isinstance(e, (TrajstoreError, OSError, ImportError)):
+        text = str(e)
+    else:
+        text = f"{type(e).__name__}: {e} (--debug shows where)"
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    return lines[0] if lines else type(e).__name__
+
+
+def _broken_pipe() -> int:
+    """The reader of our stdout went away (``| head``): stop quietly, as cat does."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # so the interpreter's final flush cannot fail again
+    except (OSError, ValueError):
+        pass
+    return 141  # 128 + SIGPIPE, what a shell reports for a killed writer
 
 
 if __name__ == "__main__":

@@ -193,7 +193,7 @@ class SampleReader:
         if self._owns_store:
             from trajstore.store import connect
 
-            store = connect(store, payload=payload, migrate=False)
+            store = connect(store, payload=payload, migrate=False, create=False)
         self.store = store
         self.rank, self.world_size = rank, world_size
         self.current_version = current_version

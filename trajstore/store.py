@@ -45,7 +45,7 @@ def resolve_url(url: str | None) -> str:
 
 
 def connect(url: str | None = None, *, payload: str | None = None, log_compression: str | None = None,
-            migrate: bool = True) -> "Store":
+            migrate: bool = True, create: bool = True) -> "Store":
     """Open (and on first use create) a store.
 
     ``url``: ``sqlite:///path.db`` (embedded) or ``postgresql+psycopg://...``;
@@ -55,8 +55,12 @@ def connect(url: str | None = None, *, payload: str | None = None, log_compressi
     ``./trajstore-payload/<database>``) and ``<db file>.payload/`` for SQLite.
     ``log_compression``: codec of the log's payload files (None, "lz4",
     "zstd"); see ``trajstore.payload.PayloadStore``. Readers need not agree.
+    ``create=False``: only open an existing store; a missing SQLite file or a
+    PostgreSQL database without trajstore's schema raises StoreUnavailable
+    ("no store at ...") and nothing is created (what read-only tools use).
     """
-    return Store(resolve_url(url), payload=payload, log_compression=log_compression, migrate=migrate)
+    return Store(resolve_url(url), payload=payload, log_compression=log_compression, migrate=migrate,
+                 create=create)
 
 
 class Store:
@@ -70,10 +74,14 @@ class Store:
     payload: PayloadStore
 
     def __init__(self, url: str, *, payload: str | None = None, log_compression: str | None = None,
-                 migrate: bool = True) -> None:
+                 migrate: bool = True, create: bool = True) -> None:
         self.url = url
         backend = _backend(url)
+        if not create:
+            _require_sqlite_file(url)
         write_engine, read_engine = backend.make_engines(url)
+        if not create:
+            _require_schema(url, read_engine)
         if migrate:
             from trajstore._migrate import upgrade
 
@@ -286,6 +294,37 @@ def _backend(url: str):
     else:
         raise ValidationError(f"unsupported database {name!r} in {_safe(url)} (sqlite or postgresql)", rule="url")
     return backend
+
+
+def _require_sqlite_file(url: str) -> None:
+    """For ``create=False``: the SQLite file must exist and be a SQLite database."""
+    if make_url(url).get_backend_name() != "sqlite":
+        return
+    path = make_url(url).database
+    if not path or path == ":memory:":
+        raise StoreUnavailable("no store at an in-memory database (it starts empty)")
+    if not os.path.isfile(path):
+        raise StoreUnavailable(f"no store at {path} (trajstore init, ingest or demo makes one)")
+    with open(path, "rb") as f:
+        header = f.read(16)
+    if header and header != b"SQLite format 3\x00":
+        raise StoreUnavailable(f"not a trajstore store: {path} is not a SQLite database")
+
+
+def _require_schema(url: str, engine: Any) -> None:
+    """For ``create=False``: the database must hold trajstore's schema (Alembic's table)."""
+    from sqlalchemy import inspect as sa_inspect
+    from sqlalchemy.exc import DBAPIError
+
+    try:
+        with engine.connect() as conn:
+            present = sa_inspect(conn).has_table("alembic_version")
+    except DBAPIError as e:
+        engine.dispose()
+        raise StoreUnavailable(f"cannot open store {_safe(url)}: {str(e.orig).strip().splitlines()[0]}") from None
+    if not present:
+        engine.dispose()
+        raise StoreUnavailable(f"no store at {_safe(url)} (trajstore init, ingest or demo makes one)")
 
 
 def _safe(url: str) -> str:

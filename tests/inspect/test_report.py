@@ -14,6 +14,7 @@ from matplotlib import image as mpimg
 import trajstore
 from trajstore.cli import main
 from trajstore.demo.run import DEMO_CONFIG
+from tests.helpers import reader_url_for
 from trajstore.inspect.report import DPI, FIGSIZE_IN, PLOTS, render_report
 from trajstore.demo.simulate import trajectory_events
 
@@ -47,7 +48,7 @@ def assert_real_png(path: str) -> None:
 def test_report_renders_every_plot(demo_like, tmp_path):
     store, stats = demo_like
     out = tmp_path / "report"
-    written = render_report(store.url, str(out), title="run 7")
+    written = render_report(reader_url_for(store.url), str(out), title="run 7")
     pngs = sorted(p for p in os.listdir(out) if p.endswith(".png"))
     assert len(PLOTS) == 6 and len(written["images"]) == len(PLOTS)
     assert pngs == sorted(f"{p.name}.png" for p in PLOTS)
@@ -62,7 +63,7 @@ def test_report_renders_every_plot(demo_like, tmp_path):
 
 def test_report_of_an_empty_store(store_url, tmp_path):
     trajstore.connect(store_url, payload=str(tmp_path / "payload")).close()
-    written = render_report(store_url, str(tmp_path / "report"))
+    written = render_report(reader_url_for(store_url), str(tmp_path / "report"))
     assert len(written["images"]) == len(PLOTS)
     for path in written["images"]:
         with open(path, "rb") as f:
@@ -71,7 +72,7 @@ def test_report_of_an_empty_store(store_url, tmp_path):
 
 def test_report_command(demo_like, tmp_path, capsys):
     store, _ = demo_like
-    rc = main(["--store", store.url, "report", str(tmp_path / "r")])
+    rc = main(["--store", reader_url_for(store.url), "report", str(tmp_path / "r")])
     out = capsys.readouterr().out
     assert rc == 0
     assert out.strip() == f"wrote {tmp_path / 'r' / 'index.html'} with {len(PLOTS)} plots"
@@ -80,7 +81,7 @@ def test_report_command(demo_like, tmp_path, capsys):
 def test_without_matplotlib_the_error_says_what_to_install(demo_like, tmp_path, capsys, monkeypatch):
     store, _ = demo_like
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # import fails
-    rc = main(["--store", store.url, "report", str(tmp_path / "r")])
+    rc = main(["--store", reader_url_for(store.url), "report", str(tmp_path / "r")])
     err = capsys.readouterr().err
     assert rc == 1
-    assert err == "error: trajstore report needs matplotlib: pip install 'trajstore[report]'\n"
+    assert err == "error: trajstore report needs matplotlib: pip install -e '.[report]' in the trajstore checkout\n"

@@ -24,6 +24,7 @@ from trajstore.cli import main
 from trajstore.demo.simulate import RolloutConfig, trajectory_events
 from trajstore.inspect.sql import read_only, run_query
 from trajstore.inspect.views import READER_ROLE
+from tests.helpers import reader_url_for
 
 CFG = RolloutConfig(turns=3, prompt_tokens=6, output_tokens=5, observation_tokens=3, layers=2, topk=1,
                     num_experts=8, mismatch_prob=0.3, abort_prob=0.3, seed=3)
@@ -70,7 +71,7 @@ def fingerprint(store, tmp_path) -> dict:
 
 
 def sql(store, *argv: str) -> list[str]:
-    return ["--store", store.url, "sql", *argv]
+    return ["--store", reader_url_for(store.url), "sql", *argv]
 
 
 def run_cli(capsys, argv: list[str]) -> tuple[int, str, str]:
@@ -176,7 +177,7 @@ def test_sql_errors_are_one_line(store, capsys, query, fragment):
 def test_postgres_cannot_escape_the_reader_role_between_queries(store):
     if store.log.write_engine.dialect.name != "postgresql":
         pytest.skip("PostgreSQL roles")
-    with read_only(store.url) as query:
+    with read_only(reader_url_for(store.url)) as query:
         assert query("SELECT current_user").rows == [(READER_ROLE,)]
         query("SELECT set_config('role', session_user, false)")
         assert query("SELECT current_user").rows == [(READER_ROLE,)]
@@ -185,7 +186,7 @@ def test_postgres_cannot_escape_the_reader_role_between_queries(store):
 
 def test_table_csv_and_json_show_the_same_rows(store, capsys):
     q = "SELECT trajectory_id, status, num_generations, reward FROM trajectory_summary ORDER BY trajectory_id"
-    want = run_query(store.url, q)
+    want = run_query(reader_url_for(store.url), q)
     assert len(want.rows) == 6
     rc, out, _ = run_cli(capsys, sql(store, "--format", "csv", q))
     assert rc == 0
@@ -203,7 +204,7 @@ def test_table_csv_and_json_show_the_same_rows(store, capsys):
 
 def test_all_views_are_readable(store):
     for view in ("generation_events", "trajectory_summary", "sample_summary", "model_version_stats"):
-        assert run_query(store.url, f"SELECT count(*) FROM {view}").rows[0][0] > 0
+        assert run_query(reader_url_for(store.url), f"SELECT count(*) FROM {view}").rows[0][0] > 0
 
 
 def test_timeout_cancels_a_long_query(store, capsys):
@@ -242,23 +243,102 @@ def owned_store(pg_cluster, tmp_path):
     admin.close()
 
 
-def test_postgres_owner_without_createrole_is_told_what_to_do(owned_store, capsys):
+def test_postgres_owner_is_refused_and_told_what_to_do(owned_store, capsys):
+    """Issue 9.9: the owner's login could leave the reader role inside a query
+    (set_config('role', 'none', false)); trajstore sql refuses it in one line.
+    What docs/sql.md tells an administrator to do then works."""
     store, admin, owner, url = owned_store
     rc, _, err = run_cli(capsys, ["--store", url, "sql", "SELECT count(*) FROM events"])
     assert rc == 1 and err.count("\n") == 1
-    assert f"cannot switch to the read-only role {READER_ROLE}" in err and "docs/sql.md" in err
-    # What docs/sql.md tells an administrator to run.
+    assert f"will not run as '{owner}'" in err and "owner" in err and "docs/sql.md" in err
+    # docs/sql.md: an administrator makes the reader role (the owner lacks CREATEROLE) ...
     admin.execute(f"DO $$ BEGIN CREATE ROLE {READER_ROLE} NOLOGIN; "
                   "EXCEPTION WHEN duplicate_object THEN NULL; END $$")
-    admin.execute(f"GRANT {READER_ROLE} TO {owner}")
     with psycopg.connect(make_url(url).set(drivername="postgresql", username="postgres")
                          .render_as_string(False), autocommit=True) as in_db:
+        in_db.execute(f"GRANT USAGE ON SCHEMA public TO {READER_ROLE}")
         in_db.execute(f"GRANT SELECT ON ALL TABLES IN SCHEMA public TO {READER_ROLE}")
-    rc, out, err = run_cli(capsys, ["--store", url, "sql", "--format", "csv", "SELECT count(*) FROM events"])
-    assert (rc, err) == (0, ""), err
-    assert out.splitlines()[1] == str(len(trajectory_events(CFG, 0)))
-    rc, _, err = run_cli(capsys, ["--store", url, "sql", "DELETE FROM events"])
-    assert rc == 1 and "read-only transaction" in err
+    # ... and a reader login with trajstore init --reader-login.
+    analyst = f"analyst_{uuid.uuid4().hex[:8]}"
+    su_url = make_url(url).set(username="postgres").render_as_string(False)
+    rc, out, err = run_cli(capsys, ["--store", su_url, "init", "--reader-login", analyst])
+    assert rc == 0, err
+    assert f"reader login '{analyst}' ready" in out
+    reader = make_url(url).set(username=analyst).render_as_string(False)
+    try:
+        rc, out, err = run_cli(capsys, ["--store", reader, "sql", "--format", "csv", "SELECT count(*) FROM events"])
+        assert (rc, err) == (0, ""), err
+        assert out.splitlines()[1] == str(len(trajectory_events(CFG, 0)))
+        rc, _, err = run_cli(capsys, ["--store", reader, "sql", "DELETE FROM events"])
+        assert rc == 1 and "read-only transaction" in err
+    finally:
+        admin.execute(f"DROP ROLE {analyst}")
+
+
+ESCAPE_READ_FILE = ("SELECT set_config('role','none',false), "
+                    "query_to_xml('SELECT pg_read_file(''/etc/passwd'') AS f', true, false, '')")
+
+
+@pytest.mark.postgres
+def test_postgres_superuser_login_is_refused(store, capsys):
+    """The escape of issue 9.9 printed /etc/passwd under a superuser login."""
+    if store.log.write_engine.dialect.name != "postgresql":
+        pytest.skip("PostgreSQL roles")
+    rc, out, err = run_cli(capsys, ["--store", store.url, "sql", ESCAPE_READ_FILE])
+    assert rc == 1 and out == "" and err.count("\n") == 1
+    assert "will not run as 'postgres', a superuser" in err and "root:" not in err
+
+
+def test_postgres_reader_login_cannot_escape(store, capsys):
+    """Under a reader login, leaving the role lands on the login, which holds no more."""
+    if store.log.write_engine.dialect.name != "postgresql":
+        pytest.skip("PostgreSQL roles")
+    rc, out, err = run_cli(capsys, sql(store, ESCAPE_READ_FILE))
+    assert rc == 1 and "root:" not in out + err and err.count("\n") == 1
+    assert "permission denied" in err
+    # pg_terminate_backend inside query_to_xml, aimed at the owner's other sessions
+    with store.log.write_engine.connect() as other:
+        pid = other.execute(text("SELECT pg_backend_pid()")).scalar()
+        kill = ("SELECT set_config('role','none',false), query_to_xml("
+                f"'SELECT pg_terminate_backend({pid}) AS k', true, false, '')")
+        rc, out, err = run_cli(capsys, sql(store, kill))
+        assert rc == 1 and err.count("\n") == 1 and ("permission denied" in err or "must be" in err), (out, err)
+        assert other.execute(text("SELECT 1")).scalar() == 1  # the owner's session lives
+    # A login that can write the store is refused before any query runs.
+    writer = f"writer_{uuid.uuid4().hex[:8]}"
+    with store.log.write_engine.begin() as conn:
+        conn.execute(text(f"CREATE ROLE {writer} LOGIN IN ROLE {READER_ROLE}"))
+        conn.execute(text(f"GRANT INSERT ON events TO {writer}"))
+    try:
+        url = make_url(store.url).set(username=writer).render_as_string(False)
+        rc, _, err = run_cli(capsys, ["--store", url, "sql", "SELECT 1"])
+        assert rc == 1 and "allowed to write the store" in err
+    finally:
+        with store.log.write_engine.begin() as conn:
+            conn.execute(text(f"REVOKE ALL ON events FROM {writer}"))
+            conn.execute(text(f"DROP ROLE {writer}"))
+
+
+SQLITE_ESCAPES = [
+    "ATTACH DATABASE '{tmp}/other.db' AS o",
+    "SELECT load_extension('libsqlite3ext')",
+    "PRAGMA writable_schema = ON",
+    "PRAGMA query_only = 0",
+    "PRAGMA main.journal_mode = DELETE",
+    "PRAGMA wal_checkpoint(TRUNCATE)",
+]
+
+
+@pytest.mark.parametrize("query", SQLITE_ESCAPES)
+def test_sqlite_escapes_are_refused(tmp_path, capsys, query):
+    store = trajstore.connect(f"sqlite:///{tmp_path}/s.db", payload=str(tmp_path / "payload"))
+    store.append(trajectory_events(CFG, 0))
+    before = fingerprint(store, tmp_path)
+    rc, _, err = run_cli(capsys, ["--store", store.url, "sql", query.format(tmp=tmp_path)])
+    assert rc == 1 and err.count("\n") == 1, err
+    assert fingerprint(store, tmp_path) == before
+    assert not (tmp_path / "other.db").exists()
+    store.close()
 
 
 def test_postgres_analyst_login_in_the_reader_role_cannot_write(store, capsys):

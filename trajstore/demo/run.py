@@ -15,42 +15,94 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
+import shlex
 import shutil
+import sys
+
 import numpy as np
 
 from trajstore._progress import progress_bar
 from trajstore.demo.simulate import DEMO_CONFIG, RolloutConfig, trajectory_events
+from trajstore.errors import TrajstoreError
 
-__all__ = ["run_demo"]
+__all__ = ["next_steps", "run_demo"]
 
 
-def _rollout_worker(url: str, cfg: RolloutConfig, indices: list[int], total: int, done: "mp.Queue[int]") -> None:
+def _rollout_worker(url: str, payload: str | None, cfg: RolloutConfig, indices: list[int], total: int,
+                    done: "mp.Queue[int | str]") -> None:
     from trajstore.ingest.client import Writer
     from trajstore.store import connect
 
-    store = connect(url, migrate=False)
-    with Writer(store, batch_size=32) as writer:
-        for i in indices:
-            # The policy advances 4 versions over the run, as in async RL.
-            writer.extend(trajectory_events(cfg, i, version=cfg.model_version + i * 4 // total))
-            done.put(1)
-    store.close()
+    try:
+        store = connect(url, payload=payload, migrate=False)
+        with Writer(store, batch_size=32) as writer:
+            for i in indices:
+                # The policy advances 4 versions over the run, as in async RL.
+                writer.extend(trajectory_events(cfg, i, version=cfg.model_version + i * 4 // total))
+                done.put(1)
+        store.close()
+    except BaseException as e:  # one line to the parent, which reports it; no worker traceback
+        lines = str(e).strip().splitlines()
+        done.put(f"{type(e).__name__}: {lines[0] if lines else ''}")
 
 
-def _rollout(url: str, cfg: RolloutConfig, n: int, workers: int) -> None:
+def _rollout(url: str, payload: str | None, cfg: RolloutConfig, n: int, workers: int) -> None:
     ctx = mp.get_context("spawn")
     done = ctx.Queue()
     shares = [list(range(w, n, workers)) for w in range(workers)]
-    procs = [ctx.Process(target=_rollout_worker, args=(url, cfg, s, n, done)) for s in shares if s]
+    procs = [ctx.Process(target=_rollout_worker, args=(url, payload, cfg, s, n, done)) for s in shares if s]
     for p in procs:
         p.start()
-    with progress_bar(f"rollout ({len(procs)} workers)", total=n) as advance:
-        for _ in range(n):
-            advance(done.get(timeout=600))
+    try:
+        with progress_bar(f"rollout ({len(procs)} workers)", total=n) as advance:
+            finished = 0
+            while finished < n:
+                item = done.get(timeout=600)
+                if isinstance(item, str):
+                    raise TrajstoreError(f"demo rollout worker failed: {item}")
+                finished += item
+                advance(item)
+    except BaseException:
+        for p in procs:
+            p.terminate()
+            p.join()
+        raise
     for p in procs:
-        p.join()
+        p.join()  # each worker's Writer flushes its last batch on the way out
+    errors = []
+    while not done.empty():
+        item = done.get()
+        if isinstance(item, str):
+            errors.append(item)
+    if errors:
+        raise TrajstoreError(f"demo rollout worker failed: {errors[0]}")
+    for p in procs:
         if p.exitcode != 0:
-            raise RuntimeError(f"rollout worker exited with {p.exitcode}")
+            raise TrajstoreError(f"demo rollout worker exited with {p.exitcode}")
+
+
+# What a demo directory holds; the demo removes only these, and only where its marker says it made them.
+_MARKER = ".trajstore-demo"
+_DB = "trajstore.db"
+_MADE = (_DB, _DB + "-wal", _DB + "-shm", _DB + "-journal", _DB + ".payload", "export", "report", _MARKER)
+
+
+def _prepare_dir(path: str) -> None:
+    """Make ``path`` ready for a fresh demo store without deleting anything the demo did not make."""
+    os.makedirs(path, exist_ok=True)
+    made_by_demo = os.path.isfile(os.path.join(path, _MARKER))
+    present = [n for n in _MADE if n != _MARKER and os.path.lexists(os.path.join(path, n))]
+    if present and not made_by_demo:
+        raise TrajstoreError(f"{os.path.join(path, present[0])} exists and was not made by trajstore demo; "
+                             "choose another --dir")
+    for name in present:  # an earlier demo's store, export and report
+        target = os.path.join(path, name)
+        if os.path.isdir(target) and not os.path.islink(target):
+            shutil.rmtree(target)
+        else:
+            os.unlink(target)
+    with open(os.path.join(path, _MARKER), "w") as f:
+        f.write("made by trajstore demo: it may replace " + ", ".join(_MADE[:-1]) + " in this directory\n")
 
 
 def run_demo(args: argparse.Namespace) -> int:
@@ -58,14 +110,20 @@ def run_demo(args: argparse.Namespace) -> int:
 
     from trajstore.store import connect
 
-    console = Console()
+    # Off a terminal rich would wrap at 80 columns and cut the tables' cells.
+    console = Console(width=None if sys.stdout.isatty() else 160)
     url = args.store
     if url is None:
-        shutil.rmtree(args.dir, ignore_errors=True)
-        url = f"sqlite:///{os.path.join(args.dir, 'trajstore.db')}"
+        _prepare_dir(args.dir)
+        url = f"sqlite:///{os.path.abspath(os.path.join(args.dir, _DB))}"
+    else:
+        os.makedirs(args.dir, exist_ok=True)
     store = connect(url, payload=args.payload)
-    console.print(f"[bold]trajstore demo[/bold]: {store!r}")
-    _rollout(url, DEMO_CONFIG, args.trajectories, args.workers)
+    if sum(store.info()["trajectories_by_status"].values()):
+        raise TrajstoreError(f"{store!r} already holds trajectories; the demo needs an empty store "
+                             "(omit --store to use a fresh one in --dir)")
+    console.print(f"[bold]trajstore demo[/bold]: {store!r}", markup=True)
+    _rollout(url, args.payload, DEMO_CONFIG, args.trajectories, args.workers)
     from trajstore.materializer import Materializer
 
     m = Materializer(store)
@@ -75,12 +133,51 @@ def run_demo(args: argparse.Namespace) -> int:
     from trajstore.inspect.export import export_samples
 
     export_dir = os.path.join(args.dir, "export")
-    counts = export_samples(store.samples(), export_dir)
+    counts = export_samples(store.samples(), export_dir, replace=True)
     _summary(console, store, stats, export_dir, counts)
     if not args.no_train:
         _train_stage(console, url, args)
     store.close()
+    print(next_steps(url, args.payload, args.dir), flush=True)  # plain: never wrapped, copy-pasteable
     return 0
+
+
+def _program() -> list[str]:
+    """How the user can call trajstore from here: ``trajstore`` when that is on PATH and is us."""
+    argv0 = sys.argv[0] if sys.argv and sys.argv[0] else ""
+    if os.path.basename(argv0) == "trajstore":
+        found = shutil.which("trajstore")
+        if found and os.path.realpath(found) == os.path.realpath(argv0):
+            return ["trajstore"]
+        return [argv0]
+    return [sys.executable, "-m", "trajstore.cli"]
+
+
+def _has_matplotlib() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("matplotlib") is not None
+
+
+def next_steps(url: str, payload: str | None, directory: str) -> str:
+    """The commands to run next, exactly as they work from the current directory."""
+    base = _program() + ["--store", url] + (["--payload", payload] if payload else [])
+    q = " ".join(shlex.quote(a) for a in base)
+    query = ("SELECT trajectory_id, status, num_samples, reward FROM trajectory_summary "
+             "ORDER BY trajectory_id LIMIT 5")
+    report = shlex.quote(os.path.join(directory, "report"))
+    export = shlex.quote(os.path.join(directory, "export"))
+    pg = url.startswith("postgresql")
+    return "\n".join([
+        "",
+        "next: look at the demo's store",
+        *([f"  {q} init --reader-login trajstore_analyst   # on PostgreSQL, run sql and report "
+           "with the reader URL this prints (docs/sql.md)"] if pg else []),
+        f"  {q} sql {shlex.quote(query)}",
+        f"  {q} report {report}" + ("" if _has_matplotlib() else "   # needs the report extra: pip install -e '.[report]'"),
+        f"  {q} export --replace {export}",
+        f"  {q} info",
+    ])
 
 
 def _summary(console, store, stats, export_dir: str, counts: dict) -> None:

@@ -83,7 +83,7 @@ def _show(console: Any, reports: list[dict[str, Any]]) -> None:
     table = Table(title="train: tiny megatron-core MoE on CPU, routes replayed from the store")
     for column in ("step", "samples", "tokens", "routes [1,T,L,K]", "replayed tokens", "router = recorded",
                    "free routing = recorded", "loss", "stale skipped"):
-        table.add_column(column, justify="right")
+        table.add_column(column, justify="right", no_wrap=True)
     for r in steps:
         table.add_row(str(r["step"]), str(r["samples"]), str(r["tokens"]), "x".join(map(str, r["routes"])),
                       str(r["replayed_tokens"]), f"{r['replay_agreement']:.1%}", f"{r['free_routing_agreement']:.1%}",

@@ -6,6 +6,7 @@ into wire-format events and hands them to ``Store.append``.
 * ``vllm``    — vLLM outputs (offline objects, OpenAI JSON) → generation events
 * ``service`` — the HTTP ingest service (``trajstore serve``; FastAPI)
 * ``proxy``   — the OpenAI-compatible recording proxy (``trajstore proxy``)
+* ``jsonl``   — ``trajstore ingest FILE``: validate a whole JSONL file, then append it in batches
 
 None of them validates or folds on its own: the core does (``trajstore.events``,
 ``trajstore.store``). The core never imports this package.

@@ -500,7 +500,8 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
 def serve_proxy(upstream: str, store_url: str | None = None, host: str = "127.0.0.1", port: int = DEFAULT_PORT, *,
                 token: str | None = None, insecure_no_auth: bool = False, upstream_api_key: str | None = None,
                 model_version: int = 0, num_experts: int | None = None, version_map: VersionMap = None,
-                skip_recorded_routes: bool = True, log_level: str = "warning") -> None:
+                skip_recorded_routes: bool = True, log_level: str = "warning",
+                payload: str | None = None) -> None:
     """Run the recording proxy until SIGINT/SIGTERM.
 
     Refuses to start without a token (``token`` or ``$TRAJSTORE_TOKEN``)
@@ -514,7 +515,7 @@ def serve_proxy(upstream: str, store_url: str | None = None, host: str = "127.0.
 
     import trajstore
 
-    store = trajstore.connect(store_url)
+    store = trajstore.connect(store_url, payload=payload)
     try:
         app = make_proxy_app(store, upstream, token=token, model_version=model_version, num_experts=num_experts,
                              upstream_api_key=upstream_api_key, version_map=version_map,
@@ -541,7 +542,7 @@ def serve_proxy_from_args(args: argparse.Namespace) -> None:
                 insecure_no_auth=args.insecure_no_auth, upstream_api_key=args.upstream_api_key,
                 model_version=args.model_version, num_experts=args.num_experts,
                 version_map=_version_map_arg(args.version_map), skip_recorded_routes=not args.no_route_skip,
-                log_level=args.log_level)
+                log_level=args.log_level, payload=getattr(args, "payload", None))
 
 
 def main(argv: list[str] | None = None) -> None:

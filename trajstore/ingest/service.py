@@ -361,7 +361,7 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
 
 def serve(store_url: str | None = None, host: str = "127.0.0.1", port: int = DEFAULT_PORT, token: str | None = None,
           *, insecure_no_auth: bool = False, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-          group_commit: bool = True, workers: int = 1, log_level: str = "warning") -> None:
+          group_commit: bool = True, workers: int = 1, log_level: str = "warning", payload: str | None = None) -> None:
     """Run the ingest service until SIGINT/SIGTERM (in-flight requests finish first).
 
     Refuses to start without a token (``token`` or ``$TRAJSTORE_TOKEN``)
@@ -378,9 +378,9 @@ def serve(store_url: str | None = None, host: str = "127.0.0.1", port: int = DEF
 
     # Connect once here: a bad URL fails before the server starts, and a new
     # database is migrated by one process, not raced by every worker.
-    trajstore.connect(store_url).close()
+    trajstore.connect(store_url, payload=payload).close()
     os.environ[_CONFIG_ENV] = json.dumps(
-        {"store_url": store_url, "token": token, "max_body_bytes": max_body_bytes, "group_commit": group_commit})
+        {"store_url": store_url, "payload": payload, "token": token, "max_body_bytes": max_body_bytes, "group_commit": group_commit})
     # uvicorn builds each worker's app from the import string; the settings
     # reach it through the environment the workers inherit.
     uvicorn.run("trajstore.ingest.service:app_from_env", factory=True, workers=workers if workers > 1 else None,
@@ -395,14 +395,14 @@ def app_from_env() -> Any:
     import trajstore
 
     config = json.loads(os.environ[_CONFIG_ENV])
-    store = trajstore.connect(config.pop("store_url"))
+    store = trajstore.connect(config.pop("store_url"), payload=config.pop("payload", None))
     return make_app(store, close_store=True, **config)
 
 
 def serve_from_args(args: argparse.Namespace) -> None:
     serve(getattr(args, "store", None), args.host, args.port, args.token, insecure_no_auth=args.insecure_no_auth,
           max_body_bytes=int(args.max_body_mb * (1 << 20)), group_commit=not args.no_group_commit,
-          workers=args.workers, log_level=args.log_level)
+          workers=args.workers, log_level=args.log_level, payload=getattr(args, "payload", None))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -14,12 +14,16 @@ starts when the route layout changes (it is part of the schema).
 from __future__ import annotations
 
 import os
+import re
+import shutil
+import tempfile
 from typing import Callable, Iterable, Sequence
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from trajstore.errors import TrajstoreError
 from trajstore.payload import list_column
 from trajstore.sample import Sample
 from trajstore._samples import SAMPLE_LIST_COLUMNS
@@ -77,18 +81,63 @@ def _routes_column(samples: Sequence[Sample]) -> pa.Array:
 
 def export_samples(
     samples: Iterable[Sample], out_dir: str, *, rows_per_file: int = 1024,
-    progress: Callable[[int], None] | None = None,
+    progress: Callable[[int], None] | None = None, replace: bool = False,
 ) -> dict[str, int]:
-    """Write samples to ``out_dir/part-NNNNN.parquet``; return counts."""
-    os.makedirs(out_dir, exist_ok=True)
+    """Write samples to ``out_dir/part-NNNNN.parquet``; return counts.
+
+    The dataset appears whole or not at all: the files are written into a
+    hidden temporary directory beside ``out_dir`` and renamed into place at
+    the end, so an interrupted export (Ctrl-C, kill -9) never leaves a
+    directory that reads as a complete dataset, and no part file of an
+    earlier export mixes in. An existing non-empty ``out_dir`` is an error
+    unless ``replace`` (then it must hold only an earlier export's files,
+    and it is swapped out atomically)."""
+    out_dir = os.path.abspath(out_dir)
+    _check_target(out_dir, replace)
+    parent = os.path.dirname(out_dir)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.exporting-", dir=parent)
+    try:
+        counts = _write_parts(samples, tmp, rows_per_file, progress)
+        _fsync_dir(tmp)
+        _swap_into_place(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return counts
+
+
+def _check_target(out_dir: str, replace: bool) -> None:
+    if not os.path.lexists(out_dir):
+        return
+    if not os.path.isdir(out_dir) or os.path.islink(out_dir):
+        raise TrajstoreError(f"cannot export to {out_dir}: it exists and is not a directory")
+    names = os.listdir(out_dir)
+    if not names:
+        return
+    if not replace:
+        raise TrajstoreError(f"{out_dir} is not empty; pass --replace (replace=True) to replace an earlier export")
+    foreign = [n for n in names if not _PART.fullmatch(n)]
+    if foreign:
+        raise TrajstoreError(f"will not replace {out_dir}: it holds files that are not an export's "
+                             f"(e.g. {sorted(foreign)[0]!r})")
+
+
+_PART = re.compile(r"part-\d{5,}\.parquet")
+
+
+def _write_parts(samples: Iterable[Sample], out_dir: str, rows_per_file: int,
+                 progress: Callable[[int], None] | None) -> dict[str, int]:
     files = rows = 0
     pending: list[Sample] = []
 
     def flush() -> None:
         nonlocal files, rows
         if pending:
-            pq.write_table(export_table(pending), os.path.join(out_dir, f"part-{files:05d}.parquet"),
-                           compression="zstd")
+            path = os.path.join(out_dir, f"part-{files:05d}.parquet")
+            pq.write_table(export_table(pending), path, compression="zstd")
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
             files += 1
             rows += len(pending)
             if progress:
@@ -101,3 +150,26 @@ def export_samples(
         pending.append(s)
     flush()
     return {"files": files, "samples": rows}
+
+
+def _swap_into_place(tmp: str, out_dir: str) -> None:
+    """Rename the finished export to ``out_dir``; an old one is renamed aside first, then removed."""
+    old = None
+    if os.path.isdir(out_dir):
+        if os.listdir(out_dir):
+            old = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.replaced-", dir=os.path.dirname(out_dir))
+            os.rename(out_dir, os.path.join(old, "export"))
+        else:
+            os.rmdir(out_dir)
+    os.rename(tmp, out_dir)
+    _fsync_dir(os.path.dirname(out_dir))
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -206,7 +206,7 @@ def _matplotlib() -> tuple[Any, Any]:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError:
-        raise TrajstoreError("trajstore report needs matplotlib: pip install 'trajstore[report]'") from None
+        raise TrajstoreError("trajstore report needs matplotlib: pip install -e '.[report]' in the trajstore checkout") from None
     return Figure, FigureCanvasAgg
 
 

@@ -9,7 +9,11 @@ Read-only is enforced by the database, not by looking at the query text:
   connection: ATTACH (and ``VACUUM INTO``, which attaches), DETACH,
   transaction control, ``load_extension``, and every PRAGMA except a list
   of introspection ones (so ``PRAGMA query_only=OFF`` is refused).
-* **PostgreSQL**: the query runs inside ``BEGIN ISOLATION LEVEL REPEATABLE
+* **PostgreSQL**: it refuses to run as a login holding more than the
+  reader's rights (a superuser, the owner, a writer: a query could switch
+  back to the login's own rights with ``set_config('role', 'none', false)``);
+  ``trajstore init --reader-login NAME`` makes such a login. The query
+  runs inside ``BEGIN ISOLATION LEVEL REPEATABLE
   READ READ ONLY`` after ``SET LOCAL ROLE trajstore_reader`` (made by
   migration 0002 with SELECT on the tables and views, nothing else) and
   after a first statement has taken the transaction's snapshot, so it can
@@ -41,7 +45,8 @@ from sqlalchemy.engine import make_url
 from trajstore.errors import StoreUnavailable, TrajstoreError
 from trajstore.inspect.views import READER_ROLE
 
-__all__ = ["QueryResult", "read_only", "run_query", "print_result", "add_cli_arguments", "run_from_args"]
+__all__ = ["QueryResult", "read_only", "run_query", "print_result", "with_iso_times", "create_reader_login",
+           "add_cli_arguments", "run_from_args"]
 
 FORMATS = ("table", "csv", "json")
 MAX_TABLE_ROWS = 1000  # a rich table of a million rows helps nobody; csv/json print everything
@@ -93,13 +98,16 @@ def _upgrade(url: str, backend: str) -> None:
         from trajstore.log import sqlite as dialect
         path = make_url(url).database
         if not path or path == ":memory:" or not os.path.exists(path):
-            raise StoreUnavailable(f"no store at {path!r} (make one with trajstore init or trajstore demo)")
+            raise StoreUnavailable(f"no store at {path} (trajstore init, ingest or demo makes one)")
     elif backend == "postgresql":
         from trajstore.log import postgres as dialect
     else:
         raise TrajstoreError(f"unsupported database {backend!r} (sqlite or postgresql)")
     write_engine, read_engine = dialect.make_engines(url)
     try:
+        if not _has_schema(read_engine):
+            raise StoreUnavailable(f"no store at {make_url(url).render_as_string(hide_password=True)} "
+                                   "(trajstore init, ingest or demo makes one)")
         if not _at_head(read_engine):
             from trajstore._migrate import upgrade
 
@@ -109,6 +117,13 @@ def _upgrade(url: str, backend: str) -> None:
     finally:
         write_engine.dispose()
         read_engine.dispose()
+
+
+def _has_schema(engine: Any) -> bool:
+    from sqlalchemy import inspect as sa_inspect
+
+    with engine.connect() as conn:
+        return sa_inspect(conn).has_table("alembic_version")
 
 
 def _at_head(engine: Any) -> bool:
@@ -220,10 +235,51 @@ def _postgres_reader(url: str, timeout_s: float | None) -> Iterator[Query]:
         engine.dispose()
 
 
+# Rights a login must not hold to run inspection queries: with any of them a
+# query could leave the read-only role (set_config('role', 'none', false)
+# returns to the login) and act as the login itself.
+_LOGIN_RIGHTS_SQL = """
+SELECT r.rolsuper,
+       r.rolcreaterole OR r.rolcreatedb OR r.rolbypassrls OR r.rolreplication AS admin,
+       c.oid IS NOT NULL AND pg_has_role(session_user, c.relowner, 'MEMBER') AS owner,
+       c.oid IS NOT NULL AND (has_table_privilege(session_user, c.oid, 'INSERT')
+           OR has_table_privilege(session_user, c.oid, 'UPDATE')
+           OR has_table_privilege(session_user, c.oid, 'DELETE')
+           OR has_table_privilege(session_user, c.oid, 'TRUNCATE')) AS writer,
+       (SELECT string_agg(p.rolname, ', ' ORDER BY p.rolname) FROM pg_roles p
+         WHERE p.rolname IN ('pg_signal_backend', 'pg_read_server_files', 'pg_write_server_files',
+                             'pg_execute_server_program', 'pg_write_all_data', 'pg_monitor',
+                             'pg_checkpoint', 'pg_database_owner')
+           AND pg_has_role(session_user, p.oid, 'MEMBER')) AS powers
+FROM pg_roles r LEFT JOIN pg_class c ON c.oid = to_regclass('events')
+WHERE r.rolname = session_user
+"""
+
+
+def _check_login(conn: Any) -> None:
+    """Refuse a login that holds more than the reader's rights (superuser, owner, writer)."""
+    with conn.cursor() as cur:
+        cur.execute(_LOGIN_RIGHTS_SQL)
+        row = cur.fetchone()
+        cur.execute("SELECT session_user")
+        (login,) = cur.fetchone()
+    if row is None:
+        return
+    superuser, admin, owner, writer, powers = row
+    why = ("a superuser" if superuser else "the store's owner (or a member of it)" if owner
+           else "allowed to write the store" if writer else "allowed to create roles or databases" if admin
+           else f"a member of {powers}" if powers else None)
+    if why:
+        raise TrajstoreError(
+            f"trajstore sql will not run as {login!r}, {why}: connect as a login that holds only "
+            f"the {READER_ROLE} role (trajstore init --reader-login NAME; see 'Read-only access' in docs/sql.md)")
+
+
 def _enter_reader_role(conn: Any, timeout_s: float | None) -> None:
     import psycopg
 
     try:
+        _check_login(conn)
         with conn.cursor() as cur:
             cur.execute(f"SET LOCAL ROLE {READER_ROLE}")
     except psycopg.Error as e:
@@ -236,6 +292,41 @@ def _enter_reader_role(conn: Any, timeout_s: float | None) -> None:
             cur.execute(f"SET LOCAL statement_timeout = {int(timeout_s * 1000)}")
         # Takes the snapshot: from here the transaction cannot become read-write.
         cur.execute("SELECT 1")
+
+
+def create_reader_login(store: Any, login: str, password: str | None = None) -> str:
+    """Make ``login`` a PostgreSQL LOGIN role holding only ``trajstore_reader``; return a line saying so.
+
+    The password is ``password``, else ``$TRAJSTORE_READER_PASSWORD``, else
+    none (then only trust/peer/certificate authentication can log it in).
+    Needs CREATEROLE (or a superuser) on the store URL's login."""
+    import re
+
+    from sqlalchemy import text
+
+    if store.log.write_engine.dialect.name != "postgresql":
+        raise TrajstoreError("--reader-login is for PostgreSQL stores (SQLite stores are opened read-only)")
+    if not re.fullmatch(r"[a-z_][a-z0-9_]{0,62}", login):
+        raise TrajstoreError(f"reader login {login!r}: use lowercase letters, digits and _ (at most 63)")
+    password = password if password is not None else os.environ.get("TRAJSTORE_READER_PASSWORD")
+    from sqlalchemy.exc import DBAPIError
+
+    try:
+        with store.log.write_engine.begin() as conn:
+            exists = conn.execute(text("SELECT 1 FROM pg_roles WHERE rolname = :n"), {"n": login}).first()
+            attrs = "LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE NOREPLICATION NOBYPASSRLS INHERIT"
+            conn.exec_driver_sql(f"{'ALTER' if exists else 'CREATE'} ROLE {login} {attrs}")
+            if password:
+                quoted = conn.exec_driver_sql("SELECT quote_literal(%(p)s)", {"p": password}).scalar()
+                conn.exec_driver_sql(f"ALTER ROLE {login} PASSWORD {quoted}")
+            conn.exec_driver_sql(f"GRANT {READER_ROLE} TO {login}")
+            conn.exec_driver_sql(f"ALTER ROLE {login} SET default_transaction_read_only = on")
+    except DBAPIError as e:
+        raise StoreUnavailable(f"cannot make reader login {login!r}: {_first_line(str(e.orig))}") from None
+    url = make_url(store.url).set(username=login, password="***" if password else None)
+    return (f"reader login {login!r} ready (only {READER_ROLE}'s rights"
+            f"{'' if password else '; no password set'}): trajstore --store "
+            f"'{url.render_as_string(hide_password=False)}' sql ...")
 
 
 def _postgres_execute(conn: Any, sql: str) -> QueryResult:
@@ -289,8 +380,33 @@ def _cell(value: Any) -> str:
     return str(_plain(value))
 
 
+def _is_time_column(name: str) -> bool:
+    return name.endswith("_at") or name in ("created_at", "updated_at", "time", "timestamp")
+
+
+def with_iso_times(result: QueryResult) -> QueryResult:
+    """Columns named ``*_at`` hold Unix seconds; show them as ISO 8601 UTC times."""
+    import datetime as dt
+
+    cols = [i for i, c in enumerate(result.columns) if _is_time_column(c)]
+    if not cols:
+        return result
+
+    def iso(v: Any) -> Any:
+        if isinstance(v, (int, float, Decimal)) and not isinstance(v, bool):
+            try:
+                return dt.datetime.fromtimestamp(float(v), dt.timezone.utc).isoformat(timespec="milliseconds")
+            except (OverflowError, OSError, ValueError):
+                return v
+        return v
+
+    rows = [tuple(iso(v) if i in cols else v for i, v in enumerate(row)) for row in result.rows]
+    return QueryResult(result.columns, rows)
+
+
 def print_result(result: QueryResult, fmt: str = "table", out: TextIO | None = None) -> None:
     out = out or sys.stdout
+    result = with_iso_times(result)
     if fmt == "csv":
         writer = csv.writer(out, lineterminator="\n")
         writer.writerow(result.columns)

@@ -11,6 +11,8 @@ import os
 
 import numpy as np
 import pytest
+
+from tests.helpers import reader_url_for
 from sqlalchemy import select, update
 
 import trajstore
@@ -182,7 +184,7 @@ def test_cli_materialize_and_info_show_unfoldable(store_url, tmp_path, capsys):
     assert info["count"] == 2 and info["by_error"] == {"CorruptStoreError": 2}
     assert [r["trajectory_id"] for r in info["recent"]] == ["gone", "bad"]
     # and in SQL, through the read-only inspection command
-    assert main(["--store", store_url, "sql", "--format", "json",
+    assert main(["--store", reader_url_for(store_url), "sql", "--format", "json",
                  "SELECT trajectory_id, error FROM unfoldable_trajectories ORDER BY finished_position"]) == 0
     out = capsys.readouterr().out
     assert out.index('"bad"') < out.index('"gone"') and "CorruptStoreError" in out

@@ -18,6 +18,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+
+from tests.helpers import reader_url_for
 from sqlalchemy import text
 
 import trajstore
@@ -450,9 +452,9 @@ def test_documented_metadata_queries_run_read_only(built, store_url):
     by_tool = {}
     for _, m in meta:
         by_tool.setdefault(m["tool"], []).append(m["latency_ms"])
-    got = {r[0]: (r[1], r[2]) for r in run_query(store_url, DOC_METADATA_QUERIES["both"]).rows}
+    got = {r[0]: (r[1], r[2]) for r in run_query(reader_url_for(store_url), DOC_METADATA_QUERIES["both"]).rows}
     assert got.keys() == by_tool.keys()
     for tool, latencies in by_tool.items():
         assert got[tool][0] == len(latencies) and got[tool][1] == pytest.approx(sum(latencies) / len(latencies))
-    rows = {tuple(r) for r in run_query(store_url, DOC_METADATA_QUERIES[dialect]).rows}
+    rows = {tuple(r) for r in run_query(reader_url_for(store_url), DOC_METADATA_QUERIES[dialect]).rows}
     assert rows == {k for k, m in meta if m["tool"] == "search" and m["latency_ms"] > 100} and rows

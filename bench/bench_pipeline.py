@@ -1,0 +1,412 @@
+"""The whole pipeline on the load RL produces, each path beside its baseline.
+
+    PYTHONPATH=. .venv/bin/python bench/bench_pipeline.py [--rounds 3] [--only append,materialize,...]
+
+Load (issue 12): 32 trajectories x 4 turns, a 100-token first prompt, then
+per turn 500 output tokens and (between turns) 100 observation tokens, so
+2,400 unique tokens per trajectory; 48 layers x top-8 routes (uint8 ids <
+128); every generation carries ALL route rows for its prompt and output, as
+vLLM returns them. Events are wire dicts: token ids and logprobs as
+``{b64, dtype, shape}``, routes as a base64 ``.npy`` string (vLLM's form).
+Encoding happens before any clock starts.
+
+Paths, each run interleaved with its baseline, ``--rounds`` times, median:
+
+* append: ``store.append`` of the wire events (one call per trajectory, and
+  one call per event) vs writing the unique arrays (tokens, logprobs, routes)
+  to one uncompressed Parquet file + fsync;
+* bytes per unique token of the whole store after materialize (log payload +
+  sample payload + SQL files);
+* materialize end to end (``store.materialize()``) vs the same sample arrays
+  written uncompressed to Parquet + fsync;
+* read, warm: ``store.samples()`` and ``SampleReader`` vs
+  ``pyarrow.parquet.read_table`` of that uncompressed file;
+* HTTP ingest of ~1-MiB events (one service process, 8 client threads);
+* the materializer's poll with nothing to do and 100k unfinished events
+  after its checkpoint, SQLite and PostgreSQL (tests/pg_cluster.PgCluster).
+
+Tokens/s figures count unique tokens (samples' tokens for materialize/read).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import trajstore  # noqa: E402
+from trajstore._wire import encode_b64, encode_npy_b64  # noqa: E402
+from trajstore.demo.simulate import RolloutConfig, trajectory_events  # noqa: E402
+from trajstore.payload import binary_column, list_column  # noqa: E402
+
+CFG = RolloutConfig(turns=4, prompt_tokens=100, output_tokens=500, observation_tokens=100, layers=48, topk=8,
+                    num_experts=128, mismatch_prob=0.0, abort_prob=0.0, fail_prob=0.0, route_drift=0.0)
+TRAJECTORIES = 32
+POLL_EVENTS = 100_000
+TOKEN = "bench-token"
+PATHS = ("append", "materialize", "read", "http", "poll")
+
+
+# -- the load ---------------------------------------------------------------
+def arrays_load(n: int) -> list[list[dict]]:
+    """The simulated trajectories with near-random routes (top-8 distinct ids of
+    128 per layer), each call re-sending rows 0..N-2 of one per-trajectory table."""
+    out = []
+    for i in range(n):
+        events = trajectory_events(CFG, i)
+        rng = np.random.default_rng([99, i])
+        longest = max(len(e["routed_experts"]) for e in events if e["type"] == "generation")
+        table = np.argpartition(rng.random((longest, CFG.layers, CFG.num_experts), dtype=np.float32),
+                                CFG.topk, axis=-1)[..., :CFG.topk].astype(np.uint8)
+        out.append([dict(e, routed_experts=table[:len(e["routed_experts"])]) if e["type"] == "generation" else e
+                    for e in events])
+    return out
+
+
+def to_wire(events: list[dict]) -> list[dict]:
+    out = []
+    for e in events:
+        if e["type"] == "generation":
+            e = dict(e, prompt_ids=encode_b64(e["prompt_ids"]), output_ids=encode_b64(e["output_ids"]),
+                     logprobs=encode_b64(e["logprobs"]), routed_experts=encode_npy_b64(e["routed_experts"]))
+        out.append(e)
+    return out
+
+
+def unique_table(trajs: list[list[dict]]) -> pa.Table:
+    """One row per trajectory: its final sequence, all logprobs, the routes of every position once."""
+    seqs, lps, routes = [], [], []
+    for t in trajs:
+        gens = [e for e in t if e["type"] == "generation"]
+        seqs.append(np.concatenate([gens[-1]["prompt_ids"], gens[-1]["output_ids"]]))
+        lps.append(np.concatenate([g["logprobs"] for g in gens]))
+        routes.append(gens[-1]["routed_experts"])
+    return pa.table({"tokens": list_column(seqs, np.int32), "logprobs": list_column(lps, np.float32),
+                     "routes": binary_column(routes)})
+
+
+def sample_arrays_table(store) -> pa.Table:
+    """The materialized samples' arrays as a plain table (the raw baseline for materialize/read)."""
+    ss = list(store.samples())
+    return pa.table({
+        "prompt_ids": list_column([s.prompt_ids for s in ss], np.int32),
+        "response_ids": list_column([s.response_ids for s in ss], np.int32),
+        "loss_mask": list_column([s.loss_mask for s in ss], np.uint8),
+        "rollout_logprobs": list_column([s.rollout_logprobs for s in ss], np.float32),
+        "routed_experts": binary_column([s.routed_experts for s in ss]),
+    })
+
+
+def raw_write(table: pa.Table, path: str) -> float:
+    t0 = time.perf_counter()
+    with open(path, "wb") as f:
+        pq.write_table(table, f, compression="none")
+        f.flush()
+        os.fsync(f.fileno())
+    return time.perf_counter() - t0
+
+
+def raw_read(path: str) -> tuple[float, int]:
+    t0 = time.perf_counter()
+    table = pq.read_table(path)
+    n = int(sum(len(ch.values) for c in ("prompt_ids", "response_ids") for ch in table.column(c).chunks))
+    return time.perf_counter() - t0, n
+
+
+def _med(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def _dir_bytes(path: str, prefix: str = "") -> int:
+    if not os.path.isdir(path):
+        return 0
+    return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.startswith(prefix))
+
+
+# -- append, bytes, materialize, read ---------------------------------------
+def append_materialize_read(args, out: dict) -> None:
+    trajs = arrays_load(TRAJECTORIES)
+    wire = [to_wire(t) for t in trajs]
+    unique = unique_table(trajs)
+    tokens = int(np.diff(np.asarray(unique.column("tokens").chunk(0).offsets)).sum())
+    wire_mb = sum(len(json.dumps(t)) for t in wire) / 2**20
+    times: dict[str, list[float]] = {}
+    sizes: dict[str, float] = {}
+    sample_tokens = 0
+    with tempfile.TemporaryDirectory(dir=args.tmp) as d:
+        for r in range(args.rounds):
+            times.setdefault("raw write unique arrays", []).append(raw_write(unique, f"{d}/unique{r}.parquet"))
+            if "append" in args.only:
+                s = trajstore.connect(f"sqlite:///{d}/e{r}.db")
+                t0 = time.perf_counter()
+                for t in wire:
+                    for e in t:
+                        s.append([e])
+                times.setdefault("append, one call per event", []).append(time.perf_counter() - t0)
+                s.close()
+            url, payload = f"sqlite:///{d}/a{r}.db", f"{d}/a{r}.payload"
+            s = trajstore.connect(url, payload=payload)
+            t0 = time.perf_counter()
+            for t in wire:
+                s.append(t)
+            times.setdefault("append, one call per trajectory", []).append(time.perf_counter() - t0)
+            if not ({"materialize", "read"} & set(args.only)):
+                s.close()
+                continue
+            t0 = time.perf_counter()
+            s.materialize()
+            times.setdefault("materialize", []).append(time.perf_counter() - t0)
+            samples_tbl = sample_arrays_table(s)
+            sample_tokens = int(np.diff(np.asarray(samples_tbl.column("prompt_ids").chunk(0).offsets)).sum()
+                                + np.diff(np.asarray(samples_tbl.column("response_ids").chunk(0).offsets)).sum())
+            raw_path = f"{d}/samples{r}.parquet"
+            times.setdefault("raw write sample arrays", []).append(raw_write(samples_tbl, raw_path))
+            sizes = {"log": _dir_bytes(payload, "events-") / tokens, "samples": _dir_bytes(payload, "samples-") / tokens,
+                     "sql": sum(os.path.getsize(p) for p in (f"{d}/a{r}.db", f"{d}/a{r}.db-wal")
+                                if os.path.exists(p)) / tokens}
+            if "read" in args.only:
+                from trajstore.reader import SampleReader
+
+                raw_read(raw_path)  # warm
+                list(s.samples())
+                for _ in range(2):  # two warm reads each, interleaved
+                    dt, n = raw_read(raw_path)
+                    assert n == sample_tokens
+                    times.setdefault("raw read sample arrays", []).append(dt)
+                    t0 = time.perf_counter()
+                    n = sum(len(x.prompt_ids) + len(x.response_ids) for x in s.samples())
+                    times.setdefault("store.samples()", []).append(time.perf_counter() - t0)
+                    assert n == sample_tokens
+                    t0 = time.perf_counter()
+                    with SampleReader(s, batch_size=8) as reader:
+                        n = sum(len(x.prompt_ids) + len(x.response_ids) for b in reader for x in b)
+                    times.setdefault("SampleReader", []).append(time.perf_counter() - t0)
+                    assert n == sample_tokens
+            s.close()
+    med = {k: _med(v) for k, v in times.items()}
+    res: dict = {"unique_tokens": tokens, "sample_tokens": sample_tokens, "wire_mib": round(wire_mb, 1),
+                 "seconds_median": {k: round(v, 4) for k, v in med.items()}}
+    raw_a = med["raw write unique arrays"]
+    res["append"] = {k: {"tokens_per_s": round(tokens / med[k]), "vs_raw": round(raw_a / med[k], 3)}
+                     for k in med if k.startswith("append")}
+    res["append"]["raw write unique arrays (uncompressed Parquet + fsync)"] = {"tokens_per_s": round(tokens / raw_a)}
+    if "materialize" in med:
+        raw_m = med["raw write sample arrays"]
+        res["materialize"] = {"tokens_per_s": round(sample_tokens / med["materialize"]),
+                              "raw_tokens_per_s": round(sample_tokens / raw_m), "vs_raw": round(raw_m / med["materialize"], 3)}
+        res["bytes_per_unique_token"] = {k: round(v, 1) for k, v in sizes.items()}
+        res["bytes_per_unique_token"]["total"] = round(sum(sizes.values()), 1)
+    if "SampleReader" in med:
+        raw_r = med["raw read sample arrays"]
+        res["read"] = {k: {"tokens_per_s": round(sample_tokens / med[k]), "vs_raw": round(raw_r / med[k], 3)}
+                       for k in ("store.samples()", "SampleReader")}
+        res["read"]["raw pq.read_table, uncompressed"] = {"tokens_per_s": round(sample_tokens / raw_r)}
+    out["pipeline"] = res
+
+
+# -- HTTP ingest --------------------------------------------------------------
+def http_ingest(args, out: dict) -> None:
+    from trajstore.ingest.sinks import HttpSink, encode_events
+
+    rng = np.random.default_rng(7)
+    P, O, clients, per = 1500, 500, 8, 6
+
+    def event_pair(tid: str) -> list[dict]:
+        return [{"type": "trajectory_started", "trajectory_id": tid, "num_experts": 128},
+                {"type": "generation", "trajectory_id": tid, "seq": 0, "model_version": 1,
+                 "prompt_ids": rng.integers(0, 150_000, P, dtype=np.int32),
+                 "output_ids": rng.integers(0, 150_000, O, dtype=np.int32),
+                 "logprobs": -rng.random(O, dtype=np.float32),
+                 "routed_experts": encode_npy_b64(rng.integers(0, 128, (P + O - 1, 48, 8), dtype=np.uint8))}]
+
+    rates = []
+    body_mib = 0.0
+    with tempfile.TemporaryDirectory(dir=args.tmp) as d:
+        for r in range(args.rounds):
+            bodies = [[encode_events(event_pair(f"r{r}-c{c}-{k}")) for k in range(per)] for c in range(clients)]
+            body_mib = float(np.mean([len(b) for c in bodies for b in c])) / 2**20
+            port = args.port + r
+            cmd = [sys.executable, str(REPO / "workers" / "ingest_server.py"), "--store", f"sqlite:///{d}/h{r}.db",
+                   "--port", str(port), "--max-body-mb", "64", *args.serve_args]
+            proc = subprocess.Popen(cmd, env={**os.environ, "TRAJSTORE_TOKEN": TOKEN, "PYTHONPATH": str(REPO)})
+            try:
+                _wait_healthy(port, proc)
+                sinks = [HttpSink(f"http://127.0.0.1:{port}", token=TOKEN) for _ in range(clients)]
+                errors: list[str] = []
+
+                def client(k: int) -> None:
+                    for b in bodies[k]:
+                        status, data = sinks[k].post(b)
+                        if status != 200:
+                            errors.append(f"{status} {data[:200]!r}")
+
+                threads = [threading.Thread(target=client, args=(k,)) for k in range(clients)]
+                t0 = time.perf_counter()
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join()
+                rates.append(clients * per / (time.perf_counter() - t0))
+                for s in sinks:
+                    s.close()
+                if errors:
+                    raise RuntimeError(errors[0])
+            finally:
+                proc.terminate()
+                proc.wait(30)
+    out["http"] = {"events_per_s": round(_med(rates), 1), "body_mib": round(body_mib, 2),
+                   "clients": clients, "serve_args": args.serve_args}
+
+
+def _wait_healthy(port: int, proc: subprocess.Popen) -> None:
+    import urllib.request
+
+    for _ in range(600):
+        if proc.poll() is not None:
+            raise RuntimeError("ingest service exited")
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1)
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError("ingest service did not start")
+
+
+# -- the materializer's idle poll --------------------------------------------
+def seed_checkpoint(store) -> None:
+    """One folded trajectory, so the materializer has a checkpoint."""
+    store.append(trajectory_events(RolloutConfig(turns=1, prompt_tokens=8, output_tokens=8, layers=2, topk=2), 0))
+    store.materialize()
+
+
+def poll_time(store, polls: int) -> float:
+    from trajstore.materializer import Materializer
+
+    m = Materializer(store)
+    assert m.step() is None
+    ts = []
+    for _ in range(polls):
+        t0 = time.perf_counter()
+        assert m.step() is None
+        ts.append(time.perf_counter() - t0)
+    return _med(ts)
+
+
+def explain(store) -> list[str]:
+    from sqlalchemy import select
+
+    from trajstore.schema import events
+
+    q = (select(events).where(events.c.position > 1).where(events.c.type.in_(["trajectory_finished"]))
+         .order_by(events.c.position).limit(256))
+    sql = str(q.compile(store.log.read_engine, compile_kwargs={"literal_binds": True}))
+    with store.log.read_engine.connect() as conn:
+        if store.log.read_engine.dialect.name == "sqlite":
+            return [str(r[-1]) for r in conn.exec_driver_sql("EXPLAIN QUERY PLAN " + sql)]
+        return [r[0] for r in conn.exec_driver_sql("EXPLAIN ANALYZE " + sql)]
+
+
+def poll(args, out: dict) -> None:
+    res = {}
+    with tempfile.TemporaryDirectory(dir=args.tmp) as d:
+        stores = {"sqlite": trajstore.connect(f"sqlite:///{d}/p.db")}
+        cluster = None
+        if not args.no_postgres:
+            sys.path.insert(0, str(REPO / "tests"))
+            from pg_cluster import PgCluster
+
+            cluster = PgCluster()
+            cluster.start()
+            cluster.create_database("poll")
+            stores["postgresql"] = trajstore.connect(cluster.url("poll"), payload=f"{d}/pg.payload")
+        try:
+            for name, s in stores.items():
+                seed_checkpoint(s)
+            idle = {name: [] for name in stores}
+            for _ in range(args.rounds):
+                for name, s in stores.items():
+                    idle[name].append(poll_time(s, 20))
+            for name, s in stores.items():
+                insert_unfinished(s, POLL_EVENTS)
+            busy = {name: [] for name in stores}
+            for _ in range(args.rounds):
+                for name, s in stores.items():
+                    busy[name].append(poll_time(s, 20))
+            for name, s in stores.items():
+                res[name] = {"empty_log_ms": round(_med(idle[name]) * 1e3, 3),
+                             f"{POLL_EVENTS}_unfinished_ms": round(_med(busy[name]) * 1e3, 3),
+                             "plan": explain(s)}
+                s.close()
+        finally:
+            if cluster:
+                cluster.stop()
+    out["poll"] = res
+
+
+def insert_unfinished(store, n: int) -> None:
+    """``n`` generation events of 1,000 running trajectories after the checkpoint,
+    inserted straight into the index (a poll must not look at their payload)."""
+    from sqlalchemy import insert, update
+
+    from trajstore.schema import events, log_head, trajectories
+
+    head = store.log.head_position()
+    now = time.time()
+    n_traj = 1000
+    with store.log.write_engine.begin() as conn:
+        conn.execute(insert(trajectories), [{
+            "trajectory_id": f"run-{i}", "metadata": {}, "status": "running", "version": 1, "last_seq": 99,
+            "seq_len": 0, "seq_hash": b"\0" * 16, "route_len": 0, "started_position": head + 1,
+            "created_at": now, "updated_at": now} for i in range(n_traj)])
+        for lo in range(0, n, 20_000):
+            conn.execute(insert(events), [{
+                "position": head + 1 + p, "trajectory_id": f"run-{p % n_traj}", "type": "generation",
+                "seq": p // n_traj, "identity": f"generation:run-{p % n_traj}:{p // n_traj}",
+                "content_hash": b"\0" * 16, "model_version": 1, "prompt_len": 10, "prefix_len": 0,
+                "output_len": 10, "segment": None, "segment_row": None, "created_at": now}
+                for p in range(lo, min(n, lo + 20_000))])
+        conn.execute(update(log_head).where(log_head.c.id == 1).values(position=head + n))
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--only", default=",".join(PATHS), help=f"comma-separated subset of {PATHS}")
+    p.add_argument("--no-postgres", action="store_true")
+    p.add_argument("--port", type=int, default=18790)
+    p.add_argument("--serve-arg", dest="serve_args", action="append", default=[],
+                   help="extra argument for `trajstore serve` (repeatable), e.g. --serve-arg=--workers --serve-arg=2")
+    p.add_argument("--tmp", default=None, help="scratch directory (default: system temp)")
+    p.add_argument("--out", default=None, help="also write the JSON here")
+    args = p.parse_args(argv)
+    args.only = [x for x in args.only.split(",") if x]
+    out: dict = {"machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]}, "rounds": args.rounds}
+    if {"append", "materialize", "read"} & set(args.only):
+        append_materialize_read(args, out)
+    if "http" in args.only:
+        http_ingest(args, out)
+    if "poll" in args.only:
+        poll(args, out)
+    text = json.dumps(out, indent=2)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -31,6 +31,7 @@ Tokens/s figures count unique tokens (samples' tokens for materialize/read).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -111,20 +112,34 @@ def sample_arrays_table(store) -> pa.Table:
     })
 
 
-def raw_write(table: pa.Table, path: str) -> float:
-    t0 = time.perf_counter()
+class Clock:
+    """Wall and CPU (this process, all threads) seconds per path, over rounds."""
+
+    def __init__(self) -> None:
+        self.wall: dict[str, list[float]] = {}
+        self.cpu: dict[str, list[float]] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        t0, c0 = time.perf_counter(), time.process_time()
+        yield
+        self.wall.setdefault(name, []).append(time.perf_counter() - t0)
+        self.cpu.setdefault(name, []).append(time.process_time() - c0)
+
+    def medians(self) -> tuple[dict[str, float], dict[str, float]]:
+        return {k: _med(v) for k, v in self.wall.items()}, {k: _med(v) for k, v in self.cpu.items()}
+
+
+def raw_write(table: pa.Table, path: str) -> None:
     with open(path, "wb") as f:
         pq.write_table(table, f, compression="none")
         f.flush()
         os.fsync(f.fileno())
-    return time.perf_counter() - t0
 
 
-def raw_read(path: str) -> tuple[float, int]:
-    t0 = time.perf_counter()
+def raw_read(path: str) -> int:
     table = pq.read_table(path)
-    n = int(sum(len(ch.values) for c in ("prompt_ids", "response_ids") for ch in table.column(c).chunks))
-    return time.perf_counter() - t0, n
+    return int(sum(len(ch.values) for c in ("prompt_ids", "response_ids") for ch in table.column(c).chunks))
 
 
 def _med(xs: list[float]) -> float:
@@ -137,6 +152,15 @@ def _dir_bytes(path: str, prefix: str = "") -> int:
     return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.startswith(prefix))
 
 
+def _rates(tokens: int, names: list[str], base: str, wall: dict, cpu: dict) -> dict:
+    out = {}
+    for k in names:
+        out[k] = {"tokens_per_s": round(tokens / wall[k]), "tokens_per_cpu_s": round(tokens / cpu[k])}
+        if k != base:
+            out[k].update(vs_raw=round(wall[base] / wall[k], 3), cpu_vs_raw=round(cpu[base] / cpu[k], 3))
+    return out
+
+
 # -- append, bytes, materialize, read ---------------------------------------
 def append_materialize_read(args, out: dict) -> None:
     trajs = arrays_load(TRAJECTORIES)
@@ -144,37 +168,36 @@ def append_materialize_read(args, out: dict) -> None:
     unique = unique_table(trajs)
     tokens = int(np.diff(np.asarray(unique.column("tokens").chunk(0).offsets)).sum())
     wire_mb = sum(len(json.dumps(t)) for t in wire) / 2**20
-    times: dict[str, list[float]] = {}
+    clock = Clock()
     sizes: dict[str, float] = {}
     sample_tokens = 0
     with tempfile.TemporaryDirectory(dir=args.tmp) as d:
         for r in range(args.rounds):
-            times.setdefault("raw write unique arrays", []).append(raw_write(unique, f"{d}/unique{r}.parquet"))
+            with clock("raw write unique arrays"):
+                raw_write(unique, f"{d}/unique{r}.parquet")
             if "append" in args.only:
                 s = trajstore.connect(f"sqlite:///{d}/e{r}.db")
-                t0 = time.perf_counter()
-                for t in wire:
-                    for e in t:
-                        s.append([e])
-                times.setdefault("append, one call per event", []).append(time.perf_counter() - t0)
+                with clock("append, one call per event"):
+                    for t in wire:
+                        for e in t:
+                            s.append([e])
                 s.close()
             url, payload = f"sqlite:///{d}/a{r}.db", f"{d}/a{r}.payload"
             s = trajstore.connect(url, payload=payload)
-            t0 = time.perf_counter()
-            for t in wire:
-                s.append(t)
-            times.setdefault("append, one call per trajectory", []).append(time.perf_counter() - t0)
+            with clock("append, one call per trajectory"):
+                for t in wire:
+                    s.append(t)
             if not ({"materialize", "read"} & set(args.only)):
                 s.close()
                 continue
-            t0 = time.perf_counter()
-            s.materialize()
-            times.setdefault("materialize", []).append(time.perf_counter() - t0)
+            with clock("materialize"):
+                s.materialize()
             samples_tbl = sample_arrays_table(s)
             sample_tokens = int(np.diff(np.asarray(samples_tbl.column("prompt_ids").chunk(0).offsets)).sum()
                                 + np.diff(np.asarray(samples_tbl.column("response_ids").chunk(0).offsets)).sum())
             raw_path = f"{d}/samples{r}.parquet"
-            times.setdefault("raw write sample arrays", []).append(raw_write(samples_tbl, raw_path))
+            with clock("raw write sample arrays"):
+                raw_write(samples_tbl, raw_path)
             sizes = {"log": _dir_bytes(payload, "events-") / tokens, "samples": _dir_bytes(payload, "samples-") / tokens,
                      "sql": sum(os.path.getsize(p) for p in (f"{d}/a{r}.db", f"{d}/a{r}.db-wal")
                                 if os.path.exists(p)) / tokens}
@@ -184,37 +207,31 @@ def append_materialize_read(args, out: dict) -> None:
                 raw_read(raw_path)  # warm
                 list(s.samples())
                 for _ in range(2):  # two warm reads each, interleaved
-                    dt, n = raw_read(raw_path)
+                    with clock("raw read sample arrays"):
+                        n = raw_read(raw_path)
                     assert n == sample_tokens
-                    times.setdefault("raw read sample arrays", []).append(dt)
-                    t0 = time.perf_counter()
-                    n = sum(len(x.prompt_ids) + len(x.response_ids) for x in s.samples())
-                    times.setdefault("store.samples()", []).append(time.perf_counter() - t0)
+                    with clock("store.samples()"):
+                        n = sum(len(x.prompt_ids) + len(x.response_ids) for x in s.samples())
                     assert n == sample_tokens
-                    t0 = time.perf_counter()
-                    with SampleReader(s, batch_size=8) as reader:
-                        n = sum(len(x.prompt_ids) + len(x.response_ids) for b in reader for x in b)
-                    times.setdefault("SampleReader", []).append(time.perf_counter() - t0)
+                    with clock("SampleReader"):
+                        with SampleReader(s, batch_size=8) as reader:
+                            n = sum(len(x.prompt_ids) + len(x.response_ids) for b in reader for x in b)
                     assert n == sample_tokens
             s.close()
-    med = {k: _med(v) for k, v in times.items()}
+    wall, cpu = clock.medians()
     res: dict = {"unique_tokens": tokens, "sample_tokens": sample_tokens, "wire_mib": round(wire_mb, 1),
-                 "seconds_median": {k: round(v, 4) for k, v in med.items()}}
-    raw_a = med["raw write unique arrays"]
-    res["append"] = {k: {"tokens_per_s": round(tokens / med[k]), "vs_raw": round(raw_a / med[k], 3)}
-                     for k in med if k.startswith("append")}
-    res["append"]["raw write unique arrays (uncompressed Parquet + fsync)"] = {"tokens_per_s": round(tokens / raw_a)}
-    if "materialize" in med:
-        raw_m = med["raw write sample arrays"]
-        res["materialize"] = {"tokens_per_s": round(sample_tokens / med["materialize"]),
-                              "raw_tokens_per_s": round(sample_tokens / raw_m), "vs_raw": round(raw_m / med["materialize"], 3)}
+                 "wall_s_median": {k: round(v, 4) for k, v in wall.items()},
+                 "cpu_s_median": {k: round(v, 4) for k, v in cpu.items()}}
+    res["append"] = _rates(tokens, [k for k in wall if k.startswith(("append", "raw write unique"))],
+                           "raw write unique arrays", wall, cpu)
+    if "materialize" in wall:
+        res["materialize"] = _rates(sample_tokens, ["materialize", "raw write sample arrays"],
+                                    "raw write sample arrays", wall, cpu)
         res["bytes_per_unique_token"] = {k: round(v, 1) for k, v in sizes.items()}
         res["bytes_per_unique_token"]["total"] = round(sum(sizes.values()), 1)
-    if "SampleReader" in med:
-        raw_r = med["raw read sample arrays"]
-        res["read"] = {k: {"tokens_per_s": round(sample_tokens / med[k]), "vs_raw": round(raw_r / med[k], 3)}
-                       for k in ("store.samples()", "SampleReader")}
-        res["read"]["raw pq.read_table, uncompressed"] = {"tokens_per_s": round(sample_tokens / raw_r)}
+    if "SampleReader" in wall:
+        res["read"] = _rates(sample_tokens, ["store.samples()", "SampleReader", "raw read sample arrays"],
+                             "raw read sample arrays", wall, cpu)
     out["pipeline"] = res
 
 
@@ -233,7 +250,8 @@ def http_ingest(args, out: dict) -> None:
                  "logprobs": -rng.random(O, dtype=np.float32),
                  "routed_experts": encode_npy_b64(rng.integers(0, 128, (P + O - 1, 48, 8), dtype=np.uint8))}]
 
-    rates = []
+    rates: list[float] = []
+    cpu_ms: list[float] = []
     body_mib = 0.0
     with tempfile.TemporaryDirectory(dir=args.tmp) as d:
         for r in range(args.rounds):
@@ -255,12 +273,13 @@ def http_ingest(args, out: dict) -> None:
                             errors.append(f"{status} {data[:200]!r}")
 
                 threads = [threading.Thread(target=client, args=(k,)) for k in range(clients)]
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), _tree_cpu_s(proc.pid)
                 for t in threads:
                     t.start()
                 for t in threads:
                     t.join()
                 rates.append(clients * per / (time.perf_counter() - t0))
+                cpu_ms.append((_tree_cpu_s(proc.pid) - c0) / (clients * per) * 1e3)
                 for s in sinks:
                     s.close()
                 if errors:
@@ -268,8 +287,21 @@ def http_ingest(args, out: dict) -> None:
             finally:
                 proc.terminate()
                 proc.wait(30)
-    out["http"] = {"events_per_s": round(_med(rates), 1), "body_mib": round(body_mib, 2),
+    out["http"] = {"events_per_s": round(_med(rates), 1), "service_cpu_ms_per_event": round(_med(cpu_ms), 1), "body_mib": round(body_mib, 2),
                    "clients": clients, "serve_args": args.serve_args}
+
+
+def _tree_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of ``pid`` and its direct children (uvicorn workers)."""
+    total = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(stat.parent.name) == pid or int(fields[1]) == pid:
+            total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 def _wait_healthy(port: int, proc: subprocess.Popen) -> None:

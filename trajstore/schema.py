@@ -90,6 +90,8 @@ events = Table(
     Column("segment_row", Integer, nullable=True),
     Column("created_at", Float, nullable=False),
     Index("ix_events_trajectory_seq", "trajectory_id", "position"),
+    # the materializer's poll: finished events after a position, in order
+    Index("ix_events_type_position", "type", "position"),
 )
 
 # Payload segment files referenced by events or samples; a file in the

@@ -383,8 +383,11 @@ def serve(store_url: str | None = None, host: str = "127.0.0.1", port: int = DEF
         {"store_url": store_url, "token": token, "max_body_bytes": max_body_bytes, "group_commit": group_commit})
     # uvicorn builds each worker's app from the import string; the settings
     # reach it through the environment the workers inherit.
+    # http=: TCP_NODELAY on every accepted connection; with workers > 1 uvicorn
+    # binds a proto-0 socket and asyncio would leave Nagle on (see _nodelay).
     uvicorn.run("trajstore.ingest.service:app_from_env", factory=True, workers=workers if workers > 1 else None,
-                host=host, port=port, log_level=log_level, access_log=False)
+                host=host, port=port, log_level=log_level, access_log=False,
+                http="trajstore.ingest._nodelay:NoDelayHTTPProtocol")
 
 
 _CONFIG_ENV = "TRAJSTORE_SERVE_CONFIG"

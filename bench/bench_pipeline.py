@@ -237,58 +237,77 @@ def append_materialize_read(args, out: dict) -> None:
 
 # -- HTTP ingest --------------------------------------------------------------
 def http_ingest(args, out: dict) -> None:
-    from trajstore.ingest.sinks import HttpSink, encode_events
+    """events/s and service CPU per event of ~1-MiB events, JSON body (routes as
+    base64 .npy) and, when the service has it, the Arrow IPC body; one service
+    process per round, both bodies interleaved in it."""
+    import http.client
 
+    from trajstore.ingest.sinks import encode_events
+
+    try:
+        from trajstore.ingest.arrow_body import ARROW_CONTENT_TYPE, encode_arrow_events
+    except ImportError:  # the code before the Arrow body
+        ARROW_CONTENT_TYPE, encode_arrow_events = None, None
     rng = np.random.default_rng(7)
     P, O, clients, per = 1500, 500, 8, 6
 
-    def event_pair(tid: str) -> list[dict]:
+    def event_pair(tid: str, npy_routes: bool) -> list[dict]:
+        routes = rng.integers(0, 128, (P + O - 1, 48, 8), dtype=np.uint8)
         return [{"type": "trajectory_started", "trajectory_id": tid, "num_experts": 128},
                 {"type": "generation", "trajectory_id": tid, "seq": 0, "model_version": 1,
                  "prompt_ids": rng.integers(0, 150_000, P, dtype=np.int32),
                  "output_ids": rng.integers(0, 150_000, O, dtype=np.int32),
                  "logprobs": -rng.random(O, dtype=np.float32),
-                 "routed_experts": encode_npy_b64(rng.integers(0, 128, (P + O - 1, 48, 8), dtype=np.uint8))}]
+                 "routed_experts": encode_npy_b64(routes) if npy_routes else routes}]
 
-    rates: list[float] = []
-    cpu_ms: list[float] = []
-    body_mib = 0.0
+    kinds = {"json": ("application/json", lambda evs: encode_events(evs), True)}
+    if encode_arrow_events is not None:
+        kinds["arrow"] = (ARROW_CONTENT_TYPE, encode_arrow_events, False)
+    rates: dict[str, list[float]] = {k: [] for k in kinds}
+    cpu_ms: dict[str, list[float]] = {k: [] for k in kinds}
+    body_mib: dict[str, float] = {}
     with tempfile.TemporaryDirectory(dir=args.tmp) as d:
         for r in range(args.rounds):
-            bodies = [[encode_events(event_pair(f"r{r}-c{c}-{k}")) for k in range(per)] for c in range(clients)]
-            body_mib = float(np.mean([len(b) for c in bodies for b in c])) / 2**20
             port = args.port + r
             cmd = [sys.executable, str(REPO / "workers" / "ingest_server.py"), "--store", f"sqlite:///{d}/h{r}.db",
                    "--port", str(port), "--max-body-mb", "64", *args.serve_args]
             proc = subprocess.Popen(cmd, env={**os.environ, "TRAJSTORE_TOKEN": TOKEN, "PYTHONPATH": str(REPO)})
             try:
                 _wait_healthy(port, proc)
-                sinks = [HttpSink(f"http://127.0.0.1:{port}", token=TOKEN) for _ in range(clients)]
-                errors: list[str] = []
+                for kind, (ctype, encode, npy) in kinds.items():
+                    bodies = [[encode(event_pair(f"r{r}-{kind}-c{c}-{k}", npy)) for k in range(per)]
+                              for c in range(clients)]
+                    body_mib[kind] = round(float(np.mean([len(b) for c in bodies for b in c])) / 2**20, 2)
+                    headers = {"Content-Type": ctype, "Authorization": f"Bearer {TOKEN}"}
+                    errors: list[str] = []
 
-                def client(k: int) -> None:
-                    for b in bodies[k]:
-                        status, data = sinks[k].post(b)
-                        if status != 200:
-                            errors.append(f"{status} {data[:200]!r}")
+                    def client(k: int) -> None:
+                        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
+                        for b in bodies[k]:
+                            conn.request("POST", "/v1/events", body=b, headers=headers)
+                            resp = conn.getresponse()
+                            data = resp.read()
+                            if resp.status != 200:
+                                errors.append(f"{resp.status} {data[:200]!r}")
+                        conn.close()
 
-                threads = [threading.Thread(target=client, args=(k,)) for k in range(clients)]
-                t0, c0 = time.perf_counter(), _tree_cpu_s(proc.pid)
-                for t in threads:
-                    t.start()
-                for t in threads:
-                    t.join()
-                rates.append(clients * per / (time.perf_counter() - t0))
-                cpu_ms.append((_tree_cpu_s(proc.pid) - c0) / (clients * per) * 1e3)
-                for s in sinks:
-                    s.close()
-                if errors:
-                    raise RuntimeError(errors[0])
+                    threads = [threading.Thread(target=client, args=(k,)) for k in range(clients)]
+                    t0, c0 = time.perf_counter(), _tree_cpu_s(proc.pid)
+                    for t in threads:
+                        t.start()
+                    for t in threads:
+                        t.join()
+                    rates[kind].append(clients * per / (time.perf_counter() - t0))
+                    cpu_ms[kind].append((_tree_cpu_s(proc.pid) - c0) / (clients * per) * 1e3)
+                    if errors:
+                        raise RuntimeError(errors[0])
             finally:
                 proc.terminate()
                 proc.wait(30)
-    out["http"] = {"events_per_s": round(_med(rates), 1), "service_cpu_ms_per_event": round(_med(cpu_ms), 1), "body_mib": round(body_mib, 2),
-                   "clients": clients, "serve_args": args.serve_args}
+    out["http"] = {kind: {"events_per_s": round(_med(rates[kind]), 1),
+                          "service_cpu_ms_per_event": round(_med(cpu_ms[kind]), 1), "body_mib": body_mib[kind]}
+                   for kind in kinds}
+    out["http"].update(clients=clients, serve_args=args.serve_args)
 
 
 def _tree_cpu_s(pid: int) -> float:

@@ -21,11 +21,14 @@ Paths, each run interleaved with its baseline, ``--rounds`` times, median:
   written uncompressed to Parquet + fsync;
 * read, warm: ``store.samples()`` and ``SampleReader`` vs
   ``pyarrow.parquet.read_table`` of that uncompressed file;
-* HTTP ingest of ~1-MiB events (one service process, 8 client threads);
+* HTTP ingest of ~1-MiB events (one service process, 8 client threads),
+  JSON body (routes as base64 .npy) and Arrow IPC body interleaved;
 * the materializer's poll with nothing to do and 100k unfinished events
   after its checkpoint, SQLite and PostgreSQL (tests/pg_cluster.PgCluster).
 
-Tokens/s figures count unique tokens (samples' tokens for materialize/read).
+Tokens/s figures count unique tokens (samples' tokens for materialize/read);
+``tokens_per_cpu_s`` divides by this process's CPU seconds (all threads),
+steadier than wall time on a shared machine.
 """
 
 from __future__ import annotations

@@ -78,6 +78,13 @@ def _from_list(value: list | tuple, field: str) -> np.ndarray:
 def _b64decode(text: str | bytes, field: str) -> bytes:
     try:
         return _b64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        pass
+    # What pybase64 refuses, CPython may still accept (e.g. excess trailing
+    # "=" after a full quantum): it has the last word, so acceptance is exactly
+    # what it was. Only refused input pays for the second decode.
+    try:
+        return base64.b64decode(text, validate=True)
     except (binascii.Error, ValueError) as e:
         raise ValidationError(f"{field} is not valid base64 ({e})", rule="array_encoding") from None
 

@@ -18,7 +18,8 @@ import pyarrow as pa
 from trajstore.payload import binary_chunks, binary_column, column_chunks, list_column
 from trajstore.sample import Sample
 
-__all__ = ["sample_table", "samples_from_table", "read_segment_samples", "load_samples", "iter_samples", "SAMPLE_LIST_COLUMNS"]
+__all__ = ["sample_table", "samples_from_table", "read_segment_samples", "load_samples", "iter_samples",
+           "token_chunks", "READ_CHUNK_TOKENS", "SAMPLE_LIST_COLUMNS"]
 
 # list columns of a sample segment and their numpy dtypes
 SAMPLE_LIST_COLUMNS: dict[str, type] = {
@@ -116,8 +117,9 @@ def iter_samples(
 
     ``min_model_version`` keeps samples whose oldest token is at least that
     version; ``max_model_version`` those whose newest token is at most that.
-    Memory stays bounded: rows are read ``batch_size`` at a time and each
-    segment is read once per batch."""
+    Memory stays bounded: index rows are read ``batch_size`` at a time, and
+    their payload is decoded a run of at most ``READ_CHUNK_TOKENS`` tokens at a
+    time (not the whole page: 256 long samples with routes are hundreds of MB)."""
     where = {
         "status": status,
         "min_model_version": min_model_version,
@@ -126,7 +128,26 @@ def iter_samples(
         "trajectory_ids": list(trajectory_ids) if trajectory_ids is not None else None,
     }
     for rows in store.materialized.iter_sample_rows(where=where, after=None, batch_size=batch_size):
-        yield from load_samples(store, rows)
+        for chunk in token_chunks(rows, READ_CHUNK_TOKENS):
+            yield from load_samples(store, chunk)
+
+
+READ_CHUNK_TOKENS = 65_536
+"""Tokens of sample payload ``iter_samples`` decodes at once (about 26 MB with 48x8 routes)."""
+
+
+def token_chunks(rows: Sequence[dict[str, Any]], max_tokens: int) -> Iterator[Sequence[dict[str, Any]]]:
+    """Consecutive runs of sample rows holding at most ``max_tokens`` tokens each
+    (a longer sample is a run of its own)."""
+    start, tokens = 0, 0
+    for i, r in enumerate(rows):
+        n = int(r["prompt_len"]) + int(r["response_len"])
+        if i > start and tokens + n > max_tokens:
+            yield rows[start:i]
+            start, tokens = i, 0
+        tokens += n
+    if start < len(rows):
+        yield rows[start:]
 
 
 def read_segment_samples(payload, segment: str, segment_rows: Sequence[int]) -> list[Sample]:

@@ -22,6 +22,11 @@ from typing import Any
 
 import numpy as np
 
+try:  # SIMD base64 (AVX2/NEON): decodes 25-35x faster than CPython's, same strictness
+    import pybase64 as _b64
+except ImportError:  # pragma: no cover - pybase64 is a core dependency; stdlib only as a fallback
+    _b64 = base64
+
 from trajstore.errors import ValidationError
 
 __all__ = ["decode_array", "encode_b64", "encode_npy_b64"]
@@ -72,6 +77,13 @@ def _from_list(value: list | tuple, field: str) -> np.ndarray:
 
 def _b64decode(text: str | bytes, field: str) -> bytes:
     try:
+        return _b64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        pass
+    # What pybase64 refuses, CPython may still accept (e.g. excess trailing
+    # "=" after a full quantum): it has the last word, so acceptance is exactly
+    # what it was. Only refused input pays for the second decode.
+    try:
         return base64.b64decode(text, validate=True)
     except (binascii.Error, ValueError) as e:
         raise ValidationError(f"{field} is not valid base64 ({e})", rule="array_encoding") from None
@@ -115,11 +127,11 @@ def encode_b64(arr: np.ndarray) -> dict:
     """The ``{b64, dtype, shape}`` wire form of ``arr`` (little-endian, C order)."""
     arr = np.ascontiguousarray(arr)
     le = arr.astype(arr.dtype.newbyteorder("<"), copy=False)
-    return {"b64": base64.b64encode(le.tobytes()).decode("ascii"), "dtype": arr.dtype.name, "shape": list(arr.shape)}
+    return {"b64": _b64.b64encode(le.tobytes()).decode("ascii"), "dtype": arr.dtype.name, "shape": list(arr.shape)}
 
 
 def encode_npy_b64(arr: np.ndarray) -> str:
     """The base64 ``.npy`` wire form of ``arr`` (as vLLM's OpenAI server sends routes)."""
     buf = io.BytesIO()
     np.save(buf, np.ascontiguousarray(arr), allow_pickle=False)
-    return base64.b64encode(buf.getvalue()).decode("ascii")
+    return _b64.b64encode(buf.getvalue()).decode("ascii")

@@ -96,6 +96,8 @@ events = Table(
     Column("version_spans", JSON(none_as_null=True), nullable=True),
     Column("metadata", JSON(none_as_null=True), nullable=True),  # a generation's free-form metadata
     Index("ix_events_trajectory_seq", "trajectory_id", "position"),
+    # the materializer's poll: finished events after a position, in order
+    Index("ix_events_type_position", "type", "position"),
 )
 
 # Payload segment files referenced by events or samples; a file in the

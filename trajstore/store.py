@@ -9,6 +9,7 @@ transaction (``log``). Folding is ``materializer``'s, reading ``reader``'s.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -117,8 +118,11 @@ class Store:
         raise ContentionError(f"gave up after {_MAX_ATTEMPTS} concurrent-write conflicts (last: {last}); retry later")
 
     def _append_once(self, parsed: list[tuple[Event, str | None]], digests: "_Digests") -> AppendResult:
-        fresh = self._drop_duplicates(parsed, digests)
-        rows = self.log.load_trajectories({parsed[i][0].trajectory_id for i in fresh})
+        # identities and trajectory rows in one read (rows of duplicates are unused)
+        stored, loaded = self.log.load_append_state({ident for _, ident in parsed if ident},
+                                                    {ev.trajectory_id for ev, _ in parsed})
+        fresh = self._drop_duplicates(parsed, digests, stored)
+        rows = {tid: loaded[tid] for tid in {parsed[i][0].trajectory_id for i in fresh} if tid in loaded}
         states = {tid: facts.state_from_row(r) for tid, r in rows.items()}
         try:
             admitted = admit_batch([parsed[i][0] for i in fresh], states, self._current_sequence)
@@ -147,9 +151,10 @@ class Store:
             raise
         return AppendResult(len(kept), len(parsed) - len(kept), positions[-1])
 
-    def _drop_duplicates(self, parsed: list[tuple[Event, str | None]], digests: "_Digests") -> list[int]:
-        """Indices of events not stored yet; identical retries dropped, conflicting ones refused."""
-        stored = self.log.lookup_identities({ident for _, ident in parsed if ident})
+    def _drop_duplicates(self, parsed: list[tuple[Event, str | None]], digests: "_Digests",
+                         stored: Mapping[str, bytes]) -> list[int]:
+        """Indices of events not stored yet; identical retries dropped, conflicting ones refused.
+        ``stored``: content hash of each of the batch's identities already in the log."""
         first_in_batch: dict[str, int] = {}
         fresh = []
         for i, (ev, ident) in enumerate(parsed):
@@ -259,10 +264,39 @@ class _Digests:
         return self.cache[i]
 
     def start(self, indices: Sequence[int]) -> "Future[dict[int, bytes]]":
-        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trajstore-digest")
-        future = pool.submit(lambda: {i: self.get(i) for i in indices})
-        pool.shutdown(wait=False)
-        return future
+        """The digests of ``indices``: hashed on a pooled thread when there is
+        enough to hash to pay for the hand-off, else here and now."""
+        if sum(getattr(self.events[i], "num_tokens", 0) for i in indices) < _INLINE_DIGEST_TOKENS:
+            future: Future[dict[int, bytes]] = Future()
+            future.set_result({i: self.get(i) for i in indices})
+            return future
+        return _digest_pool().submit(lambda: {i: self.get(i) for i in indices})
+
+
+# Below this many tokens per append, hashing (microseconds) costs less than
+# handing it to another thread.
+_INLINE_DIGEST_TOKENS = 4096
+_DIGEST_POOL: ThreadPoolExecutor | None = None
+_DIGEST_POOL_LOCK = threading.Lock()
+
+
+def _digest_pool() -> ThreadPoolExecutor:
+    """One process-wide pool for the digests (a thread per append cost ~1 ms)."""
+    global _DIGEST_POOL
+    with _DIGEST_POOL_LOCK:
+        if _DIGEST_POOL is None:
+            _DIGEST_POOL = ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1)),
+                                              thread_name_prefix="trajstore-digest")
+        return _DIGEST_POOL
+
+
+def _forget_digest_pool_in_forked_child() -> None:
+    # a forked child has none of the parent's threads: it starts its own pool
+    global _DIGEST_POOL, _DIGEST_POOL_LOCK
+    _DIGEST_POOL, _DIGEST_POOL_LOCK = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_digest_pool_in_forked_child)
 
 
 def _trajectory_writes(admitted: Sequence[Admitted], rows: Mapping[str, Any]) -> list[TrajectoryWrite]:

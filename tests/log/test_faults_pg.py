@@ -168,7 +168,8 @@ def _appender(url: str, payload: str, out_dir: str, writer: int) -> None:
                         kind = f"{type(e).__module__}.{type(e).__qualname__}"
                         line = (str(e).strip().splitlines() or [""])[0][:300]
                         trajstore_error = isinstance(e, TrajstoreError)
-                        errors.write(f"{kind}\t{int(trajstore_error)}\t{line}\n")
+                        retriable = isinstance(e, StoreUnavailable)  # ContentionError, CommitUnknownError, ...
+                        errors.write(f"{kind}\t{int(trajstore_error)}\t{int(retriable)}\t{line}\n")
                         errors.flush()
                         if isinstance(e, TrajstoreError) and not isinstance(e, StoreUnavailable):
                             raise SystemExit(3)  # refused: never retried (the test fails on it)
@@ -303,11 +304,11 @@ def test_acknowledged_events_survive_backend_kills_during_commit_and_restarts(tm
         codes = [p.exitcode for p in procs]
 
         acked = sorted(int(x) for x in _lines(ack_files))
-        errors = [line.split("\t") for line in _lines(os.path.join(out_dir, f"errors-{w}.txt")
+        errors = [line.split("\t", 3) for line in _lines(os.path.join(out_dir, f"errors-{w}.txt")
                                                        for w in range(NUM_WRITERS))]
         store, rows, segment_rows = _store_contents(url, payload)
         summary = (f"faults {injected}; {len(acked)} trajectories acknowledged; writer errors "
-                   f"{dict(Counter(kind for kind, _, _ in errors))}")
+                   f"{dict(Counter(kind for kind, _, _, _ in errors))}")
         print(summary, f"[{time.monotonic() - t0:.1f} s after start]")
         try:
             # the faults happened and the writers came through them
@@ -349,10 +350,9 @@ def test_acknowledged_events_survive_backend_kills_during_commit_and_restarts(tm
             assert all(got[k].equals(want[k]) for k in want), "samples differ from a clean run"
 
             # the writers saw trajstore errors only, and only retriable ones
-            foreign = sorted({kind for kind, is_ours, _ in errors if is_ours != "1"})
+            foreign = sorted({kind for kind, is_ours, _, _ in errors if is_ours != "1"})
             assert not foreign, f"driver errors escaped to the writers: {foreign}; {summary}"
-            refused = sorted({kind for kind, _, _ in errors if "StoreUnavailable" not in kind
-                              and "ContentionError" not in kind})
+            refused = sorted({kind for kind, _, retriable, _ in errors if retriable != "1"})
             assert not refused, f"retries were refused: {refused}; {summary}"
         finally:
             store.close()

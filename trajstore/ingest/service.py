@@ -41,7 +41,7 @@ from trajstore.events import Generation, parse_event
 
 __all__ = [
     "DEFAULT_MAX_BODY_BYTES", "GroupCommitter", "Metrics", "add_cli_arguments", "app_from_env", "main", "make_app",
-    "serve", "serve_from_args", "parse_body"]
+    "serve", "serve_from_args", "parse_body", "parse_arrow_body"]
 
 DEFAULT_MAX_BODY_BYTES = 64 << 20
 DEFAULT_PORT = 8700
@@ -229,6 +229,34 @@ def parse_body(body: bytes) -> tuple[list, int]:
     return events, num_tokens
 
 
+def parse_arrow_body(body: bytes) -> tuple[list, int]:
+    """``parse_body`` for an Arrow IPC stream body (``trajstore.ingest.arrow_body``)."""
+    from trajstore.ingest.arrow_body import ArrowBodyError, decode_arrow_events
+
+    try:
+        raw = decode_arrow_events(body)
+    except ArrowBodyError as e:
+        raise _HTTPError(400, str(e), rule="malformed_body") from None
+    except ValidationError as e:
+        raise _HTTPError.from_error(e) from None
+    events, num_tokens = [], 0
+    for i, obj in enumerate(raw):
+        try:
+            event = parse_event(obj)
+        except ValidationError as e:
+            raise _HTTPError.from_error(e.at(i)) from None
+        if isinstance(event, Generation):
+            num_tokens += event.num_tokens
+        events.append(event)
+    return events, num_tokens
+
+
+def _is_arrow(request: Any) -> bool:
+    from trajstore.ingest.arrow_body import ARROW_CONTENT_TYPE
+
+    return request.headers.get("content-type", "").split(";")[0].strip().lower() == ARROW_CONTENT_TYPE
+
+
 async def _read_body(request: Any, max_body_bytes: int) -> bytes:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
@@ -257,7 +285,9 @@ _EVENTS_OPENAPI = {
             {"type": "object", "required": ["events"],
              "properties": {"events": {"type": "array", "items": {"type": "object"}}}},
             {"type": "array", "items": {"type": "object"}},
-        ]}}},
+        ]}},
+            # one Arrow IPC stream, arrays as raw bytes: see trajstore.ingest.arrow_body
+            "application/vnd.apache.arrow.stream": {"schema": {"type": "string", "format": "binary"}}},
     },
     "responses": {
         "200": {"description": "stored (durable): num_events, num_appended, num_duplicates, last_position"},
@@ -310,7 +340,8 @@ def make_app(store: Any, *, token: str | None, max_body_bytes: int = DEFAULT_MAX
         try:
             if not _authorized(request, token):
                 raise _HTTPError(401, "missing or wrong bearer token", rule="unauthorized")
-            events, num_tokens = await run_in_threadpool(parse_body, await _read_body(request, max_body_bytes))
+            parse = parse_arrow_body if _is_arrow(request) else parse_body
+            events, num_tokens = await run_in_threadpool(parse, await _read_body(request, max_body_bytes))
             try:
                 group_size, result = await commit(events, num_tokens)
             except Exception as e:
@@ -383,8 +414,11 @@ def serve(store_url: str | None = None, host: str = "127.0.0.1", port: int = DEF
         {"store_url": store_url, "payload": payload, "token": token, "max_body_bytes": max_body_bytes, "group_commit": group_commit})
     # uvicorn builds each worker's app from the import string; the settings
     # reach it through the environment the workers inherit.
+    # http=: TCP_NODELAY on every accepted connection; with workers > 1 uvicorn
+    # binds a proto-0 socket and asyncio would leave Nagle on (see _nodelay).
     uvicorn.run("trajstore.ingest.service:app_from_env", factory=True, workers=workers if workers > 1 else None,
-                host=host, port=port, log_level=log_level, access_log=False)
+                host=host, port=port, log_level=log_level, access_log=False,
+                http="trajstore.ingest._nodelay:NoDelayHTTPProtocol")
 
 
 _CONFIG_ENV = "TRAJSTORE_SERVE_CONFIG"

@@ -123,6 +123,12 @@ class EventLog(ABC):
     def lookup_identities(self, identities: Collection[str]) -> dict[str, bytes]:
         """Content hash of each stored identity (missing ones are absent)."""
 
+    def load_append_state(self, identities: Collection[str], trajectory_ids: Collection[str]
+                          ) -> tuple[dict[str, bytes], dict[str, dict[str, Any]]]:
+        """``lookup_identities`` and ``load_trajectories`` together (backends may
+        answer both in one round trip: an append needs both before it admits)."""
+        return self.lookup_identities(identities), self.load_trajectories(trajectory_ids)
+
     @abstractmethod
     def commit_append(
         self,

@@ -205,22 +205,17 @@ class SqlEventLog(EventLog):
 
     # -- appending ---------------------------------------------------------
     def load_trajectories(self, trajectory_ids: Collection[str]) -> dict[str, dict[str, Any]]:
-        ids = sorted(set(trajectory_ids))
-        out: dict[str, dict[str, Any]] = {}
         with self.db.reading("loading trajectories") as conn:
-            for part in _chunks(ids):
-                for row in conn.execute(select(trajectories).where(trajectories.c.trajectory_id.in_(part))):
-                    out[row.trajectory_id] = dict(row._mapping)
-        return out
+            return _load_trajectories(conn, trajectory_ids)
 
     def lookup_identities(self, identities: Collection[str]) -> dict[str, bytes]:
-        ids = sorted(set(identities))
-        out: dict[str, bytes] = {}
         with self.db.reading("looking up event identities") as conn:
-            for part in _chunks(ids):
-                q = select(events.c.identity, events.c.content_hash).where(events.c.identity.in_(part))
-                out.update({r.identity: bytes(r.content_hash) for r in conn.execute(q)})
-        return out
+            return _lookup_identities(conn, identities)
+
+    def load_append_state(self, identities: Collection[str], trajectory_ids: Collection[str]
+                          ) -> tuple[dict[str, bytes], dict[str, dict[str, Any]]]:
+        with self.db.reading("loading the append state") as conn:  # one transaction, one connection checkout
+            return _lookup_identities(conn, identities), _load_trajectories(conn, trajectory_ids)
 
     def commit_append(
         self,
@@ -430,6 +425,22 @@ def open_sql(write_engine: Engine, read_engine: Engine) -> tuple[SqlEventLog, Sq
     """The log index and the sample index of one database, sharing its engines."""
     db = _Db(write_engine, read_engine)
     return SqlEventLog(write_engine, read_engine, db), SqlSampleIndex(write_engine, read_engine, db)
+
+
+def _load_trajectories(conn, trajectory_ids: Collection[str]) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    for part in _chunks(sorted(set(trajectory_ids))):
+        for row in conn.execute(select(trajectories).where(trajectories.c.trajectory_id.in_(part))):
+            out[row.trajectory_id] = dict(row._mapping)
+    return out
+
+
+def _lookup_identities(conn, identities: Collection[str]) -> dict[str, bytes]:
+    out: dict[str, bytes] = {}
+    for part in _chunks(sorted(set(identities))):
+        q = select(events.c.identity, events.c.content_hash).where(events.c.identity.in_(part))
+        out.update({r.identity: bytes(r.content_hash) for r in conn.execute(q)})
+    return out
 
 
 def _sample_filters(where: Mapping[str, Any]) -> list[Any]:

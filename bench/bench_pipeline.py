@@ -1,0 +1,466 @@
+"""The whole pipeline on the load RL produces, each path beside its baseline.
+
+    PYTHONPATH=. .venv/bin/python bench/bench_pipeline.py [--rounds 3] [--only append,materialize,...]
+
+Load (issue 12): 32 trajectories x 4 turns, a 100-token first prompt, then
+per turn 500 output tokens and (between turns) 100 observation tokens, so
+2,400 unique tokens per trajectory; 48 layers x top-8 routes (uint8 ids <
+128); every generation carries ALL route rows for its prompt and output, as
+vLLM returns them. Events are wire dicts: token ids and logprobs as
+``{b64, dtype, shape}``, routes as a base64 ``.npy`` string (vLLM's form).
+Encoding happens before any clock starts.
+
+Paths, each run interleaved with its baseline, ``--rounds`` times, median:
+
+* append: ``store.append`` of the wire events (one call per trajectory, and
+  one call per event) vs writing the unique arrays (tokens, logprobs, routes)
+  to one uncompressed Parquet file + fsync;
+* bytes per unique token of the whole store after materialize (log payload +
+  sample payload + SQL files);
+* materialize end to end (``store.materialize()``) vs the same sample arrays
+  written uncompressed to Parquet + fsync;
+* read, warm: ``store.samples()`` and ``SampleReader`` vs
+  ``pyarrow.parquet.read_table`` of that uncompressed file;
+* HTTP ingest of ~1-MiB events (one service process, 8 client threads),
+  JSON body (routes as base64 .npy) and Arrow IPC body interleaved;
+* the materializer's poll with nothing to do and 100k unfinished events
+  after its checkpoint, SQLite and PostgreSQL (tests/pg_cluster.PgCluster).
+
+Tokens/s figures count unique tokens (samples' tokens for materialize/read);
+``tokens_per_cpu_s`` divides by this process's CPU seconds (all threads),
+steadier than wall time on a shared machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import trajstore  # noqa: E402
+from trajstore._wire import encode_b64, encode_npy_b64  # noqa: E402
+from trajstore.demo.simulate import RolloutConfig, trajectory_events  # noqa: E402
+from trajstore.payload import binary_column, list_column  # noqa: E402
+
+CFG = RolloutConfig(turns=4, prompt_tokens=100, output_tokens=500, observation_tokens=100, layers=48, topk=8,
+                    num_experts=128, mismatch_prob=0.0, abort_prob=0.0, fail_prob=0.0, route_drift=0.0)
+TRAJECTORIES = 32
+POLL_EVENTS = 100_000
+TOKEN = "bench-token"
+PATHS = ("append", "materialize", "read", "http", "poll")
+
+
+# -- the load ---------------------------------------------------------------
+def arrays_load(n: int) -> list[list[dict]]:
+    """The simulated trajectories with near-random routes (top-8 distinct ids of
+    128 per layer), each call re-sending rows 0..N-2 of one per-trajectory table."""
+    out = []
+    for i in range(n):
+        events = trajectory_events(CFG, i)
+        rng = np.random.default_rng([99, i])
+        longest = max(len(e["routed_experts"]) for e in events if e["type"] == "generation")
+        table = np.argpartition(rng.random((longest, CFG.layers, CFG.num_experts), dtype=np.float32),
+                                CFG.topk, axis=-1)[..., :CFG.topk].astype(np.uint8)
+        out.append([dict(e, routed_experts=table[:len(e["routed_experts"])]) if e["type"] == "generation" else e
+                    for e in events])
+    return out
+
+
+def to_wire(events: list[dict]) -> list[dict]:
+    out = []
+    for e in events:
+        if e["type"] == "generation":
+            e = dict(e, prompt_ids=encode_b64(e["prompt_ids"]), output_ids=encode_b64(e["output_ids"]),
+                     logprobs=encode_b64(e["logprobs"]), routed_experts=encode_npy_b64(e["routed_experts"]))
+        out.append(e)
+    return out
+
+
+def unique_table(trajs: list[list[dict]]) -> pa.Table:
+    """One row per trajectory: its final sequence, all logprobs, the routes of every position once."""
+    seqs, lps, routes = [], [], []
+    for t in trajs:
+        gens = [e for e in t if e["type"] == "generation"]
+        seqs.append(np.concatenate([gens[-1]["prompt_ids"], gens[-1]["output_ids"]]))
+        lps.append(np.concatenate([g["logprobs"] for g in gens]))
+        routes.append(gens[-1]["routed_experts"])
+    return pa.table({"tokens": list_column(seqs, np.int32), "logprobs": list_column(lps, np.float32),
+                     "routes": binary_column(routes)})
+
+
+def sample_arrays_table(store) -> pa.Table:
+    """The materialized samples' arrays as a plain table (the raw baseline for materialize/read)."""
+    ss = list(store.samples())
+    return pa.table({
+        "prompt_ids": list_column([s.prompt_ids for s in ss], np.int32),
+        "response_ids": list_column([s.response_ids for s in ss], np.int32),
+        "loss_mask": list_column([s.loss_mask for s in ss], np.uint8),
+        "rollout_logprobs": list_column([s.rollout_logprobs for s in ss], np.float32),
+        "routed_experts": binary_column([s.routed_experts for s in ss]),
+    })
+
+
+class Clock:
+    """Wall and CPU (this process, all threads) seconds per path, over rounds."""
+
+    def __init__(self) -> None:
+        self.wall: dict[str, list[float]] = {}
+        self.cpu: dict[str, list[float]] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        t0, c0 = time.perf_counter(), time.process_time()
+        yield
+        self.wall.setdefault(name, []).append(time.perf_counter() - t0)
+        self.cpu.setdefault(name, []).append(time.process_time() - c0)
+
+    def medians(self) -> tuple[dict[str, float], dict[str, float]]:
+        return {k: _med(v) for k, v in self.wall.items()}, {k: _med(v) for k, v in self.cpu.items()}
+
+
+def raw_write(table: pa.Table, path: str) -> None:
+    with open(path, "wb") as f:
+        pq.write_table(table, f, compression="none")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def raw_read(path: str) -> int:
+    table = pq.read_table(path)
+    return int(sum(len(ch.values) for c in ("prompt_ids", "response_ids") for ch in table.column(c).chunks))
+
+
+def _med(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def _dir_bytes(path: str, prefix: str = "") -> int:
+    if not os.path.isdir(path):
+        return 0
+    return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.startswith(prefix))
+
+
+def _rates(tokens: int, names: list[str], base: str, wall: dict, cpu: dict) -> dict:
+    out = {}
+    for k in names:
+        out[k] = {"tokens_per_s": round(tokens / wall[k]), "tokens_per_cpu_s": round(tokens / cpu[k])}
+        if k != base:
+            out[k].update(vs_raw=round(wall[base] / wall[k], 3), cpu_vs_raw=round(cpu[base] / cpu[k], 3))
+    return out
+
+
+# -- append, bytes, materialize, read ---------------------------------------
+def append_materialize_read(args, out: dict) -> None:
+    trajs = arrays_load(TRAJECTORIES)
+    wire = [to_wire(t) for t in trajs]
+    unique = unique_table(trajs)
+    tokens = int(np.diff(np.asarray(unique.column("tokens").chunk(0).offsets)).sum())
+    wire_mb = sum(len(json.dumps(t)) for t in wire) / 2**20
+    clock = Clock()
+    sizes: dict[str, float] = {}
+    sample_tokens = 0
+    with tempfile.TemporaryDirectory(dir=args.tmp) as d:
+        for r in range(args.rounds):
+            with clock("raw write unique arrays"):
+                raw_write(unique, f"{d}/unique{r}.parquet")
+            if "append" in args.only:
+                s = trajstore.connect(f"sqlite:///{d}/e{r}.db")
+                with clock("append, one call per event"):
+                    for t in wire:
+                        for e in t:
+                            s.append([e])
+                s.close()
+            url, payload = f"sqlite:///{d}/a{r}.db", f"{d}/a{r}.payload"
+            s = trajstore.connect(url, payload=payload)
+            with clock("append, one call per trajectory"):
+                for t in wire:
+                    s.append(t)
+            if not ({"materialize", "read"} & set(args.only)):
+                s.close()
+                continue
+            with clock("materialize"):
+                s.materialize()
+            samples_tbl = sample_arrays_table(s)
+            sample_tokens = int(np.diff(np.asarray(samples_tbl.column("prompt_ids").chunk(0).offsets)).sum()
+                                + np.diff(np.asarray(samples_tbl.column("response_ids").chunk(0).offsets)).sum())
+            raw_path = f"{d}/samples{r}.parquet"
+            with clock("raw write sample arrays"):
+                raw_write(samples_tbl, raw_path)
+            sizes = {"log": _dir_bytes(payload, "events-") / tokens, "samples": _dir_bytes(payload, "samples-") / tokens,
+                     "sql": sum(os.path.getsize(p) for p in (f"{d}/a{r}.db", f"{d}/a{r}.db-wal")
+                                if os.path.exists(p)) / tokens}
+            if "read" in args.only:
+                from trajstore.reader import SampleReader
+
+                raw_read(raw_path)  # warm
+                list(s.samples())
+                for _ in range(2):  # two warm reads each, interleaved
+                    with clock("raw read sample arrays"):
+                        n = raw_read(raw_path)
+                    assert n == sample_tokens
+                    with clock("store.samples()"):
+                        n = sum(len(x.prompt_ids) + len(x.response_ids) for x in s.samples())
+                    assert n == sample_tokens
+                    with clock("SampleReader"):
+                        with SampleReader(s, batch_size=8) as reader:
+                            n = sum(len(x.prompt_ids) + len(x.response_ids) for b in reader for x in b)
+                    assert n == sample_tokens
+            s.close()
+    wall, cpu = clock.medians()
+    res: dict = {"unique_tokens": tokens, "sample_tokens": sample_tokens, "wire_mib": round(wire_mb, 1),
+                 "wall_s_median": {k: round(v, 4) for k, v in wall.items()},
+                 "cpu_s_median": {k: round(v, 4) for k, v in cpu.items()}}
+    res["append"] = _rates(tokens, [k for k in wall if k.startswith(("append", "raw write unique"))],
+                           "raw write unique arrays", wall, cpu)
+    if "materialize" in wall:
+        res["materialize"] = _rates(sample_tokens, ["materialize", "raw write sample arrays"],
+                                    "raw write sample arrays", wall, cpu)
+        res["bytes_per_unique_token"] = {k: round(v, 1) for k, v in sizes.items()}
+        res["bytes_per_unique_token"]["total"] = round(sum(sizes.values()), 1)
+    if "SampleReader" in wall:
+        res["read"] = _rates(sample_tokens, ["store.samples()", "SampleReader", "raw read sample arrays"],
+                             "raw read sample arrays", wall, cpu)
+    out["pipeline"] = res
+
+
+# -- HTTP ingest --------------------------------------------------------------
+def http_ingest(args, out: dict) -> None:
+    """events/s and service CPU per event of ~1-MiB events, JSON body (routes as
+    base64 .npy) and, when the service has it, the Arrow IPC body; one service
+    process per round, both bodies interleaved in it."""
+    import http.client
+
+    from trajstore.ingest.sinks import encode_events
+
+    try:
+        from trajstore.ingest.arrow_body import ARROW_CONTENT_TYPE, encode_arrow_events
+    except ImportError:  # the code before the Arrow body
+        ARROW_CONTENT_TYPE, encode_arrow_events = None, None
+    rng = np.random.default_rng(7)
+    P, O, clients, per = 1500, 500, 8, 6
+
+    def event_pair(tid: str, npy_routes: bool) -> list[dict]:
+        routes = rng.integers(0, 128, (P + O - 1, 48, 8), dtype=np.uint8)
+        return [{"type": "trajectory_started", "trajectory_id": tid, "num_experts": 128},
+                {"type": "generation", "trajectory_id": tid, "seq": 0, "model_version": 1,
+                 "prompt_ids": rng.integers(0, 150_000, P, dtype=np.int32),
+                 "output_ids": rng.integers(0, 150_000, O, dtype=np.int32),
+                 "logprobs": -rng.random(O, dtype=np.float32),
+                 "routed_experts": encode_npy_b64(routes) if npy_routes else routes}]
+
+    kinds = {"json": ("application/json", lambda evs: encode_events(evs), True)}
+    if encode_arrow_events is not None:
+        kinds["arrow"] = (ARROW_CONTENT_TYPE, encode_arrow_events, False)
+    rates: dict[str, list[float]] = {k: [] for k in kinds}
+    cpu_ms: dict[str, list[float]] = {k: [] for k in kinds}
+    body_mib: dict[str, float] = {}
+    with tempfile.TemporaryDirectory(dir=args.tmp) as d:
+        for r in range(args.rounds):
+            port = args.port + r
+            cmd = [sys.executable, str(REPO / "workers" / "ingest_server.py"), "--store", f"sqlite:///{d}/h{r}.db",
+                   "--port", str(port), "--max-body-mb", "64", *args.serve_args]
+            proc = subprocess.Popen(cmd, env={**os.environ, "TRAJSTORE_TOKEN": TOKEN, "PYTHONPATH": str(REPO)})
+            try:
+                _wait_healthy(port, proc)
+                for kind, (ctype, encode, npy) in kinds.items():
+                    bodies = [[encode(event_pair(f"r{r}-{kind}-c{c}-{k}", npy)) for k in range(per)]
+                              for c in range(clients)]
+                    body_mib[kind] = round(float(np.mean([len(b) for c in bodies for b in c])) / 2**20, 2)
+                    headers = {"Content-Type": ctype, "Authorization": f"Bearer {TOKEN}"}
+                    errors: list[str] = []
+
+                    def client(k: int) -> None:
+                        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
+                        for b in bodies[k]:
+                            conn.request("POST", "/v1/events", body=b, headers=headers)
+                            resp = conn.getresponse()
+                            data = resp.read()
+                            if resp.status != 200:
+                                errors.append(f"{resp.status} {data[:200]!r}")
+                        conn.close()
+
+                    threads = [threading.Thread(target=client, args=(k,)) for k in range(clients)]
+                    t0, c0 = time.perf_counter(), _tree_cpu_s(proc.pid)
+                    for t in threads:
+                        t.start()
+                    for t in threads:
+                        t.join()
+                    rates[kind].append(clients * per / (time.perf_counter() - t0))
+                    cpu_ms[kind].append((_tree_cpu_s(proc.pid) - c0) / (clients * per) * 1e3)
+                    if errors:
+                        raise RuntimeError(errors[0])
+            finally:
+                proc.terminate()
+                proc.wait(30)
+    out["http"] = {kind: {"events_per_s": round(_med(rates[kind]), 1),
+                          "service_cpu_ms_per_event": round(_med(cpu_ms[kind]), 1), "body_mib": body_mib[kind]}
+                   for kind in kinds}
+    out["http"].update(clients=clients, serve_args=args.serve_args)
+
+
+def _tree_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of ``pid`` and its direct children (uvicorn workers)."""
+    total = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(stat.parent.name) == pid or int(fields[1]) == pid:
+            total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def _wait_healthy(port: int, proc: subprocess.Popen) -> None:
+    import urllib.request
+
+    for _ in range(600):
+        if proc.poll() is not None:
+            raise RuntimeError("ingest service exited")
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1)
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError("ingest service did not start")
+
+
+# -- the materializer's idle poll --------------------------------------------
+def seed_checkpoint(store) -> None:
+    """One folded trajectory, so the materializer has a checkpoint."""
+    store.append(trajectory_events(RolloutConfig(turns=1, prompt_tokens=8, output_tokens=8, layers=2, topk=2), 0))
+    store.materialize()
+
+
+def poll_time(store, polls: int) -> float:
+    from trajstore.materializer import Materializer
+
+    m = Materializer(store)
+    assert m.step() is None
+    ts = []
+    for _ in range(polls):
+        t0 = time.perf_counter()
+        assert m.step() is None
+        ts.append(time.perf_counter() - t0)
+    return _med(ts)
+
+
+def explain(store) -> list[str]:
+    from sqlalchemy import select
+
+    from trajstore.schema import events
+
+    q = (select(events).where(events.c.position > 1).where(events.c.type.in_(["trajectory_finished"]))
+         .order_by(events.c.position).limit(256))
+    sql = str(q.compile(store.log.read_engine, compile_kwargs={"literal_binds": True}))
+    with store.log.read_engine.connect() as conn:
+        if store.log.read_engine.dialect.name == "sqlite":
+            return [str(r[-1]) for r in conn.exec_driver_sql("EXPLAIN QUERY PLAN " + sql)]
+        return [r[0] for r in conn.exec_driver_sql("EXPLAIN ANALYZE " + sql)]
+
+
+def poll(args, out: dict) -> None:
+    res = {}
+    with tempfile.TemporaryDirectory(dir=args.tmp) as d:
+        stores = {"sqlite": trajstore.connect(f"sqlite:///{d}/p.db")}
+        cluster = None
+        if not args.no_postgres:
+            sys.path.insert(0, str(REPO / "tests"))
+            from pg_cluster import PgCluster
+
+            cluster = PgCluster()
+            cluster.start()
+            cluster.create_database("poll")
+            stores["postgresql"] = trajstore.connect(cluster.url("poll"), payload=f"{d}/pg.payload")
+        try:
+            for name, s in stores.items():
+                seed_checkpoint(s)
+            idle = {name: [] for name in stores}
+            for _ in range(args.rounds):
+                for name, s in stores.items():
+                    idle[name].append(poll_time(s, 20))
+            for name, s in stores.items():
+                insert_unfinished(s, POLL_EVENTS)
+            busy = {name: [] for name in stores}
+            for _ in range(args.rounds):
+                for name, s in stores.items():
+                    busy[name].append(poll_time(s, 20))
+            for name, s in stores.items():
+                res[name] = {"empty_log_ms": round(_med(idle[name]) * 1e3, 3),
+                             f"{POLL_EVENTS}_unfinished_ms": round(_med(busy[name]) * 1e3, 3),
+                             "plan": explain(s)}
+                s.close()
+        finally:
+            if cluster:
+                cluster.stop()
+    out["poll"] = res
+
+
+def insert_unfinished(store, n: int) -> None:
+    """``n`` generation events of 1,000 running trajectories after the checkpoint,
+    inserted straight into the index (a poll must not look at their payload)."""
+    from sqlalchemy import insert, update
+
+    from trajstore.schema import events, log_head, trajectories
+
+    head = store.log.head_position()
+    now = time.time()
+    n_traj = 1000
+    with store.log.write_engine.begin() as conn:
+        conn.execute(insert(trajectories), [{
+            "trajectory_id": f"run-{i}", "metadata": {}, "status": "running", "version": 1, "last_seq": 99,
+            "seq_len": 0, "seq_hash": b"\0" * 16, "route_len": 0, "started_position": head + 1,
+            "created_at": now, "updated_at": now} for i in range(n_traj)])
+        for lo in range(0, n, 20_000):
+            conn.execute(insert(events), [{
+                "position": head + 1 + p, "trajectory_id": f"run-{p % n_traj}", "type": "generation",
+                "seq": p // n_traj, "identity": f"generation:run-{p % n_traj}:{p // n_traj}",
+                "content_hash": b"\0" * 16, "model_version": 1, "prompt_len": 10, "prefix_len": 0,
+                "output_len": 10, "segment": None, "segment_row": None, "created_at": now}
+                for p in range(lo, min(n, lo + 20_000))])
+        conn.execute(update(log_head).where(log_head.c.id == 1).values(position=head + n))
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--only", default=",".join(PATHS), help=f"comma-separated subset of {PATHS}")
+    p.add_argument("--no-postgres", action="store_true")
+    p.add_argument("--port", type=int, default=18790)
+    p.add_argument("--serve-arg", dest="serve_args", action="append", default=[],
+                   help="extra argument for `trajstore serve` (repeatable), e.g. --serve-arg=--workers --serve-arg=2")
+    p.add_argument("--tmp", default=None, help="scratch directory (default: system temp)")
+    p.add_argument("--out", default=None, help="also write the JSON here")
+    args = p.parse_args(argv)
+    args.only = [x for x in args.only.split(",") if x]
+    out: dict = {"machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]}, "rounds": args.rounds}
+    if {"append", "materialize", "read"} & set(args.only):
+        append_materialize_read(args, out)
+    if "http" in args.only:
+        http_ingest(args, out)
+    if "poll" in args.only:
+        poll(args, out)
+    text = json.dumps(out, indent=2)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,59 @@
+"""Content digests of large appends are hashed on a process-wide pool (not a
+new thread per call); the pool survives fork (a child gets its own) and
+idempotency still sees the same digests whichever path hashed them."""
+
+from __future__ import annotations
+
+import multiprocessing
+import threading
+
+import numpy as np
+import pytest
+
+import trajstore
+from trajstore import store as store_module
+from trajstore.errors import ConflictError
+
+
+def _big(tid: str, seed: int) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    n = store_module._INLINE_DIGEST_TOKENS + 100  # over the inline threshold: hashed on the pool
+    return [{"type": "trajectory_started", "trajectory_id": tid},
+            {"type": "generation", "trajectory_id": tid, "seq": 0,
+             "prompt_ids": rng.integers(0, 1000, n - 10, dtype=np.int32),
+             "output_ids": rng.integers(0, 1000, 10, dtype=np.int32),
+             "logprobs": -rng.random(10, dtype=np.float32), "model_version": 0}]
+
+
+def _child_append(url: str, payload: str) -> None:
+    with trajstore.connect(url, payload=payload) as s:
+        s.append(_big("child", 2))
+
+
+def test_large_appends_share_one_pool_and_stay_idempotent(tmp_path):
+    with trajstore.connect(f"sqlite:///{tmp_path}/d.db") as s:
+        for i in range(6):
+            s.append(_big(f"t{i}", i))
+        pool_threads = {t.ident for t in threading.enumerate() if t.name.startswith("trajstore-digest")}
+        assert 1 <= len(pool_threads) <= 4
+        assert s.append(_big("t0", 0)).num_duplicates == 2  # same digests: a retry
+        changed = _big("t0", 99)
+        with pytest.raises(ConflictError):
+            s.append(changed)
+        for i in range(6, 12):
+            s.append(_big(f"t{i}", i))
+        assert {t.ident for t in threading.enumerate() if t.name.startswith("trajstore-digest")} == pool_threads
+
+
+def test_a_forked_child_appends_with_its_own_pool(tmp_path):
+    url, payload = f"sqlite:///{tmp_path}/f.db", str(tmp_path / "payload")
+    with trajstore.connect(url, payload=payload) as s:
+        s.append(_big("parent", 1))  # the parent's pool exists now
+    ctx = multiprocessing.get_context("fork")
+    proc = ctx.Process(target=_child_append, args=(url, payload))
+    proc.start()
+    proc.join(120)
+    assert proc.exitcode == 0
+    with trajstore.connect(url, payload=payload) as s:
+        assert s.trajectory_state("child") is not None
+        assert len(s.load_generations("child")) == 1

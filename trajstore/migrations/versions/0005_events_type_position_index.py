@@ -1,7 +1,7 @@
 """index events (type, position): the materializer's poll
 
 Revision ID: 0005
-Revises: 0002
+Revises: 0004
 Create Date: 2026-11-23
 
 The materializer polls ``type = 'trajectory_finished' AND position >

@@ -26,24 +26,32 @@ its own request. Coalescing never reorders a request's events.
 # No ``from __future__ import annotations``: FastAPI reads the handlers'
 # annotations at runtime, and ``Request`` is imported lazily inside make_app.
 import argparse
+import asyncio
 import concurrent.futures
 import hmac
 import json
 import os
+import re
+import secrets
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from trajstore.errors import ConflictError, StoreUnavailable, TrajstoreError, ValidationError
 from trajstore.events import Generation, parse_event
 
 __all__ = [
-    "DEFAULT_MAX_BODY_BYTES", "GroupCommitter", "Metrics", "add_cli_arguments", "app_from_env", "main", "make_app",
-    "serve", "serve_from_args", "parse_body"]
+    "DEFAULT_MAX_BODY_BYTES", "DEFAULT_MAX_BYTES_IN_FLIGHT", "ByteBudget", "GroupCommitter", "Metrics",
+    "add_cli_arguments", "app_from_env", "decode_json", "main", "make_app", "parse_body", "serve", "serve_from_args"]
 
 DEFAULT_MAX_BODY_BYTES = 64 << 20
+DEFAULT_MAX_BYTES_IN_FLIGHT = 128 << 20
+_ARRAY_FIELDS = frozenset({"prompt_ids", "output_ids", "logprobs", "loss_mask", "token_rewards",
+                           "token_model_versions", "routed_experts"})
 DEFAULT_PORT = 8700
 _LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
@@ -167,26 +175,50 @@ class GroupCommitter:
         return result
 
     def _commit_group(self, group: list[_Request]) -> None:
-        try:
-            result = self._append([ev for req in group for ev in req.events])
-        except ValidationError:
-            # Nothing was stored (append is atomic): find the culprit by
-            # appending each request on its own, in arrival order.
-            for req in group:
-                self._commit_alone(req)
+        """Append the group as one; a refused request is dropped and the rest re-tried together.
+
+        Only the refused request fails: a ValidationError names the event
+        index in the coalesced append, which maps to exactly one request
+        (append is atomic, so nothing was stored). Any other failure (the
+        store is unreachable, or a bug an event provoked) re-appends each
+        request on its own, so it reaches only the request(s) that hit it."""
+        pending = list(group)
+        while len(pending) > 1:
+            try:
+                result = self._append([ev for req in pending for ev in req.events])
+            except ValidationError as e:
+                culprit = _request_of(pending, e.index)
+                if culprit is None:
+                    break
+                req, offset = culprit
+                req.future.set_exception(e.at(e.index - offset))
+                pending.remove(req)
+                continue
+            except Exception:  # noqa: BLE001 - isolated below, request by request
+                break
+            for req in pending:
+                req.future.set_result((len(pending), result))
             return
-        except BaseException as e:
-            for req in group:
-                req.future.set_exception(e)
-            return
-        for req in group:
-            req.future.set_result((len(group), result))
+        for req in pending:
+            self._commit_alone(req)
 
     def _commit_alone(self, req: _Request) -> None:
         try:
             req.future.set_result((1, self._append(req.events)))
         except BaseException as e:
             req.future.set_exception(e)
+
+
+def _request_of(pending: list[_Request], index: int | None) -> tuple[_Request, int] | None:
+    """The request holding event ``index`` of the coalesced append, and its first event's index."""
+    if index is None:
+        return None
+    offset = 0
+    for req in pending:
+        if index < offset + len(req.events):
+            return req, offset
+        offset += len(req.events)
+    return None
 
 
 class _HTTPError(Exception):
@@ -210,10 +242,7 @@ class _HTTPError(Exception):
 
 def parse_body(body: bytes) -> tuple[list, int]:
     """The parsed events of a request body and their token count; raises _HTTPError."""
-    try:
-        doc = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise _HTTPError(400, f"body is not valid JSON ({e})", rule="malformed_json") from None
+    doc = decode_json(body)
     raw = doc.get("events") if isinstance(doc, dict) else doc
     if not isinstance(raw, list):
         raise _HTTPError(400, 'body must be {"events": [...]} or a JSON list of events', rule="malformed_body")
@@ -229,9 +258,56 @@ def parse_body(body: bytes) -> tuple[list, int]:
     return events, num_tokens
 
 
+# Memory (docs/ingest.md "Memory"): ``json.loads`` turns a list of N small
+# ints into a Python list (8 bytes a slot) plus numpy's int64 copy, ~12x the
+# 2-byte "1," it came from. Long flat integer arrays that are the value of an
+# object member (``"prompt_ids": [...]``) are therefore parsed straight to
+# numpy (C speed, int32 when every number has at most 9 digits) and put back
+# in place of a placeholder string only this process can produce. Strings are
+# matched first, so a "[1,2,...]" inside a JSON string is never touched.
+_MIN_FAST_ARRAY = 64  # shorter arrays are not worth it
+_INT = rb"-?(?:0|[1-9][0-9]{0,17})"
+_FAST_ARRAY = re.compile(
+    rb'"[^"\\]*(?:\\.[^"\\]*)*"'  # a JSON string, skipped whole
+    rb"|(:[ \t\r\n]*)\[[ \t\r\n]*(" + _INT + rb"(?:[ \t\r\n]*,[ \t\r\n]*" + _INT
+    + rb"){%d,})[ \t\r\n]*\]" % (_MIN_FAST_ARRAY - 1))
+_TEN_DIGITS = re.compile(rb"[0-9]{10}")
+_PLACEHOLDER = "\x00trajstore-array-" + secrets.token_hex(8) + "-"
+_PLACEHOLDER_JSON = b'"' + _PLACEHOLDER.encode().replace(b"\x00", b"\\u0000")
+
+
+def decode_json(body: bytes) -> Any:
+    """``json.loads(body)`` with long integer arrays decoded to numpy; raises _HTTPError (400)."""
+    arrays: list = []
+
+    def replace(m: "re.Match[bytes]") -> bytes:
+        if m.group(2) is None:
+            return m.group(0)  # a string
+        digits = m.group(2)
+        dtype = np.int64 if _TEN_DIGITS.search(digits) else np.int32
+        arrays.append(np.fromstring(digits, dtype=dtype, sep=","))
+        return b"%s%s%d\"" % (m.group(1), _PLACEHOLDER_JSON, len(arrays) - 1)
+
+    def restore(obj: dict) -> dict:
+        for key, value in obj.items():
+            if isinstance(value, str) and value.startswith(_PLACEHOLDER):
+                arr = arrays[int(value[len(_PLACEHOLDER):])]
+                obj[key] = arr if key in _ARRAY_FIELDS else arr.tolist()
+        return obj
+
+    try:
+        if len(body) >= 4 * _MIN_FAST_ARRAY:
+            body = _FAST_ARRAY.sub(replace, body)
+        return json.loads(body, object_hook=restore if arrays else None)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise _HTTPError(400, f"body is not valid JSON ({e})", rule="malformed_json") from None
+    except RecursionError:
+        raise _HTTPError(400, "body is not valid JSON (nested too deeply)", rule="malformed_json") from None
+
+
 async def _read_body(request: Any, max_body_bytes: int) -> bytes:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
+    declared = _declared_length(request)
+    if declared is not None and declared > max_body_bytes:
         raise _HTTPError(413, f"body of {declared} bytes is over the {max_body_bytes}-byte limit", rule="body_too_large")
     chunks, size = [], 0
     async for chunk in request.stream():
@@ -239,7 +315,44 @@ async def _read_body(request: Any, max_body_bytes: int) -> bytes:
         if size > max_body_bytes:
             raise _HTTPError(413, f"body is over the {max_body_bytes}-byte limit", rule="body_too_large")
         chunks.append(chunk)
-    return b"".join(chunks)
+    body = b"".join(chunks)
+    chunks.clear()
+    return body
+
+
+def _declared_length(request: Any) -> int | None:
+    declared = request.headers.get("content-length")
+    return int(declared) if declared is not None and declared.isdigit() else None
+
+
+class ByteBudget:
+    """Back-pressure on the bytes of request bodies in flight (read, parsed, waiting for commit).
+
+    A request takes its declared size (or the body limit when it declares
+    none) before its body is read, and gives it back after its response;
+    while the budget is spent, new requests wait (their bodies stay in the
+    client's socket). One request larger than the whole budget runs alone.
+    This bounds the service's memory: decoding costs a small multiple of the
+    body (docs/ingest.md "Memory")."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.in_flight = 0
+        self.peak = 0
+        self._cond = asyncio.Condition()
+
+    async def acquire(self, n: int) -> int:
+        n = min(n, self.max_bytes)
+        async with self._cond:
+            await self._cond.wait_for(lambda: self.in_flight == 0 or self.in_flight + n <= self.max_bytes)
+            self.in_flight += n
+            self.peak = max(self.peak, self.in_flight)
+        return n
+
+    async def release(self, n: int) -> None:
+        async with self._cond:
+            self.in_flight -= n
+            self._cond.notify_all()
 
 
 def _authorized(request: Any, token: str | None) -> bool:
@@ -272,10 +385,13 @@ _EVENTS_OPENAPI = {
 
 
 def make_app(store: Any, *, token: str | None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-             group_commit: bool = True, close_store: bool = False) -> Any:
+             group_commit: bool = True, close_store: bool = False,
+             max_bytes_in_flight: int = DEFAULT_MAX_BYTES_IN_FLIGHT) -> Any:
     """The FastAPI app over ``store``. ``token=None`` means no auth (the caller decided).
 
     ``close_store``: close the store when the app shuts down.
+    ``max_bytes_in_flight``: request bodies being read, parsed or committed at
+    once, in bytes (see ``ByteBudget``); more waits.
     """
     from contextlib import asynccontextmanager
 
@@ -296,11 +412,10 @@ def make_app(store: Any, *, token: str | None, max_body_bytes: int = DEFAULT_MAX
 
     app = FastAPI(title="trajstore ingest", version="1", lifespan=lifespan)
     app.state.metrics = metrics
+    budget = app.state.budget = ByteBudget(max_bytes_in_flight)
 
     async def commit(events: list, num_tokens: int) -> tuple[int, Any]:
         if committer is not None:
-            import asyncio
-
             return await asyncio.wrap_future(committer.submit(events, num_tokens))
         return 1, await run_in_threadpool(store.append, events)
 
@@ -310,17 +425,28 @@ def make_app(store: Any, *, token: str | None, max_body_bytes: int = DEFAULT_MAX
         try:
             if not _authorized(request, token):
                 raise _HTTPError(401, "missing or wrong bearer token", rule="unauthorized")
-            events, num_tokens = await run_in_threadpool(parse_body, await _read_body(request, max_body_bytes))
+            declared = _declared_length(request)
+            if declared is not None and declared > max_body_bytes:  # refused before taking any budget
+                raise _HTTPError(413, f"body of {declared} bytes is over the {max_body_bytes}-byte limit",
+                                 rule="body_too_large")
+            taken = await budget.acquire(declared if declared is not None else max_body_bytes)
             try:
-                group_size, result = await commit(events, num_tokens)
-            except Exception as e:
-                raise _HTTPError.from_error(e) from None
+                events, num_tokens = await run_in_threadpool(parse_body, await _read_body(request, max_body_bytes))
+                num_events = len(events)
+                try:
+                    group_size, result = await commit(events, num_tokens)
+                except Exception as e:
+                    raise _HTTPError.from_error(e) from None
+                finally:
+                    del events  # the parsed arrays go before the budget is given back
+            finally:
+                await budget.release(taken)
         except _HTTPError as e:
             metrics.observe(e.status, time.perf_counter() - start, rule=e.body["error"]["rule"])
             headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
             return JSONResponse(e.body, status_code=e.status, headers=headers)
-        metrics.observe(200, time.perf_counter() - start, events=len(events), tokens=num_tokens)
-        return _ack_body(len(events), group_size, result)
+        metrics.observe(200, time.perf_counter() - start, events=num_events, tokens=num_tokens)
+        return _ack_body(num_events, group_size, result)
 
     @app.get("/healthz")
     async def healthz() -> dict:
@@ -352,6 +478,9 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--insecure-no-auth", action="store_true", help="accept requests without a token")
     parser.add_argument("--max-body-mb", type=float, default=DEFAULT_MAX_BODY_BYTES / (1 << 20),
                         help="largest request body in MiB (default 64); larger ones get 413")
+    parser.add_argument("--max-in-flight-mb", type=float, default=DEFAULT_MAX_BYTES_IN_FLIGHT / (1 << 20),
+                        help="request bodies read, parsed or committing at once, in MiB (default 128); "
+                             "more requests wait (bounds the service's memory)")
     parser.add_argument("--no-group-commit", action="store_true",
                         help="append each request on its own instead of coalescing concurrent ones")
     parser.add_argument("--workers", type=int, default=1,
@@ -361,7 +490,8 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
 
 def serve(store_url: str | None = None, host: str = "127.0.0.1", port: int = DEFAULT_PORT, token: str | None = None,
           *, insecure_no_auth: bool = False, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-          group_commit: bool = True, workers: int = 1, log_level: str = "warning") -> None:
+          group_commit: bool = True, workers: int = 1, log_level: str = "warning",
+          max_bytes_in_flight: int = DEFAULT_MAX_BYTES_IN_FLIGHT) -> None:
     """Run the ingest service until SIGINT/SIGTERM (in-flight requests finish first).
 
     Refuses to start without a token (``token`` or ``$TRAJSTORE_TOKEN``)
@@ -380,7 +510,8 @@ def serve(store_url: str | None = None, host: str = "127.0.0.1", port: int = DEF
     # database is migrated by one process, not raced by every worker.
     trajstore.connect(store_url).close()
     os.environ[_CONFIG_ENV] = json.dumps(
-        {"store_url": store_url, "token": token, "max_body_bytes": max_body_bytes, "group_commit": group_commit})
+        {"store_url": store_url, "token": token, "max_body_bytes": max_body_bytes, "group_commit": group_commit,
+         "max_bytes_in_flight": max_bytes_in_flight})
     # uvicorn builds each worker's app from the import string; the settings
     # reach it through the environment the workers inherit.
     uvicorn.run("trajstore.ingest.service:app_from_env", factory=True, workers=workers if workers > 1 else None,
@@ -402,7 +533,8 @@ def app_from_env() -> Any:
 def serve_from_args(args: argparse.Namespace) -> None:
     serve(getattr(args, "store", None), args.host, args.port, args.token, insecure_no_auth=args.insecure_no_auth,
           max_body_bytes=int(args.max_body_mb * (1 << 20)), group_commit=not args.no_group_commit,
-          workers=args.workers, log_level=args.log_level)
+          workers=args.workers, log_level=args.log_level,
+          max_bytes_in_flight=int(args.max_in_flight_mb * (1 << 20)))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -70,6 +70,8 @@ def _from_list(value: list | tuple, field: str) -> np.ndarray:
     except RecursionError:
         raise ValidationError(f"{field} is nested too deeply", rule="array_shape") from None
     if arr.dtype == object:
+        if arr.ndim and all(isinstance(x, int) and not isinstance(x, bool) for x in arr.flat):  # error path only
+            raise ValidationError(f"{field} holds an integer beyond 64 bits", rule="int32_range")
         raise ValidationError(f"{field} is a ragged or mixed-type list", rule="array_shape")
     if arr.size and arr.dtype.kind not in "biuf":
         raise ValidationError(f"{field} holds non-numeric values ({arr.dtype})", rule="array_dtype")

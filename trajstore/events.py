@@ -304,10 +304,16 @@ def _parse_started(obj: Mapping, tid: str) -> TrajectoryStarted:
     )
 
 
+def _all_integral(arr: np.ndarray) -> bool:
+    """Every value a whole number (NaN and inf are not)."""
+    with np.errstate(invalid="ignore"):
+        return bool(np.all(np.mod(arr, 1) == 0))
+
+
 def _token_ids(value: Any, key: str) -> np.ndarray:
     arr = decode_array(value, field=key, ndim=1).reshape(-1)
     if arr.dtype.kind == "f":
-        if arr.size and not np.all(np.mod(arr, 1) == 0):
+        if arr.size and not _all_integral(arr):
             raise ValidationError(f"{key} holds non-integer token ids", rule="token_ids")
     elif arr.dtype.kind not in "iub":
         raise ValidationError(f"{key} must hold integers, got {arr.dtype}", rule="token_ids")
@@ -349,7 +355,7 @@ def _routes(obj: Mapping, num_tokens: int, start: int) -> np.ndarray | None:
     if arr.shape[1] == 0 or arr.shape[2] == 0:
         raise ValidationError(f"routed_experts has an empty [layers, topk] = {list(arr.shape[1:])}", rule="routes_shape")
     if arr.dtype.kind == "f":
-        if arr.size and not np.all(np.mod(arr, 1) == 0):
+        if arr.size and not _all_integral(arr):
             raise ValidationError("routed_experts holds non-integer expert ids", rule="non_integer_expert")
     elif arr.dtype.kind not in "iub":
         raise ValidationError(f"routed_experts must hold integers, got {arr.dtype}", rule="non_integer_expert")

@@ -262,31 +262,68 @@ def parse_body(body: bytes) -> tuple[list, int]:
 # ints into a Python list (8 bytes a slot) plus numpy's int64 copy, ~12x the
 # 2-byte "1," it came from. Long flat integer arrays that are the value of an
 # object member (``"prompt_ids": [...]``) are therefore parsed straight to
-# numpy (C speed, int32 when every number has at most 9 digits) and put back
-# in place of a placeholder string only this process can produce. Strings are
-# matched first, so a "[1,2,...]" inside a JSON string is never touched.
-_MIN_FAST_ARRAY = 64  # shorter arrays are not worth it
-_INT = rb"-?(?:0|[1-9][0-9]{0,17})"
-_FAST_ARRAY = re.compile(
-    rb'"[^"\\]*(?:\\.[^"\\]*)*"'  # a JSON string, skipped whole
-    rb"|(:[ \t\r\n]*)\[[ \t\r\n]*(" + _INT + rb"(?:[ \t\r\n]*,[ \t\r\n]*" + _INT
-    + rb"){%d,})[ \t\r\n]*\]" % (_MIN_FAST_ARRAY - 1))
+# numpy (C speed, int32 when no number has 10 digits) and put back in place
+# of a placeholder string only this process can produce. The scan skips JSON
+# strings whole, so a "[1,2,...]" inside a string is never touched; an array
+# that is not strictly JSON integers is left to ``json.loads``.
+_MIN_FAST_ARRAY_BYTES = 256  # shorter arrays are not worth it
+_SCAN = re.compile(rb'"[^"\\]*+(?:\\.[^"\\]*+)*+"|:[ \t\r\n]*+\[')
+_INT_LIST_BYTES = b"0123456789,- \t\r\n"
 _TEN_DIGITS = re.compile(rb"[0-9]{10}")
+_NINETEEN_DIGITS = re.compile(rb"[0-9]{19}")
 _PLACEHOLDER = "\x00trajstore-array-" + secrets.token_hex(8) + "-"
 _PLACEHOLDER_JSON = b'"' + _PLACEHOLDER.encode().replace(b"\x00", b"\\u0000")
 
 
+def _int_list(text: bytes) -> np.ndarray | None:
+    """``text`` (between ``[`` and ``]``) as an int array if it is exactly a JSON list of integers, else None."""
+    if text.translate(None, _INT_LIST_BYTES):
+        return None  # anything but digits, commas, minus signs and JSON whitespace
+    wide = _TEN_DIGITS.search(text) is not None
+    if wide and _NINETEEN_DIGITS.search(text):
+        return None  # may not fit in int64: json.loads decides
+    b = np.frombuffer(text, np.uint8)
+    digit = (b >= 48) & (b <= 57)
+    next_digit = np.zeros_like(digit)
+    next_digit[:-1] = digit[1:]
+    prev_digit = np.zeros_like(digit)
+    prev_digit[1:] = digit[:-1]
+    if np.any((b == 48) & next_digit & ~prev_digit) or np.any((b == 45) & ~next_digit):
+        return None  # a leading zero ("01") or a sign without its digits: not JSON
+    del b, digit, next_digit, prev_digit
+    try:
+        arr = np.fromstring(text, dtype=np.int64 if wide else np.int32, sep=",")
+    except ValueError:  # numpy found data it could not read ("1 2", "1,,2", ...)
+        return None
+    return arr if len(arr) == text.count(b",") + 1 else None  # "1,2," parses as two
+
+
+def _fast_arrays(body: bytes) -> tuple[bytes, list]:
+    """``body`` with long integer arrays replaced by placeholders, and the arrays."""
+    arrays: list = []
+    pieces: list[bytes] = []
+    pos = last = 0
+    while m := _SCAN.search(body, pos):
+        pos = m.end()
+        if body[m.start()] == 0x22:  # a string: skipped
+            continue
+        end = body.find(b"]", pos)
+        if end < 0:
+            break
+        arr = _int_list(body[pos:end]) if end - pos >= _MIN_FAST_ARRAY_BYTES else None
+        if arr is None:
+            continue
+        arrays.append(arr)
+        pieces += [body[last:pos - 1], b'%s%d"' % (_PLACEHOLDER_JSON, len(arrays) - 1)]
+        pos = last = end + 1
+    if not arrays:
+        return body, arrays
+    pieces.append(body[last:])
+    return b"".join(pieces), arrays
+
+
 def decode_json(body: bytes) -> Any:
     """``json.loads(body)`` with long integer arrays decoded to numpy; raises _HTTPError (400)."""
-    arrays: list = []
-
-    def replace(m: "re.Match[bytes]") -> bytes:
-        if m.group(2) is None:
-            return m.group(0)  # a string
-        digits = m.group(2)
-        dtype = np.int64 if _TEN_DIGITS.search(digits) else np.int32
-        arrays.append(np.fromstring(digits, dtype=dtype, sep=","))
-        return b"%s%s%d\"" % (m.group(1), _PLACEHOLDER_JSON, len(arrays) - 1)
 
     def restore(obj: dict) -> dict:
         for key, value in obj.items():
@@ -296,8 +333,7 @@ def decode_json(body: bytes) -> Any:
         return obj
 
     try:
-        if len(body) >= 4 * _MIN_FAST_ARRAY:
-            body = _FAST_ARRAY.sub(replace, body)
+        body, arrays = _fast_arrays(body)
         return json.loads(body, object_hook=restore if arrays else None)
     except (ValueError, UnicodeDecodeError) as e:
         raise _HTTPError(400, f"body is not valid JSON ({e})", rule="malformed_json") from None

@@ -10,7 +10,8 @@ token) in a few big generation events, ``--body-mb`` MB in all. The service's
 peak RSS is its ``VmHWM`` from ``/proc/<pid>/status`` after the load, its
 baseline ``VmRSS`` before it. "in flight" is what the clients sent at once
 (concurrency x body); the service admits at most ``--max-in-flight-mb`` of
-it at a time (its byte budget) and the rest wait in their sockets.
+it at a time (its byte budget) and the rest wait in their sockets;
+"admitted" is the most it held at once (its ``/metrics`` gauge).
 
 ``--max-in-flight-mb 0`` leaves the service's default; run against an older
 tree (``PYTHONPATH=<old tree>``) to compare (it must then be 0).
@@ -97,6 +98,16 @@ def post(port: int, body: bytes, out: list, i: int) -> None:
     out[i] = (resp.status, time.perf_counter() - start)
 
 
+def _admitted_peak(port: int) -> float | None:
+    """The service's peak of body bytes admitted at once (its byte budget), MB; None if it has no budget."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    conn.request("GET", "/metrics")
+    for line in conn.getresponse().read().decode().splitlines():
+        if line.startswith("trajstore_ingest_body_bytes_in_flight_peak "):
+            return float(line.split()[1]) / 1e6
+    return None
+
+
 def run(concurrency: int, body_bytes: int, tokens_per_event: int, max_in_flight_mb: float, tmp: Path) -> dict:
     bodies = [make_body(body_bytes, tokens_per_event, f"c{concurrency}r{i}") for i in range(concurrency)]
     port = _free_port()
@@ -113,12 +124,13 @@ def run(concurrency: int, body_bytes: int, tokens_per_event: int, max_in_flight_
             t.join()
         wall = time.perf_counter() - start
         peak_kb = _status_kb(proc.pid, "VmHWM")
+        admitted = _admitted_peak(port)
     finally:
         proc.terminate()
         proc.wait(60)
     return {"concurrency": concurrency, "body_mb": len(bodies[0]) / 1e6, "in_flight_mb": sum(map(len, bodies)) / 1e6,
             "baseline_mb": baseline_kb / 1024, "peak_mb": peak_kb / 1024, "statuses": sorted(s for s, _ in out),
-            "wall_s": wall}
+            "wall_s": wall, "admitted_mb": admitted}
 
 
 def main() -> None:
@@ -128,13 +140,14 @@ def main() -> None:
     parser.add_argument("--concurrency", default="1,3,8")
     parser.add_argument("--max-in-flight-mb", type=float, default=0.0, help="0: the service's default")
     args = parser.parse_args()
-    print(f"{'clients':>7} {'body MB':>8} {'sent at once MB':>16} {'baseline MB':>12} {'peak RSS MB':>12} "
-          f"{'peak-baseline':>14} {'x body':>7} {'wall s':>7}  statuses")
+    print(f"{'clients':>7} {'body MB':>8} {'sent at once MB':>16} {'admitted MB':>12} {'baseline MB':>12} "
+          f"{'peak RSS MB':>12} {'peak-baseline':>14} {'x body':>7} {'wall s':>7}  statuses")
     with tempfile.TemporaryDirectory(prefix="trajstore-bench-mem-") as tmp:
         for c in (int(x) for x in args.concurrency.split(",")):
             r = run(c, int(args.body_mb * 1e6), args.tokens_per_event, args.max_in_flight_mb, Path(tmp))
             grown = r["peak_mb"] - r["baseline_mb"]
-            print(f"{c:>7} {r['body_mb']:>8.1f} {r['in_flight_mb']:>16.1f} {r['baseline_mb']:>12.0f} "
+            admitted = "n/a" if r["admitted_mb"] is None else f"{r['admitted_mb']:.1f}"
+            print(f"{c:>7} {r['body_mb']:>8.1f} {r['in_flight_mb']:>16.1f} {admitted:>12} {r['baseline_mb']:>12.0f} "
                   f"{r['peak_mb']:>12.0f} {grown:>14.0f} {grown / r['body_mb']:>7.1f} {r['wall_s']:>7.1f}  "
                   f"{r['statuses']}", flush=True)
 

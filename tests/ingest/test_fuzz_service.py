@@ -147,3 +147,42 @@ def test_decode_json_parses_long_integer_arrays_to_numpy_only_where_arrays_belon
         decode_json(b'{"prompt_ids": [' + b"01," * 100 + b"1]}")  # not JSON: a leading zero
     assert e.value.status == 400
     assert math.isnan(decode_json(b"[NaN]")[0])
+
+
+def _json_int_list(text: bytes):
+    """What json.loads makes of ``[text]`` when it is a list of int64 integers, else None."""
+    try:
+        value = json.loads(b"[" + text + b"]")
+    except ValueError:
+        return None
+    if all(isinstance(v, int) and -(2**63) <= v < 2**63 for v in value):
+        return value
+    return None
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.one_of(
+    st.text(alphabet="0123456789,- \n\t", max_size=40).map(str.encode),
+    st.lists(st.integers(-(2**70), 2**70), max_size=30).map(lambda v: json.dumps(v)[1:-1].encode()),
+    st.tuples(st.lists(ints, min_size=1, max_size=30), st.integers(0, 200), st.sampled_from("0123456789,- \n"))
+      .map(lambda t: (lambda s: (s[:t[1]] + t[2] + s[t[1]:]).encode())(json.dumps(t[0])[1:-1])),
+))
+def test_int_list_is_json_or_declines(text):
+    from trajstore.ingest.service import _int_list
+
+    got = _int_list(text)
+    expected = _json_int_list(text)
+    if got is not None:
+        assert expected is not None and got.tolist() == expected  # never accepts what JSON refuses
+    elif expected is not None:  # declines only whitespace other than json.dumps's ", ", or 19+ digits
+        assert (any(c in text.replace(b", ", b",") for c in b" \t\n") or not expected
+                or any(abs(v) >= 10**18 for v in expected)), text
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(alphabet="0123456789,- ", max_size=60).map(str.encode), st.integers(1, 8))
+def test_windowed_json_integer_check_equals_the_whole(text, step):
+    from trajstore.ingest.service import _json_integers
+
+    b = np.frombuffer(text, np.uint8)
+    assert _json_integers(b, step=step) == _json_integers(b, step=1 << 20)

@@ -590,8 +590,31 @@ def app_from_env() -> Any:
     import trajstore
 
     config = json.loads(os.environ[_CONFIG_ENV])
+    _return_big_buffers_to_the_os()
     store = trajstore.connect(config.pop("store_url"))
     return make_app(store, close_store=True, **config)
+
+
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
+
+
+def _return_big_buffers_to_the_os(threshold: int = 1 << 20) -> None:
+    """Pin glibc's mmap threshold so buffers of 1 MiB and more are mmapped and go back to the OS when freed.
+
+    glibc raises the threshold to the size of each big block freed (up to 32
+    MiB), after which multi-MB body and array buffers come from the heap and
+    fragment it: under a stream of large bodies the service's RSS then grows
+    with the number of requests served, not with the bytes in flight
+    (docs/ingest.md "Memory"). A no-op off glibc."""
+    import ctypes
+    import platform
+
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return
+    try:
+        ctypes.CDLL(None).mallopt(_M_MMAP_THRESHOLD, threshold)
+    except (OSError, AttributeError):  # no mallopt: leave malloc as it is
+        pass
 
 
 def serve_from_args(args: argparse.Namespace) -> None:

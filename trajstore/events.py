@@ -48,6 +48,7 @@ _MAX_METADATA_BYTES = 64 << 10
 _MAX_METADATA_DEPTH = 64
 """``metadata``: at most this many nested objects/lists (deeper is refused, not recursed into)."""
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
+_F32_MAX = float(np.finfo(np.float32).max)
 
 # SPEC "Event wire format": the fields each event type may carry. Anything
 # else is refused (``unknown_field``): a misspelled ``logprob`` must never be
@@ -335,12 +336,13 @@ def _per_token(obj: Mapping, key: str, n: int, dtype: type, *, finite: bool) -> 
         raise ValidationError(f"{key} has {len(arr)} values but output_ids has {n}", rule="length_mismatch")
     if arr.dtype.kind not in "biuf":
         raise ValidationError(f"{key} must hold numbers, got {arr.dtype}", rule="array_dtype")
-    with np.errstate(over="ignore", invalid="ignore"):
-        out = np.ascontiguousarray(arr, dtype=dtype)  # after the cast: 1e300 is inf as float32
-    if finite and out.size and not np.all(np.isfinite(out)):
-        raise ValidationError(f"{key} holds non-finite values (or values beyond {np.dtype(dtype).name})",
-                              rule="non_finite")
-    return out
+    if finite and arr.size:
+        if not np.all(np.isfinite(arr)):
+            raise ValidationError(f"{key} holds non-finite values", rule="non_finite")
+        if dtype is np.float32 and arr.dtype.kind == "f" and arr.dtype.itemsize > 4 and np.abs(arr).max() > _F32_MAX:
+            raise ValidationError(f"{key} holds values beyond float32 (they would be stored as inf)",
+                                  rule="non_finite")
+    return np.ascontiguousarray(arr, dtype=dtype)
 
 
 def _routes(obj: Mapping, num_tokens: int, start: int) -> np.ndarray | None:

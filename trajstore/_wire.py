@@ -80,6 +80,14 @@ def _from_list(value: list | tuple, field: str) -> np.ndarray:
     return arr
 
 
+def _safe_repr(value: Any, limit: int = 40) -> str:
+    try:
+        text = repr(value)
+    except ValueError:  # an int over 4,300 digits has no str()
+        text = f"<huge {type(value).__name__}>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def _first_line(e: BaseException, limit: int = 120) -> str:
     text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     return text if len(text) <= limit else text[: limit - 3] + "..."
@@ -99,7 +107,10 @@ def _check_shape(shape: Any, field: str) -> tuple[int, ...]:
     if (not isinstance(shape, (list, tuple)) or len(shape) > _MAX_NDIM
             or not all(isinstance(d, (int, np.integer)) and not isinstance(d, (bool, np.bool_))
                        and 0 <= d <= _MAX_DIM for d in shape)):
-        text = repr(shape)
+        try:
+            text = repr(shape)
+        except ValueError:  # an int over 4,300 digits has no str()
+            text = f"<{type(shape).__name__} holding a huge integer>"
         text = text if len(text) <= 80 else text[:77] + "..."
         raise ValidationError(
             f"{field} shape must be a list of at most {_MAX_NDIM} integers in [0, {_MAX_DIM}], got {text}",
@@ -115,11 +126,11 @@ def _from_b64_object(value: dict, field: str) -> np.ndarray:
         )
     extra = [k for k in value if k not in ("b64", "dtype", "shape")]
     if extra:
-        raise ValidationError(f"{field} object has unknown key {str(extra[0])[:40]!r} (b64, dtype, shape only)",
+        raise ValidationError(f"{field} object has unknown key {_safe_repr(extra[0])} (b64, dtype, shape only)",
                               rule="array_encoding")
     dtype_name = value["dtype"]
     if not isinstance(dtype_name, str) or dtype_name not in _ALLOWED_DTYPES:
-        raise ValidationError(f"{field} has unsupported dtype {str(dtype_name)[:40]!r}", rule="array_dtype")
+        raise ValidationError(f"{field} has unsupported dtype {_safe_repr(dtype_name)}", rule="array_dtype")
     shape = _check_shape(value["shape"], field)
     raw = _b64decode(value["b64"], field)
     dtype = np.dtype(dtype_name).newbyteorder("<")

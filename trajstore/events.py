@@ -200,9 +200,10 @@ def _int(obj: Mapping, key: str, *, default: int | None = None, minimum: int = 0
     if value is None or isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
         raise ValidationError(f"{key} must be an integer, got {_short(value)}", rule=key)
     if value < minimum:
-        raise ValidationError(f"{key} must be >= {minimum}, got {value}", rule=key)
-    if value > _INT32_MAX:
-        raise ValidationError(f"{key} {value} does not fit in int32 (at most {_INT32_MAX})", rule="int32_range")
+        raise ValidationError(f"{key} must be >= {minimum}, got {_short(value)}", rule=key)
+    if value > _INT32_MAX:  # _short: str() of an int over 4,300 digits raises
+        raise ValidationError(f"{key} {_short(value)} does not fit in int32 (at most {_INT32_MAX})",
+                              rule="int32_range")
     return int(value)
 
 

@@ -23,7 +23,8 @@ def _count_events(store) -> int:
 
 
 # 10,000 takes ~2.5 min per backend on a loaded 2-core machine (slow); 1,000 runs by default
-@pytest.mark.parametrize("num_mutated", [pytest.param(NUM_MUTATED, marks=[pytest.mark.slow, pytest.mark.timeout(1800)]), 1_000])
+@pytest.mark.parametrize("num_mutated", [
+    pytest.param(NUM_MUTATED, marks=[pytest.mark.slow, pytest.mark.timeout(1800)]), 1_000])
 def test_mutated_events_are_stored_or_refused(store, num_mutated):
     units = make_units(num_mutated, seed=1)
     stats = run_fuzz(lambda evs: store.append(evs).num_appended, units, refusal=ValidationError)

@@ -56,7 +56,8 @@ def _poster(url: str, client: "httpx.Client"):
 
 
 # 10,000 takes minutes per backend on a loaded 2-core machine (slow); 1,000 runs by default
-@pytest.mark.parametrize("num_mutated", [pytest.param(10_000, marks=[pytest.mark.slow, pytest.mark.timeout(1800)]), 1_000])
+@pytest.mark.parametrize("num_mutated", [
+    pytest.param(10_000, marks=[pytest.mark.slow, pytest.mark.timeout(1800)]), 1_000])
 def test_mutated_events_over_http_are_stored_or_refused(service, store, num_mutated):
     units = make_units(num_mutated, seed=7)
     with httpx.Client(timeout=60) as client:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import math
 from typing import Any
 
 import numpy as np
@@ -61,12 +62,21 @@ def decode_array(value: Any, *, field: str, ndim: int | None = None) -> np.ndarr
     return arr
 
 
+_MAX_NDIM = 8
+_MAX_DIM = (1 << 31) - 1  # no dimension of any wire array exceeds int32
+
+
 def _from_list(value: list | tuple, field: str) -> np.ndarray:
     try:
         arr = np.asarray(value)
-    except ValueError as e:  # ragged nesting
-        raise ValidationError(f"{field} is a ragged nested list ({e})", rule="array_shape") from None
+    except (ValueError, TypeError, OverflowError) as e:  # ragged nesting, too deep, ints beyond float
+        raise ValidationError(f"{field} is not a rectangular list of numbers ({_first_line(e)})",
+                              rule="array_shape") from None
+    except RecursionError:
+        raise ValidationError(f"{field} is nested too deeply", rule="array_shape") from None
     if arr.dtype == object:
+        if arr.ndim and all(isinstance(x, int) and not isinstance(x, bool) for x in arr.flat):  # error path only
+            raise ValidationError(f"{field} holds an integer beyond 64 bits", rule="int32_range")
         raise ValidationError(f"{field} is a ragged or mixed-type list", rule="array_shape")
     if arr.size and arr.dtype.kind not in "biuf":
         raise ValidationError(f"{field} holds non-numeric values ({arr.dtype})", rule="array_dtype")
@@ -75,7 +85,22 @@ def _from_list(value: list | tuple, field: str) -> np.ndarray:
     return arr
 
 
-def _b64decode(text: str | bytes, field: str) -> bytes:
+def _safe_repr(value: Any, limit: int = 40) -> str:
+    try:
+        text = repr(value)
+    except ValueError:  # an int over 4,300 digits has no str()
+        text = f"<huge {type(value).__name__}>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _first_line(e: BaseException, limit: int = 120) -> str:
+    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _b64decode(text: Any, field: str) -> bytes:
+    if not isinstance(text, (str, bytes)):
+        raise ValidationError(f"{field} b64 must be a base64 string, got {type(text).__name__}", rule="array_encoding")
     try:
         return _b64.b64decode(text, validate=True)
     except (binascii.Error, ValueError):
@@ -86,7 +111,23 @@ def _b64decode(text: str | bytes, field: str) -> bytes:
     try:
         return base64.b64decode(text, validate=True)
     except (binascii.Error, ValueError) as e:
-        raise ValidationError(f"{field} is not valid base64 ({e})", rule="array_encoding") from None
+        raise ValidationError(f"{field} is not valid base64 ({_first_line(e)})", rule="array_encoding") from None
+
+
+def _check_shape(shape: Any, field: str) -> tuple[int, ...]:
+    """A list of at most ``_MAX_NDIM`` non-negative ints, none above int32 (products are Python ints)."""
+    if (not isinstance(shape, (list, tuple)) or len(shape) > _MAX_NDIM
+            or not all(isinstance(d, (int, np.integer)) and not isinstance(d, (bool, np.bool_))
+                       and 0 <= d <= _MAX_DIM for d in shape)):
+        try:
+            text = repr(shape)
+        except ValueError:  # an int over 4,300 digits has no str()
+            text = f"<{type(shape).__name__} holding a huge integer>"
+        text = text if len(text) <= 80 else text[:77] + "..."
+        raise ValidationError(
+            f"{field} shape must be a list of at most {_MAX_NDIM} integers in [0, {_MAX_DIM}], got {text}",
+            rule="array_shape")
+    return tuple(int(d) for d in shape)
 
 
 def _from_b64_object(value: dict, field: str) -> np.ndarray:
@@ -95,32 +136,51 @@ def _from_b64_object(value: dict, field: str) -> np.ndarray:
         raise ValidationError(
             f"{field} object lacks {sorted(missing)} (needs b64, dtype, shape)", rule="array_encoding"
         )
+    extra = [k for k in value if k not in ("b64", "dtype", "shape")]
+    if extra:
+        raise ValidationError(f"{field} object has unknown key {_safe_repr(extra[0])} (b64, dtype, shape only)",
+                              rule="array_encoding")
     dtype_name = value["dtype"]
-    if dtype_name not in _ALLOWED_DTYPES:
-        raise ValidationError(f"{field} has unsupported dtype {dtype_name!r}", rule="array_dtype")
-    shape = value["shape"]
-    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
-        raise ValidationError(f"{field} shape must be a list of non-negative ints, got {shape!r}", rule="array_shape")
+    if not isinstance(dtype_name, str) or dtype_name not in _ALLOWED_DTYPES:
+        raise ValidationError(f"{field} has unsupported dtype {_safe_repr(dtype_name)}", rule="array_dtype")
+    shape = _check_shape(value["shape"], field)
     raw = _b64decode(value["b64"], field)
     dtype = np.dtype(dtype_name).newbyteorder("<")
-    expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    expected = math.prod(shape) * dtype.itemsize  # Python ints: a huge shape cannot overflow
     if len(raw) != expected:
         raise ValidationError(
-            f"{field} holds {len(raw)} bytes but dtype {dtype_name} and shape {shape} need {expected}",
+            f"{field} holds {len(raw)} bytes but dtype {dtype_name} and shape {list(shape)} need {expected}",
             rule="array_shape",
         )
     return np.frombuffer(raw, dtype=dtype).reshape(shape)
 
 
 def _from_npy_b64(value: str | bytes, field: str) -> np.ndarray:
+    """A base64 ``.npy`` file: the header is read and checked here (numeric dtypes only, the
+    data length must match the shape), then the data is viewed in place. Never unpickles."""
     raw = _b64decode(value, field)
+    buf = io.BytesIO(raw)
     try:
-        arr = np.load(io.BytesIO(raw), allow_pickle=False)
-    except (ValueError, OSError, EOFError) as e:
-        raise ValidationError(f"{field} is not a base64 .npy file ({e})", rule="array_encoding") from None
-    if not isinstance(arr, np.ndarray) or arr.dtype.kind not in "biuf":
-        raise ValidationError(f"{field} .npy holds unsupported dtype", rule="array_dtype")
-    return arr
+        version = np.lib.format.read_magic(buf)
+        if version == (1, 0):
+            shape, fortran, dtype = np.lib.format.read_array_header_1_0(buf)
+        elif version in ((2, 0), (3, 0)):
+            shape, fortran, dtype = np.lib.format.read_array_header_2_0(buf)
+        else:
+            raise ValueError(f"unsupported .npy version {version}")
+    except Exception as e:  # noqa: BLE001 - any failure to read a hostile header is a refusal
+        raise ValidationError(f"{field} is not a base64 .npy file ({_first_line(e)})", rule="array_encoding") from None
+    if dtype.hasobject or dtype.kind not in "biuf" or dtype.fields is not None or dtype.subdtype is not None:
+        raise ValidationError(f"{field} .npy holds unsupported dtype {str(dtype)[:40]}", rule="array_dtype")
+    shape = _check_shape(shape, field)
+    offset = buf.tell()
+    expected = math.prod(shape) * dtype.itemsize
+    if len(raw) - offset != expected:
+        raise ValidationError(
+            f"{field} is not a base64 .npy file ({len(raw) - offset} data bytes, shape {list(shape)} "
+            f"of {dtype} needs {expected})", rule="array_encoding")
+    arr = np.frombuffer(raw, dtype=dtype, count=math.prod(shape), offset=offset)
+    return arr.reshape(shape, order="F" if fortran else "C")
 
 
 def encode_b64(arr: np.ndarray) -> dict:

@@ -34,11 +34,34 @@ __all__ = [
     "identity_of",
     "parse_event",
     "routes_dtype",
+    "validate_metadata",
 ]
 
 FINISH_STATUSES = ("completed", "truncated", "aborted", "failed")
 _INT32_MAX = np.iinfo(np.int32).max
 _ROUTE_ID_LIMIT = 1 << 16  # stored as uint16 at most
+_MAX_ID_CHARS = 255
+"""ids (``trajectory_id``, ``group_id``, ``event_id``): at most this many code points."""
+_MAX_FINISH_REASON_CHARS = 64
+_MAX_METADATA_BYTES = 64 << 10
+"""``metadata`` as compact UTF-8 JSON: at most this many bytes."""
+_MAX_METADATA_DEPTH = 64
+"""``metadata``: at most this many nested objects/lists (deeper is refused, not recursed into)."""
+_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
+_F32_MAX = float(np.finfo(np.float32).max)
+
+# SPEC "Event wire format": the fields each event type may carry. Anything
+# else is refused (``unknown_field``): a misspelled ``logprob`` must never be
+# dropped silently.
+_FIELDS = {
+    "trajectory_started": frozenset({"type", "trajectory_id", "group_id", "num_experts", "metadata", "event_id"}),
+    "generation": frozenset({
+        "type", "trajectory_id", "seq", "prompt_ids", "output_ids", "logprobs", "loss_mask", "model_version",
+        "token_model_versions", "routed_experts", "routed_experts_start", "reward", "token_rewards",
+        "finish_reason", "metadata", "event_id"}),
+    "reward": frozenset({"type", "trajectory_id", "reward", "event_id"}),
+    "trajectory_finished": frozenset({"type", "trajectory_id", "status", "event_id"}),
+}
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -108,45 +131,165 @@ def parse_event(obj: Any) -> Event:
     if not isinstance(obj, Mapping):
         raise ValidationError(f"an event must be a JSON object, got {type(obj).__name__}", rule="not_object")
     kind = obj.get("type")
-    parser = _PARSERS.get(kind)  # type: ignore[arg-type]
+    parser = _PARSERS.get(kind) if isinstance(kind, str) else None
     tid = obj.get("trajectory_id")
     if parser is None:
         raise ValidationError(
-            f"unknown event type {kind!r} (expected one of {sorted(_PARSERS)})",
-            trajectory_id=tid if isinstance(tid, str) else None,
+            f"unknown event type {_short(kind)} (expected one of {sorted(_PARSERS)})",
+            trajectory_id=_printable_id(tid),
             rule="unknown_type",
         )
-    if not isinstance(tid, str) or not tid:
-        raise ValidationError(f"trajectory_id must be a non-empty string, got {tid!r}", rule="trajectory_id")
+    tid = _id(tid, "trajectory_id")
     try:
+        unknown = [k for k in obj if k not in _FIELDS[kind]]
+        if unknown:
+            raise ValidationError(
+                f"unknown field {_short(unknown[0])} in a {kind} event (allowed: {', '.join(sorted(_FIELDS[kind]))})",
+                rule="unknown_field",
+            )
         return parser(obj, tid)
     except ValidationError as e:
         raise ValidationError(e.reason, trajectory_id=tid, rule=e.rule) from None
+    except RecursionError:  # a pathologically nested value: refused, never a crash
+        raise ValidationError("a value is nested too deeply", trajectory_id=tid, rule="too_deep") from None
 
 
-def _optional_str(obj: Mapping, key: str) -> str | None:
-    value = obj.get(key)
-    if value is not None and not isinstance(value, str):
+def _short(value: Any, limit: int = 60) -> str:
+    """``repr(value)`` cut to one short line (error messages name the value, not all of it)."""
+    try:
+        text = repr(value)
+    except Exception:  # noqa: BLE001 - a hostile __repr__ must not turn a refusal into a crash
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _printable_id(value: Any) -> str | None:
+    """``value`` when it is a valid id (to locate an error), else None."""
+    try:
+        return _id(value, "trajectory_id")
+    except ValidationError:
+        return None
+
+
+def _text(value: Any, key: str, *, max_chars: int, allow_empty: bool) -> str:
+    """A string of valid Unicode (no lone surrogates), without NUL, of at most ``max_chars`` code points."""
+    if not isinstance(value, str):
         raise ValidationError(f"{key} must be a string, got {type(value).__name__}", rule=key)
+    if not value and not allow_empty:
+        raise ValidationError(f"{key} must be a non-empty string", rule=key)
+    if len(value) > max_chars:
+        raise ValidationError(f"{key} has {len(value)} characters (at most {max_chars})", rule=key)
+    if "\x00" in value:
+        raise ValidationError(f"{key} {_short(value)} contains NUL", rule=key)
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValidationError(f"{key} {_short(value)} is not valid Unicode (a lone surrogate)", rule=key) from None
     return value
+
+
+def _id(value: Any, key: str) -> str:
+    return _text(value, key, max_chars=_MAX_ID_CHARS, allow_empty=False)
+
+
+def _optional_id(obj: Mapping, key: str) -> str | None:
+    value = obj.get(key)
+    return None if value is None else _id(value, key)
 
 
 def _int(obj: Mapping, key: str, *, default: int | None = None, minimum: int = 0) -> int:
     value = obj.get(key, default)
-    if value is None or isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise ValidationError(f"{key} must be an integer, got {value!r}", rule=key)
+    if value is None or isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise ValidationError(f"{key} must be an integer, got {_short(value)}", rule=key)
     if value < minimum:
-        raise ValidationError(f"{key} must be >= {minimum}, got {value}", rule=key)
+        raise ValidationError(f"{key} must be >= {minimum}, got {_short(value)}", rule=key)
+    if value > _INT32_MAX:  # _short: str() of an int over 4,300 digits raises
+        raise ValidationError(f"{key} {_short(value)} does not fit in int32 (at most {_INT32_MAX})",
+                              rule="int32_range")
     return int(value)
 
 
 def _finite(value: Any, key: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-        raise ValidationError(f"{key} must be a number, got {value!r}", rule=key)
-    value = float(value)
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise ValidationError(f"{key} must be a number, got {_short(value)}", rule=key)
+    try:
+        value = float(value)
+    except OverflowError:  # an int beyond float64
+        raise ValidationError(f"{key} must be finite, got an integer of {value.bit_length()} bits",
+                              rule="non_finite") from None
     if not math.isfinite(value):
         raise ValidationError(f"{key} must be finite, got {value}", rule="non_finite")
     return value
+
+
+def validate_metadata(value: Any, where: str = "metadata") -> dict:
+    """A ``metadata`` value checked against SPEC and returned as a plain dict.
+
+    A JSON object (string keys) of at most ``_MAX_METADATA_BYTES`` as compact
+    UTF-8 JSON and ``_MAX_METADATA_DEPTH`` levels; numbers finite (integers in
+    int64), strings (keys too) valid Unicode without NUL. Tuples become lists
+    and numpy scalars or arrays Python numbers or lists. Raises ValidationError (rule
+    ``metadata``) naming ``where``. Iterative: no recursion on hostile input.
+    """
+    if not isinstance(value, Mapping):
+        raise ValidationError(f"{where} must be a JSON object, got {type(value).__name__}", rule="metadata")
+    root: dict = {}
+    # (source container, destination container, depth); items are copied into
+    # fresh dicts/lists so the stored value is exactly what was checked.
+    stack: list[tuple[Any, Any, int]] = [(value, root, 1)]
+    budget = _MAX_METADATA_BYTES  # every value costs at least one byte of JSON
+    while stack:
+        src, dst, depth = stack.pop()
+        if depth > _MAX_METADATA_DEPTH:
+            raise ValidationError(f"{where} is nested deeper than {_MAX_METADATA_DEPTH} levels", rule="metadata")
+        items = src.items() if isinstance(src, Mapping) else enumerate(src)
+        for key, item in items:
+            budget -= 1
+            if budget < 0:
+                raise ValidationError(f"{where} is larger than {_MAX_METADATA_BYTES} bytes as JSON", rule="metadata")
+            if isinstance(src, Mapping):
+                if not isinstance(key, str):
+                    raise ValidationError(f"{where} has a non-string key {_short(key)}", rule="metadata")
+                _metadata_text(key, where)
+            if isinstance(item, np.ndarray):  # in-process callers: as the list it stands for
+                item = item.tolist() if item.size <= budget else item.reshape(-1)[: budget + 1].tolist()
+            elif isinstance(item, np.generic):
+                item = item.item()
+            if item is None or isinstance(item, bool):
+                pass
+            elif isinstance(item, int):
+                if not _INT64_MIN <= item <= _INT64_MAX:
+                    raise ValidationError(f"{where} holds an integer outside int64", rule="metadata")
+            elif isinstance(item, float):
+                if not math.isfinite(item):
+                    raise ValidationError(f"{where} holds a non-finite number ({item})", rule="metadata")
+            elif isinstance(item, str):
+                _metadata_text(item, where)
+            elif isinstance(item, (Mapping, list, tuple)):
+                if len(item) > budget:
+                    raise ValidationError(f"{where} is larger than {_MAX_METADATA_BYTES} bytes as JSON",
+                                          rule="metadata")
+                child: Any = {} if isinstance(item, Mapping) else [None] * len(item)
+                stack.append((item, child, depth + 1))
+                item = child
+            else:
+                raise ValidationError(f"{where} holds a {type(item).__name__}, not a JSON value", rule="metadata")
+            dst[key] = item
+    size = len(json.dumps(root, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode("utf-8"))
+    if size > _MAX_METADATA_BYTES:
+        raise ValidationError(f"{where} is {size} bytes as compact JSON (at most {_MAX_METADATA_BYTES})",
+                              rule="metadata")
+    return root
+
+
+def _metadata_text(text: str, where: str) -> None:
+    if "\x00" in text:
+        raise ValidationError(f"{where} holds a string with NUL", rule="metadata")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValidationError(f"{where} holds a string that is not valid Unicode (a lone surrogate)",
+                              rule="metadata") from None
 
 
 def _parse_started(obj: Mapping, tid: str) -> TrajectoryStarted:
@@ -155,22 +298,26 @@ def _parse_started(obj: Mapping, tid: str) -> TrajectoryStarted:
         num_experts = _int(obj, "num_experts", minimum=1)
         if num_experts > _ROUTE_ID_LIMIT:
             raise ValidationError(f"num_experts must be <= {_ROUTE_ID_LIMIT}, got {num_experts}", rule="num_experts")
-    metadata = obj.get("metadata") or {}
-    if not isinstance(metadata, Mapping):
-        raise ValidationError(f"metadata must be an object, got {type(metadata).__name__}", rule="metadata")
+    metadata = obj.get("metadata")
     return TrajectoryStarted(
         trajectory_id=tid,
-        group_id=_optional_str(obj, "group_id"),
+        group_id=_optional_id(obj, "group_id"),
         num_experts=num_experts,
-        metadata=dict(metadata),
-        event_id=_optional_str(obj, "event_id"),
+        metadata={} if metadata is None else validate_metadata(metadata),
+        event_id=_optional_id(obj, "event_id"),
     )
+
+
+def _all_integral(arr: np.ndarray) -> bool:
+    """Every value a whole number (NaN and inf are not)."""
+    with np.errstate(invalid="ignore"):
+        return bool(np.all(np.mod(arr, 1) == 0))
 
 
 def _token_ids(value: Any, key: str) -> np.ndarray:
     arr = decode_array(value, field=key, ndim=1).reshape(-1)
     if arr.dtype.kind == "f":
-        if arr.size and not np.all(np.mod(arr, 1) == 0):
+        if arr.size and not _all_integral(arr):
             raise ValidationError(f"{key} holds non-integer token ids", rule="token_ids")
     elif arr.dtype.kind not in "iub":
         raise ValidationError(f"{key} must hold integers, got {arr.dtype}", rule="token_ids")
@@ -179,7 +326,7 @@ def _token_ids(value: Any, key: str) -> np.ndarray:
         if lo < 0:
             raise ValidationError(f"{key} holds a negative token id ({int(lo)})", rule="negative_token_id")
         if hi > _INT32_MAX:
-            raise ValidationError(f"{key} holds a token id above int32 ({int(hi)})", rule="token_ids")
+            raise ValidationError(f"{key} holds a token id that does not fit in int32 ({hi})", rule="int32_range")
     return np.ascontiguousarray(arr, dtype=np.int32)
 
 
@@ -190,8 +337,14 @@ def _per_token(obj: Mapping, key: str, n: int, dtype: type, *, finite: bool) -> 
     arr = decode_array(value, field=key, ndim=1).reshape(-1)
     if len(arr) != n:
         raise ValidationError(f"{key} has {len(arr)} values but output_ids has {n}", rule="length_mismatch")
-    if finite and arr.size and not np.all(np.isfinite(arr)):
-        raise ValidationError(f"{key} holds non-finite values", rule="non_finite")
+    if arr.dtype.kind not in "biuf":
+        raise ValidationError(f"{key} must hold numbers, got {arr.dtype}", rule="array_dtype")
+    if finite and arr.size:
+        if not np.all(np.isfinite(arr)):
+            raise ValidationError(f"{key} holds non-finite values", rule="non_finite")
+        if dtype is np.float32 and arr.dtype.kind == "f" and arr.dtype.itemsize > 4 and np.abs(arr).max() > _F32_MAX:
+            raise ValidationError(f"{key} holds values beyond float32 (they would be stored as inf)",
+                                  rule="non_finite")
     return np.ascontiguousarray(arr, dtype=dtype)
 
 
@@ -207,7 +360,7 @@ def _routes(obj: Mapping, num_tokens: int, start: int) -> np.ndarray | None:
     if arr.shape[1] == 0 or arr.shape[2] == 0:
         raise ValidationError(f"routed_experts has an empty [layers, topk] = {list(arr.shape[1:])}", rule="routes_shape")
     if arr.dtype.kind == "f":
-        if arr.size and not np.all(np.mod(arr, 1) == 0):
+        if arr.size and not _all_integral(arr):
             raise ValidationError("routed_experts holds non-integer expert ids", rule="non_integer_expert")
     elif arr.dtype.kind not in "iub":
         raise ValidationError(f"routed_experts must hold integers, got {arr.dtype}", rule="non_integer_expert")
@@ -260,10 +413,10 @@ def _parse_generation(obj: Mapping, tid: str) -> Generation:
         routed_experts_start=start,
         reward=None if reward is None else _finite(reward, "reward"),
         token_rewards=token_rewards,
-        finish_reason=_optional_str(obj, "finish_reason"),
-        event_id=_optional_str(obj, "event_id"),
+        finish_reason=_finish_reason(obj),
+        event_id=_optional_id(obj, "event_id"),
         token_model_versions=token_versions,
-        metadata=_generation_metadata(obj),
+        metadata=None if obj.get("metadata") is None else validate_metadata(obj["metadata"], "metadata"),
     )
 
 
@@ -310,8 +463,6 @@ def _model_version(obj: Mapping, token_versions: np.ndarray | None) -> int:
             )
         return int(token_versions[-1])
     version = _int(obj, "model_version")
-    if version > _INT32_MAX:
-        raise ValidationError(f"model_version must fit int32, got {version}", rule="model_version")
     if token_versions is not None and len(token_versions) and version != int(token_versions[-1]):
         raise ValidationError(
             f"model_version {version} differs from the last of token_model_versions ({int(token_versions[-1])})",
@@ -320,32 +471,24 @@ def _model_version(obj: Mapping, token_versions: np.ndarray | None) -> int:
     return version
 
 
-def _generation_metadata(obj: Mapping) -> Mapping[str, Any] | None:
-    """A generation's free-form ``metadata`` (mirrors trajectory_started's)."""
-    metadata = obj.get("metadata")
-    if metadata is None:
+def _finish_reason(obj: Mapping) -> str | None:
+    value = obj.get("finish_reason")
+    if value is None:
         return None
-    if not isinstance(metadata, Mapping):
-        raise ValidationError(f"metadata must be an object, got {type(metadata).__name__}", rule="metadata")
-    try:  # SQL stores it as JSON: refuse what JSON cannot hold rather than fail in the driver
-        json.dumps(metadata, allow_nan=False)
-    except (TypeError, ValueError) as e:
-        raise ValidationError(f"metadata is not a JSON object of finite numbers and strings ({e})",
-                              rule="metadata") from None
-    return dict(metadata)
+    return _text(value, "finish_reason", max_chars=_MAX_FINISH_REASON_CHARS, allow_empty=True)
 
 
 def _parse_reward(obj: Mapping, tid: str) -> Reward:
     if "reward" not in obj:
         raise ValidationError("reward event needs reward", rule="missing_field")
-    return Reward(trajectory_id=tid, reward=_finite(obj["reward"], "reward"), event_id=_optional_str(obj, "event_id"))
+    return Reward(trajectory_id=tid, reward=_finite(obj["reward"], "reward"), event_id=_optional_id(obj, "event_id"))
 
 
 def _parse_finished(obj: Mapping, tid: str) -> TrajectoryFinished:
     status = obj.get("status")
     if status not in FINISH_STATUSES:
-        raise ValidationError(f"status must be one of {list(FINISH_STATUSES)}, got {status!r}", rule="status")
-    return TrajectoryFinished(trajectory_id=tid, status=status, event_id=_optional_str(obj, "event_id"))
+        raise ValidationError(f"status must be one of {list(FINISH_STATUSES)}, got {_short(status)}", rule="status")
+    return TrajectoryFinished(trajectory_id=tid, status=status, event_id=_optional_id(obj, "event_id"))
 
 
 _PARSERS = {

@@ -26,24 +26,33 @@ its own request. Coalescing never reorders a request's events.
 # No ``from __future__ import annotations``: FastAPI reads the handlers'
 # annotations at runtime, and ``Request`` is imported lazily inside make_app.
 import argparse
+import asyncio
 import concurrent.futures
 import hmac
 import json
 import os
+import re
+import secrets
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from trajstore.errors import ConflictError, StoreUnavailable, TrajstoreError, ValidationError
 from trajstore.events import Generation, parse_event
 
 __all__ = [
-    "DEFAULT_MAX_BODY_BYTES", "GroupCommitter", "Metrics", "add_cli_arguments", "app_from_env", "main", "make_app",
-    "serve", "serve_from_args", "parse_body", "parse_arrow_body"]
+    "DEFAULT_MAX_BODY_BYTES", "DEFAULT_MAX_BYTES_IN_FLIGHT", "ByteBudget", "GroupCommitter", "Metrics",
+    "add_cli_arguments", "app_from_env", "decode_json", "main", "make_app", "parse_arrow_body", "parse_body", "serve",
+    "serve_from_args"]
 
 DEFAULT_MAX_BODY_BYTES = 64 << 20
+DEFAULT_MAX_BYTES_IN_FLIGHT = 128 << 20
+_ARRAY_FIELDS = frozenset({"prompt_ids", "output_ids", "logprobs", "loss_mask", "token_rewards",
+                           "token_model_versions", "routed_experts"})
 DEFAULT_PORT = 8700
 _LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
@@ -167,26 +176,50 @@ class GroupCommitter:
         return result
 
     def _commit_group(self, group: list[_Request]) -> None:
-        try:
-            result = self._append([ev for req in group for ev in req.events])
-        except ValidationError:
-            # Nothing was stored (append is atomic): find the culprit by
-            # appending each request on its own, in arrival order.
-            for req in group:
-                self._commit_alone(req)
+        """Append the group as one; a refused request is dropped and the rest re-tried together.
+
+        Only the refused request fails: a ValidationError names the event
+        index in the coalesced append, which maps to exactly one request
+        (append is atomic, so nothing was stored). Any other failure (the
+        store is unreachable, or a bug an event provoked) re-appends each
+        request on its own, so it reaches only the request(s) that hit it."""
+        pending = list(group)
+        while len(pending) > 1:
+            try:
+                result = self._append([ev for req in pending for ev in req.events])
+            except ValidationError as e:
+                culprit = _request_of(pending, e.index)
+                if culprit is None:
+                    break
+                req, offset = culprit
+                req.future.set_exception(e.at(e.index - offset))
+                pending.remove(req)
+                continue
+            except Exception:  # noqa: BLE001 - isolated below, request by request
+                break
+            for req in pending:
+                req.future.set_result((len(pending), result))
             return
-        except BaseException as e:
-            for req in group:
-                req.future.set_exception(e)
-            return
-        for req in group:
-            req.future.set_result((len(group), result))
+        for req in pending:
+            self._commit_alone(req)
 
     def _commit_alone(self, req: _Request) -> None:
         try:
             req.future.set_result((1, self._append(req.events)))
         except BaseException as e:
             req.future.set_exception(e)
+
+
+def _request_of(pending: list[_Request], index: int | None) -> tuple[_Request, int] | None:
+    """The request holding event ``index`` of the coalesced append, and its first event's index."""
+    if index is None:
+        return None
+    offset = 0
+    for req in pending:
+        if index < offset + len(req.events):
+            return req, offset
+        offset += len(req.events)
+    return None
 
 
 class _HTTPError(Exception):
@@ -208,25 +241,13 @@ class _HTTPError(Exception):
         return cls(500, f"{type(e).__name__}: {e}", rule="internal")
 
 
-def parse_body(body: bytes) -> tuple[list, int]:
+def parse_body(body: bytes | bytearray) -> tuple[list, int]:
     """The parsed events of a request body and their token count; raises _HTTPError."""
-    try:
-        doc = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise _HTTPError(400, f"body is not valid JSON ({e})", rule="malformed_json") from None
+    doc = decode_json(body)
     raw = doc.get("events") if isinstance(doc, dict) else doc
     if not isinstance(raw, list):
         raise _HTTPError(400, 'body must be {"events": [...]} or a JSON list of events', rule="malformed_body")
-    events, num_tokens = [], 0
-    for i, obj in enumerate(raw):
-        try:
-            event = parse_event(obj)
-        except ValidationError as e:
-            raise _HTTPError.from_error(e.at(i)) from None
-        if isinstance(event, Generation):
-            num_tokens += event.num_tokens
-        events.append(event)
-    return events, num_tokens
+    return _parse_events(raw)
 
 
 def parse_arrow_body(body: bytes) -> tuple[list, int]:
@@ -239,6 +260,11 @@ def parse_arrow_body(body: bytes) -> tuple[list, int]:
         raise _HTTPError(400, str(e), rule="malformed_body") from None
     except ValidationError as e:
         raise _HTTPError.from_error(e) from None
+    return _parse_events(raw)
+
+
+def _parse_events(raw: list) -> tuple[list, int]:
+    """Each wire event parsed (a refusal names its index in the body), and their token count."""
     events, num_tokens = [], 0
     for i, obj in enumerate(raw):
         try:
@@ -257,17 +283,161 @@ def _is_arrow(request: Any) -> bool:
     return request.headers.get("content-type", "").split(";")[0].strip().lower() == ARROW_CONTENT_TYPE
 
 
+# Memory (docs/ingest.md "Memory"): ``json.loads`` turns a list of N small
+# ints into a Python list (8 bytes a slot) plus numpy's int64 copy, ~12x the
+# 2-byte "1," it came from. Long flat integer arrays that are the value of an
+# object member (``"prompt_ids": [...]``) are therefore parsed straight to
+# numpy (C speed, int32 when no number has 10 digits) and put back in place
+# of a placeholder string only this process can produce. The scan skips JSON
+# strings whole, so a "[1,2,...]" inside a string is never touched; an array
+# that is not strictly JSON integers is left to ``json.loads``.
+_MIN_FAST_ARRAY_BYTES = 256  # shorter arrays are not worth it
+_SCAN = re.compile(rb'"[^"\\]*+(?:\\.[^"\\]*+)*+"|:[ \t\r\n]*+\[')
+_NOT_INT_LIST = re.compile(rb"[^0-9,\- ]")
+_TEN_DIGITS = re.compile(rb"[0-9]{10}")
+_NINETEEN_DIGITS = re.compile(rb"[0-9]{19}")
+_PLACEHOLDER = "\x00trajstore-array-" + secrets.token_hex(8) + "-"
+_PLACEHOLDER_JSON = b'"' + _PLACEHOLDER.encode().replace(b"\x00", b"\\u0000")
+
+
+def _int_list(text: bytes) -> np.ndarray | None:
+    """``text`` (between ``[`` and ``]``) as an int array if it is exactly a JSON list of integers, else None.
+
+    Takes the compact form and ``json.dumps``'s ``", "``; any other whitespace
+    is left to ``json.loads``. Extra memory: the result, one copy of the text
+    when it has ", ", and O(1 MiB) of checks, whatever the length."""
+    if _NOT_INT_LIST.search(text):
+        return None  # anything but digits, commas and minus signs (after ", " -> ",")
+    if b" " in text:
+        text = text.replace(b", ", b",")
+        if b" " in text:
+            return None
+    if not text or text[0] not in b"-0123456789" or text[-1] not in b"0123456789":
+        return None
+    wide = _TEN_DIGITS.search(text) is not None
+    if wide and _NINETEEN_DIGITS.search(text):
+        return None  # may not fit in int64: json.loads decides
+    if not _json_integers(np.frombuffer(text, np.uint8)):
+        return None
+    try:
+        arr = np.fromstring(text, dtype=np.int64 if wide else np.int32, sep=",")
+    except ValueError:  # not expected after the checks above; json.loads decides
+        return None
+    return arr if len(arr) == text.count(b",") + 1 else None
+
+
+def _json_integers(b: np.ndarray, step: int = 1 << 20) -> bool:
+    """Digits, commas and minus signs that form ``-?digits(,-?digits)*`` with no leading zero:
+    every comma between a digit and a number, every minus at a number's start before a
+    digit. Checked a MiB at a time, each window with its neighbours (the ends count as commas)."""
+    comma = np.array([44], np.uint8)
+    for lo in range(0, len(b), step):
+        hi = min(lo + step, len(b))
+        w = b[max(lo - 1, 0):hi + 1]
+        if lo == 0:
+            w = np.concatenate((comma, w))
+        if hi == len(b):
+            w = np.concatenate((w, comma))
+        digit = (w >= 48) & (w <= 57)
+        prev_digit, next_digit = digit[:-2], digit[2:]
+        mid, prev, nxt = w[1:-1], w[:-2], w[2:]
+        bad = ((mid == 48) & next_digit & ~prev_digit)  # "01", "-01"
+        bad |= (mid == 45) & (~next_digit | (prev != 44))  # "-" then a digit, after a comma or the start
+        bad |= (mid == 44) & (~prev_digit | ~(next_digit | (nxt == 45)))  # "1,2", "1,-2"
+        if np.any(bad):
+            return False
+    return True
+
+
+def _fast_arrays(body: bytes | bytearray) -> tuple[bytes | bytearray, list]:
+    """``body`` with long integer arrays replaced by placeholders, and the arrays."""
+    arrays: list = []
+    pieces: list[bytes] = []
+    pos = last = 0
+    while m := _SCAN.search(body, pos):
+        pos = m.end()
+        if body[m.start()] == 0x22:  # a string: skipped
+            continue
+        end = body.find(b"]", pos)
+        if end < 0:
+            break
+        arr = _int_list(bytes(memoryview(body)[pos:end])) if end - pos >= _MIN_FAST_ARRAY_BYTES else None
+        if arr is None:
+            continue
+        arrays.append(arr)
+        pieces += [bytes(body[last:pos - 1]), b'%s%d"' % (_PLACEHOLDER_JSON, len(arrays) - 1)]
+        pos = last = end + 1
+    if not arrays:
+        return body, arrays
+    pieces.append(bytes(body[last:]))
+    return b"".join(pieces), arrays
+
+
+def decode_json(body: bytes | bytearray) -> Any:
+    """``json.loads(body)`` with long integer arrays decoded to numpy; raises _HTTPError (400)."""
+
+    def restore(obj: dict) -> dict:
+        for key, value in obj.items():
+            if isinstance(value, str) and value.startswith(_PLACEHOLDER):
+                arr = arrays[int(value[len(_PLACEHOLDER):])]
+                obj[key] = arr if key in _ARRAY_FIELDS else arr.tolist()
+        return obj
+
+    try:
+        body, arrays = _fast_arrays(body)
+        return json.loads(body, object_hook=restore if arrays else None)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise _HTTPError(400, f"body is not valid JSON ({e})", rule="malformed_json") from None
+    except RecursionError:
+        raise _HTTPError(400, "body is not valid JSON (nested too deeply)", rule="malformed_json") from None
+
+
 async def _read_body(request: Any, max_body_bytes: int) -> bytes:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
+    """The body, refused (413) as soon as it is over the limit; read into one buffer, never joined."""
+    declared = _declared_length(request)
+    if declared is not None and declared > max_body_bytes:
         raise _HTTPError(413, f"body of {declared} bytes is over the {max_body_bytes}-byte limit", rule="body_too_large")
-    chunks, size = [], 0
+    body = bytearray()
     async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_body_bytes:
+        if len(body) + len(chunk) > max_body_bytes:
             raise _HTTPError(413, f"body is over the {max_body_bytes}-byte limit", rule="body_too_large")
-        chunks.append(chunk)
-    return b"".join(chunks)
+        body += chunk
+    return body
+
+
+def _declared_length(request: Any) -> int | None:
+    declared = request.headers.get("content-length")
+    return int(declared) if declared is not None and declared.isdigit() else None
+
+
+class ByteBudget:
+    """Back-pressure on the bytes of request bodies in flight (read, parsed, waiting for commit).
+
+    A request takes its declared size (or the body limit when it declares
+    none) before its body is read, and gives it back after its response;
+    while the budget is spent, new requests wait (their bodies stay in the
+    client's socket). One request larger than the whole budget runs alone.
+    This bounds the service's memory: decoding costs a small multiple of the
+    body (docs/ingest.md "Memory")."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.in_flight = 0
+        self.peak = 0
+        self._cond = asyncio.Condition()
+
+    async def acquire(self, n: int) -> int:
+        n = min(n, self.max_bytes)
+        async with self._cond:
+            await self._cond.wait_for(lambda: self.in_flight == 0 or self.in_flight + n <= self.max_bytes)
+            self.in_flight += n
+            self.peak = max(self.peak, self.in_flight)
+        return n
+
+    async def release(self, n: int) -> None:
+        async with self._cond:
+            self.in_flight -= n
+            self._cond.notify_all()
 
 
 def _authorized(request: Any, token: str | None) -> bool:
@@ -302,10 +472,13 @@ _EVENTS_OPENAPI = {
 
 
 def make_app(store: Any, *, token: str | None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-             group_commit: bool = True, close_store: bool = False) -> Any:
+             group_commit: bool = True, close_store: bool = False,
+             max_bytes_in_flight: int = DEFAULT_MAX_BYTES_IN_FLIGHT) -> Any:
     """The FastAPI app over ``store``. ``token=None`` means no auth (the caller decided).
 
     ``close_store``: close the store when the app shuts down.
+    ``max_bytes_in_flight``: request bodies being read, parsed or committed at
+    once, in bytes (see ``ByteBudget``); more waits.
     """
     from contextlib import asynccontextmanager
 
@@ -326,11 +499,10 @@ def make_app(store: Any, *, token: str | None, max_body_bytes: int = DEFAULT_MAX
 
     app = FastAPI(title="trajstore ingest", version="1", lifespan=lifespan)
     app.state.metrics = metrics
+    budget = app.state.budget = ByteBudget(max_bytes_in_flight)
 
     async def commit(events: list, num_tokens: int) -> tuple[int, Any]:
         if committer is not None:
-            import asyncio
-
             return await asyncio.wrap_future(committer.submit(events, num_tokens))
         return 1, await run_in_threadpool(store.append, events)
 
@@ -340,18 +512,29 @@ def make_app(store: Any, *, token: str | None, max_body_bytes: int = DEFAULT_MAX
         try:
             if not _authorized(request, token):
                 raise _HTTPError(401, "missing or wrong bearer token", rule="unauthorized")
-            parse = parse_arrow_body if _is_arrow(request) else parse_body
-            events, num_tokens = await run_in_threadpool(parse, await _read_body(request, max_body_bytes))
+            declared = _declared_length(request)
+            if declared is not None and declared > max_body_bytes:  # refused before taking any budget
+                raise _HTTPError(413, f"body of {declared} bytes is over the {max_body_bytes}-byte limit",
+                                 rule="body_too_large")
+            taken = await budget.acquire(declared if declared is not None else max_body_bytes)
             try:
-                group_size, result = await commit(events, num_tokens)
-            except Exception as e:
-                raise _HTTPError.from_error(e) from None
+                parse = parse_arrow_body if _is_arrow(request) else parse_body
+                events, num_tokens = await run_in_threadpool(parse, await _read_body(request, max_body_bytes))
+                num_events = len(events)
+                try:
+                    group_size, result = await commit(events, num_tokens)
+                except Exception as e:
+                    raise _HTTPError.from_error(e) from None
+                finally:
+                    del events  # the parsed arrays go before the budget is given back
+            finally:
+                await budget.release(taken)
         except _HTTPError as e:
             metrics.observe(e.status, time.perf_counter() - start, rule=e.body["error"]["rule"])
             headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
             return JSONResponse(e.body, status_code=e.status, headers=headers)
-        metrics.observe(200, time.perf_counter() - start, events=len(events), tokens=num_tokens)
-        return _ack_body(len(events), group_size, result)
+        metrics.observe(200, time.perf_counter() - start, events=num_events, tokens=num_tokens)
+        return _ack_body(num_events, group_size, result)
 
     @app.get("/healthz")
     async def healthz() -> dict:
@@ -359,7 +542,11 @@ def make_app(store: Any, *, token: str | None, max_body_bytes: int = DEFAULT_MAX
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def get_metrics() -> str:
-        return metrics.render()
+        p = "trajstore_ingest"
+        return metrics.render() + "".join(
+            f"# TYPE {p}_{name} gauge\n{p}_{name} {value}\n" for name, value in (
+                ("body_bytes_in_flight", budget.in_flight), ("body_bytes_in_flight_peak", budget.peak),
+                ("body_bytes_in_flight_limit", budget.max_bytes)))
 
     return app
 
@@ -383,6 +570,9 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--insecure-no-auth", action="store_true", help="accept requests without a token")
     parser.add_argument("--max-body-mb", type=float, default=DEFAULT_MAX_BODY_BYTES / (1 << 20),
                         help="largest request body in MiB (default 64); larger ones get 413")
+    parser.add_argument("--max-in-flight-mb", type=float, default=DEFAULT_MAX_BYTES_IN_FLIGHT / (1 << 20),
+                        help="request bodies read, parsed or committing at once, in MiB (default 128); "
+                             "more requests wait (bounds the service's memory)")
     parser.add_argument("--no-group-commit", action="store_true",
                         help="append each request on its own instead of coalescing concurrent ones")
     parser.add_argument("--workers", type=int, default=1,
@@ -392,7 +582,8 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
 
 def serve(store_url: str | None = None, host: str = "127.0.0.1", port: int = DEFAULT_PORT, token: str | None = None,
           *, insecure_no_auth: bool = False, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-          group_commit: bool = True, workers: int = 1, log_level: str = "warning", payload: str | None = None) -> None:
+          group_commit: bool = True, workers: int = 1, log_level: str = "warning", payload: str | None = None,
+          max_bytes_in_flight: int = DEFAULT_MAX_BYTES_IN_FLIGHT) -> None:
     """Run the ingest service until SIGINT/SIGTERM (in-flight requests finish first).
 
     Refuses to start without a token (``token`` or ``$TRAJSTORE_TOKEN``)
@@ -411,7 +602,8 @@ def serve(store_url: str | None = None, host: str = "127.0.0.1", port: int = DEF
     # database is migrated by one process, not raced by every worker.
     trajstore.connect(store_url, payload=payload).close()
     os.environ[_CONFIG_ENV] = json.dumps(
-        {"store_url": store_url, "payload": payload, "token": token, "max_body_bytes": max_body_bytes, "group_commit": group_commit})
+        {"store_url": store_url, "payload": payload, "token": token, "max_body_bytes": max_body_bytes,
+         "group_commit": group_commit, "max_bytes_in_flight": max_bytes_in_flight})
     # uvicorn builds each worker's app from the import string; the settings
     # reach it through the environment the workers inherit.
     # http=: TCP_NODELAY on every accepted connection; with workers > 1 uvicorn
@@ -429,14 +621,38 @@ def app_from_env() -> Any:
     import trajstore
 
     config = json.loads(os.environ[_CONFIG_ENV])
+    _return_big_buffers_to_the_os()
     store = trajstore.connect(config.pop("store_url"), payload=config.pop("payload", None))
     return make_app(store, close_store=True, **config)
+
+
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
+
+
+def _return_big_buffers_to_the_os(threshold: int = 1 << 20) -> None:
+    """Pin glibc's mmap threshold so buffers of 1 MiB and more are mmapped and go back to the OS when freed.
+
+    glibc raises the threshold to the size of each big block freed (up to 32
+    MiB), after which multi-MB body and array buffers come from the heap and
+    fragment it: under a stream of large bodies the service's RSS then grows
+    with the number of requests served, not with the bytes in flight
+    (docs/ingest.md "Memory"). A no-op off glibc."""
+    import ctypes
+    import platform
+
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return
+    try:
+        ctypes.CDLL(None).mallopt(_M_MMAP_THRESHOLD, threshold)
+    except (OSError, AttributeError):  # no mallopt: leave malloc as it is
+        pass
 
 
 def serve_from_args(args: argparse.Namespace) -> None:
     serve(getattr(args, "store", None), args.host, args.port, args.token, insecure_no_auth=args.insecure_no_auth,
           max_body_bytes=int(args.max_body_mb * (1 << 20)), group_commit=not args.no_group_commit,
-          workers=args.workers, log_level=args.log_level, payload=getattr(args, "payload", None))
+          workers=args.workers, log_level=args.log_level, payload=getattr(args, "payload", None),
+          max_bytes_in_flight=int(args.max_in_flight_mb * (1 << 20)))
 
 
 def main(argv: list[str] | None = None) -> None:

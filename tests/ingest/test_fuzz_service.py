@@ -1,0 +1,189 @@
+"""Issue 9.4 over HTTP: mutated events and hostile bodies against the real
+ingest service on loopback. Every request is stored (200) or refused with a
+4xx and the JSON error body; the service never answers 500 and never dies;
+counts change only by what was acknowledged; ``materialize`` works after.
+
+Also the service's JSON decoding: long integer arrays are parsed straight to
+numpy (docs/ingest.md "Memory"); hypothesis checks that this gives exactly
+what ``json.loads`` gives."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+httpx = pytest.importorskip("httpx", reason="needs the extra: pip install 'trajstore[server]'")
+pytest.importorskip("fastapi", reason="needs the extra: pip install 'trajstore[server]'")
+
+from fuzz_events import Refused, make_units, run_fuzz  # noqa: E402
+from openai_upstream import serve_in_thread  # noqa: E402
+from sqlalchemy import func, select  # noqa: E402
+from trajstore.ingest.service import _HTTPError, decode_json, make_app  # noqa: E402
+from trajstore.ingest.sinks import encode_events  # noqa: E402
+from trajstore.schema import events as events_table  # noqa: E402
+
+TOKEN = "fuzz-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
+
+
+@pytest.fixture
+def service(store):
+    with serve_in_thread(make_app(store, token=TOKEN, max_body_bytes=8 << 20)) as url:
+        yield url
+
+
+def _count_events(store) -> int:
+    with store.log.read_engine.connect() as conn:
+        return conn.execute(select(func.count()).select_from(events_table)).scalar_one()
+
+
+def _poster(url: str, client: "httpx.Client"):
+    def append(events: list) -> int:
+        resp = client.post(f"{url}/v1/events", content=encode_events(events), headers=AUTH)
+        if resp.status_code == 200:
+            return resp.json()["num_appended"]
+        assert 400 <= resp.status_code < 500, f"{resp.status_code}: {resp.text[:500]}"
+        err = resp.json()["error"]
+        assert set(err) == {"index", "trajectory_id", "rule", "message"} and "\n" not in err["message"]
+        raise Refused(resp.status_code, err["index"], err["rule"])
+
+    return append
+
+
+# 10,000 takes minutes per backend on a loaded 2-core machine (slow); 1,000 runs by default
+@pytest.mark.parametrize("num_mutated", [
+    pytest.param(10_000, marks=[pytest.mark.slow, pytest.mark.timeout(1800)]), 1_000])
+def test_mutated_events_over_http_are_stored_or_refused(service, store, num_mutated):
+    units = make_units(num_mutated, seed=7)
+    with httpx.Client(timeout=60) as client:
+        stats = run_fuzz(_poster(service, client), units, refusal=Refused)
+        assert client.get(f"{service}/healthz").status_code == 200
+        metrics = client.get(f"{service}/metrics").text
+    assert stats.refused_units > num_mutated // 5 and stats.accepted_units > num_mutated // 20, stats
+    assert 'status="500"' not in metrics
+    assert _count_events(store) == stats.appended_events
+    assert store.materialize().num_samples_after > 0
+
+
+def _deep(depth: int) -> bytes:
+    return b'{"events": [' + b"[" * depth + b"]" * depth + b"]}"
+
+
+@pytest.mark.parametrize("body, status, rule", [
+    (b"[" * 100_000 + b"]" * 100_000, 400, "malformed_json"),
+    (_deep(100_000), 400, "malformed_json"),
+    (b'{"events": [' + b'{"a":' * 100_000 + b"1" + b"}" * 100_000 + b"]}", 400, "malformed_json"),
+    (b'{"events": [{"type": "reward", "trajectory_id": "t", "reward": 1, "x": ' + b"[" * 500 + b"]" * 500 + b"}]}",
+     422, "unknown_field"),
+    (b'{"events": [{"type": "generation", "trajectory_id": "t", "seq": 0, "prompt_ids": '
+     + b"[" * 900 + b"1" + b"]" * 900 + b', "output_ids": [1], "model_version": 0}]}', 422, "array_shape"),
+    (b'{"events": [{"type": "trajectory_started", "trajectory_id": "t", "metadata": '
+     + b'{"a":' * 900 + b"1" + b"}" * 900 + b"}]}", 422, "metadata"),
+    (b"\xff\xfe{}", 400, "malformed_json"),
+    (b'{"events": [{"type": "trajectory_started", "trajectory_id": "\\udc80"}]}', 422, "trajectory_id"),
+    (b'{"events": [{"type": ["generation"], "trajectory_id": "t"}]}', 422, "unknown_type"),
+    (b'{"events": [{"type": "reward", "trajectory_id": "t", "reward": NaN}]}', 422, "non_finite"),
+    (b'{"events": [{"type": "reward", "trajectory_id": "t", "reward": 1e400}]}', 422, "non_finite"),
+    (b'{"events": [{"type": "reward", "trajectory_id": "t", "reward": ' + b"9" * 5000 + b"}]}", 400, "malformed_json"),
+    (b'{"events": [{"type": "generation", "trajectory_id": "t", "seq": 0, "model_version": 0, "output_ids": [1], '
+     b'"prompt_ids": [' + b",".join([b"1"] * 100 + [b"99999999999999999999"]) + b"]}]}", 422, "int32_range"),
+    (b'{"events": [{"type": "generation", "trajectory_id": "t", "seq": 0, "model_version": 0, "output_ids": [1], '
+     b'"prompt_ids": [' + b",".join([b"1"] * 100 + [b"2147483648"]) + b"]}]}", 422, "int32_range"),
+    (b'{"events": [{"type": "generation", "trajectory_id": "t", "seq": 0, "model_version": 0, "output_ids": [1], '
+     b'"prompt_ids": [' + b",".join([b"1"] * 100 + [b"-1"]) + b"]}]}", 422, "negative_token_id"),
+    (b'{"events": 5}', 400, "malformed_body"),
+])
+def test_hostile_bodies_get_4xx_never_500(service, store, body, status, rule):
+    resp = httpx.post(f"{service}/v1/events", content=body, headers=AUTH, timeout=60)
+    assert (resp.status_code, resp.json()["error"]["rule"]) == (status, rule), resp.text[:300]
+    assert httpx.get(f"{service}/healthz").status_code == 200
+    assert _count_events(store) == 0
+
+
+# --- the fast integer-array path of the service's JSON decoding --------------------------------
+
+def _plain(value):
+    """``value`` with numpy arrays as lists (what json.loads would have built)."""
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value
+
+
+ints = st.integers(-(2**63), 2**63 - 1) | st.integers(-300, 300) | st.integers(0, 2**31)
+int_lists = st.lists(ints, min_size=0, max_size=200)
+leaf = st.none() | st.booleans() | ints | st.floats(allow_nan=False) | st.text(max_size=20) | int_lists
+documents = st.recursive(leaf, lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=8), c, max_size=4),
+                         max_leaves=20)
+separators = st.sampled_from([(",", ":"), (", ", ": "), (" ,\n", " :\t")])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(st.sampled_from(["prompt_ids", "output_ids", "meta", "x", "routed_experts"]), documents,
+                       max_size=5), separators)
+def test_decode_json_equals_json_loads(doc, seps):
+    body = json.dumps({"events": [doc], "s": json.dumps(doc)}, separators=seps).encode()
+    assert _plain(decode_json(body)) == json.loads(body)
+
+
+def test_decode_json_parses_long_integer_arrays_to_numpy_only_where_arrays_belong():
+    ids = list(range(1000))
+    text = json.dumps(ids)
+    body = json.dumps({"events": [{"prompt_ids": ids, "metadata": {"ids": ids, "s": text}},
+                                  {"output_ids": [2**40] * 100}]}).encode()
+    doc = decode_json(body)
+    ev = doc["events"][0]
+    assert isinstance(ev["prompt_ids"], np.ndarray) and ev["prompt_ids"].dtype == np.int32
+    assert ev["metadata"]["ids"] == ids and ev["metadata"]["s"] == text  # plain JSON outside ARRAY fields
+    assert doc["events"][1]["output_ids"].dtype == np.int64
+    with pytest.raises(_HTTPError) as e:
+        decode_json(b'{"prompt_ids": [' + b"01," * 100 + b"1]}")  # not JSON: a leading zero
+    assert e.value.status == 400
+    assert math.isnan(decode_json(b"[NaN]")[0])
+
+
+def _json_int_list(text: bytes):
+    """What json.loads makes of ``[text]`` when it is a list of int64 integers, else None."""
+    try:
+        value = json.loads(b"[" + text + b"]")
+    except ValueError:
+        return None
+    if all(isinstance(v, int) and -(2**63) <= v < 2**63 for v in value):
+        return value
+    return None
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.one_of(
+    st.text(alphabet="0123456789,- \n\t", max_size=40).map(str.encode),
+    st.lists(st.integers(-(2**70), 2**70), max_size=30).map(lambda v: json.dumps(v)[1:-1].encode()),
+    st.tuples(st.lists(ints, min_size=1, max_size=30), st.integers(0, 200), st.sampled_from("0123456789,- \n"))
+      .map(lambda t: (lambda s: (s[:t[1]] + t[2] + s[t[1]:]).encode())(json.dumps(t[0])[1:-1])),
+))
+def test_int_list_is_json_or_declines(text):
+    from trajstore.ingest.service import _int_list
+
+    got = _int_list(text)
+    expected = _json_int_list(text)
+    if got is not None:
+        assert expected is not None and got.tolist() == expected  # never accepts what JSON refuses
+    elif expected is not None:  # declines only whitespace other than json.dumps's ", ", or 19+ digits
+        assert (any(c in text.replace(b", ", b",") for c in b" \t\n") or not expected
+                or any(abs(v) >= 10**18 for v in expected)), text
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(alphabet="0123456789,- ", max_size=60).map(str.encode), st.integers(1, 8))
+def test_windowed_json_integer_check_equals_the_whole(text, step):
+    from trajstore.ingest.service import _json_integers
+
+    b = np.frombuffer(text, np.uint8)
+    assert _json_integers(b, step=step) == _json_integers(b, step=1 << 20)

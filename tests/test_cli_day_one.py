@@ -145,7 +145,7 @@ def _wait_http(url: str, proc: subprocess.Popen) -> None:
 def _serving(command: str, url: str, payload: str, after: bool, tmp_path: Path, upstream: str | None):
     port = _free_port()
     flags = ["--store", url, "--payload", payload]
-    tail = ["--port", str(port)] + (["--insecure-no-auth"] if command == "serve" else ["--upstream", upstream])
+    tail = ["--port", str(port), "--insecure-no-auth"] + ([] if command == "serve" else ["--upstream", upstream])
     argv = [command, *tail, *flags] if after else [*flags, command, *tail]
     proc = subprocess.Popen([*CLI, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     return proc, f"http://127.0.0.1:{port}"
@@ -215,7 +215,7 @@ def _check_server_option(command: str, option: str, after: bool, tmp_path: Path)
     url, payload = sqlite_url(tmp_path / "s.db"), str(tmp_path / "pay")
     if option == "--debug":
         argv = [command, "--port", str(_free_port()), "--store", "mysql://nowhere/x"]
-        argv += ["--insecure-no-auth"] if command == "serve" else ["--upstream", "http://127.0.0.1:9"]
+        argv += ["--insecure-no-auth"] + ([] if command == "serve" else ["--upstream", "http://127.0.0.1:9"])
         argv = argv + ["--debug"] if after else ["--debug", *argv]
         proc = subprocess.run([*CLI, *argv], capture_output=True, text=True, timeout=60)
         assert proc.returncode != 0 and "Traceback" in proc.stderr

@@ -76,8 +76,13 @@ def test_missing_segment_is_a_clear_error(tmp_path):
     store.append(trajectory_events(CFG, 0))
     for name, _ in store.payload.list_names():
         os.remove(store.payload.path(name))
+    tid = trajectory_events(CFG, 0)[0]["trajectory_id"]
     with pytest.raises(CorruptStoreError, match="is missing"):
-        store.materialize()
+        store.load_generations(tid)
+    # the materializer records it with that reason and goes on (issue 9.3, docs/materializer.md)
+    assert store.materialize().num_unfoldable == 1
+    (recent,) = store.materialized.unfoldable_trajectories()["recent"]
+    assert (recent["trajectory_id"], recent["error"]) == (tid, "CorruptStoreError") and "is missing" in recent["message"]
 
 
 def test_bad_log_compression_refused(tmp_path):

@@ -261,3 +261,23 @@ def run_fuzz(append: Callable[[list], Any], units: list[tuple[list[dict], str]],
             stats.accepted_mutations.update(name for _, name in pending)
             pending = []
     return stats
+
+
+def run_fuzz_concurrently(make_append: Callable[[], Any], units: list[tuple[list[dict], str]], *, clients: int,
+                          refusal: type[Exception]) -> FuzzStats:
+    """``run_fuzz`` over ``clients`` threads, each with its own ``make_append()``
+    and every ``clients``-th unit (units are separate trajectories, so the
+    threads never race on one); their stats summed. Concurrent requests also
+    exercise the service's group commit with refused requests in the group."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    shards = [units[k::clients] for k in range(clients)]
+    with ThreadPoolExecutor(clients) as pool:
+        parts = list(pool.map(lambda shard: run_fuzz(make_append(), shard, refusal=refusal), shards))
+    total = FuzzStats()
+    for part in parts:
+        for name in ("units", "mutated_events", "accepted_units", "refused_units", "appended_events", "appends"):
+            setattr(total, name, getattr(total, name) + getattr(part, name))
+        total.rules.update(part.rules)
+        total.accepted_mutations.update(part.accepted_mutations)
+    return total

@@ -38,6 +38,10 @@ class AppendResult:
     num_appended: int
     num_duplicates: int
     last_position: int | None
+    duplicate_indices: tuple[int, ...] = ()
+    """Indices (in the append call) of the events that were already stored
+    (identical retries): a caller that coalesced several requests into one
+    append can tell each its own counts."""
 
 
 def resolve_url(url: str | None) -> str:
@@ -130,7 +134,7 @@ class Store:
             raise e.at(fresh[e.index] if e.index is not None else 0) from None
         kept = [(i, a) for i, a in zip(fresh, admitted) if not a.noop]
         if not kept:
-            return AppendResult(0, len(parsed), None)
+            return AppendResult(0, len(parsed), None, tuple(range(len(parsed))))
         # Content digests are needed only at commit: they are hashed on another
         # core while this one builds and writes the payload segment.
         pending = digests.start([i for i, _ in kept])
@@ -149,7 +153,9 @@ class Store:
             if segment is not None:
                 self.payload.delete(segment)  # certainly not committed
             raise
-        return AppendResult(len(kept), len(parsed) - len(kept), positions[-1])
+        stored_now = {i for i, _ in kept}
+        return AppendResult(len(kept), len(parsed) - len(kept), positions[-1],
+                            tuple(i for i in range(len(parsed)) if i not in stored_now))
 
     def _drop_duplicates(self, parsed: list[tuple[Event, str | None]], digests: "_Digests",
                          stored: Mapping[str, bytes]) -> list[int]:

@@ -179,3 +179,30 @@ def test_refused_requests_are_dropped_and_the_rest_commit_together(store):
         gate.set()
         committer.close()
     assert len(faulty.calls) <= 4  # first, the group, minus bad1, minus bad2: never one append per request
+
+
+def test_each_request_of_a_group_gets_its_own_counts(store):
+    """Coalesced with retries of stored events, every request still learns exactly how
+    many of its own events were new (the HTTP fuzz from eight clients once got
+    ``num_appended: null`` back for such a group)."""
+    gate = threading.Event()
+    faulty = FaultyStore(store, gate)
+    committer = GroupCommitter(faulty)
+    store.append(good_trajectory("old"))
+    try:
+        committer.submit(good_trajectory("first"))
+        for _ in range(200):
+            if faulty.calls:
+                break
+            time.sleep(0.01)
+        subs = [committer.submit(e) for e in (good_trajectory("old"), good_trajectory("new"),
+                                                good_trajectory("old") + good_trajectory("newer"))]
+        gate.set()
+        results = [f.result(30) for f in subs]
+    finally:
+        gate.set()
+        committer.close()
+    n = len(good_trajectory("x"))
+    assert [size for size, _ in results] == [3, 3, 3]  # one coalesced append
+    assert [(r.num_appended, r.num_duplicates) for _, r in results] == [(0, n), (n, 0), (n, n)]
+    assert results[2][1].duplicate_indices == tuple(range(n))

@@ -197,8 +197,10 @@ class GroupCommitter:
                 continue
             except Exception:  # noqa: BLE001 - isolated below, request by request
                 break
+            offset = 0
             for req in pending:
-                req.future.set_result((len(pending), result))
+                req.future.set_result((len(pending), _share_of(result, offset, len(req.events))))
+                offset += len(req.events)
             return
         for req in pending:
             self._commit_alone(req)
@@ -208,6 +210,14 @@ class GroupCommitter:
             req.future.set_result((1, self._append(req.events)))
         except BaseException as e:
             req.future.set_exception(e)
+
+
+def _share_of(result: Any, offset: int, n: int) -> Any:
+    """One request's own counts out of a coalesced append's result."""
+    from trajstore.store import AppendResult
+
+    dups = tuple(i - offset for i in result.duplicate_indices if offset <= i < offset + n)
+    return AppendResult(n - len(dups), len(dups), result.last_position, dups)
 
 
 def _request_of(pending: list[_Request], index: int | None) -> tuple[_Request, int] | None:
@@ -534,7 +544,7 @@ def make_app(store: Any, *, token: str | None, max_body_bytes: int = DEFAULT_MAX
             headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
             return JSONResponse(e.body, status_code=e.status, headers=headers)
         metrics.observe(200, time.perf_counter() - start, events=num_events, tokens=num_tokens)
-        return _ack_body(num_events, group_size, result)
+        return _ack_body(num_events, result)
 
     @app.get("/healthz")
     async def healthz() -> dict:
@@ -551,15 +561,10 @@ def make_app(store: Any, *, token: str | None, max_body_bytes: int = DEFAULT_MAX
     return app
 
 
-def _ack_body(num_events: int, group_size: int, result: Any) -> dict:
-    # A coalesced append reports the group's totals; split them only when
-    # that is exact (no duplicates in the group means all of ours were new).
-    appended = getattr(result, "num_appended", None)
-    duplicates = getattr(result, "num_duplicates", None)
-    if group_size > 1:
-        appended, duplicates = (num_events, 0) if duplicates == 0 else (None, None)
-    return {"num_events": num_events, "num_appended": appended, "num_duplicates": duplicates,
-            "last_position": getattr(result, "last_position", None)}
+def _ack_body(num_events: int, result: Any) -> dict:
+    # ``result`` is this request's own share of a coalesced append (_share_of).
+    return {"num_events": num_events, "num_appended": result.num_appended, "num_duplicates": result.num_duplicates,
+            "last_position": result.last_position}
 
 
 def add_cli_arguments(parser: argparse.ArgumentParser) -> None:

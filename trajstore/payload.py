@@ -32,7 +32,7 @@ import pyarrow.parquet as pq
 
 from trajstore.errors import CorruptStoreError, StoreUnavailable
 
-__all__ = ["PayloadStore", "SegmentRows", "list_column", "binary_column", "column_chunks", "binary_chunks", "rows_per_batch"]
+__all__ = ["PayloadStore", "SegmentRows", "list_column", "binary_column", "column_chunks", "binary_chunks", "rows_per_batch", "fsync_dir"]
 
 _SAMPLE_COMPRESSION = "zstd"  # samples are written once, in the background, and read many times
 _CODECS = (None, "lz4", "zstd")
@@ -177,7 +177,7 @@ class PayloadStore:
                 size = f.tell()
             if atomic:
                 os.replace(target, path)
-            _fsync_dir(self.root)
+            fsync_dir(self.root)
             return size
         except OSError as e:
             raise StoreUnavailable(f"cannot write payload segment {path!r}: {e}") from None
@@ -276,7 +276,8 @@ def rows_per_batch(table: pa.Table, target_bytes: int = 1 << 20) -> int:
     return max(1, int(target_bytes * table.num_rows // max(1, table.nbytes)))
 
 
-def _fsync_dir(path: str) -> None:
+def fsync_dir(path: str) -> None:
+    """Make a directory's entries (new, renamed files) durable."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

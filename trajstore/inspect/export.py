@@ -24,7 +24,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from trajstore.errors import TrajstoreError
-from trajstore.payload import list_column
+from trajstore.payload import fsync_dir, list_column
 from trajstore.sample import Sample
 from trajstore._samples import SAMPLE_LIST_COLUMNS
 
@@ -99,7 +99,7 @@ def export_samples(
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.exporting-", dir=parent)
     try:
         counts = _write_parts(samples, tmp, rows_per_file, progress)
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         _swap_into_place(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -162,14 +162,6 @@ def _swap_into_place(tmp: str, out_dir: str) -> None:
         else:
             os.rmdir(out_dir)
     os.rename(tmp, out_dir)
-    _fsync_dir(os.path.dirname(out_dir))
+    fsync_dir(os.path.dirname(out_dir))
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -128,6 +128,14 @@ class FaultyStore:
         return self.store.append(events)
 
 
+def _wait_until_blocked(faulty: "FaultyStore") -> None:
+    """Until the committer is blocked inside its first append (so the next submits coalesce)."""
+    for _ in range(200):
+        if faulty.calls:
+            return
+        time.sleep(0.01)
+
+
 @pytest.mark.parametrize("culprit, error", [("boom", RuntimeError), ("down", StoreUnavailable)])
 def test_a_non_validation_failure_reaches_only_its_own_request(store, culprit, error):
     gate = threading.Event()
@@ -135,10 +143,7 @@ def test_a_non_validation_failure_reaches_only_its_own_request(store, culprit, e
     committer = GroupCommitter(faulty)
     try:
         first = committer.submit(good_trajectory("first"))
-        for _ in range(200):  # the committer is blocked inside the first append
-            if faulty.calls:
-                break
-            time.sleep(0.01)
+        _wait_until_blocked(faulty)
         futures = {tid: committer.submit(good_trajectory(tid)) for tid in ("a", culprit, "b", "c")}
         gate.set()
         assert first.result(30)[0] == 1
@@ -159,10 +164,7 @@ def test_refused_requests_are_dropped_and_the_rest_commit_together(store):
     committer = GroupCommitter(faulty)
     try:
         committer.submit(good_trajectory("first"))
-        for _ in range(200):
-            if faulty.calls:
-                break
-            time.sleep(0.01)
+        _wait_until_blocked(faulty)
         bad1 = good_trajectory("x1")
         bad1[1]["seq"] = 3  # a gap: refused by admission, inside the coalesced append
         bad2 = good_trajectory("x2")
@@ -191,10 +193,7 @@ def test_each_request_of_a_group_gets_its_own_counts(store):
     store.append(good_trajectory("old"))
     try:
         committer.submit(good_trajectory("first"))
-        for _ in range(200):
-            if faulty.calls:
-                break
-            time.sleep(0.01)
+        _wait_until_blocked(faulty)
         subs = [committer.submit(e) for e in (good_trajectory("old"), good_trajectory("new"),
                                                 good_trajectory("old") + good_trajectory("newer"))]
         gate.set()

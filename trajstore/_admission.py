@@ -2,26 +2,34 @@
 into the facts the log stores.
 
 A harness sends *commands* (a generation with its full prompt and every route
-row the engine returned). The log stores *facts* normalized against the
+row the engine returned). The log stores *facts*: for each generation, the
+outcome of the fold's step (``trajstore.fold.fold_step``) applied to the
 trajectory's tail state at append time:
 
 * the prompt as ``prefix_len`` tokens reused from the trajectory's current
   sequence plus the new tail, so a 30-turn episode does not store its prompt
   30 times;
-* only the route rows the fold can use: on a merge, rows for positions not
-  recorded yet (a recorded route is never overwritten, SPEC R3).
+* only the route rows the fold keeps: on a merge, rows for positions not
+  recorded yet (a recorded route is never overwritten, SPEC R3);
+* the sample the call folds into (``sample_index``) and whether it merged.
 
-The merge decision needs only the length and a hash of the current sequence
-(``seq_len``, ``seq_hash``), so admission reads no payload except in one rare
-case: a prefix mismatch with ``routed_experts_start > 0``, which must check
-that the new prompt agrees with the previous sequence on the skipped rows.
+Where each rule lives: every rule of merging, routes (watermark, layout,
+skipped rows) and reward modes is the fold's (``fold_step``); this module
+keeps only what is admission's own: the trajectory lifecycle (started,
+finished, rewards, the identical-retry rule), seq order, and expert ids
+below the ``num_experts`` that trajectory_started declared.
+
+The fold step decides a merge from the length and a hash of the current
+sequence (``seq_len``, ``seq_hash`` of the tail, kept in the ``trajectories``
+row), so admission reads no payload except in one rare case: a prefix
+mismatch with ``routed_experts_start > 0``, which must check that the new
+prompt agrees with the previous sequence on the skipped rows.
 
 Pure: state in, state and facts out; the caller supplies ``load_sequence``.
 """
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
@@ -35,21 +43,15 @@ from trajstore.events import (
     TrajectoryFinished,
     TrajectoryStarted,
 )
+from trajstore.fold import EMPTY_HASH, FoldStep, FoldTail, fold_step, sequence_hash
 
 __all__ = ["TrajectoryState", "StoredGeneration", "Admitted", "admit", "admit_batch", "sequence_hash", "EMPTY_HASH"]
 
 
-def sequence_hash(tokens: np.ndarray) -> bytes:
-    """128-bit digest of a token sequence (int32 little-endian bytes)."""
-    return hashlib.blake2b(np.ascontiguousarray(tokens, dtype="<i4").tobytes(), digest_size=16).digest()
-
-
-EMPTY_HASH = sequence_hash(np.zeros(0, dtype=np.int32))
-
-
 @dataclass(frozen=True, slots=True)
 class TrajectoryState:
-    """Tail state of one trajectory (a ``trajectories`` row)."""
+    """Tail state of one trajectory (a ``trajectories`` row): admission's own
+    fields, then the fold's tail (``tail``)."""
 
     trajectory_id: str
     group_id: str | None
@@ -64,16 +66,35 @@ class TrajectoryState:
     seq_hash: bytes = EMPTY_HASH
     route_len: int = 0  # positions of the current sample covered by recorded (or skipped) rows
     reward: float | None = None
+    num_samples: int = 0  # samples the generations so far fold into
+
+    @property
+    def tail(self) -> FoldTail:
+        return FoldTail(num_samples=self.num_samples, seq_len=self.seq_len, seq_hash=self.seq_hash,
+                        route_len=self.route_len, reward_mode=self.reward_mode, route_layers=self.route_layers,
+                        route_topk=self.route_topk)
+
+    def with_tail(self, tail: FoldTail) -> TrajectoryState:
+        assert tail.seq_hash is not None
+        return replace(self, num_samples=tail.num_samples, seq_len=tail.seq_len, seq_hash=tail.seq_hash,
+                       route_len=tail.route_len, reward_mode=tail.reward_mode, route_layers=tail.route_layers,
+                       route_topk=tail.route_topk)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
 class StoredGeneration:
-    """A generation as the log stores it (the fact)."""
+    """A generation as the log stores it (the fact): the command and its fold step."""
 
     command: Generation  # as sent; scalars are taken from here
     prefix_len: int  # tokens of the previous sequence the prompt starts with (0 or seq_len)
     routes: np.ndarray | None  # rows kept, [rows, layers, topk]
     routes_start: int  # absolute position of routes[0]
+    sample_index: int = 0  # the sample the call folds into
+    merged: bool = False  # it continued the previous call's sequence
+
+    @classmethod
+    def of(cls, command: Generation, step: FoldStep) -> StoredGeneration:
+        return cls(command, step.prefix_len, step.routes, step.routes_start, step.sample_index, step.merged)
 
     @property
     def prompt_tail(self) -> np.ndarray:
@@ -126,94 +147,22 @@ def _admit_generation(
     if g.seq != state.last_seq + 1:
         rule = "seq_taken" if g.seq <= state.last_seq else "seq_gap"
         raise ValidationError(f"seq {g.seq} but the next seq is {state.last_seq + 1}", rule=rule)
-    reward_mode = _reward_mode(g, state.reward_mode)
-    layers, topk = _check_routes(g, state)
-    merged = g.seq > 0 and _starts_with_sequence(g.prompt_ids, state)
-    if merged:
-        routes, routes_start, route_len = _merge_routes(g, state.route_len)
-    else:
-        _check_skipped_rows(g, state, load_sequence)
-        routes, routes_start = g.routed_experts, g.routed_experts_start
-        route_len = g.routed_experts_start + len(routes) if routes is not None else 0
-    full = np.concatenate([g.prompt_ids, g.output_ids])
-    new_state = replace(
-        state,
-        version=state.version + 1,
-        last_seq=g.seq,
-        reward_mode=reward_mode,
-        route_layers=layers,
-        route_topk=topk,
-        seq_len=len(full),
-        seq_hash=sequence_hash(full),
-        route_len=route_len,
-    )
-    stored = StoredGeneration(g, state.seq_len if merged else 0, routes, routes_start)
-    return Admitted(g, stored, new_state)
+    step, tail = fold_step(state.tail, g, lambda: load_sequence(g.trajectory_id))
+    _check_expert_ids(g, state.num_experts)
+    new_state = replace(state.with_tail(tail), version=state.version + 1, last_seq=g.seq)
+    return Admitted(g, StoredGeneration.of(g, step), new_state)
 
 
-def _reward_mode(g: Generation, mode: str | None) -> str | None:
-    this = "token" if g.token_rewards is not None else "scalar" if g.reward is not None else None
-    if this is not None and mode is not None and this != mode:
-        raise ValidationError(
-            f"{this} rewards in a trajectory that already uses {mode} rewards", rule="reward_mode"
-        )
-    return mode or this
-
-
-def _check_routes(g: Generation, state: TrajectoryState) -> tuple[int | None, int | None]:
+def _check_expert_ids(g: Generation, num_experts: int | None) -> None:
+    """Every expert id sent is below the num_experts trajectory_started declared."""
     r = g.routed_experts
-    if r is None:
-        return state.route_layers, state.route_topk
-    layers, topk = int(r.shape[1]), int(r.shape[2])
-    if state.route_layers is not None and (layers, topk) != (state.route_layers, state.route_topk):
-        raise ValidationError(
-            f"routed_experts [layers, topk] = [{layers}, {topk}] but the trajectory uses "
-            f"[{state.route_layers}, {state.route_topk}]",
-            rule="routes_shape",
-        )
-    if state.num_experts is not None and r.size:
-        hi = int(r.max())
-        if hi >= state.num_experts:
-            raise ValidationError(
-                f"routed_experts holds expert id {hi} but num_experts is {state.num_experts}",
-                rule="expert_id_range",
-            )
-    return layers, topk
-
-
-def _starts_with_sequence(prompt: np.ndarray, state: TrajectoryState) -> bool:
-    return len(prompt) >= state.seq_len and sequence_hash(prompt[: state.seq_len]) == state.seq_hash
-
-
-def _merge_routes(g: Generation, route_len: int) -> tuple[np.ndarray | None, int, int]:
-    """Keep only rows for positions not recorded yet (never overwrite)."""
-    r, start = g.routed_experts, g.routed_experts_start
-    if r is None:
-        return None, route_len, route_len
-    skip = max(0, route_len - start)
-    kept = r[skip:]
-    return kept, start + skip, max(route_len, start + len(r))
-
-
-def _check_skipped_rows(
-    g: Generation, state: TrajectoryState, load_sequence: Callable[[str], np.ndarray]
-) -> None:
-    """On a mismatch, rows below routed_experts_start must come from the previous sample."""
-    start = g.routed_experts_start
-    if g.routed_experts is None or start == 0:
+    # a dtype that cannot hold num_experts needs no scan (uint8 rows against 256+ experts)
+    if num_experts is None or r is None or not r.size or np.iinfo(r.dtype).max < num_experts:
         return
-    if g.seq == 0 or start > state.route_len or start > len(g.prompt_ids):
+    hi = int(r.max())
+    if hi >= num_experts:
         raise ValidationError(
-            f"routed_experts_start {start} skips route rows that were never recorded "
-            f"(the previous sample has {state.route_len if g.seq else 0})",
-            rule="missing_route_rows",
-        )
-    previous = load_sequence(g.trajectory_id)
-    if not np.array_equal(previous[:start], g.prompt_ids[:start]):
-        raise ValidationError(
-            f"routed_experts_start {start} skips rows, but the prompt differs from the recorded "
-            "sequence on those positions",
-            rule="missing_route_rows",
+            f"routed_experts holds expert id {hi} but num_experts is {num_experts}", rule="expert_id_range"
         )
 
 

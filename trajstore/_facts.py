@@ -97,6 +97,8 @@ def event_row(adm: Admitted, identity: str | None, content_hash: bytes, segment_
             prefix_len=s.prefix_len,
             output_len=len(ev.output_ids),
             num_loss_tokens=int(ev.loss_mask.sum()) if ev.loss_mask is not None else len(ev.output_ids),
+            sample_index=s.sample_index,
+            is_merged=s.merged,
             routes_start=s.routes_start if s.routes is not None else None,
             num_route_rows_sent=len(ev.routed_experts) if ev.routed_experts is not None else None,
             num_route_rows=len(s.routes) if s.routes is not None else None,
@@ -131,6 +133,7 @@ def trajectory_row(state: TrajectoryState, started: TrajectoryStarted | None) ->
         "seq_hash": state.seq_hash,
         "route_len": state.route_len,
         "reward": state.reward,
+        "num_samples": state.num_samples,
         "updated_at": now,
     }
     if started is not None:
@@ -158,6 +161,7 @@ def state_from_row(row: Mapping[str, Any]) -> TrajectoryState:
         seq_hash=bytes(row["seq_hash"]),
         route_len=row["route_len"],
         reward=row["reward"],
+        num_samples=row["num_samples"],
     )
 
 

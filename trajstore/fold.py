@@ -1,34 +1,56 @@
-"""The pure fold: one trajectory's generation events -> training samples.
+"""The fold: one trajectory's generation events -> training samples.
 
-Everything SPEC.md says about merging, loss masks, logprobs (and whether the
-engine reported them), model versions (per token, SPEC "Versions"), finish
-reasons, rewards and routed experts lives here and nowhere else. No I/O, no clock, no
+Every rule SPEC.md states about merging, loss masks, logprobs (and whether
+the engine reported them), model versions (per token, SPEC "Versions"),
+finish reasons, rewards and routed experts lives here. No I/O, no clock, no
 globals: the same events always give the same samples, so the materializer
 can re-fold a trajectory after a crash and get byte-identical rows.
 
-Shape of the algorithm:
+The fold is a reduction of one pure step over a trajectory's events:
 
-1. ``_split`` walks the events once and groups them into samples: an event
-   joins the current sample iff its prompt starts with the sample's sequence
-   so far (prompt + output of the previous event), compared with numpy.
-2. ``_make_sample`` builds each sample with one ``np.concatenate`` for the
-   response ids and preallocated arrays filled by per-event slices for the
-   rest, so the cost is a few numpy calls per event, never a Python loop per
-   token. Routes are copied exactly once, into the sample's own array.
+* ``fold_step(tail, generation, previous)`` applies the per-event rules to
+  the trajectory's tail state (``FoldTail``: the current sequence's length
+  and hash, the current sample, the route watermark, the reward mode, the
+  route layout) and returns the outcome (``FoldStep``: merged or a new
+  sample, the sample index, ``prefix_len``, the route rows kept) and the new
+  tail. It raises every refusal these rules make: ``reward_mode``,
+  ``routes_shape``, ``missing_route_rows``.
+  Admission (``trajstore._admission``) applies it once per appended event and
+  stores the outcome (``events.sample_index``, ``is_merged``, ``prefix_len``,
+  the rows kept) and the tail (the ``trajectories`` row); the SQL views read
+  the stored outcome.
+* ``fold()`` applies the same step to each event, then builds each sample
+  from its events and their outcomes: one ``np.concatenate`` for the
+  response ids and preallocated arrays filled by per-event slices for the
+  rest, so the cost is a few numpy calls per event, never a Python loop per
+  token. Routes are copied exactly once, into the sample's own array. The
+  route dtype is a whole-trajectory decision (``num_experts``, else the
+  largest id kept), so it is made here, not in the step; ids a dtype cannot
+  hold are refused (``expert_id_range``).
+
+The merge rule (SPEC fold rule 1) needs the previous call's sequence
+``S_prev``. Admission holds only its length and a 128-bit hash
+(``sequence_hash``), kept in the ``trajectories`` row, and decides by
+hashing ``prompt[:seq_len]``; the fold holds the previous call's tokens and
+compares them (hashing every event would cost the fold a third of its
+speed). ``tests/test_fold_step.py`` checks that both give the same outcomes.
 
 Routes bookkeeping (SPEC "Routed experts"): each sample keeps a *recorded
-length* ``w``, a watermark. An event's rows cover absolute positions
-``start .. start+rows-1``; the part below ``w`` is ignored (a recorded route
-is never overwritten), the part above is appended, and a gap between ``w``
-and ``start`` stays masked ("never captured") for good, masked rows count as
-recorded. Positions past the final watermark (at least the last token) are
-masked too.
+length* ``route_len``, a watermark. An event's rows cover absolute positions
+``start .. start+rows-1``; the part below the watermark is dropped (a
+recorded route is never overwritten), the part above is kept, and a gap
+between the watermark and ``start`` stays masked ("never captured") for good:
+masked rows count as recorded. Positions past the final watermark (at least
+the last token) are masked too. A call that starts a new sample with
+``routed_experts_start > 0`` takes the rows below it from the previous
+sample, which must have recorded them for the very same prompt tokens.
 """
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence, Union
 
 import numpy as np
 
@@ -36,7 +58,16 @@ from trajstore.errors import ValidationError
 from trajstore.events import Generation, routes_dtype
 from trajstore.sample import Sample
 
-__all__ = ["FoldMetrics", "FoldResult", "fold"]
+__all__ = ["FoldMetrics", "FoldResult", "FoldTail", "FoldStep", "fold", "fold_step", "sequence_hash",
+           "EMPTY_HASH"]
+
+
+def sequence_hash(tokens: np.ndarray) -> bytes:
+    """128-bit digest of a token sequence (int32 little-endian bytes)."""
+    return hashlib.blake2b(np.ascontiguousarray(tokens, dtype="<i4").tobytes(), digest_size=16).digest()
+
+
+EMPTY_HASH = sequence_hash(np.zeros(0, dtype=np.int32))
 
 
 @dataclass(frozen=True)
@@ -72,12 +103,180 @@ class FoldMetrics:
         }
 
 
+@dataclass(frozen=True, slots=True)
+class FoldTail:
+    """What the fold knows of a trajectory after its last generation event.
+
+    Admission keeps it in the ``trajectories`` row (these are its columns), so
+    the next event is checked without reading payload."""
+
+    num_samples: int = 0
+    """Samples started so far; the current sample is ``num_samples - 1``."""
+    seq_len: int = 0
+    """Length of ``S_prev``, the last call's prompt + output."""
+    seq_hash: bytes | None = EMPTY_HASH
+    """``sequence_hash(S_prev)``; None when the caller holds ``S_prev``'s tokens instead (the fold)."""
+    route_len: int = 0
+    """The current sample's recorded route length (the watermark)."""
+    reward_mode: str | None = None
+    """"scalar" or "token" once a call carried a reward."""
+    route_layers: int | None = None
+    """[layers, topk] of the trajectory's routes, once a call carried any."""
+    route_topk: int | None = None
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class FoldStep:
+    """The outcome of one generation event: what admission stores, what the fold builds from."""
+
+    merged: bool
+    """The prompt continued ``S_prev``: the call joins the current sample."""
+    sample_index: int
+    """The sample the call folds into."""
+    prefix_len: int
+    """Prompt tokens that are ``S_prev`` (its length on a merge, else 0)."""
+    routes: np.ndarray | None
+    """Route rows kept, [rows, layers, topk] (a view of the call's rows); None without routes."""
+    routes_start: int
+    """Absolute position of ``routes[0]``."""
+
+    @property
+    def inherited_rows(self) -> int:
+        """Rows below ``routes_start`` a new sample takes from the previous one."""
+        return self.routes_start if self.routes is not None and not self.merged else 0
+
+
+# S_prev as the caller holds it: the last call's (prompt_ids, output_ids), or a
+# function returning its tokens (called only for the skipped-rows check).
+Previous = Union[tuple[np.ndarray, np.ndarray], Callable[[], np.ndarray]]
+
+
+def fold_step(
+    tail: FoldTail, gen: Generation, previous: Previous
+) -> tuple[FoldStep, FoldTail]:
+    """Apply one generation event to a trajectory's tail; return its outcome and the new tail.
+
+    ``previous`` is ``S_prev``: the last call's ``(prompt_ids, output_ids)``
+    when the caller holds them (the merge is decided by comparing tokens), or
+    a function returning ``S_prev``'s tokens, called only when a new sample
+    skips route rows (the merge is decided by ``tail.seq_hash``). The new
+    tail carries a hash only if ``tail`` did. Raises ValidationError
+    (``reward_mode``, ``routes_shape``, ``missing_route_rows``) without a
+    trajectory or event index: the caller locates it.
+    """
+    reward_mode = _reward_mode(gen, tail.reward_mode)
+    layers, topk = _route_layout(gen, tail)
+    merged = tail.num_samples > 0 and _starts_with_sequence(gen.prompt_ids, tail, previous)
+    rows, start = gen.routed_experts, gen.routed_experts_start
+    if merged:
+        kept, kept_start, route_len = _merge_routes(rows, start, tail.route_len)
+        step = FoldStep(True, tail.num_samples - 1, tail.seq_len, kept, kept_start)
+    else:
+        _check_skipped_rows(gen, tail, previous)
+        route_len = 0 if rows is None else start + len(rows)
+        step = FoldStep(False, tail.num_samples, 0, rows, start)
+    new = FoldTail(
+        num_samples=step.sample_index + 1,
+        seq_len=gen.num_tokens,
+        seq_hash=None if tail.seq_hash is None else _hash_call(gen),
+        route_len=route_len,
+        reward_mode=reward_mode,
+        route_layers=layers,
+        route_topk=topk,
+    )
+    return step, new
+
+
+def _hash_call(gen: Generation) -> bytes:
+    """``sequence_hash(prompt + output)`` without concatenating them."""
+    h = hashlib.blake2b(np.ascontiguousarray(gen.prompt_ids, dtype="<i4").tobytes(), digest_size=16)
+    h.update(np.ascontiguousarray(gen.output_ids, dtype="<i4").tobytes())
+    return h.digest()
+
+
+def _starts_with_sequence(prompt: np.ndarray, tail: FoldTail, previous: Previous) -> bool:
+    """SPEC fold rule 1: the prompt is ``S_prev`` + a (possibly empty) delta."""
+    n = tail.seq_len
+    if len(prompt) < n:
+        return False
+    if isinstance(previous, tuple):
+        p_prompt, p_output = previous
+        p = len(p_prompt)
+        return np.array_equal(prompt[:p], p_prompt) and np.array_equal(prompt[p:n], p_output)
+    if tail.seq_hash is None:
+        raise TypeError("fold_step: a tail without seq_hash needs the previous call's tokens")
+    return sequence_hash(prompt[:n]) == tail.seq_hash
+
+
+def _reward_mode(gen: Generation, mode: str | None) -> str | None:
+    """SPEC fold rule 5: one trajectory uses scalar or token rewards, never both."""
+    if gen.reward is not None and gen.token_rewards is not None:
+        raise ValidationError(f"generation seq {gen.seq} carries reward and token_rewards", rule="reward_mode")
+    this = "token" if gen.token_rewards is not None else "scalar" if gen.reward is not None else None
+    if this is not None and mode is not None and this != mode:
+        raise ValidationError(
+            f"{this} rewards (seq {gen.seq}) in a trajectory that already uses {mode} rewards", rule="reward_mode"
+        )
+    return mode or this
+
+
+def _route_layout(gen: Generation, tail: FoldTail) -> tuple[int | None, int | None]:
+    """Every call of a trajectory has the same [layers, topk]."""
+    r = gen.routed_experts
+    if r is None:
+        return tail.route_layers, tail.route_topk
+    layers, topk = int(r.shape[1]), int(r.shape[2])
+    if tail.route_layers is not None and (layers, topk) != (tail.route_layers, tail.route_topk):
+        raise ValidationError(
+            f"generation seq {gen.seq} has routed_experts [layers, topk] = [{layers}, {topk}] but the "
+            f"trajectory uses [{tail.route_layers}, {tail.route_topk}]",
+            rule="routes_shape",
+        )
+    return layers, topk
+
+
+def _merge_routes(rows: np.ndarray | None, start: int, route_len: int) -> tuple[np.ndarray | None, int, int]:
+    """On a merge, keep only rows past the watermark (a recorded route is never overwritten)."""
+    if rows is None:
+        return None, route_len, route_len
+    skip = max(0, route_len - start)
+    kept = rows[skip:]
+    # rows that reach past the watermark move it; none (or only recorded ones) leave it
+    return kept, start + skip, start + len(rows) if len(kept) else route_len
+
+
+def _check_skipped_rows(gen: Generation, tail: FoldTail, previous: Previous) -> None:
+    """A new sample's rows below routed_experts_start come from the previous sample (SPEC R3).
+
+    The engine skipped those prompt positions because the caller said they
+    were recorded; they are only usable if the previous sample recorded them
+    for the very same tokens."""
+    start = gen.routed_experts_start
+    if gen.routed_experts is None or start == 0:
+        return
+    if tail.num_samples == 0 or start > tail.route_len or start > len(gen.prompt_ids):
+        raise ValidationError(
+            f"generation seq {gen.seq} starts a new sample with routed_experts_start={start}, which skips route "
+            f"rows that were never recorded (the previous sample recorded {tail.route_len})",
+            rule="missing_route_rows",
+        )
+    before = np.concatenate(previous)[:start] if isinstance(previous, tuple) else previous()[:start]
+    if not np.array_equal(before, gen.prompt_ids[:start]):
+        raise ValidationError(
+            f"generation seq {gen.seq} starts a new sample with routed_experts_start={start}, but its prompt "
+            f"differs from the previous sample's tokens on the {start} skipped positions",
+            rule="missing_route_rows",
+        )
+
+
 @dataclass(frozen=True)
 class FoldResult:
     samples: list[Sample]
     metrics: FoldMetrics
     calls_per_sample: tuple[int, ...] = ()
     """Generation events merged into each sample (1 = no merge)."""
+    steps: tuple[FoldStep, ...] = ()
+    """Each event's outcome, in event order (what admission stores for it)."""
 
 
 @dataclass(frozen=True)
@@ -98,6 +297,9 @@ class _Trajectory:
     routes: _RouteSpec | None  # None: the trajectory carries no routes at all
 
 
+_NO_TOKENS = np.zeros(0, np.int32)
+
+
 def fold(
     generations: Sequence[Generation],
     *,
@@ -111,9 +313,8 @@ def fold(
 
     ``final_reward`` is the trajectory-level ``reward`` event; it overrides the
     final sample's reward. ``num_experts`` (from trajectory_started) fixes the
-    route dtype; without it the largest expert id seen decides. Raises
-    ValidationError for rules that only the whole trajectory reveals:
-    ``reward_mode``, ``routes_shape``, ``missing_route_rows``.
+    route dtype; without it the largest expert id kept decides. Raises
+    ValidationError naming the trajectory for a refusal of ``fold_step``.
     """
     if not generations:
         return FoldResult([], FoldMetrics())
@@ -124,109 +325,77 @@ def fold(
                 trajectory_id=trajectory_id,
                 rule="trajectory_id",
             )
-    traj = _Trajectory(
-        trajectory_id,
-        group_id,
-        status,
-        _reward_mode(generations, trajectory_id),
-        _route_spec(generations, num_experts, trajectory_id),
-    )
-    groups = _split(generations)
+    steps, tail = _steps(generations, trajectory_id)
+    routes = _route_spec(steps, tail, num_experts, trajectory_id)
+    traj = _Trajectory(trajectory_id, group_id, status, tail.reward_mode, routes)
+    bounds = [i for i, s in enumerate(steps) if not s.merged] + [len(steps)]
     samples: list[Sample] = []
     prev: Sample | None = None
-    prev_recorded = 0
-    for index, group in enumerate(groups):
-        prev, prev_recorded = _make_sample(group, index, len(groups), prev, prev_recorded, traj)
+    for index, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        prev = _make_sample(generations[a:b], steps[a:b], index, len(bounds) - 1, prev, traj)
         samples.append(prev)
     if final_reward is not None:
         samples[-1].reward = float(final_reward)
-    return FoldResult(samples, FoldMetrics(len(generations), len(samples), len(groups) - 1),
-                      tuple(len(g) for g in groups))
+    return FoldResult(samples, FoldMetrics(len(generations), len(samples), len(samples) - 1),
+                      tuple(b - a for a, b in zip(bounds, bounds[1:])), tuple(steps))
 
 
-def _continues(prev: Generation, gen: Generation) -> bool:
-    """True when gen's prompt is prev's prompt + output + (possibly empty) delta."""
-    p, o = len(prev.prompt_ids), len(prev.output_ids)
-    return (
-        len(gen.prompt_ids) >= p + o
-        and np.array_equal(gen.prompt_ids[:p], prev.prompt_ids)
-        and np.array_equal(gen.prompt_ids[p : p + o], prev.output_ids)
-    )
+def _steps(generations: Sequence[Generation], trajectory_id: str) -> tuple[list[FoldStep], FoldTail]:
+    """``fold_step`` over the events, deciding merges by tokens (the fold holds them)."""
+    tail = FoldTail(seq_hash=None)
+    previous: tuple[np.ndarray, np.ndarray] = (_NO_TOKENS, _NO_TOKENS)
+    steps = []
+    for gen in generations:
+        try:
+            step, tail = fold_step(tail, gen, previous)
+        except ValidationError as e:
+            raise ValidationError(e.reason, trajectory_id=trajectory_id, rule=e.rule) from None
+        steps.append(step)
+        previous = (gen.prompt_ids, gen.output_ids)
+    return steps, tail
 
 
-def _split(generations: Sequence[Generation]) -> list[list[Generation]]:
-    """Group events into samples; each new group is one prefix mismatch."""
-    groups = [[generations[0]]]
-    for gen in generations[1:]:
-        if _continues(groups[-1][-1], gen):
-            groups[-1].append(gen)
-        else:
-            groups.append([gen])
-    return groups
+def _route_spec(steps: Sequence[FoldStep], tail: FoldTail, num_experts: int | None,
+                trajectory_id: str) -> _RouteSpec | None:
+    """SPEC: uint8 when every expert id < 256 (num_experts decides when given), else uint16.
 
-
-def _reward_mode(generations: Sequence[Generation], trajectory_id: str) -> str | None:
-    scalar = [g.seq for g in generations if g.reward is not None]
-    token = [g.seq for g in generations if g.token_rewards is not None]
-    if scalar and token:
-        raise ValidationError(
-            f"scalar reward (seq {scalar[0]}) and token_rewards (seq {token[0]}) mixed in one trajectory",
-            trajectory_id=trajectory_id,
-            rule="reward_mode",
-        )
-    return "token" if token else "scalar" if scalar else None
-
-
-def _route_spec(generations: Sequence[Generation], num_experts: int | None, trajectory_id: str) -> _RouteSpec | None:
-    routed = [g for g in generations if g.routed_experts is not None]
-    if not routed:
+    Whole-trajectory, so not a step rule: the dtype of every sample's routes.
+    Admission refuses ids >= num_experts as they arrive (``_admission``); the
+    fold refuses kept ids its dtype cannot hold rather than wrap them."""
+    if tail.route_layers is None or tail.route_topk is None:
         return None
-    layers, topk = routed[0].routed_experts.shape[1:]
     max_id = 0
-    for gen in routed:
-        if gen.routed_experts.shape[1:] != (layers, topk):
-            raise ValidationError(
-                f"generation seq {gen.seq} has routes [layers, topk] = {list(gen.routed_experts.shape[1:])}, "
-                f"earlier events have {[layers, topk]}",
-                trajectory_id=trajectory_id,
-                rule="routes_shape",
-            )
-        # uint8 rows cannot decide between uint8 and uint16, so only wider inputs are scanned.
-        if gen.routed_experts.dtype != np.uint8 and gen.routed_experts.size:
-            max_id = max(max_id, int(gen.routed_experts.max()))
+    for step in steps:
+        # uint8 rows cannot decide between uint8 and uint16, so only wider ones are scanned
+        if step.routes is not None and step.routes.dtype != np.uint8 and step.routes.size:
+            max_id = max(max_id, int(step.routes.max()))
     dtype = routes_dtype(max_id if num_experts is None else num_experts - 1)
     if max_id > np.iinfo(dtype).max:
-        # Casting would wrap silently; admission should have refused these ids already.
-        raise ValidationError(
-            f"expert id {max_id} does not fit num_experts={num_experts}",
-            trajectory_id=trajectory_id,
-            rule="expert_id_range",
-        )
-    return _RouteSpec(dtype, layers, topk)
+        raise ValidationError(f"expert id {max_id} does not fit num_experts={num_experts}",
+                              trajectory_id=trajectory_id, rule="expert_id_range")
+    return _RouteSpec(dtype, tail.route_layers, tail.route_topk)
 
 
 def _make_sample(
-    group: list[Generation],
+    group: Sequence[Generation],
+    steps: Sequence[FoldStep],
     index: int,
     num_samples: int,
     prev: Sample | None,
-    prev_recorded: int,
     traj: _Trajectory,
-) -> tuple[Sample, int]:
-    """Build sample ``index`` from its events; also return its recorded route length."""
-    response, loss_mask, logprobs, logprobs_mask, versions, outputs = _tokens(group)
+) -> Sample:
+    """Build sample ``index`` from its events and their outcomes."""
+    response, loss_mask, logprobs, logprobs_mask, versions, outputs = _tokens(group, steps)
     token_rewards = _token_rewards(outputs, len(response)) if traj.reward_mode == "token" else None
     routes = mask = None
-    recorded = 0
     if traj.routes is not None:
-        inherited = _inherited_rows(group[0], prev, prev_recorded, traj.trajectory_id)
-        routes, mask, recorded = _sample_routes(group, inherited, traj.routes)
+        routes, mask = _sample_routes(group[-1].num_tokens, steps, prev, traj.routes)
     rewards = [g.reward for g in group if g.reward is not None]
     # Over generated tokens (versions never decrease within a call, so its first
     # token has its oldest); a sample with no generated token still names the policy called.
     producing = [(_first_version(g), g.model_version) for g in group if len(g.output_ids)] or [
         (g.model_version, g.model_version) for g in group]
-    sample = Sample(
+    return Sample(
         trajectory_id=traj.trajectory_id,
         group_id=traj.group_id,
         sample_index=index,
@@ -246,7 +415,6 @@ def _make_sample(
         min_model_version=int(min(lo for lo, _ in producing)),
         max_model_version=int(max(hi for _, hi in producing)),
     )
-    return sample, recorded
 
 
 def _first_version(gen: Generation) -> int:
@@ -255,14 +423,14 @@ def _first_version(gen: Generation) -> int:
 
 
 def _tokens(
-    group: list[Generation],
+    group: Sequence[Generation], steps: Sequence[FoldStep]
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, list[tuple[int, Generation]]]:
     """Response arrays of one sample, and (offset, event) for each event's output."""
     pieces = [group[0].output_ids]
     outputs = [(0, group[0])]
     offset = len(group[0].output_ids)
-    for prev, gen in zip(group, group[1:]):
-        delta = gen.prompt_ids[prev.num_tokens :]
+    for gen, step in zip(group[1:], steps[1:]):
+        delta = gen.prompt_ids[step.prefix_len :]  # the observation tokens after S_prev
         pieces += (delta, gen.output_ids)
         offset += len(delta)
         outputs.append((offset, gen))
@@ -292,57 +460,21 @@ def _token_rewards(outputs: list[tuple[int, Generation]], num_response: int) -> 
     return rewards
 
 
-def _inherited_rows(
-    gen: Generation, prev: Sample | None, prev_recorded: int, trajectory_id: str
-) -> tuple[np.ndarray, np.ndarray] | None:
-    """Rows below a new sample's routed_experts_start, taken from the previous sample.
-
-    The engine skipped those positions because the caller said they were
-    recorded; they are only usable if the previous sample recorded them for
-    the very same tokens. Masked rows there stay masked.
-    """
-    start = gen.routed_experts_start
-    if gen.routed_experts is None or start == 0:
-        return None
-    if prev is None or prev_recorded < start or not _same_prefix(gen, prev, start):
-        raise ValidationError(
-            f"generation seq {gen.seq} starts a new sample with routed_experts_start={start}, "
-            "but the previous sample did not record routes for the same first "
-            f"{start} tokens",
-            trajectory_id=trajectory_id,
-            rule="missing_route_rows",
-        )
-    return prev.routed_experts[:start], prev.routed_experts_mask[:start]
-
-
-def _same_prefix(gen: Generation, prev: Sample, n: int) -> bool:
-    """Whether gen's sequence and prev's sequence agree on their first n tokens."""
-    ours = np.concatenate((gen.prompt_ids[:n], gen.output_ids[:n]))[:n]
-    theirs = np.concatenate((prev.prompt_ids[:n], prev.response_ids[:n]))[:n]
-    return len(ours) == n and len(theirs) == n and np.array_equal(ours, theirs)
-
-
 def _sample_routes(
-    group: list[Generation], inherited: tuple[np.ndarray, np.ndarray] | None, spec: _RouteSpec
-) -> tuple[np.ndarray, np.ndarray, int]:
-    """Routes and mask [P+R] of one sample, and its recorded length (watermark)."""
-    segments: list[tuple[int, np.ndarray, np.ndarray | None]] = []
-    recorded = 0
-    if inherited is not None:
-        segments.append((0, *inherited))
-        recorded = len(inherited[0])
-    for gen in group:
-        rows, start = gen.routed_experts, gen.routed_experts_start
-        if rows is None or len(rows) == 0 or start + len(rows) <= recorded:
-            continue
-        skip = max(recorded - start, 0)  # already recorded: never overwritten
-        segments.append((start + skip, rows[skip:], None))
-        recorded = start + len(rows)
-    num_tokens = group[-1].num_tokens
+    num_tokens: int, steps: Sequence[FoldStep], prev: Sample | None, spec: _RouteSpec
+) -> tuple[np.ndarray, np.ndarray]:
+    """Routes and mask [P+R] of one sample: the rows its steps kept, at their positions."""
     routes = np.empty((num_tokens, spec.layers, spec.topk), spec.dtype)
     mask = np.ones(num_tokens, np.bool_)
-    for pos, rows, rows_mask in segments:
-        routes[pos : pos + len(rows)] = rows
-        mask[pos : pos + len(rows)] = False if rows_mask is None else rows_mask
+    inherited = steps[0].inherited_rows
+    if inherited:
+        assert prev is not None  # fold_step refuses a skip without a previous sample
+        routes[:inherited] = prev.routed_experts[:inherited]
+        mask[:inherited] = prev.routed_experts_mask[:inherited]
+    for step in steps:
+        if step.routes is not None and len(step.routes):
+            at = slice(step.routes_start, step.routes_start + len(step.routes))
+            routes[at] = step.routes
+            mask[at] = False
     routes[mask] = np.arange(spec.topk, dtype=spec.dtype)
-    return routes, mask, recorded
+    return routes, mask

@@ -35,7 +35,7 @@ log_head = Table(
 )
 
 # Tail state of each trajectory: everything admission needs to validate the
-# next event without reading payload. ``version`` is bumped by every event
+# next event without reading payload (the fold's FoldTail is part of it). ``version`` is bumped by every event
 # and guards concurrent writers (optimistic concurrency).
 trajectories = Table(
     "trajectories",
@@ -58,6 +58,9 @@ trajectories = Table(
     Column("finished_position", BigInteger, nullable=True, index=True),
     Column("created_at", Float, nullable=False),  # unix seconds
     Column("updated_at", Float, nullable=False),
+    # migration 0006: the fold's tail (trajstore.fold.FoldTail) also counts the samples
+    # started so far; the current sample is num_samples - 1.
+    Column("num_samples", Integer, nullable=False, server_default="0"),
 )
 
 # The append-only log index: one row per stored event, in position order.
@@ -95,6 +98,9 @@ events = Table(
     # run of equal versions, {"model_version", "num_tokens", "num_loss_tokens"}, in token order.
     Column("version_spans", JSON(none_as_null=True), nullable=True),
     Column("metadata", JSON(none_as_null=True), nullable=True),  # a generation's free-form metadata
+    # migration 0006: the outcome of the fold's step (trajstore.fold.FoldStep) for a generation
+    Column("sample_index", Integer, nullable=True),  # the sample the call folds into
+    Column("is_merged", Boolean, nullable=True),  # the prompt continued the previous call's sequence
     Index("ix_events_trajectory_seq", "trajectory_id", "position"),
     # the materializer's poll: finished events after a position, in order
     Index("ix_events_type_position", "type", "position"),

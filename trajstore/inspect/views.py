@@ -3,34 +3,34 @@
 Four views, documented column by column in ``docs/sql.md``:
 
 * ``generation_events``: one row per generation event (engine call), with the
-  sample it folds into, derived from the log alone;
+  sample it folds into, as admission stored it;
 * ``trajectory_summary``: one row per trajectory;
 * ``sample_summary``: one row per materialized sample (the merge result);
 * ``model_version_stats``: one row per model version.
 
 These are the CURRENT definitions; the newest migration that changed them
-(0004) creates them from this module (``create_views``). A migration that
+(0006) creates them from this module (``create_views``). A migration that
 changes them again drops the views, then recreates them from this module,
 and first freezes the previous migration's SQL in that migration's file (as
-0002 holds its own): older migrations must not build views from this module,
-whose SQL reads columns they have not added yet.
+0002 and 0004 hold their own): older migrations must not build views from
+this module, whose SQL reads columns they have not added yet.
 
 Portability rules the SQL keeps, so one text runs on both backends:
 * no ``%`` and no ``:`` (Alembic runs the text through ``sqlalchemy.text``
   and psycopg placeholder parsing);
-* booleans are expressions (``x > 0``), so PostgreSQL gives ``boolean`` and
-  SQLite ``0/1``; both accept ``WHERE has_routes``;
+* booleans are expressions (``x > 0``) or BOOLEAN columns (``is_merged``),
+  so PostgreSQL gives ``boolean`` and SQLite ``0/1``; both accept
+  ``WHERE has_routes``;
 * sums of sums are cast to BIGINT (PostgreSQL would give NUMERIC) and
   averages and shares to DOUBLE PRECISION (SQLite would divide integers);
 * the true differences are a sorted comma-joined aggregate (``_join_sorted``)
   and expanding a JSON array into rows (``_version_spans``).
 
-Which generation folds into which sample is decided from the index alone:
-admission stores ``prefix_len`` = the length of the previous sequence when
-the prompt starts with it (a merge, SPEC fold rule 1) and 0 otherwise, so a
-call merges iff ``seq > 0`` and ``prefix_len`` equals the previous call's
-``prompt_len + output_len``; the sample index is the running count of calls
-that start a sample.
+Which generation folds into which sample is not derived here: admission
+applies the fold's step (``trajstore.fold.fold_step``) to each call and stores
+its outcome, ``events.sample_index`` and ``events.is_merged`` (with
+``prefix_len``, the length of the previous sequence on a merge and 0
+otherwise); the views read those columns.
 
 The PostgreSQL read-only role used by ``trajstore sql`` is made here too
 (``reader_role_sql``); see ``trajstore.inspect.sql`` for how it is used.
@@ -83,37 +83,21 @@ def _span_int(key: str, dialect: str) -> str:
 
 _GENERATION_EVENTS = """
 SELECT
-    trajectory_id, group_id, seq, position, sample_index,
-    is_merged,
-    seq > 0 AND NOT is_merged AS is_prefix_mismatch,
-    prompt_len, prefix_len, num_observed_tokens, output_len, num_loss_tokens,
-    model_version, min_model_version, version_spans, finish_reason,
-    has_routes, routes_start, num_route_rows_sent, num_route_rows_stored,
-    reward, has_token_rewards, metadata, created_at
-FROM (
-    SELECT
-        c.*,
-        CAST(SUM(CASE WHEN c.is_merged THEN 0 ELSE 1 END) OVER (
-            PARTITION BY c.trajectory_id ORDER BY c.seq ROWS UNBOUNDED PRECEDING) AS BIGINT) - 1 AS sample_index
-    FROM (
-        SELECT
-            e.trajectory_id, t.group_id, e.seq, e.position,
-            e.seq > 0 AND e.prefix_len = LAG(e.prompt_len + e.output_len) OVER (
-                PARTITION BY e.trajectory_id ORDER BY e.seq) AS is_merged,
-            e.prompt_len, e.prefix_len,
-            e.prompt_len - e.prefix_len AS num_observed_tokens,
-            e.output_len, e.num_loss_tokens, e.model_version,
-            COALESCE(e.min_model_version, e.model_version) AS min_model_version,
-            e.version_spans, e.finish_reason,
-            COALESCE(e.num_route_rows_sent, 0) > 0 AS has_routes,
-            e.routes_start, e.num_route_rows_sent,
-            e.num_route_rows AS num_route_rows_stored,
-            e.reward, e.has_token_rewards, e.metadata, e.created_at
-        FROM events e
-        JOIN trajectories t ON t.trajectory_id = e.trajectory_id
-        WHERE e.type = 'generation'
-    ) c
-) s
+    e.trajectory_id, t.group_id, e.seq, e.position, e.sample_index,
+    e.is_merged,
+    e.seq > 0 AND NOT e.is_merged AS is_prefix_mismatch,
+    e.prompt_len, e.prefix_len,
+    e.prompt_len - e.prefix_len AS num_observed_tokens,
+    e.output_len, e.num_loss_tokens, e.model_version,
+    COALESCE(e.min_model_version, e.model_version) AS min_model_version,
+    e.version_spans, e.finish_reason,
+    COALESCE(e.num_route_rows_sent, 0) > 0 AS has_routes,
+    e.routes_start, e.num_route_rows_sent,
+    e.num_route_rows AS num_route_rows_stored,
+    e.reward, e.has_token_rewards, e.metadata, e.created_at
+FROM events e
+JOIN trajectories t ON t.trajectory_id = e.trajectory_id
+WHERE e.type = 'generation'
 """
 
 

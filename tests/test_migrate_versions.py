@@ -115,3 +115,52 @@ def test_log_segments_written_before_0004_still_read():
     [back] = generations_from_log([row], {"s": SegmentRows(table, {0: 0})}, None)
     assert back.token_model_versions is None and back.metadata is None and back.model_version == 4
     assert list(back.output_ids) == [2, 3] and back.finish_reason == "stop"
+
+
+def _generation_rows(engine, sql: str) -> list[tuple]:
+    with engine.connect() as conn:
+        return [(r[0], r[1], r[2], bool(r[3])) for r in conn.execute(text(sql)).all()]
+
+
+def test_a_0005_store_upgrades_with_the_fold_outcome_backfilled(store_url, tmp_path):
+    """0006 stores the fold step's outcome; a store made before it gets the values
+    its views derived from prefix_len, and goes on appending from them."""
+    payload = str(tmp_path / "payload")
+    store = trajstore.connect(store_url, payload=payload)
+    store.append([started("a"), gen("a", 0, [1], [2, 3]), gen("a", 1, [1, 2, 3, 4], [5]),  # merge
+                  gen("a", 2, [9, 9], [8]), gen("a", 3, [9, 9, 8], []), gen("a", 4, [9], [7]),  # mismatch, merge,
+                  finished("a"),                                             # and a shorter prompt
+                  started("b"), gen("b", 0, [5], [6]), gen("b", 1, [7], [8]),  # b stays running
+                  started("c")])  # no generation at all
+    store.materialize()
+    store.close()
+    engine = create_engine(store_url)
+    stored_sql = "SELECT trajectory_id, seq, sample_index, is_merged FROM events WHERE type = 'generation' ORDER BY position"
+    view_sql = "SELECT trajectory_id, seq, sample_index, is_merged FROM generation_events ORDER BY position"
+    try:
+        admitted = _generation_rows(engine, stored_sql)
+        assert admitted == [("a", 0, 0, False), ("a", 1, 0, True), ("a", 2, 1, False), ("a", 3, 1, True),
+                            ("a", 4, 2, False), ("b", 0, 0, False), ("b", 1, 1, False)]
+        _migrate(engine, "0005", down=True)
+        assert not {"sample_index", "is_merged"} & _columns(engine, "events")
+        assert "num_samples" not in _columns(engine, "trajectories")
+        derived = _generation_rows(engine, view_sql)  # what the views said before 0006
+        with engine.connect() as conn:
+            summary = dict(conn.execute(text("SELECT trajectory_id, num_samples FROM trajectory_summary")).all())
+        _migrate(engine, "head")
+        assert _generation_rows(engine, stored_sql) == derived == admitted
+        assert _generation_rows(engine, view_sql) == derived
+        with engine.connect() as conn:
+            tails = dict(conn.execute(text("SELECT trajectory_id, num_samples FROM trajectories")).all())
+            again = dict(conn.execute(text("SELECT trajectory_id, num_samples FROM trajectory_summary")).all())
+        assert tails == summary == again == {"a": 3, "b": 2, "c": 0}
+    finally:
+        engine.dispose()
+    store = trajstore.connect(store_url, payload=payload)  # the upgraded tail goes on counting samples
+    store.append([gen("b", 2, [7, 8], [1]), gen("b", 3, [3], [4]), finished("b"),
+                  gen("c", 0, [1], [2]), finished("c")])
+    assert store.trajectory_state("b").num_samples == 3
+    store.materialize()
+    assert [(s.trajectory_id, s.sample_index) for s in store.samples() if s.trajectory_id != "a"] == \
+        [("b", 0), ("b", 1), ("b", 2), ("c", 0)]
+    store.close()

@@ -2,7 +2,9 @@
 
 Writing: ``segment_table`` turns a batch's stored generations into one
 payload segment (Arrow table), ``event_row`` / ``trajectory_row`` into the
-SQL index records.
+SQL index records: an event row carries the outcome of the fold's step
+(``sample_index``, ``is_merged``, ``prefix_len``, the route rows kept), a
+trajectory row the fold's tail with admission's own state.
 
 Reading: ``generations_from_log`` rebuilds, from index rows and segment
 tables, generation commands the fold accepts: the full prompt is the previous

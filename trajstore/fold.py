@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Callable, Sequence, Union
+from typing import Callable, NamedTuple, Sequence, Union
 
 import numpy as np
 
@@ -103,12 +103,13 @@ class FoldMetrics:
         }
 
 
-@dataclass(frozen=True, slots=True)
-class FoldTail:
+class FoldTail(NamedTuple):
     """What the fold knows of a trajectory after its last generation event.
 
     Admission keeps it in the ``trajectories`` row (these are its columns), so
-    the next event is checked without reading payload."""
+    the next event is checked without reading payload. Immutable (a named
+    tuple: the fold makes one per event, and a frozen dataclass costs 4x more
+    to build)."""
 
     num_samples: int = 0
     """Samples started so far; the current sample is ``num_samples - 1``."""
@@ -125,9 +126,10 @@ class FoldTail:
     route_topk: int | None = None
 
 
-@dataclass(frozen=True, slots=True, eq=False)
-class FoldStep:
-    """The outcome of one generation event: what admission stores, what the fold builds from."""
+class FoldStep(NamedTuple):
+    """The outcome of one generation event: what admission stores, what the fold builds from.
+
+    Immutable (a named tuple, like ``FoldTail``); it holds an array, so compare fields, not steps."""
 
     merged: bool
     """The prompt continued ``S_prev``: the call joins the current sample."""
@@ -175,15 +177,9 @@ def fold_step(
         _check_skipped_rows(gen, tail, previous)
         route_len = 0 if rows is None else start + len(rows)
         step = FoldStep(False, tail.num_samples, 0, rows, start)
-    new = FoldTail(
-        num_samples=step.sample_index + 1,
-        seq_len=gen.num_tokens,
-        seq_hash=None if tail.seq_hash is None else _hash_call(gen),
-        route_len=route_len,
-        reward_mode=reward_mode,
-        route_layers=layers,
-        route_topk=topk,
-    )
+    # num_samples, seq_len, seq_hash, route_len, reward_mode, route_layers, route_topk
+    new = FoldTail(step.sample_index + 1, gen.num_tokens, None if tail.seq_hash is None else _hash_call(gen),
+                   route_len, reward_mode, layers, topk)
     return step, new
 
 

@@ -116,8 +116,9 @@ def _split(arr: pa.Array, values: np.ndarray) -> list[np.ndarray | None]:
     wide = pa.types.is_large_list(arr.type) or pa.types.is_large_binary(arr.type) or pa.types.is_large_string(arr.type)
     offsets = np.frombuffer(arr.buffers()[1], np.int64 if wide else np.int32)[arr.offset: arr.offset + n + 1].tolist()
     views: list[np.ndarray | None] = [values[lo:hi] for lo, hi in zip(offsets[:-1], offsets[1:])]
-    if arr.null_count:
-        views = [v if ok else None for v, ok in zip(views, arr.is_valid().to_pylist())]
+    if arr.null_count:  # the validity bitmap, LSB first (no compute kernel)
+        bits = np.unpackbits(np.frombuffer(arr.buffers()[0], np.uint8), bitorder="little")
+        views = [v if ok else None for v, ok in zip(views, bits[arr.offset: arr.offset + n].tolist())]
     return views
 
 

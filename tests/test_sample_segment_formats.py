@@ -14,7 +14,7 @@ from sqlalchemy import update
 import trajstore
 from trajstore._samples import sample_table, samples_from_table
 from trajstore.demo.simulate import RolloutConfig, trajectory_events
-from trajstore.payload import binary_chunks, column_chunks, routes_from_bytes, rows_per_batch
+from trajstore.payload import binary_chunks, binary_column, column_chunks, list_column, routes_from_bytes, rows_per_batch
 from trajstore.reader import SampleReader
 from trajstore.schema import samples as samples_table, segments as segments_table
 
@@ -130,3 +130,26 @@ def test_samples_from_a_many_chunk_table_are_views_not_copies():
     assert routes[4] is None and all(r.base is not None for r in routes if r is not None)
     ids = column_chunks(chunked.column("prompt_ids"), np.int32)
     assert [len(x) for x in ids] == [len(s.prompt_ids) for s in store_samples]
+
+
+def test_row_views_of_sliced_columns_with_nulls():
+    """One-row (and longer) slices at offsets that are not multiples of 8, over
+    columns with null rows: the views read the validity bitmap at the slice's offset."""
+    rng = np.random.default_rng(3)
+    rows = [None if i % 3 == 1 else rng.integers(0, 50, int(rng.integers(0, 6)), dtype=np.int32) for i in range(23)]
+    blobs = [None if i % 4 == 2 else rng.integers(0, 255, int(rng.integers(1, 7)), dtype=np.uint8) for i in range(23)]
+    table = pa.table({"ids": pa.chunked_array([list_column(rows[:11], np.int32), list_column(rows[11:], np.int32)]),
+                      "raw": binary_column(blobs)})
+    for start, length in [(0, 23), (5, 1), (9, 7), (13, 1), (22, 1)]:
+        part = table.slice(start, length)
+        ids = column_chunks(part.column("ids"), np.int32)
+        raw = binary_chunks(part.column("raw"))
+        for k in range(length):
+            want = rows[start + k]
+            assert (ids[k] is None) == (want is None)
+            if want is not None:
+                assert np.array_equal(ids[k], want)
+            blob = blobs[start + k]
+            assert (raw[k] is None) == (blob is None)
+            if blob is not None:
+                assert bytes(raw[k]) == blob.tobytes()

@@ -20,11 +20,17 @@ Paths, each run interleaved with its baseline, ``--rounds`` times, median:
 * materialize end to end (``store.materialize()``) vs the same sample arrays
   written uncompressed to Parquet + fsync;
 * read, warm: ``store.samples()`` and ``SampleReader`` vs
-  ``pyarrow.parquet.read_table`` of that uncompressed file;
+  ``pyarrow.parquet.read_table`` of that uncompressed file; each also with
+  "every page touched" (one byte of every 4 KiB page of the arrays read: the
+  reader's arrays are views of a memory map, this pays for their page faults);
 * HTTP ingest of ~1-MiB events (one service process, 8 client threads),
   JSON body (routes as base64 .npy) and Arrow IPC body interleaved;
 * the materializer's poll with nothing to do and 100k unfinished events
-  after its checkpoint, SQLite and PostgreSQL (tests/pg_cluster.PgCluster).
+  after its checkpoint, SQLite and PostgreSQL (tests/pg_cluster.PgCluster);
+* memory: peak RSS of materializing (batches capped at 32k tokens) and of
+  reading every sample (``store.samples()``, ``SampleReader``, every page
+  touched) of stores of 1x, 4x and 16x ``--memory-base`` trajectories, each
+  in a fresh subprocess (the peak reset after imports, ``/proc/self/clear_refs``).
 
 Tokens/s figures count unique tokens (samples' tokens for materialize/read);
 ``tokens_per_cpu_s`` divides by this process's CPU seconds (all threads),
@@ -62,15 +68,18 @@ CFG = RolloutConfig(turns=4, prompt_tokens=100, output_tokens=500, observation_t
 TRAJECTORIES = 32
 POLL_EVENTS = 100_000
 TOKEN = "bench-token"
-PATHS = ("append", "materialize", "read", "http", "poll")
+PATHS = ("append", "materialize", "read", "http", "poll", "memory")
+MEMORY_SCALES = (1, 4, 16)
+MEMORY_BATCH_TOKENS = 32_768  # the materializer's batch cap in the memory runs: the 1x store already spans two batches
 
 
 # -- the load ---------------------------------------------------------------
-def arrays_load(n: int) -> list[list[dict]]:
-    """The simulated trajectories with near-random routes (top-8 distinct ids of
-    128 per layer), each call re-sending rows 0..N-2 of one per-trajectory table."""
+def arrays_load(n: int, start: int = 0) -> list[list[dict]]:
+    """The simulated trajectories ``start .. start+n-1`` with near-random routes
+    (top-8 distinct ids of 128 per layer), each call re-sending rows 0..N-2 of one
+    per-trajectory table."""
     out = []
-    for i in range(n):
+    for i in range(start, start + n):
         events = trajectory_events(CFG, i)
         rng = np.random.default_rng([99, i])
         longest = max(len(e["routed_experts"]) for e in events if e["type"] == "generation")
@@ -140,9 +149,24 @@ def raw_write(table: pa.Table, path: str) -> None:
         os.fsync(f.fileno())
 
 
-def raw_read(path: str) -> int:
+def raw_read(path: str, touched: bool = False) -> int:
     table = pq.read_table(path)
+    if touched:  # one byte of every page of every buffer, as _count does for a sample's arrays
+        for col in table.columns:
+            for ch in col.chunks:
+                for b in ch.buffers():
+                    if b is not None and b.size:
+                        _touch(np.frombuffer(b, np.uint8))
     return int(sum(len(ch.values) for c in ("prompt_ids", "response_ids") for ch in table.column(c).chunks))
+
+
+def _count(x, touched: bool) -> int:
+    """A sample's tokens; ``touched``: also read one byte of every page of its arrays
+    (the reader's arrays are views of a memory map: this pays for their page faults)."""
+    if touched:
+        for a in (x.prompt_ids, x.response_ids, x.loss_mask, x.rollout_logprobs, x.routed_experts):
+            _touch(a)
+    return len(x.prompt_ids) + len(x.response_ids)
 
 
 def _med(xs: list[float]) -> float:
@@ -210,16 +234,18 @@ def append_materialize_read(args, out: dict) -> None:
                 raw_read(raw_path)  # warm
                 list(s.samples())
                 for _ in range(2):  # two warm reads each, interleaved
-                    with clock("raw read sample arrays"):
-                        n = raw_read(raw_path)
-                    assert n == sample_tokens
-                    with clock("store.samples()"):
-                        n = sum(len(x.prompt_ids) + len(x.response_ids) for x in s.samples())
-                    assert n == sample_tokens
-                    with clock("SampleReader"):
-                        with SampleReader(s, batch_size=8) as reader:
-                            n = sum(len(x.prompt_ids) + len(x.response_ids) for b in reader for x in b)
-                    assert n == sample_tokens
+                    for touched in (False, True):
+                        suffix = ", every page touched" if touched else ""
+                        with clock("raw read sample arrays" + suffix):
+                            n = raw_read(raw_path, touched)
+                        assert n == sample_tokens
+                        with clock("store.samples()" + suffix):
+                            n = sum(_count(x, touched) for x in s.samples())
+                        assert n == sample_tokens
+                        with clock("SampleReader" + suffix):
+                            with SampleReader(s, batch_size=8) as reader:
+                                n = sum(_count(x, touched) for b in reader for x in b)
+                        assert n == sample_tokens
             s.close()
     wall, cpu = clock.medians()
     res: dict = {"unique_tokens": tokens, "sample_tokens": sample_tokens, "wire_mib": round(wire_mb, 1),
@@ -235,7 +261,92 @@ def append_materialize_read(args, out: dict) -> None:
     if "SampleReader" in wall:
         res["read"] = _rates(sample_tokens, ["store.samples()", "SampleReader", "raw read sample arrays"],
                              "raw read sample arrays", wall, cpu)
+        t = ", every page touched"
+        res["read_touched"] = _rates(sample_tokens, ["store.samples()" + t, "SampleReader" + t,
+                                                     "raw read sample arrays" + t], "raw read sample arrays" + t,
+                                     wall, cpu)
     out["pipeline"] = res
+
+
+# -- memory: materialize and read peak RSS at 1x, 4x, 16x the load ------------
+def memory(args, out: dict) -> None:
+    """Peak RSS of materializing and of reading (``store.samples()``, ``SampleReader``)
+    stores of 1x, 4x and 16x the load, each step in a fresh subprocess. The
+    stores are built (appended) in children too, so no parent memory is inherited."""
+    res = {}
+    with tempfile.TemporaryDirectory(dir=args.tmp) as d:
+        for scale in MEMORY_SCALES:
+            n = args.memory_base * scale
+            url, payload = f"sqlite:///{d}/m{scale}.db", f"{d}/m{scale}.payload"
+            _child("build", url, payload, str(n))
+            row: dict = {"trajectories": n}
+            for step in ("materialize", "samples", "reader"):
+                row[step] = _child(step, url, payload, str(n))
+            res[f"{scale}x"] = row
+    base = res["1x"]
+    for scale in MEMORY_SCALES:
+        r = res[f"{scale}x"]
+        r["growth_vs_1x"] = {k: round(r[k]["peak_growth_mb"] / max(base[k]["peak_growth_mb"], 1e-9), 2)
+                             for k in ("materialize", "samples", "reader")}
+    out["memory"] = res
+
+
+def _child(step: str, url: str, payload: str, n: str) -> dict:
+    proc = subprocess.run([sys.executable, __file__, "--child", step, url, payload, n], capture_output=True,
+                          text=True, env={**os.environ, "PYTHONPATH": os.environ.get("PYTHONPATH", str(REPO))})
+    if proc.returncode != 0:
+        raise RuntimeError(f"child {step} failed: {proc.stderr.strip()[-2000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _rss_mb() -> tuple[float, float]:
+    """(VmRSS, VmHWM) of this process in MB."""
+    fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
+    return int(fields["VmRSS"].split()[0]) / 1024, int(fields["VmHWM"].split()[0]) / 1024
+
+
+def _touch(a) -> int:
+    """Read one byte of every 4 KiB page (a trainer copies every byte; this makes the pages resident)."""
+    return int(a.reshape(-1).view(np.uint8)[::4096].sum())
+
+
+def child_main(step: str, url: str, payload: str, n: int) -> None:
+    from trajstore.materializer import Materializer
+    from trajstore.reader import SampleReader
+
+    s = trajstore.connect(url, payload=payload)
+    if step == "build":
+        for lo in range(0, n, 16):
+            for t in arrays_load(min(16, n - lo), start=lo):
+                s.append(t)
+        s.close()
+        print(json.dumps({}))
+        return
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset the peak (VmHWM) to the current RSS
+    before, _ = _rss_mb()
+    t0, c0 = time.perf_counter(), time.process_time()
+    tokens = 0
+    if step == "materialize":
+        Materializer(s, max_batch_tokens=MEMORY_BATCH_TOKENS).run()
+    elif step == "samples":
+        for x in s.samples():
+            tokens += x.num_tokens
+            _touch(x.routed_experts)
+    else:
+        with SampleReader(s, batch_size=8) as reader:
+            for batch in reader:
+                for x in batch:
+                    tokens += x.num_tokens
+                    _touch(x.routed_experts)
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    _, peak = _rss_mb()
+    if step == "materialize":
+        tokens = sum(x.num_tokens for x in s.samples())
+    s.close()
+    print(json.dumps({"rss_before_mb": round(before, 1), "peak_rss_mb": round(peak, 1),
+                      "peak_growth_mb": round(peak - before, 1), "wall_s": round(wall, 3), "cpu_s": round(cpu, 3),
+                      "tokens": tokens}))
 
 
 # -- HTTP ingest --------------------------------------------------------------
@@ -444,6 +555,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--port", type=int, default=18790)
     p.add_argument("--serve-arg", dest="serve_args", action="append", default=[],
                    help="extra argument for `trajstore serve` (repeatable), e.g. --serve-arg=--workers --serve-arg=2")
+    p.add_argument("--memory-base", type=int, default=TRAJECTORIES, help="trajectories of the 1x store (memory)")
     p.add_argument("--tmp", default=None, help="scratch directory (default: system temp)")
     p.add_argument("--out", default=None, help="also write the JSON here")
     args = p.parse_args(argv)
@@ -455,6 +567,8 @@ def main(argv: list[str] | None = None) -> dict:
         http_ingest(args, out)
     if "poll" in args.only:
         poll(args, out)
+    if "memory" in args.only:
+        memory(args, out)
     text = json.dumps(out, indent=2)
     print(text)
     if args.out:
@@ -463,4 +577,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        child_main(sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]))
+    else:
+        main()

@@ -5,8 +5,10 @@
 Reports (docs/reader.md quotes them):
 * throughput in tokens/s of ``SampleReader`` batches collated into torch
   tensors (padded and packed; 48 x 8 routes, expert ids < 128) against
-  ``pyarrow.parquet.read_table`` of the same sample segment files, warm page
-  cache for both, best of a few rounds;
+  ``pyarrow.parquet.read_table`` of the same samples' arrays written to one
+  uncompressed Parquet file (the sample segments are Arrow IPC now; before,
+  the baseline read the zstd Parquet segments themselves), warm page cache
+  for both, best of a few rounds;
 * peak RSS of a process reading every batch of a store and of a store with
   ``--scale`` times more samples (each in a fresh subprocess, from
   ``resource.getrusage``), next to the same process's RSS before reading.
@@ -70,16 +72,18 @@ def build(directory: str, num_trajectories: int) -> tuple[str, str]:
     return url, payload
 
 
-def sample_files(url: str, payload: str) -> list[str]:
+def raw_file(url: str, payload: str, path: str) -> str:
+    """The store's samples' arrays as one uncompressed Parquet file (the raw baseline)."""
+    from trajstore._samples import sample_table
+
     store = trajstore.connect(url, payload=payload, migrate=False)
-    names = sorted(n for n, _ in store.payload.list_names() if n.startswith("samples-"))
-    paths = [store.payload.path(n) for n in names]
+    pq.write_table(sample_table(list(store.samples())), path, compression="none")
     store.close()
-    return paths
+    return path
 
 
 def raw_read(paths: list[str]) -> tuple[int, float]:
-    """(tokens, seconds) of pyarrow.parquet.read_table over the sample segments."""
+    """(tokens, seconds) of pyarrow.parquet.read_table over the files."""
     start, tokens = time.perf_counter(), 0
     for path in paths:
         table = pq.read_table(path)
@@ -102,8 +106,8 @@ def reader_read(url: str, payload: str, layout: str) -> tuple[int, float]:
     return tokens, time.perf_counter() - start
 
 
-def throughput(url: str, payload: str) -> dict[str, float]:
-    paths = sample_files(url, payload)
+def throughput(url: str, payload: str, scratch: str) -> dict[str, float]:
+    paths = [raw_file(url, payload, os.path.join(scratch, "raw.parquet"))]
     raw_read(paths)  # warm the page cache for both
     runs = {"raw_pyarrow": lambda: raw_read(paths),
             "reader_padded": lambda: reader_read(url, payload, "padded"),
@@ -116,7 +120,7 @@ def throughput(url: str, payload: str) -> dict[str, float]:
             best[name] = max(best.get(name, 0.0), tokens[name] / seconds)
     assert len(set(tokens.values())) == 1, f"readers disagree on the token count: {tokens}"
     out = {f"{name}_tokens_per_s": round(v) for name, v in best.items()}
-    out.update(tokens=tokens["raw_pyarrow"], payload_mb=round(sum(os.path.getsize(p) for p in paths) / 2**20, 1))
+    out.update(tokens=tokens["raw_pyarrow"], raw_parquet_mb=round(sum(os.path.getsize(p) for p in paths) / 2**20, 1))
     for name in ("reader_padded", "reader_packed"):
         out[f"{name}_vs_raw"] = round(best[name] / best["raw_pyarrow"], 3)
     return out
@@ -168,7 +172,7 @@ def main(argv: list[str] | None = None) -> dict:
         rss_small, rss_large = peak_rss(*small), peak_rss(*large)
         results = {"config": {"trajectories": args.trajectories, "scale": args.scale, "batch_size": BATCH_SIZE,
                               "layers": CFG.layers, "topk": CFG.topk, "cpus": os.cpu_count()},
-                   "build_s": build_s, "throughput": throughput(*large), "rss_small": rss_small, "rss_large": rss_large}
+                   "build_s": build_s, "throughput": throughput(*large, tmp), "rss_small": rss_small, "rss_large": rss_large}
     results["rss_large_vs_small"] = round(results["rss_large"]["peak_rss_mb"] / results["rss_small"]["peak_rss_mb"], 3)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:

@@ -1,11 +1,18 @@
 """Materialized samples: their payload layout and reading them back.
 
-A sample segment holds one row per sample with the SPEC field names as
-columns; the token-level ones are Arrow lists, routes one binary value per
-sample (raw little-endian bytes) with ``routes_dtype``, ``route_layers``,
-``route_topk`` beside them, and the masks ``routed_experts_mask`` and
-``logprobs_mask`` list<uint8> (read back as bool views).
-The SQL ``samples`` table indexes them for filtering and ordering.
+A sample segment (``samples-*.arrow``, uncompressed Arrow IPC) holds one row
+per sample with the SPEC field names as columns; the token-level ones are
+Arrow lists, routes one binary value per sample (raw little-endian bytes)
+with ``routes_dtype``, ``route_layers``, ``route_topk`` beside them, and the
+masks ``routed_experts_mask`` and ``logprobs_mask`` list<uint8> (read back as
+bool views). Segments written before were Parquet with zstd (``.parquet``);
+they are read the same way. The SQL ``samples`` table indexes them for
+filtering and ordering.
+
+Reading is zero-copy on a local store: the file is memory-mapped and every
+array of a ``Sample`` is a read-only view of the page cache (routes included);
+the per-sample Python work is a few slices. ``sample_columns`` is the one
+Sample -> Arrow mapping, shared with the Parquet export (``inspect/export.py``).
 """
 
 from __future__ import annotations
@@ -15,11 +22,12 @@ from typing import Any, Iterable, Iterator, Sequence
 import numpy as np
 import pyarrow as pa
 
-from trajstore.payload import binary_chunks, binary_column, column_chunks, list_column
+from trajstore.payload import binary_chunks, binary_column, column_chunks, list_column, routes_from_bytes
 from trajstore.sample import Sample
 
-__all__ = ["sample_table", "samples_from_table", "read_segment_samples", "load_samples", "iter_samples",
-           "token_chunks", "READ_CHUNK_TOKENS", "SAMPLE_LIST_COLUMNS"]
+__all__ = ["sample_table", "sample_columns", "samples_from_table", "read_segment_samples", "load_samples",
+           "iter_samples", "token_chunks", "READ_CHUNK_TOKENS", "SAMPLE_LIST_COLUMNS", "MASK_COLUMNS",
+           "SAMPLE_BATCH_BYTES"]
 
 # list columns of a sample segment and their numpy dtypes
 SAMPLE_LIST_COLUMNS: dict[str, type] = {
@@ -32,14 +40,29 @@ SAMPLE_LIST_COLUMNS: dict[str, type] = {
     "token_rewards": np.float32,
     "routed_experts_mask": np.uint8,
 }
+MASK_COLUMNS = ("logprobs_mask", "routed_experts_mask")
+"""Boolean per-token masks: list<uint8> in a sample segment, list<bool> in an export."""
+
+SAMPLE_BATCH_BYTES = 16 << 20
+"""Target size of a sample segment's record batches (the materializer writes them)."""
+
+_SCALARS = ("trajectory_id", "group_id", "sample_index", "is_last_step", "status", "finish_reason", "reward",
+            "min_model_version", "max_model_version")
 
 
-def sample_table(samples: Sequence[Sample]) -> pa.Table:
+def sample_columns(samples: Sequence[Sample], *, int_type: pa.DataType = pa.int64(),
+                   bool_masks: bool = False) -> dict[str, pa.Array]:
+    """Every field of ``samples`` but the routes, as Arrow columns named by field.
+
+    Integer fields (sample index, model versions) are ``int_type``; the masks
+    are list<uint8>, or list<bool> with ``bool_masks``. Lists are built from
+    the numpy buffers (no per-token Python). Routes are laid out differently
+    by each user: binary values in a sample segment (``sample_table``), typed
+    nested lists in an export."""
     def ints(name: str) -> pa.Array:
-        return pa.array(np.fromiter((getattr(s, name) for s in samples), np.int64, len(samples)))
+        return pa.array(np.fromiter((getattr(s, name) for s in samples), np.int64, len(samples)), int_type)
 
-    routes = [s.routed_experts for s in samples]
-    cols: dict[str, Any] = {
+    cols: dict[str, pa.Array] = {
         "trajectory_id": pa.array([s.trajectory_id for s in samples], pa.string()),
         "group_id": pa.array([s.group_id for s in samples], pa.string()),
         "sample_index": ints("sample_index"),
@@ -51,7 +74,16 @@ def sample_table(samples: Sequence[Sample]) -> pa.Table:
         "max_model_version": ints("max_model_version"),
     }
     for name, dtype in SAMPLE_LIST_COLUMNS.items():
-        cols[name] = list_column([getattr(s, name) for s in samples], dtype)
+        cols[name] = list_column([getattr(s, name) for s in samples], np.bool_ if bool_masks and name in MASK_COLUMNS
+                                 else dtype)
+    return cols
+
+
+def sample_table(samples: Sequence[Sample]) -> pa.Table:
+    """The sample segment's table: ``sample_columns`` plus the routes as one binary
+    value per sample (a view of each array's memory, no copy) and their layout."""
+    routes = [s.routed_experts for s in samples]
+    cols: dict[str, Any] = sample_columns(samples)
     cols["routed_experts"] = binary_column(routes)
     cols["routes_dtype"] = pa.array([None if r is None else r.dtype.name for r in routes], pa.string())
     cols["route_layers"] = pa.array([None if r is None else r.shape[1] for r in routes], pa.int32())
@@ -59,27 +91,25 @@ def sample_table(samples: Sequence[Sample]) -> pa.Table:
     return pa.table(cols)
 
 
-def samples_from_table(table: pa.Table) -> list[Sample]:
-    """Sample objects for every row of (part of) a sample segment; arrays are views."""
+def samples_from_table(table: pa.Table, rows: Sequence[int] | None = None) -> list[Sample]:
+    """Sample objects for ``rows`` (default: every row) of (part of) a sample segment,
+    in that order. Arrays are views of the table's buffers, whatever its chunking."""
     n = table.num_rows
+    rows = range(n) if rows is None else rows
     names = set(table.schema.names)
     lists = {name: column_chunks(table.column(name), dt) for name, dt in SAMPLE_LIST_COLUMNS.items() if name in names}
     raw_routes = binary_chunks(table.column("routed_experts"))
-    py = {name: table.column(name).to_pylist() for name in (
-        "trajectory_id", "group_id", "sample_index", "is_last_step", "status", "reward",
-        "min_model_version", "max_model_version", "routes_dtype", "route_layers", "route_topk")}
+    py = {name: table.column(name).to_pylist() for name in _SCALARS if name in names}
     # Segments written before logprobs_mask / finish_reason existed: nonzero logprobs
     # were reported (an exact 0.0 cannot be told apart), finish reasons unknown.
-    logprobs_masks = lists.get("logprobs_mask") or [None if lp is None else (lp != 0).view(np.uint8)
-                                                     for lp in lists["rollout_logprobs"]]
-    finish = table.column("finish_reason").to_pylist() if "finish_reason" in names else [None] * n
+    if "logprobs_mask" not in lists:
+        lists["logprobs_mask"] = [None if lp is None else (lp != 0).view(np.uint8) for lp in lists["rollout_logprobs"]]
+    finish = py.get("finish_reason") or [None] * n
+    dtypes, layers, topks = (table.column(c).to_pylist() for c in ("routes_dtype", "route_layers", "route_topk"))
     out = []
-    for i in range(n):
+    for i in rows:
         mask = lists["routed_experts_mask"][i]
-        routes = None
-        if raw_routes[i] is not None and py["routes_dtype"][i] is not None:
-            routes = np.frombuffer(raw_routes[i], dtype=np.dtype(py["routes_dtype"][i]).newbyteorder("<")).reshape(
-                -1, py["route_layers"][i], py["route_topk"][i])
+        raw = raw_routes[i]
         out.append(Sample(
             trajectory_id=py["trajectory_id"][i],
             group_id=py["group_id"][i],
@@ -90,12 +120,13 @@ def samples_from_table(table: pa.Table) -> list[Sample]:
             response_ids=lists["response_ids"][i],
             loss_mask=lists["loss_mask"][i],
             rollout_logprobs=lists["rollout_logprobs"][i],
-            logprobs_mask=logprobs_masks[i].view(np.bool_),
+            logprobs_mask=lists["logprobs_mask"][i].view(np.bool_),
             token_model_versions=lists["token_model_versions"][i],
             finish_reason=finish[i],
             reward=py["reward"][i],
             token_rewards=lists["token_rewards"][i],
-            routed_experts=routes,
+            routed_experts=None if raw is None or dtypes[i] is None else routes_from_bytes(
+                raw, dtypes[i], layers[i], topks[i]),
             routed_experts_mask=None if mask is None else mask.view(np.bool_),
             min_model_version=py["min_model_version"][i],
             max_model_version=py["max_model_version"][i],
@@ -153,11 +184,11 @@ def token_chunks(rows: Sequence[dict[str, Any]], max_tokens: int) -> Iterator[Se
 def read_segment_samples(payload, segment: str, segment_rows: Sequence[int]) -> list[Sample]:
     """The samples at ``segment_rows`` of one sample segment, in that order.
 
-    Built per record batch, so their arrays are views of the decoded buffers
-    (``Table.take`` would copy every selected row, routes included)."""
+    Only the record batches (row groups) holding them are read; their arrays
+    are views of the read buffers (``Table.take`` would copy every selected
+    row, routes included), of the memory-mapped file for an Arrow segment."""
     part = payload.read_rows(segment, segment_rows)
-    built = [s for b in part.table.to_batches() for s in samples_from_table(pa.Table.from_batches([b]))]
-    return [built[part.index[r]] for r in segment_rows]
+    return samples_from_table(part.table, [part.index[r] for r in segment_rows])
 
 
 def load_samples(store, rows: Sequence[dict[str, Any]]) -> list[Sample]:

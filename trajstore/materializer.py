@@ -37,7 +37,7 @@ from trajstore.fold import FoldMetrics, FoldResult, fold
 from trajstore.log.base import Shard, StaleState, shard_index_of
 from trajstore.payload import SegmentRows, rows_per_batch
 from trajstore.sample import Sample
-from trajstore._samples import sample_table
+from trajstore._samples import SAMPLE_BATCH_BYTES, sample_table
 
 __all__ = ["Materializer", "MaterializeStats", "shard_of"]
 
@@ -141,7 +141,7 @@ class Materializer:
         finished, mine, trajs = self._within_budget(finished)
         folded, unfoldable = self._fold(mine, trajs)
         last = finished[-1]["position"]
-        seg_name = f"samples-{self.shard_index}of{self.num_shards}-{position + 1:012d}-{last:012d}.parquet"
+        seg_name = f"samples-{self.shard_index}of{self.num_shards}-{position + 1:012d}-{last:012d}.arrow"
         samples = [s for r in folded.values() for s in r.samples]
         calls = [c for r in folded.values() for c in r.calls_per_sample]
         metrics = sum((r.metrics for r in folded.values()), FoldMetrics())
@@ -244,7 +244,12 @@ class Materializer:
         if not samples:
             return None, []
         table = sample_table(samples)
-        size = self.store.payload.write(name, table, rows_per_batch=rows_per_batch(table), atomic=True)
+        # Record batches of ~16 MB: an uncompressed Arrow segment is read through a
+        # memory map, so a reader pays nothing for the rows of a batch it does not
+        # use, and fewer batches mean less per-batch work on both sides (a remote
+        # store reads whole batches: 16 MB bounds what one sample costs there).
+        size = self.store.payload.write(name, table, rows_per_batch=rows_per_batch(table, SAMPLE_BATCH_BYTES),
+                                        atomic=True)
         now = time.time()
         seg_row = {"name": name, "kind": "samples", "num_rows": len(samples), "num_bytes": size, "created_at": now}
         return seg_row, [_sample_row(s, i, name, finished_at[s.trajectory_id], c, now)

@@ -1,17 +1,20 @@
-"""Payload segments: the heavy token-level columns, in Parquet files.
+"""Payload segments: the heavy token-level columns, in Arrow IPC and Parquet files.
 
-One segment file per append call (group commit) or per materialization
-batch. A segment is written and made durable (fsync of the file and of its
-directory on local disks) *before* the SQL transaction that references it
-commits, so an index row never points at a missing file. A file that no
-``segments`` row names is garbage from a crashed or refused append;
-``PayloadStore.collect_garbage`` removes such files once they are older than
-a grace period (a live writer may be between its fsync and its commit).
+Two kinds of segment, named by prefix: the event log's (``events-*``, one
+per append call or group commit) and the materializer's sample segments
+(``samples-*``, one per materialization batch). A segment is written and
+made durable (fsync of the file and of its directory on local disks)
+*before* the SQL transaction that references it commits, so an index row
+never points at a missing file. A file that no ``segments`` row names is
+garbage from a crashed or refused append; ``PayloadStore.collect_garbage``
+removes such files once they are older than a grace period (a live writer
+may be between its fsync and its commit).
 
 Columns are built from numpy buffers with ``pa.ListArray.from_arrays`` /
 binary buffers: no per-token Python objects. Routes are stored as one binary
-value per row (raw little-endian uint8/uint16 bytes); their dtype and
-``[layers, topk]`` live in SQL.
+value per row (raw little-endian uint8/uint16 bytes) with their dtype and
+``[layers, topk]`` beside them (in SQL for the log, in columns of the sample
+segment); ``routes_from_bytes`` turns such a value back into its array.
 """
 
 from __future__ import annotations
@@ -32,9 +35,16 @@ import pyarrow.parquet as pq
 
 from trajstore.errors import CorruptStoreError, StoreUnavailable
 
-__all__ = ["PayloadStore", "SegmentRows", "list_column", "binary_column", "column_chunks", "binary_chunks", "rows_per_batch", "fsync_dir"]
+__all__ = ["PayloadStore", "SegmentRows", "list_column", "binary_column", "column_chunks", "binary_chunks",
+           "routes_from_bytes", "rows_per_batch", "fsync_dir"]
 
-_SAMPLE_COMPRESSION = "zstd"  # samples are written once, in the background, and read many times
+# Sample segments (``samples-*.arrow``) are uncompressed Arrow IPC: the reader maps
+# them and hands out views, and zstd on near-random route ids saved ~13% of the
+# bytes for most of the materializer's CPU (docs/benchmarks.md, "Sample segments").
+_SAMPLE_COMPRESSION: str | None = None
+# Sample segments written before that were Parquet with zstd on every column;
+# they are still read, and a ``.parquet`` segment is still written this way.
+_PARQUET_COMPRESSION = "zstd"
 _CODECS = (None, "lz4", "zstd")
 
 
@@ -69,33 +79,55 @@ def binary_column(chunks: Sequence[np.ndarray | None]) -> pa.ChunkedArray:
 
 
 def column_chunks(column: pa.ChunkedArray | pa.Array, dtype: np.dtype) -> list[np.ndarray | None]:
-    """Per-row numpy views of a list column (zero-copy where Arrow allows)."""
-    arr = _one_array(column)
-    if len(arr) == 0:
+    """Per-row numpy views of a list column (None = null row).
+
+    Zero-copy: taken chunk by chunk straight from the Arrow buffers (no
+    ``combine_chunks``, which copies; no compute kernel per chunk)."""
+    out: list[np.ndarray | None] = []
+    for arr in _chunks(column):
+        child = arr.values
+        if np.dtype(dtype) != np.bool_ and child.type == pa.from_numpy_dtype(np.dtype(dtype)) and not child.null_count:
+            data = child.buffers()[1]
+            values = np.frombuffer(data, dtype)[child.offset:] if data is not None else np.zeros(0, dtype)
+        else:  # another value type (an older segment): convert
+            values = child.to_numpy(zero_copy_only=False).astype(dtype, copy=False)
+        out.extend(_split(arr, values))
+    return out
+
+
+def binary_chunks(column: pa.ChunkedArray | pa.Array) -> list[np.ndarray | None]:
+    """Per-row uint8 views of a (large) binary column (None = null row), zero-copy."""
+    out: list[np.ndarray | None] = []
+    for arr in _chunks(column):
+        data = arr.buffers()[2]
+        out.extend(_split(arr, np.frombuffer(data, np.uint8) if data is not None else np.zeros(0, np.uint8)))
+    return out
+
+
+def _chunks(column: pa.ChunkedArray | pa.Array) -> list[pa.Array]:
+    return column.chunks if isinstance(column, pa.ChunkedArray) else [column]
+
+
+def _split(arr: pa.Array, values: np.ndarray) -> list[np.ndarray | None]:
+    """``values`` cut at the offsets of a list / binary array (32- or 64-bit offsets)."""
+    n = len(arr)
+    if n == 0:
         return []
-    offsets = np.asarray(arr.offsets)
-    values = arr.values.to_numpy(zero_copy_only=False).astype(dtype, copy=False)
-    valid = np.asarray(arr.is_valid())
-    return [values[lo:hi] if ok else None for lo, hi, ok in zip(offsets[:-1], offsets[1:], valid)]
+    wide = pa.types.is_large_list(arr.type) or pa.types.is_large_binary(arr.type) or pa.types.is_large_string(arr.type)
+    offsets = np.frombuffer(arr.buffers()[1], np.int64 if wide else np.int32)[arr.offset: arr.offset + n + 1].tolist()
+    views: list[np.ndarray | None] = [values[lo:hi] for lo, hi in zip(offsets[:-1], offsets[1:])]
+    if arr.null_count:  # the validity bitmap, LSB first (no compute kernel)
+        bits = np.unpackbits(np.frombuffer(arr.buffers()[0], np.uint8), bitorder="little")
+        views = [v if ok else None for v, ok in zip(views, bits[arr.offset: arr.offset + n].tolist())]
+    return views
 
 
-def binary_chunks(column: pa.ChunkedArray | pa.Array) -> list[memoryview | None]:
-    """Per-row byte views of a binary column."""
-    arr = _one_array(column)
-    if len(arr) == 0:
-        return []
-    offsets = np.frombuffer(arr.buffers()[1], dtype=np.int64)[arr.offset: arr.offset + len(arr) + 1]
-    data = arr.buffers()[2]
-    data_np = np.frombuffer(data, dtype=np.uint8) if data is not None else np.zeros(0, np.uint8)
-    valid = np.asarray(arr.is_valid())
-    return [data_np[lo:hi] if ok else None for lo, hi, ok in zip(offsets[:-1], offsets[1:], valid)]
-
-
-def _one_array(column: pa.ChunkedArray | pa.Array) -> pa.Array:
-    """The column as one array; ``combine_chunks`` copies even a single chunk, so skip it then."""
-    if not isinstance(column, pa.ChunkedArray):
-        return column
-    return column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
+def routes_from_bytes(raw: Any, dtype: str, layers: int, topk: int, rows: int | None = None) -> np.ndarray:
+    """Routes ``[rows, layers, topk]`` viewing ``raw``, the raw little-endian bytes
+    of a binary route value (a view: no copy). ``rows`` None: as many as the bytes
+    hold; else they must hold exactly that many."""
+    flat = np.frombuffer(raw, dtype=np.dtype(dtype).newbyteorder("<"))
+    return flat.reshape(-1 if rows is None else int(rows), int(layers), int(topk))
 
 
 @dataclass
@@ -115,12 +147,13 @@ class PayloadStore:
     """Where segment files live: a local directory or any pyarrow filesystem URI.
 
     Two formats, chosen by the name's suffix:
-    * ``.arrow``: Arrow IPC file, zstd-compressed buffers, for the event log.
-      Writing is a buffer-by-buffer stream with no re-encoding, so appending a
-      32k-token event needs about one extra copy of its routes (the
-      compressor's output), and record batches of bounded size let a reader
-      decompress only the events it needs;
-    * ``.parquet``: for materialized samples, read by trainers and tools.
+    * ``.arrow``: Arrow IPC file, for the event log and the sample segments.
+      Writing is a buffer-by-buffer stream with no re-encoding (uncompressed,
+      an append's routes are not copied at all), record batches of bounded
+      size let a reader take only the rows it needs, and an uncompressed file
+      read through a memory map gives arrays that are views of the page cache;
+    * ``.parquet``: sample segments written before they became Arrow IPC
+      (zstd on every column); still read.
 
     ``log_compression`` is the codec of the log's buffers: None (default),
     "lz4" or "zstd". Routes are high-entropy ids: zstd saves about 12% of the
@@ -253,7 +286,8 @@ _ROWS_PER_BATCH = "trajstore.rows_per_batch"
 
 def _write_table(name: str, table: pa.Table, sink, rows_per_batch: int, log_compression: str | None) -> None:
     if name.endswith(".arrow"):
-        options = ipc.IpcWriteOptions(compression=log_compression)
+        codec = _SAMPLE_COMPRESSION if name.startswith("samples-") else log_compression
+        options = ipc.IpcWriteOptions(compression=codec)
         with ipc.new_file(sink, table.schema, options=options) as writer:
             # Exactly rows_per_batch rows per record batch: read_rows finds a row's
             # batch by division. write_table would also split at every column
@@ -265,7 +299,7 @@ def _write_table(name: str, table: pa.Table, sink, rows_per_batch: int, log_comp
                     batches = part.combine_chunks().to_batches()
                 writer.write_batch(batches[0])
     else:
-        pq.write_table(table, sink, compression=_SAMPLE_COMPRESSION, use_dictionary=False,
+        pq.write_table(table, sink, compression=_PARQUET_COMPRESSION, use_dictionary=False,
                        write_statistics=False, row_group_size=rows_per_batch)
 
 

@@ -96,7 +96,9 @@ class ReaderConfig:
     used (payload decoding releases the GIL). Off with ``max_staleness``,
     whose next step is planned only once ``current_version`` is set."""
     read_threads: int = 2
-    """Threads decoding one batch's payload (Parquet decodes a read on one core)."""
+    """Threads decoding one batch's payload from Parquet sample segments (the
+    format before Arrow; a Parquet read decodes on one core). Arrow segments
+    are memory-mapped views and need no decoding."""
     num_shards: int | None = None
     """Materializer shards writing this store (their checkpoints bound what is
     safe to read). None: as many as the stored checkpoints name; when given it
@@ -312,14 +314,18 @@ class SampleReader:
     def _load(self, units: Sequence[Unit]) -> list[Sample]:
         """The samples of some units, in order.
 
-        Each segment's rows are read in up to ``read_threads`` contiguous parts
-        in parallel: one Parquet read decodes its row groups on one core."""
+        An Arrow segment (uncompressed, memory-mapped) is read in one go: its
+        samples are views, nothing is decoded. The rows of a Parquet segment
+        (written before sample segments became Arrow) are read in up to
+        ``read_threads`` contiguous parts in parallel: one Parquet read
+        decompresses its row groups on one core."""
         rows = [r for u in units for r in u.kept]
         by_segment: dict[str, list[int]] = {}
         for i, r in enumerate(rows):
             by_segment.setdefault(r["segment"], []).append(i)
         n = self.config.read_threads
-        jobs = [(name, part) for name, idx in by_segment.items() for part in _split(idx, n)]
+        jobs = [(name, part) for name, idx in by_segment.items()
+                for part in (_split(idx, n) if name.endswith(".parquet") else [idx])]
         if len(jobs) > 1:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(n, thread_name_prefix="trajstore-reader")

@@ -24,36 +24,28 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from trajstore.errors import TrajstoreError
-from trajstore.payload import fsync_dir, list_column
+from trajstore.payload import fsync_dir
 from trajstore.sample import Sample
-from trajstore._samples import SAMPLE_LIST_COLUMNS
+from trajstore._samples import sample_columns
 
 __all__ = ["export_samples", "export_table"]
 
-# the sample segment's list columns; the masks are exported as list<bool> instead
-_BOOL_LISTS = ("logprobs_mask", "routed_experts_mask")
-_LISTS = {k: v for k, v in SAMPLE_LIST_COLUMNS.items() if k not in _BOOL_LISTS}
+# the exported columns, in SPEC order ("Exported columns")
+_ORDER = ("trajectory_id", "group_id", "sample_index", "is_last_step", "status", "finish_reason",
+          "prompt_ids", "response_ids", "loss_mask", "rollout_logprobs", "token_model_versions", "token_rewards",
+          "logprobs_mask", "routed_experts_mask", "reward", "routed_experts", "min_model_version",
+          "max_model_version")
 
 
 def export_table(samples: Sequence[Sample]) -> pa.Table:
-    """One Arrow table of samples that share a route layout."""
-    cols: dict[str, pa.Array] = {
-        "trajectory_id": pa.array([s.trajectory_id for s in samples], pa.string()),
-        "group_id": pa.array([s.group_id for s in samples], pa.string()),
-        "sample_index": pa.array([s.sample_index for s in samples], pa.int32()),
-        "is_last_step": pa.array([s.is_last_step for s in samples], pa.bool_()),
-        "status": pa.array([s.status for s in samples], pa.string()),
-        "finish_reason": pa.array([s.finish_reason for s in samples], pa.string()),
-    }
-    for name, dtype in _LISTS.items():
-        cols[name] = list_column([getattr(s, name) for s in samples], dtype)
-    for name in _BOOL_LISTS:
-        cols[name] = list_column([getattr(s, name) for s in samples], np.bool_)
-    cols["reward"] = pa.array([s.reward for s in samples], pa.float64())
+    """One Arrow table of samples that share a route layout.
+
+    The columns are the sample segment's (``sample_columns``, the one Sample ->
+    Arrow mapping) in plain types: int32 indices and versions, boolean masks,
+    and routes as typed nested lists instead of raw bytes."""
+    cols = sample_columns(samples, int_type=pa.int32(), bool_masks=True)
     cols["routed_experts"] = _routes_column(samples)
-    cols["min_model_version"] = pa.array([s.min_model_version for s in samples], pa.int32())
-    cols["max_model_version"] = pa.array([s.max_model_version for s in samples], pa.int32())
-    return pa.table(cols)
+    return pa.table({name: cols[name] for name in _ORDER})
 
 
 def _route_layout(s: Sample) -> tuple[str, int, int] | None:

@@ -32,6 +32,7 @@ import pyarrow.ipc as ipc
 
 from trajstore._wire import _ALLOWED_DTYPES
 from trajstore.errors import ValidationError
+from trajstore.ingest._event_dicts import json_default
 
 __all__ = ["ARROW_CONTENT_TYPE", "ArrowBodyError", "decode_arrow_events", "encode_arrow_events"]
 
@@ -45,20 +46,24 @@ class ArrowBodyError(ValueError):
 
 
 def encode_arrow_events(events: Sequence[Mapping[str, Any]]) -> bytes:
-    """The Arrow IPC stream body for ``events`` (numpy arrays sent as raw bytes)."""
+    """The Arrow IPC stream body for ``events``: each top-level numpy array
+    (of a dtype the wire format takes) is sent as its raw bytes; every other
+    value goes into the event's JSON exactly as the JSON body sends it (lists
+    as lists, numpy scalars as numbers, other arrays as ``{b64, dtype,
+    shape}``), so both bodies are held to the same rules."""
     docs: list[str] = []
     columns: dict[str, list[Any]] = {}
     for i, ev in enumerate(events):
         doc = {}
         for key, value in ev.items():
-            if isinstance(value, np.ndarray):
+            if isinstance(value, np.ndarray) and value.dtype.name in _ALLOWED_DTYPES:
                 arr = np.ascontiguousarray(value)
                 arr = arr.astype(arr.dtype.newbyteorder("<"), copy=False)
                 doc[key] = {_MARK: {"dtype": arr.dtype.name, "shape": list(arr.shape)}}
                 columns.setdefault(key, [None] * len(events))[i] = arr.reshape(-1).view(np.uint8)
             else:
                 doc[key] = value
-        docs.append(json.dumps(doc, separators=(",", ":")))
+        docs.append(json.dumps(doc, separators=(",", ":"), default=json_default))
     arrays = {"event": pa.array(docs, pa.string())}
     for key, values in columns.items():
         arrays[key] = _binary(values)

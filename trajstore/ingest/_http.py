@@ -2,18 +2,21 @@
 
 One error body, ``{"error": {"index", "trajectory_id", "rule", "message"}}``
 (``index`` and ``trajectory_id`` are null when no event is at fault), one
-status per library error, one bearer-token check. FastAPI is imported only
+status per library error, one bearer-token check, one rule for starting without a token, the
+command-line flags both servers take. FastAPI is imported only
 when a response is built, so importing this module needs no extra.
 """
 
 from __future__ import annotations
 
 import hmac
+import os
+import argparse
 from typing import Any
 
 from trajstore.errors import ConflictError, StoreUnavailable, ValidationError
 
-__all__ = ["HTTPError", "UNAUTHORIZED", "bearer_ok", "error_body", "error_response"]
+__all__ = ["HTTPError", "UNAUTHORIZED", "add_server_arguments", "bearer_ok", "error_body", "error_response", "server_token"]
 
 UNAUTHORIZED = "missing or wrong bearer token"
 
@@ -65,3 +68,21 @@ def bearer_ok(header: str | None, token: str | None) -> bool:
         return True
     scheme, _, given = (header or "").partition(" ")
     return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token.encode())
+
+
+def server_token(token: str | None, *, insecure_no_auth: bool) -> str | None:
+    """The token a server requires: ``token``, else ``$TRAJSTORE_TOKEN``; ValueError when there is
+    none, unless the operator chose to run open (``insecure_no_auth``: then None)."""
+    token = token or os.environ.get("TRAJSTORE_TOKEN") or None
+    if token is None and not insecure_no_auth:
+        raise ValueError("no token: pass --token or set $TRAJSTORE_TOKEN (or --insecure-no-auth to run open)")
+    return token
+
+
+def add_server_arguments(parser: argparse.ArgumentParser, *, port: int, token_help: str, open_help: str) -> None:
+    """``--host``, ``--port``, ``--token``, ``--insecure-no-auth``, ``--log-level``."""
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=port, help=f"port (default {port})")
+    parser.add_argument("--token", default=None, help=f"{token_help} (default $TRAJSTORE_TOKEN)")
+    parser.add_argument("--insecure-no-auth", action="store_true", help=open_help)
+    parser.add_argument("--log-level", default="warning", help="uvicorn log level (default warning)")

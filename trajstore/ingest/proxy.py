@@ -60,7 +60,7 @@ import numpy as np
 from trajstore._admission import sequence_hash
 from trajstore.errors import TrajstoreError, ValidationError
 from trajstore.ingest._event_dicts import trajectory_started
-from trajstore.ingest._http import UNAUTHORIZED, HTTPError, bearer_ok, error_response
+from trajstore.ingest._http import UNAUTHORIZED, HTTPError, add_server_arguments, bearer_ok, error_response, server_token
 from trajstore.ingest.vllm import (
     OpenAIStreamAccumulator,
     VersionMap,
@@ -456,11 +456,8 @@ def make_proxy_app(store: Any, upstream: str, *, token: str | None = None, model
 def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of ``trajstore proxy`` (``--store`` is the CLI's global flag)."""
     parser.add_argument("--upstream", required=True, help="base URL of the vLLM OpenAI server, e.g. http://127.0.0.1:8000")
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
-    parser.add_argument("--token", default=None,
-                        help="bearer token every call but /healthz and the API docs must send (default $TRAJSTORE_TOKEN)")
-    parser.add_argument("--insecure-no-auth", action="store_true", help="accept calls without a token")
+    add_server_arguments(parser, port=DEFAULT_PORT, open_help="accept calls without a token",
+                         token_help="bearer token every call but /healthz and the API docs must send")
     parser.add_argument("--upstream-api-key", default=None,
                         help="bearer token sent to the upstream (default $TRAJSTORE_UPSTREAM_API_KEY; none)")
     parser.add_argument("--model-version", type=int, default=0,
@@ -472,7 +469,6 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: labels must be integers)")
     parser.add_argument("--no-route-skip", action="store_true",
                         help="never ask the engine for only the new route rows (routed_experts_prompt_start)")
-    parser.add_argument("--log-level", default="warning", help="uvicorn log level (default warning)")
 
 
 def serve_proxy(upstream: str, store_url: str | None = None, host: str = "127.0.0.1", port: int = DEFAULT_PORT, *,
@@ -485,9 +481,7 @@ def serve_proxy(upstream: str, store_url: str | None = None, host: str = "127.0.
     Refuses to start without a token (``token`` or ``$TRAJSTORE_TOKEN``)
     unless ``insecure_no_auth``, as ``trajstore serve`` does.
     """
-    token = token or os.environ.get("TRAJSTORE_TOKEN") or None
-    if token is None and not insecure_no_auth:
-        raise ValueError("no token: pass --token or set $TRAJSTORE_TOKEN (or --insecure-no-auth to run open)")
+    token = server_token(token, insecure_no_auth=insecure_no_auth)
     upstream_api_key = upstream_api_key or os.environ.get("TRAJSTORE_UPSTREAM_API_KEY") or None
     import uvicorn
 

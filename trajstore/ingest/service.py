@@ -42,7 +42,7 @@ import numpy as np
 
 from trajstore.errors import StoreUnavailable, TrajstoreError, ValidationError
 from trajstore.events import Generation, parse_event
-from trajstore.ingest._http import UNAUTHORIZED, bearer_ok
+from trajstore.ingest._http import UNAUTHORIZED, add_server_arguments, bearer_ok, server_token
 from trajstore.ingest._http import HTTPError as _HTTPError  # the name the tests and the fuzz harness use
 
 __all__ = [
@@ -601,10 +601,8 @@ def _ack_body(num_events: int, result: Any) -> dict:
 
 def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of ``trajstore serve`` (``--store`` is the CLI's global flag)."""
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
-    parser.add_argument("--token", default=None, help="bearer token clients must send (default $TRAJSTORE_TOKEN)")
-    parser.add_argument("--insecure-no-auth", action="store_true", help="accept requests without a token")
+    add_server_arguments(parser, port=DEFAULT_PORT, token_help="bearer token clients must send",
+                         open_help="accept requests without a token")
     parser.add_argument("--max-body-mb", type=float, default=DEFAULT_MAX_BODY_BYTES / (1 << 20),
                         help="largest request body in MiB (default 64); larger ones get 413")
     parser.add_argument("--max-in-flight-mb", type=float, default=DEFAULT_MAX_BYTES_IN_FLIGHT / (1 << 20),
@@ -617,7 +615,6 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
                              f"(default {DEFAULT_GROUP_WAIT_S * 1e3:g}; 0: never)")
     parser.add_argument("--workers", type=int, default=1,
                         help="server processes on the port, each with its own store connection (default 1)")
-    parser.add_argument("--log-level", default="warning", help="uvicorn log level (default warning)")
 
 
 def serve(store_url: str | None = None, host: str = "127.0.0.1", port: int = DEFAULT_PORT, token: str | None = None,
@@ -631,9 +628,7 @@ def serve(store_url: str | None = None, host: str = "127.0.0.1", port: int = DEF
     one port, each with its own store connection and group committer: one
     process is bound by its GIL to about one core.
     """
-    token = token or os.environ.get("TRAJSTORE_TOKEN") or None
-    if token is None and not insecure_no_auth:
-        raise ValueError("no token: pass --token or set $TRAJSTORE_TOKEN (or --insecure-no-auth to run open)")
+    token = server_token(token, insecure_no_auth=insecure_no_auth)
     import uvicorn
 
     import trajstore

@@ -4,7 +4,8 @@
     PYTHONPATH=. .venv/bin/python bench/bench_service.py --trees before=/tmp/main-tree,after=. --rounds 3
 
 ``--trees``: the service of each named source tree (a ``git archive`` of the
-baseline, and this one), interleaved round by round on the same bodies, JSON
+baseline, and this one; ``PATH+h11`` runs it with httptools hidden, i.e. on
+uvicorn's pure-Python HTTP parser as before httptools joined the extra), interleaved round by round on the same bodies, JSON
 and Arrow IPC; the medians of events/s, service CPU ms/event and requests
 per commit are printed side by side (CPU per event is the steadier figure on
 a shared machine).
@@ -129,14 +130,33 @@ def bench_in_process(args: argparse.Namespace, work: list[list[list[dict]]], tmp
         store.close()
 
 
-def start_service(tmp: Path, name: str, port: int, extra: list[str], tree: Path = REPO) -> subprocess.Popen:
+_NO_HTTPTOOLS = """import sys
+class _NoHttptools:
+    def find_spec(self, name, path=None, target=None):
+        if name == "httptools" or name.startswith("httptools."):
+            raise ImportError("httptools hidden by bench_service (h11)")
+sys.meta_path.insert(0, _NoHttptools())
+"""
+
+
+def start_service(tmp: Path, name: str, port: int, extra: list[str], tree: Path = REPO,
+                  h11: bool = False) -> subprocess.Popen:
+    """The service of ``tree``; ``h11``: with httptools hidden, so uvicorn parses HTTP in pure Python
+    (as every tree did before httptools joined the server extra)."""
     cmd = [sys.executable, str(tree / "workers" / "ingest_server.py"), "--store", f"sqlite:///{tmp}/{name}.db",
            "--port", str(port), "--max-body-mb", "256", *extra]
-    env = {**os.environ, "TRAJSTORE_TOKEN": TOKEN, "PYTHONPATH": str(tree)}
+    path = str(tree)
+    if h11:
+        (tmp / "h11").mkdir(exist_ok=True)
+        (tmp / "h11" / "sitecustomize.py").write_text(_NO_HTTPTOOLS)
+        path = f"{tmp / 'h11'}{os.pathsep}{path}"
+    env = {**os.environ, "TRAJSTORE_TOKEN": TOKEN, "PYTHONPATH": path}
     proc = subprocess.Popen(cmd, env=env)
     import urllib.request
 
-    for _ in range(300):
+    for _ in range(2400):  # up to 2 minutes: a saturated machine starts two workers slowly
+        if proc.poll() is not None:
+            raise RuntimeError(f"ingest service exited with {proc.returncode}")
         try:
             urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1)
             return proc
@@ -148,9 +168,9 @@ def start_service(tmp: Path, name: str, port: int, extra: list[str], tree: Path 
 
 def bench_http(args: argparse.Namespace, bodies: list[list[bytes]], tmp: Path, name: str, extra: list[str],
                *, tree: Path = REPO, port: int | None = None, body: str = "json",
-               warmup: list[bytes] | None = None) -> dict:
+               warmup: list[bytes] | None = None, h11: bool = False) -> dict:
     port = port or args.port
-    proc = start_service(tmp, name, port, extra, tree)
+    proc = start_service(tmp, name, port, extra, tree, h11)
     sinks = [HttpSink(f"http://127.0.0.1:{port}", token=TOKEN, body=body) for _ in bodies]
 
     def send(k: int, payload: bytes) -> None:
@@ -188,7 +208,7 @@ def compare_trees(args: argparse.Namespace, work: list[list[list[dict]]]) -> Non
 
     from trajstore.ingest.arrow_body import encode_arrow_events
 
-    trees = dict(item.split("=", 1) for item in args.trees.split(","))
+    trees = dict(item.split("=", 1) for item in args.trees.split(","))  # PATH+h11: with httptools hidden
     bodies = {"json": [[encode_events(evs) for evs in client] for client in work],
               "arrow": [[encode_arrow_events(evs) for evs in client] for client in work]}
     rng = np.random.default_rng(1)
@@ -203,8 +223,9 @@ def compare_trees(args: argparse.Namespace, work: list[list[list[dict]]]) -> Non
             for kind in args.bodies.split(","):
                 for name, tree in trees.items():
                     port += 1
+                    path, h11 = (tree[:-4], True) if tree.endswith("+h11") else (tree, False)
                     res = bench_http(args, bodies[kind], Path(d), f"{name}-{kind}-{r}", extra,
-                                     tree=Path(tree).resolve(), port=port, body=kind, warmup=warm[kind])
+                                     tree=Path(path).resolve(), port=port, body=kind, warmup=warm[kind], h11=h11)
                     runs.setdefault((name, kind), []).append(res)
                     print(f"round {r + 1} {name:8s} {kind:5s} {res['events_per_s']:7.1f} events/s "
                           f"{res['store_cpu_ms_per_event']:6.2f} ms CPU/event, "

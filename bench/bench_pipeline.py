@@ -405,6 +405,11 @@ def http_ingest(args, out: dict) -> None:
                                 errors.append(f"{resp.status} {data[:200]!r}")
                         conn.close()
 
+                    # one warm-up request off the clock: imports and first-request paths of the service
+                    warm = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
+                    warm.request("POST", "/v1/events", body=encode(event_pair(f"r{r}-{kind}-warm", npy)), headers=headers)
+                    warm.getresponse().read()
+                    warm.close()
                     threads = [threading.Thread(target=client, args=(k,)) for k in range(clients)]
                     t0, c0 = time.perf_counter(), _tree_cpu_s(proc.pid)
                     for t in threads:

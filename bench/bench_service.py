@@ -1,6 +1,14 @@
 """Ingest throughput: the HTTP service vs store.append in-process, side by side.
 
     PYTHONPATH=. .venv/bin/python bench/bench_service.py            # 16 clients, ~2000-token events, 48x8 routes
+    PYTHONPATH=. .venv/bin/python bench/bench_service.py --trees before=/tmp/main-tree,after=. --rounds 3
+
+``--trees``: the service of each named source tree (a ``git archive`` of the
+baseline, and this one; ``PATH+h11`` runs it with httptools hidden, i.e. on
+uvicorn's pure-Python HTTP parser as before httptools joined the extra), interleaved round by round on the same bodies, JSON
+and Arrow IPC; the medians of events/s, service CPU ms/event and requests
+per commit are printed side by side (CPU per event is the steadier figure on
+a shared machine).
 
 Three runs on fresh SQLite stores in a temp dir, same events:
 
@@ -122,14 +130,33 @@ def bench_in_process(args: argparse.Namespace, work: list[list[list[dict]]], tmp
         store.close()
 
 
-def start_service(tmp: Path, name: str, port: int, extra: list[str]) -> subprocess.Popen:
-    cmd = [sys.executable, str(REPO / "workers" / "ingest_server.py"), "--store", f"sqlite:///{tmp}/{name}.db",
+_NO_HTTPTOOLS = """import sys
+class _NoHttptools:
+    def find_spec(self, name, path=None, target=None):
+        if name == "httptools" or name.startswith("httptools."):
+            raise ImportError("httptools hidden by bench_service (h11)")
+sys.meta_path.insert(0, _NoHttptools())
+"""
+
+
+def start_service(tmp: Path, name: str, port: int, extra: list[str], tree: Path = REPO,
+                  h11: bool = False) -> subprocess.Popen:
+    """The service of ``tree``; ``h11``: with httptools hidden, so uvicorn parses HTTP in pure Python
+    (as every tree did before httptools joined the server extra)."""
+    cmd = [sys.executable, str(tree / "workers" / "ingest_server.py"), "--store", f"sqlite:///{tmp}/{name}.db",
            "--port", str(port), "--max-body-mb", "256", *extra]
-    env = {**os.environ, "TRAJSTORE_TOKEN": TOKEN, "PYTHONPATH": str(REPO)}
+    path = str(tree)
+    if h11:
+        (tmp / "h11").mkdir(exist_ok=True)
+        (tmp / "h11" / "sitecustomize.py").write_text(_NO_HTTPTOOLS)
+        path = f"{tmp / 'h11'}{os.pathsep}{path}"
+    env = {**os.environ, "TRAJSTORE_TOKEN": TOKEN, "PYTHONPATH": path}
     proc = subprocess.Popen(cmd, env=env)
     import urllib.request
 
-    for _ in range(300):
+    for _ in range(2400):  # up to 2 minutes: a saturated machine starts two workers slowly
+        if proc.poll() is not None:
+            raise RuntimeError(f"ingest service exited with {proc.returncode}")
         try:
             urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1)
             return proc
@@ -139,23 +166,85 @@ def start_service(tmp: Path, name: str, port: int, extra: list[str]) -> subproce
     raise RuntimeError("ingest service did not start")
 
 
-def bench_http(args: argparse.Namespace, bodies: list[list[bytes]], tmp: Path, name: str, extra: list[str]) -> dict:
-    port = args.port
-    proc = start_service(tmp, name, port, extra)
-    sinks = [HttpSink(f"http://127.0.0.1:{port}", token=TOKEN) for _ in bodies]
+def bench_http(args: argparse.Namespace, bodies: list[list[bytes]], tmp: Path, name: str, extra: list[str],
+               *, tree: Path = REPO, port: int | None = None, body: str = "json",
+               warmup: list[bytes] | None = None, h11: bool = False) -> dict:
+    port = port or args.port
+    proc = start_service(tmp, name, port, extra, tree, h11)
+    sinks = [HttpSink(f"http://127.0.0.1:{port}", token=TOKEN, body=body) for _ in bodies]
 
-    def send(k: int, body: bytes) -> None:
-        status, data = sinks[k].post(body)
+    def send(k: int, payload: bytes) -> None:
+        status, data = sinks[k].post(payload)
         if status != 200:
             raise RuntimeError(f"ingest answered {status}: {data[:200]!r}")
 
     try:
-        return run_clients(args, bodies, send, server_pid=proc.pid)
+        for k, payload in enumerate(warmup or []):  # imports, connections, first-request paths: off the clock
+            send(k % len(sinks), payload)
+        commits0 = _commits(port)
+        result = run_clients(args, bodies, send, server_pid=proc.pid)
+        commits = _commits(port) - commits0
+        result["requests_per_commit"] = len(bodies) * args.requests_per_client / commits if commits > 0 else None
+        return result
     finally:
         for s in sinks:
             s.close()
         proc.terminate()
         proc.wait(30)
+
+
+def _commits(port: int) -> int:
+    """The service's store transactions so far (its /metrics)."""
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
+    return sum(int(float(line.split()[-1])) for line in text.splitlines()
+               if line.startswith("trajstore_ingest_commits_total "))
+
+
+def compare_trees(args: argparse.Namespace, work: list[list[list[dict]]]) -> None:
+    """``--trees``: each tree's service, interleaved, JSON and Arrow bodies; medians side by side."""
+    import statistics
+
+    from trajstore.ingest.arrow_body import encode_arrow_events
+
+    trees = dict(item.split("=", 1) for item in args.trees.split(","))  # PATH+h11: with httptools hidden
+    bodies = {"json": [[encode_events(evs) for evs in client] for client in work],
+              "arrow": [[encode_arrow_events(evs) for evs in client] for client in work]}
+    rng = np.random.default_rng(1)
+    warm_args = argparse.Namespace(**{**vars(args), "requests_per_client": 1})
+    warm = {kind: [enc(evs) for c in range(len(work)) for evs in make_requests(warm_args, 1000 + c, rng)]
+            for kind, enc in (("json", encode_events), ("arrow", encode_arrow_events))}
+    extra = [a for a in args.serve_args]
+    runs: dict[tuple[str, str], list[dict]] = {}
+    port = args.port
+    with tempfile.TemporaryDirectory(dir=args.tmp) as d:
+        for r in range(args.rounds):
+            for kind in args.bodies.split(","):
+                for name, tree in trees.items():
+                    port += 1
+                    path, h11 = (tree[:-4], True) if tree.endswith("+h11") else (tree, False)
+                    res = bench_http(args, bodies[kind], Path(d), f"{name}-{kind}-{r}", extra,
+                                     tree=Path(path).resolve(), port=port, body=kind, warmup=warm[kind], h11=h11)
+                    runs.setdefault((name, kind), []).append(res)
+                    print(f"round {r + 1} {name:8s} {kind:5s} {res['events_per_s']:7.1f} events/s "
+                          f"{res['store_cpu_ms_per_event']:6.2f} ms CPU/event, "
+                          f"{res['requests_per_commit'] or 0:4.1f} requests/commit", file=sys.stderr, flush=True)
+    med = {key: {m: statistics.median(x[m] for x in v if x[m] is not None) if any(x[m] is not None for x in v) else None
+                 for m in ("events_per_s", "store_cpu_ms_per_event", "ack_p50_ms", "ack_p99_ms", "requests_per_commit",
+                           "client_cpu_ms_per_event")}
+           for key, v in runs.items()}
+    print(f"{args.clients} clients x {args.requests_per_client} requests x {args.events_per_request} events; "
+          f"{args.rounds} interleaved rounds, medians; serve args {extra}")
+    print("| tree | body | events/s | service CPU ms/event | requests/commit | ack p50 ms | ack p99 ms | client CPU ms/event |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    for (name, kind), m in med.items():
+        print(f"| {name} | {kind} | {m['events_per_s']:.1f} | {m['store_cpu_ms_per_event']:.2f} | "
+              f"{m['requests_per_commit'] or 0:.1f} | {m['ack_p50_ms']:.0f} | {m['ack_p99_ms']:.0f} | "
+              f"{m['client_cpu_ms_per_event']:.2f} |")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"args": vars(args), "runs": {f"{n}/{k}": v for (n, k), v in runs.items()},
+                                          "medians": {f"{n}/{k}": v for (n, k), v in med.items()}}, indent=2))
 
 
 def main() -> None:
@@ -170,10 +259,19 @@ def main() -> None:
     p.add_argument("--num-experts", type=int, default=128)
     p.add_argument("--port", type=int, default=18700)
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "bench_service.json"))
+    p.add_argument("--trees", default=None, help="name=PATH,name=PATH: compare these source trees' services")
+    p.add_argument("--rounds", type=int, default=3, help="with --trees: interleaved rounds")
+    p.add_argument("--bodies", default="json,arrow", help="with --trees: body formats to run")
+    p.add_argument("--serve-arg", dest="serve_args", action="append", default=[],
+                   help="with --trees: extra argument for the service (repeatable), e.g. --serve-arg=--workers --serve-arg=2")
+    p.add_argument("--tmp", default=None, help="scratch directory (default: system temp)")
     args = p.parse_args()
 
     rng = np.random.default_rng(0)
     work = [make_requests(args, k, rng) for k in range(args.clients)]
+    if args.trees:
+        compare_trees(args, work)
+        return
     bodies = [[encode_events(events) for events in client] for client in work]
     body_mb = np.mean([len(b) for c in bodies for b in c]) / 2**20
     results = {}

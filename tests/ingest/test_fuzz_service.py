@@ -23,6 +23,7 @@ pytest.importorskip("fastapi", reason="needs the extra: pip install 'trajstore[s
 from fuzz_events import Refused, make_units, run_fuzz_concurrently  # noqa: E402
 from openai_upstream import serve_in_thread  # noqa: E402
 from sqlalchemy import func, select  # noqa: E402
+from trajstore.ingest.arrow_body import ARROW_CONTENT_TYPE, encode_arrow_events  # noqa: E402
 from trajstore.ingest.service import _HTTPError, decode_json, make_app  # noqa: E402
 from trajstore.ingest.sinks import encode_events  # noqa: E402
 from trajstore.schema import events as events_table  # noqa: E402
@@ -42,9 +43,15 @@ def _count_events(store) -> int:
         return conn.execute(select(func.count()).select_from(events_table)).scalar_one()
 
 
-def _poster(url: str, client: "httpx.Client"):
+_BODIES = {"json": (encode_events, "application/json"), "arrow": (encode_arrow_events, ARROW_CONTENT_TYPE)}
+
+
+def _poster(url: str, client: "httpx.Client", body: str = "json"):
+    encode, content_type = _BODIES[body]
+    headers = {**AUTH, "Content-Type": content_type}
+
     def append(events: list) -> int:
-        resp = client.post(f"{url}/v1/events", content=encode_events(events), headers=AUTH)
+        resp = client.post(f"{url}/v1/events", content=encode(events), headers=headers)
         if resp.status_code == 200:
             return resp.json()["num_appended"]
         assert 400 <= resp.status_code < 500, f"{resp.status_code}: {resp.text[:500]}"
@@ -57,15 +64,18 @@ def _poster(url: str, client: "httpx.Client"):
 
 # Eight clients at once (one at a time, 10,000 took ~9 minutes: each request
 # waits for its own commit); 1,000 runs by default, 10,000 with the slow tests.
+# Both bodies: the Writer sends Arrow IPC by default, and the same mutated
+# events must be stored or refused with a 4xx there too.
+@pytest.mark.parametrize("body", ["json", "arrow"])
 @pytest.mark.parametrize("num_mutated", [
     pytest.param(10_000, marks=[pytest.mark.slow, pytest.mark.timeout(1800)]), 1_000])
-def test_mutated_events_over_http_are_stored_or_refused(service, store, num_mutated):
+def test_mutated_events_over_http_are_stored_or_refused(service, store, num_mutated, body):
     units = make_units(num_mutated, seed=7)
     clients: list = []
 
     def make_append():
         clients.append(httpx.Client(timeout=60))
-        return _poster(service, clients[-1])
+        return _poster(service, clients[-1], body)
 
     try:
         stats = run_fuzz_concurrently(make_append, units, clients=8, refusal=Refused)

@@ -201,6 +201,21 @@ def test_group_commit_keeps_a_bad_request_from_failing_others(store, store_url):
     assert {r[1] for r in stored_events(store_url)} == {"a", "g1", "g2"}
 
 
+def test_a_group_waits_for_requests_whose_bodies_are_still_being_read(store, store_url):
+    """Announced requests (``expect``) join the group about to be committed:
+    one append for all of them; one that fails before it is parsed
+    (``forget``) is not waited for."""
+    committer = GroupCommitter(store, max_wait_s=60)
+    for _ in range(3):
+        committer.expect()
+    first = committer.submit(trajectory_events("a", 1), expected=True)
+    second = committer.submit(trajectory_events("b", 1), expected=True)
+    committer.forget()
+    assert first.result(30)[0] == 2 and second.result(30)[0] == 2
+    committer.close()
+    assert {r[1] for r in stored_events(store_url)} == {"a", "b"}
+
+
 def test_health_metrics_openapi(service):
     assert httpx.get(f"{service}/healthz").json() == {"status": "ok"}
     assert "trajstore_ingest_requests_total" in httpx.get(f"{service}/metrics").text

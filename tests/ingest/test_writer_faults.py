@@ -103,17 +103,19 @@ POISONS = {
 }
 
 
-@pytest.fixture(params=["store", "http"])
+@pytest.fixture(params=["store", "http", "http-json"])
 def sink(request, store):
     if request.param == "store":
         yield store
         return
     pytest.importorskip("fastapi", reason="needs the extra: pip install 'trajstore[server]'")
     from openai_upstream import serve_in_thread
+    from trajstore.ingest.client import HttpSink
     from trajstore.ingest.service import make_app
 
     with serve_in_thread(make_app(store, token="tok")) as url:
-        yield url
+        # "http": the Writer's default body (Arrow IPC); "http-json": the JSON body
+        yield url if request.param == "http" else HttpSink(url, token="tok", body="json")
 
 
 @pytest.mark.parametrize("poison", sorted(POISONS))

@@ -7,6 +7,9 @@ into wire-format events and hands them to ``Store.append``.
 * ``service`` — the HTTP ingest service (``trajstore serve``; FastAPI)
 * ``proxy``   — the OpenAI-compatible recording proxy (``trajstore proxy``)
 * ``jsonl``   — ``trajstore ingest FILE``: validate a whole JSONL file, then append it in batches
+* ``arrow_body`` — the binary ``POST /v1/events`` body (Arrow IPC stream) the Writer sends by default
+* ``_http``   — what service and proxy answer alike: error bodies, statuses, the bearer check, flags
+* ``_event_dicts`` — client-side event dicts: ``trajectory_started``, torch → numpy, numpy in JSON
 
 None of them validates or folds on its own: the core does (``trajstore.events``,
 ``trajstore.store``). The core never imports this package.

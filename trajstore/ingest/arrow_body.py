@@ -23,6 +23,7 @@ ARRAY: ``array_dtype``, ``array_shape``).
 from __future__ import annotations
 
 import json
+import math
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -31,11 +32,13 @@ import pyarrow.ipc as ipc
 
 from trajstore._wire import _ALLOWED_DTYPES
 from trajstore.errors import ValidationError
+from trajstore.ingest._event_dicts import json_default
 
 __all__ = ["ARROW_CONTENT_TYPE", "ArrowBodyError", "decode_arrow_events", "encode_arrow_events"]
 
 ARROW_CONTENT_TYPE = "application/vnd.apache.arrow.stream"
 _MARK = "$arrow"
+_LE_DTYPES = {name: np.dtype(name).newbyteorder("<") for name in _ALLOWED_DTYPES}
 
 
 class ArrowBodyError(ValueError):
@@ -43,20 +46,24 @@ class ArrowBodyError(ValueError):
 
 
 def encode_arrow_events(events: Sequence[Mapping[str, Any]]) -> bytes:
-    """The Arrow IPC stream body for ``events`` (numpy arrays sent as raw bytes)."""
+    """The Arrow IPC stream body for ``events``: each top-level numpy array
+    (of a dtype the wire format takes) is sent as its raw bytes; every other
+    value goes into the event's JSON exactly as the JSON body sends it (lists
+    as lists, numpy scalars as numbers, other arrays as ``{b64, dtype,
+    shape}``), so both bodies are held to the same rules."""
     docs: list[str] = []
     columns: dict[str, list[Any]] = {}
     for i, ev in enumerate(events):
         doc = {}
         for key, value in ev.items():
-            if isinstance(value, np.ndarray):
+            if isinstance(value, np.ndarray) and value.dtype.name in _ALLOWED_DTYPES:
                 arr = np.ascontiguousarray(value)
                 arr = arr.astype(arr.dtype.newbyteorder("<"), copy=False)
                 doc[key] = {_MARK: {"dtype": arr.dtype.name, "shape": list(arr.shape)}}
                 columns.setdefault(key, [None] * len(events))[i] = arr.reshape(-1).view(np.uint8)
             else:
                 doc[key] = value
-        docs.append(json.dumps(doc, separators=(",", ":")))
+        docs.append(json.dumps(doc, separators=(",", ":"), default=json_default))
     arrays = {"event": pa.array(docs, pa.string())}
     for key, values in columns.items():
         arrays[key] = _binary(values)
@@ -71,36 +78,44 @@ def decode_arrow_events(body: bytes | memoryview) -> list[dict[str, Any]]:
     """The events of an Arrow body, arrays as numpy views of ``body``.
 
     Raises ArrowBodyError for an unreadable body and ValidationError (with the
-    event's index) for an array marker that does not match its bytes."""
+    event's index) for an array marker that does not match its bytes. Works on
+    the record batches' buffers directly (no table, no Python objects per
+    value, nothing from ``pyarrow.compute``): a ~1-MiB event decodes in tens of
+    microseconds."""
     try:
-        table = ipc.open_stream(pa.py_buffer(body)).read_all()
+        reader = ipc.open_stream(pa.py_buffer(body))
+        batches = list(reader)
     except (pa.ArrowInvalid, pa.ArrowException, OSError) as e:
         raise ArrowBodyError(f"body is not an Arrow IPC stream ({e})") from None
-    if "event" not in table.column_names or not pa.types.is_string(table.schema.field("event").type):
+    schema = reader.schema
+    if "event" not in schema.names or not pa.types.is_string(schema.field("event").type):
         raise ArrowBodyError("Arrow body lacks a utf8 'event' column")
-    binaries = {}
-    for name in table.column_names:
-        if name == "event":
+    binary_names = []
+    for field in schema:
+        if field.name == "event":
             continue
-        if not pa.types.is_large_binary(table.schema.field(name).type):
-            raise ArrowBodyError(f"Arrow body column {name!r} must be large_binary")
-        binaries[name] = _row_views(table.column(name))
-    out = []
-    for i, text in enumerate(table.column("event").to_pylist()):
-        try:
-            doc = json.loads(text) if text is not None else None
-        except ValueError as e:
-            raise ArrowBodyError(f"event {i} is not valid JSON ({e})") from None
-        if not isinstance(doc, dict):
-            raise ArrowBodyError(f"event {i} must be a JSON object")
-        for key, value in doc.items():
-            if isinstance(value, dict) and _MARK in value:
-                try:
-                    doc[key] = _array(value[_MARK], binaries.get(key), i, key)
-                except ValidationError as e:
-                    tid = doc.get("trajectory_id")
-                    raise e.at(i, tid if isinstance(tid, str) else None) from None
-        out.append(doc)
+        if not pa.types.is_large_binary(field.type):
+            raise ArrowBodyError(f"Arrow body column {field.name!r} must be large_binary")
+        binary_names.append(field.name)
+    out: list[dict[str, Any]] = []
+    for batch in batches:
+        binaries = {name: _row_views(batch.column(name)) for name in binary_names}
+        for j, text in enumerate(batch.column("event").to_pylist()):
+            i = len(out)
+            try:
+                doc = json.loads(text) if text is not None else None
+            except ValueError as e:
+                raise ArrowBodyError(f"event {i} is not valid JSON ({e})") from None
+            if not isinstance(doc, dict):
+                raise ArrowBodyError(f"event {i} must be a JSON object")
+            for key, value in doc.items():
+                if isinstance(value, dict) and _MARK in value:
+                    try:
+                        doc[key] = _array(value[_MARK], binaries.get(key), j, key)
+                    except ValidationError as e:
+                        tid = doc.get("trajectory_id")
+                        raise e.at(i, tid if isinstance(tid, str) else None) from None
+            out.append(doc)
     return out
 
 
@@ -117,16 +132,16 @@ def _binary(values: list[np.ndarray | None]) -> pa.Array:
                                  [validity, pa.py_buffer(offsets), pa.py_buffer(data)])
 
 
-def _row_views(column: pa.ChunkedArray) -> list[np.ndarray | None]:
-    """Per-row uint8 views of a large_binary column (zero-copy)."""
-    out: list[np.ndarray | None] = []
-    for chunk in column.chunks:
-        offsets = np.frombuffer(chunk.buffers()[1], np.int64)[chunk.offset: chunk.offset + len(chunk) + 1]
-        data = chunk.buffers()[2]
-        data_np = np.frombuffer(data, np.uint8) if data is not None else np.zeros(0, np.uint8)
-        valid = np.asarray(chunk.is_valid())
-        out.extend(data_np[lo:hi] if ok else None for lo, hi, ok in zip(offsets[:-1], offsets[1:], valid))
-    return out
+def _row_views(chunk: pa.Array) -> list[np.ndarray | None]:
+    """Per-row uint8 views of a large_binary array (zero-copy; reads the buffers, no compute kernels)."""
+    n = len(chunk)
+    validity, offsets_buf, data = chunk.buffers()
+    offsets = np.frombuffer(offsets_buf, np.int64)[chunk.offset: chunk.offset + n + 1].tolist()
+    data_np = np.frombuffer(data, np.uint8) if data is not None else np.zeros(0, np.uint8)
+    if chunk.null_count == 0:
+        return [data_np[offsets[k]:offsets[k + 1]] for k in range(n)]
+    bits = np.unpackbits(np.frombuffer(validity, np.uint8), bitorder="little")[chunk.offset: chunk.offset + n]
+    return [data_np[offsets[k]:offsets[k + 1]] if bits[k] else None for k in range(n)]
 
 
 def _array(mark: Any, views: list[np.ndarray | None] | None, row: int, field: str) -> np.ndarray:
@@ -139,8 +154,8 @@ def _array(mark: Any, views: list[np.ndarray | None] | None, row: int, field: st
     if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
         raise ValidationError(f"{field} shape must be a list of non-negative ints, got {shape!r}", rule="array_shape")
     raw = views[row]
-    dtype = np.dtype(dtype_name).newbyteorder("<")
-    expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    dtype = _LE_DTYPES[dtype_name]
+    expected = math.prod(shape) * dtype.itemsize
     if raw.nbytes != expected:
         raise ValidationError(
             f"{field} holds {raw.nbytes} bytes but dtype {dtype_name} and shape {shape} need {expected}",

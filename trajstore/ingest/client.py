@@ -41,6 +41,7 @@ from typing import Any, Callable, Iterable, Mapping
 import numpy as np
 
 from trajstore.errors import StoreUnavailable, TrajstoreError, ValidationError
+from trajstore.ingest._event_dicts import to_numpy, trajectory_started
 from trajstore.ingest.sinks import HttpSink, Sink, StoreSink, encode_events, error_from_response, make_sink
 
 _log = logging.getLogger("trajstore.ingest.client")
@@ -73,6 +74,8 @@ class Writer:
     HTTP request times out after ``timeout_s`` (60 s). A refused event fails
     its own trajectory and is never retried; the rest of its batch is stored.
     ``on_ack(events)`` runs on the sender thread after each stored batch.
+    ``body``: what an HTTP sink sends, ``"arrow"`` (an Arrow IPC stream:
+    numpy arrays as raw bytes, no JSON or base64 for them) or ``"json"``.
     """
 
     def __init__(
@@ -90,8 +93,9 @@ class Writer:
         timeout_s: float = 60.0,
         assign_event_ids: bool = True,
         on_ack: Callable[[list[dict]], None] | None = None,
+        body: str = "arrow",
     ) -> None:
-        self._sink = make_sink(sink, token, timeout_s)
+        self._sink = make_sink(sink, token, timeout_s, body)
         self._sink_name = getattr(self._sink, "name", None) or type(self._sink).__name__
         self.batch_size, self.max_batch_tokens, self.flush_interval_s = batch_size, max_batch_tokens, flush_interval_s
         self.max_pending_events, self.max_pending_tokens = max_pending_events, max_pending_tokens
@@ -173,11 +177,7 @@ class Writer:
         ``start=False, next_seq=k`` resumes a trajectory already started.
         """
         if start:
-            event: dict = {"type": "trajectory_started", "trajectory_id": trajectory_id}
-            for key, value in (("group_id", group_id), ("num_experts", num_experts), ("metadata", metadata)):
-                if value is not None:
-                    event[key] = value
-            self.put(event)
+            self.put(trajectory_started(trajectory_id, group_id=group_id, num_experts=num_experts, metadata=metadata))
         return TrajectoryWriter(self, trajectory_id, next_seq)
 
     def flush(self, timeout_s: float | None = None) -> None:
@@ -426,9 +426,8 @@ def _by_trajectory(events: list[dict]) -> list[list[dict]]:
 
 
 def _as_routes(routes: Any) -> Any:
-    # Routes stay one numpy array (sent as {b64,dtype,shape}), never a list of Python ints.
-    if hasattr(routes, "detach"):  # a torch tensor; torch itself is never imported
-        return routes.detach().cpu().numpy()
+    # Routes stay one numpy array (raw bytes in an Arrow body), never a list of Python ints.
+    routes = to_numpy(routes)
     return np.asarray(routes) if isinstance(routes, (list, tuple)) else routes
 
 

@@ -48,7 +48,6 @@ response's durability: the response is sent only after the append returned.
 # annotations at runtime, and ``Request`` is imported lazily.
 import argparse
 import asyncio
-import hmac
 import json
 import logging
 import os
@@ -60,6 +59,8 @@ import numpy as np
 
 from trajstore._admission import sequence_hash
 from trajstore.errors import TrajstoreError, ValidationError
+from trajstore.ingest._event_dicts import trajectory_started
+from trajstore.ingest._http import UNAUTHORIZED, HTTPError, add_server_arguments, bearer_ok, error_response, server_token
 from trajstore.ingest.vllm import (
     OpenAIStreamAccumulator,
     VersionMap,
@@ -141,7 +142,7 @@ class Recorder:
                 stored, seq = (True, self._next_seq[tag.trajectory_id]) if known else await run_in_threadpool(self._tail, tag.trajectory_id)
                 events = make_events(seq)
                 if not stored:
-                    events.insert(0, _started(tag))
+                    events.insert(0, trajectory_started(tag.trajectory_id, group_id=tag.group_id, num_experts=tag.num_experts))
                 try:
                     await run_in_threadpool(self.store.append, events)
                 except ValidationError as e:
@@ -166,15 +167,6 @@ class Recorder:
             self._next_seq.pop(trajectory_id, None)
         with self._mutex:
             self._locks.pop(trajectory_id, None)
-
-
-def _started(tag: Tag) -> dict:
-    event: dict = {"type": "trajectory_started", "trajectory_id": tag.trajectory_id}
-    if tag.group_id is not None:
-        event["group_id"] = tag.group_id
-    if tag.num_experts is not None:
-        event["num_experts"] = tag.num_experts
-    return event
 
 
 def _int_or_none(value: Any, what: str) -> int | None:
@@ -213,11 +205,6 @@ def _forward_headers(headers: Any, *, authenticated: bool, upstream_api_key: str
     return out
 
 
-def _bearer_ok(header: str, token: str) -> bool:
-    scheme, _, given = header.partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token.encode())
-
-
 class _BearerAuth:
     """ASGI middleware: every path outside OPEN_PATHS needs ``Authorization: Bearer <token>``.
 
@@ -233,20 +220,10 @@ class _BearerAuth:
             await self.app(scope, receive, send)
             return
         header = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"), "")
-        if _bearer_ok(header, self.token):
+        if bearer_ok(header, self.token):
             await self.app(scope, receive, send)
             return
-        from fastapi.responses import JSONResponse
-
-        response = JSONResponse({"error": {"message": "missing or wrong bearer token", "rule": "unauthorized"}},
-                                status_code=401, headers={"WWW-Authenticate": "Bearer"})
-        await response(scope, receive, send)
-
-
-def _error(status: int, message: str, rule: str) -> Any:
-    from fastapi.responses import JSONResponse
-
-    return JSONResponse({"error": {"message": message, "rule": rule}}, status_code=status)
+        await error_response(401, UNAUTHORIZED, rule="unauthorized")(scope, receive, send)
 
 
 class _SSEData:
@@ -363,9 +340,10 @@ class _Forwarder:
                 return await self.stream(path, body, headers, tag, kind)
             resp = await self.client.post(path, json=body, headers=headers)
         except _BadCall as e:
-            return _error(e.status, str(e), e.rule)
+            return error_response(e.status, str(e), rule=e.rule)
         except httpx.TransportError as e:
-            return _error(502, f"upstream {self.upstream} unreachable: {type(e).__name__}: {e}", "upstream_unreachable")
+            return error_response(502, f"upstream {self.upstream} unreachable: {type(e).__name__}: {e}",
+                                  rule="upstream_unreachable")
         extra = {}
         if tag is not None and resp.status_code == 200:
             extra = await self.record_headers(tag, resp.content, self._events(kind, body, tag))
@@ -397,9 +375,9 @@ class _Forwarder:
             tid, status = body["trajectory_id"], body.get("status", "completed")
             await self.recorder.finish(tid, status, body.get("reward"))
         except ValidationError as e:
-            return _error(409 if e.rule == "conflict" else 422, str(e), e.rule)
+            return HTTPError.from_error(e, message=str(e)).response()
         except (ValueError, KeyError, TypeError) as e:
-            return _error(400, f'body must be {{"trajectory_id", "status", "reward"?}} ({e})', "malformed_body")
+            return error_response(400, f'body must be {{"trajectory_id", "status", "reward"?}} ({e})', rule="malformed_body")
         return {"trajectory_id": tid, "status": status}
 
 
@@ -478,11 +456,8 @@ def make_proxy_app(store: Any, upstream: str, *, token: str | None = None, model
 def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of ``trajstore proxy`` (``--store`` is the CLI's global flag)."""
     parser.add_argument("--upstream", required=True, help="base URL of the vLLM OpenAI server, e.g. http://127.0.0.1:8000")
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
-    parser.add_argument("--token", default=None,
-                        help="bearer token every call but /healthz and the API docs must send (default $TRAJSTORE_TOKEN)")
-    parser.add_argument("--insecure-no-auth", action="store_true", help="accept calls without a token")
+    add_server_arguments(parser, port=DEFAULT_PORT, open_help="accept calls without a token",
+                         token_help="bearer token every call but /healthz and the API docs must send")
     parser.add_argument("--upstream-api-key", default=None,
                         help="bearer token sent to the upstream (default $TRAJSTORE_UPSTREAM_API_KEY; none)")
     parser.add_argument("--model-version", type=int, default=0,
@@ -494,7 +469,6 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: labels must be integers)")
     parser.add_argument("--no-route-skip", action="store_true",
                         help="never ask the engine for only the new route rows (routed_experts_prompt_start)")
-    parser.add_argument("--log-level", default="warning", help="uvicorn log level (default warning)")
 
 
 def serve_proxy(upstream: str, store_url: str | None = None, host: str = "127.0.0.1", port: int = DEFAULT_PORT, *,
@@ -507,9 +481,7 @@ def serve_proxy(upstream: str, store_url: str | None = None, host: str = "127.0.
     Refuses to start without a token (``token`` or ``$TRAJSTORE_TOKEN``)
     unless ``insecure_no_auth``, as ``trajstore serve`` does.
     """
-    token = token or os.environ.get("TRAJSTORE_TOKEN") or None
-    if token is None and not insecure_no_auth:
-        raise ValueError("no token: pass --token or set $TRAJSTORE_TOKEN (or --insecure-no-auth to run open)")
+    token = server_token(token, insecure_no_auth=insecure_no_auth)
     upstream_api_key = upstream_api_key or os.environ.get("TRAJSTORE_UPSTREAM_API_KEY") or None
     import uvicorn
 

@@ -28,7 +28,6 @@ its own request. Coalescing never reorders a request's events.
 import argparse
 import asyncio
 import concurrent.futures
-import hmac
 import json
 import os
 import re
@@ -41,16 +40,20 @@ from typing import Any
 
 import numpy as np
 
-from trajstore.errors import ConflictError, StoreUnavailable, TrajstoreError, ValidationError
+from trajstore.errors import StoreUnavailable, TrajstoreError, ValidationError
 from trajstore.events import Generation, parse_event
+from trajstore.ingest._http import UNAUTHORIZED, add_server_arguments, bearer_ok, server_token
+from trajstore.ingest._http import HTTPError as _HTTPError  # the name the tests and the fuzz harness use
 
 __all__ = [
-    "DEFAULT_MAX_BODY_BYTES", "DEFAULT_MAX_BYTES_IN_FLIGHT", "ByteBudget", "GroupCommitter", "Metrics",
+    "DEFAULT_GROUP_WAIT_S", "DEFAULT_MAX_BODY_BYTES", "DEFAULT_MAX_BYTES_IN_FLIGHT", "ByteBudget", "GroupCommitter", "Metrics",
     "add_cli_arguments", "app_from_env", "decode_json", "main", "make_app", "parse_arrow_body", "parse_body", "serve",
     "serve_from_args"]
 
 DEFAULT_MAX_BODY_BYTES = 64 << 20
 DEFAULT_MAX_BYTES_IN_FLIGHT = 128 << 20
+# How long a group about to be committed waits for requests still being read or parsed.
+DEFAULT_GROUP_WAIT_S = 0.005
 _ARRAY_FIELDS = frozenset({"prompt_ids", "output_ids", "logprobs", "loss_mask", "token_rewards",
                            "token_model_versions", "routed_experts"})
 DEFAULT_PORT = 8700
@@ -121,19 +124,36 @@ class GroupCommitter:
     """
 
     def __init__(self, store: Any, *, max_group_events: int = 8192, max_group_tokens: int = 1 << 21,
-                 metrics: Metrics | None = None) -> None:
+                 metrics: Metrics | None = None, max_wait_s: float = DEFAULT_GROUP_WAIT_S) -> None:
         self._store = store
         self.max_group_events, self.max_group_tokens = max_group_events, max_group_tokens
+        self.max_wait_s = max_wait_s
         self._metrics = metrics
         self._cond = threading.Condition()
         self._queue: deque[_Request] = deque()
+        self._expected = 0  # requests announced (body being read or parsed), not submitted yet
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="trajstore-group-commit", daemon=True)
         self._thread.start()
 
-    def submit(self, events: list, num_tokens: int = 0) -> concurrent.futures.Future:
+    def expect(self) -> None:
+        """A request is on its way (its body is being read or parsed): a group
+        about to be committed waits for it, up to ``max_wait_s``. Every
+        ``expect()`` is followed by ``submit(..., expected=True)`` or ``forget()``."""
+        with self._cond:
+            self._expected += 1
+
+    def forget(self) -> None:
+        """An expected request will not be submitted (it failed before)."""
+        with self._cond:
+            self._expected -= 1
+            self._cond.notify()
+
+    def submit(self, events: list, num_tokens: int = 0, *, expected: bool = False) -> concurrent.futures.Future:
         req = _Request(events, num_tokens)
         with self._cond:
+            if expected:
+                self._expected -= 1
             if self._closed:
                 raise StoreUnavailable("the ingest service is shutting down")
             self._queue.append(req)
@@ -150,6 +170,12 @@ class GroupCommitter:
     def _take(self) -> list[_Request]:
         with self._cond:
             self._cond.wait_for(lambda: self._queue or self._closed)
+            if self._expected and not self._closed and self.max_wait_s > 0:
+                # Requests whose bodies are being read or parsed join this group rather
+                # than the next: an append's fixed cost (fsyncs, one transaction) is paid
+                # once for all of them.
+                self._cond.wait_for(lambda: not self._expected or self._closed or self._group_full(),
+                                    self.max_wait_s)
             group: list[_Request] = []
             n_events = n_tokens = 0
             while self._queue:
@@ -161,6 +187,10 @@ class GroupCommitter:
                 n_events += len(req.events)
                 n_tokens += req.num_tokens
             return group
+
+    def _group_full(self) -> bool:
+        return (sum(len(r.events) for r in self._queue) >= self.max_group_events
+                or sum(r.num_tokens for r in self._queue) >= self.max_group_tokens)
 
     def _run(self) -> None:
         while group := self._take():
@@ -230,25 +260,6 @@ def _request_of(pending: list[_Request], index: int | None) -> tuple[_Request, i
             return req, offset
         offset += len(req.events)
     return None
-
-
-class _HTTPError(Exception):
-    """An error response: status plus the ``{"error": ...}`` body."""
-
-    def __init__(self, status: int, message: str, *, rule: str, index: int | None = None,
-                 trajectory_id: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.body = {"error": {"index": index, "trajectory_id": trajectory_id, "rule": rule, "message": message}}
-
-    @classmethod
-    def from_error(cls, e: BaseException) -> "_HTTPError":
-        if isinstance(e, ValidationError):
-            status = 409 if isinstance(e, ConflictError) else 422
-            return cls(status, e.reason, rule=e.rule, index=e.index, trajectory_id=e.trajectory_id)
-        if isinstance(e, StoreUnavailable):
-            return cls(503, str(e), rule="store_unavailable")
-        return cls(500, f"{type(e).__name__}: {e}", rule="internal")
 
 
 def parse_body(body: bytes | bytearray) -> tuple[list, int]:
@@ -402,17 +413,35 @@ def decode_json(body: bytes | bytearray) -> Any:
         raise _HTTPError(400, "body is not valid JSON (nested too deeply)", rule="malformed_json") from None
 
 
-async def _read_body(request: Any, max_body_bytes: int) -> bytes:
-    """The body, refused (413) as soon as it is over the limit; read into one buffer, never joined."""
+async def _read_body(request: Any, max_body_bytes: int) -> bytes | bytearray:
+    """The body, refused (413) as soon as it is over the limit.
+
+    With a ``Content-Length`` the chunks are copied straight into one buffer
+    of that size (no growth, no re-allocation of a MiB-sized body); without
+    one they are appended to a growing buffer. Never joined."""
     declared = _declared_length(request)
     if declared is not None and declared > max_body_bytes:
         raise _HTTPError(413, f"body of {declared} bytes is over the {max_body_bytes}-byte limit", rule="body_too_large")
-    body = bytearray()
+    if declared:
+        body = bytearray(declared)
+        view = memoryview(body)
+        got = 0
+        async for chunk in request.stream():
+            end = got + len(chunk)
+            if end > declared:  # more than declared: the server would have refused; be safe anyway
+                raise _HTTPError(400, f"body is longer than its Content-Length of {declared} bytes", rule="malformed_body")
+            view[got:end] = chunk
+            got = end
+        view.release()
+        if got != declared:
+            raise _HTTPError(400, f"body ended after {got} of its {declared} bytes", rule="malformed_body")
+        return body
+    grown = bytearray()
     async for chunk in request.stream():
-        if len(body) + len(chunk) > max_body_bytes:
+        if len(grown) + len(chunk) > max_body_bytes:
             raise _HTTPError(413, f"body is over the {max_body_bytes}-byte limit", rule="body_too_large")
-        body += chunk
-    return body
+        grown += chunk
+    return grown
 
 
 def _declared_length(request: Any) -> int | None:
@@ -450,14 +479,6 @@ class ByteBudget:
             self._cond.notify_all()
 
 
-def _authorized(request: Any, token: str | None) -> bool:
-    if token is None:
-        return True
-    header = request.headers.get("authorization", "")
-    scheme, _, given = header.partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token.encode())
-
-
 _EVENTS_OPENAPI = {
     "requestBody": {
         "required": True,
@@ -483,21 +504,23 @@ _EVENTS_OPENAPI = {
 
 def make_app(store: Any, *, token: str | None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
              group_commit: bool = True, close_store: bool = False,
-             max_bytes_in_flight: int = DEFAULT_MAX_BYTES_IN_FLIGHT) -> Any:
+             max_bytes_in_flight: int = DEFAULT_MAX_BYTES_IN_FLIGHT, group_wait_s: float = DEFAULT_GROUP_WAIT_S) -> Any:
     """The FastAPI app over ``store``. ``token=None`` means no auth (the caller decided).
 
     ``close_store``: close the store when the app shuts down.
     ``max_bytes_in_flight``: request bodies being read, parsed or committed at
     once, in bytes (see ``ByteBudget``); more waits.
+    ``group_wait_s``: how long a group commit waits for requests still being
+    read or parsed (``GroupCommitter.max_wait_s``).
     """
     from contextlib import asynccontextmanager
 
     from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse, PlainTextResponse
+    from fastapi.responses import PlainTextResponse
     from starlette.concurrency import run_in_threadpool
 
     metrics = Metrics()
-    committer = GroupCommitter(store, metrics=metrics) if group_commit else None
+    committer = GroupCommitter(store, metrics=metrics, max_wait_s=group_wait_s) if group_commit else None
 
     @asynccontextmanager
     async def lifespan(app: Any):
@@ -511,25 +534,35 @@ def make_app(store: Any, *, token: str | None, max_body_bytes: int = DEFAULT_MAX
     app.state.metrics = metrics
     budget = app.state.budget = ByteBudget(max_bytes_in_flight)
 
+    async def read_and_parse(request: Any) -> tuple[list, int]:
+        parse = parse_arrow_body if _is_arrow(request) else parse_body
+        return await run_in_threadpool(parse, await _read_body(request, max_body_bytes))
+
     async def commit(events: list, num_tokens: int) -> tuple[int, Any]:
         if committer is not None:
-            return await asyncio.wrap_future(committer.submit(events, num_tokens))
+            return await asyncio.wrap_future(committer.submit(events, num_tokens, expected=True))
         return 1, await run_in_threadpool(store.append, events)
 
     @app.post("/v1/events", openapi_extra=_EVENTS_OPENAPI)
     async def post_events(request: Request) -> Any:
         start = time.perf_counter()
         try:
-            if not _authorized(request, token):
-                raise _HTTPError(401, "missing or wrong bearer token", rule="unauthorized")
+            if not bearer_ok(request.headers.get("authorization"), token):
+                raise _HTTPError(401, UNAUTHORIZED, rule="unauthorized")
             declared = _declared_length(request)
             if declared is not None and declared > max_body_bytes:  # refused before taking any budget
                 raise _HTTPError(413, f"body of {declared} bytes is over the {max_body_bytes}-byte limit",
                                  rule="body_too_large")
             taken = await budget.acquire(declared if declared is not None else max_body_bytes)
             try:
-                parse = parse_arrow_body if _is_arrow(request) else parse_body
-                events, num_tokens = await run_in_threadpool(parse, await _read_body(request, max_body_bytes))
+                if committer is not None:
+                    committer.expect()
+                try:
+                    events, num_tokens = await read_and_parse(request)
+                except BaseException:
+                    if committer is not None:
+                        committer.forget()
+                    raise
                 num_events = len(events)
                 try:
                     group_size, result = await commit(events, num_tokens)
@@ -540,9 +573,8 @@ def make_app(store: Any, *, token: str | None, max_body_bytes: int = DEFAULT_MAX
             finally:
                 await budget.release(taken)
         except _HTTPError as e:
-            metrics.observe(e.status, time.perf_counter() - start, rule=e.body["error"]["rule"])
-            headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
-            return JSONResponse(e.body, status_code=e.status, headers=headers)
+            metrics.observe(e.status, time.perf_counter() - start, rule=e.rule)
+            return e.response()
         metrics.observe(200, time.perf_counter() - start, events=num_events, tokens=num_tokens)
         return _ack_body(num_events, result)
 
@@ -569,10 +601,8 @@ def _ack_body(num_events: int, result: Any) -> dict:
 
 def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of ``trajstore serve`` (``--store`` is the CLI's global flag)."""
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
-    parser.add_argument("--token", default=None, help="bearer token clients must send (default $TRAJSTORE_TOKEN)")
-    parser.add_argument("--insecure-no-auth", action="store_true", help="accept requests without a token")
+    add_server_arguments(parser, port=DEFAULT_PORT, token_help="bearer token clients must send",
+                         open_help="accept requests without a token")
     parser.add_argument("--max-body-mb", type=float, default=DEFAULT_MAX_BODY_BYTES / (1 << 20),
                         help="largest request body in MiB (default 64); larger ones get 413")
     parser.add_argument("--max-in-flight-mb", type=float, default=DEFAULT_MAX_BYTES_IN_FLIGHT / (1 << 20),
@@ -580,15 +610,17 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
                              "more requests wait (bounds the service's memory)")
     parser.add_argument("--no-group-commit", action="store_true",
                         help="append each request on its own instead of coalescing concurrent ones")
+    parser.add_argument("--group-wait-ms", type=float, default=DEFAULT_GROUP_WAIT_S * 1e3,
+                        help="how long a group commit waits for requests still being read or parsed "
+                             f"(default {DEFAULT_GROUP_WAIT_S * 1e3:g}; 0: never)")
     parser.add_argument("--workers", type=int, default=1,
                         help="server processes on the port, each with its own store connection (default 1)")
-    parser.add_argument("--log-level", default="warning", help="uvicorn log level (default warning)")
 
 
 def serve(store_url: str | None = None, host: str = "127.0.0.1", port: int = DEFAULT_PORT, token: str | None = None,
           *, insecure_no_auth: bool = False, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
           group_commit: bool = True, workers: int = 1, log_level: str = "warning", payload: str | None = None,
-          max_bytes_in_flight: int = DEFAULT_MAX_BYTES_IN_FLIGHT) -> None:
+          max_bytes_in_flight: int = DEFAULT_MAX_BYTES_IN_FLIGHT, group_wait_s: float = DEFAULT_GROUP_WAIT_S) -> None:
     """Run the ingest service until SIGINT/SIGTERM (in-flight requests finish first).
 
     Refuses to start without a token (``token`` or ``$TRAJSTORE_TOKEN``)
@@ -596,9 +628,7 @@ def serve(store_url: str | None = None, host: str = "127.0.0.1", port: int = DEF
     one port, each with its own store connection and group committer: one
     process is bound by its GIL to about one core.
     """
-    token = token or os.environ.get("TRAJSTORE_TOKEN") or None
-    if token is None and not insecure_no_auth:
-        raise ValueError("no token: pass --token or set $TRAJSTORE_TOKEN (or --insecure-no-auth to run open)")
+    token = server_token(token, insecure_no_auth=insecure_no_auth)
     import uvicorn
 
     import trajstore
@@ -608,7 +638,7 @@ def serve(store_url: str | None = None, host: str = "127.0.0.1", port: int = DEF
     trajstore.connect(store_url, payload=payload).close()
     os.environ[_CONFIG_ENV] = json.dumps(
         {"store_url": store_url, "payload": payload, "token": token, "max_body_bytes": max_body_bytes,
-         "group_commit": group_commit, "max_bytes_in_flight": max_bytes_in_flight})
+         "group_commit": group_commit, "max_bytes_in_flight": max_bytes_in_flight, "group_wait_s": group_wait_s})
     # uvicorn builds each worker's app from the import string; the settings
     # reach it through the environment the workers inherit.
     # http=: TCP_NODELAY on every accepted connection; with workers > 1 uvicorn
@@ -657,7 +687,8 @@ def serve_from_args(args: argparse.Namespace) -> None:
     serve(getattr(args, "store", None), args.host, args.port, args.token, insecure_no_auth=args.insecure_no_auth,
           max_body_bytes=int(args.max_body_mb * (1 << 20)), group_commit=not args.no_group_commit,
           workers=args.workers, log_level=args.log_level, payload=getattr(args, "payload", None),
-          max_bytes_in_flight=int(args.max_in_flight_mb * (1 << 20)))
+          max_bytes_in_flight=int(args.max_in_flight_mb * (1 << 20)),
+          group_wait_s=getattr(args, "group_wait_ms", DEFAULT_GROUP_WAIT_S * 1e3) / 1e3)
 
 
 def main(argv: list[str] | None = None) -> None:

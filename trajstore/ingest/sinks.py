@@ -1,9 +1,9 @@
 """Where a ``Writer``'s batches go: the ``Sink`` interface and its two implementations.
 
 ``StoreSink`` appends to an in-process ``Store``; ``HttpSink`` POSTs to the
-HTTP ingest service (``POST /v1/events``) with the standard library only.
-``encode_events`` builds that request body (numpy arrays as
-``{b64,dtype,shape}``) and ``error_from_response`` turns the service's error
+HTTP ingest service (``POST /v1/events``) with the standard library only,
+an Arrow IPC body by default (``arrow_body``). ``encode_events`` builds the
+JSON body (numpy arrays as ``{b64,dtype,shape}``) and ``error_from_response`` turns the service's error
 answer back into the library error it stands for. ``make_sink`` picks a sink
 for a ``Writer``'s ``sink`` argument. All are re-exported by ``client.py``.
 """
@@ -16,12 +16,11 @@ import os
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
-import numpy as np
-
 from trajstore.errors import ConflictError, StoreUnavailable, TrajstoreError, ValidationError
-from trajstore._wire import encode_b64
+from trajstore.ingest._event_dicts import json_default
+from trajstore.ingest.arrow_body import ARROW_CONTENT_TYPE, encode_arrow_events
 
-__all__ = ["HttpSink", "Sink", "StoreSink", "encode_events", "error_from_response", "make_sink"]
+__all__ = ["BODY_FORMATS", "HttpSink", "Sink", "StoreSink", "encode_events", "error_from_response", "make_sink"]
 
 
 class Sink(Protocol):
@@ -83,35 +82,39 @@ def _retriable_driver_error(e: Exception) -> str | None:
     return None
 
 
-def _json_default(value: Any) -> Any:
-    # Arrays travel as {b64, dtype, shape}: compact, and decoded without a
-    # per-element Python loop on the other side.
-    if isinstance(value, np.ndarray):
-        return encode_b64(value)
-    if isinstance(value, np.generic):
-        return value.item()
-    raise TypeError(f"cannot send a {type(value).__name__} in an event")
-
-
 def encode_events(events: list[dict]) -> bytes:
-    """The ``POST /v1/events`` body for ``events`` (numpy arrays as {b64,dtype,shape})."""
-    return json.dumps({"events": events}, default=_json_default, separators=(",", ":")).encode()
+    """The JSON ``POST /v1/events`` body for ``events`` (numpy arrays as {b64,dtype,shape})."""
+    return json.dumps({"events": events}, default=json_default, separators=(",", ":")).encode()
+
+
+BODY_FORMATS = {"arrow": (ARROW_CONTENT_TYPE, encode_arrow_events), "json": ("application/json", encode_events)}
 
 
 class HttpSink:
-    """POSTs batches to the ingest service over one kept-alive connection."""
+    """POSTs batches to the ingest service over one kept-alive connection.
+
+    ``body="arrow"`` (the default) sends an Arrow IPC stream
+    (``trajstore.ingest.arrow_body``): numpy arrays travel as their raw
+    bytes, no JSON text and no base64 for them on either side;
+    ``body="json"`` sends ``{"events": [...]}`` with arrays as
+    ``{b64, dtype, shape}``. Either way the service applies the same rules
+    and a refusal names the event's index in the batch and its trajectory."""
 
     def __init__(self, url: str, *, token: str | None = None, timeout_s: float = 120.0,
-                 max_body_bytes: int = 64 << 20) -> None:
+                 max_body_bytes: int = 64 << 20, body: str = "arrow") -> None:
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValidationError(f"ingest URL must be http(s)://host:port, got {url!r}", rule="url")
+        if body not in BODY_FORMATS:
+            raise ValidationError(f"body must be one of {sorted(BODY_FORMATS)}, got {body!r}", rule="body_format")
+        self.body = body
+        content_type, self._encode = BODY_FORMATS[body]
         self._parts = parts
         self.name = f"{parts.scheme}://{parts.hostname}{f':{parts.port}' if parts.port else ''}{parts.path.rstrip('/')}"
         self._path = parts.path.rstrip("/") + "/v1/events"
         self._timeout_s = timeout_s
         self.max_body_bytes = max_body_bytes
-        self._headers = {"Content-Type": "application/json"}
+        self._headers = {"Content-Type": content_type}
         if token:
             self._headers["Authorization"] = f"Bearer {token}"
         self._conn: http.client.HTTPConnection | None = None
@@ -121,7 +124,7 @@ class HttpSink:
         return cls(self._parts.hostname, self._parts.port, timeout=self._timeout_s)
 
     def send(self, events: list[dict]) -> None:
-        body = encode_events(events)
+        body = self._encode(events)
         if len(body) > self.max_body_bytes:  # the service would answer 413: let the writer split first
             raise ValidationError(f"body of {len(body)} bytes is over the {self.max_body_bytes}-byte limit",
                                   rule="body_too_large")
@@ -172,10 +175,11 @@ def error_from_response(status: int, data: bytes) -> TrajstoreError:
     return error
 
 
-def make_sink(sink: Any, token: str | None, timeout_s: float) -> Sink:
-    """The sink a ``Writer(sink, ...)`` argument stands for (see ``Writer``)."""
+def make_sink(sink: Any, token: str | None, timeout_s: float, body: str = "arrow") -> Sink:
+    """The sink a ``Writer(sink, ...)`` argument stands for (see ``Writer``); ``body``: an HTTP sink's body format."""
     if isinstance(sink, str) and sink.startswith(("http://", "https://")):
-        return HttpSink(sink, token=token if token is not None else os.environ.get("TRAJSTORE_TOKEN"), timeout_s=timeout_s)
+        return HttpSink(sink, token=token if token is not None else os.environ.get("TRAJSTORE_TOKEN"), timeout_s=timeout_s,
+                        body=body)
     if isinstance(sink, str) or sink is None:
         import trajstore
 

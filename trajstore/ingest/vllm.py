@@ -55,6 +55,7 @@ import numpy as np
 
 from trajstore.errors import ValidationError
 from trajstore._wire import decode_array
+from trajstore.ingest._event_dicts import to_numpy
 
 __all__ = [
     "LOGPROB_FLOOR",
@@ -300,9 +301,7 @@ def generation_from_output(
 
 
 def _routes_array(routes: Any) -> np.ndarray:
-    if hasattr(routes, "detach"):  # a torch tensor; never import torch for it
-        routes = routes.detach().cpu().numpy()
-    return decode_array(routes, field="routed_experts", ndim=3)
+    return decode_array(to_numpy(routes), field="routed_experts", ndim=3)
 
 
 def _output_ids_from_logprob_tokens(tokens: Sequence[str] | None) -> list[int] | None:

@@ -1,7 +1,8 @@
 """The PostgreSQL backend running an append's COMMIT is killed with SIGKILL.
 
-Two real cases, each in its own throwaway cluster (a killed backend makes the
-postmaster restart every session):
+Two real cases, in the suite's fault cluster (``fault_cluster`` in
+tests/conftest.py, never the main one: a killed backend makes the postmaster
+restart every session):
 
 * the commit record was already written (the backend waits for a synchronous
   standby that does not exist): the append landed, so it is acknowledged and
@@ -35,17 +36,15 @@ APPENDER = "appender"
 
 
 @pytest.fixture
-def cluster():
-    if os.environ.get("TRAJSTORE_SKIP_POSTGRES") == "1":
-        pytest.skip("TRAJSTORE_SKIP_POSTGRES=1")
-    with PgCluster() as c:
-        with _admin(c) as conn:
-            # everyone commits locally, the appender role waits for a synchronous standby when one is named
-            conn.execute("ALTER SYSTEM SET synchronous_commit = 'local'")
-            conn.execute("SELECT pg_reload_conf()")
-            conn.execute(f"CREATE ROLE {APPENDER} LOGIN SUPERUSER")
-            conn.execute(f"ALTER ROLE {APPENDER} SET synchronous_commit = 'on'")
-        yield c
+def cluster(fault_cluster):
+    """The shared fault cluster (tests/conftest.py), set up for this module; reset for the next test."""
+    with _admin(fault_cluster) as conn:
+        # everyone commits locally, the appender role waits for a synchronous standby when one is named
+        conn.execute("ALTER SYSTEM SET synchronous_commit = 'local'")
+        conn.execute("SELECT pg_reload_conf()")
+        conn.execute(f"CREATE ROLE {APPENDER} LOGIN SUPERUSER")
+        conn.execute(f"ALTER ROLE {APPENDER} SET synchronous_commit = 'on'")
+    return fault_cluster
 
 
 def _admin(c: PgCluster, dbname: str = "postgres") -> psycopg.Connection:

@@ -59,6 +59,23 @@ def _admin(c: PgCluster, dbname: str = "postgres") -> psycopg.Connection:
             time.sleep(0.2)
 
 
+def _admin_run(c: PgCluster, *statements: str, dbname: str = "postgres") -> None:
+    """Run idempotent ``statements``, again on a new connection when the one used
+    is cut: right after a kill -9 a connection can open before the postmaster
+    ends every session for crash recovery."""
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            with _admin(c, dbname) as conn:
+                for sql in statements:
+                    conn.execute(sql)
+            return
+        except psycopg.OperationalError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
 def _store(c: PgCluster, tmp_path):
     db = c.create_database()
     trajstore.connect(db, payload=str(tmp_path / "payload")).close()  # migrations as the owner
@@ -131,9 +148,8 @@ def test_commit_that_landed_before_the_kill_is_acknowledged_and_keeps_its_payloa
     time.sleep(0.5)  # let every backend read the new setting
     t, out = _append_in_thread(store, _trajectory("during"))
     _kill_backend_when(cluster, "wait_event = 'SyncRep'")  # commit record written, waiting for the standby
-    with _admin(cluster) as conn:  # after crash recovery: no more waiting for a standby
-        conn.execute("ALTER SYSTEM RESET synchronous_standby_names")
-        conn.execute("SELECT pg_reload_conf()")
+    # after crash recovery: no more waiting for a standby
+    _admin_run(cluster, "ALTER SYSTEM RESET synchronous_standby_names", "SELECT pg_reload_conf()")
     t.join(timeout=120)
     assert not t.is_alive()
     # The commit landed: the append is acknowledged (no error to retry).
@@ -167,8 +183,7 @@ def test_commit_killed_before_it_landed_is_retriable_and_leaves_the_payload_to_g
     assert "\n" not in str(err)
     orphans = {name for name, _ in store.payload.list_names()} - files_before
     assert len(orphans) == 1, "the payload of an uncertain commit must be kept"
-    with _admin(cluster, dbname) as conn:
-        conn.execute("DROP TRIGGER hold_commit ON segments")
+    _admin_run(cluster, "DROP TRIGGER IF EXISTS hold_commit ON segments", dbname=dbname)
     assert _append_retrying(store, _trajectory("during")).num_appended == 4
     assert store.collect_garbage(grace_s=0) == sorted(orphans)
     _assert_every_acknowledged_payload_present(store, ["before", "during"])

@@ -4,6 +4,9 @@
   the suite starts itself (see tests/pg_cluster.py) and removes at the end.
 - `fresh_pg_url` (function): a new empty database in that cluster per test,
   dropped afterwards.
+- `fault_cluster` (function): a second cluster shared by the tests that kill
+  backends, change server settings or crash/restart the server; reset between
+  tests (see the fixture).
 - `store_url` (function, params "sqlite"/"postgres"): the URL a backend test
   runs against; the PostgreSQL case starts the cluster only when selected.
 - `store` (function): `trajstore.connect(store_url)` with the payload in the
@@ -34,6 +37,41 @@ def pg_cluster() -> Iterator[PgCluster]:
         pytest.skip(f"{SKIP_POSTGRES_ENV}=1: PostgreSQL tests skipped")
     with PgCluster() as cluster:
         yield cluster
+
+
+@pytest.fixture(scope="session")
+def _fault_cluster_holder() -> Iterator[dict]:
+    holder: dict = {"cluster": None}
+    yield holder
+    if holder["cluster"] is not None:
+        holder["cluster"].stop()
+
+
+@pytest.fixture
+def fault_cluster(_fault_cluster_holder: dict) -> Iterator[PgCluster]:
+    """A second PostgreSQL cluster, for tests that kill backends (every session of
+    the cluster is then terminated), change server settings (ALTER SYSTEM),
+    crash or restart the server: never the suite's main cluster. Started by the
+    first such test and handed to the next ones: each gets it running, with only
+    the ``postgres`` database and superuser and no ALTER SYSTEM setting of an
+    earlier test (``PgCluster.reset``). A test that left it stopped or broken
+    costs the next one a new cluster, never a wrong one."""
+    if os.environ.get(SKIP_POSTGRES_ENV) == "1":
+        pytest.skip(f"{SKIP_POSTGRES_ENV}=1: PostgreSQL tests skipped")
+    cluster = _fault_cluster_holder["cluster"]
+    if cluster is not None:
+        try:
+            if not cluster.is_running():
+                raise RuntimeError("not running")
+            cluster.reset()
+        except Exception:  # noqa: BLE001 - whatever the last test left, the next gets a fresh cluster
+            cluster.stop()
+            cluster = _fault_cluster_holder["cluster"] = None
+    if cluster is None:
+        cluster = PgCluster()
+        cluster.start()
+        _fault_cluster_holder["cluster"] = cluster
+    yield cluster
 
 
 @pytest.fixture(scope="session")
@@ -73,5 +111,5 @@ def store(store_url: str, tmp_path: Path) -> Iterator["trajstore.Store"]:
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     # So `-m "not postgres"` also deselects tests that ask for the cluster directly.
     for item in items:
-        if {"pg_cluster", "postgres_url", "fresh_pg_url"} & set(item.fixturenames):
+        if {"pg_cluster", "postgres_url", "fresh_pg_url", "fault_cluster"} & set(item.fixturenames):
             item.add_marker(pytest.mark.postgres)

@@ -90,12 +90,26 @@ ARRAY_FIELDS = ("prompt_ids", "output_ids", "logprobs", "loss_mask", "token_rewa
 MISSPELLED = ("logprob", "routed_expert", "prompt_id", "outputs_ids", "model_versions", "Reward", "traj_id", "seq ")
 
 
+# The seed trajectories' arrays recur in every unit; their base64 forms are made
+# once (np.save is most of make_units' time). Keyed by id(), the array kept alive.
+_ENCODED: dict[int, tuple[np.ndarray, dict, str]] = {}
+
+
 def _reencode(value: Any, rng: np.random.Generator) -> Any:
     """A valid array in one of the three ARRAY encodings (or as it is)."""
     if not isinstance(value, np.ndarray):
         return value
     k = int(rng.integers(0, 4))
-    return [value, value.tolist(), encode_b64(value), encode_npy_b64(value)][k]
+    if k == 0:
+        return value
+    if k == 1:
+        return value.tolist()
+    cached = _ENCODED.get(id(value))
+    if cached is None or cached[0] is not value:
+        return encode_b64(value) if k == 2 else encode_npy_b64(value)
+    if k == 2:
+        return dict(cached[1], shape=list(cached[1]["shape"]))
+    return cached[2]
 
 
 def _mutate_array(value: np.ndarray, name: str, rng: np.random.Generator) -> Any:
@@ -183,8 +197,9 @@ def mutate(event: dict, rng: np.random.Generator, other_tids: list[str]) -> tupl
                       "trajectory_started", "generation"][int(rng.integers(0, 10))]
         return ev, "type"
     if k == 10:
-        meta = [{"x": math.nan}, {"x": "\x00"}, {"\udc80": 1}, {"x": "y" * 70000}, _deep_dict(100), {"x": 10**20},
-                {"ok": [1, 2.5, None, "😀"]}, [], "meta", {"x": list(range(70000))}][int(rng.integers(0, 10))]
+        meta = [lambda: {"x": math.nan}, lambda: {"x": "\x00"}, lambda: {"\udc80": 1}, lambda: {"x": "y" * 70000},
+                lambda: _deep_dict(100), lambda: {"x": 10**20}, lambda: {"ok": [1, 2.5, None, "😀"]}, lambda: [],
+                lambda: "meta", lambda: {"x": list(range(70000))}][int(rng.integers(0, 10))]()
         ev["metadata"] = meta
         return ev, "metadata"
     # k == 11 (or nothing else applied): a valid re-encoding plus a small numeric/string change
@@ -201,6 +216,9 @@ def make_units(n: int, seed: int = 0) -> list[tuple[list[dict], str]]:
     """``n`` units: (events of one fresh trajectory with one event mutated, mutation name)."""
     rng = np.random.default_rng(seed)
     seeds = [trajectory_events(CONFIG, i) for i in range(64)]
+    _ENCODED.clear()
+    _ENCODED.update({id(v): (v, encode_b64(v), encode_npy_b64(v))
+                     for evs in seeds for ev in evs for v in ev.values() if isinstance(v, np.ndarray)})
     units = []
     for u in range(n):
         tid = f"fz-{seed}-{u}"

@@ -238,6 +238,42 @@ class PgCluster:
                     raise
                 time.sleep(0.1)
 
+    def is_running(self) -> bool:
+        """The server answers (a cluster a test left in crash recovery gets up to 60 s)."""
+        if self.base_dir is None or not (self.data_dir / "postmaster.pid").exists():
+            return False
+        try:
+            self.wait_ready(60)
+        except psycopg.OperationalError:
+            return False
+        return True
+
+    def reset(self) -> None:
+        """Back to how ``start()`` left it, for the next test sharing this cluster:
+        every database but ``postgres`` dropped (connections terminated), every
+        role but the superuser dropped, every ALTER SYSTEM setting a test made
+        reset and the configuration reloaded. The server is not restarted."""
+        ours = set(SERVER_SETTINGS) | {"port", "unix_socket_directories"}
+        with self._admin() as conn:
+            # settings first: a synchronous standby that never comes would hold every commit below
+            conn.execute("SET synchronous_commit TO local")
+            conn.execute("SET statement_timeout TO '60s'")  # a hang becomes an error: the caller starts a new cluster
+            for (name,) in conn.execute(
+                    "SELECT DISTINCT name FROM pg_file_settings WHERE sourcefile LIKE '%%postgresql.auto.conf'"
+            ).fetchall():
+                if name not in ours:
+                    conn.execute(f"ALTER SYSTEM RESET {name}")
+            conn.execute("SELECT pg_reload_conf()")
+            for (name,) in conn.execute(
+                    "SELECT datname FROM pg_database WHERE datname NOT IN ('postgres', 'template0', 'template1')"
+            ).fetchall():
+                conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+            for (name,) in conn.execute(
+                    "SELECT rolname FROM pg_roles WHERE rolname <> %s AND rolname NOT LIKE 'pg\\_%%'",
+                    (SUPERUSER,)).fetchall():
+                conn.execute(f'DROP OWNED BY "{name}"')
+                conn.execute(f'DROP ROLE "{name}"')
+
     def __enter__(self) -> PgCluster:
         self.start()
         return self

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
 import sqlalchemy as sa
+
+from pg_cluster import crash_cluster, start_cluster_again
 
 
 def _scalar(url: str, sql: str) -> object:
@@ -71,3 +74,46 @@ def test_store_url_yields_both_backends(store_url: str) -> None:
     dialect = sa.engine.make_url(store_url).get_backend_name()
     assert dialect in {"sqlite", "postgresql"}
     assert _scalar(store_url, "SELECT 1") == 1
+
+
+# --- the fault cluster: shared by tests that kill backends, change settings, restart the server ---
+
+def test_fault_cluster_is_not_the_main_cluster(pg_cluster, fault_cluster) -> None:
+    assert fault_cluster.port != pg_cluster.port and fault_cluster.data_dir != pg_cluster.data_dir
+
+
+def _fault_cluster_state(cluster) -> tuple:
+    with cluster._admin() as conn:
+        dbs = sorted(r[0] for r in conn.execute("SELECT datname FROM pg_database"))
+        roles = sorted(r[0] for r in conn.execute("SELECT rolname FROM pg_roles WHERE rolname NOT LIKE 'pg\\_%'"))
+        standby = conn.execute("SHOW synchronous_standby_names").fetchone()[0]
+    return dbs, roles, standby
+
+
+@pytest.mark.parametrize("leaves", ["settings", "crashed", "stopped", "just-objects"])
+def test_fault_cluster_is_handed_over_clean(fault_cluster, leaves) -> None:
+    """What one test leaves behind (a database, a role owning a table, an ALTER
+    SYSTEM setting, a crashed or stopped server), the next gets none of: whichever
+    test checks what the one before left (in the order of the parameters)."""
+    state = _fault_cluster_state(fault_cluster)
+    assert state == (["postgres", "template0", "template1"], ["postgres"], ""), state
+    url = fault_cluster.create_database()
+    with fault_cluster._admin() as conn:
+        conn.execute("CREATE ROLE leftover LOGIN")
+    engine = sa.create_engine(url)
+    try:
+        with engine.begin() as conn:
+            conn.execute(sa.text("CREATE TABLE t (id int)"))
+            conn.execute(sa.text("ALTER TABLE t OWNER TO leftover"))
+    finally:
+        engine.dispose()
+    fault_cluster.alter_system("synchronous_standby_names", "nobody")
+    if leaves == "crashed":
+        crash_cluster(fault_cluster)
+        start_cluster_again(fault_cluster)
+    elif leaves == "stopped":
+        crash_cluster(fault_cluster)
+    if leaves != "stopped":
+        fault_cluster.wait_ready()
+        with fault_cluster._admin() as conn:  # the port survives a restart, the setting is there
+            assert conn.execute("SHOW synchronous_standby_names").fetchone()[0] == "nobody"

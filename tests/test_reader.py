@@ -12,11 +12,14 @@ Run as a script, this file is the other process of the tests:
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import os
 import random
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 from typing import Any
@@ -351,6 +354,36 @@ def test_only_samples_below_every_shard_checkpoint_are_read(store):
         next(SampleReader(store, batch_size=4, num_shards=1))
 
 
+@contextlib.contextmanager
+def _ends_once_drained(reader: SampleReader, producer: subprocess.Popen, idle_s: float = 0.5):
+    """Test-side only: while the producer runs, the follow reader keeps its long idle
+    timeout (the producer's gaps on a shared CPU); once the producer has exited (all
+    it wrote is committed) and the reader has finished a poll begun after that which
+    found nothing, nothing more can arrive: the timeout becomes ``idle_s`` so the
+    reader ends now rather than idling out the long one. A reader that missed a
+    sample still ends with it missing (or, stuck, after the long timeout)."""
+    done = threading.Event()
+
+    def shorten() -> None:
+        while producer.poll() is None:
+            if done.wait(0.05):
+                return
+        polls = reader.stats.polls
+        # the first poll counted after this may have begun before the exit; the second began after it
+        while reader.stats.polls < polls + 2:
+            if done.wait(0.01):
+                return
+        reader.config = dataclasses.replace(reader.config, timeout_s=idle_s)
+
+    watcher = threading.Thread(target=shorten, daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        done.set()
+        watcher.join()
+
+
 @pytest.mark.parametrize("config", [{"batch_size": 3}, {"batch_size": 8, "keep_groups": True, "group_size": GROUP_SIZE}],
                          ids=["samples", "groups"])
 def test_follow_sees_every_sample_once_while_another_process_writes(store, config):
@@ -363,7 +396,8 @@ def test_follow_sees_every_sample_once_while_another_process_writes(store, confi
         while producer.poll() is None and not any(True for _ in store.samples(batch_size=1)):
             time.sleep(0.05)
         reader = SampleReader(store, follow=True, timeout_s=20.0, poll_interval_s=0.05, **config)
-        steps = [[keys(batch)] for batch in reader]
+        with _ends_once_drained(reader, producer):
+            steps = [[keys(batch)] for batch in reader]
     finally:
         _, err = producer.communicate(timeout=120)
     assert producer.returncode == 0, err[-2000:]

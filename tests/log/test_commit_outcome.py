@@ -1,7 +1,8 @@
 """The PostgreSQL backend running an append's COMMIT is killed with SIGKILL.
 
-Two real cases, each in its own throwaway cluster (a killed backend makes the
-postmaster restart every session):
+Two real cases, in the suite's fault cluster (``fault_cluster`` in
+tests/conftest.py, never the main one: a killed backend makes the postmaster
+restart every session):
 
 * the commit record was already written (the backend waits for a synchronous
   standby that does not exist): the append landed, so it is acknowledged and
@@ -35,17 +36,15 @@ APPENDER = "appender"
 
 
 @pytest.fixture
-def cluster():
-    if os.environ.get("TRAJSTORE_SKIP_POSTGRES") == "1":
-        pytest.skip("TRAJSTORE_SKIP_POSTGRES=1")
-    with PgCluster() as c:
-        with _admin(c) as conn:
-            # everyone commits locally, the appender role waits for a synchronous standby when one is named
-            conn.execute("ALTER SYSTEM SET synchronous_commit = 'local'")
-            conn.execute("SELECT pg_reload_conf()")
-            conn.execute(f"CREATE ROLE {APPENDER} LOGIN SUPERUSER")
-            conn.execute(f"ALTER ROLE {APPENDER} SET synchronous_commit = 'on'")
-        yield c
+def cluster(fault_cluster):
+    """The shared fault cluster (tests/conftest.py), set up for this module; reset for the next test."""
+    with _admin(fault_cluster) as conn:
+        # everyone commits locally, the appender role waits for a synchronous standby when one is named
+        conn.execute("ALTER SYSTEM SET synchronous_commit = 'local'")
+        conn.execute("SELECT pg_reload_conf()")
+        conn.execute(f"CREATE ROLE {APPENDER} LOGIN SUPERUSER")
+        conn.execute(f"ALTER ROLE {APPENDER} SET synchronous_commit = 'on'")
+    return fault_cluster
 
 
 def _admin(c: PgCluster, dbname: str = "postgres") -> psycopg.Connection:
@@ -55,6 +54,23 @@ def _admin(c: PgCluster, dbname: str = "postgres") -> psycopg.Connection:
             return psycopg.connect(host="127.0.0.1", port=c.port, user="postgres", dbname=dbname,
                                    autocommit=True, connect_timeout=5)
         except psycopg.OperationalError:  # in crash recovery after the kill
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+def _admin_run(c: PgCluster, *statements: str, dbname: str = "postgres") -> None:
+    """Run idempotent ``statements``, again on a new connection when the one used
+    is cut: right after a kill -9 a connection can open before the postmaster
+    ends every session for crash recovery."""
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            with _admin(c, dbname) as conn:
+                for sql in statements:
+                    conn.execute(sql)
+            return
+        except psycopg.OperationalError:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.2)
@@ -132,9 +148,8 @@ def test_commit_that_landed_before_the_kill_is_acknowledged_and_keeps_its_payloa
     time.sleep(0.5)  # let every backend read the new setting
     t, out = _append_in_thread(store, _trajectory("during"))
     _kill_backend_when(cluster, "wait_event = 'SyncRep'")  # commit record written, waiting for the standby
-    with _admin(cluster) as conn:  # after crash recovery: no more waiting for a standby
-        conn.execute("ALTER SYSTEM RESET synchronous_standby_names")
-        conn.execute("SELECT pg_reload_conf()")
+    # after crash recovery: no more waiting for a standby
+    _admin_run(cluster, "ALTER SYSTEM RESET synchronous_standby_names", "SELECT pg_reload_conf()")
     t.join(timeout=120)
     assert not t.is_alive()
     # The commit landed: the append is acknowledged (no error to retry).
@@ -168,8 +183,7 @@ def test_commit_killed_before_it_landed_is_retriable_and_leaves_the_payload_to_g
     assert "\n" not in str(err)
     orphans = {name for name, _ in store.payload.list_names()} - files_before
     assert len(orphans) == 1, "the payload of an uncertain commit must be kept"
-    with _admin(cluster, dbname) as conn:
-        conn.execute("DROP TRIGGER hold_commit ON segments")
+    _admin_run(cluster, "DROP TRIGGER IF EXISTS hold_commit ON segments", dbname=dbname)
     assert _append_retrying(store, _trajectory("during")).num_appended == 4
     assert store.collect_garbage(grace_s=0) == sorted(orphans)
     _assert_every_acknowledged_payload_present(store, ["before", "during"])

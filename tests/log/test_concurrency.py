@@ -35,15 +35,19 @@ def _tail(store, stop: threading.Event, seen: list[int]) -> None:
 @pytest.mark.slow
 def test_eight_processes_append_concurrently_to_postgres(fresh_pg_url, tmp_path):
     payload = str(tmp_path / "payload")
+    trajstore.connect(fresh_pg_url, payload=payload).close()  # migrated once, before the writers
+    # Forked (spawned, each writer spent ~2.5 s CPU importing trajstore and, at
+    # its first append, pyarrow's pandas): forked before this process holds a
+    # connection or starts a thread, each a real process with its own connections.
+    ctx = mp.get_context("fork")
+    procs = [ctx.Process(target=concurrent_writer, args=(fresh_pg_url, payload, w, TRAJECTORIES)) for w in range(WRITERS)]
+    for p in procs:
+        p.start()
     store = trajstore.connect(fresh_pg_url, payload=payload)
     seen: list[int] = []
     stop = threading.Event()
     tailer = threading.Thread(target=_tail, args=(store, stop, seen))
     tailer.start()
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=concurrent_writer, args=(fresh_pg_url, payload, w, TRAJECTORIES)) for w in range(WRITERS)]
-    for p in procs:
-        p.start()
     for p in procs:
         p.join(timeout=600)
         assert p.exitcode == 0

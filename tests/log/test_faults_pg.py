@@ -255,104 +255,100 @@ def _store_contents(url: str, payload: str):
 @pytest.mark.slow
 @pytest.mark.postgres
 @pytest.mark.timeout(300)
-def test_acknowledged_events_survive_backend_kills_during_commit_and_restarts(tmp_path):
-    if os.environ.get("TRAJSTORE_SKIP_POSTGRES") == "1":
-        pytest.skip("TRAJSTORE_SKIP_POSTGRES=1")
-    from pg_cluster import PgCluster  # tests/ is on sys.path under pytest only, not in the writers
-
+def test_acknowledged_events_survive_backend_kills_during_commit_and_restarts(tmp_path, fault_cluster):
     t0 = time.monotonic()
     rng = random.Random(9)
     out_dir, payload = str(tmp_path), str(tmp_path / "payload")
-    with PgCluster() as cluster:  # its own cluster: the test crashes it
-        url = cluster.create_database("faults")
-        trajstore.connect(url, payload=payload).close()  # migrated before the first fault
-        # Forked, so the writers start at once with trajstore already imported;
-        # each is a real process with its own connections, like a rollout worker.
-        fork = multiprocessing.get_context("fork")
-        procs = [fork.Process(target=_appender, args=(url, payload, out_dir, w), daemon=True)
-                 for w in range(NUM_WRITERS)]
+    cluster = fault_cluster  # not the suite's main cluster: the test kills backends and restarts the server
+    url = cluster.create_database("faults")
+    trajstore.connect(url, payload=payload).close()  # migrated before the first fault
+    # Forked, so the writers start at once with trajstore already imported;
+    # each is a real process with its own connections, like a rollout worker.
+    fork = multiprocessing.get_context("fork")
+    procs = [fork.Process(target=_appender, args=(url, payload, out_dir, w), daemon=True)
+             for w in range(NUM_WRITERS)]
+    for p in procs:
+        p.start()
+    ack_files = [os.path.join(out_dir, f"acked-{w}.txt") for w in range(NUM_WRITERS)]
+    injected = {"held_commits": 0, "commit_kills": 0, "random_kills": 0, "restarts": 0}
+    try:
+        print(f"cluster up, writers started [{time.monotonic() - t0:.1f} s]")
+        _wait_for_acks(out_dir, 2 * NUM_WRITERS, timeout_s=60)
+        print(f"writers appending [{time.monotonic() - t0:.1f} s]")
+        for fault in SCHEDULE:
+            before = len(_lines(ack_files))
+            if fault == "held_commit":
+                injected["held_commits"] += _kill_held_commit(cluster, "faults")
+            elif fault == "commit":
+                injected["commit_kills"] += _kill_a_commit(cluster, "faults", rng)
+            elif fault == "random":
+                _kill_random(cluster, "faults", rng)
+                injected["random_kills"] += 1
+            else:
+                cluster.restart("immediate")
+                injected["restarts"] += 1
+            cluster.wait_ready()
+            _wait_for_acks(out_dir, before + NUM_WRITERS)  # the writers recover before the next fault
+            print(f"{fault} done, writers recovered [{time.monotonic() - t0:.1f} s]")
+    finally:
+        open(os.path.join(out_dir, "stop"), "w").close()
         for p in procs:
-            p.start()
-        ack_files = [os.path.join(out_dir, f"acked-{w}.txt") for w in range(NUM_WRITERS)]
-        injected = {"held_commits": 0, "commit_kills": 0, "random_kills": 0, "restarts": 0}
-        try:
-            print(f"cluster up, writers started [{time.monotonic() - t0:.1f} s]")
-            _wait_for_acks(out_dir, 2 * NUM_WRITERS, timeout_s=60)
-            print(f"writers appending [{time.monotonic() - t0:.1f} s]")
-            for fault in SCHEDULE:
-                before = len(_lines(ack_files))
-                if fault == "held_commit":
-                    injected["held_commits"] += _kill_held_commit(cluster, "faults")
-                elif fault == "commit":
-                    injected["commit_kills"] += _kill_a_commit(cluster, "faults", rng)
-                elif fault == "random":
-                    _kill_random(cluster, "faults", rng)
-                    injected["random_kills"] += 1
-                else:
-                    cluster.restart("immediate")
-                    injected["restarts"] += 1
-                cluster.wait_ready()
-                _wait_for_acks(out_dir, before + NUM_WRITERS)  # the writers recover before the next fault
-                print(f"{fault} done, writers recovered [{time.monotonic() - t0:.1f} s]")
-        finally:
-            open(os.path.join(out_dir, "stop"), "w").close()
-            for p in procs:
-                p.join(timeout=120)
-                if p.is_alive():
-                    p.kill()
-                    p.join()
-        codes = [p.exitcode for p in procs]
+            p.join(timeout=120)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    codes = [p.exitcode for p in procs]
 
-        acked = sorted(int(x) for x in _lines(ack_files))
-        errors = [line.split("\t", 3) for line in _lines(os.path.join(out_dir, f"errors-{w}.txt")
-                                                       for w in range(NUM_WRITERS))]
-        store, rows, segment_rows = _store_contents(url, payload)
-        summary = (f"faults {injected}; {len(acked)} trajectories acknowledged; writer errors "
-                   f"{dict(Counter(kind for kind, _, _, _ in errors))}")
-        print(summary, f"[{time.monotonic() - t0:.1f} s after start]")
-        try:
-            # the faults happened and the writers came through them
-            assert injected["held_commits"] >= 1 and injected["restarts"] == 2, summary
-            assert codes == [0] * NUM_WRITERS, f"writers exited {codes}; {summary}"
-            assert len(acked) >= 4 * NUM_WRITERS and errors, summary
+    acked = sorted(int(x) for x in _lines(ack_files))
+    errors = [line.split("\t", 3) for line in _lines(os.path.join(out_dir, f"errors-{w}.txt")
+                                                   for w in range(NUM_WRITERS))]
+    store, rows, segment_rows = _store_contents(url, payload)
+    summary = (f"faults {injected}; {len(acked)} trajectories acknowledged; writer errors "
+               f"{dict(Counter(kind for kind, _, _, _ in errors))}")
+    print(summary, f"[{time.monotonic() - t0:.1f} s after start]")
+    try:
+        # the faults happened and the writers came through them
+        assert injected["held_commits"] >= 1 and injected["restarts"] == 2, summary
+        assert codes == [0] * NUM_WRITERS, f"writers exited {codes}; {summary}"
+        assert len(acked) >= 4 * NUM_WRITERS and errors, summary
 
-            # every acknowledged event stored exactly once (and nothing unacknowledged half-stored)
-            expected = {trajectory_events(FAULT_CFG, i)[0]["trajectory_id"]: trajectory_events(FAULT_CFG, i)
-                        for i in acked}
-            per_traj: dict[str, int] = {}
-            for tid, _, _ in rows:
-                per_traj[tid] = per_traj.get(tid, 0) + 1
-            for tid, evs in expected.items():
-                assert per_traj.get(tid, 0) == len(evs), f"{tid}: {per_traj.get(tid, 0)} of {len(evs)} events"
-            identities = [ident for _, ident, _ in rows if ident is not None]
-            assert len(identities) == len(set(identities))
+        # every acknowledged event stored exactly once (and nothing unacknowledged half-stored)
+        expected = {trajectory_events(FAULT_CFG, i)[0]["trajectory_id"]: trajectory_events(FAULT_CFG, i)
+                    for i in acked}
+        per_traj: dict[str, int] = {}
+        for tid, _, _ in rows:
+            per_traj[tid] = per_traj.get(tid, 0) + 1
+        for tid, evs in expected.items():
+            assert per_traj.get(tid, 0) == len(evs), f"{tid}: {per_traj.get(tid, 0)} of {len(evs)} events"
+        identities = [ident for _, ident, _ in rows if ident is not None]
+        assert len(identities) == len(set(identities))
 
-            # every index row's payload file is there
-            referenced = {seg for _, _, seg in rows if seg is not None}
-            assert referenced <= segment_rows
-            missing = sorted(s for s in segment_rows if not os.path.exists(store.payload.path(s)))
-            assert not missing, (f"{len(missing)} of {len(segment_rows)} segments the index points at are gone "
-                                 f"(an uncertain COMMIT deleted its payload; issue 9.1): {missing[:3]}; {summary}")
+        # every index row's payload file is there
+        referenced = {seg for _, _, seg in rows if seg is not None}
+        assert referenced <= segment_rows
+        missing = sorted(s for s in segment_rows if not os.path.exists(store.payload.path(s)))
+        assert not missing, (f"{len(missing)} of {len(segment_rows)} segments the index points at are gone "
+                             f"(an uncertain COMMIT deleted its payload; issue 9.1): {missing[:3]}; {summary}")
 
-            # the materializer folds everything, and equals a clean run of the same trajectories
-            stats = store.materialize()
-            assert stats.num_unfoldable == 0
-            got = {(s.trajectory_id, s.sample_index): s for s in store.samples()}
-            clean = trajstore.connect(f"sqlite:///{tmp_path}/clean.db", payload=str(tmp_path / "clean-payload"))
-            stored = sorted(i for i in acked)
-            for i in stored:
-                clean.append(trajectory_events(FAULT_CFG, i))
-            clean_stats = clean.materialize()
-            want = {(s.trajectory_id, s.sample_index): s for s in clean.samples()}
-            clean.close()
-            assert stats.num_trajectories == clean_stats.num_trajectories == len(per_traj)
-            assert got.keys() == want.keys()
-            assert all(got[k].equals(want[k]) for k in want), "samples differ from a clean run"
+        # the materializer folds everything, and equals a clean run of the same trajectories
+        stats = store.materialize()
+        assert stats.num_unfoldable == 0
+        got = {(s.trajectory_id, s.sample_index): s for s in store.samples()}
+        clean = trajstore.connect(f"sqlite:///{tmp_path}/clean.db", payload=str(tmp_path / "clean-payload"))
+        stored = sorted(i for i in acked)
+        for i in stored:
+            clean.append(trajectory_events(FAULT_CFG, i))
+        clean_stats = clean.materialize()
+        want = {(s.trajectory_id, s.sample_index): s for s in clean.samples()}
+        clean.close()
+        assert stats.num_trajectories == clean_stats.num_trajectories == len(per_traj)
+        assert got.keys() == want.keys()
+        assert all(got[k].equals(want[k]) for k in want), "samples differ from a clean run"
 
-            # the writers saw trajstore errors only, and only retriable ones
-            foreign = sorted({kind for kind, is_ours, _, _ in errors if is_ours != "1"})
-            assert not foreign, f"driver errors escaped to the writers: {foreign}; {summary}"
-            refused = sorted({kind for kind, _, retriable, _ in errors if retriable != "1"})
-            assert not refused, f"retries were refused: {refused}; {summary}"
-        finally:
-            store.close()
+        # the writers saw trajstore errors only, and only retriable ones
+        foreign = sorted({kind for kind, is_ours, _, _ in errors if is_ours != "1"})
+        assert not foreign, f"driver errors escaped to the writers: {foreign}; {summary}"
+        refused = sorted({kind for kind, _, retriable, _ in errors if retriable != "1"})
+        assert not refused, f"retries were refused: {refused}; {summary}"
+    finally:
+        store.close()

@@ -43,7 +43,7 @@ GROUP_SIZE = 4
 
 def fill(store, indices, *, materialize_every: int = 7) -> None:
     """Append whole trajectories in the given order; materialize in small batches now and then."""
-    m = Materializer(store, batch_size=3)
+    m = Materializer(store, max_trajectories=3)
     for n, i in enumerate(indices, 1):
         store.append(trajectory_events(CFG, i, version=i // 8))
         if n % materialize_every == 0:
@@ -339,7 +339,7 @@ def test_only_samples_below_every_shard_checkpoint_are_read(store):
     for i in range(12):
         store.append(trajectory_events(CFG, i))
     Materializer(store, shard_index=0, num_shards=2).run()
-    Materializer(store, shard_index=1, num_shards=2, batch_size=4).run(max_steps=1)
+    Materializer(store, shard_index=1, num_shards=2, max_trajectories=4).run(max_steps=1)
     watermark = store.materialized.load_checkpoint(Shard(1, 2))["position"]
     rows = [r for page in store.materialized.iter_sample_rows(where={}, after=None, batch_size=1000) for r in page]
     got = [s for batch in SampleReader(store, batch_size=4, num_shards=2) for s in batch]
@@ -375,7 +375,7 @@ def test_follow_sees_every_sample_once_while_another_process_writes(store, confi
 
 def _produce_main(url: str, payload: str, n: int) -> None:
     store = trajstore.connect(url, payload=payload)
-    m = Materializer(store, batch_size=2)
+    m = Materializer(store, max_trajectories=2)
     for k, i in enumerate(shuffled(n, seed=1)):
         store.append(trajectory_events(CFG, i, version=i // 8))
         if k % 3 == 2:

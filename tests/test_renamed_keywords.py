@@ -1,0 +1,46 @@
+"""Issue 13, one name per meaning: the old keyword names still work for one
+release, with a DeprecationWarning, and mean exactly what the new ones do."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import trajstore
+from trajstore.cli import main
+from trajstore.demo.simulate import RolloutConfig, trajectory_events
+from trajstore.materializer import Materializer
+
+CFG = RolloutConfig(turns=2, prompt_tokens=8, output_tokens=4, observation_tokens=2, layers=2, topk=2, seed=1)
+
+
+@pytest.fixture
+def filled(tmp_path):
+    store = trajstore.connect(f"sqlite:///{tmp_path}/s.db")
+    for i in range(5):
+        store.append(trajectory_events(CFG, i))
+    yield store
+    store.close()
+
+
+def test_materializer_batch_size_is_max_trajectories(filled):
+    with pytest.warns(DeprecationWarning, match="batch_size= is deprecated; use max_trajectories="):
+        old = Materializer(filled, batch_size=2)
+    assert old.max_trajectories == 2
+    assert old.run(max_steps=1).num_trajectories == 2  # one step folds at most two trajectories
+    with pytest.raises(TypeError, match="not both"), pytest.warns(DeprecationWarning):
+        Materializer(filled, batch_size=2, max_trajectories=3)
+
+
+def test_cli_materialize_batch_size_still_works(tmp_path, capsys):
+    url = f"sqlite:///{tmp_path}/s.db"
+    with trajstore.connect(url) as store:
+        for i in range(3):
+            store.append(trajectory_events(CFG, i))
+    assert main(["--store", url, "materialize", "--batch-size", "1"]) == 0
+    out = capsys.readouterr()
+    assert json.loads(out.out)["num_trajectories"] == 3
+    assert "--batch-size is deprecated; use --max-trajectories" in out.err
+    assert main(["--store", url, "materialize", "--max-trajectories", "1"]) == 0
+    assert json.loads(capsys.readouterr().out)["num_trajectories"] == 0

@@ -341,7 +341,7 @@ def test_only_samples_below_every_shard_checkpoint_are_read(store):
     Materializer(store, shard_index=0, num_shards=2).run()
     Materializer(store, shard_index=1, num_shards=2, max_trajectories=4).run(max_steps=1)
     watermark = store.materialized.load_checkpoint(Shard(1, 2))["position"]
-    rows = [r for page in store.materialized.iter_sample_rows(where={}, after=None, batch_size=1000) for r in page]
+    rows = [r for page in store.materialized.iter_sample_rows(where={}, after=None, page_rows=1000) for r in page]
     got = [s for batch in SampleReader(store, batch_size=4, num_shards=2) for s in batch]
     assert keys(got) == [(r["trajectory_id"], r["sample_index"]) for r in rows if r["finished_position"] <= watermark]
     assert 0 < len(got) < len(rows)
@@ -360,7 +360,7 @@ def test_follow_sees_every_sample_once_while_another_process_writes(store, confi
         # Start following once the producer is up (its start-up alone can exceed the
         # follow timeout on a loaded machine); it still writes for seconds after, and
         # its slowest gap under a shared CPU must stay below the idle timeout.
-        while producer.poll() is None and not any(True for _ in store.samples(batch_size=1)):
+        while producer.poll() is None and not any(True for _ in store.samples(page_rows=1)):
             time.sleep(0.05)
         reader = SampleReader(store, follow=True, timeout_s=20.0, poll_interval_s=0.05, **config)
         steps = [[keys(batch)] for batch in reader]

@@ -44,3 +44,11 @@ def test_cli_materialize_batch_size_still_works(tmp_path, capsys):
     assert "--batch-size is deprecated; use --max-trajectories" in out.err
     assert main(["--store", url, "materialize", "--max-trajectories", "1"]) == 0
     assert json.loads(capsys.readouterr().out)["num_trajectories"] == 0
+
+
+def test_store_samples_batch_size_is_page_rows(filled):
+    filled.materialize()
+    new = [s.trajectory_id for s in filled.samples(page_rows=2)]
+    with pytest.warns(DeprecationWarning, match="batch_size= is deprecated; use page_rows="):
+        old = filled.samples(batch_size=2)
+    assert [s.trajectory_id for s in old] == new and len(new) >= 5

@@ -500,7 +500,7 @@ class SampleReader:
         while True:
             found = False
             where = {"max_finished_position": self._watermark() if follow else until}
-            for page in self.store.materialized.iter_sample_rows(where=where, after=after, batch_size=self.config.page_rows):
+            for page in self.store.materialized.iter_sample_rows(where=where, after=after, page_rows=self.config.page_rows):
                 found, after = True, row_key(page[-1])
                 yield from page
             if not follow:
@@ -516,7 +516,7 @@ class SampleReader:
     def _trajectories_before(self, group_id: str, position: int) -> int:
         where = {"group_id": group_id, "max_finished_position": position - 1}
         seen = set()
-        for page in self.store.materialized.iter_sample_rows(where=where, after=None, batch_size=self.config.page_rows):
+        for page in self.store.materialized.iter_sample_rows(where=where, after=None, page_rows=self.config.page_rows):
             seen.update(r["finished_position"] for r in page)
         return len(seen)
 

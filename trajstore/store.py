@@ -228,9 +228,14 @@ class Store:
         return Materializer(self, **kwargs).run()
 
     def samples(self, **filters: Any) -> Iterator:
-        """Materialized samples in order; see ``trajstore._samples.iter_samples`` for filters."""
+        """Materialized samples in order; see ``trajstore._samples.iter_samples`` for filters
+        (``page_rows``: index rows per query; ``batch_size`` is its old, deprecated name)."""
+        from trajstore._deprecated import renamed
         from trajstore._samples import iter_samples
 
+        if "batch_size" in filters:
+            filters["page_rows"] = renamed("batch_size", "page_rows", filters.pop("batch_size"),
+                                           filters.get("page_rows", 256), 256)
         return iter_samples(self, **filters)
 
     def close(self) -> None:

@@ -169,7 +169,7 @@ def test_unreachable_database_is_store_unavailable(store_url, tmp_path):
         url = f"postgresql+psycopg://postgres@127.0.0.1:{free_loopback_port()}/gone"
     log, index = open_sql(*_engines(url))
     for call in (lambda: log.head_position(), lambda: start(log, "a"), lambda: index.load_checkpoint(Shard()),
-                 lambda: list(index.iter_sample_rows(where={}, after=None, batch_size=10))):
+                 lambda: list(index.iter_sample_rows(where={}, after=None, page_rows=10))):
         with pytest.raises(StoreUnavailable) as info:
             call()
         assert "\n" not in str(info.value)
@@ -244,10 +244,10 @@ def test_samples_commit_with_their_checkpoint_and_read_in_order(seam):
     assert index.watermark() == 6 and index.watermark(2) == 6
     with pytest.raises(ValidationError, match="num_shards=3"):
         index.watermark(3)
-    pages = list(index.iter_sample_rows(where={}, after=None, batch_size=2))
+    pages = list(index.iter_sample_rows(where={}, after=None, page_rows=2))
     assert [[(r["trajectory_id"], r["sample_index"]) for r in p] for p in pages] == [[("a", 0), ("a", 1)], [("b", 0)]]
     assert [r["trajectory_id"] for p in index.iter_sample_rows(where={"max_finished_position": 6}, after=(4, 0),
-                                                                batch_size=10) for r in p] == ["a"]
+                                                                page_rows=10) for r in p] == ["a"]
     assert index.count_samples() == 3
     assert "samples-x" in log.referenced_segments()
 

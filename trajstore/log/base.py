@@ -206,9 +206,9 @@ class SampleIndex(ABC):
 
     @abstractmethod
     def iter_sample_rows(self, *, where: Mapping[str, Any], after: tuple[int, int] | None,
-                         batch_size: int) -> Iterator[list[dict[str, Any]]]:
+                         page_rows: int) -> Iterator[list[dict[str, Any]]]:
         """Sample rows matching the filters, in (finished_position, sample_index) order,
-        ``batch_size`` rows per list. ``where`` keys: ``status`` (one or several),
+        ``page_rows`` rows per list (one query each). ``where`` keys: ``status`` (one or several),
         ``min_model_version``, ``max_model_version``, ``group_id``,
         ``trajectory_ids``, ``max_finished_position``; None values are ignored."""
 

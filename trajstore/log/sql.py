@@ -387,7 +387,7 @@ class SqlSampleIndex(SampleIndex):
         self.db.transaction(f"committing samples of shard {key}", body, landed=landed)
 
     def iter_sample_rows(self, *, where: Mapping[str, Any], after: tuple[int, int] | None,
-                         batch_size: int) -> Iterator[list[dict[str, Any]]]:
+                         page_rows: int) -> Iterator[list[dict[str, Any]]]:
         conds = _sample_filters(where)
         cursor = after
         while True:
@@ -396,7 +396,7 @@ class SqlSampleIndex(SampleIndex):
                 fp, si = cursor
                 q = q.where(or_(samples.c.finished_position > fp,
                                 and_(samples.c.finished_position == fp, samples.c.sample_index > si)))
-            q = q.order_by(samples.c.finished_position, samples.c.sample_index).limit(batch_size)
+            q = q.order_by(samples.c.finished_position, samples.c.sample_index).limit(page_rows)
             with self.db.reading("reading sample rows") as conn:
                 rows = [dict(r._mapping) for r in conn.execute(q)]
             if not rows:

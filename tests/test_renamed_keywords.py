@@ -52,3 +52,16 @@ def test_store_samples_batch_size_is_page_rows(filled):
     with pytest.warns(DeprecationWarning, match="batch_size= is deprecated; use page_rows="):
         old = filled.samples(batch_size=2)
     assert [s.trajectory_id for s in old] == new and len(new) >= 5
+
+
+def test_writer_batch_size_is_max_batch_events(tmp_path):
+    from trajstore.ingest.client import Writer
+
+    with trajstore.connect(f"sqlite:///{tmp_path}/w.db") as store:
+        with pytest.warns(DeprecationWarning, match="batch_size= is deprecated; use max_batch_events="):
+            writer = Writer(store, batch_size=3, flush_interval_s=30.0)
+        with writer:
+            assert writer.max_batch_events == 3
+            for ev in trajectory_events(CFG, 0):
+                writer.put(ev)
+        assert store.log.head_position() == len(trajectory_events(CFG, 0))

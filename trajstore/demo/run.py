@@ -35,7 +35,7 @@ def _rollout_worker(url: str, payload: str | None, cfg: RolloutConfig, indices: 
 
     try:
         store = connect(url, payload=payload, migrate=False)
-        with Writer(store, batch_size=32) as writer:
+        with Writer(store, max_batch_events=32) as writer:
             for i in indices:
                 # The policy advances 4 versions over the run, as in async RL.
                 writer.extend(trajectory_events(cfg, i, version=cfg.model_version + i * 4 // total))

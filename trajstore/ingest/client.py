@@ -40,6 +40,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 
+from trajstore._deprecated import renamed
 from trajstore.errors import StoreUnavailable, TrajstoreError, ValidationError
 from trajstore.ingest.sinks import HttpSink, Sink, StoreSink, encode_events, error_from_response, make_sink
 
@@ -64,7 +65,8 @@ class Writer:
 
     ``sink``: ``"http://host:port"`` of the ingest service (bearer ``token``,
     default ``$TRAJSTORE_TOKEN``), a store URL, a ``Store``, or a ``Sink``.
-    A batch closes at ``batch_size`` events, ``max_batch_tokens`` tokens, or
+    A batch closes at ``max_batch_events`` events (``batch_size``: its old,
+    deprecated name), ``max_batch_tokens`` tokens, or
     ``flush_interval_s`` after its first event. Queued plus in-flight events
     are bounded by ``max_pending_events`` and ``max_pending_tokens``.
     Transient failures (connection lost, database restarting, 429/502/503/504)
@@ -80,7 +82,7 @@ class Writer:
         sink: Any = None,
         *,
         token: str | None = None,
-        batch_size: int = 64,
+        max_batch_events: int = 64,
         max_batch_tokens: int = 65_536,
         flush_interval_s: float = 0.05,
         max_pending_events: int = 4096,
@@ -90,10 +92,13 @@ class Writer:
         timeout_s: float = 60.0,
         assign_event_ids: bool = True,
         on_ack: Callable[[list[dict]], None] | None = None,
+        batch_size: int | None = None,
     ) -> None:
+        max_batch_events = renamed("batch_size", "max_batch_events", batch_size, max_batch_events, 64)
         self._sink = make_sink(sink, token, timeout_s)
         self._sink_name = getattr(self._sink, "name", None) or type(self._sink).__name__
-        self.batch_size, self.max_batch_tokens, self.flush_interval_s = batch_size, max_batch_tokens, flush_interval_s
+        self.max_batch_events, self.max_batch_tokens = max_batch_events, max_batch_tokens
+        self.flush_interval_s = flush_interval_s
         self.max_pending_events, self.max_pending_tokens = max_pending_events, max_pending_tokens
         self.put_timeout_s, self.retry_timeout_s = put_timeout_s, retry_timeout_s
         self._on_ack = on_ack
@@ -247,7 +252,7 @@ class Writer:
 
     def _batch_ready(self) -> bool:
         return (
-            len(self._queue) >= self.batch_size
+            len(self._queue) >= self.max_batch_events
             or self._queued_tokens >= self.max_batch_tokens
             or self._closing
             or self._flush_target > self._num_done
@@ -266,7 +271,7 @@ class Writer:
                 self._cond.wait(remaining)
             batch: list[tuple[dict, int]] = []
             n_tokens = 0
-            while self._queue and len(batch) < self.batch_size:
+            while self._queue and len(batch) < self.max_batch_events:
                 if batch and n_tokens + self._queue[0][1] > self.max_batch_tokens:
                     break
                 batch.append(self._queue.popleft())

@@ -115,3 +115,25 @@ def test_log_segments_written_before_0004_still_read():
     [back] = generations_from_log([row], {"s": SegmentRows(table, {0: 0})}, None)
     assert back.token_model_versions is None and back.metadata is None and back.model_version == 4
     assert list(back.output_ids) == [2, 3] and back.finish_reason == "stop"
+
+
+def test_0008_renames_the_concurrency_counter_and_keeps_its_value(store_url, tmp_path):
+    payload = str(tmp_path / "payload")
+    store = trajstore.connect(store_url, payload=payload)
+    store.append([started("a"), gen("a", 0, [1], [2, 3], version=3)])
+    store.close()
+    engine = create_engine(store_url)
+    try:
+        _migrate(engine, "0005", down=True)  # a store made before the rename
+        assert "version" in _columns(engine, "trajectories") and "revision" not in _columns(engine, "trajectories")
+        _migrate(engine, "head")
+        assert "revision" in _columns(engine, "trajectories") and "version" not in _columns(engine, "trajectories")
+        assert _views_answer(engine)["trajectory_summary"] == 1
+        with engine.connect() as conn:
+            assert conn.execute(text("SELECT revision FROM trajectories")).scalar_one() == 2  # started + one call
+    finally:
+        engine.dispose()
+    store = trajstore.connect(store_url, payload=payload)  # the guarded update matches the renamed counter
+    store.append([gen("a", 1, [1, 2, 3, 4], [5], version=4), finished("a")])
+    assert store.trajectory_state("a").revision == 4 and store.trajectory_state("a").status == "completed"
+    store.close()

@@ -55,7 +55,7 @@ class TrajectoryState:
     group_id: str | None
     num_experts: int | None
     status: str = "running"
-    version: int = 0
+    revision: int = 0
     last_seq: int = -1
     reward_mode: str | None = None
     route_layers: int | None = None
@@ -104,7 +104,7 @@ def admit(
         if state is not None:
             raise ValidationError("trajectory already started", rule="already_started")
         new = TrajectoryState(event.trajectory_id, event.group_id, event.num_experts)
-        return Admitted(event, None, replace(new, version=1))
+        return Admitted(event, None, replace(new, revision=1))
     if state is None:
         raise ValidationError("unknown trajectory (no trajectory_started event)", rule="unknown_trajectory")
     if isinstance(event, Reward) and event.event_id is None and state.status != "running" and event.reward == state.reward:
@@ -114,9 +114,9 @@ def admit(
     if state.status != "running":
         raise ValidationError(f"trajectory already finished ({state.status})", rule="finished_trajectory")
     if isinstance(event, TrajectoryFinished):
-        return Admitted(event, None, replace(state, status=event.status, version=state.version + 1))
+        return Admitted(event, None, replace(state, status=event.status, revision=state.revision + 1))
     if isinstance(event, Reward):
-        return Admitted(event, None, replace(state, reward=event.reward, version=state.version + 1))
+        return Admitted(event, None, replace(state, reward=event.reward, revision=state.revision + 1))
     return _admit_generation(event, state, load_sequence)
 
 
@@ -138,7 +138,7 @@ def _admit_generation(
     full = np.concatenate([g.prompt_ids, g.output_ids])
     new_state = replace(
         state,
-        version=state.version + 1,
+        revision=state.revision + 1,
         last_seq=g.seq,
         reward_mode=reward_mode,
         route_layers=layers,

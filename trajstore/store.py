@@ -322,7 +322,7 @@ def _trajectory_writes(admitted: Sequence[Admitted], rows: Mapping[str, Any]) ->
     for tid, a in last.items():
         existing = rows.get(tid)
         row = facts.trajectory_row(a.state, started.get(tid))
-        writes.append(TrajectoryWrite(row, existing["version"] if existing else None))
+        writes.append(TrajectoryWrite(row, existing["revision"] if existing else None))
     return writes
 
 

@@ -252,13 +252,13 @@ class SqlEventLog(EventLog):
                 marks.setdefault(r["trajectory_id"], {})["finished_position"] = r["position"]
         for w in writes:
             row = dict(w.row, **marks.get(w.row["trajectory_id"], {}))
-            if w.expected_version is None:
+            if w.expected_revision is None:
                 conn.execute(insert(trajectories), [row])
                 continue
             res = conn.execute(
                 update(trajectories)
                 .where(trajectories.c.trajectory_id == row["trajectory_id"])
-                .where(trajectories.c.version == w.expected_version)
+                .where(trajectories.c.revision == w.expected_revision)
                 .values(**{k: v for k, v in row.items() if k != "trajectory_id"})
             )
             if res.rowcount != 1:
@@ -364,7 +364,7 @@ class SqlSampleIndex(SampleIndex):
         cps = materializer_checkpoints
 
         def body(conn: Connection) -> None:
-            # The guarded UPDATE is the version check: a concurrent materializer of
+            # The guarded UPDATE is the position check: a concurrent materializer of
             # this shard that moved the checkpoint leaves it matching no row.
             if expected_position == 0 and conn.execute(select(cps.c.shard).where(cps.c.shard == key)).first() is None:
                 conn.execute(insert(cps), [cp])  # a concurrent first commit: primary key race -> StaleState

@@ -71,12 +71,12 @@ def keys(batch) -> list[tuple[str, int]]:
 def drive(readers: list[SampleReader], max_steps: int | None = None,
           schedule: dict | None = None) -> list[list[list[tuple[str, int]]]]:
     """Read the ranks in lockstep: one entry per global step, one key list per rank.
-    ``schedule`` sets current_version = base + steps // every before each step."""
+    ``schedule`` sets current_model_version = base + steps // every before each step."""
     steps = []
     while max_steps is None or len(steps) < max_steps:
         if schedule:
             for r in readers:
-                r.current_version = schedule["base"] + r.stats.steps // schedule["every"]
+                r.current_model_version = schedule["base"] + r.stats.steps // schedule["every"]
         batches = [next(r, None) for r in readers]
         if all(b is None for b in batches):
             break
@@ -120,7 +120,7 @@ RESUME_CONFIGS = {
     # group ids naming two groups each (8 trajectories share an id, 4 make a group)
     "groups-reused-ids": {"batch_size": 4, "keep_groups": True, "group_size": GROUP_SIZE // 2},
     "groups-tokens-stale": {"max_tokens_per_batch": 160, "keep_groups": True, "group_size": GROUP_SIZE,
-                            "max_staleness": 1, "current_version": 3, "status": ["completed"]},
+                            "max_staleness": 1, "current_model_version": 3, "status": ["completed"]},
 }
 # (world size before, batches before the stop, world size after)
 RESUMES = [(2, 2, 2), (2, 3, 3), (3, 2, 1), (1, 5, 4)]
@@ -185,13 +185,13 @@ def _resume_main(path: str) -> None:
 
 
 def test_state_is_small_json_and_carries_the_version(filled):
-    reader = SampleReader(filled, batch_size=4, keep_groups=True, group_size=GROUP_SIZE, current_version=3)
+    reader = SampleReader(filled, batch_size=4, keep_groups=True, group_size=GROUP_SIZE, current_model_version=3)
     next(reader)
     state = reader.state_dict()
     assert len(json.dumps(state)) < 600
     fresh = SampleReader(filled, batch_size=4, keep_groups=True, group_size=GROUP_SIZE)
     fresh.load_state_dict(json.loads(json.dumps(state)))
-    assert fresh.current_version == 3 and fresh.state_dict() == state
+    assert fresh.current_model_version == 3 and fresh.state_dict() == state
 
 
 @pytest.mark.parametrize("change, message", [
@@ -275,7 +275,7 @@ def test_groups_stay_whole_in_one_batch_and_incomplete_groups_wait(store):
 
 def test_stale_units_are_skipped_and_counted(filled):
     samples = list(filled.samples())
-    reader = SampleReader(filled, batch_size=5, max_staleness=1, current_version=4)
+    reader = SampleReader(filled, batch_size=5, max_staleness=1, current_model_version=4)
     got = flat([[keys(b)] for b in reader])
     fresh = [(s.trajectory_id, s.sample_index) for s in samples if s.min_model_version >= 3]
     assert got == fresh
@@ -288,16 +288,16 @@ def test_stale_groups_are_skipped_whole(filled):
     for s in samples:
         oldest[s.group_id] = min(oldest.get(s.group_id, 99), s.min_model_version)
     reader = SampleReader(filled, batch_size=8, keep_groups=True, group_size=GROUP_SIZE,
-                          max_staleness=1, current_version=4)
+                          max_staleness=1, current_model_version=4)
     got = set(flat([[keys(b)] for b in reader]))
     assert got == {(s.trajectory_id, s.sample_index) for s in samples if oldest[s.group_id] >= 3}
     assert reader.stats.stale_units == sum(1 for v in oldest.values() if v < 3)
 
 
-def test_current_version_applies_from_the_next_step(filled):
+def test_current_model_version_applies_from_the_next_step(filled):
     reader = SampleReader(filled, batch_size=2, max_staleness=0)
     first = next(reader)
-    reader.current_version = 5
+    reader.current_model_version = 5
     rest = [s for batch in reader for s in batch]
     assert all(s.min_model_version >= 5 for s in rest) and first
 
@@ -427,8 +427,8 @@ def test_unmaterialized_trajectories_are_explained(store, caplog):
 
 
 def test_everything_stale_is_explained(filled, caplog):
-    said = _empty_read(caplog, SampleReader(filled, batch_size=4, max_staleness=0, current_version=100))
-    assert len(said) == 1 and "staler than max_staleness=0 at current_version=100" in said[0], said
+    said = _empty_read(caplog, SampleReader(filled, batch_size=4, max_staleness=0, current_model_version=100))
+    assert len(said) == 1 and "staler than max_staleness=0 at current_model_version=100" in said[0], said
 
 
 def test_an_empty_store_is_explained(store, caplog):

@@ -1,7 +1,7 @@
 """The Store: the public entry point (``trajstore.connect``).
 
 It wires the layers together and owns no rule of its own:
-wire dicts → ``events.parse_event`` → identities / idempotency →
+wire dicts → ``events.parse_events`` → identities / idempotency →
 ``admission.admit_batch`` → one payload segment (``payload``) → one index
 transaction (``log``). Folding is ``materializer``'s, reading ``reader``'s.
 """
@@ -22,7 +22,7 @@ from sqlalchemy.exc import ArgumentError
 from trajstore import _facts as facts
 from trajstore._admission import Admitted, TrajectoryState, admit_batch
 from trajstore.errors import CommitUnknownError, ConflictError, ContentionError, StoreUnavailable, ValidationError
-from trajstore.events import Event, Generation, TrajectoryStarted, content_hash, identity_of, parse_event
+from trajstore.events import Event, Generation, TrajectoryStarted, content_hash, identity_of, parse_events
 from trajstore.log.base import EventLog, SampleIndex, StaleState, TrajectoryWrite
 from trajstore.log.sql import first_line, open_sql
 from trajstore.payload import PayloadStore, SegmentRows
@@ -252,14 +252,7 @@ class Store:
 
 
 def _parse_all(events: Iterable[Mapping[str, Any] | Event]) -> list[tuple[Event, str | None]]:
-    out = []
-    for i, obj in enumerate(events):
-        try:
-            ev = parse_event(obj)
-        except ValidationError as e:
-            raise e.at(i) from None
-        out.append((ev, identity_of(ev)))
-    return out
+    return [(ev, identity_of(ev)) for ev in parse_events(events)]
 
 
 class _Digests:

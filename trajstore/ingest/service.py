@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 
 from trajstore.errors import ConflictError, StoreUnavailable, TrajstoreError, ValidationError
-from trajstore.events import Generation, parse_event
+from trajstore.events import Generation, parse_events
 
 __all__ = [
     "DEFAULT_MAX_BODY_BYTES", "DEFAULT_MAX_BYTES_IN_FLIGHT", "ByteBudget", "GroupCommitter", "Metrics",
@@ -275,16 +275,11 @@ def parse_arrow_body(body: bytes) -> tuple[list, int]:
 
 def _parse_events(raw: list) -> tuple[list, int]:
     """Each wire event parsed (a refusal names its index in the body), and their token count."""
-    events, num_tokens = [], 0
-    for i, obj in enumerate(raw):
-        try:
-            event = parse_event(obj)
-        except ValidationError as e:
-            raise _HTTPError.from_error(e.at(i)) from None
-        if isinstance(event, Generation):
-            num_tokens += event.num_tokens
-        events.append(event)
-    return events, num_tokens
+    try:
+        events = parse_events(raw)
+    except ValidationError as e:
+        raise _HTTPError.from_error(e) from None
+    return events, sum(ev.num_tokens for ev in events if isinstance(ev, Generation))
 
 
 def _is_arrow(request: Any) -> bool:

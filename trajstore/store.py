@@ -21,13 +21,14 @@ from sqlalchemy.exc import ArgumentError
 
 from trajstore import _facts as facts
 from trajstore._admission import Admitted, TrajectoryState, admit_batch
-from trajstore.errors import CommitUnknownError, ConflictError, ContentionError, StoreUnavailable, ValidationError
+from trajstore.errors import (CommitUnknownError, ConflictError, ContentionError, StoreUnavailable, ValidationError,
+                              first_line)
 from trajstore.events import Event, Generation, TrajectoryStarted, content_hash, identity_of, parse_events
 from trajstore.log.base import EventLog, SampleIndex, StaleState, TrajectoryWrite
-from trajstore.log.sql import first_line, open_sql
+from trajstore.log.sql import open_sql
 from trajstore.payload import PayloadStore, SegmentRows
 
-__all__ = ["Store", "AppendResult", "connect", "DEFAULT_URL", "resolve_url"]
+__all__ = ["Store", "AppendResult", "connect", "DEFAULT_URL", "dialect_of", "resolve_url"]
 
 DEFAULT_URL = "sqlite:///trajstore-data/trajstore.db"
 _MAX_ATTEMPTS = 20  # re-admissions after losing an optimistic-concurrency race
@@ -81,7 +82,7 @@ class Store:
     def __init__(self, url: str, *, payload: str | None = None, log_compression: str | None = None,
                  migrate: bool = True, create: bool = True) -> None:
         self.url = url
-        backend = _backend(url)
+        backend = dialect_of(url)
         if not create:
             _require_sqlite_file(url)
         write_engine, read_engine = backend.make_engines(url)
@@ -117,7 +118,7 @@ class Store:
             try:
                 return self._append_once(parsed, digests)
             except StaleState as e:
-                last = str(e).strip().splitlines()[0] if str(e).strip() else "stale state"
+                last = first_line(e)
                 continue  # another writer moved a trajectory first: re-read, re-admit
         raise ContentionError(f"gave up after {_MAX_ATTEMPTS} concurrent-write conflicts (last: {last}); retry later")
 
@@ -319,7 +320,10 @@ def _trajectory_writes(admitted: Sequence[Admitted], rows: Mapping[str, Any]) ->
     return writes
 
 
-def _backend(url: str):
+def dialect_of(url: str):
+    """The dialect module for a store URL (``trajstore.log.sqlite`` or
+    ``trajstore.log.postgres``: engines, timeouts, default payload dir);
+    ValidationError (rule ``url``) for anything else."""
     try:
         name = make_url(url).get_backend_name()
     except ArgumentError:
@@ -359,7 +363,7 @@ def _require_schema(url: str, engine: Any) -> None:
             present = sa_inspect(conn).has_table("alembic_version")
     except DBAPIError as e:
         engine.dispose()
-        raise StoreUnavailable(f"cannot open store {_safe(url)}: {str(e.orig).strip().splitlines()[0]}") from None
+        raise StoreUnavailable(f"cannot open store {_safe(url)}: {first_line(e)}") from None
     if not present:
         engine.dispose()
         raise StoreUnavailable(f"no store at {_safe(url)} (trajstore init, ingest or demo makes one)")

@@ -23,7 +23,7 @@ import numpy as np
 
 from trajstore._progress import progress_bar
 from trajstore.demo.simulate import DEMO_CONFIG, RolloutConfig, trajectory_events
-from trajstore.errors import TrajstoreError
+from trajstore.errors import TrajstoreError, first_line
 
 __all__ = ["next_steps", "run_demo"]
 
@@ -42,8 +42,7 @@ def _rollout_worker(url: str, payload: str | None, cfg: RolloutConfig, indices: 
                 done.put(1)
         store.close()
     except BaseException as e:  # one line to the parent, which reports it; no worker traceback
-        lines = str(e).strip().splitlines()
-        done.put(f"{type(e).__name__}: {lines[0] if lines else ''}")
+        done.put(f"{type(e).__name__}: {first_line(e) if str(e).strip() else ''}")
 
 
 def _rollout(url: str, payload: str | None, cfg: RolloutConfig, n: int, workers: int) -> None:

@@ -41,7 +41,7 @@ from typing import Any, Callable, Iterable, Mapping
 import numpy as np
 
 from trajstore._deprecated import renamed
-from trajstore.errors import StoreUnavailable, TrajstoreError, ValidationError
+from trajstore.errors import StoreUnavailable, TrajstoreError, ValidationError, first_line
 from trajstore.ingest.sinks import HttpSink, Sink, StoreSink, encode_events, error_from_response, make_sink
 
 _log = logging.getLogger("trajstore.ingest.client")
@@ -337,7 +337,7 @@ class Writer:
                 error = e
             except Exception as e:
                 if 400 <= getattr(e, "http_status", 500) < 500:  # 401, 403, 404: the same for every request
-                    _log.error("trajstore writer: %s: %s", self._sink_name, _first_line(e))
+                    _log.error("trajstore writer: %s: %s", self._sink_name, first_line(e))
                     raise
                 # One trajectory's part gets a short budget (a service answering 500 while its
                 # database restarts recovers within it); a part of several is split at once.
@@ -345,7 +345,7 @@ class Writer:
                 if num_trajectories > 1 or self._aborted or time.monotonic() + delay > start + budget_s:
                     what = (f"trajectory {events[0].get('trajectory_id')!r}" if num_trajectories == 1
                             else f"a batch of {num_trajectories} trajectories")
-                    wrapped = TrajstoreError(f"{self._sink_name} failed on {what}: {type(e).__name__}: {_first_line(e)}")
+                    wrapped = TrajstoreError(f"{self._sink_name} failed on {what}: {type(e).__name__}: {first_line(e)}")
                     if num_trajectories == 1:
                         _log.warning("trajstore writer: %s", wrapped)
                     raise _Unclassified(wrapped) from None
@@ -357,17 +357,17 @@ class Writer:
                 return
             if not warned:  # one warning per retry burst
                 _log.warning("trajstore writer: cannot send %d events to %s (%s: %s); retrying for up to %g s",
-                             len(events), self._sink_name, type(error).__name__, _first_line(error),
+                             len(events), self._sink_name, type(error).__name__, first_line(error),
                              budget_s)
                 warned = True
             else:
-                _log.debug("trajstore writer: attempt %d to %s failed: %s", attempt, self._sink_name, _first_line(error))
+                _log.debug("trajstore writer: attempt %d to %s failed: %s", attempt, self._sink_name, first_line(error))
             if self._aborted or time.monotonic() + delay > deadline:
                 why = "the writer was closed" if self._aborted else f"{self.retry_timeout_s:g} s of retries"
                 _log.error("trajstore writer: gave up sending %d events to %s after %s: %s",
-                           len(events), self._sink_name, why, _first_line(error))
+                           len(events), self._sink_name, why, first_line(error))
                 raise StoreUnavailable(f"gave up sending {len(events)} events to {self._sink_name} after {why}: "
-                                       f"{_first_line(error)}") from None
+                                       f"{first_line(error)}") from None
             time.sleep(delay)
             delay = min(delay * 2, 2.0)
 
@@ -406,11 +406,6 @@ class _Unclassified(Exception):
     def __init__(self, error: TrajstoreError) -> None:
         super().__init__(str(error))
         self.error = error
-
-
-def _first_line(e: BaseException) -> str:
-    lines = str(e).strip().splitlines()
-    return lines[0] if lines else type(e).__name__
 
 
 def _refused_trajectory(events: list[dict], e: ValidationError) -> Any:

@@ -37,7 +37,8 @@ from typing import Any, Callable, Collection, Iterator, Mapping, Sequence, TypeV
 from sqlalchemy import Connection, Engine, and_, func, insert, or_, select, update
 from sqlalchemy.exc import DataError, DBAPIError, IntegrityError, InterfaceError, OperationalError, StatementError
 
-from trajstore.errors import CommitUnknownError, IndexInvariantError, StoreUnavailable, TrajstoreError, ValidationError
+from trajstore.errors import (CommitUnknownError, IndexInvariantError, StoreUnavailable, TrajstoreError, ValidationError,
+                              first_line)
 from trajstore.log.base import EventLog, SampleIndex, Shard, StaleState, TrajectoryWrite
 from trajstore.schema import (events, log_head, materializer_checkpoints, samples, segments, trajectories,
                               unfoldable_trajectories)
@@ -62,12 +63,6 @@ _RACE_KEYS = {
 def _chunks(items: Sequence[Any], n: int = _CHUNK) -> Iterator[Sequence[Any]]:
     for i in range(0, len(items), n):
         yield items[i : i + n]
-
-
-def first_line(e: BaseException) -> str:
-    """The first line of a (driver) error's message, without SQLAlchemy's decoration."""
-    msg = str(getattr(e, "orig", None) or e).strip().splitlines()
-    return msg[0] if msg else type(e).__name__
 
 
 def translate(e: BaseException, what: str) -> Exception:

@@ -20,15 +20,16 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
 
 from trajstore import _facts as facts
-from trajstore._admission import Admitted, TrajectoryState, admit_batch
+from trajstore._admission import Admitted, TrajectoryState, admit, admit_batch
 from trajstore.errors import (CommitUnknownError, ConflictError, ContentionError, StoreUnavailable, ValidationError,
                               first_line)
-from trajstore.events import Event, Generation, TrajectoryStarted, content_hash, identity_of, parse_events
+from trajstore.events import (Event, Generation, TrajectoryFinished, TrajectoryStarted, content_hash, identity_of,
+                              parse_events)
 from trajstore.log.base import EventLog, SampleIndex, StaleState, TrajectoryWrite
 from trajstore.log.sql import open_sql
 from trajstore.payload import PayloadStore, SegmentRows
 
-__all__ = ["Store", "AppendResult", "connect", "DEFAULT_URL", "dialect_of", "resolve_url"]
+__all__ = ["Store", "AppendCheck", "AppendResult", "connect", "DEFAULT_URL", "dialect_of", "resolve_url"]
 
 DEFAULT_URL = "sqlite:///trajstore-data/trajstore.db"
 _MAX_ATTEMPTS = 20  # re-admissions after losing an optimistic-concurrency race
@@ -121,6 +122,19 @@ class Store:
                 last = first_line(e)
                 continue  # another writer moved a trajectory first: re-read, re-admit
         raise ContentionError(f"gave up after {_MAX_ATTEMPTS} concurrent-write conflicts (last: {last}); retry later")
+
+    def check(self, events: Iterable[Mapping[str, Any] | Event]) -> AppendResult:
+        """What ``append(events)`` would do now, without writing anything.
+
+        Raises what ``append`` would (ValidationError naming the event index,
+        trajectory and rule; ConflictError); otherwise returns the counts the
+        append would report (``last_position`` None). Several batches checked
+        as if appended one after the other: ``checker()``."""
+        return self.checker().check(events)
+
+    def checker(self) -> "AppendCheck":
+        """A dry run over successive batches (see ``AppendCheck``)."""
+        return AppendCheck(self)
 
     def _append_once(self, parsed: list[tuple[Event, str | None]], digests: "_Digests") -> AppendResult:
         # identities and trajectory rows in one read (rows of duplicates are unused)
@@ -250,6 +264,63 @@ class Store:
 
     def __repr__(self) -> str:
         return f"Store({_safe(self.url)!r}, payload={self.payload.location!r})"
+
+
+class AppendCheck:
+    """Admission without writing, batch after batch, as if each were appended
+    after the ones before (``Store.checker()``): how ``trajstore ingest``
+    validates a whole file before storing any of it.
+
+    Keeps only each touched trajectory's small tail state, the last token
+    sequence of running ones, and a 16-byte digest per event identity seen;
+    no token arrays of past batches. Events already stored (or seen in an
+    earlier batch) with the same content count as duplicates, as ``append``
+    would skip them."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self._states: dict[str, TrajectoryState | None] = {}
+        self._sequences: dict[str, np.ndarray] = {}  # running trajectories' last sequence (rare path only)
+        self._seen: dict[str, bytes] = {}  # identity -> content digest
+
+    def check(self, events: Iterable[Mapping[str, Any] | Event]) -> AppendResult:
+        """The next batch; raises as ``Store.append`` would (indices within this batch)."""
+        parsed = _parse_all(events)
+        log = self.store.log
+        stored = log.lookup_identities({ident for _, ident in parsed if ident and ident not in self._seen})
+        unknown = {ev.trajectory_id for ev, _ in parsed if ev.trajectory_id not in self._states}
+        if unknown:
+            rows = log.load_trajectories(unknown)
+            self._states.update({tid: facts.state_from_row(rows[tid]) if tid in rows else None for tid in unknown})
+        duplicates = []
+        for i, (ev, ident) in enumerate(parsed):
+            if ident is not None:
+                known, digest = self._seen.get(ident, stored.get(ident)), content_hash(ev)
+                if known is not None:
+                    if known != digest:
+                        what = f"event_id {ev.event_id!r}" if ev.event_id else ident.split(":")[0]
+                        raise ConflictError(f"{what} is already stored with different content",
+                                            index=i, trajectory_id=ev.trajectory_id)
+                    duplicates.append(i)  # a retry of a stored event, or a repeat: append skips it
+                    continue
+                self._seen[ident] = digest
+            try:
+                adm = admit(ev, self._states[ev.trajectory_id], self._sequence)
+            except ValidationError as e:
+                raise e.at(i, ev.trajectory_id) from None
+            self._states[ev.trajectory_id] = adm.state
+            if adm.noop:
+                duplicates.append(i)
+            if isinstance(ev, Generation):
+                self._sequences[ev.trajectory_id] = np.concatenate([ev.prompt_ids, ev.output_ids])
+            elif isinstance(ev, TrajectoryFinished):
+                self._sequences.pop(ev.trajectory_id, None)
+        return AppendResult(len(parsed) - len(duplicates), len(duplicates), None, tuple(duplicates))
+
+    def _sequence(self, trajectory_id: str) -> np.ndarray:
+        if trajectory_id in self._sequences:
+            return self._sequences[trajectory_id]
+        return self.store._current_sequence(trajectory_id)
 
 
 def _parse_all(events: Iterable[Mapping[str, Any] | Event]) -> list[tuple[Event, str | None]]:

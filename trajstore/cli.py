@@ -2,7 +2,7 @@
 
 Every command takes ``--store URL`` (default ``$TRAJSTORE_URL``, else the
 embedded SQLite store in ``./trajstore-data``), ``--payload`` (where the
-Parquet segments live) and ``--debug``, before or after the command's name.
+payload files live: the log's Arrow IPC segments, the samples' Parquet) and ``--debug``, before or after the command's name.
 Only the commands that write (init, ingest, serve, proxy, demo) create a
 store; the others say ``no store at ...``. Errors print one line and exit 1
 (2 for usage); ``--debug`` shows the traceback.

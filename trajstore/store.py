@@ -57,8 +57,9 @@ def connect(url: str | None = None, *, payload: str | None = None, log_compressi
 
     ``url``: ``sqlite:///path.db`` (embedded) or ``postgresql+psycopg://...``;
     None means ``$TRAJSTORE_URL``, else ``sqlite:///trajstore-data/trajstore.db``.
-    ``payload``: where the Parquet segments live (a local path or any pyarrow
-    filesystem URI); None means ``$TRAJSTORE_PAYLOAD_DIR`` for PostgreSQL (else
+    ``payload``: where the payload files live — the log's Arrow IPC segments
+    (uncompressed unless ``log_compression``) and the samples' Parquet — (a
+    local path or any pyarrow filesystem URI); None means ``$TRAJSTORE_PAYLOAD_DIR`` for PostgreSQL (else
     ``./trajstore-payload/<database>``) and ``<db file>.payload/`` for SQLite.
     ``log_compression``: codec of the log's payload files (None, "lz4",
     "zstd"); see ``trajstore.payload.PayloadStore``. Readers need not agree.

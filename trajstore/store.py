@@ -57,9 +57,10 @@ def connect(url: str | None = None, *, payload: str | None = None, log_compressi
 
     ``url``: ``sqlite:///path.db`` (embedded) or ``postgresql+psycopg://...``;
     None means ``$TRAJSTORE_URL``, else ``sqlite:///trajstore-data/trajstore.db``.
-    ``payload``: where the payload files live — the log's Arrow IPC segments
-    (uncompressed unless ``log_compression``) and the samples' Parquet — (a
-    local path or any pyarrow filesystem URI); None means ``$TRAJSTORE_PAYLOAD_DIR`` for PostgreSQL (else
+    ``payload``: where the payload files live (the log's Arrow IPC segments,
+    uncompressed unless ``log_compression``, and the samples' Parquet): a
+    local path or any pyarrow filesystem URI; None means
+    ``$TRAJSTORE_PAYLOAD_DIR`` for PostgreSQL (else
     ``./trajstore-payload/<database>``) and ``<db file>.payload/`` for SQLite.
     ``log_compression``: codec of the log's payload files (None, "lz4",
     "zstd"); see ``trajstore.payload.PayloadStore``. Readers need not agree.
@@ -184,9 +185,7 @@ class Store:
                 if ident in stored or ident in first_in_batch:
                     known = stored[ident] if ident in stored else digests.get(first_in_batch[ident])
                     if known != digests.get(i):
-                        what = f"event_id {ev.event_id!r}" if ev.event_id else ident.split(":")[0]
-                        raise ConflictError(f"{what} is already stored with different content",
-                                            index=i, trajectory_id=ev.trajectory_id)
+                        raise _conflict(ev, ident, i)
                     continue
                 first_in_batch[ident] = i
             fresh.append(i)
@@ -276,7 +275,8 @@ class AppendCheck:
     sequence of running ones, and a 16-byte digest per event identity seen;
     no token arrays of past batches. Events already stored (or seen in an
     earlier batch) with the same content count as duplicates, as ``append``
-    would skip them."""
+    would skip them. After an error the checker is spent (its state has
+    taken the batch's events before the refused one)."""
 
     def __init__(self, store: Store) -> None:
         self.store = store
@@ -299,9 +299,7 @@ class AppendCheck:
                 known, digest = self._seen.get(ident, stored.get(ident)), content_hash(ev)
                 if known is not None:
                     if known != digest:
-                        what = f"event_id {ev.event_id!r}" if ev.event_id else ident.split(":")[0]
-                        raise ConflictError(f"{what} is already stored with different content",
-                                            index=i, trajectory_id=ev.trajectory_id)
+                        raise _conflict(ev, ident, i)
                     duplicates.append(i)  # a retry of a stored event, or a repeat: append skips it
                     continue
                 self._seen[ident] = digest
@@ -322,6 +320,12 @@ class AppendCheck:
         if trajectory_id in self._sequences:
             return self._sequences[trajectory_id]
         return self.store._current_sequence(trajectory_id)
+
+
+def _conflict(ev: Event, ident: str, index: int) -> ConflictError:
+    what = f"event_id {ev.event_id!r}" if ev.event_id else ident.split(":")[0]
+    return ConflictError(f"{what} is already stored with different content", index=index,
+                         trajectory_id=ev.trajectory_id)
 
 
 def _parse_all(events: Iterable[Mapping[str, Any] | Event]) -> list[tuple[Event, str | None]]:

@@ -34,6 +34,7 @@ from trajstore.events import parse_event  # noqa: E402
 from trajstore.fold import fold  # noqa: E402
 from trajstore.payload import binary_column, list_column  # noqa: E402
 from trajstore.demo.simulate import RolloutConfig, trajectory_events  # noqa: E402
+from _proc import reset_peak_rss, rss_kb  # noqa: E402  (bench/ is sys.path[0])
 
 LAYERS, TOPK, EXPERTS = 48, 8, 128
 PROMPT, OUTPUT = 1500, 500  # ~2,000 tokens per event
@@ -143,17 +144,6 @@ def _child(kind: str, arg: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def _rss_kb() -> tuple[int, int]:
-    with open("/proc/self/status") as f:
-        fields = dict(line.split(":", 1) for line in f)
-    return int(fields["VmRSS"].split()[0]), int(fields["VmHWM"].split()[0])
-
-
-def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-
-
 def child_big_event(d: str) -> dict:
     rng = np.random.default_rng(1)
     n = 32768
@@ -165,19 +155,19 @@ def child_big_event(d: str) -> dict:
     size = ev["prompt_ids"].nbytes + ev["output_ids"].nbytes + ev["logprobs"].nbytes + ev["routed_experts"].nbytes
     store = trajstore.connect(f"sqlite:///{d}/big.db")
     store.append([{"type": "trajectory_started", "trajectory_id": "warm"}])  # imports and connections warmed up
-    _reset_peak()
-    rss0, _ = _rss_kb()
+    reset_peak_rss()
+    rss0, _ = rss_kb()
     store.append([{"type": "trajectory_started", "trajectory_id": "big", "num_experts": EXPERTS}, ev])
-    _, peak = _rss_kb()
+    _, peak = rss_kb()
     return {"payload_bytes": size, "peak_extra_bytes": (peak - rss0) * 1024}
 
 
 def child_materialize(url: str) -> dict:
     store = trajstore.connect(url)
-    _reset_peak()
-    rss0, _ = _rss_kb()
+    reset_peak_rss()
+    rss0, _ = rss_kb()
     stats = store.materialize(max_batch_tokens=MATERIALIZE_BATCH_TOKENS)
-    _, peak = _rss_kb()
+    _, peak = rss_kb()
     return {"trajectories": stats.num_trajectories, "peak_rss_kb": peak, "rss_before_kb": rss0}
 
 

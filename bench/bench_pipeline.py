@@ -539,7 +539,7 @@ def insert_unfinished(store, n: int) -> None:
     n_traj = 1000
     with store.log.write_engine.begin() as conn:
         conn.execute(insert(trajectories), [{
-            "trajectory_id": f"run-{i}", "metadata": {}, "status": "running", "version": 1, "last_seq": 99,
+            "trajectory_id": f"run-{i}", "metadata": {}, "status": "running", "revision": 1, "last_seq": 99,
             "seq_len": 0, "seq_hash": b"\0" * 16, "route_len": 0, "started_position": head + 1,
             "created_at": now, "updated_at": now} for i in range(n_traj)])
         for lo in range(0, n, 20_000):

@@ -67,7 +67,7 @@ def build(directory: str, num_trajectories: int) -> tuple[str, str]:
     store = trajstore.connect(url, payload=payload)
     for start in range(0, num_trajectories, 8):
         store.append([ev for i in range(start, min(start + 8, num_trajectories)) for ev in events(i)])
-    Materializer(store, batch_size=16).run()
+    Materializer(store, max_trajectories=16).run()
     store.close()
     return url, payload
 

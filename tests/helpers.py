@@ -38,8 +38,8 @@ def snapshot(store) -> dict[str, Any]:
     with store.log.read_engine.connect() as conn:
         counts = {t.name: conn.execute(select(func.count()).select_from(t)).scalar_one()
                   for t in (events, trajectories, segments, samples, materializer_checkpoints)}
-        versions = dict(conn.execute(select(trajectories.c.trajectory_id, trajectories.c.version)).all())
-    return {"counts": counts, "head": store.log.head_position(), "versions": versions,
+        revisions = dict(conn.execute(select(trajectories.c.trajectory_id, trajectories.c.revision)).all())
+    return {"counts": counts, "head": store.log.head_position(), "revisions": revisions,
             "files": sorted(n for n, _ in store.payload.list_names())}
 
 

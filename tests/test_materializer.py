@@ -249,7 +249,7 @@ def test_sharded_materializers_fold_everything_once(store):
         store.append(trajectory_events(cfg, i))
     from trajstore.materializer import Materializer
 
-    total = sum(Materializer(store, shard_index=k, num_shards=3, batch_size=7).run().num_trajectories for k in range(3))
+    total = sum(Materializer(store, shard_index=k, num_shards=3, max_trajectories=7).run().num_trajectories for k in range(3))
     assert total == 40
     tids = [s.trajectory_id for s in store.samples() if s.sample_index == 0]
     assert sorted(tids) == sorted(set(tids)) and len(tids) == 40
@@ -262,7 +262,7 @@ def _materialize_main(url: str, payload: str) -> None:
     store = trajstore.connect(url, payload=payload)
     from trajstore.materializer import Materializer
 
-    Materializer(store, batch_size=2).run()
+    Materializer(store, max_trajectories=2).run()
 
 
 @pytest.mark.slow

@@ -101,14 +101,14 @@ def test_huge_model_version_wedged_the_materializer_now_recorded(store):
     assert row["error"] == ("OverflowError" if store.url.startswith("sqlite") else "CorruptStoreError")
 
 
-@pytest.mark.parametrize("batch_size", [1, 3, 256])
-def test_bad_trajectories_are_recorded_and_the_others_materialize(store, batch_size):
+@pytest.mark.parametrize("max_trajectories", [1, 3, 256])
+def test_bad_trajectories_are_recorded_and_the_others_materialize(store, max_trajectories):
     kinds = bad_kinds(store)
     good(store, "first")
     for k in kinds:
         BAD[k][0](store, f"bad-{k}")
         good(store, f"after-{k}")
-    stats = Materializer(store, batch_size=batch_size).run()
+    stats = Materializer(store, max_trajectories=max_trajectories).run()
     goods = ["first"] + [f"after-{k}" for k in kinds]
     assert (stats.num_trajectories, stats.num_unfoldable) == (len(goods), len(kinds))
     assert stats.num_steps_before == 2 * len(goods)  # metrics count folded trajectories only
@@ -151,7 +151,7 @@ def test_a_whole_batch_of_bad_trajectories_still_moves_the_checkpoint(store):
 def test_shards_record_their_own_unfoldable_trajectories(store):
     for i in range(12):
         (make_bad_prefix if i % 3 == 0 else good)(store, f"t{i}")
-    totals = [Materializer(store, shard_index=k, num_shards=3, batch_size=2).run() for k in range(3)]
+    totals = [Materializer(store, shard_index=k, num_shards=3, max_trajectories=2).run() for k in range(3)]
     assert sum(t.num_unfoldable for t in totals) == 4 and sum(t.num_trajectories for t in totals) == 8
     rows = unfoldable_rows(store)
     assert sorted(r["trajectory_id"] for r in rows) == ["t0", "t3", "t6", "t9"]

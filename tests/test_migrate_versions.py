@@ -164,3 +164,25 @@ def test_a_0005_store_upgrades_with_the_fold_outcome_backfilled(store_url, tmp_p
     assert [(s.trajectory_id, s.sample_index) for s in store.samples() if s.trajectory_id != "a"] == \
         [("b", 0), ("b", 1), ("b", 2), ("c", 0)]
     store.close()
+
+
+def test_0008_renames_the_concurrency_counter_and_keeps_its_value(store_url, tmp_path):
+    payload = str(tmp_path / "payload")
+    store = trajstore.connect(store_url, payload=payload)
+    store.append([started("a"), gen("a", 0, [1], [2, 3], version=3)])
+    store.close()
+    engine = create_engine(store_url)
+    try:
+        _migrate(engine, "0005", down=True)  # a store made before the rename
+        assert "version" in _columns(engine, "trajectories") and "revision" not in _columns(engine, "trajectories")
+        _migrate(engine, "head")
+        assert "revision" in _columns(engine, "trajectories") and "version" not in _columns(engine, "trajectories")
+        assert _views_answer(engine)["trajectory_summary"] == 1
+        with engine.connect() as conn:
+            assert conn.execute(text("SELECT revision FROM trajectories")).scalar_one() == 2  # started + one call
+    finally:
+        engine.dispose()
+    store = trajstore.connect(store_url, payload=payload)  # the guarded update matches the renamed counter
+    store.append([gen("a", 1, [1, 2, 3, 4], [5], version=4), finished("a")])
+    assert store.trajectory_state("a").revision == 4 and store.trajectory_state("a").status == "completed"
+    store.close()

@@ -46,7 +46,7 @@ GROUP_SIZE = 4
 
 def fill(store, indices, *, materialize_every: int = 7) -> None:
     """Append whole trajectories in the given order; materialize in small batches now and then."""
-    m = Materializer(store, batch_size=3)
+    m = Materializer(store, max_trajectories=3)
     for n, i in enumerate(indices, 1):
         store.append(trajectory_events(CFG, i, version=i // 8))
         if n % materialize_every == 0:
@@ -74,12 +74,12 @@ def keys(batch) -> list[tuple[str, int]]:
 def drive(readers: list[SampleReader], max_steps: int | None = None,
           schedule: dict | None = None) -> list[list[list[tuple[str, int]]]]:
     """Read the ranks in lockstep: one entry per global step, one key list per rank.
-    ``schedule`` sets current_version = base + steps // every before each step."""
+    ``schedule`` sets current_model_version = base + steps // every before each step."""
     steps = []
     while max_steps is None or len(steps) < max_steps:
         if schedule:
             for r in readers:
-                r.current_version = schedule["base"] + r.stats.steps // schedule["every"]
+                r.current_model_version = schedule["base"] + r.stats.steps // schedule["every"]
         batches = [next(r, None) for r in readers]
         if all(b is None for b in batches):
             break
@@ -123,7 +123,7 @@ RESUME_CONFIGS = {
     # group ids naming two groups each (8 trajectories share an id, 4 make a group)
     "groups-reused-ids": {"batch_size": 4, "keep_groups": True, "group_size": GROUP_SIZE // 2},
     "groups-tokens-stale": {"max_tokens_per_batch": 160, "keep_groups": True, "group_size": GROUP_SIZE,
-                            "max_staleness": 1, "current_version": 3, "status": ["completed"]},
+                            "max_staleness": 1, "current_model_version": 3, "status": ["completed"]},
 }
 # (world size before, batches before the stop, world size after)
 RESUMES = [(2, 2, 2), (2, 3, 3), (3, 2, 1), (1, 5, 4)]
@@ -188,13 +188,13 @@ def _resume_main(path: str) -> None:
 
 
 def test_state_is_small_json_and_carries_the_version(filled):
-    reader = SampleReader(filled, batch_size=4, keep_groups=True, group_size=GROUP_SIZE, current_version=3)
+    reader = SampleReader(filled, batch_size=4, keep_groups=True, group_size=GROUP_SIZE, current_model_version=3)
     next(reader)
     state = reader.state_dict()
     assert len(json.dumps(state)) < 600
     fresh = SampleReader(filled, batch_size=4, keep_groups=True, group_size=GROUP_SIZE)
     fresh.load_state_dict(json.loads(json.dumps(state)))
-    assert fresh.current_version == 3 and fresh.state_dict() == state
+    assert fresh.current_model_version == 3 and fresh.state_dict() == state
 
 
 @pytest.mark.parametrize("change, message", [
@@ -278,7 +278,7 @@ def test_groups_stay_whole_in_one_batch_and_incomplete_groups_wait(store):
 
 def test_stale_units_are_skipped_and_counted(filled):
     samples = list(filled.samples())
-    reader = SampleReader(filled, batch_size=5, max_staleness=1, current_version=4)
+    reader = SampleReader(filled, batch_size=5, max_staleness=1, current_model_version=4)
     got = flat([[keys(b)] for b in reader])
     fresh = [(s.trajectory_id, s.sample_index) for s in samples if s.min_model_version >= 3]
     assert got == fresh
@@ -291,16 +291,16 @@ def test_stale_groups_are_skipped_whole(filled):
     for s in samples:
         oldest[s.group_id] = min(oldest.get(s.group_id, 99), s.min_model_version)
     reader = SampleReader(filled, batch_size=8, keep_groups=True, group_size=GROUP_SIZE,
-                          max_staleness=1, current_version=4)
+                          max_staleness=1, current_model_version=4)
     got = set(flat([[keys(b)] for b in reader]))
     assert got == {(s.trajectory_id, s.sample_index) for s in samples if oldest[s.group_id] >= 3}
     assert reader.stats.stale_units == sum(1 for v in oldest.values() if v < 3)
 
 
-def test_current_version_applies_from_the_next_step(filled):
+def test_current_model_version_applies_from_the_next_step(filled):
     reader = SampleReader(filled, batch_size=2, max_staleness=0)
     first = next(reader)
-    reader.current_version = 5
+    reader.current_model_version = 5
     rest = [s for batch in reader for s in batch]
     assert all(s.min_model_version >= 5 for s in rest) and first
 
@@ -342,9 +342,9 @@ def test_only_samples_below_every_shard_checkpoint_are_read(store):
     for i in range(12):
         store.append(trajectory_events(CFG, i))
     Materializer(store, shard_index=0, num_shards=2).run()
-    Materializer(store, shard_index=1, num_shards=2, batch_size=4).run(max_steps=1)
+    Materializer(store, shard_index=1, num_shards=2, max_trajectories=4).run(max_steps=1)
     watermark = store.materialized.load_checkpoint(Shard(1, 2))["position"]
-    rows = [r for page in store.materialized.iter_sample_rows(where={}, after=None, batch_size=1000) for r in page]
+    rows = [r for page in store.materialized.iter_sample_rows(where={}, after=None, page_rows=1000) for r in page]
     got = [s for batch in SampleReader(store, batch_size=4, num_shards=2) for s in batch]
     assert keys(got) == [(r["trajectory_id"], r["sample_index"]) for r in rows if r["finished_position"] <= watermark]
     assert 0 < len(got) < len(rows)
@@ -393,7 +393,7 @@ def test_follow_sees_every_sample_once_while_another_process_writes(store, confi
         # Start following once the producer is up (its start-up alone can exceed the
         # follow timeout on a loaded machine); it still writes for seconds after, and
         # its slowest gap under a shared CPU must stay below the idle timeout.
-        while producer.poll() is None and not any(True for _ in store.samples(batch_size=1)):
+        while producer.poll() is None and not any(True for _ in store.samples(page_rows=1)):
             time.sleep(0.05)
         reader = SampleReader(store, follow=True, timeout_s=20.0, poll_interval_s=0.05, **config)
         with _ends_once_drained(reader, producer):
@@ -409,7 +409,7 @@ def test_follow_sees_every_sample_once_while_another_process_writes(store, confi
 
 def _produce_main(url: str, payload: str, n: int) -> None:
     store = trajstore.connect(url, payload=payload)
-    m = Materializer(store, batch_size=2)
+    m = Materializer(store, max_trajectories=2)
     for k, i in enumerate(shuffled(n, seed=1)):
         store.append(trajectory_events(CFG, i, version=i // 8))
         if k % 3 == 2:
@@ -461,8 +461,8 @@ def test_unmaterialized_trajectories_are_explained(store, caplog):
 
 
 def test_everything_stale_is_explained(filled, caplog):
-    said = _empty_read(caplog, SampleReader(filled, batch_size=4, max_staleness=0, current_version=100))
-    assert len(said) == 1 and "staler than max_staleness=0 at current_version=100" in said[0], said
+    said = _empty_read(caplog, SampleReader(filled, batch_size=4, max_staleness=0, current_model_version=100))
+    assert len(said) == 1 and "staler than max_staleness=0 at current_model_version=100" in said[0], said
 
 
 def test_an_empty_store_is_explained(store, caplog):

@@ -1,5 +1,5 @@
 """store.samples() decodes a bounded run of samples at a time, not its whole
-page: Arrow memory while iterating stays near one run, whatever batch_size is."""
+page: Arrow memory while iterating stays near one run, whatever page_rows is."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def test_samples_iteration_holds_one_chunk_not_the_page(tmp_path, monkeypatch, c
         monkeypatch.setattr(_samples, "READ_CHUNK_TOKENS", chunk_tokens)  # two 2,000-token samples per run
         base = pa.total_allocated_bytes()
         peak, count, ids = 0, 0, []
-        for s in store.samples(batch_size=256):  # one page holds all 32 samples
+        for s in store.samples(page_rows=256):  # one page holds all 32 samples
             peak = max(peak, pa.total_allocated_bytes() - base)
             count += 1
             ids.append(s.trajectory_id)

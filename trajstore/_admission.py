@@ -57,7 +57,7 @@ class TrajectoryState:
     group_id: str | None
     num_experts: int | None
     status: str = "running"
-    version: int = 0
+    revision: int = 0
     last_seq: int = -1
     reward_mode: str | None = None
     route_layers: int | None = None
@@ -125,7 +125,7 @@ def admit(
         if state is not None:
             raise ValidationError("trajectory already started", rule="already_started")
         new = TrajectoryState(event.trajectory_id, event.group_id, event.num_experts)
-        return Admitted(event, None, replace(new, version=1))
+        return Admitted(event, None, replace(new, revision=1))
     if state is None:
         raise ValidationError("unknown trajectory (no trajectory_started event)", rule="unknown_trajectory")
     if isinstance(event, Reward) and event.event_id is None and state.status != "running" and event.reward == state.reward:
@@ -135,9 +135,9 @@ def admit(
     if state.status != "running":
         raise ValidationError(f"trajectory already finished ({state.status})", rule="finished_trajectory")
     if isinstance(event, TrajectoryFinished):
-        return Admitted(event, None, replace(state, status=event.status, version=state.version + 1))
+        return Admitted(event, None, replace(state, status=event.status, revision=state.revision + 1))
     if isinstance(event, Reward):
-        return Admitted(event, None, replace(state, reward=event.reward, version=state.version + 1))
+        return Admitted(event, None, replace(state, reward=event.reward, revision=state.revision + 1))
     return _admit_generation(event, state, load_sequence)
 
 
@@ -149,7 +149,7 @@ def _admit_generation(
         raise ValidationError(f"seq {g.seq} but the next seq is {state.last_seq + 1}", rule=rule)
     step, tail = fold_step(state.tail, g, lambda: load_sequence(g.trajectory_id))
     _check_expert_ids(g, state.num_experts)
-    new_state = replace(state.with_tail(tail), version=state.version + 1, last_seq=g.seq)
+    new_state = replace(state.with_tail(tail), revision=state.revision + 1, last_seq=g.seq)
     return Admitted(g, StoredGeneration.of(g, step), new_state)
 
 

@@ -126,7 +126,7 @@ def trajectory_row(state: TrajectoryState, started: TrajectoryStarted | None) ->
     row: dict[str, Any] = {
         "trajectory_id": state.trajectory_id,
         "status": state.status,
-        "version": state.version,
+        "revision": state.revision,
         "last_seq": state.last_seq,
         "reward_mode": state.reward_mode,
         "route_layers": state.route_layers,
@@ -154,7 +154,7 @@ def state_from_row(row: Mapping[str, Any]) -> TrajectoryState:
         group_id=row["group_id"],
         num_experts=row["num_experts"],
         status=row["status"],
-        version=row["version"],
+        revision=row["revision"],
         last_seq=row["last_seq"],
         reward_mode=row["reward_mode"],
         route_layers=row["route_layers"],

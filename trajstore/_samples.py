@@ -142,13 +142,13 @@ def iter_samples(
     max_model_version: int | None = None,
     group_id: str | None = None,
     trajectory_ids: Iterable[str] | None = None,
-    batch_size: int = 256,
+    page_rows: int = 256,
 ) -> Iterator[Sample]:
     """Materialized samples in their stable order (finished position, sample index).
 
     ``min_model_version`` keeps samples whose oldest token is at least that
     version; ``max_model_version`` those whose newest token is at most that.
-    Memory stays bounded: index rows are read ``batch_size`` at a time, and
+    Memory stays bounded: index rows are read ``page_rows`` at a time, and
     their payload is decoded a run of at most ``READ_CHUNK_TOKENS`` tokens at a
     time (not the whole page: 256 long samples with routes are hundreds of MB)."""
     where = {
@@ -158,7 +158,7 @@ def iter_samples(
         "group_id": group_id,
         "trajectory_ids": list(trajectory_ids) if trajectory_ids is not None else None,
     }
-    for rows in store.materialized.iter_sample_rows(where=where, after=None, batch_size=batch_size):
+    for rows in store.materialized.iter_sample_rows(where=where, after=None, page_rows=page_rows):
         for chunk in token_chunks(rows, READ_CHUNK_TOKENS):
             yield from load_samples(store, chunk)
 

@@ -28,7 +28,7 @@ try:  # SIMD base64 (AVX2/NEON): decodes 25-35x faster than CPython's, same stri
 except ImportError:  # pragma: no cover - pybase64 is a core dependency; stdlib only as a fallback
     _b64 = base64
 
-from trajstore.errors import ValidationError
+from trajstore.errors import ValidationError, first_line
 
 __all__ = ["decode_array", "encode_b64", "encode_npy_b64"]
 
@@ -70,7 +70,7 @@ def _from_list(value: list | tuple, field: str) -> np.ndarray:
     try:
         arr = np.asarray(value)
     except (ValueError, TypeError, OverflowError) as e:  # ragged nesting, too deep, ints beyond float
-        raise ValidationError(f"{field} is not a rectangular list of numbers ({_first_line(e)})",
+        raise ValidationError(f"{field} is not a rectangular list of numbers ({first_line(e, limit=120)})",
                               rule="array_shape") from None
     except RecursionError:
         raise ValidationError(f"{field} is nested too deeply", rule="array_shape") from None
@@ -93,11 +93,6 @@ def _safe_repr(value: Any, limit: int = 40) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _first_line(e: BaseException, limit: int = 120) -> str:
-    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
 def _b64decode(text: Any, field: str) -> bytes:
     if not isinstance(text, (str, bytes)):
         raise ValidationError(f"{field} b64 must be a base64 string, got {type(text).__name__}", rule="array_encoding")
@@ -111,7 +106,7 @@ def _b64decode(text: Any, field: str) -> bytes:
     try:
         return base64.b64decode(text, validate=True)
     except (binascii.Error, ValueError) as e:
-        raise ValidationError(f"{field} is not valid base64 ({_first_line(e)})", rule="array_encoding") from None
+        raise ValidationError(f"{field} is not valid base64 ({first_line(e, limit=120)})", rule="array_encoding") from None
 
 
 def _check_shape(shape: Any, field: str) -> tuple[int, ...]:
@@ -169,7 +164,7 @@ def _from_npy_b64(value: str | bytes, field: str) -> np.ndarray:
         else:
             raise ValueError(f"unsupported .npy version {version}")
     except Exception as e:  # noqa: BLE001 - any failure to read a hostile header is a refusal
-        raise ValidationError(f"{field} is not a base64 .npy file ({_first_line(e)})", rule="array_encoding") from None
+        raise ValidationError(f"{field} is not a base64 .npy file ({first_line(e, limit=120)})", rule="array_encoding") from None
     if dtype.hasobject or dtype.kind not in "biuf" or dtype.fields is not None or dtype.subdtype is not None:
         raise ValidationError(f"{field} .npy holds unsupported dtype {str(dtype)[:40]}", rule="array_dtype")
     shape = _check_shape(shape, field)

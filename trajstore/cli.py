@@ -2,7 +2,7 @@
 
 Every command takes ``--store URL`` (default ``$TRAJSTORE_URL``, else the
 embedded SQLite store in ``./trajstore-data``), ``--payload`` (where the
-Parquet segments live) and ``--debug``, before or after the command's name.
+payload files live: the log's Arrow IPC segments, the samples' Parquet) and ``--debug``, before or after the command's name.
 Only the commands that write (init, ingest, serve, proxy, demo) create a
 store; the others say ``no store at ...``. Errors print one line and exit 1
 (2 for usage); ``--debug`` shows the traceback.
@@ -65,7 +65,11 @@ def _cmd_materialize(args: argparse.Namespace) -> int:
     from trajstore._progress import progress_bar
 
     store = _store(args)
-    m = Materializer(store, shard_index=args.shard, num_shards=args.num_shards, batch_size=args.batch_size)
+    if args.old_batch_size is not None:
+        print("trajstore: --batch-size is deprecated; use --max-trajectories (same meaning)", file=sys.stderr)
+        args.max_trajectories = args.old_batch_size
+    m = Materializer(store, shard_index=args.shard, num_shards=args.num_shards,
+                     max_trajectories=args.max_trajectories)
     with progress_bar("materializing trajectories", total=m.pending()) as advance:
         m.progress = advance
         stats = m.run()
@@ -164,7 +168,9 @@ def _parser() -> argparse.ArgumentParser:
     m = add("materialize", _cmd_materialize, "fold finished trajectories into samples; print the metrics")
     m.add_argument("--shard", type=int, default=0, help="this materializer's shard index (default 0)")
     m.add_argument("--num-shards", type=int, default=1, help="number of materializer shards (default 1)")
-    m.add_argument("--batch-size", type=int, default=256, help="trajectories per transaction (default 256)")
+    m.add_argument("--max-trajectories", type=int, default=256,
+                   help="finished trajectories folded per transaction (default 256)")
+    m.add_argument("--batch-size", type=int, default=None, dest="old_batch_size", help=argparse.SUPPRESS)
     e = add("export", _cmd_export, "write the samples as a Parquet dataset (appears whole or not at all)")
     e.add_argument("dir", help="directory to create with the part-NNNNN.parquet files")
     e.add_argument("--replace", action="store_true", help="replace an earlier export in DIR (atomically)")

@@ -28,6 +28,7 @@ __all__ = [
     "StoreUnavailable",
     "TrajstoreError",
     "ValidationError",
+    "first_line",
 ]
 
 
@@ -114,3 +115,15 @@ class CorruptStoreError(TrajstoreError):
 
 class ResumeStateError(TrajstoreError, ValueError):
     """A reader ``state_dict`` does not match the reader it is loaded into."""
+
+
+def first_line(e: BaseException | str, limit: int | None = None) -> str:
+    """The first non-blank line of an error's message — of the driver error a
+    SQLAlchemy error wraps (``e.orig``) — for one-line messages; cut to
+    ``limit`` characters when given."""
+    if isinstance(e, str):
+        text, fallback = e, "unknown error"
+    else:
+        text, fallback = str(getattr(e, "orig", None) or e), type(e).__name__
+    line = next((part.strip() for part in text.splitlines() if part.strip()), fallback)
+    return line if limit is None or len(line) <= limit else line[: limit - 3] + "..."

@@ -16,7 +16,7 @@ import hashlib
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Union
+from typing import Any, Iterable, Mapping, Union
 
 import numpy as np
 
@@ -33,6 +33,7 @@ __all__ = [
     "content_hash",
     "identity_of",
     "parse_event",
+    "parse_events",
     "routes_dtype",
     "validate_metadata",
 ]
@@ -122,6 +123,17 @@ Event = Union[TrajectoryStarted, Generation, Reward, TrajectoryFinished]
 def routes_dtype(max_id: int) -> np.dtype:
     """SPEC: uint8 when every expert id < 256, else uint16."""
     return np.dtype(np.uint8) if max_id < 256 else np.dtype(np.uint16)
+
+
+def parse_events(objs: Iterable[Any]) -> list[Event]:
+    """``parse_event`` of each; a refusal is located at its index in ``objs``."""
+    out = []
+    for i, obj in enumerate(objs):
+        try:
+            out.append(parse_event(obj))
+        except ValidationError as e:
+            raise e.at(i) from None
+    return out
 
 
 def parse_event(obj: Any) -> Event:

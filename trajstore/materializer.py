@@ -1,7 +1,7 @@
 """The materializer: tails the log and folds finished trajectories, exactly once.
 
 One step:
-  1. read the next ``batch_size`` ``trajectory_finished`` events after this
+  1. read the next ``max_trajectories`` ``trajectory_finished`` events after this
      shard's checkpoint (positions are gap-free, see ``trajstore.log.sql``);
   2. keep the trajectories of this shard (crc32 of the id mod ``num_shards``),
      rebuild their generation commands from the log and fold them (pure);
@@ -31,6 +31,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from trajstore._deprecated import renamed
 from trajstore import _facts as facts
 from trajstore.errors import CorruptStoreError, StoreUnavailable, TrajstoreError
 from trajstore.fold import FoldMetrics, FoldResult, fold
@@ -98,17 +99,22 @@ class Materializer:
         *,
         shard_index: int = 0,
         num_shards: int = 1,
-        batch_size: int = 256,
+        max_trajectories: int = 256,
         max_batch_tokens: int = 262_144,
         progress: Callable[[int], None] | None = None,
+        batch_size: int | None = None,
     ) -> None:
+        """``max_trajectories``: finished trajectories folded per step (one
+        transaction), cut earlier at ``max_batch_tokens`` tokens.
+        ``batch_size`` is its old name (deprecated)."""
+        max_trajectories = renamed("batch_size", "max_trajectories", batch_size, max_trajectories, 256)
         if not 0 <= shard_index < num_shards:
             raise ValueError(f"shard_index {shard_index} not in [0, {num_shards})")
         self.store = store
         self.shard_index = shard_index
         self.num_shards = num_shards
         self.shard = Shard(shard_index, num_shards)
-        self.batch_size = batch_size
+        self.max_trajectories = max_trajectories
         self.max_batch_tokens = max_batch_tokens
         self.progress = progress
 
@@ -134,7 +140,7 @@ class Materializer:
         """Fold one batch; None when nothing is pending."""
         position, cumulative = self._checkpoint()
         finished = self.store.log.read_events(
-            after_position=position, limit=self.batch_size, types=["trajectory_finished"]
+            after_position=position, limit=self.max_trajectories, types=["trajectory_finished"]
         )
         if not finished:
             return None

@@ -34,6 +34,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import warnings
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
@@ -41,6 +42,7 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
+from trajstore._deprecated import renamed
 from trajstore._batch_plan import Key, Step, Unit, UnitBuilder, plan_step, row_key
 from trajstore.errors import ResumeStateError, TrajstoreError, ValidationError
 from trajstore.sample import Sample
@@ -51,7 +53,9 @@ __all__ = ["ReaderConfig", "ReaderStats", "SampleReader", "plan_step"]
 _log = logging.getLogger("trajstore.reader")
 
 STATE_FORMAT = "trajstore.reader"
-STATE_VERSION = 1
+STATE_FORMAT_VERSION = 1
+# Keys states saved before issue 13's renames used; such states still load.
+_LEGACY_KEYS = {"format_version": "version", "current_model_version": "current_version"}
 
 
 @dataclass(frozen=True)
@@ -81,7 +85,7 @@ class ReaderConfig:
     ``loss_mask`` zeroed: they are in the batch (group baselines see them) but
     add no loss. Counted in ``stats.masked_samples``."""
     max_staleness: int | None = None
-    """Skip units whose oldest token is older than ``current_version - max_staleness``."""
+    """Skip units whose oldest token is older than ``current_model_version - max_staleness``."""
     follow: bool = False
     """Keep polling for newly materialized samples (async RL)."""
     timeout_s: float = 60.0
@@ -94,7 +98,7 @@ class ReaderConfig:
     prefetch: bool = True
     """Load the next step's batch in a background thread while this one is
     used (payload decoding releases the GIL). Off with ``max_staleness``,
-    whose next step is planned only once ``current_version`` is set."""
+    whose next step is planned only once ``current_model_version`` is set."""
     read_threads: int = 2
     """Threads decoding one batch's payload from Parquet sample segments (the
     format before Arrow; a Parquet read decodes on one core). Arrow segments
@@ -178,16 +182,18 @@ class SampleReader:
         reader = SampleReader(store, rank=r, world_size=w, batch_size=8, keep_groups=True, group_size=4)
         for batch in reader:                 # list[Sample]
             ...
-            reader.current_version = step    # staleness is judged against this
+            reader.current_model_version = step    # staleness is judged against this
             save(reader.state_dict())        # small JSON; the same on every rank
 
-    ``current_version`` is the trainer's policy version; with ``max_staleness``
-    a unit is skipped when its oldest token is older than ``current_version -
-    max_staleness`` (counted in ``stats``). Set it between batches.
+    ``current_model_version`` is the trainer's policy version; with
+    ``max_staleness`` a unit is skipped when its oldest token is older than
+    ``current_model_version - max_staleness`` (counted in ``stats``). Set it
+    between batches. ``current_version`` is its old, deprecated name.
     """
 
     def __init__(self, store: Any, config: ReaderConfig | None = None, *, rank: int = 0, world_size: int = 1,
-                 current_version: int | None = None, payload: str | None = None, **fields: Any) -> None:
+                 current_model_version: int | None = None, payload: str | None = None,
+                 current_version: int | None = None, **fields: Any) -> None:
         if not isinstance(world_size, int) or world_size < 1 or not isinstance(rank, int) or not 0 <= rank < world_size:
             raise ValidationError(f"rank {rank!r} not in [0, world_size={world_size!r})", rule="reader_config")
         self.config = ReaderConfig(**fields) if config is None else replace(config, **fields)
@@ -198,7 +204,8 @@ class SampleReader:
             store = connect(store, payload=payload, migrate=False, create=False)
         self.store = store
         self.rank, self.world_size = rank, world_size
-        self.current_version = current_version
+        self.current_model_version = renamed("current_version", "current_model_version", current_version,
+                                             current_model_version, None)
         self.stats = ReaderStats()
         self._cursor: Key | None = None
         self._scan_from: Key | None = None
@@ -208,6 +215,19 @@ class SampleReader:
         self._pool: ThreadPoolExecutor | None = None
         self._explained = False  # the reason for yielding nothing is logged once
         self._open_groups: dict[str, list[Any]] = {}
+
+    @property
+    def current_version(self) -> int | None:
+        """Deprecated name of ``current_model_version``."""
+        warnings.warn("current_version is deprecated; use current_model_version (same meaning)",
+                      DeprecationWarning, stacklevel=2)
+        return self.current_model_version
+
+    @current_version.setter
+    def current_version(self, value: int | None) -> None:
+        warnings.warn("current_version is deprecated; use current_model_version (same meaning)",
+                      DeprecationWarning, stacklevel=2)
+        self.current_model_version = value
 
     # -- iteration ---------------------------------------------------------
     def __iter__(self) -> "SampleReader":
@@ -235,7 +255,7 @@ class SampleReader:
             return step, self._load(step.bins[self.rank]) if mine else None
 
         # The next step is planned ahead only when that cannot change it: with
-        # max_staleness it depends on current_version, set after this batch.
+        # max_staleness it depends on current_model_version, set after this batch.
         ahead = self.config.prefetch and self.config.max_staleness is None
         pending = _in_background(produce) if ahead else None
         before = {name: getattr(self.stats, name) for name in ReaderStats._SAVED}
@@ -290,7 +310,7 @@ class SampleReader:
         stale = stats.stale_units - before["stale_units"]
         if stale:
             reasons.append(f"all {stale} units ({stats.stale_samples - before['stale_samples']} samples) were staler "
-                           f"than max_staleness={cfg.max_staleness} at current_version={self.current_version}")
+                           f"than max_staleness={cfg.max_staleness} at current_model_version={self.current_model_version}")
         filtered = stats.filtered_samples - before["filtered_samples"]
         if filtered:
             reasons.append(f"the status filter {list(cfg.status or ())} removed {filtered} samples")
@@ -348,12 +368,12 @@ class SampleReader:
         """Where the next batch starts: a small JSON-able dict, identical on every rank."""
         return {
             "format": STATE_FORMAT,
-            "version": STATE_VERSION,
+            "format_version": STATE_FORMAT_VERSION,
             "fingerprint": self.config.fingerprint(),
             "cursor": None if self._cursor is None else list(self._cursor),
             "scan_from": None if self._scan_from is None else list(self._scan_from),
             "snapshot_position": self._snapshot,
-            "current_version": self.current_version,
+            "current_model_version": self.current_model_version,
             "stats": {name: getattr(self.stats, name) for name in ReaderStats._SAVED},
         }
 
@@ -362,12 +382,13 @@ class SampleReader:
 
         Raises ResumeStateError naming the mismatch when the state is malformed,
         from another format version, or was saved with a different unit
-        sequence (``keep_groups``, ``group_size``, ``status``)."""
+        sequence (``keep_groups``, ``group_size``, ``status``). States saved
+        before the keys were renamed (``version``, ``current_version``) load."""
         _validate_state(state, self.config)
         self._cursor = _key_or_none(state["cursor"])
         self._scan_from = _key_or_none(state["scan_from"])
         self._snapshot = None if self.config.follow else state["snapshot_position"]
-        self.current_version = state["current_version"]
+        self.current_model_version = _get(state, "current_model_version")
         for name in ReaderStats._SAVED:
             setattr(self.stats, name, state["stats"][name])
         self._steps_gen = self._batches = None
@@ -448,8 +469,8 @@ class SampleReader:
     def _skip(self, unit: Unit) -> bool:
         if not unit.kept:
             return True  # every sample filtered out by status
-        version, staleness = self.current_version, self.config.max_staleness
-        return staleness is not None and version is not None and unit.oldest_version < version - staleness
+        current, staleness = self.current_model_version, self.config.max_staleness
+        return staleness is not None and current is not None and unit.oldest_version < current - staleness
 
     def _cost(self, unit: Unit) -> int:
         return unit.num_tokens if self.config.max_tokens_per_batch else len(unit.kept)
@@ -506,7 +527,7 @@ class SampleReader:
         while True:
             found = False
             where = {"max_finished_position": self._watermark() if follow else until}
-            for page in self.store.materialized.iter_sample_rows(where=where, after=after, batch_size=self.config.page_rows):
+            for page in self.store.materialized.iter_sample_rows(where=where, after=after, page_rows=self.config.page_rows):
                 found, after = True, row_key(page[-1])
                 yield from page
             if not follow:
@@ -522,7 +543,7 @@ class SampleReader:
     def _trajectories_before(self, group_id: str, position: int) -> int:
         where = {"group_id": group_id, "max_finished_position": position - 1}
         seen = set()
-        for page in self.store.materialized.iter_sample_rows(where=where, after=None, batch_size=self.config.page_rows):
+        for page in self.store.materialized.iter_sample_rows(where=where, after=None, page_rows=self.config.page_rows):
             seen.update(r["finished_position"] for r in page)
         return len(seen)
 
@@ -551,6 +572,11 @@ def _in_background(fn: Any) -> Future:
     return future
 
 
+def _get(state: dict[str, Any], name: str) -> Any:
+    """A state's value under its name, else under its name before issue 13."""
+    return state[name] if name in state else state[_LEGACY_KEYS[name]]
+
+
 def _key_or_none(value: Any) -> Key | None:
     return None if value is None else (int(value[0]), int(value[1]))
 
@@ -560,11 +586,14 @@ def _validate_state(state: Any, config: ReaderConfig) -> None:
         raise ResumeStateError(f"reader state must be a dict, got {type(state).__name__}")
     if state.get("format") != STATE_FORMAT:
         raise ResumeStateError(f"not a trajstore reader state: format {state.get('format')!r}")
-    if state.get("version") != STATE_VERSION:
-        raise ResumeStateError(f"reader state version {state.get('version')!r} is not the supported {STATE_VERSION}")
-    for name in ("fingerprint", "cursor", "scan_from", "snapshot_position", "current_version", "stats"):
-        if name not in state:
+    for name in ("format_version", "fingerprint", "cursor", "scan_from", "snapshot_position",
+                 "current_model_version", "stats"):
+        if name not in state and _LEGACY_KEYS.get(name) not in state:
             raise ResumeStateError(f"reader state lacks {name!r}")
+    for name in ("format_version", "version"):
+        if name in state and state[name] != STATE_FORMAT_VERSION:
+            raise ResumeStateError(f"reader state format version {state[name]!r} is not the supported "
+                                   f"{STATE_FORMAT_VERSION}")
     saved, mine = state["fingerprint"], config.fingerprint()
     for name, value in mine.items():
         if not isinstance(saved, dict) or saved.get(name) != value:
@@ -577,8 +606,8 @@ def _validate_state(state: Any, config: ReaderConfig) -> None:
             raise ResumeStateError(f"reader state {name} must be null or [finished_position, sample_index], got {value!r}")
     if state["scan_from"] is not None and (state["cursor"] is None or not config.keep_groups):
         raise ResumeStateError(f"reader state scan_from {state['scan_from']!r} needs a cursor and keep_groups")
-    for name in ("snapshot_position", "current_version"):
-        if state[name] is not None and not isinstance(state[name], int):
+    for name in ("snapshot_position", "current_model_version", "current_version"):
+        if state.get(name) is not None and not isinstance(state[name], int):
             raise ResumeStateError(f"reader state {name} must be an integer or null, got {state[name]!r}")
     stats = state["stats"]
     if not isinstance(stats, dict) or any(not isinstance(stats.get(n), int) for n in ReaderStats._SAVED):

@@ -35,7 +35,7 @@ log_head = Table(
 )
 
 # Tail state of each trajectory: everything admission needs to validate the
-# next event without reading payload (the fold's FoldTail is part of it). ``version`` is bumped by every event
+# next event without reading payload (the fold's FoldTail is part of it). ``revision`` is bumped by every event
 # and guards concurrent writers (optimistic concurrency).
 trajectories = Table(
     "trajectories",
@@ -45,7 +45,7 @@ trajectories = Table(
     Column("num_experts", Integer, nullable=True),
     Column("metadata", JSON, nullable=False),
     Column("status", String(16), nullable=False),  # running | completed | truncated | aborted | failed
-    Column("version", Integer, nullable=False),
+    Column("revision", Integer, nullable=False),
     Column("last_seq", Integer, nullable=False),
     Column("reward_mode", String(8), nullable=True),  # scalar | token
     Column("route_layers", Integer, nullable=True),

@@ -1,7 +1,7 @@
 """The Store: the public entry point (``trajstore.connect``).
 
 It wires the layers together and owns no rule of its own:
-wire dicts → ``events.parse_event`` → identities / idempotency →
+wire dicts → ``events.parse_events`` → identities / idempotency →
 ``admission.admit_batch`` → one payload segment (``payload``) → one index
 transaction (``log``). Folding is ``materializer``'s, reading ``reader``'s.
 """
@@ -20,14 +20,16 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
 
 from trajstore import _facts as facts
-from trajstore._admission import Admitted, TrajectoryState, admit_batch
-from trajstore.errors import CommitUnknownError, ConflictError, ContentionError, StoreUnavailable, ValidationError
-from trajstore.events import Event, Generation, TrajectoryStarted, content_hash, identity_of, parse_event
+from trajstore._admission import Admitted, TrajectoryState, admit, admit_batch
+from trajstore.errors import (CommitUnknownError, ConflictError, ContentionError, StoreUnavailable, ValidationError,
+                              first_line)
+from trajstore.events import (Event, Generation, TrajectoryFinished, TrajectoryStarted, content_hash, identity_of,
+                              parse_events)
 from trajstore.log.base import EventLog, SampleIndex, StaleState, TrajectoryWrite
-from trajstore.log.sql import first_line, open_sql
+from trajstore.log.sql import open_sql
 from trajstore.payload import PayloadStore, SegmentRows
 
-__all__ = ["Store", "AppendResult", "connect", "DEFAULT_URL", "resolve_url"]
+__all__ = ["Store", "AppendCheck", "AppendResult", "connect", "DEFAULT_URL", "dialect_of", "resolve_url"]
 
 DEFAULT_URL = "sqlite:///trajstore-data/trajstore.db"
 _MAX_ATTEMPTS = 20  # re-admissions after losing an optimistic-concurrency race
@@ -55,8 +57,10 @@ def connect(url: str | None = None, *, payload: str | None = None, log_compressi
 
     ``url``: ``sqlite:///path.db`` (embedded) or ``postgresql+psycopg://...``;
     None means ``$TRAJSTORE_URL``, else ``sqlite:///trajstore-data/trajstore.db``.
-    ``payload``: where the Parquet segments live (a local path or any pyarrow
-    filesystem URI); None means ``$TRAJSTORE_PAYLOAD_DIR`` for PostgreSQL (else
+    ``payload``: where the payload files live (the log's Arrow IPC segments,
+    uncompressed unless ``log_compression``, and the samples' Parquet): a
+    local path or any pyarrow filesystem URI; None means
+    ``$TRAJSTORE_PAYLOAD_DIR`` for PostgreSQL (else
     ``./trajstore-payload/<database>``) and ``<db file>.payload/`` for SQLite.
     ``log_compression``: codec of the log's payload files (None, "lz4",
     "zstd"); see ``trajstore.payload.PayloadStore``. Readers need not agree.
@@ -81,7 +85,7 @@ class Store:
     def __init__(self, url: str, *, payload: str | None = None, log_compression: str | None = None,
                  migrate: bool = True, create: bool = True) -> None:
         self.url = url
-        backend = _backend(url)
+        backend = dialect_of(url)
         if not create:
             _require_sqlite_file(url)
         write_engine, read_engine = backend.make_engines(url)
@@ -117,9 +121,22 @@ class Store:
             try:
                 return self._append_once(parsed, digests)
             except StaleState as e:
-                last = str(e).strip().splitlines()[0] if str(e).strip() else "stale state"
+                last = first_line(e)
                 continue  # another writer moved a trajectory first: re-read, re-admit
         raise ContentionError(f"gave up after {_MAX_ATTEMPTS} concurrent-write conflicts (last: {last}); retry later")
+
+    def check(self, events: Iterable[Mapping[str, Any] | Event]) -> AppendResult:
+        """What ``append(events)`` would do now, without writing anything.
+
+        Raises what ``append`` would (ValidationError naming the event index,
+        trajectory and rule; ConflictError); otherwise returns the counts the
+        append would report (``last_position`` None). Several batches checked
+        as if appended one after the other: ``checker()``."""
+        return self.checker().check(events)
+
+    def checker(self) -> "AppendCheck":
+        """A dry run over successive batches (see ``AppendCheck``)."""
+        return AppendCheck(self)
 
     def _append_once(self, parsed: list[tuple[Event, str | None]], digests: "_Digests") -> AppendResult:
         # identities and trajectory rows in one read (rows of duplicates are unused)
@@ -168,9 +185,7 @@ class Store:
                 if ident in stored or ident in first_in_batch:
                     known = stored[ident] if ident in stored else digests.get(first_in_batch[ident])
                     if known != digests.get(i):
-                        what = f"event_id {ev.event_id!r}" if ev.event_id else ident.split(":")[0]
-                        raise ConflictError(f"{what} is already stored with different content",
-                                            index=i, trajectory_id=ev.trajectory_id)
+                        raise _conflict(ev, ident, i)
                     continue
                 first_in_batch[ident] = i
             fresh.append(i)
@@ -228,9 +243,14 @@ class Store:
         return Materializer(self, **kwargs).run()
 
     def samples(self, **filters: Any) -> Iterator:
-        """Materialized samples in order; see ``trajstore._samples.iter_samples`` for filters."""
+        """Materialized samples in order; see ``trajstore._samples.iter_samples`` for filters
+        (``page_rows``: index rows per query; ``batch_size`` is its old, deprecated name)."""
+        from trajstore._deprecated import renamed
         from trajstore._samples import iter_samples
 
+        if "batch_size" in filters:
+            filters["page_rows"] = renamed("batch_size", "page_rows", filters.pop("batch_size"),
+                                           filters.get("page_rows", 256), 256)
         return iter_samples(self, **filters)
 
     def close(self) -> None:
@@ -246,15 +266,70 @@ class Store:
         return f"Store({_safe(self.url)!r}, payload={self.payload.location!r})"
 
 
+class AppendCheck:
+    """Admission without writing, batch after batch, as if each were appended
+    after the ones before (``Store.checker()``): how ``trajstore ingest``
+    validates a whole file before storing any of it.
+
+    Keeps only each touched trajectory's small tail state, the last token
+    sequence of running ones, and a 16-byte digest per event identity seen;
+    no token arrays of past batches. Events already stored (or seen in an
+    earlier batch) with the same content count as duplicates, as ``append``
+    would skip them. After an error the checker is spent (its state has
+    taken the batch's events before the refused one)."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self._states: dict[str, TrajectoryState | None] = {}
+        self._sequences: dict[str, np.ndarray] = {}  # running trajectories' last sequence (rare path only)
+        self._seen: dict[str, bytes] = {}  # identity -> content digest
+
+    def check(self, events: Iterable[Mapping[str, Any] | Event]) -> AppendResult:
+        """The next batch; raises as ``Store.append`` would (indices within this batch)."""
+        parsed = _parse_all(events)
+        log = self.store.log
+        stored = log.lookup_identities({ident for _, ident in parsed if ident and ident not in self._seen})
+        unknown = {ev.trajectory_id for ev, _ in parsed if ev.trajectory_id not in self._states}
+        if unknown:
+            rows = log.load_trajectories(unknown)
+            self._states.update({tid: facts.state_from_row(rows[tid]) if tid in rows else None for tid in unknown})
+        duplicates = []
+        for i, (ev, ident) in enumerate(parsed):
+            if ident is not None:
+                known, digest = self._seen.get(ident, stored.get(ident)), content_hash(ev)
+                if known is not None:
+                    if known != digest:
+                        raise _conflict(ev, ident, i)
+                    duplicates.append(i)  # a retry of a stored event, or a repeat: append skips it
+                    continue
+                self._seen[ident] = digest
+            try:
+                adm = admit(ev, self._states[ev.trajectory_id], self._sequence)
+            except ValidationError as e:
+                raise e.at(i, ev.trajectory_id) from None
+            self._states[ev.trajectory_id] = adm.state
+            if adm.noop:
+                duplicates.append(i)
+            if isinstance(ev, Generation):
+                self._sequences[ev.trajectory_id] = np.concatenate([ev.prompt_ids, ev.output_ids])
+            elif isinstance(ev, TrajectoryFinished):
+                self._sequences.pop(ev.trajectory_id, None)
+        return AppendResult(len(parsed) - len(duplicates), len(duplicates), None, tuple(duplicates))
+
+    def _sequence(self, trajectory_id: str) -> np.ndarray:
+        if trajectory_id in self._sequences:
+            return self._sequences[trajectory_id]
+        return self.store._current_sequence(trajectory_id)
+
+
+def _conflict(ev: Event, ident: str, index: int) -> ConflictError:
+    what = f"event_id {ev.event_id!r}" if ev.event_id else ident.split(":")[0]
+    return ConflictError(f"{what} is already stored with different content", index=index,
+                         trajectory_id=ev.trajectory_id)
+
+
 def _parse_all(events: Iterable[Mapping[str, Any] | Event]) -> list[tuple[Event, str | None]]:
-    out = []
-    for i, obj in enumerate(events):
-        try:
-            ev = parse_event(obj)
-        except ValidationError as e:
-            raise e.at(i) from None
-        out.append((ev, identity_of(ev)))
-    return out
+    return [(ev, identity_of(ev)) for ev in parse_events(events)]
 
 
 class _Digests:
@@ -317,11 +392,14 @@ def _trajectory_writes(admitted: Sequence[Admitted], rows: Mapping[str, Any]) ->
     for tid, a in last.items():
         existing = rows.get(tid)
         row = facts.trajectory_row(a.state, started.get(tid))
-        writes.append(TrajectoryWrite(row, existing["version"] if existing else None))
+        writes.append(TrajectoryWrite(row, existing["revision"] if existing else None))
     return writes
 
 
-def _backend(url: str):
+def dialect_of(url: str):
+    """The dialect module for a store URL (``trajstore.log.sqlite`` or
+    ``trajstore.log.postgres``: engines, timeouts, default payload dir);
+    ValidationError (rule ``url``) for anything else."""
     try:
         name = make_url(url).get_backend_name()
     except ArgumentError:
@@ -361,7 +439,7 @@ def _require_schema(url: str, engine: Any) -> None:
             present = sa_inspect(conn).has_table("alembic_version")
     except DBAPIError as e:
         engine.dispose()
-        raise StoreUnavailable(f"cannot open store {_safe(url)}: {str(e.orig).strip().splitlines()[0]}") from None
+        raise StoreUnavailable(f"cannot open store {_safe(url)}: {first_line(e)}") from None
     if not present:
         engine.dispose()
         raise StoreUnavailable(f"no store at {_safe(url)} (trajstore init, ingest or demo makes one)")

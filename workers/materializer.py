@@ -21,9 +21,9 @@ from trajstore.store import connect
 
 
 def run(store_url: str | None, *, shard: int, num_shards: int, poll_s: float, stop: threading.Event,
-        payload: str | None = None, batch_size: int = 256) -> None:
+        payload: str | None = None, max_trajectories: int = 256) -> None:
     store = connect(store_url, payload=payload)
-    m = Materializer(store, shard_index=shard, num_shards=num_shards, batch_size=batch_size)
+    m = Materializer(store, shard_index=shard, num_shards=num_shards, max_trajectories=max_trajectories)
     try:
         while not stop.is_set():
             stats = m.run(max_steps=1)
@@ -42,14 +42,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shard", type=int, default=0)
     p.add_argument("--num-shards", type=int, default=1)
     p.add_argument("--poll-s", type=float, default=1.0)
-    p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--max-trajectories", "--batch-size", type=int, default=256, dest="max_trajectories",
+                   help="finished trajectories folded per step (--batch-size: its old name)")
     args = p.parse_args(argv)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     try:
         run(args.store, shard=args.shard, num_shards=args.num_shards, poll_s=args.poll_s, stop=stop,
-            payload=args.payload, batch_size=args.batch_size)
+            payload=args.payload, max_trajectories=args.max_trajectories)
     except TrajstoreError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

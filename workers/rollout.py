@@ -37,7 +37,7 @@ def run(args: argparse.Namespace) -> dict:
     rng = np.random.default_rng(args.worker_id)
     num_tokens = 0
     start = time.perf_counter()
-    with Writer(args.sink, token=args.token, batch_size=args.batch_size) as writer:
+    with Writer(args.sink, token=args.token, max_batch_events=args.max_batch_events) as writer:
         for i in range(args.trajectories):
             tid = f"w{args.worker_id}-t{i}"
             with writer.trajectory(tid, group_id=f"w{args.worker_id}-g{i // args.group_size}",
@@ -72,7 +72,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--num-experts", type=int, default=128)
     p.add_argument("--vocab", type=int, default=150_000)
     p.add_argument("--model-version", type=int, default=0)
-    p.add_argument("--batch-size", type=int, default=64, help="events per request")
+    p.add_argument("--max-batch-events", "--batch-size", type=int, default=64, dest="max_batch_events",
+                   help="events per request (--batch-size: its old name)")
     stats = run(p.parse_args(argv))
     print(f"{stats['events']} events, {stats['tokens']} tokens in {stats['elapsed_s']:.2f} s "
           f"({stats['events_per_s']:.1f} events/s)")

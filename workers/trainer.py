@@ -179,7 +179,7 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
     from trajstore.reader import SampleReader
 
     reader = SampleReader(args.store, rank=args.rank, world_size=args.world_size, payload=args.payload,
-                          current_version=args.start_version, **reader_config(args))
+                          current_model_version=args.start_version, **reader_config(args))
     if args.state and os.path.exists(args.state):
         with open(args.state) as f:
             reader.load_state_dict(json.load(f))
@@ -202,7 +202,7 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
                           stale_skipped=reader.stats.stale_samples, step_s=round(time.perf_counter() - start, 3),
                           routes=list(batch["routed_experts"].shape), moe_layer_ids=moe_layer_ids)
             if args.start_version is not None:  # the policy moves on as it trains
-                reader.current_version = args.start_version + reader.stats.steps // args.version_every
+                reader.current_model_version = args.start_version + reader.stats.steps // args.version_every
             if args.state:
                 _save(args.state, reader.state_dict())
             yield report

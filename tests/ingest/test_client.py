@@ -45,7 +45,7 @@ def _gen(tid, seq):
 
 def test_batches_by_size_and_flush():
     sink = RecordingSink()
-    with Writer(sink, batch_size=4, flush_interval_s=30.0) as w:
+    with Writer(sink, max_batch_events=4, flush_interval_s=30.0) as w:
         for i in range(10):
             w.put(_gen("t", i))
         w.flush(timeout_s=10)
@@ -55,7 +55,7 @@ def test_batches_by_size_and_flush():
 
 def test_batches_by_time():
     sink = RecordingSink()
-    with Writer(sink, batch_size=1000, flush_interval_s=0.05) as w:
+    with Writer(sink, max_batch_events=1000, flush_interval_s=0.05) as w:
         w.put(_gen("t", 0))
         for _ in range(200):
             if sink.batches:
@@ -66,7 +66,7 @@ def test_batches_by_time():
 
 def test_batches_by_tokens():
     sink = RecordingSink()
-    with Writer(sink, batch_size=1000, max_batch_tokens=6, flush_interval_s=30.0) as w:
+    with Writer(sink, max_batch_events=1000, max_batch_tokens=6, flush_interval_s=30.0) as w:
         for i in range(5):  # 3 tokens each
             w.put(_gen("t", i))
         w.flush(timeout_s=10)
@@ -76,7 +76,7 @@ def test_batches_by_tokens():
 def test_retry_resends_the_same_event_ids():
     sink = RecordingSink(flaky=2)
     acked = []
-    with Writer(sink, batch_size=3, flush_interval_s=30.0, on_ack=acked.extend) as w:
+    with Writer(sink, max_batch_events=3, flush_interval_s=30.0, on_ack=acked.extend) as w:
         for i in range(3):
             w.put(_gen("t", i))
         w.flush(timeout_s=10)
@@ -95,7 +95,7 @@ def test_back_pressure_blocks_then_times_out():
             super().send(events)
 
     sink = BlockedSink()
-    w = Writer(sink, batch_size=1, flush_interval_s=0.0, max_pending_events=2, put_timeout_s=0.2)
+    w = Writer(sink, max_batch_events=1, flush_interval_s=0.0, max_pending_events=2, put_timeout_s=0.2)
     w.put(_gen("t", 0))
     w.put(_gen("t", 1))
     with pytest.raises(StoreUnavailable, match="queue stayed full"):
@@ -108,7 +108,7 @@ def test_back_pressure_blocks_then_times_out():
 
 def test_refused_event_fails_only_its_trajectory():
     sink = RecordingSink(refuse="bad")
-    w = Writer(sink, batch_size=100, flush_interval_s=30.0)
+    w = Writer(sink, max_batch_events=100, flush_interval_s=30.0)
     w.put({"type": "trajectory_started", "trajectory_id": "bad"})
     for i in range(3):
         w.put(_gen("good", i))
@@ -126,7 +126,7 @@ def test_refused_event_fails_only_its_trajectory():
 
 def test_too_large_batches_are_split():
     sink = RecordingSink(max_events=3)
-    with Writer(sink, batch_size=10, flush_interval_s=30.0) as w:
+    with Writer(sink, max_batch_events=10, flush_interval_s=30.0) as w:
         for i in range(10):
             w.put(_gen("t", i))
     assert len(sink.stored) == 10 and all(len(b) <= 3 for b in sink.batches)
@@ -137,7 +137,7 @@ def test_too_large_batches_are_split():
 def test_concurrent_producers_exactly_once_in_order():
     sink = RecordingSink()
     n_threads, n_events = 8, 200
-    with Writer(sink, batch_size=64, flush_interval_s=0.01, max_pending_events=100) as w:
+    with Writer(sink, max_batch_events=64, flush_interval_s=0.01, max_pending_events=100) as w:
         def produce(k):
             for i in range(n_events):
                 w.put(_gen(f"t{k}", i))
@@ -220,7 +220,7 @@ def test_writer_at_a_down_url_warns_once_per_burst_naming_url_and_error(caplog):
         port = s.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
     caplog.set_level(logging.DEBUG, logger="trajstore.ingest.client")
-    w = Writer(url, token="t", batch_size=10, flush_interval_s=30.0, retry_timeout_s=0.5)
+    w = Writer(url, token="t", max_batch_events=10, flush_interval_s=30.0, retry_timeout_s=0.5)
     w.put(_gen("t", 0))
     with pytest.raises(StoreUnavailable, match="gave up sending 1 events to http://127.0.0.1"):
         w.close()
@@ -237,7 +237,7 @@ def test_writer_logs_when_the_sink_is_back(caplog):
 
     caplog.set_level(logging.INFO, logger="trajstore.ingest.client")
     sink = RecordingSink(flaky=2)
-    with Writer(sink, batch_size=3, flush_interval_s=30.0) as w:
+    with Writer(sink, max_batch_events=3, flush_interval_s=30.0) as w:
         for i in range(3):
             w.put(_gen("t", i))
     assert [r.levelname for r in caplog.records] == ["WARNING", "INFO"]

@@ -71,7 +71,7 @@ def test_concurrent_clients_store_everything_once(service, store_url):
     num_clients, per_client = 16, 3
 
     def client(k):
-        with Writer(service, token=TOKEN, batch_size=4, flush_interval_s=0.005) as w:
+        with Writer(service, token=TOKEN, max_batch_events=4, flush_interval_s=0.005) as w:
             for j in range(per_client):
                 w.extend(trajectory_events(f"c{k}-t{j}"))
 
@@ -131,7 +131,7 @@ def test_writer_splits_batches_the_service_finds_too_large(service, store_url):
                    {"type": "generation", "trajectory_id": tid, "seq": 0, "prompt_ids": list(range(600)),
                     "output_ids": [1] * 100, "model_version": 0,
                     "routed_experts": rng.integers(0, 128, (699, 48, 8), dtype=np.uint8)}]
-    with Writer(service, token=TOKEN, batch_size=100, flush_interval_s=30.0) as w:
+    with Writer(service, token=TOKEN, max_batch_events=100, flush_interval_s=30.0) as w:
         w.extend(events)
     assert len(stored_events(store_url)) == 12
 
@@ -258,7 +258,7 @@ def test_sigkill_mid_load_every_acknowledged_event_stored_once(store_url, tmp_pa
             acked.extend(ev["event_id"] for ev in events)
 
     num_trajectories = 60
-    writer = Writer(f"http://127.0.0.1:{port}", token=TOKEN, batch_size=8, flush_interval_s=0.002,
+    writer = Writer(f"http://127.0.0.1:{port}", token=TOKEN, max_batch_events=8, flush_interval_s=0.002,
                     retry_timeout_s=60, on_ack=on_ack)
     producer = threading.Thread(target=lambda: [writer.extend(trajectory_events(f"t{i}", 3)) for i in range(num_trajectories)])
     try:

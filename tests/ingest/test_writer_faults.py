@@ -54,7 +54,7 @@ def test_writer_survives_two_postgres_crashes(pg_cluster, fresh_pg_url, tmp_path
 
             service_store = stack.enter_context(trajstore.connect(fresh_pg_url))
             target = stack.enter_context(serve_in_thread(make_app(service_store, token="tok")))
-        writer = Writer(target, token="tok", batch_size=4, flush_interval_s=0.01)
+        writer = Writer(target, token="tok", max_batch_events=4, flush_interval_s=0.01)
         producers = [threading.Thread(target=_produce, args=(writer, k, 0.05)) for k in range(NUM_TRAJ)]
         for t in producers:
             t.start()
@@ -125,7 +125,7 @@ def test_one_bad_event_fails_only_its_trajectory(sink, store, poison):
     sends = []
     # One batch holds everything; a regression that retries the batch gives up
     # after retry_timeout_s with StoreUnavailable, which the assertions catch.
-    writer = Writer(sink, token="tok", batch_size=100, flush_interval_s=30.0, retry_timeout_s=5.0,
+    writer = Writer(sink, token="tok", max_batch_events=100, flush_interval_s=30.0, retry_timeout_s=5.0,
                     on_ack=sends.append)
     writer.extend(events)
     with pytest.raises(TrajstoreError) as refused:
@@ -147,7 +147,7 @@ def test_a_wrong_token_fails_the_batch_at_once_with_one_line(store, caplog):
     from trajstore.ingest.service import make_app
 
     with serve_in_thread(make_app(store, token="right")) as url:
-        writer = Writer(url, token="wrong", batch_size=100, flush_interval_s=30.0, retry_timeout_s=20.0)
+        writer = Writer(url, token="wrong", max_batch_events=100, flush_interval_s=30.0, retry_timeout_s=20.0)
         writer.extend(_good("a") + _good("b"))
         with pytest.raises(TrajstoreError, match=r"refused the request \(401\)") as refused:
             writer.close()

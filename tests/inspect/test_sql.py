@@ -359,3 +359,15 @@ def test_postgres_analyst_login_in_the_reader_role_cannot_write(store, capsys):
     finally:
         with store.log.write_engine.begin() as conn:
             conn.execute(text(f"DROP ROLE {analyst}"))
+
+
+def test_postgres_queries_have_the_stores_timeouts(store):
+    """``trajstore sql`` connects with the store's engine options: a server that
+    hangs cannot hang it (statement_timeout by default, --timeout-s overrides)."""
+    if store.log.write_engine.dialect.name != "postgresql":
+        pytest.skip("PostgreSQL settings")
+    url = reader_url_for(store.url)
+    assert run_query(url, "SHOW statement_timeout").rows == [("2min",)]
+    assert run_query(url, "SHOW statement_timeout", timeout_s=5).rows == [("5s",)]
+    given = f"{url}{'&' if '?' in url else '?'}statement_timeout=7s"
+    assert run_query(given, "SHOW statement_timeout").rows == [("7s",)]

@@ -34,9 +34,9 @@ def seam(store_url, tmp_path):
     log.close()
 
 
-def traj(tid: str, version: int = 1, **kw) -> dict:
+def traj(tid: str, revision: int = 1, **kw) -> dict:
     row = {"trajectory_id": tid, "group_id": None, "num_experts": None, "metadata": {}, "status": "running",
-           "version": version, "last_seq": -1, "reward_mode": None, "route_layers": None, "route_topk": None,
+           "revision": revision, "last_seq": -1, "reward_mode": None, "route_layers": None, "route_topk": None,
            "seq_len": 0, "seq_hash": b"\0" * 16, "route_len": 0, "reward": None, "started_position": 0,
            "finished_position": None, "created_at": 0.0, "updated_at": 0.0}
     row.update(kw)
@@ -77,7 +77,7 @@ def test_positions_are_consecutive_and_read_in_order(seam):
     assert log.count_events(after_position=2, types=["generation"]) == 2
     by_traj = log.trajectory_events(["a", "b", "none"])
     assert [r["position"] for r in by_traj["a"]] == [1, 2, 3, 4] and len(by_traj["b"]) == 1 and by_traj["none"] == []
-    assert log.load_trajectories(["a", "x"])["a"]["version"] == 2 and "x" not in log.load_trajectories(["x"])
+    assert log.load_trajectories(["a", "x"])["a"]["revision"] == 2 and "x" not in log.load_trajectories(["x"])
     assert log.lookup_identities(["trajectory_started:a:None", "nope"]) == {"trajectory_started:a:None": b"\1" * 16}
     assert log.referenced_segments() == {"s1"}
     counts = log.counts()
@@ -101,7 +101,7 @@ def test_empty_batch_stores_nothing(seam):
 
 # -- EventLog: which error each failure raises ---------------------------------------------------------
 
-def test_stale_version_raises_stale_state_and_stores_nothing(seam):
+def test_stale_revision_raises_stale_state_and_stores_nothing(seam):
     log, _ = seam
     start(log, "a")
     before = state(log)
@@ -159,7 +159,7 @@ def test_values_the_database_cannot_store_are_validation_errors(seam, store_url)
         assert info.value.rule == "storable_value", what
         assert "\n" not in str(info.value), what
         assert state(log) == before, what
-        assert log.load_trajectories(["a"])["a"]["version"] == 1, what
+        assert log.load_trajectories(["a"])["a"]["revision"] == 1, what
 
 
 def test_unreachable_database_is_store_unavailable(store_url, tmp_path):
@@ -169,7 +169,7 @@ def test_unreachable_database_is_store_unavailable(store_url, tmp_path):
         url = f"postgresql+psycopg://postgres@127.0.0.1:{free_loopback_port()}/gone"
     log, index = open_sql(*_engines(url))
     for call in (lambda: log.head_position(), lambda: start(log, "a"), lambda: index.load_checkpoint(Shard()),
-                 lambda: list(index.iter_sample_rows(where={}, after=None, batch_size=10))):
+                 lambda: list(index.iter_sample_rows(where={}, after=None, page_rows=10))):
         with pytest.raises(StoreUnavailable) as info:
             call()
         assert "\n" not in str(info.value)
@@ -244,10 +244,10 @@ def test_samples_commit_with_their_checkpoint_and_read_in_order(seam):
     assert index.watermark() == 6 and index.watermark(2) == 6
     with pytest.raises(ValidationError, match="num_shards=3"):
         index.watermark(3)
-    pages = list(index.iter_sample_rows(where={}, after=None, batch_size=2))
+    pages = list(index.iter_sample_rows(where={}, after=None, page_rows=2))
     assert [[(r["trajectory_id"], r["sample_index"]) for r in p] for p in pages] == [[("a", 0), ("a", 1)], [("b", 0)]]
     assert [r["trajectory_id"] for p in index.iter_sample_rows(where={"max_finished_position": 6}, after=(4, 0),
-                                                                batch_size=10) for r in p] == ["a"]
+                                                                page_rows=10) for r in p] == ["a"]
     assert index.count_samples() == 3
     assert "samples-x" in log.referenced_segments()
 

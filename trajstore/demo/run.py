@@ -23,7 +23,7 @@ import numpy as np
 
 from trajstore._progress import progress_bar
 from trajstore.demo.simulate import DEMO_CONFIG, RolloutConfig, trajectory_events
-from trajstore.errors import TrajstoreError
+from trajstore.errors import TrajstoreError, first_line
 
 __all__ = ["next_steps", "run_demo"]
 
@@ -35,15 +35,14 @@ def _rollout_worker(url: str, payload: str | None, cfg: RolloutConfig, indices: 
 
     try:
         store = connect(url, payload=payload, migrate=False)
-        with Writer(store, batch_size=32) as writer:
+        with Writer(store, max_batch_events=32) as writer:
             for i in indices:
                 # The policy advances 4 versions over the run, as in async RL.
                 writer.extend(trajectory_events(cfg, i, version=cfg.model_version + i * 4 // total))
                 done.put(1)
         store.close()
     except BaseException as e:  # one line to the parent, which reports it; no worker traceback
-        lines = str(e).strip().splitlines()
-        done.put(f"{type(e).__name__}: {lines[0] if lines else ''}")
+        done.put(f"{type(e).__name__}: {first_line(e) if str(e).strip() else ''}")
 
 
 def _rollout(url: str, payload: str | None, cfg: RolloutConfig, n: int, workers: int) -> None:

@@ -40,7 +40,8 @@ from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 
-from trajstore.errors import StoreUnavailable, TrajstoreError, ValidationError
+from trajstore._deprecated import renamed
+from trajstore.errors import StoreUnavailable, TrajstoreError, ValidationError, first_line
 from trajstore.ingest._event_dicts import to_numpy, trajectory_started
 from trajstore.ingest.sinks import HttpSink, Sink, StoreSink, encode_events, error_from_response, make_sink
 
@@ -65,7 +66,8 @@ class Writer:
 
     ``sink``: ``"http://host:port"`` of the ingest service (bearer ``token``,
     default ``$TRAJSTORE_TOKEN``), a store URL, a ``Store``, or a ``Sink``.
-    A batch closes at ``batch_size`` events, ``max_batch_tokens`` tokens, or
+    A batch closes at ``max_batch_events`` events (``batch_size``: its old,
+    deprecated name), ``max_batch_tokens`` tokens, or
     ``flush_interval_s`` after its first event. Queued plus in-flight events
     are bounded by ``max_pending_events`` and ``max_pending_tokens``.
     Transient failures (connection lost, database restarting, 429/502/503/504)
@@ -83,7 +85,7 @@ class Writer:
         sink: Any = None,
         *,
         token: str | None = None,
-        batch_size: int = 64,
+        max_batch_events: int = 64,
         max_batch_tokens: int = 65_536,
         flush_interval_s: float = 0.05,
         max_pending_events: int = 4096,
@@ -94,10 +96,13 @@ class Writer:
         assign_event_ids: bool = True,
         on_ack: Callable[[list[dict]], None] | None = None,
         body: str = "arrow",
+        batch_size: int | None = None,
     ) -> None:
+        max_batch_events = renamed("batch_size", "max_batch_events", batch_size, max_batch_events, 64)
         self._sink = make_sink(sink, token, timeout_s, body)
         self._sink_name = getattr(self._sink, "name", None) or type(self._sink).__name__
-        self.batch_size, self.max_batch_tokens, self.flush_interval_s = batch_size, max_batch_tokens, flush_interval_s
+        self.max_batch_events, self.max_batch_tokens = max_batch_events, max_batch_tokens
+        self.flush_interval_s = flush_interval_s
         self.max_pending_events, self.max_pending_tokens = max_pending_events, max_pending_tokens
         self.put_timeout_s, self.retry_timeout_s = put_timeout_s, retry_timeout_s
         self._on_ack = on_ack
@@ -247,7 +252,7 @@ class Writer:
 
     def _batch_ready(self) -> bool:
         return (
-            len(self._queue) >= self.batch_size
+            len(self._queue) >= self.max_batch_events
             or self._queued_tokens >= self.max_batch_tokens
             or self._closing
             or self._flush_target > self._num_done
@@ -266,7 +271,7 @@ class Writer:
                 self._cond.wait(remaining)
             batch: list[tuple[dict, int]] = []
             n_tokens = 0
-            while self._queue and len(batch) < self.batch_size:
+            while self._queue and len(batch) < self.max_batch_events:
                 if batch and n_tokens + self._queue[0][1] > self.max_batch_tokens:
                     break
                 batch.append(self._queue.popleft())
@@ -332,7 +337,7 @@ class Writer:
                 error = e
             except Exception as e:
                 if 400 <= getattr(e, "http_status", 500) < 500:  # 401, 403, 404: the same for every request
-                    _log.error("trajstore writer: %s: %s", self._sink_name, _first_line(e))
+                    _log.error("trajstore writer: %s: %s", self._sink_name, first_line(e))
                     raise
                 # One trajectory's part gets a short budget (a service answering 500 while its
                 # database restarts recovers within it); a part of several is split at once.
@@ -340,7 +345,7 @@ class Writer:
                 if num_trajectories > 1 or self._aborted or time.monotonic() + delay > start + budget_s:
                     what = (f"trajectory {events[0].get('trajectory_id')!r}" if num_trajectories == 1
                             else f"a batch of {num_trajectories} trajectories")
-                    wrapped = TrajstoreError(f"{self._sink_name} failed on {what}: {type(e).__name__}: {_first_line(e)}")
+                    wrapped = TrajstoreError(f"{self._sink_name} failed on {what}: {type(e).__name__}: {first_line(e)}")
                     if num_trajectories == 1:
                         _log.warning("trajstore writer: %s", wrapped)
                     raise _Unclassified(wrapped) from None
@@ -352,17 +357,17 @@ class Writer:
                 return
             if not warned:  # one warning per retry burst
                 _log.warning("trajstore writer: cannot send %d events to %s (%s: %s); retrying for up to %g s",
-                             len(events), self._sink_name, type(error).__name__, _first_line(error),
+                             len(events), self._sink_name, type(error).__name__, first_line(error),
                              budget_s)
                 warned = True
             else:
-                _log.debug("trajstore writer: attempt %d to %s failed: %s", attempt, self._sink_name, _first_line(error))
+                _log.debug("trajstore writer: attempt %d to %s failed: %s", attempt, self._sink_name, first_line(error))
             if self._aborted or time.monotonic() + delay > deadline:
                 why = "the writer was closed" if self._aborted else f"{self.retry_timeout_s:g} s of retries"
                 _log.error("trajstore writer: gave up sending %d events to %s after %s: %s",
-                           len(events), self._sink_name, why, _first_line(error))
+                           len(events), self._sink_name, why, first_line(error))
                 raise StoreUnavailable(f"gave up sending {len(events)} events to {self._sink_name} after {why}: "
-                                       f"{_first_line(error)}") from None
+                                       f"{first_line(error)}") from None
             time.sleep(delay)
             delay = min(delay * 2, 2.0)
 
@@ -401,11 +406,6 @@ class _Unclassified(Exception):
     def __init__(self, error: TrajstoreError) -> None:
         super().__init__(str(error))
         self.error = error
-
-
-def _first_line(e: BaseException) -> str:
-    lines = str(e).strip().splitlines()
-    return lines[0] if lines else type(e).__name__
 
 
 def _refused_trajectory(events: list[dict], e: ValidationError) -> Any:

@@ -31,12 +31,8 @@ import tempfile
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
-import numpy as np
-
-from trajstore import _facts as facts
-from trajstore._admission import TrajectoryState, admit
-from trajstore.errors import ConflictError, ValidationError
-from trajstore.events import Event, Generation, TrajectoryFinished, content_hash, identity_of, parse_event
+from trajstore.errors import ValidationError
+from trajstore.events import Event, parse_event
 
 __all__ = ["IngestResult", "ingest_file"]
 
@@ -143,45 +139,14 @@ def _at_line(e: ValidationError, name: str, lineno: int | None) -> ValidationErr
 
 
 def _validate(store, file, name: str, progress, batch_events: int, batch_bytes: int) -> int:
-    """Pass 1: admit every event against the store's state without writing; return the event count."""
-    states: dict[str, TrajectoryState | None] = {}
-    sequences: dict[str, np.ndarray] = {}  # last token sequence of running trajectories (rare path only)
-    seen: dict[str, bytes] = {}  # identity -> digest of events earlier in the file
+    """Pass 1: admit every event against the store's state without writing (``Store.checker``); return the count."""
+    checker = store.checker()
     count = 0
-
-    def sequence(tid: str) -> np.ndarray:
-        if tid in sequences:
-            return sequences[tid]
-        return store._current_sequence(tid)
-
     for batch, lines, nbytes in _batches(file, name, batch_events, batch_bytes):
-        idents = [identity_of(ev) for ev in batch]
-        stored = store.log.lookup_identities({i for i in idents if i and i not in seen})
-        unknown = {ev.trajectory_id for ev in batch if ev.trajectory_id not in states}
-        if unknown:
-            rows = store.log.load_trajectories(unknown)
-            for tid in unknown:
-                states[tid] = facts.state_from_row(rows[tid]) if tid in rows else None
-        for ev, ident, lineno in zip(batch, idents, lines):
-            if ident is not None:
-                known = seen.get(ident, stored.get(ident))
-                digest = content_hash(ev)
-                if known is not None:
-                    if known != digest:
-                        what = f"event_id {ev.event_id!r}" if ev.event_id else ident.split(":")[0]
-                        raise _at_line(ConflictError(f"{what} is already stored with different content",
-                                                     trajectory_id=ev.trajectory_id), name, lineno)
-                    continue  # a retry of a stored event (or a repeat in the file): skipped
-                seen[ident] = digest
-            try:
-                adm = admit(ev, states[ev.trajectory_id], sequence)
-            except ValidationError as e:
-                raise _at_line(e.at(0, ev.trajectory_id), name, lineno) from None
-            states[ev.trajectory_id] = adm.state
-            if isinstance(ev, Generation):
-                sequences[ev.trajectory_id] = np.concatenate([ev.prompt_ids, ev.output_ids])
-            elif isinstance(ev, TrajectoryFinished):
-                sequences.pop(ev.trajectory_id, None)
+        try:
+            checker.check(batch)
+        except ValidationError as e:
+            raise _at_line(e, name, lines[e.index] if e.index is not None else None) from None
         count += len(batch)
         if progress:
             progress(nbytes)

@@ -1,7 +1,7 @@
 """HTTP ingest service: ``POST /v1/events`` into ``store.append``.
 
 A thin edge over the library (ARCHITECTURE "Edges stay thin"): events are
-parsed with ``trajstore.events.parse_event`` and stored with ``store.append``;
+parsed with ``trajstore.events.parse_events`` and stored with ``store.append``;
 nothing here re-implements a rule. FastAPI and uvicorn are imported lazily,
 so the core never needs them (``pip install 'trajstore[server]'``).
 
@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from trajstore.errors import StoreUnavailable, TrajstoreError, ValidationError
-from trajstore.events import Generation, parse_event
+from trajstore.events import Generation, parse_events
 from trajstore.ingest._http import UNAUTHORIZED, add_server_arguments, bearer_ok, server_token
 from trajstore.ingest._http import HTTPError as _HTTPError  # the name the tests and the fuzz harness use
 
@@ -286,16 +286,11 @@ def parse_arrow_body(body: bytes) -> tuple[list, int]:
 
 def _parse_events(raw: list) -> tuple[list, int]:
     """Each wire event parsed (a refusal names its index in the body), and their token count."""
-    events, num_tokens = [], 0
-    for i, obj in enumerate(raw):
-        try:
-            event = parse_event(obj)
-        except ValidationError as e:
-            raise _HTTPError.from_error(e.at(i)) from None
-        if isinstance(event, Generation):
-            num_tokens += event.num_tokens
-        events.append(event)
-    return events, num_tokens
+    try:
+        events = parse_events(raw)
+    except ValidationError as e:
+        raise _HTTPError.from_error(e) from None
+    return events, sum(ev.num_tokens for ev in events if isinstance(ev, Generation))
 
 
 def _is_arrow(request: Any) -> bool:

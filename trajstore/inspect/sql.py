@@ -42,7 +42,7 @@ from typing import Any, Callable, Iterator, TextIO
 
 from sqlalchemy.engine import make_url
 
-from trajstore.errors import StoreUnavailable, TrajstoreError
+from trajstore.errors import StoreUnavailable, TrajstoreError, first_line
 from trajstore.inspect.views import READER_ROLE
 
 __all__ = ["QueryResult", "read_only", "run_query", "print_result", "with_iso_times", "create_reader_login",
@@ -71,17 +71,13 @@ def read_only(url: str | None, *, timeout_s: float | None = None) -> Iterator[Qu
     All queries see one snapshot. The schema is brought up to date first
     (as every command does), so the views exist on a store made by an
     older trajstore."""
-    from sqlalchemy.exc import ArgumentError
-
-    from trajstore.store import resolve_url
+    from trajstore.log import sqlite
+    from trajstore.store import dialect_of, resolve_url
 
     url = resolve_url(url)
-    try:
-        backend = make_url(url).get_backend_name()
-    except ArgumentError:
-        raise TrajstoreError(f"not a store URL: {url!r} (use sqlite:///path.db or postgresql+psycopg://...)") from None
-    _upgrade(url, backend)
-    opener = _sqlite_reader if backend == "sqlite" else _postgres_reader
+    dialect = dialect_of(url)
+    _upgrade(url, dialect)
+    opener = _sqlite_reader if dialect is sqlite else _postgres_reader
     with opener(url, timeout_s) as query:
         yield query
 
@@ -91,18 +87,13 @@ def run_query(url: str | None, sql: str, *, timeout_s: float | None = None) -> Q
         return query(sql)
 
 
-def _upgrade(url: str, backend: str) -> None:
+def _upgrade(url: str, dialect: Any) -> None:
     from sqlalchemy.exc import DBAPIError
 
-    if backend == "sqlite":
-        from trajstore.log import sqlite as dialect
+    if make_url(url).get_backend_name() == "sqlite":
         path = make_url(url).database
         if not path or path == ":memory:" or not os.path.exists(path):
             raise StoreUnavailable(f"no store at {path} (trajstore init, ingest or demo makes one)")
-    elif backend == "postgresql":
-        from trajstore.log import postgres as dialect
-    else:
-        raise TrajstoreError(f"unsupported database {backend!r} (sqlite or postgresql)")
     write_engine, read_engine = dialect.make_engines(url)
     try:
         if not _has_schema(read_engine):
@@ -113,7 +104,7 @@ def _upgrade(url: str, backend: str) -> None:
 
             upgrade(write_engine)
     except DBAPIError as e:  # unreachable, or a reader login that cannot migrate
-        raise StoreUnavailable(f"cannot open store: {_first_line(str(e.orig))}") from None
+        raise StoreUnavailable(f"cannot open store: {first_line(e)}") from None
     finally:
         write_engine.dispose()
         read_engine.dispose()
@@ -201,7 +192,7 @@ def _sqlite_execute(conn: sqlite3.Connection, sql: str, timeout_s: float | None)
             msg = f"query exceeded the {timeout_s:g} s timeout"
         elif msg == "not authorized":
             msg = "not authorized (trajstore sql is read-only)"
-        raise TrajstoreError(f"SQL error: {_first_line(msg)}") from None
+        raise TrajstoreError(f"SQL error: {first_line(msg)}") from None
     finally:
         conn.set_progress_handler(None, 0)
     return QueryResult(columns, rows)
@@ -215,12 +206,17 @@ def _postgres_reader(url: str, timeout_s: float | None) -> Iterator[Query]:
     from sqlalchemy import create_engine
     from sqlalchemy.pool import NullPool
 
-    # NullPool: the connection is closed afterwards, never reused with our role.
-    engine = create_engine(url, poolclass=NullPool)
+    from trajstore.log.postgres import engine_options
+
+    # The store's timeouts (connect_timeout, statement_timeout; --timeout-s
+    # overrides the latter). NullPool: the connection is closed afterwards,
+    # never reused with our role.
+    url, connect_args = engine_options(url)
+    engine = create_engine(url, poolclass=NullPool, connect_args=connect_args)
     try:
         fairy = engine.raw_connection()
     except Exception as e:
-        raise StoreUnavailable(f"cannot open store: {_first_line(str(getattr(e, 'orig', e)))}") from None
+        raise StoreUnavailable(f"cannot open store: {first_line(e)}") from None
     conn: psycopg.Connection = fairy.driver_connection
     try:
         conn.rollback()
@@ -322,7 +318,7 @@ def create_reader_login(store: Any, login: str, password: str | None = None) -> 
             conn.exec_driver_sql(f"GRANT {READER_ROLE} TO {login}")
             conn.exec_driver_sql(f"ALTER ROLE {login} SET default_transaction_read_only = on")
     except DBAPIError as e:
-        raise StoreUnavailable(f"cannot make reader login {login!r}: {_first_line(str(e.orig))}") from None
+        raise StoreUnavailable(f"cannot make reader login {login!r}: {first_line(e)}") from None
     url = make_url(store.url).set(username=login, password="***" if password else None)
     return (f"reader login {login!r} ready (only {READER_ROLE}'s rights"
             f"{'' if password else '; no password set'}): trajstore --store "
@@ -349,12 +345,7 @@ def _pg_message(e: Exception) -> str:
     diag = getattr(e, "diag", None)
     primary = getattr(diag, "message_primary", None) or str(e)
     position = getattr(diag, "statement_position", None)
-    return _first_line(primary) + (f" (at character {position})" if position else "")
-
-
-def _first_line(text: str) -> str:
-    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
-    return lines[0] if lines else "unknown error"
+    return first_line(primary) + (f" (at character {position})" if position else "")
 
 
 # -- printing ----------------------------------------------------------------

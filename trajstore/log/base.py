@@ -21,8 +21,8 @@ Contract, shared by every backend (and checked by
 * **Atomicity.** ``commit_append`` stores all of a batch (events, trajectory
   rows, segment row) or nothing; ``SampleIndex.commit_samples`` stores the
   sample rows, their segment row and the moved checkpoint, or nothing.
-* **Optimistic concurrency.** Each trajectory row carries ``version``; a
-  batch computed from a stale version raises ``StaleState`` and stores
+* **Optimistic concurrency.** Each trajectory row carries a ``revision``
+  counter; a batch computed from a stale revision raises ``StaleState`` and stores
   nothing (the caller re-reads and re-admits). So does a race on an event
   identity or a trajectory's creation, and a checkpoint that moved.
 * **Idempotency** is the caller's (identities are looked up before admission);
@@ -65,10 +65,10 @@ class StaleState(Exception):
 
 @dataclass(frozen=True)
 class TrajectoryWrite:
-    """A trajectory row to insert (``expected_version is None``) or update."""
+    """A trajectory row to insert (``expected_revision is None``) or update."""
 
     row: Mapping[str, Any]
-    expected_version: int | None
+    expected_revision: int | None
 
 
 @dataclass(frozen=True, order=True)
@@ -138,7 +138,7 @@ class EventLog(ABC):
     ) -> list[int]:
         """Atomically store a batch; return the events' positions.
 
-        Raises ``StaleState`` (a trajectory's version moved, or an identity or
+        Raises ``StaleState`` (a trajectory's revision moved, or an identity or
         trajectory id was taken concurrently), ``StoreUnavailable`` (nothing was
         stored), ``CommitUnknownError`` (the outcome is unknown: the caller must
         keep the batch's payload), ``ValidationError`` or ``IndexInvariantError``
@@ -206,9 +206,9 @@ class SampleIndex(ABC):
 
     @abstractmethod
     def iter_sample_rows(self, *, where: Mapping[str, Any], after: tuple[int, int] | None,
-                         batch_size: int) -> Iterator[list[dict[str, Any]]]:
+                         page_rows: int) -> Iterator[list[dict[str, Any]]]:
         """Sample rows matching the filters, in (finished_position, sample_index) order,
-        ``batch_size`` rows per list. ``where`` keys: ``status`` (one or several),
+        ``page_rows`` rows per list (one query each). ``where`` keys: ``status`` (one or several),
         ``min_model_version``, ``max_model_version``, ``group_id``,
         ``trajectory_ids``, ``max_finished_position``; None values are ignored."""
 

@@ -37,7 +37,8 @@ from typing import Any, Callable, Collection, Iterator, Mapping, Sequence, TypeV
 from sqlalchemy import Connection, Engine, and_, func, insert, or_, select, update
 from sqlalchemy.exc import DataError, DBAPIError, IntegrityError, InterfaceError, OperationalError, StatementError
 
-from trajstore.errors import CommitUnknownError, IndexInvariantError, StoreUnavailable, TrajstoreError, ValidationError
+from trajstore.errors import (CommitUnknownError, IndexInvariantError, StoreUnavailable, TrajstoreError, ValidationError,
+                              first_line)
 from trajstore.log.base import EventLog, SampleIndex, Shard, StaleState, TrajectoryWrite
 from trajstore.schema import (events, log_head, materializer_checkpoints, samples, segments, trajectories,
                               unfoldable_trajectories)
@@ -62,12 +63,6 @@ _RACE_KEYS = {
 def _chunks(items: Sequence[Any], n: int = _CHUNK) -> Iterator[Sequence[Any]]:
     for i in range(0, len(items), n):
         yield items[i : i + n]
-
-
-def first_line(e: BaseException) -> str:
-    """The first line of a (driver) error's message, without SQLAlchemy's decoration."""
-    msg = str(getattr(e, "orig", None) or e).strip().splitlines()
-    return msg[0] if msg else type(e).__name__
 
 
 def translate(e: BaseException, what: str) -> Exception:
@@ -252,13 +247,13 @@ class SqlEventLog(EventLog):
                 marks.setdefault(r["trajectory_id"], {})["finished_position"] = r["position"]
         for w in writes:
             row = dict(w.row, **marks.get(w.row["trajectory_id"], {}))
-            if w.expected_version is None:
+            if w.expected_revision is None:
                 conn.execute(insert(trajectories), [row])
                 continue
             res = conn.execute(
                 update(trajectories)
                 .where(trajectories.c.trajectory_id == row["trajectory_id"])
-                .where(trajectories.c.version == w.expected_version)
+                .where(trajectories.c.revision == w.expected_revision)
                 .values(**{k: v for k, v in row.items() if k != "trajectory_id"})
             )
             if res.rowcount != 1:
@@ -364,7 +359,7 @@ class SqlSampleIndex(SampleIndex):
         cps = materializer_checkpoints
 
         def body(conn: Connection) -> None:
-            # The guarded UPDATE is the version check: a concurrent materializer of
+            # The guarded UPDATE is the position check: a concurrent materializer of
             # this shard that moved the checkpoint leaves it matching no row.
             if expected_position == 0 and conn.execute(select(cps.c.shard).where(cps.c.shard == key)).first() is None:
                 conn.execute(insert(cps), [cp])  # a concurrent first commit: primary key race -> StaleState
@@ -387,7 +382,7 @@ class SqlSampleIndex(SampleIndex):
         self.db.transaction(f"committing samples of shard {key}", body, landed=landed)
 
     def iter_sample_rows(self, *, where: Mapping[str, Any], after: tuple[int, int] | None,
-                         batch_size: int) -> Iterator[list[dict[str, Any]]]:
+                         page_rows: int) -> Iterator[list[dict[str, Any]]]:
         conds = _sample_filters(where)
         cursor = after
         while True:
@@ -396,7 +391,7 @@ class SqlSampleIndex(SampleIndex):
                 fp, si = cursor
                 q = q.where(or_(samples.c.finished_position > fp,
                                 and_(samples.c.finished_position == fp, samples.c.sample_index > si)))
-            q = q.order_by(samples.c.finished_position, samples.c.sample_index).limit(batch_size)
+            q = q.order_by(samples.c.finished_position, samples.c.sample_index).limit(page_rows)
             with self.db.reading("reading sample rows") as conn:
                 rows = [dict(r._mapping) for r in conn.execute(q)]
             if not rows:

@@ -7,7 +7,6 @@ The connection is passed in by ``trajstore._migrate`` (config attribute
 from __future__ import annotations
 
 from alembic import context
-from sqlalchemy import create_engine
 
 from trajstore.schema import metadata
 
@@ -27,6 +26,12 @@ else:
     url = context.get_x_argument(as_dictionary=True).get("url") or config.get_main_option("sqlalchemy.url")
     if not url:
         raise SystemExit("give the database: alembic -x url=sqlite:///store.db upgrade head")
-    with create_engine(url).connect() as conn:
-        _run(conn)
-        conn.commit()
+    from trajstore.store import dialect_of
+
+    engine, _ = dialect_of(url).make_engines(url)  # the store's engine: PostgreSQL timeouts, SQLite locking
+    try:
+        with engine.connect() as conn:
+            _run(conn)
+            conn.commit()
+    finally:
+        engine.dispose()

@@ -28,13 +28,15 @@ class MaterializerShard:
     """One materializer shard; wrap with ``ray.remote`` (done by ``materialize_with_ray``)."""
 
     def __init__(self, store_url: str, shard_index: int, num_shards: int, payload: str | None = None,
-                 batch_size: int = 256) -> None:
+                 max_trajectories: int = 256, batch_size: int | None = None) -> None:
+        from trajstore._deprecated import renamed
         from trajstore.materializer import Materializer
         from trajstore.store import connect
 
+        max_trajectories = renamed("batch_size", "max_trajectories", batch_size, max_trajectories, 256)
         self.store = connect(store_url, payload=payload)
         self.materializer = Materializer(self.store, shard_index=shard_index, num_shards=num_shards,
-                                         batch_size=batch_size)
+                                         max_trajectories=max_trajectories)
 
     def run(self) -> dict[str, Any]:
         """Fold everything pending for this shard; return ``MaterializeStats.to_dict()``."""

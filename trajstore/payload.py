@@ -1,12 +1,15 @@
 """Payload segments: the heavy token-level columns, in Parquet files.
 
-One segment file per append call (group commit) or per materialization
-batch. A segment is written and made durable (fsync of the file and of its
-directory on local disks) *before* the SQL transaction that references it
-commits, so an index row never points at a missing file. A file that no
-``segments`` row names is garbage from a crashed or refused append;
-``PayloadStore.collect_garbage`` removes such files once they are older than
-a grace period (a live writer may be between its fsync and its commit).
+One segment file per append call (group commit), per compaction or per
+materialization batch. A segment is written and made durable (fsync of the
+file and of its directory on local disks) *before* the SQL transaction that
+references it commits, so an index row never points at a missing file. A
+file that no ``segments`` row names is garbage from a crashed or refused
+append; ``PayloadStore.collect_garbage`` removes such files once they are
+older than a grace period (a live writer may be between its fsync and its
+commit). Which files are still needed (``Store.collect_garbage``: named by an
+index row, or retired within the grace) is the index's to say
+(docs/log.md, "One copy").
 
 Columns are built from numpy buffers with ``pa.ListArray.from_arrays`` /
 binary buffers: no per-token Python objects. Routes are stored as one binary
@@ -238,7 +241,8 @@ class PayloadStore:
         ]
 
     def collect_garbage(self, referenced: set[str], *, grace_s: float = 3600.0) -> list[str]:
-        """Delete unreferenced segment files older than ``grace_s``; return their names."""
+        """Delete segment files not in ``referenced`` (the ones still needed)
+        written more than ``grace_s`` ago; return their names."""
         now = time.time()
         removed = []
         for name, mtime in self.list_names():

@@ -25,7 +25,7 @@ from trajstore import _facts as facts
 from trajstore._admission import Admitted, TrajectoryState, admit_batch
 from trajstore.errors import CommitUnknownError, ConflictError, ContentionError, StoreUnavailable, ValidationError
 from trajstore.events import Event, Generation, TrajectoryStarted, content_hash, identity_of, parse_event
-from trajstore.log.base import EventLog, SampleIndex, StaleState, TrajectoryWrite
+from trajstore.log.base import EventLog, Repoint, SampleIndex, StaleState, TrajectoryWrite
 from trajstore.log.sql import first_line, open_sql
 from trajstore.payload import PayloadStore, SegmentRows
 
@@ -261,8 +261,6 @@ class Store:
 
     def _compact_round(self, target_bytes: int) -> tuple[int, int] | None:
         """One compaction; (segments emptied, events moved), None when nothing is worth it."""
-        from trajstore.log.base import Repoint
-
         cands = self.log.compaction_candidates(max_bytes=max(1, target_bytes // 2), limit_bytes=target_bytes)
         if len(cands) < 2:
             return None

@@ -393,9 +393,9 @@ def _named(conn: Connection) -> set[str]:
 
 
 def _named_clause():
-    """SQL: some events or samples row names this ``segments`` row."""
-    return or_(exists().where(events.c.segment == segments.c.name),
-               exists().where(samples.c.segment == segments.c.name))
+    """SQL: this ``segments`` row is not a log segment, or some event names it
+    (one probe of ``ix_events_segment``; sample segments are never retired)."""
+    return or_(segments.c.kind != "events", exists().where(events.c.segment == segments.c.name))
 
 
 _REPOINT_GUARDED = (

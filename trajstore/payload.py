@@ -246,10 +246,17 @@ class PayloadStore:
         now = time.time()
         removed = []
         for name, mtime in self.list_names():
-            if name not in referenced and now - mtime >= grace_s:
+            if name not in referenced and now - mtime >= grace_s and now - self._mtime(name) >= grace_s:
+                # (asked again right before deleting: a deterministic name may have just been rewritten)
                 self.delete(name)
                 removed.append(name)
         return removed
+
+    def _mtime(self, name: str) -> float:
+        info = self.fs.get_file_info(self.path(name))
+        if info.type == pafs.FileType.NotFound:
+            return 0.0
+        return info.mtime.timestamp() if info.mtime else 0.0
 
 
 _ROWS_PER_BATCH = "trajstore.rows_per_batch"

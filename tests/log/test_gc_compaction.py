@@ -132,3 +132,19 @@ def test_a_reader_holding_an_open_segment_keeps_reading_through_a_gc(store):
     store.materialize()
     assert store.collect_garbage(grace_s=3600) == []
     assert old in store.payload.read_locators([r for r in stale if r["segment"]])
+
+
+def test_cli_gc_compact(store_url, tmp_path, capsys):
+    from trajstore.cli import main
+
+    payload = str(tmp_path / "payload")
+    store = trajstore.connect(store_url, payload=payload)
+    fins = _append_running(store, range(6))
+    before = {t: store.load_generations(t) for t in fins}
+    n = len(_log_files(store))
+    assert main(["--store", store_url, "--payload", payload, "gc", "--compact", "--grace-s", "0"]) == 0
+    out = capsys.readouterr().out
+    assert f"from {n} small log segment(s) into 1" in out and f"removed {n} payload file(s)" in out
+    assert len(_log_files(store)) == 1
+    assert all(_same(before[t], store.load_generations(t)) for t in fins)
+    store.close()

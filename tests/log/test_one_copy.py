@@ -149,3 +149,19 @@ def test_the_grace_keeps_retired_files_and_gc_never_removes_a_named_one(store):
     assert {n for n, _ in store.payload.list_names()} == named
     assert all(n.endswith(".parquet") for n in named), "every finished trajectory's tokens are in one copy"
     assert sum(1 for _ in store.samples()) > 0
+
+
+def test_unfoldable_trajectories_stay_in_the_log(store):
+    from sqlalchemy import update
+
+    store.append([started("bad"), gen("bad", 0, [1], [2]), gen("bad", 1, [1, 2, 3], [4]), finished("bad"),
+                  started("ok"), gen("ok", 0, [5], [6]), finished("ok")])
+    with store.log.write_engine.begin() as conn:  # an index row contradicting its payload
+        conn.execute(update(events_table).where(events_table.c.trajectory_id == "bad", events_table.c.seq == 1)
+                     .values(prefix_len=999))
+    stats = store.materialize()
+    assert (stats.num_trajectories, stats.num_unfoldable) == (1, 1)
+    kinds = {(tid, kind) for (tid, _, _, kind) in _locators(store).values()}
+    assert kinds == {("bad", None), ("ok", "samples")}
+    store.collect_garbage(grace_s=0)
+    assert store.payload.read_locators([r for r in store.log.trajectory_events(["bad"])["bad"] if r["segment"]])

@@ -20,7 +20,10 @@ Contract, shared by every backend (and checked by
   never skips an event that commits late.
 * **Atomicity.** ``commit_append`` stores all of a batch (events, trajectory
   rows, segment row) or nothing; ``SampleIndex.commit_samples`` stores the
-  sample rows, their segment row and the moved checkpoint, or nothing.
+  sample rows, their segment row, the folded events re-pointed to them, the
+  log segments that left retired and the moved checkpoint, or nothing;
+  ``EventLog.commit_compaction`` the compacted segment's row, the moved
+  events and the retired old segments, or nothing.
 * **Optimistic concurrency.** Each trajectory row carries ``version``; a
   batch computed from a stale version raises ``StaleState`` and stores
   nothing (the caller re-reads and re-admits). So does a race on an event

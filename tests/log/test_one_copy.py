@@ -6,7 +6,6 @@ re-folding the re-pointed log gives byte-identical samples."""
 from __future__ import annotations
 
 import numpy as np
-import pytest
 from sqlalchemy import select
 
 from trajstore.demo.simulate import RolloutConfig, trajectory_events

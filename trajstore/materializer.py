@@ -207,6 +207,11 @@ class Materializer:
             return folded, unfoldable, gen_rows_of
         events = self.store.log.trajectory_events(ids)
         tables, bad_segments = self._read_segments([r for rows in events.values() for r in rows])
+        if bad_segments:
+            # A compaction may have moved these events, and a GC with a short grace deleted
+            # the old file, between resolving the locators and opening it: resolve once more.
+            events = self.store.log.trajectory_events(ids)
+            tables, bad_segments = self._read_segments([r for rows in events.values() for r in rows])
         for fin in finished:
             tid = fin["trajectory_id"]
             traj, rows = trajs.get(tid), events[tid]

@@ -148,3 +148,56 @@ def test_cli_gc_compact(store_url, tmp_path, capsys):
     assert len(_log_files(store)) == 1
     assert all(_same(before[t], store.load_generations(t)) for t in fins)
     store.close()
+
+
+def test_compaction_materializer_and_appends_at_once_equal_a_clean_run(store_url, tmp_path):
+    """Three real jobs race on the same events: a writer appending in small pieces,
+    a materializer re-pointing what finishes, a compactor moving what runs."""
+    import threading
+
+    from trajstore.materializer import Materializer
+
+    payload = str(tmp_path / "payload")
+    stores = [trajstore.connect(store_url, payload=payload) for _ in range(3)]
+    n, done, errors = 20, threading.Event(), []
+
+    def writer():
+        for i in range(n):
+            evs = trajectory_events(CFG, i)
+            for k in range(0, len(evs), 2):
+                stores[0].append(evs[k : k + 2])
+        done.set()
+
+    def guarded(job):
+        def run():
+            try:
+                while not done.is_set():
+                    job()
+            except Exception as e:  # reported below, with the job's name
+                errors.append(e)
+        return run
+
+    threads = [threading.Thread(target=writer),
+               threading.Thread(target=guarded(lambda: Materializer(stores[1], batch_size=2).run())),
+               threading.Thread(target=guarded(lambda: stores[2].compact(target_bytes=32 << 10)))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors, errors
+    store = stores[0]
+    stats = store.materialize()
+    assert stats.num_unfoldable == 0 and store.materialized.unfoldable_trajectories()["count"] == 0
+    store.collect_garbage(grace_s=0)
+    assert {n for n, _ in store.payload.list_names()} == store.log.referenced_segments()
+    got = list(store.samples())
+    clean = trajstore.connect(f"sqlite:///{tmp_path}/clean.db", payload=str(tmp_path / "clean-payload"))
+    for i in range(n):
+        clean.append(trajectory_events(CFG, i))
+    clean.materialize()
+    want = list(clean.samples())
+    clean.close()
+    assert [(s.trajectory_id, s.sample_index) for s in got] == [(s.trajectory_id, s.sample_index) for s in want]
+    assert all(a.equals(b) for a, b in zip(got, want))
+    for s in stores:
+        s.close()

@@ -205,7 +205,7 @@ class EventLog(ABC):
 
     @abstractmethod
     def segments_in_use(self, retired_before: float) -> set[str]:
-        """``referenced_segments()`` plus the segments retired at or after
+        """``referenced_segments()`` plus the segments retired after
         ``retired_before`` (a reader that resolved their names before they were
         retired may still open them: the GC grace)."""
 

@@ -333,7 +333,7 @@ class SqlEventLog(EventLog):
     def segments_in_use(self, retired_before: float) -> set[str]:
         with self.db.reading("listing segments in use") as conn:
             recent = conn.execute(select(segments.c.name).where(
-                or_(segments.c.retired_at.is_(None), segments.c.retired_at >= retired_before))).scalars()
+                or_(segments.c.retired_at.is_(None), segments.c.retired_at > retired_before))).scalars()
             return _named(conn) | set(recent)
 
     def forget_segments(self, names: Collection[str]) -> int:

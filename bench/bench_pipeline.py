@@ -16,7 +16,8 @@ Paths, each run interleaved with its baseline, ``--rounds`` times, median:
   one call per event) vs writing the unique arrays (tokens, logprobs, routes)
   to one uncompressed Parquet file + fsync;
 * bytes per unique token of the whole store after materialize (log payload +
-  sample payload + SQL files);
+  sample payload + SQL files), and again after ``collect_garbage(grace_s=0)``
+  (the log segments whose events the materializer re-pointed are gone);
 * materialize end to end (``store.materialize()``) vs the same sample arrays
   written uncompressed to Parquet + fsync;
 * read, warm: ``store.samples()`` and ``SampleReader`` vs
@@ -179,6 +180,12 @@ def _dir_bytes(path: str, prefix: str = "") -> int:
     return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.startswith(prefix))
 
 
+def _store_bytes(d: str, r: int, payload: str, tokens: int) -> dict[str, float]:
+    """Bytes per unique token of log payload, sample payload and SQL files."""
+    return {"log": _dir_bytes(payload, "events-") / tokens, "samples": _dir_bytes(payload, "samples-") / tokens,
+            "sql": sum(os.path.getsize(p) for p in (f"{d}/a{r}.db", f"{d}/a{r}.db-wal") if os.path.exists(p)) / tokens}
+
+
 def _rates(tokens: int, names: list[str], base: str, wall: dict, cpu: dict) -> dict:
     out = {}
     for k in names:
@@ -197,6 +204,7 @@ def append_materialize_read(args, out: dict) -> None:
     wire_mb = sum(len(json.dumps(t)) for t in wire) / 2**20
     clock = Clock()
     sizes: dict[str, float] = {}
+    sizes_gc: dict[str, float] = {}
     sample_tokens = 0
     with tempfile.TemporaryDirectory(dir=args.tmp) as d:
         for r in range(args.rounds):
@@ -225,9 +233,9 @@ def append_materialize_read(args, out: dict) -> None:
             raw_path = f"{d}/samples{r}.parquet"
             with clock("raw write sample arrays"):
                 raw_write(samples_tbl, raw_path)
-            sizes = {"log": _dir_bytes(payload, "events-") / tokens, "samples": _dir_bytes(payload, "samples-") / tokens,
-                     "sql": sum(os.path.getsize(p) for p in (f"{d}/a{r}.db", f"{d}/a{r}.db-wal")
-                                if os.path.exists(p)) / tokens}
+            sizes = _store_bytes(d, r, payload, tokens)
+            s.collect_garbage(grace_s=0)  # the log segments the materializer emptied (issue 12.3)
+            sizes_gc = _store_bytes(d, r, payload, tokens)
             if "read" in args.only:
                 from trajstore.reader import SampleReader
 
@@ -258,6 +266,8 @@ def append_materialize_read(args, out: dict) -> None:
                                     "raw write sample arrays", wall, cpu)
         res["bytes_per_unique_token"] = {k: round(v, 1) for k, v in sizes.items()}
         res["bytes_per_unique_token"]["total"] = round(sum(sizes.values()), 1)
+        res["bytes_per_unique_token_after_gc"] = {k: round(v, 1) for k, v in sizes_gc.items()}
+        res["bytes_per_unique_token_after_gc"]["total"] = round(sum(sizes_gc.values()), 1)
     if "SampleReader" in wall:
         res["read"] = _rates(sample_tokens, ["store.samples()", "SampleReader", "raw read sample arrays"],
                              "raw read sample arrays", wall, cpu)

@@ -26,6 +26,7 @@ import pyarrow as pa
 from trajstore._admission import Admitted, StoredGeneration, TrajectoryState
 from trajstore.errors import CorruptStoreError
 from trajstore.events import Generation, Reward, TrajectoryFinished, TrajectoryStarted
+from trajstore.log.base import SAMPLES_KIND
 from trajstore.schema import events as events_table
 from trajstore.payload import SegmentRows, binary_chunks, binary_column, column_chunks, list_column
 
@@ -172,7 +173,12 @@ def generations_from_log(
     tables: Mapping[str, SegmentRows],
     route_shape: tuple[int, int] | None,
 ) -> list[Generation]:
-    """Rebuild one trajectory's generation commands from its index rows (seq order)."""
+    """Rebuild one trajectory's generation commands from its index rows (seq order).
+
+    A row's payload is either its own row of a log segment (``segment_kind``
+    NULL) or, once the materializer re-pointed it, slices of the sample row it
+    was folded into (``segment_kind = 'samples'``, see ``_segment_row``); both
+    give the same arrays, so re-folding gives byte-identical samples."""
     out: list[Generation] = []
     previous = np.zeros(0, dtype=np.int32)
     for row in rows:
@@ -215,9 +221,21 @@ _LIST_DTYPES = {
     "token_rewards": np.float32,
 }
 
+_SAMPLE_SLICE_DTYPES = {
+    "prompt_ids": np.int32,
+    "response_ids": np.int32,
+    "loss_mask": np.uint8,
+    "rollout_logprobs": np.float32,
+    "logprobs_mask": np.uint8,
+    "token_model_versions": np.int32,
+    "token_rewards": np.float32,
+}
+
 
 def _segment_row(tables: Mapping[str, SegmentRows], row: Mapping[str, Any]) -> dict[str, Any]:
     one = tables[row["segment"]].row(int(row["segment_row"]))
+    if row.get("segment_kind") == SAMPLES_KIND:
+        return _sample_slices(one, row)
     cols: dict[str, Any] = {name: column_chunks(one.column(name), dt)[0] for name, dt in _LIST_DTYPES.items()}
     cols["routes"] = binary_chunks(one.column("routes"))[0]
     # segments written before per-token versions existed have no such column
@@ -227,9 +245,65 @@ def _segment_row(tables: Mapping[str, SegmentRows], row: Mapping[str, Any]) -> d
     return cols
 
 
+def _sample_slices(one: Any, row: Mapping[str, Any]) -> dict[str, Any]:
+    """An event's payload as slices of the sample row it was folded into.
+
+    Every prompt of a sample starts at the sample's first token, so in
+    ``prompt_ids ++ response_ids`` the event's prompt tail is ``[prefix_len,
+    prompt_len)``, its output the next ``output_len`` tokens (response
+    positions ``prompt_len - P`` on), its routes rows ``[routes_start,
+    routes_start + num_route_rows)``. What the fold filled in for an event
+    that sent nothing is told apart by SQL (``has_token_rewards``,
+    ``version_spans``) and by the sample's ``logprobs_mask``."""
+    a = {name: column_chunks(one.column(name), dt)[0] for name, dt in _SAMPLE_SLICE_DTYPES.items()
+         if name in one.schema.names}
+    prompt, response = a["prompt_ids"], a["response_ids"]
+    p = len(prompt)
+    prefix, plen, olen = int(row["prefix_len"]), int(row["prompt_len"]), int(row["output_len"])
+    if plen < p or plen + olen > p + len(response) or prefix > plen:
+        raise CorruptStoreError(f"trajectory {row['trajectory_id']!r} seq {row['seq']}: its slices "
+                                f"[{prefix}, {plen + olen}) do not fit sample row {row['segment_row']} "
+                                f"of {row['segment']!r} ({p} + {len(response)} tokens)")
+    out = slice(plen - p, plen - p + olen)
+    if plen <= p:
+        tail = prompt[prefix:plen]
+    elif prefix >= p:
+        tail = response[prefix - p : plen - p]
+    else:
+        tail = np.concatenate([prompt[prefix:], response[: plen - p]])
+    lp_mask = a.get("logprobs_mask")
+    has_logprobs = bool(lp_mask[out].all()) if lp_mask is not None else bool(np.any(a["rollout_logprobs"][out]))
+    cols: dict[str, Any] = {
+        "prompt_tail": tail,
+        "output_ids": response[out],
+        "logprobs": a["rollout_logprobs"][out] if has_logprobs else None,
+        "loss_mask": a["loss_mask"][out],
+        "token_rewards": a["token_rewards"][out] if row["has_token_rewards"] else None,
+        "token_model_versions": a["token_model_versions"][out] if row.get("version_spans") is not None else None,
+        "routes": None,
+    }
+    if row["routes_dtype"] is not None:
+        raw = binary_chunks(one.column("routed_experts"))[0]
+        dtype = one.column("routes_dtype")[0].as_py()
+        layers, topk = one.column("route_layers")[0].as_py(), one.column("route_topk")[0].as_py()
+        if raw is None or dtype is None:
+            raise CorruptStoreError(f"trajectory {row['trajectory_id']!r} seq {row['seq']}: sample row "
+                                    f"{row['segment_row']} of {row['segment']!r} has no routes")
+        routes = np.frombuffer(raw, dtype=np.dtype(dtype).newbyteorder("<")).reshape(-1, layers, topk)
+        start, n = int(row["routes_start"]), int(row["num_route_rows"])
+        if start + n > len(routes):
+            raise CorruptStoreError(f"trajectory {row['trajectory_id']!r} seq {row['seq']}: route rows "
+                                    f"[{start}, {start + n}) beyond the sample's {len(routes)}")
+        # the dtype the event was sent with (the sample's may be narrower; the values fit)
+        cols["routes"] = routes[start : start + n].astype(np.dtype(row["routes_dtype"]).newbyteorder("<"), copy=False)
+    return cols
+
+
 def _routes(raw: Any, row: Mapping[str, Any], shape: tuple[int, int] | None) -> np.ndarray | None:
     if raw is None or row["routes_dtype"] is None:
         return None
+    if isinstance(raw, np.ndarray) and raw.ndim == 3:  # already sliced from a sample row
+        return raw
     if shape is None:
         raise CorruptStoreError(f"trajectory {row['trajectory_id']!r} has routes but no [layers, topk]")
     flat = np.frombuffer(raw, dtype=np.dtype(row["routes_dtype"]).newbyteorder("<"))

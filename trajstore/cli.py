@@ -105,13 +105,19 @@ def _cmd_gc(args: argparse.Namespace) -> int:
     import time
 
     store = _store(args)
-    referenced = store.log.referenced_segments()
+    if args.compact:
+        done = store.compact(target_bytes=int(args.target_mb * (1 << 20)))
+        print(f"compacted: {done['events_moved']} running event(s) from {done['segments_retired']} small log "
+              f"segment(s) into {done['segments_written']} (the old ones are retired)")
     now = time.time()
+    keep = store.log.segments_in_use(retired_before=now - args.grace_s)
     young = sum(1 for name, mtime in store.payload.list_names()
-                if name not in referenced and now - mtime < args.grace_s)
+                if name not in keep and now - mtime < args.grace_s)
     removed = store.collect_garbage(grace_s=args.grace_s)
-    print(f"removed {len(removed)} unreferenced payload file(s); kept {young} younger than "
-          f"--grace-s {args.grace_s:g} (they may belong to appends still running)")
+    retired = len(store.log.segments_in_use(retired_before=float("-inf")) - store.log.referenced_segments())
+    print(f"removed {len(removed)} payload file(s) (retired log segments or unreferenced); kept {young} younger "
+          f"than --grace-s {args.grace_s:g} (they may belong to appends still running) and {retired} retired "
+          "within it (a reader may still have them open)")
     return 0
 
 
@@ -175,9 +181,12 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("dir", help="directory to create with the part-NNNNN.parquet files")
     e.add_argument("--replace", action="store_true", help="replace an earlier export in DIR (atomically)")
     add("info", _cmd_info, "counts per status, event type and model version; unfoldable trajectories")
-    add("gc", _cmd_gc, "delete payload files no index row references") \
-        .add_argument("--grace-s", type=float, default=3600.0,
-                      help="only files older than this many seconds (default 3600)")
+    g = add("gc", _cmd_gc, "delete payload files no index row needs (retired log segments, crash leftovers)")
+    g.add_argument("--grace-s", type=float, default=3600.0,
+                   help="only files retired (or, unreferenced, written) longer ago than this (default 3600)")
+    g.add_argument("--compact", action="store_true",
+                   help="first rewrite many small log segments of unfolded trajectories into few")
+    g.add_argument("--target-mb", type=float, default=64.0, help="compacted segment size (default 64 MiB)")
     d = add("demo", _cmd_demo, "the main job end to end on the embedded store, with simulated rollouts")
     d.add_argument("--trajectories", type=int, default=200, help="simulated trajectories (default 200)")
     d.add_argument("--workers", type=int, default=4, help="simulated rollout worker processes (default 4)")

@@ -8,8 +8,13 @@ One step:
   3. write the samples to one payload segment whose name is a function of
      (shard, positions), atomically renamed into place;
   4. in ONE transaction: insert the sample rows, record the trajectories it
-     could not fold (``unfoldable_trajectories``) and move the checkpoint to
-     the last finished event read, guarded by the checkpoint it started from.
+     could not fold (``unfoldable_trajectories``), re-point every folded
+     generation event's payload locator to the sample row it was folded into
+     (one copy of every token: the event's payload is a set of slices of that
+     row, see ``_facts._sample_slices``), retire the log segments no event
+     names any more (``trajstore gc`` deletes them after its grace), and move
+     the checkpoint to the last finished event read, guarded by the
+     checkpoint it started from.
 
 A trajectory that cannot be folded (its payload is missing or unreadable,
 its index rows contradict each other, the fold refuses it, a value does not
@@ -19,7 +24,8 @@ trajectories"). Infrastructure errors (``StoreUnavailable``) still propagate:
 they are retried by running again, never recorded.
 
 A crash before 4 leaves at most an unreferenced segment that the re-run
-rewrites with the same bytes; a crash after 4 has nothing to redo. Two
+rewrites with the same bytes (and every event still in the log); a crash
+after 4 has nothing to redo. Two
 materializers of one shard race on the guard and one of them wins. Memory is
 bounded by one batch: the log is streamed, never loaded whole.
 """
@@ -35,7 +41,7 @@ from trajstore._deprecated import renamed
 from trajstore import _facts as facts
 from trajstore.errors import CorruptStoreError, StoreUnavailable, TrajstoreError
 from trajstore.fold import FoldMetrics, FoldResult, fold
-from trajstore.log.base import Shard, StaleState, shard_index_of
+from trajstore.log.base import SAMPLES_KIND, Repoint, Shard, StaleState, shard_index_of
 from trajstore.payload import SegmentRows, rows_per_batch
 from trajstore.sample import Sample
 from trajstore._samples import SAMPLE_BATCH_BYTES, sample_table
@@ -145,7 +151,7 @@ class Materializer:
         if not finished:
             return None
         finished, mine, trajs = self._within_budget(finished)
-        folded, unfoldable = self._fold(mine, trajs)
+        folded, unfoldable, gen_rows = self._fold(mine, trajs)
         last = finished[-1]["position"]
         seg_name = f"samples-{self.shard_index}of{self.num_shards}-{position + 1:012d}-{last:012d}.arrow"
         samples = [s for r in folded.values() for s in r.samples]
@@ -153,6 +159,7 @@ class Materializer:
         metrics = sum((r.metrics for r in folded.values()), FoldMetrics())
         finished_at = {e["trajectory_id"]: e["position"] for e in mine}
         seg_row, sample_rows = self._write(seg_name, samples, calls, finished_at)
+        repoints = _repoints(seg_name, folded, gen_rows)
         now = time.time()
         unfoldable_rows = [_unfoldable_row(tid, finished_at[tid], self.shard, err, now)
                            for tid, err in unfoldable.items()]
@@ -160,7 +167,7 @@ class Materializer:
         checkpoint.pop("merge_ratio")
         try:
             self.store.materialized.commit_samples(self.shard, sample_rows, seg_row, checkpoint, position,
-                                                   unfoldable_rows=unfoldable_rows)
+                                                   unfoldable_rows=unfoldable_rows, repoints=repoints)
         except StaleState:
             # another materializer did this batch
             return MaterializeStats(position=self._checkpoint()[0])
@@ -194,16 +201,23 @@ class Materializer:
         return finished, [e for e in mine if e["position"] <= last], trajs
 
     def _fold(self, finished: list[dict[str, Any]], trajs: dict[str, dict[str, Any]]
-              ) -> tuple[dict[str, FoldResult], dict[str, BaseException]]:
+              ) -> tuple[dict[str, FoldResult], dict[str, BaseException], dict[str, list[dict[str, Any]]]]:
         """Fold each trajectory; the ones that cannot be folded are returned
-        apart with their error, and the others are unaffected."""
+        apart with their error, and the others are unaffected. Also returns
+        each folded trajectory's generation rows (seq order)."""
         folded: dict[str, FoldResult] = {}
         unfoldable: dict[str, BaseException] = {}
+        gen_rows_of: dict[str, list[dict[str, Any]]] = {}
         ids = [e["trajectory_id"] for e in finished]
         if not ids:
-            return folded, unfoldable
+            return folded, unfoldable, gen_rows_of
         events = self.store.log.trajectory_events(ids)
         tables, bad_segments = self._read_segments([r for rows in events.values() for r in rows])
+        if bad_segments:
+            # A compaction may have moved these events, and a GC with a short grace deleted
+            # the old file, between resolving the locators and opening it: resolve once more.
+            events = self.store.log.trajectory_events(ids)
+            tables, bad_segments = self._read_segments([r for rows in events.values() for r in rows])
         for fin in finished:
             tid = fin["trajectory_id"]
             traj, rows = trajs.get(tid), events[tid]
@@ -221,11 +235,12 @@ class Materializer:
                 rewards = [r["reward"] for r in rows if r["type"] == "reward"]
                 folded[tid] = fold(gens, trajectory_id=tid, group_id=traj["group_id"], status=fin["status"],
                                    final_reward=rewards[-1] if rewards else None, num_experts=traj["num_experts"])
+                gen_rows_of[tid] = gen_rows
             except StoreUnavailable:
                 raise
             except _DATA_ERRORS as e:
                 unfoldable[tid] = e
-        return folded, unfoldable
+        return folded, unfoldable, gen_rows_of
 
     def _read_segments(self, rows: list[dict[str, Any]]
                        ) -> tuple[dict[str, SegmentRows], dict[str, BaseException]]:
@@ -260,6 +275,27 @@ class Materializer:
         seg_row = {"name": name, "kind": "samples", "num_rows": len(samples), "num_bytes": size, "created_at": now}
         return seg_row, [_sample_row(s, i, name, finished_at[s.trajectory_id], c, now)
                          for i, (s, c) in enumerate(zip(samples, calls))]
+
+
+def _repoints(segment: str, folded: dict[str, FoldResult], gen_rows: dict[str, list[dict[str, Any]]]
+              ) -> list[Repoint]:
+    """Every folded generation event -> the sample row it was folded into.
+
+    Samples are written in ``folded`` order; sample k of a trajectory merged
+    the next ``calls_per_sample[k]`` generation events (seq order). Events
+    already pointing at a sample row (a re-fold) are left alone."""
+    out: list[Repoint] = []
+    row = 0
+    for tid, result in folded.items():
+        events = iter(gen_rows[tid])
+        for calls in result.calls_per_sample:
+            for _ in range(calls):
+                e = next(events)
+                if e["segment"] is not None and e.get("segment_kind") is None:
+                    out.append(Repoint(int(e["position"]), segment, row, SAMPLES_KIND,
+                                       e["segment"], int(e["segment_row"])))
+            row += 1
+    return out
 
 
 def _unfoldable_row(trajectory_id: str, finished_position: int, shard: Shard, error: BaseException,

@@ -1,7 +1,7 @@
 """Payload segments: the heavy token-level columns, in Arrow IPC and Parquet files.
 
 Two kinds of segment, named by prefix: the event log's (``events-*``, one
-per append call or group commit) and the materializer's sample segments
+per append call, group commit or compaction) and the materializer's sample segments
 (``samples-*``, one per materialization batch). A segment is written and
 made durable (fsync of the file and of its directory on local disks)
 *before* the SQL transaction that references it commits, so an index row
@@ -9,6 +9,9 @@ never points at a missing file. A file that no ``segments`` row names is
 garbage from a crashed or refused append; ``PayloadStore.collect_garbage``
 removes such files once they are older than a grace period (a live writer
 may be between its fsync and its commit).
+Which files are still needed (``Store.collect_garbage``: named by an index
+row, or retired within the grace) is the index's to say (docs/log.md, "One
+copy").
 
 Columns are built from numpy buffers with ``pa.ListArray.from_arrays`` /
 binary buffers: no per-token Python objects. Routes are stored as one binary
@@ -271,14 +274,22 @@ class PayloadStore:
         ]
 
     def collect_garbage(self, referenced: set[str], *, grace_s: float = 3600.0) -> list[str]:
-        """Delete unreferenced segment files older than ``grace_s``; return their names."""
+        """Delete segment files not in ``referenced`` (the ones still needed)
+        written more than ``grace_s`` ago; return their names."""
         now = time.time()
         removed = []
         for name, mtime in self.list_names():
-            if name not in referenced and now - mtime >= grace_s:
+            if name not in referenced and now - mtime >= grace_s and now - self._mtime(name) >= grace_s:
+                # (asked again right before deleting: a deterministic name may have just been rewritten)
                 self.delete(name)
                 removed.append(name)
         return removed
+
+    def _mtime(self, name: str) -> float:
+        info = self.fs.get_file_info(self.path(name))
+        if info.type == pafs.FileType.NotFound:
+            return 0.0
+        return info.mtime.timestamp() if info.mtime else 0.0
 
 
 _ROWS_PER_BATCH = "trajstore.rows_per_batch"

@@ -101,13 +101,22 @@ events = Table(
     # migration 0006: the outcome of the fold's step (trajstore.fold.FoldStep) for a generation
     Column("sample_index", Integer, nullable=True),  # the sample the call folds into
     Column("is_merged", Boolean, nullable=True),  # the prompt continued the previous call's sequence
+    # migration 0007: NULL while (segment, segment_row) is the event's own row in a log
+    # segment; 'samples' once the materializer re-pointed it to the sample row it folded
+    # into (the event's slices of that row follow from prefix_len, prompt_len,
+    # output_len, routes_start and num_route_rows; docs/log.md "One copy").
+    Column("segment_kind", String(8), nullable=True),
     Index("ix_events_trajectory_seq", "trajectory_id", "position"),
     # the materializer's poll: finished events after a position, in order
     Index("ix_events_type_position", "type", "position"),
+    # which events a segment still holds (retiring, compaction; migration 0007)
+    Index("ix_events_segment", "segment"),
 )
 
 # Payload segment files referenced by events or samples; a file in the
-# payload directory without a row here is garbage from a crashed append.
+# payload directory without a row here is garbage from a crashed append or
+# compaction. ``retired_at`` (migration 0007): when no event named the (log)
+# segment any more; ``trajstore gc`` deletes it once that is older than its grace.
 segments = Table(
     "segments",
     metadata,
@@ -116,6 +125,7 @@ segments = Table(
     Column("num_rows", Integer, nullable=False),
     Column("num_bytes", BigInteger, nullable=False),
     Column("created_at", Float, nullable=False),
+    Column("retired_at", Float, nullable=True),
 )
 
 # Materialized samples: order key (finished_position, sample_index).

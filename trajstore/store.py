@@ -8,6 +8,7 @@ transaction (``log``). Folding is ``materializer``'s, reading ``reader``'s.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
+import pyarrow as pa
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
 
@@ -25,11 +27,13 @@ from trajstore.errors import (CommitUnknownError, ConflictError, ContentionError
                               first_line)
 from trajstore.events import (Event, Generation, TrajectoryFinished, TrajectoryStarted, content_hash, identity_of,
                               parse_events)
-from trajstore.log.base import EventLog, SampleIndex, StaleState, TrajectoryWrite
+from trajstore.log.base import EventLog, Repoint, SampleIndex, StaleState, TrajectoryWrite
 from trajstore.log.sql import open_sql
 from trajstore.payload import PayloadStore, SegmentRows
 
 __all__ = ["Store", "AppendCheck", "AppendResult", "connect", "DEFAULT_URL", "dialect_of", "resolve_url"]
+
+log = logging.getLogger(__name__)
 
 DEFAULT_URL = "sqlite:///trajstore-data/trajstore.db"
 _MAX_ATTEMPTS = 20  # re-admissions after losing an optimistic-concurrency race
@@ -232,8 +236,71 @@ class Store:
         return {**self.log.counts(), "samples": self.materialized.count_samples()}
 
     def collect_garbage(self, *, grace_s: float = 3600.0) -> list[str]:
-        """Delete payload files no index row references (left by crashed appends)."""
-        return self.payload.collect_garbage(self.log.referenced_segments(), grace_s=grace_s)
+        """Delete payload files nothing needs any more; return their names.
+
+        Two kinds: log segments retired (every event re-pointed into a sample
+        segment by the materializer, or moved by ``compact``) more than
+        ``grace_s`` ago, and files no ``segments`` row knows (left by a crashed
+        append, materialization or compaction) older than ``grace_s``. A file
+        an ``events`` or ``samples`` row names is never deleted. The grace
+        protects readers that resolved a locator just before it was re-pointed
+        (docs/log.md, "One copy")."""
+        now = time.time()
+        self.log.retire_unreferenced(now)  # ones two concurrent re-pointings each left to the other
+        keep = self.log.segments_in_use(retired_before=now - grace_s)
+        removed = self.payload.collect_garbage(keep, grace_s=grace_s)
+        self.log.forget_segments(removed)
+        return removed
+
+    def compact(self, *, target_bytes: int = 64 << 20, max_rounds: int | None = None) -> dict[str, int]:
+        """Rewrite many small log segments into few: the live rows (events not
+        re-pointed yet, i.e. of trajectories the materializer has not folded)
+        of the oldest log segments smaller than ``target_bytes / 2`` go into one
+        new segment of about ``target_bytes``, re-pointed in one transaction
+        guarded by every moved event's current locator; the old segments are
+        retired (``collect_garbage`` deletes them after its grace). A crash
+        before that commit leaves only an unreferenced new file. Memory is
+        bounded by one round (``target_bytes`` of payload).
+
+        Returns ``{"rounds", "segments_retired", "events_moved", "segments_written"}``."""
+        stats = {"rounds": 0, "segments_retired": 0, "events_moved": 0, "segments_written": 0}
+        while max_rounds is None or stats["rounds"] < max_rounds:
+            done = self._compact_round(target_bytes)
+            if done is None:
+                break
+            stats["rounds"] += 1
+            stats["segments_retired"] += done[0]
+            stats["events_moved"] += done[1]
+            stats["segments_written"] += 1 if done[1] else 0
+        return stats
+
+    def _compact_round(self, target_bytes: int) -> tuple[int, int] | None:
+        """One compaction; (segments emptied, events moved), None when nothing is worth it."""
+        cands = self.log.compaction_candidates(max_bytes=max(1, target_bytes // 2), limit_bytes=target_bytes)
+        if len(cands) < 2:
+            return None
+        names = [c["name"] for c in cands]
+        live = self.log.live_locators(names)
+        if not live:
+            # nothing left in them (a re-pointing raced the retiring): retire and go on
+            return len(self.log.retire_unreferenced(time.time())), 0
+        tables = self.payload.read_locators(live)
+        parts = [tables[r["segment"]].row(int(r["segment_row"])) for r in live]
+        table = pa.concat_tables(parts, promote_options="default").combine_chunks()
+        name = self.payload.new_name("events", ".arrow")
+        size = self.payload.write(name, table, rows_per_batch=1)
+        seg_row = {"name": name, "kind": "events", "num_rows": len(live), "num_bytes": size,
+                   "created_at": time.time()}
+        moves = [Repoint(int(r["position"]), name, k, None, r["segment"], int(r["segment_row"]))
+                 for k, r in enumerate(live)]
+        try:
+            self.log.commit_compaction(seg_row, moves)
+        except StaleState:
+            # the materializer re-pointed some of them meanwhile: the new file is
+            # unreferenced garbage; the next round starts from fresh locators
+            log.info("compaction of %d segments lost a race with the materializer; retrying", len(names))
+            return 0, 0
+        return len(names), len(moves)
 
     # -- materialized samples ------------------------------------------------
     def materialize(self, **kwargs: Any):

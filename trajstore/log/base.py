@@ -20,7 +20,10 @@ Contract, shared by every backend (and checked by
   never skips an event that commits late.
 * **Atomicity.** ``commit_append`` stores all of a batch (events, trajectory
   rows, segment row) or nothing; ``SampleIndex.commit_samples`` stores the
-  sample rows, their segment row and the moved checkpoint, or nothing.
+  sample rows, their segment row, the folded events re-pointed to them, the
+  log segments that left retired and the moved checkpoint, or nothing;
+  ``EventLog.commit_compaction`` the compacted segment's row, the moved
+  events and the retired old segments, or nothing.
 * **Optimistic concurrency.** Each trajectory row carries a ``revision``
   counter; a batch computed from a stale revision raises ``StaleState`` and stores
   nothing (the caller re-reads and re-admits). So does a race on an event
@@ -55,12 +58,33 @@ from typing import Any, Collection, Iterator, Mapping, Sequence
 
 from trajstore.errors import ValidationError
 
-__all__ = ["EventLog", "SampleIndex", "Shard", "StaleState", "TrajectoryWrite", "shard_index_of"]
+__all__ = ["EventLog", "SampleIndex", "Shard", "StaleState", "TrajectoryWrite", "shard_index_of", "SAMPLES_KIND",
+           "Repoint"]
+
+SAMPLES_KIND = "samples"
+"""``events.segment_kind`` of an event whose payload locator was re-pointed to
+the sample row it was folded into (NULL: its own row of a log segment)."""
 
 
 class StaleState(Exception):
     """A concurrent writer changed a trajectory (or took an identity, or moved a
     checkpoint) first. Internal: ``Store`` re-admits, the materializer re-reads."""
+
+
+@dataclass(frozen=True)
+class Repoint:
+    """Move one event's payload locator: event ``position`` now reads its
+    payload from row ``segment_row`` of ``segment`` (``segment_kind`` None: a
+    log segment row of its own; ``SAMPLES_KIND``: the sample row it was folded
+    into). ``old_segment`` / ``old_segment_row``: where it pointed when the
+    move was computed (a compaction's guard; the log segment to retire)."""
+
+    position: int
+    segment: str
+    segment_row: int
+    segment_kind: str | None
+    old_segment: str | None
+    old_segment_row: int | None
 
 
 @dataclass(frozen=True)
@@ -168,7 +192,44 @@ class EventLog(ABC):
 
     @abstractmethod
     def referenced_segments(self) -> set[str]:
-        """Names of every payload segment an index row points at (events' and samples')."""
+        """Names of every payload segment an index row needs: named by an
+        ``events`` or ``samples`` row, or a ``segments`` row not retired."""
+
+    # -- one copy: garbage collection and compaction (docs/log.md "One copy") --
+    @abstractmethod
+    def retire_unreferenced(self, now: float) -> list[str]:
+        """Mark retired (``retired_at = now``) every segment row no event or
+        sample names any more (the re-pointing transactions retire what they
+        empty; this catches the ones two concurrent transactions each left to
+        the other). Returns the names."""
+
+    @abstractmethod
+    def segments_in_use(self, retired_before: float) -> set[str]:
+        """``referenced_segments()`` plus the segments retired after
+        ``retired_before`` (a reader that resolved their names before they were
+        retired may still open them: the GC grace)."""
+
+    @abstractmethod
+    def forget_segments(self, names: Collection[str]) -> int:
+        """Delete the ``segments`` rows of retired segments no index row names
+        (after their files were deleted); returns how many."""
+
+    @abstractmethod
+    def compaction_candidates(self, *, max_bytes: int, limit_bytes: int) -> list[dict[str, Any]]:
+        """Log segment rows not retired and smaller than ``max_bytes``, oldest
+        first, until their sizes add up to ``limit_bytes``."""
+
+    @abstractmethod
+    def live_locators(self, segment_names: Collection[str]) -> list[dict[str, Any]]:
+        """``position, trajectory_id, segment, segment_row`` of every event still
+        reading its payload from one of these log segments, in position order."""
+
+    @abstractmethod
+    def commit_compaction(self, segment_row: Mapping[str, Any], moves: Sequence[Repoint]) -> None:
+        """In one transaction: insert the compacted segment's row, re-point every
+        moved event guarded by its current locator, and retire the old segments
+        left empty. Raises ``StaleState`` (nothing stored) when any event moved
+        meanwhile (the materializer re-pointed it)."""
 
     @abstractmethod
     def close(self) -> None:
@@ -196,9 +257,12 @@ class SampleIndex(ABC):
         expected_position: int,
         *,
         unfoldable_rows: Sequence[dict[str, Any]] = (),
+        repoints: Sequence[Repoint] = (),
     ) -> None:
         """Insert sample rows (and ``unfoldable_trajectories`` rows) and move
-        ``shard``'s checkpoint in one transaction.
+        ``shard``'s checkpoint in one transaction; in the same transaction
+        re-point the folded events (``repoints``) to their sample rows and
+        retire the log segments that no event names any more.
 
         Raises ``StaleState`` when the stored checkpoint is not
         ``expected_position`` (another materializer of the same shard got there

@@ -34,12 +34,12 @@ import time
 from contextlib import contextmanager
 from typing import Any, Callable, Collection, Iterator, Mapping, Sequence, TypeVar
 
-from sqlalchemy import Connection, Engine, and_, func, insert, or_, select, update
+from sqlalchemy import Connection, Engine, and_, bindparam, delete, exists, func, insert, or_, select, update
 from sqlalchemy.exc import DataError, DBAPIError, IntegrityError, InterfaceError, OperationalError, StatementError
 
 from trajstore.errors import (CommitUnknownError, IndexInvariantError, StoreUnavailable, TrajstoreError, ValidationError,
                               first_line)
-from trajstore.log.base import EventLog, SampleIndex, Shard, StaleState, TrajectoryWrite
+from trajstore.log.base import EventLog, Repoint, SampleIndex, Shard, StaleState, TrajectoryWrite
 from trajstore.schema import (events, log_head, materializer_checkpoints, samples, segments, trajectories,
                               unfoldable_trajectories)
 
@@ -310,10 +310,132 @@ class SqlEventLog(EventLog):
 
     def referenced_segments(self) -> set[str]:
         with self.db.reading("listing segments") as conn:
-            return set(conn.execute(select(segments.c.name)).scalars())
+            return _named(conn) | set(conn.execute(select(segments.c.name).where(segments.c.retired_at.is_(None)))
+                                      .scalars())
+
+    def retire_unreferenced(self, now: float) -> list[str]:
+        def body(conn: Connection) -> list[str]:
+            named = _named(conn)
+            live = conn.execute(select(segments.c.name).where(segments.c.retired_at.is_(None))).scalars().all()
+            gone = sorted(set(live) - named)
+            for part in _chunks(gone):
+                conn.execute(update(segments).where(segments.c.name.in_(part), segments.c.retired_at.is_(None),
+                                                    ~_named_clause()).values(retired_at=now))
+            return gone
+
+        return self.db.transaction("retiring unreferenced segments", body)
+
+    def segments_in_use(self, retired_before: float) -> set[str]:
+        with self.db.reading("listing segments in use") as conn:
+            recent = conn.execute(select(segments.c.name).where(
+                or_(segments.c.retired_at.is_(None), segments.c.retired_at > retired_before))).scalars()
+            return _named(conn) | set(recent)
+
+    def forget_segments(self, names: Collection[str]) -> int:
+        names = sorted(set(names))
+
+        def body(conn: Connection) -> int:
+            n = 0
+            for part in _chunks(names):
+                n += conn.execute(delete(segments).where(segments.c.name.in_(part), segments.c.retired_at.is_not(None),
+                                                         ~_named_clause())).rowcount
+            return n
+
+        return self.db.transaction("forgetting deleted segments", body) if names else 0
+
+    def compaction_candidates(self, *, max_bytes: int, limit_bytes: int) -> list[dict[str, Any]]:
+        q = (select(segments).where(segments.c.kind == "events", segments.c.retired_at.is_(None),
+                                    segments.c.num_bytes < max_bytes)
+             .order_by(segments.c.created_at, segments.c.name))
+        out, total = [], 0
+        with self.db.reading("listing segments to compact") as conn:
+            for r in conn.execute(q):
+                out.append(dict(r._mapping))
+                total += int(r.num_bytes)
+                if total >= limit_bytes:
+                    break
+        return out
+
+    def live_locators(self, segment_names: Collection[str]) -> list[dict[str, Any]]:
+        e = events.c
+        out: list[dict[str, Any]] = []
+        with self.db.reading("reading event locators") as conn:
+            for part in _chunks(sorted(set(segment_names))):
+                q = select(e.position, e.trajectory_id, e.segment, e.segment_row).where(
+                    e.segment.in_(part), e.segment_kind.is_(None))
+                out.extend(dict(r._mapping) for r in conn.execute(q))
+        return sorted(out, key=lambda r: r["position"])
+
+    def commit_compaction(self, segment_row: Mapping[str, Any], moves: Sequence[Repoint]) -> None:
+        def body(conn: Connection) -> None:
+            conn.execute(insert(segments), [dict(segment_row)])
+            _repoint(conn, moves, guarded=True)
+            _retire_emptied(conn, {m.old_segment for m in moves if m.old_segment}, time.time())
+
+        def landed(conn: Connection, _: None) -> bool:
+            return conn.execute(select(segments.c.name).where(segments.c.name == segment_row["name"])).first() is not None
+
+        self.db.transaction(f"compacting {len(moves)} events into {segment_row['name']}", body, landed=landed)
 
     def close(self) -> None:
         self.db.close()
+
+
+def _named(conn: Connection) -> set[str]:
+    """Segments an ``events`` or ``samples`` row names."""
+    named = set(conn.execute(select(events.c.segment).where(events.c.segment.is_not(None)).distinct()).scalars())
+    return named | set(conn.execute(select(samples.c.segment).distinct()).scalars())
+
+
+def _named_clause():
+    """SQL: this ``segments`` row is not a log segment, or some event names it
+    (one probe of ``ix_events_segment``; sample segments are never retired)."""
+    return or_(segments.c.kind != "events", exists().where(events.c.segment == segments.c.name))
+
+
+_REPOINT_GUARDED = (
+    update(events)
+    .where(events.c.position == bindparam("b_position"), events.c.segment == bindparam("b_old_segment"),
+           events.c.segment_row == bindparam("b_old_row"), events.c.segment_kind.is_(None))
+    .values(segment=bindparam("b_segment"), segment_row=bindparam("b_row"), segment_kind=bindparam("b_kind"))
+)
+
+
+def _repoint(conn: Connection, moves: Sequence[Repoint], *, guarded: bool) -> None:
+    """Re-point events' payload locators. Guarded (compaction): each event
+    must still be where the move was computed from, else ``StaleState``.
+    Unguarded (the materializer, under its checkpoint guard): the sample row
+    holds the same bytes whatever log row the event pointed at."""
+    if not moves:
+        return
+    n = 0
+    if guarded:
+        # one statement per event (each has its own guard); executemany's summed
+        # rowcount is not reliable on every driver
+        for m in moves:
+            n += conn.execute(_REPOINT_GUARDED, {
+                "b_position": m.position, "b_segment": m.segment, "b_row": m.segment_row, "b_kind": m.segment_kind,
+                "b_old_segment": m.old_segment, "b_old_row": m.old_segment_row}).rowcount
+    else:
+        # one statement per target row (a sample's merged calls share it)
+        by_target: dict[tuple[str, int, str | None], list[int]] = {}
+        for m in moves:
+            by_target.setdefault((m.segment, m.segment_row, m.segment_kind), []).append(m.position)
+        for (seg, row, kind), positions in by_target.items():
+            for part in _chunks(positions):
+                n += conn.execute(update(events).where(events.c.position.in_(part))
+                                  .values(segment=seg, segment_row=row, segment_kind=kind)).rowcount
+    if n != len(moves):
+        if guarded:
+            raise StaleState(f"{len(moves) - n} of {len(moves)} events moved concurrently")
+        raise IndexInvariantError(f"re-pointing {len(moves)} events found {n}: the log lost events, a trajstore bug")
+
+
+def _retire_emptied(conn: Connection, names: Collection[str], now: float) -> None:
+    """Retire these segments if no index row names them any more."""
+    for part in _chunks(sorted(names)):
+        conn.execute(update(segments).where(segments.c.name.in_(part), segments.c.retired_at.is_(None),
+                                            ~_named_clause()).values(retired_at=now))
 
 
 def _events_landed(conn: Connection, rows: list[dict[str, Any]]) -> bool:
@@ -353,6 +475,7 @@ class SqlSampleIndex(SampleIndex):
         expected_position: int,
         *,
         unfoldable_rows: Sequence[dict[str, Any]] = (),
+        repoints: Sequence[Repoint] = (),
     ) -> None:
         key = str(Shard.parse(str(shard)))
         cp = dict(checkpoint, shard=key, updated_at=time.time())
@@ -374,6 +497,9 @@ class SqlSampleIndex(SampleIndex):
                 conn.execute(insert(samples), list(sample_rows))
             if unfoldable_rows:
                 conn.execute(insert(unfoldable_trajectories), list(unfoldable_rows))
+            if repoints:
+                _repoint(conn, repoints, guarded=False)
+                _retire_emptied(conn, {m.old_segment for m in repoints if m.old_segment}, cp["updated_at"])
 
         def landed(conn: Connection, _: None) -> bool:
             pos = conn.execute(select(cps.c.position).where(cps.c.shard == key)).scalar_one_or_none()

@@ -1,7 +1,7 @@
 """trajectories.version -> trajectories.revision: one name per meaning
 
 Revision ID: 0008
-Revises: 0006
+Revises: 0007
 Create Date: 2026-11-23
 
 The trajectory row's optimistic-concurrency counter (bumped by every event;
@@ -15,7 +15,7 @@ from __future__ import annotations
 from alembic import op
 
 revision = '0008'
-down_revision = "0006"
+down_revision = "0007"
 branch_labels = None
 depends_on = None
 

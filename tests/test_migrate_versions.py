@@ -4,6 +4,7 @@ head and keeps working."""
 
 from __future__ import annotations
 
+import pytest
 from alembic import command
 from sqlalchemy import create_engine, inspect, text
 
@@ -32,6 +33,20 @@ def _columns(engine, table: str) -> set[str]:
 NEW_EVENT_COLUMNS = {"min_model_version", "version_spans", "metadata"}
 
 
+def test_downgrade_below_0007_is_refused_once_events_were_re_pointed(store_url, tmp_path):
+    store = trajstore.connect(store_url, payload=str(tmp_path / "payload"))
+    store.append([started("a"), gen("a", 0, [1], [2, 3]), finished("a")])
+    store.materialize()
+    store.close()
+    engine = create_engine(store_url)
+    try:
+        with pytest.raises(RuntimeError, match="cannot downgrade below 0007: 1 events"):
+            _migrate(engine, "0006", down=True)
+        assert "segment_kind" in _columns(engine, "events")  # nothing was dropped
+    finally:
+        engine.dispose()
+
+
 def test_a_fresh_database_steps_through_every_revision(store_url):
     engine = create_engine(store_url)
     try:
@@ -52,7 +67,8 @@ def test_a_0002_store_with_data_upgrades_to_head(store_url, tmp_path):
     store = trajstore.connect(store_url, payload=payload)
     store.append([started("a"), gen("a", 0, [1], [2, 3], version=3, finish_reason="stop"),
                   gen("a", 1, [1, 2, 3, 4], [5], version=4), finished("a")])
-    store.materialize()
+    # Not materialized before the downgrade: 0007's downgrade refuses a store whose
+    # events were re-pointed into sample segments (revisions before it cannot read them).
     store.close()
     engine = create_engine(store_url)
     try:
@@ -62,7 +78,7 @@ def test_a_0002_store_with_data_upgrades_to_head(store_url, tmp_path):
         with engine.begin() as conn:  # an event appended by the old code: no min_model_version then
             conn.execute(text("UPDATE events SET model_version = 6 WHERE seq = 1"))
         _migrate(engine, "head")
-        assert _views_answer(engine) == {"generation_events": 2, "trajectory_summary": 1, "sample_summary": 1,
+        assert _views_answer(engine) == {"generation_events": 2, "trajectory_summary": 1, "sample_summary": 0,
                                          "model_version_stats": 2}
         with engine.connect() as conn:
             got = conn.execute(text("SELECT seq, min_model_version, model_version FROM events "
@@ -76,8 +92,9 @@ def test_a_0002_store_with_data_upgrades_to_head(store_url, tmp_path):
     store = trajstore.connect(store_url, payload=payload)  # and the upgraded store keeps working
     store.append([started("b"), gen("b", 0, [1], [2, 3], token_model_versions=[6, 7], version=7), finished("b")])
     store.materialize()
+    # a is folded after the upgrade, so its seq 1 has the version the old code's row says (6)
     assert [(s.trajectory_id, s.min_model_version, s.max_model_version) for s in store.samples()] == \
-        [("a", 3, 4), ("b", 6, 7)]
+        [("a", 3, 6), ("b", 6, 7)]
     store.close()
 
 

@@ -16,7 +16,7 @@ from trajstore._samples import sample_table, samples_from_table
 from trajstore.demo.simulate import RolloutConfig, trajectory_events
 from trajstore.payload import binary_chunks, binary_column, column_chunks, list_column, routes_from_bytes, rows_per_batch
 from trajstore.reader import SampleReader
-from trajstore.schema import samples as samples_table, segments as segments_table
+from trajstore.schema import events as events_table, samples as samples_table, segments as segments_table
 
 CFG = RolloutConfig(turns=3, prompt_tokens=30, output_tokens=20, observation_tokens=5, layers=4, topk=2,
                     mismatch_prob=0.3)
@@ -42,6 +42,13 @@ def _as_old_parquet_segment(store: trajstore.Store) -> str:
     with store.log.write_engine.begin() as conn:
         old = [r.name for r in conn.execute(segments_table.select().where(segments_table.c.kind == "samples"))]
         conn.execute(update(segments_table).where(segments_table.c.name == old[0]).values(name=name))
+        # events the materializer re-pointed into the sample rows (one copy) follow them
+        row_of = {(s.trajectory_id, s.sample_index): i for i, s in enumerate(samples)}
+        moved = {r.segment_row: row_of[(r.trajectory_id, r.sample_index)] for r in conn.execute(
+            samples_table.select().where(samples_table.c.segment == old[0]))}
+        for old_row, new_row in moved.items():
+            conn.execute(update(events_table).where(events_table.c.segment == old[0])
+                         .where(events_table.c.segment_row == old_row).values(segment=name, segment_row=new_row))
         for i, s in enumerate(samples):
             conn.execute(update(samples_table)
                          .where(samples_table.c.trajectory_id == s.trajectory_id)

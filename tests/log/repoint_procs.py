@@ -66,7 +66,7 @@ def main(url: str, payload: str, job: str, where: str, nth: int, marker: str) ->
     if job == "materialize":
         from trajstore.materializer import Materializer
 
-        Materializer(store, batch_size=4).run()
+        Materializer(store, max_trajectories=4).run()
     else:
         store.compact(target_bytes=64 << 10)
     _pause(marker + ".done")  # never reached the pause: say so, and wait for the kill anyway

@@ -37,7 +37,7 @@ def _append_running(store, ids) -> dict[str, dict]:
 
 
 def _log_files(store) -> set[str]:
-    return {n for n, _ in store.payload.list_names() if n.endswith(".arrow")}
+    return {n for n, _ in store.payload.list_names() if n.startswith("events-")}
 
 
 def _same(gens_a, gens_b) -> bool:
@@ -178,7 +178,7 @@ def test_compaction_materializer_and_appends_at_once_equal_a_clean_run(store_url
         return run
 
     threads = [threading.Thread(target=writer),
-               threading.Thread(target=guarded(lambda: Materializer(stores[1], batch_size=2).run())),
+               threading.Thread(target=guarded(lambda: Materializer(stores[1], max_trajectories=2).run())),
                threading.Thread(target=guarded(lambda: stores[2].compact(target_bytes=32 << 10)))]
     for t in threads:
         t.start()

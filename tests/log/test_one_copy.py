@@ -89,7 +89,7 @@ def _locators(store) -> dict[int, tuple]:
 def test_refold_from_the_repointed_log_is_byte_identical(store):
     tids = _fill(store)
     before = {t: store.load_generations(t) for t in tids}
-    stats = store.materialize(batch_size=7)
+    stats = store.materialize(max_trajectories=7)
     samples = {}
     for s in store.samples():
         samples.setdefault(s.trajectory_id, []).append(s)
@@ -146,7 +146,7 @@ def test_the_grace_keeps_retired_files_and_gc_never_removes_a_named_one(store):
     removed = store.collect_garbage(grace_s=0)
     assert removed and not set(removed) & named
     assert {n for n, _ in store.payload.list_names()} == named
-    assert all(n.endswith(".parquet") for n in named), "every finished trajectory's tokens are in one copy"
+    assert all(n.startswith("samples-") for n in named), "every finished trajectory's tokens are in one copy"
     assert sum(1 for _ in store.samples()) > 0
 
 

@@ -296,8 +296,9 @@ class Store:
         try:
             self.log.commit_compaction(seg_row, moves)
         except StaleState:
-            # the materializer re-pointed some of them meanwhile: the new file is
-            # unreferenced garbage; the next round starts from fresh locators
+            # the materializer re-pointed some of them meanwhile and nothing was stored:
+            # the new file is garbage no row names; the next round starts from fresh locators
+            self.payload.delete(name)
             log.info("compaction of %d segments lost a race with the materializer; retrying", len(names))
             return 0, 0
         return len(names), len(moves)

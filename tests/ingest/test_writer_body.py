@@ -57,11 +57,11 @@ def _trajectory(writer: Writer, tid: str, seed: int) -> None:
 
 def test_writer_sends_arrow_by_default_and_stores_what_json_stores(served, store):
     url, seen = served
-    with Writer(url, token=TOKEN, batch_size=3, flush_interval_s=0.01) as arrow:
+    with Writer(url, token=TOKEN, max_batch_events=3, flush_interval_s=0.01) as arrow:
         _trajectory(arrow, "a", seed=1)
     assert seen and set(seen) == {ARROW_CONTENT_TYPE}
     del seen[:]
-    with Writer(url, token=TOKEN, batch_size=3, flush_interval_s=0.01, body="json") as json_writer:
+    with Writer(url, token=TOKEN, max_batch_events=3, flush_interval_s=0.01, body="json") as json_writer:
         _trajectory(json_writer, "j", seed=1)
     assert seen and set(seen) == {"application/json"}
     ga, gj = store.load_generations("a"), store.load_generations("j")

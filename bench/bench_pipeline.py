@@ -63,6 +63,7 @@ import trajstore  # noqa: E402
 from trajstore._wire import encode_b64, encode_npy_b64  # noqa: E402
 from trajstore.demo.simulate import RolloutConfig, trajectory_events  # noqa: E402
 from trajstore.payload import binary_column, list_column  # noqa: E402
+from _proc import cpu_s, reset_peak_rss  # noqa: E402  (bench/ is on sys.path when run as a script)
 
 CFG = RolloutConfig(turns=4, prompt_tokens=100, output_tokens=500, observation_tokens=100, layers=48, topk=8,
                     num_experts=128, mismatch_prob=0.0, abort_prob=0.0, fail_prob=0.0, route_drift=0.0)
@@ -340,8 +341,7 @@ def child_main(step: str, url: str, payload: str, n: int) -> None:
         s.close()
         print(json.dumps({}))
         return
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset the peak (VmHWM) to the current RSS
+    reset_peak_rss()  # the peak (VmHWM) from here on
     before, _ = _rss_mb()
     t0, c0 = time.perf_counter(), time.process_time()
     tokens = 0
@@ -429,13 +429,13 @@ def http_ingest(args, out: dict) -> None:
                     warm.getresponse().read()
                     warm.close()
                     threads = [threading.Thread(target=client, args=(k,)) for k in range(clients)]
-                    t0, c0 = time.perf_counter(), _tree_cpu_s(proc.pid)
+                    t0, c0 = time.perf_counter(), cpu_s(proc.pid)
                     for t in threads:
                         t.start()
                     for t in threads:
                         t.join()
                     rates[kind].append(clients * per / (time.perf_counter() - t0))
-                    cpu_ms[kind].append((_tree_cpu_s(proc.pid) - c0) / (clients * per) * 1e3)
+                    cpu_ms[kind].append((cpu_s(proc.pid) - c0) / (clients * per) * 1e3)
                     if errors:
                         raise RuntimeError(errors[0])
             finally:
@@ -445,19 +445,6 @@ def http_ingest(args, out: dict) -> None:
                           "service_cpu_ms_per_event": round(_med(cpu_ms[kind]), 1), "body_mib": body_mib[kind]}
                    for kind in kinds}
     out["http"].update(clients=clients, serve_args=args.serve_args)
-
-
-def _tree_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of ``pid`` and its direct children (uvicorn workers)."""
-    total = 0
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(stat.parent.name) == pid or int(fields[1]) == pid:
-            total += int(fields[11]) + int(fields[12])
-    return total / os.sysconf("SC_CLK_TCK")
 
 
 def _wait_healthy(port: int, proc: subprocess.Popen) -> None:

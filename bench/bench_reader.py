@@ -35,6 +35,7 @@ sys.path.insert(0, ROOT)
 import trajstore  # noqa: E402
 from trajstore.materializer import Materializer  # noqa: E402
 from trajstore.demo.simulate import RolloutConfig, trajectory_events  # noqa: E402
+from _proc import reset_peak_rss  # noqa: E402  (bench/ is on sys.path when run as a script)
 
 CFG = RolloutConfig(turns=2, prompt_tokens=768, output_tokens=256, observation_tokens=64, layers=48, topk=8,
                     num_experts=128, mismatch_prob=0.1, abort_prob=0.1, fail_prob=0.0, route_drift=0.0)
@@ -147,8 +148,7 @@ def _child_rss(url: str, payload: str) -> None:
 
     from trajstore.train.collate import collate  # noqa: F401
 
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
+    reset_peak_rss()
     before_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     tokens, _ = reader_read(url, payload, "packed")
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

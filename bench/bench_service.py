@@ -44,6 +44,7 @@ sys.path.insert(0, str(REPO))
 
 import trajstore  # noqa: E402
 from trajstore.ingest.client import HttpSink, encode_events  # noqa: E402
+from _proc import cpu_s  # noqa: E402  (bench/ is on sys.path when run as a script)
 
 TOKEN = "bench-token"
 
@@ -65,22 +66,6 @@ def make_requests(args: argparse.Namespace, client: int, rng: np.random.Generato
             })
         requests.append(events)
     return requests
-
-
-def cpu_s(pid: int | None = None) -> float:
-    """User + system CPU seconds of a process and its direct children (this process by default)."""
-    if pid is None:
-        usage = resource.getrusage(resource.RUSAGE_SELF)
-        return usage.ru_utime + usage.ru_stime
-    total = 0
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(stat.parent.name) == pid or int(fields[1]) == pid:  # fields[1] is the parent pid
-            total += int(fields[11]) + int(fields[12])
-    return total / os.sysconf("SC_CLK_TCK")
 
 
 def run_clients(args: argparse.Namespace, work: list[list], send, server_pid: int | None = None) -> dict:

@@ -32,6 +32,8 @@ from pathlib import Path
 
 import numpy as np
 
+from _proc import status_kb  # bench/ is on sys.path when run as a script
+
 REPO = Path(__file__).resolve().parents[1]
 TOKEN = "bench-token"
 
@@ -59,13 +61,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _status_kb(pid: int, key: str) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1])
-    raise KeyError(key)
 
 
 def start_service(store_url: str, port: int, max_in_flight_mb: float) -> subprocess.Popen:
@@ -114,7 +109,7 @@ def run(concurrency: int, body_bytes: int, tokens_per_event: int, max_in_flight_
     proc = start_service(f"sqlite:///{tmp / f'store{concurrency}.db'}", port, max_in_flight_mb)
     try:
         time.sleep(0.5)
-        baseline_kb = _status_kb(proc.pid, "VmRSS")
+        baseline_kb = status_kb("VmRSS", proc.pid)
         out: list = [None] * concurrency
         threads = [threading.Thread(target=post, args=(port, b, out, i)) for i, b in enumerate(bodies)]
         start = time.perf_counter()
@@ -123,7 +118,7 @@ def run(concurrency: int, body_bytes: int, tokens_per_event: int, max_in_flight_
         for t in threads:
             t.join()
         wall = time.perf_counter() - start
-        peak_kb = _status_kb(proc.pid, "VmHWM")
+        peak_kb = status_kb("VmHWM", proc.pid)
         admitted = _admitted_peak(port)
     finally:
         proc.terminate()

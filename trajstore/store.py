@@ -281,9 +281,15 @@ class Store:
             return None
         names = [c["name"] for c in cands]
         live = self.log.live_locators(names)
-        if not live:
-            # nothing left in them (a re-pointing raced the retiring): retire and go on
-            return len(self.log.retire_unreferenced(time.time())), 0
+        holding = {r["segment"] for r in live}
+        # Candidates without live rows (emptied by re-pointings that raced each other's
+        # retiring) are retired here; left alone they would be picked again every round.
+        retired = len(self.log.retire_unreferenced(time.time())) if len(holding) < len(names) else 0
+        if len(holding) < 2:
+            # Rewriting one segment's rows into another gains nothing (and would go on
+            # forever: the copy is small enough to be a candidate again).
+            return (retired, 0) if retired else None
+        names = sorted(holding)
         tables = self.payload.read_locators(live)
         parts = [tables[r["segment"]].row(int(r["segment_row"])) for r in live]
         table = pa.concat_tables(parts, promote_options="default").combine_chunks()
@@ -301,7 +307,7 @@ class Store:
             self.payload.delete(name)
             log.info("compaction of %d segments lost a race with the materializer; retrying", len(names))
             return 0, 0
-        return len(names), len(moves)
+        return len(names) + retired, len(moves)
 
     # -- materialized samples ------------------------------------------------
     def materialize(self, **kwargs: Any):

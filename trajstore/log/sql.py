@@ -34,7 +34,7 @@ import time
 from contextlib import contextmanager
 from typing import Any, Callable, Collection, Iterator, Mapping, Sequence, TypeVar
 
-from sqlalchemy import Connection, Engine, and_, bindparam, delete, exists, func, insert, or_, select, update
+from sqlalchemy import Connection, Engine, and_, bindparam, case, delete, exists, func, insert, or_, select, update
 from sqlalchemy.exc import DataError, DBAPIError, IntegrityError, InterfaceError, OperationalError, StatementError
 
 from trajstore.errors import (CommitUnknownError, IndexInvariantError, StoreUnavailable, TrajstoreError, ValidationError,
@@ -417,14 +417,16 @@ def _repoint(conn: Connection, moves: Sequence[Repoint], *, guarded: bool) -> No
                 "b_position": m.position, "b_segment": m.segment, "b_row": m.segment_row, "b_kind": m.segment_kind,
                 "b_old_segment": m.old_segment, "b_old_row": m.old_segment_row}).rowcount
     else:
-        # one statement per target row (a sample's merged calls share it)
-        by_target: dict[tuple[str, int, str | None], list[int]] = {}
+        # one statement per target segment (a materializer step writes one): the
+        # rows by a CASE over the positions (one statement's rowcount is reliable)
+        by_segment: dict[tuple[str, str | None], dict[int, int]] = {}
         for m in moves:
-            by_target.setdefault((m.segment, m.segment_row, m.segment_kind), []).append(m.position)
-        for (seg, row, kind), positions in by_target.items():
-            for part in _chunks(positions):
-                n += conn.execute(update(events).where(events.c.position.in_(part))
-                                  .values(segment=seg, segment_row=row, segment_kind=kind)).rowcount
+            by_segment.setdefault((m.segment, m.segment_kind), {})[m.position] = m.segment_row
+        for (seg, kind), rows in by_segment.items():
+            for part in _chunks(list(rows.items())):
+                n += conn.execute(update(events).where(events.c.position.in_([p for p, _ in part])).values(
+                    segment=seg, segment_kind=kind,
+                    segment_row=case(dict(part), value=events.c.position))).rowcount
     if n != len(moves):
         if guarded:
             raise StaleState(f"{len(moves) - n} of {len(moves)} events moved concurrently")

@@ -34,7 +34,7 @@ import time
 from contextlib import contextmanager
 from typing import Any, Callable, Collection, Iterator, Mapping, Sequence, TypeVar
 
-from sqlalchemy import Connection, Engine, and_, bindparam, case, delete, exists, func, insert, or_, select, update
+from sqlalchemy import Connection, Engine, and_, bindparam, delete, exists, func, insert, or_, select, update
 from sqlalchemy.exc import DataError, DBAPIError, IntegrityError, InterfaceError, OperationalError, StatementError
 
 from trajstore.errors import (CommitUnknownError, IndexInvariantError, StoreUnavailable, TrajstoreError, ValidationError,
@@ -417,20 +417,27 @@ def _repoint(conn: Connection, moves: Sequence[Repoint], *, guarded: bool) -> No
                 "b_position": m.position, "b_segment": m.segment, "b_row": m.segment_row, "b_kind": m.segment_kind,
                 "b_old_segment": m.old_segment, "b_old_row": m.old_segment_row}).rowcount
     else:
-        # one statement per target segment (a materializer step writes one): the
-        # rows by a CASE over the positions (one statement's rowcount is reliable)
-        by_segment: dict[tuple[str, str | None], dict[int, int]] = {}
-        for m in moves:
-            by_segment.setdefault((m.segment, m.segment_kind), {})[m.position] = m.segment_row
-        for (seg, kind), rows in by_segment.items():
-            for part in _chunks(list(rows.items())):
-                n += conn.execute(update(events).where(events.c.position.in_([p for p, _ in part])).values(
-                    segment=seg, segment_kind=kind,
-                    segment_row=case(dict(part), value=events.c.position))).rowcount
+        # one executemany of ready tuples through the driver (both drivers sum its
+        # rowcount: SQLAlchemy's supports_sane_multi_rowcount)
+        n = conn.exec_driver_sql(_repoint_sql(conn), [
+            (m.segment, m.segment_row, m.segment_kind, m.position) for m in moves]).rowcount
     if n != len(moves):
         if guarded:
             raise StaleState(f"{len(moves) - n} of {len(moves)} events moved concurrently")
         raise IndexInvariantError(f"re-pointing {len(moves)} events found {n}: the log lost events, a trajstore bug")
+
+
+def _repoint_sql(conn: Connection) -> str:
+    """The unguarded re-pointing UPDATE in the driver's own parameter style."""
+    d = conn.dialect
+    if not d.supports_sane_multi_rowcount:  # pragma: no cover - both supported drivers have it
+        raise IndexInvariantError(f"driver {d.driver!r} does not report an executemany's rowcount")
+    p = "?" if d.paramstyle == "qmark" else "%s"
+    q = d.identifier_preparer
+    c = events.c
+    return (f"UPDATE {q.format_table(events)} SET {q.format_column(c.segment)} = {p}, "
+            f"{q.format_column(c.segment_row)} = {p}, {q.format_column(c.segment_kind)} = {p} "
+            f"WHERE {q.format_column(c.position)} = {p}")
 
 
 def _retire_emptied(conn: Connection, names: Collection[str], now: float) -> None:

@@ -171,7 +171,13 @@ class SegmentRows:
         once and cached (index it with ``index[segment_row]``): per-row views, no copy."""
         key = (name, np.dtype(dtype).str)
         if key not in self._decoded:
-            self._decoded[key] = column_chunks(self.table.column(name), dtype)
+            column = self.table.column(name)
+            if column.num_chunks > 1:
+                # a log segment has one row per record batch: one chunk per row. Token
+                # columns are small (the routes are not decoded here): one copy into
+                # one chunk costs less than decoding each chunk apart
+                column = column.combine_chunks()
+            self._decoded[key] = column_chunks(column, dtype)
         return self._decoded[key]
 
     def binaries(self, name: str) -> list[np.ndarray | None]:

@@ -418,9 +418,10 @@ def _repoint(conn: Connection, moves: Sequence[Repoint], *, guarded: bool) -> No
                 "b_old_segment": m.old_segment, "b_old_row": m.old_segment_row}).rowcount
     else:
         # one executemany of ready tuples through the driver (both drivers sum its
-        # rowcount: SQLAlchemy's supports_sane_multi_rowcount)
-        n = conn.exec_driver_sql(_repoint_sql(conn), [
-            (m.segment, m.segment_row, m.segment_kind, m.position) for m in moves]).rowcount
+        # rowcount: SQLAlchemy's supports_sane_multi_rowcount), in position order:
+        # the row locks are taken in the order a compaction takes them
+        n = conn.exec_driver_sql(_repoint_sql(conn), sorted(
+            ((m.segment, m.segment_row, m.segment_kind, m.position) for m in moves), key=lambda t: t[3])).rowcount
     if n != len(moves):
         if guarded:
             raise StaleState(f"{len(moves) - n} of {len(moves)} events moved concurrently")

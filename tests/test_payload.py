@@ -95,3 +95,25 @@ def test_bad_log_compression_refused(tmp_path):
     store = trajstore.connect(f"sqlite:///{tmp_path}/z.db", log_compression="zstd")
     store.append(trajectory_events(CFG, 0))
     assert store.materialize().num_trajectories == 1
+
+
+def test_segment_rows_decode_each_column_once_and_match_per_row_reads(tmp_path):
+    """SegmentRows.lists/binaries/values (decoded once per segment, one row per
+    record batch, null rows included) give what a one-row slice per row gives."""
+    p = PayloadStore(str(tmp_path / "payload"))
+    toks = [np.arange(7, 12, dtype=np.int32), None, np.arange(3, dtype=np.int32), np.zeros(0, np.int32)]
+    raw = [np.full(6, k, np.uint8) for k in range(3)] + [None]
+    table = pa.table({"ids": list_column(toks, np.int32), "routes": binary_column(raw),
+                      "dtype": pa.array(["uint8", None, "uint8", "int16"])})
+    p.write("events-x.arrow", table, rows_per_batch=1)
+    seg = p.read_rows("events-x.arrow", [3, 0, 2, 1])
+    assert seg.table.column("ids").num_chunks == 4
+    for r in range(4):
+        i = seg.index[r]
+        one = seg.row(r)
+        [want_ids], [want_raw] = column_chunks(one.column("ids"), np.int32), binary_chunks(one.column("routes"))
+        got_ids, got_raw = seg.lists("ids", np.int32)[i], seg.binaries("routes")[i]
+        assert (got_ids is None) == (want_ids is None) and (got_ids is None or np.array_equal(got_ids, want_ids))
+        assert (got_raw is None) == (want_raw is None) and (got_raw is None or np.array_equal(got_raw, want_raw))
+        assert seg.values("dtype")[i] == one.column("dtype")[0].as_py()
+    assert seg.lists("ids", np.int32) is seg.lists("ids", np.int32)  # cached

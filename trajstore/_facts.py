@@ -28,7 +28,7 @@ from trajstore.errors import CorruptStoreError
 from trajstore.events import Generation, Reward, TrajectoryFinished, TrajectoryStarted
 from trajstore.log.base import SAMPLES_KIND
 from trajstore.schema import events as events_table
-from trajstore.payload import SegmentRows, binary_chunks, binary_column, column_chunks, list_column
+from trajstore.payload import SegmentRows, binary_column, list_column
 
 __all__ = ["segment_table", "event_row", "trajectory_row", "state_from_row", "generations_from_log", "version_spans"]
 
@@ -233,20 +233,20 @@ _SAMPLE_SLICE_DTYPES = {
 
 
 def _segment_row(tables: Mapping[str, SegmentRows], row: Mapping[str, Any]) -> dict[str, Any]:
-    one = tables[row["segment"]].row(int(row["segment_row"]))
+    seg = tables[row["segment"]]
+    i = seg.index[int(row["segment_row"])]  # each column is decoded once per segment, then indexed
     if row.get("segment_kind") == SAMPLES_KIND:
-        return _sample_slices(one, row)
-    cols: dict[str, Any] = {name: column_chunks(one.column(name), dt)[0] for name, dt in _LIST_DTYPES.items()}
-    cols["routes"] = binary_chunks(one.column("routes"))[0]
+        return _sample_slices(seg, i, row)
+    cols: dict[str, Any] = {name: seg.lists(name, dt)[i] for name, dt in _LIST_DTYPES.items()}
+    cols["routes"] = seg.binaries("routes")[i]
     # segments written before per-token versions existed have no such column
-    names = one.schema.names
     cols["token_model_versions"] = (
-        column_chunks(one.column("token_model_versions"), np.int32)[0] if "token_model_versions" in names else None)
+        seg.lists("token_model_versions", np.int32)[i] if seg.has("token_model_versions") else None)
     return cols
 
 
-def _sample_slices(one: Any, row: Mapping[str, Any]) -> dict[str, Any]:
-    """An event's payload as slices of the sample row it was folded into.
+def _sample_slices(seg: SegmentRows, i: int, row: Mapping[str, Any]) -> dict[str, Any]:
+    """An event's payload as slices of the sample row (row ``i`` of ``seg``'s table) it was folded into.
 
     Every prompt of a sample starts at the sample's first token, so in
     ``prompt_ids ++ response_ids`` the event's prompt tail is ``[prefix_len,
@@ -255,8 +255,7 @@ def _sample_slices(one: Any, row: Mapping[str, Any]) -> dict[str, Any]:
     routes_start + num_route_rows)``. What the fold filled in for an event
     that sent nothing is told apart by SQL (``has_token_rewards``,
     ``version_spans``) and by the sample's ``logprobs_mask``."""
-    a = {name: column_chunks(one.column(name), dt)[0] for name, dt in _SAMPLE_SLICE_DTYPES.items()
-         if name in one.schema.names}
+    a = {name: seg.lists(name, dt)[i] for name, dt in _SAMPLE_SLICE_DTYPES.items() if seg.has(name)}
     prompt, response = a["prompt_ids"], a["response_ids"]
     p = len(prompt)
     prefix, plen, olen = int(row["prefix_len"]), int(row["prompt_len"]), int(row["output_len"])
@@ -283,9 +282,9 @@ def _sample_slices(one: Any, row: Mapping[str, Any]) -> dict[str, Any]:
         "routes": None,
     }
     if row["routes_dtype"] is not None:
-        raw = binary_chunks(one.column("routed_experts"))[0]
-        dtype = one.column("routes_dtype")[0].as_py()
-        layers, topk = one.column("route_layers")[0].as_py(), one.column("route_topk")[0].as_py()
+        raw = seg.binaries("routed_experts")[i]
+        dtype = seg.values("routes_dtype")[i]
+        layers, topk = seg.values("route_layers")[i], seg.values("route_topk")[i]
         if raw is None or dtype is None:
             raise CorruptStoreError(f"trajectory {row['trajectory_id']!r} seq {row['seq']}: sample row "
                                     f"{row['segment_row']} of {row['segment']!r} has no routes")

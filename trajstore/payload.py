@@ -26,7 +26,7 @@ import contextlib
 import os
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 from urllib.parse import urlparse
 
@@ -86,15 +86,21 @@ def column_chunks(column: pa.ChunkedArray | pa.Array, dtype: np.dtype) -> list[n
 
     Zero-copy: taken chunk by chunk straight from the Arrow buffers (no
     ``combine_chunks``, which copies; no compute kernel per chunk)."""
+    dtype = np.dtype(dtype)
     out: list[np.ndarray | None] = []
-    for arr in _chunks(column):
-        child = arr.values
-        if np.dtype(dtype) != np.bool_ and child.type == pa.from_numpy_dtype(np.dtype(dtype)) and not child.null_count:
-            data = child.buffers()[1]
-            values = np.frombuffer(data, dtype)[child.offset:] if data is not None else np.zeros(0, dtype)
-        else:  # another value type (an older segment): convert
-            values = child.to_numpy(zero_copy_only=False).astype(dtype, copy=False)
-        out.extend(_split(arr, values))
+    chunks = _chunks(column)
+    if not chunks:
+        return out
+    # the value type is the column's: checked once, not per chunk
+    direct = dtype != np.bool_ and chunks[0].type.value_type == pa.from_numpy_dtype(dtype)
+    for arr in chunks:
+        bufs = arr.buffers()  # [validity, offsets, child validity, child values]
+        if direct and bufs[2] is None:  # no null value (no child validity bitmap)
+            data = bufs[3]
+            values = np.frombuffer(data, dtype)[arr.values.offset:] if data is not None else np.zeros(0, dtype)
+        else:  # another value type (an older segment), or null values: convert
+            values = arr.values.to_numpy(zero_copy_only=False).astype(dtype, copy=False)
+        out.extend(_split(arr, values, bufs))
     return out
 
 
@@ -102,8 +108,9 @@ def binary_chunks(column: pa.ChunkedArray | pa.Array) -> list[np.ndarray | None]
     """Per-row uint8 views of a (large) binary column (None = null row), zero-copy."""
     out: list[np.ndarray | None] = []
     for arr in _chunks(column):
-        data = arr.buffers()[2]
-        out.extend(_split(arr, np.frombuffer(data, np.uint8) if data is not None else np.zeros(0, np.uint8)))
+        bufs = arr.buffers()
+        data = bufs[2]
+        out.extend(_split(arr, np.frombuffer(data, np.uint8) if data is not None else np.zeros(0, np.uint8), bufs))
     return out
 
 
@@ -111,17 +118,28 @@ def _chunks(column: pa.ChunkedArray | pa.Array) -> list[pa.Array]:
     return column.chunks if isinstance(column, pa.ChunkedArray) else [column]
 
 
-def _split(arr: pa.Array, values: np.ndarray) -> list[np.ndarray | None]:
-    """``values`` cut at the offsets of a list / binary array (32- or 64-bit offsets)."""
+_WIDE_OFFSETS = frozenset({pa.large_list(pa.int8()).id, pa.large_binary().id, pa.large_string().id})
+
+
+def _split(arr: pa.Array, values: np.ndarray, bufs: list[pa.Buffer | None] | None = None) -> list[np.ndarray | None]:
+    """``values`` cut at the offsets of a list / binary array (32- or 64-bit offsets).
+    ``bufs``: ``arr.buffers()`` if the caller has them."""
     n = len(arr)
     if n == 0:
         return []
-    wide = pa.types.is_large_list(arr.type) or pa.types.is_large_binary(arr.type) or pa.types.is_large_string(arr.type)
-    offsets = np.frombuffer(arr.buffers()[1], np.int64 if wide else np.int32)[arr.offset: arr.offset + n + 1].tolist()
-    views: list[np.ndarray | None] = [values[lo:hi] for lo, hi in zip(offsets[:-1], offsets[1:])]
+    if bufs is None:
+        bufs = arr.buffers()
+    wide = arr.type.id in _WIDE_OFFSETS
+    off = arr.offset
+    if n == 1:  # the log's segments hold one row per record batch
+        lo, hi = np.frombuffer(bufs[1], np.int64 if wide else np.int32, 2, off * (8 if wide else 4)).tolist()
+        views: list[np.ndarray | None] = [values[lo:hi]]
+    else:
+        offsets = np.frombuffer(bufs[1], np.int64 if wide else np.int32)[off: off + n + 1].tolist()
+        views = [values[lo:hi] for lo, hi in zip(offsets[:-1], offsets[1:])]
     if arr.null_count:  # the validity bitmap, LSB first (no compute kernel)
-        bits = np.unpackbits(np.frombuffer(arr.buffers()[0], np.uint8), bitorder="little")
-        views = [v if ok else None for v, ok in zip(views, bits[arr.offset: arr.offset + n].tolist())]
+        bits = np.unpackbits(np.frombuffer(bufs[0], np.uint8), bitorder="little")
+        views = [v if ok else None for v, ok in zip(views, bits[off: off + n].tolist())]
     return views
 
 
@@ -140,9 +158,41 @@ class SegmentRows:
 
     table: pa.Table
     index: dict[int, int]
+    _decoded: dict[tuple[str, Any], list[Any]] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def row(self, segment_row: int) -> pa.Table:
         return self.table.slice(self.index[segment_row], 1)
+
+    def has(self, name: str) -> bool:
+        return name in self.table.schema.names
+
+    def lists(self, name: str, dtype: Any) -> list[np.ndarray | None]:
+        """``column_chunks`` of list column ``name`` over the whole table, decoded
+        once and cached (index it with ``index[segment_row]``): per-row views, no copy."""
+        key = (name, np.dtype(dtype).str)
+        if key not in self._decoded:
+            column = self.table.column(name)
+            if column.num_chunks > 1:
+                # a log segment has one row per record batch: one chunk per row. Token
+                # columns are small (the routes are not decoded here): one copy into
+                # one chunk costs less than decoding each chunk apart
+                column = column.combine_chunks()
+            self._decoded[key] = column_chunks(column, dtype)
+        return self._decoded[key]
+
+    def binaries(self, name: str) -> list[np.ndarray | None]:
+        """``binary_chunks`` of binary column ``name``, decoded once and cached."""
+        key = (name, None)
+        if key not in self._decoded:
+            self._decoded[key] = binary_chunks(self.table.column(name))
+        return self._decoded[key]
+
+    def values(self, name: str) -> list[Any]:
+        """The Python values of scalar column ``name``, converted once and cached."""
+        key = (name, "py")
+        if key not in self._decoded:
+            self._decoded[key] = self.table.column(name).to_pylist()
+        return self._decoded[key]
 
 
 @dataclass

@@ -28,7 +28,8 @@ from trajstore.errors import CorruptStoreError
 from trajstore.events import Generation, Reward, TrajectoryFinished, TrajectoryStarted
 from trajstore.log.base import SAMPLES_KIND
 from trajstore.schema import events as events_table
-from trajstore.payload import SegmentRows, binary_column, list_column
+from trajstore._samples import SAMPLE_LIST_COLUMNS
+from trajstore.payload import SegmentRows, binary_column, list_column, routes_from_bytes
 
 __all__ = ["segment_table", "event_row", "trajectory_row", "state_from_row", "generations_from_log", "version_spans"]
 
@@ -221,15 +222,10 @@ _LIST_DTYPES = {
     "token_rewards": np.float32,
 }
 
-_SAMPLE_SLICE_DTYPES = {
-    "prompt_ids": np.int32,
-    "response_ids": np.int32,
-    "loss_mask": np.uint8,
-    "rollout_logprobs": np.float32,
-    "logprobs_mask": np.uint8,
-    "token_model_versions": np.int32,
-    "token_rewards": np.float32,
-}
+# the sample columns an event's slices come from (a sample segment's own column types)
+_SAMPLE_SLICE_DTYPES = {name: SAMPLE_LIST_COLUMNS[name] for name in (
+    "prompt_ids", "response_ids", "loss_mask", "rollout_logprobs", "logprobs_mask", "token_model_versions",
+    "token_rewards")}
 
 
 def _segment_row(tables: Mapping[str, SegmentRows], row: Mapping[str, Any]) -> dict[str, Any]:
@@ -288,7 +284,7 @@ def _sample_slices(seg: SegmentRows, i: int, row: Mapping[str, Any]) -> dict[str
         if raw is None or dtype is None:
             raise CorruptStoreError(f"trajectory {row['trajectory_id']!r} seq {row['seq']}: sample row "
                                     f"{row['segment_row']} of {row['segment']!r} has no routes")
-        routes = np.frombuffer(raw, dtype=np.dtype(dtype).newbyteorder("<")).reshape(-1, layers, topk)
+        routes = routes_from_bytes(raw, dtype, layers, topk)
         start, n = int(row["routes_start"]), int(row["num_route_rows"])
         if start + n > len(routes):
             raise CorruptStoreError(f"trajectory {row['trajectory_id']!r} seq {row['seq']}: route rows "
@@ -305,5 +301,4 @@ def _routes(raw: Any, row: Mapping[str, Any], shape: tuple[int, int] | None) -> 
         return raw
     if shape is None:
         raise CorruptStoreError(f"trajectory {row['trajectory_id']!r} has routes but no [layers, topk]")
-    flat = np.frombuffer(raw, dtype=np.dtype(row["routes_dtype"]).newbyteorder("<"))
-    return flat.reshape(int(row["num_route_rows"]), *shape)
+    return routes_from_bytes(raw, row["routes_dtype"], *shape, rows=row["num_route_rows"])

@@ -128,3 +128,19 @@ def test_bad_renamed_state_keys_are_refused(folded, change, message):
     change(state)
     with pytest.raises(ResumeStateError, match=message):
         SampleReader(folded, batch_size=2).load_state_dict(state)
+
+
+def test_sample_dataset_current_version_is_current_model_version(folded):
+    pytest.importorskip("torch")
+    from trajstore.train.collate import SampleDataset
+
+    with pytest.warns(DeprecationWarning, match="current_version= is deprecated; use current_model_version="):
+        old = SampleDataset(folded, batch_size=2, max_staleness=0, current_version=0)
+    new = SampleDataset(folded, batch_size=2, max_staleness=0, current_model_version=0)
+    assert old.current_model_version == new.current_model_version == 0
+    # the policy is passed on the same way under either name (every sample is stale against 100)
+    with pytest.warns(DeprecationWarning):
+        stale_old = SampleDataset(folded, batch_size=2, max_staleness=0, current_version=100)
+    stale_new = SampleDataset(folded, batch_size=2, max_staleness=0, current_model_version=100)
+    assert len(list(stale_old)) == len(list(stale_new)) == 0
+    assert len(list(SampleDataset(folded, batch_size=2))) > 0

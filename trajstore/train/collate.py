@@ -191,21 +191,27 @@ class SampleDataset(torch.utils.data.IterableDataset):
       pass it to ``load_state_dict`` on restart (workers prefetch, so the
       dataset object in the main process cannot know what was consumed).
 
-    ``current_version`` is read when iteration starts; to change it between
-    steps (staleness), use a ``SampleReader`` directly.
+    ``current_model_version`` (the trainer's policy, for staleness; its old
+    name ``current_version`` still works, deprecated) is read when iteration
+    starts; to change it between steps, use a ``SampleReader`` directly.
     """
 
     def __init__(self, url: str, config: Any = None, *, rank: int = 0, world_size: int = 1,
-                 payload: str | None = None, current_version: int | None = None, layout: Layout = "padded",
-                 padding_side: str = "right", pad_to_multiple_of: int = 1, **fields: Any) -> None:
+                 payload: str | None = None, current_model_version: int | None = None, layout: Layout = "padded",
+                 padding_side: str = "right", pad_to_multiple_of: int = 1, current_version: int | None = None,
+                 **fields: Any) -> None:
+        from trajstore._deprecated import renamed
         from trajstore.reader import ReaderConfig
+
+        current_model_version = renamed("current_version", "current_model_version", current_version,
+                                         current_model_version, None)
 
         super().__init__()
         if not isinstance(url, str):  # a Store: workers reconnect by URL
             url, payload = url.url, url.payload.location
         self.url, self.payload = url, payload
         self.config = ReaderConfig(**fields) if config is None else config
-        self.rank, self.world_size, self.current_version = rank, world_size, current_version
+        self.rank, self.world_size, self.current_model_version = rank, world_size, current_model_version
         self.collate_kwargs = {"layout": layout, "padding_side": padding_side, "pad_to_multiple_of": pad_to_multiple_of}
         self.state: dict[str, Any] | None = None  # the reader state iteration starts from
         self._position: dict[str, Any] | None = None  # the reader state after the last batch this copy yielded
@@ -229,7 +235,7 @@ class SampleDataset(torch.utils.data.IterableDataset):
         info = torch.utils.data.get_worker_info()
         worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
         with SampleReader(self.url, self.config, rank=self.rank, world_size=self.world_size,
-                          current_model_version=self.current_version, payload=self.payload) as reader:
+                          current_model_version=self.current_model_version, payload=self.payload) as reader:
             if self.state is not None:
                 reader.load_state_dict(self.state)
             for step, batch in reader.iter_steps(worker, num_workers):

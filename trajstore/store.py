@@ -22,7 +22,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
 
 from trajstore import _facts as facts
-from trajstore._admission import Admitted, TrajectoryState, admit, admit_batch
+from trajstore._admission import Admitted, TrajectoryState, admit_batch
 from trajstore.errors import (CommitUnknownError, ConflictError, ContentionError, StoreUnavailable, ValidationError,
                               first_line)
 from trajstore.events import (Event, Generation, TrajectoryFinished, TrajectoryStarted, content_hash, identity_of,
@@ -367,7 +367,7 @@ class AppendCheck:
         if unknown:
             rows = log.load_trajectories(unknown)
             self._states.update({tid: facts.state_from_row(rows[tid]) if tid in rows else None for tid in unknown})
-        duplicates = []
+        duplicates, fresh = [], []
         for i, (ev, ident) in enumerate(parsed):
             if ident is not None:
                 known, digest = self._seen.get(ident, stored.get(ident)), content_hash(ev)
@@ -377,10 +377,13 @@ class AppendCheck:
                     duplicates.append(i)  # a retry of a stored event, or a repeat: append skips it
                     continue
                 self._seen[ident] = digest
-            try:
-                adm = admit(ev, self._states[ev.trajectory_id], self._sequence)
-            except ValidationError as e:
-                raise e.at(i, ev.trajectory_id) from None
+            fresh.append(i)
+        try:
+            admitted = admit_batch([parsed[i][0] for i in fresh], self._states, self._sequence)
+        except ValidationError as e:
+            raise e.at(fresh[e.index] if e.index is not None else 0) from None
+        for i, adm in zip(fresh, admitted):
+            ev = adm.event
             self._states[ev.trajectory_id] = adm.state
             if adm.noop:
                 duplicates.append(i)
@@ -388,6 +391,7 @@ class AppendCheck:
                 self._sequences[ev.trajectory_id] = np.concatenate([ev.prompt_ids, ev.output_ids])
             elif isinstance(ev, TrajectoryFinished):
                 self._sequences.pop(ev.trajectory_id, None)
+        duplicates.sort()
         return AppendResult(len(parsed) - len(duplicates), len(duplicates), None, tuple(duplicates))
 
     def _sequence(self, trajectory_id: str) -> np.ndarray:

@@ -34,7 +34,7 @@ import time
 from contextlib import contextmanager
 from typing import Any, Callable, Collection, Iterator, Mapping, Sequence, TypeVar
 
-from sqlalchemy import Connection, Engine, and_, bindparam, delete, exists, func, insert, or_, select, update
+from sqlalchemy import Connection, Engine, and_, delete, exists, func, insert, or_, select, update
 from sqlalchemy.exc import DataError, DBAPIError, IntegrityError, InterfaceError, OperationalError, StatementError
 
 from trajstore.errors import (CommitUnknownError, IndexInvariantError, StoreUnavailable, TrajstoreError, ValidationError,
@@ -393,52 +393,43 @@ def _named_clause():
     return or_(segments.c.kind != "events", exists().where(events.c.segment == segments.c.name))
 
 
-_REPOINT_GUARDED = (
-    update(events)
-    .where(events.c.position == bindparam("b_position"), events.c.segment == bindparam("b_old_segment"),
-           events.c.segment_row == bindparam("b_old_row"), events.c.segment_kind.is_(None))
-    .values(segment=bindparam("b_segment"), segment_row=bindparam("b_row"), segment_kind=bindparam("b_kind"))
-)
-
-
 def _repoint(conn: Connection, moves: Sequence[Repoint], *, guarded: bool) -> None:
     """Re-point events' payload locators. Guarded (compaction): each event
     must still be where the move was computed from, else ``StaleState``.
     Unguarded (the materializer, under its checkpoint guard): the sample row
-    holds the same bytes whatever log row the event pointed at."""
+    holds the same bytes whatever log row the event pointed at.
+
+    One executemany of ready tuples through the driver (both drivers sum its
+    rowcount: SQLAlchemy's ``supports_sane_multi_rowcount``), in position
+    order: materializer and compaction take the row locks in the same order."""
     if not moves:
         return
-    n = 0
-    if guarded:
-        # one statement per event (each has its own guard); executemany's summed
-        # rowcount is not reliable on every driver
-        for m in moves:
-            n += conn.execute(_REPOINT_GUARDED, {
-                "b_position": m.position, "b_segment": m.segment, "b_row": m.segment_row, "b_kind": m.segment_kind,
-                "b_old_segment": m.old_segment, "b_old_row": m.old_segment_row}).rowcount
-    else:
-        # one executemany of ready tuples through the driver (both drivers sum its
-        # rowcount: SQLAlchemy's supports_sane_multi_rowcount), in position order:
-        # the row locks are taken in the order a compaction takes them
-        n = conn.exec_driver_sql(_repoint_sql(conn), sorted(
-            ((m.segment, m.segment_row, m.segment_kind, m.position) for m in moves), key=lambda t: t[3])).rowcount
+    params = sorted(((m.segment, m.segment_row, m.segment_kind, m.position)
+                     + ((m.old_segment, m.old_segment_row) if guarded else ()) for m in moves),
+                    key=lambda t: t[3])
+    n = conn.exec_driver_sql(_repoint_sql(conn, guarded), params).rowcount
     if n != len(moves):
         if guarded:
             raise StaleState(f"{len(moves) - n} of {len(moves)} events moved concurrently")
         raise IndexInvariantError(f"re-pointing {len(moves)} events found {n}: the log lost events, a trajstore bug")
 
 
-def _repoint_sql(conn: Connection) -> str:
-    """The unguarded re-pointing UPDATE in the driver's own parameter style."""
+def _repoint_sql(conn: Connection, guarded: bool) -> str:
+    """The re-pointing UPDATE in the driver's own parameter style; guarded, it
+    also requires the event's current (log) locator."""
     d = conn.dialect
     if not d.supports_sane_multi_rowcount:  # pragma: no cover - both supported drivers have it
         raise IndexInvariantError(f"driver {d.driver!r} does not report an executemany's rowcount")
     p = "?" if d.paramstyle == "qmark" else "%s"
     q = d.identifier_preparer
     c = events.c
-    return (f"UPDATE {q.format_table(events)} SET {q.format_column(c.segment)} = {p}, "
-            f"{q.format_column(c.segment_row)} = {p}, {q.format_column(c.segment_kind)} = {p} "
-            f"WHERE {q.format_column(c.position)} = {p}")
+    sql = (f"UPDATE {q.format_table(events)} SET {q.format_column(c.segment)} = {p}, "
+           f"{q.format_column(c.segment_row)} = {p}, {q.format_column(c.segment_kind)} = {p} "
+           f"WHERE {q.format_column(c.position)} = {p}")
+    if guarded:
+        sql += (f" AND {q.format_column(c.segment)} = {p} AND {q.format_column(c.segment_row)} = {p}"
+                f" AND {q.format_column(c.segment_kind)} IS NULL")
+    return sql
 
 
 def _retire_emptied(conn: Connection, names: Collection[str], now: float) -> None:

@@ -57,3 +57,31 @@ def test_a_forked_child_appends_with_its_own_pool(tmp_path):
     with trajstore.connect(url, payload=payload) as s:
         assert s.trajectory_state("child") is not None
         assert len(s.load_generations("child")) == 1
+
+
+def test_events_stored_with_the_legacy_digest_still_compare(store):
+    """Digests are versioned by length: events stored before XXH3 (16-byte SHA-256)
+    are still recognised as identical retries, and a changed retry still conflicts."""
+    from sqlalchemy import update
+
+    from trajstore.events import _legacy_content_hash, content_hash, parse_events
+    from trajstore.schema import events
+
+    batch = _big("old", 5) + [{"type": "reward", "trajectory_id": "old", "reward": 1.0, "event_id": "r-1"}]
+    store.append(batch)
+    with store.log.write_engine.begin() as conn:  # as a store written before the format byte
+        for ev in parse_events(batch):
+            ident = f"id:{ev.event_id}" if ev.event_id else (
+                f"generation:old:{ev.seq}" if ev.type == "generation" else f"{ev.type}:old")
+            conn.execute(update(events).where(events.c.identity == ident)
+                         .values(content_hash=_legacy_content_hash(ev)))
+            assert len(content_hash(ev)) == 17 and len(_legacy_content_hash(ev)) == 16
+    assert store.append(batch).num_duplicates == 3
+    assert store.check(batch).num_duplicates == 3
+    changed = _big("old", 6)
+    with pytest.raises(ConflictError):
+        store.append(changed)
+    with pytest.raises(ConflictError):
+        store.check(changed)
+    with pytest.raises(ConflictError):
+        store.append([dict(batch[-1], reward=2.0)])

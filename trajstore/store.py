@@ -26,7 +26,7 @@ from trajstore._admission import Admitted, TrajectoryState, admit_batch
 from trajstore.errors import (CommitUnknownError, ConflictError, ContentionError, StoreUnavailable, ValidationError,
                               first_line)
 from trajstore.events import (Event, Generation, TrajectoryFinished, TrajectoryStarted, content_hash, identity_of,
-                              parse_events)
+                              parse_events, same_content)
 from trajstore.log.base import EventLog, Repoint, SampleIndex, StaleState, TrajectoryWrite
 from trajstore.log.sql import open_sql
 from trajstore.payload import PayloadStore, SegmentRows
@@ -188,7 +188,7 @@ class Store:
             if ident is not None:
                 if ident in stored or ident in first_in_batch:
                     known = stored[ident] if ident in stored else digests.get(first_in_batch[ident])
-                    if known != digests.get(i):
+                    if not same_content(known, ev, digests.get(i)):
                         raise _conflict(ev, ident, i)
                     continue
                 first_in_batch[ident] = i
@@ -372,7 +372,7 @@ class AppendCheck:
             if ident is not None:
                 known, digest = self._seen.get(ident, stored.get(ident)), content_hash(ev)
                 if known is not None:
-                    if known != digest:
+                    if not same_content(known, ev, digest):
                         raise _conflict(ev, ident, i)
                     duplicates.append(i)  # a retry of a stored event, or a repeat: append skips it
                     continue

@@ -117,3 +117,21 @@ def test_segment_rows_decode_each_column_once_and_match_per_row_reads(tmp_path):
         assert (got_raw is None) == (want_raw is None) and (got_raw is None or np.array_equal(got_raw, want_raw))
         assert seg.values("dtype")[i] == one.column("dtype")[0].as_py()
     assert seg.lists("ids", np.int32) is seg.lists("ids", np.int32)  # cached
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.float32, np.uint8, np.bool_, np.int64])
+def test_list_column_from_buffers_keeps_nulls_casts_and_values(dtype):
+    """list_column builds the column from buffers: null rows, empty rows, values cast
+    as astype would (int64 / float64 / bool sources), booleans as bits; valid Arrow."""
+    rng = np.random.default_rng(7)
+    rows = [rng.integers(0, 2, 5).astype(np.int64), None, np.zeros(0, np.float64), rng.random(3) > 0.5,
+            None, np.arange(4, dtype=np.uint8)]
+    col = list_column(rows, dtype)
+    col.validate(full=True)
+    assert col.type == pa.large_list(pa.from_numpy_dtype(np.dtype(dtype)))
+    assert col.null_count == 2
+    assert col.to_pylist() == [None if r is None else r.astype(dtype).tolist() for r in rows]
+    assert list_column([None, None], dtype).to_pylist() == [None, None]
+    assert list_column([], dtype).to_pylist() == []
+    single = list_column([np.arange(6, dtype=np.int64)[::2]], dtype)  # one strided row
+    assert single.to_pylist() == [np.arange(6)[::2].astype(dtype).tolist()]

@@ -94,3 +94,34 @@ def test_truncated_npy_and_bad_b64_object_are_refused():
         decode_array({"b64": base64.b64encode(b"abc").decode(), "dtype": "uint8", "shape": [2, 1, 1]}, field="r")
     with pytest.raises(ValidationError, match="unsupported dtype"):
         decode_array({"b64": "", "dtype": "object", "shape": [0]}, field="r")
+
+
+@pytest.mark.parametrize("version", [None, (2, 0), (3, 0)])
+@pytest.mark.parametrize("shape", [(), (0,), (5,), (7, 3, 2), (0, 4)])
+@pytest.mark.parametrize("dtype", ["|u1", ">u2", "<i4", "<f8", "|b1"])
+def test_npy_fast_header_agrees_with_numpy(version, shape, dtype):
+    """The .npy header parser for np.save's exact form gives numpy's own answer
+    (shape, order, dtype, data offset); other valid headers still decode."""
+    import io
+
+    import numpy.lib.format as npf
+
+    from trajstore._wire import _npy_header
+
+    for fortran in (False, True):
+        arr = (np.arange(int(np.prod(shape))) % 2).astype(dtype).reshape(shape)
+        arr = np.asfortranarray(arr) if fortran else arr
+        buf = io.BytesIO()
+        npf.write_array(buf, arr, version=version)
+        raw = buf.getvalue()
+        ref = io.BytesIO(raw)
+        v = npf.read_magic(ref)
+        want = npf.read_array_header_1_0(ref) if v == (1, 0) else npf.read_array_header_2_0(ref)
+        assert _npy_header(raw) == (*want, ref.tell())
+        np.testing.assert_array_equal(decode_array(base64.b64encode(raw).decode(), field="x"), arr)
+    # a valid header in another spelling (key order, no trailing comma): numpy's parser decodes it
+    head = b"{'shape': (2, 3), 'fortran_order': False, 'descr': '<i4'}"
+    head += b" " * (63 - (10 + len(head)) % 64) + b"\n"
+    raw = b"\x93NUMPY\x01\x00" + len(head).to_bytes(2, "little") + head + np.arange(6, dtype="<i4").tobytes()
+    assert _npy_header(raw) is None
+    np.testing.assert_array_equal(decode_array(base64.b64encode(raw).decode(), field="x"), np.arange(6).reshape(2, 3))

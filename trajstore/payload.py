@@ -258,16 +258,22 @@ class PayloadStore:
     def new_name(self, kind: str, suffix: str = ".arrow") -> str:
         return f"{kind}-{time.strftime('%Y%m%d')}-{uuid.uuid4().hex}{suffix}"
 
-    def write(self, name: str, table: pa.Table, *, rows_per_batch: int | None = None, atomic: bool = False) -> int:
+    def write(self, name: str, table: pa.Table, *, rows_per_batch: int | None = None, atomic: bool = False,
+              durable: bool = True) -> int:
         """Write ``table`` durably as segment ``name``; return its size in bytes.
 
         ``rows_per_batch``: rows per record batch / row group (reads of single
         rows decompress only their batch). ``atomic``: write to a temporary
         name and rename, for segments whose name is deterministic and may be
-        rewritten (with the same bytes) while a reader has the old file open."""
+        rewritten (with the same bytes) while a reader has the old file open.
+        ``durable=False`` (not with ``atomic``): written but not yet synced;
+        the caller must ``make_durable(name)`` before anything references it
+        (an append overlaps that fsync with its SQL statements)."""
         path = self.path(name)
         rows_per_batch = max(1, rows_per_batch or table.num_rows or 1)
         table = table.replace_schema_metadata({_ROWS_PER_BATCH: str(rows_per_batch)})
+        if atomic and not durable:
+            raise ValueError("an atomic write is durable")
         try:
             if not self.local:
                 with self.fs.open_output_stream(path) as out:
@@ -277,14 +283,33 @@ class PayloadStore:
             with open(target, "wb") as f:
                 _write_table(name, table, f, rows_per_batch, self.log_compression)
                 f.flush()
-                os.fsync(f.fileno())
+                if durable:
+                    os.fsync(f.fileno())
                 size = f.tell()
             if atomic:
                 os.replace(target, path)
-            fsync_dir(self.root)
+            if durable:
+                fsync_dir(self.root)
             return size
         except OSError as e:
             raise StoreUnavailable(f"cannot write payload segment {path!r}: {e}") from None
+
+    def make_durable(self, name: str) -> None:
+        """Finish a ``write(..., durable=False)``: fsync the file, then its
+        directory (a no-op on a remote filesystem: its stream's close is what
+        it offers). Raises StoreUnavailable."""
+        if not self.local:
+            return
+        path = self.path(name)
+        try:
+            fd = os.open(path, os.O_RDONLY)  # fsync flushes the file's pages whatever descriptor asks
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            fsync_dir(self.root)
+        except OSError as e:
+            raise StoreUnavailable(f"cannot sync payload segment {path!r}: {e}") from None
 
     def read_rows(self, name: str, rows: Iterable[int]) -> SegmentRows:
         """The given rows of a segment, decompressing only the batches that hold them."""

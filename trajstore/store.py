@@ -12,7 +12,7 @@ import logging
 import os
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
@@ -160,6 +160,10 @@ class Store:
         # core while this one builds and writes the payload segment.
         pending = digests.start([i for i, _ in kept])
         segment, seg_row, gen_rows = self._write_segment([a for _, a in kept])
+        # The segment's fsync runs on the pool while this thread builds the rows and
+        # runs the index statements; the transaction waits for it before COMMIT, so
+        # the payload is durable before any committed row references it.
+        synced = None if segment is None else _digest_pool().submit(self.payload.make_durable, segment)
         try:
             digest = pending.result()
             event_rows = []
@@ -167,10 +171,13 @@ class Store:
                 row = facts.event_row(adm, parsed[i][1], digest[i], gen_rows.get(id(adm)))
                 row["segment"] = segment if id(adm) in gen_rows else None
                 event_rows.append(row)
-            positions = self.log.commit_append(event_rows, _trajectory_writes([a for _, a in kept], rows), seg_row)
+            positions = self.log.commit_append(event_rows, _trajectory_writes([a for _, a in kept], rows), seg_row,
+                                               before_commit=None if synced is None else synced.result)
         except CommitUnknownError:
             raise  # the commit may have landed: the segment stays (GC removes it if unreferenced)
-        except Exception:
+        except BaseException:
+            if synced is not None:
+                wait([synced])  # its fsync must not outlive the file
             if segment is not None:
                 self.payload.delete(segment)  # certainly not committed
             raise
@@ -201,7 +208,8 @@ class Store:
             return None, None, {}
         table = facts.segment_table([a.stored for a in gens])
         name = self.payload.new_name("events", ".arrow")
-        size = self.payload.write(name, table, rows_per_batch=1)  # one event per record batch
+        # one event per record batch; not synced yet (the caller's make_durable)
+        size = self.payload.write(name, table, rows_per_batch=1, durable=False)
         seg_row = {"name": name, "kind": "events", "num_rows": len(gens), "num_bytes": size, "created_at": time.time()}
         return name, seg_row, {id(a): i for i, a in enumerate(gens)}
 

@@ -205,3 +205,33 @@ def test_endless_write_races_give_up_with_the_reason(store, monkeypatch):
     monkeypatch.undo()
     assert store.info()["head_position"] == 0
     assert store.payload.list_names() == []  # each lost attempt deleted its segment
+
+
+def test_payload_is_synced_before_the_commit_and_a_failed_sync_stores_nothing(store, monkeypatch):
+    """The segment's fsync overlaps the index statements, but the commit waits for it:
+    when it finishes no row referencing the segment is visible yet; when it fails,
+    the append raises StoreUnavailable, stores nothing and deletes the segment."""
+    real = type(store.payload).make_durable
+    seen = []
+
+    def checked(self, name):
+        real(self, name)
+        seen.append((name, store.log.head_position()))  # another connection: only committed rows
+
+    monkeypatch.setattr(type(store.payload), "make_durable", checked)
+    store.append(_base("t1"))
+    ((name, head_when_synced),) = seen
+    assert head_when_synced == 0 and store.info()["head_position"] == 2
+    assert [n for n, _ in store.payload.list_names()] == [name]
+
+    def failing(self, name):
+        raise StoreUnavailable(f"cannot sync payload segment {name!r}: [Errno 5] Input/output error")
+
+    monkeypatch.setattr(type(store.payload), "make_durable", failing)
+    before = snapshot(store)
+    with pytest.raises(StoreUnavailable, match="cannot sync payload segment"):
+        store.append(_base("t2"))
+    assert snapshot(store) == before
+    assert [n for n, _ in store.payload.list_names()] == [name]  # the refused append's file is gone
+    monkeypatch.undo()
+    assert store.append(_base("t2")).num_appended == 2

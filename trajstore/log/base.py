@@ -54,7 +54,7 @@ from __future__ import annotations
 import zlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Collection, Iterator, Mapping, Sequence
+from typing import Any, Callable, Collection, Iterator, Mapping, Sequence
 
 from trajstore.errors import ValidationError
 
@@ -159,8 +159,14 @@ class EventLog(ABC):
         event_rows: Sequence[dict[str, Any]],
         trajectory_writes: Sequence[TrajectoryWrite],
         segment_row: Mapping[str, Any] | None,
+        *,
+        before_commit: Callable[[], None] | None = None,
     ) -> list[int]:
         """Atomically store a batch; return the events' positions.
+
+        ``before_commit()`` runs inside the transaction after its statements
+        and before COMMIT (the append waits there for its payload's fsync); if
+        it raises, nothing is stored and its error is raised.
 
         Raises ``StaleState`` (a trajectory's revision moved, or an identity or
         trajectory id was taken concurrently), ``StoreUnavailable`` (nothing was

@@ -230,14 +230,21 @@ class SqlEventLog(EventLog):
 
         def body(conn: Connection) -> list[dict[str, Any]]:
             sql = _append_sql(conn)
+            # ``before_commit`` (the append's payload fsync, running meanwhile) is waited
+            # for where it holds no lock other appenders need: SQLite's write lock is
+            # taken at BEGIN IMMEDIATE whatever follows, so there it overlaps every
+            # statement; on PostgreSQL it comes before the log_head row lock (held to
+            # COMMIT, it orders every appender), overlapping only what precedes it.
+            if segment_row is not None:
+                sql.insert_rows(conn, segments, [segment_row])
+            if before_commit is not None and not sql.single_writer:
+                before_commit()
             last = conn.exec_driver_sql(sql.take_positions, (n,)).scalar_one()
             rows = [dict(r, position=p) for r, p in zip(event_rows, range(last - n + 1, last + 1))]
             _write_trajectories(conn, sql, trajectory_writes, rows)
-            if segment_row is not None:
-                sql.insert_rows(conn, segments, [segment_row])
             sql.insert_rows(conn, events, rows)
-            if before_commit is not None:
-                before_commit()  # e.g. the payload's fsync, overlapped with the statements above
+            if before_commit is not None and sql.single_writer:
+                before_commit()
             return rows
 
         rows = self.db.transaction("appending events", body, landed=_events_landed)
@@ -465,6 +472,7 @@ class _AppendSql:
         if not dialect.supports_sane_multi_rowcount:  # pragma: no cover - both supported drivers have it
             raise IndexInvariantError(f"driver {dialect.driver!r} does not report an executemany's rowcount")
         self.dialect = dialect
+        self.single_writer = dialect.name == "sqlite"  # one write lock per database, taken at BEGIN
         self.p = "?" if dialect.paramstyle == "qmark" else "%s"
         self.q = dialect.identifier_preparer
         q = self.q

@@ -16,7 +16,8 @@ import hashlib
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Union
+from collections.abc import Iterable, Mapping  # isinstance against typing.Mapping is ~10x slower
+from typing import Any, Union
 
 import numpy as np
 import xxhash

@@ -503,15 +503,19 @@ class _AppendSql:
 
     def _params(self, rows: Sequence[Mapping[str, Any]], names: Sequence[str],
                 procs: Sequence[Callable[[Any], Any] | None]) -> list[tuple]:
+        convert = [(i, f) for i, f in enumerate(procs) if f is not None]
         out = []
         for r in rows:
-            get = r.get
-            out.append(tuple(get(n) if f is None else f(get(n)) for n, f in zip(names, procs)))
+            values = list(map(r.get, names))
+            for i, f in convert:
+                values[i] = f(values[i])
+            out.append(tuple(values))
         return out
 
     def insert_rows(self, conn: Connection, table: Any, rows: Sequence[Mapping[str, Any]]) -> None:
         """One executemany; the columns are the union of the rows' keys (missing ones NULL)."""
-        names = tuple(c.name for c in table.columns if any(c.name in r for r in rows))
+        keys = set().union(*rows)
+        names = tuple(c.name for c in table.columns if c.name in keys)
         key = ("insert", table.name, names)
         if key not in self._statements:
             q = self.q
@@ -537,8 +541,8 @@ class _AppendSql:
                        f"AND {q.format_column(t.c.revision)} = {p}")
                 self._statements[key] = (sql, [self._bind(t.c[n]) for n in names])
             sql, procs = self._statements[key]
-            params = [tup + (row["trajectory_id"], rev)
-                      for tup, (row, rev) in zip(self._params([r for r, _ in group], names, procs), group)]
+            params = [values + (row["trajectory_id"], rev)
+                      for values, (row, rev) in zip(self._params([r for r, _ in group], names, procs), group)]
             n += conn.exec_driver_sql(sql, params).rowcount
         return n
 

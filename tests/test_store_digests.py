@@ -17,7 +17,7 @@ from trajstore.errors import ConflictError
 
 def _big(tid: str, seed: int) -> list[dict]:
     rng = np.random.default_rng(seed)
-    n = store_module._INLINE_DIGEST_TOKENS + 100  # over the inline threshold: hashed on the pool
+    n = store_module._INLINE_DIGEST_BYTES // 4 + 100  # int32 prompt over the inline threshold: hashed on the pool
     return [{"type": "trajectory_started", "trajectory_id": tid},
             {"type": "generation", "trajectory_id": tid, "seq": 0,
              "prompt_ids": rng.integers(0, 1000, n - 10, dtype=np.int32),

@@ -433,16 +433,25 @@ class _Digests:
     def start(self, indices: Sequence[int]) -> "Future[dict[int, bytes]]":
         """The digests of ``indices``: hashed on a pooled thread when there is
         enough to hash to pay for the hand-off, else here and now."""
-        if sum(getattr(self.events[i], "num_tokens", 0) for i in indices) < _INLINE_DIGEST_TOKENS:
+        if sum(_array_bytes(self.events[i]) for i in indices) < _INLINE_DIGEST_BYTES:
             future: Future[dict[int, bytes]] = Future()
             future.set_result({i: self.get(i) for i in indices})
             return future
         return _digest_pool().submit(lambda: {i: self.get(i) for i in indices})
 
 
-# Below this many tokens per append, hashing (microseconds) costs less than
-# handing it to another thread.
-_INLINE_DIGEST_TOKENS = 4096
+# Below this many bytes of arrays per append, hashing here (XXH3: ~0.1 ms per
+# MB) costs less than handing it to another thread and taking the GIL back.
+_INLINE_DIGEST_BYTES = 16 << 20
+
+
+def _array_bytes(event: Event) -> int:
+    if not isinstance(event, Generation):
+        return 0
+    return sum(a.nbytes for a in (event.prompt_ids, event.output_ids, event.logprobs, event.loss_mask,
+                                  event.routed_experts, event.token_rewards, event.token_model_versions)
+               if a is not None)
+
 _DIGEST_POOL: ThreadPoolExecutor | None = None
 _DIGEST_POOL_LOCK = threading.Lock()
 

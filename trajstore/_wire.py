@@ -112,6 +112,9 @@ def _b64decode(text: Any, field: str) -> bytes:
 
 def _check_shape(shape: Any, field: str) -> tuple[int, ...]:
     """A list of at most ``_MAX_NDIM`` non-negative ints, none above int32 (products are Python ints)."""
+    if type(shape) in (list, tuple) and len(shape) <= _MAX_NDIM and all(
+            type(d) is int and 0 <= d <= _MAX_DIM for d in shape):
+        return tuple(shape)  # plain ints (what JSON gives): no ABC checks
     if (not isinstance(shape, (list, tuple)) or len(shape) > _MAX_NDIM
             or not all(isinstance(d, (int, np.integer)) and not isinstance(d, (bool, np.bool_))
                        and 0 <= d <= _MAX_DIM for d in shape)):

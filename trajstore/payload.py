@@ -354,9 +354,16 @@ class PayloadStore:
         for members in groups.values():
             try:
                 out.update(_shared_rows(members))
-            except pa.ArrowInvalid:
+            except pa.ArrowInvalid:  # same names, other types: one table per schema
+                by_schema: list[list[tuple[str, pa.Schema, list[pa.RecordBatch], dict[int, int]]]] = []
                 for m in members:
-                    out.update(_shared_rows([m]))
+                    same = next((g for g in by_schema if g[0][1].equals(m[1], check_metadata=False)), None)
+                    if same is None:
+                        by_schema.append([m])
+                    else:
+                        same.append(m)
+                for group in by_schema:
+                    out.update(_shared_rows(group))
         return out, bad
 
     def read_locators(self, rows: Sequence[Mapping[str, Any]]) -> dict[str, SegmentRows]:

@@ -228,16 +228,21 @@ _SAMPLE_SLICE_DTYPES = {name: SAMPLE_LIST_COLUMNS[name] for name in (
     "token_rewards")}
 
 
+_LOG_SPEC = tuple(_LIST_DTYPES.items())
+_LOG_SPEC_VERSIONS = _LOG_SPEC + (("token_model_versions", np.int32),)
+
+
 def _segment_row(tables: Mapping[str, SegmentRows], row: Mapping[str, Any]) -> dict[str, Any]:
     seg = tables[row["segment"]]
     i = seg.index[int(row["segment_row"])]  # each column is decoded once per segment, then indexed
     if row.get("segment_kind") == SAMPLES_KIND:
         return _sample_slices(seg, i, row)
-    cols: dict[str, Any] = {name: seg.lists(name, dt)[i] for name, dt in _LIST_DTYPES.items()}
-    cols["routes"] = seg.binaries("routes")[i]
     # segments written before per-token versions existed have no such column
-    cols["token_model_versions"] = (
-        seg.lists("token_model_versions", np.int32)[i] if seg.has("token_model_versions") else None)
+    versions = seg.has("token_model_versions")
+    lists = seg.lists_of(_LOG_SPEC_VERSIONS if versions else _LOG_SPEC)
+    cols: dict[str, Any] = {name: values[i] for (name, _), values in zip(_LOG_SPEC, lists)}
+    cols["routes"] = seg.binaries("routes")[i]
+    cols["token_model_versions"] = lists[-1][i] if versions else None
     return cols
 
 

@@ -22,10 +22,10 @@ from typing import Any, Iterable, Iterator, Sequence
 import numpy as np
 import pyarrow as pa
 
-from trajstore.payload import binary_chunks, binary_column, column_chunks, list_column, routes_from_bytes
+from trajstore.payload import binary_chunks, column_chunks, list_column, routes_from_bytes
 from trajstore.sample import Sample
 
-__all__ = ["sample_table", "sample_columns", "samples_from_table", "read_segment_samples", "load_samples",
+__all__ = ["sample_table", "sample_columns", "routes_column", "RoutesArena", "samples_from_table", "read_segment_samples", "load_samples",
            "iter_samples", "token_chunks", "READ_CHUNK_TOKENS", "SAMPLE_LIST_COLUMNS", "MASK_COLUMNS",
            "SAMPLE_BATCH_BYTES"]
 
@@ -81,14 +81,84 @@ def sample_columns(samples: Sequence[Sample], *, int_type: pa.DataType = pa.int6
 
 def sample_table(samples: Sequence[Sample]) -> pa.Table:
     """The sample segment's table: ``sample_columns`` plus the routes as one binary
-    value per sample (a view of each array's memory, no copy) and their layout."""
+    value per sample and their layout. Every column is one chunk, so that
+    record batches are slices of it (no ``combine_chunks`` when writing)."""
     routes = [s.routed_experts for s in samples]
     cols: dict[str, Any] = sample_columns(samples)
-    cols["routed_experts"] = binary_column(routes)
+    cols["routed_experts"] = routes_column(routes)
     cols["routes_dtype"] = pa.array([None if r is None else r.dtype.name for r in routes], pa.string())
     cols["route_layers"] = pa.array([None if r is None else r.shape[1] for r in routes], pa.int32())
     cols["route_topk"] = pa.array([None if r is None else r.shape[2] for r in routes], pa.int32())
     return pa.table(cols)
+
+
+def routes_column(routes: Sequence[np.ndarray | None]) -> pa.Array:
+    """One large_binary value per sample: each array's raw C-order bytes (None = null).
+
+    When the arrays lie back to back in one buffer (``RoutesArena``, in this
+    order) the column is a view of that buffer: the routes are not copied;
+    otherwise they are copied once, into one buffer."""
+    n = len(routes)
+    sizes = np.fromiter((0 if r is None else r.nbytes for r in routes), np.int64, n)
+    offsets = np.zeros(n + 1, np.int64)
+    np.cumsum(sizes, out=offsets[1:])
+    present = [r for r in routes if r is not None]
+    data = _back_to_back(present, int(offsets[-1]))
+    if data is None:
+        data = np.concatenate([np.ascontiguousarray(r).reshape(-1).view(np.uint8) for r in present]) if present \
+            else np.zeros(0, np.uint8)
+    validity, nulls = None, n - len(present)
+    if nulls:
+        validity = pa.array(np.fromiter((r is not None for r in routes), np.bool_, n)).buffers()[1]
+    return pa.Array.from_buffers(pa.large_binary(), n, [validity, pa.py_buffer(offsets), pa.py_buffer(data)],
+                                 null_count=nulls)
+
+
+def _back_to_back(arrays: Sequence[np.ndarray], nbytes: int) -> np.ndarray | None:
+    """A uint8 view of the memory ``arrays`` cover, if they are C-contiguous and
+    follow each other in one buffer; else None."""
+    if not arrays:
+        return None
+    root = _root(arrays[0])
+    if root.ndim != 1 or root.dtype != np.uint8 or not root.flags.c_contiguous:
+        return None
+    base = root.__array_interface__["data"][0]
+    at = arrays[0].__array_interface__["data"][0]
+    start = at - base
+    for a in arrays:
+        if not a.flags.c_contiguous or a.__array_interface__["data"][0] != at or _root(a) is not root:
+            return None
+        at += a.nbytes
+    if start < 0 or at - base > len(root):
+        return None
+    return root[start : start + nbytes]
+
+
+def _root(a: np.ndarray) -> np.ndarray:
+    while isinstance(a.base, np.ndarray):
+        a = a.base
+    return a
+
+
+class RoutesArena:
+    """One buffer in which the fold builds the routes of a materialization
+    step's samples, back to back in the order they are folded (``fold``'s
+    ``routes_alloc``), so that the sample segment's routes column is a view of
+    it (``routes_column``). A request that does not fit (or would be
+    misaligned) gets an array of its own: correct, only one copy more."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.buf = np.empty(max(0, int(nbytes)), np.uint8)
+        self.used = 0
+
+    def __call__(self, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+        dtype = np.dtype(dtype)
+        n = int(np.prod(shape)) * dtype.itemsize
+        if self.used % dtype.alignment or self.used + n > len(self.buf):
+            return np.empty(shape, dtype)
+        out = self.buf[self.used : self.used + n].view(dtype).reshape(shape)
+        self.used += n
+        return out
 
 
 def samples_from_table(table: pa.Table, rows: Sequence[int] | None = None) -> list[Sample]:

@@ -198,10 +198,19 @@ def _starts_with_sequence(prompt: np.ndarray, tail: FoldTail, previous: Previous
     if isinstance(previous, tuple):
         p_prompt, p_output = previous
         p = len(p_prompt)
-        return np.array_equal(prompt[:p], p_prompt) and np.array_equal(prompt[p:n], p_output)
+        return _equal(prompt[:p], p_prompt) and _equal(prompt[p:n], p_output)
     if tail.seq_hash is None:
         raise TypeError("fold_step: a tail without seq_hash needs the previous call's tokens")
     return sequence_hash(prompt[:n]) == tail.seq_hash
+
+
+def _equal(a: np.ndarray, b: np.ndarray) -> bool:
+    """``np.array_equal`` of two token arrays; one ``memcmp`` when their dtypes agree."""
+    if a.shape != b.shape:
+        return False
+    if a.dtype == b.dtype and a.dtype.kind in "iub":
+        return a.tobytes() == b.tobytes()
+    return bool(np.array_equal(a, b))
 
 
 def _reward_mode(gen: Generation, mode: str | None) -> str | None:
@@ -295,6 +304,9 @@ class _Trajectory:
 
 _NO_TOKENS = np.zeros(0, np.int32)
 
+RoutesAlloc = Callable[[tuple[int, int, int], np.dtype], np.ndarray]
+"""``(shape, dtype) -> array``: where a sample's routes are built (uninitialised, C-contiguous)."""
+
 
 def fold(
     generations: Sequence[Generation],
@@ -304,6 +316,7 @@ def fold(
     status: str = "completed",
     final_reward: float | None = None,
     num_experts: int | None = None,
+    routes_alloc: RoutesAlloc | None = None,
 ) -> FoldResult:
     """Fold one trajectory's generation events (in seq order) into samples.
 
@@ -311,6 +324,9 @@ def fold(
     final sample's reward. ``num_experts`` (from trajectory_started) fixes the
     route dtype; without it the largest expert id kept decides. Raises
     ValidationError naming the trajectory for a refusal of ``fold_step``.
+    ``routes_alloc(shape, dtype)`` gives the (uninitialised) array each
+    sample's routes are built in (default ``np.empty``): the materializer
+    places them in one buffer it writes as is.
     """
     if not generations:
         return FoldResult([], FoldMetrics())
@@ -327,8 +343,9 @@ def fold(
     bounds = [i for i, s in enumerate(steps) if not s.merged] + [len(steps)]
     samples: list[Sample] = []
     prev: Sample | None = None
+    alloc = routes_alloc or np.empty
     for index, (a, b) in enumerate(zip(bounds, bounds[1:])):
-        prev = _make_sample(generations[a:b], steps[a:b], index, len(bounds) - 1, prev, traj)
+        prev = _make_sample(generations[a:b], steps[a:b], index, len(bounds) - 1, prev, traj, alloc)
         samples.append(prev)
     if final_reward is not None:
         samples[-1].reward = float(final_reward)
@@ -379,13 +396,14 @@ def _make_sample(
     num_samples: int,
     prev: Sample | None,
     traj: _Trajectory,
+    routes_alloc: RoutesAlloc,
 ) -> Sample:
     """Build sample ``index`` from its events and their outcomes."""
     response, loss_mask, logprobs, logprobs_mask, versions, outputs = _tokens(group, steps)
     token_rewards = _token_rewards(outputs, len(response)) if traj.reward_mode == "token" else None
     routes = mask = None
     if traj.routes is not None:
-        routes, mask = _sample_routes(group[-1].num_tokens, steps, prev, traj.routes)
+        routes, mask = _sample_routes(group[-1].num_tokens, steps, prev, traj.routes, routes_alloc)
     rewards = [g.reward for g in group if g.reward is not None]
     # Over generated tokens (versions never decrease within a call, so its first
     # token has its oldest); a sample with no generated token still names the policy called.
@@ -457,10 +475,10 @@ def _token_rewards(outputs: list[tuple[int, Generation]], num_response: int) -> 
 
 
 def _sample_routes(
-    num_tokens: int, steps: Sequence[FoldStep], prev: Sample | None, spec: _RouteSpec
+    num_tokens: int, steps: Sequence[FoldStep], prev: Sample | None, spec: _RouteSpec, alloc: RoutesAlloc
 ) -> tuple[np.ndarray, np.ndarray]:
     """Routes and mask [P+R] of one sample: the rows its steps kept, at their positions."""
-    routes = np.empty((num_tokens, spec.layers, spec.topk), spec.dtype)
+    routes = alloc((num_tokens, spec.layers, spec.topk), spec.dtype)
     mask = np.ones(num_tokens, np.bool_)
     inherited = steps[0].inherited_rows
     if inherited:

@@ -44,7 +44,7 @@ from trajstore.fold import FoldMetrics, FoldResult, fold
 from trajstore.log.base import SAMPLES_KIND, Repoint, Shard, StaleState, shard_index_of
 from trajstore.payload import SegmentRows, rows_per_batch
 from trajstore.sample import Sample
-from trajstore._samples import SAMPLE_BATCH_BYTES, sample_table
+from trajstore._samples import SAMPLE_BATCH_BYTES, RoutesArena, sample_table
 
 __all__ = ["Materializer", "MaterializeStats", "shard_of"]
 
@@ -129,29 +129,51 @@ class Materializer:
         return self.store.log.count_events(after_position=self._checkpoint()[0], types=["trajectory_finished"])
 
     def run(self, *, max_steps: int | None = None) -> MaterializeStats:
-        """Fold until nothing finished is pending (or ``max_steps`` batches)."""
-        stats = MaterializeStats(position=self._checkpoint()[0])
+        """Fold until nothing finished is pending (or ``max_steps`` batches).
+
+        The checkpoint is read once and then carried from step to step (each
+        commit is guarded by it: a stale one costs a re-read, never a wrong
+        commit); a step that found fewer finished trajectories than it could
+        take ends the run without asking again."""
+        position, cumulative = self._checkpoint()
+        stats = MaterializeStats(position=position)
         steps = 0
         while max_steps is None or steps < max_steps:
-            done = self.step()
-            if done is None:
+            outcome = self._step(position, cumulative)
+            if outcome is None:
                 break
+            done, after = outcome
             stats = stats + done
             steps += 1
             if self.progress:
                 self.progress(done.num_trajectories + done.num_unfoldable)  # trajectories this step took
+            if after is None:  # lost the race for this batch: read the checkpoint again
+                position, cumulative = self._checkpoint()
+            elif after[0]:
+                position, cumulative = done.position, after[1]
+            else:
+                break
         return stats
 
     def step(self) -> MaterializeStats | None:
         """Fold one batch; None when nothing is pending."""
-        position, cumulative = self._checkpoint()
-        finished = self.store.log.read_events(
-            after_position=position, limit=self.max_trajectories, types=["trajectory_finished"]
-        )
+        outcome = self._step(*self._checkpoint())
+        return None if outcome is None else outcome[0]
+
+    def _step(self, position: int, cumulative: FoldMetrics
+              ) -> tuple[MaterializeStats, tuple[bool, FoldMetrics] | None] | None:
+        """Fold the batch after checkpoint ``(position, cumulative)``. None when
+        nothing finished is pending; else its stats and, once committed, whether
+        more may be pending and the checkpoint's metrics (None: another
+        materializer committed this batch first)."""
+        finished = self.store.log.finished_after(position, self.max_trajectories)
         if not finished:
             return None
-        finished, mine, trajs = self._within_budget(finished)
-        folded, unfoldable, gen_rows = self._fold(mine, trajs)
+        more = len(finished) >= self.max_trajectories
+        kept, mine = self._within_budget(finished)
+        more = more or len(kept) < len(finished)
+        finished = kept
+        folded, unfoldable, gen_rows = self._fold(mine)
         last = finished[-1]["position"]
         seg_name = f"samples-{self.shard_index}of{self.num_shards}-{position + 1:012d}-{last:012d}.arrow"
         samples = [s for r in folded.values() for s in r.samples]
@@ -170,11 +192,11 @@ class Materializer:
                                                    unfoldable_rows=unfoldable_rows, repoints=repoints)
         except StaleState:
             # another materializer did this batch
-            return MaterializeStats(position=self._checkpoint()[0])
+            return MaterializeStats(position=self._checkpoint()[0]), None
         for row in unfoldable_rows:
             log.warning("materializer %s: trajectory %r cannot be folded, recorded and skipped: %s: %s",
                         self.shard, row["trajectory_id"], row["error"], row["message"])
-        return MaterializeStats(metrics, len(folded), last, len(unfoldable))
+        return MaterializeStats(metrics, len(folded), last, len(unfoldable)), (more, cumulative + metrics)
 
     def _checkpoint(self) -> tuple[int, FoldMetrics]:
         cp = self.store.materialized.load_checkpoint(self.shard)
@@ -184,23 +206,21 @@ class Materializer:
             int(cp["num_steps_before"]), int(cp["num_samples_after"]), int(cp["prefix_mismatch_count"])
         )
 
-    def _within_budget(self, finished: list[dict[str, Any]]):
-        """Cut the batch after the trajectory that reaches ``max_batch_tokens``:
-        memory is bounded by the batch, not by the log."""
-        mine = [e for e in finished if self.shard.owns(e["trajectory_id"])]
-        trajs = self.store.log.load_trajectories([e["trajectory_id"] for e in mine])
+    def _within_budget(self, finished: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """Cut the batch after the trajectory that reaches ``max_batch_tokens``
+        (memory is bounded by the batch, not by the log); return it and this
+        shard's part of it."""
         tokens, keep = 0, len(finished)
         for k, e in enumerate(finished):
-            if e["trajectory_id"] in trajs:
-                tokens += int(trajs[e["trajectory_id"]]["seq_len"])
+            if e["seq_len"] is not None and self.shard.owns(e["trajectory_id"]):
+                tokens += int(e["seq_len"])
                 if tokens >= self.max_batch_tokens:
                     keep = k + 1
                     break
         finished = finished[:keep]
-        last = finished[-1]["position"]
-        return finished, [e for e in mine if e["position"] <= last], trajs
+        return finished, [e for e in finished if self.shard.owns(e["trajectory_id"])]
 
-    def _fold(self, finished: list[dict[str, Any]], trajs: dict[str, dict[str, Any]]
+    def _fold(self, finished: list[dict[str, Any]]
               ) -> tuple[dict[str, FoldResult], dict[str, BaseException], dict[str, list[dict[str, Any]]]]:
         """Fold each trajectory; the ones that cannot be folded are returned
         apart with their error, and the others are unaffected. Also returns
@@ -211,13 +231,14 @@ class Materializer:
         ids = [e["trajectory_id"] for e in finished]
         if not ids:
             return folded, unfoldable, gen_rows_of
-        events = self.store.log.trajectory_events(ids)
+        trajs, events = self.store.log.fold_inputs(ids)
         tables, bad_segments = self._read_segments([r for rows in events.values() for r in rows])
         if bad_segments:
             # A compaction may have moved these events, and a GC with a short grace deleted
             # the old file, between resolving the locators and opening it: resolve once more.
-            events = self.store.log.trajectory_events(ids)
+            trajs, events = self.store.log.fold_inputs(ids)
             tables, bad_segments = self._read_segments([r for rows in events.values() for r in rows])
+        arena = RoutesArena(_routes_bytes(events, trajs))
         for fin in finished:
             tid = fin["trajectory_id"]
             traj, rows = trajs.get(tid), events[tid]
@@ -234,7 +255,8 @@ class Materializer:
                 )
                 rewards = [r["reward"] for r in rows if r["type"] == "reward"]
                 folded[tid] = fold(gens, trajectory_id=tid, group_id=traj["group_id"], status=fin["status"],
-                                   final_reward=rewards[-1] if rewards else None, num_experts=traj["num_experts"])
+                                   final_reward=rewards[-1] if rewards else None, num_experts=traj["num_experts"],
+                                   routes_alloc=arena)
                 gen_rows_of[tid] = gen_rows
             except StoreUnavailable:
                 raise
@@ -250,16 +272,7 @@ class Materializer:
         for r in rows:
             if r["segment"] is not None:
                 wanted.setdefault(r["segment"], []).append(int(r["segment_row"]))
-        tables: dict[str, SegmentRows] = {}
-        bad: dict[str, BaseException] = {}
-        for name, idx in sorted(wanted.items()):
-            try:
-                tables[name] = self.store.payload.read_rows(name, idx)
-            except StoreUnavailable:
-                raise
-            except _DATA_ERRORS as e:
-                bad[name] = e
-        return tables, bad
+        return self.store.payload.read_many(wanted)
 
     def _write(self, name: str, samples: list[Sample], calls: list[int], finished_at: dict[str, int]):
         if not samples:
@@ -269,8 +282,7 @@ class Materializer:
         # memory map, so a reader pays nothing for the rows of a batch it does not
         # use, and fewer batches mean less per-batch work on both sides (a remote
         # store reads whole batches: 16 MB bounds what one sample costs there).
-        size = self.store.payload.write(name, table, rows_per_batch=rows_per_batch(table, SAMPLE_BATCH_BYTES),
-                                        atomic=True)
+        size = self.store.payload.write_samples(name, table, rows_per_batch(table, SAMPLE_BATCH_BYTES))
         now = time.time()
         seg_row = {"name": name, "kind": "samples", "num_rows": len(samples), "num_bytes": size, "created_at": now}
         return seg_row, [_sample_row(s, i, name, finished_at[s.trajectory_id], c, now)
@@ -296,6 +308,27 @@ def _repoints(segment: str, folded: dict[str, FoldResult], gen_rows: dict[str, l
                                        e["segment"], int(e["segment_row"])))
             row += 1
     return out
+
+
+def _routes_bytes(events: dict[str, list[dict[str, Any]]], trajs: dict[str, dict[str, Any]]) -> int:
+    """The bytes of the step's sample routes, from the index alone: each sample
+    has as many route rows as its last event's tokens (``events.sample_index``
+    is the fold's outcome, stored at admission). An estimate short of the truth
+    only costs a copy (``RoutesArena``)."""
+    total = 0
+    for tid, rows in events.items():
+        traj = trajs.get(tid)
+        if traj is None or not traj["route_layers"]:
+            continue
+        wide = (traj["num_experts"] or 0) > 256
+        tokens: dict[Any, int] = {}
+        for r in rows:
+            if r["type"] == "generation":
+                wide = wide or r["routes_dtype"] == "uint16"
+                key = r["sample_index"] if r["sample_index"] is not None else ("seq", r["seq"])
+                tokens[key] = max(tokens.get(key, 0), int(r["prompt_len"]) + int(r["output_len"]))
+        total += sum(tokens.values()) * int(traj["route_layers"]) * int(traj["route_topk"]) * (2 if wide else 1)
+    return total
 
 
 def _unfoldable_row(trajectory_id: str, finished_position: int, shard: Shard, error: BaseException,

@@ -39,7 +39,7 @@ import pyarrow.parquet as pq
 from trajstore.errors import CorruptStoreError, StoreUnavailable
 
 __all__ = ["PayloadStore", "SegmentRows", "list_column", "binary_column", "column_chunks", "binary_chunks",
-           "routes_from_bytes", "rows_per_batch", "fsync_dir"]
+           "routes_from_bytes", "rows_per_batch", "fsync_dir", "write_arrow_segment"]
 
 # Sample segments (``samples-*.arrow``) are uncompressed Arrow IPC: the reader maps
 # them and hands out views, and zstd on near-random route ids saved ~13% of the
@@ -182,7 +182,10 @@ class SegmentRows:
         return self.table.slice(self.index[segment_row], 1)
 
     def has(self, name: str) -> bool:
-        return name in self.table.schema.names
+        names = self._decoded.get(("", "names"))
+        if names is None:
+            names = self._decoded[("", "names")] = self.table.schema.names
+        return name in names
 
     def lists(self, name: str, dtype: Any) -> list[np.ndarray | None]:
         """``column_chunks`` of list column ``name`` over the whole table, decoded
@@ -197,6 +200,15 @@ class SegmentRows:
                 column = column.combine_chunks()
             self._decoded[key] = column_chunks(column, dtype)
         return self._decoded[key]
+
+    def lists_of(self, spec: tuple[tuple[str, Any], ...]) -> tuple[list[np.ndarray | None], ...]:
+        """``lists(name, dtype)`` of every ``(name, dtype)`` in ``spec``, cached as one
+        entry (a caller indexing several columns per row looks them up once)."""
+        key = ("*", spec)
+        got = self._decoded.get(key)
+        if got is None:
+            got = self._decoded[key] = tuple(self.lists(name, dtype) for name, dtype in spec)
+        return got
 
     def binaries(self, name: str) -> list[np.ndarray | None]:
         """``binary_chunks`` of binary column ``name``, decoded once and cached."""
@@ -313,20 +325,89 @@ class PayloadStore:
 
     def read_rows(self, name: str, rows: Iterable[int]) -> SegmentRows:
         """The given rows of a segment, decompressing only the batches that hold them."""
+        batches, schema, index = self._read_batches(name, rows)
+        return SegmentRows(pa.Table.from_batches(batches, schema=schema), index)
+
+    def _read_batches(self, name: str, rows: Iterable[int]
+                      ) -> tuple[list[pa.RecordBatch], pa.Schema, dict[int, int]]:
+        """The record batches (row groups) of a segment that hold ``rows``, its schema,
+        and each wanted row's position in those batches laid end to end."""
         wanted = sorted(set(int(r) for r in rows))
         with self._open(name) as src:
-            if name.endswith(".arrow"):
-                reader = ipc.open_file(src)
-                per = int(reader.schema.metadata[_ROWS_PER_BATCH.encode()])
-                batches = sorted({r // per for r in wanted})
-                table = pa.Table.from_batches([reader.get_batch(b) for b in batches], schema=reader.schema)
+            if name.endswith(".arrow") and self.local:
+                # The file's stream part (after the 8-byte magic) read in order up to the
+                # last batch wanted when they are dense (a log segment: one row per batch,
+                # all of them wanted), else the footer's index (a large compacted segment).
+                stream = ipc.open_stream(src.read_buffer().slice(8), options=_READ_OPTIONS)
+                schema = stream.schema
+                per = int(schema.metadata[_ROWS_PER_BATCH.encode()])
+                numbers = sorted({r // per for r in wanted})
+                if numbers and numbers[-1] + 1 <= 2 * len(numbers) + 4:
+                    keep, batches = set(numbers), []
+                    for k in range(numbers[-1] + 1):
+                        try:
+                            batch = stream.read_next_batch()
+                        except StopIteration:
+                            raise CorruptStoreError(f"payload segment {self.path(name)!r} has no row "
+                                                    f"{wanted[-1]}") from None
+                        if k in keep:
+                            batches.append(batch)
+                else:
+                    src.seek(0)
+                    reader = ipc.open_file(src, options=_READ_OPTIONS)
+                    batches = [reader.get_batch(b) for b in numbers]
+            elif name.endswith(".arrow"):
+                reader = ipc.open_file(src, options=_READ_OPTIONS)
+                schema = reader.schema
+                per = int(schema.metadata[_ROWS_PER_BATCH.encode()])
+                numbers = sorted({r // per for r in wanted})
+                batches = [reader.get_batch(b) for b in numbers]
             else:
                 pf = pq.ParquetFile(src)
-                per = int(pf.schema_arrow.metadata[_ROWS_PER_BATCH.encode()])
-                batches = sorted({r // per for r in wanted})
-                table = pf.read_row_groups(batches)
-        first = {b: i * per for i, b in enumerate(batches)}
-        return SegmentRows(table, {r: first[r // per] + r % per for r in wanted})
+                schema = pf.schema_arrow
+                per = int(schema.metadata[_ROWS_PER_BATCH.encode()])
+                numbers = sorted({r // per for r in wanted})
+                batches = pf.read_row_groups(numbers).to_batches()
+                # a row group may come back as several batches: positions count rows, not batches
+        first = {b: i * per for i, b in enumerate(numbers)}
+        return batches, schema, {r: first[r // per] + r % per for r in wanted}
+
+    def read_many(self, wanted: Mapping[str, Iterable[int]]
+                  ) -> tuple[dict[str, SegmentRows], dict[str, BaseException]]:
+        """The rows ``wanted[name]`` of several segments: ``{name: SegmentRows}``,
+        and apart ``{name: error}`` for a segment that is missing or unreadable
+        (``CorruptStoreError``; ``StoreUnavailable`` propagates).
+
+        Segments of one schema share one table (their batches end to end) and
+        its decoded columns: a column is decoded once for all of them (a log
+        segment holds one row per record batch; decoding row by row costs
+        more than the one copy of the small token columns ``SegmentRows.lists``
+        makes)."""
+        # grouped by column names; a group whose types differ after all is split by schema
+        groups: dict[tuple[str, ...], list[tuple[str, pa.Schema, list[pa.RecordBatch], dict[int, int]]]] = {}
+        bad: dict[str, BaseException] = {}
+        for name in sorted(wanted):
+            try:
+                batches, schema, index = self._read_batches(name, wanted[name])
+            except CorruptStoreError as e:
+                bad[name] = e
+                continue
+            groups.setdefault(tuple(schema.names), []).append((name, schema, batches, index))
+        out: dict[str, SegmentRows] = {}
+        for members in groups.values():
+            try:
+                out.update(_shared_rows(members))
+            except pa.ArrowInvalid:  # same names, other types: one table per schema
+                by_schema: list[list[tuple[str, pa.Schema, list[pa.RecordBatch], dict[int, int]]]] = []
+                for m in members:
+                    same = next((g for g in by_schema if g[0][1].equals(m[1], check_metadata=False)), None)
+                    if same is None:
+                        by_schema.append([m])
+                    else:
+                        same.append(m)
+                for group in by_schema:
+                    out.update(_shared_rows(group))
+        return out, bad
 
     def read_locators(self, rows: Sequence[Mapping[str, Any]]) -> dict[str, SegmentRows]:
         """The payload rows that index ``rows`` (``segment``, ``segment_row``) point at, one read per segment."""
@@ -384,8 +465,31 @@ class PayloadStore:
             return 0.0
         return info.mtime.timestamp() if info.mtime else 0.0
 
+    def write_samples(self, name: str, table: pa.Table, rows_per_batch: int) -> int:
+        """Write a sample segment (``write_arrow_segment``); return its size in bytes."""
+        return write_arrow_segment(self, name, table, rows_per_batch)
+
+
+def _shared_rows(members: Sequence[tuple[str, pa.Schema, list[pa.RecordBatch], dict[int, int]]]
+                 ) -> dict[str, SegmentRows]:
+    """``SegmentRows`` of several segments over one table (their batches end to end)
+    and one cache of decoded columns; ``pa.ArrowInvalid`` if their types differ."""
+    table = pa.Table.from_batches([b for _, _, bs, _ in members for b in bs],
+                                  schema=members[0][1].remove_metadata())
+    shared: dict[tuple[str, Any], list[Any]] = {}
+    out: dict[str, SegmentRows] = {}
+    at = 0
+    for name, _, batches, index in members:
+        seg = SegmentRows(table, {r: at + i for r, i in index.items()})
+        seg._decoded = shared  # same table, same decoded columns
+        out[name] = seg
+        at += sum(b.num_rows for b in batches)
+    return out
+
 
 _ROWS_PER_BATCH = "trajstore.rows_per_batch"
+# A segment's buffers are views of its memory map: nothing for threads to do but hand work over.
+_READ_OPTIONS = ipc.IpcReadOptions(use_threads=False)
 
 
 def _write_table(name: str, table: pa.Table, sink, rows_per_batch: int, log_compression: str | None) -> None:
@@ -421,3 +525,42 @@ def fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def write_arrow_segment(store: PayloadStore, name: str, table: pa.Table, rows_per_batch: int) -> int:
+    """Write ``table`` durably and atomically as Arrow IPC segment ``name``
+    (uncompressed, exactly ``rows_per_batch`` rows per record batch); return its size.
+
+    The sample segments' writer: through a native file (no Python file object
+    between Arrow and the kernel), each record batch a zero-copy slice of the
+    table when every column is one chunk (``sample_table``). Written to a
+    temporary name, fsynced, renamed into place and the directory fsynced, as
+    ``PayloadStore.write(atomic=True)`` does; a remote store goes through that."""
+    rows_per_batch = max(1, rows_per_batch or table.num_rows or 1)
+    if not store.local or not name.endswith(".arrow"):
+        return store.write(name, table, rows_per_batch=rows_per_batch, atomic=True)
+    table = table.replace_schema_metadata({_ROWS_PER_BATCH: str(rows_per_batch)})
+    path = store.path(name)
+    target = path + f".{uuid.uuid4().hex}.tmp"
+    try:
+        with pa.OSFile(target, "wb") as sink:
+            with ipc.new_file(sink, table.schema, options=ipc.IpcWriteOptions(compression=_SAMPLE_COMPRESSION)) as w:
+                for start in range(0, table.num_rows, rows_per_batch):
+                    part = table.slice(start, rows_per_batch)
+                    batches = part.to_batches()
+                    if len(batches) != 1:
+                        batches = part.combine_chunks().to_batches()
+                    w.write_batch(batches[0])
+            size = sink.tell()
+        fd = os.open(target, os.O_RDONLY)
+        try:
+            os.fsync(fd)  # the file's pages, whichever descriptor wrote them
+        finally:
+            os.close(fd)
+        os.replace(target, path)
+        fsync_dir(store.root)
+        return size
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            os.unlink(target)
+        raise StoreUnavailable(f"cannot write payload segment {path!r}: {e}") from None

@@ -42,6 +42,16 @@ def main(url: str, payload: str, job: str, where: str, nth: int, marker: str) ->
             return size
 
         PayloadStore.write = paused_write
+        write_samples = PayloadStore.write_samples  # the materializer's sample segments
+
+        @functools.wraps(write_samples)
+        def paused_write_samples(self, name, *a, **kw):
+            size = write_samples(self, name, *a, **kw)
+            if name.startswith(prefix) and due():
+                _pause(marker)
+            return size
+
+        PayloadStore.write_samples = paused_write_samples
     elif where == "in_transaction":
         what_prefix = "committing samples" if job == "materialize" else "compacting"
         transaction = sql._Db.transaction

@@ -241,6 +241,27 @@ class EventLog(ABC):
     def close(self) -> None:
         """Release connections."""
 
+    # -- the materializer's reads: only what it folds from ------------------
+    def finished_after(self, after_position: int, limit: int) -> list[dict[str, Any]]:
+        """The next ``limit`` ``trajectory_finished`` events after ``after_position``
+        (position order): ``position``, ``trajectory_id``, ``status`` and
+        ``seq_len``, the trajectory's tokens (None when it has no row)."""
+        rows = self.read_events(after_position=after_position, limit=limit, types=["trajectory_finished"])
+        trajs = self.load_trajectories({r["trajectory_id"] for r in rows})
+        return [{"position": r["position"], "trajectory_id": r["trajectory_id"], "status": r["status"],
+                 "seq_len": trajs[r["trajectory_id"]]["seq_len"] if r["trajectory_id"] in trajs else None}
+                for r in rows]
+
+    def fold_inputs(self, trajectory_ids: Collection[str]
+                    ) -> tuple[dict[str, dict[str, Any]], dict[str, list[dict[str, Any]]]]:
+        """The trajectory rows of ``trajectory_ids`` and their ``generation`` and
+        ``reward`` event rows (position order, every id a key): the columns
+        ``generations_from_log`` and the fold use (not ``metadata``)."""
+        trajs = self.load_trajectories(trajectory_ids)
+        events = {t: [r for r in rows if r["type"] in ("generation", "reward")]
+                  for t, rows in self.trajectory_events(trajectory_ids).items()}
+        return trajs, events
+
 
 class SampleIndex(ABC):
     """The sample index: materialized sample rows and the shards' checkpoints."""

@@ -368,8 +368,67 @@ class SqlEventLog(EventLog):
 
         self.db.transaction(f"compacting {len(moves)} events into {segment_row['name']}", body, landed=landed)
 
+    # -- the materializer's reads: driver SQL, only the columns it uses ------
+    def finished_after(self, after_position: int, limit: int) -> list[dict[str, Any]]:
+        with self.db.reading("reading finished trajectories") as conn:
+            e, t = _quoted(conn, events), _quoted(conn, trajectories)
+            sql = (f"SELECT e.{e.position}, e.{e.trajectory_id}, e.{e.status}, t.{t.seq_len} "
+                   f"FROM {e.table} e LEFT JOIN {t.table} t ON t.{t.trajectory_id} = e.{e.trajectory_id} "
+                   f"WHERE e.{e.type} = 'trajectory_finished' AND e.{e.position} > {e.p} "
+                   f"ORDER BY e.{e.position} LIMIT {e.p}")
+            rows = conn.exec_driver_sql(sql, (int(after_position), int(limit))).fetchall()
+        return [{"position": p, "trajectory_id": tid, "status": st, "seq_len": n} for p, tid, st, n in rows]
+
+    def fold_inputs(self, trajectory_ids: Collection[str]
+                    ) -> tuple[dict[str, dict[str, Any]], dict[str, list[dict[str, Any]]]]:
+        ids = sorted(set(trajectory_ids))
+        trajs: dict[str, dict[str, Any]] = {}
+        out: dict[str, list[dict[str, Any]]] = {t: [] for t in ids}
+        with self.db.reading("reading the trajectories to fold") as conn:
+            e, t = _quoted(conn, events), _quoted(conn, trajectories)
+            for part in _chunks(ids):
+                marks = ", ".join([e.p] * len(part))
+                q = (f"SELECT {', '.join(getattr(t, c) for c in _FOLD_TRAJECTORY_COLUMNS)} FROM {t.table} "
+                     f"WHERE {t.trajectory_id} IN ({marks})")
+                for row in conn.exec_driver_sql(q, tuple(part)):
+                    trajs[row[0]] = dict(zip(_FOLD_TRAJECTORY_COLUMNS, row))
+                q = (f"SELECT {', '.join(getattr(e, c) for c in _FOLD_EVENT_COLUMNS)} FROM {e.table} "
+                     f"WHERE {e.trajectory_id} IN ({marks}) AND {e.type} IN ('generation', 'reward') "
+                     f"ORDER BY {e.position}")
+                for row in conn.exec_driver_sql(q, tuple(part)):
+                    out[row[1]].append(dict(zip(_FOLD_EVENT_COLUMNS, row)))
+        return trajs, out
+
     def close(self) -> None:
         self.db.close()
+
+
+_FOLD_TRAJECTORY_COLUMNS = ("trajectory_id", "group_id", "num_experts", "route_layers", "route_topk", "seq_len")
+_FOLD_EVENT_COLUMNS = ("position", "trajectory_id", "type", "seq", "event_id", "model_version", "prompt_len",
+                       "prefix_len", "output_len", "routes_start", "num_route_rows", "routes_dtype", "reward",
+                       "has_token_rewards", "finish_reason", "segment", "segment_row", "segment_kind",
+                       "version_spans", "sample_index", "is_merged")
+
+
+class _Quoted:
+    """A table's name and column names quoted for a dialect, and its parameter marker ``p``."""
+
+    def __init__(self, conn: Connection, table: Any) -> None:
+        q = conn.dialect.identifier_preparer
+        self.table = q.format_table(table)
+        self.p = "?" if conn.dialect.paramstyle == "qmark" else "%s"
+        for c in table.columns:
+            setattr(self, c.name, q.quote(c.name))
+
+
+_QUOTED: dict[tuple[str, str, str], _Quoted] = {}
+
+
+def _quoted(conn: Connection, table: Any) -> _Quoted:
+    key = (conn.dialect.name, conn.dialect.paramstyle, table.name)
+    if key not in _QUOTED:
+        _QUOTED[key] = _Quoted(conn, table)
+    return _QUOTED[key]
 
 
 def _named(conn: Connection) -> set[str]:
@@ -424,10 +483,28 @@ def _repoint_sql(conn: Connection, guarded: bool) -> str:
 
 
 def _retire_emptied(conn: Connection, names: Collection[str], now: float) -> None:
-    """Retire these segments if no index row names them any more."""
+    """Retire these segments if no index row names them any more (driver SQL:
+    ``_named_clause`` spelled out, one probe of ``ix_events_segment`` each)."""
+    g, e = _quoted(conn, segments), _quoted(conn, events)
     for part in _chunks(sorted(names)):
-        conn.execute(update(segments).where(segments.c.name.in_(part), segments.c.retired_at.is_(None),
-                                            ~_named_clause()).values(retired_at=now))
+        conn.exec_driver_sql(
+            f"UPDATE {g.table} SET {g.retired_at} = {g.p} WHERE {g.name} IN ({', '.join([g.p] * len(part))}) "
+            f"AND {g.retired_at} IS NULL AND {g.kind} = 'events' "
+            f"AND NOT EXISTS (SELECT 1 FROM {e.table} WHERE {e.table}.{e.segment} = {g.table}.{g.name})",
+            (now, *part))
+
+
+def _insert(conn: Connection, table: Any, rows: Sequence[Mapping[str, Any]]) -> None:
+    """One executemany of ``rows`` (every row has the first row's keys) through the driver."""
+    q = _quoted(conn, table)
+    names = list(rows[0])
+    sql = (f"INSERT INTO {q.table} ({', '.join(getattr(q, n) for n in names)}) "
+           f"VALUES ({', '.join([q.p] * len(names))})")
+    params = [tuple(r[n] for n in names) for r in rows]
+    if len(params) == 1:
+        conn.exec_driver_sql(sql, params[0])
+    else:
+        conn.exec_driver_sql(sql, params)
 
 
 def _write_trajectories(conn: Connection, sql: "_AppendSql", writes: Sequence[TrajectoryWrite],
@@ -622,21 +699,27 @@ class SqlSampleIndex(SampleIndex):
         cps = materializer_checkpoints
 
         def body(conn: Connection) -> None:
+            # Driver SQL throughout (a new store's engine would compile every statement).
             # The guarded UPDATE is the position check: a concurrent materializer of
             # this shard that moved the checkpoint leaves it matching no row.
-            if expected_position == 0 and conn.execute(select(cps.c.shard).where(cps.c.shard == key)).first() is None:
-                conn.execute(insert(cps), [cp])  # a concurrent first commit: primary key race -> StaleState
+            c = _quoted(conn, cps)
+            if expected_position == 0 and conn.exec_driver_sql(
+                    f"SELECT {c.shard} FROM {c.table} WHERE {c.shard} = {c.p}", (key,)).first() is None:
+                _insert(conn, cps, [cp])  # a concurrent first commit: primary key race -> StaleState
             else:
-                res = conn.execute(update(cps).where(cps.c.shard == key)
-                                   .where(cps.c.position == expected_position).values(**cp))
+                names = [n for n in cp if n != "shard"]
+                res = conn.exec_driver_sql(
+                    f"UPDATE {c.table} SET {', '.join(f'{getattr(c, n)} = {c.p}' for n in names)} "
+                    f"WHERE {c.shard} = {c.p} AND {c.position} = {c.p}",
+                    tuple(cp[n] for n in names) + (key, expected_position))
                 if res.rowcount != 1:
                     raise StaleState(f"shard {key!r} checkpoint is no longer at {expected_position}")
             if segment_row is not None:
-                conn.execute(insert(segments), [dict(segment_row)])
+                _insert(conn, segments, [segment_row])
             if sample_rows:
-                conn.execute(insert(samples), list(sample_rows))
+                _insert(conn, samples, sample_rows)
             if unfoldable_rows:
-                conn.execute(insert(unfoldable_trajectories), list(unfoldable_rows))
+                _insert(conn, unfoldable_trajectories, unfoldable_rows)
             if repoints:
                 _repoint(conn, repoints, guarded=False)
                 _retire_emptied(conn, {m.old_segment for m in repoints if m.old_segment}, cp["updated_at"])

@@ -453,17 +453,30 @@ def decode_json(body: bytes | bytearray) -> Any:
         raise _HTTPError(400, "body is not valid JSON (nested too deeply)", rule="malformed_json") from None
 
 
+_WHOLE_BODY = "trajstore.whole_body"  # trajstore.ingest._nodelay.BODY_EXTENSION (that module needs uvicorn)
+
+
 class _ClientGone(Exception):
     """The client disconnected before its body was read: nobody to answer."""
 
 
-async def _read_body(receive: Any, declared: int | None, max_body_bytes: int) -> bytes | bytearray:
-    """The request body from ASGI ``receive``, refused (413) as soon as it is over the limit.
+async def _read_body(scope: Mapping[str, Any], receive: Any, declared: int | None,
+                     max_body_bytes: int) -> bytes | bytearray:
+    """The request body, refused (413) as soon as it is over the limit.
 
-    A body that arrives in one message is used as it is (no copy). Otherwise,
+    Served by ``serve`` (``trajstore.ingest._nodelay``), a body with a
+    ``Content-Length`` is read whole into one buffer by the HTTP protocol.
+    Otherwise it comes from ASGI ``receive``: a body that arrives in one
+    message is used as it is (no copy); otherwise,
     with a ``Content-Length`` the chunks are copied straight into one buffer
     of that size (no growth, no re-allocation of a MiB-sized body); without
     one they are appended to a growing buffer. Never joined."""
+    whole = scope.get("extensions", {}).get(_WHOLE_BODY) if declared is not None else None
+    if whole is not None and whole.length == declared:
+        try:
+            return await whole()
+        except ConnectionError:
+            raise _ClientGone() from None
     message = await receive()
     if message["type"] != "http.request":
         raise _ClientGone()
@@ -645,7 +658,7 @@ def make_app(store: Any, *, token: str | None, max_body_bytes: int = DEFAULT_MAX
                 if committer is not None:
                     committer.expect()
                 try:
-                    events, num_tokens = await parse(scope, await _read_body(receive, declared, max_body_bytes))
+                    events, num_tokens = await parse(scope, await _read_body(scope, receive, declared, max_body_bytes))
                 except BaseException:
                     if committer is not None:
                         committer.forget()

@@ -285,15 +285,16 @@ def make_upstream() -> Any:
 
 
 @contextlib.contextmanager
-def serve_in_thread(app: Any) -> Iterator[str]:
-    """Run ``app`` with uvicorn on a free loopback port; yields its base URL."""
+def serve_in_thread(app: Any, http: Any = "auto") -> Iterator[str]:
+    """Run ``app`` with uvicorn on a free loopback port; yields its base URL.
+    ``http``: uvicorn's HTTP protocol (the ingest service's own: ``trajstore.ingest._nodelay``)."""
     import uvicorn
 
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", http=http))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     for _ in range(500):

@@ -34,7 +34,9 @@ AUTH = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
 
 @pytest.fixture
 def service(store):
-    with serve_in_thread(make_app(store, token=TOKEN, max_body_bytes=8 << 20)) as url:
+    from trajstore.ingest._nodelay import NoDelayHTTPProtocol  # the protocol `trajstore serve` runs
+
+    with serve_in_thread(make_app(store, token=TOKEN, max_body_bytes=8 << 20), http=NoDelayHTTPProtocol) as url:
         yield url
 
 

@@ -216,6 +216,46 @@ def test_a_group_waits_for_requests_whose_bodies_are_still_being_read(store, sto
     assert {r[1] for r in stored_events(store_url)} == {"a", "b"}
 
 
+def test_two_committers_append_apart_trajectories_at_once_and_one_trajectory_in_order(store, store_url):
+    """``committers=2``: while one group's append is blocked, a group of other
+    trajectories is appended beside it; a request touching a trajectory in
+    flight (and everything queued behind it) waits for that append to end."""
+    gate, calls = threading.Event(), []
+
+    class Gated:
+        def append(self, events):
+            tids = sorted({ev["trajectory_id"] for ev in events})
+            calls.append(tids)
+            if tids == ["a"] and len(calls) == 1:
+                gate.wait(30)  # the first append of "a" blocks until the gate opens
+            return store.append(events)
+
+    whole = trajectory_events("a", 2)
+    committer = GroupCommitter(Gated(), committers=2)
+    try:
+        first = committer.submit(whole[:2])  # started + seq 0 of "a"
+        for _ in range(500):
+            if calls:
+                break
+            time.sleep(0.01)
+        assert calls == [["a"]]
+        beside = committer.submit(trajectory_events("b", 1))
+        assert beside.result(30)[0] == 1  # appended by the other committer while "a" is still blocked
+        later = committer.submit(whole[2:])  # seq 1 of "a": must wait for seq 0's append
+        behind = committer.submit(trajectory_events("c", 1))  # queued behind it: waits too (arrival order)
+        time.sleep(0.2)
+        assert calls == [["a"], ["b"]] and not later.done() and not behind.done()
+        gate.set()
+        assert first.result(30)[0] == 1 and later.result(30)[0] >= 1 and behind.result(30)[0] >= 1
+    finally:
+        gate.set()
+        committer.close()
+    assert calls[:2] == [["a"], ["b"]] and sorted(calls[2:]) in ([["a"], ["c"]], [["a", "c"]])
+    a_events = [r for r in stored_events(store_url) if r[1] == "a"]
+    assert [(r[2], r[3]) for r in a_events] == [("trajectory_started", None), ("generation", 0), ("generation", 1),
+                                                 ("trajectory_finished", None)]
+
+
 def test_health_metrics_openapi(service):
     assert httpx.get(f"{service}/healthz").json() == {"status": "ok"}
     assert "trajstore_ingest_requests_total" in httpx.get(f"{service}/metrics").text

@@ -53,8 +53,10 @@ def unstorable(k: int) -> list[dict]:
 
 @pytest.fixture
 def service(store):
+    from trajstore.ingest._nodelay import NoDelayHTTPProtocol  # the protocol `trajstore serve` runs
+
     app = make_app(store, token=TOKEN, max_body_bytes=1 << 20)
-    with serve_in_thread(app) as url:
+    with serve_in_thread(app, http=NoDelayHTTPProtocol) as url:
         yield url, app
 
 

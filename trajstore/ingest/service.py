@@ -29,6 +29,7 @@ import argparse
 import asyncio
 import concurrent.futures
 import json
+import logging
 import os
 import re
 import secrets
@@ -36,7 +37,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -46,14 +47,18 @@ from trajstore.ingest._http import UNAUTHORIZED, add_server_arguments, bearer_ok
 from trajstore.ingest._http import HTTPError as _HTTPError  # the name the tests and the fuzz harness use
 
 __all__ = [
-    "DEFAULT_GROUP_WAIT_S", "DEFAULT_MAX_BODY_BYTES", "DEFAULT_MAX_BYTES_IN_FLIGHT", "ByteBudget", "GroupCommitter", "Metrics",
+    "DEFAULT_COMMITTERS", "DEFAULT_GROUP_WAIT_S", "DEFAULT_MAX_BODY_BYTES", "DEFAULT_MAX_BYTES_IN_FLIGHT", "ByteBudget", "GroupCommitter", "Metrics",
     "add_cli_arguments", "app_from_env", "decode_json", "main", "make_app", "parse_arrow_body", "parse_body", "serve",
     "serve_from_args"]
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 64 << 20
 DEFAULT_MAX_BYTES_IN_FLIGHT = 128 << 20
 # How long a group about to be committed waits for requests still being read or parsed.
 DEFAULT_GROUP_WAIT_S = 0.005
+# Groups appended at once (GroupCommitter ``committers``): one builds and writes while another waits for its fsyncs.
+DEFAULT_COMMITTERS = 1
 _ARRAY_FIELDS = frozenset({"prompt_ids", "output_ids", "logprobs", "loss_mask", "token_rewards",
                            "token_model_versions", "routed_experts"})
 DEFAULT_PORT = 8700
@@ -112,19 +117,28 @@ class Metrics:
 class _Request:
     events: list
     num_tokens: int
+    trajectories: frozenset
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
 
 
 class GroupCommitter:
-    """One thread that appends queued requests, coalescing those that wait.
+    """Committer threads that append queued requests, coalescing those that wait.
 
     ``submit(events)`` returns a future of ``(group_size, AppendResult)``.
     A group is capped at ``max_group_events`` events and ``max_group_tokens``
     tokens (one request alone may exceed them).
+
+    ``committers``: groups appended at once. An append spends much of its
+    time waiting for its fsyncs (the payload segment, the SQL commit); a
+    second committer builds and writes the next group meanwhile. Groups in
+    flight never share a trajectory, and groups start in arrival order: a
+    request that touches a trajectory of a group being appended waits, and
+    so does every request queued after it.
     """
 
     def __init__(self, store: Any, *, max_group_events: int = 8192, max_group_tokens: int = 1 << 21,
-                 metrics: Metrics | None = None, max_wait_s: float = DEFAULT_GROUP_WAIT_S) -> None:
+                 metrics: Metrics | None = None, max_wait_s: float = DEFAULT_GROUP_WAIT_S,
+                 committers: int = 1) -> None:
         self._store = store
         self.max_group_events, self.max_group_tokens = max_group_events, max_group_tokens
         self.max_wait_s = max_wait_s
@@ -132,9 +146,12 @@ class GroupCommitter:
         self._cond = threading.Condition()
         self._queue: deque[_Request] = deque()
         self._expected = 0  # requests announced (body being read or parsed), not submitted yet
+        self._in_flight: set = set()  # trajectories of the groups being appended
         self._closed = False
-        self._thread = threading.Thread(target=self._run, name="trajstore-group-commit", daemon=True)
-        self._thread.start()
+        self._threads = [threading.Thread(target=self._run, name=f"trajstore-group-commit-{i}", daemon=True)
+                         for i in range(max(1, committers))]
+        for thread in self._threads:
+            thread.start()
 
     def expect(self) -> None:
         """A request is on its way (its body is being read or parsed): a group
@@ -147,46 +164,59 @@ class GroupCommitter:
         """An expected request will not be submitted (it failed before)."""
         with self._cond:
             self._expected -= 1
-            self._cond.notify()
+            self._cond.notify_all()
 
     def submit(self, events: list, num_tokens: int = 0, *, expected: bool = False) -> concurrent.futures.Future:
-        req = _Request(events, num_tokens)
+        req = _Request(events, num_tokens, _trajectories_of(events))
         with self._cond:
             if expected:
                 self._expected -= 1
             if self._closed:
                 raise StoreUnavailable("the ingest service is shutting down")
             self._queue.append(req)
-            self._cond.notify()
+            self._cond.notify_all()
         return req.future
 
     def close(self) -> None:
         """Commit what is queued, then stop."""
         with self._cond:
             self._closed = True
-            self._cond.notify()
-        self._thread.join()
+            self._cond.notify_all()
+        for thread in self._threads:
+            thread.join()
+
+    def _startable(self) -> bool:
+        """The request at the head of the queue may start a group now."""
+        return bool(self._queue) and self._in_flight.isdisjoint(self._queue[0].trajectories)
 
     def _take(self) -> list[_Request]:
+        """The next group (its trajectories marked in flight); [] when closed and drained."""
         with self._cond:
-            self._cond.wait_for(lambda: self._queue or self._closed)
-            if self._expected and not self._closed and self.max_wait_s > 0:
-                # Requests whose bodies are being read or parsed join this group rather
-                # than the next: an append's fixed cost (fsyncs, one transaction) is paid
-                # once for all of them.
-                self._cond.wait_for(lambda: not self._expected or self._closed or self._group_full(),
-                                    self.max_wait_s)
-            group: list[_Request] = []
-            n_events = n_tokens = 0
-            while self._queue:
-                req = self._queue[0]
-                if group and (n_events + len(req.events) > self.max_group_events
-                              or n_tokens + req.num_tokens > self.max_group_tokens):
-                    break
-                group.append(self._queue.popleft())
-                n_events += len(req.events)
-                n_tokens += req.num_tokens
-            return group
+            while True:
+                self._cond.wait_for(lambda: self._startable() or (self._closed and not self._queue))
+                if not self._queue:
+                    return []
+                if self._expected and not self._closed and self.max_wait_s > 0:
+                    # Requests whose bodies are being read or parsed join this group rather
+                    # than the next: an append's fixed cost (fsyncs, one transaction) is paid
+                    # once for all of them.
+                    self._cond.wait_for(lambda: not self._expected or self._closed or self._group_full(),
+                                        self.max_wait_s)
+                    if not self._startable():
+                        continue  # another committer took the queue's head meanwhile
+                group: list[_Request] = []
+                n_events = n_tokens = 0
+                while self._startable():  # in flight: other committers' groups (this one's join below)
+                    req = self._queue[0]
+                    if group and (n_events + len(req.events) > self.max_group_events
+                                  or n_tokens + req.num_tokens > self.max_group_tokens):
+                        break
+                    group.append(self._queue.popleft())
+                    n_events += len(req.events)
+                    n_tokens += req.num_tokens
+                for req in group:
+                    self._in_flight |= req.trajectories
+                return group
 
     def _group_full(self) -> bool:
         return (sum(len(r.events) for r in self._queue) >= self.max_group_events
@@ -194,10 +224,16 @@ class GroupCommitter:
 
     def _run(self) -> None:
         while group := self._take():
-            if len(group) == 1:
-                self._commit_alone(group[0])
-            else:
-                self._commit_group(group)
+            try:
+                if len(group) == 1:
+                    self._commit_alone(group[0])
+                else:
+                    self._commit_group(group)
+            finally:
+                with self._cond:
+                    for req in group:
+                        self._in_flight -= req.trajectories
+                    self._cond.notify_all()
 
     def _append(self, events: list) -> Any:
         result = self._store.append(events)
@@ -240,6 +276,15 @@ class GroupCommitter:
             req.future.set_result((1, self._append(req.events)))
         except BaseException as e:
             req.future.set_exception(e)
+
+
+def _trajectories_of(events: list) -> frozenset:
+    """The trajectory ids ``events`` touch (parsed events or wire dicts; anything else counts as None)."""
+    tids = set()
+    for ev in events:
+        tid = ev.get("trajectory_id") if isinstance(ev, dict) else getattr(ev, "trajectory_id", None)
+        tids.add(tid if isinstance(tid, str) else None)
+    return frozenset(tids)
 
 
 def _share_of(result: Any, offset: int, n: int) -> Any:
@@ -293,10 +338,10 @@ def _parse_events(raw: list) -> tuple[list, int]:
     return events, sum(ev.num_tokens for ev in events if isinstance(ev, Generation))
 
 
-def _is_arrow(request: Any) -> bool:
+def _is_arrow(content_type: str | None) -> bool:
     from trajstore.ingest.arrow_body import ARROW_CONTENT_TYPE
 
-    return request.headers.get("content-type", "").split(";")[0].strip().lower() == ARROW_CONTENT_TYPE
+    return (content_type or "").split(";")[0].strip().lower() == ARROW_CONTENT_TYPE
 
 
 # Memory (docs/ingest.md "Memory"): ``json.loads`` turns a list of N small
@@ -408,40 +453,95 @@ def decode_json(body: bytes | bytearray) -> Any:
         raise _HTTPError(400, "body is not valid JSON (nested too deeply)", rule="malformed_json") from None
 
 
-async def _read_body(request: Any, max_body_bytes: int) -> bytes | bytearray:
-    """The body, refused (413) as soon as it is over the limit.
+_WHOLE_BODY = "trajstore.whole_body"  # trajstore.ingest._nodelay.BODY_EXTENSION (that module needs uvicorn)
 
-    With a ``Content-Length`` the chunks are copied straight into one buffer
+
+class _ClientGone(Exception):
+    """The client disconnected before its body was read: nobody to answer."""
+
+
+async def _read_body(scope: Mapping[str, Any], receive: Any, declared: int | None,
+                     max_body_bytes: int) -> bytes | bytearray:
+    """The request body, refused (413) as soon as it is over the limit.
+
+    Served by ``serve`` (``trajstore.ingest._nodelay``), a body with a
+    ``Content-Length`` is read whole into one buffer by the HTTP protocol.
+    Otherwise it comes from ASGI ``receive``: a body that arrives in one
+    message is used as it is (no copy); otherwise,
+    with a ``Content-Length`` the chunks are copied straight into one buffer
     of that size (no growth, no re-allocation of a MiB-sized body); without
     one they are appended to a growing buffer. Never joined."""
-    declared = _declared_length(request)
-    if declared is not None and declared > max_body_bytes:
-        raise _HTTPError(413, f"body of {declared} bytes is over the {max_body_bytes}-byte limit", rule="body_too_large")
+    whole = scope.get("extensions", {}).get(_WHOLE_BODY) if declared is not None else None
+    if whole is not None and whole.length == declared:
+        try:
+            return await whole()
+        except ConnectionError:
+            raise _ClientGone() from None
+    message = await receive()
+    if message["type"] != "http.request":
+        raise _ClientGone()
+    chunk = message.get("body", b"")
+    if not message.get("more_body", False):
+        if len(chunk) > max_body_bytes:
+            raise _HTTPError(413, f"body is over the {max_body_bytes}-byte limit", rule="body_too_large")
+        if declared is not None and len(chunk) != declared:
+            raise _HTTPError(400, f"body of {len(chunk)} bytes does not match its Content-Length of {declared}",
+                             rule="malformed_body")
+        return chunk
     if declared:
         body = bytearray(declared)
         view = memoryview(body)
         got = 0
-        async for chunk in request.stream():
+        while True:
             end = got + len(chunk)
             if end > declared:  # more than declared: the server would have refused; be safe anyway
-                raise _HTTPError(400, f"body is longer than its Content-Length of {declared} bytes", rule="malformed_body")
+                raise _HTTPError(400, f"body is longer than its Content-Length of {declared} bytes",
+                                 rule="malformed_body")
             view[got:end] = chunk
             got = end
+            if not message.get("more_body", False):
+                break
+            message = await receive()
+            if message["type"] != "http.request":
+                raise _ClientGone()
+            chunk = message.get("body", b"")
         view.release()
         if got != declared:
             raise _HTTPError(400, f"body ended after {got} of its {declared} bytes", rule="malformed_body")
         return body
     grown = bytearray()
-    async for chunk in request.stream():
+    while True:
         if len(grown) + len(chunk) > max_body_bytes:
             raise _HTTPError(413, f"body is over the {max_body_bytes}-byte limit", rule="body_too_large")
         grown += chunk
-    return grown
+        if not message.get("more_body", False):
+            return grown
+        message = await receive()
+        if message["type"] != "http.request":
+            raise _ClientGone()
+        chunk = message.get("body", b"")
 
 
-def _declared_length(request: Any) -> int | None:
-    declared = request.headers.get("content-length")
+def _header(scope: Mapping[str, Any], name: bytes) -> str | None:
+    """The first value of header ``name`` (lower case) of an ASGI request, as latin-1 text."""
+    for key, value in scope["headers"]:
+        if key == name:
+            return value.decode("latin-1")
+    return None
+
+
+def _declared_length(scope: Mapping[str, Any]) -> int | None:
+    declared = _header(scope, b"content-length")
     return int(declared) if declared is not None and declared.isdigit() else None
+
+
+async def _send_json(send: Any, status: int, body: Any, headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
+    """A JSON answer, as FastAPI's ``JSONResponse`` renders it."""
+    data = json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-length", str(len(data)).encode()), (b"content-type", b"application/json"),
+                            *headers]})
+    await send({"type": "http.response.body", "body": data})
 
 
 class ByteBudget:
@@ -499,7 +599,8 @@ _EVENTS_OPENAPI = {
 
 def make_app(store: Any, *, token: str | None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
              group_commit: bool = True, close_store: bool = False,
-             max_bytes_in_flight: int = DEFAULT_MAX_BYTES_IN_FLIGHT, group_wait_s: float = DEFAULT_GROUP_WAIT_S) -> Any:
+             max_bytes_in_flight: int = DEFAULT_MAX_BYTES_IN_FLIGHT, group_wait_s: float = DEFAULT_GROUP_WAIT_S,
+             committers: int = DEFAULT_COMMITTERS) -> Any:
     """The FastAPI app over ``store``. ``token=None`` means no auth (the caller decided).
 
     ``close_store``: close the store when the app shuts down.
@@ -507,15 +608,17 @@ def make_app(store: Any, *, token: str | None, max_body_bytes: int = DEFAULT_MAX
     once, in bytes (see ``ByteBudget``); more waits.
     ``group_wait_s``: how long a group commit waits for requests still being
     read or parsed (``GroupCommitter.max_wait_s``).
+    ``committers``: group appends at once (``GroupCommitter.committers``).
     """
     from contextlib import asynccontextmanager
 
-    from fastapi import FastAPI, Request
-    from fastapi.responses import PlainTextResponse
+    from fastapi import FastAPI
+    from fastapi.responses import PlainTextResponse, Response
     from starlette.concurrency import run_in_threadpool
 
     metrics = Metrics()
-    committer = GroupCommitter(store, metrics=metrics, max_wait_s=group_wait_s) if group_commit else None
+    committer = (GroupCommitter(store, metrics=metrics, max_wait_s=group_wait_s, committers=committers)
+                 if group_commit else None)
 
     @asynccontextmanager
     async def lifespan(app: Any):
@@ -529,22 +632,24 @@ def make_app(store: Any, *, token: str | None, max_body_bytes: int = DEFAULT_MAX
     app.state.metrics = metrics
     budget = app.state.budget = ByteBudget(max_bytes_in_flight)
 
-    async def read_and_parse(request: Any) -> tuple[list, int]:
-        parse = parse_arrow_body if _is_arrow(request) else parse_body
-        return await run_in_threadpool(parse, await _read_body(request, max_body_bytes))
+    async def parse(scope: Mapping[str, Any], body: bytes | bytearray) -> tuple[list, int]:
+        if _is_arrow(_header(scope, b"content-type")):
+            # Arrow: buffers mapped, not converted; parsing it on the event loop costs less than a thread hop
+            return parse_arrow_body(body)
+        return await run_in_threadpool(parse_body, body)  # JSON: milliseconds per MiB, off the event loop
 
     async def commit(events: list, num_tokens: int) -> tuple[int, Any]:
         if committer is not None:
             return await asyncio.wrap_future(committer.submit(events, num_tokens, expected=True))
         return 1, await run_in_threadpool(store.append, events)
 
-    @app.post("/v1/events", openapi_extra=_EVENTS_OPENAPI)
-    async def post_events(request: Request) -> Any:
+    async def post_events(scope: Mapping[str, Any], receive: Any, send: Any) -> None:
+        """``POST /v1/events`` on raw ASGI: the body read straight from ``receive``, the answer sent as JSON."""
         start = time.perf_counter()
         try:
-            if not bearer_ok(request.headers.get("authorization"), token):
+            if not bearer_ok(_header(scope, b"authorization"), token):
                 raise _HTTPError(401, UNAUTHORIZED, rule="unauthorized")
-            declared = _declared_length(request)
+            declared = _declared_length(scope)
             if declared is not None and declared > max_body_bytes:  # refused before taking any budget
                 raise _HTTPError(413, f"body of {declared} bytes is over the {max_body_bytes}-byte limit",
                                  rule="body_too_large")
@@ -553,7 +658,7 @@ def make_app(store: Any, *, token: str | None, max_body_bytes: int = DEFAULT_MAX
                 if committer is not None:
                     committer.expect()
                 try:
-                    events, num_tokens = await read_and_parse(request)
+                    events, num_tokens = await parse(scope, await _read_body(scope, receive, declared, max_body_bytes))
                 except BaseException:
                     if committer is not None:
                         committer.forget()
@@ -567,11 +672,35 @@ def make_app(store: Any, *, token: str | None, max_body_bytes: int = DEFAULT_MAX
                     del events  # the parsed arrays go before the budget is given back
             finally:
                 await budget.release(taken)
-        except _HTTPError as e:
-            metrics.observe(e.status, time.perf_counter() - start, rule=e.rule)
-            return e.response()
+        except _ClientGone:
+            metrics.observe(499, time.perf_counter() - start, rule="client_gone")
+            return
+        except Exception as e:  # noqa: BLE001 - every answer is a trajstore error body
+            error = e if isinstance(e, _HTTPError) else _HTTPError.from_error(e)
+            if error.status >= 500 and not isinstance(e, _HTTPError):
+                log.exception("ingest request failed")
+            metrics.observe(error.status, time.perf_counter() - start, rule=error.rule)
+            await _send_json(send, error.status, error.body,
+                             [(b"www-authenticate", b"Bearer")] if error.status == 401 else ())
+            return
         metrics.observe(200, time.perf_counter() - start, events=num_events, tokens=num_tokens)
-        return _ack_body(num_events, result)
+        await _send_json(send, 200, _ack_body(num_events, result))
+
+    class _Handled(Response):
+        """What the FastAPI route returns: it runs ``post_events`` on the connection itself."""
+
+        def __init__(self) -> None:  # noqa: D107 - nothing to render up front
+            pass
+
+        async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+            await post_events(scope, receive, send)
+
+    # The route documents the endpoint (OpenAPI) and serves it when the app is
+    # mounted under another; _IngestApp below answers it without FastAPI's
+    # routing and middleware on the hot path.
+    @app.post("/v1/events", openapi_extra=_EVENTS_OPENAPI, response_class=Response)
+    async def post_events_route() -> Any:
+        return _Handled()
 
     @app.get("/healthz")
     async def healthz() -> dict:
@@ -585,7 +714,23 @@ def make_app(store: Any, *, token: str | None, max_body_bytes: int = DEFAULT_MAX
                 ("body_bytes_in_flight", budget.in_flight), ("body_bytes_in_flight_peak", budget.peak),
                 ("body_bytes_in_flight_limit", budget.max_bytes)))
 
-    return app
+    return _IngestApp(app, post_events)
+
+
+class _IngestApp:
+    """The ASGI app ``make_app`` returns: ``POST /v1/events`` goes straight to its
+    handler; everything else (health, metrics, OpenAPI, lifespan, 404/405) to FastAPI."""
+
+    def __init__(self, app: Any, post_events: Any) -> None:
+        self.fastapi = app
+        self.state = app.state
+        self._post_events = post_events
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] == "/v1/events":
+            await self._post_events(scope, receive, send)
+        else:
+            await self.fastapi(scope, receive, send)
 
 
 def _ack_body(num_events: int, result: Any) -> dict:
@@ -608,6 +753,9 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--group-wait-ms", type=float, default=DEFAULT_GROUP_WAIT_S * 1e3,
                         help="how long a group commit waits for requests still being read or parsed "
                              f"(default {DEFAULT_GROUP_WAIT_S * 1e3:g}; 0: never)")
+    parser.add_argument("--committers", type=int, default=DEFAULT_COMMITTERS,
+                        help="group appends in flight at once per process: one writes while another waits "
+                             f"for its fsyncs (default {DEFAULT_COMMITTERS})")
     parser.add_argument("--workers", type=int, default=1,
                         help="server processes on the port, each with its own store connection (default 1)")
 
@@ -615,7 +763,8 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
 def serve(store_url: str | None = None, host: str = "127.0.0.1", port: int = DEFAULT_PORT, token: str | None = None,
           *, insecure_no_auth: bool = False, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
           group_commit: bool = True, workers: int = 1, log_level: str = "warning", payload: str | None = None,
-          max_bytes_in_flight: int = DEFAULT_MAX_BYTES_IN_FLIGHT, group_wait_s: float = DEFAULT_GROUP_WAIT_S) -> None:
+          max_bytes_in_flight: int = DEFAULT_MAX_BYTES_IN_FLIGHT, group_wait_s: float = DEFAULT_GROUP_WAIT_S,
+          committers: int = DEFAULT_COMMITTERS) -> None:
     """Run the ingest service until SIGINT/SIGTERM (in-flight requests finish first).
 
     Refuses to start without a token (``token`` or ``$TRAJSTORE_TOKEN``)
@@ -633,7 +782,8 @@ def serve(store_url: str | None = None, host: str = "127.0.0.1", port: int = DEF
     trajstore.connect(store_url, payload=payload).close()
     os.environ[_CONFIG_ENV] = json.dumps(
         {"store_url": store_url, "payload": payload, "token": token, "max_body_bytes": max_body_bytes,
-         "group_commit": group_commit, "max_bytes_in_flight": max_bytes_in_flight, "group_wait_s": group_wait_s})
+         "group_commit": group_commit, "max_bytes_in_flight": max_bytes_in_flight, "group_wait_s": group_wait_s,
+         "committers": committers})
     # uvicorn builds each worker's app from the import string; the settings
     # reach it through the environment the workers inherit.
     # http=: TCP_NODELAY on every accepted connection; with workers > 1 uvicorn
@@ -683,7 +833,8 @@ def serve_from_args(args: argparse.Namespace) -> None:
           max_body_bytes=int(args.max_body_mb * (1 << 20)), group_commit=not args.no_group_commit,
           workers=args.workers, log_level=args.log_level, payload=getattr(args, "payload", None),
           max_bytes_in_flight=int(args.max_in_flight_mb * (1 << 20)),
-          group_wait_s=getattr(args, "group_wait_ms", DEFAULT_GROUP_WAIT_S * 1e3) / 1e3)
+          group_wait_s=getattr(args, "group_wait_ms", DEFAULT_GROUP_WAIT_S * 1e3) / 1e3,
+          committers=getattr(args, "committers", DEFAULT_COMMITTERS))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -544,13 +544,7 @@ def write_arrow_segment(store: PayloadStore, name: str, table: pa.Table, rows_pe
     target = path + f".{uuid.uuid4().hex}.tmp"
     try:
         with pa.OSFile(target, "wb") as sink:
-            with ipc.new_file(sink, table.schema, options=ipc.IpcWriteOptions(compression=_SAMPLE_COMPRESSION)) as w:
-                for start in range(0, table.num_rows, rows_per_batch):
-                    part = table.slice(start, rows_per_batch)
-                    batches = part.to_batches()
-                    if len(batches) != 1:
-                        batches = part.combine_chunks().to_batches()
-                    w.write_batch(batches[0])
+            _write_table(name, table, sink, rows_per_batch, store.log_compression)
             size = sink.tell()
         fd = os.open(target, os.O_RDONLY)
         try:

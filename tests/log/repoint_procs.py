@@ -32,26 +32,18 @@ def main(url: str, payload: str, job: str, where: str, nth: int, marker: str) ->
 
     if where == "after_file":
         prefix = "samples-" if job == "materialize" else "events-"
-        write = PayloadStore.write
+        def paused(write):
+            @functools.wraps(write)
+            def paused_write(self, name, *a, **kw):
+                size = write(self, name, *a, **kw)
+                if name.startswith(prefix) and due():
+                    _pause(marker)
+                return size
+            return paused_write
 
-        @functools.wraps(write)
-        def paused_write(self, name, *a, **kw):
-            size = write(self, name, *a, **kw)
-            if name.startswith(prefix) and due():
-                _pause(marker)
-            return size
-
-        PayloadStore.write = paused_write
-        write_samples = PayloadStore.write_samples  # the materializer's sample segments
-
-        @functools.wraps(write_samples)
-        def paused_write_samples(self, name, *a, **kw):
-            size = write_samples(self, name, *a, **kw)
-            if name.startswith(prefix) and due():
-                _pause(marker)
-            return size
-
-        PayloadStore.write_samples = paused_write_samples
+        # log segments, compaction's output; write_samples: the materializer's sample segments
+        for attr in ("write", "write_samples"):
+            setattr(PayloadStore, attr, paused(getattr(PayloadStore, attr)))
     elif where == "in_transaction":
         what_prefix = "committing samples" if job == "materialize" else "compacting"
         transaction = sql._Db.transaction

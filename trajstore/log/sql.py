@@ -202,16 +202,16 @@ class SqlEventLog(EventLog):
     # -- appending ---------------------------------------------------------
     def load_trajectories(self, trajectory_ids: Collection[str]) -> dict[str, dict[str, Any]]:
         with self.db.reading("loading trajectories") as conn:
-            return _load_trajectories(conn, trajectory_ids)
+            return _driver_sql(conn).load_trajectories(conn, trajectory_ids)
 
     def lookup_identities(self, identities: Collection[str]) -> dict[str, bytes]:
         with self.db.reading("looking up event identities") as conn:
-            return _lookup_identities(conn, identities)
+            return _driver_sql(conn).lookup_identities(conn, identities)
 
     def load_append_state(self, identities: Collection[str], trajectory_ids: Collection[str]
                           ) -> tuple[dict[str, bytes], dict[str, dict[str, Any]]]:
         with self.db.reading("loading the append state") as conn:  # one transaction, one connection checkout
-            sql = _append_sql(conn)
+            sql = _driver_sql(conn)
             return sql.lookup_identities(conn, identities), sql.load_trajectories(conn, trajectory_ids)
 
     def commit_append(
@@ -229,7 +229,7 @@ class SqlEventLog(EventLog):
             return []
 
         def body(conn: Connection) -> list[dict[str, Any]]:
-            sql = _append_sql(conn)
+            sql = _driver_sql(conn)
             # ``before_commit`` (the append's payload fsync, running meanwhile) is waited
             # for where it holds no lock other appenders need: SQLite's write lock is
             # taken at BEGIN IMMEDIATE whatever follows, so there it overlaps every
@@ -495,19 +495,11 @@ def _retire_emptied(conn: Connection, names: Collection[str], now: float) -> Non
 
 
 def _insert(conn: Connection, table: Any, rows: Sequence[Mapping[str, Any]]) -> None:
-    """One executemany of ``rows`` (every row has the first row's keys) through the driver."""
-    q = _quoted(conn, table)
-    names = list(rows[0])
-    sql = (f"INSERT INTO {q.table} ({', '.join(getattr(q, n) for n in names)}) "
-           f"VALUES ({', '.join([q.p] * len(names))})")
-    params = [tuple(r[n] for n in names) for r in rows]
-    if len(params) == 1:
-        conn.exec_driver_sql(sql, params[0])
-    else:
-        conn.exec_driver_sql(sql, params)
+    """One executemany of ``rows`` through the driver (``_DriverSql.insert_rows``)."""
+    _driver_sql(conn).insert_rows(conn, table, rows)
 
 
-def _write_trajectories(conn: Connection, sql: "_AppendSql", writes: Sequence[TrajectoryWrite],
+def _write_trajectories(conn: Connection, sql: "_DriverSql", writes: Sequence[TrajectoryWrite],
                         rows: list[dict[str, Any]]) -> None:
     """Insert new trajectory rows, update existing ones guarded by their revision
     (``StaleState`` when another writer moved one), in trajectory id order."""
@@ -534,8 +526,9 @@ def _write_trajectories(conn: Connection, sql: "_AppendSql", writes: Sequence[Tr
                              f"({', '.join(repr(r['trajectory_id']) for r, _ in updates[:3])}...)")
 
 
-class _AppendSql:
-    """The append path's statements as driver SQL, built once per dialect.
+class _DriverSql:
+    """The append path's statements (and the materializer's inserts) as driver
+    SQL, built once per dialect.
 
     SQLAlchemy Core spent about 4 ms per append compiling, caching and
     coercing half a dozen small statements; these go straight to the driver
@@ -643,15 +636,15 @@ class _AppendSql:
         return out
 
 
-_APPEND_SQL: "weakref.WeakKeyDictionary[Any, _AppendSql]" = weakref.WeakKeyDictionary()
+_DRIVER_SQL: "weakref.WeakKeyDictionary[Any, _DriverSql]" = weakref.WeakKeyDictionary()
 
 
-def _append_sql(conn: Connection) -> _AppendSql:
-    """The append statements of ``conn``'s dialect (built on first use)."""
+def _driver_sql(conn: Connection) -> _DriverSql:
+    """The driver statements of ``conn``'s dialect (built on first use)."""
     d = conn.dialect
-    sql = _APPEND_SQL.get(d)
+    sql = _DRIVER_SQL.get(d)
     if sql is None:
-        sql = _APPEND_SQL[d] = _AppendSql(d)
+        sql = _DRIVER_SQL[d] = _DriverSql(d)
     return sql
 
 
@@ -769,22 +762,6 @@ def open_sql(write_engine: Engine, read_engine: Engine) -> tuple[SqlEventLog, Sq
     """The log index and the sample index of one database, sharing its engines."""
     db = _Db(write_engine, read_engine)
     return SqlEventLog(write_engine, read_engine, db), SqlSampleIndex(write_engine, read_engine, db)
-
-
-def _load_trajectories(conn, trajectory_ids: Collection[str]) -> dict[str, dict[str, Any]]:
-    out: dict[str, dict[str, Any]] = {}
-    for part in _chunks(sorted(set(trajectory_ids))):
-        for row in conn.execute(select(trajectories).where(trajectories.c.trajectory_id.in_(part))):
-            out[row.trajectory_id] = dict(row._mapping)
-    return out
-
-
-def _lookup_identities(conn, identities: Collection[str]) -> dict[str, bytes]:
-    out: dict[str, bytes] = {}
-    for part in _chunks(sorted(set(identities))):
-        q = select(events.c.identity, events.c.content_hash).where(events.c.identity.in_(part))
-        out.update({r.identity: bytes(r.content_hash) for r in conn.execute(q)})
-    return out
 
 
 def _sample_filters(where: Mapping[str, Any]) -> list[Any]:

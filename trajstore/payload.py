@@ -383,8 +383,8 @@ class PayloadStore:
         segment holds one row per record batch; decoding row by row costs
         more than the one copy of the small token columns ``SegmentRows.lists``
         makes)."""
-        # grouped by column names; a group whose types differ after all is split by schema
-        groups: dict[tuple[str, ...], list[tuple[str, pa.Schema, list[pa.RecordBatch], dict[int, int]]]] = {}
+        # grouped by schema (names, types, nullability; metadata aside): one shared table each
+        groups: dict[tuple, list[tuple[str, pa.Schema, list[pa.RecordBatch], dict[int, int]]]] = {}
         bad: dict[str, BaseException] = {}
         for name in sorted(wanted):
             try:
@@ -392,21 +392,11 @@ class PayloadStore:
             except CorruptStoreError as e:
                 bad[name] = e
                 continue
-            groups.setdefault(tuple(schema.names), []).append((name, schema, batches, index))
+            key = tuple((f.name, f.type, f.nullable) for f in schema)
+            groups.setdefault(key, []).append((name, schema, batches, index))
         out: dict[str, SegmentRows] = {}
         for members in groups.values():
-            try:
-                out.update(_shared_rows(members))
-            except pa.ArrowInvalid:  # same names, other types: one table per schema
-                by_schema: list[list[tuple[str, pa.Schema, list[pa.RecordBatch], dict[int, int]]]] = []
-                for m in members:
-                    same = next((g for g in by_schema if g[0][1].equals(m[1], check_metadata=False)), None)
-                    if same is None:
-                        by_schema.append([m])
-                    else:
-                        same.append(m)
-                for group in by_schema:
-                    out.update(_shared_rows(group))
+            out.update(_shared_rows(members))
         return out, bad
 
     def read_locators(self, rows: Sequence[Mapping[str, Any]]) -> dict[str, SegmentRows]:
@@ -473,7 +463,7 @@ class PayloadStore:
 def _shared_rows(members: Sequence[tuple[str, pa.Schema, list[pa.RecordBatch], dict[int, int]]]
                  ) -> dict[str, SegmentRows]:
     """``SegmentRows`` of several segments over one table (their batches end to end)
-    and one cache of decoded columns; ``pa.ArrowInvalid`` if their types differ."""
+    and one cache of decoded columns (``members`` share one schema)."""
     table = pa.Table.from_batches([b for _, _, bs, _ in members for b in bs],
                                   schema=members[0][1].remove_metadata())
     shared: dict[tuple[str, Any], list[Any]] = {}

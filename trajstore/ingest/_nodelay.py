@@ -19,8 +19,11 @@ returns the whole body in one buffer of that size. From that call on, the
 body's chunks are copied straight into the buffer as they are parsed, the
 socket is not paused, and the app is woken once, when the message is
 complete. Until the app calls it, uvicorn's own flow control holds the body
-in the client's socket as before. ``ConnectionError`` when the client goes
-away first. Imported by ``trajstore.ingest.service.serve`` only (it needs
+in the client's socket as before (about 64 KiB plus one read are taken
+meanwhile: kept as the pieces the parser gave, not joined; a body that
+arrived whole in one piece is returned as it is, without a copy; an app that
+reads ``receive`` instead gets them joined in its first message).
+``ConnectionError`` when the client goes away first. Imported by ``trajstore.ingest.service.serve`` only (it needs
 uvicorn).
 """
 
@@ -31,6 +34,7 @@ import socket
 from typing import Any
 
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
+from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT
 
 __all__ = ["BODY_EXTENSION", "NoDelayHTTPProtocol", "set_nodelay"]
 
@@ -73,6 +77,7 @@ _WHOLE_BODIES = _whole_bodies_supported()
 
 class NoDelayHTTPProtocol(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
     _sink: _Sink | None = None
+    _early: _WholeBody | None = None  # the offered extension that keeps the body's first pieces
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
         set_nodelay(transport)
@@ -95,12 +100,30 @@ class NoDelayHTTPProtocol(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
             if length is None or not all(hasattr(cycle, a) for a in (
                     "body", "more_body", "disconnected", "waiting_for_100_continue", "message_event")):
                 return
-            self.scope.setdefault("extensions", {})[BODY_EXTENSION] = _WholeBody(self, cycle, length)
+            whole = self._early = _WholeBody(self, cycle, length)
+            self.scope.setdefault("extensions", {})[BODY_EXTENSION] = whole
+            receive = cycle.receive
+
+            async def receive_joined() -> Any:  # the app reads ASGI messages after all: pieces kept go first
+                whole.join_early()
+                return await receive()
+
+            cycle.receive = receive_joined  # run_asgi passes the app ``cycle.receive`` when it starts
 
         def on_body(self, body: bytes) -> None:
             sink = self._sink
             if sink is None or sink.cycle is not self.cycle:
-                super().on_body(body)
+                early = self._early
+                if (early is None or early.cycle is not self.cycle or self.cycle.response_complete
+                        or self.parser.should_upgrade()):
+                    super().on_body(body)
+                    return
+                # uvicorn would join the pieces (``cycle.body += body``): one copy of the body's first MiB
+                early.pieces.append(body)
+                early.got += len(body)
+                if early.got > HIGH_WATER_LIMIT:
+                    self.flow.pause_reading()
+                self.cycle.message_event.set()
                 return
             end = sink.got + len(body)
             if end > len(sink.buffer):  # the parser frames by Content-Length: not expected
@@ -126,27 +149,51 @@ class NoDelayHTTPProtocol(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
 class _WholeBody:
     """The extension: ``await ext()`` is the request's whole body (see the module docstring)."""
 
-    __slots__ = ("protocol", "cycle", "length")
+    __slots__ = ("protocol", "cycle", "length", "pieces", "got")
 
     def __init__(self, protocol: NoDelayHTTPProtocol, cycle: Any, length: int) -> None:
         self.protocol, self.cycle, self.length = protocol, cycle, length
+        self.pieces: list[bytes] = []  # what arrived before the app asked, as the parser gave it
+        self.got = 0
 
-    async def __call__(self) -> bytearray:
+    def _stop_early(self) -> list[bytes]:
+        """The pieces kept so far; from now on uvicorn (or a sink) takes the body."""
+        if self.protocol._early is self:
+            self.protocol._early = None
+        pieces, self.pieces = self.pieces, []
+        return pieces
+
+    def join_early(self) -> None:
+        """Hand the pieces kept to uvicorn's buffer, for an app that reads ``receive``."""
+        pieces = self._stop_early()
+        if pieces:
+            self.cycle.body = self.cycle.body + b"".join(pieces)
+
+    async def __call__(self) -> bytes | bytearray:
         protocol, cycle = self.protocol, self.cycle
         if cycle.disconnected:
             raise ConnectionError("the client closed the connection")
         if cycle.waiting_for_100_continue and not protocol.transport.is_closing():
             protocol.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
             cycle.waiting_for_100_continue = False
-        buffer = bytearray(self.length)
-        got = len(cycle.body)  # what arrived before the app asked (uvicorn's buffer, up to its flow-control mark)
+        pieces = self._stop_early()
+        if cycle.body:  # uvicorn's buffer (not expected: pieces are kept from the first one on)
+            pieces.insert(0, bytes(cycle.body))
+            cycle.body = type(cycle.body)()
+        got = sum(len(p) for p in pieces)
         if got > self.length:
             raise ConnectionError("body longer than its Content-Length")
-        buffer[:got] = cycle.body
-        cycle.body = type(cycle.body)()
         if not cycle.more_body:
             if got != self.length:
                 raise ConnectionError(f"body ended after {got} of its {self.length} bytes")
+            if len(pieces) == 1:
+                return pieces[0]  # arrived in one piece: no copy
+        buffer = bytearray(self.length)
+        at = 0
+        for piece in pieces:
+            buffer[at:at + len(piece)] = piece
+            at += len(piece)
+        if not cycle.more_body:
             return buffer
         sink = _Sink(cycle, buffer, got, asyncio.get_running_loop().create_future())
         protocol._sink = sink

@@ -203,3 +203,17 @@ def test_materializer_reads_equal_the_generic_ones(store):
     stats = store.materialize()
     assert stats.num_trajectories == 4
     assert store.materialize().num_trajectories == 0
+
+
+def test_read_many_an_empty_or_garbled_segment_is_corrupt_and_the_others_are_read(tmp_path):
+    p = PayloadStore(str(tmp_path))
+    ids = _segment(p, "events-a.arrow", 4)
+    (tmp_path / "events-empty.arrow").write_bytes(b"")
+    (tmp_path / "events-garbled.arrow").write_bytes(b"ARROW1\0\0" + bytes(range(200)))
+    good = (tmp_path / "events-a.arrow").read_bytes()
+    (tmp_path / "events-cut.arrow").write_bytes(good[: len(good) // 3])
+    segs, bad = p.read_many({"events-a.arrow": [3], "events-empty.arrow": [0], "events-garbled.arrow": [0],
+                             "events-cut.arrow": [3]})
+    assert set(bad) == {"events-empty.arrow", "events-garbled.arrow", "events-cut.arrow"}
+    assert all(isinstance(e, CorruptStoreError) for e in bad.values())
+    np.testing.assert_array_equal(segs["events-a.arrow"].lists("ids", np.int32)[segs["events-a.arrow"].index[3]], ids[3])

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
+import mmap
 import os
 import time
 import uuid
@@ -337,44 +338,62 @@ class PayloadStore:
         """The record batches (row groups) of a segment that hold ``rows``, its schema,
         and each wanted row's position in those batches laid end to end."""
         wanted = sorted(set(int(r) for r in rows))
-        with self._open(name) as src:
-            if name.endswith(".arrow") and self.local:
-                # The file's stream part (after the 8-byte magic) read in order up to the
-                # last batch wanted when they are dense (a log segment: one row per batch,
-                # all of them wanted), else the footer's index (a large compacted segment).
-                stream = ipc.open_stream(src.read_buffer().slice(8), options=_READ_OPTIONS)
+        if name.endswith(".arrow") and self.local:
+            # The file's stream part (after the 8-byte magic) read in order up to the
+            # last batch wanted when they are dense (a log segment: one row per batch,
+            # all of them wanted), else the footer's index (a large compacted segment).
+            data = self._map(name)
+            try:
+                stream = ipc.open_stream(data.slice(8), options=_READ_OPTIONS)
                 schema = stream.schema
                 per = int(schema.metadata[_ROWS_PER_BATCH.encode()])
                 numbers = sorted({r // per for r in wanted})
                 if numbers and numbers[-1] + 1 <= 2 * len(numbers) + 4:
-                    keep, batches = set(numbers), []
-                    for k in range(numbers[-1] + 1):
-                        try:
-                            batch = stream.read_next_batch()
-                        except StopIteration:
-                            raise CorruptStoreError(f"payload segment {self.path(name)!r} has no row "
-                                                    f"{wanted[-1]}") from None
-                        if k in keep:
-                            batches.append(batch)
+                    batches = [stream.read_next_batch() for _ in range(numbers[-1] + 1)]
+                    if len(numbers) < len(batches):
+                        batches = [batches[k] for k in numbers]
                 else:
-                    src.seek(0)
-                    reader = ipc.open_file(src, options=_READ_OPTIONS)
+                    reader = ipc.open_file(data, options=_READ_OPTIONS)
                     batches = [reader.get_batch(b) for b in numbers]
-            elif name.endswith(".arrow"):
-                reader = ipc.open_file(src, options=_READ_OPTIONS)
-                schema = reader.schema
-                per = int(schema.metadata[_ROWS_PER_BATCH.encode()])
-                numbers = sorted({r // per for r in wanted})
-                batches = [reader.get_batch(b) for b in numbers]
-            else:
-                pf = pq.ParquetFile(src)
-                schema = pf.schema_arrow
-                per = int(schema.metadata[_ROWS_PER_BATCH.encode()])
-                numbers = sorted({r // per for r in wanted})
-                batches = pf.read_row_groups(numbers).to_batches()
-                # a row group may come back as several batches: positions count rows, not batches
+            except StopIteration:
+                raise CorruptStoreError(f"payload segment {self.path(name)!r} has no row {wanted[-1]}") from None
+            except (pa.ArrowInvalid, KeyError, TypeError, ValueError) as e:
+                raise CorruptStoreError(f"payload segment {self.path(name)!r} is unreadable: {e}") from None
+        else:
+            with self._open(name) as src:
+                if name.endswith(".arrow"):
+                    reader = ipc.open_file(src, options=_READ_OPTIONS)
+                    schema = reader.schema
+                    per = int(schema.metadata[_ROWS_PER_BATCH.encode()])
+                    numbers = sorted({r // per for r in wanted})
+                    batches = [reader.get_batch(b) for b in numbers]
+                else:
+                    pf = pq.ParquetFile(src)
+                    schema = pf.schema_arrow
+                    per = int(schema.metadata[_ROWS_PER_BATCH.encode()])
+                    numbers = sorted({r // per for r in wanted})
+                    batches = pf.read_row_groups(numbers).to_batches()
+                    # a row group may come back as several batches: positions count rows, not batches
         first = {b: i * per for i, b in enumerate(numbers)}
         return batches, schema, {r: first[r // per] + r % per for r in wanted}
+
+    def _map(self, name: str) -> pa.Buffer:
+        """A local segment's bytes, memory-mapped (read-only; unmapped when no buffer uses it)."""
+        path = self.path(name)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise CorruptStoreError(f"payload segment {path!r} is missing") from None
+        except OSError as e:
+            raise StoreUnavailable(f"cannot open payload segment {path!r}: {e}") from None
+        try:
+            return pa.py_buffer(mmap.mmap(fd, 0, prot=mmap.PROT_READ))
+        except ValueError:  # an empty file
+            raise CorruptStoreError(f"payload segment {path!r} is empty") from None
+        except OSError as e:
+            raise StoreUnavailable(f"cannot map payload segment {path!r}: {e}") from None
+        finally:
+            os.close(fd)
 
     def read_many(self, wanted: Mapping[str, Iterable[int]]
                   ) -> tuple[dict[str, SegmentRows], dict[str, BaseException]]:
@@ -388,7 +407,7 @@ class PayloadStore:
         more than the one copy of the small token columns ``SegmentRows.lists``
         makes)."""
         # grouped by schema (names, types, nullability; metadata aside): one shared table each
-        groups: dict[tuple, list[tuple[str, pa.Schema, list[pa.RecordBatch], dict[int, int]]]] = {}
+        groups: list[tuple[pa.Schema, list[tuple[str, pa.Schema, list[pa.RecordBatch], dict[int, int]]]]] = []
         bad: dict[str, BaseException] = {}
         for name in sorted(wanted):
             try:
@@ -396,10 +415,14 @@ class PayloadStore:
             except CorruptStoreError as e:
                 bad[name] = e
                 continue
-            key = tuple((f.name, f.type, f.nullable) for f in schema)
-            groups.setdefault(key, []).append((name, schema, batches, index))
+            for like, members in groups:
+                if like.equals(schema):  # (metadata aside)
+                    members.append((name, schema, batches, index))
+                    break
+            else:
+                groups.append((schema, [(name, schema, batches, index)]))
         out: dict[str, SegmentRows] = {}
-        for members in groups.values():
+        for _, members in groups:
             out.update(_shared_rows(members))
         return out, bad
 

@@ -172,7 +172,8 @@ class PlannedRoutes:
 
     def __getitem__(self, key: slice) -> "_PlannedRows":
         if not isinstance(key, slice):
-            raise TypeError(f"planned routes are sliced by row ranges, not by {type(key).__name__}")
+            # not a TypeError: the materializer would take it for a fact about the trajectory's data
+            raise NotImplementedError(f"planned routes are sliced by row ranges, not by {type(key).__name__}")
         return _PlannedRows(self, key)
 
     def place(self, out: np.ndarray) -> np.ndarray:

@@ -217,3 +217,19 @@ def test_read_many_an_empty_or_garbled_segment_is_corrupt_and_the_others_are_rea
     assert set(bad) == {"events-empty.arrow", "events-garbled.arrow", "events-cut.arrow"}
     assert all(isinstance(e, CorruptStoreError) for e in bad.values())
     np.testing.assert_array_equal(segs["events-a.arrow"].lists("ids", np.int32)[segs["events-a.arrow"].index[3]], ids[3])
+
+
+def test_sample_segments_are_mapped_with_huge_pages_log_segments_as_they_are(tmp_path, monkeypatch):
+    """A sample segment (written with O_DIRECT) is first read into the page cache
+    through its map: asking for huge pages there makes it 2-MB folios (payload._huge)."""
+    asked = []
+    monkeypatch.setattr(payload, "_huge", lambda m: asked.append(len(m)))
+    p = PayloadStore(str(tmp_path))
+    _segment(p, "events-a.arrow", 3)
+    plain = [s for r in _folded() for s in r.samples]
+    p.write_samples("samples-a.arrow", sample_table(plain), 4)
+    p.read_many({"events-a.arrow": [0, 1, 2]})
+    assert asked == []
+    got = read_segment_samples(p, "samples-a.arrow", [0, 5])
+    assert asked == [(tmp_path / "samples-a.arrow").stat().st_size]
+    assert got[1].equals(plain[5])

@@ -387,7 +387,10 @@ class PayloadStore:
         except OSError as e:
             raise StoreUnavailable(f"cannot open payload segment {path!r}: {e}") from None
         try:
-            return pa.py_buffer(mmap.mmap(fd, 0, prot=mmap.PROT_READ))
+            m = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+            if name.startswith("samples-"):
+                _huge(m)
+            return pa.py_buffer(m)
         except ValueError:  # an empty file
             raise CorruptStoreError(f"payload segment {path!r} is empty") from None
         except OSError as e:
@@ -485,6 +488,21 @@ class PayloadStore:
     def write_samples(self, name: str, table: pa.Table, rows_per_batch: int, *, deferred: Sequence[Any] = ()) -> int:
         """Write a sample segment (``write_arrow_segment``); return its size in bytes."""
         return write_arrow_segment(self, name, table, rows_per_batch, deferred=deferred)
+
+
+def _huge(m: mmap.mmap) -> None:
+    """Ask for huge pages on a sample segment's map. A sample segment is written
+    with ``O_DIRECT`` (``write_arrow_segment``): it reaches the page cache when
+    first read, and read through such a map it comes in as 2-MB folios mapped
+    whole, as a buffered write would have left it (touching every page of
+    30 MB read back: ~0.4 ms of CPU, ~0.1 ms warm; without: ~3.7 and ~1.2 ms
+    here). Best effort: ignored where the kernel has no transparent huge pages."""
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if advice is not None:
+        try:
+            m.madvise(advice)
+        except OSError:
+            pass
 
 
 def _shared_rows(members: Sequence[tuple[str, pa.Schema, list[pa.RecordBatch], dict[int, int]]]

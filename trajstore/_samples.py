@@ -17,6 +17,8 @@ Sample -> Arrow mapping, shared with the Parquet export (``inspect/export.py``).
 
 from __future__ import annotations
 
+import bisect
+import mmap
 from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
@@ -25,7 +27,7 @@ import pyarrow as pa
 from trajstore.payload import binary_chunks, column_chunks, list_column, routes_from_bytes
 from trajstore.sample import Sample
 
-__all__ = ["sample_table", "sample_columns", "routes_column", "RoutesArena", "samples_from_table", "read_segment_samples", "load_samples",
+__all__ = ["sample_table", "sample_columns", "routes_column", "RoutesPlan", "PlannedRoutes", "DeferredRoutes", "samples_from_table", "read_segment_samples", "load_samples",
            "iter_samples", "token_chunks", "READ_CHUNK_TOKENS", "SAMPLE_LIST_COLUMNS", "MASK_COLUMNS",
            "SAMPLE_BATCH_BYTES"]
 
@@ -79,86 +81,168 @@ def sample_columns(samples: Sequence[Sample], *, int_type: pa.DataType = pa.int6
     return cols
 
 
-def sample_table(samples: Sequence[Sample]) -> pa.Table:
+def sample_table(samples: Sequence[Sample], *, deferred: list | None = None) -> pa.Table:
     """The sample segment's table: ``sample_columns`` plus the routes as one binary
     value per sample and their layout. Every column is one chunk, so that
-    record batches are slices of it (no ``combine_chunks`` when writing)."""
+    record batches are slices of it (no ``combine_chunks`` when writing).
+
+    Routes planned by a ``RoutesPlan`` are not built here: with a ``deferred``
+    list, the routes column's bytes are a placeholder and the ``DeferredRoutes``
+    that fills them is appended to it, for the writer
+    (``PayloadStore.write_samples(deferred=)``); without one they are built now."""
     routes = [s.routed_experts for s in samples]
     cols: dict[str, Any] = sample_columns(samples)
-    cols["routed_experts"] = routes_column(routes)
+    cols["routed_experts"] = routes_column(routes, deferred=deferred)
     cols["routes_dtype"] = pa.array([None if r is None else r.dtype.name for r in routes], pa.string())
     cols["route_layers"] = pa.array([None if r is None else r.shape[1] for r in routes], pa.int32())
     cols["route_topk"] = pa.array([None if r is None else r.shape[2] for r in routes], pa.int32())
     return pa.table(cols)
 
 
-def routes_column(routes: Sequence[np.ndarray | None]) -> pa.Array:
+def routes_column(routes: Sequence[Any], *, deferred: list | None = None) -> pa.Array:
     """One large_binary value per sample: each array's raw C-order bytes (None = null).
 
-    When the arrays lie back to back in one buffer (``RoutesArena``, in this
-    order) the column is a view of that buffer: the routes are not copied;
-    otherwise they are copied once, into one buffer."""
+    The arrays are copied once, into one buffer. When every one of them is
+    planned (``PlannedRoutes``) and a ``deferred`` list is given, nothing is
+    copied: the column's data is a placeholder of the right size, and the
+    ``DeferredRoutes`` appended to ``deferred`` writes the bytes where the
+    writer wants them."""
     n = len(routes)
+    present = [r for r in routes if r is not None]
+    planned = sum(isinstance(r, PlannedRoutes) for r in present)
+    if planned and (deferred is None or planned < len(present)):
+        routes = [r.array() if isinstance(r, PlannedRoutes) else r for r in routes]
+        present = [r for r in routes if r is not None]
+        planned = 0
     sizes = np.fromiter((0 if r is None else r.nbytes for r in routes), np.int64, n)
     offsets = np.zeros(n + 1, np.int64)
     np.cumsum(sizes, out=offsets[1:])
-    present = [r for r in routes if r is not None]
-    data = _back_to_back(present, int(offsets[-1]))
-    if data is None:
-        data = np.concatenate([np.ascontiguousarray(r).reshape(-1).view(np.uint8) for r in present]) if present \
-            else np.zeros(0, np.uint8)
+    if planned:
+        later = DeferredRoutes(routes, offsets)
+        assert deferred is not None
+        deferred.append(later)
+        data = later.buffer
+    elif present:
+        data = pa.py_buffer(np.concatenate([np.ascontiguousarray(r).reshape(-1).view(np.uint8) for r in present]))
+    else:
+        data = pa.py_buffer(np.zeros(0, np.uint8))
     validity, nulls = None, n - len(present)
     if nulls:
         validity = pa.array(np.fromiter((r is not None for r in routes), np.bool_, n)).buffers()[1]
-    return pa.Array.from_buffers(pa.large_binary(), n, [validity, pa.py_buffer(offsets), pa.py_buffer(data)],
-                                 null_count=nulls)
+    return pa.Array.from_buffers(pa.large_binary(), n, [validity, pa.py_buffer(offsets), data], null_count=nulls)
 
 
-def _back_to_back(arrays: Sequence[np.ndarray], nbytes: int) -> np.ndarray | None:
-    """A uint8 view of the memory ``arrays`` cover, if they are C-contiguous and
-    follow each other in one buffer; else None."""
-    if not arrays:
-        return None
-    root = _root(arrays[0])
-    if root.ndim != 1 or root.dtype != np.uint8 or not root.flags.c_contiguous:
-        return None
-    base = root.__array_interface__["data"][0]
-    at = arrays[0].__array_interface__["data"][0]
-    start = at - base
-    for a in arrays:
-        if not a.flags.c_contiguous or a.__array_interface__["data"][0] != at or _root(a) is not root:
-            return None
-        at += a.nbytes
-    if start < 0 or at - base > len(root):
-        return None
-    return root[start : start + nbytes]
+class RoutesPlan:
+    """``routes_alloc`` for ``fold`` that builds no routes yet: each sample's
+    routes are a ``PlannedRoutes`` recording the fold's assignments (views of
+    the log segments' memory-mapped rows, the fill of masked rows, the rows a
+    new sample inherits from the previous one). The sample segment's writer
+    replays them straight into the file's bytes (``DeferredRoutes``), so the
+    routes are copied once, from the log's pages to the segment, and no
+    step-wide buffer is filled before."""
+
+    def __call__(self, shape: tuple[int, ...], dtype: Any) -> "PlannedRoutes":
+        return PlannedRoutes(tuple(int(x) for x in shape), np.dtype(dtype))
 
 
-def _root(a: np.ndarray) -> np.ndarray:
-    while isinstance(a.base, np.ndarray):
-        a = a.base
-    return a
+class PlannedRoutes:
+    """A sample's routes as the fold's assignments to them, in order: ``place(out)``
+    replays them into an (uninitialised) array, which gives the bytes the fold
+    would have built in it. Supports what the fold does to its routes array:
+    assignment to a slice or a boolean mask, and slicing (``_PlannedRows``)."""
 
+    __slots__ = ("shape", "dtype", "ops", "out")
+    ndim = 3
 
-class RoutesArena:
-    """One buffer in which the fold builds the routes of a materialization
-    step's samples, back to back in the order they are folded (``fold``'s
-    ``routes_alloc``), so that the sample segment's routes column is a view of
-    it (``routes_column``). A request that does not fit (or would be
-    misaligned) gets an array of its own: correct, only one copy more."""
+    def __init__(self, shape: tuple[int, ...], dtype: np.dtype) -> None:
+        self.shape = shape
+        self.dtype = dtype
+        self.ops: list[tuple[Any, Any]] = []
+        self.out: np.ndarray | None = None  # where it was last placed
 
-    def __init__(self, nbytes: int) -> None:
-        self.buf = np.empty(max(0, int(nbytes)), np.uint8)
-        self.used = 0
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape)) * self.dtype.itemsize
 
-    def __call__(self, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
-        dtype = np.dtype(dtype)
-        n = int(np.prod(shape)) * dtype.itemsize
-        if self.used % dtype.alignment or self.used + n > len(self.buf):
-            return np.empty(shape, dtype)
-        out = self.buf[self.used : self.used + n].view(dtype).reshape(shape)
-        self.used += n
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self.ops.append((key, value))
+
+    def __getitem__(self, key: slice) -> "_PlannedRows":
+        if not isinstance(key, slice):
+            # not a TypeError: the materializer would take it for a fact about the trajectory's data
+            raise NotImplementedError(f"planned routes are sliced by row ranges, not by {type(key).__name__}")
+        return _PlannedRows(self, key)
+
+    def place(self, out: np.ndarray) -> np.ndarray:
+        """Build the routes in ``out`` (shape and dtype of these routes)."""
+        for key, value in self.ops:
+            out[key] = value.array() if isinstance(value, _PlannedRows) else value
+        self.out = out
         return out
+
+    def array(self) -> np.ndarray:
+        """The routes as an array: where they were placed, else a new one."""
+        return self.out if self.out is not None else self.place(np.empty(self.shape, self.dtype))
+
+
+class _PlannedRows:
+    """Rows ``key`` of planned routes (what a new sample inherits from the previous one)."""
+
+    __slots__ = ("routes", "key")
+
+    def __init__(self, routes: PlannedRoutes, key: slice) -> None:
+        self.routes, self.key = routes, key
+
+    def array(self) -> np.ndarray:
+        return self.routes.array()[self.key]
+
+
+class DeferredRoutes:
+    """The bytes of a routes column of planned routes, built only when written.
+
+    ``buffer`` is the column's data: a placeholder of the right size (an
+    untouched anonymous map: it costs no memory, and reads as zeros should
+    anything read it). The segment writer recognises its address and calls
+    ``fill(dest, start)`` for bytes ``[start, start + len(dest))`` instead of
+    copying it (``payload.write_arrow_segment``), and checks with ``covered``
+    that every byte was filled that way."""
+
+    def __init__(self, routes: Sequence[PlannedRoutes | None], offsets: np.ndarray) -> None:
+        self.routes = list(routes)
+        self.offsets = offsets.tolist()
+        self.size = self.offsets[-1]
+        self._map = mmap.mmap(-1, max(1, self.size))
+        self.buffer = pa.py_buffer(self._map).slice(0, self.size)
+        self.address = self.buffer.address
+        self._filled: list[tuple[int, int]] = []
+
+    def fill(self, dest: np.ndarray, start: int) -> None:
+        """Write bytes ``[start, start + len(dest))`` of the column's data into ``dest`` (uint8)."""
+        stop = start + len(dest)
+        offsets = self.offsets
+        i = max(0, bisect.bisect_right(offsets, start) - 1)
+        while i < len(self.routes) and offsets[i] < stop:
+            r, lo, hi = self.routes[i], offsets[i], offsets[i + 1]
+            if r is not None and hi > lo:
+                if start <= lo and hi <= stop:  # the whole sample: built in place
+                    r.place(dest[lo - start : hi - start].view(r.dtype).reshape(r.shape))
+                else:  # part of it (a batch's padding reaches into the next sample)
+                    a, b = max(lo, start), min(hi, stop)
+                    dest[a - start : b - start] = r.array().reshape(-1).view(np.uint8)[a - lo : b - lo]
+            i += 1
+        self._filled.append((start, stop))
+
+    def covered(self) -> bool:
+        """Whether ``fill`` wrote every byte of the column."""
+        at = 0
+        for lo, hi in sorted(self._filled):
+            if lo > at:
+                return False
+            at = max(at, hi)
+        return at >= self.size
 
 
 def samples_from_table(table: pa.Table, rows: Sequence[int] | None = None) -> list[Sample]:

@@ -305,7 +305,12 @@ class _Trajectory:
 _NO_TOKENS = np.zeros(0, np.int32)
 
 RoutesAlloc = Callable[[tuple[int, int, int], np.dtype], np.ndarray]
-"""``(shape, dtype) -> array``: where a sample's routes are built (uninitialised, C-contiguous)."""
+"""``(shape, dtype) -> array``: where a sample's routes are built (uninitialised, C-contiguous).
+
+The fold only assigns to it (``routes[slice] = rows``, ``routes[mask] = ids``) and
+slices it (a new sample's inherited rows: ``prev.routed_experts[:n]``), so it may
+also be an object that records those assignments and replays them later
+(``_samples.RoutesPlan``: the materializer builds the routes where it writes them)."""
 
 
 def fold(
@@ -325,8 +330,9 @@ def fold(
     route dtype; without it the largest expert id kept decides. Raises
     ValidationError naming the trajectory for a refusal of ``fold_step``.
     ``routes_alloc(shape, dtype)`` gives the (uninitialised) array each
-    sample's routes are built in (default ``np.empty``): the materializer
-    places them in one buffer it writes as is.
+    sample's routes are built in (default ``np.empty``), or a deferred one
+    (``RoutesAlloc``): the materializer builds them straight in the buffer it
+    writes the sample segment from.
     """
     if not generations:
         return FoldResult([], FoldMetrics())

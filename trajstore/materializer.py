@@ -44,7 +44,7 @@ from trajstore.fold import FoldMetrics, FoldResult, fold
 from trajstore.log.base import SAMPLES_KIND, Repoint, Shard, StaleState, shard_index_of
 from trajstore.payload import SegmentRows, rows_per_batch
 from trajstore.sample import Sample
-from trajstore._samples import SAMPLE_BATCH_BYTES, RoutesArena, sample_table
+from trajstore._samples import SAMPLE_BATCH_BYTES, RoutesPlan, sample_table
 
 __all__ = ["Materializer", "MaterializeStats", "shard_of"]
 
@@ -238,7 +238,7 @@ class Materializer:
             # the old file, between resolving the locators and opening it: resolve once more.
             trajs, events = self.store.log.fold_inputs(ids)
             tables, bad_segments = self._read_segments([r for rows in events.values() for r in rows])
-        arena = RoutesArena(_routes_bytes(events, trajs))
+        plan = RoutesPlan()  # routes built only as the sample segment is written
         for fin in finished:
             tid = fin["trajectory_id"]
             traj, rows = trajs.get(tid), events[tid]
@@ -256,7 +256,7 @@ class Materializer:
                 rewards = [r["reward"] for r in rows if r["type"] == "reward"]
                 folded[tid] = fold(gens, trajectory_id=tid, group_id=traj["group_id"], status=fin["status"],
                                    final_reward=rewards[-1] if rewards else None, num_experts=traj["num_experts"],
-                                   routes_alloc=arena)
+                                   routes_alloc=plan)
                 gen_rows_of[tid] = gen_rows
             except StoreUnavailable:
                 raise
@@ -277,12 +277,14 @@ class Materializer:
     def _write(self, name: str, samples: list[Sample], calls: list[int], finished_at: dict[str, int]):
         if not samples:
             return None, []
-        table = sample_table(samples)
+        deferred: list = []
+        table = sample_table(samples, deferred=deferred)
         # Record batches of ~16 MB: an uncompressed Arrow segment is read through a
         # memory map, so a reader pays nothing for the rows of a batch it does not
         # use, and fewer batches mean less per-batch work on both sides (a remote
         # store reads whole batches: 16 MB bounds what one sample costs there).
-        size = self.store.payload.write_samples(name, table, rows_per_batch(table, SAMPLE_BATCH_BYTES))
+        size = self.store.payload.write_samples(name, table, rows_per_batch(table, SAMPLE_BATCH_BYTES),
+                                                deferred=deferred)
         now = time.time()
         seg_row = {"name": name, "kind": "samples", "num_rows": len(samples), "num_bytes": size, "created_at": now}
         return seg_row, [_sample_row(s, i, name, finished_at[s.trajectory_id], c, now)
@@ -308,27 +310,6 @@ def _repoints(segment: str, folded: dict[str, FoldResult], gen_rows: dict[str, l
                                        e["segment"], int(e["segment_row"])))
             row += 1
     return out
-
-
-def _routes_bytes(events: dict[str, list[dict[str, Any]]], trajs: dict[str, dict[str, Any]]) -> int:
-    """The bytes of the step's sample routes, from the index alone: each sample
-    has as many route rows as its last event's tokens (``events.sample_index``
-    is the fold's outcome, stored at admission). An estimate short of the truth
-    only costs a copy (``RoutesArena``)."""
-    total = 0
-    for tid, rows in events.items():
-        traj = trajs.get(tid)
-        if traj is None or not traj["route_layers"]:
-            continue
-        wide = (traj["num_experts"] or 0) > 256
-        tokens: dict[Any, int] = {}
-        for r in rows:
-            if r["type"] == "generation":
-                wide = wide or r["routes_dtype"] == "uint16"
-                key = r["sample_index"] if r["sample_index"] is not None else ("seq", r["seq"])
-                tokens[key] = max(tokens.get(key, 0), int(r["prompt_len"]) + int(r["output_len"]))
-        total += sum(tokens.values()) * int(traj["route_layers"]) * int(traj["route_topk"]) * (2 if wide else 1)
-    return total
 
 
 def _unfoldable_row(trajectory_id: str, finished_position: int, shard: Shard, error: BaseException,

@@ -667,9 +667,13 @@ class SqlSampleIndex(SampleIndex):
 
     def load_checkpoint(self, shard: Shard) -> dict[str, Any] | None:
         key = str(Shard.parse(str(shard)))
+        names = [c.name for c in materializer_checkpoints.columns]
         with self.db.reading("reading a materializer checkpoint") as conn:
-            row = conn.execute(select(materializer_checkpoints).where(materializer_checkpoints.c.shard == key)).first()
-        return dict(row._mapping) if row else None
+            # driver SQL, like the materializer's other statements (a new engine would compile a select)
+            c = _quoted(conn, materializer_checkpoints)
+            row = conn.exec_driver_sql(f"SELECT {', '.join(getattr(c, n) for n in names)} FROM {c.table} "
+                                       f"WHERE {c.shard} = {c.p}", (key,)).first()
+        return dict(zip(names, row)) if row else None
 
     def checkpoints(self) -> dict[Shard, dict[str, Any]]:
         with self.db.reading("reading materializer checkpoints") as conn:

@@ -156,29 +156,26 @@ class Store:
         kept = [(i, a) for i, a in zip(fresh, admitted) if not a.noop]
         if not kept:
             return AppendResult(0, len(parsed), None, tuple(range(len(parsed))))
-        segment, table, seg_row, gen_rows = self._plan_segment([a for _, a in kept])
-        # The segment is written and fsynced on the pool (Arrow's writer and the
-        # syscalls release the GIL) while this thread builds the rows and runs the
-        # index statements; the transaction waits for it before COMMIT (and only
-        # then inserts the segment's row, which needs its size), so the payload is
+        segment, seg_row, gen_rows = self._write_segment([a for _, a in kept])
+        # The segment's fsync runs on the pool while this thread hashes the content
+        # digests (needed only at commit), builds the rows and runs the index
+        # statements; the transaction waits for it before COMMIT, so the payload is
         # durable before any committed row references it.
-        written = None if segment is None else _digest_pool().submit(self._write_segment, segment, table, seg_row)
+        synced = None if segment is None else _digest_pool().submit(self.payload.make_durable, segment)
         try:
-            # content digests are needed only at commit: hashed while the segment is written
-            pending = digests.start([i for i, _ in kept])
-            digest = pending.result()
+            digest = digests.start([i for i, _ in kept]).result()
             event_rows = []
             for i, adm in kept:
                 row = facts.event_row(adm, parsed[i][1], digest[i], gen_rows.get(id(adm)))
                 row["segment"] = segment if id(adm) in gen_rows else None
                 event_rows.append(row)
             positions = self.log.commit_append(event_rows, _trajectory_writes([a for _, a in kept], rows), seg_row,
-                                               before_commit=None if written is None else written.result)
+                                               before_commit=None if synced is None else synced.result)
         except CommitUnknownError:
             raise  # the commit may have landed: the segment stays (GC removes it if unreferenced)
         except BaseException:
-            if written is not None:
-                wait([written])  # its write and fsync must not outlive the file
+            if synced is not None:
+                wait([synced])  # its fsync must not outlive the file
             if segment is not None:
                 self.payload.delete(segment)  # certainly not committed
             raise
@@ -203,22 +200,16 @@ class Store:
             fresh.append(i)
         return fresh
 
-    def _plan_segment(self, admitted: list[Admitted]) -> tuple[str | None, pa.Table | None, dict | None,
-                                                              dict[int, int]]:
-        """The batch's payload segment: its name, table, ``segments`` row (its
-        ``num_bytes`` filled in by ``_write_segment``) and each generation's row."""
+    def _write_segment(self, admitted: list[Admitted]) -> tuple[str | None, dict | None, dict[int, int]]:
         gens = [a for a in admitted if a.stored is not None]
         if not gens:
-            return None, None, None, {}
+            return None, None, {}
         table = facts.segment_table([a.stored for a in gens])
         name = self.payload.new_name("events", ".arrow")
-        seg_row = {"name": name, "kind": "events", "num_rows": len(gens), "num_bytes": None, "created_at": time.time()}
-        return name, table, seg_row, {id(a): i for i, a in enumerate(gens)}
-
-    def _write_segment(self, name: str, table: pa.Table, seg_row: dict) -> None:
-        """Write the segment (one event per record batch) and make it durable; fill in its size."""
-        seg_row["num_bytes"] = self.payload.write(name, table, rows_per_batch=1, durable=False)
-        self.payload.make_durable(name)
+        # one event per record batch; not synced yet (the caller's make_durable)
+        size = self.payload.write(name, table, rows_per_batch=1, durable=False)
+        seg_row = {"name": name, "kind": "events", "num_rows": len(gens), "num_bytes": size, "created_at": time.time()}
+        return name, seg_row, {id(a): i for i, a in enumerate(gens)}
 
     def _current_sequence(self, trajectory_id: str) -> np.ndarray:
         """The trajectory's current token sequence, rebuilt from the log (rare path)."""

@@ -164,10 +164,9 @@ class EventLog(ABC):
     ) -> list[int]:
         """Atomically store a batch; return the events' positions.
 
-        ``before_commit()`` runs inside the transaction before COMMIT (the
-        append waits there for its payload's write and fsync); if it raises,
-        nothing is stored and its error is raised. ``segment_row`` is read
-        only after it returned (it may fill in the row, e.g. the file's size).
+        ``before_commit()`` runs inside the transaction after its statements
+        and before COMMIT (the append waits there for its payload's fsync); if
+        it raises, nothing is stored and its error is raised.
 
         Raises ``StaleState`` (a trajectory's revision moved, or an identity or
         trajectory id was taken concurrently), ``StoreUnavailable`` (nothing was

@@ -230,23 +230,21 @@ class SqlEventLog(EventLog):
 
         def body(conn: Connection) -> list[dict[str, Any]]:
             sql = _driver_sql(conn)
-            # ``before_commit`` (the append's payload write and fsync, running meanwhile)
-            # is waited for where it holds no lock other appenders need: SQLite's write
-            # lock is taken at BEGIN IMMEDIATE whatever follows, so there it overlaps
-            # every statement; on PostgreSQL it comes before the log_head row lock (held
-            # to COMMIT, it orders every appender). The segment row is inserted after it
-            # (it may complete the row: the file's size).
+            # ``before_commit`` (the append's payload fsync, running meanwhile) is waited
+            # for where it holds no lock other appenders need: SQLite's write lock is
+            # taken at BEGIN IMMEDIATE whatever follows, so there it overlaps every
+            # statement; on PostgreSQL it comes before the log_head row lock (held to
+            # COMMIT, it orders every appender), overlapping only what precedes it.
+            if segment_row is not None:
+                sql.insert_rows(conn, segments, [segment_row])
             if before_commit is not None and not sql.single_writer:
                 before_commit()
-                _insert_segment(conn, sql, segment_row)
             last = conn.exec_driver_sql(sql.take_positions, (n,)).scalar_one()
             rows = [dict(r, position=p) for r, p in zip(event_rows, range(last - n + 1, last + 1))]
             _write_trajectories(conn, sql, trajectory_writes, rows)
             sql.insert_rows(conn, events, rows)
-            if before_commit is None or sql.single_writer:
-                if before_commit is not None:
-                    before_commit()
-                _insert_segment(conn, sql, segment_row)
+            if before_commit is not None and sql.single_writer:
+                before_commit()
             return rows
 
         rows = self.db.transaction("appending events", body, landed=_events_landed)
@@ -499,11 +497,6 @@ def _retire_emptied(conn: Connection, names: Collection[str], now: float) -> Non
 def _insert(conn: Connection, table: Any, rows: Sequence[Mapping[str, Any]]) -> None:
     """One executemany of ``rows`` through the driver (``_DriverSql.insert_rows``)."""
     _driver_sql(conn).insert_rows(conn, table, rows)
-
-
-def _insert_segment(conn: Connection, sql: "_DriverSql", segment_row: Mapping[str, Any] | None) -> None:
-    if segment_row is not None:
-        sql.insert_rows(conn, segments, [segment_row])
 
 
 def _write_trajectories(conn: Connection, sql: "_DriverSql", writes: Sequence[TrajectoryWrite],

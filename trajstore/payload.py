@@ -297,12 +297,16 @@ class PayloadStore:
                     _write_table(name, table, out, rows_per_batch, self.log_compression)
                     return out.tell()
             target = path + f".{uuid.uuid4().hex}.tmp" if atomic else path
-            with open(target, "wb") as f:
+            # a native file: no Python object between Arrow and the kernel, so the
+            # GIL is released for the whole write (an append writes on a pooled
+            # thread while its own thread runs the index statements)
+            # (buffered: the IPC writer's many small writes, metadata and offsets, become
+            # a few syscalls; the large buffers pass through)
+            with pa.OSFile(target, "wb") as raw, pa.BufferedOutputStream(raw, 1 << 16) as f:
                 _write_table(name, table, f, rows_per_batch, self.log_compression)
-                f.flush()
-                if durable:
-                    os.fsync(f.fileno())
                 size = f.tell()
+            if durable:
+                _fsync_path(target)
             if atomic:
                 os.replace(target, path)
             if durable:
@@ -319,11 +323,7 @@ class PayloadStore:
             return
         path = self.path(name)
         try:
-            fd = os.open(path, os.O_RDONLY)  # fsync flushes the file's pages whatever descriptor asks
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            _fsync_path(path)
             fsync_dir(self.root)
         except OSError as e:
             raise StoreUnavailable(f"cannot sync payload segment {path!r}: {e}") from None
@@ -551,6 +551,15 @@ def rows_per_batch(table: pa.Table, target_bytes: int = 1 << 20) -> int:
     if table.num_rows == 0:
         return 1
     return max(1, int(target_bytes * table.num_rows // max(1, table.nbytes)))
+
+
+def _fsync_path(path: str) -> None:
+    """fsync a written file by path (fsync flushes its pages whatever descriptor asks)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def fsync_dir(path: str) -> None:

@@ -156,16 +156,14 @@ class Store:
         kept = [(i, a) for i, a in zip(fresh, admitted) if not a.noop]
         if not kept:
             return AppendResult(0, len(parsed), None, tuple(range(len(parsed))))
-        # Content digests are needed only at commit: they are hashed on another
-        # core while this one builds and writes the payload segment.
-        pending = digests.start([i for i, _ in kept])
         segment, seg_row, gen_rows = self._write_segment([a for _, a in kept])
-        # The segment's fsync runs on the pool while this thread builds the rows and
-        # runs the index statements; the transaction waits for it before COMMIT, so
-        # the payload is durable before any committed row references it.
+        # The segment's fsync runs on the pool while this thread hashes the content
+        # digests (needed only at commit), builds the rows and runs the index
+        # statements; the transaction waits for it before COMMIT, so the payload is
+        # durable before any committed row references it.
         synced = None if segment is None else _digest_pool().submit(self.payload.make_durable, segment)
         try:
-            digest = pending.result()
+            digest = digests.start([i for i, _ in kept]).result()
             event_rows = []
             for i, adm in kept:
                 row = facts.event_row(adm, parsed[i][1], digest[i], gen_rows.get(id(adm)))

@@ -298,10 +298,9 @@ class PayloadStore:
                     return out.tell()
             target = path + f".{uuid.uuid4().hex}.tmp" if atomic else path
             # a native file: no Python object between Arrow and the kernel, so the
-            # GIL is released for the whole write (an append writes on a pooled
-            # thread while its own thread runs the index statements)
-            # (buffered: the IPC writer's many small writes, metadata and offsets, become
-            # a few syscalls; the large buffers pass through)
+            # GIL is released for the whole write; buffered: the IPC writer's many
+            # small writes (metadata, offsets) become a few syscalls, and the large
+            # buffers pass through
             with pa.OSFile(target, "wb") as raw, pa.BufferedOutputStream(raw, 1 << 16) as f:
                 _write_table(name, table, f, rows_per_batch, self.log_compression)
                 size = f.tell()

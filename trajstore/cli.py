@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 from typing import Any, Callable, Iterator
@@ -27,7 +28,9 @@ def _store(args: argparse.Namespace, *, create: bool = False):
     """The store of ``--store``; only commands that write pass ``create=True``."""
     from trajstore.store import connect
 
-    return connect(args.store, payload=args.payload, create=create)
+    store = connect(args.store, payload=args.payload, create=create)
+    args.opened.append(store)  # closed by main when the command returns
+    return store
 
 
 def _print_json(obj: Any) -> None:
@@ -241,6 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = _parser()
     args = parser.parse_args(argv)
+    args.opened = []
     try:
         return args.func(args)
     except KeyboardInterrupt:
@@ -253,6 +257,16 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"error: {_one_line(e)}", file=sys.stderr)
         return 1
+    finally:
+        for store in args.opened:
+            _close_quietly(store)
+
+
+def _close_quietly(store: Any) -> None:
+    try:
+        store.close()
+    except Exception as e:  # the command's outcome stands; say why the close failed
+        logging.getLogger(__name__).warning("closing %r: %s", store, _one_line(e))
 
 
 def _one_line(e: BaseException) -> str:

@@ -22,13 +22,17 @@ segment); ``routes_from_bytes`` turns such a value back into its array.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import errno
 import logging
 import mmap
 import os
+import threading
 import time
 import uuid
+import weakref
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 from urllib.parse import urlparse
@@ -252,6 +256,7 @@ class PayloadStore:
 
     location: str
     log_compression: str | None = None
+    _reserve: "_Reserve | None" = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.log_compression not in _CODECS:
@@ -268,12 +273,30 @@ class PayloadStore:
             self.fs.create_dir(self.root, recursive=True)
         except OSError as e:
             raise StoreUnavailable(f"cannot create payload directory {self.location!r}: {e}") from None
+        if self.local:
+            self._reserve = _Reserve(self.root)
 
     def path(self, name: str) -> str:
         return f"{self.root.rstrip('/')}/{name}"
 
     def new_name(self, kind: str, suffix: str = ".arrow") -> str:
         return f"{kind}-{time.strftime('%Y%m%d')}-{uuid.uuid4().hex}{suffix}"
+
+    def new_log_segment(self) -> str:
+        """A name for an append's log segment (``write(..., durable=False)``, then
+        ``make_durable``): a file of the reserve when it has one (created empty
+        ahead of time, its directory entry already durable, so making it durable
+        is one ``fdatasync``; see ``_Reserve``), else a new name."""
+        if self._reserve is not None:
+            name = self._reserve.take()
+            if name is not None:
+                return name
+        return self.new_name("events", ".arrow")
+
+    def close(self) -> None:
+        """Delete the reserve's unused files (a crashed writer's are garbage for ``collect_garbage``)."""
+        if self._reserve is not None:
+            self._reserve.close()
 
     def write(self, name: str, table: pa.Table, *, rows_per_batch: int | None = None, atomic: bool = False,
               durable: bool = True) -> int:
@@ -322,6 +345,8 @@ class PayloadStore:
             return
         path = self.path(name)
         try:
+            if self._reserve is not None and self._reserve.sync_taken(name):
+                return
             _fsync_path(path)
             fsync_dir(self.root)
         except OSError as e:
@@ -452,18 +477,23 @@ class PayloadStore:
             raise CorruptStoreError(f"payload segment {path!r} is unreadable: {e}") from None
 
     def delete(self, name: str) -> None:
+        if self._reserve is not None:
+            self._reserve.forget(name)
         try:
             self.fs.delete_file(self.path(name))
         except FileNotFoundError:
             pass
 
     def list_names(self) -> list[tuple[str, float]]:
-        """(name, modification time) of every segment file, temporary ones included."""
+        """(name, modification time) of every segment file, temporary ones
+        included; not the empty files this store holds in its reserve."""
         infos = self.fs.get_file_info(pafs.FileSelector(self.root, allow_not_found=True))
+        held = self._reserve.held() if self._reserve is not None else frozenset()
         return [
             (i.base_name, i.mtime.timestamp() if i.mtime else 0.0)
             for i in infos
             if i.type == pafs.FileType.File and i.base_name.endswith((".arrow", ".parquet", ".tmp"))
+            and i.base_name not in held
         ]
 
     def collect_garbage(self, referenced: set[str], *, grace_s: float = 3600.0) -> list[str]:
@@ -487,6 +517,201 @@ class PayloadStore:
     def write_samples(self, name: str, table: pa.Table, rows_per_batch: int, *, deferred: Sequence[Any] = ()) -> int:
         """Write a sample segment (``write_arrow_segment``); return its size in bytes."""
         return write_arrow_segment(self, name, table, rows_per_batch, deferred=deferred)
+
+
+# The reserve of empty log segment files (``_Reserve``): refilled to _RESERVE_HIGH
+# when fewer than _RESERVE_LOW are left; a file is handed out only this young.
+_RESERVE_LOW, _RESERVE_HIGH = 2, 8
+_RESERVE_MAX_AGE_S = 30.0
+
+
+class _Reserve:
+    """Empty log segment files, made ahead of the appends that will fill them.
+
+    An append writes its events into a segment of its own and makes it durable
+    before its index transaction commits. For a new file that is an fsync that
+    also journals a new inode and directory entry, then an fsync of the
+    directory: here ~0.5 ms more than the ~0.6 ms of an ``fdatasync`` of the
+    same megabyte written into a file that already exists (docs/benchmarks.md,
+    "Append, fourth session"). So files are created in the background, a batch
+    at a time with one fsync of the directory, and an append takes one whose
+    directory entry is already durable: its ``make_durable`` is one
+    ``fdatasync`` (the file's new size is part of what it syncs).
+
+    Safety:
+    * ``take`` opens the file (without creating it) and keeps it open until
+      ``sync_taken``: the inode it syncs cannot be freed and reused meanwhile,
+      and ``sync_taken`` compares it with the inode the name now points to. If
+      the write re-created the file (someone removed it), the file and the
+      directory are fsynced as for a new file; if it is gone, the append fails
+      (StoreUnavailable) before anything references it.
+    * A file is handed out only while younger than ``_RESERVE_MAX_AGE_S``;
+      older ones are deleted. ``collect_garbage`` removes only files nothing
+      references and older than its grace (an hour by default; a grace shorter
+      than an append takes between its write and its commit was never safe).
+    * The reserve belongs to the process that made it: a forked child neither
+      takes nor deletes its parent's files.
+    * ``held`` names are not listed as segment files by their own store
+      (``PayloadStore.list_names``): its GC never takes them. A crashed
+      writer's leftovers are empty unreferenced files, removed by any GC after
+      the grace; ``close`` deletes the ones left.
+    """
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+        self._lock = threading.Lock()
+        self._ready: collections.deque[tuple[str, float]] = collections.deque()  # (name, made at, monotonic)
+        self._pending: set[str] = set()  # being created by a refill
+        self._taken: dict[str, int] = {}  # name -> descriptor held open until it is synced
+        self._refilling = False
+        self._closed = False
+        self._pid = os.getpid()
+        # a store nobody closed leaves no empty files behind at exit (or when collected)
+        weakref.finalize(self, _delete_ready, root, self._ready, self._lock, self._pid)
+
+    def _path(self, name: str) -> str:
+        return f"{self.root.rstrip('/')}/{name}"
+
+    def take(self) -> str | None:
+        """A reserved file's name (now this caller's to write), or None (write a new file)."""
+        if os.getpid() != self._pid:
+            return None
+        stale: list[str] = []
+        name = None
+        while name is None:
+            with self._lock:
+                if not self._ready:
+                    break
+                candidate, made = self._ready.popleft()
+            if time.monotonic() - made >= _RESERVE_MAX_AGE_S:
+                stale.append(candidate)
+                continue
+            try:
+                fd = os.open(self._path(candidate), os.O_WRONLY)
+            except OSError:  # removed meanwhile (a GC with a short grace): not a reserved file any more
+                continue
+            with self._lock:
+                self._taken[candidate] = fd
+            name = candidate
+        for old in stale:
+            _unlink_quietly(self._path(old))
+        # a writer slow enough to find stale files gets new ones made only when it asks again
+        self._maybe_refill(allowed=not stale)
+        return name
+
+    def _maybe_refill(self, *, allowed: bool) -> None:
+        with self._lock:
+            if not allowed or self._closed or self._refilling or len(self._ready) >= _RESERVE_LOW:
+                return
+            self._refilling = True
+        try:
+            _refill_pool().submit(self._refill)
+        except RuntimeError:  # the interpreter is shutting down
+            with self._lock:
+                self._refilling = False
+
+    def _refill(self) -> None:
+        made: list[str] = []
+        try:
+            with self._lock:
+                names = [f"events-{time.strftime('%Y%m%d')}-{uuid.uuid4().hex}.arrow"
+                         for _ in range(_RESERVE_HIGH - len(self._ready))]
+                self._pending.update(names)
+            born = time.monotonic()
+            try:
+                for name in names:
+                    os.close(os.open(self._path(name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+                    made.append(name)
+                fsync_dir(self.root)
+            except OSError as e:
+                log.info("cannot reserve log segment files in %s (%s); appends create their own", self.root, e)
+                for name in made:
+                    _unlink_quietly(self._path(name))
+                made = []
+            with self._lock:
+                self._pending.difference_update(names)
+                if not self._closed:
+                    self._ready.extend((name, born) for name in made)
+                    made = []
+            for name in made:  # closed meanwhile
+                _unlink_quietly(self._path(name))
+        except Exception:  # never let a background refill fail silently
+            log.exception("refilling the log segment reserve in %s failed", self.root)
+        finally:
+            with self._lock:
+                self._refilling = False
+
+    def sync_taken(self, name: str) -> bool:
+        """Make a taken file durable (``fdatasync``); False if ``name`` was not
+        taken from the reserve, or the write re-created it (the caller then
+        syncs it as a new file). Raises OSError, e.g. when it is gone."""
+        with self._lock:
+            fd = self._taken.pop(name, None)
+        if fd is None:
+            return False
+        try:
+            if os.stat(self._path(name)).st_ino != os.fstat(fd).st_ino:
+                return False
+            os.fdatasync(fd)
+            return True
+        finally:
+            os.close(fd)
+
+    def forget(self, name: str) -> None:
+        """A taken file is being deleted (its append failed)."""
+        with self._lock:
+            fd = self._taken.pop(name, None)
+        if fd is not None:
+            os.close(fd)
+
+    def held(self) -> frozenset[str]:
+        """The names this reserve holds (not yet taken)."""
+        if os.getpid() != self._pid:
+            return frozenset()
+        with self._lock:
+            return frozenset([n for n, _ in self._ready] + list(self._pending))
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+        _delete_ready(self.root, self._ready, self._lock, self._pid)
+
+
+def _delete_ready(root: str, ready: collections.deque, lock: threading.Lock, pid: int) -> None:
+    """Delete a reserve's files not taken (only in the process that made them)."""
+    if os.getpid() != pid:
+        return
+    with lock:
+        names = [n for n, _ in ready]
+        ready.clear()
+    for name in names:
+        _unlink_quietly(f"{root.rstrip('/')}/{name}")
+
+
+def _unlink_quietly(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+
+
+_REFILL_POOL: ThreadPoolExecutor | None = None
+_REFILL_POOL_LOCK = threading.Lock()
+
+
+def _refill_pool() -> ThreadPoolExecutor:
+    """One thread per process for the reserves' refills."""
+    global _REFILL_POOL
+    with _REFILL_POOL_LOCK:
+        if _REFILL_POOL is None:
+            _REFILL_POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trajstore-reserve")
+        return _REFILL_POOL
+
+
+def _forget_refill_pool_in_forked_child() -> None:
+    global _REFILL_POOL, _REFILL_POOL_LOCK
+    _REFILL_POOL, _REFILL_POOL_LOCK = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_refill_pool_in_forked_child)
 
 
 def _huge(m: mmap.mmap) -> None:

@@ -205,9 +205,13 @@ class Store:
         if not gens:
             return None, None, {}
         table = facts.segment_table([a.stored for a in gens])
-        name = self.payload.new_name("events", ".arrow")
+        name = self.payload.new_log_segment()
         # one event per record batch; not synced yet (the caller's make_durable)
-        size = self.payload.write(name, table, rows_per_batch=1, durable=False)
+        try:
+            size = self.payload.write(name, table, rows_per_batch=1, durable=False)
+        except BaseException:
+            self.payload.delete(name)  # nothing references it: a partial file is garbage
+            raise
         seg_row = {"name": name, "kind": "events", "num_rows": len(gens), "num_bytes": size, "created_at": time.time()}
         return name, seg_row, {id(a): i for i, a in enumerate(gens)}
 
@@ -335,6 +339,7 @@ class Store:
 
     def close(self) -> None:
         self.log.close()  # the sample index shares its engines
+        self.payload.close()
 
     def __enter__(self) -> "Store":
         return self

@@ -128,6 +128,42 @@ class _Db:
         except Exception as e:
             raise translate(e, what) from None
 
+    def reading_cursor(self, what: str, body: Callable[[Any, "_DriverSql"], T]) -> T:
+        """``body(cursor, driver_sql)`` in one read transaction on a pooled driver
+        connection: the append's reads (a few small SELECTs) without SQLAlchemy's
+        per-statement execution context, which cost ~0.1 ms a statement, more
+        than SQLite took to run them (docs/benchmarks.md, "Append, fourth
+        session"). Driver errors are wrapped as SQLAlchemy would wrap them, a
+        lost connection is invalidated, and both go through ``translate``."""
+        engine = self.read_engine
+        dialect = engine.dialect
+        driver_error = dialect.loaded_dbapi.Error
+        try:
+            raw = engine.raw_connection()  # (the pool does not wrap the driver's errors)
+        except driver_error as e:
+            wrapped = DBAPIError.instance(what, None, e, driver_error, connection_invalidated=True, dialect=dialect)
+            raise translate(wrapped, what) from None
+        except Exception as e:
+            raise translate(e, what) from None
+        try:
+            cur = raw.cursor()
+            try:
+                if dialect.name == "sqlite":
+                    cur.execute("BEGIN")  # one snapshot (the connection is in autocommit mode)
+                return body(cur, _driver_sql_of(dialect))
+            finally:
+                cur.close()
+        except driver_error as e:
+            lost = bool(dialect.is_disconnect(e, raw.dbapi_connection, None))
+            if lost:
+                _quietly(lambda: raw.invalidate(e))
+            wrapped = DBAPIError.instance(what, None, e, driver_error, connection_invalidated=lost, dialect=dialect)
+            raise translate(wrapped, what) from None
+        except Exception as e:
+            raise translate(e, what) from None
+        finally:
+            _quietly(raw.close)  # back to the pool, whose reset rolls the read transaction back
+
     def transaction(self, what: str, body: Callable[[Connection], T],
                     landed: Callable[[Connection, T], bool] | None = None) -> T:
         """Run ``body`` in one write transaction and commit it; translate every error.
@@ -201,18 +237,18 @@ class SqlEventLog(EventLog):
 
     # -- appending ---------------------------------------------------------
     def load_trajectories(self, trajectory_ids: Collection[str]) -> dict[str, dict[str, Any]]:
-        with self.db.reading("loading trajectories") as conn:
-            return _driver_sql(conn).load_trajectories(conn, trajectory_ids)
+        return self.db.reading_cursor("loading trajectories",
+                                      lambda cur, sql: sql.load_trajectories(cur, trajectory_ids))
 
     def lookup_identities(self, identities: Collection[str]) -> dict[str, bytes]:
-        with self.db.reading("looking up event identities") as conn:
-            return _driver_sql(conn).lookup_identities(conn, identities)
+        return self.db.reading_cursor("looking up event identities",
+                                      lambda cur, sql: sql.lookup_identities(cur, identities))
 
     def load_append_state(self, identities: Collection[str], trajectory_ids: Collection[str]
                           ) -> tuple[dict[str, bytes], dict[str, dict[str, Any]]]:
-        with self.db.reading("loading the append state") as conn:  # one transaction, one connection checkout
-            sql = _driver_sql(conn)
-            return sql.lookup_identities(conn, identities), sql.load_trajectories(conn, trajectory_ids)
+        # one transaction, one connection checkout
+        return self.db.reading_cursor("loading the append state", lambda cur, sql: (
+            sql.lookup_identities(cur, identities), sql.load_trajectories(cur, trajectory_ids)))
 
     def commit_append(
         self,
@@ -616,21 +652,23 @@ class _DriverSql:
             n += conn.exec_driver_sql(sql, params).rowcount
         return n
 
-    def lookup_identities(self, conn: Connection, identities: Collection[str]) -> dict[str, bytes]:
+    def lookup_identities(self, cur: Any, identities: Collection[str]) -> dict[str, bytes]:
+        """Stored content digests of ``identities``, read with driver cursor ``cur``."""
         out: dict[str, bytes] = {}
         for part in _chunks(sorted(set(identities))):
-            sql = self._ident_select + "(" + ", ".join([self.p] * len(part)) + ")"
-            out.update({ident: bytes(digest) for ident, digest in conn.exec_driver_sql(sql, tuple(part))})
+            cur.execute(self._ident_select + "(" + ", ".join([self.p] * len(part)) + ")", tuple(part))
+            out.update({ident: bytes(digest) for ident, digest in cur.fetchall()})
         return out
 
-    def load_trajectories(self, conn: Connection, trajectory_ids: Collection[str]) -> dict[str, dict[str, Any]]:
+    def load_trajectories(self, cur: Any, trajectory_ids: Collection[str]) -> dict[str, dict[str, Any]]:
+        """Trajectory rows by id, read with driver cursor ``cur`` (values through
+        the columns' result processors, as a SQLAlchemy result gives them)."""
         out: dict[str, dict[str, Any]] = {}
         names = self._traj_cols
         for part in _chunks(sorted(set(trajectory_ids))):
-            sql = self._traj_select + "(" + ", ".join([self.p] * len(part)) + ")"
-            result = conn.exec_driver_sql(sql, tuple(part))
-            procs = [self._result(c, d[1]) for c, d in zip(trajectories.columns, result.cursor.description)]
-            for values in result:
+            cur.execute(self._traj_select + "(" + ", ".join([self.p] * len(part)) + ")", tuple(part))
+            procs = [self._result(c, d[1]) for c, d in zip(trajectories.columns, cur.description)]
+            for values in cur.fetchall():
                 row = {n: v if f is None else f(v) for n, v, f in zip(names, values, procs)}
                 out[row["trajectory_id"]] = row
         return out
@@ -641,10 +679,13 @@ _DRIVER_SQL: "weakref.WeakKeyDictionary[Any, _DriverSql]" = weakref.WeakKeyDicti
 
 def _driver_sql(conn: Connection) -> _DriverSql:
     """The driver statements of ``conn``'s dialect (built on first use)."""
-    d = conn.dialect
-    sql = _DRIVER_SQL.get(d)
+    return _driver_sql_of(conn.dialect)
+
+
+def _driver_sql_of(dialect: Any) -> _DriverSql:
+    sql = _DRIVER_SQL.get(dialect)
     if sql is None:
-        sql = _DRIVER_SQL[d] = _DriverSql(d)
+        sql = _DRIVER_SQL[dialect] = _DriverSql(dialect)
     return sql
 
 

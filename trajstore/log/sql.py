@@ -133,36 +133,65 @@ class _Db:
         connection: the append's reads (a few small SELECTs) without SQLAlchemy's
         per-statement execution context, which cost ~0.1 ms a statement, more
         than SQLite took to run them (docs/benchmarks.md, "Append, fourth
-        session"). Driver errors are wrapped as SQLAlchemy would wrap them, a
-        lost connection is invalidated, and both go through ``translate``."""
+        session"). Driver errors are wrapped as SQLAlchemy would wrap them (a
+        lost connection is invalidated) and go through ``translate``."""
         engine = self.read_engine
-        dialect = engine.dialect
-        driver_error = dialect.loaded_dbapi.Error
-        try:
-            raw = engine.raw_connection()  # (the pool does not wrap the driver's errors)
-        except driver_error as e:
-            wrapped = DBAPIError.instance(what, None, e, driver_error, connection_invalidated=True, dialect=dialect)
-            raise translate(wrapped, what) from None
-        except Exception as e:
-            raise translate(e, what) from None
+        raw = _checkout(engine, what)
         try:
             cur = raw.cursor()
             try:
-                if dialect.name == "sqlite":
+                if engine.dialect.name == "sqlite":
                     cur.execute("BEGIN")  # one snapshot (the connection is in autocommit mode)
-                return body(cur, _driver_sql_of(dialect))
+                return body(cur, _driver_sql_of(engine.dialect))
             finally:
-                cur.close()
-        except driver_error as e:
-            lost = bool(dialect.is_disconnect(e, raw.dbapi_connection, None))
-            if lost:
-                _quietly(lambda: raw.invalidate(e))
-            wrapped = DBAPIError.instance(what, None, e, driver_error, connection_invalidated=lost, dialect=dialect)
-            raise translate(wrapped, what) from None
+                _quietly(cur.close)
         except Exception as e:
-            raise translate(e, what) from None
+            raise translate(_wrapped(e, raw, engine, what), what) from None
         finally:
             _quietly(raw.close)  # back to the pool, whose reset rolls the read transaction back
+
+    def transaction_cursor(self, what: str, body: Callable[[Any, "_DriverSql"], T],
+                           landed: Callable[[Connection, T], bool] | None = None) -> T:
+        """``transaction`` on a pooled driver connection: ``body(cursor, driver_sql)``
+        runs the driver SQL straight on the cursor (the append's transaction: its
+        five statements cost more in SQLAlchemy's execution than in SQLite). The
+        same error boundary: every driver error wrapped as SQLAlchemy would and
+        translated, a connection lost during COMMIT resolved by ``landed``."""
+        engine = self.write_engine
+        raw = _checkout(engine, what)
+        try:
+            cur = raw.cursor()
+            try:
+                try:
+                    if engine.dialect.name == "sqlite":
+                        cur.execute("BEGIN IMMEDIATE")  # as the write engine's "begin" hook does
+                    result = body(cur, _driver_sql_of(engine.dialect))
+                except Exception as e:
+                    _quietly(raw.rollback)
+                    raise translate(_wrapped(e, raw, engine, what), what) from None
+                try:
+                    raw.commit()
+                except Exception as e:
+                    return self._after_failed_commit(what, _wrapped(e, raw, engine, what), landed, result)
+                return result
+            finally:
+                _quietly(cur.close)
+        finally:
+            _quietly(raw.close)
+
+    def _after_failed_commit(self, what: str, e: BaseException, landed: Callable[[Connection, T], bool] | None,
+                             result: T) -> T:
+        """A COMMIT raised ``e``: the result if it landed after all, else the error to raise."""
+        if not _lost_connection(e):
+            raise translate(e, what) from None  # the server refused the commit: rolled back
+        log.warning("%s: connection lost during COMMIT (%s); finding out whether it landed", what, first_line(e))
+        outcome = None if landed is None else self._find_out(what, lambda c: landed(c, result))
+        if outcome:
+            log.warning("%s: the commit had landed", what)
+            return result
+        state = "it is not visible" if outcome is False else "it could not be checked"
+        raise CommitUnknownError(f"{what}: connection lost during COMMIT ({first_line(e)}) and {state}; "
+                                 "retry (appends are idempotent)") from None
 
     def transaction(self, what: str, body: Callable[[Connection], T],
                     landed: Callable[[Connection, T], bool] | None = None) -> T:
@@ -185,17 +214,7 @@ class _Db:
             try:
                 tx.commit()
             except Exception as e:
-                if not _lost_connection(e):
-                    raise translate(e, what) from None  # the server refused the commit: rolled back
-                log.warning("%s: connection lost during COMMIT (%s); finding out whether it landed",
-                            what, first_line(e))
-                outcome = None if landed is None else self._find_out(what, lambda c: landed(c, result))
-                if outcome:
-                    log.warning("%s: the commit had landed", what)
-                    return result
-                state = "it is not visible" if outcome is False else "it could not be checked"
-                raise CommitUnknownError(f"{what}: connection lost during COMMIT ({first_line(e)}) and {state}; "
-                                         "retry (appends are idempotent)") from None
+                return self._after_failed_commit(what, e, landed, result)
             return result
         finally:
             _quietly(conn.close)
@@ -218,6 +237,41 @@ class _Db:
         self.write_engine.dispose()
         if self.read_engine is not self.write_engine:
             self.read_engine.dispose()
+
+
+def _checkout(engine: Engine, what: str) -> Any:
+    """A pooled driver connection of ``engine`` (pre-pinged where the engine pings);
+    errors translated (the pool does not wrap the driver's)."""
+    try:
+        return engine.raw_connection()
+    except Exception as e:
+        raise translate(_wrapped(e, None, engine, what), what) from None
+
+
+def _wrapped(e: BaseException, raw: Any, engine: Engine, what: str) -> BaseException:
+    """A driver error as SQLAlchemy wraps it (``DBAPIError`` subclass by the driver's
+    class, ``connection_invalidated`` when it lost the connection, which is then
+    invalidated: the pool drops it); anything else as it is."""
+    dialect = engine.dialect
+    driver_error = dialect.loaded_dbapi.Error
+    if not isinstance(e, driver_error):
+        return e
+    lost = raw is None or bool(dialect.is_disconnect(e, raw.dbapi_connection, None))
+    if lost and raw is not None:
+        _quietly(lambda: raw.invalidate(e))
+    return DBAPIError.instance(what, None, e, driver_error, connection_invalidated=lost, dialect=dialect)
+
+
+def _execute(target: Any, sql: str, params: Any) -> Any:
+    """Driver SQL on a SQLAlchemy ``Connection`` or straight on a driver cursor
+    (a list of parameter tuples: executemany). What it returns has ``rowcount``."""
+    if isinstance(target, Connection):
+        return target.exec_driver_sql(sql, params)
+    if isinstance(params, list):
+        target.executemany(sql, params)
+    else:
+        target.execute(sql, params)
+    return target
 
 
 def _quietly(fn: Callable[[], Any]) -> None:
@@ -264,8 +318,7 @@ class SqlEventLog(EventLog):
                 before_commit()
             return []
 
-        def body(conn: Connection) -> list[dict[str, Any]]:
-            sql = _driver_sql(conn)
+        def body(conn: Any, sql: _DriverSql) -> list[dict[str, Any]]:  # conn: a driver cursor
             # ``before_commit`` (the append's payload fsync, running meanwhile) is waited
             # for where it holds no lock other appenders need: SQLite's write lock is
             # taken at BEGIN IMMEDIATE whatever follows, so there it overlaps every
@@ -275,7 +328,8 @@ class SqlEventLog(EventLog):
                 sql.insert_rows(conn, segments, [segment_row])
             if before_commit is not None and not sql.single_writer:
                 before_commit()
-            last = conn.exec_driver_sql(sql.take_positions, (n,)).scalar_one()
+            conn.execute(sql.take_positions, (n,))
+            (last,) = conn.fetchone()
             rows = [dict(r, position=p) for r, p in zip(event_rows, range(last - n + 1, last + 1))]
             _write_trajectories(conn, sql, trajectory_writes, rows)
             sql.insert_rows(conn, events, rows)
@@ -283,7 +337,7 @@ class SqlEventLog(EventLog):
                 before_commit()
             return rows
 
-        rows = self.db.transaction("appending events", body, landed=_events_landed)
+        rows = self.db.transaction_cursor("appending events", body, landed=_events_landed)
         return [r["position"] for r in rows]
 
     # -- reading -----------------------------------------------------------
@@ -535,7 +589,7 @@ def _insert(conn: Connection, table: Any, rows: Sequence[Mapping[str, Any]]) -> 
     _driver_sql(conn).insert_rows(conn, table, rows)
 
 
-def _write_trajectories(conn: Connection, sql: "_DriverSql", writes: Sequence[TrajectoryWrite],
+def _write_trajectories(conn: Any, sql: "_DriverSql", writes: Sequence[TrajectoryWrite],
                         rows: list[dict[str, Any]]) -> None:
     """Insert new trajectory rows, update existing ones guarded by their revision
     (``StaleState`` when another writer moved one), in trajectory id order."""
@@ -618,7 +672,7 @@ class _DriverSql:
             out.append(tuple(values))
         return out
 
-    def insert_rows(self, conn: Connection, table: Any, rows: Sequence[Mapping[str, Any]]) -> None:
+    def insert_rows(self, conn: Any, table: Any, rows: Sequence[Mapping[str, Any]]) -> None:
         """One executemany; the columns are the union of the rows' keys (missing ones NULL)."""
         keys = set().union(*rows)
         names = tuple(c.name for c in table.columns if c.name in keys)
@@ -629,9 +683,9 @@ class _DriverSql:
                    f"VALUES ({', '.join([self.p] * len(names))})")
             self._statements[key] = (sql, [self._bind(table.c[n]) for n in names])
         sql, procs = self._statements[key]
-        conn.exec_driver_sql(sql, self._params(rows, names, procs))
+        _execute(conn, sql, self._params(rows, names, procs))
 
-    def update_trajectories(self, conn: Connection, updates: Sequence[tuple[dict[str, Any], int]]) -> int:
+    def update_trajectories(self, conn: Any, updates: Sequence[tuple[dict[str, Any], int]]) -> int:
         """Guarded updates (``revision`` must still be the expected one); the number of rows updated."""
         n = 0
         groups: dict[tuple[str, ...], list[tuple[dict[str, Any], int]]] = {}
@@ -649,7 +703,7 @@ class _DriverSql:
             sql, procs = self._statements[key]
             params = [values + (row["trajectory_id"], rev)
                       for values, (row, rev) in zip(self._params([r for r, _ in group], names, procs), group)]
-            n += conn.exec_driver_sql(sql, params).rowcount
+            n += _execute(conn, sql, params).rowcount
         return n
 
     def lookup_identities(self, cur: Any, identities: Collection[str]) -> dict[str, bytes]:

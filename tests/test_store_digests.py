@@ -85,3 +85,25 @@ def test_events_stored_with_the_legacy_digest_still_compare(store):
         store.check(changed)
     with pytest.raises(ConflictError):
         store.append([dict(batch[-1], reward=2.0)])
+
+
+def test_content_digests_are_stable_across_releases():
+    """The digests stored in the log decide whether a retry is identical: the bytes
+    hashed for an event must never change (values pinned from the store's format)."""
+    from trajstore.events import _legacy_content_hash, content_hash, parse_events
+
+    evs = [
+        {"type": "trajectory_started", "trajectory_id": "g", "group_id": "grp", "metadata": {"b": 1, "a": [1, 2]}},
+        {"type": "generation", "trajectory_id": "g", "seq": 0, "prompt_ids": np.arange(5, dtype=np.int32),
+         "output_ids": np.array([7, 8, 9], np.int32), "logprobs": np.array([-0.5, -0.25, -1.0], np.float32),
+         "routed_experts": (np.arange(7 * 2 * 2) % 5).astype(np.uint8).reshape(7, 2, 2), "model_version": 3,
+         "finish_reason": "stop"},
+        {"type": "reward", "trajectory_id": "g", "reward": 1.5, "event_id": "r-1"},
+        {"type": "trajectory_finished", "trajectory_id": "g", "status": "completed"},
+    ]
+    pinned = [("023662b88208c3255ce23065b9fafcf748", "fdb40e49ed4b58c839b947735b3526eb"),
+              ("02c735b4f8f40aba9d34fbf0a53b3168d8", "2b4e1ec19af09e1b15c8a395aa8e93f1"),
+              ("02dcc2414943b6dfda64e1e1ce0450b13f", "c3483f76c2180e67baafc977b28eea91"),
+              ("027a78d9ea26d780b538e145865a72664f", "70852fe8ca8fdb6a39c24cefdc91f3ea")]
+    got = [(content_hash(ev).hex(), _legacy_content_hash(ev).hex()) for ev in parse_events(evs)]
+    assert got == pinned

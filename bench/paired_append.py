@@ -1,0 +1,159 @@
+"""The append of bench_pipeline.py's load on two source trees, paired round by round.
+
+    python bench/paired_append.py BEFORE_TREE AFTER_TREE [--rounds 20]
+    python bench/paired_append.py --steps TREE [--rounds 6]
+
+On a machine whose speed drifts from one minute to the next, separate runs of
+``bench_pipeline.py`` differ as much between runs of one tree as between
+trees. Here two long-lived processes, one per tree, each encode the load once
+(32 trajectories x 4 turns as wire events, bench_pipeline.arrays_load) and
+then, alternately and in alternating order, run one round: the raw Parquet
+write of the unique arrays, then the 32 one-call-per-trajectory appends into
+a new SQLite store. Each round of one tree is compared with the round of the
+other run next to it.
+
+``--steps``: one tree, the time and CPU of each step of ``Store.append`` per
+call (timers wrapped around the functions it calls; the last rounds after a
+warm-up).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+
+def _load(tree: str):
+    sys.path[:0] = [tree, os.path.join(tree, "bench")]
+    import bench_pipeline as bp
+    import trajstore
+
+    if not os.path.realpath(trajstore.__file__).startswith(os.path.realpath(tree)):
+        raise SystemExit(f"imported {trajstore.__file__}, not the tree {tree}")
+    trajs = bp.arrays_load(bp.TRAJECTORIES)
+    return bp, trajstore, trajs, [bp.to_wire(t) for t in trajs]
+
+
+def child(tree: str, scratch: str) -> None:
+    """Serve rounds: one line in, one JSON line out."""
+    bp, trajstore, trajs, wire = _load(tree)
+    unique = bp.unique_table(trajs)
+    print("ready", flush=True)
+    for r, _ in enumerate(sys.stdin):
+        t0 = time.perf_counter()
+        bp.raw_write(unique, f"{scratch}/u{r}.parquet")
+        raw = time.perf_counter() - t0
+        s = trajstore.connect(f"sqlite:///{scratch}/a{r}.db", payload=f"{scratch}/p{r}")
+        t0, c0 = time.perf_counter(), time.process_time()
+        for t in wire:
+            s.append(t)
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        s.close()
+        print(json.dumps({"raw": raw, "wall": wall, "cpu": cpu}), flush=True)
+
+
+def paired(before: str, after: str, rounds: int) -> None:
+    trees = {"before": before, "after": after}
+    procs = {}
+    with tempfile.TemporaryDirectory() as scratch:
+        for k, tree in trees.items():
+            os.makedirs(f"{scratch}/{k}")
+            procs[k] = subprocess.Popen([sys.executable, __file__, "--child", tree, f"{scratch}/{k}"],
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                        env=dict(os.environ, PYTHONPATH=tree))
+        for p in procs.values():
+            if p.stdout.readline().strip() != "ready":
+                raise SystemExit("a tree's process did not start")
+        res: dict[str, list[dict]] = {k: [] for k in trees}
+        for i in range(rounds):
+            for k in (("before", "after") if i % 2 == 0 else ("after", "before")):
+                procs[k].stdin.write("go\n")
+                procs[k].stdin.flush()
+                res[k].append(json.loads(procs[k].stdout.readline()))
+            print(f"round {i + 1}/{rounds}", file=sys.stderr)
+        for p in procs.values():
+            p.stdin.close()
+            p.wait()
+    for k, rs in res.items():
+        wall = [r["wall"] * 1e3 for r in rs]
+        print(f"{k} ({trees[k]}): append wall median {statistics.median(wall):.1f} ms (min {min(wall):.1f}), "
+              f"CPU median {statistics.median(r['cpu'] * 1e3 for r in rs):.1f} ms, "
+              f"raw write median {statistics.median(r['raw'] * 1e3 for r in rs):.1f} ms")
+    ratio = [b["wall"] / a["wall"] for b, a in zip(res["before"], res["after"])]
+    print(f"per round, before wall / after wall: median {statistics.median(ratio):.3f}, "
+          f"after faster in {sum(x > 1 for x in ratio)} of {len(ratio)}")
+
+
+def steps(tree: str, rounds: int) -> None:
+    bp, trajstore, _, wire = _load(tree)
+    import trajstore._facts as facts
+    import trajstore.log.sql as lsql
+    import trajstore.payload as pl
+    import trajstore.store as st
+
+    totals: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0.0])
+
+    def timed(owner, name: str, label: str) -> None:
+        fn = getattr(owner, name)
+
+        def wrapper(*a, **k):
+            t0, c0 = time.perf_counter(), time.thread_time()
+            try:
+                return fn(*a, **k)
+            finally:
+                totals[label][0] += time.perf_counter() - t0
+                totals[label][1] += time.thread_time() - c0
+
+        setattr(owner, name, wrapper)
+
+    timed(st, "_parse_all", "parse")
+    timed(lsql.SqlEventLog, "load_append_state", "identities + trajectory rows")
+    timed(st, "admit_batch", "admission")
+    timed(facts, "segment_table", "segment table")
+    timed(pl.PayloadStore, "write", "segment write")
+    timed(st._Digests, "get", "content digests")
+    timed(facts, "event_row", "event rows")
+    timed(pl.PayloadStore, "make_durable", "segment sync (pooled thread)")
+    timed(lsql.SqlEventLog, "commit_append", "index transaction (incl. waiting for the sync)")
+    warm = max(1, rounds // 2)
+    with tempfile.TemporaryDirectory() as d:
+        for r in range(rounds):
+            if r == warm:
+                totals.clear()
+            s = trajstore.connect(f"sqlite:///{d}/a{r}.db", payload=f"{d}/p{r}")
+            t0 = time.perf_counter()
+            for t in wire:
+                s.append(t)
+            print(f"round {r + 1}: {(time.perf_counter() - t0) * 1e3:.0f} ms for {len(wire)} calls", file=sys.stderr)
+            s.close()
+    calls = (rounds - warm) * len(wire)
+    for label, (wall, cpu) in totals.items():
+        print(f"{label:48s} wall {wall / calls * 1e3:6.3f} ms  CPU {cpu / calls * 1e3:6.3f} ms per call")
+
+
+def main() -> None:
+    if len(sys.argv) == 4 and sys.argv[1] == "--child":
+        return child(sys.argv[2], sys.argv[3])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("trees", nargs="+", help="BEFORE AFTER, or one tree with --steps")
+    ap.add_argument("--rounds", type=int, default=None)
+    ap.add_argument("--steps", action="store_true")
+    args = ap.parse_args()
+    if args.steps:
+        if len(args.trees) != 1:
+            ap.error("--steps takes one tree")
+        return steps(os.path.abspath(args.trees[0]), args.rounds or 6)
+    if len(args.trees) != 2:
+        ap.error("give BEFORE and AFTER trees")
+    paired(*(os.path.abspath(t) for t in args.trees), args.rounds or 20)
+
+
+if __name__ == "__main__":
+    main()

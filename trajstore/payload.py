@@ -652,7 +652,7 @@ class _Reserve:
         try:
             if os.stat(self._path(name)).st_ino != os.fstat(fd).st_ino:
                 return False
-            os.fdatasync(fd)
+            _fdatasync(fd)
             return True
         finally:
             os.close(fd)
@@ -686,6 +686,10 @@ def _delete_ready(root: str, ready: collections.deque, lock: threading.Lock, pid
         ready.clear()
     for name in names:
         _unlink_quietly(f"{root.rstrip('/')}/{name}")
+
+
+# fdatasync where the OS has it (Linux); fsync elsewhere (macOS has no fdatasync).
+_fdatasync = getattr(os, "fdatasync", os.fsync)
 
 
 def _unlink_quietly(path: str) -> None:

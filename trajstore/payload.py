@@ -32,7 +32,6 @@ import threading
 import time
 import uuid
 import weakref
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 from urllib.parse import urlparse
@@ -43,6 +42,7 @@ import pyarrow.fs as pafs
 import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 
+from trajstore._pools import LazyPool
 from trajstore.errors import CorruptStoreError, StoreUnavailable
 
 log = logging.getLogger(__name__)
@@ -277,10 +277,10 @@ class PayloadStore:
             self._reserve = _Reserve(self.root)
 
     def path(self, name: str) -> str:
-        return f"{self.root.rstrip('/')}/{name}"
+        return _join(self.root, name)
 
     def new_name(self, kind: str, suffix: str = ".arrow") -> str:
-        return f"{kind}-{time.strftime('%Y%m%d')}-{uuid.uuid4().hex}{suffix}"
+        return _segment_name(kind, suffix)
 
     def new_log_segment(self) -> str:
         """A name for an append's log segment (``write(..., durable=False)``, then
@@ -291,7 +291,7 @@ class PayloadStore:
             name = self._reserve.take()
             if name is not None:
                 return name
-        return self.new_name("events", ".arrow")
+        return _segment_name("events", ".arrow")
 
     def close(self) -> None:
         """Delete the reserve's unused files (a crashed writer's are garbage for ``collect_garbage``)."""
@@ -570,7 +570,7 @@ class _Reserve:
         weakref.finalize(self, _delete_ready, root, self._ready, self._lock, self._pid)
 
     def _path(self, name: str) -> str:
-        return f"{self.root.rstrip('/')}/{name}"
+        return _join(self.root, name)
 
     def take(self) -> str | None:
         """A reserved file's name (now this caller's to write), or None (write a new file)."""
@@ -605,7 +605,7 @@ class _Reserve:
                 return
             self._refilling = True
         try:
-            _refill_pool().submit(self._refill)
+            _REFILL_POOL.get().submit(self._refill)
         except RuntimeError:  # the interpreter is shutting down
             with self._lock:
                 self._refilling = False
@@ -614,8 +614,7 @@ class _Reserve:
         made: list[str] = []
         try:
             with self._lock:
-                names = [f"events-{time.strftime('%Y%m%d')}-{uuid.uuid4().hex}.arrow"
-                         for _ in range(_RESERVE_HIGH - len(self._ready))]
+                names = [_segment_name("events", ".arrow") for _ in range(_RESERVE_HIGH - len(self._ready))]
                 self._pending.update(names)
             born = time.monotonic()
             try:
@@ -685,7 +684,15 @@ def _delete_ready(root: str, ready: collections.deque, lock: threading.Lock, pid
         names = [n for n, _ in ready]
         ready.clear()
     for name in names:
-        _unlink_quietly(f"{root.rstrip('/')}/{name}")
+        _unlink_quietly(_join(root, name))
+
+
+def _segment_name(kind: str, suffix: str) -> str:
+    return f"{kind}-{time.strftime('%Y%m%d')}-{uuid.uuid4().hex}{suffix}"
+
+
+def _join(root: str, name: str) -> str:
+    return f"{root.rstrip('/')}/{name}"
 
 
 # fdatasync where the OS has it (Linux); fsync elsewhere (macOS has no fdatasync).
@@ -697,25 +704,8 @@ def _unlink_quietly(path: str) -> None:
         os.unlink(path)
 
 
-_REFILL_POOL: ThreadPoolExecutor | None = None
-_REFILL_POOL_LOCK = threading.Lock()
-
-
-def _refill_pool() -> ThreadPoolExecutor:
-    """One thread per process for the reserves' refills."""
-    global _REFILL_POOL
-    with _REFILL_POOL_LOCK:
-        if _REFILL_POOL is None:
-            _REFILL_POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trajstore-reserve")
-        return _REFILL_POOL
-
-
-def _forget_refill_pool_in_forked_child() -> None:
-    global _REFILL_POOL, _REFILL_POOL_LOCK
-    _REFILL_POOL, _REFILL_POOL_LOCK = None, threading.Lock()
-
-
-os.register_at_fork(after_in_child=_forget_refill_pool_in_forked_child)
+# One thread per process for the reserves' refills.
+_REFILL_POOL = LazyPool(1, "trajstore-reserve")
 
 
 def _huge(m: mmap.mmap) -> None:

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
@@ -22,6 +21,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
 
 from trajstore import _facts as facts
+from trajstore._pools import LazyPool
 from trajstore._admission import Admitted, TrajectoryState, admit_batch
 from trajstore.errors import (CommitUnknownError, ConflictError, ContentionError, StoreUnavailable, ValidationError,
                               first_line)
@@ -161,7 +161,7 @@ class Store:
         # digests (needed only at commit), builds the rows and runs the index
         # statements; the transaction waits for it before COMMIT, so the payload is
         # durable before any committed row references it.
-        synced = None if segment is None else _digest_pool().submit(self.payload.make_durable, segment)
+        synced = None if segment is None else _DIGEST_POOL.get().submit(self.payload.make_durable, segment)
         try:
             digest = digests.start([i for i, _ in kept]).result()
             event_rows = []
@@ -440,7 +440,7 @@ class _Digests:
             future: Future[dict[int, bytes]] = Future()
             future.set_result({i: self.get(i) for i in indices})
             return future
-        return _digest_pool().submit(lambda: {i: self.get(i) for i in indices})
+        return _DIGEST_POOL.get().submit(lambda: {i: self.get(i) for i in indices})
 
 
 # Below this many bytes of arrays per append, hashing here (XXH3: ~0.1 ms per
@@ -455,27 +455,8 @@ def _array_bytes(event: Event) -> int:
                                   event.routed_experts, event.token_rewards, event.token_model_versions)
                if a is not None)
 
-_DIGEST_POOL: ThreadPoolExecutor | None = None
-_DIGEST_POOL_LOCK = threading.Lock()
-
-
-def _digest_pool() -> ThreadPoolExecutor:
-    """One process-wide pool for the digests (a thread per append cost ~1 ms)."""
-    global _DIGEST_POOL
-    with _DIGEST_POOL_LOCK:
-        if _DIGEST_POOL is None:
-            _DIGEST_POOL = ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1)),
-                                              thread_name_prefix="trajstore-digest")
-        return _DIGEST_POOL
-
-
-def _forget_digest_pool_in_forked_child() -> None:
-    # a forked child has none of the parent's threads: it starts its own pool
-    global _DIGEST_POOL, _DIGEST_POOL_LOCK
-    _DIGEST_POOL, _DIGEST_POOL_LOCK = None, threading.Lock()
-
-
-os.register_at_fork(after_in_child=_forget_digest_pool_in_forked_child)
+# One process-wide pool for the digests and the segment syncs (a thread per append cost ~1 ms).
+_DIGEST_POOL = LazyPool(max(1, min(4, os.cpu_count() or 1)), "trajstore-digest")
 
 
 def _trajectory_writes(admitted: Sequence[Admitted], rows: Mapping[str, Any]) -> list[TrajectoryWrite]:

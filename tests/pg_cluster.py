@@ -186,14 +186,25 @@ class PgCluster:
 
     # -- faults (tests/log/test_faults_pg.py) ------------------------------
     def backends(self, dbname: str | None = None) -> list[dict]:
-        """Client backends (pid, datname, state, query, wait_event), optionally of one database."""
+        """Client backends (pid, datname, state, query, wait_event), optionally of one database.
+
+        Asked right after a kill -9, the server may be in crash recovery (a
+        readiness check can pass just before the postmaster notices the kill):
+        then it waits until the server accepts connections and asks again."""
+        try:
+            rows = self._backend_rows(dbname)
+        except psycopg.OperationalError:
+            self.wait_ready()
+            rows = self._backend_rows(dbname)
+        return [dict(zip(("pid", "datname", "state", "query", "wait_event"), r)) for r in rows]
+
+    def _backend_rows(self, dbname: str | None) -> list[tuple]:
         with self._admin() as conn:
-            rows = conn.execute(
+            return conn.execute(
                 "SELECT pid, datname, state, query, wait_event FROM pg_stat_activity "
                 "WHERE backend_type = 'client backend' AND pid <> pg_backend_pid() "
                 "AND (%s::text IS NULL OR datname = %s::text)", (dbname, dbname),
             ).fetchall()
-        return [dict(zip(("pid", "datname", "state", "query", "wait_event"), r)) for r in rows]
 
     def kill_backend(self, pid: int) -> None:
         """kill -9 of one server process. The postmaster then terminates every

@@ -185,6 +185,47 @@ def test_decode_json_parses_long_integer_arrays_to_numpy_only_where_arrays_belon
     assert math.isnan(decode_json(b"[NaN]")[0])
 
 
+# Strings the scan must step over whole: long ones (base64 routes), ones holding brackets,
+# colons, quotes and backslashes, or an integer list's JSON text.
+long_ids = st.lists(st.integers(10**6, 2**31 - 1), min_size=100, max_size=300)  # >= 256 bytes of text
+tricky_text = st.one_of(
+    st.text(alphabet='[]:,"\\ 0123456789abc/', max_size=40),
+    long_ids.map(lambda v: ':' + json.dumps(v)),
+    st.integers(1, 5000).map(lambda n: "QUJD" * n),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["prompt_ids", "a", "routed_experts", "meta"]),
+                          st.one_of(tricky_text, long_ids, st.lists(tricky_text, max_size=3))),
+                min_size=1, max_size=6),
+       separators, st.booleans())
+def test_decode_json_steps_over_strings_whole(members, seps, escape_slash):
+    """Long and tricky strings before, between and inside the members: the integer
+    arrays outside strings are found, nothing inside a string is touched."""
+    text = json.dumps({"events": [dict(members)], "s": json.dumps(dict(members))}, separators=seps)
+    if escape_slash:  # some encoders write "/" as "\/" (base64 has slashes)
+        text = text.replace("/", "\\/")
+    body = text.encode()
+    doc = decode_json(body)
+    assert _plain(doc) == json.loads(body)
+    ev = doc["events"][0]
+    if seps[0] not in (",", ", "):
+        return  # lists with newlines or tabs are json.loads's (_int_list declines them)
+    for key, value in dict(members).items():
+        if isinstance(value, list) and value and isinstance(value[0], int) and key in ("prompt_ids", "routed_experts"):
+            assert isinstance(ev[key], np.ndarray)  # found after whatever strings came first
+
+
+def test_decode_json_refuses_deep_nesting_of_member_arrays():
+    # every "[" is an object member's value and its "]" lies at the far end: the scan
+    # stops at the first character an integer list cannot hold, json.loads refuses
+    body = b'{"a":[' * 100_000 + b"1" + b"]}" * 100_000
+    with pytest.raises(_HTTPError) as e:
+        decode_json(body)
+    assert e.value.status == 400
+
+
 def _json_int_list(text: bytes):
     """What json.loads makes of ``[text]`` when it is a list of int64 integers, else None."""
     try:

@@ -209,6 +209,7 @@ def test_decode_json_steps_over_strings_whole(members, seps, escape_slash):
     body = text.encode()
     doc = decode_json(body)
     assert _plain(doc) == json.loads(body)
+    assert _plain(decode_json(bytearray(body))) == _plain(doc)  # the service reads into a bytearray
     ev = doc["events"][0]
     if seps[0] not in (",", ", "):
         return  # lists with newlines or tabs are json.loads's (_int_list declines them)

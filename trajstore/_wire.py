@@ -37,6 +37,7 @@ _ALLOWED_DTYPES = {
     "uint8", "uint16", "uint32", "uint64", "int8", "int16", "int32", "int64",
     "float16", "float32", "float64", "bool",
 }
+_LITTLE_ENDIAN = {name: np.dtype(name).newbyteorder("<") for name in _ALLOWED_DTYPES}  # how the wire lays them out
 
 
 def decode_array(value: Any, *, field: str, ndim: int | None = None) -> np.ndarray:
@@ -112,6 +113,8 @@ def _b64decode(text: Any, field: str) -> bytes:
 
 def _check_shape(shape: Any, field: str) -> tuple[int, ...]:
     """A list of at most ``_MAX_NDIM`` non-negative ints, none above int32 (products are Python ints)."""
+    if type(shape) is list and len(shape) == 1 and type(shape[0]) is int and 0 <= shape[0] <= _MAX_DIM:
+        return (shape[0],)  # a token array's shape, as JSON gives it
     if type(shape) in (list, tuple) and len(shape) <= _MAX_NDIM and all(
             type(d) is int and 0 <= d <= _MAX_DIM for d in shape):
         return tuple(shape)  # plain ints (what JSON gives): no ABC checks
@@ -130,21 +133,21 @@ def _check_shape(shape: Any, field: str) -> tuple[int, ...]:
 
 
 def _from_b64_object(value: dict, field: str) -> np.ndarray:
-    missing = {"b64", "dtype", "shape"} - value.keys()
-    if missing:
-        raise ValidationError(
-            f"{field} object lacks {sorted(missing)} (needs b64, dtype, shape)", rule="array_encoding"
-        )
-    extra = [k for k in value if k not in ("b64", "dtype", "shape")]
-    if extra:
+    if len(value) != 3 or "b64" not in value or "dtype" not in value or "shape" not in value:
+        missing = {"b64", "dtype", "shape"} - value.keys()
+        if missing:
+            raise ValidationError(
+                f"{field} object lacks {sorted(missing)} (needs b64, dtype, shape)", rule="array_encoding"
+            )
+        extra = [k for k in value if k not in ("b64", "dtype", "shape")]
         raise ValidationError(f"{field} object has unknown key {_safe_repr(extra[0])} (b64, dtype, shape only)",
                               rule="array_encoding")
     dtype_name = value["dtype"]
-    if not isinstance(dtype_name, str) or dtype_name not in _ALLOWED_DTYPES:
+    dtype = _LITTLE_ENDIAN.get(dtype_name) if isinstance(dtype_name, str) else None
+    if dtype is None:
         raise ValidationError(f"{field} has unsupported dtype {_safe_repr(dtype_name)}", rule="array_dtype")
     shape = _check_shape(value["shape"], field)
     raw = _b64decode(value["b64"], field)
-    dtype = np.dtype(dtype_name).newbyteorder("<")
     expected = math.prod(shape) * dtype.itemsize  # Python ints: a huge shape cannot overflow
     if len(raw) != expected:
         raise ValidationError(

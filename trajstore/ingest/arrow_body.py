@@ -30,7 +30,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.ipc as ipc
 
-from trajstore._wire import _ALLOWED_DTYPES
+from trajstore._wire import _ALLOWED_DTYPES, _LITTLE_ENDIAN
 from trajstore.errors import ValidationError
 from trajstore.ingest._event_dicts import json_default
 
@@ -38,7 +38,6 @@ __all__ = ["ARROW_CONTENT_TYPE", "ArrowBodyError", "decode_arrow_events", "encod
 
 ARROW_CONTENT_TYPE = "application/vnd.apache.arrow.stream"
 _MARK = "$arrow"
-_LE_DTYPES = {name: np.dtype(name).newbyteorder("<") for name in _ALLOWED_DTYPES}
 
 
 class ArrowBodyError(ValueError):
@@ -154,7 +153,7 @@ def _array(mark: Any, views: list[np.ndarray | None] | None, row: int, field: st
     if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
         raise ValidationError(f"{field} shape must be a list of non-negative ints, got {shape!r}", rule="array_shape")
     raw = views[row]
-    dtype = _LE_DTYPES[dtype_name]
+    dtype = _LITTLE_ENDIAN[dtype_name]
     expected = math.prod(shape) * dtype.itemsize
     if raw.nbytes != expected:
         raise ValidationError(

@@ -40,14 +40,20 @@ def test_store_on_a_pyarrow_filesystem_uri(tmp_path):
 
 
 @pytest.mark.parametrize("suffix", [".arrow", ".parquet"])
-def test_read_rows_reads_exactly_the_rows_asked(tmp_path, suffix):
+@pytest.mark.parametrize("per", [1, 4])
+def test_read_rows_reads_exactly_the_rows_asked(tmp_path, suffix, per):
     payload = PayloadStore(str(tmp_path))
     rng = np.random.default_rng(0)
     chunks = [rng.integers(0, 100, rng.integers(0, 9), dtype=np.int32) for _ in range(50)]
     routes = [None if i % 7 == 0 else rng.integers(0, 255, (3, 2, 2), dtype=np.uint8) for i in range(50)]
+    # ids: one chunk of 50 rows; routes: one chunk per row (binary_column)
     table = pa.table({"ids": list_column(chunks, np.int32), "routes": binary_column(routes)})
     name = payload.new_name("t", suffix)
-    payload.write(name, table, rows_per_batch=4)
+    payload.write(name, table, rows_per_batch=per)
+    if suffix == ".arrow":  # read_rows finds a row's batch by division: exactly `per` rows in each
+        with pa.ipc.open_file(payload.path(name)) as f:
+            sizes = [f.get_batch(i).num_rows for i in range(f.num_record_batches)]
+        assert sizes == [per] * (50 // per) + ([50 % per] if 50 % per else [])
     wanted = [49, 0, 13, 14, 3]
     part = payload.read_rows(name, wanted)
     assert part.table.num_rows < 50  # only the batches holding those rows

@@ -752,7 +752,11 @@ def _write_table(name: str, table: pa.Table, sink, rows_per_batch: int, log_comp
         with ipc.new_file(sink, table.schema, options=options) as writer:
             # Exactly rows_per_batch rows per record batch: read_rows finds a row's
             # batch by division. write_table would also split at every column
-            # chunk boundary (the routes column is one chunk per row).
+            # chunk boundary (the routes column is one chunk per row), which for
+            # one row per batch is what is asked: one call, no loop here.
+            if rows_per_batch == 1:
+                writer.write_table(table, max_chunksize=1)
+                return
             for start in range(0, table.num_rows, rows_per_batch):
                 part = table.slice(start, rows_per_batch)
                 batches = part.to_batches()

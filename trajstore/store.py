@@ -120,12 +120,19 @@ class Store:
         when the append may not have been stored. Retrying an append is safe."""
         parsed = _parse_all(events)
         digests = _Digests([ev for ev, _ in parsed])
+        # A batch that starts every trajectory it touches expects none of them, nor
+        # any of its identities, in the log: it is admitted without reading the index
+        # first. The unique keys it inserts (trajectory ids, identities) check that
+        # expectation at commit; a violation is a lost race (StaleState), and every
+        # later attempt reads first (an identical retry is then found a duplicate).
+        read_first = not _starts_every_trajectory(parsed)
         last = ""
         for _ in range(_MAX_ATTEMPTS):
             try:
-                return self._append_once(parsed, digests)
+                return self._append_once(parsed, digests, read_first=read_first)
             except StaleState as e:
                 last = first_line(e)
+                read_first = True
                 continue  # another writer moved a trajectory first: re-read, re-admit
         raise ContentionError(f"gave up after {_MAX_ATTEMPTS} concurrent-write conflicts (last: {last}); retry later")
 
@@ -142,10 +149,15 @@ class Store:
         """A dry run over successive batches (see ``AppendCheck``)."""
         return AppendCheck(self)
 
-    def _append_once(self, parsed: list[tuple[Event, str | None]], digests: "_Digests") -> AppendResult:
-        # identities and trajectory rows in one read (rows of duplicates are unused)
-        stored, loaded = self.log.load_append_state({ident for _, ident in parsed if ident},
-                                                    {ev.trajectory_id for ev, _ in parsed})
+    def _append_once(self, parsed: list[tuple[Event, str | None]], digests: "_Digests", *,
+                     read_first: bool = True) -> AppendResult:
+        # identities and trajectory rows in one read (rows of duplicates are unused);
+        # not read_first: expected absent, checked by the unique keys at commit
+        stored: Mapping[str, bytes] = {}
+        loaded: Mapping[str, Any] = {}
+        if read_first:
+            stored, loaded = self.log.load_append_state({ident for _, ident in parsed if ident},
+                                                        {ev.trajectory_id for ev, _ in parsed})
         fresh = self._drop_duplicates(parsed, digests, stored)
         rows = {tid: loaded[tid] for tid in {parsed[i][0].trajectory_id for i in fresh} if tid in loaded}
         states = {tid: facts.state_from_row(r) for tid, r in rows.items()}
@@ -419,6 +431,17 @@ def _conflict(ev: Event, ident: str, index: int) -> ConflictError:
 
 def _parse_all(events: Iterable[Mapping[str, Any] | Event]) -> list[tuple[Event, str | None]]:
     return [(ev, identity_of(ev)) for ev in parse_events(events)]
+
+
+def _starts_every_trajectory(parsed: Sequence[tuple[Event, str | None]]) -> bool:
+    """Is each trajectory's first event in the batch its trajectory_started?"""
+    seen: set[str] = set()
+    for ev, _ in parsed:
+        if ev.trajectory_id not in seen:
+            if not isinstance(ev, TrajectoryStarted):
+                return False
+            seen.add(ev.trajectory_id)
+    return bool(seen)
 
 
 class _Digests:

@@ -523,6 +523,7 @@ class PayloadStore:
 # when fewer than _RESERVE_LOW are left; a file is handed out only this young.
 _RESERVE_LOW, _RESERVE_HIGH = 2, 8
 _RESERVE_MAX_AGE_S = 30.0
+_RESERVE_CLOSE_WAIT_S = 10.0  # a refill makes a few empty files and fsyncs their directory
 
 
 class _Reserve:
@@ -564,6 +565,7 @@ class _Reserve:
         self._pending: set[str] = set()  # being created by a refill
         self._taken: dict[str, int] = {}  # name -> descriptor held open until it is synced
         self._refilling = False
+        self._refilled = threading.Condition(self._lock)  # notified when a refill ends
         self._closed = False
         self._pid = os.getpid()
         # a store nobody closed leaves no empty files behind at exit (or when collected)
@@ -639,6 +641,7 @@ class _Reserve:
         finally:
             with self._lock:
                 self._refilling = False
+                self._refilled.notify_all()
 
     def sync_taken(self, name: str) -> bool:
         """Make a taken file durable (``fdatasync``); False if ``name`` was not
@@ -671,8 +674,12 @@ class _Reserve:
             return frozenset([n for n, _ in self._ready] + list(self._pending))
 
     def close(self) -> None:
+        """Delete the unused files; a refill in flight is waited for (it deletes
+        what it made once it sees the reserve closed), so none is left behind."""
         with self._lock:
             self._closed = True
+            if os.getpid() == self._pid:  # a forked child's copy has no refill thread
+                self._refilled.wait_for(lambda: not self._refilling, timeout=_RESERVE_CLOSE_WAIT_S)
         _delete_ready(self.root, self._ready, self._lock, self._pid)
 
 

@@ -5,6 +5,7 @@ file could do loses an acknowledged event or leaves a referenced file missing.""
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import pyarrow as pa
@@ -160,3 +161,25 @@ print(len(s.payload._reserve.held()))
     assert int(proc.stdout) >= 1  # files were held when it exited
     store = trajstore.connect(f"sqlite:///{tmp_path}/r.db", payload=str(tmp_path / "p"))
     assert _on_disk(store) == store.log.referenced_segments() and len(_on_disk(store)) == 2
+
+
+def test_close_waits_for_a_refill_in_flight_and_leaves_no_file(tmp_path, monkeypatch):
+    store = trajstore.connect(f"sqlite:///{tmp_path}/r.db", payload=str(tmp_path / "p"))
+    real_fsync_dir = payload_mod.fsync_dir
+    started = []
+
+    def slow_fsync_dir(path):  # the refill's directory fsync, slowed down so close() lands mid-refill
+        if threading.current_thread().name.startswith("trajstore-reserve"):
+            started.append(path)
+            time.sleep(0.5)
+        real_fsync_dir(path)
+
+    monkeypatch.setattr(payload_mod, "fsync_dir", slow_fsync_dir)
+    store.append(trajectory_events(CFG, 0))  # the reserve is empty: a refill begins
+    deadline = time.monotonic() + 10
+    while not started:
+        assert time.monotonic() < deadline, "no refill started"
+        time.sleep(0.005)
+    assert store.payload._reserve._refilling
+    store.close()
+    assert _on_disk(store) == store.log.referenced_segments()  # at once, not after the refill ends

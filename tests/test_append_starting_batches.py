@@ -90,3 +90,46 @@ def test_a_refused_event_in_a_starting_batch_stores_nothing(store):
     assert e.value.rule == "seq_gap" and e.value.index == 2
     assert snapshot(store)["counts"]["events"] == 0
     _referenced_files_only(store)
+
+
+@pytest.mark.parametrize("same", [True, False])
+def test_writers_racing_to_start_one_trajectory(store_url, tmp_path, same):
+    """Several stores (one connection pool each) start the same trajectory at once,
+    every one skipping the read: exactly one stores it; the others see their batch as
+    a duplicate (same content) or a conflict (different content), never a driver error."""
+    import threading
+
+    import trajstore
+
+    n = 4
+    stores = [trajstore.connect(store_url, payload=str(tmp_path / "payload")) for _ in range(n)]
+    barrier = threading.Barrier(n)
+    outcomes: list = [None] * n
+
+    def run(k: int) -> None:
+        batch = _batch("t") if same else _batch("t", group_id=f"g{k}")
+        barrier.wait()
+        try:
+            outcomes[k] = stores[k].append(batch)
+        except Exception as e:  # noqa: BLE001 - recorded and asserted below
+            outcomes[k] = e
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for s in stores:
+        s.close()  # each deletes its unused reserve files
+    stored = [o for o in outcomes if not isinstance(o, Exception) and o.num_appended == 3]
+    assert len(stored) == 1, outcomes
+    others = [o for o in outcomes if o is not stored[0]]
+    if same:
+        assert all(not isinstance(o, Exception) and (o.num_appended, o.num_duplicates) == (0, 3)
+                   for o in others), outcomes
+    else:
+        assert all(isinstance(o, ConflictError) for o in others), outcomes
+    with trajstore.connect(store_url, payload=str(tmp_path / "payload")) as after:
+        assert snapshot(after)["counts"]["events"] == 3
+        assert [g.seq for g in after.load_generations("t")] == [0, 1]
+        _referenced_files_only(after)  # the losers' segment files were deleted

@@ -154,7 +154,7 @@ def test_demo_runs_end_to_end(tmp_path):
 def test_public_api():
     assert sorted(trajstore.__all__) == sorted([
         "AppendResult", "ConflictError", "CorruptStoreError", "ReaderConfig", "ResumeStateError", "Sample", "SampleReader", "Store",
-        "StoreUnavailable", "TrajstoreError", "ValidationError", "connect"])
+        "StoreUnavailable", "TrajstoreError", "ValidationError", "Writer", "connect"])
     for name in trajstore.__all__:
         assert getattr(trajstore, name) is not None
 

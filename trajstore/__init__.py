@@ -6,8 +6,11 @@
     stats = store.materialize()          # fold finished trajectories into samples
     for s in store.samples(): ...        # trajstore.Sample objects, numpy arrays
     for batch in trajstore.SampleReader(store, rank=0, world_size=8): ...   # trainer batches, resumable
+
+    with trajstore.Writer(url) as writer: ...   # batched, retrying: to a store URL or an ingest service
 """
 
+from trajstore import _moved
 from trajstore.errors import (
     ConflictError,
     CorruptStoreError,
@@ -19,6 +22,9 @@ from trajstore.errors import (
 from trajstore.reader import ReaderConfig, SampleReader
 from trajstore.sample import Sample
 from trajstore.store import AppendResult, Store, connect
+from trajstore.ingest.client import Writer
+
+_moved.install()
 
 __all__ = [
     "AppendResult",
@@ -32,5 +38,6 @@ __all__ = [
     "StoreUnavailable",
     "TrajstoreError",
     "ValidationError",
+    "Writer",
     "connect",
 ]

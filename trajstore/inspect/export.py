@@ -17,6 +17,7 @@ import os
 import re
 import shutil
 import tempfile
+import warnings
 from typing import Callable, Iterable, Sequence
 
 import numpy as np
@@ -28,7 +29,7 @@ from trajstore.payload import fsync_dir
 from trajstore.sample import Sample
 from trajstore._samples import sample_columns
 
-__all__ = ["export_samples", "export_table"]
+__all__ = ["export_samples", "export_table", "routes_from_export"]
 
 # the exported columns, in SPEC order ("Exported columns")
 _ORDER = ("trajectory_id", "group_id", "sample_index", "is_last_step", "status", "finish_reason",
@@ -157,3 +158,23 @@ def _swap_into_place(tmp: str, out_dir: str) -> None:
     fsync_dir(os.path.dirname(out_dir))
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def routes_from_export(table: pa.Table, row: int) -> np.ndarray | None:
+    """Deprecated: one exported row's ``routed_experts`` as ``[P+R, layers, topk]``.
+
+    The exported column's Arrow type now carries the layout, so
+    ``np.array(table["routed_experts"][row].as_py(), dtype=...)`` (or any
+    Arrow reader) gives the same array; this stays for code written when the
+    column was raw bytes. None where the row has no routes.
+    """
+    warnings.warn("routes_from_export is deprecated: the exported routed_experts column is a nested list "
+                  "of [layers][topk] expert ids any Arrow reader decodes", DeprecationWarning, stacklevel=2)
+    cell = table.column("routed_experts")[row]
+    if not cell.is_valid:
+        return None
+    tokens = cell.values                       # fixed_size_list<fixed_size_list<uint>> [P+R]
+    layers = tokens.type.list_size
+    topk = tokens.type.value_type.list_size
+    ids = tokens.flatten().flatten().to_numpy(zero_copy_only=False)
+    return ids.reshape(len(tokens), layers, topk)

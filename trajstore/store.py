@@ -13,7 +13,7 @@ import os
 import time
 from concurrent.futures import Future, wait
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -30,6 +30,7 @@ from trajstore.events import (Event, Generation, TrajectoryFinished, TrajectoryS
 from trajstore.log.base import EventLog, Repoint, SampleIndex, StaleState, TrajectoryWrite
 from trajstore.log.sql import open_sql
 from trajstore.payload import PayloadStore, SegmentRows
+from trajstore.sample import Sample
 
 __all__ = ["Store", "AppendCheck", "AppendResult", "connect", "DEFAULT_URL", "dialect_of", "resolve_url"]
 
@@ -332,22 +333,54 @@ class Store:
         return len(names) + retired, len(moves)
 
     # -- materialized samples ------------------------------------------------
-    def materialize(self, **kwargs: Any):
-        """Fold every finished trajectory not folded yet; return the metrics."""
+    def materialize(
+        self,
+        *,
+        shard_index: int = 0,
+        num_shards: int = 1,
+        max_trajectories: int = 256,
+        max_batch_tokens: int = 262_144,
+        max_steps: int | None = None,
+        progress: Callable[[int], None] | None = None,
+    ):
+        """Fold every finished trajectory not folded yet; return the metrics
+        (``MaterializeStats``: num_steps_before, num_samples_after, merge_ratio, ...).
+
+        ``shard_index``/``num_shards``: fold only this shard's trajectories;
+        ``max_trajectories``: trajectories folded per step (one transaction),
+        cut earlier at ``max_batch_tokens`` tokens; ``max_steps``: stop after
+        that many steps (None: until nothing is pending); ``progress``: called
+        with the number of trajectories each step folded."""
         from trajstore.materializer import Materializer
 
-        return Materializer(self, **kwargs).run()
+        return Materializer(self, shard_index=shard_index, num_shards=num_shards, max_trajectories=max_trajectories,
+                            max_batch_tokens=max_batch_tokens, progress=progress).run(max_steps=max_steps)
 
-    def samples(self, **filters: Any) -> Iterator:
-        """Materialized samples in order; see ``trajstore._samples.iter_samples`` for filters
-        (``page_rows``: index rows per query; ``batch_size`` is its old, deprecated name)."""
+    def samples(
+        self,
+        *,
+        status: str | Sequence[str] | None = None,
+        min_model_version: int | None = None,
+        max_model_version: int | None = None,
+        group_id: str | None = None,
+        trajectory_ids: Iterable[str] | None = None,
+        page_rows: int = 256,
+        batch_size: int | None = None,
+    ) -> Iterator[Sample]:
+        """Materialized samples in their stable order (finished position, sample index).
+
+        ``status``: one status or several; ``min_model_version`` keeps samples
+        whose oldest token is at least that version, ``max_model_version``
+        those whose newest token is at most that; ``group_id`` and
+        ``trajectory_ids`` select by id; ``page_rows``: index rows per query
+        (``batch_size`` is its old, deprecated name). Memory stays bounded."""
         from trajstore._deprecated import renamed
         from trajstore._samples import iter_samples
 
-        if "batch_size" in filters:
-            filters["page_rows"] = renamed("batch_size", "page_rows", filters.pop("batch_size"),
-                                           filters.get("page_rows", 256), 256)
-        return iter_samples(self, **filters)
+        page_rows = renamed("batch_size", "page_rows", batch_size, page_rows, 256)
+        return iter_samples(self, status=status, min_model_version=min_model_version,
+                            max_model_version=max_model_version, group_id=group_id,
+                            trajectory_ids=trajectory_ids, page_rows=page_rows)
 
     def close(self) -> None:
         self.log.close()  # the sample index shares its engines

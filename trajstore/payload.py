@@ -534,7 +534,7 @@ class _Reserve:
     also journals a new inode and directory entry, then an fsync of the
     directory: here ~0.5 ms more than the ~0.6 ms of an ``fdatasync`` of the
     same megabyte written into a file that already exists (docs/benchmarks.md,
-    "Append, fourth session"). So files are created in the background, a batch
+    "Append: where the time goes"). So files are created in the background, a batch
     at a time with one fsync of the directory, and an append takes one whose
     directory entry is already durable: its ``make_durable`` is one
     ``fdatasync`` (the file's new size is part of what it syncs).

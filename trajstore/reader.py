@@ -3,7 +3,7 @@
 This module holds ``ReaderConfig``, ``ReaderStats`` and ``SampleReader``:
 reading sample rows and payload, the versioned resume state and its
 validation. The pure planning it uses (units, steps, ``plan_step``) lives in
-``batch_plan.py``; ``plan_step`` is re-exported here.
+``_batch_plan.py``; ``plan_step`` is re-exported here.
 
 Order. Samples have a stable order, ``(finished_position, sample_index)``.
 The reader turns it into a global sequence of *units* (one sample, or with
@@ -54,7 +54,7 @@ _log = logging.getLogger("trajstore.reader")
 
 STATE_FORMAT = "trajstore.reader"
 STATE_FORMAT_VERSION = 1
-# Keys states saved before issue 13's renames used; such states still load.
+# Keys that states saved before the one-name-per-meaning renames used; such states still load.
 _LEGACY_KEYS = {"format_version": "version", "current_model_version": "current_version"}
 
 
@@ -573,7 +573,7 @@ def _in_background(fn: Any) -> Future:
 
 
 def _get(state: dict[str, Any], name: str) -> Any:
-    """A state's value under its name, else under its name before issue 13."""
+    """A state's value under its name, else under its name before the renames."""
     return state[name] if name in state else state[_LEGACY_KEYS[name]]
 
 

@@ -132,8 +132,8 @@ class _Db:
         """``body(cursor, driver_sql)`` in one read transaction on a pooled driver
         connection: the append's reads (a few small SELECTs) without SQLAlchemy's
         per-statement execution context, which cost ~0.1 ms a statement, more
-        than SQLite took to run them (docs/benchmarks.md, "Append, fourth
-        session"). Driver errors are wrapped as SQLAlchemy would wrap them (a
+        than SQLite took to run them (docs/benchmarks.md, "Append: where the
+        time goes"). Driver errors are wrapped as SQLAlchemy would wrap them (a
         lost connection is invalidated) and go through ``translate``."""
         engine = self.read_engine
         raw = _checkout(engine, what)

@@ -31,7 +31,6 @@ them to megatron's MoE routers itself by layer number
 from __future__ import annotations
 
 import dataclasses
-import logging
 from collections.abc import Iterator, Sequence
 from typing import Any, Literal
 
@@ -39,10 +38,11 @@ import numpy as np
 
 from trajstore.errors import ValidationError
 from trajstore.sample import Sample
+from trajstore.train._rows import loss_masks as _loss_masks
+from trajstore.train._rows import rewards as _rewards
 
 __all__ = ["SkyRLBatch", "generator_output", "skyrl_batches", "trajectory_id_type"]
 
-_log = logging.getLogger("trajstore.train.skyrl")
 _RULE = "skyrl"
 
 MissingLogprobs = Literal["mask", "refuse", "keep"]
@@ -124,14 +124,14 @@ def generator_output(samples: Sequence[Sample], *, missing_logprobs: MissingLogp
     """
     if not samples:
         raise ValidationError("cannot convert an empty batch", rule=_RULE)
-    loss_masks, masked = _loss_masks(samples, missing_logprobs)
+    loss_masks, masked = _loss_masks(samples, missing_logprobs, _RULE)
     any_logprobs = any(bool(s.logprobs_mask.any()) for s in samples)
     with_routes = [s.routed_experts is not None for s in samples]
     trajectory_id = trajectory_id_type()
     output: dict[str, Any] = {
         "prompt_token_ids": [s.prompt_ids.tolist() for s in samples],
         "response_ids": [s.response_ids.tolist() for s in samples],
-        "rewards": _rewards(samples, missing_reward),
+        "rewards": _rewards(samples, missing_reward, _RULE),
         "loss_masks": loss_masks,
         "stop_reasons": _stop_reasons(samples),
         "rollout_metrics": _metrics(samples, masked),
@@ -169,52 +169,6 @@ def skyrl_batches(reader: Any, **kwargs: Any) -> Iterator[SkyRLBatch]:
         batch = generator_output(samples, **kwargs)
         batch.step, batch.reader_state = step, reader.state_dict()
         yield batch
-
-
-def _loss_masks(samples: Sequence[Sample], missing_logprobs: str) -> tuple[list[list[int]], int]:
-    if missing_logprobs not in ("mask", "refuse", "keep"):
-        raise ValidationError(f"missing_logprobs must be 'mask', 'refuse' or 'keep', got {missing_logprobs!r}",
-                              rule=_RULE)
-    any_logprobs = any(bool(s.logprobs_mask.any()) for s in samples)
-    out, masked = [], 0
-    for s in samples:
-        loss_mask = s.loss_mask
-        missing = (loss_mask != 0) & ~s.logprobs_mask
-        if any_logprobs and missing_logprobs != "keep" and bool(missing.any()):
-            if missing_logprobs == "refuse":
-                position = int(np.flatnonzero(missing)[0])
-                raise ValidationError(
-                    f"sample {s.trajectory_id}#{s.sample_index}: trained response token {position} has no "
-                    "rollout logprob (SkyRL would read 0.0); pass missing_logprobs='mask' to leave such tokens "
-                    "out of the loss", rule=_RULE)
-            loss_mask = np.where(missing, 0, loss_mask).astype(loss_mask.dtype)
-            masked += int(missing.sum())
-        out.append(loss_mask.astype(np.int64).tolist())
-    if masked:
-        _log.info("%d trained tokens without a rollout logprob left out of the loss", masked)
-    return out, masked
-
-
-def _rewards(samples: Sequence[Sample], missing_reward: float | None) -> list[Any]:
-    rewards = []
-    for s in samples:
-        reward = s.reward
-        if reward is None:
-            if missing_reward is None and s.is_last_step:
-                raise ValidationError(
-                    f"sample {s.trajectory_id}#{s.sample_index} has no reward; SkyRL needs one per row "
-                    "(pass missing_reward=... to fill it)", rule=_RULE)
-            reward = 0.0 if missing_reward is None else missing_reward
-        rewards.append(float(reward))
-    if all(s.token_rewards is None for s in samples):
-        return rewards
-    per_token = []
-    for s, reward in zip(samples, rewards):
-        row = np.zeros(len(s.response_ids), np.float64) if s.token_rewards is None else s.token_rewards.astype(np.float64)
-        if len(row):
-            row[-1] += reward
-        per_token.append(row.tolist())
-    return per_token
 
 
 def _stop_reasons(samples: Sequence[Sample]) -> list[Any] | None:

@@ -233,3 +233,27 @@ def test_routes_must_reach_every_trained_token(store):
     samples[1].routed_experts = samples[1].routed_experts_mask = None
     with pytest.raises(ValidationError, match="short#0 has no routes but other samples"):
         generator_output(samples)
+
+
+def test_without_an_importable_skyrl_the_ids_have_trajectory_ids_fields(tmp_path):
+    """On Python 3.11 ``skyrl.train.generators.base`` cannot be imported whole (docs/skyrl.md):
+    the output then carries a dataclass with TrajectoryID's fields and ``to_string``."""
+    import subprocess
+
+    script = (
+        "import pathlib, sys\n"
+        "from rollout_store import build_store\n"
+        "from trajstore.reader import SampleReader\n"
+        "from trajstore.train.skyrl import generator_output\n"
+        f"store = build_store(pathlib.Path({str(tmp_path)!r}))\n"
+        "out = generator_output(next(SampleReader(store, batch_size=4))).output\n"
+        "print(sys.version_info >= (3, 12) or 'skyrl.train.generators.base' not in sys.modules)\n"
+        "print([t.to_string() for t in out['trajectory_ids']], type(out['trajectory_ids'][0]).__name__)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), *sys.path])}
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    imported, ids = proc.stdout.splitlines()[-2:]
+    assert imported == "True"
+    assert ids == "['g0_0', 'g0_1', 'g1_0', 'g1_0'] " + ("TrajectoryID" if sys.version_info >= (3, 12) else
+                                                        "_TrajectoryID")

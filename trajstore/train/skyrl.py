@@ -31,6 +31,7 @@ them to megatron's MoE routers itself by layer number
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Iterator, Sequence
 from typing import Any, Literal
 
@@ -63,14 +64,24 @@ def trajectory_id_type() -> type:
     """SkyRL's ``TrajectoryID`` when importable, else a dataclass with its two fields.
 
     SkyRL 0.4.0's package ``__init__`` files import pydantic models that need
-    Python >= 3.12, so on 3.11 ``skyrl.train.generators.base`` may not import;
-    the trainer process (SkyRL's own) always has it.
+    Python >= 3.12, so on 3.11 ``skyrl.train.generators.base`` may not import
+    (docs/skyrl.md); SkyRL's own trainer process always has it. A failed
+    import is not retried for every batch, but a module imported since is used.
     """
-    try:
-        from skyrl.train.generators.base import TrajectoryID
-    except Exception:  # noqa: BLE001 - any import failure means: not usable here
-        return _TrajectoryID
-    return TrajectoryID
+    module = sys.modules.get("skyrl.train.generators.base")
+    if module is not None:
+        return module.TrajectoryID
+    if not _import_failed:
+        try:
+            from skyrl.train.generators.base import TrajectoryID
+        except Exception:  # noqa: BLE001 - any import failure means: not usable here
+            _import_failed.append(True)
+        else:
+            return TrajectoryID
+    return _TrajectoryID
+
+
+_import_failed: list[bool] = []
 
 
 @dataclasses.dataclass

@@ -198,3 +198,23 @@ def test_config_and_explicit_layers_or_experts_must_agree():
         replay_indices(routes_BSLK, mask_BS, config=config, num_experts=4)
     with pytest.raises(ValidationError, match="num_experts is required"):
         replay_indices(routes_BSLK, mask_BS)
+
+
+def test_a_models_mtp_block_is_left_out():
+    """GPTModel keeps multi-token-prediction layers in ``.mtp``, their layer numbers restarting at 1;
+    engines record no routes for them, so only the ``.decoder``'s routers replay."""
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.decoder = build_block([0, 1, 1], num_layers=3)
+            self.mtp = build_block(1, num_layers=1, seed=1)  # one MoE layer, layer_number 1
+
+    model = Model()
+    routes_BSLK = torch.zeros(1, 4, 3, TOPK, dtype=torch.uint8)
+    routes_BSLK[..., 1:, 1] = 1
+    indices = replay_indices(routes_BSLK, torch.zeros(1, 4, dtype=torch.bool), config=model.decoder.config)
+    with replay_routes(model, indices, backward_recompute=False) as replay:
+        assert replay.num_layers == 2
+        assert routers_of(model.mtp)[0].router_replay.router_replay_action is None
+        assert all(r.router_replay.router_replay_action is not None for r in routers_of(model.decoder))

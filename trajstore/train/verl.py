@@ -172,13 +172,13 @@ def _routes(samples: Sequence[Sample], width_p: int, width_r: int) -> tuple[np.n
     for i, s in enumerate(samples):
         if s.routed_experts is None:
             continue
-        if int(s.routed_experts.max(initial=0)) > np.iinfo(np.int16).max:
+        if s.routed_experts.dtype != np.uint8 and int(s.routed_experts.max(initial=0)) > np.iinfo(np.int16).max:
             raise ValidationError(f"sample {s.trajectory_id}#{s.sample_index}: expert id "
                                   f"{int(s.routed_experts.max())} does not fit verl's int16 routes", rule=_RULE)
         start = width_p - len(s.prompt_ids)
-        captured = ~s.routed_experts_mask
         rows = routes[i, start: start + s.num_tokens]
-        rows[captured] = s.routed_experts[captured]
+        rows[...] = s.routed_experts  # one contiguous copy; the few uncaptured rows are zeroed after
+        rows[s.routed_experts_mask] = 0
         mask[i, start: start + s.num_tokens] = s.routed_experts_mask
     return routes, mask
 

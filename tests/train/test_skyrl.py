@@ -161,7 +161,8 @@ def test_skyrls_batch_builder_replays_the_recorded_routes_dense_layers_included(
         skyrl.preprocess.convert_prompts_responses_to_batch_tensors(
             0, out["prompt_token_ids"], out["response_ids"], out["rewards"], out["loss_masks"],
             out["rollout_logprobs"], out["rollout_expert_indices"])
-    padding_mask = skyrl.preprocess.make_router_padding_mask(attention_mask, [len(r) for r in out["rollout_expert_indices"]])
+    captured_lengths = [len(r) for r in out["rollout_expert_indices"]]
+    padding_mask = skyrl.preprocess.make_router_padding_mask(attention_mask, captured_lengths)
     assert routes.values.shape[1:] == (LAYERS, TOPK)  # every recorded layer, as SkyRL's replay expects
     for i, key in enumerate(zip(batch.trajectory_ids, batch.sample_indices)):
         s = stored[key]

@@ -57,7 +57,10 @@ def rewards(samples: Sequence[Sample], missing_reward: float | None, rule: str) 
         return out
     per_token = []
     for s, reward in zip(samples, out):
-        row = np.zeros(len(s.response_ids), np.float64) if s.token_rewards is None else s.token_rewards.astype(np.float64)
+        if s.token_rewards is None:
+            row = np.zeros(len(s.response_ids), np.float64)
+        else:
+            row = s.token_rewards.astype(np.float64)
         if len(row):
             row[-1] += reward
         per_token.append(row.tolist())

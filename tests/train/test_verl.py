@@ -167,6 +167,10 @@ def test_bad_widths_and_missing_rewards(samples):
     assert data_proto(without, missing_reward=-1.0).batch["rm_scores"][0, 8].item() == -1.0
     with pytest.raises(ValidationError, match="multi#0: trained response token 7 has no rollout logprob"):
         data_proto(samples, missing_logprobs="refuse")
+    without[1] = type(samples[1])(**{f: getattr(samples[1], f) for f in samples[1].FIELDS})
+    without[1].routed_experts = without[1].routed_experts_mask = None
+    with pytest.raises(ValidationError, match="short#0 has no routes but other samples of the batch do"):
+        data_proto(without, missing_reward=0.0)
 
 
 @contextlib.contextmanager

@@ -110,7 +110,7 @@ def data_proto(samples: Sequence[Sample], *, prompt_length: int | None = None,
     }
     if logprobs_mask.any():
         tensors["rollout_log_probs"] = logprobs
-    routes = _routes(samples, width_p, width_r)
+    routes = _routes(samples, masks, width_p, width_r)
     if routes is not None:
         tensors["routed_experts"], tensors["routed_experts_mask"] = routes
     rm_scores = _rm_scores(samples, response_lens, width_r, missing_reward)
@@ -159,7 +159,8 @@ def _width(given: int | None, lengths: np.ndarray, name: str, samples: Sequence[
     return given
 
 
-def _routes(samples: Sequence[Sample], width_p: int, width_r: int) -> tuple[np.ndarray, np.ndarray] | None:
+def _routes(samples: Sequence[Sample], masks: list[list[int]], width_p: int,
+            width_r: int) -> tuple[np.ndarray, np.ndarray] | None:
     """verl's int16 routes (captured rows at their tokens, zeros elsewhere) and the route mask."""
     with_routes = [s for s in samples if s.routed_experts is not None]
     if not with_routes:
@@ -171,6 +172,10 @@ def _routes(samples: Sequence[Sample], width_p: int, width_r: int) -> tuple[np.n
     mask = np.ones((len(samples), width_p + width_r), np.bool_)
     for i, s in enumerate(samples):
         if s.routed_experts is None:
+            if any(masks[i]):
+                # verl's R3 would replay the zero fill (expert 0) for every token of this row
+                raise ValidationError(f"sample {s.trajectory_id}#{s.sample_index} has no routes but other samples "
+                                      "of the batch do; verl's R3 replays every row", rule=_RULE)
             continue
         if s.routed_experts.dtype != np.uint8 and int(s.routed_experts.max(initial=0)) > np.iinfo(np.int16).max:
             raise ValidationError(f"sample {s.trajectory_id}#{s.sample_index}: expert id "

@@ -9,7 +9,8 @@ an MoE layer touches even with ``use_cpu_initialization=True``:
   only defines it when TransformerEngine imports; we define it as None so the
   plain ``torch.mm`` path runs;
 - activation recompute (``tensor_parallel.checkpoint``) saves and restores
-  the CUDA RNG state; we make those two calls no-ops;
+  the CUDA RNG state; we make those two calls no-ops, and give the RNG
+  tracker the model-parallel state that attention's dropout forks into;
 - the layer reads its process groups from ``parallel_state``, so we start a
   one-process gloo group and a 1x1 model-parallel layout.
 
@@ -50,6 +51,10 @@ def cpu_megatron() -> Iterator[None]:
         # Activation recompute saves and restores the CUDA RNG; there is none.
         patch(mcore_random, "_get_cuda_rng_state", lambda *args, **kwargs: torch.empty(0))
         patch(mcore_random, "_set_cuda_rng_state", lambda *args, **kwargs: None)
+        # Attention forks this state around its dropout; with the two calls above
+        # a fork is a no-op on the CPU.
+        tracker = mcore_random.get_cuda_rng_tracker()
+        stack.enter_context(mock.patch.dict(tracker.states_, {"model-parallel-rng": torch.empty(0)}))
         if not dist.is_initialized():
             # A file store needs no free port, so parallel test runs cannot collide.
             store = f"file://{os.path.join(tmp, 'store')}"
@@ -67,8 +72,8 @@ def moe_config(*, routing_replay: bool = True, recompute: bool = False, **overri
     recompute_kwargs = (
         {"recompute_granularity": "selective", "recompute_modules": ["moe"]} if recompute else {}
     )
+    overrides.setdefault("num_layers", 1)
     return TransformerConfig(
-        num_layers=1,
         hidden_size=HIDDEN_SIZE,
         num_attention_heads=4,
         num_moe_experts=NUM_EXPERTS,
@@ -121,3 +126,26 @@ class MoEStack(torch.nn.Module):
             out = layer(hidden_SBH)
             hidden_SBH = hidden_SBH + (out[0] if isinstance(out, tuple) else out)
         return hidden_SBH
+
+
+def build_block(moe_layer_freq, *, num_layers: int, seed: int = 0, **overrides):
+    """A real megatron-core TransformerBlock (local specs) with dense and MoE layers.
+
+    ``moe_layer_freq`` is megatron's own setting: an int N (an MoE layer at every
+    i % N == 0) or a list of 0 (dense) / 1 (MoE) per layer. Layers carry megatron's
+    global ``layer_number`` (1-based), as in a GPTModel's decoder. Must run inside
+    ``cpu_megatron()``. Forward with ``block(hidden_SBH, attention_mask=causal_mask(S))``.
+    """
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.transformer.transformer_block import TransformerBlock
+
+    config = moe_config(num_layers=num_layers, moe_layer_freq=moe_layer_freq, ffn_hidden_size=32,
+                        attention_dropout=0.0, hidden_dropout=0.0, **overrides)
+    torch.manual_seed(seed)
+    block = TransformerBlock(config, get_gpt_decoder_block_spec(config, use_transformer_engine=False))
+    return block.train()
+
+
+def causal_mask(seq_len: int) -> torch.Tensor:
+    """megatron's attention mask (True = masked), built on the CPU: its default is made on CUDA."""
+    return torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool), diagonal=1)[None, None]

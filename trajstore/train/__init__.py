@@ -2,6 +2,8 @@
 
 * ``collate``  — reader batches → padded or packed (THD) tensors
 * ``megatron`` — replay indices for megatron-core's ``RouterReplay`` (R3)
+* ``skyrl``    — reader batches as SkyRL's ``GeneratorOutput``
+* ``verl``     — reader batches as verl's ``DataProto``
 
 The reader itself (``trajstore.reader``) is core and torch-free.
 """

@@ -191,7 +191,7 @@ def openai_response(body: dict, chat: bool, state: Any) -> dict:
     prompt, out, values, finish = _openai_outputs(body, chat, state)
     spans = weight_version_spans(state.weight_update, len(out))
     usage = {"prompt_tokens": len(prompt), "total_tokens": len(prompt) + len(out), "completion_tokens": len(out),
-             "prompt_tokens_details": None, "reasoning_tokens": 0}
+             "prompt_tokens_details": None, "reasoning_tokens": 0, "completion_tokens_details": None}
     matched = finish.get("matched")
     if chat:
         choice = {"index": 0, "message": {"role": "assistant", "content": decode(out), "reasoning_content": None},

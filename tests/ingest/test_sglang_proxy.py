@@ -356,3 +356,41 @@ def test_cli_runs_the_sglang_proxy(tmp_path, sglang):
         assert gen.routed_experts.shape == (4 + 3 - 1, NUM_LAYERS, TOPK)
     finally:
         store.close()
+
+
+ODD_ANSWERS = [b'{"output_ids": "abc", "meta_info": {}}', b"[1, 2]", b'{"meta_info": []}', b"not json",
+               b'{"output_ids": [1], "meta_info": {"output_token_logprobs": [5]}}',
+               b'{"output_ids": [1], "meta_info": {"finish_reason": 3}}', b'{"choices": [5]}',
+               b'{"choices": [{"token_ids": [1], "prompt_token_ids": [2], "logprobs": {"content": [1]}}]}']
+ODD_STREAMS = [b'data: {"meta_info": 5}\n\ndata: [DONE]\n\n', b"data: [1, [2]]\n\ndata: [DONE]\n\n",
+               b'data: {"choices": [{"logprobs": {"content": [3]}}]}\n\n', b"data: {nope\n\n"]
+
+
+@pytest.mark.parametrize("path", ["/generate", "/v1/completions"])
+def test_odd_upstream_answers_reach_the_caller_and_store_nothing(store, path):
+    from fastapi import FastAPI, Request
+    from fastapi.responses import Response, StreamingResponse
+
+    odd = FastAPI()
+    odd.state.reply = b""
+
+    async def answer(request):
+        if (await request.json()).get("stream"):
+            return StreamingResponse(iter([odd.state.reply]), media_type="text/event-stream")
+        return Response(odd.state.reply, media_type="application/json")
+
+    answer.__annotations__ = {"request": Request}  # this module's annotations are strings
+    odd.add_api_route(path, answer, methods=["POST"])
+
+    body = {"input_ids": [3, 4], "prompt": [3, 4]}
+    with serve_in_thread(odd) as url, serve_in_thread(make_sglang_proxy_app(store, url, route_layout=LAYOUT)) as proxy:
+        for reply in ODD_ANSWERS:
+            odd.state.reply = reply
+            resp = httpx.post(f"{proxy}{path}", json=body, headers=_headers("odd"))
+            assert resp.status_code == 200 and resp.content == reply, reply
+            assert "x-trajstore-error" in resp.headers and "\n" not in resp.headers["x-trajstore-error"], reply
+        for reply in ODD_STREAMS:
+            odd.state.reply = reply
+            with httpx.stream("POST", f"{proxy}{path}", json={**body, "stream": True}, headers=_headers("odd")) as r:
+                assert r.status_code == 200 and r.read() == reply, reply
+    assert store.trajectory_state("odd") is None

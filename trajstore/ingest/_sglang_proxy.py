@@ -186,7 +186,7 @@ class SGLangForwarder:
             if isinstance(data, (bytes, str)):
                 data = json.loads(data)
             return {"X-Trajstore-Seq": str(await self.recorder.record(tag, make(data)))}
-        except (TrajstoreError, ValueError, TypeError, AttributeError) as e:
+        except (TrajstoreError, ValueError, TypeError, AttributeError, LookupError) as e:  # odd upstream JSON too
             log.warning("not recorded: %s", e)
             return {"X-Trajstore-Error": str(e).replace("\n", " ")[:500]}
 
@@ -221,15 +221,20 @@ class SGLangForwarder:
     async def _recorded(self, resp: Any, tag: Tag, kind: str,
                         make: Callable[[Any], Callable[[int], list[dict]]]) -> AsyncIterator[bytes]:
         acc = GenerateStreamAccumulator() if kind == "generate" else OpenAIStreamAccumulator()
-        sse = _SSEData()
+        sse, unreadable = _SSEData(), None
         async for chunk in _passthrough(resp):
             for obj in sse.feed(chunk):
-                if isinstance(obj, (dict, list)):
-                    acc.add(obj)
+                if unreadable is None:
+                    try:  # a chunk the proxy cannot read must not cut the caller's stream
+                        acc.add(obj)
+                    except (ValueError, TypeError, AttributeError, LookupError) as e:
+                        unreadable = f"unreadable stream chunk ({type(e).__name__}: {e})"
             yield chunk
         # Every byte is sent; the record is appended before the response ends,
         # so a harness that saw the end can rely on it.
         try:
+            if unreadable is not None:
+                raise ValidationError(unreadable, rule="upstream_shape")
             response = acc.response()
         except ValidationError as e:
             log.warning("not recorded: %s", e)

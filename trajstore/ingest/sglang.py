@@ -65,6 +65,7 @@ An SGLang call and a vLLM call of the same tokens give the same sample.
 
 from __future__ import annotations
 
+from operator import itemgetter
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -87,6 +88,7 @@ __all__ = [
 ]
 
 _MAX_LAYOUT = 1 << 16
+_FIRST, _SECOND, _LOGPROB = itemgetter(0), itemgetter(1), itemgetter("logprob")
 
 
 def route_layout(value: Any) -> tuple[int, int] | None:
@@ -174,8 +176,8 @@ def logprobs_from_sglang(triples: Any, output_ids: np.ndarray | None = None) -> 
         raise ValidationError(f"output_token_logprobs must be a list, got {type(triples).__name__}", rule="logprobs")
     if not triples:
         return np.zeros(0, dtype=np.float32)
-    try:
-        values, ids = zip(*((t[0], t[1]) for t in triples))
+    try:  # map(itemgetter) walks the list in C: no Python bytecode per token
+        values, ids = list(map(_FIRST, triples)), list(map(_SECOND, triples))
     except (TypeError, IndexError, KeyError):
         raise ValidationError("output_token_logprobs entries must be [logprob, token_id, text]", rule="logprobs") from None
     if output_ids is not None:
@@ -346,7 +348,12 @@ def _openai_logprobs(choice: Mapping) -> list | None:
         return None
     if "content" in lp:
         content = lp.get("content")
-        return None if content is None else [c.get("logprob") for c in content]
+        if content is None:
+            return None
+        try:
+            return list(map(_LOGPROB, content))
+        except (TypeError, KeyError):
+            raise ValidationError("logprobs.content entries must be objects with a logprob", rule="logprobs") from None
     return lp.get("token_logprobs")
 
 
@@ -475,6 +482,7 @@ class GenerateStreamAccumulator:
         self._logprobs: list = []
         self._meta: dict = {}
         self._prompt: Any = None
+        self._chunks = 0
         self.error: Any = None
 
     @staticmethod
@@ -492,7 +500,10 @@ class GenerateStreamAccumulator:
         if chunk.get("error") is not None:
             self.error = chunk["error"]
             return
-        meta = chunk.get("meta_info") or {}
+        meta = chunk.get("meta_info")
+        if not isinstance(meta, Mapping):
+            raise ValidationError("a /generate stream chunk has no meta_info object", rule="missing_field")
+        self._chunks += 1
         self._ids = self._merge(self._ids, chunk.get("output_ids"), meta.get("completion_tokens"))
         if meta.get("output_token_logprobs") is not None:
             self._logprobs = self._merge(self._logprobs, meta["output_token_logprobs"],
@@ -509,6 +520,8 @@ class GenerateStreamAccumulator:
         if self.error is not None:
             message = self.error.get("message") if isinstance(self.error, Mapping) else self.error
             raise ValidationError(f"the stream ended with an error: {message}", rule="upstream_error")
+        if not self._chunks:
+            raise ValidationError("the stream carried no /generate answer", rule="missing_field")
         meta = dict(self._meta)
         if self._logprobs or "output_token_logprobs" in meta:
             meta["output_token_logprobs"] = self._logprobs
@@ -552,7 +565,7 @@ class OpenAIStreamAccumulator:
                 acc["has_logprobs"] = True
                 if "content" in lp:
                     acc["content"] = True
-                    acc["logprobs"].extend(x.get("logprob") for x in lp.get("content") or [])
+                    acc["logprobs"].extend(map(_LOGPROB, lp.get("content") or []))
                 else:
                     acc["logprobs"].extend(lp.get("token_logprobs") or [])
             for key in ("finish_reason", "matched_stop"):

@@ -95,7 +95,7 @@ SELECT
     e.routes_start, e.num_route_rows_sent,
     e.num_route_rows AS num_route_rows_stored,
     e.reward, e.has_token_rewards, e.metadata, e.created_at,
-    e.weight_versions,
+    e.weight_versions, e.num_placeholder_logprobs,
     (SELECT MIN(u.label) FROM unresolved_labels u
      WHERE u.event_position = e.position
        AND NOT EXISTS (SELECT 1 FROM version_labels v WHERE v.label = u.label)) AS unresolved_label
@@ -119,7 +119,8 @@ WITH calls AS (
         COUNT(*) FILTER (WHERE has_routes) AS num_generations_with_routes,
         MIN(min_model_version) AS min_model_version,
         MAX(model_version) AS max_model_version,
-        MIN(unresolved_label) AS unresolved_label
+        MIN(unresolved_label) AS unresolved_label,
+        CAST(SUM(num_placeholder_logprobs) AS BIGINT) AS num_placeholder_logprobs
     FROM generation_events
     GROUP BY trajectory_id
 ),
@@ -173,7 +174,8 @@ SELECT
     tm.first_event_at, tm.last_event_at,
     tm.last_event_at - tm.first_event_at AS duration_s,
     c.unresolved_label,
-    t.status <> 'running' AND c.unresolved_label IS NOT NULL AS is_held_back
+    t.status <> 'running' AND c.unresolved_label IS NOT NULL AS is_held_back,
+    COALESCE(c.num_placeholder_logprobs, 0) AS num_placeholder_logprobs
 FROM trajectories t
 LEFT JOIN calls c ON c.trajectory_id = t.trajectory_id
 LEFT JOIN reasons r ON r.trajectory_id = t.trajectory_id

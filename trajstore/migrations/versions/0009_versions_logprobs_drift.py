@@ -13,6 +13,12 @@ label map):
 * ``unresolved_labels``: the labels of a generation the map did not hold
   when it was appended (its trajectory is held back until they are mapped).
 
+SPEC "Ordering and validation", the -9999.0 rule:
+
+* ``events.num_placeholder_logprobs``: logprobs at or below -9999.0 a call
+  sent (stored as missing); NULL for calls without logprobs and for rows
+  appended before this revision (counting them would read every payload).
+
 The views are dropped first and recreated last from the live module;
 downgrading recreates 0006's frozen views.
 """
@@ -37,6 +43,7 @@ def upgrade() -> None:
     views.drop_views(op.execute)
     # plain ALTER TABLE ADD COLUMN on both dialects: no table rebuild
     op.add_column('events', sa.Column('weight_versions', sa.JSON(), nullable=True))
+    op.add_column('events', sa.Column('num_placeholder_logprobs', sa.Integer(), nullable=True))
     op.create_table(
         'version_labels',
         sa.Column('label', sa.String(length=255), nullable=False),
@@ -64,6 +71,7 @@ def downgrade() -> None:
     op.drop_index('ix_unresolved_labels_trajectory_id', table_name='unresolved_labels')
     op.drop_table('unresolved_labels')
     op.drop_table('version_labels')
+    op.execute('ALTER TABLE events DROP COLUMN num_placeholder_logprobs')
     op.execute('ALTER TABLE events DROP COLUMN weight_versions')
     _revision_0006().create_views(op.execute, dialect)
 

@@ -146,6 +146,8 @@ def event_row(adm: Admitted, identity: str | None, content_hash: bytes, segment_
             version_spans=version_spans(ev),
             metadata=None if ev.metadata is None else dict(ev.metadata),
             weight_versions=weight_versions_json(ev),
+            route_rows_resent=s.route_rows_resent,
+            route_rows_drifted=s.route_rows_drifted,
             num_placeholder_logprobs=None if ev.logprobs is None
             else int(np.count_nonzero(ev.logprobs <= LOGPROB_PLACEHOLDER)),
             # not a column: the log adds an unresolved_labels row per label

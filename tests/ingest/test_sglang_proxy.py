@@ -26,24 +26,6 @@ from trajstore.ingest.sglang import GenerateStreamAccumulator, OpenAIStreamAccum
 from trajstore.ingest.vllm import OpenAIStreamAccumulator as VLLMStreamAccumulator  # noqa: E402
 
 LAYOUT = f"{NUM_LAYERS}x{TOPK}"
-
-
-def _store_takes_spans() -> bool:
-    """Whether this store keeps SGLang's weight-version spans (SPEC "Versions"); every native
-    /generate answer carries them."""
-    from trajstore.errors import ValidationError
-    from trajstore.events import parse_event
-
-    try:
-        parse_event({"type": "generation", "trajectory_id": "t", "seq": 0, "prompt_ids": [1], "output_ids": [2],
-                     "model_version": 0, "weight_versions": [{"version": "default", "start": 0, "end": 1}]})
-    except ValidationError:
-        return False
-    return True
-
-
-needs_spans = pytest.mark.skipif(not _store_takes_spans(),
-                                 reason="this store refuses weight_versions spans (SPEC 'Versions' not in it yet)")
 SAMPLE_FIELDS = ("group_id", "sample_index", "is_last_step", "status", "prompt_ids", "response_ids", "loss_mask",
                  "rollout_logprobs", "logprobs_mask", "token_model_versions", "finish_reason", "reward",
                  "token_rewards", "routed_experts", "routed_experts_mask", "min_model_version", "max_model_version")
@@ -126,7 +108,6 @@ def _assert_same_samples(a, b):
             assert x == y, name
 
 
-@needs_spans
 @pytest.mark.parametrize("mode", ["json", "sse", "sse-incremental"])
 def test_an_sglang_rollout_and_a_vllm_rollout_of_the_same_tokens_give_the_same_sample(store, sglang, vllm, mode):
     (s_url, s_app), (v_url, v_app) = sglang, vllm
@@ -163,7 +144,6 @@ def test_an_sglang_rollout_and_a_vllm_rollout_of_the_same_tokens_give_the_same_s
     np.testing.assert_array_equal(s.routed_experts, expected)
 
 
-@needs_spans
 def test_chat_through_both_proxies_gives_the_same_sample(store, sglang, vllm):
     (s_url, s_app), (v_url, v_app) = sglang, vllm
     for app in (s_app, v_app):
@@ -206,7 +186,6 @@ def test_openai_streams_are_recorded_with_routes_and_the_declared_version(store,
     assert gen.finish_reason == ("stop" if chat else "length") and gen.logprobs is not None
 
 
-@needs_spans
 def test_recording_params_and_unchanged_bytes(store, sglang):
     url, app = sglang
     body = {"input_ids": [3, 20, 21, 2, 5], "sampling_params": {"max_new_tokens": 4},
@@ -231,7 +210,6 @@ def _plain_state():
     return SimpleNamespace(weight_update=None, missing_logprob=None, incremental=False)
 
 
-@needs_spans
 def test_the_route_layout_is_never_guessed(store, sglang):
     url, app = sglang
     prompt = [3, 20, 21, 2, 5]
@@ -265,7 +243,6 @@ def test_recorded_calls_must_be_one_prompt_and_one_choice(store, sglang):
     assert app.state.requests == []
 
 
-@needs_spans
 def test_a_missing_logprob_is_stored_as_vllm_stores_its_floor(store, sglang):
     from trajstore.ingest.sglang import generation_from_generate, request_params_for_generate
     from trajstore.ingest.vllm import LOGPROB_FLOOR, generations_from_tito
@@ -310,7 +287,6 @@ def test_cli_flags_are_checked(tmp_path, sglang):
             "error: "), bad.stderr
 
 
-@needs_spans
 def test_cli_runs_the_sglang_proxy(tmp_path, sglang):
     """`trajstore proxy --engine sglang` as deployed: a real process, the token from $TRAJSTORE_TOKEN."""
     import os
@@ -324,7 +300,7 @@ def test_cli_runs_the_sglang_proxy(tmp_path, sglang):
 
     url_up, app = sglang
     repo = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "TRAJSTORE_TOKEN": "tok", "TRAJSTORE_PAYLOAD_DIR": str(tmp_path / "payload"),
+    env = {**os.environ, "TRAJSTORE_TOKEN": "tok",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")]))}
     url = f"sqlite:///{tmp_path / 'p.db'}"
     base = [sys.executable, "-m", "trajstore.cli", "--store", url, "proxy", "--upstream", url_up]
@@ -350,7 +326,7 @@ def test_cli_runs_the_sglang_proxy(tmp_path, sglang):
         proc.wait(10)
     assert anonymous.status_code == 401 and len(app.state.requests) == 1
     assert recorded.status_code == 200 and recorded.headers["x-trajstore-seq"] == "0"
-    store = trajstore.connect(url, payload=str(tmp_path / "payload"))
+    store = trajstore.connect(url)  # the payload the proxy's store recorded
     try:
         (gen,) = store.load_generations("p")
         assert gen.routed_experts.shape == (4 + 3 - 1, NUM_LAYERS, TOPK)
@@ -394,3 +370,35 @@ def test_odd_upstream_answers_reach_the_caller_and_store_nothing(store, path):
             with httpx.stream("POST", f"{proxy}{path}", json={**body, "stream": True}, headers=_headers("odd")) as r:
                 assert r.status_code == 200 and r.read() == reply, reply
     assert store.trajectory_state("odd") is None
+
+
+def test_sglang_labels_resolve_in_the_store(store):
+    """SGLang's own labels: a zero-length first span (a swap before the first token), "default", and a
+    label the store does not know yet: the trajectory waits until a version_label maps it."""
+    from trajstore.ingest.sglang import generation_from_generate, request_params_for_generate
+
+    prompt = [SYSTEM, *encode("hi"), END, ASSISTANT]
+    events, calls = [], []
+    for seq, update in enumerate([(0, "3", "4"), None, (2, "4", "step-5")]):
+        body = request_params_for_generate({"input_ids": prompt, "sampling_params": {"max_new_tokens": 6,
+                                                                                     "stop_token_ids": [END]}},
+                                           routes=True)
+        state = _plain_state()
+        state.weight_update = update
+        event = generation_from_generate(sglang_upstream.native_response(body, state), body, trajectory_id="L",
+                                         seq=seq, model_version=4, route_layout=LAYOUT)
+        events.append(event)
+        calls.append((prompt, list(event["output_ids"])))
+        prompt = prompt + calls[-1][1] + [USER, *encode("go"), END, ASSISTANT]
+    assert events[0]["weight_versions"][0] == {"version": "3", "start": 0, "end": 0}
+    assert events[1]["weight_versions"] == [{"version": "default", "start": 0, "end": len(calls[1][1])}]
+    store.append([{"type": "trajectory_started", "trajectory_id": "L"}, *events,
+                  {"type": "trajectory_finished", "trajectory_id": "L", "status": "completed"}])
+    assert _samples(store) == {}  # "step-5" is not mapped yet: held back, not dropped
+    store.append([{"type": "version_label", "label": "step-5", "model_version": 5}])
+    (sample,) = _samples(store).values()
+    (p1, o1), (p2, o2), (p3, o3) = calls
+    obs = lambda p, prev: [-1] * (len(p) - len(prev))  # noqa: E731
+    assert list(sample.token_model_versions) == ([4] * len(o1) + obs(p2, p1 + o1) + [4] * len(o2) + obs(p3, p2 + o2)
+                                                 + [4, 4] + [5] * (len(o3) - 2))
+    assert (sample.min_model_version, sample.max_model_version) == (4, 5)

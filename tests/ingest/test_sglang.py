@@ -239,3 +239,31 @@ def test_request_params():
     assert routed_experts_start_len_of({"routed_experts_start_len": 4}) == 4
     with pytest.raises(ValidationError, match="non-negative"):
         routed_experts_start_len_of({"routed_experts_start_len": -1})
+
+
+@pytest.mark.parametrize("via", ["store", "json", "arrow"])
+def test_the_writer_sends_sglang_events_as_they_are(store, via):
+    """The docs' harness lines: an SGLang event put on a Writer, in process or through the ingest
+    service (JSON or Arrow body), is stored with its raw int32 routes and spans."""
+    from openai_upstream import serve_in_thread
+    from trajstore.ingest.client import Writer
+    from trajstore.ingest.service import make_app
+
+    body = _body(routed_experts_start_len=0)
+    event = generation_from_generate(native_response(body, _state(weight_update=(2, "3", "4"))), body,
+                                     trajectory_id="w", seq=0, model_version=3, route_layout=LAYOUT)
+    events = [{"type": "trajectory_started", "trajectory_id": "w"}, event,
+              {"type": "trajectory_finished", "trajectory_id": "w", "status": "completed"}]
+    if via == "store":
+        with Writer(store) as writer:
+            for e in events:
+                writer.put(e)
+    else:
+        with serve_in_thread(make_app(store, token="t")) as url:
+            with Writer(url, token="t", body=via) as writer:
+                for e in events:
+                    writer.put(e)
+    (gen,) = store.load_generations("w")
+    out = list(event["output_ids"])
+    np.testing.assert_array_equal(gen.routed_experts, route_rows(PROMPT + out, len(PROMPT)))
+    assert list(gen.token_model_versions) == [3, 3] + [4] * (len(out) - 2)

@@ -280,7 +280,7 @@ def test_cli_flags_are_checked(tmp_path, sglang):
     base = [sys.executable, "-m", "trajstore.cli", "--store", f"sqlite:///{tmp_path / 'p.db'}", "proxy",
             "--upstream", sglang[0]]
     for extra, message in ((["--engine", "sglang", "--route-layout", "2"], "LAYERSxTOPK"),
-                           (["--engine", "sglang", "--version-map", "{}"], "version_label"),
+                           (["--engine", "sglang", "--version-map", '{"a": "b"}'], "--version-map"),
                            (["--route-layout", "2x2"], "--engine sglang")):
         bad = subprocess.run(base + extra, env=env, cwd=repo, capture_output=True, text=True, timeout=60)
         assert bad.returncode != 0 and message in bad.stderr and bad.stderr.strip().splitlines()[-1].startswith(
@@ -307,8 +307,9 @@ def test_cli_runs_the_sglang_proxy(tmp_path, sglang):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen(base + ["--engine", "sglang", "--route-layout", LAYOUT, "--port", str(port)],
-                            env=env, cwd=repo)
+    app.state.weight_update = (0, "step-5", "step-5")  # the engine runs weights the operator named
+    proc = subprocess.Popen(base + ["--engine", "sglang", "--route-layout", LAYOUT, "--port", str(port),
+                                    "--version-map", '{"step-5": 5}'], env=env, cwd=repo)
     proxy = f"http://127.0.0.1:{port}"
     try:
         for _ in range(300):
@@ -321,6 +322,8 @@ def test_cli_runs_the_sglang_proxy(tmp_path, sglang):
         body = {"input_ids": [3, 20, 2, 5], "sampling_params": {"max_new_tokens": 3}}
         anonymous = httpx.post(f"{proxy}/generate", json=body, headers=_headers("p"))
         recorded = httpx.post(f"{proxy}/generate", json=body, headers={**_headers("p"), "Authorization": "Bearer tok"})
+        finished = httpx.post(f"{proxy}/trajstore/finish", json={"trajectory_id": "p"},
+                              headers={"Authorization": "Bearer tok"})
     finally:
         proc.terminate()
         proc.wait(10)
@@ -329,7 +332,10 @@ def test_cli_runs_the_sglang_proxy(tmp_path, sglang):
     store = trajstore.connect(url)  # the payload the proxy's store recorded
     try:
         (gen,) = store.load_generations("p")
-        assert gen.routed_experts.shape == (4 + 3 - 1, NUM_LAYERS, TOPK)
+        assert gen.routed_experts.shape == (4 + 3 - 1, NUM_LAYERS, TOPK) and finished.status_code == 200
+        store.materialize()
+        (sample,) = list(store.samples())
+        assert list(sample.token_model_versions) == [5, 5, 5]  # "step-5" resolved by the proxy's --version-map
     finally:
         store.close()
 

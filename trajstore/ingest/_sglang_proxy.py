@@ -21,8 +21,9 @@ engine. Only new route rows: when a call's token-id prompt continues the
 trajectory's recorded sequence, ``routed_experts_start_len`` is set to the
 recorded rows (``--no-route-skip`` turns that off; a caller's value is kept).
 
-Weight versions go to the store as SGLang's spans; ``--version-map`` is
-vLLM's: with SGLang, labels are mapped by ``version_label`` events.
+Weight versions go to the store as SGLang's spans, which it resolves
+(SPEC "Versions"); ``--version-map '{"step-42": 42}'`` appends those
+``version_label`` events to the store's label map when the proxy starts.
 """
 
 # No ``from __future__ import annotations``: FastAPI reads the handlers'
@@ -327,9 +328,8 @@ def serve_from_args(args: argparse.Namespace) -> None:
         if getattr(args, "route_layout", None) is not None:
             raise ValueError("--route-layout is for --engine sglang (vLLM's routes carry their shape)")
         return _vllm_proxy.serve_proxy_from_args(args)
-    if getattr(args, "version_map", None) is not None:
-        raise ValueError("--version-map is for vLLM: with --engine sglang the store maps weight-version labels "
-                         "(version_label events)")
+    labels = [{"type": "version_label", "label": str(label), "model_version": version}
+              for label, version in (_vllm_proxy._version_map_arg(getattr(args, "version_map", None)) or {}).items()]
     try:
         layout = route_layout(args.route_layout)
     except ValidationError as e:
@@ -342,6 +342,8 @@ def serve_from_args(args: argparse.Namespace) -> None:
 
     store = trajstore.connect(getattr(args, "store", None), payload=getattr(args, "payload", None))
     try:
+        if labels:  # the store resolves SGLang's span labels through its label map
+            store.append(labels)
         app = make_sglang_proxy_app(store, args.upstream, token=token, model_version=args.model_version,
                                     num_experts=args.num_experts, upstream_api_key=upstream_api_key,
                                     route_layout=layout, skip_recorded_routes=not args.no_route_skip)

@@ -374,8 +374,56 @@ def test_odd_upstream_answers_reach_the_caller_and_store_nothing(store, path):
         for reply in ODD_STREAMS:
             odd.state.reply = reply
             with httpx.stream("POST", f"{proxy}{path}", json={**body, "stream": True}, headers=_headers("odd")) as r:
-                assert r.status_code == 200 and r.read() == reply, reply
+                got = r.read()
+            # the caller gets every byte, then why nothing was recorded: an error event when the stream
+            # did not end with [DONE], else an SSE comment
+            assert r.status_code == 200 and got.startswith(reply), reply
+            tail = got[len(reply):]
+            if b"[DONE]" in reply:
+                assert tail.startswith(b": X-Trajstore-Error: ") and tail.count(b"\n") == 2, tail
+            else:
+                assert b'"UpstreamStreamCut"' in tail and b"call not recorded" in tail, tail
     assert store.trajectory_state("odd") is None
+
+
+def test_a_stream_the_upstream_cuts_is_not_recorded_and_the_caller_is_told(store):
+    """SGLang dies mid-stream: the caller gets the chunks that came and an error event; nothing is stored."""
+    from fastapi import FastAPI, Request
+    from fastapi.responses import StreamingResponse
+
+    cutting = FastAPI()
+
+    async def answer(request):
+        body = await request.json()
+
+        async def chunks():
+            for chunk in sglang_upstream.native_stream(body, _plain_state()):
+                yield f"data: {json.dumps(chunk)}\n\n".encode()
+                if len(chunk["output_ids"]) == 2:
+                    raise RuntimeError("engine died")  # uvicorn drops the connection mid-body
+        return StreamingResponse(chunks(), media_type="text/event-stream")
+
+    answer.__annotations__ = {"request": Request}
+    cutting.add_api_route("/generate", answer, methods=["POST"])
+    body = {"input_ids": [3, 20, 21, 2, 5], "sampling_params": {"max_new_tokens": 6}, "stream": True}
+    with serve_in_thread(cutting) as url, serve_in_thread(make_sglang_proxy_app(store, url, route_layout=LAYOUT)) as proxy:
+        with httpx.stream("POST", f"{proxy}/generate", json=body, headers=_headers("cut")) as r:
+            lines = [line for line in r.iter_lines() if line.startswith("data:")]
+    assert len(lines) == 3 and json.loads(lines[1][5:])["output_ids"] == [  # two chunks, then the error
+        *json.loads(lines[0][5:])["output_ids"], json.loads(lines[1][5:])["output_ids"][-1]]
+    assert json.loads(lines[2][5:])["error"]["type"] == "UpstreamStreamCut"
+    assert store.trajectory_state("cut") is None
+
+
+def test_a_recorded_stream_ends_with_its_seq(store, sglang):
+    url, _ = sglang
+    body = {"input_ids": [3, 20, 21, 2, 5], "sampling_params": {"max_new_tokens": 3}, "stream": True}
+    with serve_in_thread(make_sglang_proxy_app(store, url, route_layout=LAYOUT)) as proxy:
+        for expected in ("0", "1"):
+            with httpx.stream("POST", f"{proxy}/generate", json=body, headers=_headers("seq")) as r:
+                lines = list(r.iter_lines())
+            assert lines.index(": X-Trajstore-Seq: " + expected) > lines.index("data: [DONE]"), lines[-4:]
+    assert len(store.load_generations("seq")) == 2
 
 
 def test_sglang_labels_resolve_in_the_store(store):

@@ -7,7 +7,9 @@ asking for what a record needs (``trajstore.ingest.sglang``
 ``request_params_for_generate`` / ``request_params_for_openai``: sampled
 logprobs, token ids, and routes when the layout is known), records each
 call as the trajectory's next generation event and returns SGLang's bytes
-unchanged. Naming the trajectory, ``X-Trajstore-*`` headers, the
+unchanged (a stream: recorded once it ended with ``data: [DONE]``, then a
+``: X-Trajstore-Seq`` comment; cut short: nothing recorded, an error event).
+Naming the trajectory, ``X-Trajstore-*`` headers, the
 ``trajstore`` body field, ``POST /trajstore/finish``, auth and the
 ``X-Trajstore-Seq`` / ``X-Trajstore-Error`` answers are the vLLM proxy's
 (``trajstore.ingest.proxy``), whose recorder this uses.
@@ -64,10 +66,16 @@ class _BadCall(Exception):
 
 
 class _SSEData:
-    """``data:`` payloads of an SSE byte stream, as decoded JSON values (named events included)."""
+    """``data:`` payloads of an SSE byte stream, as decoded JSON values (named events included).
+
+    ``done``: the ``data: [DONE]`` SGLang ends every stream with was seen;
+    ``bad``: why a data line could not be read, if one could not.
+    """
 
     def __init__(self) -> None:
         self._buffer = b""
+        self.done = False
+        self.bad: str | None = None
 
     def feed(self, chunk: bytes) -> list:
         self._buffer += chunk
@@ -75,11 +83,16 @@ class _SSEData:
         out = []
         for line in lines:
             line = line.strip()
-            if line.startswith(b"data:") and line[5:].strip() not in (b"", b"[DONE]"):
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                self.done = True
+            elif data:
                 try:
-                    out.append(json.loads(line[5:]))
+                    out.append(json.loads(data))
                 except ValueError:
-                    log.warning("unparsable SSE data line from upstream")
+                    self.bad = self.bad or "a data line is not JSON"
         return out
 
 
@@ -206,41 +219,77 @@ class SGLangForwarder:
                 if resp.status_code != 200 or tag is None:
                     return StreamingResponse(_passthrough(resp), status_code=resp.status_code, media_type=media_type)
                 make = self._events(kind, body, tag, layout)
-                return StreamingResponse(self._recorded(resp, tag, kind, make), media_type=media_type)
+                sse = "text/event-stream" in (media_type or "")
+                return StreamingResponse(self._recorded(resp, tag, kind, make, sse), media_type=media_type)
             resp = await self.client.post(path, json=body, headers=headers)
         except _BadCall as e:
             return error_response(e.status, str(e), rule=e.rule)
-        except httpx.TransportError as e:
-            return error_response(502, f"upstream {self.upstream} unreachable: {type(e).__name__}: {e}",
-                                  rule="upstream_unreachable")
+        except httpx.HTTPError as e:  # refused, reset, timed out, cut mid-body
+            return error_response(502, f"upstream {self.upstream} failed: {type(e).__name__}: "
+                                  f"{' '.join(str(e).split())}"[:500], rule="upstream_unreachable")
         extra = {}
         if tag is not None and resp.status_code == 200:
             extra = await self.record_headers(tag, resp.content, self._events(kind, body, tag, layout))
         return Response(resp.content, status_code=resp.status_code, headers=extra,
                         media_type=resp.headers.get("content-type"))
 
-    async def _recorded(self, resp: Any, tag: Tag, kind: str,
-                        make: Callable[[Any], Callable[[int], list[dict]]]) -> AsyncIterator[bytes]:
+    async def _recorded(self, resp: Any, tag: Tag, kind: str, make: Callable[[Any], Callable[[int], list[dict]]],
+                        sse_media: bool) -> AsyncIterator[bytes]:
+        """SGLang's bytes as they come; the record once the stream has ended whole (``data: [DONE]``).
+
+        As the vLLM proxy does: a stream the upstream cut records nothing and
+        ends with an SSE ``data: {"error": ...}`` event (SGLang's own shape
+        for an error mid-stream); a whole stream that cannot be recorded ends
+        with the comment ``: X-Trajstore-Error: ...``, a recorded one with
+        ``: X-Trajstore-Seq: <seq>`` (SSE clients skip comments).
+        """
+        import httpx
+
         acc = GenerateStreamAccumulator() if kind == "generate" else OpenAIStreamAccumulator()
-        sse, unreadable = _SSEData(), None
-        async for chunk in _passthrough(resp):
-            for obj in sse.feed(chunk):
+        sse = _SSEData()
+        unreadable: str | None = None
+        cut: str | None = None
+
+        def take(objs: list) -> None:
+            nonlocal unreadable
+            for obj in objs:
                 if unreadable is None:
                     try:  # a chunk the proxy cannot read must not cut the caller's stream
                         acc.add(obj)
                     except (ValueError, TypeError, AttributeError, LookupError) as e:
-                        unreadable = f"unreadable stream chunk ({type(e).__name__}: {e})"
-            yield chunk
+                        unreadable = f"a chunk cannot be read ({type(e).__name__}: {' '.join(str(e).split())})"
+
+        try:
+            async for chunk in resp.aiter_raw():
+                take(sse.feed(chunk))
+                yield chunk
+        except httpx.HTTPError as e:
+            cut = f"the upstream stream broke off ({type(e).__name__}: {' '.join(str(e).split())})"
+        finally:
+            await resp.aclose()
+        if cut is None:
+            take(sse.feed(b"\n"))  # a last data line without its newline still counts
+            unreadable = unreadable or sse.bad
+            if not sse.done:
+                cut = "the upstream stream ended before its data: [DONE]"
+        if cut is not None:
+            reason = f"{cut}: call not recorded"
+            log.warning("%s: %s", tag.trajectory_id, reason)
+            error = {"error": {"message": f"trajstore proxy: {reason}", "type": "UpstreamStreamCut", "code": 502}}
+            if sse_media:
+                yield b"\n\ndata: " + json.dumps(error).encode() + b"\n\n"
+            return
         # Every byte is sent; the record is appended before the response ends,
         # so a harness that saw the end can rely on it.
         try:
             if unreadable is not None:
                 raise ValidationError(unreadable, rule="upstream_shape")
-            response = acc.response()
+            headers = await self.record_headers(tag, acc.response(), make)
         except ValidationError as e:
-            log.warning("not recorded: %s", e)
-            return
-        await self.record_headers(tag, response, make)
+            log.warning("%s: stream not recorded: %s", tag.trajectory_id, e)
+            headers = {"X-Trajstore-Error": f"not recorded: {e}".replace("\n", " ")[:500]}
+        if sse_media:
+            yield "".join(f": {k}: {v}\n" for k, v in headers.items()).encode("utf-8", "replace") + b"\n"
 
     async def finish(self, request: Any) -> Any:
         try:

@@ -267,3 +267,97 @@ def test_the_writer_sends_sglang_events_as_they_are(store, via):
     out = list(event["output_ids"])
     np.testing.assert_array_equal(gen.routed_experts, route_rows(PROMPT + out, len(PROMPT)))
     assert list(gen.token_model_versions) == [3, 3] + [4] * (len(out) - 2)
+
+
+def _mutations():
+    from hypothesis import strategies as st
+
+    junk = st.one_of(st.none(), st.booleans(), st.integers(-2**40, 2**40), st.floats(allow_nan=True),
+                     st.text(max_size=5), st.lists(st.integers(-3, 2**33), max_size=4),
+                     st.dictionaries(st.text(max_size=3), st.integers(), max_size=2))
+    paths = st.sampled_from([("output_ids",), ("meta_info",), ("meta_info", "finish_reason"),
+                             ("meta_info", "output_token_logprobs"), ("meta_info", "routed_experts"),
+                             ("meta_info", "weight_versions"), ("meta_info", "weight_version"),
+                             ("meta_info", "output_token_logprobs", 0), ("meta_info", "output_token_logprobs", 0, 1),
+                             ("meta_info", "weight_versions", 0), ("output_ids", 0), ("prompt_token_ids",)])
+    return st.lists(st.tuples(paths, st.one_of(junk, st.just("<delete>"))), min_size=1, max_size=3)
+
+
+def _mutate(response, mutations):
+    import copy
+
+    out = copy.deepcopy(response)
+    for path, value in mutations:
+        node = out
+        for key in path[:-1]:
+            try:
+                node = node[key]
+            except (KeyError, IndexError, TypeError):
+                break
+        else:
+            try:
+                if value == "<delete>":
+                    del node[path[-1]]
+                else:
+                    node[path[-1]] = value
+            except (KeyError, IndexError, TypeError):
+                pass
+    return out
+
+
+def test_any_mangled_answer_gives_a_valid_event_or_a_validation_error():
+    """Whatever SGLang (or something in between) sends, the adapter returns an event the store's parser
+    takes, or a one-line ValidationError: never another exception."""
+    from hypothesis import given, settings
+
+    from trajstore.events import parse_event
+
+    body = _body(routed_experts_start_len=2)
+    good = native_response(body, _state(weight_update=(2, "3", "4")))
+
+    @settings(max_examples=300, deadline=None)
+    @given(_mutations())
+    def check(mutations):
+        response = _mutate(good, mutations)
+        try:
+            event = generation_from_generate(response, body, trajectory_id="t", seq=0, model_version=3,
+                                             route_layout=LAYOUT)
+            parse_event(event)
+        except ValidationError as e:
+            assert "\n" not in str(e)
+
+    check()
+
+
+@pytest.mark.parametrize("chat", [True, False], ids=["chat", "completions"])
+def test_any_mangled_openai_answer_gives_a_valid_event_or_a_validation_error(chat):
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from trajstore.events import parse_event
+
+    raw = {"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": PROMPT, "max_tokens": 6}
+    body = request_params_for_openai(raw, chat=chat, routes=True)
+    good = openai_response(body, chat, _state(weight_update=(2, "3", "4")))
+    junk = st.one_of(st.none(), st.booleans(), st.integers(-2**40, 2**40), st.floats(allow_nan=True),
+                     st.text(max_size=5), st.lists(st.integers(-3, 2**33), max_size=4), st.just({}), st.just([{}]))
+    paths = st.sampled_from([("choices",), ("choices", 0), ("choices", 0, "logprobs"), ("choices", 0, "token_ids"),
+                             ("choices", 0, "prompt_token_ids"), ("choices", 0, "finish_reason"),
+                             ("choices", 0, "matched_stop"), ("choices", 0, "index"),
+                             ("choices", 0, "logprobs", "content"), ("choices", 0, "logprobs", "token_logprobs"),
+                             ("sglext",), ("sglext", "routed_experts"), ("sglext", "input_ids"),
+                             ("sglext", "output_ids"), ("sglext", "output_ids", 0), ("metadata",),
+                             ("metadata", "weight_versions"), ("metadata", "weight_version")])
+
+    @settings(max_examples=300, deadline=None)
+    @given(st.lists(st.tuples(paths, st.one_of(junk, st.just("<delete>"))), min_size=1, max_size=3))
+    def check(mutations):
+        response = _mutate(good, mutations)
+        try:
+            for event in generations_from_openai(response, body, trajectory_id="t", seq=0, model_version=3,
+                                                 route_layout=LAYOUT):
+                parse_event(event)
+        except ValidationError as e:
+            assert "\n" not in str(e)
+
+    check()

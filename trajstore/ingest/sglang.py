@@ -224,7 +224,11 @@ def finish_reason_of(finish_reason: Any) -> tuple[str | None, dict]:
     extra: dict = {}
     matched = finish_reason.get("matched")
     if matched is not None:
-        extra["stop_reason"] = matched if isinstance(matched, (int, str)) else [int(m) for m in matched]
+        if isinstance(matched, (int, str)) or (isinstance(matched, list) and all(
+                isinstance(m, int) for m in matched)):
+            extra["stop_reason"] = matched  # the stop string, token id or token ids
+        else:
+            extra["stop_reason"] = str(matched)[:200]
     if finish_reason["type"] == "abort" and finish_reason.get("message"):
         extra["abort_message"] = str(finish_reason["message"])[:1000]
     return finish_reason["type"], extra
@@ -342,8 +346,17 @@ def generation_from_generate(
     )
 
 
+def _obj(value: Any, what: str) -> Mapping:
+    """``value`` as a JSON object ({} for null); anything else is refused naming ``what``."""
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise ValidationError(f"{what} must be an object, got {type(value).__name__}", rule="upstream_shape")
+    return value
+
+
 def _openai_logprobs(choice: Mapping) -> list | None:
-    lp = choice.get("logprobs")
+    lp = _obj(choice.get("logprobs"), "choices[i].logprobs")
     if not lp:
         return None
     if "content" in lp:
@@ -377,13 +390,17 @@ def generations_from_openai(
     only; record calls with ``n = 1``.
     """
     request = request or {}
-    choices = response.get("choices")
+    choices = _obj(response, "the response").get("choices")
     if not isinstance(choices, list) or not choices:
         raise ValidationError("the response has no choices", rule="missing_field")
+    if not all(isinstance(c, Mapping) and isinstance(c.get("index", 0), int) for c in choices):
+        raise ValidationError("the response's choices must be objects with an integer index", rule="upstream_shape")
     choices = sorted(choices, key=lambda c: c.get("index", 0))
-    sglext = response.get("sglext") or {}
-    metadata = response.get("metadata") or {}
+    sglext = _obj(response.get("sglext"), "sglext")
+    metadata = _obj(response.get("metadata"), "metadata")
     ext_outputs = sglext.get("output_ids") or []
+    if not isinstance(ext_outputs, list):
+        raise ValidationError("sglext.output_ids must be a list of token id lists", rule="upstream_shape")
     events = []
     for i, choice in enumerate(choices):
         index = choice.get("index", i)
@@ -405,7 +422,7 @@ def generations_from_openai(
                                   "return_input_ids_in_sglext)", rule="missing_token_ids")
         output = _ids(output_ids, "output_ids")
         values = _openai_logprobs(choice)
-        meta = choice.get("meta_info") or {}  # return_meta_info puts the native meta_info here
+        meta = _obj(choice.get("meta_info"), "choices[i].meta_info")  # return_meta_info puts it here
         routes = sglext.get("routed_experts") if i == 0 else None
         if routes is None:
             routes = meta.get("routed_experts")

@@ -361,3 +361,51 @@ def test_any_mangled_openai_answer_gives_a_valid_event_or_a_validation_error(cha
             assert "\n" not in str(e)
 
     check()
+
+
+@pytest.mark.parametrize("kind", ["generate", "chat", "completions"])
+def test_any_mangled_stream_gives_a_valid_event_or_a_validation_error(kind):
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from trajstore.events import parse_event
+
+    state = _state(weight_update=(2, "3", "4"))
+    if kind == "generate":
+        body = _body()
+        chunks, acc_type = list(native_stream(body, state)), GenerateStreamAccumulator
+        paths = [("output_ids",), ("meta_info",), ("meta_info", "completion_tokens"), ("meta_info", "finish_reason"),
+                 ("meta_info", "output_token_logprobs"), ("meta_info", "output_token_logprobs_length"),
+                 ("meta_info", "routed_experts"), ("meta_info", "weight_versions"), ("error",)]
+    else:
+        chat = kind == "chat"
+        raw = {"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": PROMPT, "max_tokens": 6}
+        body = request_params_for_openai({**raw, "stream": True}, chat=chat, routes=True)
+        chunks, acc_type = list(openai_stream(body, chat, state)), OpenAIStreamAccumulator
+        paths = [("choices",), ("choices", 0), ("choices", 0, "token_ids"), ("choices", 0, "logprobs"),
+                 ("choices", 0, "logprobs", "content"), ("choices", 0, "logprobs", "token_logprobs"),
+                 ("choices", 0, "finish_reason"), ("choices", 0, "index"), ("sglext",), ("sglext", "output_ids"),
+                 ("sglext", "routed_experts"), ("object",)]
+    junk = st.one_of(st.none(), st.booleans(), st.integers(-5, 2**33), st.text(max_size=4),
+                     st.lists(st.integers(-3, 2**33), max_size=3), st.just({}), st.just([{}]), st.just("<delete>"))
+
+    @settings(max_examples=200, deadline=None)
+    @given(st.lists(st.tuples(st.integers(0, len(chunks) - 1), st.sampled_from(paths), junk), min_size=1, max_size=3))
+    def check(mutations):
+        mangled = [dict(c) for c in chunks]
+        for i, path, value in mutations:
+            mangled[i] = _mutate(mangled[i], [(path, value)])
+        acc = acc_type()
+        args = dict(trajectory_id="t", seq=0, model_version=3, route_layout=LAYOUT)
+        try:
+            for chunk in mangled:
+                acc.add(chunk)
+            response = acc.response()
+            events = ([generation_from_generate(response, body, **args)] if kind == "generate"
+                      else generations_from_openai(response, body, **args))
+            for event in events:
+                parse_event(event)
+        except ValidationError as e:
+            assert "\n" not in str(e)
+
+    check()

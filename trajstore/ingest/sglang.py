@@ -355,6 +355,10 @@ def _obj(value: Any, what: str) -> Mapping:
     return value
 
 
+def _index_ok(index: Any) -> bool:
+    return isinstance(index, int) and not isinstance(index, bool) and index >= 0
+
+
 def _openai_logprobs(choice: Mapping) -> list | None:
     lp = _obj(choice.get("logprobs"), "choices[i].logprobs")
     if not lp:
@@ -393,8 +397,8 @@ def generations_from_openai(
     choices = _obj(response, "the response").get("choices")
     if not isinstance(choices, list) or not choices:
         raise ValidationError("the response has no choices", rule="missing_field")
-    if not all(isinstance(c, Mapping) and isinstance(c.get("index", 0), int) for c in choices):
-        raise ValidationError("the response's choices must be objects with an integer index", rule="upstream_shape")
+    if not all(isinstance(c, Mapping) and _index_ok(c.get("index", 0)) for c in choices):
+        raise ValidationError("the response's choices must be objects with an index >= 0", rule="upstream_shape")
     choices = sorted(choices, key=lambda c: c.get("index", 0))
     sglext = _obj(response.get("sglext"), "sglext")
     metadata = _obj(response.get("metadata"), "metadata")
@@ -483,6 +487,17 @@ def request_params_for_openai(body: Mapping, *, chat: bool, routes: bool) -> dic
     return out
 
 
+def _guarded_add(add: Any, chunk: Any) -> None:
+    """Run an accumulator's ``_add``; a chunk not in SGLang's shape is a one-line ValidationError."""
+    try:
+        add(chunk)
+    except ValidationError:
+        raise
+    except (TypeError, AttributeError, LookupError, ValueError) as e:
+        raise ValidationError(f"a stream chunk is not in SGLang's shape ({type(e).__name__}: "
+                              f"{' '.join(str(e).split())[:200]})", rule="upstream_shape") from None
+
+
 class GenerateStreamAccumulator:
     """Collects a streamed native ``/generate`` into the response :func:`generation_from_generate` reads.
 
@@ -512,6 +527,9 @@ class GenerateStreamAccumulator:
         return acc + chunk[: max(total - len(acc), 0)]  # a delta; an abort chunk re-sends the last token
 
     def add(self, chunk: Mapping) -> None:
+        _guarded_add(self._add, chunk)
+
+    def _add(self, chunk: Mapping) -> None:
         if isinstance(chunk, list):  # a batch: not recordable, keep the first for the error
             chunk = chunk[0] if len(chunk) == 1 else {"error": {"message": "a batch /generate is not recorded"}}
         if chunk.get("error") is not None:
@@ -564,12 +582,17 @@ class OpenAIStreamAccumulator:
         self.error: Any = None
 
     def add(self, chunk: Mapping) -> None:
+        _guarded_add(self._add, chunk)
+
+    def _add(self, chunk: Mapping) -> None:
         if chunk.get("error") is not None or chunk.get("object") == "error":
             self.error = chunk.get("error", chunk)
             return
         if isinstance(chunk.get("sglext"), Mapping):
             self._sglext.update({k: v for k, v in chunk["sglext"].items() if v is not None})
         for c in chunk.get("choices") or []:
+            if not _index_ok(c.get("index", 0)):
+                raise ValidationError("a stream chunk's choice has no index >= 0", rule="upstream_shape")
             acc = self._choices.setdefault(c.get("index", 0), {"token_ids": [], "logprobs": [], "chat": False,
                                                                "content": False, "has_logprobs": False})
             acc["chat"] = acc["chat"] or "delta" in c

@@ -15,6 +15,15 @@ from typing import Any
 
 PLOTLY_JS = "plotly.min.js"
 
+
+def store_label(url: str | None) -> str:
+    """The store URL as the page shows it (no password)."""
+    from sqlalchemy.engine import make_url
+
+    from trajstore.store import resolve_url
+
+    return make_url(resolve_url(url)).render_as_string(hide_password=True)
+
 _CSS = """
 body{font-family:system-ui,-apple-system,sans-serif;margin:0;color:#1d1d1f;background:#f4f5f7}
 header{background:#1f2937;color:#fff;padding:10px 24px;display:flex;flex-wrap:wrap;gap:4px 24px;align-items:baseline}
@@ -180,6 +189,7 @@ def page(title: str, store: str, *, live: bool, refresh_s: float = 5.0, data_jso
     return (
         "<!doctype html><html lang='en'><head><meta charset='utf-8'>"
         "<meta name='viewport' content='width=device-width,initial-scale=1'>"
+        "<link rel='icon' href='data:,'>"
         f"<title>{e(title)}</title><style>{_CSS}</style></head><body>"
         f"<header><h1>{e(title)}</h1><span class='meta'>store <code>{e(store)}</code></span>"
         "<span class='meta' id='status'>loading…</span></header>"

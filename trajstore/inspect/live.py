@@ -82,7 +82,6 @@ def make_app(url: str | None, *, token: str | None, title: str = "trajstore repo
     from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
     from starlette.routing import Route
 
-    from trajstore.inspect.report import store_label
     from trajstore.inspect.sql import read_only
 
     def compute() -> dict[str, Any]:
@@ -90,7 +89,7 @@ def make_app(url: str | None, *, token: str | None, title: str = "trajstore repo
             return collect(query, stuck_after_s=stuck_after_s)
 
     snapshot = _Snapshot(compute, min_age_s=refresh_s / 2)
-    index = _report_page.page(title, store_label(url), live=True, refresh_s=refresh_s).encode()
+    index = _report_page.page(title, _report_page.store_label(url), live=True, refresh_s=refresh_s).encode()
     script = plotly_js().encode()
     script_etag = '"' + hashlib.sha256(script).hexdigest()[:32] + '"'
 
@@ -171,7 +170,6 @@ def serve_report(url: str | None, *, host: str = "127.0.0.1", port: int = DEFAUL
                  title: str = "trajstore report", refresh_s: float = DEFAULT_REFRESH_S,
                  stuck_after_s: float = DEFAULT_STUCK_AFTER_S, log_level: str = "warning") -> None:
     """Serve the live page until SIGINT/SIGTERM. ``token=None`` serves it open (the caller decided)."""
-    from trajstore.inspect.report import store_label
     from trajstore.inspect.sql import read_only
 
     if refresh_s <= 0:
@@ -190,7 +188,7 @@ def serve_report(url: str | None, *, host: str = "127.0.0.1", port: int = DEFAUL
         raise TrajstoreError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
     bound = sock.getsockname()[1]
     where = f"http://{host}:{bound}/"
-    announce = (f"trajstore report: listening on {where} (store {store_label(url)}; refresh {refresh_s:g} s; "
+    announce = (f"trajstore report: listening on {where} (store {_report_page.store_label(url)}; refresh {refresh_s:g} s; "
                 + (f"open {where}?token=TOKEN once, the page keeps a cookie" if token is not None
                    else "WARNING: no token, anyone who can reach the port can read the run")
                 + "; Ctrl-C stops)")

@@ -21,16 +21,7 @@ from typing import Any
 
 from trajstore.errors import TrajstoreError
 
-__all__ = ["render_report", "store_label", "add_cli_arguments", "run_from_args"]
-
-
-def store_label(url: str | None) -> str:
-    """The store URL as the page shows it (no password)."""
-    from sqlalchemy.engine import make_url
-
-    from trajstore.store import resolve_url
-
-    return make_url(resolve_url(url)).render_as_string(hide_password=True)
+__all__ = ["render_report", "add_cli_arguments", "run_from_args"]
 
 
 def render_report(url: str | None, out_dir: str, *, title: str | None = None,
@@ -52,7 +43,7 @@ def render_report(url: str | None, out_dir: str, *, title: str | None = None,
     with read_only(url) as query:
         data = collect(query, stuck_after_s=DEFAULT_STUCK_AFTER_S if stuck_after_s is None else stuck_after_s)
     os.makedirs(out_dir, exist_ok=True)
-    page = _report_page.page(title or "trajstore report", store_label(url), live=False,
+    page = _report_page.page(title or "trajstore report", _report_page.store_label(url), live=False,
                              data_json=json.dumps(data, cls=PlotlyJSONEncoder))
     files = {"index": os.path.join(out_dir, "index.html"), "script": os.path.join(out_dir, _report_page.PLOTLY_JS)}
     for path, text in ((files["script"], script), (files["index"], page)):

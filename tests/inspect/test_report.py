@@ -61,7 +61,7 @@ def run_store(store_url, tmp_path):
 def test_every_panel_draws_from_the_views_under_the_reader_login(run_store):
     store, stats = run_store
     with read_only(reader_url_for(store.url)) as query:
-        data = collect(query, stuck_after_s=0.0)
+        data = collect(query, stuck_after_s=0.0, payload=store.payload.location)
     assert not data["empty"]
     names = [p["name"] for p in data["panels"]]
     assert names == [p.name for p in PANELS] and len(names) >= 14
@@ -101,7 +101,7 @@ def test_each_panel_sql_is_what_ran(run_store, capsys):
 def test_static_export(run_store, tmp_path):
     store, stats = run_store
     out = tmp_path / "report"
-    written = render_report(reader_url_for(store.url), str(out), title="run 7")
+    written = render_report(reader_url_for(store.url), str(out), title="run 7", payload=store.payload.location)
     assert sorted(os.listdir(out)) == ["index.html", "plotly.min.js"]
     assert written["panels"] == [p.name for p in PANELS]
     assert written["notes"] == {} and written["plotted"] == written["panels"]
@@ -123,7 +123,7 @@ def test_static_export(run_store, tmp_path):
 def test_report_command_counts_what_the_page_shows(run_store, tmp_path, capsys):
     store, _ = run_store
     url = reader_url_for(store.url)
-    assert main(["--store", url, "report", str(tmp_path / "r")]) == 0
+    assert main(["--store", url, "--payload", store.payload.location, "report", str(tmp_path / "r")]) == 0
     out = capsys.readouterr().out
     # Default threshold 300 s: the running trajectories are not stuck, but they are drawn.
     assert out.strip() == f"wrote {tmp_path / 'r' / 'index.html'} with {len(PANELS)} panels"
@@ -141,7 +141,7 @@ def test_a_panel_with_nothing_to_draw_is_named(store_url, tmp_path, capsys):
     assert m, out
     named = m.group(2).split(", ")
     assert int(m.group(1)) == len(named)
-    assert {"stuck", "staleness_over_time", "staleness"} <= set(named)
+    assert {"stuck", "staleness_over_time", "staleness", "logprobs", "expert_load"} <= set(named)
     page = (tmp_path / "r" / "index.html").read_text()
     data = json.loads(re.search(r"type='application/json'>(.*?)</script>", page.split("trajstore-data")[1], re.S)
                       .group(1))
@@ -182,3 +182,48 @@ def test_without_plotly_the_error_says_what_to_install(run_store, tmp_path, caps
     assert capsys.readouterr().err == ("error: trajstore report needs plotly: pip install -e '.[report]' "
                                        "in the trajstore checkout\n")
     assert not (tmp_path / "r").exists()
+
+
+def test_token_panels_agree_with_the_samples(run_store):
+    """Logprobs and expert loads come from the newest samples' segments, read without the store's
+    PayloadStore; they equal what Store.samples() reads for the same samples."""
+    import numpy as np
+
+    store, _ = run_store
+    with read_only(reader_url_for(store.url)) as query:
+        data = collect(query, payload=store.payload.location)
+    panels = {p["name"]: p for p in data["panels"]}
+    samples = list(store.samples())
+    assert len(samples) < 256  # every sample is among the newest read
+    versions = np.concatenate([s.token_model_versions for s in samples])
+    logprobs = np.concatenate([s.rollout_logprobs for s in samples])
+    keep = (versions >= 0) & np.concatenate([s.logprobs_mask & s.loss_mask.astype(bool) for s in samples])
+    mean = panels["logprobs"]["figure"]["data"][-1]
+    for v, got, n in zip(mean["x"], mean["y"], mean["customdata"]):
+        sel = keep & (versions == int(v))
+        assert n == sel.sum() and got == pytest.approx(logprobs[sel].mean())
+    # Expert loads: every generated token's route row (the row of the position before it), by version.
+    heat = panels["expert_load"]["figure"]["data"][0]
+    expected: dict[int, np.ndarray] = {}
+    for s in samples:
+        for j in np.nonzero(s.token_model_versions >= 0)[0]:
+            row = len(s.prompt_ids) + j - 1
+            if s.routed_experts is None or s.routed_experts_mask[row]:
+                continue
+            v = int(s.token_model_versions[j])
+            expected.setdefault(v, np.zeros(DEMO_CONFIG.num_experts))
+            np.add.at(expected[v], s.routed_experts[row].ravel().astype(int), 1)
+    assert [int(v) for v in heat["y"]] == sorted(expected)
+    for v, row in zip(heat["y"], heat["z"]):
+        want = expected[int(v)]
+        assert np.allclose(row, want / want.mean())
+
+
+def test_token_panels_without_the_payload_say_where_they_looked(run_store, tmp_path):
+    store, _ = run_store
+    with read_only(reader_url_for(store.url)) as query:
+        data = collect(query, payload=str(tmp_path / "elsewhere"))
+    notes = {p["name"]: p["note"] for p in data["panels"] if p["note"]}
+    assert notes == {name: f"no payload at {tmp_path / 'elsewhere'} (pass --payload PATH_OR_URI)"
+                     for name in ("logprobs", "expert_load")}
+    assert not (tmp_path / "elsewhere").exists()

@@ -59,7 +59,7 @@ def stop(proc: subprocess.Popen) -> str:
 @pytest.fixture
 def sqlite_run(tmp_path):
     url = f"sqlite:///{tmp_path / 'run.db'}"
-    store = trajstore.connect(url, payload=str(tmp_path / "payload"))
+    store = trajstore.connect(url)  # the payload in its default place, where the report looks
     fill(store)
     yield store
     store.close()
@@ -224,7 +224,7 @@ def test_the_live_page_without_the_token_is_401(served, browser):
 
 def test_the_live_page_of_an_empty_store_then_its_first_events(tmp_path, browser):
     url = f"sqlite:///{tmp_path / 'empty.db'}"
-    trajstore.connect(url, payload=str(tmp_path / "payload")).close()
+    trajstore.connect(url).close()
     proc, base = start_report_server(url, "--token", TOKEN, "--refresh-s", "1")
     try:
         page = Page(browser)
@@ -233,7 +233,7 @@ def test_the_live_page_of_an_empty_store_then_its_first_events(tmp_path, browser
         assert page.page.is_visible("#empty")
         assert page.page.inner_text("#empty h2") == "No data yet"
         assert page.panels() == {} and not page.page.is_visible("#summary")
-        with trajstore.connect(url, payload=str(tmp_path / "payload")) as store:
+        with trajstore.connect(url) as store:
             fill(store)
         page.page.wait_for_function("Number(document.body.dataset.panels) > 0", timeout=30_000)
         assert not page.page.is_visible("#empty")

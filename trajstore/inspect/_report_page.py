@@ -16,6 +16,16 @@ from typing import Any
 PLOTLY_JS = "plotly.min.js"
 
 
+def payload_location(url: str | None, payload: str | None) -> str:
+    """Where the store's payload is: ``payload`` (``--payload``), else the backend's default."""
+    from trajstore.store import dialect_of, resolve_url
+
+    if payload:
+        return payload
+    url = resolve_url(url)
+    return dialect_of(url).default_payload_dir(url)
+
+
 def store_label(url: str | None) -> str:
     """The store URL as the page shows it (no password)."""
     from sqlalchemy.engine import make_url

@@ -75,8 +75,10 @@ class _Snapshot:
 
 
 def make_app(url: str | None, *, token: str | None, title: str = "trajstore report",
-             refresh_s: float = DEFAULT_REFRESH_S, stuck_after_s: float = DEFAULT_STUCK_AFTER_S) -> Any:
-    """The ASGI app of the live page over store ``url``. ``token=None``: no auth (the caller decided)."""
+             refresh_s: float = DEFAULT_REFRESH_S, stuck_after_s: float = DEFAULT_STUCK_AFTER_S,
+             payload: str | None = None) -> Any:
+    """The ASGI app of the live page over store ``url``. ``token=None``: no auth (the caller decided).
+    ``payload``: the store's payload location when not the default."""
     from starlette.applications import Starlette
     from starlette.concurrency import run_in_threadpool
     from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
@@ -84,9 +86,11 @@ def make_app(url: str | None, *, token: str | None, title: str = "trajstore repo
 
     from trajstore.inspect.sql import read_only
 
+    payload = _report_page.payload_location(url, payload)
+
     def compute() -> dict[str, Any]:
         with read_only(url) as query:
-            return collect(query, stuck_after_s=stuck_after_s)
+            return collect(query, stuck_after_s=stuck_after_s, payload=payload)
 
     snapshot = _Snapshot(compute, min_age_s=refresh_s / 2)
     index = _report_page.page(title, _report_page.store_label(url), live=True, refresh_s=refresh_s).encode()
@@ -168,15 +172,16 @@ class _Server:
 
 def serve_report(url: str | None, *, host: str = "127.0.0.1", port: int = DEFAULT_PORT, token: str | None,
                  title: str = "trajstore report", refresh_s: float = DEFAULT_REFRESH_S,
-                 stuck_after_s: float = DEFAULT_STUCK_AFTER_S, log_level: str = "warning") -> None:
+                 stuck_after_s: float = DEFAULT_STUCK_AFTER_S, log_level: str = "warning",
+                 payload: str | None = None) -> None:
     """Serve the live page until SIGINT/SIGTERM. ``token=None`` serves it open (the caller decided)."""
     from trajstore.inspect.sql import read_only
 
     if refresh_s <= 0:
         raise TrajstoreError(f"--refresh-s must be positive, got {refresh_s:g}")
     with read_only(url) as query:  # a wrong store URL or login fails here, in one line, before serving
-        collect(query, stuck_after_s=stuck_after_s)
-    app = make_app(url, token=token, title=title, refresh_s=refresh_s, stuck_after_s=stuck_after_s)
+        collect(query, stuck_after_s=stuck_after_s, payload=_report_page.payload_location(url, payload))
+    app = make_app(url, token=token, title=title, refresh_s=refresh_s, stuck_after_s=stuck_after_s, payload=payload)
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
         family = infos[0][0]

@@ -60,6 +60,8 @@ class Clock:
     width_s: int
     max_output_len: int
     stuck_after_s: float
+    payload: str | None = None
+    """Where the sample segments are (the token-level panels read them); None: those panels say so."""
 
     @property
     def t0_ms(self) -> int:
@@ -91,14 +93,14 @@ CLOCK_SQL = ("SELECT count(*), min(first_event_at), max(last_event_at) FROM traj
              "SELECT max(output_len) FROM generation_events")
 
 
-def _clock(query: Query, stuck_after_s: float) -> Clock:
+def _clock(query: Query, stuck_after_s: float, payload: str | None) -> Clock:
     n, first, last = query(CLOCK_SQL[0]).rows[0]
     (max_len,) = query(CLOCK_SQL[1]).rows[0]
     first = float(first) if first is not None else time.time()
     last = float(last) if last is not None else first
     span = max(last - first, 0.0)
     width = next((w for w in BUCKET_WIDTHS_S if span / w < MAX_BUCKETS), 7 * 86400)
-    return Clock(int(n), first, last, width, int(max_len or 0), stuck_after_s)
+    return Clock(int(n), first, last, width, int(max_len or 0), stuck_after_s, payload)
 
 
 @dataclass(frozen=True)
@@ -537,6 +539,164 @@ def _routes_draw(c: Clock, r: list[QueryResult]) -> Any:
     return _layout(fig)
 
 
+# -- token-level panels: the newest samples' token columns, read from the payload -------------
+
+TOKEN_SAMPLES = 256
+"""The token-level panels read the newest this many samples (their token columns are not in SQL)."""
+LOGPROB_RANGE = (-12.0, 0.0)
+LOGPROB_BINS = 48
+
+
+def _token_sql(c: Clock) -> list[str]:
+    return ["SELECT s.trajectory_id, s.sample_index, s.segment, s.segment_row, t.num_experts "
+            "FROM samples s JOIN trajectories t ON t.trajectory_id = s.trajectory_id "
+            f"ORDER BY s.finished_position DESC, s.sample_index DESC LIMIT {TOKEN_SAMPLES}"]
+
+
+def _read_samples(payload: str, rows: Sequence[Sequence[Any]]) -> list[Any]:
+    """The samples at (segment, segment_row) of ``rows``, read without writing anything
+    (the store's own PayloadStore makes its directory and reserve files on open)."""
+    from urllib.parse import urlparse
+
+    import pyarrow as pa
+    import pyarrow.fs as pafs
+    import pyarrow.ipc as ipc
+    import pyarrow.parquet as pq
+
+    from trajstore._samples import samples_from_table
+
+    parsed = urlparse(payload)
+    if parsed.scheme and len(parsed.scheme) > 1 and parsed.scheme != "file":
+        fs, root = pafs.FileSystem.from_uri(payload)
+    else:
+        fs, root = pafs.LocalFileSystem(), (parsed.path if parsed.scheme == "file" else payload)
+    by_segment: dict[str, list[int]] = {}
+    for r in rows:
+        by_segment.setdefault(r[2], []).append(int(r[3]))
+    out = []
+    for segment, wanted in by_segment.items():
+        path = f"{root.rstrip('/')}/{segment}"
+        if segment.endswith(".parquet"):
+            with fs.open_input_file(path) as f:
+                table = pq.read_table(f)
+            out.extend(samples_from_table(table, wanted))
+            continue
+        with fs.open_input_file(path) as f:
+            reader = ipc.open_file(f)
+            per = int((reader.schema.metadata or {}).get(b"trajstore.rows_per_batch", 0)) or None
+            if per is None:  # one batch layout unknown: read it whole
+                table = reader.read_all()
+                out.extend(samples_from_table(table, wanted))
+                continue
+            numbers = sorted({w // per for w in wanted})
+            batches = [reader.get_batch(b) for b in numbers]
+            starts, at = {}, 0
+            for b, batch in zip(numbers, batches):
+                starts[b], at = at, at + batch.num_rows
+            table = pa.Table.from_batches(batches, schema=reader.schema)
+            out.extend(samples_from_table(table, [starts[w // per] + w % per for w in wanted]))
+    return out
+
+
+def _token_samples(c: Clock, r: list[QueryResult]) -> tuple[list[Any], dict[Any, int]] | str:
+    rows = r[0].rows
+    if not rows:
+        return "no materialized samples yet (trajstore materialize folds finished trajectories)"
+    if c.payload is None:
+        return "the payload location is unknown (--payload)"
+    import os
+
+    if "://" not in c.payload and not os.path.isdir(c.payload):
+        return f"no payload at {c.payload} (pass --payload PATH_OR_URI)"
+    try:
+        samples = _read_samples(c.payload, rows)
+    except (OSError, ValueError) as e:
+        return f"cannot read the sample segments under {c.payload}: {str(e).splitlines()[0]}"
+    experts = {(row[0], row[1]): row[4] for row in rows}
+    return samples, experts
+
+
+def _logprob_draw(c: Clock, r: list[QueryResult]) -> Any:
+    import numpy as np
+
+    go, make_subplots = _plotly()
+    got = _token_samples(c, r)
+    if isinstance(got, str):
+        return got
+    samples, _ = got
+    versions, logprobs = [], []
+    for s in samples:
+        v = np.asarray(s.token_model_versions)
+        keep = (v >= 0) & np.asarray(s.logprobs_mask, bool) & np.asarray(s.loss_mask, bool)
+        versions.append(v[keep])
+        logprobs.append(np.asarray(s.rollout_logprobs, np.float64)[keep])
+    v = np.concatenate(versions) if versions else np.zeros(0, np.int32)
+    lp = np.concatenate(logprobs) if logprobs else np.zeros(0)
+    if not len(lp):
+        return "the newest samples carry no rollout logprobs"
+    fig = make_subplots(rows=1, cols=2, column_widths=[0.62, 0.38], subplot_titles=(
+        f"rollout logprob of generated tokens (newest {len(samples)} samples, {len(lp)} tokens)",
+        "mean logprob per version"))
+    edges = np.linspace(*LOGPROB_RANGE, LOGPROB_BINS + 1)
+    centers = (edges[:-1] + edges[1:]) / 2
+    for version in np.unique(v)[-RECENT_VERSIONS:]:
+        counts, _ = np.histogram(np.clip(lp[v == version], *LOGPROB_RANGE), bins=edges)
+        fig.add_trace(go.Bar(x=centers.tolist(), y=(counts / max(counts.sum(), 1)).tolist(), width=float(edges[1] - edges[0]), opacity=0.5,
+                             name=f"version {int(version)}"), 1, 1)
+    per = np.unique(v)
+    fig.add_trace(go.Bar(x=[str(int(x)) for x in per], y=[float(lp[v == x].mean()) for x in per], name="mean",
+                         showlegend=False, customdata=[int((v == x).sum()) for x in per],
+                         hovertemplate="%{y:.3f} over %{customdata} tokens"), 1, 2)
+    fig.update_xaxes(title_text=f"logprob (clipped to {LOGPROB_RANGE[0]:g})", row=1, col=1)
+    fig.update_xaxes(title_text="model version", type="category", row=1, col=2)
+    fig.update_yaxes(tickformat=".0%", row=1, col=1)
+    return _layout(fig, barmode="overlay")
+
+
+def _experts_draw(c: Clock, r: list[QueryResult]) -> Any:
+    import numpy as np
+
+    go, make_subplots = _plotly()
+    got = _token_samples(c, r)
+    if isinstance(got, str):
+        return got
+    samples, experts = got
+    all_ids, all_versions = [], []
+    for s in samples:
+        if s.routed_experts is None:
+            continue
+        versions = np.asarray(s.token_model_versions)
+        gen = np.nonzero(versions >= 0)[0]
+        # The route row that produced generated token j is the row of the position before it.
+        rows = len(s.prompt_ids) + gen - 1
+        ok = (rows >= 0) & (rows < len(s.routed_experts))
+        if s.routed_experts_mask is not None:
+            ok[ok] &= ~np.asarray(s.routed_experts_mask, bool)[rows[ok]]
+        ids = np.asarray(s.routed_experts)[rows[ok]].astype(np.int64)  # [tokens, layers, topk]
+        all_ids.append(ids.reshape(len(ids), -1))
+        all_versions.append(np.repeat(versions[gen[ok]], ids[0].size if len(ids) else 0))
+    if not all_ids or not sum(len(x) for x in all_ids):
+        return "the newest samples carry no routes"
+    ids = np.concatenate([x.ravel() for x in all_ids])
+    version_of = np.concatenate(all_versions)
+    num_experts = max([int(n) for n in experts.values() if n] + [int(ids.max()) + 1])
+    versions = [int(x) for x in np.unique(version_of)]
+    load = np.stack([np.bincount(ids[version_of == x], minlength=num_experts) for x in versions]).astype(np.float64)
+    share = load / np.maximum(load.mean(axis=1, keepdims=True), 1e-12)  # 1.0 = a perfectly even expert
+    fig = make_subplots(rows=1, cols=2, column_widths=[0.68, 0.32], subplot_titles=(
+        f"load per expert relative to an even split (newest {len(samples)} samples, decode routes, all layers)",
+        "max / mean load per version (1 = balanced)"))
+    fig.add_trace(go.Heatmap(z=share.tolist(), x=list(range(num_experts)), y=[str(v) for v in versions], colorscale="RdBu",
+                             reversescale=True, zmid=1.0, colorbar=dict(title="load / mean", x=0.66, len=0.9),
+                             hovertemplate="version %{y}, expert %{x}: %{z:.2f} x even<extra></extra>"), 1, 1)
+    fig.add_trace(go.Bar(x=[str(v) for v in versions], y=share.max(axis=1).tolist(), showlegend=False,
+                         name="max / mean", marker_color="#9467bd"), 1, 2)
+    fig.update_xaxes(title_text="expert id", row=1, col=1)
+    fig.update_yaxes(title_text="model version", type="category", row=1, col=1)
+    fig.update_xaxes(title_text="model version", type="category", row=1, col=2)
+    return _layout(fig)
+
+
 PANELS: tuple[Panel, ...] = (
     Panel("ingest_rate", "Ingest rate",
           "Engine calls appended per second, and the tokens they generated and read (observed), by time of append.",
@@ -569,6 +729,16 @@ PANELS: tuple[Panel, ...] = (
           "Distribution of the tokens generated per engine call for the newest model versions, and the mean and "
           "max per version.",
           _length_sql, _length_draw),
+    Panel("logprobs", "Rollout logprobs",
+          "Distribution of the engine's logprob of each generated loss token, per model version, over the newest "
+          "samples; and its mean per version. Token columns are not in SQL: the query picks the samples, their "
+          "sample segments in the payload give the tokens.",
+          _token_sql, _logprob_draw),
+    Panel("expert_load", "Expert load balance (MoE routes)",
+          "How often each expert was routed to when generating, relative to an even split, per model version (all "
+          "layers and top-k slots of the newest samples' recorded routes), and the busiest expert's load over the "
+          "mean: the router's balance as the policy moves.",
+          _token_sql, _experts_draw),
     Panel("versions", "Tokens and trajectories per model version",
           "Tokens generated by each policy version, and the trajectories it took part in (a trajectory resumed "
           "under a newer version counts under each).",
@@ -633,16 +803,17 @@ def _summary(query: Query) -> list[list[str]]:
 
 # -- the page's data -------------------------------------------------------------------
 
-def collect(query: Query, *, stuck_after_s: float = DEFAULT_STUCK_AFTER_S,
+def collect(query: Query, *, stuck_after_s: float = DEFAULT_STUCK_AFTER_S, payload: str | None = None,
             panels: Sequence[Panel] = PANELS) -> dict[str, Any]:
     """Run every panel's SQL through ``query`` (one read-only snapshot) and draw it.
 
     Returns ``{"empty", "summary", "summary_sql", "panels": [{"name", "title",
     "caption", "sql", "figure", "note"}], "generated_at"}``: ``figure`` is the
     plotly figure as JSON-ready data, or None with ``note`` saying why (the
-    panel has nothing to draw yet). An empty store (no trajectory) has no
+    panel has nothing to draw yet). ``payload``: where the store's payload is
+    (the token-level panels read the newest samples' segments there). An empty store (no trajectory) has no
     panels at all: the page shows one "no data yet" state instead."""
-    clock = _clock(query, stuck_after_s)
+    clock = _clock(query, stuck_after_s, payload)
     data: dict[str, Any] = {"generated_at": time.time(), "empty": clock.num_trajectories == 0,
                             "summary_sql": list(SUMMARY_SQL), "summary": [], "panels": []}
     if data["empty"]:

@@ -25,12 +25,14 @@ __all__ = ["render_report", "add_cli_arguments", "run_from_args"]
 
 
 def render_report(url: str | None, out_dir: str, *, title: str | None = None,
-                  stuck_after_s: float | None = None) -> dict[str, Any]:
+                  stuck_after_s: float | None = None, payload: str | None = None) -> dict[str, Any]:
     """Write the static page into ``out_dir``: ``index.html`` (data embedded) and ``plotly.min.js``.
 
     Returns ``{"index", "files", "empty", "panels", "plotted", "notes"}``:
     the panels on the page, those drawn, and ``{name: why}`` for those with
-    nothing to draw yet. An empty store gives one "no data yet" page and no panels."""
+    nothing to draw yet. An empty store gives one "no data yet" page and no panels.
+    ``payload``: the store's payload location when not the default (the
+    token-level panels read the newest sample segments there, read-only)."""
     from plotly.utils import PlotlyJSONEncoder
 
     from trajstore.inspect import _report_page
@@ -41,7 +43,8 @@ def render_report(url: str | None, out_dir: str, *, title: str | None = None,
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise TrajstoreError(f"report: {out_dir} is a file, not a directory")
     with read_only(url) as query:
-        data = collect(query, stuck_after_s=DEFAULT_STUCK_AFTER_S if stuck_after_s is None else stuck_after_s)
+        data = collect(query, stuck_after_s=DEFAULT_STUCK_AFTER_S if stuck_after_s is None else stuck_after_s,
+                       payload=_report_page.payload_location(url, payload))
     os.makedirs(out_dir, exist_ok=True)
     page = _report_page.page(title or "trajstore report", _report_page.store_label(url), live=False,
                              data_json=json.dumps(data, cls=PlotlyJSONEncoder))
@@ -88,11 +91,13 @@ def run_from_args(args: argparse.Namespace) -> int:
 
         token = server_token(args.token, insecure_no_auth=args.insecure_no_auth)
         serve_report(args.store, host=args.host, port=args.port, token=token, title=args.title or "trajstore report",
-                     refresh_s=args.refresh_s, stuck_after_s=args.stuck_after_s, log_level=args.log_level)
+                     refresh_s=args.refresh_s, stuck_after_s=args.stuck_after_s, log_level=args.log_level,
+                     payload=getattr(args, "payload", None))
         return 0
     if args.out_dir is None:
         raise TrajstoreError("report needs OUT_DIR (the static page) or --serve (the live page)")
-    written = render_report(args.store, args.out_dir, title=args.title, stuck_after_s=args.stuck_after_s)
+    written = render_report(args.store, args.out_dir, title=args.title, stuck_after_s=args.stuck_after_s,
+                            payload=getattr(args, "payload", None))
     if written["empty"]:
         print(f"wrote {written['index']}: no data yet (the store has no trajectories), 0 panels")
     else:

@@ -167,7 +167,8 @@ def _ingest_draw(c: Clock, r: list[QueryResult]) -> Any:
                              line=dict(dash="dot")), secondary_y=True)
     _time_axis(fig, c)
     fig.update_yaxes(title_text="calls / s", secondary_y=False, rangemode="tozero")
-    fig.update_yaxes(title_text="tokens / s", secondary_y=True, rangemode="tozero", showgrid=False)
+    fig.update_yaxes(title_text="tokens / s", secondary_y=True, rangemode="tozero", showgrid=False,
+                     tickmode="auto")
     return _layout(fig)
 
 
@@ -195,7 +196,8 @@ def _staleness_time_draw(c: Clock, r: list[QueryResult]) -> Any:
                              line=dict(shape="hv", color="grey")), secondary_y=True)
     _time_axis(fig, c)
     fig.update_yaxes(title_text="versions behind", secondary_y=False, rangemode="tozero")
-    fig.update_yaxes(title_text="policy version", secondary_y=True, rangemode="tozero", showgrid=False)
+    fig.update_yaxes(title_text="policy version", secondary_y=True, rangemode="tozero", showgrid=False,
+                     tickmode="auto")
     return _layout(fig)
 
 
@@ -247,7 +249,8 @@ def _running_draw(c: Clock, r: list[QueryResult]) -> Any:
                   secondary_y=True)
     _time_axis(fig, c)
     fig.update_yaxes(title_text="running trajectories", secondary_y=False, rangemode="tozero")
-    fig.update_yaxes(title_text="started / finished per bucket", secondary_y=True, rangemode="tozero", showgrid=False)
+    fig.update_yaxes(title_text="started / finished per bucket", secondary_y=True, rangemode="tozero", showgrid=False,
+                     tickmode="auto")
     return _layout(fig, barmode="group")
 
 
@@ -423,7 +426,8 @@ def _groups_draw(c: Clock, r: list[QueryResult]) -> Any:
                              mode="lines+markers", line=dict(color="black")), secondary_y=True)
     _time_axis(fig, c)
     fig.update_yaxes(title_text="finished groups", secondary_y=False)
-    fig.update_yaxes(title_text="reward variance", secondary_y=True, rangemode="tozero", showgrid=False)
+    fig.update_yaxes(title_text="reward variance", secondary_y=True, rangemode="tozero", showgrid=False,
+                     tickmode="auto")
     return _layout(fig, barmode="stack", title=dict(
         text=f"{zero} of {groups} finished groups ({zero / groups:.0%}) have one reward for all their trajectories",
         font=dict(size=13)))
@@ -687,7 +691,7 @@ def _experts_draw(c: Clock, r: list[QueryResult]) -> Any:
         f"load per expert relative to an even split (newest {len(samples)} samples, decode routes, all layers)",
         "max / mean load per version (1 = balanced)"))
     fig.add_trace(go.Heatmap(z=share.tolist(), x=list(range(num_experts)), y=[str(v) for v in versions], colorscale="RdBu",
-                             reversescale=True, zmid=1.0, colorbar=dict(title="load / mean", x=0.66, len=0.9),
+                             reversescale=True, zmid=1.0, colorbar=dict(title="load / mean", x=1.0, len=0.9),
                              hovertemplate="version %{y}, expert %{x}: %{z:.2f} x even<extra></extra>"), 1, 1)
     fig.add_trace(go.Bar(x=[str(v) for v in versions], y=share.max(axis=1).tolist(), showlegend=False,
                          name="max / mean", marker_color="#9467bd"), 1, 2)

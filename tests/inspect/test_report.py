@@ -227,3 +227,24 @@ def test_token_panels_without_the_payload_say_where_they_looked(run_store, tmp_p
     assert notes == {name: f"no payload at {tmp_path / 'elsewhere'} (pass --payload PATH_OR_URI)"
                      for name in ("logprobs", "expert_load")}
     assert not (tmp_path / "elsewhere").exists()
+
+
+def test_the_live_data_is_not_recomputed_faster_than_twice_its_cost():
+    """A big store's views take seconds: the live page then refreshes more slowly rather than
+    keep the database busy (at most once per half refresh, and per twice the computing time)."""
+    import time
+
+    from trajstore.inspect.live import _Snapshot
+
+    calls = []
+
+    def compute():
+        calls.append(time.monotonic())
+        time.sleep(0.2)
+        return {"n": len(calls)}
+
+    snapshot = _Snapshot(compute, min_age_s=0.05)
+    assert json.loads(snapshot.get()) == {"n": 1}
+    assert json.loads(snapshot.get()) == {"n": 1}  # within 2 x 0.2 s of the last: the same data
+    time.sleep(2 * (time.monotonic() - calls[0]) + 0.05)
+    assert json.loads(snapshot.get()) == {"n": 2}

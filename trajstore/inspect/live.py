@@ -55,22 +55,27 @@ def _cookie_ok(header: str | None, token: str) -> bool:
 
 
 class _Snapshot:
-    """The page's data, recomputed at most every ``min_age_s`` (one computation at a time)."""
+    """The page's data, recomputed at most every ``min_age_s``, and never more often than
+    twice its own computing time (a big store's views take seconds: the page then refreshes
+    more slowly rather than keep the database busy); one computation at a time."""
 
     def __init__(self, compute: Callable[[], dict[str, Any]], min_age_s: float) -> None:
         self._compute = compute
         self._min_age_s = min_age_s
         self._lock = threading.Lock()
         self._at = 0.0
+        self._took = 0.0
         self._body: bytes | None = None
 
     def get(self) -> bytes:
         with self._lock:
-            if self._body is None or time.monotonic() - self._at >= self._min_age_s:
+            if self._body is None or time.monotonic() - self._at >= max(self._min_age_s, 2 * self._took):
                 from plotly.utils import PlotlyJSONEncoder
 
+                start = time.monotonic()
                 self._body = json.dumps(self._compute(), cls=PlotlyJSONEncoder).encode()
                 self._at = time.monotonic()
+                self._took = self._at - start
             return self._body
 
 

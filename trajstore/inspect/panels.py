@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from trajstore.errors import TrajstoreError
@@ -62,6 +62,8 @@ class Clock:
     stuck_after_s: float
     payload: str | None = None
     """Where the sample segments are (the token-level panels read them); None: those panels say so."""
+    cache: dict = field(default_factory=dict, compare=False, repr=False)
+    """What panels of one ``collect`` share (the newest samples' token columns)."""
 
     @property
     def t0_ms(self) -> int:
@@ -89,12 +91,15 @@ class Clock:
         return 8192
 
 
-CLOCK_SQL = ("SELECT count(*), min(first_event_at), max(last_event_at) FROM trajectory_summary",
+CLOCK_SQL = ("SELECT count(*), sum(num_generations), sum(num_generated_tokens), sum(num_observed_tokens), "
+             "sum(num_prefix_mismatches), min(min_model_version), max(max_model_version), min(first_event_at), "
+             "max(last_event_at) FROM trajectory_summary",
              "SELECT max(output_len) FROM generation_events")
+"""The run's totals and time span (also the summary's totals), and the longest response."""
 
 
 def _clock(query: Query, stuck_after_s: float, payload: str | None) -> Clock:
-    n, first, last = query(CLOCK_SQL[0]).rows[0]
+    n, *_, first, last = query(CLOCK_SQL[0]).rows[0]
     (max_len,) = query(CLOCK_SQL[1]).rows[0]
     first = float(first) if first is not None else time.time()
     last = float(last) if last is not None else first
@@ -255,7 +260,7 @@ def _running_draw(c: Clock, r: list[QueryResult]) -> Any:
 
 
 def _stuck_sql(c: Clock) -> list[str]:
-    newest = "(SELECT max(last_event_at) FROM trajectory_summary)"
+    newest = repr(c.last_s)  # the newest event in the store (the clock's max(last_event_at))
     return [
         f"SELECT count(*) AS running, count(*) FILTER (WHERE {newest} - last_event_at > {c.stuck_after_s:g}) AS stuck "
         "FROM trajectory_summary WHERE status = 'running'",
@@ -288,9 +293,12 @@ def _stuck_draw(c: Clock, r: list[QueryResult]) -> Any:
     return fig
 
 
+_VERSION_STATS_SQL = ("SELECT model_version, num_generated_tokens, num_trajectories, num_multi_version, mean_reward, "
+                      "num_rewarded, num_failed, num_aborted FROM model_version_stats ORDER BY model_version")
+
+
 def _versions_sql(c: Clock) -> list[str]:
-    return ["SELECT model_version, num_generated_tokens, num_trajectories, num_multi_version, num_generations "
-            "FROM model_version_stats ORDER BY model_version"]
+    return [_VERSION_STATS_SQL]
 
 
 def _versions_draw(c: Clock, r: list[QueryResult]) -> Any:
@@ -308,8 +316,7 @@ def _versions_draw(c: Clock, r: list[QueryResult]) -> Any:
 
 
 def _reward_version_sql(c: Clock) -> list[str]:
-    return ["SELECT model_version, mean_reward, num_rewarded, num_failed, num_aborted, num_trajectories "
-            "FROM model_version_stats ORDER BY model_version"]
+    return [_VERSION_STATS_SQL]
 
 
 def _reward_version_draw(c: Clock, r: list[QueryResult]) -> Any:
@@ -319,10 +326,10 @@ def _reward_version_draw(c: Clock, r: list[QueryResult]) -> Any:
         return "no engine calls yet"
     v = [str(row[0]) for row in rows]
     fig = make_subplots(rows=1, cols=2, subplot_titles=("mean reward", "failed / aborted trajectories"))
-    fig.add_trace(go.Bar(x=v, y=[_num(row[1]) for row in rows], name="mean reward", showlegend=False,
-                         text=[f"n={row[2]}" for row in rows], textposition="outside"), 1, 1)
-    fig.add_trace(go.Bar(x=v, y=[_share(row[3], row[5]) for row in rows], name="failed"), 1, 2)
-    fig.add_trace(go.Bar(x=v, y=[_share(row[4], row[5]) for row in rows], name="aborted"), 1, 2)
+    fig.add_trace(go.Bar(x=v, y=[_num(row[4]) for row in rows], name="mean reward", showlegend=False,
+                         text=[f"n={row[5]}" for row in rows], textposition="outside"), 1, 1)
+    fig.add_trace(go.Bar(x=v, y=[_share(row[6], row[2]) for row in rows], name="failed"), 1, 2)
+    fig.add_trace(go.Bar(x=v, y=[_share(row[7], row[2]) for row in rows], name="aborted"), 1, 2)
     fig.update_xaxes(title_text="model version", type="category")
     fig.update_yaxes(tickformat=".0%", row=1, col=2)
     return _layout(fig, barmode="stack")
@@ -603,6 +610,15 @@ def _read_samples(payload: str, rows: Sequence[Sequence[Any]]) -> list[Any]:
 
 
 def _token_samples(c: Clock, r: list[QueryResult]) -> tuple[list[Any], dict[Any, int]] | str:
+    """The newest samples, read once per ``collect`` for both token-level panels."""
+    key = (c.payload, tuple(tuple(row) for row in r[0].rows))
+    if key not in c.cache:
+        c.cache.clear()
+        c.cache[key] = _token_samples_uncached(c, r)
+    return c.cache[key]
+
+
+def _token_samples_uncached(c: Clock, r: list[QueryResult]) -> tuple[list[Any], dict[Any, int]] | str:
     rows = r[0].rows
     if not rows:
         return "no materialized samples yet (trajstore materialize folds finished trajectories)"
@@ -773,9 +789,7 @@ PANELS: tuple[Panel, ...] = (
 
 SUMMARY_SQL = (
     "SELECT status, count(*) FROM trajectory_summary GROUP BY status ORDER BY status",
-    "SELECT count(*), sum(num_generations), sum(num_generated_tokens), sum(num_observed_tokens), "
-    "sum(num_prefix_mismatches), min(min_model_version), max(max_model_version), max(last_event_at) "
-    "FROM trajectory_summary",
+    CLOCK_SQL[0],
     "SELECT count(*), sum(num_merged_calls), avg(staleness), max(staleness), "
     "sum(num_route_rows), sum(CASE WHEN num_route_rows IS NULL THEN 0 ELSE num_tokens END) FROM sample_summary",
 )
@@ -787,7 +801,7 @@ def _fmt(x: Any, spec: str = "") -> str:
 
 def _summary(query: Query) -> list[list[str]]:
     by_status = query(SUMMARY_SQL[0]).rows
-    n, calls, generated, observed, mismatches, vmin, vmax, last = query(SUMMARY_SQL[1]).rows[0]
+    n, calls, generated, observed, mismatches, vmin, vmax, _, last = query(SUMMARY_SQL[1]).rows[0]
     samples, folded, mean_stale, max_stale, routed, routable = query(SUMMARY_SQL[2]).rows[0]
     last_at = "-" if last is None else _dt.datetime.fromtimestamp(float(last), _dt.timezone.utc).strftime(
         "%Y-%m-%d %H:%M:%S UTC")
@@ -817,6 +831,15 @@ def collect(query: Query, *, stuck_after_s: float = DEFAULT_STUCK_AFTER_S, paylo
     panel has nothing to draw yet). ``payload``: where the store's payload is
     (the token-level panels read the newest samples' segments there). An empty store (no trajectory) has no
     panels at all: the page shows one "no data yet" state instead."""
+    ran: dict[str, QueryResult] = {}
+    run = query
+
+    def once(sql: str) -> QueryResult:  # panels sharing a query (and the summary) run it once
+        if sql not in ran:
+            ran[sql] = run(sql)
+        return ran[sql]
+
+    query = once
     clock = _clock(query, stuck_after_s, payload)
     data: dict[str, Any] = {"generated_at": time.time(), "empty": clock.num_trajectories == 0,
                             "summary_sql": list(SUMMARY_SQL), "summary": [], "panels": []}

@@ -248,3 +248,23 @@ def test_the_live_data_is_not_recomputed_faster_than_twice_its_cost():
     assert json.loads(snapshot.get()) == {"n": 1}  # within 2 x 0.2 s of the last: the same data
     time.sleep(2 * (time.monotonic() - calls[0]) + 0.05)
     assert json.loads(snapshot.get()) == {"n": 2}
+
+
+def test_route_drift_panel_counts_the_drifted_rows_of_the_log(run_store):
+    """The simulator's engine recomputes about 1% of the re-sent rows differently; the panel's run total
+    is the log's own (admission measured it, generation_events carries it)."""
+    store, _ = run_store
+    url = reader_url_for(store.url)
+    with read_only(url) as query:
+        data = collect(query, payload=store.payload.location)
+        compared, drifted = query("SELECT sum(route_rows_resent) FILTER (WHERE route_rows_drifted IS NOT NULL), "
+                                  "sum(route_rows_drifted) FROM generation_events").rows[0]
+        per_version = {int(v): share for v, share in query(
+            "SELECT model_version, route_drift_share FROM model_version_stats WHERE route_rows_resent > 0").rows}
+    assert 0 < drifted < compared
+    panel = next(p for p in data["panels"] if p["name"] == "route_drift")
+    assert f"run: {drifted} of {compared}, " in json.dumps(panel["figure"]["layout"])
+    bars = panel["figure"]["data"][-1]
+    assert {int(v): y for v, y in zip(bars["x"], bars["y"])} == pytest.approx(per_version)
+    over_time = panel["figure"]["data"][0]
+    assert sum(over_time["y"]) == drifted

@@ -294,7 +294,8 @@ def _stuck_draw(c: Clock, r: list[QueryResult]) -> Any:
 
 
 _VERSION_STATS_SQL = ("SELECT model_version, num_generated_tokens, num_trajectories, num_multi_version, mean_reward, "
-                      "num_rewarded, num_failed, num_aborted FROM model_version_stats ORDER BY model_version")
+                      "num_rewarded, num_failed, num_aborted, route_rows_resent, route_rows_drifted, route_drift_share "
+                      "FROM model_version_stats ORDER BY model_version")
 
 
 def _versions_sql(c: Clock) -> list[str]:
@@ -514,6 +515,46 @@ def _mismatch_draw(c: Clock, r: list[QueryResult]) -> Any:
     fig.update_xaxes(title_text="mismatches", row=1, col=1)
     fig.update_xaxes(title_text="model version", row=1, col=2)
     fig.update_yaxes(tickformat=".0%", row=1, col=2)
+    return _layout(fig)
+
+
+def _drift_sql(c: Clock) -> list[str]:
+    return [f"SELECT {c.bucket('created_at')} AS bucket, "
+            "sum(route_rows_resent) FILTER (WHERE route_rows_drifted IS NOT NULL) AS rows_compared, "
+            "sum(route_rows_drifted) AS rows_drifted FROM generation_events WHERE route_rows_resent > 0 "
+            "GROUP BY 1 ORDER BY 1",
+            _VERSION_STATS_SQL]
+
+
+def _drift_draw(c: Clock, r: list[QueryResult]) -> Any:
+    go, make_subplots = _plotly()
+    per_time = [row for row in r[0].rows if row[1]]
+    per_version = [row for row in r[1].rows if row[8]]
+    if not per_time:
+        return ("no call re-sent route rows for recorded positions yet (drift is measured when a merged call's "
+                "engine returns the whole sequence's routes)")
+    compared = sum(row[1] for row in per_time)
+    drifted = sum(row[2] or 0 for row in per_time)
+    fig = make_subplots(rows=1, cols=2, column_widths=[0.62, 0.38], specs=[[{"secondary_y": True}, {}]],
+                        subplot_titles=(f"re-sent route rows that moved (run: {drifted} of {compared}, "
+                                        f"{drifted / compared:.2%})", "drift share per version"))
+    xs = [c.time_of(row[0]) for row in per_time]
+    fig.add_trace(go.Bar(x=xs, y=[row[2] or 0 for row in per_time], name="rows drifted", opacity=0.45,
+                         marker_color="#8c564b"), 1, 1, secondary_y=True)
+    fig.add_trace(go.Scatter(x=xs, y=[_share(row[2] or 0, row[1]) for row in per_time], name="drift share",
+                             mode="lines+markers", line=dict(color="#d62728"),
+                             customdata=[[row[2] or 0, row[1]] for row in per_time],
+                             hovertemplate="%{y:.2%}: %{customdata[0]} of %{customdata[1]} rows"), 1, 1)
+    fig.add_trace(go.Bar(x=[str(row[0]) for row in per_version], y=[_num(row[10]) for row in per_version],
+                         name="share", showlegend=False, marker_color="#d62728",
+                         customdata=[[row[9] or 0, row[8]] for row in per_version],
+                         hovertemplate="%{y:.2%}: %{customdata[0]} of %{customdata[1]} re-sent rows"), 1, 2)
+    fig.update_xaxes(title_text=f"time (UTC; {c.width_s} s buckets)", row=1, col=1)
+    fig.update_xaxes(title_text="model version", type="category", row=1, col=2)
+    fig.update_yaxes(tickformat=".1%", rangemode="tozero", row=1, col=1, secondary_y=False)
+    fig.update_yaxes(title_text="rows drifted", rangemode="tozero", showgrid=False, tickmode="auto", row=1, col=1,
+                     secondary_y=True)
+    fig.update_yaxes(tickformat=".1%", rangemode="tozero", row=1, col=2)
     return _layout(fig)
 
 
@@ -778,6 +819,11 @@ PANELS: tuple[Panel, ...] = (
     Panel("prefix_mismatches", "Prefix mismatches",
           "Calls whose prompt did not continue the trajectory's sequence, so a new sample started.",
           _mismatch_sql, _mismatch_draw),
+    Panel("route_drift", "Route drift (R3 health)",
+          "Route rows the engine re-sent for positions a sample had already recorded, and the share of them whose "
+          "experts differ from the recording (any layer or slot), over time and per model version of the calls. "
+          "R3 replays the first recording; a rising share means the engine's routing is not reproducible.",
+          _drift_sql, _drift_draw),
     Panel("route_coverage", "Route coverage (R3)",
           "Tokens of each sample without a captured router route (the final token never has one, so 1 is "
           "complete capture), and the share of engine calls that returned routes at all.",

@@ -26,14 +26,14 @@ CHROMIUM_FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-background-network
                   "--disable-dev-shm-usage"]
 
 
-def start_report_server(url: str, *args: str) -> tuple[subprocess.Popen, str]:
+def start_report_server(url: str, *args: str, lines: list[str] | None = None) -> tuple[subprocess.Popen, str]:
     """``trajstore report --serve`` on a free port; returns the process and its base URL once it listens."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH", "")]))
     env.pop("TRAJSTORE_TOKEN", None)
     proc = subprocess.Popen([sys.executable, "-m", "trajstore.cli", "--store", url, "report", "--serve", "--port", "0",
                              *args], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
     deadline = time.monotonic() + 60
-    lines = []
+    lines = [] if lines is None else lines
     while time.monotonic() < deadline:
         line = proc.stderr.readline()
         if not line:
@@ -108,6 +108,18 @@ def test_the_token_reads_and_nothing_writes(served):
         cookie = r.headers["set-cookie"]
         assert "HttpOnly" in cookie and "SameSite=strict" in cookie and TOKEN not in cookie
         assert http.get("/api/data").status_code == 200  # the client kept the cookie
+
+
+def test_insecure_no_auth_serves_open_and_says_so(sqlite_run):
+    env_line = []
+    proc, base = start_report_server(sqlite_run.url, "--insecure-no-auth", lines=env_line)
+    try:
+        assert "WARNING: no token, anyone who can reach the port can read the run" in env_line[-1]
+        with httpx.Client(base_url=base, timeout=30) as http:
+            assert http.get("/api/data").status_code == 200
+            assert http.post("/api/data").status_code == 405
+    finally:
+        stop(proc)
 
 
 def test_the_server_refuses_to_start_without_a_token(sqlite_run):

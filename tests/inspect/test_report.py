@@ -268,3 +268,25 @@ def test_route_drift_panel_counts_the_drifted_rows_of_the_log(run_store):
     assert {int(v): y for v, y in zip(bars["x"], bars["y"])} == pytest.approx(per_version)
     over_time = panel["figure"]["data"][0]
     assert sum(over_time["y"]) == drifted
+
+
+def test_route_drift_panel_without_routes_or_before_drift_was_measured(store_url, tmp_path):
+    store = trajstore.connect(store_url, payload=str(tmp_path / "payload"))
+    for events in run_events(0, 4):
+        for e in events:
+            e.pop("routed_experts", None)
+        store.append(events)
+    url = reader_url_for(store_url)
+    with read_only(url) as query:
+        note = next(p for p in collect(query)["panels"] if p["name"] == "route_drift")["note"]
+    assert note.startswith("no call re-sent route rows for recorded positions yet")
+    # Calls stored before drift was measured: re-sent rows, drift NULL (a store migrated from 0008).
+    fill(store, 10, 4)
+    with store.log.write_engine.begin() as conn:
+        from sqlalchemy import text
+
+        conn.execute(text("UPDATE events SET route_rows_drifted = NULL"))
+    store.close()
+    with read_only(url) as query:
+        note = next(p for p in collect(query)["panels"] if p["name"] == "route_drift")["note"]
+    assert note.startswith("route rows were re-sent, but none was compared with the recording")

@@ -521,8 +521,8 @@ def _mismatch_draw(c: Clock, r: list[QueryResult]) -> Any:
 def _drift_sql(c: Clock) -> list[str]:
     return [f"SELECT {c.bucket('created_at')} AS bucket, "
             "sum(route_rows_resent) FILTER (WHERE route_rows_drifted IS NOT NULL) AS rows_compared, "
-            "sum(route_rows_drifted) AS rows_drifted FROM generation_events WHERE route_rows_resent > 0 "
-            "GROUP BY 1 ORDER BY 1",
+            "sum(route_rows_drifted) AS rows_drifted, sum(route_rows_resent) AS rows_resent "
+            "FROM generation_events WHERE route_rows_resent > 0 GROUP BY 1 ORDER BY 1",
             _VERSION_STATS_SQL]
 
 
@@ -531,6 +531,9 @@ def _drift_draw(c: Clock, r: list[QueryResult]) -> Any:
     per_time = [row for row in r[0].rows if row[1]]
     per_version = [row for row in r[1].rows if row[8]]
     if not per_time:
+        if r[0].rows:
+            return ("route rows were re-sent, but none was compared with the recording (calls appended by a "
+                    "trajstore before route drift was measured)")
         return ("no call re-sent route rows for recorded positions yet (drift is measured when a merged call's "
                 "engine returns the whole sequence's routes)")
     compared = sum(row[1] for row in per_time)

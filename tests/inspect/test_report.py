@@ -290,3 +290,18 @@ def test_route_drift_panel_without_routes_or_before_drift_was_measured(store_url
     with read_only(url) as query:
         note = next(p for p in collect(query)["panels"] if p["name"] == "route_drift")["note"]
     assert note.startswith("route rows were re-sent, but none was compared with the recording")
+
+
+def test_problems_panel_counts_what_waits_and_what_failed(store_url, tmp_path):
+    store = trajstore.connect(store_url, payload=str(tmp_path / "payload"))
+    fill(store, 0, 12)  # materialized
+    for events in run_events(12, 6):  # finished after the materialize: waiting to be folded (15 fails)
+        store.append(events)
+    store.close()
+    with read_only(reader_url_for(store_url)) as query:
+        data = collect(query)
+        (failed,) = query("SELECT count(*) FROM trajectory_summary WHERE status = 'failed'").rows[0]
+    panel = next(p for p in data["panels"] if p["name"] == "problems")
+    finished_late = sum(1 for i in range(12, 18) if i not in RUNNING)
+    assert panel["figure"]["data"][-1]["y"] == [finished_late, 0, 0]  # waiting, held back, unfoldable
+    assert failed == 1 and sum(panel["figure"]["data"][0]["y"]) == failed

@@ -441,6 +441,40 @@ def _groups_draw(c: Clock, r: list[QueryResult]) -> Any:
         font=dict(size=13)))
 
 
+def _problems_sql(c: Clock) -> list[str]:
+    return [f"SELECT {c.bucket('last_event_at')} AS bucket, count(*) FILTER (WHERE status = 'failed') AS failed, "
+            "count(*) FILTER (WHERE status = 'aborted') AS aborted, "
+            "count(*) FILTER (WHERE status = 'truncated') AS truncated, count(*) AS finished "
+            "FROM trajectory_summary WHERE status <> 'running' GROUP BY 1 ORDER BY 1",
+            "SELECT count(*) FILTER (WHERE t.status <> 'running' AND t.num_generations > 0 AND NOT t.is_held_back "
+            "AND NOT EXISTS (SELECT 1 FROM samples s WHERE s.trajectory_id = t.trajectory_id) "
+            "AND NOT EXISTS (SELECT 1 FROM unfoldable_trajectories u WHERE u.trajectory_id = t.trajectory_id)) "
+            "AS waiting_to_fold, count(*) FILTER (WHERE t.is_held_back) AS held_back, "
+            "(SELECT count(*) FROM unfoldable_trajectories) AS unfoldable, "
+            "sum(t.num_placeholder_logprobs) AS placeholder_logprobs FROM trajectory_summary t"]
+
+
+def _problems_draw(c: Clock, r: list[QueryResult]) -> Any:
+    go, make_subplots = _plotly()
+    per_time = r[0].rows
+    waiting, held, unfoldable, placeholders = r[1].rows[0]
+    fig = make_subplots(rows=1, cols=2, column_widths=[0.62, 0.38], subplot_titles=(
+        "failed, aborted and truncated trajectories by finish time",
+        f"finished trajectories without samples now ({placeholders or 0} placeholder logprobs stored as missing)"))
+    xs = [c.time_of(row[0]) for row in per_time]
+    for i, (name, color) in enumerate((("failed", "#d62728"), ("aborted", "#ff7f0e"), ("truncated", "#9467bd"))):
+        fig.add_trace(go.Bar(x=xs, y=[row[1 + i] for row in per_time], name=name, marker_color=color,
+                             customdata=[row[4] for row in per_time],
+                             hovertemplate="%{y} of %{customdata} finished<extra>" + name + "</extra>"), 1, 1)
+    labels = ["waiting for materialize", "held back (unmapped version label)", "unfoldable (materializer refused)"]
+    fig.add_trace(go.Bar(x=labels, y=[waiting or 0, held or 0, unfoldable or 0], showlegend=False, name="now",
+                         marker_color=["#7f7f7f", "#bcbd22", "#d62728"], text=[waiting or 0, held or 0, unfoldable or 0],
+                         textposition="outside"), 1, 2)
+    fig.update_xaxes(title_text=f"time (UTC; {c.width_s} s buckets)", row=1, col=1)
+    fig.update_yaxes(title_text="trajectories", rangemode="tozero")
+    return _layout(fig, barmode="stack")
+
+
 def _staleness_sql(c: Clock) -> list[str]:
     return ["SELECT staleness, count(*) AS samples FROM sample_summary GROUP BY staleness ORDER BY staleness",
             "SELECT model_version_span, count(*) AS samples FROM sample_summary GROUP BY model_version_span "
@@ -785,6 +819,11 @@ PANELS: tuple[Panel, ...] = (
           "trajectories all got the same reward has zero advantage everywhere and teaches a group-relative "
           "method nothing.",
           _groups_sql, _groups_draw),
+    Panel("problems", "Trajectories that need attention",
+          "Trajectories that ended failed, aborted or truncated, over time; and, now, the finished ones without "
+          "samples: waiting for the materializer, held back until a version label is mapped, or refused by the "
+          "materializer (trajstore info lists them).",
+          _problems_sql, _problems_draw),
     Panel("finish_reasons", "Finish reasons",
           "The share of engine calls by finish_reason over time, and per model version the share cut by the "
           "length limit (finish_reason = 'length').",

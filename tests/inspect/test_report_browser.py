@@ -247,7 +247,11 @@ def test_the_live_page_of_an_empty_store_then_its_first_events(tmp_path, browser
         assert page.panels() == {} and not page.page.is_visible("#summary")
         with trajstore.connect(url) as store:
             fill(store)
-        page.page.wait_for_function("Number(document.body.dataset.panels) > 0", timeout=30_000)
+        # The page may first catch the store between the appends and the materialize; it redraws
+        # until every panel has its data.
+        page.page.wait_for_function(
+            "Number(document.body.dataset.panels) > 0 && Array.from(document.querySelectorAll('#panels > section'))"
+            ".every(s => s.dataset.state === 'plotted')", timeout=30_000)
         assert not page.page.is_visible("#empty")
         assert_every_panel_drawn(page)
         assert page.errors == []

@@ -459,18 +459,19 @@ def _problems_draw(c: Clock, r: list[QueryResult]) -> Any:
     per_time = r[0].rows
     waiting, held, unfoldable, placeholders = r[1].rows[0]
     fig = make_subplots(rows=1, cols=2, column_widths=[0.62, 0.38], subplot_titles=(
-        "failed, aborted and truncated trajectories by finish time",
-        f"finished trajectories without samples now ({placeholders or 0} placeholder logprobs stored as missing)"))
+        "failed, aborted and truncated, by finish time", "finished, without samples, now"))
     xs = [c.time_of(row[0]) for row in per_time]
     for i, (name, color) in enumerate((("failed", "#d62728"), ("aborted", "#ff7f0e"), ("truncated", "#9467bd"))):
         fig.add_trace(go.Bar(x=xs, y=[row[1 + i] for row in per_time], name=name, marker_color=color,
                              customdata=[row[4] for row in per_time],
                              hovertemplate="%{y} of %{customdata} finished<extra>" + name + "</extra>"), 1, 1)
-    labels = ["waiting for materialize", "held back (unmapped version label)", "unfoldable (materializer refused)"]
+    labels = ["waiting to fold", "held back (label)", "unfoldable"]
     fig.add_trace(go.Bar(x=labels, y=[waiting or 0, held or 0, unfoldable or 0], showlegend=False, name="now",
                          marker_color=["#7f7f7f", "#bcbd22", "#d62728"], text=[waiting or 0, held or 0, unfoldable or 0],
                          textposition="outside"), 1, 2)
     fig.update_xaxes(title_text=f"time (UTC; {c.width_s} s buckets)", row=1, col=1)
+    fig.update_xaxes(title_text=f"logprobs the engine sent as placeholders (stored as missing): {placeholders or 0}",
+                     row=1, col=2)
     fig.update_yaxes(title_text="trajectories", rangemode="tozero")
     return _layout(fig, barmode="stack")
 

@@ -32,8 +32,10 @@ def r1(tid="t"):
 def test_spec_r1_drifts_on_positions_0_to_3(store):
     a, b = r1()
     store.append([started("t"), a])
-    store.append([b])
+    result = store.append([b])
     assert drift(store) == [(0, 0, 0), (1, 4, 4)]
+    assert (result.route_rows_resent, result.route_rows_drifted) == (4, 4)  # what a metrics counter adds
+    assert store.info()["route_drift"] == {"route_rows_resent": 4, "route_rows_drifted": 4}
 
 
 def test_spec_r1_in_one_batch(store):

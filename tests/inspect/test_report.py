@@ -1,87 +1,307 @@
-"""``trajstore report``: renders from a demo-like store on both backends; every
-plot is a real PNG of the expected size with something drawn on it."""
+"""``trajstore report``: the panels' SQL and figures on both backends (under the
+read-only login), the static export, an empty store's page, the CLI's lines.
+
+The page itself is loaded in Debian's chromium in ``test_report_browser.py``."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import sys
+from dataclasses import replace
 
-import numpy as np
 import pytest
-from matplotlib import image as mpimg
 
 import trajstore
+from tests.helpers import reader_url_for
 from trajstore.cli import main
 from trajstore.demo.run import DEMO_CONFIG
-from tests.helpers import reader_url_for
-from trajstore.inspect.report import DPI, FIGSIZE_IN, PLOTS, render_report
 from trajstore.demo.simulate import trajectory_events
+from trajstore.inspect.panels import PANELS, collect
+from trajstore.inspect.report import render_report
+from trajstore.inspect.sql import read_only
 
-PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 NUM_TRAJECTORIES = 40
+RUNNING = {5, 17, 33}
+"""Trajectories left without trajectory_finished (running; the stuck panel lists them)."""
+LENGTH_CUT = {2, 9, 21}
+"""Trajectories whose last call ended by the length limit."""
+
+
+def run_events(first: int, count: int, *, version_base: int = 0) -> list[list[dict]]:
+    """The demo's rollout shape, smaller: versions advance over the run, aborts resume,
+    a few trajectories still running and a few cut by the length limit."""
+    cfg = replace(DEMO_CONFIG, prompt_tokens=24, output_tokens=16, observation_tokens=8)
+    out = []
+    for i in range(first, first + count):
+        events = trajectory_events(cfg, i, version=version_base + i * 4 // NUM_TRAJECTORIES)
+        if i in LENGTH_CUT:
+            [e for e in events if e["type"] == "generation"][-1]["finish_reason"] = "length"
+        if i in RUNNING:
+            events = [e for e in events if e["type"] not in ("reward", "trajectory_finished")]
+        out.append(events)
+    return out
+
+
+def fill(store, first: int = 0, count: int = NUM_TRAJECTORIES, *, version_base: int = 0):
+    for events in run_events(first, count, version_base=version_base):
+        store.append(events)
+    return store.materialize()
 
 
 @pytest.fixture
-def demo_like(store_url, tmp_path):
-    """The demo's rollout shape, smaller: versions advance over the run, aborts resume."""
-    from dataclasses import replace
-
-    cfg = replace(DEMO_CONFIG, prompt_tokens=24, output_tokens=16, observation_tokens=8)
+def run_store(store_url, tmp_path):
     store = trajstore.connect(store_url, payload=str(tmp_path / "payload"))
-    for i in range(NUM_TRAJECTORIES):
-        store.append(trajectory_events(cfg, i, version=i * 4 // NUM_TRAJECTORIES))
-    stats = store.materialize()
+    stats = fill(store)
     yield store, stats
     store.close()
 
 
-def assert_real_png(path: str) -> None:
-    with open(path, "rb") as f:
-        assert f.read(8) == PNG_SIGNATURE, f"{path} is not a PNG"
-    pixels = mpimg.imread(path)
-    height, width = pixels.shape[:2]
-    assert (width, height) == (round(FIGSIZE_IN[0] * DPI), round(FIGSIZE_IN[1] * DPI)), path
-    assert len(np.unique(pixels.reshape(-1, pixels.shape[-1]), axis=0)) > 10, f"{path} is blank"
+def test_every_panel_draws_from_the_views_under_the_reader_login(run_store):
+    store, stats = run_store
+    with read_only(reader_url_for(store.url)) as query:
+        data = collect(query, stuck_after_s=0.0, payload=store.payload.location)
+    assert not data["empty"]
+    names = [p["name"] for p in data["panels"]]
+    assert names == [p.name for p in PANELS] and len(names) >= 14
+    for panel in data["panels"]:
+        assert panel["note"] is None, (panel["name"], panel["note"])
+        traces = panel["figure"]["data"]
+        assert traces and any(len(t.get("x") or t.get("y") or ()) for t in traces), panel["name"]
+        assert panel["sql"] and all(q.lstrip().upper().startswith("SELECT") for q in panel["sql"])
+    by_name = {p["name"]: p for p in data["panels"]}
+    # The stuck panel: the running trajectories, every one idle past a 0 s threshold, oldest first.
+    stuck = by_name["stuck"]["figure"]
+    assert sorted(stuck["data"][0]["y"]) == sorted(f"traj-0-{i:06d}" for i in RUNNING)
+    assert stuck["layout"]["title"]["text"].startswith(f"{len(RUNNING)} running, ")
+    # The length share per version: exactly the calls cut by the limit.
+    finish = by_name["finish_reasons"]
+    length_calls = sum(int(calls[0]) for calls in finish["figure"]["data"][-1]["customdata"])
+    assert length_calls == len(LENGTH_CUT)
+    # Merge ratio headline agrees with the materializer.
+    merge = json.dumps(by_name["merge_ratio"]["figure"]["layout"])
+    assert f"run: {stats.merge_ratio:.3f}" in merge
+    summary = dict(data["summary"])
+    assert summary["trajectories"].startswith(f"{NUM_TRAJECTORIES} (") and f"running {len(RUNNING)}" in summary["trajectories"]
 
 
-def test_report_renders_every_plot(demo_like, tmp_path):
-    store, stats = demo_like
+def test_each_panel_sql_is_what_ran(run_store, capsys):
+    """The SQL on the page re-derives the panel: run through `trajstore sql`, it gives the same rows."""
+    store, _ = run_store
+    url = reader_url_for(store.url)
+    with read_only(url) as query:
+        data = collect(query)
+        ran = {q: query(q).rows for p in data["panels"] for q in p["sql"]}
+    for sql, rows in list(ran.items())[:6]:
+        assert main(["--store", url, "sql", "--format", "json", sql]) == 0
+        assert len(json.loads(capsys.readouterr().out)) == len(rows)
+
+
+def test_static_export(run_store, tmp_path):
+    store, stats = run_store
     out = tmp_path / "report"
-    written = render_report(reader_url_for(store.url), str(out), title="run 7")
-    pngs = sorted(p for p in os.listdir(out) if p.endswith(".png"))
-    assert len(PLOTS) == 6 and len(written["images"]) == len(PLOTS)
-    assert pngs == sorted(f"{p.name}.png" for p in PLOTS)
-    for name in pngs:
-        assert_real_png(str(out / name))
+    written = render_report(reader_url_for(store.url), str(out), title="run 7", payload=store.payload.location)
+    assert sorted(os.listdir(out)) == ["index.html", "plotly.min.js"]
+    assert written["panels"] == [p.name for p in PANELS]
+    assert written["notes"] == {} and written["plotted"] == written["panels"]
     page = (out / "index.html").read_text()
-    assert sorted(re.findall(r"<img src='([^']+)'", page)) == pngs
     assert "<title>run 7</title>" in page
-    assert f"{stats.merge_ratio:.3f}" in page  # the summary agrees with the materializer
-    assert f"<td>{NUM_TRAJECTORIES} (" in page
+    assert "<script src='plotly.min.js'></script>" in page
+    assert not re.search(r"https?://(?!127\.0\.0\.1)", page.split("<script id='trajstore-data'")[0])  # no CDN
+    data = json.loads(re.search(r"<script id='trajstore-data' type='application/json'>(.*?)</script>", page,
+                                re.S).group(1))
+    assert [p["name"] for p in data["panels"]] == written["panels"]
+    # Every panel's SQL is on the page for the reader (escaped in JSON, shown by the script).
+    for panel in data["panels"]:
+        for q in panel["sql"]:
+            assert json.dumps(q).replace("<", "\\u003c")[1:-1] in page
+    script = (out / "plotly.min.js").read_text()
+    assert len(script) > 1_000_000 and "plotly.js" in script[:500]
 
 
-def test_report_of_an_empty_store(store_url, tmp_path):
-    trajstore.connect(store_url, payload=str(tmp_path / "payload")).close()
-    written = render_report(reader_url_for(store_url), str(tmp_path / "report"))
-    assert len(written["images"]) == len(PLOTS)
-    for path in written["images"]:
-        with open(path, "rb") as f:
-            assert f.read(8) == PNG_SIGNATURE
-
-
-def test_report_command(demo_like, tmp_path, capsys):
-    store, _ = demo_like
-    rc = main(["--store", reader_url_for(store.url), "report", str(tmp_path / "r")])
+def test_report_command_counts_what_the_page_shows(run_store, tmp_path, capsys):
+    store, _ = run_store
+    url = reader_url_for(store.url)
+    assert main(["--store", url, "--payload", store.payload.location, "report", str(tmp_path / "r")]) == 0
     out = capsys.readouterr().out
-    assert rc == 0
-    assert out.strip() == f"wrote {tmp_path / 'r' / 'index.html'} with {len(PLOTS)} plots"
+    # Default threshold 300 s: the running trajectories are not stuck, but they are drawn.
+    assert out.strip() == f"wrote {tmp_path / 'r' / 'index.html'} with {len(PANELS)} panels"
 
 
-def test_without_matplotlib_the_error_says_what_to_install(demo_like, tmp_path, capsys, monkeypatch):
-    store, _ = demo_like
-    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # import fails
+def test_a_panel_with_nothing_to_draw_is_named(store_url, tmp_path, capsys):
+    store = trajstore.connect(store_url, payload=str(tmp_path / "payload"))
+    store.append(run_events(0, 1)[0])  # finished, not materialized: no samples yet; nothing running
+    store.close()
+    url = reader_url_for(store_url)
+    assert main(["--store", url, "report", str(tmp_path / "r")]) == 0
+    out = capsys.readouterr().out.strip()
+    m = re.fullmatch(rf"wrote {re.escape(str(tmp_path / 'r' / 'index.html'))} with {len(PANELS)} panels "
+                     r"\((\d+) with nothing to draw yet: ([a-z_, ]+)\)", out)
+    assert m, out
+    named = m.group(2).split(", ")
+    assert int(m.group(1)) == len(named)
+    assert {"stuck", "staleness_over_time", "staleness", "logprobs", "expert_load"} <= set(named)
+    page = (tmp_path / "r" / "index.html").read_text()
+    data = json.loads(re.search(r"type='application/json'>(.*?)</script>", page.split("trajstore-data")[1], re.S)
+                      .group(1))
+    assert sorted(p["name"] for p in data["panels"] if p["figure"] is None) == sorted(named)
+
+
+def test_an_empty_store_is_one_no_data_page(store_url, tmp_path, capsys):
+    trajstore.connect(store_url, payload=str(tmp_path / "payload")).close()
+    url = reader_url_for(store_url)
+    assert main(["--store", url, "report", str(tmp_path / "r")]) == 0
+    out = capsys.readouterr().out
+    assert out == f"wrote {tmp_path / 'r' / 'index.html'}: no data yet (the store has no trajectories), 0 panels\n"
+    page = (tmp_path / "r" / "index.html").read_text()
+    data = json.loads(re.search(r"<script id='trajstore-data' type='application/json'>(.*?)</script>", page,
+                                re.S).group(1))
+    assert data["empty"] is True and data["panels"] == [] and data["summary"] == []
+
+
+def test_report_into_a_file_is_one_clear_error(run_store, tmp_path, capsys):
+    store, _ = run_store
+    (tmp_path / "afile").write_text("x")
+    assert main(["--store", reader_url_for(store.url), "report", str(tmp_path / "afile")]) == 1
+    assert capsys.readouterr().err == f"error: report: {tmp_path / 'afile'} is a file, not a directory\n"
+    assert (tmp_path / "afile").read_text() == "x"
+
+
+def test_report_needs_a_directory_or_serve(run_store, capsys):
+    store, _ = run_store
+    assert main(["--store", reader_url_for(store.url), "report"]) == 1
+    assert capsys.readouterr().err == ("error: report needs OUT_DIR (the static page) or --serve (the live page)\n")
+
+
+def test_without_plotly_the_error_says_what_to_install(run_store, tmp_path, capsys, monkeypatch):
+    store, _ = run_store
+    monkeypatch.setitem(sys.modules, "plotly.graph_objects", None)  # import fails
     rc = main(["--store", reader_url_for(store.url), "report", str(tmp_path / "r")])
-    err = capsys.readouterr().err
     assert rc == 1
-    assert err == "error: trajstore report needs matplotlib: pip install -e '.[report]' in the trajstore checkout\n"
+    assert capsys.readouterr().err == ("error: trajstore report needs plotly: pip install -e '.[report]' "
+                                       "in the trajstore checkout\n")
+    assert not (tmp_path / "r").exists()
+
+
+def test_token_panels_agree_with_the_samples(run_store):
+    """Logprobs and expert loads come from the newest samples' segments, read without the store's
+    PayloadStore; they equal what Store.samples() reads for the same samples."""
+    import numpy as np
+
+    store, _ = run_store
+    with read_only(reader_url_for(store.url)) as query:
+        data = collect(query, payload=store.payload.location)
+    panels = {p["name"]: p for p in data["panels"]}
+    samples = list(store.samples())
+    assert len(samples) < 256  # every sample is among the newest read
+    versions = np.concatenate([s.token_model_versions for s in samples])
+    logprobs = np.concatenate([s.rollout_logprobs for s in samples])
+    keep = (versions >= 0) & np.concatenate([s.logprobs_mask & s.loss_mask.astype(bool) for s in samples])
+    mean = panels["logprobs"]["figure"]["data"][-1]
+    for v, got, n in zip(mean["x"], mean["y"], mean["customdata"]):
+        sel = keep & (versions == int(v))
+        assert n == sel.sum() and got == pytest.approx(logprobs[sel].mean())
+    # Expert loads: every generated token's route row (the row of the position before it), by version.
+    heat = panels["expert_load"]["figure"]["data"][0]
+    expected: dict[int, np.ndarray] = {}
+    for s in samples:
+        for j in np.nonzero(s.token_model_versions >= 0)[0]:
+            row = len(s.prompt_ids) + j - 1
+            if s.routed_experts is None or s.routed_experts_mask[row]:
+                continue
+            v = int(s.token_model_versions[j])
+            expected.setdefault(v, np.zeros(DEMO_CONFIG.num_experts))
+            np.add.at(expected[v], s.routed_experts[row].ravel().astype(int), 1)
+    assert [int(v) for v in heat["y"]] == sorted(expected)
+    for v, row in zip(heat["y"], heat["z"]):
+        want = expected[int(v)]
+        assert np.allclose(row, want / want.mean())
+
+
+def test_token_panels_without_the_payload_say_where_they_looked(run_store, tmp_path):
+    store, _ = run_store
+    with read_only(reader_url_for(store.url)) as query:
+        data = collect(query, payload=str(tmp_path / "elsewhere"))
+    notes = {p["name"]: p["note"] for p in data["panels"] if p["note"]}
+    assert notes == {name: f"no payload at {tmp_path / 'elsewhere'} (pass --payload PATH_OR_URI)"
+                     for name in ("logprobs", "expert_load")}
+    assert not (tmp_path / "elsewhere").exists()
+
+
+def test_the_live_data_is_not_recomputed_faster_than_twice_its_cost():
+    """A big store's views take seconds: the live page then refreshes more slowly rather than
+    keep the database busy (at most once per half refresh, and per twice the computing time)."""
+    import time
+
+    from trajstore.inspect.live import _Snapshot
+
+    calls = []
+
+    def compute():
+        calls.append(time.monotonic())
+        time.sleep(0.2)
+        return {"n": len(calls)}
+
+    snapshot = _Snapshot(compute, min_age_s=0.05)
+    assert json.loads(snapshot.get()) == {"n": 1}
+    assert json.loads(snapshot.get()) == {"n": 1}  # within 2 x 0.2 s of the last: the same data
+    time.sleep(2 * (time.monotonic() - calls[0]) + 0.05)
+    assert json.loads(snapshot.get()) == {"n": 2}
+
+
+def test_route_drift_panel_counts_the_drifted_rows_of_the_log(run_store):
+    """The simulator's engine recomputes about 1% of the re-sent rows differently; the panel's run total
+    is the log's own (admission measured it, generation_events carries it)."""
+    store, _ = run_store
+    url = reader_url_for(store.url)
+    with read_only(url) as query:
+        data = collect(query, payload=store.payload.location)
+        compared, drifted = query("SELECT sum(route_rows_resent) FILTER (WHERE route_rows_drifted IS NOT NULL), "
+                                  "sum(route_rows_drifted) FROM generation_events").rows[0]
+        per_version = {int(v): share for v, share in query(
+            "SELECT model_version, route_drift_share FROM model_version_stats WHERE route_rows_resent > 0").rows}
+    assert 0 < drifted < compared
+    panel = next(p for p in data["panels"] if p["name"] == "route_drift")
+    assert f"run: {drifted} of {compared}, " in json.dumps(panel["figure"]["layout"])
+    bars = panel["figure"]["data"][-1]
+    assert {int(v): y for v, y in zip(bars["x"], bars["y"])} == pytest.approx(per_version)
+    over_time = panel["figure"]["data"][0]
+    assert sum(over_time["y"]) == drifted
+
+
+def test_route_drift_panel_without_routes_or_before_drift_was_measured(store_url, tmp_path):
+    store = trajstore.connect(store_url, payload=str(tmp_path / "payload"))
+    for events in run_events(0, 4):
+        for e in events:
+            e.pop("routed_experts", None)
+        store.append(events)
+    url = reader_url_for(store_url)
+    with read_only(url) as query:
+        note = next(p for p in collect(query)["panels"] if p["name"] == "route_drift")["note"]
+    assert note.startswith("no call re-sent route rows for recorded positions yet")
+    # Calls stored before drift was measured: re-sent rows, drift NULL (a store migrated from 0008).
+    fill(store, 10, 4)
+    with store.log.write_engine.begin() as conn:
+        from sqlalchemy import text
+
+        conn.execute(text("UPDATE events SET route_rows_drifted = NULL"))
+    store.close()
+    with read_only(url) as query:
+        note = next(p for p in collect(query)["panels"] if p["name"] == "route_drift")["note"]
+    assert note.startswith("route rows were re-sent, but none was compared with the recording")
+
+
+def test_problems_panel_counts_what_waits_and_what_failed(store_url, tmp_path):
+    store = trajstore.connect(store_url, payload=str(tmp_path / "payload"))
+    fill(store, 0, 12)  # materialized
+    for events in run_events(12, 6):  # finished after the materialize: waiting to be folded (15 fails)
+        store.append(events)
+    store.close()
+    with read_only(reader_url_for(store_url)) as query:
+        data = collect(query)
+        (failed,) = query("SELECT count(*) FROM trajectory_summary WHERE status = 'failed'").rows[0]
+    panel = next(p for p in data["panels"] if p["name"] == "problems")
+    finished_late = sum(1 for i in range(12, 18) if i not in RUNNING)
+    assert panel["figure"]["data"][-1]["y"] == [finished_late, 0, 0]  # waiting, held back, unfoldable
+    assert failed == 1 and sum(panel["figure"]["data"][0]["y"]) == failed

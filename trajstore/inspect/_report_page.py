@@ -1,0 +1,211 @@
+"""The HTML and JavaScript of the report page, live (polling) or static (data embedded).
+
+One page for both: the static export embeds the data ``collect`` returned in a
+``<script type="application/json">`` element; the live page fetches the same
+data from ``api/data`` every ``refresh_s`` seconds and redraws in place
+(``Plotly.react``). plotly.js is a file beside the page (``plotly.min.js``),
+from the plotly package: nothing is loaded from the internet.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+from typing import Any
+
+PLOTLY_JS = "plotly.min.js"
+
+
+def payload_location(url: str | None, payload: str | None) -> str:
+    """Where the store's payload is: ``payload`` (``--payload``), else the backend's default."""
+    from trajstore.store import dialect_of, resolve_url
+
+    if payload:
+        return payload
+    url = resolve_url(url)
+    return dialect_of(url).default_payload_dir(url)
+
+
+def store_label(url: str | None) -> str:
+    """The store URL as the page shows it (no password)."""
+    from sqlalchemy.engine import make_url
+
+    from trajstore.store import resolve_url
+
+    return make_url(resolve_url(url)).render_as_string(hide_password=True)
+
+_CSS = """
+body{font-family:system-ui,-apple-system,sans-serif;margin:0;color:#1d1d1f;background:#f4f5f7}
+header{background:#1f2937;color:#fff;padding:10px 24px;display:flex;flex-wrap:wrap;gap:4px 24px;align-items:baseline}
+header h1{font-size:20px;margin:0}
+header .meta{font-size:13px;color:#cbd5e1}
+#status{font-size:13px}
+#status.error{color:#fecaca;font-weight:bold}
+main{max-width:1280px;margin:0 auto;padding:12px 24px}
+nav{font-size:13px;margin:8px 0 12px}
+nav a{margin-right:12px;color:#2563eb;text-decoration:none}
+.card{background:#fff;border:1px solid #e5e7eb;border-radius:8px;padding:12px 16px;margin:12px 0}
+.card h2{font-size:16px;margin:0 0 4px}
+.caption{font-size:13px;color:#4b5563;margin:0 0 6px}
+.note{padding:28px;text-align:center;color:#6b7280;background:#f9fafb;border-radius:6px}
+#empty{padding:48px;text-align:center}
+#empty h2{font-size:22px}
+table.summary{border-collapse:collapse;font-size:14px}
+table.summary td{padding:3px 14px 3px 0;border-bottom:1px solid #eee}
+details{font-size:12px;margin-top:4px}
+details summary{cursor:pointer;color:#2563eb}
+pre{background:#f6f8fa;padding:8px;white-space:pre-wrap;word-break:break-word;margin:4px 0;font-size:12px}
+.grid{display:grid;grid-template-columns:1fr;gap:0}
+"""
+
+_JS = r"""
+(function () {
+  "use strict";
+  const cfg = JSON.parse(document.getElementById("trajstore-config").textContent);
+  const plotConfig = {displaylogo: false, responsive: true};
+  const $ = (id) => document.getElementById(id);
+  let refreshes = 0;
+
+  function el(tag, attrs, ...children) {
+    const e = document.createElement(tag);
+    for (const [k, v] of Object.entries(attrs || {})) {
+      if (k === "text") e.textContent = v; else e.setAttribute(k, v);
+    }
+    for (const c of children) if (c) e.appendChild(c);
+    return e;
+  }
+
+  function sqlDetails(sql) {
+    const d = el("details", {}, el("summary", {text: "SQL"}));
+    for (const q of sql) d.appendChild(el("pre", {text: q}));
+    return d;
+  }
+
+  function renderSummary(data) {
+    const box = $("summary");
+    box.replaceChildren();
+    if (data.empty) return;
+    const t = el("table", {class: "summary"});
+    for (const [k, v] of data.summary) t.appendChild(el("tr", {}, el("td", {text: k}), el("td", {text: v})));
+    box.appendChild(el("h2", {text: "Run"}));
+    box.appendChild(t);
+    box.appendChild(sqlDetails(data.summary_sql));
+    box.hidden = false;
+  }
+
+  function renderEmpty(data) {
+    const box = $("empty");
+    box.hidden = !data.empty;
+    if (!data.empty) return;
+    box.replaceChildren(
+      el("h2", {text: "No data yet"}),
+      el("p", {text: "The store has no trajectories. " + (cfg.live
+        ? "This page checks again every " + cfg.refresh_s + " s and draws the panels when the first events arrive."
+        : "Run trajstore report again once rollouts have been recorded.")}),
+      sqlDetails(data.summary_sql.slice(0, 1)));
+  }
+
+  function samePanels(data) {
+    const have = Array.from(document.querySelectorAll("#panels > section")).map((s) => s.dataset.panel);
+    return have.join() === data.panels.map((p) => p.name).join();
+  }
+
+  function buildPanels(data) {
+    const root = $("panels"), nav = $("nav");
+    for (const s of document.querySelectorAll("#panels .plot")) Plotly.purge(s);
+    root.replaceChildren();
+    nav.replaceChildren();
+    for (const p of data.panels) {
+      nav.appendChild(el("a", {href: "#" + p.name, text: p.title}));
+      root.appendChild(el("section", {class: "card", id: p.name, "data-panel": p.name},
+        el("h2", {text: p.title}), el("p", {class: "caption", text: p.caption}),
+        el("div", {class: "plot"}), el("div", {class: "note"}), el("div", {class: "sql"})));
+    }
+  }
+
+  function renderPanels(data) {
+    if (!samePanels(data)) buildPanels(data);
+    for (const p of data.panels) {
+      const s = document.querySelector('#panels > section[data-panel="' + p.name + '"]');
+      const plot = s.querySelector(".plot"), note = s.querySelector(".note");
+      if (p.figure) {
+        note.hidden = true;
+        plot.hidden = false;
+        Plotly.react(plot, p.figure.data, p.figure.layout, plotConfig);
+        s.dataset.state = "plotted";
+      } else {
+        Plotly.purge(plot);
+        plot.hidden = true;
+        note.hidden = false;
+        note.textContent = p.note;
+        s.dataset.state = "note";
+      }
+      s.querySelector(".sql").replaceChildren(sqlDetails(p.sql));
+    }
+  }
+
+  function render(data) {
+    renderEmpty(data);
+    renderSummary(data);
+    renderPanels(data);
+    refreshes += 1;
+    const when = new Date(data.generated_at * 1000);
+    $("status").className = "";
+    $("status").textContent = (cfg.live ? "live, every " + cfg.refresh_s + " s; " : "static export; ") +
+      "data of " + when.toISOString().replace("T", " ").slice(0, 19) + " UTC";
+    document.body.dataset.generatedAt = String(data.generated_at);
+    document.body.dataset.refreshes = String(refreshes);
+    document.body.dataset.panels = String(data.panels.length);
+  }
+
+  function showError(text) {
+    $("status").className = "error";
+    $("status").textContent = text;
+  }
+
+  async function poll() {
+    try {
+      const r = await fetch(cfg.api, {cache: "no-store", credentials: "same-origin"});
+      if (r.status === 401) {
+        showError("not authorized: open this page as /?token=TOKEN");
+        return;  // no point asking again with the same credentials
+      }
+      const body = await r.json();
+      if (!r.ok) showError("store: " + ((body.error && body.error.message) || r.status) + " (showing the last data)");
+      else render(body);
+    } catch (e) {
+      showError("report server unreachable (showing the last data): " + e.message);
+    }
+    setTimeout(poll, cfg.refresh_s * 1000);
+  }
+
+  if (cfg.live) poll();
+  else render(JSON.parse($("trajstore-data").textContent));
+})();
+"""
+
+
+def _json_in_html(value: Any, **dumps: Any) -> str:
+    """JSON safe inside a <script> element: no '<' can end it early."""
+    return json.dumps(value, **dumps).replace("<", "\\u003c")
+
+
+def page(title: str, store: str, *, live: bool, refresh_s: float = 5.0, data_json: str | None = None) -> str:
+    """The page. ``data_json``: the static page's data (JSON text of ``collect``'s dict)."""
+    e = html.escape
+    config = _json_in_html({"live": live, "refresh_s": refresh_s, "api": "api/data"})
+    data = ("" if data_json is None else
+            f"<script id='trajstore-data' type='application/json'>{data_json.replace('<', chr(92) + 'u003c')}</script>")
+    return (
+        "<!doctype html><html lang='en'><head><meta charset='utf-8'>"
+        "<meta name='viewport' content='width=device-width,initial-scale=1'>"
+        "<link rel='icon' href='data:,'>"
+        f"<title>{e(title)}</title><style>{_CSS}</style></head><body>"
+        f"<header><h1>{e(title)}</h1><span class='meta'>store <code>{e(store)}</code></span>"
+        "<span class='meta' id='status'>loading…</span></header>"
+        "<main><div id='empty' class='card' hidden></div><div id='summary' class='card' hidden></div>"
+        "<nav id='nav'></nav><div id='panels' class='grid'></div>"
+        "<p class='caption'>Every panel's SQL runs as written under <code>trajstore sql</code> (read-only); "
+        "the views and their columns are documented in docs/sql.md.</p></main>"
+        f"<script id='trajstore-config' type='application/json'>{config}</script>{data}"
+        f"<script src='{PLOTLY_JS}'></script><script>{_JS}</script></body></html>\n")

@@ -1,0 +1,209 @@
+"""``trajstore report --serve``: the report as a live page, read-only, behind a bearer token.
+
+The page polls ``GET api/data`` (the JSON of ``panels.collect``, computed in
+one read-only snapshot as ``trajstore sql`` opens it, at most once per half
+refresh interval whatever the number of viewers) and redraws in place.
+
+Access follows the ingest service's rules (``trajstore serve``): it does not
+start without a token (``--token`` or ``$TRAJSTORE_TOKEN``) unless
+``--insecure-no-auth``, and every path, the page and its script included,
+answers 401 without it. A browser cannot send an ``Authorization`` header on
+its own, so ``GET /?token=TOKEN`` trades the token for a cookie (HttpOnly,
+SameSite=Strict, a keyed digest of the token rather than the token) and
+redirects to ``/``, out of the address bar and history; scripts may send
+``Authorization: Bearer TOKEN`` instead. Only GET and HEAD are served.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import logging
+import socket
+import sys
+import threading
+import time
+from typing import Any, Callable
+from urllib.parse import parse_qs
+
+from trajstore.errors import StoreUnavailable, TrajstoreError, first_line
+from trajstore.ingest._http import UNAUTHORIZED, bearer_ok, error_body
+from trajstore.inspect import _report_page
+from trajstore.inspect.panels import DEFAULT_STUCK_AFTER_S, collect, plotly_js
+
+__all__ = ["DEFAULT_PORT", "DEFAULT_REFRESH_S", "make_app", "serve_report"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PORT = 8713
+DEFAULT_REFRESH_S = 5.0
+COOKIE = "trajstore_report"
+
+
+def _cookie_value(token: str) -> str:
+    return hmac.new(token.encode(), b"trajstore report cookie", hashlib.sha256).hexdigest()
+
+
+def _cookie_ok(header: str | None, token: str) -> bool:
+    want = _cookie_value(token).encode()
+    for part in (header or "").split(";"):
+        name, _, value = part.strip().partition("=")
+        if name == COOKIE and hmac.compare_digest(value.encode(), want):
+            return True
+    return False
+
+
+class _Snapshot:
+    """The page's data, recomputed at most every ``min_age_s``, and never more often than
+    twice its own computing time (a big store's views take seconds: the page then refreshes
+    more slowly rather than keep the database busy); one computation at a time."""
+
+    def __init__(self, compute: Callable[[], dict[str, Any]], min_age_s: float) -> None:
+        self._compute = compute
+        self._min_age_s = min_age_s
+        self._lock = threading.Lock()
+        self._at = 0.0
+        self._took = 0.0
+        self._body: bytes | None = None
+
+    def get(self) -> bytes:
+        with self._lock:
+            if self._body is None or time.monotonic() - self._at >= max(self._min_age_s, 2 * self._took):
+                from plotly.utils import PlotlyJSONEncoder
+
+                start = time.monotonic()
+                self._body = json.dumps(self._compute(), cls=PlotlyJSONEncoder).encode()
+                self._at = time.monotonic()
+                self._took = self._at - start
+            return self._body
+
+
+def make_app(url: str | None, *, token: str | None, title: str = "trajstore report",
+             refresh_s: float = DEFAULT_REFRESH_S, stuck_after_s: float = DEFAULT_STUCK_AFTER_S,
+             payload: str | None = None) -> Any:
+    """The ASGI app of the live page over store ``url``. ``token=None``: no auth (the caller decided).
+    ``payload``: the store's payload location when not the default."""
+    from starlette.applications import Starlette
+    from starlette.concurrency import run_in_threadpool
+    from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
+    from starlette.routing import Route
+
+    from trajstore.inspect.sql import read_only
+
+    payload = _report_page.payload_location(url, payload)
+
+    def compute() -> dict[str, Any]:
+        with read_only(url) as query:
+            return collect(query, stuck_after_s=stuck_after_s, payload=payload)
+
+    snapshot = _Snapshot(compute, min_age_s=refresh_s / 2)
+    index = _report_page.page(title, _report_page.store_label(url), live=True, refresh_s=refresh_s).encode()
+    script = plotly_js().encode()
+    script_etag = '"' + hashlib.sha256(script).hexdigest()[:32] + '"'
+
+    async def get_index(request: Any) -> Any:
+        return HTMLResponse(index, headers={"Cache-Control": "no-store"})
+
+    async def get_script(request: Any) -> Any:
+        if request.headers.get("if-none-match") == script_etag:
+            return Response(status_code=304, headers={"ETag": script_etag})
+        return Response(script, media_type="application/javascript",
+                        headers={"ETag": script_etag, "Cache-Control": "private, max-age=3600"})
+
+    async def get_data(request: Any) -> Any:
+        try:
+            body = await run_in_threadpool(snapshot.get)
+        except StoreUnavailable as e:
+            return JSONResponse(error_body(str(e), rule="store_unavailable"), status_code=503)
+        except TrajstoreError as e:
+            return JSONResponse(error_body(str(e), rule="store_error"), status_code=503)
+        except Exception as e:  # noqa: BLE001 - a driver error mid-run: say so, the page keeps its last data
+            log.exception("report data failed")
+            return JSONResponse(error_body(f"{type(e).__name__}: {first_line(e)}", rule="internal"), status_code=500)
+        return Response(body, media_type="application/json", headers={"Cache-Control": "no-store"})
+
+    async def healthz(request: Any) -> Any:
+        return JSONResponse({"status": "ok"})
+
+    routes = [Route("/", get_index, methods=["GET", "HEAD"]),
+              Route(f"/{_report_page.PLOTLY_JS}", get_script, methods=["GET", "HEAD"]),
+              Route("/api/data", get_data, methods=["GET", "HEAD"]),
+              Route("/healthz", healthz, methods=["GET", "HEAD"])]
+    inner = Starlette(routes=routes)
+
+    async def app(scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await inner(scope, receive, send)  # lifespan
+            return
+        if token is not None:
+            headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+            given = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("token")
+            if given and scope["path"] == "/" and scope["method"] in ("GET", "HEAD") \
+                    and hmac.compare_digest(given[-1].encode(), token.encode()):
+                response: Any = RedirectResponse("./", status_code=303)
+                response.set_cookie(COOKIE, _cookie_value(token), httponly=True, samesite="strict", path="/")
+                await response(scope, receive, send)
+                return
+            by_header = "authorization" in headers and bearer_ok(headers["authorization"], token)
+            if not by_header and not _cookie_ok(headers.get("cookie"), token):
+                await JSONResponse(error_body(UNAUTHORIZED, rule="unauthorized"), status_code=401,
+                                   headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
+                return
+        await inner(scope, receive, send)
+
+    return app
+
+
+class _Server:
+    """uvicorn on a socket bound here (a taken port is one clear error, before anything is printed),
+    saying "listening" once it is."""
+
+    def __init__(self, app: Any, sock: socket.socket, log_level: str, announce: str) -> None:
+        import uvicorn
+
+        class Server(uvicorn.Server):
+            async def startup(self, sockets: Any = None) -> None:
+                await super().startup(sockets=sockets)
+                if not self.should_exit:
+                    print(announce, file=sys.stderr, flush=True)
+
+        self.sock = sock
+        self.server = Server(uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="off"))
+
+    def run(self) -> None:
+        self.server.run(sockets=[self.sock])
+
+
+def serve_report(url: str | None, *, host: str = "127.0.0.1", port: int = DEFAULT_PORT, token: str | None,
+                 title: str = "trajstore report", refresh_s: float = DEFAULT_REFRESH_S,
+                 stuck_after_s: float = DEFAULT_STUCK_AFTER_S, log_level: str = "warning",
+                 payload: str | None = None) -> None:
+    """Serve the live page until SIGINT/SIGTERM. ``token=None`` serves it open (the caller decided)."""
+    from trajstore.inspect.sql import read_only
+
+    if refresh_s <= 0:
+        raise TrajstoreError(f"--refresh-s must be positive, got {refresh_s:g}")
+    with read_only(url) as query:  # a wrong store URL or login fails here, in one line, before serving
+        collect(query, stuck_after_s=stuck_after_s, payload=_report_page.payload_location(url, payload))
+    app = make_app(url, token=token, title=title, refresh_s=refresh_s, stuck_after_s=stuck_after_s, payload=payload)
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        family = infos[0][0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(infos[0][4])
+        sock.listen(128)
+    except OSError as e:
+        raise TrajstoreError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    bound = sock.getsockname()[1]
+    where = f"http://{host}:{bound}/"
+    announce = (f"trajstore report: listening on {where} (store {_report_page.store_label(url)}; refresh {refresh_s:g} s; "
+                + (f"open {where}?token=TOKEN once, the page keeps a cookie" if token is not None
+                   else "WARNING: no token, anyone who can reach the port can read the run")
+                + "; Ctrl-C stops)")
+    try:
+        _Server(app, sock, log_level, announce).run()
+    finally:
+        sock.close()
+

@@ -323,9 +323,14 @@ def parse_arrow_body(body: bytes) -> tuple[list, int]:
     try:
         raw = decode_arrow_events(body)
     except ArrowBodyError as e:
-        raise _HTTPError(400, str(e), rule="malformed_body") from None
+        raise _HTTPError(e.status, str(e), rule=e.rule) from None
     except ValidationError as e:
         raise _HTTPError.from_error(e) from None
+    except Exception as e:  # noqa: BLE001 - whatever else the bytes provoke is the body's fault, not a 500
+        log.warning("Arrow body refused by an unexpected %s: %s", type(e).__name__, e)
+        raise _HTTPError(400, f"body is not a readable Arrow IPC stream ({type(e).__name__}: "
+                              f"{str(e).strip().splitlines()[0][:300] if str(e).strip() else ''})",
+                         rule="malformed_body") from None
     return _parse_events(raw)
 
 

@@ -137,7 +137,10 @@ def _next_message(messages: Any, *, first: bool = False) -> Any:
 
 def _check_schema(schema: pa.Schema) -> list[str]:
     """The binary columns' names; ArrowBodyError for a column the layout does not have."""
-    names = schema.names
+    try:
+        names = schema.names
+    except UnicodeDecodeError:
+        raise ArrowBodyError("Arrow body has a column name that is not UTF-8") from None
     seen: set[str] = set()
     for name in names:
         if name in seen:
@@ -229,7 +232,8 @@ def _row_views(chunk: pa.Array) -> list[np.ndarray | None]:
     """Per-row uint8 views of a large_binary array (zero-copy; reads the buffers, no compute kernels)."""
     n = len(chunk)
     validity, offsets_buf, data = chunk.buffers()
-    offsets = np.frombuffer(offsets_buf, np.int64)[chunk.offset: chunk.offset + n + 1].tolist()
+    # count: a valid offsets buffer may be longer than the rows need, by any number of bytes
+    offsets = np.frombuffer(offsets_buf, np.int64, count=chunk.offset + n + 1)[chunk.offset:].tolist()
     data_np = np.frombuffer(data, np.uint8) if data is not None else np.zeros(0, np.uint8)
     if chunk.null_count == 0:
         return [data_np[offsets[k]:offsets[k + 1]] for k in range(n)]
@@ -242,7 +246,7 @@ def _array(mark: Any, views: list[np.ndarray | None] | None, row: int, field: st
         raise ValidationError(f"{field} is marked as an Arrow array but its column has no bytes for this event",
                               rule="array_encoding")
     dtype_name, shape = mark.get("dtype"), mark.get("shape")
-    if dtype_name not in _ALLOWED_DTYPES:
+    if not isinstance(dtype_name, str) or dtype_name not in _ALLOWED_DTYPES:
         raise ValidationError(f"{field} has unsupported dtype {dtype_name!r}", rule="array_dtype")
     if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
         raise ValidationError(f"{field} shape must be a list of non-negative ints, got {shape!r}", rule="array_shape")

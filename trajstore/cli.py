@@ -226,12 +226,7 @@ def _add_edge_commands(sub, add) -> None:
 
 def _edge(mod: Any, run: str) -> Command:
     def call(args: argparse.Namespace) -> int:
-        if args.command in ("serve", "proxy"):  # say where to point clients
-            from trajstore.store import _safe, resolve_url
-
-            print(f"trajstore {args.command}: listening on http://{args.host}:{args.port} "
-                  f"(store {_safe(resolve_url(args.store))}"
-                  f"{f', payload {args.payload}' if args.payload else ''}; Ctrl-C stops)", file=sys.stderr, flush=True)
+        # serve and proxy say "listening on ..." themselves, once they answer (ingest._http.run_server)
         try:
             return int(getattr(mod, run)(args) or 0)
         except ValueError as e:  # edges report bad flags as ValueError

@@ -9,14 +9,24 @@ when a response is built, so importing this module needs no extra.
 
 from __future__ import annotations
 
-import hmac
-import os
 import argparse
+import errno
+import hmac
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+import urllib.request
 from typing import Any
 
-from trajstore.errors import ConflictError, StoreUnavailable, ValidationError
+from trajstore.errors import ConflictError, StoreUnavailable, TrajstoreError, ValidationError
 
-__all__ = ["HTTPError", "UNAUTHORIZED", "add_server_arguments", "bearer_ok", "error_body", "error_response", "server_token"]
+__all__ = ["HTTPError", "UNAUTHORIZED", "add_server_arguments", "bearer_ok", "error_body", "error_response",
+           "run_server", "server_token"]
+
+log = logging.getLogger(__name__)
 
 UNAUTHORIZED = "missing or wrong bearer token"
 
@@ -76,6 +86,9 @@ def server_token(token: str | None, *, insecure_no_auth: bool) -> str | None:
     token = token or os.environ.get("TRAJSTORE_TOKEN") or None
     if token is None and not insecure_no_auth:
         raise ValueError("no token: pass --token or set $TRAJSTORE_TOKEN (or --insecure-no-auth to run open)")
+    if token is None:
+        log.warning("warning: running open (--insecure-no-auth): anyone who can reach the port can write "
+                    "to the store; bind to 127.0.0.1 or set a token")
     return token
 
 
@@ -86,3 +99,97 @@ def add_server_arguments(parser: argparse.ArgumentParser, *, port: int, token_he
     parser.add_argument("--token", default=None, help=f"{token_help} (default $TRAJSTORE_TOKEN)")
     parser.add_argument("--insecure-no-auth", action="store_true", help=open_help)
     parser.add_argument("--log-level", default="warning", help="uvicorn log level (default warning)")
+
+
+def run_server(app: Any, *, name: str, host: str, port: int, store_url: str | None = None,
+               payload: str | None = None, workers: int = 1, log_level: str = "warning", factory: bool = False,
+               http: Any = "auto") -> None:
+    """Serve ``app`` (an ASGI app, or an import string with ``factory``) with
+    uvicorn until SIGINT/SIGTERM, the way both servers start.
+
+    The port is bound here first, so a taken port is one TrajstoreError
+    naming it rather than uvicorn's log line and exit code 3. ``trajstore
+    NAME: listening on ...`` goes to stderr only once the app answers
+    ``/healthz`` on the bound socket: a client started after that line
+    connects. ``workers > 1``: that many processes share the socket."""
+    import uvicorn
+    from uvicorn.supervisors import Multiprocess
+
+    sock = _bind(host, port)
+    try:
+        config = uvicorn.Config(app, host=host, port=sock.getsockname()[1], log_level=log_level, access_log=False,
+                                factory=factory, workers=workers if workers > 1 else None, http=http)
+        server = uvicorn.Server(config)
+        stopped = threading.Event()
+        where = f"http://{_url_host(host)}:{sock.getsockname()[1]}"
+        about = [f"store {_safe_store(store_url)}"] if name == "serve" or store_url else []
+        about += [f"payload {payload}"] if payload else []
+        line = f"trajstore {name}: listening on {where} ({'; '.join(about + ['Ctrl-C stops'])})"
+        threading.Thread(target=_announce_when_up, args=(_probe_url(host, sock), line, stopped), daemon=True,
+                         name=f"trajstore-{name}-announce").start()
+        try:
+            if config.workers > 1:
+                Multiprocess(config, sockets=[sock]).run()
+            else:
+                server.run(sockets=[sock])
+        except KeyboardInterrupt:
+            pass
+        finally:
+            stopped.set()
+        if config.workers == 1 and not server.started:
+            raise TrajstoreError(f"trajstore {name} did not start on {where} (see the log above)")
+    finally:
+        sock.close()
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as e:
+        raise TrajstoreError(f"cannot listen on {host}:{port}: unknown host ({e.strerror})") from None
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(2048)
+        sock.set_inheritable(True)  # the worker processes of workers > 1 serve it
+    except OSError as e:
+        sock.close()
+        hint = {errno.EADDRINUSE: " (another process has it: stop that one or pick another --port)",
+                errno.EACCES: " (ports below 1024 need privileges: pick another --port)",
+                errno.EADDRNOTAVAIL: " (no interface of this machine has that address: check --host)"}
+        raise TrajstoreError(f"cannot listen on {host}:{port}: {e.strerror or e}{hint.get(e.errno, '')}") from None
+    return sock
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+def _probe_url(host: str, sock: socket.socket) -> str:
+    """The /healthz URL on the bound socket (a wildcard address probed on loopback)."""
+    address = sock.getsockname()[0]
+    if address in ("0.0.0.0", ""):
+        address = "127.0.0.1"
+    elif address == "::":
+        address = "::1"
+    return f"http://{_url_host(address)}:{sock.getsockname()[1]}/healthz"
+
+
+def _announce_when_up(url: str, line: str, stopped: threading.Event, timeout_s: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not stopped.is_set() and time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as resp:
+                if resp.status == 200:
+                    print(line, file=sys.stderr, flush=True)
+                    return
+        except OSError:  # not answering yet (URLError, refused, reset)
+            pass
+        stopped.wait(0.02)
+
+
+def _safe_store(store_url: str | None) -> str:
+    from trajstore.store import _safe, resolve_url
+
+    return _safe(resolve_url(store_url))

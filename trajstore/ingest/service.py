@@ -43,7 +43,7 @@ import numpy as np
 
 from trajstore.errors import StoreUnavailable, TrajstoreError, ValidationError
 from trajstore.events import Generation, parse_events
-from trajstore.ingest._http import UNAUTHORIZED, add_server_arguments, bearer_ok, server_token
+from trajstore.ingest._http import UNAUTHORIZED, add_server_arguments, bearer_ok, run_server, server_token
 from trajstore.ingest._http import HTTPError as _HTTPError  # the name the tests and the fuzz harness use
 
 __all__ = [
@@ -812,8 +812,6 @@ def serve(store_url: str | None = None, host: str = "127.0.0.1", port: int = DEF
     process is bound by its GIL to about one core.
     """
     token = server_token(token, insecure_no_auth=insecure_no_auth)
-    import uvicorn
-
     import trajstore
 
     # Connect once here: a bad URL fails before the server starts, and a new
@@ -827,9 +825,9 @@ def serve(store_url: str | None = None, host: str = "127.0.0.1", port: int = DEF
     # reach it through the environment the workers inherit.
     # http=: TCP_NODELAY on every accepted connection; with workers > 1 uvicorn
     # binds a proto-0 socket and asyncio would leave Nagle on (see _nodelay).
-    uvicorn.run("trajstore.ingest.service:app_from_env", factory=True, workers=workers if workers > 1 else None,
-                host=host, port=port, log_level=log_level, access_log=False,
-                http="trajstore.ingest._nodelay:NoDelayHTTPProtocol")
+    run_server("trajstore.ingest.service:app_from_env", name="serve", factory=True, workers=workers, host=host,
+               port=port, store_url=store_url, payload=payload, log_level=log_level,
+               http="trajstore.ingest._nodelay:NoDelayHTTPProtocol")
 
 
 _CONFIG_ENV = "TRAJSTORE_SERVE_CONFIG"

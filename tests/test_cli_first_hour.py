@@ -1,0 +1,117 @@
+"""A new user's first hour, through the CLI: servers say "listening" only
+when they answer and one ``error:`` line otherwise; the demo deletes only
+what it made; long ingests log progress without a terminal; errors name
+what and where. Real subprocesses and servers on loopback."""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+CLI = [sys.executable, "-m", "trajstore.cli"]
+
+
+def run(*argv: str, cwd=None, env=None, timeout=300) -> subprocess.CompletedProcess:
+    return subprocess.run([*CLI, *argv], capture_output=True, text=True, cwd=cwd, env=env, timeout=timeout)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env(**extra: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "TRAJSTORE_TOKEN"}
+    return {**env, **extra}
+
+
+def _server_argv(command: str, tmp_path: Path, port: int) -> list[str]:
+    argv = ["--store", f"sqlite:///{tmp_path}/s.db", command, "--port", str(port)]
+    return argv + (["--upstream", "http://127.0.0.1:9"] if command == "proxy" else [])
+
+
+def _stderr_lines_until(proc: subprocess.Popen, needle: str, timeout_s: float = 60) -> list[str]:
+    lines: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([proc.stderr], [], [], 0.2)
+        if ready:
+            line = proc.stderr.readline()
+            if not line:
+                break
+            lines.append(line)
+            if needle in line:
+                return lines
+        elif proc.poll() is not None:
+            break
+    raise AssertionError(f"no {needle!r} on stderr: {lines}")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.parametrize("command", ["serve", "proxy"])
+def test_a_server_says_listening_only_once_it_answers(command, tmp_path):
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("fastapi")
+    port = _free_port()
+    proc = subprocess.Popen([*CLI, *_server_argv(command, tmp_path, port)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=_env(TRAJSTORE_TOKEN="t0ken"))
+    try:
+        lines = _stderr_lines_until(proc, "listening on")
+        # the line comes after the server answers: one try, no retry
+        assert httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=5).status_code == 200
+        assert lines[-1].startswith(f"trajstore {command}: listening on http://127.0.0.1:{port} (store sqlite:///")
+    finally:
+        _stop(proc)
+
+
+@pytest.mark.parametrize("command", ["serve", "proxy"])
+def test_a_server_without_a_token_prints_one_error_line_and_never_listening(command, tmp_path):
+    pytest.importorskip("fastapi")
+    proc = run(*_server_argv(command, tmp_path, _free_port()), env=_env(), timeout=60)
+    assert proc.returncode == 1
+    assert proc.stderr.splitlines() == [
+        "error: no token: pass --token or set $TRAJSTORE_TOKEN (or --insecure-no-auth to run open)"]
+
+
+@pytest.mark.parametrize("command", ["serve", "proxy"])
+def test_a_server_on_a_taken_port_prints_one_error_line(command, tmp_path):
+    pytest.importorskip("fastapi")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = run(*_server_argv(command, tmp_path, port), env=_env(TRAJSTORE_TOKEN="t0ken"), timeout=60)
+    assert proc.returncode == 1
+    assert proc.stderr.splitlines() == [
+        f"error: cannot listen on 127.0.0.1:{port}: Address already in use "
+        "(another process has it: stop that one or pick another --port)"], proc.stderr
+
+
+def test_serve_insecure_no_auth_warns(tmp_path):
+    pytest.importorskip("fastapi")
+    port = _free_port()
+    proc = subprocess.Popen([*CLI, *_server_argv("serve", tmp_path, port), "--insecure-no-auth"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+    try:
+        lines = _stderr_lines_until(proc, "listening on")
+        assert any("running open (--insecure-no-auth)" in line for line in lines), lines
+    finally:
+        _stop(proc)

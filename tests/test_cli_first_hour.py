@@ -115,3 +115,18 @@ def test_serve_insecure_no_auth_warns(tmp_path):
         assert any("running open (--insecure-no-auth)" in line for line in lines), lines
     finally:
         _stop(proc)
+
+
+def test_a_second_demo_keeps_the_report_the_user_made(tmp_path):
+    """The demo prints ``report DIR/report`` as a next step; a second demo
+    removed that report with its own store and export."""
+    for _ in range(2):
+        proc = run("demo", "--trajectories", "4", "--workers", "1", "--dir", "d", "--no-train", cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr
+        report = tmp_path / "d" / "report"
+        if not report.exists():
+            report.mkdir()
+            (report / "index.html").write_text("the user's report")
+            (tmp_path / "d" / "export" / "old-part").write_text("the demo's export is the demo's")
+    assert (report / "index.html").read_text() == "the user's report"
+    assert not (tmp_path / "d" / "export" / "old-part").exists()

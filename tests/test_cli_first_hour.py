@@ -130,3 +130,16 @@ def test_a_second_demo_keeps_the_report_the_user_made(tmp_path):
             (tmp_path / "d" / "export" / "old-part").write_text("the demo's export is the demo's")
     assert (report / "index.html").read_text() == "the user's report"
     assert not (tmp_path / "d" / "export" / "old-part").exists()
+
+
+def test_a_long_ingest_without_a_terminal_prints_progress_lines(tmp_path):
+    """Off a terminal the bar was silent: a 253-MB ingest printed nothing for 45 s."""
+    from tests.test_cli import write_jsonl
+
+    write_jsonl(tmp_path / "ev.jsonl", n=200)
+    proc = run("--store", f"sqlite:///{tmp_path}/s.db", "ingest", str(tmp_path / "ev.jsonl"),
+               env=_env(TRAJSTORE_PROGRESS_INTERVAL_S="0"))
+    assert proc.returncode == 0, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("ingest (validate, then append): ")]
+    assert len(lines) >= 3 and lines[-1].endswith("(done)"), proc.stderr
+    assert "of" in lines[0] and "%" in lines[0]

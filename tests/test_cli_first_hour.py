@@ -143,3 +143,42 @@ def test_a_long_ingest_without_a_terminal_prints_progress_lines(tmp_path):
     lines = [line for line in proc.stderr.splitlines() if line.startswith("ingest (validate, then append): ")]
     assert len(lines) >= 3 and lines[-1].endswith("(done)"), proc.stderr
     assert "of" in lines[0] and "%" in lines[0]
+
+
+@pytest.fixture
+def scram_cluster():
+    """A cluster of the test's own where login ``pw_analyst`` must give a password (scram-sha-256)."""
+    from pg_cluster import PgCluster, PostgresNotFound
+
+    try:
+        cluster = PgCluster()
+        cluster.start()
+    except PostgresNotFound as e:
+        pytest.skip(str(e))
+    try:
+        hba = cluster.data_dir / "pg_hba.conf"
+        hba.write_text("host all pw_analyst 127.0.0.1/32 scram-sha-256\n" + hba.read_text())
+        cluster.reload()
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.mark.postgres
+def test_init_reader_login_prints_a_command_that_logs_in_as_pasted(scram_cluster, tmp_path):
+    """It printed ``analyst:%2A%2A%2A@...``: pasted, that logs in with the password ``***``."""
+    url = scram_cluster.create_database()
+    env = _env(TRAJSTORE_READER_PASSWORD="s3cret pass", TRAJSTORE_PAYLOAD_DIR=str(tmp_path / "pay"),
+               PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    proc = run("--store", url, "init", "--reader-login", "pw_analyst", env=env)
+    assert proc.returncode == 0, proc.stderr
+    line = proc.stdout.splitlines()[-1]
+    assert "s3cret" not in proc.stdout and "***" not in line and "%2A" not in line
+    command = line[line.index("): ") + 3:]
+    assert command.startswith('PGPASSWORD="$TRAJSTORE_READER_PASSWORD" trajstore --store ')
+    pasted = subprocess.run(["bash", "-c", command], capture_output=True, text=True, env=env, timeout=120)
+    assert pasted.returncode == 0, pasted.stderr
+    assert "(1 row)" in pasted.stdout and " 0 " in pasted.stdout, pasted.stdout
+    wrong = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=120,
+                           env={**env, "TRAJSTORE_READER_PASSWORD": "nope"})
+    assert wrong.returncode == 1 and "password authentication failed" in wrong.stderr, wrong.stderr

@@ -182,3 +182,55 @@ def test_init_reader_login_prints_a_command_that_logs_in_as_pasted(scram_cluster
     wrong = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=120,
                            env={**env, "TRAJSTORE_READER_PASSWORD": "nope"})
     assert wrong.returncode == 1 and "password authentication failed" in wrong.stderr, wrong.stderr
+
+
+def _one_error(proc: subprocess.CompletedProcess) -> str:
+    assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith("error: "), proc.stderr
+    return proc.stderr.strip()
+
+
+def test_errors_name_what_is_wrong(tmp_path):
+    (tmp_path / "adir").mkdir()
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "notdb.db").write_text("not a database, just text that is long enough")
+    (tmp_path / "e.jsonl").write_text('{"type": "trajectory_started", "trajectory_id": "t"}\n')
+    store = f"sqlite:///{tmp_path}/s.db"
+    assert _one_error(run("--store", store, "ingest", str(tmp_path / "adir"))) == (
+        f"error: {tmp_path / 'adir'} is a directory: ingest takes one JSONL file (or - for stdin)")
+    assert _one_error(run("--store", store, "report", str(tmp_path / "afile"))) == (
+        f"error: {tmp_path / 'afile'} is a file: report writes a directory (index.html and its plots)")
+    for argv in (["ingest", str(tmp_path / "e.jsonl")], ["init"], ["info"]):
+        line = _one_error(run("--store", f"sqlite:///{tmp_path}/notdb.db", *argv))
+        assert line == f"error: not a trajstore store: {tmp_path}/notdb.db is not a SQLite database", (argv, line)
+    assert _one_error(run("--store", "x.db", "info")) == (
+        "error: not a store URL: 'x.db' (use sqlite:///path.db or postgresql+psycopg://...)")
+    assert (tmp_path / "notdb.db").read_text().startswith("not a database")
+
+
+def test_sql_prints_iso_times_or_unix_seconds_as_docs_say(tmp_path):
+    from tests.test_cli import write_jsonl
+
+    write_jsonl(tmp_path / "ev.jsonl", n=2)
+    store = f"sqlite:///{tmp_path}/s.db"
+    assert run("--store", store, "ingest", str(tmp_path / "ev.jsonl")).returncode == 0
+    query = "SELECT first_event_at FROM trajectory_summary LIMIT 1"
+    iso = run("--store", store, "sql", "--format", "csv", query).stdout.splitlines()[1]
+    unix = run("--store", store, "sql", "--format", "json", "--unix-times", query).stdout
+    import datetime as dt
+    import json
+
+    seconds = json.loads(unix)[0]["first_event_at"]
+    assert abs(dt.datetime.fromisoformat(iso).timestamp() - seconds) < 0.001
+    docs = (REPO / "docs" / "sql.md").read_text()
+    assert "as ISO 8601 UTC in every format" in docs and "--unix-times" in docs
+
+
+def test_a_writer_on_a_new_directory_says_it_made_it(tmp_path):
+    """``Writer("sqlite:///nonexist-dir/x.db")`` made the directory and a store without a word."""
+    code = ("from trajstore.ingest.client import Writer\n"
+            "with Writer('sqlite:///nonexist-dir/x.db') as w:\n"
+            "    w.extend([{'type': 'trajectory_started', 'trajectory_id': 't'}])\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert f"created directory {tmp_path / 'nonexist-dir'} for a new SQLite store" in proc.stderr

@@ -404,9 +404,13 @@ def with_iso_times(result: QueryResult) -> QueryResult:
     return QueryResult(result.columns, rows)
 
 
-def print_result(result: QueryResult, fmt: str = "table", out: TextIO | None = None) -> None:
+def print_result(result: QueryResult, fmt: str = "table", out: TextIO | None = None, *,
+                 iso_times: bool = True) -> None:
+    """``result`` in ``fmt``; time columns (``*_at``) as ISO 8601 UTC unless ``iso_times=False``
+    (then the unix seconds the views hold)."""
     out = out or sys.stdout
-    result = with_iso_times(result)
+    if iso_times:
+        result = with_iso_times(result)
     if fmt == "csv":
         writer = csv.writer(out, lineterminator="\n")
         writer.writerow(result.columns)
@@ -447,9 +451,12 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--format", choices=FORMATS, default="table", help="output format (default: table)")
     parser.add_argument("--timeout-s", type=float, default=None,
                         help="cancel the query after this many seconds")
+    parser.add_argument("--unix-times", action="store_true",
+                        help="print time columns (*_at) as the unix seconds the views hold "
+                             "(default: ISO 8601 UTC, e.g. 2026-01-02T03:04:05.678+00:00)")
 
 
 def run_from_args(args: argparse.Namespace) -> int:
     result = run_query(args.store, args.query, timeout_s=args.timeout_s)
-    print_result(result, args.format)
+    print_result(result, args.format, iso_times=not getattr(args, "unix_times", False))
     return 0

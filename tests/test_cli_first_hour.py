@@ -234,3 +234,12 @@ def test_a_writer_on_a_new_directory_says_it_made_it(tmp_path):
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert f"created directory {tmp_path / 'nonexist-dir'} for a new SQLite store" in proc.stderr
+
+
+def test_the_docs_examples_use_only_what_trajstore_installs():
+    """docs/ingest.md's proxy example called ``requests``, which no extra installs."""
+    for page in ("docs/ingest.md", "README.md"):
+        text = (REPO / page).read_text()
+        assert "requests.post(" not in text and "requests.get(" not in text and "import requests" not in text, page
+    pyproject = (REPO / "pyproject.toml").read_text()
+    assert '"httpx>=' in pyproject and "httpx.post(" in (REPO / "docs/ingest.md").read_text()

@@ -66,51 +66,71 @@ _LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1
 
 
 class Metrics:
-    """Counters and one latency histogram, rendered as Prometheus text."""
+    """The service's Prometheus metrics (``prometheus_client``), one registry per app.
+
+    Under ``serve --workers N`` every worker writes its values to
+    ``$PROMETHEUS_MULTIPROC_DIR`` (``serve`` makes it) and ``render()`` sums
+    them, so a scrape sees the whole service, whichever worker answers it."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.requests: dict[int, int] = {}
-        self.errors: dict[str, int] = {}
-        self.events = self.tokens = self.commits = 0
-        self._buckets = [0] * len(_LATENCY_BUCKETS_S)
-        self._latency_sum_s = 0.0
-        self._latency_count = 0
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-    def observe(self, status: int, latency_s: float, *, events: int = 0, tokens: int = 0, rule: str | None = None) -> None:
-        with self._lock:
-            self.requests[status] = self.requests.get(status, 0) + 1
-            self.events += events
-            self.tokens += tokens
-            if rule is not None:
-                self.errors[rule] = self.errors.get(rule, 0) + 1
-            self._latency_sum_s += latency_s
-            self._latency_count += 1
-            for i, bound in enumerate(_LATENCY_BUCKETS_S):
-                if latency_s <= bound:
-                    self._buckets[i] += 1
+        p = "trajstore_ingest"
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self._requests = Counter(f"{p}_requests", "answers to POST /v1/events, by HTTP status", ["status"],
+                                 registry=r)
+        self._errors = Counter(f"{p}_errors", "refused requests, by rule", ["rule"], registry=r)
+        self._events = Counter(f"{p}_events", "events stored by acknowledged requests (duplicates not counted)",
+                               registry=r)
+        self._duplicates = Counter(f"{p}_duplicate_events", "events acknowledged that were already stored",
+                                   registry=r)
+        self._tokens = Counter(f"{p}_tokens", "generated tokens in acknowledged requests", registry=r)
+        self._commits = Counter(f"{p}_commits", "store transactions (requests/commits: the mean group size)",
+                                registry=r)
+        self._latency = Histogram(f"{p}_ack_latency_seconds", "time from request to answer",
+                                  buckets=_LATENCY_BUCKETS_S, registry=r)
+        self._in_flight = Gauge(f"{p}_body_bytes_in_flight", "request body bytes read, parsed or committing",
+                                registry=r, multiprocess_mode="livesum")
+        self._peak = Gauge(f"{p}_body_bytes_in_flight_peak", "highest body_bytes_in_flight of a process",
+                           registry=r, multiprocess_mode="max")
+        self._limit = Gauge(f"{p}_body_bytes_in_flight_limit", "--max-in-flight-mb of a process, in bytes",
+                            registry=r, multiprocess_mode="max")
+
+    def observe(self, status: int, latency_s: float, *, events: int = 0, duplicates: int = 0, tokens: int = 0,
+                rule: str | None = None) -> None:
+        self._requests.labels(status=str(status)).inc()
+        if events:
+            self._events.inc(events)
+        if duplicates:
+            self._duplicates.inc(duplicates)
+        if tokens:
+            self._tokens.inc(tokens)
+        if rule is not None:
+            self._errors.labels(rule=rule).inc()
+        self._latency.observe(latency_s)
 
     def count_commit(self) -> None:
-        with self._lock:
-            self.commits += 1
+        self._commits.inc()
+
+    def budget(self, in_flight: int, peak: int, limit: int) -> None:
+        self._in_flight.set(in_flight)
+        self._peak.set(peak)
+        self._limit.set(limit)
 
     def render(self) -> str:
-        p = "trajstore_ingest"
-        with self._lock:
-            lines = [f"# TYPE {p}_requests_total counter"]
-            lines += [f'{p}_requests_total{{status="{s}"}} {n}' for s, n in sorted(self.requests.items())]
-            lines += [f"# TYPE {p}_errors_total counter"]
-            lines += [f'{p}_errors_total{{rule="{r}"}} {n}' for r, n in sorted(self.errors.items())]
-            for name, value in (("events", self.events), ("tokens", self.tokens), ("commits", self.commits)):
-                lines += [f"# TYPE {p}_{name}_total counter", f"{p}_{name}_total {value}"]
-            lines.append(f"# TYPE {p}_ack_latency_seconds histogram")
-            lines += [f'{p}_ack_latency_seconds_bucket{{le="{b:g}"}} {n}' for b, n in zip(_LATENCY_BUCKETS_S, self._buckets)]
-            lines += [
-                f'{p}_ack_latency_seconds_bucket{{le="+Inf"}} {self._latency_count}',
-                f"{p}_ack_latency_seconds_sum {self._latency_sum_s:.6f}",
-                f"{p}_ack_latency_seconds_count {self._latency_count}",
-            ]
-        return "\n".join(lines) + "\n"
+        from prometheus_client import CollectorRegistry, generate_latest
+
+        if os.environ.get(_MULTIPROC_ENV):
+            from prometheus_client.multiprocess import MultiProcessCollector
+
+            registry = CollectorRegistry()
+            MultiProcessCollector(registry)
+            return generate_latest(registry).decode()
+        return generate_latest(self.registry).decode()
+
+
+_MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"  # prometheus_client's multiprocess mode (serve --workers N)
 
 
 @dataclass
@@ -656,6 +676,7 @@ def make_app(store: Any, *, token: str | None, max_body_bytes: int = DEFAULT_MAX
     from starlette.concurrency import run_in_threadpool
 
     metrics = Metrics()
+    metrics.budget(0, 0, max_bytes_in_flight)
     committer = (GroupCommitter(store, metrics=metrics, max_wait_s=group_wait_s, committers=committers)
                  if group_commit else None)
 
@@ -693,6 +714,7 @@ def make_app(store: Any, *, token: str | None, max_body_bytes: int = DEFAULT_MAX
                 raise _HTTPError(413, f"body of {declared} bytes is over the {max_body_bytes}-byte limit",
                                  rule="body_too_large")
             taken = await budget.acquire(declared if declared is not None else max_body_bytes)
+            metrics.budget(budget.in_flight, budget.peak, budget.max_bytes)
             try:
                 if committer is not None:
                     committer.expect()
@@ -711,6 +733,7 @@ def make_app(store: Any, *, token: str | None, max_body_bytes: int = DEFAULT_MAX
                     del events  # the parsed arrays go before the budget is given back
             finally:
                 await budget.release(taken)
+                metrics.budget(budget.in_flight, budget.peak, budget.max_bytes)
         except _ClientGone:
             metrics.observe(499, time.perf_counter() - start, rule="client_gone")
             return
@@ -722,7 +745,8 @@ def make_app(store: Any, *, token: str | None, max_body_bytes: int = DEFAULT_MAX
             await _send_json(send, error.status, error.body,
                              [(b"www-authenticate", b"Bearer")] if error.status == 401 else ())
             return
-        metrics.observe(200, time.perf_counter() - start, events=num_events, tokens=num_tokens)
+        metrics.observe(200, time.perf_counter() - start, events=result.num_appended or 0,
+                        duplicates=result.num_duplicates or 0, tokens=num_tokens)
         await _send_json(send, 200, _ack_body(num_events, result))
 
     class _Handled(Response):
@@ -747,11 +771,7 @@ def make_app(store: Any, *, token: str | None, max_body_bytes: int = DEFAULT_MAX
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def get_metrics() -> str:
-        p = "trajstore_ingest"
-        return metrics.render() + "".join(
-            f"# TYPE {p}_{name} gauge\n{p}_{name} {value}\n" for name, value in (
-                ("body_bytes_in_flight", budget.in_flight), ("body_bytes_in_flight_peak", budget.peak),
-                ("body_bytes_in_flight_limit", budget.max_bytes)))
+        return metrics.render()
 
     return _IngestApp(app, post_events)
 
@@ -825,9 +845,23 @@ def serve(store_url: str | None = None, host: str = "127.0.0.1", port: int = DEF
     # reach it through the environment the workers inherit.
     # http=: TCP_NODELAY on every accepted connection; with workers > 1 uvicorn
     # binds a proto-0 socket and asyncio would leave Nagle on (see _nodelay).
-    run_server("trajstore.ingest.service:app_from_env", name="serve", factory=True, workers=workers, host=host,
-               port=port, store_url=store_url, payload=payload, log_level=log_level,
-               http="trajstore.ingest._nodelay:NoDelayHTTPProtocol")
+    metrics_dir = None
+    if workers > 1 and not os.environ.get(_MULTIPROC_ENV):
+        import tempfile
+
+        # every worker counts into this directory; a scrape of any worker sums them (Metrics.render)
+        metrics_dir = os.environ[_MULTIPROC_ENV] = tempfile.mkdtemp(prefix="trajstore-serve-metrics-")
+    try:
+        run_server("trajstore.ingest.service:app_from_env", name="serve", factory=True, workers=workers,
+                   host=host, port=port, store_url=store_url, payload=payload, log_level=log_level,
+                   http="trajstore.ingest._nodelay:NoDelayHTTPProtocol")
+    finally:
+        if metrics_dir is not None:
+            import shutil
+
+            del os.environ[_MULTIPROC_ENV]
+            shutil.rmtree(metrics_dir, ignore_errors=True)
+
 
 
 _CONFIG_ENV = "TRAJSTORE_SERVE_CONFIG"

@@ -142,7 +142,7 @@ HOSTILE = {
     "invalid_utf8": (_invalid_utf8, 400, "malformed_body"),
     "duplicated_event_column": (_duplicated_event, 400, "malformed_body"),
     "duplicated_binary_column": (_duplicated_binary, 400, "malformed_body"),
-    "unknown_column": (_unknown_column, 422, "unknown_field"),
+    "unknown_column": (_unknown_column, 422, "unknown_field"),  # naming event 0
     "zstd_bomb": (_bomb, 415, "compressed_body"),
     "dictionary_event_column": (_dictionary_event, 400, "malformed_body"),
     "truncated_stream": (_truncated, 400, "malformed_body"),

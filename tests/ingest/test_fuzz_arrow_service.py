@@ -136,7 +136,8 @@ def test_mutated_arrow_bodies_are_stored_whole_or_refused(serve, store_url, tmp_
         for k, (body, name, tids) in enumerate(cases):
             if statuses[k] == 200:
                 # an event sent twice in one body (a batch repeated) is stored once
-                sent = Counter(ev["trajectory_id"] for ev in {_key(ev): ev for ev in decode_arrow_events(body)}.values())
+                unique = {_key(ev): ev for ev in decode_arrow_events(body)}
+                sent = Counter(ev["trajectory_id"] for ev in unique.values())
                 accepted_tids |= set(sent)
                 half += [(k, name, tid, n, stored[tid]) for tid, n in sent.items() if stored[tid] != n]
         for k, (body, name, tids) in enumerate(cases):

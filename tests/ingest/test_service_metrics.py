@@ -90,3 +90,25 @@ def test_every_scrape_of_a_multi_worker_service_sees_all_workers(tmp_path):
             proc.wait()
     leftovers = [d for d in os.listdir(os.environ.get("TMPDIR", "/tmp")) if d.startswith("trajstore-serve-metrics-")]
     assert not leftovers, leftovers
+
+
+def test_the_token_rule_denies_by_default_every_endpoint_not_listed_open(store):
+    app = make_app(store, token=TOKEN)
+
+    @app.fastapi.get("/added-later")
+    async def added_later() -> dict:
+        return {"secret": 1}
+
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    with serve_in_thread(app) as url:
+        for path in ("/healthz", "/openapi.json", "/metrics"):
+            assert httpx.get(f"{url}{path}").status_code == 200, path
+        for method, path in (("GET", "/added-later"), ("POST", "/v1/events"), ("GET", "/no-such-path"),
+                             ("DELETE", "/v1/events")):
+            resp = httpx.request(method, f"{url}{path}", content=b"{}")
+            assert resp.status_code == 401 and resp.headers["www-authenticate"] == "Bearer", (method, path)
+            assert resp.json()["error"]["rule"] == "unauthorized"
+        assert httpx.get(f"{url}/added-later", headers=auth).json() == {"secret": 1}
+        assert httpx.get(f"{url}/no-such-path", headers=auth).status_code == 404
+        got = _samples(httpx.get(f"{url}/metrics").text)
+    assert got[("trajstore_ingest_requests_total", (("status", "401"),))] == 1  # the POST /v1/events

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import errno
 import hmac
+import json
 import logging
 import os
 import socket
@@ -23,8 +24,8 @@ from typing import Any
 
 from trajstore.errors import ConflictError, StoreUnavailable, TrajstoreError, ValidationError
 
-__all__ = ["HTTPError", "UNAUTHORIZED", "add_server_arguments", "bearer_ok", "error_body", "error_response",
-           "run_server", "server_token"]
+__all__ = ["OPEN_PATHS", "BearerAuth", "HTTPError", "UNAUTHORIZED", "add_server_arguments", "bearer_ok",
+           "error_body", "error_response", "run_server", "server_token"]
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +79,39 @@ def bearer_ok(header: str | None, token: str | None) -> bool:
         return True
     scheme, _, given = (header or "").partition(" ")
     return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token.encode())
+
+
+# What any trajstore server answers without the token: health checks and the API's description.
+OPEN_PATHS = frozenset({"/healthz", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
+
+
+class BearerAuth:
+    """ASGI middleware: every HTTP request outside ``open_paths`` needs ``Authorization: Bearer <token>``.
+
+    Deny by default: an endpoint added later is closed unless it is listed
+    as open. ``token=None`` lets everything through (the operator chose
+    ``--insecure-no-auth``). ``on_deny(scope)`` is called for each refusal
+    (the ingest service counts it)."""
+
+    def __init__(self, app: Any, token: str | None, open_paths: frozenset = OPEN_PATHS,
+                 on_deny: Any = None) -> None:
+        self.app, self.token, self.open_paths, self.on_deny = app, token, open_paths, on_deny
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if self.token is None or scope["type"] != "http" or scope["path"] in self.open_paths:
+            await self.app(scope, receive, send)
+            return
+        header = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"), None)
+        if bearer_ok(header, self.token):
+            await self.app(scope, receive, send)
+            return
+        if self.on_deny is not None:
+            self.on_deny(scope)
+        body = json.dumps(error_body(UNAUTHORIZED, rule="unauthorized"), separators=(",", ":")).encode()
+        await send({"type": "http.response.start", "status": 401, "headers": [
+            (b"content-length", str(len(body)).encode()), (b"content-type", b"application/json"),
+            (b"www-authenticate", b"Bearer")]})
+        await send({"type": "http.response.body", "body": body})
 
 
 def server_token(token: str | None, *, insecure_no_auth: bool) -> str | None:

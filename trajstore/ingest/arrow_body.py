@@ -18,7 +18,8 @@ module only checks what the transport itself must: a readable stream, the
 ``event`` column, markers naming a column and a dtype/shape whose size equals
 the bytes sent (refused with the same rules as a ``{b64, dtype, shape}``
 ARRAY: ``array_dtype``, ``array_shape``), no column twice, no column that is
-no event field, every batch valid in full, and no compressed batch (refused
+no event field (refused as ``unknown_field`` naming the first event with bytes
+in it, before they are read), every batch valid in full, and no compressed batch (refused
 with 415: the service bounds its memory by the bytes it receives, and a few
 KiB of zstd can inflate to GiBs).
 """
@@ -152,9 +153,6 @@ def _check_schema(schema: pa.Schema) -> list[str]:
     for f in schema:
         if f.name == "event":
             continue
-        if f.name not in _EVENT_FIELDS:
-            raise ArrowBodyError(f"Arrow body has column {_short(f.name)}, which is no event field",
-                                 status=422, rule="unknown_field")
         if not pa.types.is_large_binary(f.type):
             raise ArrowBodyError(f"Arrow body column {_short(f.name)} must be large_binary, not {f.type}")
         binary_names.append(f.name)
@@ -162,6 +160,9 @@ def _check_schema(schema: pa.Schema) -> list[str]:
 
 
 def _decode_batch(batch: pa.RecordBatch, binary_names: list[str], out: list[dict[str, Any]]) -> None:
+    for name in binary_names:
+        if name not in _EVENT_FIELDS:
+            _refuse_unknown_column(batch, name, len(out))
     binaries = {name: _row_views(batch.column(name)) for name in binary_names}
     for j, text in enumerate(batch.column("event").to_pylist()):
         i = len(out)
@@ -179,6 +180,27 @@ def _decode_batch(batch: pa.RecordBatch, binary_names: list[str], out: list[dict
                     tid = doc.get("trajectory_id")
                     raise e.at(i, tid if isinstance(tid, str) else None) from None
         out.append(doc)
+
+
+def _refuse_unknown_column(batch: pa.RecordBatch, name: str, first_index: int) -> None:
+    """A column no event field names is refused before its values are read, naming the
+    first event that carries bytes in it (as the JSON body names an event's unknown field)."""
+    column = batch.column(name)
+    if column.null_count == len(column):
+        return  # no event has a value there: nothing to store, nothing to refuse
+    row = 0
+    if column.null_count:
+        validity = column.buffers()[0]
+        bits = np.unpackbits(np.frombuffer(validity, np.uint8), bitorder="little")
+        row = int(np.argmax(bits[column.offset:column.offset + len(column)]))
+    tid = None
+    try:
+        doc = json.loads(batch.column("event")[row].as_py() or "null")
+        tid = doc.get("trajectory_id") if isinstance(doc, dict) else None
+    except ValueError:
+        pass
+    raise ValidationError(f"unknown field {_short(name)} (an Arrow column no event field names)",
+                          rule="unknown_field").at(first_index + row, tid if isinstance(tid, str) else None)
 
 
 def _compressed(metadata: pa.Buffer) -> bool:

@@ -43,7 +43,7 @@ import numpy as np
 
 from trajstore.errors import StoreUnavailable, TrajstoreError, ValidationError
 from trajstore.events import Generation, parse_events
-from trajstore.ingest._http import UNAUTHORIZED, add_server_arguments, bearer_ok, run_server, server_token
+from trajstore.ingest._http import OPEN_PATHS, BearerAuth, add_server_arguments, run_server, server_token
 from trajstore.ingest._http import HTTPError as _HTTPError  # the name the tests and the fuzz harness use
 
 __all__ = [
@@ -707,8 +707,6 @@ def make_app(store: Any, *, token: str | None, max_body_bytes: int = DEFAULT_MAX
         """``POST /v1/events`` on raw ASGI: the body read straight from ``receive``, the answer sent as JSON."""
         start = time.perf_counter()
         try:
-            if not bearer_ok(_header(scope, b"authorization"), token):
-                raise _HTTPError(401, UNAUTHORIZED, rule="unauthorized")
             declared = _declared_length(scope)
             if declared is not None and declared > max_body_bytes:  # refused before taking any budget
                 raise _HTTPError(413, f"body of {declared} bytes is over the {max_body_bytes}-byte limit",
@@ -773,7 +771,15 @@ def make_app(store: Any, *, token: str | None, max_body_bytes: int = DEFAULT_MAX
     async def get_metrics() -> str:
         return metrics.render()
 
-    return _IngestApp(app, post_events)
+    # One rule for every endpoint, deny by default: the token is checked before any handler,
+    # on the fast path and (when the FastAPI app is mounted elsewhere) on FastAPI's own.
+    open_paths = OPEN_PATHS | {"/metrics"}  # Prometheus scrapes without a token; counters carry no data
+    app.add_middleware(BearerAuth, token=token, open_paths=open_paths)
+
+    def denied(scope: Any) -> None:
+        metrics.observe(401, 0.0, rule="unauthorized")
+
+    return _IngestApp(app, BearerAuth(post_events, token, open_paths, on_deny=denied))
 
 
 class _IngestApp:
@@ -783,7 +789,7 @@ class _IngestApp:
     def __init__(self, app: Any, post_events: Any) -> None:
         self.fastapi = app
         self.state = app.state
-        self._post_events = post_events
+        self._post_events = post_events  # behind BearerAuth, as FastAPI's routes are
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] == "/v1/events":

@@ -161,16 +161,19 @@ def run_server(app: Any, *, name: str, host: str, port: int, store_url: str | No
         line = f"trajstore {name}: listening on {where} ({'; '.join(about + ['Ctrl-C stops'])})"
         threading.Thread(target=_announce_when_up, args=(_probe_url(host, sock), line, stopped), daemon=True,
                          name=f"trajstore-{name}-announce").start()
+        interrupted = False
         try:
             if config.workers > 1:
                 Multiprocess(config, sockets=[sock]).run()
             else:
                 server.run(sockets=[sock])
         except KeyboardInterrupt:
-            pass
+            interrupted = True
         finally:
             stopped.set()
         if config.workers == 1 and not server.started:
+            if interrupted:
+                raise KeyboardInterrupt  # Ctrl-C while starting: the CLI says "interrupted"
             raise TrajstoreError(f"trajstore {name} did not start on {where} (see the log above)")
     finally:
         sock.close()

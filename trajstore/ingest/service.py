@@ -849,8 +849,8 @@ def serve(store_url: str | None = None, host: str = "127.0.0.1", port: int = DEF
          "committers": committers})
     # uvicorn builds each worker's app from the import string; the settings
     # reach it through the environment the workers inherit.
-    # http=: TCP_NODELAY on every accepted connection; with workers > 1 uvicorn
-    # binds a proto-0 socket and asyncio would leave Nagle on (see _nodelay).
+    # http=: TCP_NODELAY on every accepted connection, whatever socket the
+    # workers were handed (see _nodelay).
     metrics_dir = None
     if workers > 1 and not os.environ.get(_MULTIPROC_ENV):
         import tempfile

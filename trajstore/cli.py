@@ -52,7 +52,9 @@ def _cmd_ingest(args: argparse.Namespace) -> int:
     from trajstore._progress import progress_bar
     from trajstore.ingest.jsonl import ingest_file
 
-    if args.file != "-" and (not os.path.exists(args.file) or os.path.isdir(args.file)):
+    if args.file != "-" and os.path.isdir(args.file):
+        raise TrajstoreError(f"{args.file} is a directory: ingest takes one JSONL file (or - for stdin)")
+    if args.file != "-" and not os.path.exists(args.file):
         raise TrajstoreError(f"no such file: {args.file}")
     store = _store(args, create=True)
     total = 2 * os.path.getsize(args.file) if args.file != "-" else None
@@ -227,12 +229,10 @@ def _add_edge_commands(sub, add) -> None:
 
 def _edge(mod: Any, run: str) -> Command:
     def call(args: argparse.Namespace) -> int:
-        if args.command in ("serve", "proxy"):  # say where to point clients
-            from trajstore.store import _safe, resolve_url
-
-            print(f"trajstore {args.command}: listening on http://{args.host}:{args.port} "
-                  f"(store {_safe(resolve_url(args.store))}"
-                  f"{f', payload {args.payload}' if args.payload else ''}; Ctrl-C stops)", file=sys.stderr, flush=True)
+        # serve and proxy say "listening on ..." themselves, once they answer (ingest._http.run_server)
+        out_dir = getattr(args, "out_dir", None) if args.command == "report" else None
+        if isinstance(out_dir, str) and os.path.exists(out_dir) and not os.path.isdir(out_dir):
+            raise TrajstoreError(f"{out_dir} is a file: report writes a directory (index.html and its plots)")
         try:
             return int(getattr(mod, run)(args) or 0)
         except ValueError as e:  # edges report bad flags as ValueError
@@ -274,8 +274,12 @@ def _one_line(e: BaseException) -> str:
     """A trajstore error's message; anything else (a bug or a driver error) named by its type."""
     from sqlalchemy.exc import DBAPIError
 
+    from trajstore.errors import ValidationError
+
     if isinstance(e, DBAPIError) and e.orig is not None:
         text = f"database error: {e.orig}"
+    elif isinstance(e, ValidationError) and e.rule == "url":
+        text = e.reason  # a mistyped --store: the [rule] tag is for events
     elif isinstance(e, (TrajstoreError, OSError, ImportError)):
         text = str(e)
     else:

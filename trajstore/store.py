@@ -100,8 +100,7 @@ class Store:
                  migrate: bool = True, create: bool = True) -> None:
         self.url = url
         backend = dialect_of(url)
-        if not create:
-            _require_sqlite_file(url)
+        _require_sqlite_file(url, missing_ok=create)
         write_engine, read_engine = backend.make_engines(url)
         if not create:
             _require_schema(url, read_engine)
@@ -662,14 +661,20 @@ def dialect_of(url: str):
     return backend
 
 
-def _require_sqlite_file(url: str) -> None:
-    """For ``create=False``: the SQLite file must exist and be a SQLite database."""
+def _require_sqlite_file(url: str, *, missing_ok: bool = False) -> None:
+    """A SQLite store's file must be a SQLite database; it must exist unless ``missing_ok`` (``create``)."""
     if make_url(url).get_backend_name() != "sqlite":
         return
     path = make_url(url).database
     if not path or path == ":memory:":
+        if missing_ok:
+            return
         raise StoreUnavailable("no store at an in-memory database (it starts empty)")
+    if os.path.isdir(path):
+        raise StoreUnavailable(f"not a trajstore store: {path} is a directory, not a SQLite database file")
     if not os.path.isfile(path):
+        if missing_ok:
+            return
         raise StoreUnavailable(f"no store at {path} (trajstore init, ingest or demo makes one)")
     with open(path, "rb") as f:
         header = f.read(16)

@@ -80,10 +80,11 @@ def _rollout(url: str, payload: str | None, cfg: RolloutConfig, n: int, workers:
             raise TrajstoreError(f"demo rollout worker exited with {p.exitcode}")
 
 
-# What a demo directory holds; the demo removes only these, and only where its marker says it made them.
+# What the demo makes in its directory; it removes only these, and only where its marker says it made
+# them. Not the report: the user makes that (with the command the demo prints), and it stays theirs.
 _MARKER = ".trajstore-demo"
 _DB = "trajstore.db"
-_MADE = (_DB, _DB + "-wal", _DB + "-shm", _DB + "-journal", _DB + ".payload", "export", "report", _MARKER)
+_MADE = (_DB, _DB + "-wal", _DB + "-shm", _DB + "-journal", _DB + ".payload", "export", _MARKER)
 
 
 def _prepare_dir(path: str) -> None:

@@ -9,14 +9,25 @@ when a response is built, so importing this module needs no extra.
 
 from __future__ import annotations
 
-import hmac
-import os
 import argparse
+import errno
+import hmac
+import json
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+import urllib.request
 from typing import Any
 
-from trajstore.errors import ConflictError, StoreUnavailable, ValidationError
+from trajstore.errors import ConflictError, StoreUnavailable, TrajstoreError, ValidationError
 
-__all__ = ["HTTPError", "UNAUTHORIZED", "add_server_arguments", "bearer_ok", "error_body", "error_response", "server_token"]
+__all__ = ["OPEN_PATHS", "BearerAuth", "HTTPError", "UNAUTHORIZED", "add_server_arguments", "bearer_ok",
+           "error_body", "error_response", "run_server", "server_token"]
+
+log = logging.getLogger(__name__)
 
 UNAUTHORIZED = "missing or wrong bearer token"
 
@@ -70,12 +81,48 @@ def bearer_ok(header: str | None, token: str | None) -> bool:
     return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token.encode())
 
 
+# What any trajstore server answers without the token: health checks and the API's description.
+OPEN_PATHS = frozenset({"/healthz", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
+
+
+class BearerAuth:
+    """ASGI middleware: every HTTP request outside ``open_paths`` needs ``Authorization: Bearer <token>``.
+
+    Deny by default: an endpoint added later is closed unless it is listed
+    as open. ``token=None`` lets everything through (the operator chose
+    ``--insecure-no-auth``). ``on_deny(scope)`` is called for each refusal
+    (the ingest service counts it)."""
+
+    def __init__(self, app: Any, token: str | None, open_paths: frozenset = OPEN_PATHS,
+                 on_deny: Any = None) -> None:
+        self.app, self.token, self.open_paths, self.on_deny = app, token, open_paths, on_deny
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if self.token is None or scope["type"] != "http" or scope["path"] in self.open_paths:
+            await self.app(scope, receive, send)
+            return
+        header = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"), None)
+        if bearer_ok(header, self.token):
+            await self.app(scope, receive, send)
+            return
+        if self.on_deny is not None:
+            self.on_deny(scope)
+        body = json.dumps(error_body(UNAUTHORIZED, rule="unauthorized"), separators=(",", ":")).encode()
+        await send({"type": "http.response.start", "status": 401, "headers": [
+            (b"content-length", str(len(body)).encode()), (b"content-type", b"application/json"),
+            (b"www-authenticate", b"Bearer")]})
+        await send({"type": "http.response.body", "body": body})
+
+
 def server_token(token: str | None, *, insecure_no_auth: bool) -> str | None:
     """The token a server requires: ``token``, else ``$TRAJSTORE_TOKEN``; ValueError when there is
     none, unless the operator chose to run open (``insecure_no_auth``: then None)."""
     token = token or os.environ.get("TRAJSTORE_TOKEN") or None
     if token is None and not insecure_no_auth:
         raise ValueError("no token: pass --token or set $TRAJSTORE_TOKEN (or --insecure-no-auth to run open)")
+    if token is None:
+        log.warning("warning: running open (--insecure-no-auth): anyone who can reach the port can write "
+                    "to the store; bind to 127.0.0.1 or set a token")
     return token
 
 
@@ -86,3 +133,100 @@ def add_server_arguments(parser: argparse.ArgumentParser, *, port: int, token_he
     parser.add_argument("--token", default=None, help=f"{token_help} (default $TRAJSTORE_TOKEN)")
     parser.add_argument("--insecure-no-auth", action="store_true", help=open_help)
     parser.add_argument("--log-level", default="warning", help="uvicorn log level (default warning)")
+
+
+def run_server(app: Any, *, name: str, host: str, port: int, store_url: str | None = None,
+               payload: str | None = None, workers: int = 1, log_level: str = "warning", factory: bool = False,
+               http: Any = "auto") -> None:
+    """Serve ``app`` (an ASGI app, or an import string with ``factory``) with
+    uvicorn until SIGINT/SIGTERM, the way both servers start.
+
+    The port is bound here first, so a taken port is one TrajstoreError
+    naming it rather than uvicorn's log line and exit code 3. ``trajstore
+    NAME: listening on ...`` goes to stderr only once the app answers
+    ``/healthz`` on the bound socket: a client started after that line
+    connects. ``workers > 1``: that many processes share the socket."""
+    import uvicorn
+    from uvicorn.supervisors import Multiprocess
+
+    sock = _bind(host, port)
+    try:
+        config = uvicorn.Config(app, host=host, port=sock.getsockname()[1], log_level=log_level, access_log=False,
+                                factory=factory, workers=workers if workers > 1 else None, http=http)
+        server = uvicorn.Server(config)
+        stopped = threading.Event()
+        where = f"http://{_url_host(host)}:{sock.getsockname()[1]}"
+        about = [f"store {_safe_store(store_url)}"] if name == "serve" or store_url else []
+        about += [f"payload {payload}"] if payload else []
+        line = f"trajstore {name}: listening on {where} ({'; '.join(about + ['Ctrl-C stops'])})"
+        threading.Thread(target=_announce_when_up, args=(_probe_url(host, sock), line, stopped), daemon=True,
+                         name=f"trajstore-{name}-announce").start()
+        interrupted = False
+        try:
+            if config.workers > 1:
+                Multiprocess(config, sockets=[sock]).run()
+            else:
+                server.run(sockets=[sock])
+        except KeyboardInterrupt:
+            interrupted = True
+        finally:
+            stopped.set()
+        if config.workers == 1 and not server.started:
+            if interrupted:
+                raise KeyboardInterrupt  # Ctrl-C while starting: the CLI says "interrupted"
+            raise TrajstoreError(f"trajstore {name} did not start on {where} (see the log above)")
+    finally:
+        sock.close()
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as e:
+        raise TrajstoreError(f"cannot listen on {host}:{port}: unknown host ({e.strerror})") from None
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(2048)
+        sock.set_inheritable(True)  # the worker processes of workers > 1 serve it
+    except OSError as e:
+        sock.close()
+        hint = {errno.EADDRINUSE: " (another process has it: stop that one or pick another --port)",
+                errno.EACCES: " (ports below 1024 need privileges: pick another --port)",
+                errno.EADDRNOTAVAIL: " (no interface of this machine has that address: check --host)"}
+        raise TrajstoreError(f"cannot listen on {host}:{port}: {e.strerror or e}{hint.get(e.errno, '')}") from None
+    return sock
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+def _probe_url(host: str, sock: socket.socket) -> str:
+    """The /healthz URL on the bound socket (a wildcard address probed on loopback)."""
+    address = sock.getsockname()[0]
+    if address in ("0.0.0.0", ""):
+        address = "127.0.0.1"
+    elif address == "::":
+        address = "::1"
+    return f"http://{_url_host(address)}:{sock.getsockname()[1]}/healthz"
+
+
+def _announce_when_up(url: str, line: str, stopped: threading.Event, timeout_s: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not stopped.is_set() and time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as resp:
+                if resp.status == 200:
+                    print(line, file=sys.stderr, flush=True)
+                    return
+        except OSError:  # not answering yet (URLError, refused, reset)
+            pass
+        stopped.wait(0.02)
+
+
+def _safe_store(store_url: str | None) -> str:
+    from trajstore.store import _safe, resolve_url
+
+    return _safe(resolve_url(store_url))

@@ -17,13 +17,18 @@ Every event rule still applies after decoding (``trajstore.events``); this
 module only checks what the transport itself must: a readable stream, the
 ``event`` column, markers naming a column and a dtype/shape whose size equals
 the bytes sent (refused with the same rules as a ``{b64, dtype, shape}``
-ARRAY: ``array_dtype``, ``array_shape``).
+ARRAY: ``array_dtype``, ``array_shape``), no column twice, no column that is
+no event field (refused as ``unknown_field`` naming the first event with bytes
+in it, before they are read), every batch valid in full, and no compressed batch (refused
+with 415: the service bounds its memory by the bytes it receives, and a few
+KiB of zstd can inflate to GiBs).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import struct
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -32,16 +37,24 @@ import pyarrow.ipc as ipc
 
 from trajstore._wire import _ALLOWED_DTYPES, _LITTLE_ENDIAN
 from trajstore.errors import ValidationError
+from trajstore.events import _FIELDS
 from trajstore.ingest._event_dicts import json_default
 
 __all__ = ["ARROW_CONTENT_TYPE", "ArrowBodyError", "decode_arrow_events", "encode_arrow_events"]
 
 ARROW_CONTENT_TYPE = "application/vnd.apache.arrow.stream"
 _MARK = "$arrow"
+# Columns a body may carry besides ``event``: the field names of the wire format.
+_EVENT_FIELDS = frozenset().union(*_FIELDS.values())
 
 
 class ArrowBodyError(ValueError):
-    """The body is not an Arrow IPC stream of the layout above (HTTP 400)."""
+    """The body is not an Arrow IPC stream of the layout above: HTTP ``status``
+    (400; 415 for a compressed body, 422 for a column no event field names)."""
+
+    def __init__(self, message: str, *, status: int = 400, rule: str = "malformed_body") -> None:
+        super().__init__(message)
+        self.status, self.rule = status, rule
 
 
 def encode_arrow_events(events: Sequence[Mapping[str, Any]]) -> bytes:
@@ -76,46 +89,152 @@ def encode_arrow_events(events: Sequence[Mapping[str, Any]]) -> bytes:
 def decode_arrow_events(body: bytes | memoryview) -> list[dict[str, Any]]:
     """The events of an Arrow body, arrays as numpy views of ``body``.
 
-    Raises ArrowBodyError for an unreadable body and ValidationError (with the
-    event's index) for an array marker that does not match its bytes. Works on
-    the record batches' buffers directly (no table, no Python objects per
-    value, nothing from ``pyarrow.compute``): a ~1-MiB event decodes in tens of
-    microseconds."""
+    Raises ArrowBodyError for a body that is not this layout and
+    ValidationError (with the event's index) for an array marker that does
+    not match its bytes. Works on the record batches' buffers directly (no
+    table, no Python objects per value, nothing from ``pyarrow.compute``): a
+    ~1-MiB event decodes in tens of microseconds.
+
+    Hostile bodies: the schema is checked before any batch is read (only the
+    ``event`` column and wire-format field names, each once); a compressed
+    batch is refused before it is decompressed (a few KiB of zstd can inflate
+    to GiBs the byte budget never counted), so every buffer is a slice of
+    ``body`` and decoding holds no more than the body; every batch is fully
+    validated (offsets in order and in bounds, UTF-8) before a value is read."""
     try:
-        reader = ipc.open_stream(pa.py_buffer(body))
-        batches = list(reader)
-    except (pa.ArrowInvalid, pa.ArrowException, OSError) as e:
-        raise ArrowBodyError(f"body is not an Arrow IPC stream ({e})") from None
-    schema = reader.schema
-    if "event" not in schema.names or not pa.types.is_string(schema.field("event").type):
+        messages = ipc.MessageReader.open_stream(pa.py_buffer(body))
+        schema = ipc.read_schema(_next_message(messages, first=True))
+    except (pa.ArrowException, OSError, ValueError, TypeError) as e:
+        raise ArrowBodyError(f"body is not an Arrow IPC stream ({_first_line(e)})") from None
+    binary_names = _check_schema(schema)
+    out: list[dict[str, Any]] = []
+    while (message := _next_message(messages)) is not None:
+        if message.type != "record batch":
+            raise ArrowBodyError(f"Arrow body holds a {message.type} message; only record batches are taken")
+        if _compressed(message.metadata):
+            raise ArrowBodyError("compressed Arrow IPC bodies are not accepted: send the buffers uncompressed "
+                                 "(the byte budget counts the bytes sent)", status=415, rule="compressed_body")
+        try:
+            batch = ipc.read_record_batch(message, schema)
+            batch.validate(full=True)
+        except (pa.ArrowException, OSError, ValueError, TypeError) as e:
+            where = f" after event {len(out) - 1}" if out else ""
+            raise ArrowBodyError(f"Arrow record batch{where} is invalid ({_first_line(e)})") from None
+        _decode_batch(batch, binary_names, out)
+    return out
+
+
+def _next_message(messages: Any, *, first: bool = False) -> Any:
+    try:
+        message = messages.read_next_message()
+    except StopIteration:
+        message = None
+    except (pa.ArrowException, OSError, ValueError) as e:
+        raise ArrowBodyError(f"body is not an Arrow IPC stream ({_first_line(e)})") from None
+    if message is None and first:
+        raise ArrowBodyError("body is not an Arrow IPC stream (it is empty)")
+    return message
+
+
+def _check_schema(schema: pa.Schema) -> list[str]:
+    """The binary columns' names; ArrowBodyError for a column the layout does not have."""
+    try:
+        names = schema.names
+    except UnicodeDecodeError:
+        raise ArrowBodyError("Arrow body has a column name that is not UTF-8") from None
+    seen: set[str] = set()
+    for name in names:
+        if name in seen:
+            raise ArrowBodyError(f"Arrow body has column {_short(name)} twice")
+        seen.add(name)
+    if "event" not in names or not pa.types.is_string(schema.field("event").type):
         raise ArrowBodyError("Arrow body lacks a utf8 'event' column")
     binary_names = []
-    for field in schema:
-        if field.name == "event":
+    for f in schema:
+        if f.name == "event":
             continue
-        if not pa.types.is_large_binary(field.type):
-            raise ArrowBodyError(f"Arrow body column {field.name!r} must be large_binary")
-        binary_names.append(field.name)
-    out: list[dict[str, Any]] = []
-    for batch in batches:
-        binaries = {name: _row_views(batch.column(name)) for name in binary_names}
-        for j, text in enumerate(batch.column("event").to_pylist()):
-            i = len(out)
-            try:
-                doc = json.loads(text) if text is not None else None
-            except ValueError as e:
-                raise ArrowBodyError(f"event {i} is not valid JSON ({e})") from None
-            if not isinstance(doc, dict):
-                raise ArrowBodyError(f"event {i} must be a JSON object")
-            for key, value in doc.items():
-                if isinstance(value, dict) and _MARK in value:
-                    try:
-                        doc[key] = _array(value[_MARK], binaries.get(key), j, key)
-                    except ValidationError as e:
-                        tid = doc.get("trajectory_id")
-                        raise e.at(i, tid if isinstance(tid, str) else None) from None
-            out.append(doc)
-    return out
+        if not pa.types.is_large_binary(f.type):
+            raise ArrowBodyError(f"Arrow body column {_short(f.name)} must be large_binary, not {f.type}")
+        binary_names.append(f.name)
+    return binary_names
+
+
+def _decode_batch(batch: pa.RecordBatch, binary_names: list[str], out: list[dict[str, Any]]) -> None:
+    for name in binary_names:
+        if name not in _EVENT_FIELDS:
+            _refuse_unknown_column(batch, name, len(out))
+    binaries = {name: _row_views(batch.column(name)) for name in binary_names}
+    for j, text in enumerate(batch.column("event").to_pylist()):
+        i = len(out)
+        try:
+            doc = json.loads(text) if text is not None else None
+        except (ValueError, RecursionError) as e:
+            raise ArrowBodyError(f"event {i} is not valid JSON ({_first_line(e)})") from None
+        if not isinstance(doc, dict):
+            raise ArrowBodyError(f"event {i} must be a JSON object")
+        for key, value in doc.items():
+            if isinstance(value, dict) and _MARK in value:
+                try:
+                    doc[key] = _array(value[_MARK], binaries.get(key), j, key)
+                except ValidationError as e:
+                    tid = doc.get("trajectory_id")
+                    raise e.at(i, tid if isinstance(tid, str) else None) from None
+        out.append(doc)
+
+
+def _refuse_unknown_column(batch: pa.RecordBatch, name: str, first_index: int) -> None:
+    """A column no event field names is refused before its values are read, naming the
+    first event that carries bytes in it (as the JSON body names an event's unknown field)."""
+    column = batch.column(name)
+    if column.null_count == len(column):
+        return  # no event has a value there: nothing to store, nothing to refuse
+    row = 0
+    if column.null_count:
+        validity = column.buffers()[0]
+        bits = np.unpackbits(np.frombuffer(validity, np.uint8), bitorder="little")
+        row = int(np.argmax(bits[column.offset:column.offset + len(column)]))
+    tid = None
+    try:
+        doc = json.loads(batch.column("event")[row].as_py() or "null")
+        tid = doc.get("trajectory_id") if isinstance(doc, dict) else None
+    except ValueError:
+        pass
+    raise ValidationError(f"unknown field {_short(name)} (an Arrow column no event field names)",
+                          rule="unknown_field").at(first_index + row, tid if isinstance(tid, str) else None)
+
+
+def _compressed(metadata: pa.Buffer) -> bool:
+    """Whether a record batch message names a body compression, read from its
+    flatbuffer (``Message.header`` -> ``RecordBatch.compression``, Arrow's
+    Message.fbs) before pyarrow decompresses anything. pyarrow has verified
+    the flatbuffer when it read the message."""
+    b = memoryview(metadata)
+
+    def table(pos: int) -> int:  # an offset field: where its table starts
+        return pos + struct.unpack_from("<I", b, pos)[0]
+
+    def field(tab: int, index: int) -> int:  # a field's position in its table, 0 when absent
+        vtable = tab - struct.unpack_from("<i", b, tab)[0]
+        slot = 4 + 2 * index
+        if slot >= struct.unpack_from("<H", b, vtable)[0]:
+            return 0
+        at = struct.unpack_from("<H", b, vtable + slot)[0]
+        return tab + at if at else 0
+
+    try:
+        header = field(table(0), 2)  # Message: version, header_type, header, bodyLength, custom_metadata
+        return bool(header) and bool(field(table(header), 3))  # RecordBatch: length, nodes, buffers, compression
+    except struct.error:
+        raise ArrowBodyError("body is not an Arrow IPC stream (unreadable message metadata)") from None
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0][:300] if text else type(e).__name__
+
+
+def _short(name: str) -> str:
+    return repr(name if len(name) <= 64 else name[:64] + "...")
 
 
 def _binary(values: list[np.ndarray | None]) -> pa.Array:
@@ -135,7 +254,8 @@ def _row_views(chunk: pa.Array) -> list[np.ndarray | None]:
     """Per-row uint8 views of a large_binary array (zero-copy; reads the buffers, no compute kernels)."""
     n = len(chunk)
     validity, offsets_buf, data = chunk.buffers()
-    offsets = np.frombuffer(offsets_buf, np.int64)[chunk.offset: chunk.offset + n + 1].tolist()
+    # count: a valid offsets buffer may be longer than the rows need, by any number of bytes
+    offsets = np.frombuffer(offsets_buf, np.int64, count=chunk.offset + n + 1)[chunk.offset:].tolist()
     data_np = np.frombuffer(data, np.uint8) if data is not None else np.zeros(0, np.uint8)
     if chunk.null_count == 0:
         return [data_np[offsets[k]:offsets[k + 1]] for k in range(n)]
@@ -148,7 +268,7 @@ def _array(mark: Any, views: list[np.ndarray | None] | None, row: int, field: st
         raise ValidationError(f"{field} is marked as an Arrow array but its column has no bytes for this event",
                               rule="array_encoding")
     dtype_name, shape = mark.get("dtype"), mark.get("shape")
-    if dtype_name not in _ALLOWED_DTYPES:
+    if not isinstance(dtype_name, str) or dtype_name not in _ALLOWED_DTYPES:
         raise ValidationError(f"{field} has unsupported dtype {dtype_name!r}", rule="array_dtype")
     if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
         raise ValidationError(f"{field} shape must be a list of non-negative ints, got {shape!r}", rule="array_shape")

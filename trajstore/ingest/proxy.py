@@ -60,7 +60,8 @@ import numpy as np
 from trajstore._admission import sequence_hash
 from trajstore.errors import TrajstoreError, ValidationError
 from trajstore.ingest._event_dicts import trajectory_started
-from trajstore.ingest._http import UNAUTHORIZED, HTTPError, add_server_arguments, bearer_ok, error_response, server_token
+from trajstore.ingest._http import (UNAUTHORIZED, HTTPError, add_server_arguments, bearer_ok, error_response, run_server,
+                                    server_token)
 from trajstore.ingest.vllm import (
     OpenAIStreamAccumulator,
     VersionMap,
@@ -483,8 +484,6 @@ def serve_proxy(upstream: str, store_url: str | None = None, host: str = "127.0.
     """
     token = server_token(token, insecure_no_auth=insecure_no_auth)
     upstream_api_key = upstream_api_key or os.environ.get("TRAJSTORE_UPSTREAM_API_KEY") or None
-    import uvicorn
-
     import trajstore
 
     store = trajstore.connect(store_url, payload=payload)
@@ -492,7 +491,7 @@ def serve_proxy(upstream: str, store_url: str | None = None, host: str = "127.0.
         app = make_proxy_app(store, upstream, token=token, model_version=model_version, num_experts=num_experts,
                              upstream_api_key=upstream_api_key, version_map=version_map,
                              skip_recorded_routes=skip_recorded_routes)
-        uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False)
+        run_server(app, name="proxy", host=host, port=port, store_url=store_url, payload=payload, log_level=log_level)
     finally:
         store.close()
 

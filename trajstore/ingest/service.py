@@ -43,7 +43,7 @@ import numpy as np
 
 from trajstore.errors import StoreUnavailable, TrajstoreError, ValidationError
 from trajstore.events import Generation, parse_events
-from trajstore.ingest._http import UNAUTHORIZED, add_server_arguments, bearer_ok, server_token
+from trajstore.ingest._http import OPEN_PATHS, BearerAuth, add_server_arguments, run_server, server_token
 from trajstore.ingest._http import HTTPError as _HTTPError  # the name the tests and the fuzz harness use
 
 __all__ = [
@@ -66,51 +66,71 @@ _LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1
 
 
 class Metrics:
-    """Counters and one latency histogram, rendered as Prometheus text."""
+    """The service's Prometheus metrics (``prometheus_client``), one registry per app.
+
+    Under ``serve --workers N`` every worker writes its values to
+    ``$PROMETHEUS_MULTIPROC_DIR`` (``serve`` makes it) and ``render()`` sums
+    them, so a scrape sees the whole service, whichever worker answers it."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.requests: dict[int, int] = {}
-        self.errors: dict[str, int] = {}
-        self.events = self.tokens = self.commits = 0
-        self._buckets = [0] * len(_LATENCY_BUCKETS_S)
-        self._latency_sum_s = 0.0
-        self._latency_count = 0
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-    def observe(self, status: int, latency_s: float, *, events: int = 0, tokens: int = 0, rule: str | None = None) -> None:
-        with self._lock:
-            self.requests[status] = self.requests.get(status, 0) + 1
-            self.events += events
-            self.tokens += tokens
-            if rule is not None:
-                self.errors[rule] = self.errors.get(rule, 0) + 1
-            self._latency_sum_s += latency_s
-            self._latency_count += 1
-            for i, bound in enumerate(_LATENCY_BUCKETS_S):
-                if latency_s <= bound:
-                    self._buckets[i] += 1
+        p = "trajstore_ingest"
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self._requests = Counter(f"{p}_requests", "answers to POST /v1/events, by HTTP status", ["status"],
+                                 registry=r)
+        self._errors = Counter(f"{p}_errors", "refused requests, by rule", ["rule"], registry=r)
+        self._events = Counter(f"{p}_events", "events stored by acknowledged requests (duplicates not counted)",
+                               registry=r)
+        self._duplicates = Counter(f"{p}_duplicate_events", "events acknowledged that were already stored",
+                                   registry=r)
+        self._tokens = Counter(f"{p}_tokens", "generated tokens in acknowledged requests", registry=r)
+        self._commits = Counter(f"{p}_commits", "store transactions (requests/commits: the mean group size)",
+                                registry=r)
+        self._latency = Histogram(f"{p}_ack_latency_seconds", "time from request to answer",
+                                  buckets=_LATENCY_BUCKETS_S, registry=r)
+        self._in_flight = Gauge(f"{p}_body_bytes_in_flight", "request body bytes read, parsed or committing",
+                                registry=r, multiprocess_mode="livesum")
+        self._peak = Gauge(f"{p}_body_bytes_in_flight_peak", "highest body_bytes_in_flight of a process",
+                           registry=r, multiprocess_mode="max")
+        self._limit = Gauge(f"{p}_body_bytes_in_flight_limit", "--max-in-flight-mb of a process, in bytes",
+                            registry=r, multiprocess_mode="max")
+
+    def observe(self, status: int, latency_s: float, *, events: int = 0, duplicates: int = 0, tokens: int = 0,
+                rule: str | None = None) -> None:
+        self._requests.labels(status=str(status)).inc()
+        if events:
+            self._events.inc(events)
+        if duplicates:
+            self._duplicates.inc(duplicates)
+        if tokens:
+            self._tokens.inc(tokens)
+        if rule is not None:
+            self._errors.labels(rule=rule).inc()
+        self._latency.observe(latency_s)
 
     def count_commit(self) -> None:
-        with self._lock:
-            self.commits += 1
+        self._commits.inc()
+
+    def budget(self, in_flight: int, peak: int, limit: int) -> None:
+        self._in_flight.set(in_flight)
+        self._peak.set(peak)
+        self._limit.set(limit)
 
     def render(self) -> str:
-        p = "trajstore_ingest"
-        with self._lock:
-            lines = [f"# TYPE {p}_requests_total counter"]
-            lines += [f'{p}_requests_total{{status="{s}"}} {n}' for s, n in sorted(self.requests.items())]
-            lines += [f"# TYPE {p}_errors_total counter"]
-            lines += [f'{p}_errors_total{{rule="{r}"}} {n}' for r, n in sorted(self.errors.items())]
-            for name, value in (("events", self.events), ("tokens", self.tokens), ("commits", self.commits)):
-                lines += [f"# TYPE {p}_{name}_total counter", f"{p}_{name}_total {value}"]
-            lines.append(f"# TYPE {p}_ack_latency_seconds histogram")
-            lines += [f'{p}_ack_latency_seconds_bucket{{le="{b:g}"}} {n}' for b, n in zip(_LATENCY_BUCKETS_S, self._buckets)]
-            lines += [
-                f'{p}_ack_latency_seconds_bucket{{le="+Inf"}} {self._latency_count}',
-                f"{p}_ack_latency_seconds_sum {self._latency_sum_s:.6f}",
-                f"{p}_ack_latency_seconds_count {self._latency_count}",
-            ]
-        return "\n".join(lines) + "\n"
+        from prometheus_client import CollectorRegistry, generate_latest
+
+        if os.environ.get(_MULTIPROC_ENV):
+            from prometheus_client.multiprocess import MultiProcessCollector
+
+            registry = CollectorRegistry()
+            MultiProcessCollector(registry)
+            return generate_latest(registry).decode()
+        return generate_latest(self.registry).decode()
+
+
+_MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"  # prometheus_client's multiprocess mode (serve --workers N)
 
 
 @dataclass
@@ -323,9 +343,14 @@ def parse_arrow_body(body: bytes) -> tuple[list, int]:
     try:
         raw = decode_arrow_events(body)
     except ArrowBodyError as e:
-        raise _HTTPError(400, str(e), rule="malformed_body") from None
+        raise _HTTPError(e.status, str(e), rule=e.rule) from None
     except ValidationError as e:
         raise _HTTPError.from_error(e) from None
+    except Exception as e:  # noqa: BLE001 - whatever else the bytes provoke is the body's fault, not a 500
+        log.warning("Arrow body refused by an unexpected %s: %s", type(e).__name__, e)
+        raise _HTTPError(400, f"body is not a readable Arrow IPC stream ({type(e).__name__}: "
+                              f"{str(e).strip().splitlines()[0][:300] if str(e).strip() else ''})",
+                         rule="malformed_body") from None
     return _parse_events(raw)
 
 
@@ -651,6 +676,7 @@ def make_app(store: Any, *, token: str | None, max_body_bytes: int = DEFAULT_MAX
     from starlette.concurrency import run_in_threadpool
 
     metrics = Metrics()
+    metrics.budget(0, 0, max_bytes_in_flight)
     committer = (GroupCommitter(store, metrics=metrics, max_wait_s=group_wait_s, committers=committers)
                  if group_commit else None)
 
@@ -681,13 +707,12 @@ def make_app(store: Any, *, token: str | None, max_body_bytes: int = DEFAULT_MAX
         """``POST /v1/events`` on raw ASGI: the body read straight from ``receive``, the answer sent as JSON."""
         start = time.perf_counter()
         try:
-            if not bearer_ok(_header(scope, b"authorization"), token):
-                raise _HTTPError(401, UNAUTHORIZED, rule="unauthorized")
             declared = _declared_length(scope)
             if declared is not None and declared > max_body_bytes:  # refused before taking any budget
                 raise _HTTPError(413, f"body of {declared} bytes is over the {max_body_bytes}-byte limit",
                                  rule="body_too_large")
             taken = await budget.acquire(declared if declared is not None else max_body_bytes)
+            metrics.budget(budget.in_flight, budget.peak, budget.max_bytes)
             try:
                 if committer is not None:
                     committer.expect()
@@ -706,6 +731,7 @@ def make_app(store: Any, *, token: str | None, max_body_bytes: int = DEFAULT_MAX
                     del events  # the parsed arrays go before the budget is given back
             finally:
                 await budget.release(taken)
+                metrics.budget(budget.in_flight, budget.peak, budget.max_bytes)
         except _ClientGone:
             metrics.observe(499, time.perf_counter() - start, rule="client_gone")
             return
@@ -717,7 +743,8 @@ def make_app(store: Any, *, token: str | None, max_body_bytes: int = DEFAULT_MAX
             await _send_json(send, error.status, error.body,
                              [(b"www-authenticate", b"Bearer")] if error.status == 401 else ())
             return
-        metrics.observe(200, time.perf_counter() - start, events=num_events, tokens=num_tokens)
+        metrics.observe(200, time.perf_counter() - start, events=result.num_appended or 0,
+                        duplicates=result.num_duplicates or 0, tokens=num_tokens)
         await _send_json(send, 200, _ack_body(num_events, result))
 
     class _Handled(Response):
@@ -742,13 +769,17 @@ def make_app(store: Any, *, token: str | None, max_body_bytes: int = DEFAULT_MAX
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def get_metrics() -> str:
-        p = "trajstore_ingest"
-        return metrics.render() + "".join(
-            f"# TYPE {p}_{name} gauge\n{p}_{name} {value}\n" for name, value in (
-                ("body_bytes_in_flight", budget.in_flight), ("body_bytes_in_flight_peak", budget.peak),
-                ("body_bytes_in_flight_limit", budget.max_bytes)))
+        return metrics.render()
 
-    return _IngestApp(app, post_events)
+    # One rule for every endpoint, deny by default: the token is checked before any handler,
+    # on the fast path and (when the FastAPI app is mounted elsewhere) on FastAPI's own.
+    open_paths = OPEN_PATHS | {"/metrics"}  # Prometheus scrapes without a token; counters carry no data
+    app.add_middleware(BearerAuth, token=token, open_paths=open_paths)
+
+    def denied(scope: Any) -> None:
+        metrics.observe(401, 0.0, rule="unauthorized")
+
+    return _IngestApp(app, BearerAuth(post_events, token, open_paths, on_deny=denied))
 
 
 class _IngestApp:
@@ -758,7 +789,7 @@ class _IngestApp:
     def __init__(self, app: Any, post_events: Any) -> None:
         self.fastapi = app
         self.state = app.state
-        self._post_events = post_events
+        self._post_events = post_events  # behind BearerAuth, as FastAPI's routes are
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] == "/v1/events":
@@ -807,8 +838,6 @@ def serve(store_url: str | None = None, host: str = "127.0.0.1", port: int = DEF
     process is bound by its GIL to about one core.
     """
     token = server_token(token, insecure_no_auth=insecure_no_auth)
-    import uvicorn
-
     import trajstore
 
     # Connect once here: a bad URL fails before the server starts, and a new
@@ -820,11 +849,25 @@ def serve(store_url: str | None = None, host: str = "127.0.0.1", port: int = DEF
          "committers": committers})
     # uvicorn builds each worker's app from the import string; the settings
     # reach it through the environment the workers inherit.
-    # http=: TCP_NODELAY on every accepted connection; with workers > 1 uvicorn
-    # binds a proto-0 socket and asyncio would leave Nagle on (see _nodelay).
-    uvicorn.run("trajstore.ingest.service:app_from_env", factory=True, workers=workers if workers > 1 else None,
-                host=host, port=port, log_level=log_level, access_log=False,
-                http="trajstore.ingest._nodelay:NoDelayHTTPProtocol")
+    # http=: TCP_NODELAY on every accepted connection, whatever socket the
+    # workers were handed (see _nodelay).
+    metrics_dir = None
+    if workers > 1 and not os.environ.get(_MULTIPROC_ENV):
+        import tempfile
+
+        # every worker counts into this directory; a scrape of any worker sums them (Metrics.render)
+        metrics_dir = os.environ[_MULTIPROC_ENV] = tempfile.mkdtemp(prefix="trajstore-serve-metrics-")
+    try:
+        run_server("trajstore.ingest.service:app_from_env", name="serve", factory=True, workers=workers,
+                   host=host, port=port, store_url=store_url, payload=payload, log_level=log_level,
+                   http="trajstore.ingest._nodelay:NoDelayHTTPProtocol")
+    finally:
+        if metrics_dir is not None:
+            import shutil
+
+            del os.environ[_MULTIPROC_ENV]
+            shutil.rmtree(metrics_dir, ignore_errors=True)
+
 
 
 _CONFIG_ENV = "TRAJSTORE_SERVE_CONFIG"

@@ -32,6 +32,7 @@ import contextlib
 import csv
 import json
 import os
+import shlex
 import sqlite3
 import sys
 import time
@@ -319,10 +320,18 @@ def create_reader_login(store: Any, login: str, password: str | None = None) -> 
             conn.exec_driver_sql(f"ALTER ROLE {login} SET default_transaction_read_only = on")
     except DBAPIError as e:
         raise StoreUnavailable(f"cannot make reader login {login!r}: {first_line(e)}") from None
-    url = make_url(store.url).set(username=login, password="***" if password else None)
-    return (f"reader login {login!r} ready (only {READER_ROLE}'s rights"
-            f"{'' if password else '; no password set'}): trajstore --store "
-            f"'{url.render_as_string(hide_password=False)}' sql ...")
+    # The URL carries no password (a masked one would be sent as the password itself): libpq
+    # takes it from $PGPASSWORD, set here from the variable it was read from, so the line
+    # works as pasted into the shell that ran init and never prints the secret.
+    url = shlex.quote(make_url(store.url).set(username=login, password=None).render_as_string(hide_password=False))
+    query = shlex.quote("SELECT count(*) FROM samples")
+    if not password:
+        return (f"reader login {login!r} ready (only {READER_ROLE}'s rights; no password set: it logs in "
+                f"only where the server trusts it): trajstore --store {url} sql {query}")
+    source = ("PGPASSWORD=\"$TRAJSTORE_READER_PASSWORD\" " if "TRAJSTORE_READER_PASSWORD" in os.environ
+              and os.environ["TRAJSTORE_READER_PASSWORD"] == password else "PGPASSWORD=<its password> ")
+    return (f"reader login {login!r} ready (only {READER_ROLE}'s rights; the password is not printed, "
+            f"pass it in $PGPASSWORD): {source}trajstore --store {url} sql {query}")
 
 
 def _postgres_execute(conn: Any, sql: str) -> QueryResult:
@@ -395,9 +404,13 @@ def with_iso_times(result: QueryResult) -> QueryResult:
     return QueryResult(result.columns, rows)
 
 
-def print_result(result: QueryResult, fmt: str = "table", out: TextIO | None = None) -> None:
+def print_result(result: QueryResult, fmt: str = "table", out: TextIO | None = None, *,
+                 iso_times: bool = True) -> None:
+    """``result`` in ``fmt``; time columns (``*_at``) as ISO 8601 UTC unless ``iso_times=False``
+    (then the unix seconds the views hold)."""
     out = out or sys.stdout
-    result = with_iso_times(result)
+    if iso_times:
+        result = with_iso_times(result)
     if fmt == "csv":
         writer = csv.writer(out, lineterminator="\n")
         writer.writerow(result.columns)
@@ -438,9 +451,12 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--format", choices=FORMATS, default="table", help="output format (default: table)")
     parser.add_argument("--timeout-s", type=float, default=None,
                         help="cancel the query after this many seconds")
+    parser.add_argument("--unix-times", action="store_true",
+                        help="print time columns (*_at) as the unix seconds the views hold "
+                             "(default: ISO 8601 UTC, e.g. 2026-01-02T03:04:05.678+00:00)")
 
 
 def run_from_args(args: argparse.Namespace) -> int:
     result = run_query(args.store, args.query, timeout_s=args.timeout_s)
-    print_result(result, args.format)
+    print_result(result, args.format, iso_times=not getattr(args, "unix_times", False))
     return 0

@@ -20,6 +20,7 @@ a statement cancelled by the timeout.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 
@@ -37,7 +38,20 @@ DEFAULT_STATEMENT_TIMEOUT = "120s"
 _DURATION = re.compile(r"^[0-9]+(ms|s|min|h|d)?$")
 
 
+class _DropSecondReport(logging.Filter):
+    """psycopg logs ``error ignored terminating <psycopg.Pipeline [BAD]>: ...`` when a pipeline
+    (or COPY) it closes after an error fails again, as it does when the server goes away
+    mid-append. The first error is already raised and reported as a trajstore error; this
+    second line only repeats it in psycopg's words."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (isinstance(record.msg, str) and record.msg.startswith("error ignored terminating"))
+
+
 def make_engines(url: str) -> tuple[Engine, Engine]:
+    psycopg_log = logging.getLogger("psycopg")
+    if not any(isinstance(f, _DropSecondReport) for f in psycopg_log.filters):
+        psycopg_log.addFilter(_DropSecondReport())
     url, connect_args = engine_options(url)
     engine = create_engine(url, pool_pre_ping=True, pool_size=4, max_overflow=8, connect_args=connect_args)
     return engine, engine

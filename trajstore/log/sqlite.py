@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 import weakref
@@ -29,7 +30,11 @@ def make_engines(url: str) -> tuple[Engine, Engine]:
         # one private in-memory database: a single shared connection
         engine = _engine(url, immediate=True, pool=StaticPool)
         return engine, engine
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        # a mistyped path starts a new, empty store elsewhere: say so, once, where it goes
+        logging.getLogger(__name__).warning("trajstore: created directory %s for a new SQLite store", directory)
+    os.makedirs(directory, exist_ok=True)
     return _engine(url, immediate=True), _engine(url, immediate=False)
 
 

@@ -1,0 +1,245 @@
+"""A new user's first hour, through the CLI: servers say "listening" only
+when they answer and one ``error:`` line otherwise; the demo deletes only
+what it made; long ingests log progress without a terminal; errors name
+what and where. Real subprocesses and servers on loopback."""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+CLI = [sys.executable, "-m", "trajstore.cli"]
+
+
+def run(*argv: str, cwd=None, env=None, timeout=300) -> subprocess.CompletedProcess:
+    return subprocess.run([*CLI, *argv], capture_output=True, text=True, cwd=cwd, env=env, timeout=timeout)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env(**extra: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "TRAJSTORE_TOKEN"}
+    return {**env, **extra}
+
+
+def _server_argv(command: str, tmp_path: Path, port: int) -> list[str]:
+    argv = ["--store", f"sqlite:///{tmp_path}/s.db", command, "--port", str(port)]
+    return argv + (["--upstream", "http://127.0.0.1:9"] if command == "proxy" else [])
+
+
+def _stderr_lines_until(proc: subprocess.Popen, needle: str, timeout_s: float = 60) -> list[str]:
+    lines: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([proc.stderr], [], [], 0.2)
+        if ready:
+            line = proc.stderr.readline()
+            if not line:
+                break
+            lines.append(line)
+            if needle in line:
+                return lines
+        elif proc.poll() is not None:
+            break
+    raise AssertionError(f"no {needle!r} on stderr: {lines}")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.parametrize("command", ["serve", "proxy"])
+def test_a_server_says_listening_only_once_it_answers(command, tmp_path):
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("fastapi")
+    port = _free_port()
+    proc = subprocess.Popen([*CLI, *_server_argv(command, tmp_path, port)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=_env(TRAJSTORE_TOKEN="t0ken"))
+    try:
+        lines = _stderr_lines_until(proc, "listening on")
+        # the line comes after the server answers: one try, no retry
+        assert httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=5).status_code == 200
+        assert lines[-1].startswith(f"trajstore {command}: listening on http://127.0.0.1:{port} (store sqlite:///")
+    finally:
+        _stop(proc)
+
+
+@pytest.mark.parametrize("command", ["serve", "proxy"])
+def test_a_server_without_a_token_prints_one_error_line_and_never_listening(command, tmp_path):
+    pytest.importorskip("fastapi")
+    proc = run(*_server_argv(command, tmp_path, _free_port()), env=_env(), timeout=60)
+    assert proc.returncode == 1
+    assert proc.stderr.splitlines() == [
+        "error: no token: pass --token or set $TRAJSTORE_TOKEN (or --insecure-no-auth to run open)"]
+
+
+@pytest.mark.parametrize("command", ["serve", "proxy"])
+def test_a_server_on_a_taken_port_prints_one_error_line(command, tmp_path):
+    pytest.importorskip("fastapi")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = run(*_server_argv(command, tmp_path, port), env=_env(TRAJSTORE_TOKEN="t0ken"), timeout=60)
+    assert proc.returncode == 1
+    assert proc.stderr.splitlines() == [
+        f"error: cannot listen on 127.0.0.1:{port}: Address already in use "
+        "(another process has it: stop that one or pick another --port)"], proc.stderr
+
+
+def test_serve_insecure_no_auth_warns(tmp_path):
+    pytest.importorskip("fastapi")
+    port = _free_port()
+    proc = subprocess.Popen([*CLI, *_server_argv("serve", tmp_path, port), "--insecure-no-auth"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+    try:
+        lines = _stderr_lines_until(proc, "listening on")
+        assert any("running open (--insecure-no-auth)" in line for line in lines), lines
+    finally:
+        _stop(proc)
+
+
+def test_a_second_demo_keeps_the_report_the_user_made(tmp_path):
+    """The demo prints ``report DIR/report`` as a next step; a second demo
+    removed that report with its own store and export."""
+    for _ in range(2):
+        proc = run("demo", "--trajectories", "4", "--workers", "1", "--dir", "d", "--no-train", cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr
+        report = tmp_path / "d" / "report"
+        if not report.exists():
+            report.mkdir()
+            (report / "index.html").write_text("the user's report")
+            (tmp_path / "d" / "export" / "old-part").write_text("the demo's export is the demo's")
+    assert (report / "index.html").read_text() == "the user's report"
+    assert not (tmp_path / "d" / "export" / "old-part").exists()
+
+
+def test_a_long_ingest_without_a_terminal_prints_progress_lines(tmp_path):
+    """Off a terminal the bar was silent: a 253-MB ingest printed nothing for 45 s."""
+    from tests.test_cli import write_jsonl
+
+    write_jsonl(tmp_path / "ev.jsonl", n=200)
+    proc = run("--store", f"sqlite:///{tmp_path}/s.db", "ingest", str(tmp_path / "ev.jsonl"),
+               env=_env(TRAJSTORE_PROGRESS_INTERVAL_S="0"))
+    assert proc.returncode == 0, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("ingest (validate, then append): ")]
+    assert len(lines) >= 3 and lines[-1].endswith("(done)"), proc.stderr
+    assert "of" in lines[0] and "%" in lines[0]
+
+
+@pytest.fixture
+def scram_cluster():
+    """A cluster of the test's own where login ``pw_analyst`` must give a password (scram-sha-256)."""
+    from pg_cluster import PgCluster, PostgresNotFound
+
+    try:
+        cluster = PgCluster()
+        cluster.start()
+    except PostgresNotFound as e:
+        pytest.skip(str(e))
+    try:
+        hba = cluster.data_dir / "pg_hba.conf"
+        hba.write_text("host all pw_analyst 127.0.0.1/32 scram-sha-256\n" + hba.read_text())
+        cluster.reload()
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.mark.postgres
+def test_init_reader_login_prints_a_command_that_logs_in_as_pasted(scram_cluster, tmp_path):
+    """It printed ``analyst:%2A%2A%2A@...``: pasted, that logs in with the password ``***``."""
+    url = scram_cluster.create_database()
+    env = _env(TRAJSTORE_READER_PASSWORD="s3cret pass", TRAJSTORE_PAYLOAD_DIR=str(tmp_path / "pay"),
+               PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    proc = run("--store", url, "init", "--reader-login", "pw_analyst", env=env)
+    assert proc.returncode == 0, proc.stderr
+    line = proc.stdout.splitlines()[-1]
+    assert "s3cret" not in proc.stdout and "***" not in line and "%2A" not in line
+    command = line[line.index("): ") + 3:]
+    assert command.startswith('PGPASSWORD="$TRAJSTORE_READER_PASSWORD" trajstore --store ')
+    pasted = subprocess.run(["bash", "-c", command], capture_output=True, text=True, env=env, timeout=120)
+    assert pasted.returncode == 0, pasted.stderr
+    assert "(1 row)" in pasted.stdout and " 0 " in pasted.stdout, pasted.stdout
+    wrong = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=120,
+                           env={**env, "TRAJSTORE_READER_PASSWORD": "nope"})
+    assert wrong.returncode == 1 and "password authentication failed" in wrong.stderr, wrong.stderr
+
+
+def _one_error(proc: subprocess.CompletedProcess) -> str:
+    assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith("error: "), proc.stderr
+    return proc.stderr.strip()
+
+
+def test_errors_name_what_is_wrong(tmp_path):
+    (tmp_path / "adir").mkdir()
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "notdb.db").write_text("not a database, just text that is long enough")
+    (tmp_path / "e.jsonl").write_text('{"type": "trajectory_started", "trajectory_id": "t"}\n')
+    store = f"sqlite:///{tmp_path}/s.db"
+    assert _one_error(run("--store", store, "ingest", str(tmp_path / "adir"))) == (
+        f"error: {tmp_path / 'adir'} is a directory: ingest takes one JSONL file (or - for stdin)")
+    assert _one_error(run("--store", store, "report", str(tmp_path / "afile"))) == (
+        f"error: {tmp_path / 'afile'} is a file: report writes a directory (index.html and its plots)")
+    for argv in (["ingest", str(tmp_path / "e.jsonl")], ["init"], ["info"]):
+        line = _one_error(run("--store", f"sqlite:///{tmp_path}/notdb.db", *argv))
+        assert line == f"error: not a trajstore store: {tmp_path}/notdb.db is not a SQLite database", (argv, line)
+    assert _one_error(run("--store", "x.db", "info")) == (
+        "error: not a store URL: 'x.db' (use sqlite:///path.db or postgresql+psycopg://...)")
+    assert (tmp_path / "notdb.db").read_text().startswith("not a database")
+
+
+def test_sql_prints_iso_times_or_unix_seconds_as_docs_say(tmp_path):
+    from tests.test_cli import write_jsonl
+
+    write_jsonl(tmp_path / "ev.jsonl", n=2)
+    store = f"sqlite:///{tmp_path}/s.db"
+    assert run("--store", store, "ingest", str(tmp_path / "ev.jsonl")).returncode == 0
+    query = "SELECT first_event_at FROM trajectory_summary LIMIT 1"
+    iso = run("--store", store, "sql", "--format", "csv", query).stdout.splitlines()[1]
+    unix = run("--store", store, "sql", "--format", "json", "--unix-times", query).stdout
+    import datetime as dt
+    import json
+
+    seconds = json.loads(unix)[0]["first_event_at"]
+    assert abs(dt.datetime.fromisoformat(iso).timestamp() - seconds) < 0.001
+    docs = (REPO / "docs" / "sql.md").read_text()
+    assert "as ISO 8601 UTC in every format" in docs and "--unix-times" in docs
+
+
+def test_a_writer_on_a_new_directory_says_it_made_it(tmp_path):
+    """``Writer("sqlite:///nonexist-dir/x.db")`` made the directory and a store without a word."""
+    code = ("from trajstore.ingest.client import Writer\n"
+            "with Writer('sqlite:///nonexist-dir/x.db') as w:\n"
+            "    w.extend([{'type': 'trajectory_started', 'trajectory_id': 't'}])\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert f"created directory {tmp_path / 'nonexist-dir'} for a new SQLite store" in proc.stderr
+
+
+def test_the_docs_examples_use_only_what_trajstore_installs():
+    """docs/ingest.md's proxy example called ``requests``, which no extra installs."""
+    for page in ("docs/ingest.md", "README.md"):
+        text = (REPO / page).read_text()
+        assert "requests.post(" not in text and "requests.get(" not in text and "import requests" not in text, page
+    pyproject = (REPO / "pyproject.toml").read_text()
+    assert '"httpx>=' in pyproject and "httpx.post(" in (REPO / "docs/ingest.md").read_text()

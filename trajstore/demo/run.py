@@ -153,10 +153,10 @@ def _program() -> list[str]:
     return [sys.executable, "-m", "trajstore.cli"]
 
 
-def _has_matplotlib() -> bool:
+def _has_report_extra() -> bool:
     import importlib.util
 
-    return importlib.util.find_spec("matplotlib") is not None
+    return importlib.util.find_spec("plotly") is not None
 
 
 def next_steps(url: str, payload: str | None, directory: str) -> str:
@@ -174,7 +174,7 @@ def next_steps(url: str, payload: str | None, directory: str) -> str:
         *([f"  {q} init --reader-login trajstore_analyst   # on PostgreSQL, run sql and report "
            "with the reader URL this prints (docs/sql.md)"] if pg else []),
         f"  {q} sql {shlex.quote(query)}",
-        f"  {q} report {report}" + ("" if _has_matplotlib() else "   # needs the report extra: pip install -e '.[report]'"),
+        f"  {q} report {report}" + ("" if _has_report_extra() else "   # needs the report extra: pip install -e '.[report]'"),
         f"  {q} export --replace {export}",
         f"  {q} info",
     ])

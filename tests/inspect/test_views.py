@@ -458,3 +458,24 @@ def test_documented_metadata_queries_run_read_only(built, store_url):
         assert got[tool][0] == len(latencies) and got[tool][1] == pytest.approx(sum(latencies) / len(latencies))
     rows = {tuple(r) for r in run_query(reader_url_for(store_url), DOC_METADATA_QUERIES[dialect]).rows}
     assert rows == {k for k, m in meta if m["tool"] == "search" and m["latency_ms"] > 100} and rows
+
+
+# -- plans: every per-trajectory join is an index lookup ---------------------------
+
+@pytest.mark.parametrize("view", ["trajectory_summary", "model_version_stats"])
+def test_sqlite_views_join_by_index_not_by_scan(tmp_path, view):
+    """A LEFT JOIN that SQLite answers by scanning its right side once per
+    trajectory makes the view quadratic in the number of trajectories (2,000
+    trajectories took seconds); each must be a SEARCH (an index, automatic or
+    not). The plan, not a timing, is what the test reads."""
+    import sqlite3
+
+    url = f"sqlite:///{tmp_path}/s.db"
+    with trajstore.connect(url) as store:
+        for i in range(20):
+            store.append(trajectory_events(CFG, i))
+    conn = sqlite3.connect(f"{tmp_path}/s.db")
+    plan = [row[3] for row in conn.execute(f"EXPLAIN QUERY PLAN SELECT * FROM {view}")]
+    joins = [step for step in plan if "LEFT-JOIN" in step]
+    assert joins, plan
+    assert [s for s in joins if not s.startswith("SEARCH")] == [], "\n".join(plan)

@@ -130,13 +130,12 @@ WITH calls AS (
     GROUP BY trajectory_id
 ),
 last_call AS (
-    SELECT trajectory_id, finish_reason
-    FROM (
-        SELECT trajectory_id, finish_reason,
-               ROW_NUMBER() OVER (PARTITION BY trajectory_id ORDER BY seq DESC) AS newest
-        FROM generation_events
-    ) l
-    WHERE newest = 1
+    -- joined on the newest seq, not ranked with ROW_NUMBER(): SQLite cannot index a
+    -- ranked subquery for the LEFT JOIN below and scanned it once per trajectory
+    SELECT g.trajectory_id, g.finish_reason
+    FROM generation_events g
+    JOIN (SELECT trajectory_id, MAX(seq) AS seq FROM generation_events GROUP BY trajectory_id) m
+      ON m.trajectory_id = g.trajectory_id AND m.seq = g.seq
 ),
 reasons AS (
     SELECT trajectory_id, {_join_sorted("finish_reason", dialect)} AS finish_reasons
@@ -149,14 +148,12 @@ reasons AS (
 ),
 last_call_reward AS (
     -- The SPEC gives the final sample the last per-call reward among its calls.
-    SELECT r.trajectory_id, r.reward
-    FROM (
-        SELECT trajectory_id, sample_index, reward,
-               ROW_NUMBER() OVER (PARTITION BY trajectory_id ORDER BY seq DESC) AS newest
-        FROM generation_events WHERE reward IS NOT NULL
-    ) r
-    JOIN calls c ON c.trajectory_id = r.trajectory_id AND r.sample_index = c.num_samples - 1
-    WHERE r.newest = 1
+    SELECT g.trajectory_id, g.reward
+    FROM generation_events g
+    JOIN (SELECT trajectory_id, MAX(seq) AS seq FROM generation_events
+          WHERE reward IS NOT NULL GROUP BY trajectory_id) m
+      ON m.trajectory_id = g.trajectory_id AND m.seq = g.seq
+    JOIN calls c ON c.trajectory_id = g.trajectory_id AND g.sample_index = c.num_samples - 1
 ),
 times AS (
     SELECT trajectory_id, MIN(created_at) AS first_event_at, MAX(created_at) AS last_event_at

@@ -43,12 +43,12 @@ import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 
 from trajstore._pools import LazyPool
-from trajstore.errors import CorruptStoreError, StoreUnavailable
+from trajstore.errors import CorruptStoreError, PayloadMissingError, StoreUnavailable, first_line
 
 log = logging.getLogger(__name__)
 
 __all__ = ["PayloadStore", "SegmentRows", "list_column", "binary_column", "column_chunks", "binary_chunks",
-           "routes_from_bytes", "rows_per_batch", "fsync_dir", "write_arrow_segment"]
+           "routes_from_bytes", "rows_per_batch", "fsync_dir", "write_arrow_segment", "filesystem_of", "is_uri"]
 
 # Sample segments (``samples-*.arrow``) are uncompressed Arrow IPC: the reader maps
 # them and hands out views, and zstd on near-random route ids saved ~13% of the
@@ -234,6 +234,25 @@ class SegmentRows:
         return self._decoded[key]
 
 
+def is_uri(location: str) -> bool:
+    """A filesystem URI (``s3://...``, ``gs://...``), not a local path (``file://`` is local)."""
+    scheme = urlparse(location).scheme
+    return bool(scheme) and len(scheme) > 1 and scheme != "file"
+
+
+def filesystem_of(location: str) -> tuple[pafs.FileSystem, str, bool]:
+    """``(filesystem, root path in it, is local)`` of a payload location; creates nothing."""
+    if is_uri(location):
+        try:
+            fs, root = pafs.FileSystem.from_uri(location)
+        except (pa.ArrowInvalid, ValueError, OSError) as e:
+            raise StoreUnavailable(f"payload location {location!r}: {first_line(e)}") from None
+        return fs, root, False
+    parsed = urlparse(location)
+    path = parsed.path if parsed.scheme == "file" else location
+    return pafs.LocalFileSystem(), os.path.abspath(path), True
+
+
 @dataclass
 class PayloadStore:
     """Where segment files live: a local directory or any pyarrow filesystem URI.
@@ -261,14 +280,7 @@ class PayloadStore:
     def __post_init__(self) -> None:
         if self.log_compression not in _CODECS:
             raise ValueError(f"log_compression must be one of {list(_CODECS)}, got {self.log_compression!r}")
-        parsed = urlparse(self.location)
-        if parsed.scheme and len(parsed.scheme) > 1 and parsed.scheme != "file":
-            self.fs, self.root = pafs.FileSystem.from_uri(self.location)
-            self.local = False
-        else:
-            path = parsed.path if parsed.scheme == "file" else self.location
-            self.fs, self.root = pafs.LocalFileSystem(), os.path.abspath(path)
-            self.local = True
+        self.fs, self.root, self.local = filesystem_of(self.location)
         try:
             self.fs.create_dir(self.root, recursive=True)
         except OSError as e:
@@ -407,7 +419,7 @@ class PayloadStore:
         try:
             fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
-            raise CorruptStoreError(f"payload segment {path!r} is missing") from None
+            raise PayloadMissingError(f"payload segment {path!r} is missing") from None
         except OSError as e:
             raise StoreUnavailable(f"cannot open payload segment {path!r}: {e}") from None
         try:
@@ -467,7 +479,7 @@ class PayloadStore:
         try:
             src = pa.memory_map(path) if self.local else self.fs.open_input_file(path)
         except FileNotFoundError:
-            raise CorruptStoreError(f"payload segment {path!r} is missing") from None
+            raise PayloadMissingError(f"payload segment {path!r} is missing") from None
         except OSError as e:
             raise StoreUnavailable(f"cannot open payload segment {path!r}: {e}") from None
         try:
@@ -483,6 +495,16 @@ class PayloadStore:
             self.fs.delete_file(self.path(name))
         except FileNotFoundError:
             pass
+
+    def holds_any(self) -> bool:
+        """Does the location hold any segment file (False: unmounted, emptied, or the wrong place)?"""
+        try:
+            infos = self.fs.get_file_info(pafs.FileSelector(self.root, allow_not_found=True, recursive=False))
+        except OSError as e:
+            raise StoreUnavailable(f"cannot list payload location {self.location!r}: {first_line(e)}") from None
+        # (non-empty: the reserve's files are empty)
+        return any(i.type == pafs.FileType.File and i.base_name.endswith((".arrow", ".parquet")) and i.size
+                   for i in infos)
 
     def list_names(self) -> list[tuple[str, float]]:
         """(name, modification time) of every segment file, temporary ones

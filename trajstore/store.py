@@ -21,6 +21,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
 
 from trajstore import _facts as facts
+from trajstore import _payload_home
 from trajstore._pools import LazyPool
 from trajstore._admission import Admitted, TrajectoryState, admit_batch
 from trajstore.errors import (CommitUnknownError, ConflictError, ContentionError, StoreUnavailable, ValidationError,
@@ -62,10 +63,13 @@ def connect(url: str | None = None, *, payload: str | None = None, log_compressi
     ``url``: ``sqlite:///path.db`` (embedded) or ``postgresql+psycopg://...``;
     None means ``$TRAJSTORE_URL``, else ``sqlite:///trajstore-data/trajstore.db``.
     ``payload``: where the payload files live (the log's Arrow IPC segments,
-    uncompressed unless ``log_compression``, and the samples' Parquet): a
-    local path or any pyarrow filesystem URI; None means
-    ``$TRAJSTORE_PAYLOAD_DIR`` for PostgreSQL (else
-    ``./trajstore-payload/<database>``) and ``<db file>.payload/`` for SQLite.
+    uncompressed unless ``log_compression``, and the sample segments): a
+    local path or any pyarrow filesystem URI. The store records it when it is
+    created and every later process finds it there: None means the recorded
+    location; a location that disagrees with it raises PayloadLocationError
+    before anything is read or written (docs/deploy.md). A new store without
+    one gets ``<db file>.payload/`` for SQLite, ``$TRAJSTORE_PAYLOAD_DIR`` (else
+    ``./trajstore-payload/<database>``, made absolute) for PostgreSQL.
     ``log_compression``: codec of the log's payload files (None, "lz4",
     "zstd"); see ``trajstore.payload.PayloadStore``. Readers need not agree.
     ``create=False``: only open an existing store; a missing SQLite file or a
@@ -106,8 +110,11 @@ class Store:
                 if isinstance(e, OperationalError):
                     raise StoreUnavailable(f"cannot open store {_safe(url)}: {first_line(e)}") from None
                 raise
+        # the payload location the store recorded (refusing a disagreeing one) before any payload I/O
+        location = _payload_home.resolve(url, write_engine, read_engine, payload,
+                                         lambda: backend.default_payload_dir(url), record=migrate)
         self.log, self.materialized = open_sql(write_engine, read_engine)
-        self.payload = PayloadStore(payload or backend.default_payload_dir(url), log_compression)
+        self.payload = PayloadStore(location, log_compression)
 
     # -- appending ---------------------------------------------------------
     def append(self, events: Iterable[Mapping[str, Any] | Event]) -> AppendResult:

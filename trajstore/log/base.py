@@ -262,6 +262,11 @@ class EventLog(ABC):
                   for t, rows in self.trajectory_events(trajectory_ids).items()}
         return trajs, events
 
+    def finished_status(self, trajectory_ids: Collection[str]) -> dict[str, str]:
+        """The status of each trajectory's ``trajectory_finished`` event (absent: not finished)."""
+        return {t: r["status"] for t, rows in self.trajectory_events(trajectory_ids).items()
+                for r in rows if r["type"] == "trajectory_finished"}
+
 
 class SampleIndex(ABC):
     """The sample index: materialized sample rows and the shards' checkpoints."""
@@ -311,6 +316,21 @@ class SampleIndex(ABC):
     def unfoldable_trajectories(self, *, limit: int = 20) -> dict[str, Any]:
         """Finished trajectories the materializer recorded as unfoldable:
         ``{"count", "by_error": {error class: n}, "recent": [the limit newest rows]}``."""
+
+    def quarantined(self, error: str) -> list[dict[str, Any]]:
+        """Rows of ``unfoldable_trajectories`` recorded with ``error`` (the class
+        name), oldest first: ``trajectory_id``, ``finished_position``, ``shard``."""
+        raise NotImplementedError
+
+    def commit_refold(self, error: str, trajectory_ids: Sequence[str], sample_rows: Sequence[dict[str, Any]],
+                      segment_row: Mapping[str, Any] | None, unfoldable_rows: Sequence[dict[str, Any]],
+                      repoints: Sequence[Repoint]) -> None:
+        """In one transaction: take ``trajectory_ids`` out of quarantine (each must
+        still be recorded with ``error``, else ``StaleState`` and nothing changes),
+        insert their sample rows and segment, record the ones that failed
+        otherwise (``unfoldable_rows``), re-point the folded events. No
+        checkpoint moves: the trajectories' finished events are behind it."""
+        raise NotImplementedError
 
     def shard_count(self) -> int | None:
         """How many shards the stored checkpoints were written by (None when

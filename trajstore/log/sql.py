@@ -469,6 +469,16 @@ class SqlEventLog(EventLog):
             rows = conn.exec_driver_sql(sql, (int(after_position), int(limit))).fetchall()
         return [{"position": p, "trajectory_id": tid, "status": st, "seq_len": n} for p, tid, st, n in rows]
 
+    def finished_status(self, trajectory_ids: Collection[str]) -> dict[str, str]:
+        """The status of each trajectory's ``trajectory_finished`` event (absent: not finished)."""
+        out: dict[str, str] = {}
+        with self.db.reading("reading finished trajectories") as conn:
+            for part in _chunks(sorted(set(trajectory_ids))):
+                q = select(events.c.trajectory_id, events.c.status).where(events.c.type == "trajectory_finished") \
+                    .where(events.c.trajectory_id.in_(list(part)))
+                out.update({tid: st for tid, st in conn.execute(q)})
+        return out
+
     def fold_inputs(self, trajectory_ids: Collection[str]
                     ) -> tuple[dict[str, dict[str, Any]], dict[str, list[dict[str, Any]]]]:
         ids = sorted(set(trajectory_ids))
@@ -855,6 +865,45 @@ class SqlSampleIndex(SampleIndex):
         return {"count": sum(int(v) for v in by_error.values()),
                 "by_error": {k: int(v) for k, v in sorted(by_error.items())},
                 "recent": [dict(r._mapping) for r in recent]}
+
+
+    def quarantined(self, error: str) -> list[dict[str, Any]]:
+        t = unfoldable_trajectories
+        with self.db.reading("reading quarantined trajectories") as conn:
+            rows = conn.execute(select(t.c.trajectory_id, t.c.finished_position, t.c.shard)
+                                .where(t.c.error == error).order_by(t.c.finished_position)).all()
+        return [dict(r._mapping) for r in rows]
+
+    def commit_refold(self, error: str, trajectory_ids: Sequence[str], sample_rows: Sequence[dict[str, Any]],
+                      segment_row: Mapping[str, Any] | None, unfoldable_rows: Sequence[dict[str, Any]],
+                      repoints: Sequence[Repoint]) -> None:
+        t = unfoldable_trajectories
+
+        def body(conn: Connection) -> None:
+            # the guard: every one of them is still quarantined with ``error`` (no other refold took it)
+            gone = 0
+            for part in _chunks(sorted(trajectory_ids)):
+                gone += conn.execute(t.delete().where(t.c.trajectory_id.in_(list(part)))
+                                     .where(t.c.error == error)).rowcount
+            if gone != len(set(trajectory_ids)):
+                raise StaleState(f"{len(set(trajectory_ids)) - gone} quarantined trajectories were re-folded "
+                                 "concurrently")
+            if segment_row is not None:
+                _insert(conn, segments, [segment_row])
+            if sample_rows:
+                _insert(conn, samples, sample_rows)
+            if unfoldable_rows:
+                _insert(conn, unfoldable_trajectories, unfoldable_rows)
+            if repoints:
+                _repoint(conn, repoints, guarded=False)
+                _retire_emptied(conn, {m.old_segment for m in repoints if m.old_segment}, time.time())
+
+        def landed(conn: Connection, _: None) -> bool:
+            ids = sorted(set(trajectory_ids))[:_CHUNK]
+            return not conn.execute(select(t.c.trajectory_id).where(t.c.trajectory_id.in_(ids))
+                                    .where(t.c.error == error).limit(1)).first()
+
+        self.db.transaction("re-folding quarantined trajectories", body, landed=landed)
 
 
 def open_sql(write_engine: Engine, read_engine: Engine) -> tuple[SqlEventLog, SqlSampleIndex]:

@@ -1,0 +1,40 @@
+"""store_settings: the payload location recorded in the store
+
+Revision ID: 0010
+Revises: 0008
+Create Date: 2026-11-25
+
+Every process used to be told where the payload lives (``--payload``,
+``payload=``, a default relative to its working directory), and two processes
+told different things split one store across two places. The store now records
+the location (``store_settings``, row ``payload_location``) and every process
+reads it there.
+
+A store created before this migration has no row. The first process that
+opens it afterwards records the location it was given (or its default) once it
+has checked that the newest segment the index names is there; if it is not,
+that process refuses and ``trajstore payload set LOCATION`` records the right
+one (docs/deploy.md, "Where the payload lives").
+"""
+from __future__ import annotations
+
+import sqlalchemy as sa
+from alembic import op
+
+revision = '0010'
+down_revision = "0008"
+branch_labels = None
+depends_on = None
+
+
+def upgrade() -> None:
+    op.create_table(
+        "store_settings",
+        sa.Column("name", sa.String(64), primary_key=True),
+        sa.Column("value", sa.String(2000), nullable=False),
+        sa.Column("updated_at", sa.Float, nullable=False),
+    )
+
+
+def downgrade() -> None:
+    op.drop_table("store_settings")

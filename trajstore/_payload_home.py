@@ -90,16 +90,37 @@ def _has_settings(engine: Engine) -> bool:
     return inspect(engine).has_table(store_settings.name)
 
 
+# A server that answers "starting up / in recovery / shutting down" (SQLSTATE class 57P)
+# is waited for this long, as an append's commit outcome is: opening a store must not
+# fail on a restart that a running appender would ride out.
+_RECOVERY_WAIT_S = 60.0
+
+
 def read_recorded(engine: Engine) -> str | None:
     """The recorded location (as recorded), None when none is."""
-    try:
-        if not _has_settings(engine):
-            return None
-        with engine.connect() as conn:
-            return conn.execute(select(store_settings.c.value).where(store_settings.c.name == LOCATION)
-                                ).scalar_one_or_none()
-    except SQLAlchemyError as e:
-        raise StoreUnavailable(f"reading the store's payload location: {first_line(e)}") from None
+    deadline = time.monotonic() + _RECOVERY_WAIT_S
+    delay = 0.05
+    while True:
+        try:
+            if not _has_settings(engine):
+                return None
+            with engine.connect() as conn:
+                return conn.execute(select(store_settings.c.value).where(store_settings.c.name == LOCATION)
+                                    ).scalar_one_or_none()
+        except SQLAlchemyError as e:
+            if _recovering(e) and time.monotonic() < deadline:
+                time.sleep(delay)
+                delay = min(1.0, delay * 2)
+                continue
+            raise StoreUnavailable(f"reading the store's payload location: {first_line(e)}") from None
+
+
+def _recovering(e: BaseException) -> bool:
+    orig = getattr(e, "orig", None)
+    state = getattr(orig, "sqlstate", None) or ""
+    text = str(orig or e)
+    return state.startswith("57P") or "in recovery mode" in text or "starting up" in text \
+        or "shutting down" in text or "terminating connection" in text
 
 
 def resolve(url: str, write_engine: Engine, read_engine: Engine, given: str | None,

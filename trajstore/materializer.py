@@ -41,6 +41,7 @@ bounded by one batch: the log is streamed, never loaded whole.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -206,6 +207,38 @@ class Materializer:
             log.warning("materializer %s: trajectory %r cannot be folded, recorded and skipped: %s: %s",
                         self.shard, row["trajectory_id"], row["error"], row["message"])
         return MaterializeStats(metrics, len(folded), last, len(unfoldable)), (more, cumulative + metrics)
+
+    def follow(self, stop: threading.Event, *, poll_s: float = 1.0, gc_grace_s: float | None = 3600.0,
+               gc_interval_s: float = 60.0, on_step: Callable[[MaterializeStats], None] | None = None) -> None:
+        """Fold as trajectories finish until ``stop`` is set (a step is one
+        transaction: stopping between steps loses nothing), and collect garbage.
+
+        Every ``gc_interval_s`` (after a step, never during one) the store's
+        retired log segments older than ``gc_grace_s`` are deleted
+        (``Store.collect_garbage``), so one copy of every folded token is the
+        state at rest without an operator. ``gc_grace_s`` None: no collection
+        (another process does it). Only shard 0 collects unless told otherwise:
+        ``Store.collect_garbage`` is safe to run from several processes, but one
+        listing of the payload per interval is enough. ``on_step``: called with
+        the stats of each step that folded or recorded something."""
+        last_gc = time.monotonic()
+        collect = gc_grace_s is not None
+        while not stop.is_set():
+            stats = self.run(max_steps=1)
+            if stats.num_trajectories or stats.num_unfoldable:
+                if on_step is not None:
+                    on_step(stats)
+            elif self.pending() == 0:
+                stop.wait(poll_s)  # nothing to do: sleep, but wake at once when stopped
+            if collect and time.monotonic() - last_gc >= gc_interval_s:
+                last_gc = time.monotonic()
+                try:
+                    removed = self.store.collect_garbage(grace_s=gc_grace_s)
+                except StoreUnavailable as e:  # retried at the next interval; folding goes on
+                    log.warning("materializer %s: garbage collection failed, retried later: %s", self.shard, e)
+                else:
+                    if removed:
+                        log.info("materializer %s: collected %d payload file(s)", self.shard, len(removed))
 
     def refold_quarantined(self) -> MaterializeStats:
         """Fold this shard's quarantined trajectories (recorded with

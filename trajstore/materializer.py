@@ -134,9 +134,15 @@ class Materializer:
         self.max_batch_tokens = max_batch_tokens
         self.progress = progress
 
-    def pending(self) -> int:
-        """Finished trajectories after the checkpoint (all shards)."""
-        return self.store.log.count_events(after_position=self._checkpoint()[0], types=["trajectory_finished"])
+    def pending(self, *, all_shards: bool = False) -> int:
+        """Finished trajectories of this shard after its checkpoint: its backlog,
+        what per-shard scaling looks at. ``all_shards``: every shard's finished
+        trajectories after this shard's checkpoint (the count before sharding
+        was taken into account)."""
+        after = self._checkpoint()[0]
+        if all_shards or self.num_shards == 1:
+            return self.store.log.count_events(after_position=after, types=["trajectory_finished"])
+        return sum(1 for tid in self.store.log.finished_ids_after(after) if self.shard.owns(tid))
 
     def run(self, *, max_steps: int | None = None) -> MaterializeStats:
         """Fold until nothing finished is pending (or ``max_steps`` batches).
@@ -228,7 +234,7 @@ class Materializer:
             if stats.num_trajectories or stats.num_unfoldable:
                 if on_step is not None:
                     on_step(stats)
-            elif self.pending() == 0:
+            elif self.pending(all_shards=True) == 0:
                 stop.wait(poll_s)  # nothing to do: sleep, but wake at once when stopped
             if collect and time.monotonic() - last_gc >= gc_interval_s:
                 last_gc = time.monotonic()

@@ -274,9 +274,10 @@ class Store:
         an ``events`` or ``samples`` row names is never deleted. The grace
         protects readers that resolved a locator just before it was re-pointed
         (docs/log.md, "One copy")."""
-        now = time.time()
-        self.log.retire_unreferenced(now)  # ones two concurrent re-pointings each left to the other
-        keep = self.log.segments_in_use(retired_before=now - grace_s)
+        # Retirement times are the database's, and so is "now" here: the grace does not
+        # depend on this machine's clock agreeing with the retiring one's.
+        self.log.retire_unreferenced(time.time())  # ones two concurrent re-pointings each left to the other
+        keep = self.log.segments_in_use(retired_before=self.log.database_time() - grace_s)
         removed = self.payload.collect_garbage(keep, grace_s=grace_s)
         self.log.forget_segments(removed)
         return removed

@@ -1,4 +1,4 @@
-"""store_settings: the payload location recorded in the store
+"""store_settings: the payload location recorded in the store; PostgreSQL positions from a sequence
 
 Revision ID: 0010
 Revises: 0008
@@ -15,6 +15,13 @@ opens it afterwards records the location it was given (or its default) once it
 has checked that the newest segment the index names is there; if it is not,
 that process refuses and ``trajstore payload set LOCATION`` records the right
 one (docs/deploy.md, "Where the payload lives").
+
+On PostgreSQL, log positions come from the sequence ``log_positions`` instead
+of the ``log_head`` row, whose lock serialized every append
+(``trajstore.log.sql``, docs/log.md "Positions"). The sequence starts after
+the head. Stop every writer of an older version before upgrading: it would
+still take positions from ``log_head``. ``log_head`` stays (SQLite uses it;
+the downgrade moves it past every stored position).
 """
 from __future__ import annotations
 
@@ -34,7 +41,14 @@ def upgrade() -> None:
         sa.Column("value", sa.String(2000), nullable=False),
         sa.Column("updated_at", sa.Float, nullable=False),
     )
+    if op.get_bind().dialect.name == "postgresql":
+        op.execute("CREATE SEQUENCE log_positions AS bigint MINVALUE 1")
+        op.execute("SELECT setval('log_positions', GREATEST(position, 1), position > 0) FROM log_head WHERE id = 1")
 
 
 def downgrade() -> None:
+    if op.get_bind().dialect.name == "postgresql":
+        op.execute("UPDATE log_head SET position = GREATEST(position, "
+                   "(SELECT COALESCE(MAX(position), 0) FROM events)) WHERE id = 1")
+        op.execute("DROP SEQUENCE log_positions")
     op.drop_table("store_settings")

@@ -19,9 +19,9 @@ never see 10. So the tail is bounded (``safe_position``):
 1. an append gets its transaction id (``pg_current_xact_id()``) *before* its
    first ``nextval`` (the statement that takes positions assigns it first);
 2. a tailer reads the sequence's last value H, then (a later statement) the
-   transaction ids running now: the ``transactionid`` locks in ``pg_locks``
-   (every transaction holds one on its own id from its assignment to its
-   end). An append holding a position <= H took it before H was read, so it
+   transaction ids running now in this database: the ``transactionid`` locks
+   in ``pg_locks`` (every transaction holds one on its own id from its
+   assignment to its end) of this database's backends. An append holding a position <= H took it before H was read, so it
    had its id before then: it has ended, or it is in that list;
 3. once none of the listed ids is running any more, no position <= H can
    commit any more, and reading up to H cannot skip one. Until then the
@@ -308,8 +308,10 @@ def _quietly(fn: Callable[[], Any]) -> None:
 
 _SAFE_WAIT_S = 0.25  # how long safe_position waits for appends in flight before using its last bound
 _SEQUENCE_LAST = "SELECT CASE WHEN is_called THEN last_value ELSE last_value - 1 END FROM log_positions"
-_RUNNING_XIDS = ("SELECT transactionid::text FROM pg_locks WHERE locktype = 'transactionid' "
-                 "AND mode = 'ExclusiveLock' AND granted AND transactionid IS NOT NULL")
+# (this database's backends only: a long transaction elsewhere on the server does not hold the tail)
+_RUNNING_XIDS = ("SELECT l.transactionid::text FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid "
+                 "WHERE l.locktype = 'transactionid' AND l.mode = 'ExclusiveLock' AND l.granted "
+                 "AND l.transactionid IS NOT NULL AND a.datname = current_database()")
 _STILL_RUNNING = ("SELECT 1 FROM pg_locks WHERE locktype = 'transactionid' AND mode = 'ExclusiveLock' "
                   "AND granted AND transactionid::text = ANY(%s) LIMIT 1")
 

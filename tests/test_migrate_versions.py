@@ -227,3 +227,25 @@ def test_a_0008_store_upgrades_with_route_rows_resent_backfilled(store_url, tmp_
         assert [tuple(r) for r in got] == [(0, 0, None), (1, 4, None), (2, None, None)]
     finally:
         engine.dispose()
+
+
+def test_0010_round_trip_keeps_positions_unique(store_url, tmp_path):
+    """One revision down (undoing 0010) and up again: the recorded payload location goes and is recorded
+    again at the next open; on PostgreSQL the counter row is moved past every position
+    the sequence handed out, and the sequence starts after it again, so later appends
+    never reuse a position."""
+    payload = str(tmp_path / "payload")
+    store = trajstore.connect(store_url, payload=payload)
+    store.append([started("a"), gen("a", 0, [1], [2]), finished("a")])
+    engine = store.log.write_engine
+    store.close()
+    _migrate(engine, "-1", down=True)
+    assert "store_settings" not in inspect(engine).get_table_names()
+    store = trajstore.connect(store_url, payload=payload)  # upgraded again; location recorded again
+    store.append([started("b"), gen("b", 0, [1], [2]), finished("b")])
+    with store.log.read_engine.connect() as conn:
+        positions = [p for (p,) in conn.execute(text("SELECT position FROM events ORDER BY position"))]
+    assert len(positions) == len(set(positions)) == 6 and positions[:3] == [1, 2, 3]
+    assert store.materialize().num_trajectories == 2
+    assert trajstore.connect(store_url).payload.location == store.payload.location
+    store.close()

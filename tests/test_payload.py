@@ -89,10 +89,18 @@ def test_missing_segment_is_a_clear_error(tmp_path):
     tid = trajectory_events(CFG, 0)[0]["trajectory_id"]
     with pytest.raises(CorruptStoreError, match="is missing"):
         store.load_generations(tid)
-    # the materializer records it with that reason and goes on (issue 9.3, docs/materializer.md)
+    # every file gone: the location is wrong, not one file: the materializer stops and
+    # records nothing (docs/materializer.md, "Quarantine")
+    from trajstore.errors import StoreUnavailable
+
+    with pytest.raises(StoreUnavailable, match="holds no file"):
+        store.materialize()
+    assert store.materialized.unfoldable_trajectories()["count"] == 0
+    # one file of several gone: that trajectory is quarantined, the others fold
+    store.append(trajectory_events(CFG, 1))
     assert store.materialize().num_unfoldable == 1
     (recent,) = store.materialized.unfoldable_trajectories()["recent"]
-    assert (recent["trajectory_id"], recent["error"]) == (tid, "CorruptStoreError") and "is missing" in recent["message"]
+    assert (recent["trajectory_id"], recent["error"]) == (tid, "PayloadMissingError") and "is missing" in recent["message"]
 
 
 def test_bad_log_compression_refused(tmp_path):

@@ -75,6 +75,9 @@ def _cmd_materialize(args: argparse.Namespace) -> int:
         args.max_trajectories = args.old_batch_size
     m = Materializer(store, shard_index=args.shard, num_shards=args.num_shards,
                      max_trajectories=args.max_trajectories)
+    if args.refold_quarantined:
+        _print_json(m.refold_quarantined().to_dict())
+        return 0
     with progress_bar("materializing trajectories", total=m.pending()) as advance:
         m.progress = advance
         stats = m.run()
@@ -126,6 +129,43 @@ def _cmd_gc(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- trajstore payload: where the store's payload lives (docs/deploy.md) ------------
+def _index_engines(args: argparse.Namespace):
+    """The engines of an existing store's index, migrated, without opening its payload."""
+    from trajstore._migrate import upgrade
+    from trajstore.store import _require_schema, _require_sqlite_file, dialect_of, resolve_url
+
+    url = resolve_url(args.store)
+    _require_sqlite_file(url)
+    write_engine, read_engine = dialect_of(url).make_engines(url)
+    _require_schema(url, read_engine)
+    upgrade(write_engine)
+    return url, write_engine, read_engine
+
+
+def _cmd_payload(args: argparse.Namespace) -> int:
+    from trajstore import _payload_home as home
+
+    if args.action == "show":
+        url, _, read_engine = _index_engines(args)
+        rec = home.read_recorded(read_engine)
+        print(home.opened_form(rec, url) if rec is not None else "no payload location recorded")
+        return 0 if rec is not None else 1
+    if args.action == "set":
+        url, write_engine, _ = _index_engines(args)
+        print(f"recorded payload location {home.set_location(url, write_engine, args.location, force=args.force)}")
+        return 0
+    from trajstore._progress import progress_bar
+
+    store = _store(args)
+    with progress_bar(f"copying payload to {args.location}", total=len(store.payload.list_names())) as advance:
+        done = home.move(store, args.location, delete_old=args.delete_old, progress=advance)
+    print(f"moved the payload: {done['files']} file(s), {done['bytes']} bytes copied to {done['to']}; recorded "
+          f"{done['recorded']}; {done['deleted_old']} old file(s) deleted"
+          + (f"; {len(done['missing'])} segment(s) the index names were at neither place" if done["missing"] else ""))
+    return 0
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from trajstore.demo.run import run_demo
 
@@ -151,8 +191,9 @@ def _add_global_options(p: argparse.ArgumentParser, *, top: bool) -> None:
                    help="store URL: sqlite:///PATH.db or postgresql+psycopg://... "
                         "(default: $TRAJSTORE_URL, else sqlite:///trajstore-data/trajstore.db)")
     p.add_argument("--payload", default=default(None), metavar="PATH_OR_URI",
-                   help="where the Arrow/Parquet payload lives: a path or pyarrow filesystem URI "
-                        "(default: beside the SQLite file; for PostgreSQL $TRAJSTORE_PAYLOAD_DIR)")
+                   help="where the Arrow payload lives: a path or pyarrow filesystem URI. The store records it "
+                        "when created and every later command finds it there; a different one is refused "
+                        "(default for a new store: beside the SQLite file; for PostgreSQL $TRAJSTORE_PAYLOAD_DIR)")
     p.add_argument("--debug", action="store_true", default=default(False), help="show tracebacks on errors")
 
 
@@ -182,6 +223,8 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--max-trajectories", type=int, default=256,
                    help="finished trajectories folded per transaction (default 256)")
     m.add_argument("--batch-size", type=int, default=None, dest="old_batch_size", help=argparse.SUPPRESS)
+    m.add_argument("--refold-quarantined", action="store_true",
+                   help="fold this shard's trajectories quarantined for a missing payload file, once it is back")
     e = add("export", _cmd_export, "write the samples as a Parquet dataset (appears whole or not at all)")
     e.add_argument("dir", help="directory to create with the part-NNNNN.parquet files")
     e.add_argument("--replace", action="store_true", help="replace an earlier export in DIR (atomically)")
@@ -192,6 +235,18 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--compact", action="store_true",
                    help="first rewrite many small log segments of unfolded trajectories into few")
     g.add_argument("--target-mb", type=float, default=64.0, help="compacted segment size (default 64 MiB)")
+    pl = add("payload", _cmd_payload, "where the store's payload lives: show, set (record only) or move it")
+    pl_sub = pl.add_subparsers(dest="action", required=True, metavar="ACTION", help="show, set or move")
+    _add_global_options(pl_sub.add_parser("show", help="print the recorded payload location"), top=False)
+    ps = pl_sub.add_parser("set", help="record LOCATION without moving anything (a store with none or a wrong one)")
+    ps.add_argument("location", metavar="LOCATION", help="a path or pyarrow filesystem URI")
+    _add_global_options(ps, top=False)
+    ps.add_argument("--force", action="store_true", help="record it even if the newest segment is not there")
+    pm = pl_sub.add_parser("move", help="copy every payload file to LOCATION, then record it "
+                                        "(stop the store's writers and materializers first)")
+    pm.add_argument("location", metavar="LOCATION", help="a path or pyarrow filesystem URI")
+    _add_global_options(pm, top=False)
+    pm.add_argument("--delete-old", action="store_true", help="delete the old files once the new place is recorded")
     d = add("demo", _cmd_demo, "the main job end to end on the embedded store, with simulated rollouts")
     d.add_argument("--trajectories", type=int, default=200, help="simulated trajectories (default 200)")
     d.add_argument("--workers", type=int, default=4, help="simulated rollout worker processes (default 4)")

@@ -10,6 +10,9 @@
     │   └── CommitUnknownError      the connection was lost during COMMIT and whether the
     │                               append landed could not be found out; retry (idempotent)
     ├── CorruptStoreError           the index points at payload that is missing or unreadable
+    │   └── PayloadMissingError     a payload file the index names is not at the store's location
+    ├── PayloadLocationError        a payload location given to a process disagrees with the
+    │                               one the store recorded; nothing was read or written
     ├── IndexInvariantError         the index refused a write trajstore should never make (a bug)
     └── ResumeStateError            a reader state_dict does not fit the reader it is loaded into
 
@@ -24,6 +27,8 @@ __all__ = [
     "ContentionError",
     "CorruptStoreError",
     "IndexInvariantError",
+    "PayloadLocationError",
+    "PayloadMissingError",
     "ResumeStateError",
     "StoreUnavailable",
     "TrajstoreError",
@@ -111,6 +116,20 @@ class IndexInvariantError(TrajstoreError):
 
 class CorruptStoreError(TrajstoreError):
     """The index points at payload that is missing or unreadable."""
+
+
+class PayloadMissingError(CorruptStoreError):
+    """A payload file the index names is not at the store's payload location.
+    The materializer quarantines the trajectories that need it (never skips
+    them for good): ``trajstore materialize --refold-quarantined`` folds them
+    once the file is back (docs/materializer.md, "Quarantine")."""
+
+
+class PayloadLocationError(TrajstoreError):
+    """The payload location given to a process (``--payload``, ``payload=``,
+    ``$TRAJSTORE_PAYLOAD_DIR``) disagrees with the one the store recorded, or
+    the store has none recorded and its segments are not where this process
+    would look. Raised before anything is read or written."""
 
 
 class ResumeStateError(TrajstoreError, ValueError):

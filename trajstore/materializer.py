@@ -25,12 +25,20 @@ else at the ``trajectory_released`` event the log adds when the last one is
 info``; the checkpoint moves on (docs/materializer.md, "Held back on a
 version label").
 
-A trajectory that cannot be folded (its payload is missing or unreadable,
-its index rows contradict each other, the fold refuses it, a value does not
-fit the sample columns) is recorded with the reason and skipped; it never
-stops the trajectories after it (docs/materializer.md, "Unfoldable
-trajectories"). Infrastructure errors (``StoreUnavailable``) still propagate:
-they are retried by running again, never recorded.
+A trajectory that cannot be folded (its payload is unreadable, its index
+rows contradict each other, the fold refuses it, a value does not fit the
+sample columns) is recorded with the reason and skipped; it never stops the
+trajectories after it (docs/materializer.md, "Unfoldable trajectories").
+Infrastructure errors (``StoreUnavailable``) still propagate: they are
+retried by running again, never recorded.
+
+A payload file that is missing never consumes a trajectory. If the payload
+location holds no file at all (an unmounted disk, an empty bucket: the
+location, not a file, is wrong) the step fails with ``StoreUnavailable`` and
+nothing is recorded. Otherwise the trajectories needing the file are
+quarantined (recorded with ``PayloadMissingError``) and the checkpoint moves
+on; ``refold_quarantined`` (``trajstore materialize --refold-quarantined``)
+folds them once the file is back (docs/materializer.md, "Quarantine").
 
 A crash before 4 leaves at most an unreferenced segment that the re-run
 rewrites with the same bytes (and every event still in the log); a crash
@@ -42,13 +50,15 @@ bounded by one batch: the log is streamed, never loaded whole.
 from __future__ import annotations
 
 import logging
+import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from trajstore._deprecated import renamed
 from trajstore import _facts as facts
-from trajstore.errors import CorruptStoreError, StoreUnavailable, TrajstoreError
+from trajstore.errors import CorruptStoreError, PayloadMissingError, StoreUnavailable, TrajstoreError
 from trajstore.fold import FoldMetrics, FoldResult, fold
 from trajstore.log.base import SAMPLES_KIND, Repoint, Shard, StaleState, shard_index_of
 from trajstore.payload import SegmentRows, rows_per_batch
@@ -136,10 +146,15 @@ class Materializer:
         self.max_batch_tokens = max_batch_tokens
         self.progress = progress
 
-    def pending(self) -> int:
-        """Finished trajectories after the checkpoint (all shards)."""
-        return self.store.log.count_events(after_position=self._checkpoint()[0],
-                                           types=["trajectory_finished", "trajectory_released"])
+    def pending(self, *, all_shards: bool = False) -> int:
+        """Finished trajectories of this shard after its checkpoint: its backlog,
+        what per-shard scaling looks at. ``all_shards``: every shard's finished
+        trajectories after this shard's checkpoint (the count before sharding
+        was taken into account)."""
+        after = self._checkpoint()[0]
+        if all_shards or self.num_shards == 1:
+            return self.store.log.count_events(after_position=after, types=["trajectory_finished", "trajectory_released"])
+        return sum(1 for tid in self.store.log.finished_ids_after(after) if self.shard.owns(tid))
 
     def run(self, *, max_steps: int | None = None) -> MaterializeStats:
         """Fold until nothing finished is pending (or ``max_steps`` batches).
@@ -215,6 +230,82 @@ class Materializer:
         return (MaterializeStats(metrics, len(folded), last, len(unfoldable), len(held)),
                 (more, cumulative + metrics))
 
+    def follow(self, stop: threading.Event, *, poll_s: float = 1.0, gc_grace_s: float | None = 3600.0,
+               gc_interval_s: float = 60.0, on_step: Callable[[MaterializeStats], None] | None = None) -> None:
+        """Fold as trajectories finish until ``stop`` is set (a step is one
+        transaction: stopping between steps loses nothing), and collect garbage.
+
+        Every ``gc_interval_s`` (after a step, never during one) the store's
+        retired log segments older than ``gc_grace_s`` are deleted
+        (``Store.collect_garbage``), so one copy of every folded token is the
+        state at rest without an operator. ``gc_grace_s`` None: no collection
+        (another process does it). Only shard 0 collects unless told otherwise:
+        ``Store.collect_garbage`` is safe to run from several processes, but one
+        listing of the payload per interval is enough. ``on_step``: called with
+        the stats of each step that folded or recorded something."""
+        last_gc = time.monotonic()
+        collect = gc_grace_s is not None
+        while not stop.is_set():
+            stats = self.run(max_steps=1)
+            if stats.num_trajectories or stats.num_unfoldable:
+                if on_step is not None:
+                    on_step(stats)
+            elif self.pending(all_shards=True) == 0:
+                stop.wait(poll_s)  # nothing to do: sleep, but wake at once when stopped
+            if collect and time.monotonic() - last_gc >= gc_interval_s:
+                last_gc = time.monotonic()
+                try:
+                    removed = self.store.collect_garbage(grace_s=gc_grace_s)
+                except StoreUnavailable as e:  # retried at the next interval; folding goes on
+                    log.warning("materializer %s: garbage collection failed, retried later: %s", self.shard, e)
+                else:
+                    if removed:
+                        log.info("materializer %s: collected %d payload file(s)", self.shard, len(removed))
+
+    def refold_quarantined(self) -> MaterializeStats:
+        """Fold this shard's quarantined trajectories (recorded with
+        ``PayloadMissingError``) whose payload is back; the ones still missing
+        stay quarantined, the ones that now fail otherwise are recorded with
+        that reason. Their samples keep the trajectories' finished positions,
+        which are behind the checkpoint: a ``SampleReader`` whose cursor passed
+        them does not see them, a new one does. Returns what was folded
+        (``position``: this shard's checkpoint, unchanged)."""
+        error = PayloadMissingError.__name__
+        rows = [r for r in self.store.materialized.quarantined(error) if self.shard.owns(r["trajectory_id"])]
+        stats = MaterializeStats(position=self._checkpoint()[0])
+        for k in range(0, len(rows), self.max_trajectories):
+            part = rows[k:k + self.max_trajectories]
+            status = self.store.log.finished_status([r["trajectory_id"] for r in part])
+            finished = [{"position": int(r["finished_position"]), "trajectory_id": r["trajectory_id"],
+                         "status": status.get(r["trajectory_id"])} for r in part]
+            folded, unfoldable, gen_rows = self._fold(finished)
+            still = {tid for tid, e in unfoldable.items() if isinstance(e, PayloadMissingError)}
+            attempted = [f["trajectory_id"] for f in finished if f["trajectory_id"] not in still]
+            if not attempted:
+                continue
+            first, last = finished[0]["position"], finished[-1]["position"]
+            seg_name = (f"samples-{self.shard_index}of{self.num_shards}-refold-{first:012d}-{last:012d}-"
+                        f"{uuid.uuid4().hex[:12]}.arrow")
+            samples = [s for r in folded.values() for s in r.samples]
+            calls = [c for r in folded.values() for c in r.calls_per_sample]
+            finished_at = {f["trajectory_id"]: f["position"] for f in finished}
+            seg_row, sample_rows = self._write(seg_name, samples, calls, finished_at)
+            now = time.time()
+            failed = [_unfoldable_row(tid, finished_at[tid], self.shard, err, now)
+                      for tid, err in unfoldable.items() if tid not in still]
+            try:
+                self.store.materialized.commit_refold(error, attempted, sample_rows, seg_row, failed,
+                                                      _repoints(seg_name, folded, gen_rows))
+            except StaleState:
+                if seg_row is not None:
+                    self.store.payload.delete(seg_name)  # another refold took them: nothing names this file
+                continue
+            metrics = sum((r.metrics for r in folded.values()), FoldMetrics())
+            stats = stats + MaterializeStats(metrics, len(folded), stats.position, len(failed))
+            log.info("materializer %s: re-folded %d quarantined trajectories (%d still missing payload)",
+                     self.shard, len(folded), len(still))
+        return stats
+
     def _checkpoint(self) -> tuple[int, FoldMetrics]:
         cp = self.store.materialized.load_checkpoint(self.shard)
         if cp is None:
@@ -277,6 +368,11 @@ class Materializer:
             # the old file, between resolving the locators and opening it: resolve once more.
             trajs, events = self.store.log.fold_inputs(ids)
             tables, bad_segments = self._read_segments([r for rows in events.values() for r in rows])
+        if any(isinstance(e, PayloadMissingError) for e in bad_segments.values()) \
+                and not self.store.payload.holds_any():
+            raise StoreUnavailable(f"payload location {self.store.payload.location!r} holds no file (not mounted, "
+                                   f"or the wrong place?): {len(bad_segments)} segment(s) missing; nothing folded "
+                                   "or recorded")
         plan = RoutesPlan()  # routes built only as the sample segment is written
         for fin in finished:
             tid = fin["trajectory_id"]

@@ -43,12 +43,12 @@ import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 
 from trajstore._pools import LazyPool
-from trajstore.errors import CorruptStoreError, StoreUnavailable
+from trajstore.errors import CorruptStoreError, PayloadMissingError, StoreUnavailable, first_line
 
 log = logging.getLogger(__name__)
 
 __all__ = ["PayloadStore", "SegmentRows", "list_column", "binary_column", "column_chunks", "binary_chunks",
-           "routes_from_bytes", "rows_per_batch", "fsync_dir", "write_arrow_segment"]
+           "routes_from_bytes", "rows_per_batch", "fsync_dir", "write_arrow_segment", "filesystem_of", "is_uri"]
 
 # Sample segments (``samples-*.arrow``) are uncompressed Arrow IPC: the reader maps
 # them and hands out views, and zstd on near-random route ids saved ~13% of the
@@ -234,6 +234,77 @@ class SegmentRows:
         return self._decoded[key]
 
 
+def is_uri(location: str) -> bool:
+    """A filesystem URI (``s3://...``, ``gs://...``), not a local path (``file://`` is local)."""
+    scheme = urlparse(location).scheme
+    return bool(scheme) and len(scheme) > 1 and scheme != "file"
+
+
+# S3 options trajstore reads from an ``s3://`` location's query (docs/deploy.md,
+# "Object storage"), with its defaults: an unresponsive server fails an append
+# within about connect + request timeout x attempts, never hangs it.
+S3_DEFAULTS = {"connect_timeout": 5.0, "request_timeout": 30.0, "retries": 3}
+_S3_FLOAT = ("connect_timeout", "request_timeout")
+_S3_STR = ("region", "scheme", "endpoint_override", "access_key", "secret_key", "session_token", "role_arn",
+           "tls_ca_file_path")
+_S3_BOOL = ("anonymous", "force_virtual_addressing", "allow_bucket_creation", "background_writes")
+
+
+def _s3_filesystem(location: str) -> tuple[pafs.FileSystem, str]:
+    """An ``S3FileSystem`` from ``s3://[KEY:SECRET@]bucket/path?option=value&...``: the
+    options pyarrow's own URI parser knows, plus the timeouts and ``retries`` it
+    refuses there (``S3_DEFAULTS``); an unknown option is refused by name."""
+    from urllib.parse import parse_qsl, unquote
+
+    parsed = urlparse(location)
+    opts: dict[str, Any] = {}
+    numbers = dict(S3_DEFAULTS)
+    for key, value in parse_qsl(parsed.query, keep_blank_values=True):
+        try:
+            if key in _S3_FLOAT:
+                numbers[key] = float(value)
+            elif key == "retries":
+                numbers[key] = int(value)
+            elif key in _S3_STR:
+                opts[key] = value
+            elif key in _S3_BOOL:
+                opts[key] = value.lower() in ("1", "true", "yes")
+            else:
+                raise ValueError(f"unknown option {key!r} (known: {', '.join(sorted((*_S3_FLOAT, 'retries', *_S3_STR, *_S3_BOOL)))})")
+        except ValueError as e:
+            raise StoreUnavailable(f"payload location {_no_secret(location)!r}: {key}={value!r}: {e}") from None
+    if parsed.username:
+        opts.setdefault("access_key", unquote(parsed.username))
+        opts.setdefault("secret_key", unquote(parsed.password or ""))
+    fs = pafs.S3FileSystem(connect_timeout=numbers["connect_timeout"], request_timeout=numbers["request_timeout"],
+                           retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=max(1, numbers["retries"])),
+                           **opts)
+    return fs, f"{parsed.hostname or ''}{parsed.path}".rstrip("/")
+
+
+def _no_secret(location: str) -> str:
+    p = urlparse(location)
+    if p.password is None:
+        return location
+    return location.replace(f":{p.password}@", ":***@", 1)
+
+
+def filesystem_of(location: str) -> tuple[pafs.FileSystem, str, bool]:
+    """``(filesystem, root path in it, is local)`` of a payload location; creates nothing."""
+    if is_uri(location):
+        try:
+            if urlparse(location).scheme == "s3":
+                fs, root = _s3_filesystem(location)
+            else:
+                fs, root = pafs.FileSystem.from_uri(location)
+        except (pa.ArrowInvalid, ValueError, OSError) as e:
+            raise StoreUnavailable(f"payload location {_no_secret(location)!r}: {first_line(e)}") from None
+        return fs, root, False
+    parsed = urlparse(location)
+    path = parsed.path if parsed.scheme == "file" else location
+    return pafs.LocalFileSystem(), os.path.abspath(path), True
+
+
 @dataclass
 class PayloadStore:
     """Where segment files live: a local directory or any pyarrow filesystem URI.
@@ -261,14 +332,7 @@ class PayloadStore:
     def __post_init__(self) -> None:
         if self.log_compression not in _CODECS:
             raise ValueError(f"log_compression must be one of {list(_CODECS)}, got {self.log_compression!r}")
-        parsed = urlparse(self.location)
-        if parsed.scheme and len(parsed.scheme) > 1 and parsed.scheme != "file":
-            self.fs, self.root = pafs.FileSystem.from_uri(self.location)
-            self.local = False
-        else:
-            path = parsed.path if parsed.scheme == "file" else self.location
-            self.fs, self.root = pafs.LocalFileSystem(), os.path.abspath(path)
-            self.local = True
+        self.fs, self.root, self.local = filesystem_of(self.location)
         try:
             self.fs.create_dir(self.root, recursive=True)
         except OSError as e:
@@ -316,9 +380,14 @@ class PayloadStore:
             raise ValueError("an atomic write is durable")
         try:
             if not self.local:
+                # one object in one request where it fits: built in memory, then written whole
+                # (the IPC writer's many small writes made an object store start a multipart upload)
+                sink = pa.BufferOutputStream()
+                _write_table(name, table, sink, rows_per_batch, self.log_compression)
+                data = sink.getvalue()
                 with self.fs.open_output_stream(path) as out:
-                    _write_table(name, table, out, rows_per_batch, self.log_compression)
-                    return out.tell()
+                    out.write(data)
+                return data.size
             target = path + f".{uuid.uuid4().hex}.tmp" if atomic else path
             # a native file: no Python object between Arrow and the kernel, so the
             # GIL is released for the whole write; buffered: the IPC writer's many
@@ -407,7 +476,7 @@ class PayloadStore:
         try:
             fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
-            raise CorruptStoreError(f"payload segment {path!r} is missing") from None
+            raise PayloadMissingError(f"payload segment {path!r} is missing") from None
         except OSError as e:
             raise StoreUnavailable(f"cannot open payload segment {path!r}: {e}") from None
         try:
@@ -467,7 +536,7 @@ class PayloadStore:
         try:
             src = pa.memory_map(path) if self.local else self.fs.open_input_file(path)
         except FileNotFoundError:
-            raise CorruptStoreError(f"payload segment {path!r} is missing") from None
+            raise PayloadMissingError(f"payload segment {path!r} is missing") from None
         except OSError as e:
             raise StoreUnavailable(f"cannot open payload segment {path!r}: {e}") from None
         try:
@@ -484,6 +553,16 @@ class PayloadStore:
         except FileNotFoundError:
             pass
 
+    def holds_any(self) -> bool:
+        """Does the location hold any segment file (False: unmounted, emptied, or the wrong place)?"""
+        try:
+            infos = self.fs.get_file_info(pafs.FileSelector(self.root, allow_not_found=True, recursive=False))
+        except OSError as e:
+            raise StoreUnavailable(f"cannot list payload location {self.location!r}: {first_line(e)}") from None
+        # (non-empty: the reserve's files are empty)
+        return any(i.type == pafs.FileType.File and i.base_name.endswith((".arrow", ".parquet")) and i.size
+                   for i in infos)
+
     def list_names(self) -> list[tuple[str, float]]:
         """(name, modification time) of every segment file, temporary ones
         included; not the empty files this store holds in its reserve."""
@@ -498,15 +577,46 @@ class PayloadStore:
 
     def collect_garbage(self, referenced: set[str], *, grace_s: float = 3600.0) -> list[str]:
         """Delete segment files not in ``referenced`` (the ones still needed)
-        written more than ``grace_s`` ago; return their names."""
-        now = time.time()
-        removed = []
-        for name, mtime in self.list_names():
-            if name not in referenced and now - mtime >= grace_s and now - self._mtime(name) >= grace_s:
-                # (asked again right before deleting: a deterministic name may have just been rewritten)
+        written more than ``grace_s`` ago; return their names.
+
+        "Ago" is by the storage's own clock (``storage_time``): an object's
+        LastModified is compared with the server's time, never this machine's.
+        On an object store the checks and deletes run in parallel
+        (``_GC_THREADS``): one HEAD and one DELETE per file, each a round trip."""
+        now = self.storage_time()
+        candidates = [name for name, mtime in self.list_names() if name not in referenced and now - mtime >= grace_s]
+
+        def one(name: str) -> str | None:
+            # (asked again right before deleting: a deterministic name may have just been rewritten)
+            if now - self._mtime(name) >= grace_s:
                 self.delete(name)
-                removed.append(name)
-        return removed
+                return name
+            return None
+
+        if self.local or len(candidates) < 2:
+            done = [one(n) for n in candidates]
+        else:
+            done = list(_GC_POOL.get().map(one, candidates))
+        return [n for n in done if n is not None]
+
+    def storage_time(self) -> float:
+        """The payload storage's clock, seconds since the epoch: this machine's for a
+        local disk; for an object store the LastModified of a small probe object
+        written now (and deleted), so the GC grace does not depend on clock agreement."""
+        if self.local:
+            return time.time()
+        name = f"clock-{uuid.uuid4().hex}.probe"
+        path = self.path(name)
+        try:
+            with self.fs.open_output_stream(path) as out:
+                out.write(b"")
+            info = self.fs.get_file_info(path)
+        except OSError as e:
+            raise StoreUnavailable(f"cannot write to payload location {self.location!r}: {first_line(e)}") from None
+        finally:
+            with contextlib.suppress(OSError):
+                self.fs.delete_file(path)
+        return info.mtime.timestamp() if info.mtime else time.time()
 
     def _mtime(self, name: str) -> float:
         info = self.fs.get_file_info(self.path(name))
@@ -517,6 +627,10 @@ class PayloadStore:
     def write_samples(self, name: str, table: pa.Table, rows_per_batch: int, *, deferred: Sequence[Any] = ()) -> int:
         """Write a sample segment (``write_arrow_segment``); return its size in bytes."""
         return write_arrow_segment(self, name, table, rows_per_batch, deferred=deferred)
+
+
+_GC_THREADS = 32  # parallel HEAD + DELETE requests of a GC on an object store
+_GC_POOL = LazyPool(_GC_THREADS, "trajstore-gc")
 
 
 # The reserve of empty log segment files (``_Reserve``): refilled to _RESERVE_HIGH

@@ -219,5 +219,16 @@ unresolved_labels = Table(
     Index("ix_unresolved_labels_label", "label"),
 )
 
+# Settings of the store every process reads when it opens it (migration 0010):
+# ``payload_location``, where the payload files live, recorded when the store is
+# created (docs/deploy.md, "Where the payload lives").
+store_settings = Table(
+    "store_settings",
+    metadata,
+    Column("name", String(64), primary_key=True),
+    Column("value", String(2000), nullable=False),
+    Column("updated_at", Float, nullable=False),
+)
+
 __all__ = ["metadata", "log_head", "trajectories", "events", "segments", "samples", "materializer_checkpoints",
-           "unfoldable_trajectories", "version_labels", "unresolved_labels"]
+           "unfoldable_trajectories", "version_labels", "unresolved_labels", "store_settings"]

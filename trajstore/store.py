@@ -23,6 +23,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
 
 from trajstore import _facts as facts
+from trajstore import _payload_home
 from trajstore._pools import LazyPool
 from trajstore._admission import Admitted, RecordedRoutes, TrajectoryState, admit_batch
 from trajstore.errors import (CommitUnknownError, ConflictError, ContentionError, StoreUnavailable, TrajstoreError,
@@ -72,10 +73,13 @@ def connect(url: str | None = None, *, payload: str | None = None, log_compressi
     ``url``: ``sqlite:///path.db`` (embedded) or ``postgresql+psycopg://...``;
     None means ``$TRAJSTORE_URL``, else ``sqlite:///trajstore-data/trajstore.db``.
     ``payload``: where the payload files live (the log's Arrow IPC segments,
-    uncompressed unless ``log_compression``, and the samples' Parquet): a
-    local path or any pyarrow filesystem URI; None means
-    ``$TRAJSTORE_PAYLOAD_DIR`` for PostgreSQL (else
-    ``./trajstore-payload/<database>``) and ``<db file>.payload/`` for SQLite.
+    uncompressed unless ``log_compression``, and the sample segments): a
+    local path or any pyarrow filesystem URI. The store records it when it is
+    created and every later process finds it there: None means the recorded
+    location; a location that disagrees with it raises PayloadLocationError
+    before anything is read or written (docs/deploy.md). A new store without
+    one gets ``<db file>.payload/`` for SQLite, ``$TRAJSTORE_PAYLOAD_DIR`` (else
+    ``./trajstore-payload/<database>``, made absolute) for PostgreSQL.
     ``log_compression``: codec of the log's payload files (None, "lz4",
     "zstd"); see ``trajstore.payload.PayloadStore``. Readers need not agree.
     ``create=False``: only open an existing store; a missing SQLite file or a
@@ -115,8 +119,11 @@ class Store:
                 if isinstance(e, OperationalError):
                     raise StoreUnavailable(f"cannot open store {_safe(url)}: {first_line(e)}") from None
                 raise
+        # the payload location the store recorded (refusing a disagreeing one) before any payload I/O
+        location = _payload_home.resolve(url, write_engine, read_engine, payload,
+                                         lambda: backend.default_payload_dir(url), record=migrate)
         self.log, self.materialized = open_sql(write_engine, read_engine)
-        self.payload = PayloadStore(payload or backend.default_payload_dir(url), log_compression)
+        self.payload = PayloadStore(location, log_compression)
         self._routes = _RoutesCache(ROUTES_CACHE_BYTES)
         self._route_drift = True  # off only to measure what the drift figures cost (bench/)
 
@@ -311,9 +318,10 @@ class Store:
         an ``events`` or ``samples`` row names is never deleted. The grace
         protects readers that resolved a locator just before it was re-pointed
         (docs/log.md, "One copy")."""
-        now = time.time()
-        self.log.retire_unreferenced(now)  # ones two concurrent re-pointings each left to the other
-        keep = self.log.segments_in_use(retired_before=now - grace_s)
+        # Retirement times are the database's, and so is "now" here: the grace does not
+        # depend on this machine's clock agreeing with the retiring one's.
+        self.log.retire_unreferenced(time.time())  # ones two concurrent re-pointings each left to the other
+        keep = self.log.segments_in_use(retired_before=self.log.database_time() - grace_s)
         removed = self.payload.collect_garbage(keep, grace_s=grace_s)
         self.log.forget_segments(removed)
         return removed

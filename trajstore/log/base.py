@@ -14,10 +14,11 @@ Contract, shared by every backend (and checked by
 ``tests/log/test_conformance.py`` on SQLite and PostgreSQL):
 
 * **Ordering.** ``EventLog.commit_append`` gives the batch's events
-  consecutive positions, and a reader that has seen position ``p`` will never
-  later see a newly committed event at a position ``< p``: commits become
-  visible in position order. ``read_events(after_position=...)`` therefore
-  never skips an event that commits late.
+  increasing positions, unique in the log. A tail bounded by
+  ``safe_position()`` never skips an event that commits late: no event at a
+  position at or below the bound can commit after it was read (backends that
+  commit in position order return None, no bound; SQLite gives consecutive
+  positions). ``finished_after``, the materializer's tail, applies the bound.
 * **Atomicity.** ``commit_append`` stores all of a batch (events, trajectory
   rows, segment row) or nothing; ``SampleIndex.commit_samples`` stores the
   sample rows, their segment row, the folded events re-pointed to them, the
@@ -277,6 +278,27 @@ class EventLog(ABC):
                   for t, rows in self.trajectory_events(trajectory_ids).items()}
         return trajs, events
 
+    def database_time(self) -> float:
+        """The clock retirement times are stamped with (the database's, where it has one)."""
+        import time
+
+        return time.time()
+
+    def safe_position(self, wait_s: float = 0.25) -> int | None:
+        """The highest position below which no append can still commit; None
+        when the backend commits in position order (no bound is needed)."""
+        return None
+
+    def finished_ids_after(self, after_position: int) -> list[str]:
+        """Ids of the trajectories finished after ``after_position`` (position order)."""
+        return [r["trajectory_id"] for r in self.read_events(after_position=after_position, limit=1 << 62,
+                                                             types=["trajectory_finished"])]
+
+    def finished_status(self, trajectory_ids: Collection[str]) -> dict[str, str]:
+        """The status of each trajectory's ``trajectory_finished`` event (absent: not finished)."""
+        return {t: r["status"] for t, rows in self.trajectory_events(trajectory_ids).items()
+                for r in rows if r["type"] == "trajectory_finished"}
+
 
 class SampleIndex(ABC):
     """The sample index: materialized sample rows and the shards' checkpoints."""
@@ -326,6 +348,21 @@ class SampleIndex(ABC):
     def unfoldable_trajectories(self, *, limit: int = 20) -> dict[str, Any]:
         """Finished trajectories the materializer recorded as unfoldable:
         ``{"count", "by_error": {error class: n}, "recent": [the limit newest rows]}``."""
+
+    def quarantined(self, error: str) -> list[dict[str, Any]]:
+        """Rows of ``unfoldable_trajectories`` recorded with ``error`` (the class
+        name), oldest first: ``trajectory_id``, ``finished_position``, ``shard``."""
+        raise NotImplementedError
+
+    def commit_refold(self, error: str, trajectory_ids: Sequence[str], sample_rows: Sequence[dict[str, Any]],
+                      segment_row: Mapping[str, Any] | None, unfoldable_rows: Sequence[dict[str, Any]],
+                      repoints: Sequence[Repoint]) -> None:
+        """In one transaction: take ``trajectory_ids`` out of quarantine (each must
+        still be recorded with ``error``, else ``StaleState`` and nothing changes),
+        insert their sample rows and segment, record the ones that failed
+        otherwise (``unfoldable_rows``), re-point the folded events. No
+        checkpoint moves: the trajectories' finished events are behind it."""
+        raise NotImplementedError
 
     def shard_count(self) -> int | None:
         """How many shards the stored checkpoints were written by (None when

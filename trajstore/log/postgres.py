@@ -1,7 +1,7 @@
 """PostgreSQL dialect hooks: the production backend (psycopg 3).
 
-Transactions run at READ COMMITTED; appends are ordered by the ``log_head``
-row lock (see ``trajstore.log.sql``). Many processes may append at once.
+Transactions run at READ COMMITTED; appends take positions from the sequence
+``log_positions`` and never wait for each other (see ``trajstore.log.sql``).
 
 Timeouts (docs/log.md, "Timeouts"): a server that accepts TCP and never
 answers must not hang a command. Two URL query parameters, both named as

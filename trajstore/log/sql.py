@@ -3,17 +3,42 @@
 Dialect differences (engine set-up, locking for migrations) live in
 ``sqlite.py`` and ``postgres.py``; this module speaks only portable SQL.
 
-Why positions come from a counter row: an event store on PostgreSQL that
-takes positions from a sequence can commit position 11 before position 10;
-a reader that has seen 11 and moved its checkpoint past it then never sees
-10. Here every append takes its positions with ``UPDATE log_head SET
-position = position + n RETURNING position`` inside its transaction. The
-row lock that UPDATE takes is held until commit, so the next appender gets
-its positions only after this one is committed and visible: visibility
-follows position order, and tailing ``position > checkpoint`` is gap-free.
-The lock is held only for the index transaction; payload files are written
-and fsynced before it starts, so the serialized section is a few small
-INSERTs. SQLite has a single writer anyway (``BEGIN IMMEDIATE``).
+Positions, and why the materializer's tail is bounded. SQLite has a single
+writer (``BEGIN IMMEDIATE``): every append takes its positions from the
+``log_head`` row and commits before the next one starts, so commits become
+visible in position order and tailing ``position > checkpoint`` is gap-free.
+
+On PostgreSQL a counter row would serialize every append on its row lock,
+held to COMMIT (with 8 writers the lock was held 95% of the time; see
+docs/log.md, "Positions"). Appends take their positions from the sequence
+``log_positions`` instead, and never wait for each other. Then a transaction
+may commit position 11 while one holding 10 is still open (or rolls back,
+leaving a hole). A tailer that saw 11 and moved its checkpoint past it would
+never see 10. So the tail is bounded (``safe_position``):
+
+1. an append gets its transaction id (``pg_current_xact_id()``) *before* its
+   first ``nextval`` (the statement that takes positions assigns it first);
+2. a tailer reads the sequence's last value H, then (a later statement) the
+   transaction ids running now in this database: the ``transactionid`` locks
+   in ``pg_locks`` (every transaction holds one on its own id from its
+   assignment to its end) of this database's backends. An append holding a position <= H took it before H was read, so it
+   had its id before then: it has ended, or it is in that list;
+3. once none of the listed ids is running any more, no position <= H can
+   commit any more, and reading up to H cannot skip one. Until then the
+   previous such bound is used (``safe_position`` waits a little for the new
+   one: appends take milliseconds).
+
+   (Not ``pg_snapshot_xmax`` of a snapshot: it is one past the latest
+   *completed* id, and a transaction with a higher id may already be
+   running; a test with eight writers caught exactly that.)
+
+The invariant this keeps: a transaction held open while later ones commit
+is never skipped by the tail (tests/log/test_positions_pg.py holds one open
+on a real second connection). The cost: any transaction with an id (a long
+migration, a session idle in a write transaction) holds the tail back until
+it ends, never past it. Positions are unique and increasing per append, not
+consecutive (a rolled-back append leaves a hole); ``head_position`` is the
+highest stored one.
 
 The error boundary. Every transaction runs through ``_Db.transaction`` (and
 every read through ``_Db.reading``), which translates whatever the driver
@@ -35,7 +60,7 @@ import weakref
 from contextlib import contextmanager
 from typing import Any, Callable, Collection, Iterator, Mapping, Sequence, TypeVar
 
-from sqlalchemy import Connection, Engine, and_, delete, exists, func, insert, or_, select, update
+from sqlalchemy import Connection, Engine, and_, delete, exists, func, insert, or_, select, text, update
 from sqlalchemy.exc import DataError, DBAPIError, IntegrityError, InterfaceError, OperationalError, StatementError
 
 from trajstore.errors import (CommitUnknownError, IndexInvariantError, StoreUnavailable, TrajstoreError, ValidationError,
@@ -287,6 +312,16 @@ def _quietly(fn: Callable[[], Any]) -> None:
         pass
 
 
+_SAFE_WAIT_S = 0.25  # how long safe_position waits for appends in flight before using its last bound
+_SEQUENCE_LAST = "SELECT CASE WHEN is_called THEN last_value ELSE last_value - 1 END FROM log_positions"
+# (this database's backends only: a long transaction elsewhere on the server does not hold the tail)
+_RUNNING_XIDS = ("SELECT l.transactionid::text FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid "
+                 "WHERE l.locktype = 'transactionid' AND l.mode = 'ExclusiveLock' AND l.granted "
+                 "AND l.transactionid IS NOT NULL AND a.datname = current_database()")
+_STILL_RUNNING = ("SELECT 1 FROM pg_locks WHERE locktype = 'transactionid' AND mode = 'ExclusiveLock' "
+                  "AND granted AND transactionid::text = ANY(%s) LIMIT 1")
+
+
 class SqlEventLog(EventLog):
     """The log index over a write engine and a read engine (they may be the same)."""
 
@@ -294,6 +329,7 @@ class SqlEventLog(EventLog):
         self.db = db or _Db(write_engine, read_engine)
         self.write_engine = write_engine
         self.read_engine = read_engine
+        self._safe = 0  # the highest tail bound found so far (safe_position)
 
     # -- appending ---------------------------------------------------------
     def load_trajectories(self, trajectory_ids: Collection[str]) -> dict[str, dict[str, Any]]:
@@ -351,9 +387,10 @@ class SqlEventLog(EventLog):
                 sql.insert_rows(conn, segments, [segment_row])
             if before_commit is not None and not sql.single_writer:
                 before_commit()
-            conn.execute(sql.take_positions, (n,))
-            (last,) = conn.fetchone()
-            rows = [dict(r, position=p) for r, p in zip(event_rows, range(last - n + 1, last + 1))]
+            if not sql.single_writer and sql.touches_labels(conn, event_rows):
+                sql.lock_labels(conn)
+            taken = sql.positions(conn, n)
+            rows = [dict(r, position=p) for r, p in zip(event_rows, taken)]
             _write_trajectories(conn, sql, trajectory_writes, rows)
             sql.insert_rows(conn, events, rows)
             rows += _write_labels(conn, sql, rows)
@@ -367,7 +404,26 @@ class SqlEventLog(EventLog):
     # -- reading -----------------------------------------------------------
     def head_position(self) -> int:
         with self.db.reading("reading the log head") as conn:
-            return int(conn.execute(select(log_head.c.position).where(log_head.c.id == 1)).scalar_one())
+            return _head(conn)
+
+    def safe_position(self, wait_s: float = _SAFE_WAIT_S) -> int | None:
+        """The highest position below which no append can still commit (None:
+        no bound, the backend commits in position order). See the module doc."""
+        if self.write_engine.dialect.name != "postgresql":
+            return None
+        with self.db.reading("bounding the log's tail") as conn:
+            h = int(conn.exec_driver_sql(_SEQUENCE_LAST).scalar_one())
+            running = [x for (x,) in conn.exec_driver_sql(_RUNNING_XIDS)]
+            deadline = time.monotonic() + wait_s
+            delay = 0.0005
+            while True:
+                if not running or conn.exec_driver_sql(_STILL_RUNNING, (running,)).first() is None:
+                    self._safe = max(self._safe, h)
+                    return h
+                if time.monotonic() >= deadline:
+                    return self._safe  # an earlier bound, still safe
+                time.sleep(delay)
+                delay = min(0.01, delay * 2)
 
     def read_events(self, *, after_position: int, limit: int, types: Collection[str] | None = None) -> list[dict[str, Any]]:
         q = select(events).where(events.c.position > after_position)
@@ -403,7 +459,7 @@ class SqlEventLog(EventLog):
                 .where(events.c.type == "generation").group_by(events.c.model_version)
                 .order_by(events.c.model_version)
             ).all()
-            head = conn.execute(select(log_head.c.position)).scalar_one()
+            head = _head(conn)
             resent, drifted = conn.execute(select(func.sum(events.c.route_rows_resent),
                                                   func.sum(events.c.route_rows_drifted))).one()
             u, v, t = unresolved_labels, version_labels, trajectories
@@ -440,10 +496,16 @@ class SqlEventLog(EventLog):
             gone = sorted(set(live) - named)
             for part in _chunks(gone):
                 conn.execute(update(segments).where(segments.c.name.in_(part), segments.c.retired_at.is_(None),
-                                                    ~_named_clause()).values(retired_at=now))
+                                                    ~_named_clause())
+                             .values(retired_at=text(_db_now_sql(conn.dialect))))
             return gone
 
         return self.db.transaction("retiring unreferenced segments", body)
+
+    def database_time(self) -> float:
+        """The database's clock (seconds since the epoch): what retirement times are stamped with."""
+        with self.db.reading("reading the database's clock") as conn:
+            return float(conn.exec_driver_sql(f"SELECT {_db_now_sql(conn.dialect)}").scalar_one())
 
     def segments_in_use(self, retired_before: float) -> set[str]:
         with self.db.reading("listing segments in use") as conn:
@@ -499,14 +561,34 @@ class SqlEventLog(EventLog):
 
     # -- the materializer's reads: driver SQL, only the columns it uses ------
     def finished_after(self, after_position: int, limit: int) -> list[dict[str, Any]]:
+        safe = self.safe_position()  # before the read: what it allows has committed by then
+        if safe is not None and safe <= after_position:
+            return []
         with self.db.reading("reading finished trajectories") as conn:
             e, t = _quoted(conn, events), _quoted(conn, trajectories)
+            bound = "" if safe is None else f"AND e.{e.position} <= {int(safe)} "
             sql = (f"SELECT e.{e.position}, e.{e.trajectory_id}, e.{e.status}, t.{t.seq_len} "
                    f"FROM {e.table} e LEFT JOIN {t.table} t ON t.{t.trajectory_id} = e.{e.trajectory_id} "
-                   f"WHERE e.{e.type} IN ('trajectory_finished', '{RELEASED}') AND e.{e.position} > {e.p} "
+                   f"WHERE e.{e.type} IN ('trajectory_finished', '{RELEASED}') AND e.{e.position} > {e.p} {bound}"
                    f"ORDER BY e.{e.position} LIMIT {e.p}")
             rows = conn.exec_driver_sql(sql, (int(after_position), int(limit))).fetchall()
         return [{"position": p, "trajectory_id": tid, "status": st, "seq_len": n} for p, tid, st, n in rows]
+
+    def finished_ids_after(self, after_position: int) -> list[str]:
+        with self.db.reading("reading finished trajectories") as conn:
+            q = select(events.c.trajectory_id).where(events.c.type.in_(["trajectory_finished", RELEASED])) \
+                .where(events.c.position > int(after_position)).order_by(events.c.position)
+            return list(conn.execute(q).scalars())
+
+    def finished_status(self, trajectory_ids: Collection[str]) -> dict[str, str]:
+        """The status of each trajectory's ``trajectory_finished`` event (absent: not finished)."""
+        out: dict[str, str] = {}
+        with self.db.reading("reading finished trajectories") as conn:
+            for part in _chunks(sorted(set(trajectory_ids))):
+                q = select(events.c.trajectory_id, events.c.status).where(events.c.type == "trajectory_finished") \
+                    .where(events.c.trajectory_id.in_(list(part)))
+                out.update({tid: st for tid, st in conn.execute(q)})
+        return out
 
     def fold_inputs(self, trajectory_ids: Collection[str]
                     ) -> tuple[dict[str, dict[str, Any]], dict[str, list[dict[str, Any]]]]:
@@ -611,16 +693,27 @@ def _repoint_sql(conn: Connection, guarded: bool) -> str:
     return sql
 
 
-def _retire_emptied(conn: Connection, names: Collection[str], now: float) -> None:
+def _db_now_sql(dialect: Any) -> str:
+    """The database's clock, seconds since the epoch, as SQL. Retirement times are
+    stamped and compared with it (``segments.retired_at``), so the GC grace does not
+    depend on the clocks of the machines that retire and collect agreeing."""
+    if dialect.name == "postgresql":
+        return "EXTRACT(EPOCH FROM clock_timestamp())::float8"
+    return "((julianday('now') - 2440587.5) * 86400.0)"
+
+
+def _retire_emptied(conn: Connection, names: Collection[str], now: float | None = None) -> None:
     """Retire these segments if no index row names them any more (driver SQL:
-    ``_named_clause`` spelled out, one probe of ``ix_events_segment`` each)."""
+    ``_named_clause`` spelled out, one probe of ``ix_events_segment`` each), at
+    the database's time (``now`` is ignored: kept for callers)."""
     g, e = _quoted(conn, segments), _quoted(conn, events)
     for part in _chunks(sorted(names)):
         conn.exec_driver_sql(
-            f"UPDATE {g.table} SET {g.retired_at} = {g.p} WHERE {g.name} IN ({', '.join([g.p] * len(part))}) "
+            f"UPDATE {g.table} SET {g.retired_at} = {_db_now_sql(conn.dialect)} "
+            f"WHERE {g.name} IN ({', '.join([g.p] * len(part))}) "
             f"AND {g.retired_at} IS NULL AND {g.kind} = 'events' "
             f"AND NOT EXISTS (SELECT 1 FROM {e.table} WHERE {e.table}.{e.segment} = {g.table}.{g.name})",
-            (now, *part))
+            tuple(part))
 
 
 def _insert(conn: Connection, table: Any, rows: Sequence[Mapping[str, Any]]) -> None:
@@ -658,10 +751,8 @@ def _write_labels(conn: Any, sql: "_DriverSql", rows: list[dict[str, Any]]) -> l
                       and max(positions) > finished_at and max(positions) >= first)
     if not released:
         return []
-    conn.execute(sql.take_positions, (len(released),))
-    (last,) = conn.fetchone()
     out = []
-    for tid, position in zip(released, range(last - len(released) + 1, last + 1)):
+    for tid, position in zip(released, sql.positions(conn, len(released))):
         row: dict[str, Any] = dict.fromkeys(c.name for c in events.columns)
         row.update(position=position, trajectory_id=tid, type=RELEASED, status=waiting[tid][1],
                    content_hash=b"\x00", created_at=now)
@@ -717,9 +808,16 @@ class _DriverSql:
         self.p = "?" if dialect.paramstyle == "qmark" else "%s"
         self.q = dialect.identifier_preparer
         q = self.q
-        self.take_positions = (f"UPDATE {q.format_table(log_head)} SET {q.format_column(log_head.c.position)} = "
-                               f"{q.format_column(log_head.c.position)} + {self.p} WHERE "
-                               f"{q.format_column(log_head.c.id)} = 1 RETURNING {q.format_column(log_head.c.position)}")
+        if dialect.name == "postgresql":
+            # the transaction id first (the WHERE runs before the first nextval), then the
+            # positions: the order the tail's bound relies on (module doc)
+            self.take_positions = ("SELECT nextval('log_positions') FROM generate_series(1, %s) "
+                                   "WHERE pg_current_xact_id() IS NOT NULL")
+        else:
+            self.take_positions = (f"UPDATE {q.format_table(log_head)} SET {q.format_column(log_head.c.position)} = "
+                                   f"{q.format_column(log_head.c.position)} + {self.p} WHERE "
+                                   f"{q.format_column(log_head.c.id)} = 1 RETURNING "
+                                   f"{q.format_column(log_head.c.position)}")
         self._statements: dict[tuple, tuple[str, list[Callable[[Any], Any] | None]]] = {}
         self._binds: dict[Any, Callable[[Any], Any] | None] = {}
         self._results: dict[Any, Callable[[Any], Any] | None] = {}
@@ -806,6 +904,52 @@ class _DriverSql:
             out.update({label: int(mv) for label, mv in cur.fetchall()})
         return out
 
+    def positions(self, cur: Any, n: int) -> Sequence[int]:
+        """Take ``n`` log positions in this transaction: consecutive from the
+        counter row on SQLite; increasing, not necessarily consecutive, from the
+        sequence on PostgreSQL (module doc)."""
+        cur.execute(self.take_positions, (n,))
+        if self.single_writer:
+            (last,) = cur.fetchone()
+            return range(last - n + 1, last + 1)
+        return sorted(p for (p,) in cur.fetchall())
+
+    # The held-back rule (``_write_labels``) decides from positions alone: a
+    # trajectory folds at its finish iff every label it waits on was mapped at a
+    # lower position, else the version_label append that maps the last one adds
+    # its release. That needs the two kinds of append to see each other in
+    # position order. SQLite has one writer at a time. On PostgreSQL positions
+    # come from a sequence, so a version_label append (position 12) could run its
+    # release query before a concurrent finish (position 11) commits: neither
+    # would release, and the trajectory would wait forever. So an append that maps
+    # a label, or that finishes a trajectory with unresolved labels, first takes
+    # one transaction-level advisory lock: those appends take their positions and
+    # commit one after another, each seeing the ones before. Every other append
+    # (generations, the finishes of trajectories that never waited on a label)
+    # takes no lock.
+    LABELS_LOCK_KEY = 0x7472616A_6C61  # "trajla": any fixed bigint no other code uses
+
+    def touches_labels(self, cur: Any, event_rows: Sequence[Mapping[str, Any]]) -> bool:
+        if any(r.get("version_label") is not None for r in event_rows):
+            return True
+        finishing = {r["trajectory_id"] for r in event_rows if r["type"] == "trajectory_finished"}
+        if not finishing:
+            return False
+        if any(r.get("unresolved_labels") for r in event_rows if r["trajectory_id"] in finishing):
+            return True
+        # an earlier call of a finishing trajectory left an unresolved label (those rows
+        # are committed: the trajectory row's revision guard orders appends to it)
+        for part in _chunks(sorted(finishing)):
+            cur.execute(f"SELECT 1 FROM {self.q.format_table(unresolved_labels)} "
+                        f"WHERE trajectory_id IN ({', '.join([self.p] * len(part))}) LIMIT 1", list(part))
+            if cur.fetchone() is not None:
+                return True
+        return False
+
+    def lock_labels(self, cur: Any) -> None:
+        cur.execute("SELECT pg_advisory_xact_lock(%s)", (self.LABELS_LOCK_KEY,))
+        cur.fetchall()
+
     def labels_of_waiting(self, cur: Any, labels: Sequence[str]) -> list[tuple[str, int | None, int | None, str]]:
         """For every trajectory waiting on one of ``labels``: each label it waits on as
         ``(trajectory_id, position the label was mapped at or None, finished_position, status)``."""
@@ -850,6 +994,14 @@ def _driver_sql_of(dialect: Any) -> _DriverSql:
     if sql is None:
         sql = _DRIVER_SQL[dialect] = _DriverSql(dialect)
     return sql
+
+
+def _head(conn: Connection) -> int:
+    """The highest stored position (0: none). On PostgreSQL the highest event's; the
+    sequence also counts positions of appends that rolled back."""
+    if conn.dialect.name == "postgresql":
+        return int(conn.execute(select(func.coalesce(func.max(events.c.position), 0))).scalar_one())
+    return int(conn.execute(select(log_head.c.position).where(log_head.c.id == 1)).scalar_one())
 
 
 def _events_landed(conn: Connection, rows: list[dict[str, Any]]) -> bool:
@@ -964,6 +1116,45 @@ class SqlSampleIndex(SampleIndex):
         return {"count": sum(int(v) for v in by_error.values()),
                 "by_error": {k: int(v) for k, v in sorted(by_error.items())},
                 "recent": [dict(r._mapping) for r in recent]}
+
+
+    def quarantined(self, error: str) -> list[dict[str, Any]]:
+        t = unfoldable_trajectories
+        with self.db.reading("reading quarantined trajectories") as conn:
+            rows = conn.execute(select(t.c.trajectory_id, t.c.finished_position, t.c.shard)
+                                .where(t.c.error == error).order_by(t.c.finished_position)).all()
+        return [dict(r._mapping) for r in rows]
+
+    def commit_refold(self, error: str, trajectory_ids: Sequence[str], sample_rows: Sequence[dict[str, Any]],
+                      segment_row: Mapping[str, Any] | None, unfoldable_rows: Sequence[dict[str, Any]],
+                      repoints: Sequence[Repoint]) -> None:
+        t = unfoldable_trajectories
+
+        def body(conn: Connection) -> None:
+            # the guard: every one of them is still quarantined with ``error`` (no other refold took it)
+            gone = 0
+            for part in _chunks(sorted(trajectory_ids)):
+                gone += conn.execute(t.delete().where(t.c.trajectory_id.in_(list(part)))
+                                     .where(t.c.error == error)).rowcount
+            if gone != len(set(trajectory_ids)):
+                raise StaleState(f"{len(set(trajectory_ids)) - gone} quarantined trajectories were re-folded "
+                                 "concurrently")
+            if segment_row is not None:
+                _insert(conn, segments, [segment_row])
+            if sample_rows:
+                _insert(conn, samples, sample_rows)
+            if unfoldable_rows:
+                _insert(conn, unfoldable_trajectories, unfoldable_rows)
+            if repoints:
+                _repoint(conn, repoints, guarded=False)
+                _retire_emptied(conn, {m.old_segment for m in repoints if m.old_segment}, time.time())
+
+        def landed(conn: Connection, _: None) -> bool:
+            ids = sorted(set(trajectory_ids))[:_CHUNK]
+            return not conn.execute(select(t.c.trajectory_id).where(t.c.trajectory_id.in_(ids))
+                                    .where(t.c.error == error).limit(1)).first()
+
+        self.db.transaction("re-folding quarantined trajectories", body, landed=landed)
 
 
 def open_sql(write_engine: Engine, read_engine: Engine) -> tuple[SqlEventLog, SqlSampleIndex]:

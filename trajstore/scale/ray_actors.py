@@ -7,9 +7,15 @@ index and the payload location must be visible to every node (a shared
 filesystem or an object-store URI).
 
     import ray, trajstore.scale.ray_actors as ta
-    ray.init()
-    stats = ta.materialize_with_ray("postgresql+psycopg://...", num_shards=8, payload="s3://bucket/run1")
+    ray.init(address="auto")                      # a running cluster (`ray start`)
+    stats = ta.materialize_with_ray("postgresql+psycopg://...", num_shards=8)
     stats.num_samples_after, stats.num_unfoldable  # a MaterializeStats, like Store.materialize()
+
+    shards = ta.start_shards("postgresql+psycopg://...", num_shards=8)   # long-running, restarted by Ray
+    ray.get([s.status.remote() for s in shards])   # per-shard pending counts, checkpoints
+
+The payload location comes from the store (docs/deploy.md); ``payload``, if
+given, must agree with it.
 
 An edge module: the trajstore core never imports ray.
 """
@@ -21,14 +27,25 @@ from typing import Any
 from trajstore.fold import FoldMetrics
 from trajstore.materializer import MaterializeStats
 
-__all__ = ["MaterializerShard", "materialize_with_ray"]
+__all__ = ["MaterializerShard", "materialize_with_ray", "start_shards"]
 
 
 class MaterializerShard:
-    """One materializer shard; wrap with ``ray.remote`` (done by ``materialize_with_ray``)."""
+    """One materializer shard; wrap with ``ray.remote`` (done by ``materialize_with_ray``
+    and ``start_shards``).
+
+    ``follow=True``: the actor folds as trajectories finish, in a thread of its own,
+    from its construction until ``stop()`` (``Materializer.follow``; shard 0 also
+    collects retired payload after ``gc_grace_s``). Its state is its shard's
+    checkpoint in the store: an actor restarted by Ray (``max_restarts``) is
+    constructed again and resumes where the shard's last commit left it; nothing
+    is folded twice (each commit is guarded by the checkpoint it started from)."""
 
     def __init__(self, store_url: str, shard_index: int, num_shards: int, payload: str | None = None,
-                 max_trajectories: int = 256, batch_size: int | None = None) -> None:
+                 max_trajectories: int = 256, batch_size: int | None = None, *, follow: bool = False,
+                 poll_s: float = 1.0, gc_grace_s: float | None = 3600.0) -> None:
+        import threading
+
         from trajstore._deprecated import renamed
         from trajstore.materializer import Materializer
         from trajstore.store import connect
@@ -37,13 +54,74 @@ class MaterializerShard:
         self.store = connect(store_url, payload=payload)
         self.materializer = Materializer(self.store, shard_index=shard_index, num_shards=num_shards,
                                          max_trajectories=max_trajectories)
+        self._stop = threading.Event()
+        self._folded = {"num_trajectories": 0, "num_unfoldable": 0}
+        self._error: str | None = None
+        self._thread = None
+        if follow:
+            self._thread = threading.Thread(target=self._follow, args=(poll_s, gc_grace_s if shard_index == 0
+                                                                       else None), daemon=True)
+            self._thread.start()
+
+    def _follow(self, poll_s: float, gc_grace_s: float | None) -> None:
+        def count(stats) -> None:
+            self._folded["num_trajectories"] += stats.num_trajectories
+            self._folded["num_unfoldable"] += stats.num_unfoldable
+
+        while not self._stop.is_set():
+            try:
+                self.materializer.follow(self._stop, poll_s=poll_s, gc_grace_s=gc_grace_s, on_step=count)
+            except Exception as e:  # the store unreachable for a while: say so, retry
+                self._error = f"{type(e).__name__}: {e}"
+                self._stop.wait(poll_s)
 
     def run(self) -> dict[str, Any]:
         """Fold everything pending for this shard; return ``MaterializeStats.to_dict()``."""
         return self.materializer.run().to_dict()
 
     def pending(self) -> int:
+        """This shard's backlog: its finished trajectories after its checkpoint."""
         return self.materializer.pending()
+
+    def status(self) -> dict[str, Any]:
+        """``shard``, ``pending`` (this shard's backlog), ``position`` (its checkpoint),
+        what this incarnation folded, ``following``, the last error (None)."""
+        return {"shard": str(self.materializer.shard), "pending": self.materializer.pending(),
+                "position": self.materializer._checkpoint()[0], **self._folded,
+                "following": self._thread is not None and self._thread.is_alive(), "error": self._error}
+
+    def node_id(self) -> str | None:
+        """The Ray node this actor runs on (None outside Ray)."""
+        try:
+            import ray
+
+            return ray.get_runtime_context().get_node_id()
+        except Exception:
+            return None
+
+    def stop(self) -> None:
+        """Stop following after the step in progress commits."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+
+def start_shards(store_url: str, num_shards: int, *, payload: str | None = None, name: str = "trajstore",
+                 namespace: str = "trajstore", num_cpus_per_shard: float = 1.0, poll_s: float = 1.0,
+                 gc_grace_s: float | None = 3600.0, max_restarts: int = -1) -> list[Any]:
+    """Start (or find, by name) ``num_shards`` long-running shard actors that follow
+    the log: detached named actors ``{name}-{k}of{num_shards}`` in ``namespace``,
+    restarted by Ray when they die (``max_restarts``; -1: always). Call after
+    ``ray.init(address=...)``; returns the actor handles (``status``, ``pending``,
+    ``stop``). See docs/deploy.md, "Materializer shards on a Ray cluster"."""
+    import ray
+
+    actor = ray.remote(MaterializerShard)
+    return [actor.options(name=f"{name}-{k}of{num_shards}", namespace=namespace, get_if_exists=True,
+                          num_cpus=num_cpus_per_shard, max_restarts=max_restarts, max_task_retries=-1,
+                          lifetime="detached").remote(
+        store_url, k, num_shards, payload, follow=True, poll_s=poll_s, gc_grace_s=gc_grace_s)
+        for k in range(num_shards)]
 
 
 def materialize_with_ray(store_url: str, num_shards: int, *, payload: str | None = None,

@@ -1,0 +1,93 @@
+"""PostgreSQL positions from a sequence: appends do not wait for each other, and
+the materializer's tail never skips a transaction held open while later ones
+commit (trajstore.log.sql, "Positions")."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from sqlalchemy import select, text
+
+import trajstore
+import trajstore.log.sql as logsql
+from trajstore.materializer import Materializer
+from trajstore.schema import events, samples
+from tests.helpers import finished, gen, started
+
+pytestmark = pytest.mark.postgres
+
+
+def trajectory(tid: str) -> list[dict]:
+    return [started(tid), gen(tid, 0, [1, 2], [3, 4], version=1), finished(tid)]
+
+
+def test_a_transaction_held_open_is_never_skipped_by_the_tail(fresh_pg_url, tmp_path, monkeypatch):
+    """Appender A takes its positions, then its transaction stays open (a real append on
+    its own connection, stopped after its positions were taken). Appender B, on another
+    connection, appends a whole trajectory after it and commits without waiting. The
+    materializer must fold neither until A commits (B's positions are above A's), then
+    both, each once, A's first."""
+    payload = str(tmp_path / "payload")
+    a_store = trajstore.connect(fresh_pg_url, payload=payload)
+    b_store = trajstore.connect(fresh_pg_url)
+    m_store = trajstore.connect(fresh_pg_url)
+    a_store.append(trajectory("before"))
+    assert Materializer(m_store).run().num_trajectories == 1
+
+    holding, release = threading.Event(), threading.Event()
+    real = logsql._write_trajectories
+
+    def held_write(conn, sql, writes, rows):
+        if threading.current_thread().name == "held-appender":
+            holding.set()  # positions taken, transaction open
+            assert release.wait(60)
+        return real(conn, sql, writes, rows)
+
+    monkeypatch.setattr(logsql, "_write_trajectories", held_write)
+    out: dict = {}
+    a = threading.Thread(target=lambda: out.setdefault("a", a_store.append(trajectory("held"))),
+                         name="held-appender")
+    a.start()
+    try:
+        assert holding.wait(30)
+        t0 = time.monotonic()
+        b = b_store.append(trajectory("later"))  # does not queue behind A
+        assert time.monotonic() - t0 < 10
+        with m_store.log.read_engine.connect() as conn:
+            held_positions = conn.execute(text("SELECT last_value FROM log_positions")).scalar_one()
+        assert b.last_position is not None and b.last_position == held_positions  # B took positions after A
+        bound = m_store.log.safe_position(wait_s=0.2)
+        assert bound is not None and bound < b.last_position - 2  # A's three positions are below B's
+        stats = Materializer(m_store).run()
+        assert stats.num_trajectories == 0  # "later" is committed but after an open position: not yet
+        assert [s.trajectory_id for s in m_store.samples()] == ["before"]
+    finally:
+        release.set()
+        a.join(60)
+    assert out["a"].num_appended == 3
+    stats = Materializer(m_store).run()
+    assert stats.num_trajectories == 2
+    with m_store.log.read_engine.connect() as conn:
+        order = list(conn.execute(select(samples.c.trajectory_id).order_by(samples.c.finished_position)).scalars())
+        positions = list(conn.execute(select(events.c.position).order_by(events.c.position)).scalars())
+    assert order == ["before", "held", "later"]
+    assert len(positions) == len(set(positions)) == 9
+    assert Materializer(m_store).run().num_trajectories == 0  # exactly once
+    for s in (a_store, b_store, m_store):
+        s.close()
+
+
+def test_a_rolled_back_append_leaves_a_hole_the_tail_steps_over(fresh_pg_url, tmp_path):
+    store = trajstore.connect(fresh_pg_url, payload=str(tmp_path / "payload"))
+    store.append(trajectory("a"))
+    with store.log.write_engine.connect() as conn:  # positions taken, then rolled back
+        conn.execute(text("SELECT nextval('log_positions') FROM generate_series(1, 5) "
+                          "WHERE pg_current_xact_id() IS NOT NULL")).all()
+        conn.rollback()
+    store.append(trajectory("b"))
+    assert store.materialize().num_trajectories == 2
+    assert store.log.head_position() == 11  # 3 positions, a hole of 5, 3 more: the highest stored one
+    assert sorted(s.trajectory_id for s in store.samples()) == ["a", "b"]
+    store.close()

@@ -1,0 +1,214 @@
+"""The store records where its payload lives; every process finds it there.
+
+On both backends: a disagreeing location is refused in one line before
+anything is read or written (the field failure: ``trajstore materialize``
+started with the wrong ``--payload`` recorded every trajectory unfoldable and
+moved its checkpoint past them); processes started from other directories,
+``Writer(url)``, ``SampleReader(url)`` and ``workers/rollout.py`` find the
+recorded location; a store without a record gets one; ``trajstore payload
+move`` moves it; and a missing payload file quarantines a trajectory (never
+consumes it) until ``--refold-quarantined`` folds it."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from sqlalchemy import delete, select
+
+import trajstore
+from trajstore.cli import main
+from trajstore.errors import PayloadLocationError, StoreUnavailable
+from trajstore.schema import materializer_checkpoints, store_settings, unfoldable_trajectories
+from tests.helpers import finished, gen, started
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def trajectory(tid: str) -> list[dict]:
+    return [started(tid), gen(tid, 0, [1, 2], [3, 4], version=1), gen(tid, 1, [1, 2, 3, 4, 5], [6], version=2),
+            finished(tid)]
+
+
+def fill(store, n: int, prefix: str = "t") -> list[str]:
+    ids = [f"{prefix}{i}" for i in range(n)]
+    for tid in ids:
+        store.append(trajectory(tid))  # one append each: one segment each
+    return ids
+
+
+def checkpoint(store) -> int | None:
+    with store.log.read_engine.connect() as conn:
+        return conn.execute(select(materializer_checkpoints.c.position)).scalar_one_or_none()
+
+
+def unfoldable(store) -> list[tuple[str, str]]:
+    with store.log.read_engine.connect() as conn:
+        return [tuple(r) for r in conn.execute(select(unfoldable_trajectories.c.trajectory_id,
+                                                      unfoldable_trajectories.c.error)
+                                               .order_by(unfoldable_trajectories.c.trajectory_id))]
+
+
+def test_materialize_with_the_wrong_payload_is_refused_before_anything(store_url, tmp_path, capsys):
+    """The field failure, replayed: 8 trajectories appended, then `trajstore materialize`
+    with another --payload. Before: 8 of 8 recorded unfoldable and the checkpoint past
+    them. Now: one line, exit 1, nothing read or written; the right run folds all 8."""
+    payload = tmp_path / "payload"
+    store = trajstore.connect(store_url, payload=str(payload))
+    fill(store, 8)
+    wrong = tmp_path / "elsewhere"
+    assert main(["--store", store_url, "--payload", str(wrong), "materialize"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith("error: payload location") and str(payload) in err
+    assert "disagrees" in err
+    assert not wrong.exists()  # nothing created there
+    assert checkpoint(store) is None and unfoldable(store) == []  # nothing written to the index
+    # and through the library: the same refusal
+    with pytest.raises(PayloadLocationError, match="disagrees"):
+        trajstore.connect(store_url, payload=str(wrong))
+    # a matching location, spelled differently, is fine (--payload keeps working as documented)
+    assert main(["--store", store_url, "--payload", f"file://{payload}/", "materialize"]) == 0
+    capsys.readouterr()
+    assert main(["--store", store_url, "materialize"]) == 0
+    assert sorted(s.trajectory_id for s in store.samples()) == sorted(f"t{i}" for i in range(8))
+    assert unfoldable(store) == []
+    store.close()
+
+
+def test_every_process_finds_the_recorded_location_from_any_directory(store_url, tmp_path, monkeypatch):
+    """Created from one directory with a default (PostgreSQL: ./trajstore-payload/<db>,
+    once relative to the current directory), used from another without any option."""
+    monkeypatch.delenv("TRAJSTORE_PAYLOAD_DIR", raising=False)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    monkeypatch.chdir(tmp_path / "a")
+    store = trajstore.connect(store_url)  # the default location, recorded
+    first = store.payload.location
+    fill(store, 2, "a")
+    store.close()
+    monkeypatch.chdir(tmp_path / "b")
+    # a Writer to the store URL (what workers/rollout.py uses)
+    from trajstore.ingest.client import Writer
+
+    with Writer(store_url) as w:
+        w.extend(trajectory("b0"))
+        w.flush()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env.pop("TRAJSTORE_PAYLOAD_DIR", None)
+    subprocess.run([sys.executable, str(ROOT / "workers" / "rollout.py"), "--sink", store_url,
+                    "--trajectories", "2", "--worker-id", "7", "--layers", "2", "--topk", "2",
+                    "--prompt-tokens", "8", "--output-tokens", "4"], check=True, cwd=tmp_path / "b", env=env,
+                   capture_output=True)
+    assert main(["--store", store_url, "materialize"]) == 0
+    s = trajstore.connect(store_url)
+    assert s.payload.location == first and not (tmp_path / "b" / "trajstore-payload").exists()
+    assert not list((tmp_path / "b").glob("*.payload"))
+    reader = trajstore.SampleReader(store_url, rank=0, world_size=1, batch_size=1)
+    ids = sorted(x.trajectory_id for batch in reader for x in batch)
+    assert ids == sorted(["a0", "a1", "b0", "w7-t0", "w7-t1"])
+    assert unfoldable(s) == []
+    s.close()
+
+
+def test_a_store_without_a_record_gets_one_or_says_how(store_url, tmp_path, capsys):
+    """A store made before the record existed (its row deleted here): the first open
+    records its location once the newest segment is found there; a location without
+    it is refused with the command that fixes it."""
+    payload = tmp_path / "payload"
+    store = trajstore.connect(store_url, payload=str(payload))
+    fill(store, 2)
+    with store.log.write_engine.begin() as conn:
+        conn.execute(delete(store_settings))
+    store.close()
+    with pytest.raises(PayloadLocationError, match="trajstore payload set"):
+        trajstore.connect(store_url, payload=str(tmp_path / "wrong"))
+    assert main(["--store", store_url, "payload", "show"]) == 1
+    assert "no payload location recorded" in capsys.readouterr().out
+    assert main(["--store", store_url, "payload", "set", str(tmp_path / "wrong")]) == 1
+    assert "newest segment" in capsys.readouterr().err
+    assert main(["--store", store_url, "payload", "set", str(payload)]) == 0
+    capsys.readouterr()
+    assert main(["--store", store_url, "payload", "show"]) == 0
+    assert capsys.readouterr().out.strip() == str(payload)
+    s = trajstore.connect(store_url)
+    assert s.payload.location == str(payload) and s.materialize().num_trajectories == 2
+    s.close()
+
+
+def test_payload_move(store_url, tmp_path, capsys):
+    old, new = tmp_path / "old", tmp_path / "new"
+    store = trajstore.connect(store_url, payload=str(old))
+    fill(store, 3)
+    store.materialize()
+    fill(store, 1, "late")  # one unfolded trajectory: its log segment moves too
+    store.close()
+    assert main(["--store", store_url, "payload", "move", str(new), "--delete-old"]) == 0
+    out = capsys.readouterr().out
+    assert "moved the payload" in out
+    assert not [p for p in old.iterdir() if p.stat().st_size]  # the old files are gone
+    s = trajstore.connect(store_url)
+    assert s.payload.location == str(new)
+    assert s.materialize().num_trajectories == 1
+    assert sorted(x.trajectory_id for x in s.samples()) == ["late0", "t0", "t1", "t2"]
+    with pytest.raises(PayloadLocationError):
+        trajstore.connect(store_url, payload=str(old))
+    s.close()
+
+
+def test_a_missing_payload_file_quarantines_never_consumes(store_url, tmp_path, capsys):
+    payload = tmp_path / "payload"
+    store = trajstore.connect(store_url, payload=str(payload))
+    fill(store, 2, "ok")
+    store.append(trajectory("lost"))
+    fill(store, 1, "after")
+    with store.log.read_engine.connect() as conn:
+        from trajstore.schema import events
+        (seg,) = set(conn.execute(select(events.c.segment).where(events.c.trajectory_id == "lost")
+                                  .where(events.c.segment.is_not(None))).scalars())
+    aside = tmp_path / "aside.arrow"
+    shutil.move(store.payload.path(seg), aside)
+    stats = store.materialize()
+    assert (stats.num_trajectories, stats.num_unfoldable) == (3, 1)
+    assert unfoldable(store) == [("lost", "PayloadMissingError")]  # visible in SQL and in info
+    assert main(["--store", store_url, "info"]) == 0
+    info = json.loads(capsys.readouterr().out)["unfoldable_trajectories"]
+    assert info["by_error"] == {"PayloadMissingError": 1}
+    # still missing: a refold leaves it quarantined
+    assert main(["--store", store_url, "materialize", "--refold-quarantined"]) == 0
+    assert json.loads(capsys.readouterr().out)["num_trajectories"] == 0
+    assert unfoldable(store) == [("lost", "PayloadMissingError")]
+    # the file is back: the refold folds it, exactly once
+    shutil.move(aside, store.payload.path(seg))
+    assert main(["--store", store_url, "materialize", "--refold-quarantined"]) == 0
+    assert json.loads(capsys.readouterr().out)["num_trajectories"] == 1
+    assert unfoldable(store) == []
+    got = sorted(s.trajectory_id for s in store.samples())
+    assert got == ["after0", "lost", "ok0", "ok1"]
+    lost = [s for s in store.samples() if s.trajectory_id == "lost"][0]
+    assert list(lost.prompt_ids) + list(lost.response_ids) == [1, 2, 3, 4, 5, 6]
+    assert main(["--store", store_url, "materialize", "--refold-quarantined"]) == 0
+    assert json.loads(capsys.readouterr().out)["num_trajectories"] == 0
+    assert store.materialize().num_trajectories == 0
+    store.close()
+
+
+def test_a_payload_location_holding_nothing_stops_the_materializer(store_url, tmp_path):
+    """Every file gone (an unmounted disk, an emptied bucket): the location is wrong,
+    not one file. Nothing is recorded, the checkpoint stays, the next run folds all."""
+    payload = tmp_path / "payload"
+    store = trajstore.connect(store_url, payload=str(payload))
+    fill(store, 3)
+    shutil.move(payload, tmp_path / "unmounted")
+    payload.mkdir()
+    with pytest.raises(StoreUnavailable, match="holds no file"):
+        store.materialize()
+    assert checkpoint(store) is None and unfoldable(store) == []
+    shutil.rmtree(payload)
+    shutil.move(tmp_path / "unmounted", payload)
+    assert store.materialize().num_trajectories == 3
+    store.close()

@@ -1,0 +1,118 @@
+"""Long-running, restartable materializer shards on a real two-node Ray cluster:
+a head and a worker started here with `ray start` (each with one CPU, so the two
+shards run on different nodes), stopped by the test."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+import trajstore
+from trajstore.demo.simulate import RolloutConfig, trajectory_events
+from trajstore.log.base import Shard
+
+ray = pytest.importorskip("ray")
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[1]
+CFG = RolloutConfig(turns=2, prompt_tokens=8, output_tokens=4, observation_tokens=2, layers=2, topk=2)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_for(predicate, timeout_s: float = 120.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.25)
+    return False
+
+
+@pytest.fixture(scope="module")
+def two_node_ray():
+    exe = str(Path(sys.executable).parent / "ray")
+    port = _free_port()
+    head_dir = tempfile.mkdtemp(prefix="rh")  # short: Ray's socket paths live under it
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+           "RAY_USAGE_STATS_ENABLED": "0"}
+    common = ["--block", "--num-cpus=1", "--disable-usage-stats"]
+    head = subprocess.Popen([exe, "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1",
+                             "--include-dashboard=false", f"--temp-dir={head_dir}", *common],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    procs = [head]
+    try:
+        address = f"127.0.0.1:{port}"
+        assert _wait_for(lambda: subprocess.run([exe, "status", f"--address={address}"], env=env,
+                                                capture_output=True).returncode == 0), "ray head did not start"
+        worker = subprocess.Popen([exe, "start", f"--address={address}", "--node-ip-address=127.0.0.1", *common],
+                                  env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                  start_new_session=True)
+        procs.append(worker)
+        ray.init(address=address, log_to_driver=False, configure_logging=False)
+        assert _wait_for(lambda: sum(n["Alive"] for n in ray.nodes()) == 2), "the worker node did not join"
+        yield address
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+        for p in reversed(procs):  # `ray start --block` stops its node's processes when terminated
+            os.killpg(p.pid, signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+
+
+def test_long_running_shards_on_two_nodes_survive_a_restart(two_node_ray, fresh_pg_url, tmp_path):
+    from trajstore.scale.ray_actors import start_shards
+
+    store = trajstore.connect(fresh_pg_url, payload=str(tmp_path / "payload"))
+    name = f"t{uuid.uuid4().hex[:8]}"
+    shards = start_shards(fresh_pg_url, 2, name=name, num_cpus_per_shard=1, poll_s=0.2, gc_grace_s=None)
+    try:
+        assert len({ray.get(s.node_id.remote(), timeout=120) for s in shards}) == 2  # one per node
+        for i in range(12):
+            store.append(trajectory_events(CFG, i))
+
+        def caught_up() -> bool:
+            head = store.log.head_position()
+            cps = [store.materialized.load_checkpoint(Shard(k, 2)) for k in range(2)]
+            return all(cp is not None and cp["position"] == head for cp in cps)
+
+        assert _wait_for(caught_up)
+        status = ray.get([s.status.remote() for s in shards], timeout=60)
+        assert [st["pending"] for st in status] == [0, 0] and all(st["following"] for st in status)
+        assert sum(st["num_trajectories"] for st in status) == 12
+        # kill shard 0's actor: Ray restarts it, it resumes from its checkpoint
+        ray.kill(shards[0], no_restart=False)
+        for i in range(12, 20):
+            store.append(trajectory_events(CFG, i))
+        assert _wait_for(caught_up)
+        status = ray.get([s.status.remote() for s in shards], timeout=120)
+        assert all(st["following"] and st["pending"] == 0 for st in status)
+        samples = list(store.samples())
+        keys = [(s.trajectory_id, s.sample_index) for s in samples]
+        assert len(keys) == len(set(keys))  # nothing folded twice
+        assert {s.trajectory_id for s in samples} == {trajectory_events(CFG, i)[0]["trajectory_id"]
+                                                      for i in range(20)}
+    finally:
+        for s in shards:
+            try:
+                ray.get(s.stop.remote(), timeout=60)
+            finally:
+                ray.kill(s, no_restart=True)
+        store.close()

@@ -1,0 +1,154 @@
+"""The payload on a real S3-compatible server (``moto_server``, started here on a
+loopback port): the whole pipeline ingest -> materialize -> SampleReader -> gc on
+both backends, options passed through to pyarrow's S3FileSystem, an unresponsive
+server failing instead of hanging, and the recorded location free of credentials."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pyarrow.fs as pafs
+import pytest
+
+import trajstore
+from trajstore.cli import main
+from trajstore.errors import StoreUnavailable
+from tests.helpers import finished, gen, started
+
+BUCKET = "trajstore-test"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def s3_endpoint() -> str:
+    # this interpreter's (a moto_server elsewhere on PATH may be another Python's, another moto)
+    exe = str(Path(sys.executable).parent / "moto_server")
+    if not os.path.exists(exe):
+        pytest.fail("moto_server not found: install the dev extra (moto[server])")
+    port = _free_port()
+    log = open(os.environ.get("TRAJSTORE_MOTO_LOG", os.devnull), "w")
+    proc = subprocess.Popen([exe, "-H", "127.0.0.1", "-p", str(port)], stdout=log, stderr=subprocess.STDOUT)
+    old = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")}
+    os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1")
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    pytest.fail("moto_server did not start")
+                time.sleep(0.1)
+        endpoint = f"127.0.0.1:{port}"
+        pafs.S3FileSystem(endpoint_override=endpoint, scheme="http", allow_bucket_creation=True).create_dir(BUCKET)
+        yield endpoint
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _objects(endpoint: str, prefix: str) -> list[str]:
+    fs = pafs.S3FileSystem(endpoint_override=endpoint, scheme="http")
+    infos = fs.get_file_info(pafs.FileSelector(f"{BUCKET}/{prefix}", allow_not_found=True))
+    return sorted(i.base_name for i in infos if i.type == pafs.FileType.File)
+
+
+def trajectory(tid: str) -> list[dict]:
+    return [started(tid, num_experts=8),
+            gen(tid, 0, [1, 2, 3], [4, 5], version=1, routed_experts=[[[1, 2]]] * 4),
+            gen(tid, 1, [1, 2, 3, 4, 5, 6], [7], version=2, routed_experts=[[[3, 4]]] * 6),
+            finished(tid)]
+
+
+def test_pipeline_on_s3(store_url, s3_endpoint, tmp_path, capsys):
+    prefix = f"run-{uuid.uuid4().hex[:8]}"
+    location = (f"s3://testing:testing@{BUCKET}/{prefix}?endpoint_override={s3_endpoint}&scheme=http"
+                f"&request_timeout=10&connect_timeout=5&retries=2")
+    store = trajstore.connect(store_url, payload=location)
+    ids = [f"t{i}" for i in range(12)]
+    for tid in ids:
+        store.append(trajectory(tid))  # one append each: one log segment each
+    store.close()
+    assert len([n for n in _objects(s3_endpoint, prefix) if n.startswith("events-")]) == 12
+    # every later command finds the payload in the store: no --payload
+    assert main(["--store", store_url, "payload", "show"]) == 0
+    recorded = capsys.readouterr().out.strip()
+    assert recorded == f"s3://{BUCKET}/{prefix}?endpoint_override={s3_endpoint.replace(':', '%3A')}&scheme=http"
+    assert "testing" not in recorded and "timeout" not in recorded
+    assert main(["--store", store_url, "materialize"]) == 0
+    capsys.readouterr()
+    readers = [trajstore.SampleReader(store_url, rank=r, world_size=2, batch_size=2) for r in range(2)]
+    seen = [[s.trajectory_id for batch in rd for s in batch] for rd in readers]
+    assert not set(seen[0]) & set(seen[1]) and sorted(seen[0] + seen[1]) == sorted(ids)
+    # GC right away (grace 0): the retired log segments go, one copy (the sample segments) stays
+    assert main(["--store", store_url, "gc", "--grace-s", "0"]) == 0
+    assert "removed 12 payload file(s)" in capsys.readouterr().out
+    left = _objects(s3_endpoint, prefix)
+    assert left and all(n.startswith("samples-") for n in left)
+    s = trajstore.connect(store_url)
+    got = {x.trajectory_id: x for x in s.samples()}
+    assert sorted(got) == sorted(ids) and list(got["t0"].prompt_ids) + list(got["t0"].response_ids) == [1, 2, 3, 4, 5, 6, 7]
+    s.close()
+
+
+def test_unknown_s3_option_is_refused_by_name(s3_endpoint, tmp_path):
+    with pytest.raises(StoreUnavailable, match="request_timout"):
+        trajstore.connect(f"sqlite:///{tmp_path}/s.db",
+                          payload=f"s3://{BUCKET}/x?endpoint_override={s3_endpoint}&scheme=http&request_timout=3")
+
+
+def test_an_unresponsive_object_store_fails_instead_of_hanging(tmp_path):
+    """A server that accepts connections and never answers: with request_timeout=1 and
+    one attempt the open fails with StoreUnavailable (before: an append hung > 100 s)."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    port = listener.getsockname()[1]
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        listener.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                held.append(listener.accept()[0])  # accepted, never answered
+            except OSError:
+                continue
+
+    t = threading.Thread(target=accept, daemon=True)
+    t.start()
+    os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
+    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(StoreUnavailable):
+            store = trajstore.connect(
+                f"sqlite:///{tmp_path}/s.db",
+                payload=f"s3://{BUCKET}/x?endpoint_override=127.0.0.1:{port}&scheme=http&request_timeout=1"
+                        "&connect_timeout=1&retries=1")
+            store.append(trajectory("a"))
+        assert time.monotonic() - t0 < 60  # bounded by the timeouts, not by the server
+    finally:
+        stop.set()
+        t.join(5)
+        listener.close()
+        for c in held:
+            c.close()

@@ -1,0 +1,283 @@
+"""Where a store's payload lives: recorded in the store, found by every process.
+
+The location is one row of ``store_settings`` (``payload_location``), written
+when the store is created. A process opening the store reads it there; a
+location the process was given (``payload=``, ``--payload``,
+``$TRAJSTORE_PAYLOAD_DIR``) must name the same place, or the open fails with
+``PayloadLocationError`` before anything is read from or written to the
+payload. A given location still matters when it agrees: it may carry what the
+record leaves out (credentials in an object-store URI).
+
+What is recorded:
+* a local path: absolute; for SQLite a path inside the database file's
+  directory is recorded relative to it (the embedded default,
+  ``<db>.payload``, follows the database when both are moved together);
+* a URI: scheme, bucket/host and path, and the query options that say
+  *where* (``endpoint_override``, ``scheme``, ``region``); never credentials,
+  never per-process options.
+
+A store created before the record existed (migration 0010) gets it from the
+first process that opens it with migrations on: that process's location is
+recorded if the newest segment the index names is there (or the index names
+none); otherwise it refuses, and ``trajstore payload set LOCATION`` records
+the right one. Moving the payload is ``trajstore payload move`` (``move``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any, Callable
+from urllib.parse import parse_qsl, urlencode, urlparse
+
+import pyarrow.fs as pafs
+from sqlalchemy import Engine, func, inspect, select, update
+from sqlalchemy.exc import IntegrityError, SQLAlchemyError
+
+from trajstore.errors import PayloadLocationError, StoreUnavailable, first_line
+from trajstore.payload import filesystem_of, is_uri
+from trajstore.schema import segments, store_settings
+
+log = logging.getLogger(__name__)
+
+LOCATION = "payload_location"
+ENV = "TRAJSTORE_PAYLOAD_DIR"
+# query options of a filesystem URI that say where the files are (the rest are process options)
+_WHERE_OPTIONS = ("endpoint_override", "scheme", "region")
+
+
+def _sqlite_dir(url: str) -> str | None:
+    from sqlalchemy.engine import make_url
+
+    u = make_url(url)
+    if u.get_backend_name() != "sqlite" or not u.database or u.database == ":memory:":
+        return None
+    return os.path.dirname(os.path.abspath(u.database))
+
+
+def recorded_form(location: str, url: str) -> str:
+    """What the store records for ``location`` (see the module docstring)."""
+    if is_uri(location):
+        p = urlparse(location)
+        host = p.hostname or ""
+        if p.port:
+            host += f":{p.port}"
+        query = sorted((k, v) for k, v in parse_qsl(p.query) if k in _WHERE_OPTIONS)
+        return f"{p.scheme}://{host}{p.path.rstrip('/')}" + (f"?{urlencode(query)}" if query else "")
+    path = filesystem_of(location)[1]
+    base = _sqlite_dir(url)
+    if base is not None:
+        rel = os.path.relpath(path, base)
+        if not rel.startswith(os.pardir):
+            return rel
+    return path
+
+
+def opened_form(recorded: str, url: str) -> str:
+    """The location to open for a recorded one (a relative path is the SQLite file's directory's)."""
+    if is_uri(recorded) or os.path.isabs(recorded):
+        return recorded
+    base = _sqlite_dir(url) or os.getcwd()
+    return os.path.normpath(os.path.join(base, recorded))
+
+
+def same_place(a: str, b: str, url: str) -> bool:
+    return opened_form(recorded_form(a, url), url) == opened_form(recorded_form(b, url), url)
+
+
+def _has_settings(engine: Engine) -> bool:
+    return inspect(engine).has_table(store_settings.name)
+
+
+# A server that answers "starting up / in recovery / shutting down" (SQLSTATE class 57P)
+# is waited for this long, as an append's commit outcome is: opening a store must not
+# fail on a restart that a running appender would ride out.
+_RECOVERY_WAIT_S = 60.0
+
+
+def read_recorded(engine: Engine) -> str | None:
+    """The recorded location (as recorded), None when none is."""
+    deadline = time.monotonic() + _RECOVERY_WAIT_S
+    delay = 0.05
+    while True:
+        try:
+            if not _has_settings(engine):
+                return None
+            with engine.connect() as conn:
+                return conn.execute(select(store_settings.c.value).where(store_settings.c.name == LOCATION)
+                                    ).scalar_one_or_none()
+        except SQLAlchemyError as e:
+            if _recovering(e) and time.monotonic() < deadline:
+                time.sleep(delay)
+                delay = min(1.0, delay * 2)
+                continue
+            raise StoreUnavailable(f"reading the store's payload location: {first_line(e)}") from None
+
+
+def _recovering(e: BaseException) -> bool:
+    orig = getattr(e, "orig", None)
+    state = getattr(orig, "sqlstate", None) or ""
+    text = str(orig or e)
+    return state.startswith("57P") or "in recovery mode" in text or "starting up" in text \
+        or "shutting down" in text or "terminating connection" in text
+
+
+def resolve(url: str, write_engine: Engine, read_engine: Engine, given: str | None,
+            default: Callable[[], str], *, record: bool) -> str:
+    """The payload location this process opens (see the module docstring).
+
+    ``given``: what the process was told (None: nothing). ``default``: the
+    location a new store gets when nothing is given. ``record``: may this
+    process record a location (it runs migrations; read-only openers don't)."""
+    source = "--payload / payload="
+    if given is None and os.environ.get(ENV) and not url.startswith("sqlite"):
+        given, source = os.environ[ENV], f"${ENV}"
+    for _ in range(3):
+        rec = read_recorded(read_engine)
+        if rec is not None:
+            if given is not None and not same_place(given, opened_form(rec, url), url):
+                raise PayloadLocationError(
+                    f"payload location {given!r} (from {source}) disagrees with {opened_form(rec, url)!r}, the "
+                    "one this store recorded; leave it out, or move the payload with `trajstore payload move`")
+            return given if given is not None else opened_form(rec, url)
+        candidate = given if given is not None else default()
+        if not record or not _has_settings(write_engine):
+            return candidate  # a read-only opener of an unrecorded store: as before the record existed
+        _check_holds_segments(write_engine, candidate, given is not None, source)
+        try:
+            with write_engine.begin() as conn:
+                conn.execute(store_settings.insert().values(name=LOCATION, value=recorded_form(candidate, url),
+                                                            updated_at=time.time()))
+            log.info("recorded the store's payload location: %s", recorded_form(candidate, url))
+            return candidate
+        except IntegrityError:
+            continue  # another process recorded one first: compare with it
+        except SQLAlchemyError as e:
+            raise StoreUnavailable(f"recording the store's payload location: {first_line(e)}") from None
+    raise StoreUnavailable("could not read or record the store's payload location")
+
+
+def _newest_segment(engine: Engine) -> str | None:
+    try:
+        with engine.connect() as conn:
+            return conn.execute(select(segments.c.name).order_by(segments.c.created_at.desc()).limit(1)
+                                ).scalar_one_or_none()
+    except SQLAlchemyError as e:
+        raise StoreUnavailable(f"reading the store's segments: {first_line(e)}") from None
+
+
+def holds(location: str, name: str) -> bool:
+    fs, root, _ = filesystem_of(location)
+    try:
+        return fs.get_file_info(f"{root.rstrip('/')}/{name}").type != pafs.FileType.NotFound
+    except OSError as e:
+        raise StoreUnavailable(f"payload location {location!r}: {first_line(e)}") from None
+
+
+def _check_holds_segments(engine: Engine, location: str, given: bool, source: str) -> None:
+    newest = _newest_segment(engine)
+    if newest is not None and not holds(location, newest):
+        what = f"{location!r} (from {source})" if given else f"{location!r} (this process's default)"
+        raise PayloadLocationError(
+            f"this store has no recorded payload location and its newest segment {newest!r} is not under "
+            f"{what}: record the right one with `trajstore payload set LOCATION`")
+
+
+def set_location(url: str, engine: Engine, location: str, *, force: bool = False) -> str:
+    """Record ``location`` as the store's payload location without moving anything
+    (a store whose record is missing or wrong); return what was recorded. Unless
+    ``force``, the newest segment the index names must be there."""
+    if not force:
+        _check_holds_segments(engine, location, True, "the command line")
+    value = recorded_form(location, url)
+    try:
+        with engine.begin() as conn:
+            done = conn.execute(update(store_settings).where(store_settings.c.name == LOCATION)
+                                .values(value=value, updated_at=time.time())).rowcount
+            if not done:
+                conn.execute(store_settings.insert().values(name=LOCATION, value=value, updated_at=time.time()))
+    except SQLAlchemyError as e:
+        raise StoreUnavailable(f"recording the store's payload location: {first_line(e)}") from None
+    return value
+
+
+def move(store: Any, target: str, *, delete_old: bool = False,
+         progress: Callable[[int], None] | None = None) -> dict[str, Any]:
+    """Copy every payload file of ``store`` to ``target``, then record ``target``.
+
+    Stop every writer and materializer of the store first: a process that
+    opened the store before the move keeps writing to the old location (its
+    files are copied by a second pass, but one still running after the move
+    would write where nobody looks). The old files are deleted only with
+    ``delete_old``, after the new location is recorded. Copies are checked by
+    size; a file that cannot be copied leaves the record unchanged."""
+    url = store.url
+    old = store.payload.location
+    if same_place(old, target, url):
+        raise PayloadLocationError(f"the payload is already at {target!r}")
+    dst_fs, dst_root, _ = filesystem_of(target)
+    try:
+        dst_fs.create_dir(dst_root, recursive=True)
+    except OSError as e:
+        raise StoreUnavailable(f"cannot create payload directory {target!r}: {first_line(e)}") from None
+    copied: dict[str, int] = {}
+
+    def copy_pass() -> int:
+        n = 0
+        for name, _ in store.payload.list_names():
+            if name.endswith(".tmp") or name in copied:
+                continue
+            src = store.payload.path(name)
+            dst = f"{dst_root.rstrip('/')}/{name}"
+            try:
+                pafs.copy_files(src, dst, source_filesystem=store.payload.fs, destination_filesystem=dst_fs)
+                size_src = store.payload.fs.get_file_info(src).size
+                size_dst = dst_fs.get_file_info(dst).size
+            except FileNotFoundError:
+                continue  # collected meanwhile: nothing names it
+            except OSError as e:
+                raise StoreUnavailable(f"copying payload file {name!r} to {target!r}: {first_line(e)}") from None
+            if size_src != size_dst:
+                raise StoreUnavailable(f"copy of payload file {name!r} to {target!r} has {size_dst} bytes, "
+                                       f"not {size_src}; nothing recorded")
+            copied[name] = size_src
+            n += 1
+            if progress:
+                progress(1)
+        return n
+
+    copy_pass()
+    engine = store.log.db.write_engine
+    value = recorded_form(target, url)
+    try:
+        with engine.begin() as conn:
+            done = conn.execute(update(store_settings).where(store_settings.c.name == LOCATION)
+                                .where(store_settings.c.value == recorded_form(old, url))
+                                .values(value=value, updated_at=time.time())).rowcount
+    except SQLAlchemyError as e:
+        raise StoreUnavailable(f"recording the store's payload location: {first_line(e)}") from None
+    if done != 1:
+        raise PayloadLocationError("the store's recorded payload location changed during the move; "
+                                   "nothing recorded (the copies stay at the target)")
+    late = copy_pass()  # files a process that still had the old location wrote meanwhile
+    if late:
+        log.warning("%d payload file(s) appeared at the old location during the move; copied", late)
+    missing = [n for n in _named_segments(engine) if n not in copied and not holds(target, n)]
+    removed = 0
+    if delete_old:
+        for name in copied:
+            store.payload.delete(name)
+            removed += 1
+    return {"from": old, "to": target, "recorded": value, "files": len(copied),
+            "bytes": sum(copied.values()), "late_files": late, "missing": missing, "deleted_old": removed}
+
+
+def _named_segments(engine: Engine) -> list[str]:
+    with engine.connect() as conn:
+        return list(conn.execute(select(segments.c.name).where(segments.c.retired_at.is_(None))).scalars())
+
+
+def count_segments(engine: Engine) -> int:
+    with engine.connect() as conn:
+        return int(conn.execute(select(func.count()).select_from(segments)).scalar_one())

@@ -207,6 +207,8 @@ _EDGES = (
     ("proxy", "trajstore.ingest.proxy", "serve_proxy_from_args", "run the OpenAI-compatible recording proxy in front of vLLM"),
     ("sql", "trajstore.inspect.sql", "run_from_args", "run a read-only SQL query against the store"),
     ("report", "trajstore.inspect.report", "run_from_args", "render an HTML report with plots of the run"),
+    # the replay service: trainers elsewhere read samples over Arrow Flight (docs/replay.md)
+    ("replay", "trajstore.replay.server", "serve_from_args", "run the Arrow Flight replay service trainers read from"),
 )
 
 

@@ -106,7 +106,7 @@ def _check_rows(req: dict) -> None:
         _int(where, name, lo=-(1 << 62), hi=1 << 62)
     after = req.get("after")
     if after is not None and not (isinstance(after, list) and len(after) == 2
-                                  and all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 62
+                                  and all(isinstance(v, int) and not isinstance(v, bool) and -(1 << 62) <= v < 1 << 62
                                           for v in after)):
         raise BadRequest(f"after must be null or [finished_position, sample_index], got {after!r:.80}")
     _int(req, "page_rows", lo=1, hi=MAX_PAGE_ROWS, optional=False)

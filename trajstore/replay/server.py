@@ -372,6 +372,8 @@ def serve_from_args(args: argparse.Namespace) -> int:
     """Run the replay server until SIGINT/SIGTERM."""
     import trajstore
 
+    if not logging.getLogger().handlers:  # one line per event on stderr, e.g. each rate-limit wait
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     token = args.token or os.environ.get("TRAJSTORE_REPLAY_TOKEN") or None
     if args.insecure_no_auth:
         tokens = None

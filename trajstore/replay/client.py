@@ -27,6 +27,7 @@ import logging
 import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterator, Sequence
 
 import pyarrow as pa
@@ -225,21 +226,45 @@ class _RemoteLog:
 
 
 class _RemotePayload:
-    """The payload seam (``PayloadStore.read_rows``) a reader uses, over Flight."""
+    """The payload seam (``PayloadStore.read_rows``) a reader uses, over Flight.
 
-    def __init__(self, conn: _Connection, location: str) -> None:
+    The rows of one call are fetched as up to ``streams`` requests in parallel
+    (consecutive parts): one gRPC stream is bound by one server thread's
+    serialization and one TCP window, several keep the link busy."""
+
+    def __init__(self, conn: _Connection, location: str, streams: int) -> None:
         self.conn = conn
         self.location = location
+        self.streams = streams
         self.current_model_version: Callable[[], int | None] = lambda: None
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
 
     def read_rows(self, name: str, rows: Sequence[int]) -> SegmentRows:
         wanted = sorted(set(int(r) for r in rows))
+        n = min(self.streams, len(wanted))
+        parts = [wanted[k * len(wanted) // n: (k + 1) * len(wanted) // n] for k in range(n)]
+        if n > 1:
+            with self._lock:
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(self.streams, thread_name_prefix="trajstore-replay-fetch")
+            tables = list(self._pool.map(lambda part: self._fetch(name, part), parts))
+            table = pa.concat_tables(tables)
+        else:
+            table = self._fetch(name, wanted)
+        return SegmentRows(table, {r: i for i, r in enumerate(wanted)})
+
+    def _fetch(self, name: str, wanted: list[int]) -> pa.Table:
         ticket = proto.encode(proto.SAMPLES, segment=name, rows=wanted,
                               current_model_version=self.current_model_version())
         table = self.conn.get(f"reading {len(wanted)} samples of {name}", ticket)
         if table.num_rows != len(wanted):
             raise CorruptStoreError(f"replay server sent {table.num_rows} rows of {name} for {len(wanted)} asked")
-        return SegmentRows(table, {r: i for i, r in enumerate(wanted)})
+        return table
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
 
 
 class ReplayStore:
@@ -248,21 +273,24 @@ class ReplayStore:
     ``locations`` that answers. Read-only: it has no ``append``."""
 
     def __init__(self, locations: str | Sequence[str], *, token: str | None = None, retry_timeout_s: float = 60.0,
-                 call_timeout_s: float = 60.0, tls_root_certs: bytes | None = None) -> None:
+                 call_timeout_s: float = 60.0, tls_root_certs: bytes | None = None, streams: int = 4) -> None:
         self.locations = parse_locations(locations)
+        if not isinstance(streams, int) or isinstance(streams, bool) or streams < 1:
+            raise ValidationError(f"streams must be a positive integer, got {streams!r}", rule="reader_config")
         token = token if token is not None else os.environ.get(TOKEN_ENV) or None
         self.url = ",".join(self.locations)
         self._conn = _Connection(self.locations, token, retry_timeout_s=retry_timeout_s,
                                  call_timeout_s=call_timeout_s, tls_root_certs=tls_root_certs)
         self.materialized = _RemoteSamples(self._conn)
         self.log = _RemoteLog(self._conn)
-        self.payload = _RemotePayload(self._conn, self.url)
+        self.payload = _RemotePayload(self._conn, self.url, streams)
 
     def hello(self) -> dict[str, Any]:
         """The server's answer to ``hello`` (checks the token and the protocol version)."""
         return self._conn.action("hello", proto.HELLO)
 
     def close(self) -> None:
+        self.payload.close()
         self._conn.close()
 
     def __enter__(self) -> "ReplayStore":
@@ -286,7 +314,8 @@ class ReplayReader(SampleReader):
     ``locations``: replay server URIs (a comma-separated string or a list) or a
     ``ReplayStore``; ``token`` defaults to ``$TRAJSTORE_REPLAY_TOKEN``. The
     rest is ``SampleReader``'s (``config``, ``rank``, ``world_size``,
-    ``current_model_version``, ``ReaderConfig`` fields). A server with a
+    ``current_model_version``, ``ReaderConfig`` fields). ``streams``: parallel
+    requests one batch's payload is fetched with. A server with a
     ``max_staleness`` limit judges it against this reader's
     ``current_model_version``.
     """
@@ -294,10 +323,11 @@ class ReplayReader(SampleReader):
     def __init__(self, locations: str | Sequence[str] | ReplayStore, config: ReaderConfig | None = None, *,
                  token: str | None = None, rank: int = 0, world_size: int = 1,
                  current_model_version: int | None = None, retry_timeout_s: float = 60.0,
-                 call_timeout_s: float = 60.0, tls_root_certs: bytes | None = None, **fields: Any) -> None:
+                 call_timeout_s: float = 60.0, tls_root_certs: bytes | None = None, streams: int = 4,
+                 **fields: Any) -> None:
         owns = not isinstance(locations, ReplayStore)
         store = ReplayStore(locations, token=token, retry_timeout_s=retry_timeout_s, call_timeout_s=call_timeout_s,
-                            tls_root_certs=tls_root_certs) if owns else locations
+                            tls_root_certs=tls_root_certs, streams=streams) if owns else locations
         try:
             super().__init__(store, config, rank=rank, world_size=world_size,
                              current_model_version=current_model_version, **fields)

@@ -320,6 +320,11 @@ def test_malformed_tickets_get_a_clear_error_and_the_server_keeps_serving(filled
     # a missing segment of the right shape: the store's own error, one line
     with pytest.raises(fl.FlightServerError, match="corrupt store: payload segment .* is missing"):
         client.do_get(fl.Ticket(proto.encode(proto.SAMPLES, segment="samples-none.arrow", rows=[0])), opts).read_all()
+    # rows past the end of a real segment: one line, the server keeps serving
+    segment = next(filled_sqlite.materialized.iter_sample_rows(where={}, after=None, page_rows=1))[0]["segment"]
+    with pytest.raises(fl.FlightServerError) as e:
+        client.do_get(fl.Ticket(proto.encode(proto.SAMPLES, segment=segment, rows=[0, 10**6])), opts).read_all()
+    assert "Traceback" not in str(e.value) and "\n" not in proto.message(e.value)
     for action, body in (("drop", b"{}"), (proto.WATERMARK, b"nope"), (proto.COUNT_EVENTS, proto.encode(proto.COUNT_EVENTS))):
         with pytest.raises(fl.FlightServerError, match=proto.INVALID):
             list(client.do_action(fl.Action(action, body), opts))

@@ -68,14 +68,27 @@ class _Waits:
     def metrics(cls) -> tuple[Any, Any]:
         with cls._lock:
             if cls._metrics is None:
-                from prometheus_client import Counter
-
+                try:
+                    from prometheus_client import Counter
+                except ImportError:  # the trainer has no `replay` extra: waits are still logged
+                    cls._metrics = (_Uncounted(), _Uncounted())
+                    return cls._metrics
                 cls._metrics = (
                     Counter("trajstore_replay_client_wait_seconds", "Time a replay reader waited, by reason",
                             ["reason"]),
                     Counter("trajstore_replay_client_reconnects", "Replay requests retried on another server"),
                 )
             return cls._metrics
+
+
+class _Uncounted:
+    """Stands in for a Prometheus counter when prometheus_client is not installed."""
+
+    def labels(self, *args: Any) -> "_Uncounted":
+        return self
+
+    def inc(self, amount: float = 1.0) -> None:
+        pass
 
 
 class _Connection:

@@ -43,7 +43,6 @@ from typing import Any, Iterator
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.flight as fl
-from prometheus_client import CollectorRegistry, Counter, Gauge, ProcessCollector, start_http_server
 
 from trajstore.errors import CorruptStoreError, StoreUnavailable, TrajstoreError, ValidationError
 from trajstore.replay import _protocol as proto
@@ -109,8 +108,17 @@ def _bearer(headers: dict[str, list[Any]]) -> str | None:
     return None
 
 
+def _prometheus() -> Any:
+    try:
+        import prometheus_client
+    except ImportError:
+        raise ImportError("the replay server needs prometheus_client: pip install 'trajstore[replay]'") from None
+    return prometheus_client
+
+
 class _Metrics:
-    def __init__(self, registry: CollectorRegistry) -> None:
+    def __init__(self, registry: "CollectorRegistry") -> None:
+        Counter, Gauge = _prometheus().Counter, _prometheus().Gauge
         p = "trajstore_replay_"
         self.registry = registry
         self.requests = Counter(p + "requests", "Replay calls by method and outcome", ["method", "outcome"],
@@ -224,7 +232,7 @@ class ReplayServer(fl.FlightServerBase):
             if bad:
                 raise ValueError(f"token roles must be 'read' or 'write', got {sorted(bad)}")
         self.store, self.close_store = store, close_store
-        self.metrics = _Metrics(registry if registry is not None else CollectorRegistry())
+        self.metrics = _Metrics(registry if registry is not None else _prometheus().CollectorRegistry())
         self.limiter = _RateLimiter(store, self.metrics, samples_per_insert=samples_per_insert,
                                     spi_tolerance=spi_tolerance, max_staleness=max_staleness, hold_s=hold_s)
         super().__init__(location, middleware={"auth": _AuthMiddlewareFactory(tokens, self.metrics)},
@@ -391,14 +399,15 @@ def serve_from_args(args: argparse.Namespace) -> int:
     if args.tls_cert:
         with open(args.tls_cert, "rb") as c, open(args.tls_key, "rb") as k:
             kwargs["tls_certificates"] = [(c.read(), k.read())]
-    registry = CollectorRegistry()
-    ProcessCollector(registry=registry)  # process_cpu_seconds_total: the server's CPU per token served
+    prometheus = _prometheus()
+    registry = prometheus.CollectorRegistry()
+    prometheus.ProcessCollector(registry=registry)  # process_cpu_seconds_total: the server's CPU per token served
     server = ReplayServer(store, f"{scheme}://{args.host}:{args.port}", tokens=tokens,
                      samples_per_insert=args.samples_per_insert, spi_tolerance=args.spi_tolerance,
                      max_staleness=args.max_staleness, hold_s=args.hold_s, registry=registry, close_store=True,
                      **kwargs)
     if args.metrics_port is not None:
-        start_http_server(args.metrics_port, addr=args.host, registry=registry)
+        prometheus.start_http_server(args.metrics_port, addr=args.host, registry=registry)
     from trajstore.store import _safe
 
     print(f"trajstore replay: listening on {scheme}://{args.host}:{server.port} (store {_safe(store.url)}"

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import json
+import re
 import os
 import subprocess
 import sys
@@ -448,3 +449,18 @@ def test_the_cli_refuses_to_start_without_a_token(filled_sqlite, tmp_path):
     assert out.returncode == 1
     assert out.stderr.strip().splitlines() == ["error: no token: pass --token or set $TRAJSTORE_REPLAY_TOKEN "
                                                "(or --insecure-no-auth to run open)"]
+
+
+def test_ranks_spread_over_the_servers(filled_sqlite, replay_servers):
+    servers = [replay_servers(filled_sqlite, metrics=True) for _ in range(2)]
+    locations = [s.location for s in servers]
+    readers = [ReplayReader(locations, token=READ_TOKEN, rank=r, world_size=2, batch_size=4) for r in range(2)]
+    steps, _ = lockstep(readers)
+    local, _ = lockstep([SampleReader(filled_sqlite, rank=r, world_size=2, batch_size=4) for r in range(2)])
+    assert [[keys(b) for b in step] for step in steps] == [[keys(b) for b in step] for step in local]
+    served = []
+    for s in servers:
+        m = re.search(r"^trajstore_replay_samples_served_total (\S+)$", s.metrics(), re.M)
+        served.append(float(m.group(1)))
+    assert served[0] > 0 and served[1] > 0, f"samples served per server: {served}"
+    assert sum(served) == sum(len(b) for step in local for b in step)

@@ -95,13 +95,13 @@ class _Connection:
     """Flight clients to the replay servers, one at a time, failing over in order."""
 
     def __init__(self, locations: list[str], token: str | None, *, retry_timeout_s: float, call_timeout_s: float,
-                 tls_root_certs: bytes | None) -> None:
+                 tls_root_certs: bytes | None, first: int = 0) -> None:
         self.locations, self.retry_timeout_s = locations, retry_timeout_s
         headers = [] if token is None else [(b"authorization", f"Bearer {token}".encode())]
         self.options = fl.FlightCallOptions(headers=headers, timeout=call_timeout_s)
         self._tls_root_certs = tls_root_certs
         self._lock = threading.Lock()
-        self._index = 0
+        self._index = first % len(locations)
         self._client: fl.FlightClient | None = None
 
     def _current(self) -> tuple[int, fl.FlightClient]:
@@ -282,18 +282,21 @@ class _RemotePayload:
 
 class ReplayStore:
     """A store as replay servers show it: the ``materialized``, ``payload`` and
-    ``log`` seams ``SampleReader`` reads, each request sent to the first of
-    ``locations`` that answers. Read-only: it has no ``append``."""
+    ``log`` seams ``SampleReader`` reads. Requests go to ``locations[first]``
+    (``ReplayReader`` passes its rank, which spreads ranks over the servers)
+    and move on to the next one that answers when it fails. Read-only: it has
+    no ``append``."""
 
     def __init__(self, locations: str | Sequence[str], *, token: str | None = None, retry_timeout_s: float = 60.0,
-                 call_timeout_s: float = 60.0, tls_root_certs: bytes | None = None, streams: int = 4) -> None:
+                 call_timeout_s: float = 60.0, tls_root_certs: bytes | None = None, streams: int = 4,
+                 first: int = 0) -> None:
         self.locations = parse_locations(locations)
         if not isinstance(streams, int) or isinstance(streams, bool) or streams < 1:
             raise ValidationError(f"streams must be a positive integer, got {streams!r}", rule="reader_config")
         token = token if token is not None else os.environ.get(TOKEN_ENV) or None
         self.url = ",".join(self.locations)
         self._conn = _Connection(self.locations, token, retry_timeout_s=retry_timeout_s,
-                                 call_timeout_s=call_timeout_s, tls_root_certs=tls_root_certs)
+                                 call_timeout_s=call_timeout_s, tls_root_certs=tls_root_certs, first=first)
         self.materialized = _RemoteSamples(self._conn)
         self.log = _RemoteLog(self._conn)
         self.payload = _RemotePayload(self._conn, self.url, streams)
@@ -340,7 +343,8 @@ class ReplayReader(SampleReader):
                  **fields: Any) -> None:
         owns = not isinstance(locations, ReplayStore)
         store = ReplayStore(locations, token=token, retry_timeout_s=retry_timeout_s, call_timeout_s=call_timeout_s,
-                            tls_root_certs=tls_root_certs, streams=streams) if owns else locations
+                            tls_root_certs=tls_root_certs, streams=streams,
+                            first=rank if isinstance(rank, int) else 0) if owns else locations
         try:
             super().__init__(store, config, rank=rank, world_size=world_size,
                              current_model_version=current_model_version, **fields)

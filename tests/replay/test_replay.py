@@ -464,3 +464,14 @@ def test_ranks_spread_over_the_servers(filled_sqlite, replay_servers):
         served.append(float(m.group(1)))
     assert served[0] > 0 and served[1] > 0, f"samples served per server: {served}"
     assert sum(served) == sum(len(b) for step in local for b in step)
+
+
+def test_a_busy_port_is_one_line(filled_sqlite, replay_servers):
+    server = replay_servers(filled_sqlite)
+    out = subprocess.run([sys.executable, "-m", "trajstore.cli", "replay", "--store", filled_sqlite.url, "--payload",
+                          filled_sqlite.payload.location, "--port", str(server.port), "--token", READ_TOKEN],
+                         capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT}, timeout=60)
+    assert out.returncode == 1
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: cannot listen on grpc+tcp://127.0.0.1:{server.port} (is the port in use?)"), last
+    assert "Traceback" not in out.stderr

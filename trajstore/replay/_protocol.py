@@ -23,7 +23,7 @@ import sqlalchemy as sa
 
 from trajstore.schema import samples as samples_table
 
-__all__: list[str] = []
+__all__ = ["BadRequest", "ROWS_SCHEMA", "decode", "encode", "message", "rows_table"]
 
 VERSION = 1
 MAX_TICKET_BYTES = 1 << 20

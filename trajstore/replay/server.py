@@ -235,8 +235,11 @@ class ReplayServer(fl.FlightServerBase):
         self.metrics = _Metrics(registry if registry is not None else _prometheus().CollectorRegistry())
         self.limiter = _RateLimiter(store, self.metrics, samples_per_insert=samples_per_insert,
                                     spi_tolerance=spi_tolerance, max_staleness=max_staleness, hold_s=hold_s)
-        super().__init__(location, middleware={"auth": _AuthMiddlewareFactory(tokens, self.metrics)},
-                         tls_certificates=tls_certificates or [])
+        try:
+            super().__init__(location, middleware={"auth": _AuthMiddlewareFactory(tokens, self.metrics)},
+                             tls_certificates=tls_certificates or [])
+        except pa.ArrowException as e:
+            raise ValueError(f"cannot listen on {location} (is the port in use?): {proto.message(e)}") from None
 
     # -- one wrapper for every handler: metrics and errors -------------------
     def _answer(self, method: str, fn: Any) -> Any:

@@ -32,7 +32,8 @@ class ReplayProcess:
         self.store_url, self.payload, self.extra = store_url, payload, extra
         self.port = port or free_port()
         self.metrics_port = metrics_port
-        self.location = f"grpc://127.0.0.1:{self.port}"
+        tls = "--tls-cert" in extra
+        self.location = f"grpc+tls://localhost:{self.port}" if tls else f"grpc://127.0.0.1:{self.port}"
         self.log_dir = log_dir
         self.proc: subprocess.Popen | None = None
         self.starts = 0

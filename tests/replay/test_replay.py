@@ -475,3 +475,20 @@ def test_a_busy_port_is_one_line(filled_sqlite, replay_servers):
     last = out.stderr.strip().splitlines()[-1]
     assert last.startswith(f"error: cannot listen on grpc+tcp://127.0.0.1:{server.port} (is the port in use?)"), last
     assert "Traceback" not in out.stderr
+
+
+def test_tls(filled_sqlite, replay_servers, tmp_path):
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=DNS:localhost", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True)
+    server = replay_servers(filled_sqlite, "--host", "localhost", "--tls-cert", str(cert), "--tls-key", str(key))
+    assert "listening on grpc+tls://localhost:" in server.log()
+    got = list(ReplayReader(server.location, token=READ_TOKEN, tls_root_certs=cert.read_bytes(), batch_size=4))
+    local = list(SampleReader(filled_sqlite, batch_size=4))
+    assert len(got) == len(local) > 0
+    for a, b in zip(local, got):
+        same_batch(a, b)
+    # a client that does not trust the certificate reads nothing
+    with pytest.raises(StoreUnavailable):
+        next(ReplayReader(server.location, token=READ_TOKEN, retry_timeout_s=1.0, batch_size=4))

@@ -124,12 +124,22 @@ def _stalled_clients(url: str, payload: str, location: str, pid: int, n: int) ->
                                                opts)))
     time.sleep(2.0)
     during = _rss_anon_mb(pid)
+    threads = int(re.search(r"Threads:\s+(\d+)", Path(f"/proc/{pid}/status").read_text()).group(1))
+    # meanwhile, one reader reads the whole store
+    from trajstore.replay import ReplayReader
+
+    t = time.perf_counter()
+    read = sum(len(b) for b in ReplayReader(location, token=TOKEN, batch_size=8))
+    reader_s = time.perf_counter() - t
+    assert read == len(rows), (read, len(rows))
     for client, stream in held[:1]:
         stream.read_all()  # still whole once read
     for client, _ in held:
         client.close()
-    return {"clients": n, "streams": len(held), "server_rss_anon_mb_before": round(before, 1),
-            "server_rss_anon_mb_stalled": round(during, 1)}
+    return {"clients": n, "streams": len(held), "bytes_asked_gib": round(len(held) / len(by_segment) * sum(
+                os.path.getsize(os.path.join(payload, name)) for name in by_segment) / 2**30, 1),
+            "server_rss_anon_mb_before": round(before, 1), "server_rss_anon_mb_stalled": round(during, 1),
+            "server_threads_stalled": threads, "one_reader_meanwhile_s": round(reader_s, 2)}
 
 
 def _free_port() -> int:
@@ -272,6 +282,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--tmp", default=None)
     p.add_argument("--dir", default=None, help="keep the store here and reuse it when it is there (default: a temporary one)")
     p.add_argument("--stalled", type=int, default=16, help="clients that open streams of the whole store and stall")
+    p.add_argument("--stalled-only", action="store_true", help="only the stalled-clients measurement")
     p.add_argument("--streams", type=int, default=4, help="parallel payload requests per remote reader (default 4)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -296,6 +307,11 @@ def main(argv: list[str] | None = None) -> dict:
         assert "listening on" in line, line + server.stderr.read()
         location = f"grpc://127.0.0.1:{port}"
         try:
+            if args.stalled_only:
+                out = {"samples": args.samples, "stalled_clients": _stalled_clients(url, payload, location, server.pid,
+                                                                                   args.stalled)}
+                print(json.dumps(out, indent=2))
+                return out
             paths = [(consumer, kind, k) for consumer in CONSUMERS for k in READERS for kind in ("local", "remote")]
             paths.append(("touched", "flight", 1))
             if with_streaming:

@@ -125,7 +125,8 @@ def test_batches_and_states_equal_sample_readers(filled, replay_servers, name):
     assert keys(next(back)) == keys(first)
 
 
-def test_collated_batches_under_a_stateful_dataloader_equal_sample_dataset(filled_sqlite, replay_servers):
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_collated_batches_under_a_stateful_dataloader_equal_sample_dataset(filled_sqlite, replay_servers, num_workers):
     torchdata = pytest.importorskip("torchdata.stateful_dataloader")
     import torch
 
@@ -136,7 +137,7 @@ def test_collated_batches_under_a_stateful_dataloader_equal_sample_dataset(fille
     config = {"batch_size": 4, "keep_groups": True, "group_size": GROUP_SIZE}
 
     def run(dataset, state=None, stop=None):
-        loader = torchdata.StatefulDataLoader(dataset, batch_size=None, num_workers=0)
+        loader = torchdata.StatefulDataLoader(dataset, batch_size=None, num_workers=num_workers)
         if state is not None:
             loader.load_state_dict(state)
         out = []

@@ -172,17 +172,21 @@ def test_ranks_and_epochs_read_every_sample_once_through_servers_killed_and_rest
     assert len(reference) > 40
     stop = threading.Event()
     kills = Counter()
+    failed: list[BaseException] = []
 
     def chaos() -> None:
         victims = [a, b]
         k = 0
-        while not stop.wait(0.25):
-            victim = victims[k % 2]
-            victim.kill9()
-            kills[victim.port] += 1
-            stop.wait(0.3)
-            victim.start()
-            k += 1
+        try:
+            while not stop.wait(0.25):
+                victim = victims[k % 2]
+                victim.kill9()
+                kills[victim.port] += 1
+                stop.wait(0.3)
+                victim.start()
+                k += 1
+        except BaseException as e:  # reported by the test, not lost in the thread
+            failed.append(e)
 
     thread = threading.Thread(target=chaos, daemon=True)
     thread.start()
@@ -210,6 +214,7 @@ def test_ranks_and_epochs_read_every_sample_once_through_servers_killed_and_rest
     finally:
         stop.set()
         thread.join()
+    assert not failed, f"killing or restarting a server failed: {failed[0]!r}"
     assert kills[a.port] and kills[b.port], f"the servers were not both killed while reading: {dict(kills)}"
 
 
@@ -493,3 +498,17 @@ def test_tls(filled_sqlite, replay_servers, tmp_path):
     # a client that does not trust the certificate reads nothing
     with pytest.raises(StoreUnavailable):
         next(ReplayReader(server.location, token=READ_TOKEN, retry_timeout_s=1.0, batch_size=4))
+
+
+def test_every_answer_announces_its_row_count(filled_sqlite, replay_servers):
+    """What lets the reader tell a stream cut short from a short answer."""
+    server = replay_servers(filled_sqlite)
+    client = fl.connect(server.location)
+    opts = fl.FlightCallOptions(headers=[(b"authorization", f"Bearer {READ_TOKEN}".encode())])
+    rows = client.do_get(fl.Ticket(proto.encode(proto.ROWS, where={}, after=None, page_rows=7)), opts).read_all()
+    assert rows.num_rows == 7 and proto.complete(rows)
+    first = rows.to_pylist()[0]
+    part = client.do_get(fl.Ticket(proto.encode(proto.SAMPLES, segment=first["segment"], rows=[first["segment_row"]])),
+                         opts).read_all()
+    assert part.num_rows == 1 and proto.complete(part)
+    assert not proto.complete(part.slice(0, 0))

@@ -23,7 +23,7 @@ import sqlalchemy as sa
 
 from trajstore.schema import samples as samples_table
 
-__all__ = ["BadRequest", "ROWS_SCHEMA", "decode", "encode", "message", "rows_table"]
+__all__ = ["BadRequest", "ROWS_SCHEMA", "ROW_COUNT", "complete", "counted", "decode", "encode", "message", "rows_table"]
 
 VERSION = 1
 MAX_TICKET_BYTES = 1 << 20
@@ -148,6 +148,22 @@ def _arrow_type(column: sa.Column) -> pa.DataType:
 
 ROWS_SCHEMA = pa.schema([pa.field(c.name, _arrow_type(c)) for c in samples_table.columns])
 """Sample index rows on the wire: one column per column of the ``samples`` table."""
+
+
+ROW_COUNT = b"trajstore.replay.rows"
+"""Schema metadata of every DoGet answer: how many rows it holds. It travels in
+the first message, so a stream cut short is told apart from a short answer."""
+
+
+def counted(table: pa.Table) -> pa.Table:
+    """``table`` with its row count in the schema metadata (``ROW_COUNT``)."""
+    return table.replace_schema_metadata({**(table.schema.metadata or {}), ROW_COUNT: str(table.num_rows).encode()})
+
+
+def complete(table: pa.Table) -> bool:
+    """Whether a received answer holds the rows its schema announced."""
+    meta = table.schema.metadata or {}
+    return ROW_COUNT in meta and int(meta[ROW_COUNT]) == table.num_rows
 
 
 def rows_table(rows: list[dict[str, Any]]) -> pa.Table:

@@ -166,7 +166,12 @@ class _Connection:
 
     def get(self, what: str, ticket: bytes) -> pa.Table:
         """A DoGet's whole answer (a stream cut short is retried whole)."""
-        return self.call(what, lambda c, o: c.do_get(fl.Ticket(ticket), o).read_all())
+        def run(c: fl.FlightClient, o: fl.FlightCallOptions) -> pa.Table:
+            table = c.do_get(fl.Ticket(ticket), o).read_all()
+            if not proto.complete(table):  # the stream ended early without an error: ask again
+                raise fl.FlightUnavailableError(f"incomplete answer ({table.num_rows} rows)")
+            return table
+        return self.call(what, run)
 
     def action(self, what: str, kind: str, **fields: Any) -> Any:
         def run(c: fl.FlightClient, o: fl.FlightCallOptions) -> Any:

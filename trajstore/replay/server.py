@@ -284,7 +284,7 @@ class ReplayServer(fl.FlightServerBase):
                                                              page_rows=req["page_rows"])
             rows = next(iter(pages), [])
             self.metrics.rows.inc(len(rows))
-            return fl.RecordBatchStream(proto.rows_table(rows))
+            return fl.RecordBatchStream(proto.counted(proto.rows_table(rows)))
         wanted = sorted(set(req["rows"]))
         self.limiter.acquire(len(wanted), req.get("current_model_version"))
         part = self.store.payload.read_rows(req["segment"], wanted)
@@ -298,7 +298,7 @@ class ReplayServer(fl.FlightServerBase):
                 j += 1
             slices.extend(table.slice(positions[i], j - i).to_batches())
             i = j
-        out = pa.Table.from_batches(slices, schema=table.schema)
+        out = proto.counted(pa.Table.from_batches(slices, schema=table.schema))
         self.metrics.samples.inc(len(wanted))
         self.metrics.bytes.inc(sum(b.nbytes for b in slices))
         if "prompt_ids" in out.column_names:

@@ -2,7 +2,7 @@
 
 * Imports point one way: the core (``trajstore/*.py`` and ``trajstore/log/``)
   never imports the edges (``ingest/``, ``train/``, ``inspect/``, ``demo/``,
-  ``scale/``, ``cli``), not even inside a function.
+  ``scale/``, ``replay/``, ``cli``), not even inside a function.
 * No import cycles between trajstore modules, function-level imports included.
 * Every public module declares ``__all__``, and it lists exactly the public
   names the module defines (not the ones it imports).
@@ -22,7 +22,7 @@ import trajstore
 
 PKG = Path(trajstore.__file__).resolve().parent
 EDGES = ("trajstore.ingest", "trajstore.train", "trajstore.inspect", "trajstore.demo", "trajstore.scale",
-         "trajstore.cli")
+         "trajstore.replay", "trajstore.cli")
 
 
 def _modules() -> dict[str, Path]:

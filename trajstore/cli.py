@@ -265,6 +265,8 @@ _EDGES = (
     ("proxy", "trajstore.ingest._sglang_proxy", "serve_from_args", "run the recording proxy in front of vLLM or SGLang"),
     ("sql", "trajstore.inspect.sql", "run_from_args", "run a read-only SQL query against the store"),
     ("report", "trajstore.inspect.report", "run_from_args", "render an HTML report with plots of the run"),
+    # the replay service: trainers elsewhere read samples over Arrow Flight (docs/replay.md)
+    ("replay", "trajstore.replay.server", "serve_from_args", "run the Arrow Flight replay service trainers read from"),
 )
 
 

@@ -1,0 +1,514 @@
+"""The replay service with real processes: `trajstore replay` servers on loopback, read by
+``ReplayReader`` (and ``ReplayDataset``) in the test process.
+
+* the same batches, byte for byte, and the same states as ``SampleReader``;
+* ranks x epochs read every sample exactly once through servers killed -9 and
+  restarted mid-stream ("missing", "duplicate", "incorrect order" by name);
+* tokens: missing, wrong, read-only writing; malformed tickets; a stalled
+  client does not stall another;
+* follow mode against a writer process; the rate limiter's wait, logged once and
+  in the metrics.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.flight as fl
+import pytest
+
+import trajstore
+from trajstore.errors import StoreUnavailable, ValidationError
+from trajstore.materializer import Materializer
+from trajstore.reader import SampleReader
+from trajstore.replay import ReplayReader, ReplayStore
+from trajstore.replay import _protocol as proto
+from trajstore.demo.simulate import trajectory_events
+
+from replay_procs import READ_TOKEN, WRITE_TOKEN, ReplayProcess, free_port
+from test_reader import CFG, GROUP_SIZE, HERE, _ends_once_drained, assert_resumed, fill, flat, keys, shuffled
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+CONFIGS = {
+    "samples": {"batch_size": 4},
+    "groups-tokens": {"max_tokens_per_batch": 160, "keep_groups": True, "group_size": GROUP_SIZE},
+    "filters": {"batch_size": 5, "status": ["completed", "aborted"], "drop_finish_reasons": ["length"],
+                "mask_finish_reasons": ["abort"]},
+    "stale": {"batch_size": 6, "keep_groups": True, "group_size": GROUP_SIZE, "max_staleness": 1,
+              "current_model_version": 4},
+}
+FIELDS = ("prompt_ids", "response_ids", "loss_mask", "rollout_logprobs", "logprobs_mask", "token_model_versions",
+          "token_rewards", "routed_experts", "routed_experts_mask")
+SCALARS = ("trajectory_id", "group_id", "sample_index", "is_last_step", "status", "finish_reason", "reward",
+           "min_model_version", "max_model_version")
+
+
+@pytest.fixture
+def filled(store):
+    """A filled store on each backend (for what the backend matters to)."""
+    fill(store, shuffled())
+    return store
+
+
+@pytest.fixture
+def filled_sqlite(tmp_path):
+    """A filled SQLite store (for what only the server's front matters to)."""
+    s = trajstore.connect(f"sqlite:///{tmp_path / 'store.db'}", payload=str(tmp_path / "payload"))
+    fill(s, shuffled())
+    yield s
+    s.close()
+
+
+def same_batch(a, b) -> None:
+    assert [(s.trajectory_id, s.sample_index) for s in a] == [(s.trajectory_id, s.sample_index) for s in b]
+    for x, y in zip(a, b):
+        for name in SCALARS:
+            assert getattr(x, name) == getattr(y, name), name
+        for name in FIELDS:
+            u, v = getattr(x, name), getattr(y, name)
+            assert (u is None) == (v is None), name
+            if u is not None:
+                assert u.dtype == v.dtype and u.shape == v.shape and u.tobytes() == v.tobytes(), name
+
+
+def lockstep(readers, max_steps=None, pause_s=0.0):
+    """(batches per step per rank, states per step) of readers read in lockstep;
+    ``pause_s`` between steps stands for the trainer's compute."""
+    steps, states = [], []
+    while max_steps is None or len(steps) < max_steps:
+        time.sleep(pause_s)
+        batches = [next(r, None) for r in readers]
+        if all(b is None for b in batches):
+            break
+        assert all(b is not None for b in batches), "ranks disagree on the number of steps"
+        steps.append(batches)
+        states.append([r.state_dict() for r in readers])
+    return steps, states
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_batches_and_states_equal_sample_readers(filled, replay_servers, name):
+    config = dict(CONFIGS[name])
+    server = replay_servers(filled)
+    for world_size in (1, 2, 3):
+        local, local_states = lockstep([SampleReader(filled, rank=r, world_size=world_size, **config)
+                                        for r in range(world_size)])
+        remote_readers = [ReplayReader(server.location, token=READ_TOKEN, rank=r, world_size=world_size, **config)
+                          for r in range(world_size)]
+        remote, remote_states = lockstep(remote_readers)
+        assert len(local) == len(remote) > 0
+        for a, b in zip(local, remote):
+            for x, y in zip(a, b):
+                same_batch(x, y)
+        assert local_states == remote_states
+        for r in remote_readers:
+            r.close()
+    # a state saved by a SampleReader resumes in a ReplayReader and the reverse
+    local = SampleReader(filled, **config)
+    first = next(local)
+    remote = ReplayReader(server.location, token=READ_TOKEN, **config)
+    remote.load_state_dict(json.loads(json.dumps(local.state_dict())))
+    rest_remote = list(remote)
+    assert [keys(b) for b in rest_remote] == [keys(b) for b in local]
+    back = SampleReader(filled, **config)
+    back.load_state_dict(ReplayReader(server.location, token=READ_TOKEN, **config).state_dict())
+    assert keys(next(back)) == keys(first)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_collated_batches_under_a_stateful_dataloader_equal_sample_dataset(filled_sqlite, replay_servers, num_workers):
+    torchdata = pytest.importorskip("torchdata.stateful_dataloader")
+    import torch
+
+    from trajstore.replay.dataset import ReplayDataset
+    from trajstore.train.collate import SampleDataset
+
+    server = replay_servers(filled_sqlite)
+    config = {"batch_size": 4, "keep_groups": True, "group_size": GROUP_SIZE}
+
+    def run(dataset, state=None, stop=None):
+        loader = torchdata.StatefulDataLoader(dataset, batch_size=None, num_workers=num_workers)
+        if state is not None:
+            loader.load_state_dict(state)
+        out = []
+        for i, batch in enumerate(loader):
+            out.append(batch)
+            if stop is not None and i + 1 == stop:
+                return out, loader.state_dict()
+        return out, loader.state_dict()
+
+    local, _ = run(SampleDataset(filled_sqlite.url, payload=filled_sqlite.payload.location, rank=1, world_size=2, **config))
+    remote_head, state = run(ReplayDataset(server.location, token=READ_TOKEN, rank=1, world_size=2, **config), stop=3)
+    remote_tail, _ = run(ReplayDataset(server.location, token=READ_TOKEN, rank=1, world_size=2, **config), state)
+    remote = remote_head + remote_tail
+    assert len(remote) == len(local) > 3
+    for a, b in zip(local, remote):
+        assert a.keys() == b.keys()
+        for k in a:
+            if isinstance(a[k], torch.Tensor):
+                assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+            else:
+                assert a[k] == b[k], k
+
+
+def test_ranks_and_epochs_read_every_sample_once_through_servers_killed_and_restarted(filled, replay_servers):
+    """Two servers; while two ranks read two epochs in lockstep a thread kills -9 one
+    server and restarts it, then the other, again and again; mid-epoch the ranks
+    also save their state and new readers (another world size) resume from it."""
+    a, b = replay_servers(filled), replay_servers(filled)
+    locations = [a.location, b.location]
+    config = {"batch_size": 2, "keep_groups": True, "group_size": GROUP_SIZE // 2, "page_rows": 16}
+    reference = flat([[keys(batch)] for batch in SampleReader(filled, **config)])
+    assert len(reference) > 40
+    stop = threading.Event()
+    kills = Counter()
+    failed: list[BaseException] = []
+
+    def chaos() -> None:
+        victims = [a, b]
+        k = 0
+        try:
+            while not stop.wait(0.25):
+                victim = victims[k % 2]
+                victim.kill9()
+                kills[victim.port] += 1
+                stop.wait(0.3)
+                victim.start()
+                k += 1
+        except BaseException as e:  # reported by the test, not lost in the thread
+            failed.append(e)
+
+    thread = threading.Thread(target=chaos, daemon=True)
+    thread.start()
+    try:
+        for epoch in range(2):
+            readers = [ReplayReader(locations, token=READ_TOKEN, rank=r, world_size=2, retry_timeout_s=60, **config)
+                       for r in range(2)]
+            before, _ = lockstep(readers, max_steps=5, pause_s=0.15)
+            state = json.loads(json.dumps(readers[0].state_dict()))
+            resumed = [ReplayReader(locations[::-1], token=READ_TOKEN, rank=r, world_size=3, retry_timeout_s=60,
+                                    **config) for r in range(3)]
+            for r in resumed:
+                r.load_state_dict(state)
+            after, _ = lockstep(resumed, pause_s=0.15)
+            for r in readers + resumed:
+                r.close()
+            assert_resumed([[keys(x) for x in step] for step in before],
+                           [[keys(x) for x in step] for step in after], reference)
+            # the resumed part is exactly what local readers resumed from the same state give
+            local = [SampleReader(filled, rank=r, world_size=3, **config) for r in range(3)]
+            for r in local:
+                r.load_state_dict(state)
+            local_after, _ = lockstep(local)
+            assert [[keys(x) for x in step] for step in after] == [[keys(x) for x in step] for step in local_after]
+    finally:
+        stop.set()
+        thread.join()
+    assert not failed, f"killing or restarting a server failed: {failed[0]!r}"
+    assert kills[a.port] and kills[b.port], f"the servers were not both killed while reading: {dict(kills)}"
+
+
+def test_a_cut_stream_is_never_half_used(filled_sqlite, replay_servers):
+    """A server killed while its answers are being streamed: the reader retries on the
+    next one and its batches are whole and correct."""
+    config = {"batch_size": 8}
+    server = replay_servers(filled_sqlite)
+    spare = replay_servers(filled_sqlite)
+    reader = ReplayReader([server.location, spare.location], token=READ_TOKEN, **config)
+    first = next(reader)
+    server.kill9()
+    rest = list(reader)
+    local = list(SampleReader(filled_sqlite, **config))
+    for x, y in zip(local, [first] + rest):
+        same_batch(x, y)
+    assert len(local) == 1 + len(rest)
+
+
+def test_no_server_answers_is_store_unavailable_after_the_retry_time(filled_sqlite):
+    reader = ReplayReader(f"grpc://127.0.0.1:{free_port()}", token=READ_TOKEN, retry_timeout_s=1.0, batch_size=4)
+    with pytest.raises(StoreUnavailable, match="no replay server answered"):
+        next(reader)
+
+
+@pytest.mark.parametrize("token", [None, "wrong-token"])
+def test_missing_or_wrong_token_reads_nothing(filled_sqlite, replay_servers, token, monkeypatch):
+    monkeypatch.delenv("TRAJSTORE_REPLAY_TOKEN", raising=False)
+    server = replay_servers(filled_sqlite)
+    with pytest.raises(ValidationError, match="missing or wrong bearer token") as e:
+        next(ReplayReader(server.location, token=token, batch_size=4))
+    assert e.value.rule == "unauthorized"
+    client = fl.connect(server.location)
+    headers = [] if token is None else [(b"authorization", f"Bearer {token}".encode())]
+    opts = fl.FlightCallOptions(headers=headers)
+    for call in (lambda: client.do_get(fl.Ticket(proto.encode(proto.ROWS, where={}, after=None, page_rows=10)),
+                                       opts).read_all(),
+                 lambda: list(client.do_action(fl.Action(proto.HELLO, proto.encode(proto.HELLO)), opts)),
+                 lambda: list(client.list_actions(opts))):
+        with pytest.raises(fl.FlightUnauthenticatedError):
+            call()
+
+
+def _events_table(events) -> pa.Table:
+    # arrays as nested lists, one of the wire format's ARRAY encodings
+    return pa.table({"event": pa.array([json.dumps(e, default=lambda a: a.tolist()) for e in events], pa.string())})
+
+
+def test_a_read_only_token_cannot_write_and_the_write_token_can(filled_sqlite, replay_servers):
+    server = replay_servers(filled_sqlite)
+    before = filled_sqlite.log.count_events(after_position=0)
+    table = _events_table(trajectory_events(CFG, 1000))
+    desc = fl.FlightDescriptor.for_path("events")
+    client = fl.connect(server.location)
+
+    def put(token: str) -> bytes:
+        opts = fl.FlightCallOptions(headers=[(b"authorization", f"Bearer {token}".encode())])
+        writer, meta = client.do_put(desc, table.schema, opts)
+        writer.write_table(table)
+        writer.done_writing()
+        answer = meta.read()
+        writer.close()
+        return answer.to_pybytes()
+
+    with pytest.raises(fl.FlightUnauthorizedError, match="a read token cannot write"):
+        put(READ_TOKEN)
+    for method in ("do_exchange",):
+        opts = fl.FlightCallOptions(headers=[(b"authorization", f"Bearer {READ_TOKEN}".encode())])
+        with pytest.raises(fl.FlightUnauthorizedError):
+            w, r = client.do_exchange(desc, opts)
+            w.begin(table.schema)
+            w.write_table(table)
+            w.done_writing()
+            r.read_all()
+    assert filled_sqlite.log.count_events(after_position=0) == before, "a read token wrote"
+    answer = json.loads(put(WRITE_TOKEN))
+    assert answer["num_appended"] == table.num_rows
+    assert filled_sqlite.log.count_events(after_position=0) == before + table.num_rows
+
+
+MALFORMED = [
+    (b"", "not JSON"),
+    (b"\xff\xfe garbage", "not JSON"),
+    (b"[1, 2]", "must be a JSON object"),
+    (json.dumps({"v": 99, "kind": "rows"}).encode(), "protocol version"),
+    (json.dumps({"v": 1, "kind": "drop_tables"}).encode(), "kind"),
+    (proto.encode(proto.ROWS, where={"sql": "1=1"}, after=None, page_rows=10), "unknown keys"),
+    (proto.encode(proto.ROWS, where={}, after=[1], page_rows=10), "after"),
+    (proto.encode(proto.ROWS, where={}, after=None, page_rows=10**9), "page_rows"),
+    (proto.encode(proto.ROWS, where={"status": 5}, after=None, page_rows=10), "where.status"),
+    (proto.encode(proto.SAMPLES, segment="../../store.db", rows=[0]), "segment"),
+    (proto.encode(proto.SAMPLES, segment="/etc/passwd", rows=[0]), "segment"),
+    (proto.encode(proto.SAMPLES, segment="samples-x.arrow", rows=[-1]), "rows"),
+    (proto.encode(proto.SAMPLES, segment="samples-x.arrow", rows=[]), "rows"),
+    (b"{" * 100_000, "not JSON"),
+    (b"x" * (proto.MAX_TICKET_BYTES + 1), "byte limit"),
+]
+
+
+def test_malformed_tickets_get_a_clear_error_and_the_server_keeps_serving(filled_sqlite, replay_servers):
+    server = replay_servers(filled_sqlite)
+    client = fl.connect(server.location)
+    opts = fl.FlightCallOptions(headers=[(b"authorization", f"Bearer {READ_TOKEN}".encode())])
+    for ticket, words in MALFORMED:
+        with pytest.raises(fl.FlightServerError) as e:
+            client.do_get(fl.Ticket(ticket), opts).read_all()
+        text = proto.message(e.value)
+        assert text.startswith(proto.INVALID) and words in text, (ticket[:40], text)
+        assert "Traceback" not in str(e.value)
+    # a missing segment of the right shape: the store's own error, one line
+    with pytest.raises(fl.FlightServerError, match="corrupt store: payload segment .* is missing"):
+        client.do_get(fl.Ticket(proto.encode(proto.SAMPLES, segment="samples-none.arrow", rows=[0])), opts).read_all()
+    # rows past the end of a real segment: one line, the server keeps serving
+    segment = next(filled_sqlite.materialized.iter_sample_rows(where={}, after=None, page_rows=1))[0]["segment"]
+    with pytest.raises(fl.FlightServerError) as e:
+        client.do_get(fl.Ticket(proto.encode(proto.SAMPLES, segment=segment, rows=[0, 10**6])), opts).read_all()
+    assert "Traceback" not in str(e.value) and "\n" not in proto.message(e.value)
+    for action, body in (("drop", b"{}"), (proto.WATERMARK, b"nope"), (proto.COUNT_EVENTS, proto.encode(proto.COUNT_EVENTS))):
+        with pytest.raises(fl.FlightServerError, match=proto.INVALID):
+            list(client.do_action(fl.Action(action, body), opts))
+    # the client maps them to ValidationError naming the server
+    store = ReplayStore(server.location, token=READ_TOKEN)
+    with pytest.raises(ValidationError, match="refused reading"):
+        store.payload.read_rows("../x.arrow", [0])
+    assert server.proc.poll() is None
+    assert store.hello() == {"protocol": proto.VERSION}
+    got = [s for batch in ReplayReader(store, batch_size=4) for s in batch]
+    assert len(got) == sum(len(b) for b in SampleReader(filled_sqlite, batch_size=4))
+
+
+def test_a_stalled_client_does_not_stall_another(filled_sqlite, replay_servers):
+    """Eight clients open streams of every sample and read none of them; meanwhile
+    another reader reads the whole store, twice."""
+    server = replay_servers(filled_sqlite)
+    rows = [r for page in filled_sqlite.materialized.iter_sample_rows(where={}, after=None, page_rows=10_000) for r in page]
+    by_segment: dict[str, list[int]] = {}
+    for r in rows:
+        by_segment.setdefault(r["segment"], []).append(r["segment_row"])
+    segment, seg_rows = max(by_segment.items(), key=lambda kv: len(kv[1]))
+    opts = fl.FlightCallOptions(headers=[(b"authorization", f"Bearer {READ_TOKEN}".encode())])
+    stalled = []
+    for _ in range(8):
+        client = fl.connect(server.location)
+        stream = client.do_get(fl.Ticket(proto.encode(proto.SAMPLES, segment=segment, rows=seg_rows)), opts)
+        stalled.append((client, stream))  # opened, never read
+    expected = [keys(b) for b in SampleReader(filled_sqlite, batch_size=4)]
+    done = []
+
+    def read() -> None:
+        for _ in range(2):
+            done.append([keys(b) for b in ReplayReader(server.location, token=READ_TOKEN, batch_size=4)])
+
+    t = threading.Thread(target=read, daemon=True)
+    t.start()
+    t.join(timeout=120)
+    assert not t.is_alive(), "a reader was stalled by clients that stopped reading"
+    assert done == [expected, expected]
+    # the stalled streams are still good once read
+    table = stalled[0][1].read_all()
+    assert table.num_rows == len(seg_rows)
+
+
+def test_follow_mode_reads_every_sample_once_while_a_process_writes(store, replay_servers):
+    server = replay_servers(store)
+    config = {"batch_size": 8, "keep_groups": True, "group_size": GROUP_SIZE}
+    producer = subprocess.Popen([sys.executable, HERE, "produce", store.url, store.payload.location, "32"],
+                                cwd=ROOT, stderr=subprocess.PIPE, text=True,
+                                env={**os.environ, "PYTHONPATH": ROOT})
+    try:
+        while producer.poll() is None and not any(True for _ in store.samples(page_rows=1)):
+            time.sleep(0.05)
+        reader = ReplayReader(server.location, token=READ_TOKEN, follow=True, timeout_s=20.0, poll_interval_s=0.05,
+                              **config)
+        with _ends_once_drained(reader, producer):
+            steps = [[keys(batch)] for batch in reader]
+    finally:
+        _, err = producer.communicate(timeout=120)
+    assert producer.returncode == 0, err[-2000:]
+    assert reader.stats.polls > 0, "the reader never had to wait: the test did not exercise following"
+    reference = flat([[keys(b)] for b in SampleReader(store, **config)])
+    assert len(reference) >= 32
+    assert_resumed(steps, [], reference)
+
+
+def test_samples_per_insert_holds_a_second_epoch_until_rollouts_insert_more(filled_sqlite, replay_servers):
+    server = replay_servers(filled_sqlite, "--samples-per-insert", "1", "--hold-s", "0.5", metrics=True)
+    config = {"batch_size": 4}
+    first = [s for b in ReplayReader(server.location, token=READ_TOKEN, **config) for s in b]
+    assert len(first) == filled_sqlite.materialized.count_samples()
+    got: list = []
+    second = ReplayReader(server.location, token=READ_TOKEN, **config)
+    t = threading.Thread(target=lambda: got.append(next(second)), daemon=True)
+    t.start()
+    deadline = time.monotonic() + 60
+    while 'trajstore_replay_wait_seconds_total{reason="samples_per_insert"}' not in server.metrics():
+        assert time.monotonic() < deadline, "the second epoch was never held"
+        time.sleep(0.1)
+    time.sleep(1.5)  # several hold periods: still one log line for the wait
+    assert not got, "the limiter let a second epoch through with nothing inserted"
+    assert server.log().count("holding sample requests (samples_per_insert") == 1, server.log()
+    m = Materializer(filled_sqlite)
+    for i in range(100, 104):
+        filled_sqlite.append(trajectory_events(CFG, i))
+    m.run()
+    t.join(timeout=60)
+    assert got and len(got[0]) == 4
+    text = server.metrics()
+    assert 'trajstore_replay_requests_total{method="do_get",outcome="unavailable"}' in text
+    assert "process_cpu_seconds_total" in text
+
+
+def test_max_staleness_holds_a_learner_ahead_of_the_rollouts(filled_sqlite, replay_servers):
+    server = replay_servers(filled_sqlite, "--max-staleness", "2", "--hold-s", "0.3", metrics=True)
+    newest = max(s.max_model_version for b in SampleReader(filled_sqlite, batch_size=100) for s in b)
+    # within the bound: served
+    assert next(ReplayReader(server.location, token=READ_TOKEN, batch_size=4, current_model_version=newest + 2))
+    got: list = []
+    ahead = ReplayReader(server.location, token=READ_TOKEN, batch_size=4, current_model_version=newest + 3)
+    t = threading.Thread(target=lambda: got.append(next(ahead)), daemon=True)
+    t.start()
+    deadline = time.monotonic() + 60
+    while "holding sample requests (max_staleness" not in server.log():
+        assert time.monotonic() < deadline, "the learner ahead of the rollouts was never held"
+        time.sleep(0.1)
+    assert not got
+    filled_sqlite.append(trajectory_events(CFG, 200, version=newest + 1))
+    Materializer(filled_sqlite).run()
+    t.join(timeout=60)
+    assert got, "the learner stayed held after a fresh rollout arrived"
+
+
+def test_the_cli_refuses_to_start_without_a_token(filled_sqlite, tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRAJSTORE_REPLAY_TOKEN"}
+    env["PYTHONPATH"] = ROOT
+    out = subprocess.run([sys.executable, "-m", "trajstore.cli", "replay", "--store", filled_sqlite.url, "--payload",
+                          filled_sqlite.payload.location, "--port", "0"], capture_output=True, text=True, env=env,
+                         timeout=60)
+    assert out.returncode == 1
+    assert out.stderr.strip().splitlines() == ["error: no token: pass --token or set $TRAJSTORE_REPLAY_TOKEN "
+                                               "(or --insecure-no-auth to run open)"]
+
+
+def test_ranks_spread_over_the_servers(filled_sqlite, replay_servers):
+    servers = [replay_servers(filled_sqlite, metrics=True) for _ in range(2)]
+    locations = [s.location for s in servers]
+    readers = [ReplayReader(locations, token=READ_TOKEN, rank=r, world_size=2, batch_size=4) for r in range(2)]
+    steps, _ = lockstep(readers)
+    local, _ = lockstep([SampleReader(filled_sqlite, rank=r, world_size=2, batch_size=4) for r in range(2)])
+    assert [[keys(b) for b in step] for step in steps] == [[keys(b) for b in step] for step in local]
+    served = []
+    for s in servers:
+        m = re.search(r"^trajstore_replay_samples_served_total (\S+)$", s.metrics(), re.M)
+        served.append(float(m.group(1)))
+    assert served[0] > 0 and served[1] > 0, f"samples served per server: {served}"
+    assert sum(served) == sum(len(b) for step in local for b in step)
+
+
+def test_a_busy_port_is_one_line(filled_sqlite, replay_servers):
+    server = replay_servers(filled_sqlite)
+    out = subprocess.run([sys.executable, "-m", "trajstore.cli", "replay", "--store", filled_sqlite.url, "--payload",
+                          filled_sqlite.payload.location, "--port", str(server.port), "--token", READ_TOKEN],
+                         capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT}, timeout=60)
+    assert out.returncode == 1
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: cannot listen on grpc+tcp://127.0.0.1:{server.port} (is the port in use?)"), last
+    assert "Traceback" not in out.stderr
+
+
+def test_tls(filled_sqlite, replay_servers, tmp_path):
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=DNS:localhost", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True)
+    server = replay_servers(filled_sqlite, "--host", "localhost", "--tls-cert", str(cert), "--tls-key", str(key))
+    assert "listening on grpc+tls://localhost:" in server.log()
+    got = list(ReplayReader(server.location, token=READ_TOKEN, tls_root_certs=cert.read_bytes(), batch_size=4))
+    local = list(SampleReader(filled_sqlite, batch_size=4))
+    assert len(got) == len(local) > 0
+    for a, b in zip(local, got):
+        same_batch(a, b)
+    # a client that does not trust the certificate reads nothing
+    with pytest.raises(StoreUnavailable):
+        next(ReplayReader(server.location, token=READ_TOKEN, retry_timeout_s=1.0, batch_size=4))
+
+
+def test_every_answer_announces_its_row_count(filled_sqlite, replay_servers):
+    """What lets the reader tell a stream cut short from a short answer."""
+    server = replay_servers(filled_sqlite)
+    client = fl.connect(server.location)
+    opts = fl.FlightCallOptions(headers=[(b"authorization", f"Bearer {READ_TOKEN}".encode())])
+    rows = client.do_get(fl.Ticket(proto.encode(proto.ROWS, where={}, after=None, page_rows=7)), opts).read_all()
+    assert rows.num_rows == 7 and proto.complete(rows)
+    first = rows.to_pylist()[0]
+    part = client.do_get(fl.Ticket(proto.encode(proto.SAMPLES, segment=first["segment"], rows=[first["segment_row"]])),
+                         opts).read_all()
+    assert part.num_rows == 1 and proto.complete(part)
+    assert not proto.complete(part.slice(0, 0))

@@ -1,0 +1,361 @@
+"""The trainer's side of the replay service: ``ReplayReader`` and the store it reads through.
+
+``ReplayReader`` *is* a ``SampleReader`` (a subclass that changes nothing
+of its planning, filtering, prefetching or resume state) whose store is a
+``ReplayStore``: the sample index rows, the watermark and the sample payload
+come from replay servers instead of the database and the payload files. So
+for the same config and state it yields the same batches, byte for byte, and
+its ``state_dict()`` is a ``SampleReader`` state: a state saved from either
+resumes in the other, and on any server.
+
+The plan (which samples form which batch) is computed here, from index rows
+(small); the servers only slice the wanted payload rows out of the segments,
+and the received Arrow buffers become the ``Sample`` arrays without a copy:
+nothing is decoded twice.
+
+Every request is self-contained and idempotent, so a failure is retried: the
+client moves to the next server of ``locations`` (a server killed mid-stream,
+restarted, or replaced) until ``retry_timeout_s`` passes without an answer;
+a page or a batch is used only when it arrived whole. A server's rate limiter
+("rate limited") is waited out as long as it lasts, counted and logged.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Iterator, Sequence
+
+import pyarrow as pa
+import pyarrow.flight as fl
+
+from trajstore.errors import CorruptStoreError, StoreUnavailable, TrajstoreError, ValidationError
+from trajstore.payload import SegmentRows
+from trajstore.reader import ReaderConfig, SampleReader
+from trajstore.replay import _protocol as proto
+
+__all__ = ["ReplayReader", "ReplayStore", "parse_locations"]
+
+_log = logging.getLogger("trajstore.replay.client")
+
+TOKEN_ENV = "TRAJSTORE_REPLAY_TOKEN"
+
+
+def parse_locations(locations: str | Sequence[str]) -> list[str]:
+    """``"grpc://a:8815,grpc://b:8815"`` or a list of such URIs, checked."""
+    items = [s.strip() for s in locations.split(",")] if isinstance(locations, str) else [str(s) for s in locations]
+    items = [s for s in items if s]
+    if not items:
+        raise ValidationError("no replay server location given (e.g. grpc://host:8815)", rule="replay_location")
+    for s in items:
+        if not s.startswith(("grpc://", "grpc+tcp://", "grpc+tls://", "grpc+unix://")):
+            raise ValidationError(f"replay server location {s!r} must start with grpc://, grpc+tcp://, grpc+tls:// "
+                                  f"or grpc+unix://", rule="replay_location")
+    return items
+
+
+class _Waits:
+    """Client-side waiting, made visible: Prometheus counters and one log line per wait episode."""
+
+    _lock = threading.Lock()
+    _metrics: tuple[Any, Any] | None = None
+
+    @classmethod
+    def metrics(cls) -> tuple[Any, Any]:
+        with cls._lock:
+            if cls._metrics is None:
+                try:
+                    from prometheus_client import Counter
+                except ImportError:  # the trainer has no `replay` extra: waits are still logged
+                    cls._metrics = (_Uncounted(), _Uncounted())
+                    return cls._metrics
+                cls._metrics = (
+                    Counter("trajstore_replay_client_wait_seconds", "Time a replay reader waited, by reason",
+                            ["reason"]),
+                    Counter("trajstore_replay_client_reconnects", "Replay requests retried on another server"),
+                )
+            return cls._metrics
+
+
+class _Uncounted:
+    """Stands in for a Prometheus counter when prometheus_client is not installed."""
+
+    def labels(self, *args: Any) -> "_Uncounted":
+        return self
+
+    def inc(self, amount: float = 1.0) -> None:
+        pass
+
+
+class _Connection:
+    """Flight clients to the replay servers, one at a time, failing over in order."""
+
+    def __init__(self, locations: list[str], token: str | None, *, retry_timeout_s: float, call_timeout_s: float,
+                 tls_root_certs: bytes | None, first: int = 0) -> None:
+        self.locations, self.retry_timeout_s = locations, retry_timeout_s
+        headers = [] if token is None else [(b"authorization", f"Bearer {token}".encode())]
+        self.options = fl.FlightCallOptions(headers=headers, timeout=call_timeout_s)
+        self._tls_root_certs = tls_root_certs
+        self._lock = threading.Lock()
+        self._index = first % len(locations)
+        self._client: fl.FlightClient | None = None
+
+    def _current(self) -> tuple[int, fl.FlightClient]:
+        with self._lock:
+            if self._client is None:
+                kwargs = {} if self._tls_root_certs is None else {"tls_root_certs": self._tls_root_certs}
+                self._client = fl.connect(self.locations[self._index], **kwargs)
+            return self._index, self._client
+
+    def _fail_over(self, index: int) -> None:
+        with self._lock:
+            if index == self._index:  # another thread may have moved on already
+                if self._client is not None:
+                    try:
+                        self._client.close()
+                    except Exception:  # noqa: BLE001 - a dead connection may not close cleanly
+                        pass
+                self._client = None
+                self._index = (self._index + 1) % len(self.locations)
+
+    def call(self, what: str, fn: Callable[[fl.FlightClient, fl.FlightCallOptions], Any]) -> Any:
+        wait_metric, reconnects = _Waits.metrics()
+        failing_since: float | None = None
+        limited_since: float | None = None
+        delay = 0.05
+        try:
+            while True:
+                index, client = self._current()
+                try:
+                    return fn(client, self.options)
+                except (fl.FlightUnauthenticatedError, fl.FlightUnauthorizedError) as e:
+                    raise ValidationError(f"replay server {self.locations[index]} refused {what}: {proto.message(e)}",
+                                          rule="unauthorized") from None
+                except fl.FlightServerError as e:
+                    raise _error(self.locations[index], what, proto.message(e)) from None
+                except (fl.FlightError, OSError) as e:
+                    text = proto.message(e)
+                    if text.startswith(proto.RATE_LIMITED):
+                        if limited_since is None:
+                            limited_since = time.monotonic()
+                            _log.warning("replay reader waits: server %s holds %s (%s)", self.locations[index],
+                                         what, text)
+                        time.sleep(0.05)
+                        continue
+                    now = time.monotonic()
+                    if failing_since is None:
+                        failing_since = now
+                        _log.warning("replay reader: %s failed on %s (%s); retrying%s", what, self.locations[index],
+                                     text, " on the next server" if len(self.locations) > 1 else "")
+                    elif now - failing_since >= self.retry_timeout_s:
+                        raise StoreUnavailable(f"no replay server answered {what} for {self.retry_timeout_s:g} s "
+                                               f"({', '.join(self.locations)}): {text}") from None
+                    reconnects.inc()
+                    self._fail_over(index)
+                    time.sleep(delay)
+                    delay = min(delay * 2, 1.0)
+        finally:
+            if limited_since is not None:
+                wait_metric.labels("rate_limited").inc(time.monotonic() - limited_since)
+            if failing_since is not None:
+                wait_metric.labels("reconnect").inc(time.monotonic() - failing_since)
+
+    def get(self, what: str, ticket: bytes) -> pa.Table:
+        """A DoGet's whole answer (a stream cut short is retried whole)."""
+        def run(c: fl.FlightClient, o: fl.FlightCallOptions) -> pa.Table:
+            table = c.do_get(fl.Ticket(ticket), o).read_all()
+            if not proto.complete(table):  # the stream ended early without an error: ask again
+                raise fl.FlightUnavailableError(f"incomplete answer ({table.num_rows} rows)")
+            return table
+        return self.call(what, run)
+
+    def action(self, what: str, kind: str, **fields: Any) -> Any:
+        def run(c: fl.FlightClient, o: fl.FlightCallOptions) -> Any:
+            results = list(c.do_action(fl.Action(kind, proto.encode(kind, **fields)), o))
+            return json.loads(results[0].body.to_pybytes())
+        return self.call(what, run)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._client is not None:
+                self._client.close()
+                self._client = None
+
+
+def _error(location: str, what: str, text: str) -> TrajstoreError:
+    if text.startswith(proto.INVALID):
+        return ValidationError(f"replay server {location} refused {what}: {text}", rule="replay_request")
+    if text.startswith(proto.CORRUPT):
+        return CorruptStoreError(f"replay server {location}: {text}")
+    return TrajstoreError(f"replay server {location} failed {what}: {text}")
+
+
+class _RemoteSamples:
+    """The sample index seam (``SampleIndex``) a reader uses, over Flight."""
+
+    def __init__(self, conn: _Connection) -> None:
+        self.conn = conn
+        self._waiting_at: int | None = None  # the watermark a follow poll last found nothing below
+        self._waiting_since = 0.0
+
+    def iter_sample_rows(self, *, where: dict[str, Any], after: tuple[int, int] | None,
+                         page_rows: int) -> Iterator[list[dict[str, Any]]]:
+        where = {k: (list(v) if isinstance(v, (tuple, set, frozenset)) else v) for k, v in where.items() if v is not None}
+        first = True
+        while True:
+            ticket = proto.encode(proto.ROWS, where=where, after=None if after is None else list(after),
+                                  page_rows=page_rows)
+            rows = self.conn.get("reading sample rows", ticket).to_pylist()
+            if not rows:
+                if first:
+                    self._nothing_new(where.get("max_finished_position"))
+                return
+            if self._waiting_at is not None:
+                _Waits.metrics()[0].labels("no_new_samples").inc(time.monotonic() - self._waiting_since)
+                self._waiting_at = None
+            first = False
+            yield rows
+            after = (rows[-1]["finished_position"], rows[-1]["sample_index"])
+
+    def _nothing_new(self, watermark: int | None) -> None:
+        """A follow poll found nothing: say so once per wait, not once per poll."""
+        if self._waiting_at is None:
+            self._waiting_at, self._waiting_since = watermark, time.monotonic()
+            _log.info("replay reader waits for new materialized samples (watermark %s)", watermark)
+
+    def watermark(self, num_shards: int | None = None) -> int:
+        return int(self.conn.action("reading the watermark", proto.WATERMARK, num_shards=num_shards))
+
+    def count_samples(self) -> int:  # not served: readers do not need it
+        raise TrajstoreError("a replay store does not count samples; ask the store")
+
+
+class _RemoteLog:
+    def __init__(self, conn: _Connection) -> None:
+        self.conn = conn
+
+    def count_events(self, *, after_position: int, types: Sequence[str] | None = None) -> int:
+        return int(self.conn.action("counting events", proto.COUNT_EVENTS, after_position=after_position,
+                                    types=None if types is None else list(types)))
+
+
+class _RemotePayload:
+    """The payload seam (``PayloadStore.read_rows``) a reader uses, over Flight.
+
+    The rows of one call are fetched as up to ``streams`` requests in parallel
+    (consecutive parts): one gRPC stream is bound by one server thread's
+    serialization and one TCP window, several keep the link busy."""
+
+    def __init__(self, conn: _Connection, location: str, streams: int) -> None:
+        self.conn = conn
+        self.location = location
+        self.streams = streams
+        self.current_model_version: Callable[[], int | None] = lambda: None
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+
+    def read_rows(self, name: str, rows: Sequence[int]) -> SegmentRows:
+        wanted = sorted(set(int(r) for r in rows))
+        n = min(self.streams, len(wanted))
+        parts = [wanted[k * len(wanted) // n: (k + 1) * len(wanted) // n] for k in range(n)]
+        if n > 1:
+            with self._lock:
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(self.streams, thread_name_prefix="trajstore-replay-fetch")
+            tables = list(self._pool.map(lambda part: self._fetch(name, part), parts))
+            table = pa.concat_tables(tables)
+        else:
+            table = self._fetch(name, wanted)
+        return SegmentRows(table, {r: i for i, r in enumerate(wanted)})
+
+    def _fetch(self, name: str, wanted: list[int]) -> pa.Table:
+        ticket = proto.encode(proto.SAMPLES, segment=name, rows=wanted,
+                              current_model_version=self.current_model_version())
+        table = self.conn.get(f"reading {len(wanted)} samples of {name}", ticket)
+        if table.num_rows != len(wanted):
+            raise CorruptStoreError(f"replay server sent {table.num_rows} rows of {name} for {len(wanted)} asked")
+        return table
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+
+
+class ReplayStore:
+    """A store as replay servers show it: the ``materialized``, ``payload`` and
+    ``log`` seams ``SampleReader`` reads. Requests go to ``locations[first]``
+    (``ReplayReader`` passes its rank, which spreads ranks over the servers)
+    and move on to the next one that answers when it fails. Read-only: it has
+    no ``append``."""
+
+    def __init__(self, locations: str | Sequence[str], *, token: str | None = None, retry_timeout_s: float = 60.0,
+                 call_timeout_s: float = 60.0, tls_root_certs: bytes | None = None, streams: int = 4,
+                 first: int = 0) -> None:
+        self.locations = parse_locations(locations)
+        if not isinstance(streams, int) or isinstance(streams, bool) or streams < 1:
+            raise ValidationError(f"streams must be a positive integer, got {streams!r}", rule="reader_config")
+        token = token if token is not None else os.environ.get(TOKEN_ENV) or None
+        self.url = ",".join(self.locations)
+        self._conn = _Connection(self.locations, token, retry_timeout_s=retry_timeout_s,
+                                 call_timeout_s=call_timeout_s, tls_root_certs=tls_root_certs, first=first)
+        self.materialized = _RemoteSamples(self._conn)
+        self.log = _RemoteLog(self._conn)
+        self.payload = _RemotePayload(self._conn, self.url, streams)
+
+    def hello(self) -> dict[str, Any]:
+        """The server's answer to ``hello`` (checks the token and the protocol version)."""
+        return self._conn.action("hello", proto.HELLO)
+
+    def close(self) -> None:
+        self.payload.close()
+        self._conn.close()
+
+    def __enter__(self) -> "ReplayStore":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class ReplayReader(SampleReader):
+    """A ``SampleReader`` that reads through replay servers: same config, batches and state.
+
+    ::
+
+        reader = ReplayReader("grpc://replay-a:8815,grpc://replay-b:8815", token=TOKEN,
+                              rank=r, world_size=w, batch_size=8, keep_groups=True, group_size=4)
+        reader.load_state_dict(checkpoint["reader"])     # a SampleReader state works too
+        for batch in reader:                              # list[Sample], as SampleReader gives
+            ...
+
+    ``locations``: replay server URIs (a comma-separated string or a list) or a
+    ``ReplayStore``; ``token`` defaults to ``$TRAJSTORE_REPLAY_TOKEN``. The
+    rest is ``SampleReader``'s (``config``, ``rank``, ``world_size``,
+    ``current_model_version``, ``ReaderConfig`` fields). ``streams``: parallel
+    requests one batch's payload is fetched with. A server with a
+    ``max_staleness`` limit judges it against this reader's
+    ``current_model_version``.
+    """
+
+    def __init__(self, locations: str | Sequence[str] | ReplayStore, config: ReaderConfig | None = None, *,
+                 token: str | None = None, rank: int = 0, world_size: int = 1,
+                 current_model_version: int | None = None, retry_timeout_s: float = 60.0,
+                 call_timeout_s: float = 60.0, tls_root_certs: bytes | None = None, streams: int = 4,
+                 **fields: Any) -> None:
+        owns = not isinstance(locations, ReplayStore)
+        store = ReplayStore(locations, token=token, retry_timeout_s=retry_timeout_s, call_timeout_s=call_timeout_s,
+                            tls_root_certs=tls_root_certs, streams=streams,
+                            first=rank if isinstance(rank, int) else 0) if owns else locations
+        try:
+            super().__init__(store, config, rank=rank, world_size=world_size,
+                             current_model_version=current_model_version, **fields)
+        except BaseException:
+            if owns:
+                store.close()
+            raise
+        self._owns_store = owns
+        store.payload.current_model_version = lambda: self.current_model_version

@@ -1,0 +1,426 @@
+"""``trajstore replay``: the Arrow Flight server trainers read samples through.
+
+The server holds the store's URL and credentials; trainers hold a bearer
+token. It answers four questions, each a short, self-contained request (it
+keeps no per-trainer state, so any server in front of the store answers any
+request, and a restarted one answers the same):
+
+* DoGet ``rows``: one page of sample index rows after a key (the reader plans
+  its steps from them, exactly as ``SampleReader`` does on the store);
+* DoGet ``samples``: given rows of one sample segment, as Arrow record
+  batches sliced out of the memory-mapped segment (nothing is decoded here:
+  the trainer makes its ``Sample`` views of the received buffers);
+* DoAction ``watermark`` / ``count_events`` / ``hello``.
+
+DoPut appends wire-format events (an Arrow table with one ``event`` column
+of JSON objects) and needs the write token. Every call passes through
+``_AuthMiddlewareFactory.start_call`` first: a call without a known token is
+refused there, and a call the token's role does not allow (deny by default:
+only the methods listed in ``_ALLOWED`` pass) too.
+
+Rate limiting (optional, Reverb's idea applied to the sample stream): with
+``samples_per_insert`` a ``samples`` request waits while this server has
+served more than ``samples_per_insert x samples in the store +
+spi_tolerance`` samples; with ``max_staleness`` it waits while the newest
+materialized sample is more than that many policy versions behind the
+trainer's ``current_model_version``. A wait holds the request at most
+``hold_s``, then answers "rate limited" and the client asks again. Each wait
+reason is logged once when it starts and counted in the metrics.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Any, Iterator
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.flight as fl
+
+from trajstore.errors import CorruptStoreError, StoreUnavailable, TrajstoreError, ValidationError
+from trajstore.replay import _protocol as proto
+
+__all__ = ["ReplayServer", "add_cli_arguments", "serve_from_args", "DEFAULT_PORT"]
+
+_log = logging.getLogger("trajstore.replay.server")
+
+DEFAULT_PORT = 8815
+READ, WRITE = "read", "write"
+_M = fl.FlightMethod
+# What each role may call; anything else is refused (deny by default).
+_ALLOWED = {
+    READ: frozenset({_M.DO_GET, _M.DO_ACTION, _M.LIST_ACTIONS}),
+    WRITE: frozenset({_M.DO_GET, _M.DO_ACTION, _M.LIST_ACTIONS, _M.DO_PUT}),
+}
+_METHOD_NAMES = {m: m.name.lower() for m in _M}
+_ROWS_PER_MESSAGE = 64  # payload rows per record batch sent: bounds one gRPC message
+
+
+class _AuthMiddleware(fl.ServerMiddleware):
+    def __init__(self, role: str) -> None:
+        self.role = role
+
+
+class _AuthMiddlewareFactory(fl.ServerMiddlewareFactory):
+    """The one place every call is checked: its bearer token and what the token's role allows."""
+
+    def __init__(self, tokens: dict[str, str] | None, metrics: "_Metrics") -> None:
+        self.tokens = tokens  # token -> role; None: no auth (every caller may read and write)
+        self.metrics = metrics
+
+    def start_call(self, info: fl.CallInfo, headers: dict[str, list[Any]]) -> _AuthMiddleware:
+        import hmac
+
+        method = _METHOD_NAMES.get(info.method, "unknown")
+        if self.tokens is None:
+            role = WRITE
+        else:
+            given = _bearer(headers)
+            role = None
+            if given is not None:
+                for token, r in self.tokens.items():  # compare against every token: no early exit to time
+                    if hmac.compare_digest(given.encode(), token.encode()):
+                        role = r
+            if role is None:
+                self.metrics.requests.labels(method, "unauthenticated").inc()
+                raise fl.FlightUnauthenticatedError("missing or wrong bearer token")
+        if info.method not in _ALLOWED[role]:
+            self.metrics.requests.labels(method, "denied").inc()
+            what = "write" if info.method in (_M.DO_PUT, _M.DO_EXCHANGE) else f"call {method}"
+            raise fl.FlightUnauthorizedError(f"a {role} token cannot {what}")
+        return _AuthMiddleware(role)
+
+
+def _bearer(headers: dict[str, list[Any]]) -> str | None:
+    for value in headers.get("authorization", []):
+        if isinstance(value, bytes):
+            value = value.decode("latin-1")
+        scheme, _, token = value.partition(" ")
+        if scheme.lower() == "bearer" and token.strip():
+            return token.strip()
+    return None
+
+
+def _prometheus() -> Any:
+    try:
+        import prometheus_client
+    except ImportError:
+        raise ImportError("the replay server needs prometheus_client: pip install 'trajstore[replay]'") from None
+    return prometheus_client
+
+
+class _Metrics:
+    def __init__(self, registry: "CollectorRegistry") -> None:
+        Counter, Gauge = _prometheus().Counter, _prometheus().Gauge
+        p = "trajstore_replay_"
+        self.registry = registry
+        self.requests = Counter(p + "requests", "Replay calls by method and outcome", ["method", "outcome"],
+                                registry=registry)
+        self.rows = Counter(p + "rows_served", "Sample index rows served", registry=registry)
+        self.samples = Counter(p + "samples_served", "Samples whose payload was served", registry=registry)
+        self.tokens = Counter(p + "tokens_served", "Prompt+response tokens of the samples served", registry=registry)
+        self.bytes = Counter(p + "payload_bytes_served", "Arrow bytes of the payload batches served",
+                             registry=registry)
+        self.active = Gauge(p + "active_requests", "Requests being answered now", registry=registry)
+        self.waiting = Gauge(p + "waiting_requests", "Sample requests held by the rate limiter", ["reason"],
+                             registry=registry)
+        self.wait_seconds = Counter(p + "wait_seconds", "Time sample requests were held, by reason", ["reason"],
+                                    registry=registry)
+
+
+class _RateLimiter:
+    """Holds sample requests while serving would outrun the rollouts (see the module doc)."""
+
+    def __init__(self, store: Any, metrics: _Metrics, *, samples_per_insert: float | None, spi_tolerance: int,
+                 max_staleness: int | None, hold_s: float, poll_s: float = 0.2, cache_s: float = 0.5) -> None:
+        self.store, self.metrics = store, metrics
+        self.spi, self.tolerance, self.max_staleness = samples_per_insert, spi_tolerance, max_staleness
+        self.hold_s, self.poll_s, self.cache_s = hold_s, poll_s, cache_s
+        self.served = 0
+        self._lock = threading.Lock()
+        self._cached: tuple[float, int, int | None] | None = None  # (at, samples in store, newest version)
+        self._reasons_logged: set[str] = set()
+
+    @property
+    def active(self) -> bool:
+        return self.spi is not None or self.max_staleness is not None
+
+    def _facts(self) -> tuple[int, int | None]:
+        now = time.monotonic()
+        cached = self._cached
+        if cached is None or now - cached[0] >= self.cache_s:
+            from sqlalchemy import func, select
+
+            from trajstore.schema import samples
+
+            count = self.store.materialized.count_samples()
+            newest = None
+            if self.max_staleness is not None:
+                with self.store.materialized.db.reading("reading the newest sample version") as conn:
+                    newest = conn.execute(select(func.max(samples.c.max_model_version))).scalar_one()
+            cached = self._cached = (now, count, newest)
+        return cached[1], cached[2]
+
+    def _reason(self, n: int, current: int | None) -> str | None:
+        inserted, newest = self._facts()
+        if self.spi is not None and self.served + n > self.spi * inserted + self.tolerance:
+            return (f"samples_per_insert: {self.served} served + {n} asked > {self.spi:g} x {inserted} in the store "
+                    f"+ tolerance {self.tolerance}")
+        if self.max_staleness is not None and current is not None and (newest is None
+                                                                        or newest < current - self.max_staleness):
+            return (f"max_staleness: newest sample is from policy {newest}, the trainer is at {current} "
+                    f"(max_staleness {self.max_staleness})")
+        return None
+
+    def acquire(self, n: int, current: int | None) -> None:
+        """Count ``n`` samples as served once allowed; FlightUnavailableError after ``hold_s`` held."""
+        if not self.active:
+            return
+        start = time.monotonic()
+        held_reason: str | None = None
+        try:
+            while True:
+                with self._lock:
+                    reason = self._reason(n, current)
+                    if reason is None:
+                        self.served += n
+                        if held_reason is not None:
+                            self._reasons_logged.discard(held_reason)
+                        return
+                key = reason.split(":", 1)[0]
+                if key != held_reason:
+                    if held_reason is not None:
+                        self.metrics.waiting.labels(held_reason).dec()
+                    self.metrics.waiting.labels(key).inc()
+                    held_reason = key
+                    with self._lock:
+                        first = key not in self._reasons_logged
+                        self._reasons_logged.add(key)
+                    if first:
+                        _log.warning("trajstore replay: holding sample requests (%s)", reason)
+                if time.monotonic() - start >= self.hold_s:
+                    raise fl.FlightUnavailableError(f"{proto.RATE_LIMITED}: {reason}")
+                time.sleep(self.poll_s)
+        finally:
+            if held_reason is not None:
+                self.metrics.waiting.labels(held_reason).dec()
+                self.metrics.wait_seconds.labels(held_reason).inc(time.monotonic() - start)
+
+
+class ReplayServer(fl.FlightServerBase):
+    """Serves ``store``'s samples to trainers over Arrow Flight (see the module doc).
+
+    ``tokens`` maps each accepted bearer token to its role, ``"read"`` or
+    ``"write"``; None runs open (anyone may read and write). The server owns
+    ``store`` only when ``close_store``."""
+
+    def __init__(self, store: Any, location: str = "grpc://127.0.0.1:0", *, tokens: dict[str, str] | None,
+                 samples_per_insert: float | None = None, spi_tolerance: int = 0, max_staleness: int | None = None,
+                 hold_s: float = 5.0, registry: CollectorRegistry | None = None, close_store: bool = False,
+                 tls_certificates: list[tuple[bytes, bytes]] | None = None) -> None:
+        if tokens is not None:
+            if not tokens:
+                raise ValueError("no token given: a server needs at least one (or tokens=None to run open)")
+            bad = {r for r in tokens.values() if r not in (READ, WRITE)}
+            if bad:
+                raise ValueError(f"token roles must be 'read' or 'write', got {sorted(bad)}")
+        self.store, self.close_store = store, close_store
+        self.metrics = _Metrics(registry if registry is not None else _prometheus().CollectorRegistry())
+        self.limiter = _RateLimiter(store, self.metrics, samples_per_insert=samples_per_insert,
+                                    spi_tolerance=spi_tolerance, max_staleness=max_staleness, hold_s=hold_s)
+        try:
+            super().__init__(location, middleware={"auth": _AuthMiddlewareFactory(tokens, self.metrics)},
+                             tls_certificates=tls_certificates or [])
+        except pa.ArrowException as e:
+            raise ValueError(f"cannot listen on {location} (is the port in use?): {proto.message(e)}") from None
+
+    # -- one wrapper for every handler: metrics and errors -------------------
+    def _answer(self, method: str, fn: Any) -> Any:
+        self.metrics.active.inc()
+        outcome = "ok"
+        try:
+            return fn()
+        except fl.FlightError as e:
+            outcome = "unavailable" if isinstance(e, fl.FlightUnavailableError) else "error"
+            raise
+        except proto.BadRequest as e:
+            outcome = "invalid"
+            raise fl.FlightServerError(f"{proto.INVALID}: {e}") from None
+        except ValidationError as e:
+            outcome = "invalid"
+            raise fl.FlightServerError(f"{proto.INVALID}: {e}") from None
+        except CorruptStoreError as e:
+            outcome = "error"
+            raise fl.FlightServerError(f"{proto.CORRUPT}: {e}") from None
+        except StoreUnavailable as e:
+            outcome = "unavailable"
+            raise fl.FlightUnavailableError(f"{proto.UNAVAILABLE}: {e}") from None
+        except TrajstoreError as e:
+            outcome = "error"
+            raise fl.FlightServerError(f"{proto.INTERNAL}: {type(e).__name__}: {e}") from None
+        except Exception as e:  # a bug: logged here with its traceback, one line to the client
+            outcome = "error"
+            _log.exception("trajstore replay: %s failed", method)
+            raise fl.FlightServerError(f"{proto.INTERNAL}: {type(e).__name__}") from None
+        finally:
+            self.metrics.active.dec()
+            self.metrics.requests.labels(method, outcome).inc()
+
+    # -- reads ----------------------------------------------------------------
+    def do_get(self, context: fl.ServerCallContext, ticket: fl.Ticket) -> fl.FlightDataStream:
+        return self._answer("do_get", lambda: self._get(proto.decode(ticket.ticket, (proto.ROWS, proto.SAMPLES))))
+
+    def _get(self, req: dict[str, Any]) -> fl.FlightDataStream:
+        if req["kind"] == proto.ROWS:
+            after = None if req.get("after") is None else tuple(req["after"])
+            pages = self.store.materialized.iter_sample_rows(where=req["where"], after=after,
+                                                             page_rows=req["page_rows"])
+            rows = next(iter(pages), [])
+            self.metrics.rows.inc(len(rows))
+            return fl.RecordBatchStream(proto.counted(proto.rows_table(rows)))
+        wanted = sorted(set(req["rows"]))
+        self.limiter.acquire(len(wanted), req.get("current_model_version"))
+        part = self.store.payload.read_rows(req["segment"], wanted)
+        table = part.table
+        # Only the wanted rows, in segment order: zero-copy slices of the mapped batches.
+        positions = [part.index[r] for r in wanted]
+        slices, i = [], 0
+        while i < len(positions):
+            j = i + 1
+            while j < len(positions) and j - i < _ROWS_PER_MESSAGE and positions[j] == positions[j - 1] + 1:
+                j += 1
+            slices.extend(table.slice(positions[i], j - i).to_batches())
+            i = j
+        out = proto.counted(pa.Table.from_batches(slices, schema=table.schema))
+        self.metrics.samples.inc(len(wanted))
+        self.metrics.bytes.inc(sum(b.nbytes for b in slices))
+        if "prompt_ids" in out.column_names:
+            tokens = pc.sum(pc.list_value_length(out.column("prompt_ids"))).as_py() or 0
+            tokens += pc.sum(pc.list_value_length(out.column("response_ids"))).as_py() or 0
+            self.metrics.tokens.inc(tokens)
+        return fl.RecordBatchStream(out)
+
+    def list_actions(self, context: fl.ServerCallContext) -> list[tuple[str, str]]:
+        return [(proto.WATERMARK, "position up to which every materializer shard committed"),
+                (proto.COUNT_EVENTS, "events after a position (of some types)"),
+                (proto.HELLO, "the server's protocol version")]
+
+    def do_action(self, context: fl.ServerCallContext, action: fl.Action) -> Iterator[bytes]:
+        def run() -> list[bytes]:
+            if action.type not in proto.ACTIONS:
+                raise proto.BadRequest(f"unknown action {action.type!r:.80} (one of {list(proto.ACTIONS)})")
+            body = action.body.to_pybytes() if action.body is not None else b""
+            req = proto.decode(body, (action.type,))
+            if action.type == proto.WATERMARK:
+                value: Any = self.store.materialized.watermark(req.get("num_shards"))
+            elif action.type == proto.COUNT_EVENTS:
+                value = self.store.log.count_events(after_position=req["after_position"], types=req.get("types"))
+            else:
+                value = {"protocol": proto.VERSION}
+            return [json.dumps(value).encode()]
+        return iter(self._answer("do_action", run))
+
+    # -- writes (write token only; the middleware refuses the others) -----------
+    def do_put(self, context: fl.ServerCallContext, descriptor: fl.FlightDescriptor,
+               reader: fl.MetadataRecordBatchReader, writer: fl.FlightMetadataWriter) -> None:
+        def run() -> None:
+            table = reader.read_all()
+            if table.column_names != ["event"] or not pa.types.is_string(table.schema.field("event").type):
+                raise proto.BadRequest(f"a put must be a table with one string column 'event', got {table.schema}")
+            events = []
+            for i, text in enumerate(table.column("event").to_pylist()):
+                try:
+                    ev = json.loads(text) if text is not None else None
+                except ValueError as e:
+                    raise proto.BadRequest(f"event {i} is not JSON ({e})") from None
+                if not isinstance(ev, dict):
+                    raise proto.BadRequest(f"event {i} must be a JSON object")
+                events.append(ev)
+            result = self.store.append(events)
+            writer.write(pa.py_buffer(json.dumps({"num_appended": result.num_appended,
+                                                  "num_duplicates": result.num_duplicates}).encode()))
+        self._answer("do_put", run)
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        if self.close_store:
+            self.store.close()
+
+
+def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of ``trajstore replay`` (``--store``/``--payload`` are the CLI's global flags)."""
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT}; 0: any free)")
+    parser.add_argument("--token", default=None,
+                        help="read-only bearer token trainers send (default $TRAJSTORE_REPLAY_TOKEN)")
+    parser.add_argument("--write-token", default=None,
+                        help="bearer token that may also append events with DoPut (default: none, no writes)")
+    parser.add_argument("--insecure-no-auth", action="store_true", help="accept calls without a token (reads and writes)")
+    parser.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve grpc+tls")
+    parser.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    parser.add_argument("--metrics-port", type=int, default=None,
+                        help="serve Prometheus metrics on this port (default: off)")
+    parser.add_argument("--samples-per-insert", type=float, default=None,
+                        help="hold sample requests while this server has served more than this many times the "
+                             "samples in the store (plus --spi-tolerance); default off")
+    parser.add_argument("--spi-tolerance", type=int, default=0,
+                        help="samples the limiter lets learners run ahead of --samples-per-insert (default 0)")
+    parser.add_argument("--max-staleness", type=int, default=None,
+                        help="hold sample requests while the newest sample is more than this many policy versions "
+                             "behind the trainer's current_model_version; default off")
+    parser.add_argument("--hold-s", type=float, default=5.0,
+                        help="longest a request is held by the rate limiter before the client asks again (default 5)")
+
+
+def serve_from_args(args: argparse.Namespace) -> int:
+    """Run the replay server until SIGINT/SIGTERM."""
+    import trajstore
+
+    if not logging.getLogger().handlers:  # one line per event on stderr, e.g. each rate-limit wait
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    token = args.token or os.environ.get("TRAJSTORE_REPLAY_TOKEN") or None
+    if args.insecure_no_auth:
+        tokens = None
+    else:
+        if token is None and args.write_token is None:
+            raise ValueError("no token: pass --token or set $TRAJSTORE_REPLAY_TOKEN (or --insecure-no-auth to run open)")
+        if token is not None and token == args.write_token:
+            raise ValueError("--token and --write-token must differ (a read-only token must not be able to write)")
+        tokens = {t: r for t, r in ((token, READ), (args.write_token, WRITE)) if t}
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise ValueError("--tls-cert and --tls-key go together")
+    store = trajstore.connect(args.store, payload=args.payload, migrate=False, create=False)
+    scheme = "grpc+tls" if args.tls_cert else "grpc+tcp"
+    kwargs: dict[str, Any] = {}
+    if args.tls_cert:
+        with open(args.tls_cert, "rb") as c, open(args.tls_key, "rb") as k:
+            kwargs["tls_certificates"] = [(c.read(), k.read())]
+    prometheus = _prometheus()
+    registry = prometheus.CollectorRegistry()
+    prometheus.ProcessCollector(registry=registry)  # process_cpu_seconds_total: the server's CPU per token served
+    server = ReplayServer(store, f"{scheme}://{args.host}:{args.port}", tokens=tokens,
+                     samples_per_insert=args.samples_per_insert, spi_tolerance=args.spi_tolerance,
+                     max_staleness=args.max_staleness, hold_s=args.hold_s, registry=registry, close_store=True,
+                     **kwargs)
+    if args.metrics_port is not None:
+        prometheus.start_http_server(args.metrics_port, addr=args.host, registry=registry)
+    from trajstore.store import _safe
+
+    print(f"trajstore replay: listening on {scheme}://{args.host}:{server.port} (store {_safe(store.url)}"
+          f"{'' if args.metrics_port is None else f'; metrics on http://{args.host}:{args.metrics_port}/metrics'}"
+          f"; Ctrl-C stops)", file=sys.stderr, flush=True)
+
+    def stop(signum: int, frame: Any) -> None:
+        threading.Thread(target=server.shutdown, daemon=True).start()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    server.serve()
+    return 0

@@ -382,6 +382,35 @@ class Store:
 
         return Materializer(self, **kwargs).run()
 
+    # -- named projections (docs/projections.md) --------------------------------
+    def create_projection(self, name: str, *, merge: str = "prefix", observation: str = "prompt",
+                          routes: str = "first") -> dict[str, Any]:
+        """Define projection ``name``: the log re-folded under ``FoldPolicy(merge,
+        observation, routes)``. Materialize it with ``materialize(projection=name)``;
+        read it with ``samples(projection=name)`` or ``SampleReader(..., projection=name)``."""
+        import re
+        import uuid
+
+        from trajstore.fold import FoldPolicy
+
+        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", name):
+            raise ValidationError(f"projection name {name!r}: want 1-64 letters, digits, '_', '.', '-'",
+                                  rule="projection")
+        policy = FoldPolicy(merge, observation, routes)
+        row = {"name": name, **policy.to_dict(), "token": uuid.uuid4().hex, "created_at": time.time()}
+        self.materialized.create_projection(row)
+        return row
+
+    def projections(self) -> list[dict[str, Any]]:
+        """Every named projection: its policy, ``num_samples``, ``num_unfoldable``."""
+        return self.materialized.projections()
+
+    def drop_projection(self, name: str) -> dict[str, int]:
+        """Delete projection ``name`` and its samples; its sample segments are
+        retired, and ``collect_garbage`` deletes them after its grace. Nothing
+        else changes: the log, the default samples, other projections."""
+        return self.materialized.drop_projection(name)
+
     def samples(self, **filters: Any) -> Iterator:
         """Materialized samples in order; see ``trajstore._samples.iter_samples`` for filters
         (``page_rows``: index rows per query; ``batch_size`` is its old, deprecated name)."""

@@ -28,6 +28,11 @@ The fold is a reduction of one pure step over a trajectory's events:
   largest id kept), so it is made here, not in the step; ids a dtype cannot
   hold are refused (``expert_id_range``).
 
+A named projection (docs/projections.md) folds under another
+``FoldPolicy`` (one sample per call, SkyRL's step-wise observation layout,
+routes from the last call): a parameter of the same step and reduction, the
+default being SPEC's fold.
+
 The merge rule (SPEC fold rule 1) needs the previous call's sequence
 ``S_prev``. Admission holds only its length and a 128-bit hash
 (``sequence_hash``), kept in the ``trajectories`` row, and decides by

@@ -609,6 +609,10 @@ def _validate_state(state: Any, config: ReaderConfig) -> None:
         if not isinstance(saved, dict) or saved.get(name) != value:
             theirs = saved.get(name) if isinstance(saved, dict) else saved
             raise ResumeStateError(f"state was saved with {name}={theirs!r}, this reader has {name}={value!r}")
+    if isinstance(saved, dict) and saved.get("projection") != mine.get("projection"):
+        # a projection's samples are another sequence than the default's (absent = the default)
+        raise ResumeStateError(f"state was saved with projection={saved.get('projection')!r}, this reader has "
+                               f"projection={mine.get('projection')!r}")
     for name in ("cursor", "scan_from"):
         value = state[name]
         if value is not None and not (isinstance(value, (list, tuple)) and len(value) == 2

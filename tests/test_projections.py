@@ -388,3 +388,40 @@ def test_kill_9_during_a_projection_materialization_then_resume_equals_a_clean_r
     assert all(a.equals(b) for a, b in zip(store.samples(projection="steps"), want))
     store.close()
     clean.close()
+
+
+def test_migration_0011_down_and_up_keeps_the_default_and_frees_the_projection_files(store_url, tmp_path):
+    from alembic import command
+    from sqlalchemy import create_engine, inspect
+
+    from trajstore._migrate import alembic_config
+
+    def migrate(engine, target, down=False):
+        with engine.begin() as conn:
+            cfg = alembic_config()
+            cfg.attributes["connection"] = conn
+            (command.downgrade if down else command.upgrade)(cfg, target)
+
+    payload = str(tmp_path / "payload")
+    with trajstore.connect(store_url, payload=payload) as store:
+        _append(store, "t", _turns(np.random.default_rng(1), 5, [(3, 2), (2, 0)]))
+        store.materialize()
+        store.create_projection("steps", merge="none")
+        store.materialize(projection="steps")
+        default = list(store.samples())
+        proj_files = {r["segment"] for page in store.materialized.projection("steps").iter_sample_rows(
+            where={}, after=None, page_rows=100) for r in page}
+    engine = create_engine(store_url)
+    try:
+        migrate(engine, "0009", down=True)
+        assert not {"projections", "projection_samples"} & set(inspect(engine).get_table_names())
+        migrate(engine, "head")
+    finally:
+        engine.dispose()
+    with trajstore.connect(store_url, payload=payload) as store:
+        assert all(a.equals(b) for a, b in zip(store.samples(), default)) and len(list(store.samples())) == 1
+        assert store.projections() == []
+        assert set(store.collect_garbage(grace_s=0)) >= proj_files
+        assert all(a.equals(b) for a, b in zip(store.samples(), default))
+        store.create_projection("steps", merge="none")
+        assert store.materialize(projection="steps").num_samples_after == 2

@@ -16,7 +16,8 @@ Create Date: 2026-11-25
 
 Nothing existing is rewritten; the downgrade drops them (and the samples of
 every projection with them: the log is untouched, so they can be
-materialized again).
+materialized again), and forgets the projections' sample segments, whose
+files ``trajstore gc`` then deletes after its grace.
 """
 from __future__ import annotations
 
@@ -111,6 +112,10 @@ def upgrade() -> None:
 
 def downgrade() -> None:
     op.execute("DROP VIEW IF EXISTS projection_sample_summary")
+    # the projections' sample segments: their files become unreferenced, which
+    # `trajstore gc` deletes after its grace (code before 0011 never retires a sample segment)
+    op.execute("DELETE FROM segments WHERE kind = 'samples' AND name IN (SELECT segment FROM projection_samples) "
+               "AND name NOT IN (SELECT segment FROM samples)")
     op.drop_table('projection_unfoldable')
     op.drop_table('projection_checkpoints')
     op.drop_index('ix_projection_samples_order', table_name='projection_samples')

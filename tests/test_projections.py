@@ -425,3 +425,24 @@ def test_migration_0011_down_and_up_keeps_the_default_and_frees_the_projection_f
         assert all(a.equals(b) for a, b in zip(store.samples(), default))
         store.create_projection("steps", merge="none")
         assert store.materialize(projection="steps").num_samples_after == 2
+
+
+def test_the_trainer_dataset_reads_a_projection(store):
+    """SampleDataset (the torch adapter over SampleReader) takes the projection as a reader field."""
+    pytest.importorskip("torch")
+    from trajstore.train.collate import SampleDataset
+
+    calls = _turns(np.random.default_rng(2), 5, [(3, 2), (4, 1), (2, 0)])
+    _append(store, "t", calls)
+    store.materialize()
+    store.create_projection("steps", merge="none", observation="response")
+    store.materialize(projection="steps")
+    batches = list(SampleDataset(store, batch_size=8, projection="steps"))
+    assert len(batches) == 1 and batches[0]["sample_indices"] == [0, 1, 2]
+    want = [_skyrl_step(calls, i, "response") for i in range(3)]
+    lengths = [len(w["prompt_ids"]) + len(w["response_ids"]) for w in want]
+    assert batches[0]["input_ids"].shape[1] == max(lengths)
+    for row, w in enumerate(want):
+        assert batches[0]["input_ids"][row, : lengths[row]].tolist() == [int(x) for x in w["prompt_ids"] + w["response_ids"]]
+    (default,) = list(SampleDataset(store, batch_size=8))
+    assert default["sample_indices"] == [0]

@@ -325,6 +325,13 @@ def test_cli_projection_commands(store_url, tmp_path):
     assert r.returncode == 1 and r.stderr.startswith("error: ") and r.stderr.count("\n") == 1
     r = cli("materialize", "--projection", "nope")
     assert r.returncode == 1 and "no projection 'nope'" in r.stderr
+    r = cli("export", str(tmp_path / "export"), "--projection", "steps")
+    assert r.returncode == 0 and "exported 2 samples" in r.stdout, r.stderr
+    import pyarrow.parquet as pq
+
+    t = pq.read_table(tmp_path / "export" / "part-00000.parquet")
+    assert t.column("sample_index").to_pylist() == [0, 1]
+    assert t.column("response_ids")[0].as_py() == [int(x) for x in calls[0]["output"] + calls[0]["obs"]]
     r = cli("projection", "drop", "steps")
     assert r.returncode == 0 and "dropped projection steps: 2 sample(s)" in r.stdout
 

@@ -89,9 +89,13 @@ def _cmd_export(args: argparse.Namespace) -> int:
     from trajstore._progress import progress_bar
 
     store = _store(args)
-    total = store.info()["samples"]
+    if args.projection is None:
+        total = store.info()["samples"]
+    else:
+        total = store.materialized.projection(args.projection).count_samples()
     with progress_bar("exporting samples", total=total) as advance:
-        counts = export_samples(store.samples(), args.dir, progress=advance, replace=args.replace)
+        counts = export_samples(store.samples(projection=args.projection), args.dir, progress=advance,
+                                replace=args.replace)
     print(f"exported {counts['samples']} samples to {counts['files']} Parquet file(s) in {args.dir}")
     return 0
 
@@ -232,6 +236,8 @@ def _parser() -> argparse.ArgumentParser:
     e = add("export", _cmd_export, "write the samples as a Parquet dataset (appears whole or not at all)")
     e.add_argument("dir", help="directory to create with the part-NNNNN.parquet files")
     e.add_argument("--replace", action="store_true", help="replace an earlier export in DIR (atomically)")
+    e.add_argument("--projection", default=None, metavar="NAME",
+                   help="export this named projection's samples instead of the default ones (docs/projections.md)")
     add("info", _cmd_info, "counts per status, event type and model version; unfoldable trajectories")
     g = add("gc", _cmd_gc, "delete payload files no index row needs (retired log segments, crash leftovers)")
     g.add_argument("--grace-s", type=float, default=3600.0,

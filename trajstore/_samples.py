@@ -297,8 +297,10 @@ def iter_samples(
     group_id: str | None = None,
     trajectory_ids: Iterable[str] | None = None,
     page_rows: int = 256,
+    projection: str | None = None,
 ) -> Iterator[Sample]:
-    """Materialized samples in their stable order (finished position, sample index).
+    """Materialized samples in their stable order (finished position, sample index);
+    ``projection``: the samples of that named projection instead of the default ones.
 
     ``min_model_version`` keeps samples whose oldest token is at least that
     version; ``max_model_version`` those whose newest token is at most that.
@@ -312,7 +314,8 @@ def iter_samples(
         "group_id": group_id,
         "trajectory_ids": list(trajectory_ids) if trajectory_ids is not None else None,
     }
-    for rows in store.materialized.iter_sample_rows(where=where, after=None, page_rows=page_rows):
+    index = store.materialized if projection is None else store.materialized.projection(projection)
+    for rows in index.iter_sample_rows(where=where, after=None, page_rows=page_rows):
         for chunk in token_chunks(rows, READ_CHUNK_TOKENS):
             yield from load_samples(store, chunk)
 

@@ -74,11 +74,15 @@ def _cmd_materialize(args: argparse.Namespace) -> int:
         print("trajstore: --batch-size is deprecated; use --max-trajectories (same meaning)", file=sys.stderr)
         args.max_trajectories = args.old_batch_size
     m = Materializer(store, shard_index=args.shard, num_shards=args.num_shards,
-                     max_trajectories=args.max_trajectories)
+                     max_trajectories=args.max_trajectories, projection=args.projection)
     if args.refold_quarantined:
+        if args.projection is not None:
+            raise ValidationError("--refold-quarantined folds the default samples; leave out --projection",
+                                  rule="cli")
         _print_json(m.refold_quarantined().to_dict())
         return 0
-    with progress_bar("materializing trajectories", total=m.pending()) as advance:
+    what = "trajectories" if args.projection is None else f"trajectories into projection {args.projection}"
+    with progress_bar(f"materializing {what}", total=m.pending()) as advance:
         m.progress = advance
         stats = m.run()
     metrics = stats.to_dict()
@@ -93,9 +97,13 @@ def _cmd_export(args: argparse.Namespace) -> int:
     from trajstore._progress import progress_bar
 
     store = _store(args)
-    total = store.info()["samples"]
+    if args.projection is None:
+        total = store.info()["samples"]
+    else:
+        total = store.materialized.projection(args.projection).count_samples()
     with progress_bar("exporting samples", total=total) as advance:
-        counts = export_samples(store.samples(), args.dir, progress=advance, replace=args.replace)
+        counts = export_samples(store.samples(projection=args.projection), args.dir, progress=advance,
+                                replace=args.replace)
     print(f"exported {counts['samples']} samples to {counts['files']} Parquet file(s) in {args.dir}")
     return 0
 
@@ -166,6 +174,52 @@ def _cmd_payload(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- named projections (docs/projections.md) ------------------------------------
+def _cmd_projection(args: argparse.Namespace) -> int:
+    store = _store(args)
+    if args.action == "create":
+        row = store.create_projection(args.name, merge=args.merge, observation=args.observation,
+                                      routes=args.routes)
+        print(f"created projection {row['name']} (merge={row['merge']}, observation={row['observation']}, "
+              f"routes={row['routes']}); fill it with: trajstore materialize --projection {row['name']}")
+    elif args.action == "list":
+        rows = [{k: r[k] for k in ("name", "merge", "observation", "routes", "num_samples", "num_unfoldable")}
+                for r in store.projections()]
+        _print_json(rows)
+    else:
+        done = store.drop_projection(args.name)
+        print(f"dropped projection {args.name}: {done['samples']} sample(s); {done['segments']} sample segment(s) "
+              "retired (trajstore gc deletes them after its grace)")
+    return 0
+
+
+def _add_projection_command(add) -> None:
+    from trajstore.fold import FoldPolicy
+
+    pr = add("projection", _cmd_projection, "named projections: the log re-folded under another fold policy")
+    acts = pr.add_subparsers(dest="action", required=True, metavar="ACTION",
+                             help="create, list or drop (ACTION -h: its options)")
+
+    def action(name: str, help: str) -> argparse.ArgumentParser:
+        sp = acts.add_parser(name, help=help, description=help)
+        _add_global_options(sp, top=False)
+        return sp
+
+    c = action("create", "define a projection (then: trajstore materialize --projection NAME)")
+    c.add_argument("name", help="the projection's name (letters, digits, '_', '.', '-')")
+    c.add_argument("--merge", choices=FoldPolicy.MERGE, default="prefix",
+                   help="prefix: merge calls that continue the sequence (the default fold); "
+                        "none: one sample per call")
+    c.add_argument("--observation", choices=FoldPolicy.OBSERVATION, default="prompt",
+                   help="with --merge none: observation tokens only in the next call's prompt (prompt), or "
+                        "also closing the previous call's response, loss mask 0 (response: SkyRL step-wise)")
+    c.add_argument("--routes", choices=FoldPolicy.ROUTES, default="first",
+                   help="first: a recorded route is never overwritten (R3); last: re-sent rows replace it "
+                        "(only trajectories whose re-sent rows did not drift; see docs/projections.md)")
+    action("list", "every projection: its policy, samples and unfoldable trajectories")
+    action("drop", "delete a projection's samples (nothing else)").add_argument("name", help="the projection")
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from trajstore.demo.run import run_demo
 
@@ -225,9 +279,13 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--batch-size", type=int, default=None, dest="old_batch_size", help=argparse.SUPPRESS)
     m.add_argument("--refold-quarantined", action="store_true",
                    help="fold this shard's trajectories quarantined for a missing payload file, once it is back")
+    m.add_argument("--projection", default=None, metavar="NAME",
+                   help="fold into this named projection instead of the default samples (docs/projections.md)")
     e = add("export", _cmd_export, "write the samples as a Parquet dataset (appears whole or not at all)")
     e.add_argument("dir", help="directory to create with the part-NNNNN.parquet files")
     e.add_argument("--replace", action="store_true", help="replace an earlier export in DIR (atomically)")
+    e.add_argument("--projection", default=None, metavar="NAME",
+                   help="export this named projection's samples instead of the default ones (docs/projections.md)")
     add("info", _cmd_info, "counts per status, event type and model version; unfoldable trajectories")
     g = add("gc", _cmd_gc, "delete payload files no index row needs (retired log segments, crash leftovers)")
     g.add_argument("--grace-s", type=float, default=3600.0,
@@ -254,6 +312,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="where the demo store, export and report go (default ./trajstore-demo); "
                         "files the demo did not make are never touched")
     d.add_argument("--no-train", action="store_true", help="skip the megatron replay stage")
+    _add_projection_command(add)
     _add_edge_commands(sub, add)
     return p
 

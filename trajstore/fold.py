@@ -28,6 +28,11 @@ The fold is a reduction of one pure step over a trajectory's events:
   largest id kept), so it is made here, not in the step; ids a dtype cannot
   hold are refused (``expert_id_range``).
 
+A named projection (docs/projections.md) folds under another
+``FoldPolicy`` (one sample per call, SkyRL's step-wise observation layout,
+routes from the last call): a parameter of the same step and reduction, the
+default being SPEC's fold.
+
 The merge rule (SPEC fold rule 1) needs the previous call's sequence
 ``S_prev``. Admission holds only its length and a 128-bit hash
 (``sequence_hash``), kept in the ``trajectories`` row, and decides by
@@ -58,8 +63,8 @@ from trajstore.errors import ValidationError
 from trajstore.events import LOGPROB_PLACEHOLDER, Generation, routes_dtype
 from trajstore.sample import Sample
 
-__all__ = ["FoldMetrics", "FoldResult", "FoldTail", "FoldStep", "fold", "fold_step", "sequence_hash",
-           "EMPTY_HASH"]
+__all__ = ["FoldMetrics", "FoldPolicy", "FoldResult", "FoldTail", "FoldStep", "fold", "fold_step", "sequence_hash",
+           "EMPTY_HASH", "DEFAULT_POLICY"]
 
 
 def sequence_hash(tokens: np.ndarray) -> bytes:
@@ -103,6 +108,47 @@ class FoldMetrics:
         }
 
 
+@dataclass(frozen=True)
+class FoldPolicy:
+    """How the fold groups calls into samples: a parameter of ``fold_step`` and ``fold``.
+
+    The default is SPEC's fold. A named projection (docs/projections.md)
+    re-folds the log under another policy; every rule not named here is the
+    same for all policies."""
+
+    merge: str = "prefix"
+    """"prefix": a call whose prompt continues ``S_prev`` joins the current
+    sample (SPEC fold rule 1). "none": every call is a sample of its own
+    (SkyRL's step-wise samples without merging)."""
+    observation: str = "prompt"
+    """With ``merge="none"``: where the observation tokens a call appended
+    after ``S_prev`` go. "prompt": only in that call's prompt. "response": also
+    at the end of the previous call's response, loss mask 0 (SkyRL's
+    step-wise layout: a turn's response is its output + the next observation)."""
+    routes: str = "first"
+    """"first": a recorded route is never overwritten (R3, SPEC). "last": rows
+    a later call of the same sequence re-sent replace the recorded ones."""
+
+    MERGE = ("prefix", "none")
+    OBSERVATION = ("prompt", "response")
+    ROUTES = ("first", "last")
+
+    def __post_init__(self) -> None:
+        for name, allowed in (("merge", self.MERGE), ("observation", self.OBSERVATION), ("routes", self.ROUTES)):
+            if getattr(self, name) not in allowed:
+                raise ValidationError(f"fold policy {name}={getattr(self, name)!r}: want one of "
+                                      f"{', '.join(allowed)}", rule="fold_policy")
+        if self.observation != "prompt" and self.merge != "none":
+            raise ValidationError(f"fold policy observation={self.observation!r} needs merge='none' (merged "
+                                  "samples keep observations in the response)", rule="fold_policy")
+
+    def to_dict(self) -> dict[str, str]:
+        return {"merge": self.merge, "observation": self.observation, "routes": self.routes}
+
+
+DEFAULT_POLICY = FoldPolicy()
+
+
 class FoldTail(NamedTuple):
     """What the fold knows of a trajectory after its last generation event.
 
@@ -141,11 +187,25 @@ class FoldStep(NamedTuple):
     """Route rows kept, [rows, layers, topk] (a view of the call's rows); None without routes."""
     routes_start: int
     """Absolute position of ``routes[0]``."""
+    continued: bool | None = None
+    """The prompt continued ``S_prev`` (None: same as ``merged``; they differ
+    only under ``FoldPolicy(merge="none")``)."""
+    inherit: int | None = None
+    """Route rows a new sample takes from the previous one (None: the rows
+    below ``routes_start``, SPEC's rule for a new sample with skipped rows)."""
 
     @property
     def inherited_rows(self) -> int:
         """Rows below ``routes_start`` a new sample takes from the previous one."""
-        return self.routes_start if self.routes is not None and not self.merged else 0
+        if self.merged:
+            return 0
+        if self.inherit is not None:
+            return self.inherit
+        return self.routes_start if self.routes is not None else 0
+
+    @property
+    def continues(self) -> bool:
+        return self.merged if self.continued is None else self.continued
 
 
 # S_prev as the caller holds it: the last call's (prompt_ids, output_ids), or a
@@ -154,7 +214,7 @@ Previous = Union[tuple[np.ndarray, np.ndarray], Callable[[], np.ndarray]]
 
 
 def fold_step(
-    tail: FoldTail, gen: Generation, previous: Previous
+    tail: FoldTail, gen: Generation, previous: Previous, policy: FoldPolicy = DEFAULT_POLICY
 ) -> tuple[FoldStep, FoldTail]:
     """Apply one generation event to a trajectory's tail; return its outcome and the new tail.
 
@@ -165,14 +225,26 @@ def fold_step(
     tail carries a hash only if ``tail`` did. Raises ValidationError
     (``reward_mode``, ``routes_shape``, ``missing_route_rows``) without a
     trajectory or event index: the caller locates it.
+
+    ``policy`` (default SPEC's fold): with ``merge="none"`` a call that
+    continues ``S_prev`` starts a sample of its own that inherits the rows
+    its sequence recorded below the call's kept rows (the watermark carries
+    on along the sequence); with ``routes="last"`` a continuing call's rows
+    replace recorded ones instead of being ignored.
     """
     reward_mode = _reward_mode(gen, tail.reward_mode)
     layers, topk = _route_layout(gen, tail)
-    merged = tail.num_samples > 0 and _starts_with_sequence(gen.prompt_ids, tail, previous)
+    continues = tail.num_samples > 0 and _starts_with_sequence(gen.prompt_ids, tail, previous)
     rows, start = gen.routed_experts, gen.routed_experts_start
-    if merged:
-        kept, kept_start, route_len = _merge_routes(rows, start, tail.route_len)
-        step = FoldStep(True, tail.num_samples - 1, tail.seq_len, kept, kept_start)
+    if continues:
+        if policy.routes == "last":
+            kept, kept_start, route_len = _last_routes(rows, start, tail.route_len)
+        else:
+            kept, kept_start, route_len = _merge_routes(rows, start, tail.route_len)
+        if policy.merge == "prefix":
+            step = FoldStep(True, tail.num_samples - 1, tail.seq_len, kept, kept_start)
+        else:
+            step = FoldStep(False, tail.num_samples, 0, kept, kept_start, True, min(kept_start, tail.route_len))
     else:
         _check_skipped_rows(gen, tail, previous)
         route_len = 0 if rows is None else start + len(rows)
@@ -250,6 +322,13 @@ def _merge_routes(rows: np.ndarray | None, start: int, route_len: int) -> tuple[
     return kept, start + skip, start + len(rows) if len(kept) else route_len
 
 
+def _last_routes(rows: np.ndarray | None, start: int, route_len: int) -> tuple[np.ndarray | None, int, int]:
+    """``routes="last"``: keep every row the call sent; re-sent positions take the call's rows."""
+    if rows is None:
+        return None, route_len, route_len
+    return rows, start, max(route_len, start + len(rows))
+
+
 def _check_skipped_rows(gen: Generation, tail: FoldTail, previous: Previous) -> None:
     """A new sample's rows below routed_experts_start come from the previous sample (SPEC R3).
 
@@ -322,6 +401,7 @@ def fold(
     final_reward: float | None = None,
     num_experts: int | None = None,
     routes_alloc: RoutesAlloc | None = None,
+    policy: FoldPolicy = DEFAULT_POLICY,
 ) -> FoldResult:
     """Fold one trajectory's generation events (in seq order) into samples.
 
@@ -332,7 +412,8 @@ def fold(
     ``routes_alloc(shape, dtype)`` gives the (uninitialised) array each
     sample's routes are built in (default ``np.empty``), or a deferred one
     (``RoutesAlloc``): the materializer builds them straight in the buffer it
-    writes the sample segment from.
+    writes the sample segment from. ``policy``: how calls are grouped into
+    samples (``FoldPolicy``; default SPEC's fold).
     """
     if not generations:
         return FoldResult([], FoldMetrics())
@@ -343,7 +424,7 @@ def fold(
                 trajectory_id=trajectory_id,
                 rule="trajectory_id",
             )
-    steps, tail = _steps(generations, trajectory_id)
+    steps, tail = _steps(generations, trajectory_id, policy)
     routes = _route_spec(steps, tail, num_experts, trajectory_id)
     traj = _Trajectory(trajectory_id, group_id, status, tail.reward_mode, routes)
     bounds = [i for i, s in enumerate(steps) if not s.merged] + [len(steps)]
@@ -351,22 +432,29 @@ def fold(
     prev: Sample | None = None
     alloc = routes_alloc or np.empty
     for index, (a, b) in enumerate(zip(bounds, bounds[1:])):
-        prev = _make_sample(generations[a:b], steps[a:b], index, len(bounds) - 1, prev, traj, alloc)
+        # observation="response": the next call's observation (the prompt tokens after
+        # this sample's sequence) closes this sample's response, with the next call's
+        # routes for those positions (SkyRL's step-wise layout)
+        after = steps[b] if policy.observation == "response" and b < len(steps) and steps[b].continues else None
+        prev = _make_sample(generations[a:b], steps[a:b], index, len(bounds) - 1, prev, traj, alloc,
+                            (generations[b], after) if after is not None else None)
         samples.append(prev)
     if final_reward is not None:
         samples[-1].reward = float(final_reward)
-    return FoldResult(samples, FoldMetrics(len(generations), len(samples), len(samples) - 1),
+    mismatches = sum(1 for s in steps[1:] if not s.continues)
+    return FoldResult(samples, FoldMetrics(len(generations), len(samples), mismatches),
                       tuple(b - a for a, b in zip(bounds, bounds[1:])), tuple(steps))
 
 
-def _steps(generations: Sequence[Generation], trajectory_id: str) -> tuple[list[FoldStep], FoldTail]:
+def _steps(generations: Sequence[Generation], trajectory_id: str,
+           policy: FoldPolicy = DEFAULT_POLICY) -> tuple[list[FoldStep], FoldTail]:
     """``fold_step`` over the events, deciding merges by tokens (the fold holds them)."""
     tail = FoldTail(seq_hash=None)
     previous: tuple[np.ndarray, np.ndarray] = (_NO_TOKENS, _NO_TOKENS)
     steps = []
     for gen in generations:
         try:
-            step, tail = fold_step(tail, gen, previous)
+            step, tail = fold_step(tail, gen, previous, policy)
         except ValidationError as e:
             raise ValidationError(e.reason, trajectory_id=trajectory_id, rule=e.rule) from None
         steps.append(step)
@@ -403,13 +491,20 @@ def _make_sample(
     prev: Sample | None,
     traj: _Trajectory,
     routes_alloc: RoutesAlloc,
+    observation: tuple[Generation, FoldStep] | None = None,
 ) -> Sample:
-    """Build sample ``index`` from its events and their outcomes."""
-    response, loss_mask, logprobs, logprobs_mask, versions, outputs = _tokens(group, steps)
+    """Build sample ``index`` from its events and their outcomes; ``observation``:
+    the next call and its outcome, whose observation tokens close the response."""
+    trailing = None
+    if observation is not None:
+        trailing = observation[0].prompt_ids[group[-1].num_tokens:]
+    response, loss_mask, logprobs, logprobs_mask, versions, outputs = _tokens(group, steps, trailing)
     token_rewards = _token_rewards(outputs, len(response)) if traj.reward_mode == "token" else None
     routes = mask = None
     if traj.routes is not None:
-        routes, mask = _sample_routes(group[-1].num_tokens, steps, prev, traj.routes, routes_alloc)
+        more = (observation[1],) if observation is not None else ()
+        routes, mask = _sample_routes(group[-1].num_tokens + (0 if trailing is None else len(trailing)),
+                                      (*steps, *more), prev, traj.routes, routes_alloc)
     rewards = [g.reward for g in group if g.reward is not None]
     # Over generated tokens (versions never decrease within a call, so its first
     # token has its oldest); a sample with no generated token still names the policy called.
@@ -443,9 +538,10 @@ def _first_version(gen: Generation) -> int:
 
 
 def _tokens(
-    group: Sequence[Generation], steps: Sequence[FoldStep]
+    group: Sequence[Generation], steps: Sequence[FoldStep], trailing: np.ndarray | None = None
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, list[tuple[int, Generation]]]:
-    """Response arrays of one sample, and (offset, event) for each event's output."""
+    """Response arrays of one sample, and (offset, event) for each event's output;
+    ``trailing``: observation tokens after the last output (loss mask 0, like a delta)."""
     pieces = [group[0].output_ids]
     outputs = [(0, group[0])]
     offset = len(group[0].output_ids)
@@ -455,6 +551,9 @@ def _tokens(
         offset += len(delta)
         outputs.append((offset, gen))
         offset += len(gen.output_ids)
+    if trailing is not None:
+        pieces.append(trailing)
+        offset += len(trailing)
     response = np.concatenate(pieces, dtype=np.int32)
     # Defaults are the observation (delta) values; outputs overwrite their slices.
     loss_mask = np.zeros(offset, np.uint8)
@@ -495,8 +594,13 @@ def _sample_routes(
         mask[:inherited] = prev.routed_experts_mask[:inherited]
     for step in steps:
         if step.routes is not None and len(step.routes):
-            at = slice(step.routes_start, step.routes_start + len(step.routes))
-            routes[at] = step.routes
+            # clipped to the sample: an observation="response" sample takes only the
+            # next call's rows for its own positions
+            n = min(len(step.routes), num_tokens - step.routes_start)
+            if n <= 0:
+                continue
+            at = slice(step.routes_start, step.routes_start + n)
+            routes[at] = step.routes if n == len(step.routes) else step.routes[:n]
             mask[at] = False
     routes[mask] = np.arange(spec.topk, dtype=spec.dtype)
     return routes, mask

@@ -58,8 +58,8 @@ from typing import Any, Callable
 
 from trajstore._deprecated import renamed
 from trajstore import _facts as facts
-from trajstore.errors import CorruptStoreError, PayloadMissingError, StoreUnavailable, TrajstoreError
-from trajstore.fold import FoldMetrics, FoldResult, fold
+from trajstore.errors import CorruptStoreError, PayloadMissingError, StoreUnavailable, TrajstoreError, ValidationError
+from trajstore.fold import DEFAULT_POLICY, FoldMetrics, FoldPolicy, FoldResult, fold
 from trajstore.log.base import SAMPLES_KIND, Repoint, Shard, StaleState, shard_index_of
 from trajstore.payload import SegmentRows, rows_per_batch
 from trajstore.sample import Sample
@@ -131,10 +131,13 @@ class Materializer:
         max_batch_tokens: int = 262_144,
         progress: Callable[[int], None] | None = None,
         batch_size: int | None = None,
+        projection: str | None = None,
     ) -> None:
         """``max_trajectories``: finished trajectories folded per step (one
         transaction), cut earlier at ``max_batch_tokens`` tokens.
-        ``batch_size`` is its old name (deprecated)."""
+        ``batch_size`` is its old name (deprecated). ``projection``: fold into
+        that named projection (its policy, samples and checkpoints) instead of
+        the default samples (docs/projections.md)."""
         max_trajectories = renamed("batch_size", "max_trajectories", batch_size, max_trajectories, 256)
         if not 0 <= shard_index < num_shards:
             raise ValueError(f"shard_index {shard_index} not in [0, {num_shards})")
@@ -145,6 +148,16 @@ class Materializer:
         self.max_trajectories = max_trajectories
         self.max_batch_tokens = max_batch_tokens
         self.progress = progress
+        self.projection = projection
+        if projection is None:
+            self.index = store.materialized
+            self.policy = DEFAULT_POLICY
+            self._segment_prefix = "samples"
+        else:
+            self.index = store.materialized.projection(projection)
+            row = self.index.row
+            self.policy = FoldPolicy(row["merge"], row["observation"], row["routes"])
+            self._segment_prefix = f"samples-{row['token']}"
 
     def pending(self, *, all_shards: bool = False) -> int:
         """Finished trajectories of this shard after its checkpoint: its backlog,
@@ -203,20 +216,21 @@ class Materializer:
         finished = kept
         folded, unfoldable, gen_rows, held = self._fold(mine)
         last = finished[-1]["position"]
-        seg_name = f"samples-{self.shard_index}of{self.num_shards}-{position + 1:012d}-{last:012d}.arrow"
+        seg_name = f"{self._segment_prefix}-{self.shard_index}of{self.num_shards}-{position + 1:012d}-{last:012d}.arrow"
         samples = [s for r in folded.values() for s in r.samples]
         calls = [c for r in folded.values() for c in r.calls_per_sample]
         metrics = sum((r.metrics for r in folded.values()), FoldMetrics())
         finished_at = {e["trajectory_id"]: e["position"] for e in mine}
         seg_row, sample_rows = self._write(seg_name, samples, calls, finished_at)
-        repoints = _repoints(seg_name, folded, gen_rows)
+        # a projection's samples are a second view: the default samples keep the one copy
+        repoints = _repoints(seg_name, folded, gen_rows) if self.projection is None else []
         now = time.time()
         unfoldable_rows = [_unfoldable_row(tid, finished_at[tid], self.shard, err, now)
                            for tid, err in unfoldable.items()]
         checkpoint = {"position": last, **(cumulative + metrics).to_dict()}
         checkpoint.pop("merge_ratio")
         try:
-            self.store.materialized.commit_samples(self.shard, sample_rows, seg_row, checkpoint, position,
+            self.index.commit_samples(self.shard, sample_rows, seg_row, checkpoint, position,
                                                    unfoldable_rows=unfoldable_rows, repoints=repoints)
         except StaleState:
             # another materializer did this batch
@@ -307,7 +321,7 @@ class Materializer:
         return stats
 
     def _checkpoint(self) -> tuple[int, FoldMetrics]:
-        cp = self.store.materialized.load_checkpoint(self.shard)
+        cp = self.index.load_checkpoint(self.shard)
         if cp is None:
             return 0, FoldMetrics()
         return int(cp["position"]), FoldMetrics(
@@ -389,10 +403,12 @@ class Materializer:
                     (traj["route_layers"], traj["route_topk"]) if traj["route_layers"] else None,
                     label_maps[tid],
                 )
+                if self.policy.routes == "last":
+                    _check_last_routes_stored(tid, gen_rows)
                 rewards = [r["reward"] for r in rows if r["type"] == "reward"]
                 folded[tid] = fold(gens, trajectory_id=tid, group_id=traj["group_id"], status=fin["status"],
                                    final_reward=rewards[-1] if rewards else None, num_experts=traj["num_experts"],
-                                   routes_alloc=plan)
+                                   routes_alloc=plan, policy=self.policy)
                 gen_rows_of[tid] = gen_rows
             except StoreUnavailable:
                 raise
@@ -425,6 +441,26 @@ class Materializer:
         seg_row = {"name": name, "kind": "samples", "num_rows": len(samples), "num_bytes": size, "created_at": now}
         return seg_row, [_sample_row(s, i, name, finished_at[s.trajectory_id], c, now)
                          for i, (s, c) in enumerate(zip(samples, calls))]
+
+
+def _check_last_routes_stored(trajectory_id: str, gen_rows: list[dict[str, Any]]) -> None:
+    """``routes="last"`` needs the rows a call re-sent for recorded positions, which
+    admission does not store (only their count, ``route_rows_resent``, and how many
+    differed from the recorded ones, ``route_rows_drifted``). They are known exactly
+    when none differed: then they equal the recorded rows. Otherwise the samples
+    would be made of rows that are not there, so the trajectory is refused."""
+    for r in gen_rows:
+        resent = r.get("route_rows_resent")
+        if resent is None and r.get("num_route_rows_sent") is not None and r.get("num_route_rows") is not None:
+            resent = int(r["num_route_rows_sent"]) - int(r["num_route_rows"])
+        if resent and r.get("route_rows_drifted") != 0:
+            drifted = r.get("route_rows_drifted")
+            raise ValidationError(
+                f"generation seq {r['seq']} re-sent {resent} route rows that the store did not keep and "
+                + (f"{drifted} of them differed from the recorded ones" if drifted is not None
+                   else "were appended before drift was measured")
+                + ": routes='last' cannot be folded from the stored facts",
+                trajectory_id=trajectory_id, rule="routes_not_stored")
 
 
 def _repoints(segment: str, folded: dict[str, FoldResult], gen_rows: dict[str, list[dict[str, Any]]]

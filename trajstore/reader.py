@@ -109,6 +109,10 @@ class ReaderConfig:
     must agree with them."""
     page_rows: int = 1024
     """Sample rows per SQL query."""
+    projection: str | None = None
+    """Read the samples of this named projection (``trajstore projection create``;
+    docs/projections.md) instead of the default fold's. Its own checkpoints bound
+    what is safe to read."""
 
     def __post_init__(self) -> None:
         for name in ("status", "drop_finish_reasons", "mask_finish_reasons"):
@@ -139,8 +143,11 @@ class ReaderConfig:
 
     def fingerprint(self) -> dict[str, Any]:
         """What defines the unit sequence; a state must be resumed with the same."""
-        return {"keep_groups": self.keep_groups, "group_size": self.group_size,
-                "status": None if self.status is None else sorted(self.status)}
+        out = {"keep_groups": self.keep_groups, "group_size": self.group_size,
+               "status": None if self.status is None else sorted(self.status)}
+        if self.projection is not None:  # absent for the default: states saved before projections load
+            out["projection"] = self.projection
+        return out
 
 
 @dataclass
@@ -203,6 +210,9 @@ class SampleReader:
 
             store = connect(store, payload=payload, migrate=False, create=False)
         self.store = store
+        # the sample index read: the default samples, or a named projection's
+        self._index = (store.materialized if self.config.projection is None
+                       else store.materialized.projection(self.config.projection))
         self.rank, self.world_size = rank, world_size
         self.current_model_version = renamed("current_version", "current_model_version", current_version,
                                              current_model_version, None)
@@ -527,7 +537,7 @@ class SampleReader:
         while True:
             found = False
             where = {"max_finished_position": self._watermark() if follow else until}
-            for page in self.store.materialized.iter_sample_rows(where=where, after=after, page_rows=self.config.page_rows):
+            for page in self._index.iter_sample_rows(where=where, after=after, page_rows=self.config.page_rows):
                 found, after = True, row_key(page[-1])
                 yield from page
             if not follow:
@@ -543,13 +553,13 @@ class SampleReader:
     def _trajectories_before(self, group_id: str, position: int) -> int:
         where = {"group_id": group_id, "max_finished_position": position - 1}
         seen = set()
-        for page in self.store.materialized.iter_sample_rows(where=where, after=None, page_rows=self.config.page_rows):
+        for page in self._index.iter_sample_rows(where=where, after=None, page_rows=self.config.page_rows):
             seen.update(r["finished_position"] for r in page)
         return len(seen)
 
     def _watermark(self) -> int:
         """Position up to which every materializer shard has committed its samples."""
-        return self.store.materialized.watermark(self.config.num_shards)
+        return self._index.watermark(self.config.num_shards)
 
 
 def _split(items: list[int], n: int) -> list[list[int]]:
@@ -599,6 +609,10 @@ def _validate_state(state: Any, config: ReaderConfig) -> None:
         if not isinstance(saved, dict) or saved.get(name) != value:
             theirs = saved.get(name) if isinstance(saved, dict) else saved
             raise ResumeStateError(f"state was saved with {name}={theirs!r}, this reader has {name}={value!r}")
+    if isinstance(saved, dict) and saved.get("projection") != mine.get("projection"):
+        # a projection's samples are another sequence than the default's (absent = the default)
+        raise ResumeStateError(f"state was saved with projection={saved.get('projection')!r}, this reader has "
+                               f"projection={mine.get('projection')!r}")
     for name in ("cursor", "scan_from"):
         value = state[name]
         if value is not None and not (isinstance(value, (list, tuple)) and len(value) == 2

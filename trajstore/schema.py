@@ -230,5 +230,51 @@ store_settings = Table(
     Column("updated_at", Float, nullable=False),
 )
 
+# migration 0011: named projections (docs/projections.md). A projection re-folds the
+# log under another fold policy (trajstore.fold.FoldPolicy) into samples of its own,
+# beside the default ones: its rows never touch ``samples``, the checkpoints or the
+# events' payload locators. ``token`` names its sample segments (a projection dropped
+# and created again never reuses a file name).
+projections = Table(
+    "projections",
+    metadata,
+    Column("name", String(64), primary_key=True),
+    Column("merge", String(16), nullable=False),
+    Column("observation", String(16), nullable=False),
+    Column("routes", String(16), nullable=False),
+    Column("token", String(32), nullable=False, unique=True),
+    Column("created_at", Float, nullable=False),
+)
+
+# A projection's samples: the columns of ``samples`` plus the projection's name.
+projection_samples = Table(
+    "projection_samples",
+    metadata,
+    Column("projection", String(64), primary_key=True),
+    *[Column(c.name, c.type, primary_key=c.primary_key, nullable=c.nullable)
+      for c in samples.columns],
+    Index("ix_projection_samples_order", "projection", "finished_position", "sample_index", unique=True),
+)
+
+# A projection's materializer checkpoints (one per shard), like materializer_checkpoints.
+projection_checkpoints = Table(
+    "projection_checkpoints",
+    metadata,
+    Column("projection", String(64), primary_key=True),
+    *[Column(c.name, c.type, primary_key=c.primary_key, nullable=c.nullable)
+      for c in materializer_checkpoints.columns],
+)
+
+# Trajectories a projection could not fold (the same reasons as unfoldable_trajectories,
+# plus a policy the stored facts cannot serve: rule ``routes_not_stored``).
+projection_unfoldable = Table(
+    "projection_unfoldable",
+    metadata,
+    Column("projection", String(64), primary_key=True),
+    *[Column(c.name, c.type, primary_key=c.primary_key, nullable=c.nullable)
+      for c in unfoldable_trajectories.columns],
+)
+
 __all__ = ["metadata", "log_head", "trajectories", "events", "segments", "samples", "materializer_checkpoints",
-           "unfoldable_trajectories", "version_labels", "unresolved_labels", "store_settings"]
+           "unfoldable_trajectories", "version_labels", "unresolved_labels", "store_settings", "projections",
+           "projection_samples", "projection_checkpoints", "projection_unfoldable"]

@@ -393,6 +393,7 @@ class Store:
         max_batch_tokens: int = 262_144,
         max_steps: int | None = None,
         progress: Callable[[int], None] | None = None,
+        projection: str | None = None,
     ):
         """Fold every finished trajectory not folded yet; return the metrics
         (``MaterializeStats``: num_steps_before, num_samples_after, merge_ratio, ...).
@@ -401,11 +402,43 @@ class Store:
         ``max_trajectories``: trajectories folded per step (one transaction),
         cut earlier at ``max_batch_tokens`` tokens; ``max_steps``: stop after
         that many steps (None: until nothing is pending); ``progress``: called
-        with the number of trajectories each step folded."""
+        with the number of trajectories each step folded; ``projection``: fold
+        into that named projection instead of the default samples
+        (docs/projections.md)."""
         from trajstore.materializer import Materializer
 
         return Materializer(self, shard_index=shard_index, num_shards=num_shards, max_trajectories=max_trajectories,
-                            max_batch_tokens=max_batch_tokens, progress=progress).run(max_steps=max_steps)
+                            max_batch_tokens=max_batch_tokens, progress=progress,
+                            projection=projection).run(max_steps=max_steps)
+
+    # -- named projections (docs/projections.md) --------------------------------
+    def create_projection(self, name: str, *, merge: str = "prefix", observation: str = "prompt",
+                          routes: str = "first") -> dict[str, Any]:
+        """Define projection ``name``: the log re-folded under ``FoldPolicy(merge,
+        observation, routes)``. Materialize it with ``materialize(projection=name)``;
+        read it with ``samples(projection=name)`` or ``SampleReader(..., projection=name)``."""
+        import re
+        import uuid
+
+        from trajstore.fold import FoldPolicy
+
+        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", name):
+            raise ValidationError(f"projection name {name!r}: want 1-64 letters, digits, '_', '.', '-'",
+                                  rule="projection")
+        policy = FoldPolicy(merge, observation, routes)
+        row = {"name": name, **policy.to_dict(), "token": uuid.uuid4().hex, "created_at": time.time()}
+        self.materialized.create_projection(row)
+        return row
+
+    def projections(self) -> list[dict[str, Any]]:
+        """Every named projection: its policy, ``num_samples``, ``num_unfoldable``."""
+        return self.materialized.projections()
+
+    def drop_projection(self, name: str) -> dict[str, int]:
+        """Delete projection ``name`` and its samples; its sample segments are
+        retired, and ``collect_garbage`` deletes them after its grace. Nothing
+        else changes: the log, the default samples, other projections."""
+        return self.materialized.drop_projection(name)
 
     def samples(
         self,
@@ -417,6 +450,7 @@ class Store:
         trajectory_ids: Iterable[str] | None = None,
         page_rows: int = 256,
         batch_size: int | None = None,
+        projection: str | None = None,
     ) -> Iterator[Sample]:
         """Materialized samples in their stable order (finished position, sample index).
 
@@ -424,14 +458,15 @@ class Store:
         whose oldest token is at least that version, ``max_model_version``
         those whose newest token is at most that; ``group_id`` and
         ``trajectory_ids`` select by id; ``page_rows``: index rows per query
-        (``batch_size`` is its old, deprecated name). Memory stays bounded."""
+        (``batch_size`` is its old, deprecated name); ``projection``: the samples
+        of that named projection (docs/projections.md). Memory stays bounded."""
         from trajstore._deprecated import renamed
         from trajstore._samples import iter_samples
 
         page_rows = renamed("batch_size", "page_rows", batch_size, page_rows, 256)
         return iter_samples(self, status=status, min_model_version=min_model_version,
                             max_model_version=max_model_version, group_id=group_id,
-                            trajectory_ids=trajectory_ids, page_rows=page_rows)
+                            trajectory_ids=trajectory_ids, page_rows=page_rows, projection=projection)
 
     def close(self) -> None:
         self.log.close()  # the sample index shares its engines

@@ -364,6 +364,23 @@ class SampleIndex(ABC):
         checkpoint moves: the trajectories' finished events are behind it."""
         raise NotImplementedError
 
+    # -- named projections (docs/projections.md); a backend without them refuses --
+    def create_projection(self, row: Mapping[str, Any]) -> None:
+        """Insert a ``projections`` row (name, policy, segment token, created_at)."""
+        raise ValidationError("this store has no named projections", rule="projection")
+
+    def projections(self) -> list[dict[str, Any]]:
+        """Every projection's row with ``num_samples`` and ``num_unfoldable``."""
+        return []
+
+    def projection(self, name: str) -> "SampleIndex":
+        """The sample index of projection ``name`` (its ``row`` attribute: the policy)."""
+        raise ValidationError(f"no projection {name!r}", rule="projection")
+
+    def drop_projection(self, name: str) -> dict[str, int]:
+        """Delete projection ``name``'s rows and retire its sample segments."""
+        raise ValidationError(f"no projection {name!r}", rule="projection")
+
     def shard_count(self) -> int | None:
         """How many shards the stored checkpoints were written by (None when
         there is none yet). Raises ``ValidationError`` when they disagree (the

@@ -66,10 +66,11 @@ from sqlalchemy.exc import DataError, DBAPIError, IntegrityError, InterfaceError
 from trajstore.errors import (CommitUnknownError, IndexInvariantError, StoreUnavailable, TrajstoreError, ValidationError,
                               first_line)
 from trajstore.log.base import EventLog, Repoint, SampleIndex, Shard, StaleState, TrajectoryWrite
-from trajstore.schema import (events, log_head, materializer_checkpoints, samples, segments, trajectories,
-                              unfoldable_trajectories, unresolved_labels, version_labels)
+from trajstore.schema import (events, log_head, materializer_checkpoints, projection_checkpoints,
+                              projection_samples, projection_unfoldable, projections, samples, segments,
+                              trajectories, unfoldable_trajectories, unresolved_labels, version_labels)
 
-__all__ = ["SqlEventLog", "SqlSampleIndex", "first_line", "open_sql", "translate", "RELEASED"]
+__all__ = ["SqlEventLog", "SqlSampleIndex", "SqlProjectionIndex", "first_line", "open_sql", "translate", "RELEASED"]
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +85,8 @@ _RACE_KEYS = {
     "trajectories_pkey": "trajectories.trajectory_id",
     "materializer_checkpoints_pkey": "materializer_checkpoints.shard",
     "version_labels_pkey": "version_labels.label",
+    "projection_checkpoints_pkey": "projection_checkpoints.projection",
+    "projections_pkey": "projections.name",
 }
 
 RELEASED = "trajectory_released"
@@ -618,7 +621,9 @@ _FOLD_TRAJECTORY_COLUMNS = ("trajectory_id", "group_id", "num_experts", "route_l
 _FOLD_EVENT_COLUMNS = ("position", "trajectory_id", "type", "seq", "event_id", "model_version", "prompt_len",
                        "prefix_len", "output_len", "routes_start", "num_route_rows", "routes_dtype", "reward",
                        "has_token_rewards", "finish_reason", "segment", "segment_row", "segment_kind",
-                       "version_spans", "sample_index", "is_merged", "weight_versions")
+                       "version_spans", "sample_index", "is_merged", "weight_versions",
+                       # what a projection with routes="last" needs to know was dropped (projections.md)
+                       "num_route_rows_sent", "route_rows_resent", "route_rows_drifted")
 
 
 class _Quoted:
@@ -643,15 +648,18 @@ def _quoted(conn: Connection, table: Any) -> _Quoted:
 
 
 def _named(conn: Connection) -> set[str]:
-    """Segments an ``events`` or ``samples`` row names."""
+    """Segments an ``events``, ``samples`` or ``projection_samples`` row names."""
     named = set(conn.execute(select(events.c.segment).where(events.c.segment.is_not(None)).distinct()).scalars())
+    named |= set(conn.execute(select(projection_samples.c.segment).distinct()).scalars())
     return named | set(conn.execute(select(samples.c.segment).distinct()).scalars())
 
 
 def _named_clause():
     """SQL: this ``segments`` row is not a log segment, or some event names it
-    (one probe of ``ix_events_segment``; sample segments are never retired)."""
-    return or_(segments.c.kind != "events", exists().where(events.c.segment == segments.c.name))
+    (one probe of ``ix_events_segment``; sample segments are retired only when their
+    projection is dropped, and then no row names them)."""
+    return or_(and_(segments.c.kind != "events", segments.c.retired_at.is_(None)),
+               exists().where(events.c.segment == segments.c.name))
 
 
 def _repoint(conn: Connection, moves: Sequence[Repoint], *, guarded: bool) -> None:
@@ -1156,6 +1164,163 @@ class SqlSampleIndex(SampleIndex):
 
         self.db.transaction("re-folding quarantined trajectories", body, landed=landed)
 
+    # -- named projections (docs/projections.md) ------------------------------
+    def create_projection(self, row: Mapping[str, Any]) -> None:
+        """Insert a ``projections`` row; ``ValidationError`` (rule ``projection``) when the name is taken."""
+        def body(conn: Connection) -> None:
+            if conn.execute(select(projections.c.name).where(projections.c.name == row["name"])).first():
+                raise ValidationError(f"projection {row['name']!r} exists (drop it first to change its policy)",
+                                      rule="projection")
+            conn.execute(insert(projections).values(**row))
+
+        try:
+            self.db.transaction(f"creating projection {row['name']!r}", body)
+        except StaleState:  # created concurrently
+            raise ValidationError(f"projection {row['name']!r} exists", rule="projection") from None
+
+    def projections(self) -> list[dict[str, Any]]:
+        """Every projection's row, with ``num_samples`` and ``num_unfoldable``, by name."""
+        with self.db.reading("listing projections") as conn:
+            rows = [dict(r._mapping) for r in conn.execute(select(projections).order_by(projections.c.name))]
+            n = dict(conn.execute(select(projection_samples.c.projection, func.count())
+                                  .group_by(projection_samples.c.projection)).all())
+            bad = dict(conn.execute(select(projection_unfoldable.c.projection, func.count())
+                                    .group_by(projection_unfoldable.c.projection)).all())
+        for r in rows:
+            r["num_samples"], r["num_unfoldable"] = int(n.get(r["name"], 0)), int(bad.get(r["name"], 0))
+        return rows
+
+    def projection(self, name: str) -> "SqlProjectionIndex":
+        """The sample index of projection ``name`` (``ValidationError`` when there is none)."""
+        with self.db.reading("reading a projection") as conn:
+            row = conn.execute(select(projections).where(projections.c.name == name)).first()
+        if row is None:
+            raise ValidationError(f"no projection {name!r} (trajstore projection list)", rule="projection")
+        return SqlProjectionIndex(self.db, dict(row._mapping))
+
+    def drop_projection(self, name: str) -> dict[str, int]:
+        """In one transaction: delete projection ``name``'s samples, checkpoints,
+        unfoldable rows and row, and retire its sample segments (``trajstore gc``
+        deletes the files after its grace). The log, the default samples and other
+        projections are untouched. Returns ``{"samples", "segments"}`` removed."""
+        def body(conn: Connection) -> dict[str, int]:
+            if conn.execute(select(projections.c.name).where(projections.c.name == name)).first() is None:
+                raise ValidationError(f"no projection {name!r} (trajstore projection list)", rule="projection")
+            ps = projection_samples
+            names = sorted(conn.execute(select(ps.c.segment).where(ps.c.projection == name).distinct()).scalars())
+            n = conn.execute(delete(ps).where(ps.c.projection == name)).rowcount
+            for t in (projection_checkpoints, projection_unfoldable):
+                conn.execute(delete(t).where(t.c.projection == name))
+            conn.execute(delete(projections).where(projections.c.name == name))
+            now = time.time()
+            for part in _chunks(names):
+                conn.execute(update(segments).where(segments.c.name.in_(part), segments.c.kind == "samples",
+                                                    segments.c.retired_at.is_(None)).values(retired_at=now))
+            return {"samples": int(n), "segments": len(names)}
+
+        return self.db.transaction(f"dropping projection {name!r}", body)
+
+
+class SqlProjectionIndex(SampleIndex):
+    """The sample index of one named projection: its own rows of
+    ``projection_samples``, ``projection_checkpoints`` and
+    ``projection_unfoldable``. Its commits never re-point events (the default
+    samples hold the one copy of the log's tokens) and never touch the
+    default's tables."""
+
+    def __init__(self, db: _Db, row: Mapping[str, Any]) -> None:
+        self.db = db
+        self.name = str(row["name"])
+        self.row = dict(row)
+
+    def load_checkpoint(self, shard: Shard) -> dict[str, Any] | None:
+        key, t = str(Shard.parse(str(shard))), projection_checkpoints
+        with self.db.reading("reading a projection checkpoint") as conn:
+            row = conn.execute(select(t).where(t.c.projection == self.name, t.c.shard == key)).first()
+        return None if row is None else {k: v for k, v in row._mapping.items() if k != "projection"}
+
+    def checkpoints(self) -> dict[Shard, dict[str, Any]]:
+        t = projection_checkpoints
+        with self.db.reading("reading projection checkpoints") as conn:
+            rows = [dict(r._mapping) for r in conn.execute(select(t).where(t.c.projection == self.name))]
+        return {Shard.parse(r["shard"]): r for r in rows}
+
+    def commit_samples(self, shard: Shard, sample_rows: Sequence[dict[str, Any]],
+                       segment_row: Mapping[str, Any] | None, checkpoint: Mapping[str, Any],
+                       expected_position: int, *, unfoldable_rows: Sequence[dict[str, Any]] = (),
+                       repoints: Sequence[Repoint] = ()) -> None:
+        if repoints:
+            raise IndexInvariantError("a projection never re-points events (the default samples hold them)")
+        key = str(Shard.parse(str(shard)))
+        cp = dict(checkpoint, projection=self.name, shard=key, updated_at=time.time())
+        t = projection_checkpoints
+
+        def body(conn: Connection) -> None:
+            # the projection must still exist: a drop between the fold and this commit wins
+            if conn.execute(select(projections.c.token).where(projections.c.name == self.name)).scalar() \
+                    != self.row["token"]:
+                raise StaleState(f"projection {self.name!r} was dropped")
+            if expected_position == 0 and conn.execute(
+                    select(t.c.shard).where(t.c.projection == self.name, t.c.shard == key)).first() is None:
+                conn.execute(insert(t).values(**cp))  # a concurrent first commit: primary key race -> StaleState
+            else:
+                res = conn.execute(update(t).where(t.c.projection == self.name, t.c.shard == key,
+                                                   t.c.position == expected_position)
+                                   .values(**{k: v for k, v in cp.items() if k not in ("projection", "shard")}))
+                if res.rowcount != 1:
+                    raise StaleState(f"projection {self.name!r} shard {key!r} checkpoint is no longer at "
+                                     f"{expected_position}")
+            if segment_row is not None:
+                _insert(conn, segments, [segment_row])
+            if sample_rows:
+                _insert(conn, projection_samples, [dict(r, projection=self.name) for r in sample_rows])
+            if unfoldable_rows:
+                _insert(conn, projection_unfoldable, [dict(r, projection=self.name) for r in unfoldable_rows])
+
+        def landed(conn: Connection, _: None) -> bool:
+            pos = conn.execute(select(t.c.position).where(t.c.projection == self.name, t.c.shard == key)
+                               ).scalar_one_or_none()
+            return pos is not None and pos >= int(checkpoint["position"])
+
+        self.db.transaction(f"committing samples of projection {self.name!r} shard {key}", body, landed=landed)
+
+    def iter_sample_rows(self, *, where: Mapping[str, Any], after: tuple[int, int] | None,
+                         page_rows: int) -> Iterator[list[dict[str, Any]]]:
+        ps = projection_samples
+        conds = [ps.c.projection == self.name, *_sample_filters(where, ps)]
+        cursor = after
+        while True:
+            q = select(*[c for c in ps.columns if c.name != "projection"]).where(*conds)
+            if cursor is not None:
+                fp, si = cursor
+                q = q.where(or_(ps.c.finished_position > fp,
+                                and_(ps.c.finished_position == fp, ps.c.sample_index > si)))
+            q = q.order_by(ps.c.finished_position, ps.c.sample_index).limit(page_rows)
+            with self.db.reading("reading projection sample rows") as conn:
+                rows = [dict(r._mapping) for r in conn.execute(q)]
+            if not rows:
+                return
+            yield rows
+            cursor = (rows[-1]["finished_position"], rows[-1]["sample_index"])
+
+    def count_samples(self) -> int:
+        ps = projection_samples
+        with self.db.reading("counting projection samples") as conn:
+            return int(conn.execute(select(func.count()).select_from(ps).where(ps.c.projection == self.name))
+                       .scalar_one())
+
+    def unfoldable_trajectories(self, *, limit: int = 20) -> dict[str, Any]:
+        t = projection_unfoldable
+        with self.db.reading("reading a projection's unfoldable trajectories") as conn:
+            by_error = dict(conn.execute(select(t.c.error, func.count()).where(t.c.projection == self.name)
+                                         .group_by(t.c.error)).all())
+            recent = conn.execute(
+                select(t.c.trajectory_id, t.c.finished_position, t.c.shard, t.c.error, t.c.rule, t.c.message)
+                .where(t.c.projection == self.name).order_by(t.c.finished_position.desc()).limit(limit)).all()
+        return {"count": sum(int(v) for v in by_error.values()),
+                "by_error": {k: int(v) for k, v in sorted(by_error.items())},
+                "recent": [dict(r._mapping) for r in recent]}
+
 
 def open_sql(write_engine: Engine, read_engine: Engine) -> tuple[SqlEventLog, SqlSampleIndex]:
     """The log index and the sample index of one database, sharing its engines."""
@@ -1163,8 +1328,8 @@ def open_sql(write_engine: Engine, read_engine: Engine) -> tuple[SqlEventLog, Sq
     return SqlEventLog(write_engine, read_engine, db), SqlSampleIndex(write_engine, read_engine, db)
 
 
-def _sample_filters(where: Mapping[str, Any]) -> list[Any]:
-    c = samples.c
+def _sample_filters(where: Mapping[str, Any], table: Any = samples) -> list[Any]:
+    c = table.c
     conds: list[Any] = []
     if where.get("status") is not None:
         st = where["status"]

@@ -230,7 +230,7 @@ def test_a_0008_store_upgrades_with_route_rows_resent_backfilled(store_url, tmp_
 
 
 def test_0010_round_trip_keeps_positions_unique(store_url, tmp_path):
-    """One revision down (undoing 0010) and up again: the recorded payload location goes and is recorded
+    """Down to 0009 (undoing 0010 and what follows) and up again: the recorded payload location goes and is recorded
     again at the next open; on PostgreSQL the counter row is moved past every position
     the sequence handed out, and the sequence starts after it again, so later appends
     never reuse a position."""
@@ -239,7 +239,7 @@ def test_0010_round_trip_keeps_positions_unique(store_url, tmp_path):
     store.append([started("a"), gen("a", 0, [1], [2]), finished("a")])
     engine = store.log.write_engine
     store.close()
-    _migrate(engine, "-1", down=True)
+    _migrate(engine, "0009", down=True)
     assert "store_settings" not in inspect(engine).get_table_names()
     store = trajstore.connect(store_url, payload=payload)  # upgraded again; location recorded again
     store.append([started("b"), gen("b", 0, [1], [2]), finished("b")])

@@ -20,9 +20,10 @@ def test_no_hidden_keywords(method):
 def test_samples_and_materialize_name_their_parameters(tmp_path):
     assert list(inspect.signature(Store.samples).parameters) == [
         "self", "status", "min_model_version", "max_model_version", "group_id", "trajectory_ids", "page_rows",
-        "batch_size"]
+        "batch_size", "projection"]
     assert list(inspect.signature(Store.materialize).parameters) == [
-        "self", "shard_index", "num_shards", "max_trajectories", "max_batch_tokens", "max_steps", "progress"]
+        "self", "shard_index", "num_shards", "max_trajectories", "max_batch_tokens", "max_steps", "progress",
+        "projection"]
     with trajstore.connect(f"sqlite:///{tmp_path}/s.db") as store:
         with pytest.raises(TypeError, match="statuses"):
             store.samples(statuses="completed")

@@ -472,7 +472,10 @@ def test_materialize_with_nothing_pending_and_gc_with_young_orphans(built, capsy
 
 def test_readme_python_snippet_runs(tmp_path):
     readme = (REPO / "README.md").read_text()
-    snippet = re.search(r"## Use it\n\n```python\n(.*?)```", readme, re.S).group(1)
+    section = readme.split("## Use it\n", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```python\n(.*?)```", section, re.S)
+    assert len(blocks) >= 2  # Writer + SampleReader first, then the wire dicts
+    snippet = "\n".join(blocks)
     proc = subprocess.run([sys.executable, "-c", snippet], cwd=tmp_path, capture_output=True, text=True,
                           timeout=120, env={k: v for k, v in os.environ.items() if k != "TRAJSTORE_URL"})
     assert proc.returncode == 0, proc.stderr

@@ -199,7 +199,7 @@ def test_errors_name_what_is_wrong(tmp_path):
     assert _one_error(run("--store", store, "ingest", str(tmp_path / "adir"))) == (
         f"error: {tmp_path / 'adir'} is a directory: ingest takes one JSONL file (or - for stdin)")
     assert _one_error(run("--store", store, "report", str(tmp_path / "afile"))) == (
-        f"error: {tmp_path / 'afile'} is a file: report writes a directory (index.html and its plots)")
+        f"error: report: {tmp_path / 'afile'} is a file; the report writes a directory (index.html and plotly.min.js)")
     for argv in (["ingest", str(tmp_path / "e.jsonl")], ["init"], ["info"]):
         line = _one_error(run("--store", f"sqlite:///{tmp_path}/notdb.db", *argv))
         assert line == f"error: not a trajstore store: {tmp_path}/notdb.db is not a SQLite database", (argv, line)

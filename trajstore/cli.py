@@ -346,9 +346,6 @@ def _add_edge_commands(sub, add) -> None:
 def _edge(mod: Any, run: str) -> Command:
     def call(args: argparse.Namespace) -> int:
         # serve and proxy say "listening on ..." themselves, once they answer (ingest._http.run_server)
-        out_dir = getattr(args, "out_dir", None) if args.command == "report" else None
-        if isinstance(out_dir, str) and os.path.exists(out_dir) and not os.path.isdir(out_dir):
-            raise TrajstoreError(f"{out_dir} is a file: report writes a directory (index.html and its plots)")
         try:
             return int(getattr(mod, run)(args) or 0)
         except ValueError as e:  # edges report bad flags as ValueError

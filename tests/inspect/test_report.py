@@ -164,7 +164,7 @@ def test_report_into_a_file_is_one_clear_error(run_store, tmp_path, capsys):
     store, _ = run_store
     (tmp_path / "afile").write_text("x")
     assert main(["--store", reader_url_for(store.url), "report", str(tmp_path / "afile")]) == 1
-    assert capsys.readouterr().err == f"error: report: {tmp_path / 'afile'} is a file, not a directory\n"
+    assert capsys.readouterr().err == f"error: report: {tmp_path / 'afile'} is a file; the report writes a directory (index.html and plotly.min.js)\n"
     assert (tmp_path / "afile").read_text() == "x"
 
 

@@ -41,7 +41,7 @@ def render_report(url: str | None, out_dir: str, *, title: str | None = None,
 
     script = plotly_js()  # says what to install before anything is read or written
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
-        raise TrajstoreError(f"report: {out_dir} is a file, not a directory")
+        raise TrajstoreError(f"report: {out_dir} is a file; the report writes a directory (index.html and plotly.min.js)")
     with read_only(url) as query:
         data = collect(query, stuck_after_s=DEFAULT_STUCK_AFTER_S if stuck_after_s is None else stuck_after_s,
                        payload=_report_page.payload_location(url, payload))

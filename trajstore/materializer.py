@@ -292,8 +292,9 @@ class Materializer:
             status = self.store.log.finished_status([r["trajectory_id"] for r in part])
             finished = [{"position": int(r["finished_position"]), "trajectory_id": r["trajectory_id"],
                          "status": status.get(r["trajectory_id"])} for r in part]
-            folded, unfoldable, gen_rows = self._fold(finished)
-            still = {tid for tid, e in unfoldable.items() if isinstance(e, PayloadMissingError)}
+            folded, unfoldable, gen_rows, held = self._fold(finished)
+            # still missing, or waiting on a version label: both stay quarantined for the next refold
+            still = {tid for tid, e in unfoldable.items() if isinstance(e, PayloadMissingError)} | set(held)
             attempted = [f["trajectory_id"] for f in finished if f["trajectory_id"] not in still]
             if not attempted:
                 continue

@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from trajstore.ingest.service import ServeConfig, add_cli_arguments, main, make_app
+from trajstore.ingest.service import ServeConfig, _serve_config, add_cli_arguments, main, make_app
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -57,3 +57,12 @@ def test_the_config_is_frozen():
 def test_make_app_still_needs_a_token_or_a_config():
     with pytest.raises(TypeError, match="token="):
         make_app(object())
+
+
+def test_serve_takes_a_config_or_the_documented_positional_form():
+    assert _serve_config("sqlite:///x.db", ("0.0.0.0", 9000, "t"), {"workers": 2}) == ServeConfig(
+        store_url="sqlite:///x.db", host="0.0.0.0", port=9000, token="t", workers=2)
+    base = ServeConfig(store_url="sqlite:///x.db", token="t")
+    assert _serve_config(base, (), {"port": 1}) == dataclasses.replace(base, port=1)
+    with pytest.raises(TypeError, match="positional"):
+        _serve_config(None, ("h", 1, "t", "extra"), {})

@@ -20,7 +20,7 @@ from trajstore.ingest._http import HTTPError as _HTTPError
 __all__ = ["DEFAULT_MAX_BODY_BYTES", "DEFAULT_MAX_BYTES_IN_FLIGHT", "ByteBudget", "ClientGone", "declared_length",
            "events_of", "header", "is_arrow", "parse_arrow_body", "read_body", "send_json"]
 
-log = logging.getLogger("trajstore.ingest.service")
+log = logging.getLogger("trajstore.ingest.service")  # refused bodies are logged as the service's
 
 DEFAULT_MAX_BODY_BYTES = 64 << 20
 DEFAULT_MAX_BYTES_IN_FLIGHT = 128 << 20

@@ -346,13 +346,7 @@ def serve(config: ServeConfig | str | None = None, *args: Any, **settings: Any) 
     runs that many processes on one port, each with its own store connection
     and group committer: one process is bound by its GIL to about one core.
     """
-    if len(args) > len(_POSITIONAL):
-        raise TypeError(f"serve() takes at most {len(_POSITIONAL) + 1} positional arguments")
-    settings.update(zip(_POSITIONAL, args))
-    if isinstance(config, ServeConfig):
-        config = dataclasses.replace(config, **settings)
-    else:
-        config = ServeConfig(store_url=config, **settings)
+    config = _serve_config(config, args, settings)
     config = dataclasses.replace(config, token=server_token(config.token, insecure_no_auth=config.insecure_no_auth))
     import trajstore
 
@@ -380,6 +374,16 @@ def serve(config: ServeConfig | str | None = None, *args: Any, **settings: Any) 
 
             del os.environ[MULTIPROC_ENV]
             shutil.rmtree(metrics_dir, ignore_errors=True)
+
+
+def _serve_config(config: ServeConfig | str | None, args: tuple, settings: dict) -> ServeConfig:
+    """The ``ServeConfig`` a ``serve(...)`` call stands for."""
+    if len(args) > len(_POSITIONAL):
+        raise TypeError(f"serve() takes at most {len(_POSITIONAL) + 1} positional arguments")
+    settings = {**settings, **dict(zip(_POSITIONAL, args))}
+    if isinstance(config, ServeConfig):
+        return dataclasses.replace(config, **settings)
+    return ServeConfig(store_url=config, **settings)
 
 
 _CONFIG_ENV = "TRAJSTORE_SERVE_CONFIG"

@@ -24,7 +24,8 @@ from fuzz_events import Refused, make_units, run_fuzz_concurrently  # noqa: E402
 from openai_upstream import serve_in_thread  # noqa: E402
 from sqlalchemy import func, select  # noqa: E402
 from trajstore.ingest.arrow_body import ARROW_CONTENT_TYPE, encode_arrow_events  # noqa: E402
-from trajstore.ingest.service import _HTTPError, decode_json, make_app  # noqa: E402
+from trajstore.ingest._http import HTTPError as _HTTPError  # noqa: E402
+from trajstore.ingest.service import decode_json, make_app  # noqa: E402
 from trajstore.ingest.sinks import encode_events  # noqa: E402
 from trajstore.schema import events as events_table  # noqa: E402
 
@@ -246,7 +247,7 @@ def _json_int_list(text: bytes):
       .map(lambda t: (lambda s: (s[:t[1]] + t[2] + s[t[1]:]).encode())(json.dumps(t[0])[1:-1])),
 ))
 def test_int_list_is_json_or_declines(text):
-    from trajstore.ingest.service import _int_list
+    from trajstore.ingest._json_body import _int_list
 
     got = _int_list(text)
     expected = _json_int_list(text)
@@ -260,7 +261,7 @@ def test_int_list_is_json_or_declines(text):
 @settings(max_examples=200, deadline=None)
 @given(st.text(alphabet="0123456789,- ", max_size=60).map(str.encode), st.integers(1, 8))
 def test_windowed_json_integer_check_equals_the_whole(text, step):
-    from trajstore.ingest.service import _json_integers
+    from trajstore.ingest._json_body import _json_integers
 
     b = np.frombuffer(text, np.uint8)
     assert _json_integers(b, step=step) == _json_integers(b, step=1 << 20)

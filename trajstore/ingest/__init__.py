@@ -5,12 +5,19 @@ into wire-format events and hands them to ``Store.append``.
 * ``sinks``   — where a Writer's batches go (in-process Store, HTTP service)
 * ``vllm``    — vLLM outputs (offline objects, OpenAI JSON) → generation events
 * ``sglang``  — SGLang outputs (native ``/generate``, OpenAI JSON, their streams) → generation events
-* ``service`` — the HTTP ingest service (``trajstore serve``; FastAPI)
+* ``service`` — the HTTP ingest service: the app (``make_app``), its settings
+  (``ServeConfig``), ``trajstore serve``; FastAPI. It composes:
+
+  * ``_group_commit`` — concurrent requests coalesced into one ``store.append`` (threads only)
+  * ``_body``       — a body read off raw ASGI, the byte budget on bodies in flight, the Arrow body parsed
+  * ``_json_body``  — the JSON body, long integer arrays scanned straight to numpy
+  * ``_metrics``    — the service's Prometheus metrics (multiprocess under ``--workers``)
 * ``proxy``   — the OpenAI-compatible recording proxy (``trajstore proxy``)
 * ``_sglang_proxy`` — the proxy in front of SGLang, and ``trajstore proxy --engine``
 * ``jsonl``   — ``trajstore ingest FILE``: validate a whole JSONL file, then append it in batches
 * ``arrow_body`` — the binary ``POST /v1/events`` body (Arrow IPC stream) the Writer sends by default
-* ``_http``   — what service and proxy answer alike: error bodies, statuses, the bearer check, flags
+* ``_http``   — what service and proxy answer alike: error bodies, the one error<->status
+  table (``ERROR_STATUS``; ``sinks`` reads it back), the bearer check, flags
 * ``_event_dicts`` — client-side event dicts: ``trajectory_started``, torch → numpy, numpy in JSON
 
 None of them validates or folds on its own: the core does (``trajstore.events``,

@@ -2,7 +2,7 @@
 
 One error body, ``{"error": {"index", "trajectory_id", "rule", "message"}}``
 (``index`` and ``trajectory_id`` are null when no event is at fault), one
-status per library error, one bearer-token check, one rule for starting without a token, the
+table of statuses per library error (``ERROR_STATUS``, read back by the client's sinks), one bearer-token check, one rule for starting without a token, the
 command-line flags both servers take. FastAPI is imported only
 when a response is built, so importing this module needs no extra.
 """
@@ -24,12 +24,36 @@ from typing import Any
 
 from trajstore.errors import ConflictError, StoreUnavailable, TrajstoreError, ValidationError
 
-__all__ = ["OPEN_PATHS", "BearerAuth", "HTTPError", "UNAUTHORIZED", "add_server_arguments", "bearer_ok",
-           "error_body", "error_response", "run_server", "server_token"]
+__all__ = ["ERROR_STATUS", "OPEN_PATHS", "BearerAuth", "HTTPError", "UNAUTHORIZED", "add_server_arguments",
+           "bearer_ok", "error_body", "error_class", "error_response", "error_status", "run_server", "server_token"]
 
 log = logging.getLogger(__name__)
 
 UNAUTHORIZED = "missing or wrong bearer token"
+
+
+# The one mapping between library errors and HTTP statuses, most specific first: a server
+# answers each error with its status (``error_status``); a client turns the status back
+# into the error (``error_class``). Anything else a server fails on is a 500.
+ERROR_STATUS: tuple[tuple[type[TrajstoreError], int], ...] = (
+    (ConflictError, 409), (ValidationError, 422), (StoreUnavailable, 503))
+# Statuses a client also reads as one of those errors: a body the server refused before
+# reading its events (400 malformed, 413 too large), and what a proxy or gateway in
+# between answers while the service is overloaded or restarting (retried).
+_CLIENT_ALSO = {400: ValidationError, 413: ValidationError,
+                429: StoreUnavailable, 502: StoreUnavailable, 504: StoreUnavailable}
+_ERROR_OF_STATUS = {status: cls for cls, status in ERROR_STATUS} | _CLIENT_ALSO
+
+
+def error_status(e: BaseException) -> int:
+    """The status a server answers ``e`` with (``ERROR_STATUS``; 500 for anything else)."""
+    return next((status for cls, status in ERROR_STATUS if isinstance(e, cls)), 500)
+
+
+def error_class(status: int) -> type[TrajstoreError] | None:
+    """The library error an error answer's ``status`` stands for (the inverse of ``error_status``,
+    plus the body and gateway statuses); None when the status names no library error."""
+    return _ERROR_OF_STATUS.get(status)
 
 
 def error_body(message: str, *, rule: str, index: int | None = None, trajectory_id: str | None = None) -> dict:
@@ -52,13 +76,13 @@ class HTTPError(Exception):
         """409 for a conflict, 422 for another refusal, 503 when the store is
         unreachable (retry), 500 for anything else. ``message`` replaces the
         error's own reason."""
+        status = error_status(e)
         if isinstance(e, ValidationError):
-            status = 409 if isinstance(e, ConflictError) else 422
             return cls(status, e.reason if message is None else message, rule=e.rule, index=e.index,
                        trajectory_id=e.trajectory_id)
         if isinstance(e, StoreUnavailable):
-            return cls(503, str(e) if message is None else message, rule="store_unavailable")
-        return cls(500, f"{type(e).__name__}: {e}" if message is None else message, rule="internal")
+            return cls(status, str(e) if message is None else message, rule="store_unavailable")
+        return cls(status, f"{type(e).__name__}: {e}" if message is None else message, rule="internal")
 
     def response(self) -> Any:
         """The FastAPI response (401s name the scheme in ``WWW-Authenticate``)."""

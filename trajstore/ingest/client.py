@@ -40,6 +40,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 
+from trajstore._backoff import Backoff
 from trajstore._deprecated import renamed
 from trajstore.errors import StoreUnavailable, TrajstoreError, ValidationError, first_line
 from trajstore.ingest._event_dicts import to_numpy, trajectory_started
@@ -318,9 +319,7 @@ class Writer:
         contention) are retried with backoff for ``retry_timeout_s``; a failure
         the sink cannot classify is retried for at most ``_UNCLASSIFIED_RETRY_S``
         when the part holds one trajectory (a part of several is split at once)."""
-        start = time.monotonic()
-        deadline = start + self.retry_timeout_s
-        delay = 0.05
+        backoff = Backoff(first_s=0.05)
         attempt = 0
         warned = False
         budget_s = self.retry_timeout_s
@@ -342,7 +341,7 @@ class Writer:
                 # One trajectory's part gets a short budget (a service answering 500 while its
                 # database restarts recovers within it); a part of several is split at once.
                 budget_s = min(self.retry_timeout_s, _UNCLASSIFIED_RETRY_S)
-                if num_trajectories > 1 or self._aborted or time.monotonic() + delay > start + budget_s:
+                if num_trajectories > 1 or self._aborted or backoff.exhausted(budget_s):
                     what = (f"trajectory {events[0].get('trajectory_id')!r}" if num_trajectories == 1
                             else f"a batch of {num_trajectories} trajectories")
                     wrapped = TrajstoreError(f"{self._sink_name} failed on {what}: {type(e).__name__}: {first_line(e)}")
@@ -353,7 +352,7 @@ class Writer:
             else:
                 if warned:
                     _log.info("trajstore writer: %s is back; sent %d events after %d attempts in %.1f s",
-                                 self._sink_name, len(events), attempt, time.monotonic() - start)
+                                 self._sink_name, len(events), attempt, backoff.elapsed())
                 return
             if not warned:  # one warning per retry burst
                 _log.warning("trajstore writer: cannot send %d events to %s (%s: %s); retrying for up to %g s",
@@ -362,14 +361,13 @@ class Writer:
                 warned = True
             else:
                 _log.debug("trajstore writer: attempt %d to %s failed: %s", attempt, self._sink_name, first_line(error))
-            if self._aborted or time.monotonic() + delay > deadline:
+            if self._aborted or backoff.exhausted(self.retry_timeout_s):
                 why = "the writer was closed" if self._aborted else f"{self.retry_timeout_s:g} s of retries"
                 _log.error("trajstore writer: gave up sending %d events to %s after %s: %s",
                            len(events), self._sink_name, why, first_line(error))
                 raise StoreUnavailable(f"gave up sending {len(events)} events to {self._sink_name} after {why}: "
                                        f"{first_line(error)}") from None
-            time.sleep(delay)
-            delay = min(delay * 2, 2.0)
+            backoff.pause()
 
     def _acked(self, events: list[dict]) -> None:
         self.num_acked += len(events)

@@ -16,8 +16,9 @@ import os
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
-from trajstore.errors import ConflictError, StoreUnavailable, TrajstoreError, ValidationError
+from trajstore.errors import StoreUnavailable, TrajstoreError, ValidationError
 from trajstore.ingest._event_dicts import json_default
+from trajstore.ingest._http import error_class
 from trajstore.ingest.arrow_body import ARROW_CONTENT_TYPE, encode_arrow_events
 
 __all__ = ["BODY_FORMATS", "HttpSink", "Sink", "StoreSink", "encode_events", "error_from_response", "make_sink"]
@@ -162,11 +163,11 @@ def error_from_response(status: int, data: bytes) -> TrajstoreError:
         message = str(err.get("message"))
     except (ValueError, KeyError, TypeError, AttributeError):
         err, message = {}, data[:200].decode("utf-8", "replace")
-    if status in (400, 413, 422, 409):
-        cls = ConflictError if status == 409 else ValidationError
-        return cls(message, index=err.get("index"), trajectory_id=err.get("trajectory_id"), rule=err.get("rule") or f"http_{status}")
-    if status in (429, 502, 503, 504):  # overloaded, restarting, behind a gateway: retried
+    cls = error_class(status)
+    if cls is StoreUnavailable:  # overloaded, restarting, behind a gateway: retried
         return StoreUnavailable(f"ingest service answered {status}: {message}")
+    if cls is not None:  # ValidationError or ConflictError: the event at fault, when the body names one
+        return cls(message, index=err.get("index"), trajectory_id=err.get("trajectory_id"), rule=err.get("rule") or f"http_{status}")
     if status >= 500:  # the service failed on this request: not retried blindly (the writer isolates it)
         error = TrajstoreError(f"ingest service failed on the request ({status}): {message}")
     else:  # 401, 403, 404: every request would get the same answer

@@ -374,7 +374,7 @@ def test_trajstore_proxy_process_takes_its_token_from_the_environment(tmp_path, 
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     url = f"sqlite:///{tmp_path / 'p.db'}"
-    env = {**os.environ, "TRAJSTORE_TOKEN": TOKEN, "TRAJSTORE_PAYLOAD_DIR": str(tmp_path / "payload"),
+    env = {**os.environ, "TRAJSTORE_TOKEN": TOKEN,
            "PYTHONPATH": os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.Popen([sys.executable, "-m", "trajstore.cli", "--store", url, "proxy", "--upstream", upstream_url,
                              "--port", str(port)], env=env, cwd=repo)
@@ -397,7 +397,7 @@ def test_trajstore_proxy_process_takes_its_token_from_the_environment(tmp_path, 
         proc.wait(10)
     assert anonymous.status_code == 401 and finish.status_code == 401 and len(requests) == 1
     assert recorded.status_code == 200 and recorded.headers["x-trajstore-seq"] == "0"
-    store = trajstore.connect(url, payload=str(tmp_path / "payload"))
+    store = trajstore.connect(url)  # the payload location is the one the store recorded
     try:
         state = store.trajectory_state("p")
         assert state.status == "running" and state.reward is None and state.last_seq == 0

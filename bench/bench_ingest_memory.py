@@ -1,4 +1,4 @@
-"""Peak memory of ``trajstore ingest FILE`` against the file's size (issue 10.8).
+"""Peak memory of ``trajstore ingest FILE`` against the file's size.
 
 Writes a JSONL file of simulated MoE trajectories (routes as nested JSON
 lists, as a harness would dump them) of about ``--mb`` MB, then runs, each in

@@ -2,7 +2,7 @@
 
     PYTHONPATH=. .venv/bin/python bench/bench_pipeline.py [--rounds 3] [--only append,materialize,...]
 
-Load (issue 12): 32 trajectories x 4 turns, a 100-token first prompt, then
+Load: 32 trajectories x 4 turns, a 100-token first prompt, then
 per turn 500 output tokens and (between turns) 100 observation tokens, so
 2,400 unique tokens per trajectory; 48 layers x top-8 routes (uint8 ids <
 128); every generation carries ALL route rows for its prompt and output, as
@@ -238,7 +238,7 @@ def append_materialize_read(args, out: dict) -> None:
             with clock("raw write sample arrays"):
                 raw_write(samples_tbl, raw_path)
             sizes = _store_bytes(d, r, payload, tokens)
-            s.collect_garbage(grace_s=0)  # the log segments the materializer emptied (issue 12.3)
+            s.collect_garbage(grace_s=0)  # the log segments the materializer emptied
             sizes_gc = _store_bytes(d, r, payload, tokens)
             # at rest: closing the last connection checkpoints SQLite's WAL into the
             # database file and removes it (open, the WAL holds second copies of pages)

@@ -1,4 +1,4 @@
-"""Ingest service memory: peak RSS against request bytes in flight (issue 9.8).
+"""Ingest service memory: peak RSS against request bytes in flight.
 
     PYTHONPATH=. .venv/bin/python bench/bench_service_memory.py            # 60 MB bodies, 1/3/8 at once
 

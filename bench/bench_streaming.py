@@ -3,7 +3,7 @@
     pip install -e .[bench]      # mosaicml-streaming (see the note in pyproject.toml)
     PYTHONPATH=. .venv/bin/python bench/bench_streaming.py [--samples 256] [--rounds 3] [--out FILE]
 
-The samples are those of issue 12's load (``bench_pipeline.py``): each
+The samples are those of the RL load (``bench_pipeline.py``): each
 trajectory is 4 turns of 500 output + 100 observation tokens after a
 100-token prompt, folded into one sample of 2,400 tokens with 48 x 8 routes
 (uint8). They are written twice, before any clock starts:

@@ -1,4 +1,4 @@
-"""Mutation fuzzing of wire-format events (issue 9.4), shared by the store and
+"""Mutation fuzzing of wire-format events, shared by the store and
 HTTP fuzz tests.
 
 A *unit* is one simulated trajectory (``trajstore.demo.simulate``, small

@@ -47,7 +47,7 @@ TEST_READER_LOGIN = "trajstore_test_analyst"
 
 
 def reader_url_for(store_url: str) -> str:
-    """Inspection runs under a login that holds only the reader's rights (issue 9.9):
+    """Inspection runs under a login that holds only the reader's rights:
     ``store_url`` itself for SQLite; on PostgreSQL the same database through a
     reader login, made the way docs/sql.md says (``trajstore init --reader-login``)."""
     if not store_url.startswith("postgresql"):

@@ -1,4 +1,4 @@
-"""Issue 10, day one: nothing a user has is deleted, split or silently empty.
+"""Nothing a user has is deleted, split or silently empty.
 
 Through the CLI (in process where the command allows, real subprocesses and
 servers on loopback for serve/proxy/demo, a real kill -9 for interruptions)."""

@@ -1,4 +1,4 @@
-"""Issue 9.4: 10,000 mutated events through ``store.append`` on both backends.
+"""10,000 mutated events through ``store.append`` on both backends.
 
 Each mutated event is stored or refused with a ValidationError naming it
 (never TypeError, OverflowError, UnicodeEncodeError, a driver error, ...);

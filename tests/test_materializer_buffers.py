@@ -1,4 +1,4 @@
-"""The materializer's fast paths give what the plain paths give (issue 12,
+"""The materializer's fast paths give what the plain paths give (
 "materialize end to end"): routes planned by the fold and built only where the
 sample segment is written (the same bytes as the plain writer's), log segments read once per step (as streams when dense), and
 the materializer's own SQL reads, on SQLite and PostgreSQL."""

@@ -1,5 +1,5 @@
 """A trajectory the materializer cannot fold is recorded with its reason and
-skipped; it never stops the trajectories after it (issue 9.3), on SQLite and
+skipped; it never stops the trajectories after it, on SQLite and
 PostgreSQL. Every bad trajectory here is made the way it happens in the
 field: a payload file lost, an index row that contradicts the payload, a
 trajectory row the fold refuses, a value that does not fit the sample columns."""
@@ -58,7 +58,7 @@ def make_expert_overflow(store, tid: str) -> None:
 
 
 def make_huge_model_version(store, tid: str) -> None:
-    # The issue's reproduction: 2**31 stored on SQLite (whatever admission
+    # The reported reproduction: 2**31 stored on SQLite (whatever admission
     # accepts today, an old store may hold it), then OverflowError in the fold.
     good(store, tid)
     _sql(store, update(events).where(events.c.trajectory_id == tid).values(model_version=2**31))
@@ -90,7 +90,7 @@ def sample_keys(store) -> list[tuple[str, int]]:
 
 
 def test_huge_model_version_wedged_the_materializer_now_recorded(store):
-    """The issue's reproduction: every run raised OverflowError, nothing after it was folded."""
+    """The reported reproduction: every run raised OverflowError, nothing after it was folded."""
     make_huge_model_version(store, "bad") if store.url.startswith("sqlite") else make_bad_prefix(store, "bad")
     good(store, "later")
     stats = store.materialize()

@@ -432,7 +432,7 @@ if __name__ == "__main__":
         _produce_main(sys.argv[2], sys.argv[3], int(sys.argv[4]))
 
 
-# --- saying why nothing comes out (issue 10.6) ------------------------------------------
+# --- saying why nothing comes out ------------------------------------------
 
 def _empty_read(caplog, reader: SampleReader) -> list[str]:
     import logging
@@ -480,7 +480,7 @@ def test_a_reader_with_batches_says_nothing(filled, caplog):
     assert [r for r in caplog.records if r.name == "trajstore.reader"] == []
 
 
-# --- finish reasons (issue 11) ------------------------------------------------------------
+# --- finish reasons ------------------------------------------------------------
 
 def _with_finish_reason(sample, reason):
     from dataclasses import replace

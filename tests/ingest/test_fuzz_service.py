@@ -1,4 +1,4 @@
-"""Issue 9.4 over HTTP: mutated events and hostile bodies against the real
+"""Over HTTP: mutated events and hostile bodies against the real
 ingest service on loopback. Every request is stored (200) or refused with a
 4xx and the JSON error body; the service never answers 500 and never dies;
 counts change only by what was acknowledged; ``materialize`` works after.

@@ -1,4 +1,4 @@
-"""Issue 9.5: one client's bad events never fail another client's requests,
+"""One client's bad events never fail another client's requests,
 group commit included. A real service on loopback, real concurrent clients
 (threads with their own HTTP connections), both backends."""
 
@@ -31,7 +31,7 @@ def good_trajectory(tid: str) -> list[dict]:
 
 
 def unstorable(k: int) -> list[dict]:
-    """Events the drivers used to choke on (issue 9.2/9.4): each must be a 4xx for its own request only."""
+    """Events the drivers used to choke on: each must be a 4xx for its own request only."""
     tid = f"bad-{k}"
     started = {"type": "trajectory_started", "trajectory_id": tid}
     gen = {"type": "generation", "trajectory_id": tid, "seq": 0, "prompt_ids": [1], "output_ids": [2],

@@ -1,4 +1,4 @@
-"""Issue 9.8: the service holds at most ``max_bytes_in_flight`` of request bodies
+"""The service holds at most ``max_bytes_in_flight`` of request bodies
 at once; more requests wait (back-pressure) and still succeed. Figures of peak
 RSS are in bench/bench_service_memory.py and docs/ingest.md "Memory" (no timed
 or RSS asserts here)."""

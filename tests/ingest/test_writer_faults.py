@@ -77,7 +77,7 @@ def test_writer_survives_two_postgres_crashes(pg_cluster, fresh_pg_url, tmp_path
         assert sorted({s.trajectory_id for s in store.samples()}) == sorted(f"t{k}" for k in range(NUM_TRAJ))
 
 
-# -- one bad event next to good trajectories (issue 9.6) ----------------------
+# -- one bad event next to good trajectories ----------------------
 
 def _good(tid: str) -> list[dict]:
     return [

@@ -244,7 +244,7 @@ def owned_store(pg_cluster, tmp_path):
 
 
 def test_postgres_owner_is_refused_and_told_what_to_do(owned_store, capsys):
-    """Issue 9.9: the owner's login could leave the reader role inside a query
+    """The owner's login could leave the reader role inside a query
     (set_config('role', 'none', false)); trajstore sql refuses it in one line.
     What docs/sql.md tells an administrator to do then works."""
     store, admin, owner, url = owned_store
@@ -281,7 +281,7 @@ ESCAPE_READ_FILE = ("SELECT set_config('role','none',false), "
 
 @pytest.mark.postgres
 def test_postgres_superuser_login_is_refused(store, capsys):
-    """The escape of issue 9.9 printed /etc/passwd under a superuser login."""
+    """The reader-role escape printed /etc/passwd under a superuser login."""
     if store.log.write_engine.dialect.name != "postgresql":
         pytest.skip("PostgreSQL roles")
     rc, out, err = run_cli(capsys, ["--store", store.url, "sql", ESCAPE_READ_FILE])

@@ -1,9 +1,9 @@
-"""PostgreSQL under faults (issue 9).
+"""PostgreSQL under faults.
 
 * A server that accepts TCP and never answers: every command fails with one
   line (StoreUnavailable) instead of hanging (9.11). The server is a real
   listening socket on loopback that accepts and holds connections silently.
-* The issue's required fault test: appender processes that retry while
+* The required fault test: appender processes that retry while
   backends are killed during COMMIT, killed at random, and the cluster is
   restarted; afterwards every acknowledged event is stored exactly once, every
   index row's payload file exists, the materializer equals a clean run, and
@@ -83,7 +83,7 @@ def test_connect_to_a_silent_server_raises_store_unavailable(silent_server, tmp_
 
 @pytest.mark.timeout(120)
 def test_cli_info_against_a_silent_server_exits_with_one_line(silent_server):
-    """The issue's reproduction, with the default timeouts: it printed nothing for 90 s."""
+    """The reported reproduction, with the default timeouts: it printed nothing for 90 s."""
     url = f"postgresql+psycopg://u@127.0.0.1:{silent_server}/x"
     env = dict(os.environ, PYTHONPATH=ROOT)
     proc = subprocess.run([sys.executable, "-m", "trajstore.cli", "--store", url, "info"], cwd=ROOT, env=env,
@@ -211,7 +211,7 @@ def _kill_held_commit(cluster, db: str) -> int:
     With ``synchronous_standby_names`` naming a standby that never connects,
     a COMMIT flushes its WAL locally and then waits for the standby
     (wait_event SyncRep): that transaction survives crash recovery, yet its
-    client gets only a dropped connection. This is the issue's "the server
+    client gets only a dropped connection. This is the reported "the server
     drops the connection while COMMIT runs, but the commit had landed",
     made reliable instead of hoping a kill falls in a microsecond window."""
     cluster.alter_system("synchronous_standby_names", "trajstore_no_such_standby")
@@ -328,7 +328,7 @@ def test_acknowledged_events_survive_backend_kills_during_commit_and_restarts(tm
         assert referenced <= segment_rows
         missing = sorted(s for s in segment_rows if not os.path.exists(store.payload.path(s)))
         assert not missing, (f"{len(missing)} of {len(segment_rows)} segments the index points at are gone "
-                             f"(an uncertain COMMIT deleted its payload; issue 9.1): {missing[:3]}; {summary}")
+                             f"(an uncertain COMMIT deleted its payload): {missing[:3]}; {summary}")
 
         # the materializer folds everything, and equals a clean run of the same trajectories
         stats = store.materialize()

@@ -1,4 +1,4 @@
-"""Compaction of small log segments and the GC of retired ones (issue 12.3):
+"""Compaction of small log segments and the GC of retired ones:
 events keep reading the same bytes, the file count stays bounded, a race
 with the materializer leaves nothing half-done, and a reader in flight keeps
 reading a file the GC unlinks."""

@@ -1,4 +1,4 @@
-"""One copy of every token (issue 12.3): the materializer re-points folded
+"""One copy of every token: the materializer re-points folded
 events to the sample rows they were folded into, in its checkpoint
 transaction; the log segments they leave are retired and collected, and
 re-folding the re-pointed log gives byte-identical samples."""

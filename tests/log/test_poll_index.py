@@ -1,5 +1,5 @@
 """The materializer's idle poll seeks an index instead of scanning every
-unfinished event after its checkpoint (issue 12): the plan of the exact query
+unfinished event after its checkpoint: the plan of the exact query
 it runs, on SQLite and PostgreSQL, with many unfinished events in the log."""
 
 from __future__ import annotations

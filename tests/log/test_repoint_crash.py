@@ -1,5 +1,5 @@
 """kill -9 while the materializer re-points events into sample segments and
-while compaction moves them (issue 12.3): after a restart the samples equal a
+while compaction moves them: after a restart the samples equal a
 clean run sample by sample, every event still reads back, and a GC right
 after the crash (grace 0) never removes a file an index row still names."""
 

@@ -4,7 +4,7 @@ Revision ID: 0004
 Revises: 0002
 Create Date: 2026-11-23
 
-SPEC "Versions" and generation ``metadata`` (issue 11):
+SPEC "Versions" and generation ``metadata``:
 
 * ``events.min_model_version``: the first output token's version (the last
   one stays ``model_version``); filled for existing rows;

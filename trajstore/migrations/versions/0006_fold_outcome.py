@@ -5,7 +5,7 @@ Revises: 0005
 Create Date: 2026-11-23
 
 Admission applies the fold's step (``trajstore.fold.fold_step``) to each
-generation and now stores its outcome (issue 13):
+generation and now stores its outcome:
 
 * ``events.sample_index``: the sample the call folds into;
 * ``events.is_merged``: the prompt continued the previous call's sequence;

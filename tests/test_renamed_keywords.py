@@ -1,4 +1,4 @@
-"""The old keyword names still work for one
+"""One name per meaning: the old keyword names still work for one
 release, with a DeprecationWarning, and mean exactly what the new ones do."""
 
 from __future__ import annotations

@@ -11,7 +11,12 @@ trajectory's tail state at append time:
   30 times;
 * only the route rows the fold keeps: on a merge, rows for positions not
   recorded yet (a recorded route is never overwritten, SPEC R3);
-* the sample the call folds into (``sample_index``) and whether it merged.
+* the sample the call folds into (``sample_index``) and whether it merged;
+* per-token versions from the engine's ``weight_versions`` spans when every
+  label resolves (SPEC "Versions", ``resolve_weight_versions``); otherwise
+  the labels that did not, and the event is stored as sent (the materializer
+  resolves it once the labels are mapped, and holds its trajectory back until
+  then).
 
 Where each rule lives: every rule of merging, routes (watermark, layout,
 skipped rows) and reward modes is the fold's (``fold_step``); this module
@@ -31,21 +36,24 @@ Pure: state in, state and facts out; the caller supplies ``load_sequence``.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-from trajstore.errors import ValidationError
+from trajstore.errors import ConflictError, ValidationError
 from trajstore.events import (
     Event,
     Generation,
     Reward,
     TrajectoryFinished,
     TrajectoryStarted,
+    VersionLabel,
+    decimal_label,
 )
 from trajstore.fold import EMPTY_HASH, FoldStep, FoldTail, fold_step, sequence_hash
 
-__all__ = ["TrajectoryState", "StoredGeneration", "Admitted", "admit", "admit_batch", "sequence_hash", "EMPTY_HASH"]
+__all__ = ["TrajectoryState", "StoredGeneration", "Admitted", "admit", "admit_batch", "sequence_hash", "EMPTY_HASH",
+           "resolve_weight_versions", "map_labels"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,10 +99,12 @@ class StoredGeneration:
     routes_start: int  # absolute position of routes[0]
     sample_index: int = 0  # the sample the call folds into
     merged: bool = False  # it continued the previous call's sequence
+    unresolved: tuple[str, ...] = ()  # weight_versions labels the label map did not hold at admission
 
     @classmethod
-    def of(cls, command: Generation, step: FoldStep) -> StoredGeneration:
-        return cls(command, step.prefix_len, step.routes, step.routes_start, step.sample_index, step.merged)
+    def of(cls, command: Generation, step: FoldStep, unresolved: tuple[str, ...] = ()) -> StoredGeneration:
+        return cls(command, step.prefix_len, step.routes, step.routes_start, step.sample_index, step.merged,
+                   unresolved)
 
     @property
     def prompt_tail(self) -> np.ndarray:
@@ -107,20 +117,83 @@ class Admitted:
 
     event: Event
     stored: StoredGeneration | None  # generations only
-    state: TrajectoryState  # trajectory state after this event
+    state: TrajectoryState | None  # trajectory state after this event (None for a version_label)
     noop: bool = False  # an identical retry that needs no new row
+
+
+def resolve_weight_versions(g: Generation, labels: Mapping[str, int]) -> tuple[Generation, tuple[str, ...]]:
+    """SPEC "Versions": the call with ``token_model_versions`` and ``model_version``
+    derived from its ``weight_versions`` spans, and the labels that did not resolve.
+
+    A decimal label (``"8"``, ``8``) is that version, ``"default"`` the event's
+    own ``model_version``, any other label ``labels[label]``. When a label is
+    missing the call is returned unchanged with the missing labels (sorted);
+    nothing is guessed. Explicit ``token_model_versions`` win over the spans.
+    Raises ValidationError (rule ``weight_versions``) when the resolved versions
+    go back."""
+    spans = g.weight_versions
+    if spans is None or g.token_model_versions is not None:
+        return g, ()
+    values = []
+    missing = set()
+    for label, start, end in spans:
+        v = decimal_label(label)
+        if v is None:
+            v = g.model_version if label == "default" else labels.get(label)  # type: ignore[arg-type]
+            if v is None:
+                missing.add(label)
+        values.append(v)
+    if missing:
+        return g, tuple(sorted(missing))  # type: ignore[arg-type]
+    if not spans:
+        return g, ()
+    lengths = np.fromiter((end - start for _, start, end in spans), np.int64, len(spans))
+    versions = np.repeat(np.asarray(values, dtype=np.int32), lengths)
+    back = np.flatnonzero(np.diff(versions) < 0)
+    if back.size:
+        i = int(back[0])
+        raise ValidationError(f"weight_versions resolve to versions that go back from {int(versions[i])} to "
+                              f"{int(versions[i + 1])} at output token {i + 1} (versions never decrease)",
+                              rule="weight_versions")
+    return replace(g, token_model_versions=versions, model_version=int(versions[-1])), ()
+
+
+def map_labels(events: Sequence[Event], labels: Mapping[str, int]) -> dict[str, int]:
+    """``labels`` extended by the batch's ``version_label`` events (a batch's labels
+    resolve its generations wherever they stand in it). A label mapped to two
+    versions raises ConflictError located at the event that remapped it."""
+    out = dict(labels)
+    for i, ev in enumerate(events):
+        if isinstance(ev, VersionLabel):
+            known = out.get(ev.label)
+            if known is not None and known != ev.model_version:
+                raise ConflictError(f"version label {ev.label!r} is already mapped to model_version {known}, "
+                                    f"not {ev.model_version}", index=i)
+            out[ev.label] = ev.model_version
+    return out
 
 
 def admit(
     event: Event,
     state: TrajectoryState | None,
     load_sequence: Callable[[str], np.ndarray],
+    labels: Mapping[str, int] | None = None,
+    stored_labels: Mapping[str, int] | None = None,
 ) -> Admitted:
     """Check ``event`` against its trajectory's ``state``; return the fact and the new state.
 
     ``load_sequence(trajectory_id)`` returns the trajectory's current token
     sequence; it is called only for a prefix mismatch that skips route rows.
+    ``labels``: the label map (SPEC "Versions") the call's spans resolve with;
+    ``stored_labels``: the part of it already in the log (a version_label
+    mapping one of those again to the same version is a no-op).
     """
+    if isinstance(event, VersionLabel):
+        known = (stored_labels or {}).get(event.label)
+        if known is not None and known != event.model_version:
+            raise ConflictError(f"version label {event.label!r} is already mapped to model_version {known}, "
+                                f"not {event.model_version}")
+        return Admitted(event, None, None, noop=known is not None)
     if isinstance(event, TrajectoryStarted):
         if state is not None:
             raise ValidationError("trajectory already started", rule="already_started")
@@ -138,19 +211,20 @@ def admit(
         return Admitted(event, None, replace(state, status=event.status, revision=state.revision + 1))
     if isinstance(event, Reward):
         return Admitted(event, None, replace(state, reward=event.reward, revision=state.revision + 1))
-    return _admit_generation(event, state, load_sequence)
+    return _admit_generation(event, state, load_sequence, labels or {})
 
 
 def _admit_generation(
-    g: Generation, state: TrajectoryState, load_sequence: Callable[[str], np.ndarray]
+    g: Generation, state: TrajectoryState, load_sequence: Callable[[str], np.ndarray], labels: Mapping[str, int]
 ) -> Admitted:
     if g.seq != state.last_seq + 1:
         rule = "seq_taken" if g.seq <= state.last_seq else "seq_gap"
         raise ValidationError(f"seq {g.seq} but the next seq is {state.last_seq + 1}", rule=rule)
     step, tail = fold_step(state.tail, g, lambda: load_sequence(g.trajectory_id))
     _check_expert_ids(g, state.num_experts)
+    resolved, unresolved = resolve_weight_versions(g, labels)
     new_state = replace(state.with_tail(tail), revision=state.revision + 1, last_seq=g.seq)
-    return Admitted(g, StoredGeneration.of(g, step), new_state)
+    return Admitted(resolved, StoredGeneration.of(resolved, step, unresolved), new_state)
 
 
 def _check_expert_ids(g: Generation, num_experts: int | None) -> None:
@@ -170,11 +244,17 @@ def admit_batch(
     events: Sequence[Event],
     states: dict[str, TrajectoryState | None],
     load_sequence: Callable[[str], np.ndarray],
+    labels: Mapping[str, int] | None = None,
 ) -> list[Admitted]:
     """Admit events in order, threading each trajectory's state through the batch.
 
-    Raises ValidationError located at the offending event's index.
+    ``labels``: the stored label map (at least the labels the batch names);
+    the batch's own ``version_label`` events extend it for every event of the
+    batch. Raises ValidationError (ConflictError for a remapped label) located
+    at the offending event's index.
     """
+    stored_labels = dict(labels or {})
+    batch_labels = map_labels(events, stored_labels)
     states = dict(states)
     last_sequences: dict[str, np.ndarray] = {}
 
@@ -184,9 +264,13 @@ def admit_batch(
     out: list[Admitted] = []
     for i, ev in enumerate(events):
         try:
-            adm = admit(ev, states.get(ev.trajectory_id), sequence)
+            adm = admit(ev, states.get(ev.trajectory_id), sequence, batch_labels, stored_labels)
         except ValidationError as e:
-            raise e.at(i, ev.trajectory_id) from None
+            raise e.at(i, ev.trajectory_id or None) from None
+        if isinstance(ev, VersionLabel):
+            stored_labels.setdefault(ev.label, ev.model_version)  # a repeat in the batch is a no-op
+            out.append(adm)
+            continue
         states[ev.trajectory_id] = adm.state
         if isinstance(ev, Generation):
             last_sequences[ev.trajectory_id] = np.concatenate([ev.prompt_ids, ev.output_ids])

@@ -17,21 +17,23 @@ positions).
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 import pyarrow as pa
 
-from trajstore._admission import Admitted, StoredGeneration, TrajectoryState
+from trajstore._admission import Admitted, StoredGeneration, TrajectoryState, resolve_weight_versions
 from trajstore.errors import CorruptStoreError
-from trajstore.events import Generation, Reward, TrajectoryFinished, TrajectoryStarted
+from trajstore.events import Generation, Reward, TrajectoryFinished, TrajectoryStarted, VersionLabel
 from trajstore.log.base import SAMPLES_KIND
 from trajstore.schema import events as events_table
 from trajstore._samples import SAMPLE_LIST_COLUMNS
 from trajstore.payload import SegmentRows, binary_column, list_column, routes_from_bytes
 
-__all__ = ["segment_table", "event_row", "trajectory_row", "state_from_row", "generations_from_log", "version_spans"]
+__all__ = ["segment_table", "event_row", "trajectory_row", "state_from_row", "generations_from_log", "version_spans",
+           "weight_versions_json", "weight_versions_from_json"]
 
 
 def segment_table(stored: Sequence[StoredGeneration]) -> pa.Table:
@@ -82,6 +84,21 @@ def version_spans(g: Generation) -> list[dict[str, int]] | None:
             for i, n, l in zip(starts, counts, loss)]
 
 
+def weight_versions_json(g: Generation) -> list[dict[str, Any]] | None:
+    """The spans as the index stores them: what was sent, labels verbatim."""
+    if g.weight_versions is None:
+        return None
+    return [{"version": label, "start": start, "end": end} for label, start, end in g.weight_versions]
+
+
+def weight_versions_from_json(value: Any) -> tuple[tuple[str | int, int, int], ...] | None:
+    if value is None:
+        return None
+    if isinstance(value, (str, bytes)):  # driver SQL on SQLite returns the JSON text
+        value = json.loads(value)
+    return tuple((span["version"], int(span["start"]), int(span["end"])) for span in value)
+
+
 _EVENT_COLUMNS = tuple(c.name for c in events_table.columns if c.name != "position")
 
 
@@ -98,7 +115,10 @@ def event_row(adm: Admitted, identity: str | None, content_hash: bytes, segment_
         "content_hash": content_hash,
         "created_at": time.time(),
     }
-    if isinstance(ev, Reward):
+    if isinstance(ev, VersionLabel):
+        row["model_version"] = ev.model_version
+        row["version_label"] = ev.label  # not a column: the log adds the version_labels row
+    elif isinstance(ev, Reward):
         row["reward"] = ev.reward
     elif isinstance(ev, TrajectoryFinished):
         row["status"] = ev.status
@@ -125,6 +145,9 @@ def event_row(adm: Admitted, identity: str | None, content_hash: bytes, segment_
             min_model_version=_first_version(ev),
             version_spans=version_spans(ev),
             metadata=None if ev.metadata is None else dict(ev.metadata),
+            weight_versions=weight_versions_json(ev),
+            # not a column: the log adds an unresolved_labels row per label
+            unresolved_labels=s.unresolved,
         )
     return row
 
@@ -184,8 +207,15 @@ def generations_from_log(
     rows: Sequence[Mapping[str, Any]],
     tables: Mapping[str, SegmentRows],
     route_shape: tuple[int, int] | None,
+    labels: Mapping[str, int] | None = None,
 ) -> list[Generation]:
     """Rebuild one trajectory's generation commands from its index rows (seq order).
+
+    A call whose ``weight_versions`` did not resolve when it was appended gets
+    its per-token versions from them and ``labels`` (the label map) here; one
+    whose labels are still missing (or when ``labels`` is None: only the tokens
+    are wanted) keeps the ``model_version`` it was sent with (the materializer
+    folds a trajectory only once every label is mapped).
 
     A row's payload is either its own row of a log segment (``segment_kind``
     NULL) or, once the materializer re-pointed it, slices of the sample row it
@@ -202,25 +232,27 @@ def generations_from_log(
                 f"trajectory {row['trajectory_id']!r} seq {row['seq']}: prefix_len {prefix} exceeds the sequence"
             )
         prompt = np.concatenate([previous[:prefix], tail]) if prefix else tail
-        out.append(
-            Generation(
-                trajectory_id=row["trajectory_id"],
-                seq=row["seq"],
-                prompt_ids=prompt,
-                output_ids=output,
-                model_version=row["model_version"],
-                logprobs=cols["logprobs"],
-                loss_mask=cols["loss_mask"],
-                routed_experts=_routes(cols["routes"], row, route_shape),
-                routed_experts_start=row["routes_start"] or 0,
-                reward=row["reward"],
-                token_rewards=cols["token_rewards"],
-                finish_reason=row["finish_reason"],
-                event_id=row["event_id"],
-                token_model_versions=cols["token_model_versions"],
-                metadata=row.get("metadata"),
-            )
+        g = Generation(
+            trajectory_id=row["trajectory_id"],
+            seq=row["seq"],
+            prompt_ids=prompt,
+            output_ids=output,
+            model_version=row["model_version"],
+            logprobs=cols["logprobs"],
+            loss_mask=cols["loss_mask"],
+            routed_experts=_routes(cols["routes"], row, route_shape),
+            routed_experts_start=row["routes_start"] or 0,
+            reward=row["reward"],
+            token_rewards=cols["token_rewards"],
+            finish_reason=row["finish_reason"],
+            event_id=row["event_id"],
+            token_model_versions=cols["token_model_versions"],
+            metadata=row.get("metadata"),
+            weight_versions=weight_versions_from_json(row.get("weight_versions")),
         )
+        if labels is not None and g.weight_versions is not None and g.token_model_versions is None:
+            g = resolve_weight_versions(g, labels)[0]
+        out.append(g)
         previous = np.concatenate([prompt, output])
     return out
 
@@ -290,7 +322,9 @@ def _sample_slices(seg: SegmentRows, i: int, row: Mapping[str, Any]) -> dict[str
         "logprobs": a["rollout_logprobs"][out] if has_logprobs else None,
         "loss_mask": a["loss_mask"][out],
         "token_rewards": a["token_rewards"][out] if row["has_token_rewards"] else None,
-        "token_model_versions": a["token_model_versions"][out] if row.get("version_spans") is not None else None,
+        # per-token versions of a call that spanned several, or whose spans resolved only at its fold
+        "token_model_versions": a["token_model_versions"][out]
+        if row.get("version_spans") is not None or row.get("weight_versions") is not None else None,
         "routes": None,
     }
     if row["routes_dtype"] is not None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from collections.abc import Iterable, Mapping  # isinstance against typing.Mapping is ~10x slower
 from typing import Any, Union
@@ -31,7 +32,9 @@ __all__ = [
     "Reward",
     "TrajectoryFinished",
     "TrajectoryStarted",
+    "VersionLabel",
     "FINISH_STATUSES",
+    "decimal_label",
     "content_hash",
     "identity_of",
     "parse_event",
@@ -61,10 +64,11 @@ _FIELDS = {
     "trajectory_started": frozenset({"type", "trajectory_id", "group_id", "num_experts", "metadata", "event_id"}),
     "generation": frozenset({
         "type", "trajectory_id", "seq", "prompt_ids", "output_ids", "logprobs", "loss_mask", "model_version",
-        "token_model_versions", "routed_experts", "routed_experts_start", "reward", "token_rewards",
-        "finish_reason", "metadata", "event_id"}),
+        "token_model_versions", "weight_versions", "routed_experts", "routed_experts_start", "reward",
+        "token_rewards", "finish_reason", "metadata", "event_id"}),
     "reward": frozenset({"type", "trajectory_id", "reward", "event_id"}),
     "trajectory_finished": frozenset({"type", "trajectory_id", "status", "event_id"}),
+    "version_label": frozenset({"type", "label", "model_version", "event_id"}),
 }
 
 
@@ -86,7 +90,9 @@ class Generation:
     seq: int
     prompt_ids: np.ndarray  # int32 [P], the FULL prompt of this call
     output_ids: np.ndarray  # int32 [O]
-    model_version: int  # the last output token's version when token_model_versions is given
+    # The last output token's version when token_model_versions is given (or derived from
+    # weight_versions); as sent, possibly None, while weight_versions holds an unresolved label.
+    model_version: int | None
     logprobs: np.ndarray | None = None  # float32 [O]
     loss_mask: np.ndarray | None = None  # uint8 [O]
     routed_experts: np.ndarray | None = None  # uint8/uint16 [rows, layers, topk]
@@ -97,6 +103,8 @@ class Generation:
     event_id: str | None = None
     token_model_versions: np.ndarray | None = None  # int32 [O], non-decreasing; last == model_version
     metadata: Mapping[str, Any] | None = None  # small JSON object, free-form
+    # The engine's spans as sent: ((label, start, end), ...) tiling the output, label a str or int.
+    weight_versions: tuple[tuple[str | int, int, int], ...] | None = None
     type: str = "generation"
 
     @property
@@ -120,7 +128,20 @@ class TrajectoryFinished:
     type: str = "trajectory_finished"
 
 
-Event = Union[TrajectoryStarted, Generation, Reward, TrajectoryFinished]
+@dataclass(frozen=True, slots=True, eq=False)
+class VersionLabel:
+    """Store-wide: the engine's weight-version ``label`` means policy ``model_version``.
+
+    Not part of any trajectory (``trajectory_id`` is ``""``)."""
+
+    label: str
+    model_version: int
+    event_id: str | None = None
+    type: str = "version_label"
+    trajectory_id: str = ""
+
+
+Event = Union[TrajectoryStarted, Generation, Reward, TrajectoryFinished, VersionLabel]
 
 
 def routes_dtype(max_id: int) -> np.dtype:
@@ -141,7 +162,7 @@ def parse_events(objs: Iterable[Any]) -> list[Event]:
 
 def parse_event(obj: Any) -> Event:
     """Parse and validate one wire-format event (no history needed)."""
-    if isinstance(obj, (TrajectoryStarted, Generation, Reward, TrajectoryFinished)):
+    if isinstance(obj, (TrajectoryStarted, Generation, Reward, TrajectoryFinished, VersionLabel)):
         return obj
     if not isinstance(obj, Mapping):
         raise ValidationError(f"an event must be a JSON object, got {type(obj).__name__}", rule="not_object")
@@ -154,7 +175,10 @@ def parse_event(obj: Any) -> Event:
             trajectory_id=_printable_id(tid),
             rule="unknown_type",
         )
-    tid = _id(tid, "trajectory_id")
+    if kind == "version_label":
+        tid = ""  # store-wide: no trajectory
+    else:
+        tid = _id(tid, "trajectory_id")
     try:
         unknown = [k for k in obj if k not in _FIELDS[kind]]
         if unknown:
@@ -407,7 +431,8 @@ def _parse_generation(obj: Mapping, tid: str) -> Generation:
     output = _token_ids(obj["output_ids"], "output_ids")
     n_out = len(output)
     token_versions = _token_model_versions(obj, n_out)
-    model_version = _model_version(obj, token_versions)
+    spans = _weight_versions(obj, n_out)
+    model_version = _model_version(obj, token_versions, spans)
     start = _int(obj, "routed_experts_start", default=0)
     reward = obj.get("reward")
     token_rewards = _per_token(obj, "token_rewards", n_out, np.float32, finite=True)
@@ -434,7 +459,73 @@ def _parse_generation(obj: Mapping, tid: str) -> Generation:
         event_id=_optional_id(obj, "event_id"),
         token_model_versions=token_versions,
         metadata=None if obj.get("metadata") is None else validate_metadata(obj["metadata"], "metadata"),
+        weight_versions=spans,
     )
+
+
+_DECIMAL = re.compile(r"-?[0-9]+")
+_DEFAULT_LABEL = "default"
+
+
+def decimal_label(label: str | int) -> int | None:
+    """The version a span label names by itself (SPEC "Versions"): an int, or a
+    string that is an integer in decimal; None for any other label (``"default"``
+    and the store's label map are resolved elsewhere). Raises ValidationError for
+    a negative or out-of-int32 one."""
+    if isinstance(label, str):
+        if not _DECIMAL.fullmatch(label):
+            return None
+        value = int(label)
+    else:
+        value = int(label)
+    if value < 0 or value > _INT32_MAX:
+        raise ValidationError(f"weight version label {_short(label)} is not a model version (0 .. {_INT32_MAX})",
+                              rule="weight_versions")
+    return value
+
+
+def _weight_versions(obj: Mapping, n_out: int) -> tuple[tuple[str | int, int, int], ...] | None:
+    """SPEC "Versions": the engine's spans ``[{version, start, end}]``, in order, tiling the output once."""
+    value = obj.get("weight_versions")
+    if value is None:
+        return None
+    if not isinstance(value, (list, tuple)):
+        raise ValidationError(f"weight_versions must be a list of spans, got {type(value).__name__}",
+                              rule="weight_versions")
+    out = []
+    expected = 0
+    for i, span in enumerate(value):
+        if not isinstance(span, Mapping):
+            raise ValidationError(f"weight_versions[{i}] must be an object {{version, start, end}}, got "
+                                  f"{type(span).__name__}", rule="weight_versions")
+        extra = [k for k in span if k not in ("version", "start", "end")]
+        if extra or "version" not in span:
+            what = f"has unknown key {_short(extra[0])}" if extra else "has no version"
+            raise ValidationError(f"weight_versions[{i}] {what} (keys: version, start, end)", rule="weight_versions")
+        label = span["version"]
+        if isinstance(label, (bool, np.bool_)) or not isinstance(label, (str, int, np.integer)):
+            raise ValidationError(f"weight_versions[{i}].version must be a string or an integer, got "
+                                  f"{_short(label)}", rule="weight_versions")
+        if isinstance(label, str):
+            label = _text(label, f"weight_versions[{i}].version", max_chars=_MAX_ID_CHARS, allow_empty=False)
+        else:
+            label = int(label)
+        decimal_label(label)  # a negative or out-of-range number is refused here, not at admission
+        start, end = span.get("start"), span.get("end")
+        for key, v in (("start", start), ("end", end)):
+            if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
+                raise ValidationError(f"weight_versions[{i}].{key} must be an integer, got {_short(v)}",
+                                      rule="weight_versions")
+        start, end = int(start), int(end)
+        if start != expected or end < start:
+            raise ValidationError(f"weight_versions[{i}] is [{start}, {end}) but the spans must tile the output "
+                                  f"in order from token {expected}", rule="weight_versions")
+        expected = end
+        out.append((label, start, end))
+    if expected != n_out:
+        raise ValidationError(f"weight_versions cover {expected} output tokens but output_ids has {n_out}",
+                              rule="weight_versions")
+    return tuple(out)
 
 
 def _token_model_versions(obj: Mapping, n_out: int) -> np.ndarray | None:
@@ -468,11 +559,22 @@ def _token_model_versions(obj: Mapping, n_out: int) -> np.ndarray | None:
     return np.ascontiguousarray(arr, dtype=np.int32)
 
 
-def _model_version(obj: Mapping, token_versions: np.ndarray | None) -> int:
-    """``model_version``, or the last token's version when only the spans are given."""
+def _model_version(obj: Mapping, token_versions: np.ndarray | None,
+                   spans: tuple[tuple[str | int, int, int], ...] | None) -> int | None:
+    """``model_version``, or the last token's version when only the per-token
+    versions are given; None when only the spans are (resolved by admission)."""
     if "model_version" not in obj or obj["model_version"] is None:
+        if token_versions is None and spans is not None:
+            if not spans:
+                raise ValidationError("generation with no output tokens needs model_version (weight_versions is "
+                                      "empty)", rule="missing_field")
+            if any(label == _DEFAULT_LABEL for label, _, _ in spans):
+                raise ValidationError('weight_versions uses the label "default", which means the event\'s '
+                                      "model_version, but the event has none", rule="weight_versions")
+            return None
         if token_versions is None:
-            raise ValidationError("generation needs model_version", rule="missing_field")
+            raise ValidationError("generation needs model_version (or token_model_versions or weight_versions)",
+                                  rule="missing_field")
         if not len(token_versions):
             raise ValidationError(
                 "generation with no output tokens needs model_version (token_model_versions is empty)",
@@ -508,15 +610,26 @@ def _parse_finished(obj: Mapping, tid: str) -> TrajectoryFinished:
     return TrajectoryFinished(trajectory_id=tid, status=status, event_id=_optional_id(obj, "event_id"))
 
 
+def _parse_version_label(obj: Mapping, tid: str) -> VersionLabel:
+    if "label" not in obj or "model_version" not in obj:
+        raise ValidationError("version_label needs label and model_version", rule="missing_field")
+    label = _text(obj["label"], "label", max_chars=_MAX_ID_CHARS, allow_empty=False)
+    if label == _DEFAULT_LABEL or decimal_label(label) is not None:
+        raise ValidationError(f"label {_short(label)} cannot be mapped: a decimal label is its own version and "
+                              '"default" is each event\'s model_version', rule="version_label")
+    return VersionLabel(label=label, model_version=_int(obj, "model_version"), event_id=_optional_id(obj, "event_id"))
+
+
 _PARSERS = {
     "trajectory_started": _parse_started,
     "generation": _parse_generation,
     "reward": _parse_reward,
     "trajectory_finished": _parse_finished,
+    "version_label": _parse_version_label,
 }
 
 
-_HASH_SKIP_IF_ABSENT = frozenset({"token_model_versions", "metadata"})
+_HASH_SKIP_IF_ABSENT = frozenset({"token_model_versions", "metadata", "weight_versions"})
 
 
 def identity_of(event: Event) -> str | None:
@@ -527,6 +640,8 @@ def identity_of(event: Event) -> str | None:
         return f"generation:{event.trajectory_id}:{event.seq}"
     if isinstance(event, (TrajectoryStarted, TrajectoryFinished)):
         return f"{event.type}:{event.trajectory_id}"
+    if isinstance(event, VersionLabel):
+        return f"version_label:{event.label}"
     return None  # a reward without event_id replaces the earlier reward
 
 

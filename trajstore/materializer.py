@@ -16,6 +16,15 @@ One step:
      the checkpoint to the last finished event read, guarded by the
      checkpoint it started from.
 
+A trajectory with a generation whose ``weight_versions`` labels were not in
+the label map when it was appended is folded only once every such label is
+mapped: at its ``trajectory_finished`` if they were all mapped before it,
+else at the ``trajectory_released`` event the log adds when the last one is
+(``trajstore.log.sql._write_labels``). Until then it is *held back*: counted
+(``num_held_back``), logged with the label, and visible in SQL and ``trajstore
+info``; the checkpoint moves on (docs/materializer.md, "Held back on a
+version label").
+
 A trajectory that cannot be folded (its payload is missing or unreadable,
 its index rows contradict each other, the fold refuses it, a value does not
 fit the sample columns) is recorded with the reason and skipped; it never
@@ -69,6 +78,7 @@ class MaterializeStats:
     num_trajectories: int = 0  # trajectories folded into samples
     position: int = 0  # checkpoint after the run
     num_unfoldable: int = 0  # trajectories recorded in unfoldable_trajectories and skipped
+    num_held_back: int = 0  # finished trajectories passed while a version label they use is unmapped
 
     @property
     def num_steps_before(self) -> int:
@@ -88,14 +98,16 @@ class MaterializeStats:
 
     def to_dict(self) -> dict[str, Any]:
         return {**self.metrics.to_dict(), "num_trajectories": self.num_trajectories,
-                "num_unfoldable": self.num_unfoldable, "position": self.position}
+                "num_unfoldable": self.num_unfoldable, "num_held_back": self.num_held_back,
+                "position": self.position}
 
     def __add__(self, later: "MaterializeStats") -> "MaterializeStats":
         """This run followed by ``later`` (position: the later checkpoint)."""
         if not isinstance(later, MaterializeStats):
             return NotImplemented
         return MaterializeStats(self.metrics + later.metrics, self.num_trajectories + later.num_trajectories,
-                                later.position, self.num_unfoldable + later.num_unfoldable)
+                                later.position, self.num_unfoldable + later.num_unfoldable,
+                                self.num_held_back + later.num_held_back)
 
 
 class Materializer:
@@ -126,7 +138,8 @@ class Materializer:
 
     def pending(self) -> int:
         """Finished trajectories after the checkpoint (all shards)."""
-        return self.store.log.count_events(after_position=self._checkpoint()[0], types=["trajectory_finished"])
+        return self.store.log.count_events(after_position=self._checkpoint()[0],
+                                           types=["trajectory_finished", "trajectory_released"])
 
     def run(self, *, max_steps: int | None = None) -> MaterializeStats:
         """Fold until nothing finished is pending (or ``max_steps`` batches).
@@ -146,7 +159,7 @@ class Materializer:
             stats = stats + done
             steps += 1
             if self.progress:
-                self.progress(done.num_trajectories + done.num_unfoldable)  # trajectories this step took
+                self.progress(done.num_trajectories + done.num_unfoldable + done.num_held_back)  # trajectories this step took
             if after is None:  # lost the race for this batch: read the checkpoint again
                 position, cumulative = self._checkpoint()
             elif after[0]:
@@ -173,7 +186,7 @@ class Materializer:
         kept, mine = self._within_budget(finished)
         more = more or len(kept) < len(finished)
         finished = kept
-        folded, unfoldable, gen_rows = self._fold(mine)
+        folded, unfoldable, gen_rows, held = self._fold(mine)
         last = finished[-1]["position"]
         seg_name = f"samples-{self.shard_index}of{self.num_shards}-{position + 1:012d}-{last:012d}.arrow"
         samples = [s for r in folded.values() for s in r.samples]
@@ -196,7 +209,11 @@ class Materializer:
         for row in unfoldable_rows:
             log.warning("materializer %s: trajectory %r cannot be folded, recorded and skipped: %s: %s",
                         self.shard, row["trajectory_id"], row["error"], row["message"])
-        return MaterializeStats(metrics, len(folded), last, len(unfoldable)), (more, cumulative + metrics)
+        for tid, label in held.items():
+            log.info("materializer %s: trajectory %r held back until version label %r is mapped "
+                     "(a version_label event)", self.shard, tid, label)
+        return (MaterializeStats(metrics, len(folded), last, len(unfoldable), len(held)),
+                (more, cumulative + metrics))
 
     def _checkpoint(self) -> tuple[int, FoldMetrics]:
         cp = self.store.materialized.load_checkpoint(self.shard)
@@ -221,16 +238,38 @@ class Materializer:
         return finished, [e for e in finished if self.shard.owns(e["trajectory_id"])]
 
     def _fold(self, finished: list[dict[str, Any]]
-              ) -> tuple[dict[str, FoldResult], dict[str, BaseException], dict[str, list[dict[str, Any]]]]:
+              ) -> tuple[dict[str, FoldResult], dict[str, BaseException], dict[str, list[dict[str, Any]]],
+                         dict[str, str]]:
         """Fold each trajectory; the ones that cannot be folded are returned
         apart with their error, and the others are unaffected. Also returns
-        each folded trajectory's generation rows (seq order)."""
+        each folded trajectory's generation rows (seq order), and the ones
+        held back with the version label they wait for."""
         folded: dict[str, FoldResult] = {}
         unfoldable: dict[str, BaseException] = {}
         gen_rows_of: dict[str, list[dict[str, Any]]] = {}
         ids = [e["trajectory_id"] for e in finished]
         if not ids:
-            return folded, unfoldable, gen_rows_of
+            return folded, unfoldable, gen_rows_of, {}
+        held: dict[str, str] = {}
+        label_maps: dict[str, dict[str, int]] = {}
+        foldable = []
+        waiting = self.store.log.pending_labels(ids)
+        for fin in finished:
+            tid = fin["trajectory_id"]
+            labels = waiting.get(tid, {})
+            # Every label mapped before this event's position, else the trajectory folds at a
+            # later one (its trajectory_released): positions decide, so a re-run decides the same.
+            late = sorted(label for label, m in labels.items() if m is None or m[1] >= fin["position"])
+            if late:
+                held[tid] = late[0]
+            else:
+                label_maps[tid] = {label: m[0] for label, m in labels.items() if m is not None}
+                foldable.append(fin)
+        held = {tid: label for tid, label in held.items() if tid not in label_maps}  # released in this batch
+        finished = foldable
+        ids = [e["trajectory_id"] for e in finished]
+        if not ids:
+            return folded, unfoldable, gen_rows_of, held
         trajs, events = self.store.log.fold_inputs(ids)
         tables, bad_segments = self._read_segments([r for rows in events.values() for r in rows])
         if bad_segments:
@@ -252,6 +291,7 @@ class Materializer:
                 gens = facts.generations_from_log(
                     gen_rows, tables,
                     (traj["route_layers"], traj["route_topk"]) if traj["route_layers"] else None,
+                    label_maps[tid],
                 )
                 rewards = [r["reward"] for r in rows if r["type"] == "reward"]
                 folded[tid] = fold(gens, trajectory_id=tid, group_id=traj["group_id"], status=fin["status"],
@@ -262,7 +302,7 @@ class Materializer:
                 raise
             except _DATA_ERRORS as e:
                 unfoldable[tid] = e
-        return folded, unfoldable, gen_rows_of
+        return folded, unfoldable, gen_rows_of, held
 
     def _read_segments(self, rows: list[dict[str, Any]]
                        ) -> tuple[dict[str, SegmentRows], dict[str, BaseException]]:

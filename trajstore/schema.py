@@ -106,6 +106,9 @@ events = Table(
     # into (the event's slices of that row follow from prefix_len, prompt_len,
     # output_len, routes_start and num_route_rows; docs/log.md "One copy").
     Column("segment_kind", String(8), nullable=True),
+    # migration 0009: a generation's weight_versions spans exactly as sent
+    # ([{"version": label, "start", "end"}], labels verbatim); NULL when it sent none.
+    Column("weight_versions", JSON(none_as_null=True), nullable=True),
     Index("ix_events_trajectory_seq", "trajectory_id", "position"),
     # the materializer's poll: finished events after a position, in order
     Index("ix_events_type_position", "type", "position"),
@@ -181,5 +184,31 @@ unfoldable_trajectories = Table(
     Column("created_at", Float, nullable=False),
 )
 
+# migration 0009: the store's label map (SPEC "Versions"), filled by version_label
+# events: an engine's weight-version label -> a model version. A label is mapped
+# once (a different version for it is a conflict); ``position`` is the
+# version_label event's.
+version_labels = Table(
+    "version_labels",
+    metadata,
+    Column("label", String(255), primary_key=True),
+    Column("model_version", Integer, nullable=False),
+    Column("position", BigInteger, nullable=False),
+    Column("created_at", Float, nullable=False),
+)
+
+# migration 0009: the weight_versions labels of a generation that the label map
+# did not hold when it was appended (one row per event and label; never updated).
+# The event's trajectory is held back from materialization until every such label
+# is mapped (docs/reference.md, "Versions"); the views name the label.
+unresolved_labels = Table(
+    "unresolved_labels",
+    metadata,
+    Column("event_position", BigInteger, primary_key=True),
+    Column("label", String(255), primary_key=True),
+    Column("trajectory_id", String(255), nullable=False, index=True),
+    Index("ix_unresolved_labels_label", "label"),
+)
+
 __all__ = ["metadata", "log_head", "trajectories", "events", "segments", "samples", "materializer_checkpoints",
-           "unfoldable_trajectories"]
+           "unfoldable_trajectories", "version_labels", "unresolved_labels"]

@@ -25,8 +25,8 @@ from trajstore._pools import LazyPool
 from trajstore._admission import Admitted, TrajectoryState, admit_batch
 from trajstore.errors import (CommitUnknownError, ConflictError, ContentionError, StoreUnavailable, ValidationError,
                               first_line)
-from trajstore.events import (Event, Generation, TrajectoryFinished, TrajectoryStarted, content_hash, identity_of,
-                              parse_events, same_content)
+from trajstore.events import (Event, Generation, TrajectoryFinished, TrajectoryStarted, VersionLabel, content_hash,
+                              decimal_label, identity_of, parse_events, same_content)
 from trajstore.log.base import EventLog, Repoint, SampleIndex, StaleState, TrajectoryWrite
 from trajstore.log.sql import open_sql
 from trajstore.payload import PayloadStore, SegmentRows
@@ -161,8 +161,9 @@ class Store:
         fresh = self._drop_duplicates(parsed, digests, stored)
         rows = {tid: loaded[tid] for tid in {parsed[i][0].trajectory_id for i in fresh} if tid in loaded}
         states = {tid: facts.state_from_row(r) for tid, r in rows.items()}
+        labels = self.log.load_labels(_labels_named([parsed[i][0] for i in fresh]))
         try:
-            admitted = admit_batch([parsed[i][0] for i in fresh], states, self._current_sequence)
+            admitted = admit_batch([parsed[i][0] for i in fresh], states, self._current_sequence, labels)
         except ValidationError as e:
             raise e.at(fresh[e.index] if e.index is not None else 0) from None
         kept = [(i, a) for i, a in zip(fresh, admitted) if not a.noop]
@@ -380,11 +381,14 @@ class AppendCheck:
         self._states: dict[str, TrajectoryState | None] = {}
         self._sequences: dict[str, np.ndarray] = {}  # running trajectories' last sequence (rare path only)
         self._seen: dict[str, bytes] = {}  # identity -> content digest
+        self._labels: dict[str, int] = {}  # the label map, as far as the batches named it
 
     def check(self, events: Iterable[Mapping[str, Any] | Event]) -> AppendResult:
         """The next batch; raises as ``Store.append`` would (indices within this batch)."""
         parsed = _parse_all(events)
         log = self.store.log
+        named = _labels_named([ev for ev, _ in parsed])
+        self._labels.update(log.load_labels(named - self._labels.keys()))
         stored = log.lookup_identities({ident for _, ident in parsed if ident and ident not in self._seen})
         unknown = {ev.trajectory_id for ev, _ in parsed if ev.trajectory_id not in self._states}
         if unknown:
@@ -402,14 +406,17 @@ class AppendCheck:
                 self._seen[ident] = digest
             fresh.append(i)
         try:
-            admitted = admit_batch([parsed[i][0] for i in fresh], self._states, self._sequence)
+            admitted = admit_batch([parsed[i][0] for i in fresh], self._states, self._sequence, self._labels)
         except ValidationError as e:
             raise e.at(fresh[e.index] if e.index is not None else 0) from None
         for i, adm in zip(fresh, admitted):
             ev = adm.event
-            self._states[ev.trajectory_id] = adm.state
             if adm.noop:
                 duplicates.append(i)
+            if isinstance(ev, VersionLabel):
+                self._labels.setdefault(ev.label, ev.model_version)
+                continue
+            self._states[ev.trajectory_id] = adm.state
             if isinstance(ev, Generation):
                 self._sequences[ev.trajectory_id] = np.concatenate([ev.prompt_ids, ev.output_ids])
             elif isinstance(ev, TrajectoryFinished):
@@ -431,6 +438,19 @@ def _conflict(ev: Event, ident: str, index: int) -> ConflictError:
 
 def _parse_all(events: Iterable[Mapping[str, Any] | Event]) -> list[tuple[Event, str | None]]:
     return [(ev, identity_of(ev)) for ev in parse_events(events)]
+
+
+def _labels_named(events: Sequence[Event]) -> set[str]:
+    """The labels an append must look up in the label map: its version_label events'
+    and its generations' span labels that are neither decimal nor ``"default"``."""
+    out: set[str] = set()
+    for ev in events:
+        if isinstance(ev, VersionLabel):
+            out.add(ev.label)
+        elif isinstance(ev, Generation) and ev.weight_versions is not None and ev.token_model_versions is None:
+            out.update(label for label, _, _ in ev.weight_versions
+                       if isinstance(label, str) and label != "default" and decimal_label(label) is None)
+    return out
 
 
 def _starts_every_trajectory(parsed: Sequence[tuple[Event, str | None]]) -> bool:
@@ -487,6 +507,8 @@ def _trajectory_writes(admitted: Sequence[Admitted], rows: Mapping[str, Any]) ->
     last: dict[str, Admitted] = {}
     started: dict[str, TrajectoryStarted] = {}
     for a in admitted:
+        if a.state is None:  # a version_label: store-wide
+            continue
         last[a.event.trajectory_id] = a
         if isinstance(a.event, TrajectoryStarted):
             started[a.event.trajectory_id] = a.event

@@ -9,7 +9,7 @@ Four views, documented column by column in ``docs/sql.md``:
 * ``model_version_stats``: one row per model version.
 
 These are the CURRENT definitions; the newest migration that changed them
-(0006) creates them from this module (``create_views``). A migration that
+(0009) creates them from this module (``create_views``). A migration that
 changes them again drops the views, then recreates them from this module,
 and first freezes the previous migration's SQL in that migration's file (as
 0002 and 0004 hold their own): older migrations must not build views from
@@ -94,7 +94,11 @@ SELECT
     COALESCE(e.num_route_rows_sent, 0) > 0 AS has_routes,
     e.routes_start, e.num_route_rows_sent,
     e.num_route_rows AS num_route_rows_stored,
-    e.reward, e.has_token_rewards, e.metadata, e.created_at
+    e.reward, e.has_token_rewards, e.metadata, e.created_at,
+    e.weight_versions,
+    (SELECT MIN(u.label) FROM unresolved_labels u
+     WHERE u.event_position = e.position
+       AND NOT EXISTS (SELECT 1 FROM version_labels v WHERE v.label = u.label)) AS unresolved_label
 FROM events e
 JOIN trajectories t ON t.trajectory_id = e.trajectory_id
 WHERE e.type = 'generation'
@@ -114,7 +118,8 @@ WITH calls AS (
         COUNT(*) FILTER (WHERE is_prefix_mismatch) AS num_prefix_mismatches,
         COUNT(*) FILTER (WHERE has_routes) AS num_generations_with_routes,
         MIN(min_model_version) AS min_model_version,
-        MAX(model_version) AS max_model_version
+        MAX(model_version) AS max_model_version,
+        MIN(unresolved_label) AS unresolved_label
     FROM generation_events
     GROUP BY trajectory_id
 ),
@@ -166,7 +171,9 @@ SELECT
     r.finish_reasons,
     lc.finish_reason AS last_finish_reason,
     tm.first_event_at, tm.last_event_at,
-    tm.last_event_at - tm.first_event_at AS duration_s
+    tm.last_event_at - tm.first_event_at AS duration_s,
+    c.unresolved_label,
+    t.status <> 'running' AND c.unresolved_label IS NOT NULL AS is_held_back
 FROM trajectories t
 LEFT JOIN calls c ON c.trajectory_id = t.trajectory_id
 LEFT JOIN reasons r ON r.trajectory_id = t.trajectory_id

@@ -147,6 +147,16 @@ class EventLog(ABC):
     def lookup_identities(self, identities: Collection[str]) -> dict[str, bytes]:
         """Content hash of each stored identity (missing ones are absent)."""
 
+    @abstractmethod
+    def load_labels(self, labels: Collection[str]) -> dict[str, int]:
+        """The label map's entries for ``labels`` (SPEC "Versions"; missing ones are absent)."""
+
+    @abstractmethod
+    def pending_labels(self, trajectory_ids: Collection[str]) -> dict[str, dict[str, tuple[int, int] | None]]:
+        """For each of ``trajectory_ids`` with a generation whose labels did not resolve
+        when it was appended: each such label -> ``(model_version, position)`` of the
+        version_label that mapped it, or None while it is unmapped."""
+
     def load_append_state(self, identities: Collection[str], trajectory_ids: Collection[str]
                           ) -> tuple[dict[str, bytes], dict[str, dict[str, Any]]]:
         """``lookup_identities`` and ``load_trajectories`` together (backends may
@@ -194,7 +204,9 @@ class EventLog(ABC):
     @abstractmethod
     def counts(self) -> dict[str, Any]:
         """The log's part of ``trajstore info``: ``head_position``,
-        ``trajectories_by_status``, ``events_by_type``, ``generations_by_model_version``."""
+        ``trajectories_by_status``, ``events_by_type``, ``generations_by_model_version``,
+        ``unresolved_version_labels`` (each label still unmapped, with the trajectories
+        waiting on it and how many of them are finished, i.e. held back)."""
 
     @abstractmethod
     def referenced_segments(self) -> set[str]:
@@ -243,10 +255,12 @@ class EventLog(ABC):
 
     # -- the materializer's reads: only what it folds from ------------------
     def finished_after(self, after_position: int, limit: int) -> list[dict[str, Any]]:
-        """The next ``limit`` ``trajectory_finished`` events after ``after_position``
-        (position order): ``position``, ``trajectory_id``, ``status`` and
-        ``seq_len``, the trajectory's tokens (None when it has no row)."""
-        rows = self.read_events(after_position=after_position, limit=limit, types=["trajectory_finished"])
+        """The next ``limit`` ``trajectory_finished`` (and ``trajectory_released``)
+        events after ``after_position`` (position order): ``position``,
+        ``trajectory_id``, ``status`` and ``seq_len``, the trajectory's tokens
+        (None when it has no row)."""
+        rows = self.read_events(after_position=after_position, limit=limit,
+                                types=["trajectory_finished", "trajectory_released"])
         trajs = self.load_trajectories({r["trajectory_id"] for r in rows})
         return [{"position": r["position"], "trajectory_id": r["trajectory_id"], "status": r["status"],
                  "seq_len": trajs[r["trajectory_id"]]["seq_len"] if r["trajectory_id"] in trajs else None}

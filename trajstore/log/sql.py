@@ -42,9 +42,9 @@ from trajstore.errors import (CommitUnknownError, IndexInvariantError, StoreUnav
                               first_line)
 from trajstore.log.base import EventLog, Repoint, SampleIndex, Shard, StaleState, TrajectoryWrite
 from trajstore.schema import (events, log_head, materializer_checkpoints, samples, segments, trajectories,
-                              unfoldable_trajectories)
+                              unfoldable_trajectories, unresolved_labels, version_labels)
 
-__all__ = ["SqlEventLog", "SqlSampleIndex", "first_line", "open_sql", "translate"]
+__all__ = ["SqlEventLog", "SqlSampleIndex", "first_line", "open_sql", "translate", "RELEASED"]
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,13 @@ _RACE_KEYS = {
     "events_identity_key": "events.identity",
     "trajectories_pkey": "trajectories.trajectory_id",
     "materializer_checkpoints_pkey": "materializer_checkpoints.shard",
+    "version_labels_pkey": "version_labels.label",
 }
+
+RELEASED = "trajectory_released"
+"""``events.type`` of the row the log adds when a version_label completes the
+labels of a finished trajectory that was held back: the materializer folds
+the trajectory there (docs/materializer.md, "Held back on a version label")."""
 
 
 def _chunks(items: Sequence[Any], n: int = _CHUNK) -> Iterator[Sequence[Any]]:
@@ -298,6 +304,23 @@ class SqlEventLog(EventLog):
         return self.db.reading_cursor("looking up event identities",
                                       lambda cur, sql: sql.lookup_identities(cur, identities))
 
+    def load_labels(self, labels: Collection[str]) -> dict[str, int]:
+        if not labels:
+            return {}
+        return self.db.reading_cursor("reading the version label map", lambda cur, sql: sql.load_labels(cur, labels))
+
+    def pending_labels(self, trajectory_ids: Collection[str]) -> dict[str, dict[str, tuple[int, int] | None]]:
+        ids = sorted(set(trajectory_ids))
+        out: dict[str, dict[str, tuple[int, int] | None]] = {}
+        u, v = unresolved_labels, version_labels
+        with self.db.reading("reading unresolved version labels") as conn:
+            for part in _chunks(ids):
+                q = (select(u.c.trajectory_id, u.c.label, v.c.model_version, v.c.position)
+                     .select_from(u.outerjoin(v, v.c.label == u.c.label)).where(u.c.trajectory_id.in_(part)))
+                for tid, label, mv, pos in conn.execute(q):
+                    out.setdefault(tid, {})[label] = None if pos is None else (int(mv), int(pos))
+        return out
+
     def load_append_state(self, identities: Collection[str], trajectory_ids: Collection[str]
                           ) -> tuple[dict[str, bytes], dict[str, dict[str, Any]]]:
         # one transaction, one connection checkout
@@ -333,6 +356,7 @@ class SqlEventLog(EventLog):
             rows = [dict(r, position=p) for r, p in zip(event_rows, range(last - n + 1, last + 1))]
             _write_trajectories(conn, sql, trajectory_writes, rows)
             sql.insert_rows(conn, events, rows)
+            rows += _write_labels(conn, sql, rows)
             if before_commit is not None and sql.single_writer:
                 before_commit()
             return rows
@@ -380,12 +404,24 @@ class SqlEventLog(EventLog):
                 .order_by(events.c.model_version)
             ).all()
             head = conn.execute(select(log_head.c.position)).scalar_one()
+            u, v, t = unresolved_labels, version_labels, trajectories
+            waiting = conn.execute(
+                select(u.c.label, func.count(func.distinct(u.c.trajectory_id)),
+                       func.count(func.distinct(t.c.trajectory_id)).filter(t.c.status != "running"))
+                .select_from(u.join(t, t.c.trajectory_id == u.c.trajectory_id)
+                             .outerjoin(v, v.c.label == u.c.label))
+                .where(v.c.label.is_(None)).group_by(u.c.label).order_by(u.c.label)
+            ).all()
         return {
             "head_position": int(head),
             "trajectories_by_status": {k: int(v) for k, v in by_status.items()},
             "events_by_type": {k: int(v) for k, v in by_type.items()},
             "generations_by_model_version": [
                 {"model_version": v, "generations": int(c), "output_tokens": int(t or 0)} for v, c, t in by_version
+            ],
+            # finished trajectories wait here (held back from materialization) until the label is mapped
+            "unresolved_version_labels": [
+                {"label": label, "trajectories": int(n), "held_back_trajectories": int(h)} for label, n, h in waiting
             ],
         }
 
@@ -464,7 +500,7 @@ class SqlEventLog(EventLog):
             e, t = _quoted(conn, events), _quoted(conn, trajectories)
             sql = (f"SELECT e.{e.position}, e.{e.trajectory_id}, e.{e.status}, t.{t.seq_len} "
                    f"FROM {e.table} e LEFT JOIN {t.table} t ON t.{t.trajectory_id} = e.{e.trajectory_id} "
-                   f"WHERE e.{e.type} = 'trajectory_finished' AND e.{e.position} > {e.p} "
+                   f"WHERE e.{e.type} IN ('trajectory_finished', '{RELEASED}') AND e.{e.position} > {e.p} "
                    f"ORDER BY e.{e.position} LIMIT {e.p}")
             rows = conn.exec_driver_sql(sql, (int(after_position), int(limit))).fetchall()
         return [{"position": p, "trajectory_id": tid, "status": st, "seq_len": n} for p, tid, st, n in rows]
@@ -497,7 +533,7 @@ _FOLD_TRAJECTORY_COLUMNS = ("trajectory_id", "group_id", "num_experts", "route_l
 _FOLD_EVENT_COLUMNS = ("position", "trajectory_id", "type", "seq", "event_id", "model_version", "prompt_len",
                        "prefix_len", "output_len", "routes_start", "num_route_rows", "routes_dtype", "reward",
                        "has_token_rewards", "finish_reason", "segment", "segment_row", "segment_kind",
-                       "version_spans", "sample_index", "is_merged")
+                       "version_spans", "sample_index", "is_merged", "weight_versions")
 
 
 class _Quoted:
@@ -587,6 +623,48 @@ def _retire_emptied(conn: Connection, names: Collection[str], now: float) -> Non
 def _insert(conn: Connection, table: Any, rows: Sequence[Mapping[str, Any]]) -> None:
     """One executemany of ``rows`` through the driver (``_DriverSql.insert_rows``)."""
     _driver_sql(conn).insert_rows(conn, table, rows)
+
+
+def _write_labels(conn: Any, sql: "_DriverSql", rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The label rows of an append (after its events, under the log_head lock):
+    ``unresolved_labels`` of its generations, ``version_labels`` of its
+    version_label events, and a ``trajectory_released`` event for each finished
+    trajectory whose last missing label this append maps. Returns those events.
+
+    The materializer decides from positions alone: a trajectory finished at
+    ``F`` folds there iff every label it waits for was mapped before ``F``;
+    else it is held, and the version_label that maps its last missing label
+    (after ``F``, so this append saw it finished) adds the release event it
+    folds at. Exactly one of the two happens."""
+    pending = [{"event_position": r["position"], "label": label, "trajectory_id": r["trajectory_id"]}
+               for r in rows for label in (r.get("unresolved_labels") or ())]
+    if pending:
+        sql.insert_rows(conn, unresolved_labels, pending)
+    now = time.time()
+    mapped = [{"label": r["version_label"], "model_version": r["model_version"], "position": r["position"],
+               "created_at": now} for r in rows if r.get("version_label") is not None]
+    if not mapped:
+        return []
+    sql.insert_rows(conn, version_labels, mapped)
+    first = min(m["position"] for m in mapped)
+    waiting: dict[str, list[Any]] = {}
+    for tid, pos, finished_at, status in sql.labels_of_waiting(conn, [m["label"] for m in mapped]):
+        waiting.setdefault(tid, [finished_at, status, []])[2].append(pos)
+    released = sorted(tid for tid, (finished_at, _, positions) in waiting.items()
+                      if finished_at is not None and None not in positions
+                      and max(positions) > finished_at and max(positions) >= first)
+    if not released:
+        return []
+    conn.execute(sql.take_positions, (len(released),))
+    (last,) = conn.fetchone()
+    out = []
+    for tid, position in zip(released, range(last - len(released) + 1, last + 1)):
+        row: dict[str, Any] = dict.fromkeys(c.name for c in events.columns)
+        row.update(position=position, trajectory_id=tid, type=RELEASED, status=waiting[tid][1],
+                   content_hash=b"\x00", created_at=now)
+        out.append(row)
+    sql.insert_rows(conn, events, out)
+    return out
 
 
 def _write_trajectories(conn: Any, sql: "_DriverSql", writes: Sequence[TrajectoryWrite],
@@ -712,6 +790,34 @@ class _DriverSql:
         for part in _chunks(sorted(set(identities))):
             cur.execute(self._ident_select + "(" + ", ".join([self.p] * len(part)) + ")", tuple(part))
             out.update({ident: bytes(digest) for ident, digest in cur.fetchall()})
+        return out
+
+    def load_labels(self, cur: Any, labels: Collection[str]) -> dict[str, int]:
+        """The label map's entries for ``labels`` (missing ones are absent)."""
+        q, v = self.q, version_labels
+        out: dict[str, int] = {}
+        for part in _chunks(sorted(set(labels))):
+            cur.execute(f"SELECT {q.format_column(v.c.label)}, {q.format_column(v.c.model_version)} FROM "
+                        f"{q.format_table(v)} WHERE {q.format_column(v.c.label)} IN "
+                        f"({', '.join([self.p] * len(part))})", tuple(part))
+            out.update({label: int(mv) for label, mv in cur.fetchall()})
+        return out
+
+    def labels_of_waiting(self, cur: Any, labels: Sequence[str]) -> list[tuple[str, int | None, int | None, str]]:
+        """For every trajectory waiting on one of ``labels``: each label it waits on as
+        ``(trajectory_id, position the label was mapped at or None, finished_position, status)``."""
+        q, p = self.q, self.p
+        u, v, t = "u", "v", "t"
+        out: list[tuple[str, int | None, int | None, str]] = []
+        for part in _chunks(sorted(set(labels))):
+            cur.execute(
+                f"SELECT {u}.trajectory_id, {v}.position, {t}.finished_position, {t}.status "
+                f"FROM {q.format_table(unresolved_labels)} {u} "
+                f"JOIN {q.format_table(trajectories)} {t} ON {t}.trajectory_id = {u}.trajectory_id "
+                f"LEFT JOIN {q.format_table(version_labels)} {v} ON {v}.label = {u}.label "
+                f"WHERE {u}.trajectory_id IN (SELECT w.trajectory_id FROM {q.format_table(unresolved_labels)} w "
+                f"WHERE w.label IN ({', '.join([p] * len(part))}))", tuple(part))
+            out.extend(cur.fetchall())
         return out
 
     def load_trajectories(self, cur: Any, trajectory_ids: Collection[str]) -> dict[str, dict[str, Any]]:

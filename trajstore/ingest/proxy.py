@@ -53,7 +53,7 @@ import logging
 import os
 import threading
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, Mapping
 
 import numpy as np
 
@@ -73,7 +73,7 @@ from trajstore.ingest.vllm import (
 
 __all__ = [
     "FORWARDED", "RECORDED", "Recorder", "Tag", "add_cli_arguments", "main", "make_proxy_app", "normalize_upstream",
-    "serve_proxy", "serve_proxy_from_args", "tag_of",
+    "serve_proxy", "serve_proxy_from_args", "tag_of", "version_label_events",
 ]
 
 log = logging.getLogger("trajstore.ingest.proxy")
@@ -316,6 +316,16 @@ def normalize_upstream(url: str) -> str:
         path = path[: -len("/v1")]
         log.info("upstream %s: using %s (the proxy adds the /v1 paths itself)", url, f"{parts.scheme}://{parts.netloc}{path}")
     return f"{parts.scheme}://{parts.netloc}{path}"
+
+
+def version_label_events(version_map: Mapping[Any, int]) -> list[dict]:
+    """``version_label`` events for a ``{label: model_version}`` map (``--version-map``)."""
+    out = []
+    for label, version in version_map.items():
+        if isinstance(version, bool) or not isinstance(version, int):
+            raise ValueError(f"--version-map: label {label!r} must map to an integer model version, got {version!r}")
+        out.append({"type": "version_label", "label": str(label), "model_version": version})
+    return out
 
 
 def _one_line(e: BaseException) -> str:
@@ -578,15 +588,22 @@ def make_proxy_app(store: Any, upstream: str, *, token: str | None = None, model
     :func:`normalize_upstream`). ``token=None`` means no auth (the caller
     decided; ``serve_proxy`` refuses that unless told ``insecure_no_auth``).
     ``upstream_api_key``: the bearer token the upstream wants.
-    ``version_map``: weight-version labels to model versions
-    (``trajstore.ingest.vllm``). ``skip_recorded_routes=False``: never set
+    ``version_map``: weight-version labels to model versions, appended to the
+    store as ``version_label`` events when the app is made (the engine's spans
+    are recorded as sent and the store resolves them). ``skip_recorded_routes=False``: never set
     ``routed_experts_prompt_start`` (an engine without it).
     """
     from contextlib import asynccontextmanager
 
     from fastapi import FastAPI, Request
 
-    fwd = _Forwarder(Recorder(store), normalize_upstream(upstream), model_version=model_version,
+    upstream = normalize_upstream(upstream)
+    if isinstance(version_map, Mapping):
+        # The labels go into the store's label map: every process resolves them, and a
+        # trajectory held back on one of them is released.
+        store.append(version_label_events(version_map))
+        version_map = None
+    fwd = _Forwarder(Recorder(store), upstream, model_version=model_version,
                      num_experts=num_experts, timeout_s=timeout_s, authenticated=token is not None,
                      upstream_api_key=upstream_api_key, version_map=version_map,
                      skip_recorded_routes=skip_recorded_routes)
@@ -640,8 +657,9 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-experts", type=int, default=None,
                         help="num_experts of trajectories the proxy starts (default: not declared)")
     parser.add_argument("--version-map", default=None,
-                        help='JSON object from vLLM weight-version labels to model versions, e.g. \'{"ckpt-a": 3}\' '
-                             "(default: labels must be integers)")
+                        help='JSON object from vLLM weight-version labels to model versions, e.g. \'{"ckpt-a": 3}\', '
+                             "appended to the store's label map at start (labels can also be mapped later with "
+                             "version_label events; decimal labels and \"default\" need none)")
     parser.add_argument("--no-route-skip", action="store_true",
                         help="never ask the engine for only the new route rows (routed_experts_prompt_start)")
 

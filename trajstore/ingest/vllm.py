@@ -201,14 +201,46 @@ def token_model_versions_from_spans(spans: Any, num_tokens: int, *, version_map:
     return np.repeat(np.asarray(versions, dtype=np.int32), lengths)
 
 
-def _clamped(values: np.ndarray) -> tuple[np.ndarray, int]:
-    """``values`` with non-finite entries set to LOGPROB_FLOOR, and how many were."""
+def _clamped(values: np.ndarray) -> np.ndarray:
+    """``values`` with non-finite entries set to LOGPROB_FLOOR, as vLLM's server does
+    (the store counts every value at or below the floor and keeps it as missing)."""
     bad = ~np.isfinite(values)
-    n = int(bad.sum())
-    if n:
+    if bad.any():
         values = values.copy()
         values[bad] = LOGPROB_FLOOR
-    return values, n
+    return values
+
+
+def _spans_as_sent(spans: Any) -> list[dict] | None:
+    """The engine's spans as wire ``weight_versions`` (labels verbatim), None when it sent none.
+
+    Accepts dicts, objects with ``version``/``start``/``end`` (vLLM's
+    ``WeightVersionSpan``) or ``(version, start, end)`` tuples; the store
+    checks that they tile the output and resolves the labels.
+    """
+    if spans is None:
+        return None
+    if isinstance(spans, (str, bytes, Mapping)) or not isinstance(spans, (Sequence, np.ndarray)):
+        raise ValidationError(f"weight_versions must be a list of spans, got {type(spans).__name__}", rule="weight_versions")
+    out = []
+    for span in spans:
+        label, start, end = _span_fields(span)
+        if isinstance(label, np.integer):
+            label = int(label)
+        out.append({"version": label, "start": start, "end": end})
+    return out
+
+
+def _versions_from_map(spans: list[dict], num_tokens: int, version_map: VersionMap) -> np.ndarray | None:
+    """Per-token versions when ``version_map`` (deprecated) maps every label, else None (the store resolves)."""
+    import warnings
+
+    warnings.warn("version_map is deprecated: append version_label events ({'type': 'version_label', 'label': ..., "
+                  "'model_version': ...}) and the store resolves the engine's labels", DeprecationWarning, stacklevel=4)
+    try:
+        return token_model_versions_from_spans(spans, num_tokens, version_map=version_map)
+    except ValidationError:
+        return None
 
 
 def _complete(
@@ -226,14 +258,15 @@ def _complete(
     """Add what every adapter path carries to ``event`` (which has the ids and model_version)."""
     metadata: dict = {}
     if logprobs is not None:
-        event["logprobs"], clamped = _clamped(np.asarray(logprobs, dtype=np.float32).reshape(-1))
-        if clamped:
-            metadata["clamped_logprobs"] = clamped
-    versions = token_model_versions_from_spans(weight_versions, len(event["output_ids"]), version_map=version_map)
-    if versions is not None:
-        event["token_model_versions"] = versions
-        if len(versions):
-            event["model_version"] = int(versions[-1])
+        event["logprobs"] = _clamped(np.asarray(logprobs, dtype=np.float32).reshape(-1))
+    spans = _spans_as_sent(weight_versions)
+    if spans is not None:
+        event["weight_versions"] = spans
+        if version_map is not None:
+            versions = _versions_from_map(spans, len(event["output_ids"]), version_map)
+            if versions is not None:
+                event["token_model_versions"] = versions
+                event["model_version"] = int(versions[-1])
     if routes is not None:
         event["routed_experts"] = _routes_array(routes)
         if routes_start:

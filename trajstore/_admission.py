@@ -53,7 +53,7 @@ from trajstore.events import (
 from trajstore.fold import EMPTY_HASH, FoldStep, FoldTail, fold_step, sequence_hash
 
 __all__ = ["TrajectoryState", "StoredGeneration", "Admitted", "admit", "admit_batch", "sequence_hash", "EMPTY_HASH",
-           "resolve_weight_versions", "map_labels"]
+           "resolve_weight_versions", "map_labels", "RecordedRoutes"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,11 +100,14 @@ class StoredGeneration:
     sample_index: int = 0  # the sample the call folds into
     merged: bool = False  # it continued the previous call's sequence
     unresolved: tuple[str, ...] = ()  # weight_versions labels the label map did not hold at admission
+    route_rows_resent: int | None = None  # rows sent for positions the sample had recorded (None: no routes)
+    route_rows_drifted: int | None = None  # of those, rows differing from the recorded ones (None: not measured)
 
     @classmethod
-    def of(cls, command: Generation, step: FoldStep, unresolved: tuple[str, ...] = ()) -> StoredGeneration:
+    def of(cls, command: Generation, step: FoldStep, unresolved: tuple[str, ...] = (),
+           drift: tuple[int | None, int | None] = (None, None)) -> StoredGeneration:
         return cls(command, step.prefix_len, step.routes, step.routes_start, step.sample_index, step.merged,
-                   unresolved)
+                   unresolved, drift[0], drift[1])
 
     @property
     def prompt_tail(self) -> np.ndarray:
@@ -119,6 +122,57 @@ class Admitted:
     stored: StoredGeneration | None  # generations only
     state: TrajectoryState | None  # trajectory state after this event (None for a version_label)
     noop: bool = False  # an identical retry that needs no new row
+
+
+class RecordedRoutes:
+    """The route rows a trajectory's current sample has recorded, for the drift
+    figures (SPEC "Routed experts", drift): what re-sent rows are compared with.
+
+    Held as the kept rows of each call (``chunks``: ``(start, rows, valid)``,
+    ``valid`` None when every row was captured, else a bool mask), never
+    concatenated into one array: a merge adds its chunk, a new sample starts
+    over (with the rows it inherits from the previous sample). Immutable once
+    made (``plus`` returns a new one), so a cached one survives an append
+    that fails; a chunk holds a copy of the kept rows, never a view that would
+    keep a call's whole re-sent array alive."""
+
+    __slots__ = ("sample_index", "chunks", "nbytes")
+
+    def __init__(self, sample_index: int, chunks: list[tuple[int, np.ndarray, np.ndarray | None]] | None = None
+                 ) -> None:
+        self.sample_index = sample_index
+        self.chunks = chunks or []
+        self.nbytes = sum(c[1].nbytes for c in self.chunks)
+
+    def plus(self, start: int, rows: np.ndarray) -> "RecordedRoutes":
+        """These rows and ``rows`` (kept by a call, at ``start``)."""
+        if not len(rows):
+            return self
+        return RecordedRoutes(self.sample_index, self.chunks + [(start, np.array(rows), None)])
+
+    def head(self, n: int) -> list[tuple[int, np.ndarray, np.ndarray | None]]:
+        """The chunks cut to positions ``< n`` (what a new sample inherits)."""
+        out = []
+        for start, rows, valid in self.chunks:
+            if start < n:
+                k = min(len(rows), n - start)
+                out.append((start, rows[:k], None if valid is None else valid[:k]))
+        return out
+
+    def count_drifted(self, rows: np.ndarray, start: int) -> int:
+        """How many of ``rows`` (at positions ``start, start+1, ...``) differ in any
+        entry from the recorded row at their position (positions never captured count as equal)."""
+        end = start + len(rows)
+        drifted = 0
+        for c_start, c_rows, valid in self.chunks:
+            a, b = max(start, c_start), min(end, c_start + len(c_rows))
+            if a >= b:
+                continue
+            differs = np.any(rows[a - start:b - start] != c_rows[a - c_start:b - c_start], axis=(1, 2))
+            if valid is not None:
+                differs &= valid[a - c_start:b - c_start]
+            drifted += int(np.count_nonzero(differs))
+        return drifted
 
 
 def resolve_weight_versions(g: Generation, labels: Mapping[str, int]) -> tuple[Generation, tuple[str, ...]]:
@@ -173,12 +227,18 @@ def map_labels(events: Sequence[Event], labels: Mapping[str, int]) -> dict[str, 
     return out
 
 
+RoutesSource = Callable[[], "RecordedRoutes | None"]
+"""Returns the trajectory's current sample's recorded rows (called only when a
+re-sent row must be compared); None: not available, the drift is not measured."""
+
+
 def admit(
     event: Event,
     state: TrajectoryState | None,
     load_sequence: Callable[[str], np.ndarray],
     labels: Mapping[str, int] | None = None,
     stored_labels: Mapping[str, int] | None = None,
+    recorded: RoutesSource | None = None,
 ) -> Admitted:
     """Check ``event`` against its trajectory's ``state``; return the fact and the new state.
 
@@ -187,6 +247,9 @@ def admit(
     ``labels``: the label map (SPEC "Versions") the call's spans resolve with;
     ``stored_labels``: the part of it already in the log (a version_label
     mapping one of those again to the same version is a no-op).
+    ``recorded()``: the current sample's recorded rows, asked for only when the
+    call re-sends rows for recorded positions (their drift is counted);
+    without it the drift is not measured (``route_rows_drifted`` None).
     """
     if isinstance(event, VersionLabel):
         known = (stored_labels or {}).get(event.label)
@@ -211,11 +274,12 @@ def admit(
         return Admitted(event, None, replace(state, status=event.status, revision=state.revision + 1))
     if isinstance(event, Reward):
         return Admitted(event, None, replace(state, reward=event.reward, revision=state.revision + 1))
-    return _admit_generation(event, state, load_sequence, labels or {})
+    return _admit_generation(event, state, load_sequence, labels or {}, recorded)
 
 
 def _admit_generation(
-    g: Generation, state: TrajectoryState, load_sequence: Callable[[str], np.ndarray], labels: Mapping[str, int]
+    g: Generation, state: TrajectoryState, load_sequence: Callable[[str], np.ndarray], labels: Mapping[str, int],
+    recorded: RoutesSource | None = None,
 ) -> Admitted:
     if g.seq != state.last_seq + 1:
         rule = "seq_taken" if g.seq <= state.last_seq else "seq_gap"
@@ -224,7 +288,36 @@ def _admit_generation(
     _check_expert_ids(g, state.num_experts)
     resolved, unresolved = resolve_weight_versions(g, labels)
     new_state = replace(state.with_tail(tail), revision=state.revision + 1, last_seq=g.seq)
-    return Admitted(resolved, StoredGeneration.of(resolved, step, unresolved), new_state)
+    return Admitted(resolved, StoredGeneration.of(resolved, step, unresolved, _drift(g, step, state, recorded)),
+                    new_state)
+
+
+def _drift(g: Generation, step: FoldStep, state: TrajectoryState, recorded: RoutesSource | None
+           ) -> tuple[int | None, int | None]:
+    """``(route_rows_resent, route_rows_drifted)`` of a call (SPEC drift): rows sent for
+    positions below the sample's watermark (only a merge has any; the fold drops them),
+    and how many of those differ from what was recorded."""
+    rows = g.routed_experts
+    if rows is None:
+        return None, None
+    if not step.merged:
+        return 0, 0
+    resent = min(len(rows), max(0, state.route_len - g.routed_experts_start))
+    if not resent:
+        return 0, 0
+    have = recorded() if recorded is not None else None
+    return resent, None if have is None else have.count_drifted(rows[:resent], g.routed_experts_start)
+
+
+def _next_recorded(have: RecordedRoutes | None, step: FoldStep) -> RecordedRoutes | None:
+    """The recorded rows after a call with outcome ``step`` (None: unknown)."""
+    if step.merged:
+        return have.plus(step.routes_start, step.routes) if have is not None and step.routes is not None else have
+    inherited = step.inherited_rows
+    if inherited and have is None:
+        return None
+    out = RecordedRoutes(step.sample_index, have.head(inherited) if inherited and have is not None else None)
+    return out.plus(step.routes_start, step.routes) if step.routes is not None else out
 
 
 def _check_expert_ids(g: Generation, num_experts: int | None) -> None:
@@ -245,6 +338,8 @@ def admit_batch(
     states: dict[str, TrajectoryState | None],
     load_sequence: Callable[[str], np.ndarray],
     labels: Mapping[str, int] | None = None,
+    recorded_routes: Callable[[str], RecordedRoutes | None] | None = None,
+    routes_after: dict[str, RecordedRoutes | None] | None = None,
 ) -> list[Admitted]:
     """Admit events in order, threading each trajectory's state through the batch.
 
@@ -252,6 +347,12 @@ def admit_batch(
     the batch's own ``version_label`` events extend it for every event of the
     batch. Raises ValidationError (ConflictError for a remapped label) located
     at the offending event's index.
+
+    ``recorded_routes(trajectory_id)``: the current sample's recorded rows
+    before the batch (asked only when a call re-sends rows, and only when the
+    batch has not changed them before); the batch's calls update them. When
+    ``routes_after`` is given, it receives each touched trajectory's recorded
+    rows after the batch, where known (None: unknown).
     """
     stored_labels = dict(labels or {})
     batch_labels = map_labels(events, stored_labels)
@@ -261,10 +362,20 @@ def admit_batch(
     def sequence(tid: str) -> np.ndarray:
         return last_sequences[tid] if tid in last_sequences else load_sequence(tid)
 
+    working: dict[str, RecordedRoutes | None] = {}  # absent: not needed yet (still as before the batch)
+
+    def recorded(tid: str) -> RoutesSource:
+        def get() -> RecordedRoutes | None:
+            if tid not in working:
+                working[tid] = recorded_routes(tid) if recorded_routes is not None else None
+            return working[tid]
+        return get
+
     out: list[Admitted] = []
     for i, ev in enumerate(events):
         try:
-            adm = admit(ev, states.get(ev.trajectory_id), sequence, batch_labels, stored_labels)
+            adm = admit(ev, states.get(ev.trajectory_id), sequence, batch_labels, stored_labels,
+                        recorded(ev.trajectory_id))
         except ValidationError as e:
             raise e.at(i, ev.trajectory_id or None) from None
         if isinstance(ev, VersionLabel):
@@ -274,5 +385,19 @@ def admit_batch(
         states[ev.trajectory_id] = adm.state
         if isinstance(ev, Generation):
             last_sequences[ev.trajectory_id] = np.concatenate([ev.prompt_ids, ev.output_ids])
+            s = adm.stored
+            assert s is not None
+            step = FoldStep(s.merged, s.sample_index, s.prefix_len, s.routes, s.routes_start)
+            tid = ev.trajectory_id
+            if not step.merged:
+                if step.inherited_rows and tid not in working:
+                    recorded(tid)()  # the rows it inherits (the skipped-rows check read the log already)
+                working[tid] = _next_recorded(working.get(tid), step)
+            elif step.routes is not None and len(step.routes):
+                # new rows: known only if loaded (a call that re-sent rows loaded it); else unknown
+                # until the next comparison reloads (engines that send only new rows never compare)
+                working[tid] = _next_recorded(working.get(tid), step)
         out.append(adm)
+    if routes_after is not None:
+        routes_after.update(working)
     return out

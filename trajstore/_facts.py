@@ -26,7 +26,7 @@ import pyarrow as pa
 
 from trajstore._admission import Admitted, StoredGeneration, TrajectoryState, resolve_weight_versions
 from trajstore.errors import CorruptStoreError
-from trajstore.events import Generation, Reward, TrajectoryFinished, TrajectoryStarted, VersionLabel
+from trajstore.events import LOGPROB_PLACEHOLDER, Generation, Reward, TrajectoryFinished, TrajectoryStarted, VersionLabel
 from trajstore.log.base import SAMPLES_KIND
 from trajstore.schema import events as events_table
 from trajstore._samples import SAMPLE_LIST_COLUMNS
@@ -146,6 +146,10 @@ def event_row(adm: Admitted, identity: str | None, content_hash: bytes, segment_
             version_spans=version_spans(ev),
             metadata=None if ev.metadata is None else dict(ev.metadata),
             weight_versions=weight_versions_json(ev),
+            route_rows_resent=s.route_rows_resent,
+            route_rows_drifted=s.route_rows_drifted,
+            num_placeholder_logprobs=None if ev.logprobs is None
+            else int(np.count_nonzero(ev.logprobs <= LOGPROB_PLACEHOLDER)),
             # not a column: the log adds an unresolved_labels row per label
             unresolved_labels=s.unresolved,
         )
@@ -315,11 +319,18 @@ def _sample_slices(seg: SegmentRows, i: int, row: Mapping[str, Any]) -> dict[str
     else:
         tail = np.concatenate([prompt[prefix:], response[: plen - p]])
     lp_mask = a.get("logprobs_mask")
-    has_logprobs = bool(lp_mask[out].all()) if lp_mask is not None else bool(np.any(a["rollout_logprobs"][out]))
+    logprobs = a["rollout_logprobs"][out]
+    if lp_mask is None:  # segments from before logprobs_mask
+        logprobs = logprobs if np.any(logprobs) else None
+    elif lp_mask[out].any():
+        # the placeholders the engine sent (stored as missing) come back as placeholders: a re-fold agrees
+        logprobs = np.where(lp_mask[out], logprobs, np.float32(LOGPROB_PLACEHOLDER))
+    else:
+        logprobs = None  # sent none, or only placeholders: both fold to missing
     cols: dict[str, Any] = {
         "prompt_tail": tail,
         "output_ids": response[out],
-        "logprobs": a["rollout_logprobs"][out] if has_logprobs else None,
+        "logprobs": logprobs,
         "loss_mask": a["loss_mask"][out],
         "token_rewards": a["token_rewards"][out] if row["has_token_rewards"] else None,
         # per-token versions of a call that spanned several, or whose spans resolved only at its fold

@@ -34,6 +34,7 @@ __all__ = [
     "TrajectoryStarted",
     "VersionLabel",
     "FINISH_STATUSES",
+    "LOGPROB_PLACEHOLDER",
     "decimal_label",
     "content_hash",
     "identity_of",
@@ -45,6 +46,11 @@ __all__ = [
 ]
 
 FINISH_STATUSES = ("completed", "truncated", "aborted", "failed")
+LOGPROB_PLACEHOLDER = -9999.0
+"""SPEC: a logprob at or below this is not a logprob but the placeholder vLLM and
+SkyRL write where the engine had none. Accepted as sent; the fold stores it as
+missing (``logprobs_mask`` false, ``rollout_logprobs`` 0.0) and the index counts
+it per event (``events.num_placeholder_logprobs``)."""
 _INT32_MAX = np.iinfo(np.int32).max
 _ROUTE_ID_LIMIT = 1 << 16  # stored as uint16 at most
 _MAX_ID_CHARS = 255

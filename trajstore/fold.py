@@ -1,7 +1,7 @@
 """The fold: one trajectory's generation events -> training samples.
 
 Every rule SPEC.md states about merging, loss masks, logprobs (and whether
-the engine reported them), model versions (per token, SPEC "Versions"),
+the engine reported them: a -9999.0 placeholder is not a report), model versions (per token, SPEC "Versions"),
 finish reasons, rewards and routed experts lives here. No I/O, no clock, no
 globals: the same events always give the same samples, so the materializer
 can re-fold a trajectory after a crash and get byte-identical rows.
@@ -55,7 +55,7 @@ from typing import Callable, NamedTuple, Sequence, Union
 import numpy as np
 
 from trajstore.errors import ValidationError
-from trajstore.events import Generation, routes_dtype
+from trajstore.events import LOGPROB_PLACEHOLDER, Generation, routes_dtype
 from trajstore.sample import Sample
 
 __all__ = ["FoldMetrics", "FoldResult", "FoldTail", "FoldStep", "fold", "fold_step", "sequence_hash",
@@ -465,8 +465,10 @@ def _tokens(
         out = slice(start, start + len(gen.output_ids))
         loss_mask[out] = 1 if gen.loss_mask is None else gen.loss_mask
         if gen.logprobs is not None:
-            logprobs[out] = gen.logprobs
-            logprobs_mask[out] = True
+            # SPEC: a logprob <= -9999.0 is the engine's placeholder for none: stored as missing
+            reported = gen.logprobs > LOGPROB_PLACEHOLDER
+            logprobs[out] = np.where(reported, gen.logprobs, np.float32(0.0))
+            logprobs_mask[out] = reported
         versions[out] = gen.model_version if gen.token_model_versions is None else gen.token_model_versions
     return response, loss_mask, logprobs, logprobs_mask, versions, outputs
 

@@ -109,6 +109,15 @@ events = Table(
     # migration 0009: a generation's weight_versions spans exactly as sent
     # ([{"version": label, "start", "end"}], labels verbatim); NULL when it sent none.
     Column("weight_versions", JSON(none_as_null=True), nullable=True),
+    # migration 0009: logprobs at or below -9999.0 (the engine's placeholder for none,
+    # stored as missing); NULL when the call sent no logprobs or was appended before 0009
+    Column("num_placeholder_logprobs", Integer, nullable=True),
+    # migration 0009: route drift (SPEC R3 health). Rows the call sent for positions its
+    # sample had already recorded (the fold ignores them), and how many of those differ
+    # from the recorded rows in any entry. NULL without routes; drifted NULL when not
+    # measured (rows appended before 0009: resent was backfilled, drift cannot be).
+    Column("route_rows_resent", Integer, nullable=True),
+    Column("route_rows_drifted", Integer, nullable=True),
     Index("ix_events_trajectory_seq", "trajectory_id", "position"),
     # the materializer's poll: finished events after a position, in order
     Index("ix_events_type_position", "type", "position"),

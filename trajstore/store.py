@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
+from collections import OrderedDict
 from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Mapping, Sequence
@@ -22,9 +24,9 @@ from sqlalchemy.exc import ArgumentError
 
 from trajstore import _facts as facts
 from trajstore._pools import LazyPool
-from trajstore._admission import Admitted, TrajectoryState, admit_batch
-from trajstore.errors import (CommitUnknownError, ConflictError, ContentionError, StoreUnavailable, ValidationError,
-                              first_line)
+from trajstore._admission import Admitted, RecordedRoutes, TrajectoryState, admit_batch
+from trajstore.errors import (CommitUnknownError, ConflictError, ContentionError, StoreUnavailable, TrajstoreError,
+                              ValidationError, first_line)
 from trajstore.events import (Event, Generation, TrajectoryFinished, TrajectoryStarted, VersionLabel, content_hash,
                               decimal_label, identity_of, parse_events, same_content)
 from trajstore.log.base import EventLog, Repoint, SampleIndex, StaleState, TrajectoryWrite
@@ -37,6 +39,9 @@ log = logging.getLogger(__name__)
 
 DEFAULT_URL = "sqlite:///trajstore-data/trajstore.db"
 _MAX_ATTEMPTS = 20  # re-admissions after losing an optimistic-concurrency race
+ROUTES_CACHE_BYTES = 256 << 20
+"""Recorded route rows of running trajectories kept per Store for the drift
+figures (docs/log.md, "Route drift"); past it the least recently used go."""
 
 
 @dataclass(frozen=True)
@@ -108,6 +113,8 @@ class Store:
                 raise
         self.log, self.materialized = open_sql(write_engine, read_engine)
         self.payload = PayloadStore(payload or backend.default_payload_dir(url), log_compression)
+        self._routes = _RoutesCache(ROUTES_CACHE_BYTES)
+        self._route_drift = True  # off only to measure what the drift figures cost (bench/)
 
     # -- appending ---------------------------------------------------------
     def append(self, events: Iterable[Mapping[str, Any] | Event]) -> AppendResult:
@@ -162,8 +169,11 @@ class Store:
         rows = {tid: loaded[tid] for tid in {parsed[i][0].trajectory_id for i in fresh} if tid in loaded}
         states = {tid: facts.state_from_row(r) for tid, r in rows.items()}
         labels = self.log.load_labels(_labels_named([parsed[i][0] for i in fresh]))
+        routes_after: dict[str, RecordedRoutes | None] = {}
+        recorded = (lambda tid: self._recorded_routes(tid, states.get(tid))) if self._route_drift else None
         try:
-            admitted = admit_batch([parsed[i][0] for i in fresh], states, self._current_sequence, labels)
+            admitted = admit_batch([parsed[i][0] for i in fresh], states, self._current_sequence, labels,
+                                   recorded, routes_after)
         except ValidationError as e:
             raise e.at(fresh[e.index] if e.index is not None else 0) from None
         kept = [(i, a) for i, a in zip(fresh, admitted) if not a.noop]
@@ -192,6 +202,7 @@ class Store:
             if segment is not None:
                 self.payload.delete(segment)  # certainly not committed
             raise
+        self._routes.after_append(admitted, states, routes_after)
         stored_now = {i for i, _ in kept}
         return AppendResult(len(kept), len(parsed) - len(kept), positions[-1],
                             tuple(i for i in range(len(parsed)) if i not in stored_now))
@@ -227,6 +238,31 @@ class Store:
             raise
         seg_row = {"name": name, "kind": "events", "num_rows": len(gens), "num_bytes": size, "created_at": time.time()}
         return name, seg_row, {id(a): i for i, a in enumerate(gens)}
+
+    def _recorded_routes(self, trajectory_id: str, state: TrajectoryState | None) -> RecordedRoutes | None:
+        """The current sample's recorded route rows (the drift figures compare re-sent
+        rows with them): this process's cache when it saw the trajectory's last
+        append, else rebuilt from the log (a payload read; docs/log.md, "Route drift")."""
+        if state is None:
+            return None
+        hit = self._routes.get(trajectory_id, state.revision)
+        if hit is not None:
+            return hit
+        try:
+            gens = self.load_generations(trajectory_id)
+            if not gens:
+                return RecordedRoutes(0)
+            from trajstore.fold import fold
+
+            last = fold(gens, trajectory_id=trajectory_id, num_experts=state.num_experts).samples[-1]
+        except (TrajstoreError, ArithmeticError, ValueError, TypeError, IndexError, KeyError) as e:
+            # e.g. a call still waiting on a version label does not fold yet: the drift is not measured
+            log.debug("route drift of %r not measured: %s", trajectory_id, first_line(e))
+            return None
+        if last.routed_experts is None:
+            return RecordedRoutes(last.sample_index)
+        n = state.route_len
+        return RecordedRoutes(last.sample_index, [(0, last.routed_experts[:n], ~last.routed_experts_mask[:n])])
 
     def _current_sequence(self, trajectory_id: str) -> np.ndarray:
         """The trajectory's current token sequence, rebuilt from the log (rare path)."""
@@ -462,6 +498,54 @@ def _starts_every_trajectory(parsed: Sequence[tuple[Event, str | None]]) -> bool
                 return False
             seen.add(ev.trajectory_id)
     return bool(seen)
+
+
+class _RoutesCache:
+    """trajectory_id -> (revision, RecordedRoutes) of running trajectories this
+    process appended to, least recently used first out past ``max_bytes``. An
+    entry is valid only for the trajectory revision it was made at: an append
+    by another process moves the revision, and the next comparison rebuilds it."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.nbytes = 0
+        self._entries: OrderedDict[str, tuple[int, RecordedRoutes]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, trajectory_id: str, revision: int) -> RecordedRoutes | None:
+        with self._lock:
+            hit = self._entries.get(trajectory_id)
+            if hit is None or hit[0] != revision:
+                return None
+            self._entries.move_to_end(trajectory_id)
+            return hit[1]
+
+    def after_append(self, admitted: Sequence[Admitted], before: Mapping[str, TrajectoryState],
+                     routes_after: Mapping[str, RecordedRoutes | None]) -> None:
+        """Keep what a committed append's trajectories recorded, at their new revisions."""
+        final: dict[str, TrajectoryState] = {}
+        for a in admitted:
+            if a.state is not None:
+                final[a.event.trajectory_id] = a.state
+        with self._lock:
+            for tid, state in final.items():
+                if tid in routes_after:
+                    value = routes_after[tid]
+                else:  # the batch did not change its recorded rows: an entry at the old revision still holds
+                    old = self._entries.get(tid)
+                    prev = before.get(tid)
+                    value = old[1] if old is not None and prev is not None and old[0] == prev.revision else None
+                self._drop(tid)
+                if value is not None and state.status == "running":
+                    self._entries[tid] = (state.revision, value)
+                    self.nbytes += value.nbytes
+            while self.nbytes > self.max_bytes and self._entries:
+                self._drop(next(iter(self._entries)))
+
+    def _drop(self, trajectory_id: str) -> None:
+        old = self._entries.pop(trajectory_id, None)
+        if old is not None:
+            self.nbytes -= old[1].nbytes
 
 
 class _Digests:

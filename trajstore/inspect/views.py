@@ -94,8 +94,9 @@ SELECT
     COALESCE(e.num_route_rows_sent, 0) > 0 AS has_routes,
     e.routes_start, e.num_route_rows_sent,
     e.num_route_rows AS num_route_rows_stored,
+    e.route_rows_resent, e.route_rows_drifted,
     e.reward, e.has_token_rewards, e.metadata, e.created_at,
-    e.weight_versions,
+    e.weight_versions, e.num_placeholder_logprobs,
     (SELECT MIN(u.label) FROM unresolved_labels u
      WHERE u.event_position = e.position
        AND NOT EXISTS (SELECT 1 FROM version_labels v WHERE v.label = u.label)) AS unresolved_label
@@ -119,7 +120,12 @@ WITH calls AS (
         COUNT(*) FILTER (WHERE has_routes) AS num_generations_with_routes,
         MIN(min_model_version) AS min_model_version,
         MAX(model_version) AS max_model_version,
-        MIN(unresolved_label) AS unresolved_label
+        MIN(unresolved_label) AS unresolved_label,
+        CAST(SUM(num_placeholder_logprobs) AS BIGINT) AS num_placeholder_logprobs,
+        CAST(SUM(route_rows_resent) AS BIGINT) AS route_rows_resent,
+        CAST(SUM(route_rows_drifted) AS BIGINT) AS route_rows_drifted,
+        CAST(SUM(CASE WHEN route_rows_drifted IS NOT NULL THEN route_rows_resent END) AS BIGINT)
+            AS route_rows_compared
     FROM generation_events
     GROUP BY trajectory_id
 ),
@@ -173,7 +179,10 @@ SELECT
     tm.first_event_at, tm.last_event_at,
     tm.last_event_at - tm.first_event_at AS duration_s,
     c.unresolved_label,
-    t.status <> 'running' AND c.unresolved_label IS NOT NULL AS is_held_back
+    t.status <> 'running' AND c.unresolved_label IS NOT NULL AS is_held_back,
+    COALESCE(c.num_placeholder_logprobs, 0) AS num_placeholder_logprobs,
+    c.route_rows_resent, c.route_rows_drifted,
+    CAST(c.route_rows_drifted AS DOUBLE PRECISION) / NULLIF(c.route_rows_compared, 0) AS route_drift_share
 FROM trajectories t
 LEFT JOIN calls c ON c.trajectory_id = t.trajectory_id
 LEFT JOIN reasons r ON r.trajectory_id = t.trajectory_id
@@ -247,6 +256,16 @@ WITH call_versions AS (
     FROM {_version_spans(dialect)}
     WHERE g.version_spans IS NOT NULL
 ),
+drift AS (
+    -- a call's routes belong to the version of its last token (model_version)
+    SELECT model_version,
+           CAST(SUM(route_rows_resent) AS BIGINT) AS route_rows_resent,
+           CAST(SUM(route_rows_drifted) AS BIGINT) AS route_rows_drifted,
+           CAST(SUM(CASE WHEN route_rows_drifted IS NOT NULL THEN route_rows_resent END) AS BIGINT)
+               AS route_rows_compared
+    FROM generation_events
+    GROUP BY model_version
+),
 per_trajectory AS (
     SELECT
         model_version, trajectory_id,
@@ -269,9 +288,13 @@ SELECT
     COUNT(*) FILTER (WHERE ts.status = 'completed') AS num_completed,
     COUNT(*) FILTER (WHERE ts.status = 'aborted') AS num_aborted,
     COUNT(*) FILTER (WHERE ts.status = 'failed') AS num_failed,
-    COUNT(*) FILTER (WHERE ts.model_version_span > 0) AS num_multi_version
+    COUNT(*) FILTER (WHERE ts.model_version_span > 0) AS num_multi_version,
+    MAX(d.route_rows_resent) AS route_rows_resent,
+    MAX(d.route_rows_drifted) AS route_rows_drifted,
+    CAST(MAX(d.route_rows_drifted) AS DOUBLE PRECISION) / NULLIF(MAX(d.route_rows_compared), 0) AS route_drift_share
 FROM per_trajectory p
 JOIN trajectory_summary ts ON ts.trajectory_id = p.trajectory_id
+LEFT JOIN drift d ON d.model_version = p.model_version
 GROUP BY p.model_version
 """
 

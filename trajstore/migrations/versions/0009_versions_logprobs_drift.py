@@ -13,6 +13,22 @@ label map):
 * ``unresolved_labels``: the labels of a generation the map did not hold
   when it was appended (its trajectory is held back until they are mapped).
 
+SPEC "Ordering and validation", the -9999.0 rule:
+
+* ``events.num_placeholder_logprobs``: logprobs at or below -9999.0 a call
+  sent (stored as missing); NULL for calls without logprobs and for rows
+  appended before this revision (counting them would read every payload).
+
+Route drift (SPEC "Routed experts", R3 health):
+
+* ``events.route_rows_resent``: rows a call sent for positions its sample
+  had already recorded. Backfilled for existing rows: admission stored only
+  the rows past the watermark, so it is ``num_route_rows_sent -
+  num_route_rows`` (NULL without routes).
+* ``events.route_rows_drifted``: of those, rows that differ from the
+  recorded ones; NULL for existing rows (the dropped rows were never stored,
+  so there is nothing to compare).
+
 The views are dropped first and recreated last from the live module;
 downgrading recreates 0006's frozen views.
 """
@@ -37,6 +53,11 @@ def upgrade() -> None:
     views.drop_views(op.execute)
     # plain ALTER TABLE ADD COLUMN on both dialects: no table rebuild
     op.add_column('events', sa.Column('weight_versions', sa.JSON(), nullable=True))
+    op.add_column('events', sa.Column('num_placeholder_logprobs', sa.Integer(), nullable=True))
+    op.add_column('events', sa.Column('route_rows_resent', sa.Integer(), nullable=True))
+    op.add_column('events', sa.Column('route_rows_drifted', sa.Integer(), nullable=True))
+    op.execute("UPDATE events SET route_rows_resent = num_route_rows_sent - num_route_rows "
+               "WHERE type = 'generation' AND num_route_rows_sent IS NOT NULL")
     op.create_table(
         'version_labels',
         sa.Column('label', sa.String(length=255), nullable=False),
@@ -64,6 +85,9 @@ def downgrade() -> None:
     op.drop_index('ix_unresolved_labels_trajectory_id', table_name='unresolved_labels')
     op.drop_table('unresolved_labels')
     op.drop_table('version_labels')
+    op.execute('ALTER TABLE events DROP COLUMN route_rows_drifted')
+    op.execute('ALTER TABLE events DROP COLUMN route_rows_resent')
+    op.execute('ALTER TABLE events DROP COLUMN num_placeholder_logprobs')
     op.execute('ALTER TABLE events DROP COLUMN weight_versions')
     _revision_0006().create_views(op.execute, dialect)
 

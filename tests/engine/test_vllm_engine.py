@@ -17,6 +17,8 @@ import pytest
 
 httpx = pytest.importorskip("httpx", reason="needs the extra: pip install 'trajstore[server]'")
 
+from tiny_model import FLOOR_TOKEN  # noqa: E402
+
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
 
 GENERATE = "/inference/v1/generate"
@@ -212,3 +214,25 @@ def test_pause_abort_then_resume_under_new_weights_is_one_sample(engine, proxy, 
         rows = conn.execute(text("SELECT seq, finish_reason FROM events WHERE trajectory_id = 'async' "
                                  "AND type = 'generation' ORDER BY seq")).all()
     assert [tuple(r) for r in rows] == [(0, "abort"), (1, "length")]
+
+
+@pytest.mark.parametrize("endpoint", ["generate", "completions"])
+def test_vllms_floor_logprob_is_stored_as_missing_and_counted(engine, proxy, store, endpoint):
+    """The tiny model gives FLOOR_TOKEN a logit near -16,000; forced with allowed_token_ids,
+    vLLM reports its logprob as -9999.0 (its floor): not a logprob."""
+    engine.label("default")
+    call = _tito if endpoint == "generate" else _completion
+    free = call(proxy, "floor", [11, 12, 13], 2, max_tokens=3)
+    forced = call(proxy, "floor", [11, 12, 13] + free["token_ids"], 2, max_tokens=3, allowed_token_ids=[FLOOR_TOKEN])
+    assert forced["token_ids"] == [FLOOR_TOKEN] * 3 and _logprobs(forced) == [-9999.0] * 3
+    _finish(proxy, "floor")
+    sample = _sample(store, "floor")
+    assert list(sample.logprobs_mask) == [True] * 3 + [False] * 3
+    np.testing.assert_array_equal(sample.rollout_logprobs[3:], 0.0)
+    np.testing.assert_array_equal(sample.rollout_logprobs[:3], np.asarray(_logprobs(free), dtype=np.float32))
+    from sqlalchemy import text
+
+    with store.log.read_engine.connect() as conn:
+        counted = conn.execute(text("SELECT seq, num_placeholder_logprobs FROM events WHERE trajectory_id = 'floor' "
+                                    "AND type = 'generation' ORDER BY seq")).all()
+    assert [tuple(r) for r in counted] == [(0, 0), (1, 3)]

@@ -365,7 +365,7 @@ def test_skipping_prompt_rows_stores_the_same_sample_as_sending_all(store):
     for name in ("prompt_ids", "response_ids", "loss_mask", "rollout_logprobs", "token_model_versions",
                  "routed_experts", "routed_experts_mask"):
         np.testing.assert_array_equal(getattr(a, name), getattr(b, name), err_msg=name)
-    assert np.asarray(a.rollout_logprobs)[1] == LOGPROB_FLOOR
+    assert np.asarray(a.rollout_logprobs)[1] == 0.0 and not a.logprobs_mask[1]  # the floor is no logprob
 
 
 def test_adapter_events_end_to_end_versions(store):
@@ -388,4 +388,5 @@ def test_adapter_events_end_to_end_versions(store):
     assert list(sample.token_model_versions) == [7, 7, 8, 8, 8]
     assert (sample.min_model_version, sample.max_model_version) == (7, 8)
     assert sample.finish_reason == "length"
-    assert np.asarray(sample.rollout_logprobs)[1] == LOGPROB_FLOOR
+    assert np.asarray(sample.rollout_logprobs)[1] == 0.0  # -inf -> vLLM's floor -> missing (SPEC)
+    assert list(sample.logprobs_mask) == [True, False, True, True, True]

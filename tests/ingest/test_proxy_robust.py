@@ -317,3 +317,27 @@ def test_tito_answer_from_vllm_033_names_token_ids_in_logprobs(store):
     assert resp.headers["x-trajstore-seq"] == "0"
     (gen,) = store.load_generations("t")
     assert list(gen.output_ids) == answer["choices"][0]["token_ids"]
+
+
+def test_a_label_change_with_a_declared_version_maps_the_label_in_the_store(store):
+    with RawUpstream(lambda m, p, b: framed([b'{"success": true}'])) as up, \
+            serve_in_thread(make_proxy_app(store, up.url)) as proxy:
+        mapped = httpx.post(f"{proxy}/update_weight_version", json={"new_version": "step-7"},
+                            headers={"X-Trajstore-Model-Version": "7"})
+        finished = httpx.post(f"{proxy}/finish_weight_update", json={"weight_version": "step-8"},
+                              headers={"X-Trajstore-Model-Version": "8"})
+        plain = httpx.post(f"{proxy}/update_weight_version", json={"new_version": "step-9"})
+        clash = httpx.post(f"{proxy}/update_weight_version", json={"new_version": "step-7"},
+                           headers={"X-Trajstore-Model-Version": "70"})
+    assert mapped.headers["x-trajstore-label"] == "step-7=7" and finished.headers["x-trajstore-label"] == "step-8=8"
+    assert "x-trajstore-label" not in plain.headers
+    assert clash.status_code == 200 and "step-7" in clash.headers["x-trajstore-error"]  # the engine's answer stands
+    assert [b for _, _, b in up.requests][0] == b'{"new_version":"step-7"}'
+    # a call sampled under step-7 resolves through the map
+    store.append([{"type": "trajectory_started", "trajectory_id": "l"},
+                  {"type": "generation", "trajectory_id": "l", "seq": 0, "prompt_ids": [1], "output_ids": [2, 3],
+                   "model_version": 0, "weight_versions": [{"version": "step-7", "start": 0, "end": 2}]},
+                  {"type": "trajectory_finished", "trajectory_id": "l", "status": "completed"}])
+    store.materialize()
+    (sample,) = list(store.samples())
+    assert list(sample.token_model_versions) == [7, 7]

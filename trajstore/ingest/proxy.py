@@ -4,8 +4,9 @@ A harness points its OpenAI client at the proxy instead of vLLM and names
 the trajectory of each call with the header ``X-Trajstore-Trajectory`` (or
 the body field ``"trajstore": {"trajectory_id": ...}``, removed before
 forwarding). The proxy forwards ``/v1/completions`` and
-``/v1/chat/completions`` with ``return_token_ids`` and sampled-token
-``logprobs`` switched on (``trajstore.ingest.vllm.request_params_for_recording``),
+``/v1/chat/completions`` with ``return_token_ids``, ``return_weight_versions``
+and sampled-token ``logprobs`` switched on
+(``trajstore.ingest.vllm.request_params_for_recording``),
 and vLLM's token-in/token-out ``POST /inference/v1/generate`` with
 ``sampling_params.logprobs`` (``request_params_for_tito``), records the call
 as the trajectory's next generation event (``seq`` assigned here), and
@@ -22,10 +23,16 @@ engine then returns rows for the new positions only and the event carries
 
 Other headers: ``X-Trajstore-Model-Version`` (else ``--model-version``),
 ``X-Trajstore-Group`` and ``X-Trajstore-Num-Experts`` (used when the call
-starts the trajectory). Calls without a trajectory are forwarded unrecorded.
-``POST /trajstore/finish`` ``{"trajectory_id", "status", "reward"?}`` ends a
+starts the trajectory). Calls without a trajectory are forwarded unrecorded
+(``X-Trajstore-Unrecorded``, one log line per client). ``POST
+/trajstore/finish`` ``{"trajectory_id", "status", "reward"?}`` ends a
 trajectory. The response carries ``X-Trajstore-Seq`` when recorded, or
-``X-Trajstore-Error`` (one line) when the store refused the record.
+``X-Trajstore-Error`` (one line) when the record was refused or the
+upstream's answer could not be read: whatever the upstream sends, the
+harness gets its status and bytes (or a 502 when the body broke off) and the
+record is whole or absent. vLLM's RL, render, tokenizer and health endpoints
+(``FORWARDED``) are forwarded as sent, unrecorded. ``upstream`` may end in
+``/v1`` (dropped).
 
 Auth: with a token (``--token`` / ``$TRAJSTORE_TOKEN``, as ``trajstore
 serve``) every endpoint but ``/healthz``, ``/openapi.json``, ``/docs`` and
@@ -35,7 +42,9 @@ sends it as its API key. That header is not forwarded: the upstream gets
 
 Streams (``"stream": true``) are passed through chunk by chunk while the
 ``data:`` objects are accumulated; the record is appended when the stream
-ends, before the connection closes. vLLM streams no routes on the OpenAI
+ended whole (every choice has its finish reason), before the connection
+closes, and announced by the SSE comment ``: X-Trajstore-Seq: N``; a cut
+stream records nothing and ends with an SSE error event saying so. vLLM streams no routes on the OpenAI
 endpoints (those calls are recorded without them); ``/inference/v1/generate``
 sends routes and version spans on the final chunk.
 
@@ -287,6 +296,9 @@ FORWARDED: tuple[tuple[str, str], ...] = (
     ("POST", "/v1/chat/completions/derender"), ("POST", "/v1/completions/derender"),
 )
 
+# The label-setting endpoints and their body field (entrypoints/rl/online/api_router.py).
+_LABEL_FIELDS = {"/update_weight_version": "new_version", "/finish_weight_update": "weight_version"}
+
 UNNAMED = "no X-Trajstore-Trajectory header and no trajstore.trajectory_id body field"
 _MAX_NOTED_CLIENTS = 4096
 
@@ -356,9 +368,11 @@ class _Forwarder:
         def for_response(response: dict) -> Callable[[int], list[dict]]:
             ids = {"trajectory_id": tag.trajectory_id, "model_version": tag.model_version, "version_map": self.version_map}
             if kind == "tito":
-                return lambda seq: generations_from_tito(response, body, seq=seq, **ids)
-            start = routed_experts_prompt_start_of(body)
-            return lambda seq: generations_from_openai(response, seq=seq, routed_experts_prompt_start=start, **ids)
+                make = lambda seq: generations_from_tito(response, body, seq=seq, **ids)  # noqa: E731
+            else:
+                start = routed_experts_prompt_start_of(body)
+                make = lambda seq: generations_from_openai(response, seq=seq, routed_experts_prompt_start=start, **ids)  # noqa: E731
+            return lambda seq: _one_choice(make(seq))
         return for_response
 
     async def record_headers(self, tag: Tag, data: Any, make: Callable[[Any], Callable[[int], list[dict]]]) -> dict:
@@ -530,7 +544,12 @@ class _Forwarder:
             yield "".join(f": {k}: {v}\n" for k, v in headers.items()).encode("utf-8", "replace") + b"\n"
 
     async def relay(self, request: Any, path: str) -> Any:
-        """Forward a call as it is (method, query, body) and answer the upstream's bytes; nothing recorded."""
+        """Forward a call as it is (method, query, body) and answer the upstream's bytes; nothing recorded.
+
+        A label change (``/update_weight_version``, ``/finish_weight_update``)
+        that carries ``X-Trajstore-Model-Version`` also maps its label in the
+        store (a ``version_label`` event) once the engine took it.
+        """
         import httpx
         from fastapi.responses import Response
 
@@ -542,7 +561,26 @@ class _Forwarder:
             content = resp.content
         except httpx.HTTPError as e:
             return self._unreachable(e)
-        return Response(content, status_code=resp.status_code, media_type=resp.headers.get("content-type"))
+        extra = {}
+        if path in _LABEL_FIELDS and resp.status_code == 200 and "x-trajstore-model-version" in request.headers:
+            extra = await self._map_label(request.headers["x-trajstore-model-version"], body, _LABEL_FIELDS[path])
+        return Response(content, status_code=resp.status_code, headers=extra, media_type=resp.headers.get("content-type"))
+
+    async def _map_label(self, version: str, body: bytes, field: str) -> dict:
+        from starlette.concurrency import run_in_threadpool
+
+        label: Any = None
+        try:
+            label = json.loads(body).get(field)
+            if not isinstance(label, str) or not label:
+                raise ValidationError(f"the body has no {field} label to map", rule="version_label")
+            event = {"type": "version_label", "label": label, "model_version": _int_or_none(version, "model_version")}
+            await run_in_threadpool(self.recorder.store.append, [event])
+        except (TrajstoreError, ValueError, AttributeError) as e:
+            reason = f"label {label!r:.80} not mapped to model_version {version!r:.20}: {_one_line(e)}"
+            log.warning("%s", reason)
+            return {"X-Trajstore-Error": reason}
+        return {"X-Trajstore-Label": f"{label}={version}"}
 
     async def finish(self, request: Any) -> Any:
         try:
@@ -554,6 +592,12 @@ class _Forwarder:
         except (ValueError, KeyError, TypeError) as e:
             return error_response(400, f'body must be {{"trajectory_id", "status", "reward"?}} ({e})', rule="malformed_body")
         return {"trajectory_id": tid, "status": status}
+
+
+def _one_choice(events: list[dict]) -> list[dict]:
+    if len(events) != 1:  # the request had n = 1 (checked): another count is the upstream's fault
+        raise ValidationError(f"the upstream answered {len(events)} choices to a call with n = 1", rule="upstream_response")
+    return events
 
 
 class _BadCall(Exception):

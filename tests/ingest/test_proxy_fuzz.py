@@ -119,7 +119,7 @@ class Case:
         self.framing = rng.choice(FRAMINGS) if rng.random() < 0.5 else ("length" if not self.stream else "chunked")
         self.status = 200 if rng.random() < 0.9 else rng.choice([400, 500, 503])
         self.mutate = rng.random() < 0.85
-        self.rng = random.Random(rng.random())
+        self.seed = rng.random()  # answer() draws from its own generator: a re-sent request gets the same bytes
         if self.kind == "tito":
             self.path = "/inference/v1/generate"
             self.body = {"token_ids": [3, 20 + index % 50, 21, 2, 5], "sampling_params": {"max_tokens": 1 + index % 6}}
@@ -136,7 +136,7 @@ class Case:
         self.complete = True  # whether the framing delivered the whole body
 
     def answer(self, request: dict) -> list[bytes]:
-        rng = self.rng
+        rng = random.Random(self.seed)
         if self.stream:
             if self.kind == "tito":
                 chunks = list(tito_stream_chunks(request))

@@ -341,3 +341,24 @@ def test_a_label_change_with_a_declared_version_maps_the_label_in_the_store(stor
     store.materialize()
     (sample,) = list(store.samples())
     assert list(sample.token_model_versions) == [7, 7]
+
+
+# --- group commit: concurrent calls share appends ----------------------------------------------
+
+def test_concurrent_calls_are_group_committed_and_a_refused_one_fails_alone(store):
+    from concurrent.futures import ThreadPoolExecutor
+
+    store.append([{"type": "trajectory_started", "trajectory_id": "done"},
+                  {"type": "trajectory_finished", "trajectory_id": "done", "status": "completed"}])
+    tids = [f"g{i}" for i in range(64)] + ["done"] * 4
+    with serve_in_thread(make_upstream()) as upstream:
+        app = make_proxy_app(store, upstream)
+        with serve_in_thread(app) as proxy, httpx.Client(timeout=60) as client, ThreadPoolExecutor(16) as pool:
+            answers = list(pool.map(lambda tid: client.post(f"{proxy}/v1/completions", json={"prompt": [10, 20]},
+                                                            headers={"X-Trajstore-Trajectory": tid}), tids))
+    assert all(a.status_code == 200 for a in answers)
+    assert [a.headers.get("x-trajstore-seq") for a in answers[:64]] == ["0"] * 64
+    assert all("done" in a.headers["x-trajstore-error"] for a in answers[64:])
+    assert store.info()["events_by_type"]["generation"] == 64
+    commits = app.state.commit_metrics.commits
+    assert 0 < commits < 64 + 4, commits  # calls that were ready together shared an append

@@ -106,10 +106,18 @@ class Tag:
 
 
 class Recorder:
-    """Numbers each trajectory's calls and appends them, one call at a time per trajectory."""
+    """Numbers each trajectory's calls and appends them, one call at a time per trajectory.
 
-    def __init__(self, store: Any) -> None:
+    With a ``committer`` (the ingest service's ``GroupCommitter``), records of
+    different trajectories that are ready at once are appended together in
+    one store append (one payload segment, one transaction): calls from many
+    rollouts share the append's fixed cost. A record refused in a group
+    fails only its own call.
+    """
+
+    def __init__(self, store: Any, committer: Any = None) -> None:
         self.store = store
+        self.committer = committer
         self._next_seq: dict[str, int] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._mutex = threading.Lock()
@@ -144,6 +152,14 @@ class Recorder:
             return 0
         return min(state.route_len, len(prompt) - 1)
 
+    async def _append(self, events: list[dict]) -> None:
+        from starlette.concurrency import run_in_threadpool
+
+        if self.committer is None:
+            await run_in_threadpool(self.store.append, events)
+        else:
+            await asyncio.wrap_future(self.committer.submit(events))
+
     async def record(self, tag: Tag, make_events: Callable[[int], list[dict]]) -> int:
         """Append ``make_events(seq)`` (the call's generation) as ``tag``'s next; return its seq."""
         from starlette.concurrency import run_in_threadpool
@@ -156,7 +172,7 @@ class Recorder:
                 if not stored:
                     events.insert(0, trajectory_started(tag.trajectory_id, group_id=tag.group_id, num_experts=tag.num_experts))
                 try:
-                    await run_in_threadpool(self.store.append, events)
+                    await self._append(events)
                 except ValidationError as e:
                     # another proxy (or a restart) moved the trajectory: re-read once
                     self._next_seq.pop(tag.trajectory_id, None)
@@ -168,14 +184,12 @@ class Recorder:
         raise AssertionError("unreachable")
 
     async def finish(self, trajectory_id: str, status: str, reward: float | None) -> None:
-        from starlette.concurrency import run_in_threadpool
-
         events: list[dict] = []
         if reward is not None:
             events.append({"type": "reward", "trajectory_id": trajectory_id, "reward": reward})
         events.append({"type": "trajectory_finished", "trajectory_id": trajectory_id, "status": status})
         async with self._lock(trajectory_id):
-            await run_in_threadpool(self.store.append, events)
+            await self._append(events)
             self._next_seq.pop(trajectory_id, None)
         with self._mutex:
             self._locks.pop(trajectory_id, None)
@@ -625,7 +639,8 @@ async def _passthrough(resp: Any, sse: bool = False) -> AsyncIterator[bytes]:
 
 def make_proxy_app(store: Any, upstream: str, *, token: str | None = None, model_version: int = 0,
                    num_experts: int | None = None, timeout_s: float = 600.0, upstream_api_key: str | None = None,
-                   version_map: VersionMap = None, skip_recorded_routes: bool = True) -> Any:
+                   version_map: VersionMap = None, skip_recorded_routes: bool = True,
+                   group_commit: bool = True) -> Any:
     """The FastAPI app recording calls into ``store`` and forwarding them to ``upstream``.
 
     ``upstream``: the engine's base URL (a trailing ``/v1`` is dropped,
@@ -635,7 +650,9 @@ def make_proxy_app(store: Any, upstream: str, *, token: str | None = None, model
     ``version_map``: weight-version labels to model versions, appended to the
     store as ``version_label`` events when the app is made (the engine's spans
     are recorded as sent and the store resolves them). ``skip_recorded_routes=False``: never set
-    ``routed_experts_prompt_start`` (an engine without it).
+    ``routed_experts_prompt_start`` (an engine without it). ``group_commit=False``:
+    append each call's record on its own (see :class:`Recorder`);
+    ``app.state.commit_metrics.commits`` counts the appends.
     """
     from contextlib import asynccontextmanager
 
@@ -647,7 +664,11 @@ def make_proxy_app(store: Any, upstream: str, *, token: str | None = None, model
         # trajectory held back on one of them is released.
         store.append(version_label_events(version_map))
         version_map = None
-    fwd = _Forwarder(Recorder(store), upstream, model_version=model_version,
+    from trajstore.ingest.service import GroupCommitter, Metrics
+
+    metrics = Metrics()
+    committer = GroupCommitter(store, metrics=metrics, max_wait_s=0.0) if group_commit else None
+    fwd = _Forwarder(Recorder(store, committer), upstream, model_version=model_version,
                      num_experts=num_experts, timeout_s=timeout_s, authenticated=token is not None,
                      upstream_api_key=upstream_api_key, version_map=version_map,
                      skip_recorded_routes=skip_recorded_routes)
@@ -656,10 +677,13 @@ def make_proxy_app(store: Any, upstream: str, *, token: str | None = None, model
     async def lifespan(app: Any):
         yield
         await fwd.client.aclose()
+        if committer is not None:
+            committer.close()  # what is queued is appended first
 
     app = FastAPI(title="trajstore recording proxy", version="1", lifespan=lifespan)
     app.state.recorder = fwd.recorder
     app.state.forwarder = fwd
+    app.state.commit_metrics = metrics
     if token is not None:
         app.add_middleware(_BearerAuth, token=token)
 

@@ -163,20 +163,20 @@ def test_a_label_changed_mid_generation_gives_per_token_versions_equal_to_vllms_
     store.append([{"type": "version_label", "label": "step-21", "model_version": 21}])
     changed = []
 
-    def on_tokens(n):
-        if n >= 40 and not changed:
+    def on_tokens(n):  # at the first chunk: the engine is ahead of what the harness has read
+        if n >= 1 and not changed:
             changed.append(n)
             r = httpx.post(f"{proxy}/update_weight_version", json={"new_version": "step-21"}, timeout=30)
             assert r.status_code == 200
 
-    choice, lines = _stream_generate(proxy, "mid", [11, 12, 13], 400, on_tokens)
+    choice, lines = _stream_generate(proxy, "mid", [11, 12, 13], 1800, on_tokens)
     assert [line for line in lines if line][-1] == ": X-Trajstore-Seq: 0"
     spans = choice["weight_versions"]
-    assert [s["version"] for s in spans] == ["20", "step-21"] and spans[0]["end"] >= 40 and spans[-1]["end"] == 400
+    assert [s["version"] for s in spans] == ["20", "step-21"] and spans[0]["end"] >= 1 and spans[-1]["end"] == 1800
     (gen,) = store.load_generations("mid")
     assert gen.weight_versions == tuple((s["version"], s["start"], s["end"]) for s in spans)
     _finish(proxy, "mid")
-    expected = np.repeat([20, 21], [spans[0]["end"], 400 - spans[0]["end"]])
+    expected = np.repeat([20, 21], [spans[0]["end"], 1800 - spans[0]["end"]])
     np.testing.assert_array_equal(_sample(store, "mid").token_model_versions, expected)
 
 
@@ -188,13 +188,13 @@ def test_pause_abort_then_resume_under_new_weights_is_one_sample(engine, proxy, 
     paused = threading.Event()
 
     def on_tokens(n):
-        if n >= 40 and not paused.is_set():
+        if n >= 10 and not paused.is_set():
             paused.set()
             threading.Thread(target=lambda: httpx.post(f"{proxy}/pause?mode=abort", timeout=60)).start()
 
     prompt = [11, 12, 13]
-    partial, _ = _stream_generate(proxy, "async", prompt, 1500, on_tokens)
-    assert partial["finish_reason"] == "abort" and 40 <= len(partial["token_ids"]) < 1500
+    partial, _ = _stream_generate(proxy, "async", prompt, 1800, on_tokens)
+    assert partial["finish_reason"] == "abort" and 10 <= len(partial["token_ids"]) < 1800
     assert httpx.get(f"{proxy}/is_paused").json() == {"is_paused": True}
     assert httpx.post(f"{proxy}/update_weight_version", json={"new_version": "31"}).status_code == 200
     assert httpx.post(f"{proxy}/resume").json() == {"status": "resumed"}

@@ -202,3 +202,28 @@ def test_0008_renames_the_concurrency_counter_and_keeps_its_value(store_url, tmp
     store.append([gen("a", 1, [1, 2, 3, 4], [5], version=4), finished("a")])
     assert store.trajectory_state("a").revision == 4 and store.trajectory_state("a").status == "completed"
     store.close()
+
+
+def test_a_0008_store_upgrades_with_route_rows_resent_backfilled(store_url, tmp_path):
+    """0009 adds the drift columns: resent is what admission dropped
+    (num_route_rows_sent - num_route_rows), drifted is NULL (never measured)."""
+    import numpy as np
+
+    payload = str(tmp_path / "payload")
+    store = trajstore.connect(store_url, payload=payload)
+    r = np.arange(8, dtype=np.uint8).reshape(8, 1, 1)
+    store.append([started("a"), gen("a", 0, [1, 2, 3, 4, 5], [], routed_experts=r[:4]),
+                  gen("a", 1, [1, 2, 3, 4, 5, 6, 7, 8, 9], [], routed_experts=r), gen("a", 2, [7], [8])])
+    store.close()
+    engine = create_engine(store_url)
+    try:
+        _migrate(engine, "0008", down=True)
+        assert "route_rows_resent" not in _columns(engine, "events")
+        assert _views_answer(engine)["generation_events"] == 3  # 0006's views, recreated
+        _migrate(engine, "head")
+        with engine.connect() as conn:
+            got = conn.execute(text("SELECT seq, route_rows_resent, route_rows_drifted FROM generation_events "
+                                    "ORDER BY seq")).all()
+        assert [tuple(r) for r in got] == [(0, 0, None), (1, 4, None), (2, None, None)]
+    finally:
+        engine.dispose()

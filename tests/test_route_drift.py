@@ -32,8 +32,10 @@ def r1(tid="t"):
 def test_spec_r1_drifts_on_positions_0_to_3(store):
     a, b = r1()
     store.append([started("t"), a])
-    store.append([b])
+    result = store.append([b])
     assert drift(store) == [(0, 0, 0), (1, 4, 4)]
+    assert (result.route_rows_resent, result.route_rows_drifted) == (4, 4)  # what a metrics counter adds
+    assert store.info()["route_drift"] == {"route_rows_resent": 4, "route_rows_drifted": 4}
 
 
 def test_spec_r1_in_one_batch(store):
@@ -104,3 +106,79 @@ def test_views_per_trajectory_and_model_version(store):
     x = next(s for s in store.samples() if s.trajectory_id == "x")
     assert x.routed_experts[:, 0, 0].tolist() == [0, 1, 2, 3, 104, 105, 106, 107, 0]
     assert x.routed_experts_mask.tolist() == [False] * 8 + [True]
+
+
+def _oracle(generations):
+    """Each call's (resent, drifted), from the fold of the calls before it: the
+    watermark of the fold's tail, and a row-by-row comparison with the routes of
+    the sample it merges into (positions never captured count as equal)."""
+    from trajstore.fold import FoldTail, fold, fold_step
+
+    out, tail, previous = [], FoldTail(seq_hash=None), (np.zeros(0, np.int32), np.zeros(0, np.int32))
+    for k, g in enumerate(generations):
+        step, new_tail = fold_step(tail, g, previous)
+        rows = g.routed_experts
+        if rows is None:
+            out.append((None, None))
+        elif not step.merged:
+            out.append((0, 0))
+        else:
+            resent = min(len(rows), max(0, tail.route_len - g.routed_experts_start))
+            drifted = 0
+            if resent:
+                last = fold(generations[:k], trajectory_id=g.trajectory_id).samples[-1]
+                for j in range(resent):
+                    p = g.routed_experts_start + j
+                    if not last.routed_experts_mask[p] and not np.array_equal(rows[j], last.routed_experts[p]):
+                        drifted += 1
+            out.append((resent, drifted))
+        tail, previous = new_tail, (g.prompt_ids, g.output_ids)
+    return out
+
+
+def test_drift_equals_a_row_by_row_comparison_with_the_fold():
+    """On random trajectories (merges, mismatches, skipped rows, gaps): admission's
+    figures, one call per append from the log's rows (the fallback) and all calls
+    in one batch (the batch's own recorded rows), equal the oracle's."""
+    from hypothesis import HealthCheck, given, settings
+
+    from test_fold_step import EXPERTS, TID, trajectories
+    from trajstore._admission import RecordedRoutes, admit_batch
+    from trajstore.errors import ValidationError
+    from trajstore.events import TrajectoryStarted
+    from trajstore.fold import fold
+
+    def from_log(done):
+        """What the Store rebuilds on a cache miss: the fold of the calls stored so far."""
+        def recorded(tid):
+            if not done:
+                return RecordedRoutes(0)
+            last = fold(done, trajectory_id=tid).samples[-1]
+            if last.routed_experts is None:
+                return RecordedRoutes(last.sample_index)
+            return RecordedRoutes(last.sample_index, [(0, last.routed_experts, ~last.routed_experts_mask)])
+        return recorded
+
+    @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(trajectories())
+    def check(generations):
+        [adm] = admit_batch([TrajectoryStarted(TID, None, EXPERTS)], {}, lambda tid: None)
+        start_state = state = adm.state
+        one_by_one = []
+        for i, g in enumerate(generations):
+            seq = (lambda j: lambda tid: np.concatenate([generations[j].prompt_ids, generations[j].output_ids]))(i - 1)
+            try:
+                [adm] = admit_batch([g], {TID: state}, seq, None, from_log(generations[:i]))
+            except ValidationError:
+                generations = generations[:i]
+                break
+            state = adm.state
+            one_by_one.append((adm.stored.route_rows_resent, adm.stored.route_rows_drifted))
+        want = _oracle(generations)
+        assert one_by_one == want
+        if generations:
+            batch = admit_batch(generations, {TID: start_state}, lambda tid: np.zeros(0, np.int32), None,
+                                from_log([]))
+            assert [(a.stored.route_rows_resent, a.stored.route_rows_drifted) for a in batch] == want
+
+    check()

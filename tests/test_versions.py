@@ -208,3 +208,55 @@ def test_spans_are_validated_per_token_shape():
     done, missing = resolve_weight_versions(g, {"s": 2})
     assert missing == () and done.token_model_versions.dtype == np.int32
     assert done.token_model_versions.tolist() == [1, 2, 2, 9] and done.model_version == 9
+
+
+def test_labels_racing_finishes_and_materializers_fold_every_trajectory_once(store, store_url, tmp_path):
+    """Writers finishing trajectories, a trainer mapping their labels and a
+    materializer all run at once: each trajectory is folded exactly once, with
+    its resolved versions, whichever came first."""
+    import threading
+
+    import trajstore
+
+    n = 24
+    payload = str(tmp_path / "payload")
+    errors: list[BaseException] = []
+
+    def guarded(fn):
+        def run():
+            try:
+                fn()
+            except BaseException as e:  # noqa: BLE001 - reported by the test
+                errors.append(e)
+        return run
+
+    def writer():
+        with trajstore.connect(store_url, payload=payload) as s:
+            for i in range(n):
+                s.append([started(f"t{i}"), call(f"t{i}", 0, [1], [2, 3],
+                                                 weight_versions=spans((f"L{i}", 0, 1), ("default", 1, 2)),
+                                                 model_version=100 + i),
+                          finished(f"t{i}")])
+
+    def trainer():
+        with trajstore.connect(store_url, payload=payload) as s:
+            for i in reversed(range(n)):
+                s.append([label(f"L{i}", i)])
+
+    def materializer():
+        with trajstore.connect(store_url, payload=payload) as s:
+            for _ in range(6):
+                s.materialize()
+
+    threads = [threading.Thread(target=guarded(f)) for f in (writer, trainer, materializer)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    store.materialize()
+    got = versions_of(store)
+    assert got == {(f"t{i}", 0): ([i, 100 + i], i, 100 + i) for i in range(n)}
+    assert store.info()["unresolved_version_labels"] == []
+    released = store.log.count_events(after_position=0, types=["trajectory_released"])
+    assert released <= n

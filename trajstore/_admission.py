@@ -138,17 +138,18 @@ class RecordedRoutes:
 
     __slots__ = ("sample_index", "chunks", "nbytes")
 
-    def __init__(self, sample_index: int, chunks: list[tuple[int, np.ndarray, np.ndarray | None]] | None = None
-                 ) -> None:
+    def __init__(self, sample_index: int, chunks: list[tuple[int, np.ndarray, np.ndarray | None]] | None = None,
+                 nbytes: int | None = None) -> None:
         self.sample_index = sample_index
         self.chunks = chunks or []
-        self.nbytes = sum(c[1].nbytes for c in self.chunks)
+        self.nbytes = sum(c[1].nbytes for c in self.chunks) if nbytes is None else nbytes
 
     def plus(self, start: int, rows: np.ndarray) -> "RecordedRoutes":
         """These rows and ``rows`` (kept by a call, at ``start``)."""
         if not len(rows):
             return self
-        return RecordedRoutes(self.sample_index, self.chunks + [(start, np.array(rows), None)])
+        return RecordedRoutes(self.sample_index, self.chunks + [(start, np.array(rows), None)],
+                              self.nbytes + rows.nbytes)
 
     def head(self, n: int) -> list[tuple[int, np.ndarray, np.ndarray | None]]:
         """The chunks cut to positions ``< n`` (what a new sample inherits)."""
@@ -168,7 +169,8 @@ class RecordedRoutes:
             a, b = max(start, c_start), min(end, c_start + len(c_rows))
             if a >= b:
                 continue
-            differs = np.any(rows[a - start:b - start] != c_rows[a - c_start:b - c_start], axis=(1, 2))
+            differs = _differing_rows(_words(rows[a - start:b - start], c_rows.dtype),
+                                      _words(c_rows[a - c_start:b - c_start], rows.dtype))
             if valid is not None:
                 differs &= valid[a - c_start:b - c_start]
             drifted += int(np.count_nonzero(differs))
@@ -225,6 +227,31 @@ def map_labels(events: Sequence[Event], labels: Mapping[str, int]) -> dict[str, 
                                     f"not {ev.model_version}", index=i)
             out[ev.label] = ev.model_version
     return out
+
+
+def _words(rows: np.ndarray, other: np.dtype) -> np.ndarray:
+    """``rows`` [n, layers, topk] as [n, w] machine words when both sides have one dtype
+    (a row of 48 x 8 uint8 ids is 48 uint64 words: the comparison reads 8x fewer
+    elements), else as [n, layers * topk] ids."""
+    flat = rows.reshape(len(rows), -1)
+    if rows.dtype != other or not flat.flags.c_contiguous:
+        return flat
+    size = flat.shape[1] * flat.itemsize
+    for word in (np.uint64, np.uint32, np.uint16):
+        if size % np.dtype(word).itemsize == 0:
+            return flat.view(word)
+    return flat
+
+
+def _differing_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Per row of two [n, w] arrays: does any entry differ? The [n, w] booleans are
+    reduced as machine words (half the time of ``np.any(axis=1)`` on 48x8 rows)."""
+    ne = a != b
+    for word in (np.uint64, np.uint32, np.uint16):
+        if ne.shape[1] % np.dtype(word).itemsize == 0:
+            ne = ne.view(word)
+            break
+    return ne.any(axis=1) if ne.shape[1] > 1 else ne[:, 0] != 0
 
 
 RoutesSource = Callable[[], "RecordedRoutes | None"]

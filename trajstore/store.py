@@ -53,6 +53,10 @@ class AppendResult:
     """Indices (in the append call) of the events that were already stored
     (identical retries): a caller that coalesced several requests into one
     append can tell each its own counts."""
+    route_rows_resent: int = 0
+    """Route drift of the stored calls (SPEC R3 health): rows re-sent for recorded positions..."""
+    route_rows_drifted: int = 0
+    """...and how many of those differed from the recorded rows (what a metrics counter adds up)."""
 
 
 def resolve_url(url: str | None) -> str:
@@ -204,8 +208,11 @@ class Store:
             raise
         self._routes.after_append(admitted, states, routes_after)
         stored_now = {i for i, _ in kept}
+        stored_gens = [a.stored for _, a in kept if a.stored is not None]
         return AppendResult(len(kept), len(parsed) - len(kept), positions[-1],
-                            tuple(i for i in range(len(parsed)) if i not in stored_now))
+                            tuple(i for i in range(len(parsed)) if i not in stored_now),
+                            sum(g.route_rows_resent or 0 for g in stored_gens),
+                            sum(g.route_rows_drifted or 0 for g in stored_gens))
 
     def _drop_duplicates(self, parsed: list[tuple[Event, str | None]], digests: "_Digests",
                          stored: Mapping[str, bytes]) -> list[int]:

@@ -205,6 +205,7 @@ class EventLog(ABC):
     def counts(self) -> dict[str, Any]:
         """The log's part of ``trajstore info``: ``head_position``,
         ``trajectories_by_status``, ``events_by_type``, ``generations_by_model_version``,
+        ``route_drift`` (route rows re-sent and drifted, over the log),
         ``unresolved_version_labels`` (each label still unmapped, with the trajectories
         waiting on it and how many of them are finished, i.e. held back)."""
 

@@ -404,6 +404,8 @@ class SqlEventLog(EventLog):
                 .order_by(events.c.model_version)
             ).all()
             head = conn.execute(select(log_head.c.position)).scalar_one()
+            resent, drifted = conn.execute(select(func.sum(events.c.route_rows_resent),
+                                                  func.sum(events.c.route_rows_drifted))).one()
             u, v, t = unresolved_labels, version_labels, trajectories
             waiting = conn.execute(
                 select(u.c.label, func.count(func.distinct(u.c.trajectory_id)),
@@ -419,6 +421,7 @@ class SqlEventLog(EventLog):
             "generations_by_model_version": [
                 {"model_version": v, "generations": int(c), "output_tokens": int(t or 0)} for v, c, t in by_version
             ],
+            "route_drift": {"route_rows_resent": int(resent or 0), "route_rows_drifted": int(drifted or 0)},
             # finished trajectories wait here (held back from materialization) until the label is mapped
             "unresolved_version_labels": [
                 {"label": label, "trajectories": int(n), "held_back_trajectories": int(h)} for label, n, h in waiting

@@ -113,7 +113,7 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
                VLLM_NO_USAGE_STATS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--served-model-name", "tiny",
            "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port), "--enable-scale-out",
-           "--max-model-len", "2048", "--max-num-seqs", "4", "--enforce-eager", "--seed", "0",
+           "--max-model-len", "8192", "--max-num-seqs", "4", "--enforce-eager", "--seed", "0",
            # on CPU this is the share of the machine's memory for the KV cache (1.2 GiB of 15)
            "--gpu-memory-utilization", "0.08"]
     with open(log, "wb") as out:

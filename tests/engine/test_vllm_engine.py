@@ -24,6 +24,12 @@ pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
 GENERATE = "/inference/v1/generate"
 
 
+@pytest.fixture(autouse=True)
+def _running(engine):
+    """Each test starts on an engine that is not paused (a paused vLLM queues new calls)."""
+    assert httpx.post(f"{engine.url}/resume", timeout=60).status_code == 200
+
+
 def _h(tid: str, version: int | None = None) -> dict:
     return {"X-Trajstore-Trajectory": tid, **({} if version is None else {"X-Trajstore-Model-Version": str(version)})}
 
@@ -169,14 +175,14 @@ def test_a_label_changed_mid_generation_gives_per_token_versions_equal_to_vllms_
             r = httpx.post(f"{proxy}/update_weight_version", json={"new_version": "step-21"}, timeout=30)
             assert r.status_code == 200
 
-    choice, lines = _stream_generate(proxy, "mid", [11, 12, 13], 1800, on_tokens)
+    choice, lines = _stream_generate(proxy, "mid", [11, 12, 13], 4000, on_tokens)
     assert [line for line in lines if line][-1] == ": X-Trajstore-Seq: 0"
     spans = choice["weight_versions"]
-    assert [s["version"] for s in spans] == ["20", "step-21"] and spans[0]["end"] >= 1 and spans[-1]["end"] == 1800
+    assert [s["version"] for s in spans] == ["20", "step-21"] and spans[0]["end"] >= 1 and spans[-1]["end"] == 4000
     (gen,) = store.load_generations("mid")
     assert gen.weight_versions == tuple((s["version"], s["start"], s["end"]) for s in spans)
     _finish(proxy, "mid")
-    expected = np.repeat([20, 21], [spans[0]["end"], 1800 - spans[0]["end"]])
+    expected = np.repeat([20, 21], [spans[0]["end"], 4000 - spans[0]["end"]])
     np.testing.assert_array_equal(_sample(store, "mid").token_model_versions, expected)
 
 
@@ -187,14 +193,15 @@ def test_pause_abort_then_resume_under_new_weights_is_one_sample(engine, proxy, 
     engine.label("30")
     paused = threading.Event()
 
-    def on_tokens(n):
+    def on_tokens(n):  # the trainer's pause, while the harness's stream is open (the engine runs ahead)
         if n >= 10 and not paused.is_set():
             paused.set()
-            threading.Thread(target=lambda: httpx.post(f"{proxy}/pause?mode=abort", timeout=60)).start()
+            assert httpx.post(f"{proxy}/pause?mode=abort", timeout=60).json() == {"status": "paused"}
 
     prompt = [11, 12, 13]
-    partial, _ = _stream_generate(proxy, "async", prompt, 1800, on_tokens)
-    assert partial["finish_reason"] == "abort" and 10 <= len(partial["token_ids"]) < 1800
+    # long enough that the engine core, which runs ahead of the stream the harness reads, is still generating
+    partial, _ = _stream_generate(proxy, "async", prompt, 7000, on_tokens)
+    assert partial["finish_reason"] == "abort" and 10 <= len(partial["token_ids"]) < 7000
     assert httpx.get(f"{proxy}/is_paused").json() == {"is_paused": True}
     assert httpx.post(f"{proxy}/update_weight_version", json={"new_version": "31"}).status_code == 200
     assert httpx.post(f"{proxy}/resume").json() == {"status": "resumed"}

@@ -77,7 +77,7 @@ def build(out: Path, seed: int = 0) -> Path:
         "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
         "vocab_size": VOCAB, "hidden_size": HIDDEN, "intermediate_size": 128, "num_hidden_layers": LAYERS,
         "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS, "head_dim": HEAD_DIM,
-        "hidden_act": "silu", "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+        "hidden_act": "silu", "max_position_embeddings": 8192, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
         "attention_bias": False, "attention_dropout": 0.0, "use_sliding_window": False,
         "num_experts": EXPERTS, "num_experts_per_tok": TOPK, "moe_intermediate_size": MOE_INTER,
         "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [], "output_router_logits": False,
@@ -100,7 +100,7 @@ def _tokenizer(out: Path) -> None:
     tok.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "<unk>", "eos_token": "<eos>",
-        "bos_token": None, "pad_token": "<unk>", "model_max_length": 2048,
+        "bos_token": None, "pad_token": "<unk>", "model_max_length": 8192,
         "chat_template": "{% for m in messages %}{{ m['content'] }} {% endfor %}",
     }))
 

@@ -279,13 +279,20 @@ def test_weight_versions_reach_the_record(store, upstream_app):
     with serve_in_thread(make_proxy_app(store, url)) as proxy:
         _tito(proxy, "w", [3, 20, 21, 2, 5], headers={"X-Trajstore-Model-Version": "0"})
         app.state.weight_update = (2, "ckpt-a", "ckpt-b")
-        refused = httpx.post(f"{proxy}/inference/v1/generate", headers=_headers("w"),
-                             json={"token_ids": [3, 20, 2, 5], "sampling_params": {"max_tokens": 4}})
-    with serve_in_thread(make_proxy_app(store, url, version_map={"ckpt-a": 5, "ckpt-b": 6})) as proxy:
-        _tito(proxy, "w", [3, 20, 2, 5])
-    assert refused.status_code == 200 and "version_map" in refused.headers["x-trajstore-error"]
-    first, second = store.load_generations("w")  # the refused call stored nothing
-    assert first.model_version == 4 and second.model_version == 6  # the last token's version (SPEC)
+        held = httpx.post(f"{proxy}/inference/v1/generate", headers=_headers("w"),
+                          json={"token_ids": [3, 20, 2, 5], "sampling_params": {"max_tokens": 4}})
+        assert httpx.post(f"{proxy}/trajstore/finish", json={"trajectory_id": "w"}).status_code == 200
+    assert held.status_code == 200 and held.headers["x-trajstore-seq"] == "1"  # recorded as sent, not refused
+    first, second = store.load_generations("w")
+    assert first.model_version == 4 and list(first.token_model_versions[:2]) == [3, 3]
+    assert second.weight_versions == (("ckpt-a", 0, 2), ("ckpt-b", 2, 4))
+    assert store.materialize().num_samples_after == 0  # held back until its labels are mapped
+    # --version-map fills the store's label map when the proxy starts: the trajectory folds
+    with serve_in_thread(make_proxy_app(store, url, version_map={"ckpt-a": 5, "ckpt-b": 6})):
+        pass
+    store.materialize()
+    samples = sorted(store.samples(), key=lambda s: s.sample_index)
+    assert list(samples[1].token_model_versions) == [5, 5, 6, 6]
 
 
 def test_weight_versions_end_to_end_versions(store, upstream_app):

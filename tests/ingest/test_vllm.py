@@ -185,43 +185,55 @@ class VersionedOutput(CompletionOutput):  # CompletionOutput with the in-flight-
 OUT5 = [21, 22, 23, 24, 25]
 
 
-def test_weight_version_spans_become_token_model_versions():
-    spans = [WeightVersionSpan("7", 0, 2), WeightVersionSpan("8", 2, 5)]
+def test_weight_version_spans_are_sent_as_the_engine_gave_them():
+    """SPEC "Versions": the spans go on the wire verbatim; the store resolves the labels."""
+    spans = [WeightVersionSpan("7", 0, 2), WeightVersionSpan("default", 2, 5)]
     out = VersionedOutput(0, "", OUT5, None, [-0.1] * 5, None, "stop", weight_versions=spans)
-    ev = generation_from_output(out, PROMPT, trajectory_id="t", seq=0, model_version=0)
-    assert ev["token_model_versions"].dtype == np.int32
-    assert list(ev["token_model_versions"]) == [7, 7, 8, 8, 8]
-    assert ev["model_version"] == 8  # SPEC: model_version equals the last entry
+    ev = generation_from_output(out, PROMPT, trajectory_id="t", seq=0, model_version=9)
+    assert ev["weight_versions"] == [{"version": "7", "start": 0, "end": 2}, {"version": "default", "start": 2, "end": 5}]
+    assert "token_model_versions" not in ev and ev["model_version"] == 9  # "default" is the call's declared version
     assert "metadata" not in ev and "routed_experts_start" not in ev
+    assert parse_event(ev).weight_versions == (("7", 0, 2), ("default", 2, 5))
 
 
-def test_version_labels_map_through_the_callers_mapping_or_function():
+def test_a_version_map_still_works_and_is_deprecated():
     spans = [{"version": "policy-a", "start": 0, "end": 3}, {"version": "policy-b", "start": 3, "end": 5}]
     out = VersionedOutput(0, "", OUT5, None, None, weight_versions=spans)
-    ev = generation_from_output(out, PROMPT, trajectory_id="t", seq=0, model_version=0,
-                                version_map={"policy-a": 11, "policy-b": 12})
+    with pytest.warns(DeprecationWarning, match="version_label"):
+        ev = generation_from_output(out, PROMPT, trajectory_id="t", seq=0, model_version=0,
+                                    version_map={"policy-a": 11, "policy-b": 12})
     assert list(ev["token_model_versions"]) == [11, 11, 11, 12, 12] and ev["model_version"] == 12
-    ev = generation_from_output(out, PROMPT, trajectory_id="t", seq=0, model_version=0,
-                                version_map=lambda label: {"policy-a": 1, "policy-b": 2}[label])
+    assert ev["weight_versions"] == spans
+    with pytest.warns(DeprecationWarning):
+        ev = generation_from_output(out, PROMPT, trajectory_id="t", seq=0, model_version=0,
+                                    version_map=lambda label: {"policy-a": 1, "policy-b": 2}[label])
     assert list(ev["token_model_versions"]) == [1, 1, 1, 2, 2]
+    with pytest.warns(DeprecationWarning):  # a label the map lacks: left to the store's label map
+        ev = generation_from_output(out, PROMPT, trajectory_id="t", seq=0, model_version=0, version_map={"policy-a": 1})
+    assert "token_model_versions" not in ev and ev["weight_versions"] == spans
 
 
-@pytest.mark.parametrize("spans, version_map, match", [
-    ([("policy-a", 0, 5)], None, "not an integer: pass version_map"),
-    ([("policy-a", 0, 5)], {"policy-b": 1}, "not in the version_map"),
-    ([("3.5", 0, 5)], None, "not an integer"),
-    ([("-1", 0, 5)], None, "outside"),
-    ([("3", 0, 2), ("4", 3, 5)], None, "must tile the output from 2"),
-    ([("3", 0, 2), ("4", 2, 4)], None, "cover 4 output tokens but the call has 5"),
-    ([("3", 1, 5)], None, "must tile the output from 0"),
-    ([(None, 0, 5)], None, "has no version"),
-    ("7", None, "must be a list of spans"),
-], ids=["label", "unmapped", "float-label", "negative", "gap", "short", "late-start", "no-version", "not-a-list"])
-def test_unusable_weight_versions_are_refused_never_guessed(spans, version_map, match):
+@pytest.mark.parametrize("spans, match", [
+    ([("-1", 0, 5)], "not a model version"),
+    ([("3", 0, 2), ("4", 3, 5)], "must tile the output"),
+    ([("3", 0, 2), ("4", 2, 4)], "cover 4 output tokens but output_ids has 5"),
+    ([("3", 1, 5)], "must tile the output"),
+    ([(None, 0, 5)], "must be a string or an integer"),
+    ([(["3"], 0, 5)], "must be a string or an integer"),
+    ([("3", "0", 5)], "start must be an integer"),
+], ids=["negative", "gap", "short", "late-start", "no-version", "unhashable", "string-start"])
+def test_unusable_weight_versions_are_refused_by_the_store_never_guessed(spans, match):
     out = VersionedOutput(0, "", OUT5, None, None, weight_versions=spans)
+    ev = generation_from_output(out, PROMPT, trajectory_id="t", seq=0, model_version=0)
     with pytest.raises(ValidationError, match=match) as info:
-        generation_from_output(out, PROMPT, trajectory_id="t", seq=0, model_version=0, version_map=version_map)
+        parse_event(ev)
     assert info.value.rule == "weight_versions"
+
+
+def test_spans_that_are_not_a_list_are_refused_by_the_adapter():
+    out = VersionedOutput(0, "", OUT5, None, None, weight_versions="7")
+    with pytest.raises(ValidationError, match="must be a list of spans"):
+        generation_from_output(out, PROMPT, trajectory_id="t", seq=0, model_version=0)
 
 
 def test_no_spans_means_every_token_has_the_callers_model_version():
@@ -231,13 +243,13 @@ def test_no_spans_means_every_token_has_the_callers_model_version():
         assert "token_model_versions" not in ev and ev["model_version"] == 4
 
 
-def test_non_finite_logprobs_get_vllms_floor_and_are_counted():
+def test_non_finite_logprobs_get_vllms_floor():
     lps = [{21: Logprob(-0.5)}, {22: Logprob(float("-inf"))}, {23: Logprob(float("nan"))}, {24: Logprob(-1.0)},
            {25: Logprob(-0.25)}]
     out = VersionedOutput(0, "", OUT5, None, lps, None, "length", stop_reason=None)
     ev = generation_from_output(out, PROMPT, trajectory_id="t", seq=0, model_version=1, metadata={"tool": "search"})
     np.testing.assert_array_equal(ev["logprobs"], np.asarray([-0.5, LOGPROB_FLOOR, LOGPROB_FLOOR, -1.0, -0.25], np.float32))
-    assert ev["metadata"] == {"tool": "search", "clamped_logprobs": 2}
+    assert ev["metadata"] == {"tool": "search"}  # the store counts what is at the floor
     assert LOGPROB_FLOOR == -9999.0
     parse_event(ev)  # finite now: the store's non-finite rule no longer refuses the whole batch
     bad = dict(ev, logprobs=[-0.5, float("-inf"), -1.0, -1.0, -1.0])
@@ -270,9 +282,9 @@ def test_openai_json_choice_with_versions_nan_logprobs_and_skipped_rows():
     body["choices"][0]["logprobs"]["token_logprobs"] = [float("nan"), -2.5]
     response = json.loads(json.dumps(body))  # NaN survives as JSON's NaN token
     (ev,) = generations_from_openai(response, trajectory_id="t", seq=0, model_version=0, routed_experts_prompt_start=1)
-    assert list(ev["token_model_versions"]) == [5, 6] and ev["model_version"] == 6
+    assert ev["weight_versions"] == [{"version": "5", "start": 0, "end": 1}, {"version": "6", "start": 1, "end": 2}]
     np.testing.assert_array_equal(ev["logprobs"], np.asarray([LOGPROB_FLOOR, -2.5], np.float32))
-    assert ev["metadata"] == {"clamped_logprobs": 1, "stop_reason": "</s>"}
+    assert ev["metadata"] == {"stop_reason": "</s>"}
     assert ev["routed_experts_start"] == 1 and ev["finish_reason"] == "length"
     np.testing.assert_array_equal(ev["routed_experts"], rows)
     assert parse_event(ev).routed_experts_start == 1
@@ -294,7 +306,7 @@ def test_tito_response_to_generation():
     assert ev["seq"] == 3 and list(ev["prompt_ids"]) == PROMPT and list(ev["output_ids"]) == OUTPUT
     np.testing.assert_allclose(ev["logprobs"], [-0.5, -2.5])
     np.testing.assert_array_equal(ev["routed_experts"], ROUTES)
-    assert list(ev["token_model_versions"]) == [9, 9] and ev["model_version"] == 9
+    assert ev["weight_versions"] == spans and ev["model_version"] == 0
     assert ev["finish_reason"] == "stop" and "routed_experts_start" not in ev and "metadata" not in ev
     parse_event(ev)
 
@@ -326,7 +338,8 @@ def test_tito_stream_routes_and_spans_on_the_final_chunk():
     assert list(ev["output_ids"]) == OUTPUT and ev["finish_reason"] == "length"
     np.testing.assert_array_equal(ev["logprobs"], np.asarray([-0.5, LOGPROB_FLOOR], np.float32))
     np.testing.assert_array_equal(ev["routed_experts"], ROUTES)
-    assert list(ev["token_model_versions"]) == [4, 5] and ev["metadata"] == {"clamped_logprobs": 1}
+    assert ev["weight_versions"] == [{"version": 4, "start": 0, "end": 1}, {"version": 5, "start": 1, "end": 2}]
+    assert "metadata" not in ev
 
 
 def test_skipping_prompt_rows_stores_the_same_sample_as_sending_all(store):
@@ -352,8 +365,7 @@ def test_skipping_prompt_rows_stores_the_same_sample_as_sending_all(store):
     for name in ("prompt_ids", "response_ids", "loss_mask", "rollout_logprobs", "token_model_versions",
                  "routed_experts", "routed_experts_mask"):
         np.testing.assert_array_equal(getattr(a, name), getattr(b, name), err_msg=name)
-    # SPEC: the -9999.0 placeholder is stored as missing
-    assert np.asarray(a.rollout_logprobs)[1] == 0.0 and not a.logprobs_mask[1]
+    assert np.asarray(a.rollout_logprobs)[1] == 0.0 and not a.logprobs_mask[1]  # the floor is no logprob
 
 
 def test_adapter_events_end_to_end_versions(store):
@@ -369,17 +381,12 @@ def test_adapter_events_end_to_end_versions(store):
     ])
     (gen,) = store.load_generations("v")
     assert list(gen.token_model_versions) == [7, 7, 8, 8, 8] and gen.model_version == 8
-    assert dict(gen.metadata) == {"clamped_logprobs": 1} and gen.finish_reason == "length"
+    assert gen.metadata is None and gen.finish_reason == "length"
+    assert gen.weight_versions == (("7", 0, 2), ("8", 2, 5))  # as the engine sent them
     store.materialize()
     (sample,) = list(store.samples())
     assert list(sample.token_model_versions) == [7, 7, 8, 8, 8]
     assert (sample.min_model_version, sample.max_model_version) == (7, 8)
     assert sample.finish_reason == "length"
-    assert np.asarray(sample.rollout_logprobs)[1] == 0.0 and not sample.logprobs_mask[1]  # SPEC: stored as missing
-
-
-def test_an_unhashable_label_is_refused_not_a_crash():
-    out = VersionedOutput(0, "", OUT5, None, None, weight_versions=[{"version": ["3"], "start": 0, "end": 5}])
-    for version_map in (None, {"3": 3}):
-        with pytest.raises(ValidationError, match="weight version"):
-            generation_from_output(out, PROMPT, trajectory_id="t", seq=0, model_version=0, version_map=version_map)
+    assert np.asarray(sample.rollout_logprobs)[1] == 0.0  # -inf -> vLLM's floor -> missing (SPEC)
+    assert list(sample.logprobs_mask) == [True, False, True, True, True]

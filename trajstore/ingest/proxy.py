@@ -4,8 +4,9 @@ A harness points its OpenAI client at the proxy instead of vLLM and names
 the trajectory of each call with the header ``X-Trajstore-Trajectory`` (or
 the body field ``"trajstore": {"trajectory_id": ...}``, removed before
 forwarding). The proxy forwards ``/v1/completions`` and
-``/v1/chat/completions`` with ``return_token_ids`` and sampled-token
-``logprobs`` switched on (``trajstore.ingest.vllm.request_params_for_recording``),
+``/v1/chat/completions`` with ``return_token_ids``, ``return_weight_versions``
+and sampled-token ``logprobs`` switched on
+(``trajstore.ingest.vllm.request_params_for_recording``),
 and vLLM's token-in/token-out ``POST /inference/v1/generate`` with
 ``sampling_params.logprobs`` (``request_params_for_tito``), records the call
 as the trajectory's next generation event (``seq`` assigned here), and
@@ -22,10 +23,16 @@ engine then returns rows for the new positions only and the event carries
 
 Other headers: ``X-Trajstore-Model-Version`` (else ``--model-version``),
 ``X-Trajstore-Group`` and ``X-Trajstore-Num-Experts`` (used when the call
-starts the trajectory). Calls without a trajectory are forwarded unrecorded.
-``POST /trajstore/finish`` ``{"trajectory_id", "status", "reward"?}`` ends a
+starts the trajectory). Calls without a trajectory are forwarded unrecorded
+(``X-Trajstore-Unrecorded``, one log line per client). ``POST
+/trajstore/finish`` ``{"trajectory_id", "status", "reward"?}`` ends a
 trajectory. The response carries ``X-Trajstore-Seq`` when recorded, or
-``X-Trajstore-Error`` (one line) when the store refused the record.
+``X-Trajstore-Error`` (one line) when the record was refused or the
+upstream's answer could not be read: whatever the upstream sends, the
+harness gets its status and bytes (or a 502 when the body broke off) and the
+record is whole or absent. vLLM's RL, render, tokenizer and health endpoints
+(``FORWARDED``) are forwarded as sent, unrecorded. ``upstream`` may end in
+``/v1`` (dropped).
 
 Auth: with a token (``--token`` / ``$TRAJSTORE_TOKEN``, as ``trajstore
 serve``) every endpoint but ``/healthz``, ``/openapi.json``, ``/docs`` and
@@ -35,7 +42,9 @@ sends it as its API key. That header is not forwarded: the upstream gets
 
 Streams (``"stream": true``) are passed through chunk by chunk while the
 ``data:`` objects are accumulated; the record is appended when the stream
-ends, before the connection closes. vLLM streams no routes on the OpenAI
+ended whole (every choice has its finish reason), before the connection
+closes, and announced by the SSE comment ``: X-Trajstore-Seq: N``; a cut
+stream records nothing and ends with an SSE error event saying so. vLLM streams no routes on the OpenAI
 endpoints (those calls are recorded without them); ``/inference/v1/generate``
 sends routes and version spans on the final chunk.
 
@@ -53,7 +62,7 @@ import logging
 import os
 import threading
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, Mapping
 
 import numpy as np
 
@@ -72,7 +81,10 @@ from trajstore.ingest.vllm import (
     routed_experts_prompt_start_of,
 )
 
-__all__ = ["Recorder", "Tag", "add_cli_arguments", "main", "make_proxy_app", "serve_proxy", "serve_proxy_from_args", "tag_of"]
+__all__ = [
+    "FORWARDED", "RECORDED", "Recorder", "Tag", "add_cli_arguments", "main", "make_proxy_app", "normalize_upstream",
+    "serve_proxy", "serve_proxy_from_args", "tag_of", "version_label_events",
+]
 
 log = logging.getLogger("trajstore.ingest.proxy")
 
@@ -95,10 +107,18 @@ class Tag:
 
 
 class Recorder:
-    """Numbers each trajectory's calls and appends them, one call at a time per trajectory."""
+    """Numbers each trajectory's calls and appends them, one call at a time per trajectory.
 
-    def __init__(self, store: Any) -> None:
+    With a ``committer`` (the ingest service's ``GroupCommitter``), records of
+    different trajectories that are ready at once are appended together in
+    one store append (one payload segment, one transaction): calls from many
+    rollouts share the append's fixed cost. A record refused in a group
+    fails only its own call.
+    """
+
+    def __init__(self, store: Any, committer: Any = None) -> None:
         self.store = store
+        self.committer = committer
         self._next_seq: dict[str, int] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._mutex = threading.Lock()
@@ -133,6 +153,14 @@ class Recorder:
             return 0
         return min(state.route_len, len(prompt) - 1)
 
+    async def _append(self, events: list[dict]) -> None:
+        from starlette.concurrency import run_in_threadpool
+
+        if self.committer is None:
+            await run_in_threadpool(self.store.append, events)
+        else:
+            await asyncio.wrap_future(self.committer.submit(events))
+
     async def record(self, tag: Tag, make_events: Callable[[int], list[dict]]) -> int:
         """Append ``make_events(seq)`` (the call's generation) as ``tag``'s next; return its seq."""
         from starlette.concurrency import run_in_threadpool
@@ -145,7 +173,7 @@ class Recorder:
                 if not stored:
                     events.insert(0, trajectory_started(tag.trajectory_id, group_id=tag.group_id, num_experts=tag.num_experts))
                 try:
-                    await run_in_threadpool(self.store.append, events)
+                    await self._append(events)
                 except ValidationError as e:
                     # another proxy (or a restart) moved the trajectory: re-read once
                     self._next_seq.pop(tag.trajectory_id, None)
@@ -157,14 +185,12 @@ class Recorder:
         raise AssertionError("unreachable")
 
     async def finish(self, trajectory_id: str, status: str, reward: float | None) -> None:
-        from starlette.concurrency import run_in_threadpool
-
         events: list[dict] = []
         if reward is not None:
             events.append({"type": "reward", "trajectory_id": trajectory_id, "reward": reward})
         events.append({"type": "trajectory_finished", "trajectory_id": trajectory_id, "status": status})
         async with self._lock(trajectory_id):
-            await run_in_threadpool(self.store.append, events)
+            await self._append(events)
             self._next_seq.pop(trajectory_id, None)
         with self._mutex:
             self._locks.pop(trajectory_id, None)
@@ -228,26 +254,110 @@ class _BearerAuth:
 
 
 class _SSEData:
-    """Splits an SSE byte stream into ``data:`` payloads (decoded JSON objects)."""
+    """Splits an SSE byte stream into ``data:`` payloads (decoded JSON values).
+
+    ``done`` is set by ``data: [DONE]``; ``bad`` names the first data line
+    that is not JSON (the call is then not recorded: a dropped chunk would
+    be a half record).
+    """
 
     def __init__(self) -> None:
         self._buffer = b""
+        self.done = False
+        self.bad: str | None = None
 
-    def feed(self, chunk: bytes) -> list[dict]:
-        self._buffer += chunk
-        *lines, self._buffer = self._buffer.split(b"\n")
+    def feed(self, chunk: bytes) -> list:
+        if b"\n" not in chunk:  # no line ends here: no re-split of a long line per chunk
+            self._buffer += chunk
+            return []
+        *lines, rest = (self._buffer + chunk).split(b"\n")
+        self._buffer = rest
         out = []
         for line in lines:
             line = line.strip()
-            if line.startswith(b"data:") and line[5:].strip() not in (b"", b"[DONE]"):
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                self.done = True
+            elif data:
                 try:
-                    out.append(json.loads(line[5:]))
-                except ValueError:
-                    log.warning("unparsable SSE data line from upstream")
+                    out.append(json.loads(data))
+                except ValueError as e:
+                    self.bad = self.bad or f"a data line is not JSON ({type(e).__name__})"
         return out
 
 
-_KINDS = {"/v1/completions": "completions", "/v1/chat/completions": "chat", TITO_PATH: "tito"}
+# The endpoints the proxy records: path -> the adapter that turns (response,
+# request body, tag, seq) into the call's generation events. Another engine's
+# routes are added here (and to RECORDED_PARAMS for what it must be asked).
+RECORDED: dict[str, str] = {"/v1/completions": "completions", "/v1/chat/completions": "chat", TITO_PATH: "tito"}
+
+# Forwarded unrecorded (auth as every other path): the engine's RL control
+# plane, its tokenizer and render endpoints, health. vLLM 0.33 serves
+# /pause ... /get_world_size with VLLM_SERVER_DEV_MODE=1
+# (entrypoints/rl/online/api_router.py), the render/derender and abort
+# endpoints with --enable-scale-out or --tokens-only (entrypoints/scale_out/).
+FORWARDED: tuple[tuple[str, str], ...] = (
+    ("GET", "/v1/models"), ("GET", "/health"), ("GET", "/version"),
+    ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/tokenizer_info"),
+    ("POST", "/inference/v1/abort_requests"), ("POST", "/abort_requests"),
+    ("POST", "/pause"), ("POST", "/resume"), ("GET", "/is_paused"),
+    ("GET", "/weight_info"), ("POST", "/update_weight_version"), ("POST", "/start_weight_update"),
+    ("POST", "/update_weights"), ("POST", "/finish_weight_update"), ("POST", "/init_weight_transfer_engine"),
+    ("POST", "/shutdown_weight_transfer_engine"), ("GET", "/get_world_size"),
+    ("POST", "/v1/chat/completions/render"), ("POST", "/v1/completions/render"),
+    ("POST", "/v1/messages/render"), ("POST", "/v1/responses/render"),
+    ("POST", "/v1/chat/completions/derender"), ("POST", "/v1/completions/derender"),
+)
+
+# The label-setting endpoints and their body field (entrypoints/rl/online/api_router.py).
+_LABEL_FIELDS = {"/update_weight_version": "new_version", "/finish_weight_update": "weight_version"}
+
+UNNAMED = "no X-Trajstore-Trajectory header and no trajstore.trajectory_id body field"
+_MAX_NOTED_CLIENTS = 4096
+
+
+def normalize_upstream(url: str) -> str:
+    """The upstream's base URL without a trailing ``/v1`` (the OpenAI ``base_url`` habit).
+
+    The proxy appends the full paths itself (``/v1/completions``,
+    ``/inference/v1/generate``, ``/pause``), so ``http://h:8000/v1`` means
+    ``http://h:8000``. ValueError, in one line, for anything that is not an
+    http(s) URL with a host.
+    """
+    from urllib.parse import urlsplit
+
+    text = (url or "").strip()
+    parts = urlsplit(text)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"--upstream must be an http(s) URL with a host, e.g. http://127.0.0.1:8000, got {url!r}")
+    if parts.query or parts.fragment:
+        raise ValueError(f"--upstream must not have a query or fragment, got {url!r}")
+    try:
+        parts.port
+    except ValueError:
+        raise ValueError(f"--upstream has a bad port: {url!r}") from None
+    path = parts.path.rstrip("/")
+    if path.endswith("/v1"):
+        path = path[: -len("/v1")]
+        log.info("upstream %s: using %s (the proxy adds the /v1 paths itself)", url, f"{parts.scheme}://{parts.netloc}{path}")
+    return f"{parts.scheme}://{parts.netloc}{path}"
+
+
+def version_label_events(version_map: Mapping[Any, int]) -> list[dict]:
+    """``version_label`` events for a ``{label: model_version}`` map (``--version-map``)."""
+    out = []
+    for label, version in version_map.items():
+        if isinstance(version, bool) or not isinstance(version, int):
+            raise ValueError(f"--version-map: label {label!r} must map to an integer model version, got {version!r}")
+        out.append({"type": "version_label", "label": str(label), "model_version": version})
+    return out
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e) if isinstance(e, (TrajstoreError, ValueError)) else f"{type(e).__name__}: {e}"
+    return " ".join(text.split())[:500]
 
 
 class _Forwarder:
@@ -263,6 +373,7 @@ class _Forwarder:
         self.authenticated, self.upstream_api_key = authenticated, upstream_api_key
         self.version_map, self.skip_recorded_routes = version_map, skip_recorded_routes
         self.client = httpx.AsyncClient(base_url=upstream.rstrip("/"), timeout=httpx.Timeout(timeout_s, connect=10.0))
+        self._noted_clients: set = set()
 
     def headers(self, request: Any) -> dict:
         return _forward_headers(request.headers, authenticated=self.authenticated, upstream_api_key=self.upstream_api_key)
@@ -272,19 +383,42 @@ class _Forwarder:
         def for_response(response: dict) -> Callable[[int], list[dict]]:
             ids = {"trajectory_id": tag.trajectory_id, "model_version": tag.model_version, "version_map": self.version_map}
             if kind == "tito":
-                return lambda seq: generations_from_tito(response, body, seq=seq, **ids)
-            start = routed_experts_prompt_start_of(body)
-            return lambda seq: generations_from_openai(response, seq=seq, routed_experts_prompt_start=start, **ids)
+                make = lambda seq: generations_from_tito(response, body, seq=seq, **ids)  # noqa: E731
+            else:
+                start = routed_experts_prompt_start_of(body)
+                make = lambda seq: generations_from_openai(response, seq=seq, routed_experts_prompt_start=start, **ids)  # noqa: E731
+            return lambda seq: _one_choice(make(seq))
         return for_response
 
     async def record_headers(self, tag: Tag, data: Any, make: Callable[[Any], Callable[[int], list[dict]]]) -> dict:
+        """Record the call; ``X-Trajstore-Seq`` when stored, else ``X-Trajstore-Error`` (one line).
+
+        Whatever the upstream sent, the record is whole (one atomic append) or
+        absent: an answer the adapter cannot read is an error line, never an
+        exception that would cost the harness the engine's answer.
+        """
         try:
             if not isinstance(data, dict):
                 data = json.loads(data)
+            if not isinstance(data, dict):
+                raise ValidationError(f"the upstream's answer is a JSON {type(data).__name__}, not an object",
+                                      rule="upstream_response")
             return {"X-Trajstore-Seq": str(await self.recorder.record(tag, make(data)))}
         except (TrajstoreError, ValueError) as e:
-            log.warning("not recorded: %s", e)
-            return {"X-Trajstore-Error": str(e).replace("\n", " ")[:500]}
+            reason = _one_line(e)
+        except Exception as e:  # an answer shape the adapter does not expect: say so, keep serving
+            log.warning("not recorded: cannot read the upstream's answer", exc_info=True)
+            reason = f"cannot read the upstream's answer: {_one_line(e)}"
+        log.warning("%s: call not recorded: %s", tag.trajectory_id, reason)
+        return {"X-Trajstore-Error": reason}
+
+    def note_unrecorded(self, request: Any, reason: str) -> dict:
+        """Log once per client (address, user agent) that its calls pass unrecorded, and why."""
+        client = (request.client.host if request.client else "?", request.headers.get("user-agent", ""))
+        if client not in self._noted_clients and len(self._noted_clients) < _MAX_NOTED_CLIENTS:
+            self._noted_clients.add(client)
+            log.warning("calls from %s (%s) pass through unrecorded: %s", client[0], client[1] or "no user agent", reason)
+        return {"X-Trajstore-Unrecorded": reason}
 
     async def _parse(self, request: Any, kind: str) -> tuple[dict, Tag | None]:
         """The body to forward and the call's tag; raises _BadCall."""
@@ -329,46 +463,139 @@ class _Forwarder:
         if start:
             params["routed_experts_prompt_start"] = start
 
+    def _unreachable(self, e: Exception) -> Any:
+        return error_response(502, f"upstream {self.upstream} failed: {type(e).__name__}: {' '.join(str(e).split())}"[:500],
+                              rule="upstream_unreachable")
+
     async def forward(self, request: Any, path: str) -> Any:
         import httpx
         from fastapi.responses import Response
 
-        kind = _KINDS[path]
+        kind = RECORDED[path]
         try:
             body, tag = await self._parse(request, kind)
             headers = self.headers(request)
             if body.get("stream"):
-                return await self.stream(path, body, headers, tag, kind)
+                return await self.stream(request, path, body, headers, tag, kind)
             resp = await self.client.post(path, json=body, headers=headers)
+            content = resp.content
         except _BadCall as e:
             return error_response(e.status, str(e), rule=e.rule)
-        except httpx.TransportError as e:
-            return error_response(502, f"upstream {self.upstream} unreachable: {type(e).__name__}: {e}",
-                                  rule="upstream_unreachable")
-        extra = {}
-        if tag is not None and resp.status_code == 200:
-            extra = await self.record_headers(tag, resp.content, self._events(kind, body, tag))
-        return Response(resp.content, status_code=resp.status_code, headers=extra,
-                        media_type=resp.headers.get("content-type"))
+        except httpx.HTTPError as e:  # refused, reset, timed out, cut mid-body, undecodable
+            return self._unreachable(e)
+        if tag is None:
+            extra = self.note_unrecorded(request, UNNAMED)
+        elif resp.status_code == 200:
+            extra = await self.record_headers(tag, content, self._events(kind, body, tag))
+        else:
+            extra = {"X-Trajstore-Unrecorded": f"the upstream answered {resp.status_code}"}
+        return Response(content, status_code=resp.status_code, headers=extra, media_type=resp.headers.get("content-type"))
 
-    async def stream(self, path: str, body: dict, headers: dict, tag: Tag | None, kind: str) -> Any:
+    async def stream(self, request: Any, path: str, body: dict, headers: dict, tag: Tag | None, kind: str) -> Any:
         from fastapi.responses import StreamingResponse
 
         resp = await self.client.send(self.client.build_request("POST", path, json=body, headers=headers), stream=True)
         media_type = resp.headers.get("content-type")
-        if resp.status_code != 200 or tag is None:
-            return StreamingResponse(_passthrough(resp), status_code=resp.status_code, media_type=media_type)
-        return StreamingResponse(self._recorded(resp, tag, self._events(kind, body, tag)), media_type=media_type)
+        sse = "text/event-stream" in (media_type or "")
+        if tag is None:
+            extra = self.note_unrecorded(request, UNNAMED)
+            return StreamingResponse(_passthrough(resp, sse), status_code=resp.status_code, media_type=media_type, headers=extra)
+        if resp.status_code != 200:
+            return StreamingResponse(_passthrough(resp, sse), status_code=resp.status_code, media_type=media_type,
+                                     headers={"X-Trajstore-Unrecorded": f"the upstream answered {resp.status_code}"})
+        return StreamingResponse(self._recorded(resp, tag, self._events(kind, body, tag), sse), media_type=media_type)
 
-    async def _recorded(self, resp: Any, tag: Tag, make: Callable[[Any], Callable[[int], list[dict]]]) -> AsyncIterator[bytes]:
+    async def _recorded(self, resp: Any, tag: Tag, make: Callable[[Any], Callable[[int], list[dict]]],
+                        sse_media: bool) -> AsyncIterator[bytes]:
+        """The upstream's bytes as they come; the record once the stream has ended whole.
+
+        A stream is whole when every choice has a finish reason and nothing
+        in it was unreadable; anything else (the upstream cut it, a chunk
+        that is not JSON or not in the expected shape) records nothing, logs
+        why, and tells the harness: an SSE ``data: {"error": ...}`` event
+        (vLLM's own shape for an error mid-stream) when the upstream was cut
+        before its end, an SSE comment ``: X-Trajstore-Error: ...`` when the
+        stream ended but cannot be recorded. A recorded stream ends with the
+        comment ``: X-Trajstore-Seq: <seq>``. SSE clients skip comments.
+        """
+        import httpx
+
         acc, sse = OpenAIStreamAccumulator(), _SSEData()
-        async for chunk in _passthrough(resp):
-            for obj in sse.feed(chunk):
-                acc.add(obj)
-            yield chunk
-        # The stream's bytes are all sent; the record is appended before the
-        # response ends, so a harness that saw the end can rely on it.
-        await self.record_headers(tag, acc.response(), make)
+        unreadable: str | None = None
+        cut: str | None = None
+        try:
+            async for chunk in resp.aiter_raw():
+                for obj in sse.feed(chunk):
+                    if unreadable is None:
+                        try:
+                            acc.add(obj)
+                        except (ValidationError, ValueError, TypeError, AttributeError, KeyError, IndexError) as e:
+                            unreadable = f"a chunk cannot be read: {_one_line(e)}"
+                yield chunk
+        except httpx.HTTPError as e:
+            cut = f"the upstream stream broke off ({type(e).__name__}: {' '.join(str(e).split())})"
+        finally:
+            await resp.aclose()
+        if cut is None:
+            sse.feed(b"\n")  # a last data line without its newline still counts
+            unreadable = unreadable or sse.bad
+            if unreadable is None and not acc.finished():
+                cut = ("the upstream stream ended before its finish" + ("" if sse.done else " (no finish reason, no [DONE])"))
+        if cut is not None:
+            reason = f"{cut}: call not recorded"
+            log.warning("%s: %s", tag.trajectory_id, reason)
+            if sse_media:
+                error = {"error": {"message": f"trajstore proxy: {reason}", "type": "UpstreamStreamCut", "param": None, "code": 502}}
+                yield b"\n\ndata: " + json.dumps(error).encode() + b"\n\n"
+            return
+        if unreadable is not None:
+            log.warning("%s: stream not recorded: %s", tag.trajectory_id, unreadable)
+            headers = {"X-Trajstore-Error": f"not recorded: {unreadable}"}
+        else:
+            # The stream's bytes are all sent; the record is appended before the
+            # response ends, so a harness that saw the end can rely on it.
+            headers = await self.record_headers(tag, acc.response(), make)
+        if sse_media:
+            yield "".join(f": {k}: {v}\n" for k, v in headers.items()).encode("utf-8", "replace") + b"\n"
+
+    async def relay(self, request: Any, path: str) -> Any:
+        """Forward a call as it is (method, query, body) and answer the upstream's bytes; nothing recorded.
+
+        A label change (``/update_weight_version``, ``/finish_weight_update``)
+        that carries ``X-Trajstore-Model-Version`` also maps its label in the
+        store (a ``version_label`` event) once the engine took it.
+        """
+        import httpx
+        from fastapi.responses import Response
+
+        try:
+            body = await request.body()
+            query = request.url.query
+            url = httpx.URL(path, query=query.encode("latin-1")) if query else path
+            resp = await self.client.request(request.method, url, content=body, headers=self.headers(request))
+            content = resp.content
+        except httpx.HTTPError as e:
+            return self._unreachable(e)
+        extra = {}
+        if path in _LABEL_FIELDS and resp.status_code == 200 and "x-trajstore-model-version" in request.headers:
+            extra = await self._map_label(request.headers["x-trajstore-model-version"], body, _LABEL_FIELDS[path])
+        return Response(content, status_code=resp.status_code, headers=extra, media_type=resp.headers.get("content-type"))
+
+    async def _map_label(self, version: str, body: bytes, field: str) -> dict:
+        from starlette.concurrency import run_in_threadpool
+
+        label: Any = None
+        try:
+            label = json.loads(body).get(field)
+            if not isinstance(label, str) or not label:
+                raise ValidationError(f"the body has no {field} label to map", rule="version_label")
+            event = {"type": "version_label", "label": label, "model_version": _int_or_none(version, "model_version")}
+            await run_in_threadpool(self.recorder.store.append, [event])
+        except (TrajstoreError, ValueError, AttributeError) as e:
+            reason = f"label {label!r:.80} not mapped to model_version {version!r:.20}: {_one_line(e)}"
+            log.warning("%s", reason)
+            return {"X-Trajstore-Error": reason}
+        return {"X-Trajstore-Label": f"{label}={version}"}
 
     async def finish(self, request: Any) -> Any:
         try:
@@ -382,61 +609,99 @@ class _Forwarder:
         return {"trajectory_id": tid, "status": status}
 
 
+def _one_choice(events: list[dict]) -> list[dict]:
+    if len(events) != 1:  # the request had n = 1 (checked): another count is the upstream's fault
+        raise ValidationError(f"the upstream answered {len(events)} choices to a call with n = 1", rule="upstream_response")
+    return events
+
+
 class _BadCall(Exception):
     def __init__(self, status: int, message: str, rule: str) -> None:
         super().__init__(message)
         self.status, self.rule = status, rule
 
 
-async def _passthrough(resp: Any) -> AsyncIterator[bytes]:
+async def _passthrough(resp: Any, sse: bool = False) -> AsyncIterator[bytes]:
+    """The upstream's bytes; an upstream that breaks off mid-stream ends with an SSE error event."""
+    import httpx
+
     try:
         async for chunk in resp.aiter_raw():
             yield chunk
+    except httpx.HTTPError as e:
+        log.warning("upstream stream broke off: %s: %s", type(e).__name__, e)
+        if sse:
+            message = f"trajstore proxy: the upstream stream broke off ({type(e).__name__})"
+            yield b"\n\ndata: " + json.dumps({"error": {"message": message, "type": "UpstreamStreamCut",
+                                                         "param": None, "code": 502}}).encode() + b"\n\n"
     finally:
         await resp.aclose()
 
 
 def make_proxy_app(store: Any, upstream: str, *, token: str | None = None, model_version: int = 0,
                    num_experts: int | None = None, timeout_s: float = 600.0, upstream_api_key: str | None = None,
-                   version_map: VersionMap = None, skip_recorded_routes: bool = True) -> Any:
+                   version_map: VersionMap = None, skip_recorded_routes: bool = True,
+                   group_commit: bool = True) -> Any:
     """The FastAPI app recording calls into ``store`` and forwarding them to ``upstream``.
 
-    ``token=None`` means no auth (the caller decided; ``serve_proxy`` refuses
-    that unless told ``insecure_no_auth``). ``upstream_api_key``: the bearer
-    token the upstream wants. ``version_map``: weight-version labels to model
-    versions (``trajstore.ingest.vllm``). ``skip_recorded_routes=False``:
-    never set ``routed_experts_prompt_start`` (an engine without it).
+    ``upstream``: the engine's base URL (a trailing ``/v1`` is dropped,
+    :func:`normalize_upstream`). ``token=None`` means no auth (the caller
+    decided; ``serve_proxy`` refuses that unless told ``insecure_no_auth``).
+    ``upstream_api_key``: the bearer token the upstream wants.
+    ``version_map``: weight-version labels to model versions, appended to the
+    store as ``version_label`` events when the app is made (the engine's spans
+    are recorded as sent and the store resolves them). ``skip_recorded_routes=False``: never set
+    ``routed_experts_prompt_start`` (an engine without it). ``group_commit=False``:
+    append each call's record on its own (see :class:`Recorder`);
+    ``app.state.commit_metrics.commits`` counts the appends.
     """
     from contextlib import asynccontextmanager
 
     from fastapi import FastAPI, Request
-    from fastapi.responses import Response
 
-    fwd = _Forwarder(Recorder(store), upstream, model_version=model_version, num_experts=num_experts,
-                     timeout_s=timeout_s, authenticated=token is not None, upstream_api_key=upstream_api_key,
-                     version_map=version_map, skip_recorded_routes=skip_recorded_routes)
+    upstream = normalize_upstream(upstream)
+    if isinstance(version_map, Mapping):
+        # The labels go into the store's label map: every process resolves them, and a
+        # trajectory held back on one of them is released.
+        store.append(version_label_events(version_map))
+        version_map = None
+    from trajstore.ingest.service import GroupCommitter, Metrics
+
+    metrics = Metrics()
+    committer = GroupCommitter(store, metrics=metrics, max_wait_s=0.0) if group_commit else None
+    fwd = _Forwarder(Recorder(store, committer), upstream, model_version=model_version,
+                     num_experts=num_experts, timeout_s=timeout_s, authenticated=token is not None,
+                     upstream_api_key=upstream_api_key, version_map=version_map,
+                     skip_recorded_routes=skip_recorded_routes)
 
     @asynccontextmanager
     async def lifespan(app: Any):
         yield
         await fwd.client.aclose()
+        if committer is not None:
+            committer.close()  # what is queued is appended first
 
     app = FastAPI(title="trajstore recording proxy", version="1", lifespan=lifespan)
     app.state.recorder = fwd.recorder
+    app.state.forwarder = fwd
+    app.state.commit_metrics = metrics
     if token is not None:
         app.add_middleware(_BearerAuth, token=token)
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Any:
-        return await fwd.forward(request, "/v1/completions")
+    def recorded(path: str) -> Callable:
+        async def handler(request: Request) -> Any:
+            return await fwd.forward(request, path)
+        return handler
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Any:
-        return await fwd.forward(request, "/v1/chat/completions")
+    def forwarded(path: str) -> Callable:
+        async def handler(request: Request) -> Any:
+            return await fwd.relay(request, path)
+        return handler
 
-    @app.post(TITO_PATH)
-    async def generate(request: Request) -> Any:
-        return await fwd.forward(request, TITO_PATH)
+    for path in RECORDED:
+        app.add_api_route(path, recorded(path), methods=["POST"], name=f"record {path}")
+    for method, path in FORWARDED:
+        app.add_api_route(path, forwarded(path), methods=[method], name=f"forward {method} {path}")
 
     @app.post("/trajstore/finish")
     async def finish(request: Request) -> Any:
@@ -446,17 +711,12 @@ def make_proxy_app(store: Any, upstream: str, *, token: str | None = None, model
     async def healthz() -> dict:
         return {"status": "ok"}
 
-    @app.get("/v1/models")
-    async def models(request: Request) -> Any:
-        resp = await fwd.client.get("/v1/models", headers=fwd.headers(request))
-        return Response(resp.content, status_code=resp.status_code, media_type=resp.headers.get("content-type"))
-
     return app
 
 
 def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of ``trajstore proxy`` (``--store`` is the CLI's global flag)."""
-    parser.add_argument("--upstream", required=True, help="base URL of the vLLM OpenAI server, e.g. http://127.0.0.1:8000")
+    parser.add_argument("--upstream", required=True, help="base URL of the vLLM server, e.g. http://127.0.0.1:8000 (a trailing /v1 is dropped)")
     add_server_arguments(parser, port=DEFAULT_PORT, open_help="accept calls without a token",
                          token_help="bearer token every call but /healthz and the API docs must send")
     parser.add_argument("--upstream-api-key", default=None,
@@ -466,8 +726,9 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-experts", type=int, default=None,
                         help="num_experts of trajectories the proxy starts (default: not declared)")
     parser.add_argument("--version-map", default=None,
-                        help='JSON object from vLLM weight-version labels to model versions, e.g. \'{"ckpt-a": 3}\' '
-                             "(default: labels must be integers)")
+                        help='JSON object from vLLM weight-version labels to model versions, e.g. \'{"ckpt-a": 3}\', '
+                             "appended to the store's label map at start (labels can also be mapped later with "
+                             "version_label events; decimal labels and \"default\" need none)")
     parser.add_argument("--no-route-skip", action="store_true",
                         help="never ask the engine for only the new route rows (routed_experts_prompt_start)")
 
@@ -483,6 +744,7 @@ def serve_proxy(upstream: str, store_url: str | None = None, host: str = "127.0.
     unless ``insecure_no_auth``, as ``trajstore serve`` does.
     """
     token = server_token(token, insecure_no_auth=insecure_no_auth)
+    upstream = normalize_upstream(upstream)  # a bad URL is refused before anything starts
     upstream_api_key = upstream_api_key or os.environ.get("TRAJSTORE_UPSTREAM_API_KEY") or None
     import trajstore
 

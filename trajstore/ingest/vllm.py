@@ -49,6 +49,7 @@ Routes stay numpy arrays from end to end: decoding goes through
 
 from __future__ import annotations
 
+from enum import Enum
 from typing import Any, Callable, Mapping, Sequence, Union
 
 import numpy as np
@@ -200,14 +201,46 @@ def token_model_versions_from_spans(spans: Any, num_tokens: int, *, version_map:
     return np.repeat(np.asarray(versions, dtype=np.int32), lengths)
 
 
-def _clamped(values: np.ndarray) -> tuple[np.ndarray, int]:
-    """``values`` with non-finite entries set to LOGPROB_FLOOR, and how many were."""
+def _clamped(values: np.ndarray) -> np.ndarray:
+    """``values`` with non-finite entries set to LOGPROB_FLOOR, as vLLM's server does
+    (the store counts every value at or below the floor and keeps it as missing)."""
     bad = ~np.isfinite(values)
-    n = int(bad.sum())
-    if n:
+    if bad.any():
         values = values.copy()
         values[bad] = LOGPROB_FLOOR
-    return values, n
+    return values
+
+
+def _spans_as_sent(spans: Any) -> list[dict] | None:
+    """The engine's spans as wire ``weight_versions`` (labels verbatim), None when it sent none.
+
+    Accepts dicts, objects with ``version``/``start``/``end`` (vLLM's
+    ``WeightVersionSpan``) or ``(version, start, end)`` tuples; the store
+    checks that they tile the output and resolves the labels.
+    """
+    if spans is None:
+        return None
+    if isinstance(spans, (str, bytes, Mapping)) or not isinstance(spans, (Sequence, np.ndarray)):
+        raise ValidationError(f"weight_versions must be a list of spans, got {type(spans).__name__}", rule="weight_versions")
+    out = []
+    for span in spans:
+        label, start, end = _span_fields(span)
+        if isinstance(label, np.integer):
+            label = int(label)
+        out.append({"version": label, "start": start, "end": end})
+    return out
+
+
+def _versions_from_map(spans: list[dict], num_tokens: int, version_map: VersionMap) -> np.ndarray | None:
+    """Per-token versions when ``version_map`` (deprecated) maps every label, else None (the store resolves)."""
+    import warnings
+
+    warnings.warn("version_map is deprecated: append version_label events ({'type': 'version_label', 'label': ..., "
+                  "'model_version': ...}) and the store resolves the engine's labels", DeprecationWarning, stacklevel=4)
+    try:
+        return token_model_versions_from_spans(spans, num_tokens, version_map=version_map)
+    except ValidationError:
+        return None
 
 
 def _complete(
@@ -225,20 +258,25 @@ def _complete(
     """Add what every adapter path carries to ``event`` (which has the ids and model_version)."""
     metadata: dict = {}
     if logprobs is not None:
-        event["logprobs"], clamped = _clamped(np.asarray(logprobs, dtype=np.float32).reshape(-1))
-        if clamped:
-            metadata["clamped_logprobs"] = clamped
-    versions = token_model_versions_from_spans(weight_versions, len(event["output_ids"]), version_map=version_map)
-    if versions is not None:
-        event["token_model_versions"] = versions
-        if len(versions):
-            event["model_version"] = int(versions[-1])
+        event["logprobs"] = _clamped(np.asarray(logprobs, dtype=np.float32).reshape(-1))
+    spans = _spans_as_sent(weight_versions)
+    if spans is not None:
+        event["weight_versions"] = spans
+        if version_map is not None:
+            versions = _versions_from_map(spans, len(event["output_ids"]), version_map)
+            if versions is not None:
+                event["token_model_versions"] = versions
+                event["model_version"] = int(versions[-1])
     if routes is not None:
         event["routed_experts"] = _routes_array(routes)
         if routes_start:
             event["routed_experts_start"] = int(routes_start)
+    if isinstance(finish_reason, Enum):  # the offline engine's FinishReason
+        finish_reason = str(finish_reason)
     if finish_reason is not None:
-        event["finish_reason"] = str(finish_reason)
+        if not isinstance(finish_reason, str):
+            raise ValidationError(f"finish_reason must be a string, got {type(finish_reason).__name__}", rule="finish_reason")
+        event["finish_reason"] = finish_reason
     if stop_reason is not None:
         metadata["stop_reason"] = stop_reason if isinstance(stop_reason, (int, str)) else str(stop_reason)
     fields = dict(fields)
@@ -304,29 +342,73 @@ def _routes_array(routes: Any) -> np.ndarray:
     return decode_array(to_numpy(routes), field="routed_experts", ndim=3)
 
 
-def _output_ids_from_logprob_tokens(tokens: Sequence[str] | None) -> list[int] | None:
-    # With return_tokens_as_token_ids the logprob entries name each token as
-    # "token_id:123": a fallback when the response lacks choices[i].token_ids.
-    if not tokens or not all(isinstance(t, str) and t.startswith(_TOKEN_ID_PREFIX) for t in tokens):
+def _ids(value: Any, field: str) -> np.ndarray:
+    """A JSON list of token ids as int64 ``[n]``; ValidationError for anything else (never a silent cast)."""
+    if isinstance(value, (list, tuple)):
+        arr = decode_array(list(value), field=field, ndim=1)
+    elif isinstance(value, np.ndarray):
+        arr = value.reshape(-1)
+    else:
+        raise ValidationError(f"{field} must be a list of token ids, got {type(value).__name__}", rule="token_ids")
+    if arr.size and arr.dtype.kind not in "iu":
+        raise ValidationError(f"{field} must hold integer token ids, got {arr.dtype.name}", rule="token_ids")
+    return arr.astype(np.int64, copy=False)
+
+
+def _values(value: Any, field: str) -> np.ndarray:
+    """A JSON list of numbers as float32 ``[n]`` (None entries and non-numbers refused)."""
+    if not isinstance(value, (list, tuple)):
+        raise ValidationError(f"{field} must be a list of numbers, got {type(value).__name__}", rule="logprobs")
+    if any(v is None for v in value):
+        raise ValidationError("the response's logprobs hold null entries", rule="logprobs")
+    arr = decode_array(list(value), field=field, ndim=1)
+    if arr.size and arr.dtype.kind not in "iuf":
+        raise ValidationError(f"{field} must hold numbers, got {arr.dtype.name}", rule="logprobs")
+    return arr.astype(np.float32)
+
+
+def _output_ids_from_logprob_tokens(tokens: Sequence[Any] | None) -> list[int] | None:
+    # A fallback when the response lacks choices[i].token_ids: vLLM 0.33's
+    # /inference/v1/generate names each logprob entry's token_id, and with
+    # return_tokens_as_token_ids the OpenAI entries name it "token_id:123".
+    if not tokens:
+        return None
+    if all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+        return list(tokens)
+    if not all(isinstance(t, str) and t.startswith(_TOKEN_ID_PREFIX) and t[len(_TOKEN_ID_PREFIX):].isdecimal() for t in tokens):
         return None
     return [int(t[len(_TOKEN_ID_PREFIX):]) for t in tokens]
 
 
-def _choice_logprobs(choice: Mapping) -> tuple[list | None, list | None]:
-    """(logprob values, token names) of one choice, None where absent.
+def _mapping(value: Any, what: str) -> Mapping:
+    if not isinstance(value, Mapping):
+        raise ValidationError(f"{what} must be an object, got {type(value).__name__}", rule="upstream_response")
+    return value
 
-    ``logprobs.content[j]`` (chat and ``/inference/v1/generate``) or
-    ``logprobs.token_logprobs`` (completions).
+
+def _choice_logprobs(choice: Mapping) -> tuple[list | None, list | None]:
+    """(logprob values, token names or ids) of one choice, None where absent.
+
+    ``logprobs.content[j]`` (chat and ``/inference/v1/generate``, whose
+    entries carry ``token_id``) or ``logprobs.token_logprobs`` (completions).
     """
     lp = choice.get("logprobs")
     if not lp:
         return None, None
+    lp = _mapping(lp, "a choice's logprobs")
     if "content" in lp:
         content = lp.get("content")
         if content is None:
             return None, None
-        return [c.get("logprob") for c in content], [c.get("token") for c in content]
-    return lp.get("token_logprobs"), lp.get("tokens")
+        if not isinstance(content, list):
+            raise ValidationError(f"logprobs.content must be a list, got {type(content).__name__}", rule="logprobs")
+        entries = [_mapping(c, "a logprobs.content entry") for c in content]
+        names = [c["token_id"] if "token_id" in c else c.get("token") for c in entries]
+        return [c.get("logprob") for c in entries], names
+    values, names = lp.get("token_logprobs"), lp.get("tokens")
+    if values is not None and not isinstance(values, list):
+        raise ValidationError(f"logprobs.token_logprobs must be a list, got {type(values).__name__}", rule="logprobs")
+    return values, names if isinstance(names, list) else None
 
 
 def _parse_choice(
@@ -341,6 +423,7 @@ def _parse_choice(
     routes_start: int,
     fields: Mapping[str, Any],
 ) -> dict:
+    choice = _mapping(choice, "a choice")
     values, names = _choice_logprobs(choice)
     output_ids = choice.get("token_ids")
     if output_ids is None:
@@ -356,19 +439,17 @@ def _parse_choice(
             "the response has no prompt_token_ids: request return_token_ids=true or pass prompt_ids",
             rule="missing_token_ids",
         )
-    if values is not None and any(v is None for v in values):
-        raise ValidationError("the response's logprobs hold null entries", rule="logprobs")
     event: dict = {
         "type": "generation",
         "trajectory_id": trajectory_id,
         "seq": seq,
-        "prompt_ids": np.asarray(prompt_ids, dtype=np.int64),
-        "output_ids": np.asarray(output_ids, dtype=np.int64).reshape(-1),
+        "prompt_ids": _ids(prompt_ids, "prompt_token_ids"),
+        "output_ids": _ids(output_ids, "token_ids"),
         "model_version": model_version,
     }
     return _complete(
         event,
-        logprobs=None if values is None else np.asarray(values, dtype=np.float32),
+        logprobs=None if values is None else _values(values, "logprobs"),
         routes=choice.get("routed_experts"),
         routes_start=routes_start,
         finish_reason=choice.get("finish_reason"),
@@ -380,9 +461,13 @@ def _parse_choice(
 
 
 def _choices(response: Mapping) -> list:
-    choices = response.get("choices")
+    choices = _mapping(response, "the response").get("choices")
     if not isinstance(choices, list) or not choices:
         raise ValidationError("the response has no choices", rule="missing_field")
+    for c in choices:
+        index = _mapping(c, "a choice").get("index", 0)
+        if isinstance(index, bool) or not isinstance(index, int):
+            raise ValidationError(f"a choice's index must be an integer, got {index!r:.40}", rule="upstream_response")
     return sorted(choices, key=lambda c: c.get("index", 0))
 
 
@@ -464,13 +549,18 @@ def generations_from_tito(
 
 
 def request_params_for_recording(body: Mapping, *, chat: bool) -> dict:
-    """``body`` plus what vLLM needs to return token ids and sampled-token logprobs.
+    """``body`` plus what vLLM needs to return token ids, sampled-token logprobs and version spans.
 
+    ``return_token_ids`` and ``return_weight_versions`` are set to true even
+    when the caller set them false: a record needs them, and the answer only
+    gains fields an OpenAI client ignores. Older servers ignore the second
+    (vLLM's request models accept unknown fields with a warning).
     Routes need no request field: the vLLM server returns them for every
     request when started with ``--enable-return-routed-experts``.
     """
     out = dict(body)
     out["return_token_ids"] = True
+    out["return_weight_versions"] = True  # vLLM >= 0.33: spans per choice (else one version per call)
     if chat:
         if not out.get("logprobs"):
             out["logprobs"] = True
@@ -498,6 +588,12 @@ def request_params_for_tito(body: Mapping) -> dict:
     return out
 
 
+def _list(value: Any, field: str) -> list:
+    if not isinstance(value, list):
+        raise ValidationError(f"{field} must be a list, got {type(value).__name__}", rule="upstream_response")
+    return value
+
+
 class OpenAIStreamAccumulator:
     """Collects the chunks of a streamed (SSE) OpenAI response into one response.
 
@@ -516,19 +612,29 @@ class OpenAIStreamAccumulator:
         self._choices: dict[int, dict] = {}
 
     def add(self, chunk: Mapping) -> None:
-        self._object = self._object or chunk.get("object")
+        """Take one ``data:`` object; ValidationError when it is not in a chunk's shape."""
+        chunk = _mapping(chunk, "a stream chunk")
+        choices = chunk.get("choices") or []
+        if not isinstance(choices, list):
+            raise ValidationError(f"a chunk's choices must be a list, got {type(choices).__name__}", rule="upstream_response")
         if chunk.get("prompt_token_ids") is not None:
-            self._prompt_ids = list(chunk["prompt_token_ids"])
-        for c in chunk.get("choices") or []:
-            self._add_choice(c)
+            self._prompt_ids = _list(chunk["prompt_token_ids"], "prompt_token_ids")
+        self._object = self._object or chunk.get("object")
+        for c in choices:
+            self._add_choice(_mapping(c, "a chunk's choice"))
+
+    def finished(self) -> bool:
+        """Whether the stream reached its end: at least one choice, each with its finish reason."""
+        return bool(self._choices) and all(acc.get("finish_reason") is not None for acc in self._choices.values())
 
     def _add_choice(self, c: Mapping) -> None:
-        acc = self._choices.setdefault(
-            c.get("index", 0), {"token_ids": [], "logprobs": [], "tokens": [], "has_logprobs": False}
-        )
+        index = c.get("index", 0)
+        if isinstance(index, bool) or not isinstance(index, int):
+            raise ValidationError(f"a chunk's choice index must be an integer, got {index!r:.40}", rule="upstream_response")
+        acc = self._choices.setdefault(index, {"token_ids": [], "logprobs": [], "tokens": [], "has_logprobs": False})
         if c.get("prompt_token_ids") is not None:
-            acc["prompt_token_ids"] = list(c["prompt_token_ids"])
-        acc["token_ids"].extend(c.get("token_ids") or [])
+            acc["prompt_token_ids"] = _list(c["prompt_token_ids"], "prompt_token_ids")
+        acc["token_ids"].extend(_list(c.get("token_ids") or [], "token_ids"))
         values, names = _choice_logprobs(c)
         if values is not None:
             acc["has_logprobs"] = True

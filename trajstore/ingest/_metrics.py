@@ -62,6 +62,11 @@ class Metrics:
     def count_commit(self) -> None:
         self._commits.inc()
 
+    @property
+    def commits(self) -> int:
+        """Store transactions this process made (what ``trajstore_ingest_commits_total`` counts)."""
+        return int(self.registry.get_sample_value("trajstore_ingest_commits_total") or 0)
+
     def budget(self, in_flight: int, peak: int, limit: int) -> None:
         self._in_flight.set(in_flight)
         self._peak.set(peak)

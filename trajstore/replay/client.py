@@ -97,6 +97,7 @@ class _Connection:
     def __init__(self, locations: list[str], token: str | None, *, retry_timeout_s: float, call_timeout_s: float,
                  tls_root_certs: bytes | None, first: int = 0) -> None:
         self.locations, self.retry_timeout_s = locations, retry_timeout_s
+        self.closing = threading.Event()  # set by close(): a call waiting out a hold or a failover gives up
         headers = [] if token is None else [(b"authorization", f"Bearer {token}".encode())]
         self.options = fl.FlightCallOptions(headers=headers, timeout=call_timeout_s)
         self._tls_root_certs = tls_root_certs
@@ -129,6 +130,8 @@ class _Connection:
         delay = 0.05
         try:
             while True:
+                if self.closing.is_set():
+                    raise StoreUnavailable(f"replay reader closed while {what} waited")
                 index, client = self._current()
                 try:
                     return fn(client, self.options)
@@ -180,6 +183,7 @@ class _Connection:
         return self.call(what, run)
 
     def close(self) -> None:
+        self.closing.set()
         with self._lock:
             if self._client is not None:
                 self._client.close()
@@ -311,6 +315,7 @@ class ReplayStore:
         return self._conn.action("hello", proto.HELLO)
 
     def close(self) -> None:
+        self._conn.closing.set()  # first: the fetches the pool waits for stop waiting
         self.payload.close()
         self._conn.close()
 

@@ -51,9 +51,17 @@ def test_worker_follows_the_log_and_stops_on_sigterm(store_url, tmp_path):
 
 
 def _log_files(payload: str) -> list[str]:
-    """Non-empty log segment files (the reserve's empty files aside)."""
-    return sorted(n for n in os.listdir(payload)
-                  if n.startswith("events-") and n.endswith(".arrow") and os.path.getsize(os.path.join(payload, n)))
+    """Non-empty log segment files (the reserve's empty files aside). The worker's GC
+    may delete a file between the listing and its size: a file gone is not counted."""
+    out = []
+    for n in os.listdir(payload):
+        if n.startswith("events-") and n.endswith(".arrow"):
+            try:
+                if os.path.getsize(os.path.join(payload, n)):
+                    out.append(n)
+            except FileNotFoundError:
+                continue
+    return sorted(out)
 
 
 def test_worker_collects_retired_segments_after_the_grace(store_url, tmp_path):

@@ -512,3 +512,53 @@ def test_every_answer_announces_its_row_count(filled_sqlite, replay_servers):
                          opts).read_all()
     assert part.num_rows == 1 and proto.complete(part)
     assert not proto.complete(part.slice(0, 0))
+
+
+def test_a_fail_over_never_closes_a_client_another_call_is_using(filled_sqlite, replay_servers):
+    """Parallel fetches share one Flight client; when one of them fails over, the others
+    are still inside their calls on it. Closing it under them crashed the process
+    (a segfault in ``do_get``); it is closed when its last call ends."""
+    server = replay_servers(filled_sqlite)
+    store = ReplayStore(server.location, token=READ_TOKEN)
+    inside, go = threading.Event(), threading.Event()
+    answers: list = []
+
+    def slow_hello(client, options):
+        inside.set()
+        assert go.wait(30)
+        results = list(client.do_action(fl.Action(proto.HELLO, proto.encode(proto.HELLO)), options))
+        return json.loads(results[0].body.to_pybytes())
+
+    def caller():
+        try:
+            answers.append(store._conn.call("hello", slow_hello))
+        except BaseException as e:  # reported below
+            answers.append(e)
+
+    thread = threading.Thread(target=caller)
+    thread.start()
+    try:
+        assert inside.wait(30)
+        store._conn._fail_over(0)  # what a sibling fetch does when its own call fails
+        assert store._conn._client is None
+    finally:
+        go.set()
+        thread.join(30)
+    assert isinstance(answers[0], dict) and answers[0]["protocol"], answers
+    assert store.hello()["protocol"]  # the next call connects afresh
+    store.close()
+    with pytest.raises(StoreUnavailable, match="closed"):
+        store.hello()
+
+
+def test_closing_a_reader_mid_prefetch_returns_and_leaves_no_fetch_running(filled_sqlite, replay_servers):
+    """A reader closed while its prefetch fetches: close() returns and no fetch thread
+    outlives it (threads left running crashed a later test's process)."""
+    server = replay_servers(filled_sqlite)
+    reader = ReplayReader(server.location, token=READ_TOKEN, batch_size=4, streams=4)
+    assert next(reader)
+    pool = reader.store.payload._pool
+    assert pool is not None and pool._threads  # the batch was fetched in parallel
+    reader.close()
+    alive = [t.name for t in pool._threads if t.is_alive()]
+    assert not alive, alive

@@ -91,6 +91,24 @@ class _Uncounted:
         pass
 
 
+class _Client:
+    """One Flight client and the calls using it. A client is closed only when
+    no call uses it any more: closing a ``FlightClient`` while another thread
+    is inside one of its calls frees what that call still reads (a crash, not
+    an error)."""
+
+    def __init__(self, client: fl.FlightClient) -> None:
+        self.client = client
+        self.users = 0
+        self.retired = False
+
+    def close(self) -> None:
+        try:
+            self.client.close()
+        except Exception:  # noqa: BLE001 - a dead connection may not close cleanly
+            _log.debug("replay reader: closing a Flight client failed", exc_info=True)
+
+
 class _Connection:
     """Flight clients to the replay servers, one at a time, failing over in order."""
 
@@ -103,24 +121,37 @@ class _Connection:
         self._tls_root_certs = tls_root_certs
         self._lock = threading.Lock()
         self._index = first % len(locations)
-        self._client: fl.FlightClient | None = None
+        self._client: _Client | None = None
 
-    def _current(self) -> tuple[int, fl.FlightClient]:
+    def _acquire(self) -> tuple[int, _Client]:
         with self._lock:
+            if self.closing.is_set():
+                raise StoreUnavailable("replay reader closed")
             if self._client is None:
                 kwargs = {} if self._tls_root_certs is None else {"tls_root_certs": self._tls_root_certs}
-                self._client = fl.connect(self.locations[self._index], **kwargs)
+                self._client = _Client(fl.connect(self.locations[self._index], **kwargs))
+            self._client.users += 1
             return self._index, self._client
+
+    def _release(self, held: _Client) -> None:
+        with self._lock:
+            held.users -= 1
+            last = held.retired and held.users == 0
+        if last:
+            held.close()
+
+    def _retire(self) -> None:
+        """Drop the current client (under the lock); it closes when its last call ends."""
+        held, self._client = self._client, None
+        if held is not None:
+            held.retired = True
+            if held.users == 0:
+                held.close()
 
     def _fail_over(self, index: int) -> None:
         with self._lock:
             if index == self._index:  # another thread may have moved on already
-                if self._client is not None:
-                    try:
-                        self._client.close()
-                    except Exception:  # noqa: BLE001 - a dead connection may not close cleanly
-                        pass
-                self._client = None
+                self._retire()
                 self._index = (self._index + 1) % len(self.locations)
 
     def call(self, what: str, fn: Callable[[fl.FlightClient, fl.FlightCallOptions], Any]) -> Any:
@@ -132,9 +163,12 @@ class _Connection:
             while True:
                 if self.closing.is_set():
                     raise StoreUnavailable(f"replay reader closed while {what} waited")
-                index, client = self._current()
+                index, held = self._acquire()
                 try:
-                    return fn(client, self.options)
+                    try:
+                        return fn(held.client, self.options)
+                    finally:
+                        self._release(held)
                 except (fl.FlightUnauthenticatedError, fl.FlightUnauthorizedError) as e:
                     raise ValidationError(f"replay server {self.locations[index]} refused {what}: {proto.message(e)}",
                                           rule="unauthorized") from None
@@ -185,9 +219,7 @@ class _Connection:
     def close(self) -> None:
         self.closing.set()
         with self._lock:
-            if self._client is not None:
-                self._client.close()
-                self._client = None
+            self._retire()
 
 
 def _error(location: str, what: str, text: str) -> TrajstoreError:
@@ -364,3 +396,12 @@ class ReplayReader(SampleReader):
             raise
         self._owns_store = owns
         store.payload.current_model_version = lambda: self.current_model_version
+
+    def close(self) -> None:
+        """Stop prefetching and close the connection this reader opened.
+
+        A call waiting out a server's hold or a failover gives up first, so
+        closing never waits for a server to come back."""
+        if self._owns_store:
+            self.store._conn.closing.set()
+        super().close()

@@ -30,10 +30,15 @@ store = trajstore.connect({url!r}, payload={str(tmp_path / 'pay')!r})
 with Writer(store, max_batch_events=8) as w:
     for i in range(10**6):
         w.extend([dict(e, trajectory_id=f"r-{{i}}") for e in trajectory_events(CONFIG, i % 64)])
+        if i == 0:
+            w.flush()
+            print("writing", flush=True)
 """
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        time.sleep(3)
+        # restarts begin once the writer has connected and stored a batch (a slow
+        # start under load must not meet a restart inside connect())
+        assert proc.stdout.readline().strip() == "writing", proc.communicate()[1][-2000:]
         for _ in range(14):
             fault_cluster.restart("immediate")
             time.sleep(0.5)

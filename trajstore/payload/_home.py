@@ -36,10 +36,13 @@ from sqlalchemy import Engine, func, inspect, select, update
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
 from trajstore.errors import PayloadLocationError, StoreUnavailable, first_line
-from trajstore.payload import filesystem_of, is_uri
+from trajstore.payload._store import filesystem_of, is_uri
 from trajstore.schema import segments, store_settings
 
 log = logging.getLogger(__name__)
+
+__all__ = ["LOCATION", "ENV", "recorded_form", "opened_form", "same_place", "read_recorded", "resolve", "holds",
+           "set_location", "move", "count_segments"]
 
 LOCATION = "payload_location"
 ENV = "TRAJSTORE_PAYLOAD_DIR"

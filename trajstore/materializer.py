@@ -61,7 +61,8 @@ from trajstore import _facts as facts
 from trajstore.errors import CorruptStoreError, PayloadMissingError, StoreUnavailable, TrajstoreError, ValidationError
 from trajstore.fold import DEFAULT_POLICY, FoldMetrics, FoldPolicy, FoldResult, fold
 from trajstore.log.base import SAMPLES_KIND, Repoint, Shard, StaleState, shard_index_of
-from trajstore.payload import SegmentRows, rows_per_batch
+from trajstore.payload import SegmentRows
+from trajstore.payload._format import rows_per_batch
 from trajstore.sample import Sample
 from trajstore._samples import SAMPLE_BATCH_BYTES, RoutesPlan, sample_table
 

@@ -36,7 +36,7 @@ from sqlalchemy import Engine, func, inspect, select, update
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
 from trajstore.errors import PayloadLocationError, StoreUnavailable, first_line
-from trajstore.payload._store import filesystem_of, is_uri
+from trajstore.payload._filesystem import filesystem_of, is_uri
 from trajstore.schema import segments, store_settings
 
 log = logging.getLogger(__name__)

@@ -95,7 +95,7 @@ def main() -> None:
                   f"{r_local['appends_per_s']:.0f} appends/s")
             # GC: files nothing references, written before the grace (0 s); one request at a
             # time (as before), then the parallel collection
-            import trajstore.payload as payload_mod
+            import trajstore.payload._store as payload_mod
             from trajstore._pools import LazyPool
 
             for threads in (1, payload_mod._GC_THREADS):

@@ -16,12 +16,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from trajstore.demo.simulate import RolloutConfig, trajectory_events
-from trajstore import payload
+from trajstore.payload import _direct, _store
 from trajstore.errors import CorruptStoreError, ValidationError
 from trajstore.events import parse_event
 from trajstore.fold import fold
 from trajstore.log.base import EventLog
-from trajstore.payload import PayloadStore, binary_chunks, column_chunks, list_column
+from trajstore.payload import PayloadStore
+from trajstore.payload._columns import binary_chunks, column_chunks, list_column
 from trajstore._samples import (PlannedRoutes, RoutesPlan, read_segment_samples, routes_column, sample_table,
                                 samples_from_table)
 from test_fold_step import EXPERTS, TID, trajectories
@@ -116,8 +117,8 @@ def test_routes_column_nulls_and_planned_among_plain_arrays():
 def test_a_writer_that_copies_the_placeholder_gets_the_routes_built_first(tmp_path, monkeypatch, caplog):
     plain = [s for r in _folded() for s in r.samples]
     fast = [s for r in _folded(RoutesPlan()) for s in r.samples]
-    write = payload._Image.write
-    monkeypatch.setattr(payload._Image, "write", lambda self, data: write(self, bytes(data)))  # copies all
+    write = _direct._Image.write
+    monkeypatch.setattr(_direct._Image, "write", lambda self, data: write(self, bytes(data)))  # copies all
     p = PayloadStore(str(tmp_path))
     _write_planned(p, "samples-fast.arrow", fast, 4)
     assert "not written in place" in caplog.text
@@ -221,9 +222,9 @@ def test_read_many_an_empty_or_garbled_segment_is_corrupt_and_the_others_are_rea
 
 def test_sample_segments_are_mapped_with_huge_pages_log_segments_as_they_are(tmp_path, monkeypatch):
     """A sample segment (written with O_DIRECT) is first read into the page cache
-    through its map: asking for huge pages there makes it 2-MB folios (payload._huge)."""
+    through its map: asking for huge pages there makes it 2-MB folios (payload._store._huge)."""
     asked = []
-    monkeypatch.setattr(payload, "_huge", lambda m: asked.append(len(m)))
+    monkeypatch.setattr(_store, "_huge", lambda m: asked.append(len(m)))
     p = PayloadStore(str(tmp_path))
     _segment(p, "events-a.arrow", 3)
     plain = [s for r in _folded() for s in r.samples]

@@ -72,3 +72,52 @@ def test_routes_from_export_still_decodes_an_export(tmp_path):
         routes = routes_from_export(table, 0)
     assert routes.shape == sample.routed_experts.shape
     np.testing.assert_array_equal(routes, sample.routed_experts)
+
+
+# names ``trajstore.payload`` exported before they became internals -> where they live now
+PAYLOAD_INTERNALS = {
+    "list_column": ("trajstore.payload._columns", "list_column"),
+    "binary_column": ("trajstore.payload._columns", "binary_column"),
+    "column_chunks": ("trajstore.payload._columns", "column_chunks"),
+    "binary_chunks": ("trajstore.payload._columns", "binary_chunks"),
+    "routes_from_bytes": ("trajstore.payload._columns", "routes_from_bytes"),
+    "rows_per_batch": ("trajstore.payload._format", "rows_per_batch"),
+    "fsync_dir": ("trajstore.payload._durable", "fsync_path"),
+    "write_arrow_segment": ("trajstore.payload._direct", "write_arrow_segment"),
+    "filesystem_of": ("trajstore.payload._filesystem", "filesystem_of"),
+    "is_uri": ("trajstore.payload._filesystem", "is_uri"),
+    "S3_DEFAULTS": ("trajstore.payload._filesystem", "S3_DEFAULTS"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PAYLOAD_INTERNALS))
+def test_payload_internal_names_still_import_from_payload_with_a_warning(name):
+    import trajstore.payload as payload
+
+    module, new = PAYLOAD_INTERNALS[name]
+    with pytest.warns(DeprecationWarning, match=rf"trajstore\.payload\.{name} is internal now"):
+        got = getattr(payload, name)
+    assert got is getattr(importlib.import_module(module), new)
+
+
+def test_payload_public_names_do_not_warn():
+    import warnings
+
+    import trajstore.payload as payload
+
+    assert payload.__all__ == ["PayloadStore", "SegmentRows"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        from trajstore.payload import PayloadStore, SegmentRows  # noqa: F401
+    with pytest.raises(AttributeError):
+        payload.no_such_name  # noqa: B018
+
+
+def test_from_payload_import_an_internal_name_warns_at_the_importer():
+    code = ("import warnings; warnings.simplefilter('always')\n"
+            "from trajstore.payload import fsync_dir, list_column\n"
+            "from trajstore.payload._durable import fsync_path\n"
+            "assert fsync_dir is fsync_path\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/tmp")
+    assert out.returncode == 0, out.stderr
+    assert out.stderr.startswith("<string>:2: DeprecationWarning: trajstore.payload.fsync_dir is internal"), out.stderr

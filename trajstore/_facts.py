@@ -30,7 +30,8 @@ from trajstore.events import LOGPROB_PLACEHOLDER, Generation, Reward, Trajectory
 from trajstore.log.base import SAMPLES_KIND
 from trajstore.schema import events as events_table
 from trajstore._samples import SAMPLE_LIST_COLUMNS
-from trajstore.payload import SegmentRows, binary_column, list_column, routes_from_bytes
+from trajstore.payload import SegmentRows
+from trajstore.payload._columns import binary_column, list_column, routes_from_bytes
 
 __all__ = ["segment_table", "event_row", "trajectory_row", "state_from_row", "generations_from_log", "version_spans",
            "weight_versions_json", "weight_versions_from_json"]

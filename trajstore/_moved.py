@@ -36,6 +36,7 @@ MOVED: dict[str, str] = {
     "trajstore.report": "trajstore.inspect.report",
     "trajstore.export": "trajstore.inspect.export",
     "trajstore.ray_actors": "trajstore.scale.ray_actors",
+    "trajstore._payload_home": "trajstore.payload._home",
 }
 
 

@@ -24,7 +24,7 @@ from typing import Any, Iterable, Iterator, Sequence
 import numpy as np
 import pyarrow as pa
 
-from trajstore.payload import binary_chunks, column_chunks, list_column, routes_from_bytes
+from trajstore.payload._columns import binary_chunks, column_chunks, list_column, routes_from_bytes
 from trajstore.sample import Sample
 
 __all__ = ["sample_table", "sample_columns", "routes_column", "RoutesPlan", "PlannedRoutes", "DeferredRoutes", "samples_from_table", "read_segment_samples", "load_samples",
@@ -207,7 +207,7 @@ class DeferredRoutes:
     untouched anonymous map: it costs no memory, and reads as zeros should
     anything read it). The segment writer recognises its address and calls
     ``fill(dest, start)`` for bytes ``[start, start + len(dest))`` instead of
-    copying it (``payload.write_arrow_segment``), and checks with ``covered``
+    copying it (``payload._direct.write_arrow_segment``), and checks with ``covered``
     that every byte was filled that way."""
 
     def __init__(self, routes: Sequence[PlannedRoutes | None], offsets: np.ndarray) -> None:

@@ -152,7 +152,7 @@ def _index_engines(args: argparse.Namespace):
 
 
 def _cmd_payload(args: argparse.Namespace) -> int:
-    from trajstore import _payload_home as home
+    from trajstore.payload import _home as home
 
     if args.action == "show":
         url, _, read_engine = _index_engines(args)

@@ -61,7 +61,8 @@ from trajstore import _facts as facts
 from trajstore.errors import CorruptStoreError, PayloadMissingError, StoreUnavailable, TrajstoreError, ValidationError
 from trajstore.fold import DEFAULT_POLICY, FoldMetrics, FoldPolicy, FoldResult, fold
 from trajstore.log.base import SAMPLES_KIND, Repoint, Shard, StaleState, shard_index_of
-from trajstore.payload import SegmentRows, rows_per_batch
+from trajstore.payload import SegmentRows
+from trajstore.payload._format import SegmentKind, rows_per_batch
 from trajstore.sample import Sample
 from trajstore._samples import SAMPLE_BATCH_BYTES, RoutesPlan, sample_table
 
@@ -152,12 +153,12 @@ class Materializer:
         if projection is None:
             self.index = store.materialized
             self.policy = DEFAULT_POLICY
-            self._segment_prefix = "samples"
+            self._segment_prefix = SegmentKind.SAMPLES.prefix
         else:
             self.index = store.materialized.projection(projection)
             row = self.index.row
             self.policy = FoldPolicy(row["merge"], row["observation"], row["routes"])
-            self._segment_prefix = f"samples-{row['token']}"
+            self._segment_prefix = f"{SegmentKind.SAMPLES.prefix}{row['token']}-"
 
     def pending(self, *, all_shards: bool = False) -> int:
         """Finished trajectories of this shard after its checkpoint: its backlog,
@@ -216,7 +217,8 @@ class Materializer:
         finished = kept
         folded, unfoldable, gen_rows, held = self._fold(mine)
         last = finished[-1]["position"]
-        seg_name = f"{self._segment_prefix}-{self.shard_index}of{self.num_shards}-{position + 1:012d}-{last:012d}.arrow"
+        seg_name = (f"{self._segment_prefix}{self.shard_index}of{self.num_shards}-{position + 1:012d}-{last:012d}"
+                    f"{SegmentKind.SAMPLES.suffix}")
         samples = [s for r in folded.values() for s in r.samples]
         calls = [c for r in folded.values() for c in r.calls_per_sample]
         metrics = sum((r.metrics for r in folded.values()), FoldMetrics())
@@ -299,8 +301,8 @@ class Materializer:
             if not attempted:
                 continue
             first, last = finished[0]["position"], finished[-1]["position"]
-            seg_name = (f"samples-{self.shard_index}of{self.num_shards}-refold-{first:012d}-{last:012d}-"
-                        f"{uuid.uuid4().hex[:12]}.arrow")
+            seg_name = (f"{SegmentKind.SAMPLES.prefix}{self.shard_index}of{self.num_shards}-refold-{first:012d}-"
+                        f"{last:012d}-{uuid.uuid4().hex[:12]}{SegmentKind.SAMPLES.suffix}")
             samples = [s for r in folded.values() for s in r.samples]
             calls = [c for r in folded.values() for c in r.calls_per_sample]
             finished_at = {f["trajectory_id"]: f["position"] for f in finished}

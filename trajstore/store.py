@@ -23,7 +23,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
 
 from trajstore import _facts as facts
-from trajstore import _payload_home
+from trajstore.payload import _home as _payload_home
 from trajstore._pools import LazyPool
 from trajstore._admission import Admitted, RecordedRoutes, TrajectoryState, admit_batch
 from trajstore.errors import (CommitUnknownError, ConflictError, ContentionError, StoreUnavailable, TrajstoreError,
@@ -33,6 +33,7 @@ from trajstore.events import (Event, Generation, TrajectoryFinished, TrajectoryS
 from trajstore.log.base import EventLog, Repoint, SampleIndex, StaleState, TrajectoryWrite
 from trajstore.log.sql import open_sql
 from trajstore.payload import PayloadStore, SegmentRows
+from trajstore.payload._format import SegmentKind
 from trajstore.sample import Sample
 
 __all__ = ["Store", "AppendCheck", "AppendResult", "connect", "DEFAULT_URL", "dialect_of", "resolve_url"]
@@ -367,7 +368,7 @@ class Store:
         tables = self.payload.read_locators(live)
         parts = [tables[r["segment"]].row(int(r["segment_row"])) for r in live]
         table = pa.concat_tables(parts, promote_options="default").combine_chunks()
-        name = self.payload.new_name("events", ".arrow")
+        name = SegmentKind.EVENTS.new_name()
         size = self.payload.write(name, table, rows_per_batch=1)
         seg_row = {"name": name, "kind": "events", "num_rows": len(live), "num_bytes": size,
                    "created_at": time.time()}

@@ -1,4 +1,4 @@
-"""The reserve of empty log segment files (payload._Reserve): appends fill
+"""The reserve of empty log segment files (payload._reserve.Reserve): appends fill
 files made ahead of them, and nothing a removed, stale or inherited reserve
 file could do loses an acknowledged event or leaves a referenced file missing."""
 
@@ -12,10 +12,10 @@ import pyarrow as pa
 import pytest
 
 import trajstore
-import trajstore.payload as payload_mod
+import trajstore.payload._reserve as reserve_mod
 from trajstore.demo.simulate import RolloutConfig, trajectory_events
 from trajstore.errors import StoreUnavailable
-from trajstore.payload import list_column
+from trajstore.payload._columns import list_column
 
 CFG = RolloutConfig(turns=3, prompt_tokens=20, output_tokens=10, observation_tokens=4, layers=3, topk=2)
 
@@ -114,7 +114,7 @@ def test_stale_reserved_files_are_deleted_not_used(tmp_path, monkeypatch):
     store = trajstore.connect(f"sqlite:///{tmp_path}/r.db", payload=str(tmp_path / "p"))
     store.append(trajectory_events(CFG, 0))
     held = _held(store)
-    monkeypatch.setattr(payload_mod, "_RESERVE_MAX_AGE_S", 0.0)
+    monkeypatch.setattr(reserve_mod, "_RESERVE_MAX_AGE_S", 0.0)
     second = trajectory_events(CFG, 1)
     store.append(second)
     (used,) = _segments_of(store, second[0]["trajectory_id"])
@@ -165,7 +165,7 @@ print(len(s.payload._reserve.held()))
 
 def test_close_waits_for_a_refill_in_flight_and_leaves_no_file(tmp_path, monkeypatch):
     store = trajstore.connect(f"sqlite:///{tmp_path}/r.db", payload=str(tmp_path / "p"))
-    real_fsync_dir = payload_mod.fsync_dir
+    real_fsync_dir = reserve_mod.fsync_path
     started = []
 
     def slow_fsync_dir(path):  # the refill's directory fsync, slowed down so close() lands mid-refill
@@ -174,7 +174,7 @@ def test_close_waits_for_a_refill_in_flight_and_leaves_no_file(tmp_path, monkeyp
             time.sleep(0.5)
         real_fsync_dir(path)
 
-    monkeypatch.setattr(payload_mod, "fsync_dir", slow_fsync_dir)
+    monkeypatch.setattr(reserve_mod, "fsync_path", slow_fsync_dir)
     store.append(trajectory_events(CFG, 0))  # the reserve is empty: a refill begins
     deadline = time.monotonic() + 10
     while not started:

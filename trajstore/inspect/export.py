@@ -25,7 +25,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from trajstore.errors import TrajstoreError
-from trajstore.payload import fsync_dir
+from trajstore.payload._durable import fsync_path
 from trajstore.sample import Sample
 from trajstore._samples import sample_columns
 
@@ -92,7 +92,7 @@ def export_samples(
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.exporting-", dir=parent)
     try:
         counts = _write_parts(samples, tmp, rows_per_file, progress)
-        fsync_dir(tmp)
+        fsync_path(tmp)
         _swap_into_place(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -155,7 +155,7 @@ def _swap_into_place(tmp: str, out_dir: str) -> None:
         else:
             os.rmdir(out_dir)
     os.rename(tmp, out_dir)
-    fsync_dir(os.path.dirname(out_dir))
+    fsync_path(os.path.dirname(out_dir))
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 

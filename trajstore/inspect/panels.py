@@ -654,6 +654,7 @@ def _read_samples(payload: str, rows: Sequence[Sequence[Any]]) -> list[Any]:
     import pyarrow.parquet as pq
 
     from trajstore._samples import samples_from_table
+    from trajstore.payload._format import SegmentKind
 
     parsed = urlparse(payload)
     if parsed.scheme and len(parsed.scheme) > 1 and parsed.scheme != "file":
@@ -666,7 +667,7 @@ def _read_samples(payload: str, rows: Sequence[Sequence[Any]]) -> list[Any]:
     out = []
     for segment, wanted in by_segment.items():
         path = f"{root.rstrip('/')}/{segment}"
-        if segment.endswith(".parquet"):
+        if SegmentKind.of(segment) is SegmentKind.SAMPLES_PARQUET:
             with fs.open_input_file(path) as f:
                 table = pq.read_table(f)
             out.extend(samples_from_table(table, wanted))

@@ -21,6 +21,7 @@ from typing import Any
 import pyarrow as pa
 import sqlalchemy as sa
 
+from trajstore.payload._format import SegmentKind
 from trajstore.schema import samples as samples_table
 
 __all__ = ["BadRequest", "ROWS_SCHEMA", "ROW_COUNT", "complete", "counted", "decode", "encode", "message", "rows_table"]
@@ -41,7 +42,9 @@ UNAVAILABLE = "store unavailable"
 RATE_LIMITED = "rate limited"
 INTERNAL = "internal error"
 
-_SEGMENT = re.compile(r"samples-[A-Za-z0-9_.-]{1,200}\.(arrow|parquet)")
+# what a sample segment's name may hold between its kind's prefix and suffix
+_SEGMENT_STEM = re.compile(r"[A-Za-z0-9_.-]{1,200}")
+_SAMPLE_KINDS = (SegmentKind.SAMPLES, SegmentKind.SAMPLES_PARQUET)
 _WHERE_KEYS = {"status", "min_model_version", "max_model_version", "group_id", "trajectory_ids",
                "max_finished_position"}
 
@@ -112,9 +115,15 @@ def _check_rows(req: dict) -> None:
     _int(req, "page_rows", lo=1, hi=MAX_PAGE_ROWS, optional=False)
 
 
+def _is_sample_segment(name: str) -> bool:
+    kind = SegmentKind.of(name)
+    return (kind in _SAMPLE_KINDS and name.startswith(kind.prefix)
+            and _SEGMENT_STEM.fullmatch(name[len(kind.prefix):-len(kind.suffix)]) is not None)
+
+
 def _check_samples(req: dict) -> None:
     segment = req.get("segment")
-    if not isinstance(segment, str) or not _SEGMENT.fullmatch(segment) or ".." in segment:
+    if not isinstance(segment, str) or not _is_sample_segment(segment) or ".." in segment:
         raise BadRequest(f"segment must name a sample segment (samples-*.arrow or .parquet), got {segment!r:.80}")
     rows = req.get("rows")
     if not (isinstance(rows, list) and 0 < len(rows) <= MAX_SEGMENT_ROWS

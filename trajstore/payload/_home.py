@@ -36,10 +36,14 @@ from sqlalchemy import Engine, func, inspect, select, update
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
 from trajstore.errors import PayloadLocationError, StoreUnavailable, first_line
-from trajstore.payload import filesystem_of, is_uri
+from trajstore.payload._filesystem import filesystem_of, is_uri
+from trajstore.payload._format import SegmentKind
 from trajstore.schema import segments, store_settings
 
 log = logging.getLogger(__name__)
+
+__all__ = ["LOCATION", "ENV", "recorded_form", "opened_form", "same_place", "read_recorded", "resolve", "holds",
+           "set_location", "move", "count_segments"]
 
 LOCATION = "payload_location"
 ENV = "TRAJSTORE_PAYLOAD_DIR"
@@ -226,7 +230,7 @@ def move(store: Any, target: str, *, delete_old: bool = False,
     def copy_pass() -> int:
         n = 0
         for name, _ in store.payload.list_names():
-            if name.endswith(".tmp") or name in copied:
+            if SegmentKind.of(name) is SegmentKind.TEMPORARY or name in copied:
                 continue
             src = store.payload.path(name)
             dst = f"{dst_root.rstrip('/')}/{name}"

@@ -1,0 +1,52 @@
+"""Making local files durable: fsync by path, the one atomic durable write, quiet unlink.
+
+A segment is durable before the SQL transaction that names it commits: its
+bytes (fsync of the file) and its directory entry (fsync of the directory).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import uuid
+from typing import Callable, TypeVar
+
+from trajstore.payload._format import SegmentKind
+
+__all__ = ["fsync_path", "fdatasync", "replace_durably", "unlink_quietly"]
+
+T = TypeVar("T")
+
+# fdatasync where the OS has it (Linux); fsync elsewhere (macOS has no fdatasync).
+fdatasync = getattr(os, "fdatasync", os.fsync)
+
+
+def fsync_path(path: str) -> None:
+    """fsync a file or a directory by its path: a file's written pages (whatever
+    descriptor wrote them), or a directory's entries (new, renamed files)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def replace_durably(path: str, directory: str, write: Callable[[str], T]) -> T:
+    """Create ``path`` (in ``directory``) atomically and durably, replacing any file
+    there: ``write(temporary)`` creates a temporary file beside it and makes it
+    durable; it is renamed into place and the directory fsynced. A reader that has
+    the old file open keeps it whole. On failure the temporary file is removed."""
+    target = f"{path}.{uuid.uuid4().hex}{SegmentKind.TEMPORARY.suffix}"
+    try:
+        out = write(target)
+        os.replace(target, path)
+        fsync_path(directory)
+        return out
+    except BaseException:
+        unlink_quietly(target)
+        raise
+
+
+def unlink_quietly(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(path)

@@ -1,0 +1,95 @@
+"""A payload location (a local path or a filesystem URI) as a pyarrow filesystem.
+
+``s3://`` locations take trajstore's own options in their query (timeouts,
+retries: ``S3_DEFAULTS``; docs/deploy.md, "Object storage"); other URIs are
+pyarrow's.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+from urllib.parse import urlparse
+
+import pyarrow as pa
+import pyarrow.fs as pafs
+
+from trajstore.errors import StoreUnavailable, first_line
+
+__all__ = ["is_uri", "filesystem_of", "join", "S3_DEFAULTS"]
+
+
+def is_uri(location: str) -> bool:
+    """A filesystem URI (``s3://...``, ``gs://...``), not a local path (``file://`` is local)."""
+    scheme = urlparse(location).scheme
+    return bool(scheme) and len(scheme) > 1 and scheme != "file"
+
+
+# S3 options trajstore reads from an ``s3://`` location's query (docs/deploy.md,
+# "Object storage"), with its defaults: an unresponsive server fails an append
+# within about connect + request timeout x attempts, never hangs it.
+S3_DEFAULTS = {"connect_timeout": 5.0, "request_timeout": 30.0, "retries": 3}
+_S3_FLOAT = ("connect_timeout", "request_timeout")
+_S3_STR = ("region", "scheme", "endpoint_override", "access_key", "secret_key", "session_token", "role_arn",
+           "tls_ca_file_path")
+_S3_BOOL = ("anonymous", "force_virtual_addressing", "allow_bucket_creation", "background_writes")
+
+
+def _s3_filesystem(location: str) -> tuple[pafs.FileSystem, str]:
+    """An ``S3FileSystem`` from ``s3://[KEY:SECRET@]bucket/path?option=value&...``: the
+    options pyarrow's own URI parser knows, plus the timeouts and ``retries`` it
+    refuses there (``S3_DEFAULTS``); an unknown option is refused by name."""
+    from urllib.parse import parse_qsl, unquote
+
+    parsed = urlparse(location)
+    opts: dict[str, Any] = {}
+    numbers = dict(S3_DEFAULTS)
+    for key, value in parse_qsl(parsed.query, keep_blank_values=True):
+        try:
+            if key in _S3_FLOAT:
+                numbers[key] = float(value)
+            elif key == "retries":
+                numbers[key] = int(value)
+            elif key in _S3_STR:
+                opts[key] = value
+            elif key in _S3_BOOL:
+                opts[key] = value.lower() in ("1", "true", "yes")
+            else:
+                raise ValueError(f"unknown option {key!r} (known: {', '.join(sorted((*_S3_FLOAT, 'retries', *_S3_STR, *_S3_BOOL)))})")
+        except ValueError as e:
+            raise StoreUnavailable(f"payload location {_no_secret(location)!r}: {key}={value!r}: {e}") from None
+    if parsed.username:
+        opts.setdefault("access_key", unquote(parsed.username))
+        opts.setdefault("secret_key", unquote(parsed.password or ""))
+    fs = pafs.S3FileSystem(connect_timeout=numbers["connect_timeout"], request_timeout=numbers["request_timeout"],
+                           retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=max(1, numbers["retries"])),
+                           **opts)
+    return fs, f"{parsed.hostname or ''}{parsed.path}".rstrip("/")
+
+
+def _no_secret(location: str) -> str:
+    p = urlparse(location)
+    if p.password is None:
+        return location
+    return location.replace(f":{p.password}@", ":***@", 1)
+
+
+def filesystem_of(location: str) -> tuple[pafs.FileSystem, str, bool]:
+    """``(filesystem, root path in it, is local)`` of a payload location; creates nothing."""
+    if is_uri(location):
+        try:
+            if urlparse(location).scheme == "s3":
+                fs, root = _s3_filesystem(location)
+            else:
+                fs, root = pafs.FileSystem.from_uri(location)
+        except (pa.ArrowInvalid, ValueError, OSError) as e:
+            raise StoreUnavailable(f"payload location {_no_secret(location)!r}: {first_line(e)}") from None
+        return fs, root, False
+    parsed = urlparse(location)
+    path = parsed.path if parsed.scheme == "file" else location
+    return pafs.LocalFileSystem(), os.path.abspath(path), True
+
+
+def join(root: str, name: str) -> str:
+    """The path of file ``name`` under ``root``, in any pyarrow filesystem."""
+    return f"{root.rstrip('/')}/{name}"

@@ -36,6 +36,9 @@ MOVED: dict[str, str] = {
     "trajstore.report": "trajstore.inspect.report",
     "trajstore.export": "trajstore.inspect.export",
     "trajstore.ray_actors": "trajstore.scale.ray_actors",
+    # the SQL index, split by job (docs/design.md); its engines' internals
+    "trajstore.log.sql": "trajstore.log._open",
+    "trajstore.log.sqlite": "trajstore.log._sqlite",
 }
 
 

@@ -72,3 +72,18 @@ def test_routes_from_export_still_decodes_an_export(tmp_path):
         routes = routes_from_export(table, 0)
     assert routes.shape == sample.routed_experts.shape
     np.testing.assert_array_equal(routes, sample.routed_experts)
+
+
+def test_the_split_sql_index_keeps_its_old_names():
+    # trajstore.log.sql was split by job; every name it exported still comes through the old path
+    sys.modules.pop("trajstore.log.sql", None)
+    with pytest.warns(DeprecationWarning, match="trajstore.log.sql is deprecated"):
+        old = importlib.import_module("trajstore.log.sql")
+    from trajstore.log._events import SqlEventLog
+    from trajstore.log._errors import translate
+    from trajstore.log._samples import SqlProjectionIndex, SqlSampleIndex
+    assert sorted(old.__all__) == sorted(["SqlEventLog", "SqlSampleIndex", "SqlProjectionIndex", "first_line",
+                                          "open_sql", "translate", "RELEASED"])
+    assert (old.SqlEventLog, old.SqlSampleIndex, old.SqlProjectionIndex, old.translate) == (
+        SqlEventLog, SqlSampleIndex, SqlProjectionIndex, translate)
+    assert old.RELEASED == "trajectory_released"

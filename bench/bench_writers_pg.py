@@ -16,7 +16,7 @@ client CPU (user + system) per append.
 
 ``counter-row`` replays the old position scheme (every append takes its
 positions from the ``log_head`` row, its lock held to COMMIT) for the before
-figures; ``sequence`` is what the store does now (trajstore.log.sql,
+figures; ``sequence`` is what the store does now (trajstore.log._dialect,
 "Positions").
 """
 
@@ -38,7 +38,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import trajstore  # noqa: E402
-import trajstore.log.sql as logsql  # noqa: E402
+from trajstore.log._dialect import PostgreSQL  # noqa: E402
 
 COUNTER_ROW = ("WITH k AS (SELECT %s::bigint AS n), "
                "h AS (UPDATE log_head SET position = position + (SELECT n FROM k) WHERE id = 1 RETURNING position) "
@@ -120,13 +120,7 @@ def _events(w: int, i: int, payload: tuple[list[int], list[int], np.ndarray]) ->
 
 def writer(url: str, w: int, positions: str, ready: "mp.Barrier", seconds: float, out: "mp.Queue") -> None:
     if positions == "counter-row":
-        orig_init = logsql._DriverSql.__init__
-
-        def init(self, dialect):  # the old statement, returning one row per position
-            orig_init(self, dialect)
-            self.take_positions = COUNTER_ROW
-
-        logsql._DriverSql.__init__ = init
+        PostgreSQL.take_positions = COUNTER_ROW  # the old statement, returning one row per position
     store = trajstore.connect(url, migrate=False)
     payloads = _payloads(np.random.default_rng(w))
     store.append(_events(w, -1, payloads[0])[0])  # connections and imports warm

@@ -94,7 +94,10 @@ def paired(before: str, after: str, rounds: int) -> None:
 def steps(tree: str, rounds: int) -> None:
     bp, trajstore, _, wire = _load(tree)
     import trajstore._facts as facts
-    import trajstore.log.sql as lsql
+    try:
+        import trajstore.log._events as lsql
+    except ImportError:  # a tree from before the SQL index was split by job
+        import trajstore.log.sql as lsql
     import trajstore.payload as pl
     import trajstore.store as st
 

@@ -121,3 +121,18 @@ def test_from_payload_import_an_internal_name_warns_at_the_importer():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/tmp")
     assert out.returncode == 0, out.stderr
     assert out.stderr.startswith("<string>:2: DeprecationWarning: trajstore.payload.fsync_dir is internal"), out.stderr
+
+
+def test_the_split_sql_index_keeps_its_old_names():
+    # trajstore.log.sql was split by job; every name it exported still comes through the old path
+    sys.modules.pop("trajstore.log.sql", None)
+    with pytest.warns(DeprecationWarning, match="trajstore.log.sql is deprecated"):
+        old = importlib.import_module("trajstore.log.sql")
+    from trajstore.log._events import SqlEventLog
+    from trajstore.log._errors import translate
+    from trajstore.log._samples import SqlProjectionIndex, SqlSampleIndex
+    assert sorted(old.__all__) == sorted(["SqlEventLog", "SqlSampleIndex", "SqlProjectionIndex", "first_line",
+                                          "open_sql", "translate", "RELEASED"])
+    assert (old.SqlEventLog, old.SqlSampleIndex, old.SqlProjectionIndex, old.translate) == (
+        SqlEventLog, SqlSampleIndex, SqlProjectionIndex, translate)
+    assert old.RELEASED == "trajectory_released"

@@ -37,6 +37,9 @@ MOVED: dict[str, str] = {
     "trajstore.export": "trajstore.inspect.export",
     "trajstore.ray_actors": "trajstore.scale.ray_actors",
     "trajstore._payload_home": "trajstore.payload._home",
+    # the SQL index, split by job (docs/design.md); its engines' internals
+    "trajstore.log.sql": "trajstore.log._open",
+    "trajstore.log.sqlite": "trajstore.log._sqlite",
 }
 
 

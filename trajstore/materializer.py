@@ -2,7 +2,7 @@
 
 One step:
   1. read the next ``max_trajectories`` ``trajectory_finished`` events after this
-     shard's checkpoint (positions are gap-free, see ``trajstore.log.sql``);
+     shard's checkpoint (positions are gap-free, see ``trajstore.log._dialect``);
   2. keep the trajectories of this shard (crc32 of the id mod ``num_shards``),
      rebuild their generation commands from the log and fold them (pure);
   3. write the samples to one payload segment whose name is a function of
@@ -20,7 +20,7 @@ A trajectory with a generation whose ``weight_versions`` labels were not in
 the label map when it was appended is folded only once every such label is
 mapped: at its ``trajectory_finished`` if they were all mapped before it,
 else at the ``trajectory_released`` event the log adds when the last one is
-(``trajstore.log.sql._write_labels``). Until then it is *held back*: counted
+(``trajstore.log._events._write_labels``). Until then it is *held back*: counted
 (``num_held_back``), logged with the label, and visible in SQL and ``trajstore
 info``; the checkpoint moves on (docs/materializer.md, "Held back on a
 version label").

@@ -31,7 +31,8 @@ from trajstore.errors import (CommitUnknownError, ConflictError, ContentionError
 from trajstore.events import (Event, Generation, TrajectoryFinished, TrajectoryStarted, VersionLabel, content_hash,
                               decimal_label, identity_of, parse_events, same_content)
 from trajstore.log.base import EventLog, Repoint, SampleIndex, StaleState, TrajectoryWrite
-from trajstore.log.sql import open_sql
+from trajstore.log._errors import opening_error
+from trajstore.log._open import open_sql
 from trajstore.payload import PayloadStore, SegmentRows
 from trajstore.payload._format import SegmentKind
 from trajstore.sample import Sample
@@ -115,11 +116,10 @@ class Store:
             try:
                 upgrade(write_engine)
             except Exception as e:  # driver errors at first contact: one clear line
-                from sqlalchemy.exc import OperationalError
-
-                if isinstance(e, OperationalError):
-                    raise StoreUnavailable(f"cannot open store {_safe(url)}: {first_line(e)}") from None
-                raise
+                error = opening_error(e, f"cannot open store {_safe(url)}")
+                if error is e:
+                    raise
+                raise error from None
         # the payload location the store recorded (refusing a disagreeing one) before any payload I/O
         location = _payload_home.resolve(url, write_engine, read_engine, payload,
                                          lambda: backend.default_payload_dir(url), record=migrate)
@@ -688,7 +688,7 @@ def _trajectory_writes(admitted: Sequence[Admitted], rows: Mapping[str, Any]) ->
 
 
 def dialect_of(url: str):
-    """The dialect module for a store URL (``trajstore.log.sqlite`` or
+    """The engines' module for a store URL (``trajstore.log._sqlite`` or
     ``trajstore.log.postgres``: engines, timeouts, default payload dir);
     ValidationError (rule ``url``) for anything else."""
     try:
@@ -697,7 +697,7 @@ def dialect_of(url: str):
         raise ValidationError(f"not a store URL: {url!r} (use sqlite:///path.db or postgresql+psycopg://...)",
                               rule="url") from None
     if name == "sqlite":
-        from trajstore.log import sqlite as backend
+        from trajstore.log import _sqlite as backend
     elif name == "postgresql":
         from trajstore.log import postgres as backend
     else:
@@ -729,14 +729,16 @@ def _require_sqlite_file(url: str, *, missing_ok: bool = False) -> None:
 def _require_schema(url: str, engine: Any) -> None:
     """For ``create=False``: the database must hold trajstore's schema (Alembic's table)."""
     from sqlalchemy import inspect as sa_inspect
-    from sqlalchemy.exc import DBAPIError
 
     try:
         with engine.connect() as conn:
             present = sa_inspect(conn).has_table("alembic_version")
-    except DBAPIError as e:
+    except Exception as e:
+        error = opening_error(e, f"cannot open store {_safe(url)}")
+        if error is e:
+            raise
         engine.dispose()
-        raise StoreUnavailable(f"cannot open store {_safe(url)}: {first_line(e)}") from None
+        raise error from None
     if not present:
         engine.dispose()
         raise StoreUnavailable(f"no store at {_safe(url)} (trajstore init, ingest or demo makes one)")

@@ -21,7 +21,7 @@ def _pause(marker: str) -> None:
 
 def main(url: str, payload: str, job: str, where: str, nth: int, marker: str) -> None:
     import trajstore
-    from trajstore.log import sql
+    from trajstore.log._transaction import Database
     from trajstore.payload import PayloadStore
 
     seen = {"n": 0}
@@ -46,22 +46,22 @@ def main(url: str, payload: str, job: str, where: str, nth: int, marker: str) ->
             setattr(PayloadStore, attr, paused(getattr(PayloadStore, attr)))
     elif where == "in_transaction":
         what_prefix = "committing samples" if job == "materialize" else "compacting"
-        transaction = sql._Db.transaction
+        transaction = Database.transaction
 
         @functools.wraps(transaction)
-        def paused_transaction(self, what, body, landed=None):
+        def paused_transaction(self, what, body, landed=None, **kw):
             if not what.startswith(what_prefix):
-                return transaction(self, what, body, landed)
+                return transaction(self, what, body, landed, **kw)
 
-            def body_then_pause(conn):
-                result = body(conn)
+            def body_then_pause(conn, dialect):
+                result = body(conn, dialect)
                 if due():
                     _pause(marker)
                 return result
 
-            return transaction(self, what, body_then_pause, landed)
+            return transaction(self, what, body_then_pause, landed, **kw)
 
-        sql._Db.transaction = paused_transaction
+        Database.transaction = paused_transaction
     else:
         raise SystemExit(f"unknown pause point {where!r}")
     store = trajstore.connect(url, payload=payload)

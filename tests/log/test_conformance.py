@@ -13,14 +13,14 @@ from sqlalchemy import text
 import trajstore
 from trajstore.errors import IndexInvariantError, StoreUnavailable, TrajstoreError, ValidationError
 from trajstore.log.base import EventLog, SampleIndex, Shard, StaleState, TrajectoryWrite
-from trajstore.log.sql import open_sql
+from trajstore.log._open import open_sql
 
 from pg_cluster import free_loopback_port
 
 
 def _engines(url: str):
     if url.startswith("sqlite"):
-        from trajstore.log import sqlite as backend
+        from trajstore.log import _sqlite as backend
     else:
         from trajstore.log import postgres as backend
     return backend.make_engines(url)

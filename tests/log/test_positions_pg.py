@@ -1,6 +1,6 @@
 """PostgreSQL positions from a sequence: appends do not wait for each other, and
 the materializer's tail never skips a transaction held open while later ones
-commit (trajstore.log.sql, "Positions")."""
+commit (trajstore.log._dialect, "Positions")."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from sqlalchemy import select, text
 
 import trajstore
-import trajstore.log.sql as logsql
+import trajstore.log._events as logsql
 from trajstore.materializer import Materializer
 from trajstore.schema import events, samples
 from tests.helpers import finished, gen, started

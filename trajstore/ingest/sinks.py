@@ -17,6 +17,7 @@ from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 from trajstore.errors import StoreUnavailable, TrajstoreError, ValidationError
+from trajstore.log._errors import retriable_error
 from trajstore.ingest._event_dicts import json_default
 from trajstore.ingest._http import error_class
 from trajstore.ingest.arrow_body import ARROW_CONTENT_TYPE, encode_arrow_events
@@ -54,33 +55,16 @@ class StoreSink:
         try:
             self.store.append(events)
         except Exception as e:
-            retriable = _retriable_driver_error(e)
+            # the store translates driver errors itself; this is the writer's second line
+            # of defence, so that a database restart never fails trajectories
+            retriable = retriable_error(e, self.name)
             if retriable is not None:
-                raise StoreUnavailable(f"{self.name}: {retriable}") from None
+                raise retriable from None
             raise
 
     def close(self) -> None:
         if self._owned:
             self.store.close()
-
-
-def _retriable_driver_error(e: Exception) -> str | None:
-    """One line when ``e`` is a database driver error meaning "lost the
-    connection" (worth retrying: the pool reconnects), else None.
-
-    The store translates these itself; this is the writer's second line of
-    defence, so that a database restart never fails trajectories.
-    """
-    try:
-        from sqlalchemy import exc as sa_exc
-    except ImportError:  # pragma: no cover - sqlalchemy is a core dependency
-        return None
-    if isinstance(e, (sa_exc.OperationalError, sa_exc.InterfaceError)) or (
-        isinstance(e, sa_exc.DBAPIError) and e.connection_invalidated
-    ):
-        lines = str(getattr(e, "orig", None) or e).strip().splitlines()
-        return f"database connection failed: {lines[0] if lines else type(e).__name__}"
-    return None
 
 
 def encode_events(events: list[dict]) -> bytes:

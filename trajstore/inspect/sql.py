@@ -72,13 +72,13 @@ def read_only(url: str | None, *, timeout_s: float | None = None) -> Iterator[Qu
     All queries see one snapshot. The schema is brought up to date first
     (as every command does), so the views exist on a store made by an
     older trajstore."""
-    from trajstore.log import sqlite
+    from trajstore.log import _sqlite
     from trajstore.store import dialect_of, resolve_url
 
     url = resolve_url(url)
     dialect = dialect_of(url)
     _upgrade(url, dialect)
-    opener = _sqlite_reader if dialect is sqlite else _postgres_reader
+    opener = _sqlite_reader if dialect is _sqlite else _postgres_reader
     with opener(url, timeout_s) as query:
         yield query
 

@@ -31,8 +31,9 @@ Contract, shared by every backend (and checked by
   identity or a trajectory's creation, and a checkpoint that moved.
 * **Idempotency** is the caller's (identities are looked up before admission);
   the unique identity key makes a lost race a ``StaleState``, never a duplicate.
-* **Errors.** Every driver error is translated at one boundary around the
-  whole transaction (``trajstore.log.sql``); nothing from the driver escapes:
+* **Errors.** Every driver error is translated at one boundary
+  (``trajstore.log._errors``), around the whole transaction
+  (``trajstore.log._transaction``); nothing from the driver escapes:
 
   ==========================================  ==================================
   failure                                     raises
@@ -60,11 +61,16 @@ from typing import Any, Callable, Collection, Iterator, Mapping, Sequence
 from trajstore.errors import ValidationError
 
 __all__ = ["EventLog", "SampleIndex", "Shard", "StaleState", "TrajectoryWrite", "shard_index_of", "SAMPLES_KIND",
-           "Repoint"]
+           "Repoint", "RELEASED"]
 
 SAMPLES_KIND = "samples"
 """``events.segment_kind`` of an event whose payload locator was re-pointed to
 the sample row it was folded into (NULL: its own row of a log segment)."""
+
+RELEASED = "trajectory_released"
+"""``events.type`` of the row the log adds when a version_label completes the
+labels of a finished trajectory that was held back: the materializer folds
+the trajectory there (docs/materializer.md, "Held back on a version label")."""
 
 
 class StaleState(Exception):
@@ -262,7 +268,7 @@ class EventLog(ABC):
         ``trajectory_id``, ``status`` and ``seq_len``, the trajectory's tokens
         (None when it has no row)."""
         rows = self.read_events(after_position=after_position, limit=limit,
-                                types=["trajectory_finished", "trajectory_released"])
+                                types=["trajectory_finished", RELEASED])
         trajs = self.load_trajectories({r["trajectory_id"] for r in rows})
         return [{"position": r["position"], "trajectory_id": r["trajectory_id"], "status": r["status"],
                  "seq_len": trajs[r["trajectory_id"]]["seq_len"] if r["trajectory_id"] in trajs else None}
@@ -289,15 +295,13 @@ class EventLog(ABC):
         when the backend commits in position order (no bound is needed)."""
         return None
 
+    @abstractmethod
     def finished_ids_after(self, after_position: int) -> list[str]:
-        """Ids of the trajectories finished after ``after_position`` (position order)."""
-        return [r["trajectory_id"] for r in self.read_events(after_position=after_position, limit=1 << 62,
-                                                             types=["trajectory_finished"])]
+        """Ids of the trajectories finished (or released) after ``after_position``, in position order."""
 
+    @abstractmethod
     def finished_status(self, trajectory_ids: Collection[str]) -> dict[str, str]:
         """The status of each trajectory's ``trajectory_finished`` event (absent: not finished)."""
-        return {t: r["status"] for t, rows in self.trajectory_events(trajectory_ids).items()
-                for r in rows if r["type"] == "trajectory_finished"}
 
 
 class SampleIndex(ABC):

@@ -1,7 +1,7 @@
-"""PostgreSQL dialect hooks: the production backend (psycopg 3).
+"""PostgreSQL engines: the production backend (psycopg 3).
 
 Transactions run at READ COMMITTED; appends take positions from the sequence
-``log_positions`` and never wait for each other (see ``trajstore.log.sql``).
+``log_positions`` and never wait for each other (see ``trajstore.log._dialect``).
 
 Timeouts (docs/log.md, "Timeouts"): a server that accepts TCP and never
 answers must not hang a command. Two URL query parameters, both named as

@@ -52,7 +52,7 @@ def upgrade() -> None:
     sa.Column('position', sa.BigInteger(), nullable=False),
     sa.PrimaryKeyConstraint('id')
     )
-    # The single counter row appenders take positions from (trajstore.log.sql).
+    # The single counter row appenders take positions from (trajstore.log._dialect).
     op.bulk_insert(sa.table('log_head', sa.column('id', sa.Integer), sa.column('position', sa.BigInteger)),
                    [{'id': 1, 'position': 0}])
     op.create_table('materializer_checkpoints',

@@ -18,7 +18,7 @@ one (docs/deploy.md, "Where the payload lives").
 
 On PostgreSQL, log positions come from the sequence ``log_positions`` instead
 of the ``log_head`` row, whose lock serialized every append
-(``trajstore.log.sql``, docs/log.md "Positions"). The sequence starts after
+(``trajstore.log._dialect``, docs/log.md "Positions"). The sequence starts after
 the head. Stop every writer of an older version before upgrading: it would
 still take positions from ``log_head``. ``log_head`` stays (SQLite uses it;
 the downgrade moves it past every stored position).

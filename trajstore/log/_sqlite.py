@@ -1,4 +1,4 @@
-"""SQLite dialect hooks: the embedded, serverless default.
+"""SQLite engines: the embedded, serverless default.
 
 * WAL journal so readers never block the writer; ``synchronous=FULL`` so a
   committed append survives power loss (acknowledged = durable).

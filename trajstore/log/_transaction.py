@@ -1,0 +1,155 @@
+"""The engines of one database and the one transaction wrapper every index statement runs in.
+
+Every read (``reading``, ``reading_cursor``) and every write transaction
+(``transaction``) checks a connection out through ``_connected``, which hands
+whatever the driver raises, from connect to COMMIT, to the error boundary
+(``_errors.translate``). A transaction runs on a SQLAlchemy ``Connection`` or,
+on the hot paths (``raw=True``), on a pooled driver cursor: the append's few
+small statements cost more in SQLAlchemy's per-statement execution context
+(~0.1 ms each) than SQLite took to run them (docs/benchmarks.md, "Append:
+where the time goes"); driver errors there are wrapped as SQLAlchemy would
+wrap them (a lost connection is invalidated) before they are translated.
+
+A connection lost *during* COMMIT is different: the commit may have landed.
+Then the transaction's ``landed`` check runs on a fresh connection (retrying
+with ``trajstore._backoff.Backoff`` while the server recovers); if the
+transaction is there the call succeeds, otherwise ``CommitUnknownError``
+tells the caller to keep the payload and retry.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, TypeVar
+
+from sqlalchemy import Connection, Engine
+
+from trajstore._backoff import Backoff
+from trajstore.errors import CommitUnknownError, first_line
+from trajstore.log._dialect import SqlDialect, sql_dialect
+from trajstore.log._errors import lost_connection, translate, wrapped
+
+__all__ = ["Database", "RESOLVE_S"]
+
+log = logging.getLogger("trajstore.log")
+
+RESOLVE_S = 30.0  # how long to try to find out whether a commit whose connection broke landed
+T = TypeVar("T")
+
+
+def _quietly(fn: Callable[[], Any]) -> None:
+    try:
+        fn()
+    except Exception:  # the connection is already broken: nothing more to learn from it
+        pass
+
+
+class Database:
+    """The write and read engines (they may be the same), their dialect object,
+    and the one transaction wrapper."""
+
+    def __init__(self, write_engine: Engine, read_engine: Engine) -> None:
+        self.write_engine = write_engine
+        self.read_engine = read_engine
+        self.dialect: SqlDialect = sql_dialect(write_engine)
+
+    @contextmanager
+    def _connected(self, what: str, engine: Engine, raw: bool) -> Iterator[Any]:
+        """A connection of ``engine`` (``raw``: a pooled driver connection), closed
+        afterwards (the pool's reset rolls back what was left open); every error
+        raised meanwhile leaves translated."""
+        conn = None
+        try:
+            conn = engine.raw_connection() if raw else engine.connect()
+            yield conn
+        except Exception as e:
+            raise translate(wrapped(e, conn if raw else None, engine, what) if raw else e, what) from None
+        finally:
+            if conn is not None:
+                _quietly(conn.close)
+
+    @contextmanager
+    def reading(self, what: str) -> Iterator[Connection]:
+        """A SQLAlchemy connection of the read engine, in one read transaction."""
+        with self._connected(what, self.read_engine, raw=False) as conn:
+            yield conn
+
+    def reading_cursor(self, what: str, body: Callable[[Any, SqlDialect], T]) -> T:
+        """``body(cursor, dialect)`` in one read transaction on a pooled driver
+        connection of the read engine (the append's reads)."""
+        d = self.dialect
+        with self._connected(what, self.read_engine, raw=True) as raw:
+            cur = raw.cursor()
+            try:
+                if d.begin_read:
+                    cur.execute(d.begin_read)
+                return body(cur, d)
+            finally:
+                _quietly(cur.close)
+
+    def transaction(self, what: str, body: Callable[[Any, SqlDialect], T],
+                    landed: Callable[[Connection, T], bool] | None = None, *, raw: bool = False) -> T:
+        """Run ``body(conn, dialect)`` in one write transaction and commit it;
+        translate every error. ``conn`` is a SQLAlchemy ``Connection``, or with
+        ``raw`` a driver cursor.
+
+        ``landed(conn, result)`` tells, on a fresh connection, whether the
+        transaction committed; it is asked when the connection breaks during
+        COMMIT."""
+        d, engine = self.dialect, self.write_engine
+        with self._connected(what, engine, raw) as conn:
+            cur = conn.cursor() if raw else None
+            try:
+                try:
+                    if raw:
+                        if d.begin_write:
+                            cur.execute(d.begin_write)
+                        commit = conn.commit
+                    else:
+                        commit = conn.begin().commit
+                    result = body(cur if raw else conn, d)
+                except Exception:
+                    _quietly(conn.rollback)
+                    raise
+                try:
+                    commit()
+                except Exception as e:
+                    return self._after_failed_commit(what, wrapped(e, conn, engine, what) if raw else e,
+                                                     landed, result)
+                return result
+            finally:
+                if cur is not None:
+                    _quietly(cur.close)
+
+    def _after_failed_commit(self, what: str, e: BaseException, landed: Callable[[Connection, T], bool] | None,
+                             result: T) -> T:
+        """A COMMIT raised ``e``: the result if it landed after all, else the error to raise."""
+        if not lost_connection(e):
+            raise translate(e, what) from None  # the server refused the commit: rolled back
+        log.warning("%s: connection lost during COMMIT (%s); finding out whether it landed", what, first_line(e))
+        outcome = None if landed is None else self._find_out(what, lambda c: landed(c, result))
+        if outcome:
+            log.warning("%s: the commit had landed", what)
+            return result
+        state = "it is not visible" if outcome is False else "it could not be checked"
+        raise CommitUnknownError(f"{what}: connection lost during COMMIT ({first_line(e)}) and {state}; "
+                                 "retry (appends are idempotent)") from None
+
+    def _find_out(self, what: str, check: Callable[[Connection], bool]) -> bool | None:
+        """``check`` on a fresh connection, retried while the server recovers (None: it never answered)."""
+        backoff = Backoff(first_s=0.1, max_s=2.0)
+        while True:
+            try:
+                with self.read_engine.connect() as conn:
+                    return bool(check(conn))
+            except Exception as e:
+                if backoff.exhausted(RESOLVE_S):
+                    log.warning("%s: could not find out whether the commit landed: %s", what, first_line(e))
+                    return None
+            backoff.pause()
+
+    def close(self) -> None:
+        self.write_engine.dispose()
+        if self.read_engine is not self.write_engine:
+            self.read_engine.dispose()

@@ -28,8 +28,8 @@ from trajstore._pools import LazyPool
 from trajstore._admission import Admitted, RecordedRoutes, TrajectoryState, admit_batch
 from trajstore.errors import (CommitUnknownError, ConflictError, ContentionError, StoreUnavailable, TrajstoreError,
                               ValidationError, first_line)
-from trajstore.events import (Event, Generation, TrajectoryFinished, TrajectoryStarted, VersionLabel, content_hash,
-                              decimal_label, identity_of, parse_events, same_content)
+from trajstore.events import (ARRAY_FIELDS, Event, Generation, TrajectoryFinished, TrajectoryStarted, VersionLabel,
+                              content_hash, decimal_label, identity_of, parse_events, same_content)
 from trajstore.log.base import EventLog, Repoint, SampleIndex, StaleState, TrajectoryWrite
 from trajstore.log.sql import open_sql
 from trajstore.payload import PayloadStore, SegmentRows
@@ -660,9 +660,8 @@ _INLINE_DIGEST_BYTES = 16 << 20
 def _array_bytes(event: Event) -> int:
     if not isinstance(event, Generation):
         return 0
-    return sum(a.nbytes for a in (event.prompt_ids, event.output_ids, event.logprobs, event.loss_mask,
-                                  event.routed_experts, event.token_rewards, event.token_model_versions)
-               if a is not None)
+    arrays = (getattr(event, name) for name in ARRAY_FIELDS)
+    return sum(a.nbytes for a in arrays if a is not None)
 
 # One process-wide pool for the digests and the segment syncs (a thread per append cost ~1 ms).
 _DIGEST_POOL = LazyPool(max(1, min(4, os.cpu_count() or 1)), "trajstore-digest")

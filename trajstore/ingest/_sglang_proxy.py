@@ -38,7 +38,7 @@ from typing import Any, AsyncIterator, Callable
 
 from trajstore.errors import TrajstoreError, ValidationError
 from trajstore.ingest import proxy as _vllm_proxy
-from trajstore.ingest._http import HTTPError, error_response, server_token
+from trajstore.ingest._http import OPEN_PATHS, BearerAuth, HTTPError, error_response, server_token
 from trajstore.ingest.proxy import Recorder, Tag, tag_of
 from trajstore.ingest.sglang import (
     GenerateStreamAccumulator,
@@ -330,7 +330,7 @@ def make_sglang_proxy_app(store: Any, upstream: str, *, token: str | None = None
     app = FastAPI(title="trajstore recording proxy (SGLang)", version="1", lifespan=lifespan)
     app.state.recorder = fwd.recorder
     if token is not None:
-        app.add_middleware(_vllm_proxy._BearerAuth, token=token)
+        app.add_middleware(BearerAuth, token=token, open_paths=OPEN_PATHS)
 
     def post(path: str) -> None:
         async def handler(request: Request) -> Any:

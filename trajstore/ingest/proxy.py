@@ -69,7 +69,8 @@ import numpy as np
 from trajstore._admission import sequence_hash
 from trajstore.errors import TrajstoreError, ValidationError
 from trajstore.ingest._event_dicts import trajectory_started
-from trajstore.ingest._http import (UNAUTHORIZED, HTTPError, add_server_arguments, bearer_ok, error_response, run_server,
+# OPEN_PATHS: open without the token, as on every trajstore server (they change nothing, show no recorded data)
+from trajstore.ingest._http import (OPEN_PATHS, BearerAuth, HTTPError, add_server_arguments, error_response, run_server,
                                     server_token)
 from trajstore.ingest.vllm import (
     OpenAIStreamAccumulator,
@@ -91,8 +92,6 @@ log = logging.getLogger("trajstore.ingest.proxy")
 DEFAULT_PORT = 8701
 _HOP_BY_HOP = {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "trailer",
                "upgrade", "proxy-authorization", "proxy-authenticate", "accept-encoding"}
-# Open without the token: they change nothing and show no recorded data.
-OPEN_PATHS = frozenset({"/healthz", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
 TITO_PATH = "/inference/v1/generate"
 
 
@@ -230,27 +229,6 @@ def _forward_headers(headers: Any, *, authenticated: bool, upstream_api_key: str
     if upstream_api_key:
         out["Authorization"] = f"Bearer {upstream_api_key}"
     return out
-
-
-class _BearerAuth:
-    """ASGI middleware: every path outside OPEN_PATHS needs ``Authorization: Bearer <token>``.
-
-    A middleware rather than a check per handler, so an endpoint added later
-    is closed unless it is listed as open.
-    """
-
-    def __init__(self, app: Any, token: str) -> None:
-        self.app, self.token = app, token
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
-            await self.app(scope, receive, send)
-            return
-        header = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"), "")
-        if bearer_ok(header, self.token):
-            await self.app(scope, receive, send)
-            return
-        await error_response(401, UNAUTHORIZED, rule="unauthorized")(scope, receive, send)
 
 
 class _SSEData:
@@ -686,7 +664,7 @@ def make_proxy_app(store: Any, upstream: str, *, token: str | None = None, model
     app.state.forwarder = fwd
     app.state.commit_metrics = metrics
     if token is not None:
-        app.add_middleware(_BearerAuth, token=token)
+        app.add_middleware(BearerAuth, token=token, open_paths=OPEN_PATHS)
 
     def recorded(path: str) -> Callable:
         async def handler(request: Request) -> Any:

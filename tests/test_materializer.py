@@ -320,3 +320,14 @@ def test_sample_rows_index_the_merge(store):
                                    samples_table.c.prompt_len, samples_table.c.response_len)
                             .order_by(samples_table.c.sample_index)).all()
     assert [tuple(r) for r in rows] == [(0, 2, 1, 3), (1, 1, 1, 1)]
+
+
+@pytest.mark.parametrize("shard_index, num_shards", [(2, 2), (-1, 1), (0, 0)])
+def test_a_shard_outside_its_count_is_a_validation_error(tmp_path, shard_index, num_shards):
+    from trajstore.errors import ValidationError
+    from trajstore.materializer import Materializer
+
+    with trajstore.connect(f"sqlite:///{tmp_path}/s.db") as store:
+        with pytest.raises(ValidationError) as e:
+            Materializer(store, shard_index=shard_index, num_shards=num_shards)
+    assert isinstance(e.value, ValueError) and e.value.rule == "shard"

@@ -27,6 +27,7 @@ import pyarrow as pa
 from trajstore._admission import Admitted, StoredGeneration, TrajectoryState, resolve_weight_versions
 from trajstore.errors import CorruptStoreError
 from trajstore.events import LOGPROB_PLACEHOLDER, Generation, Reward, TrajectoryFinished, TrajectoryStarted, VersionLabel
+from trajstore.fold import first_model_version
 from trajstore.log.base import SAMPLES_KIND
 from trajstore.schema import events as events_table
 from trajstore._samples import SAMPLE_LIST_COLUMNS
@@ -143,7 +144,7 @@ def event_row(adm: Admitted, identity: str | None, content_hash: bytes, segment_
             has_token_rewards=ev.token_rewards is not None,
             finish_reason=ev.finish_reason,
             segment_row=segment_row,
-            min_model_version=_first_version(ev),
+            min_model_version=first_model_version(ev),
             version_spans=version_spans(ev),
             metadata=None if ev.metadata is None else dict(ev.metadata),
             weight_versions=weight_versions_json(ev),
@@ -155,11 +156,6 @@ def event_row(adm: Admitted, identity: str | None, content_hash: bytes, segment_
             unresolved_labels=s.unresolved,
         )
     return row
-
-
-def _first_version(g: Generation) -> int:
-    tv = g.token_model_versions
-    return g.model_version if tv is None or not len(tv) else int(tv[0])
 
 
 def trajectory_row(state: TrajectoryState, started: TrajectoryStarted | None) -> dict[str, Any]:

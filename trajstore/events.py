@@ -35,6 +35,8 @@ __all__ = [
     "VersionLabel",
     "FINISH_STATUSES",
     "LOGPROB_PLACEHOLDER",
+    "ARRAY_FIELDS",
+    "TOKEN_FIELDS",
     "decimal_label",
     "content_hash",
     "identity_of",
@@ -76,6 +78,13 @@ _FIELDS = {
     "trajectory_finished": frozenset({"type", "trajectory_id", "status", "event_id"}),
     "version_label": frozenset({"type", "label", "model_version", "event_id"}),
 }
+# The generation fields that are ARRAYs (``_wire``): a body decoder may parse them straight to numpy,
+# and a Generation's arrays are these attributes.
+ARRAY_FIELDS = ("prompt_ids", "output_ids", "logprobs", "loss_mask", "token_rewards", "token_model_versions",
+                "routed_experts")
+# The fields whose lengths are an event's tokens (``Generation.num_tokens``, the writers' batch budgets).
+TOKEN_FIELDS = ("prompt_ids", "output_ids")
+assert set(ARRAY_FIELDS) <= _FIELDS["generation"] and set(TOKEN_FIELDS) <= set(ARRAY_FIELDS)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -115,7 +124,7 @@ class Generation:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+        return sum(len(getattr(self, name)) for name in TOKEN_FIELDS)
 
 
 @dataclass(frozen=True, slots=True, eq=False)

@@ -64,7 +64,7 @@ from trajstore.events import LOGPROB_PLACEHOLDER, Generation, routes_dtype
 from trajstore.sample import Sample
 
 __all__ = ["FoldMetrics", "FoldPolicy", "FoldResult", "FoldTail", "FoldStep", "fold", "fold_step", "sequence_hash",
-           "EMPTY_HASH", "DEFAULT_POLICY"]
+           "EMPTY_HASH", "DEFAULT_POLICY", "first_model_version"]
 
 
 def sequence_hash(tokens: np.ndarray) -> bytes:
@@ -508,7 +508,7 @@ def _make_sample(
     rewards = [g.reward for g in group if g.reward is not None]
     # Over generated tokens (versions never decrease within a call, so its first
     # token has its oldest); a sample with no generated token still names the policy called.
-    producing = [(_first_version(g), g.model_version) for g in group if len(g.output_ids)] or [
+    producing = [(first_model_version(g), g.model_version) for g in group if len(g.output_ids)] or [
         (g.model_version, g.model_version) for g in group]
     return Sample(
         trajectory_id=traj.trajectory_id,
@@ -532,7 +532,9 @@ def _make_sample(
     )
 
 
-def _first_version(gen: Generation) -> int:
+def first_model_version(gen: Generation) -> int:
+    """The version that produced a generation's first output token (its per-token versions, else
+    ``model_version``): a sample's ``min_model_version`` and an event row's read it the same way."""
     tv = gen.token_model_versions
     return gen.model_version if tv is None or not len(tv) else int(tv[0])
 

@@ -138,14 +138,14 @@ class Materializer:
         transaction), cut earlier at ``max_batch_tokens`` tokens.
         ``batch_size`` is its old name (deprecated). ``projection``: fold into
         that named projection (its policy, samples and checkpoints) instead of
-        the default samples (docs/projections.md)."""
+        the default samples (docs/projections.md). ``shard_index`` of
+        ``num_shards`` (``Shard``): a ``ValidationError`` unless
+        ``0 <= shard_index < num_shards``."""
         max_trajectories = renamed("batch_size", "max_trajectories", batch_size, max_trajectories, 256)
-        if not 0 <= shard_index < num_shards:
-            raise ValueError(f"shard_index {shard_index} not in [0, {num_shards})")
+        self.shard = Shard(shard_index, num_shards)  # validates them (ValidationError, rule "shard")
         self.store = store
         self.shard_index = shard_index
         self.num_shards = num_shards
-        self.shard = Shard(shard_index, num_shards)
         self.max_trajectories = max_trajectories
         self.max_batch_tokens = max_batch_tokens
         self.progress = progress

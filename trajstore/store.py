@@ -12,7 +12,7 @@ import logging
 import os
 import threading
 import time
-from collections import OrderedDict
+from collections import ChainMap, OrderedDict
 from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
@@ -28,8 +28,8 @@ from trajstore._pools import LazyPool
 from trajstore._admission import Admitted, RecordedRoutes, TrajectoryState, admit_batch
 from trajstore.errors import (CommitUnknownError, ConflictError, ContentionError, StoreUnavailable, TrajstoreError,
                               ValidationError, first_line)
-from trajstore.events import (Event, Generation, TrajectoryFinished, TrajectoryStarted, VersionLabel, content_hash,
-                              decimal_label, identity_of, parse_events, same_content)
+from trajstore.events import (ARRAY_FIELDS, Event, Generation, TrajectoryFinished, TrajectoryStarted, VersionLabel,
+                              content_hash, decimal_label, identity_of, parse_events, same_content)
 from trajstore.log.base import EventLog, Repoint, SampleIndex, StaleState, TrajectoryWrite
 from trajstore.log._errors import opening_error
 from trajstore.log._open import open_sql
@@ -226,18 +226,7 @@ class Store:
                          stored: Mapping[str, bytes]) -> list[int]:
         """Indices of events not stored yet; identical retries dropped, conflicting ones refused.
         ``stored``: content hash of each of the batch's identities already in the log."""
-        first_in_batch: dict[str, int] = {}
-        fresh = []
-        for i, (ev, ident) in enumerate(parsed):
-            if ident is not None:
-                if ident in stored or ident in first_in_batch:
-                    known = stored[ident] if ident in stored else digests.get(first_in_batch[ident])
-                    if not same_content(known, ev, digests.get(i)):
-                        raise _conflict(ev, ident, i)
-                    continue
-                first_in_batch[ident] = i
-            fresh.append(i)
-        return fresh
+        return _split_retries(parsed, stored, digests.get)[0]
 
     def _write_segment(self, admitted: list[Admitted]) -> tuple[str | None, dict | None, dict[int, int]]:
         gens = [a for a in admitted if a.stored is not None]
@@ -513,17 +502,10 @@ class AppendCheck:
         if unknown:
             rows = log.load_trajectories(unknown)
             self._states.update({tid: facts.state_from_row(rows[tid]) if tid in rows else None for tid in unknown})
-        duplicates, fresh = [], []
-        for i, (ev, ident) in enumerate(parsed):
-            if ident is not None:
-                known, digest = self._seen.get(ident, stored.get(ident)), content_hash(ev)
-                if known is not None:
-                    if not same_content(known, ev, digest):
-                        raise _conflict(ev, ident, i)
-                    duplicates.append(i)  # a retry of a stored event, or a repeat: append skips it
-                    continue
-                self._seen[ident] = digest
-            fresh.append(i)
+        digests = _Digests([ev for ev, _ in parsed])
+        # a retry of a stored event, or a repeat: append skips it
+        fresh, duplicates, first = _split_retries(parsed, ChainMap(self._seen, stored), digests.get)
+        self._seen.update((ident, digests.get(i)) for ident, i in first.items())
         try:
             admitted = admit_batch([parsed[i][0] for i in fresh], self._states, self._sequence, self._labels)
         except ValidationError as e:
@@ -547,6 +529,30 @@ class AppendCheck:
         if trajectory_id in self._sequences:
             return self._sequences[trajectory_id]
         return self.store._current_sequence(trajectory_id)
+
+
+def _split_retries(parsed: Sequence[tuple[Event, str | None]], known: Mapping[str, bytes],
+                   digest: Callable[[int], bytes]) -> tuple[list[int], list[int], dict[str, int]]:
+    """The one duplicate rule of ``append`` and ``AppendCheck``: an event whose identity is
+    ``known`` (its content digest, stored or seen before) or came earlier in the batch is a retry,
+    dropped when its content is the same and refused (ConflictError) when it differs.
+    ``digest(i)``: the content digest of ``parsed[i]``, asked only of events with an identity that
+    repeat or are first in the batch (a caller may compute them lazily).
+    Returns (fresh indices, duplicate indices, identity -> index of its first fresh event)."""
+    first: dict[str, int] = {}
+    fresh: list[int] = []
+    duplicates: list[int] = []
+    for i, (ev, ident) in enumerate(parsed):
+        if ident is not None:
+            if ident in known or ident in first:
+                earlier = known[ident] if ident in known else digest(first[ident])
+                if not same_content(earlier, ev, digest(i)):
+                    raise _conflict(ev, ident, i)
+                duplicates.append(i)
+                continue
+            first[ident] = i
+        fresh.append(i)
+    return fresh, duplicates, first
 
 
 def _conflict(ev: Event, ident: str, index: int) -> ConflictError:
@@ -661,9 +667,8 @@ _INLINE_DIGEST_BYTES = 16 << 20
 def _array_bytes(event: Event) -> int:
     if not isinstance(event, Generation):
         return 0
-    return sum(a.nbytes for a in (event.prompt_ids, event.output_ids, event.logprobs, event.loss_mask,
-                                  event.routed_experts, event.token_rewards, event.token_model_versions)
-               if a is not None)
+    arrays = (getattr(event, name) for name in ARRAY_FIELDS)
+    return sum(a.nbytes for a in arrays if a is not None)
 
 # One process-wide pool for the digests and the segment syncs (a thread per append cost ~1 ms).
 _DIGEST_POOL = LazyPool(max(1, min(4, os.cpu_count() or 1)), "trajstore-digest")

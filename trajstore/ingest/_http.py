@@ -1,4 +1,4 @@
-"""What the two HTTP edges (the ingest service, the recording proxy) answer alike.
+"""What the HTTP edges (the ingest service, the recording proxies, the live report) answer alike.
 
 One error body, ``{"error": {"index", "trajectory_id", "rule", "message"}}``
 (``index`` and ``trajectory_id`` are null when no event is at fault), one
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import errno
-import hmac
 import json
 import logging
 import os
@@ -20,8 +19,9 @@ import sys
 import threading
 import time
 import urllib.request
-from typing import Any
+from typing import Any, Callable
 
+from trajstore._auth import bearer_token, same_token
 from trajstore.errors import ConflictError, StoreUnavailable, TrajstoreError, ValidationError
 
 __all__ = ["ERROR_STATUS", "OPEN_PATHS", "BearerAuth", "HTTPError", "UNAUTHORIZED", "add_server_arguments",
@@ -98,11 +98,9 @@ def error_response(status: int, message: str, *, rule: str) -> Any:
 
 
 def bearer_ok(header: str | None, token: str | None) -> bool:
-    """Whether an ``Authorization`` header carries ``Bearer <token>`` (always true without a token)."""
-    if token is None:
-        return True
-    scheme, _, given = (header or "").partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token.encode())
+    """Whether an ``Authorization`` header carries ``Bearer <token>`` (always true without a token;
+    the rule is ``trajstore._auth``'s, the replay server's too)."""
+    return token is None or same_token(bearer_token(header), token)
 
 
 # What any trajstore server answers without the token: health checks and the API's description.
@@ -115,18 +113,21 @@ class BearerAuth:
     Deny by default: an endpoint added later is closed unless it is listed
     as open. ``token=None`` lets everything through (the operator chose
     ``--insecure-no-auth``). ``on_deny(scope)`` is called for each refusal
-    (the ingest service counts it)."""
+    (the ingest service counts it). ``also_accept(scope)``: another
+    credential the server takes instead of the header (the live report's
+    cookie, which a browser sends on its own)."""
 
     def __init__(self, app: Any, token: str | None, open_paths: frozenset = OPEN_PATHS,
-                 on_deny: Any = None) -> None:
+                 on_deny: Any = None, also_accept: Callable[[Any], bool] | None = None) -> None:
         self.app, self.token, self.open_paths, self.on_deny = app, token, open_paths, on_deny
+        self.also_accept = also_accept
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if self.token is None or scope["type"] != "http" or scope["path"] in self.open_paths:
             await self.app(scope, receive, send)
             return
         header = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"), None)
-        if bearer_ok(header, self.token):
+        if bearer_ok(header, self.token) or (self.also_accept is not None and self.also_accept(scope)):
             await self.app(scope, receive, send)
             return
         if self.on_deny is not None:

@@ -13,13 +13,13 @@ from typing import Any
 
 import numpy as np
 
+from trajstore.events import ARRAY_FIELDS
 from trajstore.ingest._body import events_of
 from trajstore.ingest._http import HTTPError as _HTTPError
 
 __all__ = ["decode_json", "parse_body"]
 
-_ARRAY_FIELDS = frozenset({"prompt_ids", "output_ids", "logprobs", "loss_mask", "token_rewards",
-                           "token_model_versions", "routed_experts"})
+_ARRAY_FIELDS = frozenset(ARRAY_FIELDS)
 
 
 def parse_body(body: bytes | bytearray) -> tuple[list, int]:

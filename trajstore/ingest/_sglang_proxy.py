@@ -12,7 +12,9 @@ unchanged (a stream: recorded once it ended with ``data: [DONE]``, then a
 Naming the trajectory, ``X-Trajstore-*`` headers, the
 ``trajstore`` body field, ``POST /trajstore/finish``, auth and the
 ``X-Trajstore-Seq`` / ``X-Trajstore-Error`` answers are the vLLM proxy's
-(``trajstore.ingest.proxy``), whose recorder this uses.
+(``trajstore.ingest.proxy``), whose recorder, upstream forwarding
+(``_UpstreamForwarder``), app (``_proxy_app``) and SSE reading this uses:
+this module holds only what is SGLang's.
 
 Routes: SGLang returns raw int32 without a shape, so the proxy asks for
 them (``return_routed_experts``) only when it knows the layout: the call's
@@ -38,8 +40,8 @@ from typing import Any, AsyncIterator, Callable
 
 from trajstore.errors import TrajstoreError, ValidationError
 from trajstore.ingest import proxy as _vllm_proxy
-from trajstore.ingest._http import HTTPError, error_response, server_token
-from trajstore.ingest.proxy import Recorder, Tag, tag_of
+from trajstore.ingest._http import error_response, server_token
+from trajstore.ingest.proxy import Recorder, Tag, _BadCall, _proxy_app, _SSEData, _token_ids, _UpstreamForwarder, tag_of
 from trajstore.ingest.sglang import (
     GenerateStreamAccumulator,
     OpenAIStreamAccumulator,
@@ -59,43 +61,6 @@ _KINDS = {"/generate": "generate", "/v1/completions": "completions", "/v1/chat/c
 _PASSTHROUGH_GETS = ("/v1/models", "/model_info", "/get_model_info", "/server_info", "/get_server_info")
 
 
-class _BadCall(Exception):
-    def __init__(self, status: int, message: str, rule: str) -> None:
-        super().__init__(message)
-        self.status, self.rule = status, rule
-
-
-class _SSEData:
-    """``data:`` payloads of an SSE byte stream, as decoded JSON values (named events included).
-
-    ``done``: the ``data: [DONE]`` SGLang ends every stream with was seen;
-    ``bad``: why a data line could not be read, if one could not.
-    """
-
-    def __init__(self) -> None:
-        self._buffer = b""
-        self.done = False
-        self.bad: str | None = None
-
-    def feed(self, chunk: bytes) -> list:
-        self._buffer += chunk
-        *lines, self._buffer = self._buffer.split(b"\n")
-        out = []
-        for line in lines:
-            line = line.strip()
-            if not line.startswith(b"data:"):
-                continue
-            data = line[5:].strip()
-            if data == b"[DONE]":
-                self.done = True
-            elif data:
-                try:
-                    out.append(json.loads(data))
-                except ValueError:
-                    self.bad = self.bad or "a data line is not JSON"
-        return out
-
-
 async def _passthrough(resp: Any) -> AsyncIterator[bytes]:
     try:
         async for chunk in resp.aiter_raw():
@@ -104,27 +69,15 @@ async def _passthrough(resp: Any) -> AsyncIterator[bytes]:
         await resp.aclose()
 
 
-def _token_list(value: Any) -> bool:
-    return isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
-
-
-class SGLangForwarder:
+class SGLangForwarder(_UpstreamForwarder):
     """Forwards one call to SGLang and records it (the handlers of :func:`make_sglang_proxy_app`)."""
 
     def __init__(self, recorder: Recorder, upstream: str, *, model_version: int, num_experts: int | None,
                  timeout_s: float, authenticated: bool, upstream_api_key: str | None, layout: Any,
                  skip_recorded_routes: bool) -> None:
-        import httpx
-
-        self.recorder, self.upstream = recorder, upstream
-        self.model_version, self.num_experts = model_version, num_experts
-        self.authenticated, self.upstream_api_key = authenticated, upstream_api_key
+        super().__init__(recorder, upstream, model_version=model_version, num_experts=num_experts,
+                         timeout_s=timeout_s, authenticated=authenticated, upstream_api_key=upstream_api_key)
         self.layout, self.skip_recorded_routes = route_layout(layout), skip_recorded_routes
-        self.client = httpx.AsyncClient(base_url=upstream.rstrip("/"), timeout=httpx.Timeout(timeout_s, connect=10.0))
-
-    def headers(self, request: Any) -> dict:
-        return _vllm_proxy._forward_headers(request.headers, authenticated=self.authenticated,
-                                            upstream_api_key=self.upstream_api_key)
 
     def _layout_of(self, request: Any, body: dict) -> Any:
         extra = body.get("trajstore")
@@ -177,7 +130,7 @@ class SGLangForwarder:
             routed_experts_start_len_of(body)  # the caller's choice, checked, kept
             return
         prompt = body.get("input_ids") if kind == "generate" else body.get("prompt")
-        if not _token_list(prompt):
+        if not _token_ids(prompt):
             return
         try:
             start = await self.recorder.route_start(tag.trajectory_id, prompt)
@@ -225,8 +178,7 @@ class SGLangForwarder:
         except _BadCall as e:
             return error_response(e.status, str(e), rule=e.rule)
         except httpx.HTTPError as e:  # refused, reset, timed out, cut mid-body
-            return error_response(502, f"upstream {self.upstream} failed: {type(e).__name__}: "
-                                  f"{' '.join(str(e).split())}"[:500], rule="upstream_unreachable")
+            return self._unreachable(e)
         extra = {}
         if tag is not None and resp.status_code == 200:
             extra = await self.record_headers(tag, resp.content, self._events(kind, body, tag, layout))
@@ -291,17 +243,6 @@ class SGLangForwarder:
         if sse_media:
             yield "".join(f": {k}: {v}\n" for k, v in headers.items()).encode("utf-8", "replace") + b"\n"
 
-    async def finish(self, request: Any) -> Any:
-        try:
-            body = await request.json()
-            tid, status = body["trajectory_id"], body.get("status", "completed")
-            await self.recorder.finish(tid, status, body.get("reward"))
-        except ValidationError as e:
-            return HTTPError.from_error(e, message=str(e)).response()
-        except (ValueError, KeyError, TypeError) as e:
-            return error_response(400, f'body must be {{"trajectory_id", "status", "reward"?}} ({e})', rule="malformed_body")
-        return {"trajectory_id": tid, "status": status}
-
 
 def make_sglang_proxy_app(store: Any, upstream: str, *, token: str | None = None, model_version: int = 0,
                           num_experts: int | None = None, timeout_s: float = 600.0,
@@ -313,51 +254,24 @@ def make_sglang_proxy_app(store: Any, upstream: str, *, token: str | None = None
     for calls without an ``X-Trajstore-Route-Layout`` header; None: routes
     are asked for only by calls that name their layout.
     """
-    from contextlib import asynccontextmanager
-
-    from fastapi import FastAPI, Request
-    from fastapi.responses import Response
-
     fwd = SGLangForwarder(Recorder(store), upstream, model_version=model_version, num_experts=num_experts,
                           timeout_s=timeout_s, authenticated=token is not None, upstream_api_key=upstream_api_key,
                           layout=route_layout, skip_recorded_routes=skip_recorded_routes)
 
-    @asynccontextmanager
-    async def lifespan(app: Any):
-        yield
-        await fwd.client.aclose()
+    def post(path: str) -> Callable:
+        return lambda request: fwd.forward(request, path)
 
-    app = FastAPI(title="trajstore recording proxy (SGLang)", version="1", lifespan=lifespan)
-    app.state.recorder = fwd.recorder
-    if token is not None:
-        app.add_middleware(_vllm_proxy._BearerAuth, token=token)
+    def get(path: str) -> Callable:
+        async def call(request: Any) -> Any:
+            from fastapi.responses import Response
 
-    def post(path: str) -> None:
-        async def handler(request: Request) -> Any:
-            return await fwd.forward(request, path)
-        app.add_api_route(path, handler, methods=["POST"], name=path)
-
-    for path in _KINDS:
-        post(path)
-
-    def get(path: str) -> None:
-        async def handler(request: Request) -> Any:
             resp = await fwd.client.get(path, headers=fwd.headers(request))
             return Response(resp.content, status_code=resp.status_code, media_type=resp.headers.get("content-type"))
-        app.add_api_route(path, handler, methods=["GET"], name=path)
+        return call
 
-    for path in _PASSTHROUGH_GETS:
-        get(path)
-
-    @app.post("/trajstore/finish")
-    async def finish(request: Request) -> Any:
-        return await fwd.finish(request)
-
-    @app.get("/healthz")
-    async def healthz() -> dict:
-        return {"status": "ok"}
-
-    return app
+    routes = [("POST", path, path, post(path)) for path in _KINDS]
+    routes += [("GET", path, path, get(path)) for path in _PASSTHROUGH_GETS]
+    return _proxy_app(fwd, title="trajstore recording proxy (SGLang)", token=token, routes=routes)
 
 
 def add_cli_arguments(parser: argparse.ArgumentParser) -> None:

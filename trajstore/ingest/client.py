@@ -43,6 +43,7 @@ import numpy as np
 from trajstore._backoff import Backoff
 from trajstore._deprecated import renamed
 from trajstore.errors import StoreUnavailable, TrajstoreError, ValidationError, first_line
+from trajstore.events import TOKEN_FIELDS
 from trajstore.ingest._event_dicts import to_numpy, trajectory_started
 from trajstore.ingest.sinks import HttpSink, Sink, StoreSink, encode_events, error_from_response, make_sink
 
@@ -53,7 +54,7 @@ __all__ = ["HttpSink", "Sink", "StoreSink", "TrajectoryWriter", "Writer", "encod
 
 def _num_tokens(event: Mapping) -> int:
     total = 0
-    for key in ("prompt_ids", "output_ids"):
+    for key in TOKEN_FIELDS:
         value = event.get(key)
         if isinstance(value, Mapping):
             total += int(np.prod(value.get("shape") or [0]))

@@ -69,7 +69,8 @@ import numpy as np
 from trajstore._admission import sequence_hash
 from trajstore.errors import TrajstoreError, ValidationError
 from trajstore.ingest._event_dicts import trajectory_started
-from trajstore.ingest._http import (UNAUTHORIZED, HTTPError, add_server_arguments, bearer_ok, error_response, run_server,
+# OPEN_PATHS: open without the token, as on every trajstore server (they change nothing, show no recorded data)
+from trajstore.ingest._http import (OPEN_PATHS, BearerAuth, HTTPError, add_server_arguments, error_response, run_server,
                                     server_token)
 from trajstore.ingest.vllm import (
     OpenAIStreamAccumulator,
@@ -91,8 +92,6 @@ log = logging.getLogger("trajstore.ingest.proxy")
 DEFAULT_PORT = 8701
 _HOP_BY_HOP = {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "trailer",
                "upgrade", "proxy-authorization", "proxy-authenticate", "accept-encoding"}
-# Open without the token: they change nothing and show no recorded data.
-OPEN_PATHS = frozenset({"/healthz", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
 TITO_PATH = "/inference/v1/generate"
 
 
@@ -232,27 +231,6 @@ def _forward_headers(headers: Any, *, authenticated: bool, upstream_api_key: str
     return out
 
 
-class _BearerAuth:
-    """ASGI middleware: every path outside OPEN_PATHS needs ``Authorization: Bearer <token>``.
-
-    A middleware rather than a check per handler, so an endpoint added later
-    is closed unless it is listed as open.
-    """
-
-    def __init__(self, app: Any, token: str) -> None:
-        self.app, self.token = app, token
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
-            await self.app(scope, receive, send)
-            return
-        header = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"), "")
-        if bearer_ok(header, self.token):
-            await self.app(scope, receive, send)
-            return
-        await error_response(401, UNAUTHORIZED, rule="unauthorized")(scope, receive, send)
-
-
 class _SSEData:
     """Splits an SSE byte stream into ``data:`` payloads (decoded JSON values).
 
@@ -360,23 +338,94 @@ def _one_line(e: BaseException) -> str:
     return " ".join(text.split())[:500]
 
 
-class _Forwarder:
-    """Forwards one call to the upstream and records it (the proxy's handlers)."""
+class _UpstreamForwarder:
+    """What every engine's proxy does alike: the upstream client, the headers forwarded, the 502 of an
+    unreachable upstream, ``POST /trajstore/finish``. An engine's forwarder adds its calls' parsing,
+    forwarding and recording (``_Forwarder`` here for vLLM, ``_sglang_proxy.SGLangForwarder``)."""
 
     def __init__(self, recorder: Recorder, upstream: str, *, model_version: int, num_experts: int | None,
-                 timeout_s: float, authenticated: bool, upstream_api_key: str | None, version_map: VersionMap,
-                 skip_recorded_routes: bool) -> None:
+                 timeout_s: float, authenticated: bool, upstream_api_key: str | None) -> None:
         import httpx
 
         self.recorder, self.upstream = recorder, upstream
         self.model_version, self.num_experts = model_version, num_experts
         self.authenticated, self.upstream_api_key = authenticated, upstream_api_key
-        self.version_map, self.skip_recorded_routes = version_map, skip_recorded_routes
         self.client = httpx.AsyncClient(base_url=upstream.rstrip("/"), timeout=httpx.Timeout(timeout_s, connect=10.0))
-        self._noted_clients: set = set()
 
     def headers(self, request: Any) -> dict:
         return _forward_headers(request.headers, authenticated=self.authenticated, upstream_api_key=self.upstream_api_key)
+
+    def _unreachable(self, e: Exception) -> Any:
+        return error_response(502, f"upstream {self.upstream} failed: {type(e).__name__}: {' '.join(str(e).split())}"[:500],
+                              rule="upstream_unreachable")
+
+    async def finish(self, request: Any) -> Any:
+        try:
+            body = await request.json()
+            tid, status = body["trajectory_id"], body.get("status", "completed")
+            await self.recorder.finish(tid, status, body.get("reward"))
+        except ValidationError as e:
+            return HTTPError.from_error(e, message=str(e)).response()
+        except (ValueError, KeyError, TypeError) as e:
+            return error_response(400, f'body must be {{"trajectory_id", "status", "reward"?}} ({e})', rule="malformed_body")
+        return {"trajectory_id": tid, "status": status}
+
+
+def _proxy_app(fwd: _UpstreamForwarder, *, title: str, token: str | None,
+              routes: list[tuple[str, str, str, Callable[[Any], Any]]], on_close: Callable[[], None] | None = None) -> Any:
+    """The FastAPI app of a recording proxy: ``routes`` (method, path, name, ``call(request)``), then
+    ``POST /trajstore/finish`` and ``GET /healthz``; every path but ``OPEN_PATHS`` behind the token
+    (``token=None``: no auth). Its shutdown closes the upstream client, then ``on_close()``."""
+    from contextlib import asynccontextmanager
+
+    from fastapi import FastAPI, Request
+
+    @asynccontextmanager
+    async def lifespan(app: Any):
+        yield
+        await fwd.client.aclose()
+        if on_close is not None:
+            on_close()
+
+    app = FastAPI(title=title, version="1", lifespan=lifespan)
+    app.state.recorder = fwd.recorder
+    if token is not None:
+        app.add_middleware(BearerAuth, token=token, open_paths=OPEN_PATHS)
+
+    def handler_of(call: Callable[[Any], Any]) -> Callable:
+        async def handler(request: Request) -> Any:
+            return await call(request)
+        return handler
+
+    for method, path, name, call in routes:
+        app.add_api_route(path, handler_of(call), methods=[method], name=name)
+
+    @app.post("/trajstore/finish")
+    async def finish(request: Request) -> Any:
+        return await fwd.finish(request)
+
+    @app.get("/healthz")
+    async def healthz() -> dict:
+        return {"status": "ok"}
+
+    return app
+
+
+def _token_ids(value: Any) -> bool:
+    """Is ``value`` a non-empty list of token ids (ints, not bools)? Only then can a prompt continue a recording."""
+    return isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+class _Forwarder(_UpstreamForwarder):
+    """Forwards one call to vLLM and records it (the proxy's handlers)."""
+
+    def __init__(self, recorder: Recorder, upstream: str, *, model_version: int, num_experts: int | None,
+                 timeout_s: float, authenticated: bool, upstream_api_key: str | None, version_map: VersionMap,
+                 skip_recorded_routes: bool) -> None:
+        super().__init__(recorder, upstream, model_version=model_version, num_experts=num_experts,
+                         timeout_s=timeout_s, authenticated=authenticated, upstream_api_key=upstream_api_key)
+        self.version_map, self.skip_recorded_routes = version_map, skip_recorded_routes
+        self._noted_clients: set = set()
 
     def _events(self, kind: str, body: dict, tag: Tag) -> Callable[[Any], Callable[[int], list[dict]]]:
         """response -> (seq -> the call's generation events)."""
@@ -453,7 +502,7 @@ class _Forwarder:
             routed_experts_prompt_start_of(body)  # the caller's choice, checked, kept
             return
         prompt = body.get("token_ids") if kind == "tito" else body.get("prompt")
-        if not isinstance(prompt, list) or not prompt or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if not _token_ids(prompt):
             return
         try:
             start = await self.recorder.route_start(tag.trajectory_id, prompt)
@@ -462,10 +511,6 @@ class _Forwarder:
             return
         if start:
             params["routed_experts_prompt_start"] = start
-
-    def _unreachable(self, e: Exception) -> Any:
-        return error_response(502, f"upstream {self.upstream} failed: {type(e).__name__}: {' '.join(str(e).split())}"[:500],
-                              rule="upstream_unreachable")
 
     async def forward(self, request: Any, path: str) -> Any:
         import httpx
@@ -597,18 +642,6 @@ class _Forwarder:
             return {"X-Trajstore-Error": reason}
         return {"X-Trajstore-Label": f"{label}={version}"}
 
-    async def finish(self, request: Any) -> Any:
-        try:
-            body = await request.json()
-            tid, status = body["trajectory_id"], body.get("status", "completed")
-            await self.recorder.finish(tid, status, body.get("reward"))
-        except ValidationError as e:
-            return HTTPError.from_error(e, message=str(e)).response()
-        except (ValueError, KeyError, TypeError) as e:
-            return error_response(400, f'body must be {{"trajectory_id", "status", "reward"?}} ({e})', rule="malformed_body")
-        return {"trajectory_id": tid, "status": status}
-
-
 def _one_choice(events: list[dict]) -> list[dict]:
     if len(events) != 1:  # the request had n = 1 (checked): another count is the upstream's fault
         raise ValidationError(f"the upstream answered {len(events)} choices to a call with n = 1", rule="upstream_response")
@@ -655,10 +688,6 @@ def make_proxy_app(store: Any, upstream: str, *, token: str | None = None, model
     append each call's record on its own (see :class:`Recorder`);
     ``app.state.commit_metrics.commits`` counts the appends.
     """
-    from contextlib import asynccontextmanager
-
-    from fastapi import FastAPI, Request
-
     upstream = normalize_upstream(upstream)
     if isinstance(version_map, Mapping):
         # The labels go into the store's label map: every process resolves them, and a
@@ -674,43 +703,19 @@ def make_proxy_app(store: Any, upstream: str, *, token: str | None = None, model
                      upstream_api_key=upstream_api_key, version_map=version_map,
                      skip_recorded_routes=skip_recorded_routes)
 
-    @asynccontextmanager
-    async def lifespan(app: Any):
-        yield
-        await fwd.client.aclose()
-        if committer is not None:
-            committer.close()  # what is queued is appended first
-
-    app = FastAPI(title="trajstore recording proxy", version="1", lifespan=lifespan)
-    app.state.recorder = fwd.recorder
-    app.state.forwarder = fwd
-    app.state.commit_metrics = metrics
-    if token is not None:
-        app.add_middleware(_BearerAuth, token=token)
-
     def recorded(path: str) -> Callable:
-        async def handler(request: Request) -> Any:
-            return await fwd.forward(request, path)
-        return handler
+        return lambda request: fwd.forward(request, path)
 
     def forwarded(path: str) -> Callable:
-        async def handler(request: Request) -> Any:
-            return await fwd.relay(request, path)
-        return handler
+        return lambda request: fwd.relay(request, path)
 
-    for path in RECORDED:
-        app.add_api_route(path, recorded(path), methods=["POST"], name=f"record {path}")
-    for method, path in FORWARDED:
-        app.add_api_route(path, forwarded(path), methods=[method], name=f"forward {method} {path}")
-
-    @app.post("/trajstore/finish")
-    async def finish(request: Request) -> Any:
-        return await fwd.finish(request)
-
-    @app.get("/healthz")
-    async def healthz() -> dict:
-        return {"status": "ok"}
-
+    routes = [("POST", path, f"record {path}", recorded(path)) for path in RECORDED]
+    routes += [(method, path, f"forward {method} {path}", forwarded(path)) for method, path in FORWARDED]
+    # closing the committer appends what is queued first
+    app = _proxy_app(fwd, title="trajstore recording proxy", token=token, routes=routes,
+                    on_close=None if committer is None else committer.close)
+    app.state.forwarder = fwd
+    app.state.commit_metrics = metrics
     return app
 
 

@@ -28,7 +28,8 @@ from typing import Any, Callable
 from urllib.parse import parse_qs
 
 from trajstore.errors import StoreUnavailable, TrajstoreError, first_line
-from trajstore.ingest._http import UNAUTHORIZED, bearer_ok, error_body
+from trajstore._auth import same_token
+from trajstore.ingest._http import BearerAuth, error_body
 from trajstore.inspect import _report_page
 from trajstore.inspect.panels import DEFAULT_STUCK_AFTER_S, collect, plotly_js
 
@@ -46,12 +47,18 @@ def _cookie_value(token: str) -> str:
 
 
 def _cookie_ok(header: str | None, token: str) -> bool:
-    want = _cookie_value(token).encode()
+    want = _cookie_value(token)
     for part in (header or "").split(";"):
         name, _, value = part.strip().partition("=")
-        if name == COOKIE and hmac.compare_digest(value.encode(), want):
+        if name == COOKIE and same_token(value, want):
             return True
     return False
+
+
+def _cookie_of(scope: dict, token: str) -> bool:
+    """Whether the request carries the page's cookie (what a browser sends instead of the header)."""
+    header = next((v.decode("latin-1") for k, v in reversed(scope["headers"]) if k == b"cookie"), None)
+    return _cookie_ok(header, token)
 
 
 class _Snapshot:
@@ -130,25 +137,17 @@ def make_app(url: str | None, *, token: str | None, title: str = "trajstore repo
               Route(f"/{_report_page.PLOTLY_JS}", get_script, methods=["GET", "HEAD"]),
               Route("/api/data", get_data, methods=["GET", "HEAD"]),
               Route("/healthz", healthz, methods=["GET", "HEAD"])]
-    inner = Starlette(routes=routes)
+    # Deny by default, as on every trajstore server; no path is open, not even /healthz (the page is the run's data).
+    inner = BearerAuth(Starlette(routes=routes), token, open_paths=frozenset(),
+                       also_accept=None if token is None else lambda scope: _cookie_of(scope, token))
 
     async def app(scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await inner(scope, receive, send)  # lifespan
-            return
-        if token is not None:
-            headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        if token is not None and scope["type"] == "http":
             given = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("token")
-            if given and scope["path"] == "/" and scope["method"] in ("GET", "HEAD") \
-                    and hmac.compare_digest(given[-1].encode(), token.encode()):
+            if given and scope["path"] == "/" and scope["method"] in ("GET", "HEAD") and same_token(given[-1], token):
                 response: Any = RedirectResponse("./", status_code=303)
                 response.set_cookie(COOKIE, _cookie_value(token), httponly=True, samesite="strict", path="/")
                 await response(scope, receive, send)
-                return
-            by_header = "authorization" in headers and bearer_ok(headers["authorization"], token)
-            if not by_header and not _cookie_ok(headers.get("cookie"), token):
-                await JSONResponse(error_body(UNAUTHORIZED, rule="unauthorized"), status_code=401,
-                                   headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
                 return
         await inner(scope, receive, send)
 

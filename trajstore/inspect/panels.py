@@ -151,6 +151,26 @@ def _time_axis(fig: Any, clock: Clock, **kw: Any) -> None:
     fig.update_xaxes(title_text=f"time (UTC; {clock.width_s} s buckets)", **kw)
 
 
+def _version_axis(fig: Any, **kw: Any) -> None:
+    """An x axis of model versions: one category each (versions are labels, not a scale)."""
+    fig.update_xaxes(title_text="model version", type="category", **kw)
+
+
+def _with_right_axis(make_subplots: Any) -> Any:
+    """A figure with a second y axis on the right (``secondary_y=True`` traces)."""
+    return make_subplots(specs=[[{"secondary_y": True}]])
+
+
+def _right_axis(fig: Any, title: str, **kw: Any) -> None:
+    """The right y axis: from zero, its own ticks, and no grid of its own (the left axis's grid stays readable)."""
+    fig.update_yaxes(title_text=title, secondary_y=True, rangemode="tozero", showgrid=False, tickmode="auto", **kw)
+
+
+def _wide_left(make_subplots: Any, titles: Sequence[str], **kw: Any) -> Any:
+    """Two panels side by side, the left one (over time or a distribution) wider than the right (per version)."""
+    return make_subplots(rows=1, cols=2, column_widths=[0.62, 0.38], subplot_titles=tuple(titles), **kw)
+
+
 # -- the panels ---------------------------------------------------------------------
 
 def _ingest_sql(c: Clock) -> list[str]:
@@ -164,7 +184,7 @@ def _ingest_draw(c: Clock, r: list[QueryResult]) -> Any:
     if not r[0].rows:
         return "no engine calls yet"
     xs, (calls, gen, obs) = _filled(c, r[0].rows, 3)
-    fig = make_subplots(specs=[[{"secondary_y": True}]])
+    fig = _with_right_axis(make_subplots)
     fig.add_trace(go.Bar(x=xs, y=[v / c.width_s for v in calls], name="engine calls / s", opacity=0.6), secondary_y=False)
     fig.add_trace(go.Scatter(x=xs, y=[v / c.width_s for v in gen], name="generated tokens / s", mode="lines"),
                   secondary_y=True)
@@ -172,8 +192,7 @@ def _ingest_draw(c: Clock, r: list[QueryResult]) -> Any:
                              line=dict(dash="dot")), secondary_y=True)
     _time_axis(fig, c)
     fig.update_yaxes(title_text="calls / s", secondary_y=False, rangemode="tozero")
-    fig.update_yaxes(title_text="tokens / s", secondary_y=True, rangemode="tozero", showgrid=False,
-                     tickmode="auto")
+    _right_axis(fig, "tokens / s")
     return _layout(fig)
 
 
@@ -191,7 +210,7 @@ def _staleness_time_draw(c: Clock, r: list[QueryResult]) -> Any:
     if not rows:
         return "no materialized samples yet (trajstore materialize folds finished trajectories)"
     xs = [c.time_of(row[0]) for row in rows]
-    fig = make_subplots(specs=[[{"secondary_y": True}]])
+    fig = _with_right_axis(make_subplots)
     fig.add_trace(go.Scatter(x=xs, y=[_num(row[2]) for row in rows], name="mean staleness", mode="lines+markers",
                              customdata=[row[1] for row in rows],
                              hovertemplate="%{y:.2f} versions behind<br>%{customdata} samples"), secondary_y=False)
@@ -201,8 +220,7 @@ def _staleness_time_draw(c: Clock, r: list[QueryResult]) -> Any:
                              line=dict(shape="hv", color="grey")), secondary_y=True)
     _time_axis(fig, c)
     fig.update_yaxes(title_text="versions behind", secondary_y=False, rangemode="tozero")
-    fig.update_yaxes(title_text="policy version", secondary_y=True, rangemode="tozero", showgrid=False,
-                     tickmode="auto")
+    _right_axis(fig, "policy version")
     return _layout(fig)
 
 
@@ -245,7 +263,7 @@ def _running_draw(c: Clock, r: list[QueryResult]) -> Any:
     if not rows:
         return "no trajectories yet"
     xs = [c.time_of(row[0]) for row in rows]
-    fig = make_subplots(specs=[[{"secondary_y": True}]])
+    fig = _with_right_axis(make_subplots)
     fig.add_trace(go.Scatter(x=xs, y=[row[3] for row in rows], name="running at the bucket's end", mode="lines",
                              line=dict(shape="hv", width=3, color="#2ca02c")), secondary_y=False)
     fig.add_trace(go.Bar(x=xs, y=[row[1] for row in rows], name="started", opacity=0.45, marker_color="#1f77b4"),
@@ -254,8 +272,7 @@ def _running_draw(c: Clock, r: list[QueryResult]) -> Any:
                   secondary_y=True)
     _time_axis(fig, c)
     fig.update_yaxes(title_text="running trajectories", secondary_y=False, rangemode="tozero")
-    fig.update_yaxes(title_text="started / finished per bucket", secondary_y=True, rangemode="tozero", showgrid=False,
-                     tickmode="auto")
+    _right_axis(fig, "started / finished per bucket")
     return _layout(fig, barmode="group")
 
 
@@ -312,7 +329,7 @@ def _versions_draw(c: Clock, r: list[QueryResult]) -> Any:
     fig.add_trace(go.Bar(x=v, y=[row[1] for row in rows], name="generated tokens", showlegend=False), 1, 1)
     fig.add_trace(go.Bar(x=v, y=[row[2] - row[3] for row in rows], name="this version only"), 1, 2)
     fig.add_trace(go.Bar(x=v, y=[row[3] for row in rows], name="also other versions"), 1, 2)
-    fig.update_xaxes(title_text="model version", type="category")
+    _version_axis(fig)
     return _layout(fig, barmode="stack")
 
 
@@ -331,7 +348,7 @@ def _reward_version_draw(c: Clock, r: list[QueryResult]) -> Any:
                          text=[f"n={row[5]}" for row in rows], textposition="outside"), 1, 1)
     fig.add_trace(go.Bar(x=v, y=[_share(row[6], row[2]) for row in rows], name="failed"), 1, 2)
     fig.add_trace(go.Bar(x=v, y=[_share(row[7], row[2]) for row in rows], name="aborted"), 1, 2)
-    fig.update_xaxes(title_text="model version", type="category")
+    _version_axis(fig)
     fig.update_yaxes(tickformat=".0%", row=1, col=2)
     return _layout(fig, barmode="stack")
 
@@ -355,9 +372,8 @@ def _finish_draw(c: Clock, r: list[QueryResult]) -> Any:
     reasons = sorted({row[1] for row in per_time}, key=lambda s: (s != "length", s))
     calls = sum(row[1] for row in per_version)
     length = sum(row[2] for row in per_version)
-    fig = make_subplots(rows=1, cols=2, column_widths=[0.62, 0.38],
-                        subplot_titles=("finish reasons over time (share of calls)",
-                                        f"finish_reason = 'length' per version (run: {length / calls:.1%})"))
+    fig = _wide_left(make_subplots, ("finish reasons over time (share of calls)",
+                                     f"finish_reason = 'length' per version (run: {length / calls:.1%})"))
     for reason in reasons:
         pts = [(b, n) for b, rr, n in per_time if rr == reason]
         fig.add_trace(go.Scatter(x=[c.time_of(b) for b, _ in pts], y=[n / totals[b] for b, n in pts], name=reason,
@@ -366,8 +382,8 @@ def _finish_draw(c: Clock, r: list[QueryResult]) -> Any:
                          name="length", marker_color="#d62728", showlegend=False,
                          customdata=[[row[2], row[1]] for row in per_version],
                          hovertemplate="%{customdata[0]} of %{customdata[1]} calls"), 1, 2)
-    fig.update_xaxes(title_text=f"time (UTC; {c.width_s} s buckets)", row=1, col=1)
-    fig.update_xaxes(title_text="model version", type="category", row=1, col=2)
+    _time_axis(fig, c, row=1, col=1)
+    _version_axis(fig, row=1, col=2)
     fig.update_yaxes(tickformat=".0%", rangemode="tozero")
     return _layout(fig)
 
@@ -386,9 +402,8 @@ def _length_draw(c: Clock, r: list[QueryResult]) -> Any:
     bins, means = r[0].rows, r[1].rows
     if not bins:
         return "no engine calls yet"
-    fig = make_subplots(rows=1, cols=2, column_widths=[0.62, 0.38],
-                        subplot_titles=(f"tokens generated per call (bins of {c.length_bin}; newest versions)",
-                                        "mean / max per version"))
+    fig = _wide_left(make_subplots, (f"tokens generated per call (bins of {c.length_bin}; newest versions)",
+                                     "mean / max per version"))
     totals: dict[int, int] = {}
     for v, _, n in bins:
         totals[v] = totals.get(v, 0) + n
@@ -402,7 +417,7 @@ def _length_draw(c: Clock, r: list[QueryResult]) -> Any:
                              mode="markers", showlegend=False, marker=dict(symbol="diamond", size=9,
                                                                             color="black")), 1, 2)
     fig.update_xaxes(title_text="output tokens", row=1, col=1)
-    fig.update_xaxes(title_text="model version", type="category", row=1, col=2)
+    _version_axis(fig, row=1, col=2)
     fig.update_yaxes(tickformat=".0%", row=1, col=1)
     return _layout(fig, barmode="overlay")
 
@@ -425,7 +440,7 @@ def _groups_draw(c: Clock, r: list[QueryResult]) -> Any:
     xs = [c.time_of(row[0]) for row in rows]
     groups = sum(row[1] for row in rows)
     zero = sum(row[2] for row in rows)
-    fig = make_subplots(specs=[[{"secondary_y": True}]])
+    fig = _with_right_axis(make_subplots)
     fig.add_trace(go.Bar(x=xs, y=[row[1] - row[2] for row in rows], name="groups with reward variance"),
                   secondary_y=False)
     fig.add_trace(go.Bar(x=xs, y=[row[2] for row in rows], name="zero-variance groups (no advantage)",
@@ -434,8 +449,7 @@ def _groups_draw(c: Clock, r: list[QueryResult]) -> Any:
                              mode="lines+markers", line=dict(color="black")), secondary_y=True)
     _time_axis(fig, c)
     fig.update_yaxes(title_text="finished groups", secondary_y=False)
-    fig.update_yaxes(title_text="reward variance", secondary_y=True, rangemode="tozero", showgrid=False,
-                     tickmode="auto")
+    _right_axis(fig, "reward variance")
     return _layout(fig, barmode="stack", title=dict(
         text=f"{zero} of {groups} finished groups ({zero / groups:.0%}) have one reward for all their trajectories",
         font=dict(size=13)))
@@ -458,7 +472,7 @@ def _problems_draw(c: Clock, r: list[QueryResult]) -> Any:
     go, make_subplots = _plotly()
     per_time = r[0].rows
     waiting, held, unfoldable, placeholders = r[1].rows[0]
-    fig = make_subplots(rows=1, cols=2, column_widths=[0.62, 0.38], subplot_titles=(
+    fig = _wide_left(make_subplots, (
         "failed, aborted and truncated, by finish time", "finished, without samples, now"))
     xs = [c.time_of(row[0]) for row in per_time]
     for i, (name, color) in enumerate((("failed", "#d62728"), ("aborted", "#ff7f0e"), ("truncated", "#9467bd"))):
@@ -469,7 +483,7 @@ def _problems_draw(c: Clock, r: list[QueryResult]) -> Any:
     fig.add_trace(go.Bar(x=labels, y=[waiting or 0, held or 0, unfoldable or 0], showlegend=False, name="now",
                          marker_color=["#7f7f7f", "#bcbd22", "#d62728"], text=[waiting or 0, held or 0, unfoldable or 0],
                          textposition="outside"), 1, 2)
-    fig.update_xaxes(title_text=f"time (UTC; {c.width_s} s buckets)", row=1, col=1)
+    _time_axis(fig, c, row=1, col=1)
     fig.update_xaxes(title_text=f"logprobs the engine sent as placeholders (stored as missing): {placeholders or 0}",
                      row=1, col=2)
     fig.update_yaxes(title_text="trajectories", rangemode="tozero")
@@ -573,9 +587,9 @@ def _drift_draw(c: Clock, r: list[QueryResult]) -> Any:
                 "engine returns the whole sequence's routes)")
     compared = sum(row[1] for row in per_time)
     drifted = sum(row[2] or 0 for row in per_time)
-    fig = make_subplots(rows=1, cols=2, column_widths=[0.62, 0.38], specs=[[{"secondary_y": True}, {}]],
-                        subplot_titles=(f"re-sent route rows that moved (run: {drifted} of {compared}, "
-                                        f"{drifted / compared:.2%})", "drift share per version"))
+    fig = _wide_left(make_subplots, (f"re-sent route rows that moved (run: {drifted} of {compared}, "
+                                     f"{drifted / compared:.2%})", "drift share per version"),
+                     specs=[[{"secondary_y": True}, {}]])
     xs = [c.time_of(row[0]) for row in per_time]
     fig.add_trace(go.Bar(x=xs, y=[row[2] or 0 for row in per_time], name="rows drifted", opacity=0.45,
                          marker_color="#8c564b"), 1, 1, secondary_y=True)
@@ -587,11 +601,10 @@ def _drift_draw(c: Clock, r: list[QueryResult]) -> Any:
                          name="share", showlegend=False, marker_color="#d62728",
                          customdata=[[row[9] or 0, row[8]] for row in per_version],
                          hovertemplate="%{y:.2%}: %{customdata[0]} of %{customdata[1]} re-sent rows"), 1, 2)
-    fig.update_xaxes(title_text=f"time (UTC; {c.width_s} s buckets)", row=1, col=1)
-    fig.update_xaxes(title_text="model version", type="category", row=1, col=2)
+    _time_axis(fig, c, row=1, col=1)
+    _version_axis(fig, row=1, col=2)
     fig.update_yaxes(tickformat=".1%", rangemode="tozero", row=1, col=1, secondary_y=False)
-    fig.update_yaxes(title_text="rows drifted", rangemode="tozero", showgrid=False, tickmode="auto", row=1, col=1,
-                     secondary_y=True)
+    _right_axis(fig, "rows drifted", row=1, col=1)
     fig.update_yaxes(tickformat=".1%", rangemode="tozero", row=1, col=2)
     return _layout(fig)
 
@@ -734,7 +747,7 @@ def _logprob_draw(c: Clock, r: list[QueryResult]) -> Any:
     lp = np.concatenate(logprobs) if logprobs else np.zeros(0)
     if not len(lp):
         return "the newest samples carry no rollout logprobs"
-    fig = make_subplots(rows=1, cols=2, column_widths=[0.62, 0.38], subplot_titles=(
+    fig = _wide_left(make_subplots, (
         f"rollout logprob of generated tokens (newest {len(samples)} samples, {len(lp)} tokens)",
         "mean logprob per version"))
     edges = np.linspace(*LOGPROB_RANGE, LOGPROB_BINS + 1)
@@ -748,7 +761,7 @@ def _logprob_draw(c: Clock, r: list[QueryResult]) -> Any:
                          showlegend=False, customdata=[int((v == x).sum()) for x in per],
                          hovertemplate="%{y:.3f} over %{customdata} tokens"), 1, 2)
     fig.update_xaxes(title_text=f"logprob (clipped to {LOGPROB_RANGE[0]:g})", row=1, col=1)
-    fig.update_xaxes(title_text="model version", type="category", row=1, col=2)
+    _version_axis(fig, row=1, col=2)
     fig.update_yaxes(tickformat=".0%", row=1, col=1)
     return _layout(fig, barmode="overlay")
 
@@ -793,7 +806,7 @@ def _experts_draw(c: Clock, r: list[QueryResult]) -> Any:
                          name="max / mean", marker_color="#9467bd"), 1, 2)
     fig.update_xaxes(title_text="expert id", row=1, col=1)
     fig.update_yaxes(title_text="model version", type="category", row=1, col=1)
-    fig.update_xaxes(title_text="model version", type="category", row=1, col=2)
+    _version_axis(fig, row=1, col=2)
     return _layout(fig)
 
 

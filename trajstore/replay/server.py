@@ -44,6 +44,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.flight as fl
 
+from trajstore._auth import bearer_token, same_token
 from trajstore.errors import CorruptStoreError, StoreUnavailable, TrajstoreError, ValidationError
 from trajstore.replay import _protocol as proto
 
@@ -76,8 +77,6 @@ class _AuthMiddlewareFactory(fl.ServerMiddlewareFactory):
         self.metrics = metrics
 
     def start_call(self, info: fl.CallInfo, headers: dict[str, list[Any]]) -> _AuthMiddleware:
-        import hmac
-
         method = _METHOD_NAMES.get(info.method, "unknown")
         if self.tokens is None:
             role = WRITE
@@ -86,7 +85,7 @@ class _AuthMiddlewareFactory(fl.ServerMiddlewareFactory):
             role = None
             if given is not None:
                 for token, r in self.tokens.items():  # compare against every token: no early exit to time
-                    if hmac.compare_digest(given.encode(), token.encode()):
+                    if same_token(given, token):
                         role = r
             if role is None:
                 self.metrics.requests.labels(method, "unauthenticated").inc()
@@ -99,13 +98,8 @@ class _AuthMiddlewareFactory(fl.ServerMiddlewareFactory):
 
 
 def _bearer(headers: dict[str, list[Any]]) -> str | None:
-    for value in headers.get("authorization", []):
-        if isinstance(value, bytes):
-            value = value.decode("latin-1")
-        scheme, _, token = value.partition(" ")
-        if scheme.lower() == "bearer" and token.strip():
-            return token.strip()
-    return None
+    """The first bearer token among the call's ``authorization`` headers (the HTTP servers' parsing)."""
+    return next((t for t in map(bearer_token, headers.get("authorization", [])) if t is not None), None)
 
 
 def _prometheus() -> Any:

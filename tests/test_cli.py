@@ -14,7 +14,7 @@ import pytest
 
 import trajstore
 from trajstore.cli import main
-from trajstore.demo.simulate import RolloutConfig, trajectory_events
+from trajstore.demo._simulate import RolloutConfig, trajectory_events
 from trajstore._wire import encode_b64, encode_npy_b64
 from tests.helpers import snapshot
 

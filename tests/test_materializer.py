@@ -18,7 +18,7 @@ import trajstore
 from trajstore.events import parse_event
 from trajstore.fold import fold
 from trajstore.log.base import Shard
-from trajstore.demo.simulate import RolloutConfig, trajectory_events
+from trajstore.demo._simulate import RolloutConfig, trajectory_events
 from trajstore.schema import events as events_table, samples as samples_table
 from tests.helpers import finished, gen, reward, snapshot, started
 

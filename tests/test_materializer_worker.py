@@ -10,7 +10,7 @@ import sys
 import time
 
 import trajstore
-from trajstore.demo.simulate import RolloutConfig, trajectory_events
+from trajstore.demo._simulate import RolloutConfig, trajectory_events
 from trajstore.log.base import Shard
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

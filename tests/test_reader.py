@@ -33,7 +33,7 @@ from trajstore.errors import ResumeStateError, ValidationError
 from trajstore.log.base import Shard
 from trajstore.materializer import Materializer
 from trajstore.reader import ReaderConfig, SampleReader, plan_step
-from trajstore.demo.simulate import RolloutConfig, trajectory_events
+from trajstore.demo._simulate import RolloutConfig, trajectory_events
 
 HERE = os.path.abspath(__file__)
 ROOT = os.path.dirname(os.path.dirname(HERE))

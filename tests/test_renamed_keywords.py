@@ -9,7 +9,7 @@ import pytest
 
 import trajstore
 from trajstore.cli import main
-from trajstore.demo.simulate import RolloutConfig, trajectory_events
+from trajstore.demo._simulate import RolloutConfig, trajectory_events
 from trajstore.materializer import Materializer
 
 CFG = RolloutConfig(turns=2, prompt_tokens=8, output_tokens=4, observation_tokens=2, layers=2, topk=2, seed=1)

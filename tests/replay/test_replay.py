@@ -32,7 +32,7 @@ from trajstore.materializer import Materializer
 from trajstore.reader import SampleReader
 from trajstore.replay import ReplayReader, ReplayStore
 from trajstore.replay import _protocol as proto
-from trajstore.demo.simulate import trajectory_events
+from trajstore.demo._simulate import trajectory_events
 
 from replay_procs import READ_TOKEN, WRITE_TOKEN, ReplayProcess, free_port
 from test_reader import CFG, GROUP_SIZE, HERE, _ends_once_drained, assert_resumed, fill, flat, keys, shuffled

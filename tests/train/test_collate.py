@@ -14,7 +14,7 @@ import trajstore
 from trajstore.train.collate import SampleDataset, collate, collate_arrays
 from trajstore.errors import ValidationError
 from trajstore.sample import Sample
-from trajstore.demo.simulate import RolloutConfig, trajectory_events
+from trajstore.demo._simulate import RolloutConfig, trajectory_events
 
 
 def make_sample(prompt_len: int, response_len: int, *, seed: int = 0, routes_dtype=np.uint8, layers: int = 2,

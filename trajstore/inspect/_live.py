@@ -30,11 +30,11 @@ from urllib.parse import parse_qs
 from trajstore.errors import StoreUnavailable, TrajstoreError, first_line
 from trajstore.ingest._http import UNAUTHORIZED, bearer_ok, error_body
 from trajstore.inspect import _report_page
-from trajstore.inspect.panels import DEFAULT_STUCK_AFTER_S, collect, plotly_js
+from trajstore.inspect._panels import DEFAULT_STUCK_AFTER_S, collect, plotly_js
 
 __all__ = ["DEFAULT_PORT", "DEFAULT_REFRESH_S", "make_app", "serve_report"]
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("trajstore.inspect.live")  # the logger name logging configs already use
 
 DEFAULT_PORT = 8713
 DEFAULT_REFRESH_S = 5.0

@@ -607,3 +607,28 @@ def test_bad_renamed_state_keys_are_refused(five_folded, change, message):
     change(state)
     with pytest.raises(ResumeStateError, match=message):
         SampleReader(five_folded, batch_size=2).load_state_dict(state)
+
+
+# ----------------------------------------------------------------------------
+# Settings are keywords (the README's form); a ReaderConfig as the second
+# argument still works, with a DeprecationWarning, and means the same reader.
+
+
+def test_a_reader_config_argument_is_deprecated_and_means_the_same_keywords(filled):
+    config = ReaderConfig(batch_size=3, keep_groups=True, group_size=GROUP_SIZE, status=["completed", "truncated"])
+    with pytest.warns(DeprecationWarning, match=r"SampleReader\(\.\.\., config\) is deprecated; pass the settings "
+                                                r"as keywords") as caught:
+        old = SampleReader(filled, config, page_rows=7)
+    assert caught[0].filename == HERE  # the warning names the caller's line
+    new = SampleReader(filled, **{**dataclasses.asdict(config), "page_rows": 7})
+    assert old.config == new.config == dataclasses.replace(config, page_rows=7)
+    assert [keys(b) for b in old] == [keys(b) for b in new]
+    # the saved state is the same, and each reader's state resumes the other
+    assert old.state_dict() == new.state_dict()
+    first = SampleReader(filled, batch_size=3, keep_groups=True, group_size=GROUP_SIZE,
+                         status=("completed", "truncated"))
+    next(first)
+    with pytest.warns(DeprecationWarning):
+        resumed = SampleReader(filled, config)
+    resumed.load_state_dict(first.state_dict())
+    assert [keys(b) for b in resumed] == [keys(b) for b in first]

@@ -3,7 +3,7 @@
 This module holds ``ReaderConfig``, ``ReaderStats`` and ``SampleReader``:
 reading sample rows and payload, the versioned resume state and its
 validation. The pure planning it uses (units, steps, ``plan_step``) lives in
-``_batch_plan.py``; ``plan_step`` is re-exported here.
+``_batch_plan.py`` (``plan_step`` is importable from here too).
 
 Order. Samples have a stable order, ``(finished_position, sample_index)``.
 The reader turns it into a global sequence of *units* (one sample, or with
@@ -48,7 +48,7 @@ from trajstore.errors import ResumeStateError, TrajstoreError, ValidationError
 from trajstore.sample import Sample
 from trajstore._samples import read_segment_samples
 
-__all__ = ["ReaderConfig", "ReaderStats", "SampleReader", "plan_step"]
+__all__ = ["ReaderConfig", "ReaderStats", "SampleReader"]
 
 _log = logging.getLogger("trajstore.reader")
 

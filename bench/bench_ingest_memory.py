@@ -32,7 +32,7 @@ trajstore.connect(sys.argv[1]).append(events)
 """
 
 def write_file(path: str, mb: float) -> tuple[int, int]:
-    from trajstore.demo.simulate import RolloutConfig, trajectory_events
+    from trajstore.demo._simulate import RolloutConfig, trajectory_events
 
     cfg = RolloutConfig(turns=4, prompt_tokens=256, output_tokens=256, observation_tokens=64, layers=8, topk=2)
     n = size = 0

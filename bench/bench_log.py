@@ -33,7 +33,7 @@ import trajstore  # noqa: E402
 from trajstore.events import parse_event  # noqa: E402
 from trajstore.fold import fold  # noqa: E402
 from trajstore.payload._columns import binary_column, list_column  # noqa: E402
-from trajstore.demo.simulate import RolloutConfig, trajectory_events  # noqa: E402
+from trajstore.demo._simulate import RolloutConfig, trajectory_events  # noqa: E402
 from _proc import reset_peak_rss, rss_kb  # noqa: E402  (bench/ is sys.path[0])
 
 LAYERS, TOPK, EXPERTS = 48, 8, 128

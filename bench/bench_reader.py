@@ -34,7 +34,7 @@ sys.path.insert(0, ROOT)
 
 import trajstore  # noqa: E402
 from trajstore.materializer import Materializer  # noqa: E402
-from trajstore.demo.simulate import RolloutConfig, trajectory_events  # noqa: E402
+from trajstore.demo._simulate import RolloutConfig, trajectory_events  # noqa: E402
 from _proc import reset_peak_rss  # noqa: E402  (bench/ is on sys.path when run as a script)
 
 CFG = RolloutConfig(turns=2, prompt_tokens=768, output_tokens=256, observation_tokens=64, layers=48, topk=8,

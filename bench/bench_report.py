@@ -19,8 +19,8 @@ from dataclasses import replace
 
 def fill(url: str, n: int) -> None:
     import trajstore
-    from trajstore.demo.run import DEMO_CONFIG
-    from trajstore.demo.simulate import trajectory_events
+    from trajstore.demo._run import DEMO_CONFIG
+    from trajstore.demo._simulate import trajectory_events
 
     cfg = replace(DEMO_CONFIG, prompt_tokens=64, output_tokens=48, observation_tokens=16)
     with trajstore.connect(url) as store:
@@ -34,7 +34,7 @@ def fill(url: str, n: int) -> None:
 
 def main() -> None:
     from trajstore.inspect import _report_page
-    from trajstore.inspect.panels import collect
+    from trajstore.inspect._panels import collect
     from trajstore.inspect.sql import read_only
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -25,7 +25,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import trajstore  # noqa: E402
-from trajstore.demo.simulate import RolloutConfig, trajectory_events  # noqa: E402
+from trajstore.demo._simulate import RolloutConfig, trajectory_events  # noqa: E402
 from trajstore.reader import SampleReader  # noqa: E402
 
 CFG = RolloutConfig(turns=2, prompt_tokens=768, output_tokens=256, observation_tokens=64, layers=48, topk=8,

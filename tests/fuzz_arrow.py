@@ -1,6 +1,6 @@
 """Structure-aware mutation of valid Arrow IPC event bodies, for the ingest service fuzz test.
 
-A case is one simulated trajectory (``trajstore.demo.simulate``) under a
+A case is one simulated trajectory (``trajstore.demo._simulate``) under a
 fresh id, encoded as the Writer encodes it (``encode_arrow_events``), then
 changed by one mutation that knows the stream's structure:
 
@@ -35,7 +35,7 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 
 from fuzz_events import CONFIG
-from trajstore.demo.simulate import trajectory_events
+from trajstore.demo._simulate import trajectory_events
 from trajstore.ingest.arrow_body import encode_arrow_events
 
 _EOS = b"\xff\xff\xff\xff\x00\x00\x00\x00"

@@ -1,7 +1,7 @@
 """Mutation fuzzing of wire-format events, shared by the store and
 HTTP fuzz tests.
 
-A *unit* is one simulated trajectory (``trajstore.demo.simulate``, small
+A *unit* is one simulated trajectory (``trajstore.demo._simulate``, small
 arrays) under a fresh id with exactly one event mutated: wrong types,
 huge/negative/NaN/inf numbers, deep nesting, lone surrogates, NUL, long
 strings, overflowing base64 shapes, wrong dtypes, truncated base64, wrong
@@ -28,7 +28,7 @@ from typing import Any, Callable
 import numpy as np
 
 from trajstore._wire import encode_b64, encode_npy_b64
-from trajstore.demo.simulate import RolloutConfig, trajectory_events
+from trajstore.demo._simulate import RolloutConfig, trajectory_events
 
 CONFIG = RolloutConfig(turns=2, prompt_tokens=6, output_tokens=4, observation_tokens=2, layers=2, topk=2,
                        num_experts=16, vocab=1000, mismatch_prob=0.3, abort_prob=0.3, fail_prob=0.1)

@@ -14,7 +14,7 @@ import pytest
 
 import trajstore
 from trajstore.cli import main
-from trajstore.demo.simulate import RolloutConfig, trajectory_events
+from trajstore.demo._simulate import RolloutConfig, trajectory_events
 from trajstore._wire import encode_b64, encode_npy_b64
 from tests.helpers import snapshot
 
@@ -164,3 +164,22 @@ def test_core_does_not_import_edges():
             "bad = [m for m in ('torch', 'megatron', 'fastapi', 'ray', 'vllm') if m in sys.modules]; print(bad)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/tmp")
     assert out.stdout.strip() == "[]", out.stderr
+
+
+# ----------------------------------------------------------------------------
+# The old flag `materialize --batch-size` still works, with a DeprecationWarning.
+
+OLD_NAMES_CFG = RolloutConfig(turns=2, prompt_tokens=8, output_tokens=4, observation_tokens=2, layers=2, topk=2, seed=1)
+
+
+def test_cli_materialize_batch_size_still_works(tmp_path, capsys):
+    url = f"sqlite:///{tmp_path}/s.db"
+    with trajstore.connect(url) as store:
+        for i in range(3):
+            store.append(trajectory_events(OLD_NAMES_CFG, i))
+    assert main(["--store", url, "materialize", "--batch-size", "1"]) == 0
+    out = capsys.readouterr()
+    assert json.loads(out.out)["num_trajectories"] == 3
+    assert "--batch-size is deprecated; use --max-trajectories" in out.err
+    assert main(["--store", url, "materialize", "--max-trajectories", "1"]) == 0
+    assert json.loads(capsys.readouterr().out)["num_trajectories"] == 0

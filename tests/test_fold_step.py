@@ -14,7 +14,7 @@ from sqlalchemy import create_engine, text
 
 from helpers import finished, started
 from trajstore._admission import admit_batch
-from trajstore.demo.simulate import RolloutConfig, trajectory_events
+from trajstore.demo._simulate import RolloutConfig, trajectory_events
 from trajstore.errors import ValidationError
 from trajstore.events import Generation, TrajectoryStarted, parse_event
 from trajstore.fold import EMPTY_HASH, FoldTail, fold, fold_step, sequence_hash

@@ -4,8 +4,11 @@
   never imports the edges (``ingest/``, ``train/``, ``inspect/``, ``demo/``,
   ``scale/``, ``replay/``, ``cli``), not even inside a function.
 * No import cycles between trajstore modules, function-level imports included.
-* Every public module declares ``__all__``, and it lists exactly the public
-  names the module defines (not the ones it imports).
+* The public modules are exactly the ones the README and docs/ document
+  (``PUBLIC_API`` below); every other module's name starts with ``_``.
+* Every public module declares ``__all__``, it lists every public name the
+  module defines, and it is exactly that module's row of ``PUBLIC_API``: a name
+  enters or leaves the public surface only by changing this file too.
 """
 
 from __future__ import annotations
@@ -106,6 +109,109 @@ def test_the_check_sees_function_level_imports():
 
 PUBLIC = sorted(m for m in MODULES if not any(p.startswith("_") for p in m.split(".")))
 
+# Each public module and its __all__. Names a public module imports from an
+# internal one stay importable from it without being listed (e.g.
+# ``trajstore.reader.plan_step``, ``trajstore.ingest.service.decode_json``).
+PUBLIC_API: dict[str, set[str]] = {
+    "trajstore": {
+        "AppendResult", "ConflictError", "CorruptStoreError", "ReaderConfig", "ResumeStateError", "Sample",
+        "SampleReader", "Store", "StoreUnavailable", "TrajstoreError", "ValidationError", "Writer", "connect"
+    },
+    "trajstore.cli": {"main"},
+    "trajstore.demo": set(),
+    "trajstore.errors": {
+        "CommitUnknownError", "ConflictError", "ContentionError", "CorruptStoreError", "IndexInvariantError",
+        "PayloadLocationError", "PayloadMissingError", "ResumeStateError", "StoreUnavailable", "TrajstoreError",
+        "ValidationError", "first_line"
+    },
+    "trajstore.events": {
+        "Event", "FINISH_STATUSES", "Generation", "LOGPROB_PLACEHOLDER", "Reward", "TrajectoryFinished",
+        "TrajectoryStarted", "VersionLabel", "content_hash", "decimal_label", "identity_of", "parse_event",
+        "parse_events", "routes_dtype", "same_content", "validate_metadata"
+    },
+    "trajstore.fold": {
+        "DEFAULT_POLICY", "EMPTY_HASH", "FoldMetrics", "FoldPolicy", "FoldResult", "FoldStep", "FoldTail", "fold",
+        "fold_step", "sequence_hash"
+    },
+    "trajstore.ingest": {"TrajectoryWriter", "Writer"},
+    "trajstore.ingest.arrow_body": {
+        "ARROW_CONTENT_TYPE", "ArrowBodyError", "decode_arrow_events", "encode_arrow_events"
+    },
+    "trajstore.ingest.client": {"HttpSink", "StoreSink", "TrajectoryWriter", "Writer"},
+    "trajstore.ingest.jsonl": {"IngestResult", "ingest_file"},
+    "trajstore.ingest.proxy": {
+        "FORWARDED", "RECORDED", "Recorder", "Tag", "add_cli_arguments", "main", "make_proxy_app", "normalize_upstream",
+        "serve_proxy", "serve_proxy_from_args", "tag_of", "version_label_events"
+    },
+    "trajstore.ingest.service": {
+        "DEFAULT_PORT", "GroupCommitter", "ServeConfig", "add_cli_arguments", "app_from_env", "main", "make_app",
+        "serve", "serve_from_args"
+    },
+    "trajstore.ingest.sglang": {
+        "GenerateStreamAccumulator", "OpenAIStreamAccumulator", "finish_reason_of", "generation_from_generate",
+        "generations_from_openai", "logprobs_from_sglang", "request_params_for_generate", "request_params_for_openai",
+        "route_layout", "routed_experts_start_len_of", "routes_from_sglang"
+    },
+    "trajstore.ingest.sinks": {
+        "BODY_FORMATS", "HttpSink", "Sink", "StoreSink", "encode_events", "error_from_response", "make_sink"
+    },
+    "trajstore.ingest.vllm": {
+        "LOGPROB_FLOOR", "OpenAIStreamAccumulator", "VersionMap", "generation_from_output", "generations_from_openai",
+        "generations_from_tito", "logprobs_from_vllm", "request_params_for_recording", "request_params_for_tito",
+        "routed_experts_prompt_start_of", "token_model_versions_from_spans"
+    },
+    "trajstore.inspect": set(),
+    "trajstore.inspect.export": {"export_samples", "export_table", "routes_from_export"},
+    "trajstore.inspect.report": {"add_cli_arguments", "render_report", "run_from_args"},
+    "trajstore.inspect.sql": {
+        "QueryResult", "add_cli_arguments", "create_reader_login", "print_result", "read_only", "run_from_args",
+        "run_query", "with_iso_times"
+    },
+    "trajstore.inspect.views": {
+        "READER_ROLE", "VIEW_NAMES", "create_views", "drop_reader_grants_sql", "drop_views", "reader_role_sql",
+        "view_sql"
+    },
+    "trajstore.log": set(),
+    "trajstore.log.base": {
+        "EventLog", "Repoint", "SAMPLES_KIND", "SampleIndex", "Shard", "StaleState", "TrajectoryWrite", "shard_index_of"
+    },
+    "trajstore.log.postgres": {
+        "DEFAULT_CONNECT_TIMEOUT_S", "DEFAULT_STATEMENT_TIMEOUT", "default_payload_dir", "engine_options",
+        "make_engines"
+    },
+    "trajstore.log.sql": {
+        "RELEASED", "SqlEventLog", "SqlProjectionIndex", "SqlSampleIndex", "first_line", "open_sql", "translate"
+    },
+    "trajstore.log.sqlite": {"default_payload_dir", "make_engines"},
+    "trajstore.materializer": {"MaterializeStats", "Materializer", "shard_of"},
+    "trajstore.payload": {
+        "PayloadStore", "SegmentRows", "binary_chunks", "binary_column", "column_chunks", "filesystem_of", "fsync_dir",
+        "is_uri", "list_column", "routes_from_bytes", "rows_per_batch", "write_arrow_segment"
+    },
+    "trajstore.reader": {"ReaderConfig", "ReaderStats", "SampleReader"},
+    "trajstore.replay": {"ReplayReader", "ReplayStore"},
+    "trajstore.replay.client": {"ReplayReader", "ReplayStore", "parse_locations"},
+    "trajstore.replay.dataset": {"ReplayDataset"},
+    "trajstore.sample": {"FIELDS", "Sample"},
+    "trajstore.scale": set(),
+    "trajstore.scale.ray_actors": {"MaterializerShard", "materialize_with_ray", "start_shards"},
+    "trajstore.schema": {
+        "events", "log_head", "materializer_checkpoints", "metadata", "projection_checkpoints", "projection_samples",
+        "projection_unfoldable", "projections", "samples", "segments", "store_settings", "trajectories",
+        "unfoldable_trajectories", "unresolved_labels", "version_labels"
+    },
+    "trajstore.store": {"AppendCheck", "AppendResult", "DEFAULT_URL", "Store", "connect", "dialect_of", "resolve_url"},
+    "trajstore.train": set(),
+    "trajstore.train.collate": {"SampleDataset", "collate", "collate_arrays", "to_tensors"},
+    "trajstore.train.megatron": {"RouteReplay", "moe_layer_ids", "replay_indices", "replay_routes"},
+    "trajstore.train.skyrl": {"SkyRLBatch", "generator_output", "skyrl_batches", "trajectory_id_type"},
+    "trajstore.train.verl": {"data_proto", "verl_batches"},
+}
+
+
+def test_the_public_modules_are_exactly_the_documented_ones():
+    assert PUBLIC == sorted(PUBLIC_API)
+
 
 @pytest.mark.parametrize("name", PUBLIC)
 def test_all_lists_exactly_the_public_definitions(name: str):
@@ -123,3 +229,5 @@ def test_all_lists_exactly_the_public_definitions(name: str):
     }
     missing = defined - set(mod.__all__)
     assert not missing, f"{name} defines public {sorted(missing)} but __all__ leaves them out"
+    assert len(mod.__all__) == len(set(mod.__all__)), f"{name}.__all__ lists a name twice"
+    assert set(mod.__all__) == PUBLIC_API[name], f"{name}.__all__ is not its row of PUBLIC_API"

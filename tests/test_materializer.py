@@ -1,8 +1,11 @@
 """The materializer through the store, on SQLite and PostgreSQL: SPEC worked
-examples end to end, exactly-once, incremental, crash-safe, sharded."""
+examples end to end, exactly-once, incremental, crash-safe, sharded; a shard's
+backlog; trajectories it cannot fold recorded and skipped; the long-running
+worker (``workers/materializer.py``)."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -12,15 +15,18 @@ import time
 
 import numpy as np
 import pytest
-from sqlalchemy import select
+from sqlalchemy import select, update
 
 import trajstore
+from trajstore.cli import main
 from trajstore.events import parse_event
 from trajstore.fold import fold
-from trajstore.log.base import Shard
-from trajstore.demo.simulate import RolloutConfig, trajectory_events
+from trajstore.log.base import EventLog, Shard
+from trajstore.materializer import Materializer, shard_of
+from trajstore.demo._simulate import RolloutConfig, trajectory_events
+from trajstore.schema import events, samples, trajectories, unfoldable_trajectories
 from trajstore.schema import events as events_table, samples as samples_table
-from tests.helpers import finished, gen, reward, snapshot, started
+from tests.helpers import finished, gen, reader_url_for, reward, routes, snapshot, started
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -331,3 +337,379 @@ def test_a_shard_outside_its_count_is_a_validation_error(tmp_path, shard_index, 
         with pytest.raises(ValidationError) as e:
             Materializer(store, shard_index=shard_index, num_shards=num_shards)
     assert isinstance(e.value, ValueError) and e.value.rule == "shard"
+
+
+# ----------------------------------------------------------------------------
+# Materializer.pending() is this shard's backlog (what per-shard scaling reads).
+
+
+def test_pending_counts_this_shards_backlog(store):
+    ids = [f"t{i}" for i in range(12)]
+    for tid in ids:
+        store.append([started(tid), gen(tid, 0, [1, 2], [3]), finished(tid)])
+    shards = [Materializer(store, shard_index=k, num_shards=3) for k in range(3)]
+    mine = [sum(shard_of(t, 3) == k for t in ids) for k in range(3)]
+    assert [m.pending() for m in shards] == mine and sum(mine) == 12
+    assert all(m.pending(all_shards=True) == 12 for m in shards)
+    assert shards[0].run().num_trajectories == mine[0]
+    assert [m.pending() for m in shards] == [0, mine[1], mine[2]]
+    assert Materializer(store).pending() == 12  # one shard: every finished trajectory
+
+
+# ----------------------------------------------------------------------------
+# A trajectory the materializer cannot fold is recorded with its reason and
+# skipped; it never stops the trajectories after it, on SQLite and
+# PostgreSQL. Every bad trajectory here is made the way it happens in the
+# field: a payload file lost, an index row that contradicts the payload, a
+# trajectory row the fold refuses, a value that does not fit the sample columns.
+
+
+def good(store, tid: str) -> None:
+    store.append([started(tid), gen(tid, 0, [1, 2], [3, 4], version=1), gen(tid, 1, [1, 2, 3, 4, 5], [6], version=2),
+                  finished(tid)])
+
+
+def _segment_of(store, tid: str) -> str:
+    with store.log.read_engine.connect() as conn:
+        (seg,) = set(conn.execute(select(events.c.segment).where(events.c.trajectory_id == tid)
+                                  .where(events.c.segment.is_not(None))).scalars())
+    return seg
+
+
+def _sql(store, statement) -> None:
+    with store.log.write_engine.begin() as conn:
+        conn.execute(statement)
+
+
+def make_missing_payload(store, tid: str) -> None:
+    good(store, tid)  # its own append call: its own segment
+    os.remove(store.payload.path(_segment_of(store, tid)))
+
+
+def make_bad_prefix(store, tid: str) -> None:
+    good(store, tid)
+    _sql(store, update(events).where(events.c.trajectory_id == tid).where(events.c.seq == 1).values(prefix_len=999))
+
+
+def make_expert_overflow(store, tid: str) -> None:
+    # uint16 routes stored under num_experts=512, then a row saying 8 experts: the fold refuses ids > 255
+    store.append([started(tid, num_experts=512),
+                  gen(tid, 0, [1, 2], [3], routed_experts=routes(2, value=300, dtype=np.uint16).tolist()),
+                  finished(tid)])
+    _sql(store, update(trajectories).where(trajectories.c.trajectory_id == tid).values(num_experts=8))
+
+
+def make_huge_model_version(store, tid: str) -> None:
+    # The reported reproduction: 2**31 stored on SQLite (whatever admission
+    # accepts today, an old store may hold it), then OverflowError in the fold.
+    good(store, tid)
+    _sql(store, update(events).where(events.c.trajectory_id == tid).values(model_version=2**31))
+
+
+BAD = {
+    "missing_payload": (make_missing_payload, "PayloadMissingError"),  # quarantined: see test_payload_location
+    "bad_prefix": (make_bad_prefix, "CorruptStoreError"),
+    "expert_overflow": (make_expert_overflow, "ValidationError"),
+    "huge_model_version": (make_huge_model_version, "OverflowError"),
+}
+
+
+def bad_kinds(store) -> list[str]:
+    # PostgreSQL's INTEGER column cannot hold 2**31: that fault exists only on SQLite.
+    return [k for k in BAD if k != "huge_model_version" or store.url.startswith("sqlite")]
+
+
+def unfoldable_rows(store) -> list[dict]:
+    with store.log.read_engine.connect() as conn:
+        return [dict(r._mapping) for r in conn.execute(
+            select(unfoldable_trajectories).order_by(unfoldable_trajectories.c.finished_position))]
+
+
+def sample_keys(store) -> list[tuple[str, int]]:
+    with store.log.read_engine.connect() as conn:
+        return [tuple(r) for r in conn.execute(
+            select(samples.c.trajectory_id, samples.c.sample_index).order_by(samples.c.finished_position))]
+
+
+def test_huge_model_version_wedged_the_materializer_now_recorded(store):
+    """The reported reproduction: every run raised OverflowError, nothing after it was folded."""
+    make_huge_model_version(store, "bad") if store.url.startswith("sqlite") else make_bad_prefix(store, "bad")
+    good(store, "later")
+    stats = store.materialize()
+    assert (stats.num_trajectories, stats.num_unfoldable) == (1, 1)
+    assert [s.trajectory_id for s in store.samples()] == ["later"]
+    (row,) = unfoldable_rows(store)
+    assert row["trajectory_id"] == "bad" and row["shard"] == "0/1"
+    assert row["error"] == ("OverflowError" if store.url.startswith("sqlite") else "CorruptStoreError")
+
+
+@pytest.mark.parametrize("max_trajectories", [1, 3, 256])
+def test_bad_trajectories_are_recorded_and_the_others_materialize(store, max_trajectories):
+    kinds = bad_kinds(store)
+    good(store, "first")
+    for k in kinds:
+        BAD[k][0](store, f"bad-{k}")
+        good(store, f"after-{k}")
+    stats = Materializer(store, max_trajectories=max_trajectories).run()
+    goods = ["first"] + [f"after-{k}" for k in kinds]
+    assert (stats.num_trajectories, stats.num_unfoldable) == (len(goods), len(kinds))
+    assert stats.num_steps_before == 2 * len(goods)  # metrics count folded trajectories only
+    assert [s.trajectory_id for s in store.samples()] == goods
+    rows = unfoldable_rows(store)
+    assert [(r["trajectory_id"], r["error"]) for r in rows] == [(f"bad-{k}", BAD[k][1]) for k in kinds]
+    fin = {r["trajectory_id"]: r["position"] for r in store.log.read_events(
+        after_position=0, limit=1000, types=["trajectory_finished"])}
+    for r in rows:
+        assert r["finished_position"] == fin[r["trajectory_id"]] and r["shard"] == "0/1"
+        assert r["message"] and "\n" not in r["message"]
+    by = {r["trajectory_id"]: r for r in rows}
+    assert by["bad-expert_overflow"]["rule"] is not None and "num_experts" in by["bad-expert_overflow"]["message"]
+    assert "missing" in by["bad-missing_payload"]["message"]
+    assert "prefix_len" in by["bad-bad_prefix"]["message"]
+
+    # exactly once: re-running records nothing again and folds nothing again
+    again = store.materialize()
+    assert (again.num_trajectories, again.num_unfoldable, again.num_samples_after) == (0, 0, 0)
+    assert unfoldable_rows(store) == rows
+    keys = sample_keys(store)
+    assert len(keys) == len(set(keys)) == len(goods)
+    # and the materializer keeps going with what arrives later
+    good(store, "latest")
+    later = store.materialize()
+    assert (later.num_trajectories, later.num_unfoldable) == (1, 0)
+    assert [s.trajectory_id for s in store.samples()][-1] == "latest"
+    assert len(unfoldable_rows(store)) == len(kinds)
+
+
+def test_a_whole_batch_of_bad_trajectories_still_moves_the_checkpoint(store):
+    make_missing_payload(store, "a")
+    make_bad_prefix(store, "b")
+    stats = store.materialize()
+    assert (stats.num_trajectories, stats.num_unfoldable, stats.num_samples_after) == (0, 2, 0)
+    assert stats.position == store.log.head_position() == store.materialized.load_checkpoint("0/1")["position"]
+    assert store.materialize().num_unfoldable == 0
+
+
+def test_shards_record_their_own_unfoldable_trajectories(store):
+    for i in range(12):
+        (make_bad_prefix if i % 3 == 0 else good)(store, f"t{i}")
+    totals = [Materializer(store, shard_index=k, num_shards=3, max_trajectories=2).run() for k in range(3)]
+    assert sum(t.num_unfoldable for t in totals) == 4 and sum(t.num_trajectories for t in totals) == 8
+    rows = unfoldable_rows(store)
+    assert sorted(r["trajectory_id"] for r in rows) == ["t0", "t3", "t6", "t9"]
+    from trajstore.materializer import shard_of
+
+    assert all(r["shard"] == f"{shard_of(r['trajectory_id'], 3)}/3" for r in rows)
+
+
+def test_stats_to_dict_and_sum(store):
+    make_bad_prefix(store, "bad")
+    good(store, "ok")
+    stats = store.materialize()
+    d = stats.to_dict()
+    assert (d["num_trajectories"], d["num_unfoldable"], d["position"]) == (1, 1, store.log.head_position())
+    assert not hasattr(stats, "__getitem__")
+
+
+def test_cli_materialize_and_info_show_unfoldable(store_url, tmp_path, capsys):
+    payload = str(tmp_path / "payload")
+    store = trajstore.connect(store_url, payload=payload)
+    make_bad_prefix(store, "bad")
+    make_missing_payload(store, "gone")
+    good(store, "ok")
+    assert main(["--store", store_url, "--payload", payload, "materialize"]) == 0
+    out = capsys.readouterr().out
+    metrics = json.loads(out[out.index("{"):])
+    assert (metrics["num_trajectories"], metrics["num_unfoldable"]) == (1, 2)
+    assert main(["--store", store_url, "--payload", payload, "info"]) == 0
+    info = json.loads(capsys.readouterr().out)["unfoldable_trajectories"]
+    assert info["count"] == 2 and info["by_error"] == {"CorruptStoreError": 1, "PayloadMissingError": 1}
+    assert [r["trajectory_id"] for r in info["recent"]] == ["gone", "bad"]
+    # and in SQL, through the read-only inspection command
+    assert main(["--store", reader_url_for(store_url), "sql", "--format", "json",
+                 "SELECT trajectory_id, error FROM unfoldable_trajectories ORDER BY finished_position"]) == 0
+    out = capsys.readouterr().out
+    assert out.index('"bad"') < out.index('"gone"') and "CorruptStoreError" in out
+    store.close()
+
+
+def test_store_unavailable_is_not_recorded(store):
+    """A payload location that cannot be reached (here: a plain file where the
+    mount should be) fails the run with StoreUnavailable and records nothing:
+    the next run retries it."""
+    good(store, "a")
+    from trajstore.errors import StoreUnavailable
+
+    location = store.payload.location
+    os.rename(location, location + ".away")
+    with open(location, "w"):
+        pass
+    with pytest.raises(StoreUnavailable):
+        store.materialize()
+    os.remove(location)
+    os.rename(location + ".away", location)
+    assert unfoldable_rows(store) == [] and store.materialized.load_checkpoint("0/1") is None
+    assert store.materialize().num_trajectories == 1
+
+
+def test_migrations_create_exactly_the_schema(store):
+    """Migration 0003 and trajstore.schema agree (as every migration must)."""
+    from alembic.autogenerate import compare_metadata
+    from alembic.migration import MigrationContext
+
+    from trajstore.schema import metadata
+
+    with store.log.write_engine.connect() as conn:
+        assert compare_metadata(MigrationContext.configure(conn), metadata) == []
+
+
+# ----------------------------------------------------------------------------
+# The long-running materializer worker folds as events arrive and stops cleanly on SIGTERM.
+
+
+CFG = RolloutConfig(turns=2, prompt_tokens=8, output_tokens=4, observation_tokens=2, layers=2, topk=2)
+
+
+def _wait_for(predicate, timeout_s: float = 60.0) -> bool:
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_worker_follows_the_log_and_stops_on_sigterm(store_url, tmp_path):
+    payload = str(tmp_path / "payload")
+    store = trajstore.connect(store_url, payload=payload)
+    proc = subprocess.Popen(
+        [sys.executable, os.path.join(ROOT, "workers", "materializer.py"), "--store", store_url,
+         "--payload", payload, "--poll-s", "0.1"],
+        stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=ROOT))
+    try:
+        for i in range(5):
+            store.append(trajectory_events(CFG, i))
+        assert _wait_for(lambda: store.info()["samples"] >= 5 and store.materialized.load_checkpoint(Shard(0, 1))["position"]
+                         == store.log.head_position())
+        for i in range(5, 8):
+            store.append(trajectory_events(CFG, i))  # arrives after the first fold
+        assert _wait_for(lambda: store.materialized.load_checkpoint(Shard(0, 1))["position"] == store.log.head_position())
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0
+    folded = sum(json.loads(line)["num_trajectories"] for line in out.splitlines())
+    assert folded == 8
+    assert sorted({s.trajectory_id for s in store.samples()}) == sorted(trajectory_events(CFG, i)[0]["trajectory_id"] for i in range(8))
+
+
+def _log_files(payload: str) -> list[str]:
+    """Non-empty log segment files (the reserve's empty files aside). The worker's GC
+    may delete a file between the listing and its size: a file gone is not counted."""
+    out = []
+    for n in os.listdir(payload):
+        if n.startswith("events-") and n.endswith(".arrow"):
+            try:
+                if os.path.getsize(os.path.join(payload, n)):
+                    out.append(n)
+            except FileNotFoundError:
+                continue
+    return sorted(out)
+
+
+def test_worker_collects_retired_segments_after_the_grace(store_url, tmp_path):
+    """One copy at rest without an operator: the long-running materializer deletes the
+    log segments its folds retired once their grace is over (here 1 s), and keeps the
+    segment of a trajectory still running."""
+    payload = str(tmp_path / "payload")
+    store = trajstore.connect(store_url, payload=payload)
+    for i in range(4):
+        store.append(trajectory_events(CFG, i))
+    running = trajectory_events(CFG, 99)[:-1]  # not finished: its segment stays
+    store.append(running)
+    assert len(_log_files(payload)) == 5
+    proc = subprocess.Popen(
+        [sys.executable, os.path.join(ROOT, "workers", "materializer.py"), "--store", store_url,
+         "--poll-s", "0.1", "--gc-grace-s", "1", "--gc-interval-s", "0.2"],
+        stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=ROOT))
+    try:
+        assert _wait_for(lambda: store.info()["samples"] >= 4)
+        assert _wait_for(lambda: len(_log_files(payload)) == 1, timeout_s=30)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=60)
+    assert proc.returncode == 0
+    (left,) = _log_files(payload)
+    assert left in store.log.referenced_segments()
+    assert len({s.trajectory_id for s in store.samples()}) == 4  # folded tokens read from the sample segments
+    samples = list(store.samples())
+    assert all(len(s.prompt_ids) + len(s.response_ids) > 0 for s in samples)
+    store.close()
+
+
+# ----------------------------------------------------------------------------
+# The materializer's own SQL reads (EventLog.finished_after / fold_inputs as
+# the SQL index implements them) give what the generic ones give, on SQLite and
+# PostgreSQL.
+
+READS_CFG = RolloutConfig(turns=3, prompt_tokens=30, output_tokens=12, observation_tokens=5, layers=3, topk=2,
+                          num_experts=64, mismatch_prob=0.3, seed=5)
+
+
+def test_materializer_reads_equal_the_generic_ones(store):
+    for i in range(5):
+        evs = trajectory_events(READS_CFG, i)
+        store.append(evs if i != 3 else evs[:-1])  # one unfinished
+    unfinished = trajectory_events(READS_CFG, 3)[0]["trajectory_id"]
+    store.append([{"type": "reward", "trajectory_id": unfinished, "reward": 0.5}])
+    log = store.log
+    for after, limit in ((0, 100), (0, 2), (5, 3)):
+        assert log.finished_after(after, limit) == EventLog.finished_after(log, after, limit)
+    ids = [r["trajectory_id"] for r in log.finished_after(0, 100)] + [unfinished, "none"]
+    trajs, events = log.fold_inputs(ids)
+    assert any(r["type"] == "reward" for r in events[unfinished])
+    g_trajs, g_events = EventLog.fold_inputs(log, ids)
+    assert set(trajs) == set(g_trajs) and set(events) == set(g_events) == set(ids)
+    for tid in trajs:
+        assert trajs[tid] == {k: g_trajs[tid][k] for k in trajs[tid]}
+    for tid in events:
+        assert [r["position"] for r in events[tid]] == [r["position"] for r in g_events[tid]]
+        for got, want in zip(events[tid], g_events[tid]):
+            for k, v in got.items():
+                assert (bool(v) if isinstance(want[k], bool) else v) == want[k], (tid, k)
+    stats = store.materialize()
+    assert stats.num_trajectories == 4
+    assert store.materialize().num_trajectories == 0
+
+
+# ----------------------------------------------------------------------------
+# Old keyword names (one name per meaning) still work, with a DeprecationWarning:
+# Materializer(batch_size=) and Store.samples(batch_size=).
+
+OLD_NAMES_CFG = RolloutConfig(turns=2, prompt_tokens=8, output_tokens=4, observation_tokens=2, layers=2, topk=2, seed=1)
+
+
+@pytest.fixture
+def five_trajectories(tmp_path):
+    store = trajstore.connect(f"sqlite:///{tmp_path}/s.db")
+    for i in range(5):
+        store.append(trajectory_events(OLD_NAMES_CFG, i))
+    yield store
+    store.close()
+
+
+def test_materializer_batch_size_is_max_trajectories(five_trajectories):
+    with pytest.warns(DeprecationWarning, match="batch_size= is deprecated; use max_trajectories="):
+        old = Materializer(five_trajectories, batch_size=2)
+    assert old.max_trajectories == 2
+    assert old.run(max_steps=1).num_trajectories == 2  # one step folds at most two trajectories
+    with pytest.raises(TypeError, match="not both"), pytest.warns(DeprecationWarning):
+        Materializer(five_trajectories, batch_size=2, max_trajectories=3)
+
+
+def test_store_samples_batch_size_is_page_rows(five_trajectories):
+    five_trajectories.materialize()
+    new = [s.trajectory_id for s in five_trajectories.samples(page_rows=2)]
+    with pytest.warns(DeprecationWarning, match="batch_size= is deprecated; use page_rows="):
+        old = five_trajectories.samples(batch_size=2)
+    assert [s.trajectory_id for s in old] == new and len(new) >= 5

@@ -13,7 +13,7 @@ import pytest
 
 import trajstore
 from trajstore._moved import MOVED
-from trajstore.demo.simulate import RolloutConfig, trajectory_events
+from trajstore.demo._simulate import RolloutConfig, trajectory_events
 
 
 def _optional(new: str) -> None:

@@ -13,7 +13,7 @@ import pytest
 import trajstore
 from trajstore.payload import PayloadStore
 from trajstore.payload._columns import binary_column, binary_chunks, column_chunks, list_column
-from trajstore.demo.simulate import RolloutConfig, trajectory_events
+from trajstore.demo._simulate import RolloutConfig, trajectory_events
 
 CFG = RolloutConfig(turns=3, prompt_tokens=20, output_tokens=10, observation_tokens=4, layers=3, topk=2)
 

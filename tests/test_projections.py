@@ -28,7 +28,7 @@ from trajstore import SampleReader
 from trajstore.events import parse_event
 from trajstore.fold import FoldPolicy, fold
 from trajstore.log.base import Shard
-from trajstore.demo.simulate import RolloutConfig, trajectory_events
+from trajstore.demo._simulate import RolloutConfig, trajectory_events
 from trajstore.schema import events as events_table, materializer_checkpoints, samples as samples_table, segments
 from tests.helpers import finished, gen, started
 from tests.test_materializer import _random_trajectory

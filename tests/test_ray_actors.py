@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import trajstore
-from trajstore.demo.simulate import RolloutConfig, trajectory_events
+from trajstore.demo._simulate import RolloutConfig, trajectory_events
 from trajstore.log.base import Shard
 
 ray = pytest.importorskip("ray")

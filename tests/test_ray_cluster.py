@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 import trajstore
-from trajstore.demo.simulate import RolloutConfig, trajectory_events
+from trajstore.demo._simulate import RolloutConfig, trajectory_events
 from trajstore.log.base import Shard
 
 ray = pytest.importorskip("ray")

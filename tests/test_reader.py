@@ -33,7 +33,7 @@ from trajstore.errors import ResumeStateError, ValidationError
 from trajstore.log.base import Shard
 from trajstore.materializer import Materializer
 from trajstore.reader import ReaderConfig, SampleReader, plan_step
-from trajstore.demo.simulate import RolloutConfig, trajectory_events
+from trajstore.demo._simulate import RolloutConfig, trajectory_events
 
 HERE = os.path.abspath(__file__)
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -528,3 +528,107 @@ def test_reader_drops_samples_by_recorded_finish_reason(store):
     assert read and not {s.trajectory_id for s in read} & overlong
     everything = list(store.samples())
     assert len(read) + dropped == len(everything)
+
+
+# ----------------------------------------------------------------------------
+# Old names (one name per meaning): SampleReader(current_version=) and its attribute
+# still work with a DeprecationWarning; states saved with "version" / "current_version" still load.
+
+OLD_NAMES_CFG = RolloutConfig(turns=2, prompt_tokens=8, output_tokens=4, observation_tokens=2, layers=2, topk=2, seed=1)
+
+
+@pytest.fixture
+def five_trajectories(tmp_path):
+    store = trajstore.connect(f"sqlite:///{tmp_path}/s.db")
+    for i in range(5):
+        store.append(trajectory_events(OLD_NAMES_CFG, i))
+    yield store
+    store.close()
+
+
+@pytest.fixture
+def five_folded(five_trajectories):
+    five_trajectories.materialize()
+    return five_trajectories
+
+
+def test_reader_current_version_is_current_model_version(five_folded):
+    from trajstore.reader import SampleReader
+
+    with pytest.warns(DeprecationWarning, match="current_version= is deprecated; use current_model_version="):
+        reader = SampleReader(five_folded, batch_size=2, current_version=3)
+    assert reader.current_model_version == 3
+    with pytest.warns(DeprecationWarning, match="use current_model_version"):
+        reader.current_version = 4
+    assert reader.current_model_version == 4
+    with pytest.warns(DeprecationWarning, match="use current_model_version"):
+        assert reader.current_version == 4
+    state = reader.state_dict()
+    assert state["format_version"] == 1 and state["current_model_version"] == 4
+    assert "version" not in state and "current_version" not in state
+
+
+def test_a_state_saved_before_the_renames_still_loads(five_folded):
+    from trajstore.reader import SampleReader
+
+    state = _state_after_one_batch(five_folded)
+    new = SampleReader(five_folded, batch_size=2)
+    new.load_state_dict(state)
+    rest = [s.trajectory_id for batch in new for s in batch]
+    # what the reader of the previous release saved: "version" and "current_version"
+    old = json.loads(json.dumps(state))
+    old["version"] = old.pop("format_version")
+    old["current_version"] = old.pop("current_model_version")
+    resumed = SampleReader(five_folded, batch_size=2)
+    resumed.load_state_dict(old)
+    assert resumed.current_model_version == 7 and resumed.state_dict() == state
+    assert [s.trajectory_id for batch in resumed for s in batch] == rest and rest
+
+
+def _state_after_one_batch(store):
+    from trajstore.reader import SampleReader
+
+    reader = SampleReader(store, batch_size=2, current_model_version=7)
+    next(reader)
+    return reader.state_dict()
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda s: s.update(format_version=2), "format version 2 is not the supported 1"),
+    (lambda s: s.pop("format_version"), "lacks 'format_version'"),
+    (lambda s: s.update(current_model_version="5"), "current_model_version must be an integer"),
+    (lambda s: s.pop("current_model_version"), "lacks 'current_model_version'"),
+])
+def test_bad_renamed_state_keys_are_refused(five_folded, change, message):
+    from trajstore.errors import ResumeStateError
+    from trajstore.reader import SampleReader
+
+    state = _state_after_one_batch(five_folded)
+    change(state)
+    with pytest.raises(ResumeStateError, match=message):
+        SampleReader(five_folded, batch_size=2).load_state_dict(state)
+
+
+# ----------------------------------------------------------------------------
+# Settings are keywords (the README's form); a ReaderConfig as the second
+# argument still works, with a DeprecationWarning, and means the same reader.
+
+
+def test_a_reader_config_argument_is_deprecated_and_means_the_same_keywords(filled):
+    config = ReaderConfig(batch_size=3, keep_groups=True, group_size=GROUP_SIZE, status=["completed", "truncated"])
+    with pytest.warns(DeprecationWarning, match=r"SampleReader\(\.\.\., config\) is deprecated; pass the settings "
+                                                r"as keywords") as caught:
+        old = SampleReader(filled, config, page_rows=7)
+    assert caught[0].filename == HERE  # the warning names the caller's line
+    new = SampleReader(filled, **{**dataclasses.asdict(config), "page_rows": 7})
+    assert old.config == new.config == dataclasses.replace(config, page_rows=7)
+    assert [keys(b) for b in old] == [keys(b) for b in new]
+    # the saved state is the same, and each reader's state resumes the other
+    assert old.state_dict() == new.state_dict()
+    first = SampleReader(filled, batch_size=3, keep_groups=True, group_size=GROUP_SIZE,
+                         status=("completed", "truncated"))
+    next(first)
+    with pytest.warns(DeprecationWarning):
+        resumed = SampleReader(filled, config)
+    resumed.load_state_dict(first.state_dict())
+    assert [keys(b) for b in resumed] == [keys(b) for b in first]

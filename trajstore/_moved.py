@@ -5,7 +5,9 @@ The README and docs once documented flat module paths (``trajstore.client``,
 into ``ingest/``, ``train/``, ``inspect/`` and ``scale/``. Code written
 against the old paths keeps working: importing one warns once and yields a
 module that forwards every attribute to the new one, so
-``trajstore.client.Writer is trajstore.ingest.client.Writer``.
+``trajstore.client.Writer is trajstore.ingest.client.Writer``. Edge modules
+that no document names are internals (``inspect._live``, ``demo._simulate``,
+``replay._server``, ...); their plain paths forward the same way.
 
 The new module is imported only when the old path is, so importing
 ``trajstore`` never pulls an edge (torch, FastAPI, ray) in.
@@ -22,7 +24,8 @@ import warnings
 
 __all__: list[str] = []
 
-# old path -> new path; every old path was documented in the README or docs/
+# old path -> new path: paths the README or docs/ documented, and edge modules no
+# document names, which are internals (a leading underscore) importable by their plain name
 MOVED: dict[str, str] = {
     "trajstore.client": "trajstore.ingest.client",
     "trajstore.sinks": "trajstore.ingest.sinks",
@@ -40,6 +43,12 @@ MOVED: dict[str, str] = {
     # the SQL index, split by job (docs/design.md); its engines' internals
     "trajstore.log.sql": "trajstore.log._open",
     "trajstore.log.sqlite": "trajstore.log._sqlite",
+    "trajstore.inspect.live": "trajstore.inspect._live",
+    "trajstore.inspect.panels": "trajstore.inspect._panels",
+    "trajstore.replay.server": "trajstore.replay._server",
+    "trajstore.demo.run": "trajstore.demo._run",
+    "trajstore.demo.simulate": "trajstore.demo._simulate",
+    "trajstore.demo.train_stage": "trajstore.demo._train_stage",
 }
 
 

@@ -221,7 +221,7 @@ def _add_projection_command(add) -> None:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from trajstore.demo.run import run_demo
+    from trajstore.demo._run import run_demo
 
     return run_demo(args)
 
@@ -325,7 +325,7 @@ _EDGES = (
     ("sql", "trajstore.inspect.sql", "run_from_args", "run a read-only SQL query against the store"),
     ("report", "trajstore.inspect.report", "run_from_args", "render an HTML report with plots of the run"),
     # the replay service: trainers elsewhere read samples over Arrow Flight (docs/replay.md)
-    ("replay", "trajstore.replay.server", "serve_from_args", "run the Arrow Flight replay service trainers read from"),
+    ("replay", "trajstore.replay._server", "serve_from_args", "run the Arrow Flight replay service trainers read from"),
 )
 
 

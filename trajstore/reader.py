@@ -3,7 +3,7 @@
 This module holds ``ReaderConfig``, ``ReaderStats`` and ``SampleReader``:
 reading sample rows and payload, the versioned resume state and its
 validation. The pure planning it uses (units, steps, ``plan_step``) lives in
-``_batch_plan.py``; ``plan_step`` is re-exported here.
+``_batch_plan.py`` (``plan_step`` is importable from here too).
 
 Order. Samples have a stable order, ``(finished_position, sample_index)``.
 The reader turns it into a global sequence of *units* (one sample, or with
@@ -48,7 +48,7 @@ from trajstore.errors import ResumeStateError, TrajstoreError, ValidationError
 from trajstore.sample import Sample
 from trajstore._samples import read_segment_samples
 
-__all__ = ["ReaderConfig", "ReaderStats", "SampleReader", "plan_step"]
+__all__ = ["ReaderConfig", "ReaderStats", "SampleReader"]
 
 _log = logging.getLogger("trajstore.reader")
 
@@ -56,6 +56,18 @@ STATE_FORMAT = "trajstore.reader"
 STATE_FORMAT_VERSION = 1
 # Keys that states saved before the one-name-per-meaning renames used; such states still load.
 _LEGACY_KEYS = {"format_version": "version", "current_model_version": "current_version"}
+
+
+def _settings(owner: str, config: "ReaderConfig | None", fields: dict[str, Any]) -> dict[str, Any]:
+    """A reader's settings as ``ReaderConfig`` keywords, for ``owner.__init__`` to
+    call. A ``ReaderConfig`` given as well is the deprecated form: its fields,
+    overridden by ``fields``; the warning points at the constructor's caller."""
+    if config is None:
+        return fields
+    warnings.warn(f"{owner}(..., config) is deprecated; pass the settings as keywords "
+                  f"({owner}(..., batch_size=8, ...), or **dataclasses.asdict(config))",
+                  DeprecationWarning, stacklevel=3)
+    return {**asdict(config), **fields}
 
 
 @dataclass(frozen=True)
@@ -183,8 +195,8 @@ class ReaderStats:
 class SampleReader:
     """Batches (lists of ``Sample``) for one data-parallel rank, in the global step order.
 
-    ``store`` is a ``Store`` or a store URL. Settings come as a ``ReaderConfig``
-    and/or its fields as keywords::
+    ``store`` is a ``Store`` or a store URL. Settings are the fields of
+    ``ReaderConfig`` as keywords (``reader.config`` holds them)::
 
         reader = SampleReader(store, rank=r, world_size=w, batch_size=8, keep_groups=True, group_size=4)
         for batch in reader:                 # list[Sample]
@@ -196,6 +208,11 @@ class SampleReader:
     ``max_staleness`` a unit is skipped when its oldest token is older than
     ``current_model_version - max_staleness`` (counted in ``stats``). Set it
     between batches. ``current_version`` is its old, deprecated name.
+
+    A ``ReaderConfig`` as the second argument (its fields overridden by the
+    keywords) still works but is deprecated: one way to say the settings, the
+    one the README shows. Code holding a ``ReaderConfig`` passes
+    ``**dataclasses.asdict(config)``.
     """
 
     def __init__(self, store: Any, config: ReaderConfig | None = None, *, rank: int = 0, world_size: int = 1,
@@ -203,7 +220,7 @@ class SampleReader:
                  current_version: int | None = None, **fields: Any) -> None:
         if not isinstance(world_size, int) or world_size < 1 or not isinstance(rank, int) or not 0 <= rank < world_size:
             raise ValidationError(f"rank {rank!r} not in [0, world_size={world_size!r})", rule="reader_config")
-        self.config = ReaderConfig(**fields) if config is None else replace(config, **fields)
+        self.config = ReaderConfig(**_settings(type(self).__name__, config, fields))
         self._owns_store = isinstance(store, str)
         if self._owns_store:
             from trajstore.store import connect

@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import pytest
 
 import trajstore
-from trajstore.demo.simulate import DEMO_CONFIG, trajectory_events
-from trajstore.demo.train_stage import STEPS, demo_train, worker_path
+from trajstore.demo._simulate import DEMO_CONFIG, trajectory_events
+from trajstore.demo._train_stage import STEPS, demo_train, worker_path
 
 pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.slow

@@ -7,6 +7,8 @@ import threading
 import numpy as np
 import pytest
 
+import trajstore
+from trajstore.demo._simulate import RolloutConfig, trajectory_events
 from trajstore.ingest.client import Writer, encode_events, error_from_response
 from trajstore.errors import ConflictError, StoreUnavailable, TrajstoreError, ValidationError
 
@@ -265,3 +267,22 @@ def test_writer_records_per_token_versions_and_metadata_into_a_store(tmp_path):
     assert sample.logprobs_mask.tolist() == [True, True, True, True, False, False]
     assert (sample.min_model_version, sample.max_model_version, sample.finish_reason) == (7, 8, "stop")
     store.close()
+
+
+# ----------------------------------------------------------------------------
+# The old keyword Writer(batch_size=) still works, with a DeprecationWarning.
+
+OLD_NAMES_CFG = RolloutConfig(turns=2, prompt_tokens=8, output_tokens=4, observation_tokens=2, layers=2, topk=2, seed=1)
+
+
+def test_writer_batch_size_is_max_batch_events(tmp_path):
+    from trajstore.ingest.client import Writer
+
+    with trajstore.connect(f"sqlite:///{tmp_path}/w.db") as store:
+        with pytest.warns(DeprecationWarning, match="batch_size= is deprecated; use max_batch_events="):
+            writer = Writer(store, batch_size=3, flush_interval_s=30.0)
+        with writer:
+            assert writer.max_batch_events == 3
+            for ev in trajectory_events(OLD_NAMES_CFG, 0):
+                writer.put(ev)
+        assert store.log.head_position() == len(trajectory_events(OLD_NAMES_CFG, 0))

@@ -23,7 +23,7 @@ def test_a_writer_through_postgres_restarts_prints_only_trajstore_lines(fault_cl
 import sys
 sys.path.insert(0, {str(TESTS)!r})
 from fuzz_events import CONFIG
-from trajstore.demo.simulate import trajectory_events
+from trajstore.demo._simulate import trajectory_events
 from trajstore.ingest.client import Writer
 import trajstore
 store = trajstore.connect({url!r}, payload={str(tmp_path / 'pay')!r})

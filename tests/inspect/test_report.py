@@ -16,9 +16,9 @@ import pytest
 import trajstore
 from tests.helpers import reader_url_for
 from trajstore.cli import main
-from trajstore.demo.run import DEMO_CONFIG
-from trajstore.demo.simulate import trajectory_events
-from trajstore.inspect.panels import PANELS, collect
+from trajstore.demo._run import DEMO_CONFIG
+from trajstore.demo._simulate import trajectory_events
+from trajstore.inspect._panels import PANELS, collect
 from trajstore.inspect.report import render_report
 from trajstore.inspect.sql import read_only
 
@@ -234,7 +234,7 @@ def test_the_live_data_is_not_recomputed_faster_than_twice_its_cost():
     keep the database busy (at most once per half refresh, and per twice the computing time)."""
     import time
 
-    from trajstore.inspect.live import _Snapshot
+    from trajstore.inspect._live import _Snapshot
 
     calls = []
 

@@ -18,7 +18,7 @@ import pytest
 
 import trajstore
 from tests.inspect.test_report import RUNNING, fill, run_events
-from trajstore.inspect.panels import PANELS
+from trajstore.inspect._panels import PANELS
 
 TOKEN = "s3cret-report-token"
 CHROMIUM = os.environ.get("TRAJSTORE_CHROMIUM", "/usr/bin/chromium")

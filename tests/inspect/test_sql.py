@@ -21,7 +21,7 @@ from sqlalchemy.engine import make_url
 
 import trajstore
 from trajstore.cli import main
-from trajstore.demo.simulate import RolloutConfig, trajectory_events
+from trajstore.demo._simulate import RolloutConfig, trajectory_events
 from trajstore.inspect.sql import read_only, run_query
 from trajstore.inspect.views import READER_ROLE
 from tests.helpers import reader_url_for

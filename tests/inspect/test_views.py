@@ -23,7 +23,7 @@ from tests.helpers import reader_url_for
 from sqlalchemy import text
 
 import trajstore
-from trajstore.demo.simulate import RolloutConfig, trajectory_events
+from trajstore.demo._simulate import RolloutConfig, trajectory_events
 from trajstore.inspect.views import VIEW_NAMES
 
 CFG = RolloutConfig(turns=4, prompt_tokens=6, output_tokens=5, observation_tokens=3, layers=2, topk=1,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 
-from trajstore.demo.simulate import RolloutConfig, trajectory_events
+from trajstore.demo._simulate import RolloutConfig, trajectory_events
 
 # Big events so a SIGKILL lands inside payload writes and transactions.
 HEAVY = RolloutConfig(turns=2, prompt_tokens=1500, output_tokens=500, observation_tokens=100,

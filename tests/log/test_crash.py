@@ -14,7 +14,7 @@ import time
 import pytest
 
 import trajstore
-from trajstore.demo.simulate import trajectory_events
+from trajstore.demo._simulate import trajectory_events
 from tests.log.procs import HEAVY
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -27,7 +27,7 @@ import pytest
 import sqlalchemy as sa
 
 import trajstore
-from trajstore.demo.simulate import RolloutConfig, trajectory_events
+from trajstore.demo._simulate import RolloutConfig, trajectory_events
 from trajstore.errors import StoreUnavailable, ValidationError
 from trajstore.log.postgres import DEFAULT_CONNECT_TIMEOUT_S, engine_options
 from trajstore.schema import events, segments

@@ -12,7 +12,7 @@ import pyarrow.ipc as ipc
 import pytest
 
 import trajstore
-from trajstore.demo.simulate import RolloutConfig, trajectory_events
+from trajstore.demo._simulate import RolloutConfig, trajectory_events
 from trajstore.log.base import Repoint, StaleState
 from tests.helpers import finished, gen, started
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 from sqlalchemy import select
 
-from trajstore.demo.simulate import RolloutConfig, trajectory_events
+from trajstore.demo._simulate import RolloutConfig, trajectory_events
 from trajstore.fold import fold
 from trajstore.schema import events as events_table, segments as segments_table
 from tests.helpers import finished, gen, routes, started

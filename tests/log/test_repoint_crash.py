@@ -15,7 +15,7 @@ import pytest
 from sqlalchemy import select
 
 import trajstore
-from trajstore.demo.simulate import RolloutConfig, trajectory_events
+from trajstore.demo._simulate import RolloutConfig, trajectory_events
 from trajstore.log.base import Shard
 from trajstore.schema import events as events_table, samples as samples_table
 from tests.log.test_gc_compaction import _same

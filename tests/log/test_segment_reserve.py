@@ -13,7 +13,7 @@ import pytest
 
 import trajstore
 import trajstore.payload._reserve as reserve_mod
-from trajstore.demo.simulate import RolloutConfig, trajectory_events
+from trajstore.demo._simulate import RolloutConfig, trajectory_events
 from trajstore.errors import StoreUnavailable
 from trajstore.payload._columns import list_column
 
@@ -145,7 +145,7 @@ def test_a_store_never_closed_leaves_no_reserved_file_at_exit(tmp_path):
 
     script = f"""
 import time, trajstore
-from trajstore.demo.simulate import RolloutConfig, trajectory_events
+from trajstore.demo._simulate import RolloutConfig, trajectory_events
 cfg = RolloutConfig(turns=3, prompt_tokens=20, output_tokens=10, observation_tokens=4, layers=3, topk=2)
 s = trajstore.connect("sqlite:///{tmp_path}/r.db", payload="{tmp_path}/p")
 s.append(trajectory_events(cfg, 0))

@@ -29,10 +29,10 @@ import pytest
 import trajstore
 from trajstore.errors import StoreUnavailable, ValidationError
 from trajstore.materializer import Materializer
-from trajstore.reader import SampleReader
+from trajstore.reader import ReaderConfig, SampleReader
 from trajstore.replay import ReplayReader, ReplayStore
 from trajstore.replay import _protocol as proto
-from trajstore.demo.simulate import trajectory_events
+from trajstore.demo._simulate import trajectory_events
 
 from replay_procs import READ_TOKEN, WRITE_TOKEN, ReplayProcess, free_port
 from test_reader import CFG, GROUP_SIZE, HERE, _ends_once_drained, assert_resumed, fill, flat, keys, shuffled
@@ -562,3 +562,20 @@ def test_closing_a_reader_mid_prefetch_returns_and_leaves_no_fetch_running(fille
     reader.close()
     alive = [t.name for t in pool._threads if t.is_alive()]
     assert not alive, alive
+
+
+def test_a_reader_config_argument_is_deprecated_as_for_sample_reader(filled_sqlite, replay_servers):
+    server = replay_servers(filled_sqlite)
+    config = ReaderConfig(batch_size=4)
+    with pytest.warns(DeprecationWarning, match=r"ReplayReader\(\.\.\., config\) is deprecated; pass the settings "
+                                                r"as keywords") as caught:
+        old = ReplayReader(server.location, config, token=READ_TOKEN, page_rows=5)
+    assert caught[0].filename == os.path.abspath(__file__)
+    new = ReplayReader(server.location, token=READ_TOKEN, batch_size=4, page_rows=5)
+    try:
+        assert old.config == new.config == ReaderConfig(batch_size=4, page_rows=5)
+        assert [keys(b) for b in old] == [keys(b) for b in new]
+        assert old.state_dict() == new.state_dict()
+    finally:
+        old.close()
+        new.close()

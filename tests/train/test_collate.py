@@ -14,7 +14,7 @@ import trajstore
 from trajstore.train.collate import SampleDataset, collate, collate_arrays
 from trajstore.errors import ValidationError
 from trajstore.sample import Sample
-from trajstore.demo.simulate import RolloutConfig, trajectory_events
+from trajstore.demo._simulate import RolloutConfig, trajectory_events
 
 
 def make_sample(prompt_len: int, response_len: int, *, seed: int = 0, routes_dtype=np.uint8, layers: int = 2,
@@ -225,3 +225,40 @@ def test_logprobs_mask_and_finish_reasons_are_collated():
     assert out["finish_reasons"] == ["length", None]
     packed = collate([recorded, unrecorded], layout="packed")
     assert packed["logprobs_mask"].dtype == torch.bool and int(packed["logprobs_mask"].sum()) == 3
+
+
+# ----------------------------------------------------------------------------
+# The old keyword SampleDataset(current_version=) still works, with a DeprecationWarning.
+
+OLD_NAMES_CFG = RolloutConfig(turns=2, prompt_tokens=8, output_tokens=4, observation_tokens=2, layers=2, topk=2, seed=1)
+
+
+@pytest.fixture
+def five_trajectories(tmp_path):
+    store = trajstore.connect(f"sqlite:///{tmp_path}/s.db")
+    for i in range(5):
+        store.append(trajectory_events(OLD_NAMES_CFG, i))
+    yield store
+    store.close()
+
+
+@pytest.fixture
+def five_folded(five_trajectories):
+    five_trajectories.materialize()
+    return five_trajectories
+
+
+def test_sample_dataset_current_version_is_current_model_version(five_folded):
+    pytest.importorskip("torch")
+    from trajstore.train.collate import SampleDataset
+
+    with pytest.warns(DeprecationWarning, match="current_version= is deprecated; use current_model_version="):
+        old = SampleDataset(five_folded, batch_size=2, max_staleness=0, current_version=0)
+    new = SampleDataset(five_folded, batch_size=2, max_staleness=0, current_model_version=0)
+    assert old.current_model_version == new.current_model_version == 0
+    # the policy is passed on the same way under either name (every sample is stale against 100)
+    with pytest.warns(DeprecationWarning):
+        stale_old = SampleDataset(five_folded, batch_size=2, max_staleness=0, current_version=100)
+    stale_new = SampleDataset(five_folded, batch_size=2, max_staleness=0, current_model_version=100)
+    assert len(list(stale_old)) == len(list(stale_new)) == 0
+    assert len(list(SampleDataset(five_folded, batch_size=2))) > 0

@@ -21,7 +21,7 @@ import torch
 from megatron_cpu import HIDDEN_SIZE, NUM_EXPERTS, TOPK, build_block, causal_mask, cpu_megatron, moe_config
 
 import trajstore
-from trajstore.demo.simulate import RolloutConfig, trajectory_events
+from trajstore.demo._simulate import RolloutConfig, trajectory_events
 from trajstore.errors import ValidationError
 from trajstore.reader import SampleReader
 from trajstore.train.collate import collate

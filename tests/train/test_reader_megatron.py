@@ -23,7 +23,7 @@ import trajstore
 from trajstore.train.collate import collate
 from trajstore.train.megatron import replay_indices, replay_routes
 from trajstore.reader import SampleReader
-from trajstore.demo.simulate import RolloutConfig, trajectory_events
+from trajstore.demo._simulate import RolloutConfig, trajectory_events
 
 RECORDED_LAYERS = 3
 MOE_LAYER_IDS = [0, 2]  # the model's two MoE layers replay recorded layers 0 and 2

@@ -49,7 +49,9 @@ from trajstore.ingest.sinks import HttpSink, Sink, StoreSink, encode_events, err
 
 _log = logging.getLogger("trajstore.ingest.client")
 
-__all__ = ["HttpSink", "Sink", "StoreSink", "TrajectoryWriter", "Writer", "encode_events", "error_from_response"]
+# HttpSink and StoreSink are documented here too (docs/ingest.md); the sinks'
+# other names are importable from here but belong to ingest.sinks.
+__all__ = ["HttpSink", "StoreSink", "TrajectoryWriter", "Writer"]
 
 
 def _num_tokens(event: Mapping) -> int:

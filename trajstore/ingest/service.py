@@ -44,10 +44,11 @@ from trajstore.ingest._http import HTTPError as _HTTPError
 from trajstore.ingest._json_body import decode_json, parse_body
 from trajstore.ingest._metrics import MULTIPROC_ENV, Metrics
 
-__all__ = [
-    "DEFAULT_COMMITTERS", "DEFAULT_GROUP_WAIT_S", "DEFAULT_MAX_BODY_BYTES", "DEFAULT_MAX_BYTES_IN_FLIGHT",
-    "DEFAULT_PORT", "ByteBudget", "GroupCommitter", "Metrics", "ServeConfig", "add_cli_arguments", "app_from_env",
-    "decode_json", "main", "make_app", "parse_arrow_body", "parse_body", "serve", "serve_from_args"]
+# The body parsers, the byte budget, the metrics and the defaults come from the
+# service's internals (_body, _json_body, _metrics, _group_commit): importable
+# here, not its API. GroupCommitter is named in the docs as the service's.
+__all__ = ["DEFAULT_PORT", "GroupCommitter", "ServeConfig", "add_cli_arguments", "app_from_env", "main", "make_app",
+           "serve", "serve_from_args"]
 
 log = logging.getLogger(__name__)
 

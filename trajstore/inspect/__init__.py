@@ -4,8 +4,8 @@ and the Parquet export.
 * ``views``  — the inspection views' SQL (created by migration 0002) and the reader role
 * ``sql``    — ``trajstore sql``: read-only queries over those views
 * ``report`` — ``trajstore report``: the run view, a static page (OUT_DIR) or live (``--serve``)
-* ``panels`` — the report's panels: their SQL over the views and their plotly figures
-* ``live``   — ``trajstore report --serve``: the live page over HTTP, read-only, behind a token
+* ``_panels`` — the report's panels: their SQL over the views and their plotly figures
+* ``_live``   — ``trajstore report --serve``: the live page over HTTP, read-only, behind a token
 * ``export`` — ``trajstore export``: samples as a Parquet dataset
 """
 

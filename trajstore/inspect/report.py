@@ -3,11 +3,11 @@
 ``trajstore report OUT_DIR`` writes the static page (``index.html`` with its
 data embedded, and ``plotly.min.js`` beside it: it opens offline, from the
 file system); ``trajstore report --serve`` serves the same page live, redrawn
-from the store every few seconds (``trajstore.inspect.live``).
+from the store every few seconds (``trajstore.inspect._live``).
 
 Everything comes from the inspection views (docs/sql.md) through the read-only
 connection ``trajstore sql`` uses, in one snapshot per refresh; each panel
-shows the SQL it was drawn from (``trajstore.inspect.panels``), and the
+shows the SQL it was drawn from (``trajstore.inspect._panels``), and the
 panels are drawn with plotly, whose bundled plotly.js the page loads.
 """
 
@@ -36,7 +36,7 @@ def render_report(url: str | None, out_dir: str, *, title: str | None = None,
     from plotly.utils import PlotlyJSONEncoder
 
     from trajstore.inspect import _report_page
-    from trajstore.inspect.panels import DEFAULT_STUCK_AFTER_S, collect, plotly_js
+    from trajstore.inspect._panels import DEFAULT_STUCK_AFTER_S, collect, plotly_js
     from trajstore.inspect.sql import read_only
 
     script = plotly_js()  # says what to install before anything is read or written
@@ -64,8 +64,8 @@ def render_report(url: str | None, out_dir: str, *, title: str | None = None,
 
 def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     from trajstore.ingest._http import add_server_arguments
-    from trajstore.inspect.live import DEFAULT_PORT, DEFAULT_REFRESH_S
-    from trajstore.inspect.panels import DEFAULT_STUCK_AFTER_S
+    from trajstore.inspect._live import DEFAULT_PORT, DEFAULT_REFRESH_S
+    from trajstore.inspect._panels import DEFAULT_STUCK_AFTER_S
 
     parser.add_argument("out_dir", nargs="?", default=None,
                         help="directory for the static page (index.html, plotly.min.js); not with --serve")
@@ -87,7 +87,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         if args.out_dir is not None:
             raise TrajstoreError("report --serve serves the page; it takes no OUT_DIR (run without --serve to export)")
         from trajstore.ingest._http import server_token
-        from trajstore.inspect.live import serve_report
+        from trajstore.inspect._live import serve_report
 
         token = server_token(args.token, insecure_no_auth=args.insecure_no_auth)
         serve_report(args.store, host=args.host, port=args.port, token=token, title=args.title or "trajstore report",

@@ -1,6 +1,6 @@
 """The replay service: trainers on other machines read samples through Arrow Flight.
 
-* ``server.py``  ``trajstore replay``: a ``pyarrow.flight`` server holding the
+* ``_server.py`` ``trajstore replay``: a ``pyarrow.flight`` server holding the
   store's credentials; bearer tokens (read / write roles), rate limiting,
   Prometheus metrics.
 * ``client.py``  ``ReplayReader`` (a ``SampleReader`` over replay servers:

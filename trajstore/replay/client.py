@@ -35,7 +35,7 @@ import pyarrow.flight as fl
 
 from trajstore.errors import CorruptStoreError, StoreUnavailable, TrajstoreError, ValidationError
 from trajstore.payload import SegmentRows
-from trajstore.reader import ReaderConfig, SampleReader
+from trajstore.reader import ReaderConfig, SampleReader, _settings
 from trajstore.replay import _protocol as proto
 
 __all__ = ["ReplayReader", "ReplayStore", "parse_locations"]
@@ -371,8 +371,9 @@ class ReplayReader(SampleReader):
 
     ``locations``: replay server URIs (a comma-separated string or a list) or a
     ``ReplayStore``; ``token`` defaults to ``$TRAJSTORE_REPLAY_TOKEN``. The
-    rest is ``SampleReader``'s (``config``, ``rank``, ``world_size``,
-    ``current_model_version``, ``ReaderConfig`` fields). ``streams``: parallel
+    rest is ``SampleReader``'s (``rank``, ``world_size``,
+    ``current_model_version``, ``ReaderConfig`` fields as keywords; a
+    ``ReaderConfig`` as ``config`` is deprecated, as there). ``streams``: parallel
     requests one batch's payload is fetched with. A server with a
     ``max_staleness`` limit judges it against this reader's
     ``current_model_version``.
@@ -388,8 +389,8 @@ class ReplayReader(SampleReader):
                             tls_root_certs=tls_root_certs, streams=streams,
                             first=rank if isinstance(rank, int) else 0) if owns else locations
         try:
-            super().__init__(store, config, rank=rank, world_size=world_size,
-                             current_model_version=current_model_version, **fields)
+            super().__init__(store, rank=rank, world_size=world_size, current_model_version=current_model_version,
+                             **_settings(type(self).__name__, config, fields))
         except BaseException:
             if owns:
                 store.close()

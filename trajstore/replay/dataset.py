@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Iterator, Sequence
 
 import torch
@@ -26,9 +27,9 @@ class ReplayDataset(SampleDataset):
     def __iter__(self) -> Iterator[dict[str, Any]]:
         info = torch.utils.data.get_worker_info()
         worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        with ReplayReader(self.url, self.config, token=self.token, rank=self.rank, world_size=self.world_size,
+        with ReplayReader(self.url, token=self.token, rank=self.rank, world_size=self.world_size,
                           current_model_version=self.current_model_version,
-                          retry_timeout_s=self.retry_timeout_s) as reader:
+                          retry_timeout_s=self.retry_timeout_s, **dataclasses.asdict(self.config)) as reader:
             if self.state is not None:
                 reader.load_state_dict(self.state)
             for step, batch in reader.iter_steps(worker, num_workers):

@@ -25,6 +25,7 @@ Shape suffixes:
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Iterator, Literal, Sequence
 
 import numpy as np
@@ -234,8 +235,9 @@ class SampleDataset(torch.utils.data.IterableDataset):
 
         info = torch.utils.data.get_worker_info()
         worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        with SampleReader(self.url, self.config, rank=self.rank, world_size=self.world_size,
-                          current_model_version=self.current_model_version, payload=self.payload) as reader:
+        with SampleReader(self.url, rank=self.rank, world_size=self.world_size,
+                          current_model_version=self.current_model_version, payload=self.payload,
+                          **dataclasses.asdict(self.config)) as reader:
             if self.state is not None:
                 reader.load_state_dict(self.state)
             for step, batch in reader.iter_steps(worker, num_workers):

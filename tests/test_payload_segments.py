@@ -1,7 +1,9 @@
-"""The materializer's fast paths give what the plain paths give (
-"materialize end to end"): routes planned by the fold and built only where the
-sample segment is written (the same bytes as the plain writer's), log segments read once per step (as streams when dense), and
-the materializer's own SQL reads, on SQLite and PostgreSQL."""
+"""Segment I/O on the materializer's fast paths gives what the plain paths
+give: routes planned by the fold and built only where the sample segment is
+written (the same bytes as the plain writer's, direct I/O or not), log
+segments read once per step (``PayloadStore.read_many``, as streams when
+dense), sample segments mapped with huge pages. The materializer's own SQL
+reads are checked in ``test_materializer.py``."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from trajstore.demo.simulate import RolloutConfig, trajectory_events
+from trajstore.demo._simulate import RolloutConfig, trajectory_events
 from trajstore.payload import _direct, _store
 from trajstore.errors import CorruptStoreError, ValidationError
 from trajstore.events import parse_event
@@ -178,32 +180,6 @@ def test_read_rows_beyond_the_segment_is_corrupt(tmp_path):
     _segment(p, "events-a.arrow", 3)
     with pytest.raises(CorruptStoreError):
         p.read_rows("events-a.arrow", [0, 4])
-
-
-def test_materializer_reads_equal_the_generic_ones(store):
-    for i in range(5):
-        evs = trajectory_events(CFG, i)
-        store.append(evs if i != 3 else evs[:-1])  # one unfinished
-    unfinished = trajectory_events(CFG, 3)[0]["trajectory_id"]
-    store.append([{"type": "reward", "trajectory_id": unfinished, "reward": 0.5}])
-    log = store.log
-    for after, limit in ((0, 100), (0, 2), (5, 3)):
-        assert log.finished_after(after, limit) == EventLog.finished_after(log, after, limit)
-    ids = [r["trajectory_id"] for r in log.finished_after(0, 100)] + [unfinished, "none"]
-    trajs, events = log.fold_inputs(ids)
-    assert any(r["type"] == "reward" for r in events[unfinished])
-    g_trajs, g_events = EventLog.fold_inputs(log, ids)
-    assert set(trajs) == set(g_trajs) and set(events) == set(g_events) == set(ids)
-    for tid in trajs:
-        assert trajs[tid] == {k: g_trajs[tid][k] for k in trajs[tid]}
-    for tid in events:
-        assert [r["position"] for r in events[tid]] == [r["position"] for r in g_events[tid]]
-        for got, want in zip(events[tid], g_events[tid]):
-            for k, v in got.items():
-                assert (bool(v) if isinstance(want[k], bool) else v) == want[k], (tid, k)
-    stats = store.materialize()
-    assert stats.num_trajectories == 4
-    assert store.materialize().num_trajectories == 0
 
 
 def test_read_many_an_empty_or_garbled_segment_is_corrupt_and_the_others_are_read(tmp_path):

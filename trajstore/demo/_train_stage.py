@@ -54,7 +54,7 @@ def demo_train(console: Any, url: str, args: Any) -> None:
 
 
 def _worker_args(url: str, args: Any) -> list[str]:
-    from trajstore.demo.simulate import DEMO_CONFIG
+    from trajstore.demo._simulate import DEMO_CONFIG
 
     argv = ["--store", url, "--steps", str(STEPS), "--max-tokens", str(MAX_TOKENS_PER_BATCH),
             "--group-size", str(DEMO_CONFIG.group_size), "--num-experts", str(DEMO_CONFIG.num_experts),

@@ -31,11 +31,11 @@ from trajstore.errors import StoreUnavailable, TrajstoreError, first_line
 from trajstore._auth import same_token
 from trajstore.ingest._http import BearerAuth, error_body
 from trajstore.inspect import _report_page
-from trajstore.inspect.panels import DEFAULT_STUCK_AFTER_S, collect, plotly_js
+from trajstore.inspect._panels import DEFAULT_STUCK_AFTER_S, collect, plotly_js
 
 __all__ = ["DEFAULT_PORT", "DEFAULT_REFRESH_S", "make_app", "serve_report"]
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("trajstore.inspect.live")  # the logger name logging configs already use
 
 DEFAULT_PORT = 8713
 DEFAULT_REFRESH_S = 5.0

@@ -2,7 +2,7 @@
 
 1. Rollout: ``--workers`` processes simulate agent rollouts (multi-turn MoE
    trajectories with prefix mismatches, aborts resumed under a newer model
-   version, a few failures; ``trajstore.demo.simulate``) and write them through
+   version, a few failures; ``trajstore.demo._simulate``) and write them through
    the batching ``Writer`` into one store, concurrently.
 2. Materialize: fold every finished trajectory into samples.
 3. Export the samples as Parquet, and summarize what came out.
@@ -22,7 +22,7 @@ import sys
 import numpy as np
 
 from trajstore._progress import progress_bar
-from trajstore.demo.simulate import DEMO_CONFIG, RolloutConfig, trajectory_events
+from trajstore.demo._simulate import DEMO_CONFIG, RolloutConfig, trajectory_events
 from trajstore.errors import TrajstoreError, first_line
 
 __all__ = ["next_steps", "run_demo"]
@@ -213,7 +213,7 @@ def _summary(console, store, stats, export_dir: str, counts: dict) -> None:
 
 def _train_stage(console, url: str, args: argparse.Namespace) -> None:
     try:
-        from trajstore.demo.train_stage import demo_train
+        from trajstore.demo._train_stage import demo_train
     except ImportError as e:
         console.print(f"train stage skipped ({e}); pip install -e '.[megatron]' to run it", markup=False)
         return

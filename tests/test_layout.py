@@ -125,13 +125,13 @@ PUBLIC_API: dict[str, set[str]] = {
         "ValidationError", "first_line"
     },
     "trajstore.events": {
-        "Event", "FINISH_STATUSES", "Generation", "LOGPROB_PLACEHOLDER", "Reward", "TrajectoryFinished",
+        "ARRAY_FIELDS", "Event", "FINISH_STATUSES", "Generation", "LOGPROB_PLACEHOLDER", "Reward", "TrajectoryFinished",
         "TrajectoryStarted", "VersionLabel", "content_hash", "decimal_label", "identity_of", "parse_event",
-        "parse_events", "routes_dtype", "same_content", "validate_metadata"
+        "parse_events", "routes_dtype", "same_content", "TOKEN_FIELDS", "validate_metadata"
     },
     "trajstore.fold": {
         "DEFAULT_POLICY", "EMPTY_HASH", "FoldMetrics", "FoldPolicy", "FoldResult", "FoldStep", "FoldTail", "fold",
-        "fold_step", "sequence_hash"
+        "first_model_version", "fold_step", "sequence_hash"
     },
     "trajstore.ingest": {"TrajectoryWriter", "Writer"},
     "trajstore.ingest.arrow_body": {
@@ -173,21 +173,14 @@ PUBLIC_API: dict[str, set[str]] = {
     },
     "trajstore.log": set(),
     "trajstore.log.base": {
-        "EventLog", "Repoint", "SAMPLES_KIND", "SampleIndex", "Shard", "StaleState", "TrajectoryWrite", "shard_index_of"
+        "EventLog", "RELEASED", "Repoint", "SAMPLES_KIND", "SampleIndex", "Shard", "StaleState", "TrajectoryWrite", "shard_index_of"
     },
     "trajstore.log.postgres": {
         "DEFAULT_CONNECT_TIMEOUT_S", "DEFAULT_STATEMENT_TIMEOUT", "default_payload_dir", "engine_options",
         "make_engines"
     },
-    "trajstore.log.sql": {
-        "RELEASED", "SqlEventLog", "SqlProjectionIndex", "SqlSampleIndex", "first_line", "open_sql", "translate"
-    },
-    "trajstore.log.sqlite": {"default_payload_dir", "make_engines"},
     "trajstore.materializer": {"MaterializeStats", "Materializer", "shard_of"},
-    "trajstore.payload": {
-        "PayloadStore", "SegmentRows", "binary_chunks", "binary_column", "column_chunks", "filesystem_of", "fsync_dir",
-        "is_uri", "list_column", "routes_from_bytes", "rows_per_batch", "write_arrow_segment"
-    },
+    "trajstore.payload": {"PayloadStore", "SegmentRows"},
     "trajstore.reader": {"ReaderConfig", "ReaderStats", "SampleReader"},
     "trajstore.replay": {"ReplayReader", "ReplayStore"},
     "trajstore.replay.client": {"ReplayReader", "ReplayStore", "parse_locations"},

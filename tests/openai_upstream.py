@@ -294,7 +294,12 @@ def serve_in_thread(app: Any, http: Any = "auto") -> Iterator[str]:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", http=http))
+    # timeout_keep_alive: uvicorn closes a connection idle for 5 s by default; a request a
+    # client sends on it at that moment gets no answer ("Server disconnected without
+    # sending a response"). The Writer's sink retries that; the tests' plain httpx clients,
+    # idle longer than 5 s on a loaded machine, would fail on it.
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", http=http,
+                                           timeout_keep_alive=300))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     for _ in range(500):

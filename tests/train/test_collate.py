@@ -262,3 +262,16 @@ def test_sample_dataset_current_version_is_current_model_version(five_folded):
     stale_new = SampleDataset(five_folded, batch_size=2, max_staleness=0, current_model_version=100)
     assert len(list(stale_old)) == len(list(stale_new)) == 0
     assert len(list(SampleDataset(five_folded, batch_size=2))) > 0
+
+
+def test_sample_dataset_takes_a_reader_config_only_as_the_deprecated_form(five_folded):
+    pytest.importorskip("torch")
+    from trajstore.reader import ReaderConfig
+    from trajstore.train.collate import SampleDataset
+
+    new = SampleDataset(five_folded, batch_size=2, keep_groups=False)
+    with pytest.warns(DeprecationWarning, match=r"SampleDataset\(\.\.\., config\) is deprecated"):
+        old = SampleDataset(five_folded, ReaderConfig(batch_size=2, keep_groups=False))
+    assert old.config == new.config
+    got, want = batches(old), batches(new)
+    assert [b["trajectory_ids"] for b in got] == [b["trajectory_ids"] for b in want] and len(want) >= 2

@@ -202,7 +202,7 @@ class SampleDataset(torch.utils.data.IterableDataset):
                  padding_side: str = "right", pad_to_multiple_of: int = 1, current_version: int | None = None,
                  **fields: Any) -> None:
         from trajstore._deprecated import renamed
-        from trajstore.reader import ReaderConfig
+        from trajstore.reader import ReaderConfig, _settings
 
         current_model_version = renamed("current_version", "current_model_version", current_version,
                                          current_model_version, None)
@@ -211,7 +211,7 @@ class SampleDataset(torch.utils.data.IterableDataset):
         if not isinstance(url, str):  # a Store: workers reconnect by URL
             url, payload = url.url, url.payload.location
         self.url, self.payload = url, payload
-        self.config = ReaderConfig(**fields) if config is None else config
+        self.config = ReaderConfig(**_settings(type(self).__name__, config, fields))
         self.rank, self.world_size, self.current_model_version = rank, world_size, current_model_version
         self.collate_kwargs = {"layout": layout, "padding_side": padding_side, "pad_to_multiple_of": pad_to_multiple_of}
         self.state: dict[str, Any] | None = None  # the reader state iteration starts from

@@ -167,23 +167,35 @@ def _stream_generate(proxy: str, tid: str, prompt: list[int], max_tokens: int, o
 def test_a_label_changed_mid_generation_gives_per_token_versions_equal_to_vllms_spans(engine, proxy, store):
     engine.label("20")
     store.append([{"type": "version_label", "label": "step-21", "model_version": 21}])
-    changed = []
+    changed: list[threading.Thread] = []
+    failed: list[BaseException] = []
 
-    def on_tokens(n):  # at the first chunk: the engine is ahead of what the harness has read
-        if n >= 1 and not changed:
-            changed.append(n)
+    def change() -> None:  # an in-flight weight update: freeze the running call, relabel, go on
+        try:
+            assert httpx.post(f"{proxy}/pause?mode=keep", timeout=60).json() == {"status": "paused"}
             r = httpx.post(f"{proxy}/update_weight_version", json={"new_version": "step-21"}, timeout=30)
-            assert r.status_code == 200
+            assert r.status_code == 200, r.text
+            assert httpx.post(f"{proxy}/resume", timeout=60).json() == {"status": "resumed"}
+        except BaseException as e:  # reported below, not lost in the thread
+            failed.append(e)
 
-    # The change races vLLM's engine core, which can run far ahead of the stream the harness
-    # reads on a loaded machine: a generation that ended before it landed is tried again.
+    def on_tokens(n):  # the trainer, from its own thread, while the harness reads on
+        if n >= 1 and not changed:
+            changed.append(threading.Thread(target=change))
+            changed[-1].start()
+
+    # The change races vLLM's engine core, which runs ahead of the stream the harness reads:
+    # a generation that ended before it landed is tried again.
     for attempt in range(4):
         tid = f"mid{attempt}" if attempt else "mid"
         engine.label("20")
         changed.clear()
         choice, lines = _stream_generate(proxy, tid, [11, 12, 13], 4000, on_tokens)
+        for thread in changed:  # its request is done before the next try relabels
+            thread.join(60)
         if len(choice["weight_versions"]) > 1:
             break
+    assert not failed, failed
     _finish(proxy, tid)
     assert [line for line in lines if line][-1] == ": X-Trajstore-Seq: 0"
     spans = choice["weight_versions"]
@@ -199,12 +211,20 @@ def test_pause_abort_then_resume_under_new_weights_is_one_sample(engine, proxy, 
     abort through the proxy while a long generation streams, move the label, resume, and
     let the harness continue from prompt + partial output."""
     engine.label("30")
-    paused = threading.Event()
+    paused: list[threading.Thread] = []
+    failed: list[BaseException] = []
 
-    def on_tokens(n):  # the trainer's pause, while the harness's stream is open (the engine runs ahead)
-        if n >= 1 and not paused.is_set():
-            paused.set()
+    def pause() -> None:  # the running call is frozen first (mode=keep): the abort finds it unfinished
+        try:
+            assert httpx.post(f"{proxy}/pause?mode=keep", timeout=60).json() == {"status": "paused"}
             assert httpx.post(f"{proxy}/pause?mode=abort", timeout=60).json() == {"status": "paused"}
+        except BaseException as e:  # reported below, not lost in the thread
+            failed.append(e)
+
+    def on_tokens(n):  # the trainer pauses from its own thread while the harness reads on
+        if n >= 1 and not paused:
+            paused.append(threading.Thread(target=pause))
+            paused[-1].start()
 
     prompt = [11, 12, 13]
     # The pause races vLLM's engine core, which can run far ahead of the stream the harness reads
@@ -215,8 +235,11 @@ def test_pause_abort_then_resume_under_new_weights_is_one_sample(engine, proxy, 
         httpx.post(f"{proxy}/resume", timeout=60)
         paused.clear()
         partial, _ = _stream_generate(proxy, tid, prompt, 8000, on_tokens)
+        for thread in paused:  # a late pause lands before the next try resumes
+            thread.join(60)
         if partial["finish_reason"] == "abort":
             break
+    assert not failed, failed
     assert partial["finish_reason"] == "abort" and 1 <= len(partial["token_ids"]) < 8000
     assert httpx.get(f"{proxy}/is_paused").json() == {"is_paused": True}
     assert httpx.post(f"{proxy}/update_weight_version", json={"new_version": "31"}).status_code == 200

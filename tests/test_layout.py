@@ -163,6 +163,10 @@ PUBLIC_API: dict[str, set[str]] = {
     "trajstore.inspect": set(),
     "trajstore.inspect.export": {"export_samples", "export_table", "routes_from_export"},
     "trajstore.inspect.report": {"add_cli_arguments", "render_report", "run_from_args"},
+    "trajstore.inspect.trackers": {
+        "MLflowSink", "StoreMetrics", "TensorBoardSink", "TrackerPusher", "TrackerSink", "WandbSink",
+        "add_cli_arguments", "expert_load_violation", "run_from_args", "store_metrics"
+    },
     "trajstore.inspect.sql": {
         "QueryResult", "add_cli_arguments", "create_reader_login", "print_result", "read_only", "run_from_args",
         "run_query", "with_iso_times"

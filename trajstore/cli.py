@@ -324,6 +324,9 @@ _EDGES = (
     ("proxy", "trajstore.ingest._sglang_proxy", "serve_from_args", "run the recording proxy in front of vLLM or SGLang"),
     ("sql", "trajstore.inspect.sql", "run_from_args", "run a read-only SQL query against the store"),
     ("report", "trajstore.inspect.report", "run_from_args", "render an HTML report with plots of the run"),
+    # store-side figures to TensorBoard, MLflow, W&B (docs/report.md "Trackers")
+    ("track", "trajstore.inspect.trackers", "run_from_args",
+     "push the run's store-side metrics to TensorBoard, MLflow or Weights & Biases"),
     # the replay service: trainers elsewhere read samples over Arrow Flight (docs/replay.md)
     ("replay", "trajstore.replay._server", "serve_from_args", "run the Arrow Flight replay service trainers read from"),
 )

@@ -1,0 +1,388 @@
+"""Push a run's store-side metrics to the experiment trackers RL teams already use.
+
+``trajstore track`` (and ``workers/trackers.py``) reads a few read-only
+queries over the inspection views (docs/sql.md) plus the newest samples'
+routes, and logs the figures to TensorBoard (event files through
+``torch.utils.tensorboard``), MLflow (its tracking client) and Weights &
+Biases (its own library, online or offline) with each library's own API: the
+figures land beside the trainer's own curves, under ``trajstore/``.
+
+Each push is keyed by a step: the newest training step the store recorded
+(``train_steps``, when the trainer records lineage), else the newest model
+version in the log, so curves line up with the trainer's. Rates
+(``ingest/*_per_s``) are measured between two pushes of one pusher.
+
+The figures, by name (all floats):
+
+* ``trajectories``, ``trajectories_finished``, ``samples``, ``held_back``,
+  ``unfoldable``: counts;
+* ``ingest/calls_per_s``, ``ingest/tokens_per_s``: engine calls and generated
+  tokens appended per second since the previous push;
+* ``staleness/mean``, ``staleness/max``: ``sample_summary.staleness`` over the
+  newest ``RECENT_SAMPLES`` samples;
+* ``length_finish_share``: of those samples, the share whose last call ended
+  on ``length``; ``response_len/mean`` likewise;
+* ``zero_variance_group_share``: of the finished groups with two or more
+  rewards, the share whose rewards are all equal (GRPO learns nothing from them);
+* ``route_drift_share``: re-sent route rows that moved, over the rows compared;
+* ``moe/max_vio/max``, ``moe/max_vio/avg``: expert load imbalance over the
+  newest samples' generated tokens, per MoE layer as verl 0.9.1 defines it
+  (``verl/trainer/ppo/metric_utils.py``: a layer's ``max_e(load_e / total *
+  num_experts) - 1``); layers whose every entry is 0 (vLLM's dense layers)
+  are left out;
+* with lineage: ``train/<metric>`` of the newest step (its ranks' mean), and
+  ``mismatch/k3_mean`` over its annotated tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping, Protocol, Sequence
+
+from trajstore.errors import TrajstoreError
+from trajstore.inspect.sql import Query, QueryResult
+
+__all__ = ["StoreMetrics", "TrackerSink", "TensorBoardSink", "MLflowSink", "WandbSink", "TrackerPusher",
+           "store_metrics", "expert_load_violation", "add_cli_arguments", "run_from_args"]
+
+log = logging.getLogger(__name__)
+
+PREFIX = "trajstore/"
+RECENT_SAMPLES = 1024
+"""Sample-level figures cover the newest this many samples: a push costs the same late in a run."""
+ROUTE_SAMPLES = 256
+"""The expert-load figures read the routes of the newest this many samples from the payload."""
+
+_COUNTS_SQL = (
+    "SELECT count(*), count(*) FILTER (WHERE status <> 'running'), coalesce(sum(num_generations), 0), "
+    "coalesce(sum(num_generated_tokens), 0), count(*) FILTER (WHERE is_held_back), "
+    "max(max_model_version), sum(route_rows_drifted), sum(route_rows_resent) FROM trajectory_summary")
+_SAMPLES_SQL = (
+    "SELECT count(*), avg(staleness), max(staleness), "
+    "avg(CASE WHEN finish_reason = 'length' THEN 1.0 ELSE 0.0 END), avg(response_len) FROM ("
+    "SELECT staleness, finish_reason, response_len FROM sample_summary "
+    f"ORDER BY finished_position DESC, sample_index DESC LIMIT {RECENT_SAMPLES}) recent")
+_NUM_SAMPLES_SQL = "SELECT count(*) FROM samples"
+_UNFOLDABLE_SQL = "SELECT count(*) FROM unfoldable_trajectories"
+_GROUPS_SQL = (
+    "SELECT count(*), count(*) FILTER (WHERE lo = hi) FROM ("
+    "SELECT min(reward) AS lo, max(reward) AS hi FROM trajectory_summary "
+    "WHERE group_id IS NOT NULL AND status <> 'running' AND reward IS NOT NULL "
+    "GROUP BY group_id HAVING count(*) > 1) g")
+_ROUTES_SQL = (
+    "SELECT s.trajectory_id, s.sample_index, s.segment, s.segment_row, t.num_experts "
+    "FROM samples s JOIN trajectories t ON t.trajectory_id = s.trajectory_id "
+    f"ORDER BY s.finished_position DESC, s.sample_index DESC LIMIT {ROUTE_SAMPLES}")
+_HAS_LINEAGE_SQL = "SELECT count(*) FROM train_steps"
+_STEP_SQL = "SELECT run, step, metrics FROM train_steps WHERE step = (SELECT max(step) FROM train_steps)"
+_MISMATCH_SQL = (
+    "SELECT sum(k3_mean * tokens_compared), sum(tokens_compared) FROM train_rollout_mismatch "
+    "WHERE step = (SELECT max(step) FROM train_steps)")
+
+
+@dataclass(frozen=True)
+class StoreMetrics:
+    """One reading of the store: the figures (names without ``trajstore/``) and the step they belong to."""
+
+    step: int
+    values: dict[str, float]
+    counters: dict[str, float] = field(default_factory=dict)
+    """Cumulative counts the pusher turns into rates (calls, generated tokens)."""
+    at: float = field(default_factory=time.time)
+
+
+def _num(x: Any) -> float | None:
+    if x is None:
+        return None
+    x = float(x)
+    return x if math.isfinite(x) else None
+
+
+def _share(part: Any, whole: Any) -> float | None:
+    part, whole = _num(part), _num(whole)
+    return None if not whole else (part or 0.0) / whole
+
+
+def expert_load_violation(routes: Iterable[Any], num_experts: int) -> dict[str, float]:
+    """verl's ``max_vio`` over route rows: for each layer, ``max_e(load_e / total * num_experts) - 1``.
+
+    ``routes``: arrays [tokens, layers, topk] of expert ids (one per sample,
+    one layer layout). Layers whose every entry is 0 (the dense layers vLLM
+    records as zeros) are left out. Returns ``{}`` when no layer has routes."""
+    import numpy as np
+
+    per_layout: dict[tuple[int, int], Any] = {}
+    for r in routes:
+        r = np.asarray(r)
+        if r.ndim != 3 or r.size == 0:
+            continue
+        layers = r.shape[1]
+        # Per layer, count every expert id at once: offset each layer's ids by layer * E.
+        flat = (r.astype(np.int64) + (np.arange(layers, dtype=np.int64) * num_experts)[None, :, None]).ravel()
+        counts = np.bincount(flat, minlength=layers * num_experts).reshape(layers, num_experts)
+        key = r.shape[1:]
+        per_layout[key] = per_layout[key] + counts if key in per_layout else counts
+    if not per_layout:
+        return {}
+    per_layer = max(per_layout.values(), key=lambda c: int(c.sum()))  # one model: one layout, else the busiest
+    total = per_layer.sum(axis=1)
+    moe = (total > 0) & (per_layer[:, 1:].sum(axis=1) > 0)  # a dense layer routes everything to 0
+    if not moe.any():
+        return {}
+    load = per_layer[moe] / total[moe, None]
+    max_vio = (load * num_experts - 1.0).max(axis=1)
+    return {"moe/max_vio/max": float(max_vio.max()), "moe/max_vio/avg": float(max_vio.mean())}
+
+
+def _route_rows(samples: Sequence[Any]) -> list[Any]:
+    """The route rows that produced each sample's generated tokens (decode routes)."""
+    import numpy as np
+
+    out = []
+    for s in samples:
+        if s.routed_experts is None:
+            continue
+        versions = np.asarray(s.token_model_versions)
+        rows = len(s.prompt_ids) + np.flatnonzero(versions >= 0) - 1  # the row before a token produced it
+        ok = (rows >= 0) & (rows < len(s.routed_experts))
+        if s.routed_experts_mask is not None:
+            ok[ok] &= ~np.asarray(s.routed_experts_mask, bool)[rows[ok]]
+        out.append(np.asarray(s.routed_experts)[rows[ok]])
+    return out
+
+
+def _expert_load(query: Query, payload: str | None) -> dict[str, float]:
+    if payload is None:
+        return {}
+    from trajstore.inspect._panels import _read_samples
+
+    rows = query(_ROUTES_SQL).rows
+    if not rows:
+        return {}
+    try:
+        samples = _read_samples(payload, rows)
+    except (OSError, ValueError) as e:
+        log.warning("trackers: cannot read the newest sample segments under %s: %s", payload,
+                    str(e).splitlines()[0] if str(e) else type(e).__name__)
+        return {}
+    routes = _route_rows(samples)
+    if not routes:
+        return {}
+    num_experts = max([int(r[4]) for r in rows if r[4]] + [int(max(int(x.max()) for x in routes if x.size)) + 1
+                                                          if any(x.size for x in routes) else 1])
+    return expert_load_violation(routes, num_experts)
+
+
+def _lineage(query: Query) -> tuple[int | None, dict[str, float]]:
+    """The newest training step and its figures, or (None, {}) when the store has no lineage."""
+    try:
+        if not query(_HAS_LINEAGE_SQL).rows[0][0]:
+            return None, {}
+    except TrajstoreError:  # a store made before training lineage: no such view
+        return None, {}
+    rows = query(_STEP_SQL).rows
+    step = int(rows[0][1])
+    sums: dict[str, list[float]] = {}
+    for _, _, metrics in rows:
+        for k, v in (json.loads(metrics) if isinstance(metrics, str) else (metrics or {})).items():
+            v = _num(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+            if v is not None:
+                sums.setdefault(k, []).append(v)
+    values = {f"train/{k}": sum(v) / len(v) for k, v in sums.items()}
+    k3_sum, tokens = query(_MISMATCH_SQL).rows[0]
+    if _num(tokens):
+        values["mismatch/k3_mean"] = float(k3_sum) / float(tokens)
+    return step, values
+
+
+def store_metrics(query: Query, *, payload: str | None = None) -> StoreMetrics:
+    """One reading of the store through ``query`` (one read-only snapshot, see ``inspect.sql.read_only``)."""
+    (trajectories, finished, calls, tokens, held, newest_version, drifted, resent) = query(_COUNTS_SQL).rows[0]
+    _, stale_mean, stale_max, length_share, response_len = query(_SAMPLES_SQL).rows[0]
+    groups, flat = query(_GROUPS_SQL).rows[0]
+    values: dict[str, float | None] = {
+        "trajectories": _num(trajectories), "trajectories_finished": _num(finished),
+        "samples": _num(query(_NUM_SAMPLES_SQL).rows[0][0]), "held_back": _num(held),
+        "unfoldable": _num(query(_UNFOLDABLE_SQL).rows[0][0]),
+        "staleness/mean": _num(stale_mean), "staleness/max": _num(stale_max),
+        "length_finish_share": _num(length_share), "response_len/mean": _num(response_len),
+        "zero_variance_group_share": _share(flat, groups), "route_drift_share": _share(drifted, resent),
+    }
+    values.update(_expert_load(query, payload))
+    step, train = _lineage(query)
+    values.update(train)
+    if step is None:
+        step = int(newest_version) if newest_version is not None else 0
+    return StoreMetrics(step=step, values={k: float(v) for k, v in values.items() if v is not None},
+                        counters={"calls": float(calls or 0), "tokens": float(tokens or 0)})
+
+
+class TrackerSink(Protocol):
+    """Where a push goes: one tracker run."""
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def _need(module: str, extra: str = "trackers") -> Any:
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise TrajstoreError(f"{module.split('.')[0]} is not installed: pip install 'trajstore[{extra}]'") from None
+
+
+class TensorBoardSink:
+    """TensorBoard event files in ``logdir`` (``torch.utils.tensorboard.SummaryWriter``)."""
+
+    def __init__(self, logdir: str) -> None:
+        _need("tensorboard")
+        self._writer = _need("torch.utils.tensorboard").SummaryWriter(log_dir=logdir)
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        for name, value in metrics.items():
+            self._writer.add_scalar(name, value, global_step=step)
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+class MLflowSink:
+    """One MLflow run (``mlflow.MlflowClient``): ``tracking_uri`` as MLflow takes it (a server,
+    ``sqlite:///mlflow.db``, ``file:./mlruns``); ``run_id`` continues an existing run (the trainer's)."""
+
+    def __init__(self, tracking_uri: str | None = None, *, experiment: str = "trajstore",
+                 run_id: str | None = None, run_name: str | None = None) -> None:
+        mlflow = _need("mlflow")
+        self._client = mlflow.MlflowClient(tracking_uri=tracking_uri)
+        self._metric = _need("mlflow.entities").Metric
+        if run_id is None:
+            found = self._client.get_experiment_by_name(experiment)
+            experiment_id = found.experiment_id if found else self._client.create_experiment(experiment)
+            run_id = self._client.create_run(experiment_id, run_name=run_name).info.run_id
+        self.run_id = run_id
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        now = int(time.time() * 1000)
+        self._client.log_batch(self.run_id, metrics=[self._metric(k, float(v), now, int(step))
+                                                     for k, v in metrics.items()])
+
+    def close(self) -> None:
+        self._client.set_terminated(self.run_id)
+
+
+class WandbSink:
+    """One Weights & Biases run (``wandb.init``); ``mode="offline"`` writes it under ``dir``
+    for ``wandb sync`` later. The step is logged as ``trajstore/step`` (W&B's own step
+    must only grow, and two pushes can share a training step)."""
+
+    def __init__(self, project: str, *, mode: str = "online", dir: str | None = None, name: str | None = None,
+                 run_id: str | None = None) -> None:
+        wandb = _need("wandb")
+        self._run = wandb.init(project=project, mode=mode, dir=dir, name=name, id=run_id, resume="allow",
+                               reinit="create_new")
+        self._run.define_metric(f"{PREFIX}*", step_metric=f"{PREFIX}step")
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        self._run.log({**metrics, f"{PREFIX}step": step})
+
+    def close(self) -> None:
+        self._run.finish()
+
+
+class TrackerPusher:
+    """Reads the store every ``interval_s`` and logs its figures to every sink.
+
+    The store is read with the read-only connection ``trajstore sql`` uses (on
+    PostgreSQL: a reader login, docs/sql.md)."""
+
+    def __init__(self, url: str | None, sinks: Sequence[TrackerSink], *, payload: str | None = None) -> None:
+        from trajstore.inspect import _report_page
+
+        if not sinks:
+            raise TrajstoreError("trackers: name at least one tracker (--tensorboard, --mlflow, --wandb-project)")
+        self.url = url
+        self.sinks = list(sinks)
+        self.payload = _report_page.payload_location(url, payload)
+        self._last: StoreMetrics | None = None
+
+    def read(self) -> StoreMetrics:
+        from trajstore.inspect.sql import read_only
+
+        with read_only(self.url) as query:
+            return store_metrics(query, payload=self.payload)
+
+    def push(self) -> dict[str, float]:
+        """One reading, logged to every sink; returns what was logged (with the prefix)."""
+        now = self.read()
+        values = dict(now.values)
+        if self._last is not None and now.at > self._last.at:
+            dt = now.at - self._last.at
+            values["ingest/calls_per_s"] = max(0.0, now.counters["calls"] - self._last.counters["calls"]) / dt
+            values["ingest/tokens_per_s"] = max(0.0, now.counters["tokens"] - self._last.counters["tokens"]) / dt
+        self._last = now
+        logged = {PREFIX + k: v for k, v in sorted(values.items())}
+        for sink in self.sinks:
+            sink.log(logged, now.step)
+        log.info("trackers: pushed %d figures at step %d to %d tracker(s)", len(logged), now.step, len(self.sinks))
+        return logged
+
+    def run(self, interval_s: float, *, pushes: int | None = None, stop: Any = None) -> int:
+        """Push every ``interval_s`` until ``pushes`` were made or ``stop`` (a threading.Event) is set."""
+        done = 0
+        while pushes is None or done < pushes:
+            self.push()
+            done += 1
+            if pushes is not None and done >= pushes:
+                break
+            if stop is not None:
+                if stop.wait(interval_s):
+                    break
+            else:
+                time.sleep(interval_s)
+        return done
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()
+
+
+def add_cli_arguments(parser: Any) -> None:
+    parser.add_argument("--tensorboard", metavar="LOGDIR", help="write TensorBoard event files into LOGDIR")
+    parser.add_argument("--mlflow", metavar="TRACKING_URI", nargs="?", const="",
+                        help="log to MLflow (its tracking URI; bare flag: MLflow's own default)")
+    parser.add_argument("--mlflow-experiment", default="trajstore", help="MLflow experiment name")
+    parser.add_argument("--mlflow-run-id", help="log into this existing MLflow run (e.g. the trainer's)")
+    parser.add_argument("--wandb-project", help="log to this Weights & Biases project")
+    parser.add_argument("--wandb-mode", default="online", choices=("online", "offline"),
+                        help="offline: write the run under --wandb-dir for `wandb sync` later")
+    parser.add_argument("--wandb-dir", help="where W&B keeps its files")
+    parser.add_argument("--interval-s", type=float, default=30.0, help="seconds between pushes (default 30)")
+    parser.add_argument("--once", action="store_true", help="push once and exit")
+
+
+def run_from_args(args: Any) -> int:
+    if not (math.isfinite(args.interval_s) and args.interval_s > 0):
+        raise TrajstoreError(f"--interval-s must be a finite number > 0, not {args.interval_s}")
+    sinks: list[TrackerSink] = []
+    if args.tensorboard:
+        sinks.append(TensorBoardSink(args.tensorboard))
+    if args.mlflow is not None:
+        sinks.append(MLflowSink(args.mlflow or None, experiment=args.mlflow_experiment, run_id=args.mlflow_run_id))
+    if args.wandb_project:
+        sinks.append(WandbSink(args.wandb_project, mode=args.wandb_mode, dir=args.wandb_dir))
+    pusher = TrackerPusher(args.store, sinks, payload=getattr(args, "payload", None))
+    try:
+        pusher.run(args.interval_s, pushes=1 if args.once else None)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        pusher.close()
+    return 0

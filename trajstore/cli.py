@@ -221,6 +221,14 @@ def _add_projection_command(add) -> None:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
+    if args.engine_only:
+        from trajstore.demo._agent import serve_engine
+
+        return serve_engine(args)
+    if args.engine:
+        from trajstore.demo._agent import run_engine_demo
+
+        return run_engine_demo(args)
     from trajstore.demo._run import run_demo
 
     return run_demo(args)
@@ -312,6 +320,16 @@ def _parser() -> argparse.ArgumentParser:
                    help="where the demo store, export and report go (default ./trajstore-demo); "
                         "files the demo did not make are never touched")
     d.add_argument("--no-train", action="store_true", help="skip the megatron replay stage")
+    d.add_argument("--engine", action="store_true",
+                   help="instead: agent episodes through a real `trajstore proxy` in front of a simulated vLLM "
+                        "(CPU, no model; needs the server extra), printed call by call (docs/first-hour.md)")
+    d.add_argument("--engine-only", action="store_true",
+                   help="instead: serve the simulated vLLM alone on --host/--port until Ctrl-C")
+    d.add_argument("--host", default="127.0.0.1", help="with --engine-only: the address (default 127.0.0.1)")
+    d.add_argument("--port", type=int, default=8000, help="with --engine-only: the port (default 8000)")
+    d.add_argument("--weight-update-every", type=int, default=10, metavar="TOKENS",
+                   help="with --engine-only: the engine moves to the next weight label every this many "
+                        "generated tokens (0: never; default 10)")
     _add_projection_command(add)
     _add_edge_commands(sub, add)
     return p

@@ -122,7 +122,8 @@ def test_same_tensors_as_verls_agent_loop(samples):
     # Every field verl's agent loop hands the trainer (ray_trainer.py reads multi_modal_inputs of every row),
     # with the same values for a text row; raw_prompt holds the dataset's chat messages, which the store has not.
     assert set(theirs.non_tensor_batch) <= set(ours.non_tensor_batch)
-    assert ours.non_tensor_batch["multi_modal_inputs"].tolist() == theirs.non_tensor_batch["multi_modal_inputs"].tolist()
+    mm_inputs = theirs.non_tensor_batch["multi_modal_inputs"].tolist()
+    assert ours.non_tensor_batch["multi_modal_inputs"].tolist() == mm_inputs == [{}] * len(samples)
     assert ours.non_tensor_batch["raw_prompt"].tolist() == [None] * len(samples)
     assert ours.meta_info["temperature"] == 1.0  # fit() sets it on the batch the rollout is joined to
     assert data_proto(samples, temperature=0.7).meta_info["temperature"] == 0.7
@@ -411,6 +412,7 @@ def test_verls_trainer_steps_run_on_the_batch(samples, routeless_samples):
     from verl.trainer.ppo.metric_utils import compute_data_metrics, compute_throughout_metrics
     from verl.trainer.ppo.ray_trainer import RayPPOTrainer, compute_advantage
     from verl.trainer.ppo.reward import extract_reward
+    from verl.utils.debug.metrics import calculate_debug_metrics
 
     rows = [*samples[:3], *routeless_samples]  # an even batch: two DP ranks
     batch = data_proto(rows, missing_routes="mask", temperature=0.7)
@@ -437,6 +439,11 @@ def test_verls_trainer_steps_run_on_the_batch(samples, routeless_samples):
     batch = batch.union(old_log_prob)
     valid = batch.batch["response_mask"].bool()
     assert (batch.batch["old_log_probs"][valid] == -0.5).all()
+    # fit() compares rollout and actor probs on every response_mask token: each has a real rollout logprob.
+    metrics.update(calculate_debug_metrics(batch))
+    assert batch.batch["rollout_log_probs_mask"][valid].all()
+    expected = (torch.exp(batch.batch["rollout_log_probs"][valid]) - np.exp(-0.5)).abs().max().item()
+    assert metrics["training/rollout_probs_diff_max"] == pytest.approx(expected)
 
     batch.batch["token_level_scores"] = reward_tensor
     batch.batch["token_level_rewards"] = batch.batch["token_level_scores"]

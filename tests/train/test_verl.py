@@ -30,7 +30,6 @@ import contextlib
 import os
 import re
 import subprocess
-import sys
 import types
 from pathlib import Path
 from unittest import mock
@@ -487,7 +486,8 @@ def test_trainer_steps_in_verls_environment():
             pytest.fail(message)
         pytest.skip(message)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    run = subprocess.run([str(python), "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", "-rs",
+    select = ["-m", "not postgres"] if os.environ.get("TRAJSTORE_SKIP_POSTGRES") == "1" else []
+    run = subprocess.run([str(python), "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", "-rs", *select,
                           "-k", "not in_verls_environment", str(Path(__file__))],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=850)
     summary = run.stdout.strip().splitlines()[-1] if run.stdout.strip() else ""

@@ -81,6 +81,10 @@ def _cmd_materialize(args: argparse.Namespace) -> int:
                                   rule="cli")
         _print_json(m.refold_quarantined().to_dict())
         return 0
+    if args.abandon_after_s is not None:
+        abandoned = m.abandon_idle(args.abandon_after_s)
+        if abandoned:
+            print(f"finished {len(abandoned)} idle running trajectories as abandoned", file=sys.stderr)
     what = "trajectories" if args.projection is None else f"trajectories into projection {args.projection}"
     with progress_bar(f"materializing {what}", total=m.pending()) as advance:
         m.progress = advance
@@ -289,6 +293,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="fold this shard's trajectories quarantined for a missing payload file, once it is back")
     m.add_argument("--projection", default=None, metavar="NAME",
                    help="fold into this named projection instead of the default samples (docs/projections.md)")
+    m.add_argument("--abandon-after-s", type=float, default=None, metavar="SECONDS",
+                   help="first finish running trajectories with no event for this long as 'abandoned' "
+                        "(a dead harness's); default: never (docs/materializer.md)")
     e = add("export", _cmd_export, "write the samples as a Parquet dataset (appears whole or not at all)")
     e.add_argument("dir", help="directory to create with the part-NNNNN.parquet files")
     e.add_argument("--replace", action="store_true", help="replace an earlier export in DIR (atomically)")

@@ -47,7 +47,7 @@ __all__ = [
     "validate_metadata",
 ]
 
-FINISH_STATUSES = ("completed", "truncated", "aborted", "failed")
+FINISH_STATUSES = ("completed", "truncated", "aborted", "failed", "abandoned")
 LOGPROB_PLACEHOLDER = -9999.0
 """SPEC: a logprob at or below this is not a logprob but the placeholder vLLM and
 SkyRL write where the engine had none. Accepted as sent; the fold stores it as

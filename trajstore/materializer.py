@@ -50,6 +50,7 @@ bounded by one batch: the log is streamed, never loaded whole.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 import uuid
@@ -58,7 +59,8 @@ from typing import Any, Callable
 
 from trajstore._deprecated import renamed
 from trajstore import _facts as facts
-from trajstore.errors import CorruptStoreError, PayloadMissingError, StoreUnavailable, TrajstoreError, ValidationError
+from trajstore.errors import (ConflictError, CorruptStoreError, PayloadMissingError, StoreUnavailable, TrajstoreError,
+                              ValidationError)
 from trajstore.fold import DEFAULT_POLICY, FoldMetrics, FoldPolicy, FoldResult, fold
 from trajstore.log.base import SAMPLES_KIND, Repoint, Shard, StaleState, shard_index_of
 from trajstore.payload import SegmentRows
@@ -246,8 +248,42 @@ class Materializer:
         return (MaterializeStats(metrics, len(folded), last, len(unfoldable), len(held)),
                 (more, cumulative + metrics))
 
+    def abandon_idle(self, idle_s: float, *, limit: int = 1000) -> list[str]:
+        """Finish this shard's running trajectories idle for more than ``idle_s`` seconds
+        (no event appended since) with status ``"abandoned"``; return their ids.
+
+        A harness that died, or lost a conflict to a second writer, leaves its
+        trajectory running forever: nothing folds it. Each is finished with an
+        ordinary ``trajectory_finished`` event (status ``abandoned``), so it folds
+        like any other and SQL, ``trajstore info`` and the report show it. One
+        its harness finished meanwhile is left as its harness finished it; a
+        call that arrives for an abandoned trajectory is refused (finished
+        trajectory), never dropped. The idle time is measured against the
+        appending processes' clocks: keep ``idle_s`` well above the longest
+        pause of a live episode (a tool call, a human turn)."""
+        if not (math.isfinite(idle_s) and idle_s > 0):
+            raise ValidationError(f"the idle time before abandoning must be a finite number > 0, not {idle_s}",
+                                  rule="abandon_after_s")
+        if self.projection is not None:
+            raise ValidationError("abandoning idle trajectories writes the log; run it without a projection",
+                                  rule="abandon_after_s")
+        out = []
+        for tid in self.store.log.idle_running(time.time() - idle_s, limit):
+            if not self.shard.owns(tid):
+                continue
+            try:
+                self.store.append([{"type": "trajectory_finished", "trajectory_id": tid, "status": "abandoned"}])
+            except (ConflictError, ValidationError) as e:  # its harness finished it meanwhile
+                log.info("materializer %s: trajectory %r was not abandoned: %s", self.shard, tid, e)
+                continue
+            log.warning("materializer %s: trajectory %r had no event for over %gs: finished as abandoned",
+                        self.shard, tid, idle_s)
+            out.append(tid)
+        return out
+
     def follow(self, stop: threading.Event, *, poll_s: float = 1.0, gc_grace_s: float | None = 3600.0,
-               gc_interval_s: float = 60.0, on_step: Callable[[MaterializeStats], None] | None = None) -> None:
+               gc_interval_s: float = 60.0, on_step: Callable[[MaterializeStats], None] | None = None,
+               abandon_after_s: float | None = None) -> None:
         """Fold as trajectories finish until ``stop`` is set (a step is one
         transaction: stopping between steps loses nothing), and collect garbage.
 
@@ -258,10 +294,21 @@ class Materializer:
         (another process does it). Only shard 0 collects unless told otherwise:
         ``Store.collect_garbage`` is safe to run from several processes, but one
         listing of the payload per interval is enough. ``on_step``: called with
-        the stats of each step that folded or recorded something."""
-        last_gc = time.monotonic()
+        the stats of each step that folded or recorded something.
+        ``abandon_after_s``: finish running trajectories idle that long as
+        ``abandoned`` (:meth:`abandon_idle`), checked every tenth of it (1 to 60 s);
+        None (the default): never."""
+        last_gc = last_abandon = time.monotonic()
         collect = gc_grace_s is not None
+        abandon_every = None if abandon_after_s is None else max(1.0, min(60.0, abandon_after_s / 10))
         while not stop.is_set():
+            if abandon_every is not None and time.monotonic() - last_abandon >= abandon_every:
+                last_abandon = time.monotonic()
+                try:
+                    self.abandon_idle(abandon_after_s)  # type: ignore[arg-type]
+                except StoreUnavailable as e:  # retried at the next check; folding goes on
+                    log.warning("materializer %s: abandoning idle trajectories failed, retried later: %s",
+                                self.shard, e)
             stats = self.run(max_steps=1)
             if stats.num_trajectories or stats.num_unfoldable:
                 if on_step is not None:

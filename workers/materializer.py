@@ -1,6 +1,6 @@
 """Long-running materializer: keeps folding finished trajectories as they arrive.
 
-    python workers/materializer.py --store URL [--shard 0 --num-shards 1] [--poll-s 1.0] [--gc-grace-s 3600]
+    python workers/materializer.py --store URL [--shard 0 --num-shards 1] [--poll-s 1.0] [--gc-grace-s 3600] [--abandon-after-s S]
 
 Shard 0 also deletes retired payload files after their grace (``--gc-grace-s``,
 every ``--gc-interval-s``): one copy of every folded token is the state at rest.
@@ -25,13 +25,14 @@ from trajstore.store import connect
 
 def run(store_url: str | None, *, shard: int, num_shards: int, poll_s: float, stop: threading.Event,
         payload: str | None = None, max_trajectories: int = 256, gc_grace_s: float | None = 3600.0,
-        gc_interval_s: float = 60.0) -> None:
+        gc_interval_s: float = 60.0, abandon_after_s: float | None = None) -> None:
     """``gc_grace_s``: collect retired payload after this grace (None: never; by default
     only shard 0 collects)."""
     store = connect(store_url, payload=payload)
     m = Materializer(store, shard_index=shard, num_shards=num_shards, max_trajectories=max_trajectories)
     try:
         m.follow(stop, poll_s=poll_s, gc_grace_s=gc_grace_s if shard == 0 else None, gc_interval_s=gc_interval_s,
+                 abandon_after_s=abandon_after_s,
                  on_step=lambda stats: print(json.dumps(stats.to_dict()), flush=True))
     finally:
         store.close()
@@ -49,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gc-grace-s", type=float, default=3600.0,
                    help="delete retired payload files this long after retirement (default 3600; negative: never)")
     p.add_argument("--gc-interval-s", type=float, default=60.0, help="how often to collect (default 60)")
+    p.add_argument("--abandon-after-s", type=float, default=None,
+                   help="finish running trajectories with no event for this long as 'abandoned' (default: never)")
     args = p.parse_args(argv)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -56,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run(args.store, shard=args.shard, num_shards=args.num_shards, poll_s=args.poll_s, stop=stop,
             payload=args.payload, max_trajectories=args.max_trajectories,
-            gc_grace_s=None if args.gc_grace_s < 0 else args.gc_grace_s, gc_interval_s=args.gc_interval_s)
+            gc_grace_s=None if args.gc_grace_s < 0 else args.gc_grace_s, gc_interval_s=args.gc_interval_s,
+            abandon_after_s=args.abandon_after_s)
     except TrajstoreError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -279,6 +279,13 @@ class SqlEventLog(EventLog):
                 out.update({tid: st for tid, st in conn.execute(q)})
         return out
 
+    def idle_running(self, idle_since: float, limit: int) -> list[str]:
+        with self.db.reading("reading idle running trajectories") as conn:
+            q = select(trajectories.c.trajectory_id).where(trajectories.c.status == "running") \
+                .where(trajectories.c.updated_at < float(idle_since)) \
+                .order_by(trajectories.c.updated_at, trajectories.c.trajectory_id).limit(int(limit))
+            return list(conn.execute(q).scalars())
+
     def fold_inputs(self, trajectory_ids: Collection[str]
                     ) -> tuple[dict[str, dict[str, Any]], dict[str, list[dict[str, Any]]]]:
         ids = sorted(set(trajectory_ids))

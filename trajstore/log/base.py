@@ -303,6 +303,11 @@ class EventLog(ABC):
     def finished_status(self, trajectory_ids: Collection[str]) -> dict[str, str]:
         """The status of each trajectory's ``trajectory_finished`` event (absent: not finished)."""
 
+    def idle_running(self, idle_since: float, limit: int) -> list[str]:
+        """Ids of running trajectories whose last event was appended before ``idle_since``
+        (unix seconds), oldest first, at most ``limit``."""
+        raise NotImplementedError
+
 
 class SampleIndex(ABC):
     """The sample index: materialized sample rows and the shards' checkpoints."""

@@ -466,14 +466,6 @@ class _NotRecorded(Exception):
         return cls(502, reason, rule=getattr(e, "rule", None) or "upstream_response", trajectory_id=trajectory_id,
                    **kwargs)
 
-
-class _Unreadable(Exception):
-    """The adapter could not make events of the engine's answer (``error`` says why)."""
-
-    def __init__(self, error: BaseException) -> None:
-        super().__init__(str(error))
-        self.error = error
-
     @property
     def message(self) -> str:
         return f"trajstore proxy: {self.what}: {self.reason}"
@@ -487,6 +479,14 @@ class _Unreadable(Exception):
         from fastapi.responses import JSONResponse
 
         return JSONResponse(self.error(), status_code=self.status, headers={"X-Trajstore-Error": self.reason})
+
+
+class _Unreadable(Exception):
+    """The adapter could not make events of the engine's answer (``error`` says why)."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 def _sse_event(obj: dict) -> bytes:

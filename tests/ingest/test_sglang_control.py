@@ -12,6 +12,7 @@ relabel-without-losing-rollouts recipe of docs/sglang.md is run here.
 from __future__ import annotations
 
 import json
+import logging
 import threading
 
 import numpy as np
@@ -100,7 +101,7 @@ def _final(lines: list[str]) -> dict:
     return chunks[-1]
 
 
-def test_update_weight_version_aborts_running_calls_unless_told_not_to(store):
+def test_update_weight_version_aborts_running_calls_unless_told_not_to(store, caplog):
     """SGLang's default aborts the running call (recorded as an abort with its partial output);
     pause in place, relabel with ``abort_all_requests: false``, continue: the call runs on, its tokens
     carry the old label then the new one, and the store resolves both through the mapped labels."""
@@ -108,7 +109,8 @@ def test_update_weight_version_aborts_running_calls_unless_told_not_to(store):
     app.state.token_delay_s = 0.05  # 25 s for 500 tokens: the control calls land while the calls run
     app.state.label = "step-7"
     store.append([{"type": "version_label", "label": "step-7", "model_version": 7}])
-    with serve_in_thread(app) as url, serve_in_thread(make_sglang_proxy_app(store, url, route_layout=LAYOUT)) as proxy:
+    with serve_in_thread(app) as url, serve_in_thread(make_sglang_proxy_app(store, url, route_layout=LAYOUT)) as proxy, \
+            caplog.at_level(logging.WARNING, logger="trajstore.ingest.proxy"):
         # 1. the default: the running call is aborted
         started, first = threading.Event(), {}
         harness = threading.Thread(target=_stream, args=(proxy, "a", 7, 500, started, first))
@@ -131,6 +133,8 @@ def test_update_weight_version_aborts_running_calls_unless_told_not_to(store):
         for tid in ("a", "b"):
             assert httpx.post(f"{proxy}/trajstore/finish", json={"trajectory_id": tid}).status_code == 200
     assert relabel.json()["success"] and relabel.headers["x-trajstore-label"] == "step-8=8"
+    noted = [r.getMessage() for r in caplog.records if "abort_all_requests" in r.getMessage()]
+    assert len(noted) == 1 and "aborts every running request" in noted[0]  # said once, at the aborting call
     aborted = _final(first["lines"])["meta_info"]
     assert aborted["finish_reason"]["type"] == "abort" and [x for x in first["lines"] if x][-1] == ": X-Trajstore-Seq: 0"
     assert paused.json()["status"] == "ok" and resumed.json()["status"] == "ok"

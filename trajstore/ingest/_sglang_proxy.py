@@ -7,13 +7,17 @@ asking for what a record needs (``trajstore.ingest.sglang``
 ``request_params_for_generate`` / ``request_params_for_openai``: sampled
 logprobs, token ids, and routes when the layout is known), records each
 call as the trajectory's next generation event and returns SGLang's bytes
-unchanged (a stream: recorded once it ended with ``data: [DONE]``, then a
-``: X-Trajstore-Seq`` comment; cut short: nothing recorded, an error event).
-Naming the trajectory, ``X-Trajstore-*`` headers, the
-``trajstore`` body field, ``POST /trajstore/finish``, auth and the
-``X-Trajstore-Seq`` / ``X-Trajstore-Error`` answers are the vLLM proxy's
-(``trajstore.ingest.proxy``), whose recorder, upstream forwarding
-(``_UpstreamForwarder``), app (``_proxy_app``) and SSE reading this uses:
+unchanged (a stream: recorded once its final chunk came, before its
+``data: [DONE]`` is passed on, then a ``: X-Trajstore-Seq`` comment; cut
+short or without its final chunk: nothing recorded, an error event). SGLang's
+RL control plane (``FORWARDED``: pause, continue, abort, weight updates) is
+relayed as sent; a label change (``LABEL_FIELDS``) with
+``X-Trajstore-Model-Version`` maps its label in the store. Naming the
+trajectory, ``X-Trajstore-*`` headers, the ``trajstore`` body field, ``POST
+/trajstore/finish``, auth, failing closed (or ``--pass-through-unrecorded``),
+``GET /metrics`` and relaying are the vLLM proxy's
+(``trajstore.ingest.proxy``), whose recorder, upstream forwarding, recording
+and relaying (``_UpstreamForwarder``) and app (``_proxy_app``) this uses:
 this module holds only what is SGLang's.
 
 Routes: SGLang returns raw int32 without a shape, so the proxy asks for
@@ -33,6 +37,7 @@ Weight versions go to the store as SGLang's spans, which it resolves
 # No ``from __future__ import annotations``: FastAPI reads the handlers'
 # annotations at runtime.
 import argparse
+import json
 import logging
 import os
 from typing import Any, Callable
@@ -97,6 +102,21 @@ class SGLangForwarder(_UpstreamForwarder):
                          timeout_s=timeout_s, authenticated=authenticated, upstream_api_key=upstream_api_key,
                          pass_through=pass_through, metrics=metrics)
         self.layout, self.skip_recorded_routes = route_layout(layout), skip_recorded_routes
+        self._abort_noted = False
+
+    async def relay(self, request: Any, path: str) -> Any:
+        """As the vLLM proxy relays (``_UpstreamForwarder.relay``); logs once that an
+        ``/update_weight_version`` without ``"abort_all_requests": false`` aborts SGLang's running calls."""
+        if path == "/update_weight_version" and not self._abort_noted:
+            try:
+                body = json.loads(await request.body())
+            except ValueError:
+                body = None
+            if isinstance(body, dict) and body.get("abort_all_requests", True) is not False:
+                self._abort_noted = True
+                log.warning('/update_weight_version without "abort_all_requests": false: SGLang aborts every '
+                            "running request (they are recorded as aborts); see docs/sglang.md")
+        return await super().relay(request, path)
 
     def _layout_of(self, request: Any, body: dict) -> Any:
         extra = body.get("trajstore")

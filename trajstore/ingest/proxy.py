@@ -26,13 +26,17 @@ Other headers: ``X-Trajstore-Model-Version`` (else ``--model-version``),
 starts the trajectory). Calls without a trajectory are forwarded unrecorded
 (``X-Trajstore-Unrecorded``, one log line per client). ``POST
 /trajstore/finish`` ``{"trajectory_id", "status", "reward"?}`` ends a
-trajectory. The response carries ``X-Trajstore-Seq`` when recorded, or
-``X-Trajstore-Error`` (one line) when the record was refused or the
-upstream's answer could not be read: whatever the upstream sends, the
-harness gets its status and bytes (or a 502 when the body broke off) and the
-record is whole or absent. vLLM's RL, render, tokenizer and health endpoints
-(``FORWARDED``) are forwarded as sent, unrecorded. ``upstream`` may end in
-``/v1`` (dropped).
+trajectory. The response carries ``X-Trajstore-Seq`` when recorded. A
+named call that cannot be recorded (the store refused it, the upstream's
+answer cannot be read) fails closed: an error status (the store's
+409/422/503, or 502) with the reason in the OpenAI error shape and
+``X-Trajstore-Error`` (one line); ``pass_through_unrecorded``
+(``--pass-through-unrecorded``) gives the upstream's status and bytes with
+that header instead. Either way the record is whole or absent, and
+``GET /metrics`` counts it. vLLM's RL, render, tokenizer and health
+endpoints (``FORWARDED``) are forwarded as sent, unrecorded; a label change
+among them with ``X-Trajstore-Model-Version`` also maps its label.
+``upstream`` may end in ``/v1`` (dropped).
 
 Auth: with a token (``--token`` / ``$TRAJSTORE_TOKEN``, as ``trajstore
 serve``) every endpoint but ``/healthz``, ``/openapi.json``, ``/docs`` and
@@ -42,11 +46,12 @@ sends it as its API key. That header is not forwarded: the upstream gets
 
 Streams (``"stream": true``) are passed through chunk by chunk while the
 ``data:`` objects are accumulated; the record is appended when the stream
-ended whole (every choice has its finish reason), before the connection
-closes, and announced by the SSE comment ``: X-Trajstore-Seq: N``; a cut
-stream records nothing and ends with an SSE error event saying so. vLLM streams no routes on the OpenAI
-endpoints (those calls are recorded without them); ``/inference/v1/generate``
-sends routes and version spans on the final chunk.
+ended whole (every choice has its finish reason), before its ``data:
+[DONE]`` reaches the harness, and announced by the SSE comment ``:
+X-Trajstore-Seq: N``; a cut stream, or one that cannot be recorded, records
+nothing and gets an SSE error event before its ``[DONE]``. vLLM streams no
+routes on the OpenAI endpoints (those calls are recorded without them);
+``/inference/v1/generate`` sends routes and version spans on the final chunk.
 
 Seqs survive restarts: the first call for a trajectory the proxy has not
 seen asks the store for the trajectory's last seq. The record and the

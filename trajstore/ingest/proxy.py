@@ -684,7 +684,8 @@ class _UpstreamForwarder:
             if sse_media:
                 yield _sse_event({"error": {"message": f"trajstore proxy: {reason}", "type": "UpstreamStreamCut",
                                             "param": None, "code": 502}})
-            yield after
+            if after:
+                yield after
             return
         refusal: _NotRecorded | None = None
         if unreadable is not None:
@@ -705,10 +706,12 @@ class _UpstreamForwarder:
             if not self.pass_through:
                 if sse_media:
                     yield _sse_event(refusal.error())
-                yield after
+                if after:
+                    yield after
                 return
             headers = {"X-Trajstore-Error": f"not recorded: {refusal.reason}"}
-        yield after
+        if after:
+            yield after
         if sse_media:
             yield _sse_comments(headers)
 
@@ -870,13 +873,6 @@ class _Forwarder(_UpstreamForwarder):
                 make = lambda seq: generations_from_openai(response, seq=seq, routed_experts_prompt_start=start, **ids)  # noqa: E731
             return lambda seq: _one_choice(make(seq))
         return for_response
-
-    async def record_headers(self, tag: Tag, data: Any, make: Callable[[Any], Callable[[int], list[dict]]]) -> dict:
-        """Record the call; ``X-Trajstore-Seq`` when stored, else ``X-Trajstore-Error`` (one line)."""
-        try:
-            return {"X-Trajstore-Seq": str(await self.record(tag, data, make))}
-        except _NotRecorded as e:
-            return {"X-Trajstore-Error": e.reason}
 
     async def _parse(self, request: Any, kind: str) -> tuple[dict, Tag | None]:
         """The body to forward and the call's tag; raises _BadCall."""

@@ -73,7 +73,7 @@ def _mutate_json(obj, rng: random.Random):
     for _ in range(rng.randint(1, 3)):
         paths = [p for p in _paths(obj) if p]
         if not paths:
-            return rng.choice(_ODD_VALUES)
+            return copy.deepcopy(rng.choice(_ODD_VALUES))
         path = rng.choice(paths)
         parent = obj
         for key in path[:-1]:
@@ -91,7 +91,7 @@ def _mutate_json(obj, rng: random.Random):
         elif op == 4:
             parent[key] = [parent[key]]
         else:
-            parent[key] = rng.choice(_ODD_VALUES)
+            parent[key] = copy.deepcopy(rng.choice(_ODD_VALUES))  # not shared: a later mutation in place
     return obj
 
 

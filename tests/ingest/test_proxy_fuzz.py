@@ -26,7 +26,7 @@ error event before the stream's ``[DONE]``, the upstream's bytes otherwise
 unchanged.
 
 ``$TRAJSTORE_PROXY_FUZZ_CASES`` sets the number of cases per backend
-(default 300, half of it fail-closed; the documented run uses 10,000).
+(default 300, and half as many through the fail-closed proxy; the documented run uses 10,000).
 """
 
 from __future__ import annotations

@@ -257,10 +257,6 @@ class _SSEData:
         self.done = False
         self.bad: str | None = None
 
-    def feed(self, chunk: bytes) -> list:
-        """The data objects the chunk completes."""
-        return self.take(chunk)[0]
-
     def take(self, chunk: bytes) -> tuple[list, bytes]:
         """(the data objects the chunk completes, the bytes to pass on now)."""
         if self.hold_done and self.done:

@@ -35,13 +35,27 @@ State: ``app.state.weight_update = (at, before, after)`` (output tokens from
 ``at`` on were sampled by weights ``after``; SGLang's default label is
 ``"default"``), ``app.state.missing_logprob = i`` (output position ``i``
 has no logprob: vLLM writes -9999.0, SGLang ``null``).
+
+Live generation and the RL control plane (``entrypoints/http_server.py``,
+``managers/io_struct.py``, ``managers/tokenizer_manager.py``): with
+``app.state.token_delay_s`` set, a streamed ``/generate`` (``input_ids``)
+makes ``max_new_tokens`` tokens, one per delay under the engine's current label ``app.state.label`` (its spans
+follow the label as it changes), waits while paused, and ends with
+``FINISH_ABORT().to_json()`` (``{"type": "abort", "message": "Aborted",
+...}``) when aborted. ``POST /pause_generation {"mode": "abort" |
+"retract" | "in_place"}`` (abort ends every running request),
+``/continue_generation``, ``/abort_request {"rid", "abort_all"}`` and
+``/update_weight_version {"new_version", "abort_all_requests": true}``,
+which aborts every running request unless ``abort_all_requests`` is false,
+answer as SGLang does. ``app.state.control`` keeps the control calls.
 """
 
 # No `from __future__ import annotations`: FastAPI reads handler annotations at runtime.
 
+import asyncio
 import base64
 import json
-from typing import Any, Iterator
+from typing import Any, AsyncIterator, Iterator
 
 import numpy as np
 
@@ -242,6 +256,64 @@ def openai_stream(body: dict, chat: bool, state: Any) -> Iterator[dict]:
         yield {**base, "choices": [], "usage": None, "sglext": ext}
 
 
+ABORTED = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}  # FINISH_ABORT().to_json()
+
+
+def live_spans(labels: list[str], first: str) -> list[dict]:
+    """The spans of an output whose token ``i`` was sampled under ``labels[i]`` (``first``: the label at
+    its start, the one span of an empty output)."""
+    spans = [{"version": first, "start": 0, "end": 0}]
+    for label in labels:
+        if label != spans[-1]["version"]:
+            spans.append({"version": label, "start": spans[-1]["end"], "end": spans[-1]["end"]})
+        spans[-1]["end"] += 1
+    return spans  # a swap before the first token leaves a zero-length first span, as SGLang's do
+
+
+async def live_stream(body: dict, app: Any) -> AsyncIterator[dict]:
+    """A streamed ``/generate`` made token by token under the engine's live label, pause and aborts."""
+    state = app.state
+    prompt = list(body["input_ids"])
+    n_max = (body.get("sampling_params") or {}).get("max_new_tokens") or 16
+    seed = sum(prompt) + len(prompt)
+    out = [10 + ord("a") + (seed + 7 * i) % 26 for i in range(n_max)]  # as openai_upstream.generate, any length
+    values = [-0.05 * ((seed + i) % 10 + 1) for i in range(n_max)]
+    finish = {"type": "length", "length": n_max}
+    me = {"aborted": False}
+    state.running.append(me)
+    labels: list[str] = []
+    first = state.label
+    try:
+        for n in range(1, len(out) + 1):
+            await asyncio.sleep(state.token_delay_s)
+            while state.paused and not me["aborted"]:
+                await asyncio.sleep(0.005)
+            if me["aborted"]:
+                break
+            labels.append(state.label)
+            last = n == len(out)
+            meta = native_meta(body, prompt, out[:n], values[:n], finish, None, finished=last)
+            if last:
+                meta["weight_versions"] = live_spans(labels, first)
+                meta["weight_version"] = labels[-1]
+            else:
+                meta["weight_version"] = labels[-1]
+            yield {"text": decode(out[:n]), "output_ids": out[:n], "meta_info": meta}
+        if me["aborted"]:
+            n = len(labels)
+            meta = native_meta(body, prompt, out[:n], values[:n], ABORTED, None, finished=True)
+            meta["weight_versions"] = live_spans(labels, first)
+            meta["weight_version"] = state.label
+            yield {"text": decode(out[:n]), "output_ids": out[:n], "meta_info": meta}
+    finally:
+        state.running.remove(me)
+
+
+def _abort_all(app: Any) -> None:
+    for running in app.state.running:
+        running["aborted"] = True
+
+
 def make_upstream() -> Any:
     """The FastAPI app; ``app.state.requests`` keeps every request body received."""
     from types import SimpleNamespace
@@ -254,6 +326,11 @@ def make_upstream() -> Any:
     app.state.weight_update = None
     app.state.missing_logprob = None
     app.state.incremental = False
+    app.state.token_delay_s = None
+    app.state.label = DEFAULT_VERSION
+    app.state.paused = False
+    app.state.running = []
+    app.state.control = []
 
     def sse(chunks: Iterator[dict]) -> Any:
         def body() -> Iterator[bytes]:
@@ -272,6 +349,12 @@ def make_upstream() -> Any:
         app.state.requests.append(body)
         if isinstance(body.get("input_ids"), list) and body["input_ids"] and isinstance(body["input_ids"][0], list):
             return JSONResponse([native_response({**body, "input_ids": ids}, state()) for ids in body["input_ids"]])
+        if body.get("stream") and app.state.token_delay_s is not None:
+            async def live() -> AsyncIterator[bytes]:
+                async for chunk in live_stream(body, app):
+                    yield f"data: {json.dumps(chunk)}\n\n".encode()
+                yield b"data: [DONE]\n\n"
+            return StreamingResponse(live(), media_type="text/event-stream")
         if body.get("stream"):
             return sse(list(native_stream(body, state())))
         return JSONResponse(native_response(body, state()))
@@ -298,5 +381,42 @@ def make_upstream() -> Any:
     @app.get("/v1/models")
     async def models() -> dict:
         return {"object": "list", "data": [{"id": "fake", "object": "model"}]}
+
+    async def control(request: Request) -> dict:
+        body = await request.json() if await request.body() else {}
+        app.state.control.append((request.url.path, body))
+        return body
+
+    @app.post("/update_weight_version")
+    async def update_weight_version(request: Request) -> Any:
+        body = await control(request)
+        if body.get("abort_all_requests", True):  # UpdateWeightVersionReqInput's default
+            _abort_all(app)
+        app.state.label = body["new_version"]
+        return JSONResponse({"success": True, "message": f"Weight version updated to {body['new_version']}",
+                             "new_version": body["new_version"]})
+
+    @app.post("/pause_generation")
+    async def pause_generation(request: Request) -> Any:
+        body = await control(request)
+        app.state.paused = True
+        if body.get("mode", "abort") == "abort":
+            _abort_all(app)
+        return JSONResponse({"message": "Generation paused successfully.", "status": "ok"})
+
+    @app.post("/continue_generation")
+    async def continue_generation(request: Request) -> Any:
+        await control(request)
+        app.state.paused = False
+        return JSONResponse({"message": "Generation continued successfully.", "status": "ok"})
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request) -> Any:
+        from fastapi.responses import Response
+
+        body = await control(request)
+        if body.get("abort_all"):
+            _abort_all(app)
+        return Response(status_code=200)
 
     return app

@@ -164,48 +164,53 @@ def _stream_generate(proxy: str, tid: str, prompt: list[int], max_tokens: int, o
     return final, lines
 
 
-# Quarantined, not passing: on an idle machine the PostgreSQL variant saw no change land in
-# four tries in two clean CI runs, while the SQLite one passed. A relayed call through the
-# proxy was measured waiting up to a whole generation (10 s) behind an in-flight stream;
-# the proxy's streaming path against ``relay`` is the open finding (docs/vllm.md).
-@pytest.mark.xfail(reason="a relayed label change can wait behind an in-flight stream in the proxy (open finding)",
-                   strict=False)
 def test_a_label_changed_mid_generation_gives_per_token_versions_equal_to_vllms_spans(engine, proxy, store):
+    """An in-flight weight update: the trainer freezes the running call at the engine (``/pause?mode=keep``
+    straight to vLLM, as docs/vllm.md advises for control calls), changes the label through the proxy
+    (what the proxy does: relay the change, map its label from ``X-Trajstore-Model-Version``), and
+    resumes. The generation cannot end while frozen, so the change lands before the generation's end
+    as vLLM reports it, however long the relayed call waits for the proxy's CPU on a loaded machine;
+    the record then holds vLLM's spans and the per-token versions follow them."""
     engine.label("20")
-    store.append([{"type": "version_label", "label": "step-21", "model_version": 21}])
     changed: list[threading.Thread] = []
     failed: list[BaseException] = []
+    relabelled: list[httpx.Response] = []
 
-    def change() -> None:  # an in-flight weight update: freeze the running call, relabel, go on
+    def change() -> None:
         try:
-            assert httpx.post(f"{proxy}/pause?mode=keep", timeout=60).json() == {"status": "paused"}
-            r = httpx.post(f"{proxy}/update_weight_version", json={"new_version": "step-21"}, timeout=30)
-            assert r.status_code == 200, r.text
-            assert httpx.post(f"{proxy}/resume", timeout=60).json() == {"status": "resumed"}
+            assert httpx.post(f"{engine.url}/pause?mode=keep", timeout=60).json() == {"status": "paused"}
+            relabelled.append(httpx.post(f"{proxy}/update_weight_version", json={"new_version": "step-21"},
+                                         headers={"X-Trajstore-Model-Version": "21"}, timeout=120))
         except BaseException as e:  # reported below, not lost in the thread
             failed.append(e)
+        finally:
+            httpx.post(f"{engine.url}/resume", timeout=60)
 
     def on_tokens(n):  # the trainer, from its own thread, while the harness reads on
         if n >= 1 and not changed:
             changed.append(threading.Thread(target=change))
             changed[-1].start()
 
-    # The change races vLLM's engine core, which runs ahead of the stream the harness reads:
-    # a generation that ended before it landed is tried again.
+    # The pause goes straight to vLLM, but vLLM's engine core runs ahead of the stream the harness
+    # reads: a generation it finished before the pause arrived is tried again (on its own trajectory).
     for attempt in range(4):
         tid = f"mid{attempt}" if attempt else "mid"
         engine.label("20")
         changed.clear()
+        relabelled.clear()
         choice, lines = _stream_generate(proxy, tid, [11, 12, 13], 4000, on_tokens)
-        for thread in changed:  # its request is done before the next try relabels
-            thread.join(60)
+        for thread in changed:  # its calls are done before the next try relabels
+            thread.join(180)
         if len(choice["weight_versions"]) > 1:
             break
     assert not failed, failed
+    (resp,) = relabelled
+    assert resp.status_code == 200 and resp.headers["x-trajstore-label"] == "step-21=21", resp.text
     _finish(proxy, tid)
     assert [line for line in lines if line][-1] == ": X-Trajstore-Seq: 0"
     spans = choice["weight_versions"]
-    assert [s["version"] for s in spans] == ["20", "step-21"] and spans[0]["end"] >= 1 and spans[-1]["end"] == 4000
+    # the change landed before the generation's end as vLLM reports it
+    assert [s["version"] for s in spans] == ["20", "step-21"] and 1 <= spans[0]["end"] < spans[-1]["end"] == 4000
     (gen,) = store.load_generations(tid)
     assert gen.weight_versions == tuple((s["version"], s["start"], s["end"]) for s in spans)
     expected = np.repeat([20, 21], [spans[0]["end"], 4000 - spans[0]["end"]])

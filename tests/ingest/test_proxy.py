@@ -133,7 +133,7 @@ def test_refused_record_is_reported_in_a_header(store, upstream):
     upstream_url, _ = upstream
     store.append([{"type": "trajectory_started", "trajectory_id": "done"},
                   {"type": "trajectory_finished", "trajectory_id": "done", "status": "completed"}])
-    with serve_in_thread(make_proxy_app(store, upstream_url)) as proxy:
+    with serve_in_thread(make_proxy_app(store, upstream_url, pass_through_unrecorded=True)) as proxy:
         resp = httpx.post(f"{proxy}/v1/completions", json={"prompt": "x"}, headers=_headers("done"))
     assert resp.status_code == 200 and "done" in resp.headers["x-trajstore-error"]
 

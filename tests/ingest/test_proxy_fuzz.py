@@ -19,8 +19,14 @@ delimited) and sometimes an error status. What must hold for every case:
   and the harness is told (``X-Trajstore-Error`` / an SSE error event or
   comment / ``X-Trajstore-Unrecorded`` for an error status).
 
+The first test runs the proxy with ``pass_through_unrecorded`` (every
+answer's bytes reach the harness as sent); the second with the default, where
+a call that cannot be recorded is the harness's error: an error status, or an
+error event before the stream's ``[DONE]``, the upstream's bytes otherwise
+unchanged.
+
 ``$TRAJSTORE_PROXY_FUZZ_CASES`` sets the number of cases per backend
-(default 300; the documented run uses 10,000).
+(default 300, and half as many through the fail-closed proxy; the documented run uses 10,000).
 """
 
 from __future__ import annotations
@@ -67,7 +73,7 @@ def _mutate_json(obj, rng: random.Random):
     for _ in range(rng.randint(1, 3)):
         paths = [p for p in _paths(obj) if p]
         if not paths:
-            return rng.choice(_ODD_VALUES)
+            return copy.deepcopy(rng.choice(_ODD_VALUES))
         path = rng.choice(paths)
         parent = obj
         for key in path[:-1]:
@@ -85,7 +91,7 @@ def _mutate_json(obj, rng: random.Random):
         elif op == 4:
             parent[key] = [parent[key]]
         else:
-            parent[key] = rng.choice(_ODD_VALUES)
+            parent[key] = copy.deepcopy(rng.choice(_ODD_VALUES))  # not shared: a later mutation in place
     return obj
 
 
@@ -274,7 +280,7 @@ def test_fuzzed_upstream_answers_are_passed_on_and_recorded_whole_or_not_at_all(
 
     outcomes: dict[str, int] = {}
     with caplog.at_level(logging.ERROR), RawUpstream(reply) as up, \
-            serve_in_thread(make_proxy_app(store, up.url)) as proxy, \
+            serve_in_thread(make_proxy_app(store, up.url, pass_through_unrecorded=True)) as proxy, \
             httpx.Client(timeout=60) as client, ThreadPoolExecutor(CLIENTS) as pool:
         for outcome in pool.map(lambda c: _run(c, proxy, client, store), cases.values()):
             outcomes[outcome] = outcomes.get(outcome, 0) + 1
@@ -288,3 +294,91 @@ def test_fuzzed_upstream_answers_are_passed_on_and_recorded_whole_or_not_at_all(
     assert counts.get("generation", 0) == outcomes["recorded"]
     assert np.all([store.trajectory_state(c.tid) is None or len(store.load_generations(c.tid)) == 1
                    for c in list(cases.values())[:50]])
+
+
+# --- the default: a call that cannot be recorded fails closed ------------------------------------
+
+_PROXY_ERROR = b'\n\ndata: {"error": {"message": "trajstore proxy: '
+
+
+def _is_done(line: bytes) -> bool:
+    line = line.strip()
+    return line.startswith(b"data:") and line[5:].strip() == b"[DONE]"
+
+
+def _run_closed(case: Case, proxy: str, client: "httpx.Client", store) -> str:
+    """One case through a fail-closed proxy; returns how it ended; asserts the invariants: the record
+    whole or absent, and a call not recorded is the harness's error (an error status, or an error
+    event before the stream's first [DONE]), the upstream's bytes otherwise unchanged."""
+    headers = {"X-Trajstore-Trajectory": case.tid, "X-Trajstore-Model-Version": "1"}
+    if case.stream:
+        with client.stream("POST", f"{proxy}{case.path}", json=case.body, headers=headers) as resp:
+            raw = resp.read()
+            status, resp_headers = resp.status_code, resp.headers
+    else:
+        resp = client.post(f"{proxy}{case.path}", json=case.body, headers=headers)
+        raw, status, resp_headers = resp.content, resp.status_code, resp.headers
+    state = store.trajectory_state(case.tid)
+    if status in (409, 422, 502, 503) and resp_headers.get("content-type") == "application/json" \
+            and (case.status == 200 or status == 502):
+        error = json.loads(raw)["error"]
+        if error.get("rule") == "upstream_unreachable":
+            assert not case.complete and state is None
+            return "502"
+        assert error["type"] == "TrajstoreNotRecorded" and "not recorded" in error["message"]
+        assert not case.stream and case.status == 200 and state is None
+        return "refused"
+    assert status == case.status, (status, case.status, raw[:300])
+    if status != 200:
+        assert raw.startswith(case.sent) and "x-trajstore-unrecorded" in resp_headers and state is None
+        return "unrecorded"
+    if not case.stream:
+        assert raw == case.sent and resp_headers["x-trajstore-seq"] == "0"
+        (gen,) = store.load_generations(case.tid)
+        (choice,) = json.loads(case.sent)["choices"]
+        ids = choice.get("token_ids")
+        if ids is None:  # the adapter's fallback: the token ids named in the logprobs
+            ids = [c["token_id"] if "token_id" in c else int(c["token"].split(":")[1])
+                   for c in choice["logprobs"]["content"]]
+        assert list(gen.output_ids) == list(ids), "a half record"
+        return "recorded"
+    if raw == case.sent + b": X-Trajstore-Seq: 0\n\n":
+        tokens, finished = _sse_tokens(case.sent)
+        assert case.complete and finished, "a stream that did not finish was recorded"
+        (gen,) = store.load_generations(case.tid)
+        assert tokens is not None and list(gen.output_ids) == tokens, "a half record"
+        return "recorded"
+    start = raw.rfind(_PROXY_ERROR)
+    assert start >= 0, raw[-300:]
+    end = raw.index(b"\n\n", start + 2) + 2
+    assert raw[:start] + raw[end:] == case.sent, "the proxy changed the upstream's bytes"
+    assert not any(_is_done(line) for line in raw[:start].split(b"\n")), "the error came after [DONE]"
+    assert state is None, "an unrecorded stream left events behind"
+    return "refused"
+
+
+def test_fuzzed_upstream_answers_fail_closed_when_they_cannot_be_recorded(store, caplog):
+    rng = random.Random(SEED + 1)
+    cases = {i: Case(i, rng) for i in range(max(CASES // 2, 20))}
+    generator_errors: list[str] = []
+
+    def reply(method, path, body):
+        request = json.loads(body)
+        try:
+            return cases[request["fuzz_case"]].answer(request)
+        except Exception as e:  # a bug of the generator, not of the proxy: fail the test, not the thread
+            generator_errors.append(repr(e))
+            raise
+
+    outcomes: dict[str, int] = {}
+    with caplog.at_level(logging.ERROR), RawUpstream(reply) as up, \
+            serve_in_thread(make_proxy_app(store, up.url)) as proxy, \
+            httpx.Client(timeout=60) as client, ThreadPoolExecutor(CLIENTS) as pool:
+        for outcome in pool.map(lambda c: _run_closed(c, proxy, client, store), cases.values()):
+            outcomes[outcome] = outcomes.get(outcome, 0) + 1
+    assert not generator_errors, generator_errors[:3]
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not errors, [r.getMessage() for r in errors[:5]]
+    print(f"proxy fuzz, fail closed: {len(cases)} cases: {dict(sorted(outcomes.items()))}")
+    assert {"recorded", "refused"} <= set(outcomes)
+    assert store.info()["events_by_type"].get("generation", 0) == outcomes["recorded"]

@@ -60,7 +60,8 @@ ODD_ANSWERS = {
 @pytest.mark.parametrize("name", list(ODD_ANSWERS))
 def test_odd_upstream_json_reaches_the_harness_unchanged_and_records_nothing(store, name):
     answer = ODD_ANSWERS[name]
-    with RawUpstream(lambda m, p, b: framed([answer])) as up, serve_in_thread(make_proxy_app(store, up.url)) as proxy:
+    with RawUpstream(lambda m, p, b: framed([answer])) as up, \
+            serve_in_thread(make_proxy_app(store, up.url, pass_through_unrecorded=True)) as proxy:
         resp = httpx.post(f"{proxy}/v1/completions", json={"prompt": [10, 20, 30]}, headers=H)
     assert resp.status_code == 200 and resp.content == answer
     error = resp.headers["x-trajstore-error"]
@@ -141,7 +142,7 @@ def test_an_unreadable_chunk_records_nothing_and_the_stream_goes_on(store, bad):
     pieces = _stream_pieces()
     pieces.insert(1, bad)
     with RawUpstream(lambda m, p, b: framed(pieces, content_type="text/event-stream")) as up, \
-            serve_in_thread(make_proxy_app(store, up.url)) as proxy:
+            serve_in_thread(make_proxy_app(store, up.url, pass_through_unrecorded=True)) as proxy:
         status, raw = _stream(proxy)
     assert status == 200 and raw.startswith(b"".join(pieces))
     comments = _events_of(raw[len(b"".join(pieces)):])[1]
@@ -321,7 +322,7 @@ def test_tito_answer_from_vllm_033_names_token_ids_in_logprobs(store):
 
 def test_a_label_change_with_a_declared_version_maps_the_label_in_the_store(store):
     with RawUpstream(lambda m, p, b: framed([b'{"success": true}'])) as up, \
-            serve_in_thread(make_proxy_app(store, up.url)) as proxy:
+            serve_in_thread(make_proxy_app(store, up.url, pass_through_unrecorded=True)) as proxy:
         mapped = httpx.post(f"{proxy}/update_weight_version", json={"new_version": "step-7"},
                             headers={"X-Trajstore-Model-Version": "7"})
         finished = httpx.post(f"{proxy}/finish_weight_update", json={"weight_version": "step-8"},
@@ -352,7 +353,7 @@ def test_concurrent_calls_are_group_committed_and_a_refused_one_fails_alone(stor
                   {"type": "trajectory_finished", "trajectory_id": "done", "status": "completed"}])
     tids = [f"g{i}" for i in range(64)] + ["done"] * 4
     with serve_in_thread(make_upstream()) as upstream:
-        app = make_proxy_app(store, upstream)
+        app = make_proxy_app(store, upstream, pass_through_unrecorded=True)
         with serve_in_thread(app) as proxy, httpx.Client(timeout=60) as client, ThreadPoolExecutor(16) as pool:
             answers = list(pool.map(lambda tid: client.post(f"{proxy}/v1/completions", json={"prompt": [10, 20]},
                                                             headers={"X-Trajstore-Trajectory": tid}), tids))

@@ -7,13 +7,17 @@ asking for what a record needs (``trajstore.ingest.sglang``
 ``request_params_for_generate`` / ``request_params_for_openai``: sampled
 logprobs, token ids, and routes when the layout is known), records each
 call as the trajectory's next generation event and returns SGLang's bytes
-unchanged (a stream: recorded once it ended with ``data: [DONE]``, then a
-``: X-Trajstore-Seq`` comment; cut short: nothing recorded, an error event).
-Naming the trajectory, ``X-Trajstore-*`` headers, the
-``trajstore`` body field, ``POST /trajstore/finish``, auth and the
-``X-Trajstore-Seq`` / ``X-Trajstore-Error`` answers are the vLLM proxy's
-(``trajstore.ingest.proxy``), whose recorder, upstream forwarding
-(``_UpstreamForwarder``), app (``_proxy_app``) and SSE reading this uses:
+unchanged (a stream: recorded once its final chunk came, before its
+``data: [DONE]`` is passed on, then a ``: X-Trajstore-Seq`` comment; cut
+short or without its final chunk: nothing recorded, an error event). SGLang's
+RL control plane (``FORWARDED``: pause, continue, abort, weight updates) is
+relayed as sent; a label change (``LABEL_FIELDS``) with
+``X-Trajstore-Model-Version`` maps its label in the store. Naming the
+trajectory, ``X-Trajstore-*`` headers, the ``trajstore`` body field, ``POST
+/trajstore/finish``, auth, failing closed (or ``--pass-through-unrecorded``),
+``GET /metrics`` and relaying are the vLLM proxy's
+(``trajstore.ingest.proxy``), whose recorder, upstream forwarding, recording
+and relaying (``_UpstreamForwarder``) and app (``_proxy_app``) this uses:
 this module holds only what is SGLang's.
 
 Routes: SGLang returns raw int32 without a shape, so the proxy asks for
@@ -36,12 +40,13 @@ import argparse
 import json
 import logging
 import os
-from typing import Any, AsyncIterator, Callable
+from typing import Any, Callable
 
 from trajstore.errors import TrajstoreError, ValidationError
 from trajstore.ingest import proxy as _vllm_proxy
 from trajstore.ingest._http import error_response, server_token
-from trajstore.ingest.proxy import Recorder, Tag, _BadCall, _proxy_app, _SSEData, _token_ids, _UpstreamForwarder, tag_of
+from trajstore.ingest.proxy import (UNNAMED, Recorder, Tag, _BadCall, _passthrough, _proxy_app, _recorder_and_metrics,
+                                    _token_ids, _UpstreamForwarder, tag_of)
 from trajstore.ingest.sglang import (
     GenerateStreamAccumulator,
     OpenAIStreamAccumulator,
@@ -58,26 +63,60 @@ log = logging.getLogger("trajstore.ingest.proxy")
 ENGINES = ("vllm", "sglang")
 LAYOUT_HEADER = "x-trajstore-route-layout"
 _KINDS = {"/generate": "generate", "/v1/completions": "completions", "/v1/chat/completions": "chat"}
-_PASSTHROUGH_GETS = ("/v1/models", "/model_info", "/get_model_info", "/server_info", "/get_server_info")
 
+# Forwarded unrecorded (auth as every other path), read from SGLang 0.5.23's
+# entrypoints/http_server.py: its RL control plane (pause, continue, abort,
+# weight updates and their version labels, memory release), tokenizer,
+# health and info endpoints.
+FORWARDED: tuple[tuple[str, str], ...] = (
+    ("GET", "/v1/models"), ("GET", "/health"), ("GET", "/health_generate"), ("GET", "/ready"),
+    ("GET", "/model_info"), ("GET", "/get_model_info"), ("GET", "/server_info"), ("GET", "/get_server_info"),
+    ("POST", "/tokenize"), ("POST", "/detokenize"), ("POST", "/v1/tokenize"), ("POST", "/v1/detokenize"),
+    ("POST", "/pause_generation"), ("POST", "/continue_generation"), ("POST", "/abort_request"),
+    ("POST", "/update_weight_version"), ("POST", "/update_weights_from_disk"),
+    ("POST", "/update_weights_from_tensor"), ("POST", "/update_weights_from_distributed"),
+    ("POST", "/update_weights_from_ipc"), ("POST", "/init_weights_update_group"),
+    ("POST", "/destroy_weights_update_group"), ("POST", "/begin_weight_update"), ("POST", "/end_weight_update"),
+    ("GET", "/get_weights_by_name"), ("POST", "/get_weights_by_name"),
+    ("GET", "/release_memory_occupation"), ("POST", "/release_memory_occupation"),
+    ("GET", "/resume_memory_occupation"), ("POST", "/resume_memory_occupation"),
+    ("GET", "/flush_cache"), ("POST", "/flush_cache"),
+)
 
-async def _passthrough(resp: Any) -> AsyncIterator[bytes]:
-    try:
-        async for chunk in resp.aiter_raw():
-            yield chunk
-    finally:
-        await resp.aclose()
+# The endpoints that set the engine's weight-version label and their body field
+# (managers/io_struct.py: UpdateWeightVersionReqInput.new_version, the weight updates' weight_version).
+LABEL_FIELDS = {"/update_weight_version": "new_version", "/update_weights_from_disk": "weight_version",
+                "/update_weights_from_tensor": "weight_version",
+                "/update_weights_from_distributed": "weight_version", "/update_weights_from_ipc": "weight_version"}
 
 
 class SGLangForwarder(_UpstreamForwarder):
     """Forwards one call to SGLang and records it (the handlers of :func:`make_sglang_proxy_app`)."""
 
+    label_fields = LABEL_FIELDS
+
     def __init__(self, recorder: Recorder, upstream: str, *, model_version: int, num_experts: int | None,
                  timeout_s: float, authenticated: bool, upstream_api_key: str | None, layout: Any,
-                 skip_recorded_routes: bool) -> None:
+                 skip_recorded_routes: bool, pass_through: bool = False, metrics: Any = None) -> None:
         super().__init__(recorder, upstream, model_version=model_version, num_experts=num_experts,
-                         timeout_s=timeout_s, authenticated=authenticated, upstream_api_key=upstream_api_key)
+                         timeout_s=timeout_s, authenticated=authenticated, upstream_api_key=upstream_api_key,
+                         pass_through=pass_through, metrics=metrics)
         self.layout, self.skip_recorded_routes = route_layout(layout), skip_recorded_routes
+        self._abort_noted = False
+
+    async def relay(self, request: Any, path: str) -> Any:
+        """As the vLLM proxy relays (``_UpstreamForwarder.relay``); logs once that an
+        ``/update_weight_version`` without ``"abort_all_requests": false`` aborts SGLang's running calls."""
+        if path == "/update_weight_version" and not self._abort_noted:
+            try:
+                body = json.loads(await request.body())
+            except ValueError:
+                body = None
+            if isinstance(body, dict) and body.get("abort_all_requests", True) is not False:
+                self._abort_noted = True
+                log.warning('/update_weight_version without "abort_all_requests": false: SGLang aborts every '
+                            "running request (they are recorded as aborts); see docs/sglang.md")
+        return await super().relay(request, path)
 
     def _layout_of(self, request: Any, body: dict) -> Any:
         extra = body.get("trajstore")
@@ -148,15 +187,6 @@ class SGLangForwarder(_UpstreamForwarder):
             return lambda seq: generations_from_openai(response, body, seq=seq, **ids)
         return for_response
 
-    async def record_headers(self, tag: Tag, data: Any, make: Callable[[Any], Callable[[int], list[dict]]]) -> dict:
-        try:
-            if isinstance(data, (bytes, str)):
-                data = json.loads(data)
-            return {"X-Trajstore-Seq": str(await self.recorder.record(tag, make(data)))}
-        except (TrajstoreError, ValueError, TypeError, AttributeError, LookupError) as e:  # odd upstream JSON too
-            log.warning("not recorded: %s", e)
-            return {"X-Trajstore-Error": str(e).replace("\n", " ")[:500]}
-
     async def forward(self, request: Any, path: str) -> Any:
         import httpx
         from fastapi.responses import Response, StreamingResponse
@@ -169,109 +199,58 @@ class SGLangForwarder(_UpstreamForwarder):
                 resp = await self.client.send(self.client.build_request("POST", path, json=body, headers=headers),
                                               stream=True)
                 media_type = resp.headers.get("content-type")
-                if resp.status_code != 200 or tag is None:
-                    return StreamingResponse(_passthrough(resp), status_code=resp.status_code, media_type=media_type)
-                make = self._events(kind, body, tag, layout)
                 sse = "text/event-stream" in (media_type or "")
-                return StreamingResponse(self._recorded(resp, tag, kind, make, sse), media_type=media_type)
+                if resp.status_code != 200 or tag is None:
+                    extra = self.note_unrecorded(request, UNNAMED) if tag is None else self.upstream_error(resp.status_code)
+                    return StreamingResponse(_passthrough(resp, sse), status_code=resp.status_code,
+                                             media_type=media_type, headers=extra)
+                acc = GenerateStreamAccumulator() if kind == "generate" else OpenAIStreamAccumulator()
+                recorded = self.recorded_stream(resp, tag, acc, self._events(kind, body, tag, layout), sse)
+                return StreamingResponse(recorded, media_type=media_type)
             resp = await self.client.post(path, json=body, headers=headers)
+            content = resp.content
         except _BadCall as e:
             return error_response(e.status, str(e), rule=e.rule)
         except httpx.HTTPError as e:  # refused, reset, timed out, cut mid-body
             return self._unreachable(e)
-        extra = {}
         if tag is not None and resp.status_code == 200:
-            extra = await self.record_headers(tag, resp.content, self._events(kind, body, tag, layout))
-        return Response(resp.content, status_code=resp.status_code, headers=extra,
-                        media_type=resp.headers.get("content-type"))
-
-    async def _recorded(self, resp: Any, tag: Tag, kind: str, make: Callable[[Any], Callable[[int], list[dict]]],
-                        sse_media: bool) -> AsyncIterator[bytes]:
-        """SGLang's bytes as they come; the record once the stream has ended whole (``data: [DONE]``).
-
-        As the vLLM proxy does: a stream the upstream cut records nothing and
-        ends with an SSE ``data: {"error": ...}`` event (SGLang's own shape
-        for an error mid-stream); a whole stream that cannot be recorded ends
-        with the comment ``: X-Trajstore-Error: ...``, a recorded one with
-        ``: X-Trajstore-Seq: <seq>`` (SSE clients skip comments).
-        """
-        import httpx
-
-        acc = GenerateStreamAccumulator() if kind == "generate" else OpenAIStreamAccumulator()
-        sse = _SSEData()
-        unreadable: str | None = None
-        cut: str | None = None
-
-        def take(objs: list) -> None:
-            nonlocal unreadable
-            for obj in objs:
-                if unreadable is None:
-                    try:  # a chunk the proxy cannot read must not cut the caller's stream
-                        acc.add(obj)
-                    except (ValueError, TypeError, AttributeError, LookupError) as e:
-                        unreadable = f"a chunk cannot be read ({type(e).__name__}: {' '.join(str(e).split())})"
-
-        try:
-            async for chunk in resp.aiter_raw():
-                take(sse.feed(chunk))
-                yield chunk
-        except httpx.HTTPError as e:
-            cut = f"the upstream stream broke off ({type(e).__name__}: {' '.join(str(e).split())})"
-        finally:
-            await resp.aclose()
-        if cut is None:
-            take(sse.feed(b"\n"))  # a last data line without its newline still counts
-            unreadable = unreadable or sse.bad
-            if not sse.done:
-                cut = "the upstream stream ended before its data: [DONE]"
-        if cut is not None:
-            reason = f"{cut}: call not recorded"
-            log.warning("%s: %s", tag.trajectory_id, reason)
-            error = {"error": {"message": f"trajstore proxy: {reason}", "type": "UpstreamStreamCut", "code": 502}}
-            if sse_media:
-                yield b"\n\ndata: " + json.dumps(error).encode() + b"\n\n"
-            return
-        # Every byte is sent; the record is appended before the response ends,
-        # so a harness that saw the end can rely on it.
-        try:
-            if unreadable is not None:
-                raise ValidationError(unreadable, rule="upstream_shape")
-            headers = await self.record_headers(tag, acc.response(), make)
-        except ValidationError as e:
-            log.warning("%s: stream not recorded: %s", tag.trajectory_id, e)
-            headers = {"X-Trajstore-Error": f"not recorded: {e}".replace("\n", " ")[:500]}
-        if sse_media:
-            yield "".join(f": {k}: {v}\n" for k, v in headers.items()).encode("utf-8", "replace") + b"\n"
+            return await self.answer(tag, resp, content, self._events(kind, body, tag, layout))
+        extra = self.note_unrecorded(request, UNNAMED) if tag is None else self.upstream_error(resp.status_code)
+        return Response(content, status_code=resp.status_code, headers=extra, media_type=resp.headers.get("content-type"))
 
 
 def make_sglang_proxy_app(store: Any, upstream: str, *, token: str | None = None, model_version: int = 0,
                           num_experts: int | None = None, timeout_s: float = 600.0,
                           upstream_api_key: str | None = None, route_layout: Any = None,
-                          skip_recorded_routes: bool = True) -> Any:
+                          skip_recorded_routes: bool = True, group_commit: bool = True,
+                          pass_through_unrecorded: bool = False) -> Any:
     """The FastAPI app recording SGLang calls into ``store`` and forwarding them to ``upstream``.
 
     ``route_layout``: the model's ``(layers, topk)`` (or ``"48x8"``), used
     for calls without an ``X-Trajstore-Route-Layout`` header; None: routes
-    are asked for only by calls that name their layout.
+    are asked for only by calls that name their layout. ``group_commit``
+    and ``pass_through_unrecorded`` as for the vLLM proxy
+    (:func:`trajstore.ingest.proxy.make_proxy_app`).
     """
-    fwd = SGLangForwarder(Recorder(store), upstream, model_version=model_version, num_experts=num_experts,
+    recorder, metrics, proxy_metrics, on_close = _recorder_and_metrics(store, group_commit)
+    fwd = SGLangForwarder(recorder, upstream, model_version=model_version, num_experts=num_experts,
                           timeout_s=timeout_s, authenticated=token is not None, upstream_api_key=upstream_api_key,
-                          layout=route_layout, skip_recorded_routes=skip_recorded_routes)
+                          layout=route_layout, skip_recorded_routes=skip_recorded_routes,
+                          pass_through=pass_through_unrecorded, metrics=proxy_metrics)
 
     def post(path: str) -> Callable:
         return lambda request: fwd.forward(request, path)
 
-    def get(path: str) -> Callable:
-        async def call(request: Any) -> Any:
-            from fastapi.responses import Response
+    def forwarded(path: str) -> Callable:
+        return lambda request: fwd.relay(request, path)
 
-            resp = await fwd.client.get(path, headers=fwd.headers(request))
-            return Response(resp.content, status_code=resp.status_code, media_type=resp.headers.get("content-type"))
-        return call
-
-    routes = [("POST", path, path, post(path)) for path in _KINDS]
-    routes += [("GET", path, path, get(path)) for path in _PASSTHROUGH_GETS]
-    return _proxy_app(fwd, title="trajstore recording proxy (SGLang)", token=token, routes=routes)
+    routes = [("POST", path, f"record {path}", post(path)) for path in _KINDS]
+    routes += [(method, path, f"forward {method} {path}", forwarded(path)) for method, path in FORWARDED]
+    app = _proxy_app(fwd, title="trajstore recording proxy (SGLang)", token=token, routes=routes, on_close=on_close,
+                     metrics=metrics)
+    app.state.forwarder = fwd
+    app.state.commit_metrics = metrics
+    return app
 
 
 def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
@@ -309,7 +288,8 @@ def serve_from_args(args: argparse.Namespace) -> None:
             store.append(labels)
         app = make_sglang_proxy_app(store, args.upstream, token=token, model_version=args.model_version,
                                     num_experts=args.num_experts, upstream_api_key=upstream_api_key,
-                                    route_layout=layout, skip_recorded_routes=not args.no_route_skip)
+                                    route_layout=layout, skip_recorded_routes=not args.no_route_skip,
+                                    pass_through_unrecorded=getattr(args, "pass_through_unrecorded", False))
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
     finally:
         store.close()

@@ -551,10 +551,16 @@ class GenerateStreamAccumulator:
         if "finish_reason" in meta:
             self._meta["finish_reason"] = meta["finish_reason"]
 
+    def finished(self) -> bool:
+        """Whether the stream reached its end: SGLang's final chunk, the one with the finish reason (and the
+        routes and version spans), arrived, or SGLang's error event. ``data: [DONE]`` alone is not an end."""
+        return self.error is not None or self._meta.get("finish_reason") is not None
+
     def response(self) -> dict:
         if self.error is not None:
             message = self.error.get("message") if isinstance(self.error, Mapping) else self.error
-            raise ValidationError(f"the stream ended with an error: {message}", rule="upstream_error")
+            raise ValidationError(f"the stream ended with an error: {' '.join(str(message).split())[:500]}",
+                                  rule="upstream_error")
         if not self._chunks:
             raise ValidationError("the stream carried no /generate answer", rule="missing_field")
         meta = dict(self._meta)
@@ -612,10 +618,17 @@ class OpenAIStreamAccumulator:
                 if c.get(key) is not None:
                     acc[key] = c[key]
 
+    def finished(self) -> bool:
+        """Whether the stream reached its end: at least one choice, each with its finish reason (vLLM's
+        rule), or SGLang's error event. ``data: [DONE]`` alone is not an end."""
+        return self.error is not None or (bool(self._choices) and all(
+            acc.get("finish_reason") is not None for acc in self._choices.values()))
+
     def response(self) -> dict:
         if self.error is not None:
             message = self.error.get("message") if isinstance(self.error, Mapping) else self.error
-            raise ValidationError(f"the stream ended with an error: {message}", rule="upstream_error")
+            raise ValidationError(f"the stream ended with an error: {' '.join(str(message).split())[:500]}",
+                                  rule="upstream_error")
         choices = []
         for index, acc in sorted(self._choices.items()):
             choice: dict = {"index": index, "finish_reason": acc.get("finish_reason"),

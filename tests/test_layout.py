@@ -121,7 +121,7 @@ PUBLIC_API: dict[str, set[str]] = {
     "trajstore.demo": set(),
     "trajstore.errors": {
         "CommitUnknownError", "ConflictError", "ContentionError", "CorruptStoreError", "IndexInvariantError",
-        "PayloadLocationError", "PayloadMissingError", "ResumeStateError", "StoreUnavailable", "TrajstoreError",
+        "PayloadLocationError", "PayloadMissingError", "ProjectionChangedError", "ResumeStateError", "StoreUnavailable", "TrajstoreError",
         "ValidationError", "first_line"
     },
     "trajstore.events": {

@@ -495,3 +495,33 @@ def test_a_projection_and_the_default_materialized_at_once_equal_clean_runs(stor
     assert store.materialized.projection("steps").unfoldable_trajectories()["count"] == 0
     store.close()
     clean.close()
+
+
+@pytest.mark.parametrize("recreate", [None, {"merge": "none"}, {"merge": "prefix"}], ids=["dropped", "same", "other"])
+def test_a_projection_dropped_under_a_reader_is_an_error_not_an_end(store, recreate):
+    """A reader mid-epoch never ends "normally" on a dropped projection, nor reads on into
+    the samples of one created again under the same name (another fold: another sequence)."""
+    from trajstore.errors import ProjectionChangedError
+
+    cfg = RolloutConfig(turns=3, prompt_tokens=16, output_tokens=8, observation_tokens=4, layers=L, topk=K, seed=5)
+    for i in range(12):
+        store.append(trajectory_events(cfg, i))
+    store.materialize()
+    store.create_projection("steps", merge="none")
+    store.materialize(projection="steps")
+    reader = SampleReader(store, projection="steps", batch_size=2, page_rows=2)
+    first = next(reader)
+    state = reader.state_dict()
+    assert len(first) == 2 and state["projection_token"]
+    store.drop_projection("steps")
+    if recreate is not None:
+        store.create_projection("steps", **recreate)
+        store.materialize(projection="steps")
+    with pytest.raises(ProjectionChangedError, match="projection 'steps' was dropped"):
+        for _ in reader:
+            pass
+    if recreate is not None:
+        fresh = SampleReader(store, projection="steps", batch_size=2)
+        with pytest.raises(ProjectionChangedError, match="dropped and created again"):
+            fresh.load_state_dict(state)
+        assert len(next(iter(fresh))) == 2  # a new reader on the new projection reads from its start

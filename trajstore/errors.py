@@ -28,6 +28,7 @@ __all__ = [
     "CorruptStoreError",
     "IndexInvariantError",
     "PayloadLocationError",
+    "ProjectionChangedError",
     "PayloadMissingError",
     "ResumeStateError",
     "StoreUnavailable",
@@ -130,6 +131,13 @@ class PayloadLocationError(TrajstoreError):
     ``$TRAJSTORE_PAYLOAD_DIR``) disagrees with the one the store recorded, or
     the store has none recorded and its segments are not where this process
     would look. Raised before anything is read or written."""
+
+
+class ProjectionChangedError(TrajstoreError):
+    """The named projection a reader reads was dropped, or dropped and created
+    again under the same name, since the reader (or the state it resumed from)
+    began: its samples are another sequence. A projection's identity is its
+    name and the token it was created with (``projections.token``)."""
 
 
 class ResumeStateError(TrajstoreError, ValueError):

@@ -44,7 +44,7 @@ import numpy as np
 
 from trajstore._deprecated import renamed
 from trajstore._batch_plan import Key, Step, Unit, UnitBuilder, plan_step, row_key
-from trajstore.errors import ResumeStateError, TrajstoreError, ValidationError
+from trajstore.errors import ProjectionChangedError, ResumeStateError, TrajstoreError, ValidationError
 from trajstore.sample import Sample
 from trajstore._samples import read_segment_samples
 
@@ -402,7 +402,13 @@ class SampleReader:
             "snapshot_position": self._snapshot,
             "current_model_version": self.current_model_version,
             "stats": {name: getattr(self.stats, name) for name in ReaderStats._SAVED},
+            **self._projection_identity(),
         }
+
+    def _projection_identity(self) -> dict[str, str]:
+        """The read projection's identity beyond its name (absent for the default samples)."""
+        token = getattr(self._index, "token", None) if self.config.projection is not None else None
+        return {} if token is None else {"projection_token": token}
 
     def load_state_dict(self, state: Any) -> None:
         """Continue after the batch the state was taken at (any rank, any world size).
@@ -412,6 +418,12 @@ class SampleReader:
         sequence (``keep_groups``, ``group_size``, ``status``). States saved
         before the keys were renamed (``version``, ``current_version``) load."""
         _validate_state(state, self.config)
+        mine = self._projection_identity().get("projection_token")
+        saved = state.get("projection_token")
+        if mine is not None and saved is not None and saved != mine:
+            raise ProjectionChangedError(f"the state was saved reading projection {self.config.projection!r} as it "
+                                         "was before it was dropped and created again: its samples are another "
+                                         "sequence; start a new reader (and a new epoch) on it")
         self._cursor = _key_or_none(state["cursor"])
         self._scan_from = _key_or_none(state["scan_from"])
         self._snapshot = None if self.config.follow else state["snapshot_position"]

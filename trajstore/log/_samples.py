@@ -19,7 +19,7 @@ from typing import Any, Iterator, Mapping, Sequence
 
 from sqlalchemy import Connection, Engine, Table, and_, delete, func, insert, or_, select, update
 
-from trajstore.errors import IndexInvariantError, ValidationError
+from trajstore.errors import IndexInvariantError, ProjectionChangedError, ValidationError
 from trajstore.log._dialect import CHUNK, SqlDialect, chunks
 from trajstore.log._segments import repoint, retire_emptied
 from trajstore.log._transaction import Database
@@ -56,6 +56,10 @@ class _SqlSamples(SampleIndex):
     def _check_current(self, conn: Connection) -> None:
         """In a commit's transaction, before anything is written: this index still exists."""
 
+    def _check_read(self, conn: Connection) -> None:
+        """In a read's transaction: the rows read belong to this index (a projection
+        dropped or re-created since this object was made raises)."""
+
     # -- SampleIndex ------------------------------------------------------------
     def load_checkpoint(self, shard: Shard) -> dict[str, Any] | None:
         where = {**self._scope(), "shard": str(Shard.parse(str(shard)))}
@@ -68,6 +72,7 @@ class _SqlSamples(SampleIndex):
     def checkpoints(self) -> dict[Shard, dict[str, Any]]:
         t = self.checkpoint_table
         with self.db.reading(f"reading {self._whose()}checkpoints") as conn:
+            self._check_read(conn)
             rows = [dict(r._mapping) for r in conn.execute(select(t).where(*self._conds(t)))]
         return {Shard.parse(r["shard"]): r for r in rows}
 
@@ -133,6 +138,7 @@ class _SqlSamples(SampleIndex):
                                 and_(s.c.finished_position == fp, s.c.sample_index > si)))
             q = q.order_by(s.c.finished_position, s.c.sample_index).limit(page_rows)
             with self.db.reading(f"reading {self._whose()}sample rows") as conn:
+                self._check_read(conn)
                 rows = [dict(r._mapping) for r in conn.execute(q)]
             if not rows:
                 return
@@ -279,6 +285,19 @@ class SqlProjectionIndex(_SqlSamples):
         token = conn.execute(select(projections.c.token).where(projections.c.name == self.name)).scalar()
         if token != self.row["token"]:
             raise StaleState(f"projection {self.name!r} was dropped")
+
+    @property
+    def token(self) -> str:
+        """The identity the projection was created with (a re-created one has another)."""
+        return str(self.row["token"])
+
+    def _check_read(self, conn: Connection) -> None:
+        token = conn.execute(select(projections.c.token).where(projections.c.name == self.name)).scalar()
+        if token != self.row["token"]:
+            raise ProjectionChangedError(
+                f"projection {self.name!r} was " + ("dropped" if token is None else "dropped and created again")
+                + " since this reader began: its samples are another sequence; start a new reader "
+                  "(and a new epoch) on it")
 
 
 def _sample_filters(where: Mapping[str, Any], table: Table) -> list[Any]:

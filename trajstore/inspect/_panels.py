@@ -126,7 +126,7 @@ HEIGHT = 330
 
 def _layout(fig: Any, **kw: Any) -> Any:
     # The legend at the right, where it cannot cover subplot titles or headlines.
-    fig.update_layout(template="plotly_white", height=HEIGHT, margin=dict(l=60, r=20, t=40, b=50), **kw)
+    fig.update_layout(**{"template": "plotly_white", "height": HEIGHT, "margin": dict(l=60, r=20, t=40, b=50), **kw})
     return fig
 
 
@@ -769,45 +769,47 @@ def _logprob_draw(c: Clock, r: list[QueryResult]) -> Any:
 def _experts_draw(c: Clock, r: list[QueryResult]) -> Any:
     import numpy as np
 
+    from trajstore.inspect._routes import expert_load
+
     go, make_subplots = _plotly()
     got = _token_samples(c, r)
     if isinstance(got, str):
         return got
     samples, experts = got
-    all_ids, all_versions = [], []
-    for s in samples:
-        if s.routed_experts is None:
-            continue
-        versions = np.asarray(s.token_model_versions)
-        gen = np.nonzero(versions >= 0)[0]
-        # The route row that produced generated token j is the row of the position before it.
-        rows = len(s.prompt_ids) + gen - 1
-        ok = (rows >= 0) & (rows < len(s.routed_experts))
-        if s.routed_experts_mask is not None:
-            ok[ok] &= ~np.asarray(s.routed_experts_mask, bool)[rows[ok]]
-        ids = np.asarray(s.routed_experts)[rows[ok]].astype(np.int64)  # [tokens, layers, topk]
-        all_ids.append(ids.reshape(len(ids), -1))
-        all_versions.append(np.repeat(versions[gen[ok]], ids[0].size if len(ids) else 0))
-    if not all_ids or not sum(len(x) for x in all_ids):
+    load = expert_load(samples, max([int(n) for n in experts.values() if n] + [0]) or None)
+    if load is None or not load.layers:
         return "the newest samples carry no routes"
-    ids = np.concatenate([x.ravel() for x in all_ids])
-    version_of = np.concatenate(all_versions)
-    num_experts = max([int(n) for n in experts.values() if n] + [int(ids.max()) + 1])
-    versions = [int(x) for x in np.unique(version_of)]
-    load = np.stack([np.bincount(ids[version_of == x], minlength=num_experts) for x in versions]).astype(np.float64)
-    share = load / np.maximum(load.mean(axis=1, keepdims=True), 1e-12)  # 1.0 = a perfectly even expert
-    fig = make_subplots(rows=1, cols=2, column_widths=[0.68, 0.32], subplot_titles=(
-        f"load per expert relative to an even split (newest {len(samples)} samples, decode routes, all layers)",
-        "max / mean load per version (1 = balanced)"))
-    fig.add_trace(go.Heatmap(z=share.tolist(), x=list(range(num_experts)), y=[str(v) for v in versions], colorscale="RdBu",
-                             reversescale=True, zmid=1.0, colorbar=dict(title="load / mean", x=1.0, len=0.9),
+    counts = load.counts.astype(np.float64)  # [version, layer, expert], one bincount over every entry
+    per_version = counts.sum(axis=1)
+    share = per_version / np.maximum(per_version.mean(axis=1, keepdims=True), 1e-12)  # 1.0 = an even expert
+    newest = counts[-1]
+    layer_share = newest / np.maximum(newest.mean(axis=1, keepdims=True), 1e-12)
+    vio = load.max_violation() + 1.0  # [version, layer]: busiest expert over the mean
+    versions = [str(v) for v in load.versions]
+    fig = make_subplots(rows=2, cols=2, column_widths=[0.68, 0.32], vertical_spacing=0.14, subplot_titles=(
+        f"load per expert relative to an even split, per version (newest {len(samples)} samples, decode routes, "
+        f"{len(load.layers)} MoE layers)",
+        "busiest expert / mean, per version (1 = balanced)",
+        f"load per expert and layer, version {versions[-1]}", f"busiest expert / mean per layer, version {versions[-1]}"))
+    heat = dict(colorscale="RdBu", reversescale=True, zmid=1.0)
+    fig.add_trace(go.Heatmap(z=share.tolist(), x=list(range(load.num_experts)), y=versions, **heat,
+                             colorbar=dict(title="load / mean", x=1.0, len=0.45, y=0.78),
                              hovertemplate="version %{y}, expert %{x}: %{z:.2f} x even<extra></extra>"), 1, 1)
-    fig.add_trace(go.Bar(x=[str(v) for v in versions], y=share.max(axis=1).tolist(), showlegend=False,
-                         name="max / mean", marker_color="#9467bd"), 1, 2)
+    fig.add_trace(go.Bar(x=versions, y=vio.max(axis=1).tolist(), name="worst layer", marker_color="#9467bd"), 1, 2)
+    fig.add_trace(go.Bar(x=versions, y=vio.mean(axis=1).tolist(), name="mean over layers", marker_color="#c5b0d5"),
+                  1, 2)
+    fig.add_trace(go.Heatmap(z=layer_share.tolist(), x=list(range(load.num_experts)), y=[str(i) for i in load.layers],
+                             **heat, showscale=False,
+                             hovertemplate="layer %{y}, expert %{x}: %{z:.2f} x even<extra></extra>"), 2, 1)
+    fig.add_trace(go.Bar(x=[str(i) for i in load.layers], y=vio[-1].tolist(), name="layer", showlegend=False,
+                         marker_color="#9467bd"), 2, 2)
     fig.update_xaxes(title_text="expert id", row=1, col=1)
+    fig.update_xaxes(title_text="expert id", row=2, col=1)
     fig.update_yaxes(title_text="model version", type="category", row=1, col=1)
+    fig.update_yaxes(title_text="layer", type="category", row=2, col=1)
+    fig.update_xaxes(title_text="layer", type="category", row=2, col=2)
     _version_axis(fig, row=1, col=2)
-    return _layout(fig)
+    return _layout(fig, height=620, barmode="group")
 
 
 PANELS: tuple[Panel, ...] = (
@@ -853,9 +855,10 @@ PANELS: tuple[Panel, ...] = (
           "sample segments in the payload give the tokens.",
           _token_sql, _logprob_draw),
     Panel("expert_load", "Expert load balance (MoE routes)",
-          "How often each expert was routed to when generating, relative to an even split, per model version (all "
-          "layers and top-k slots of the newest samples' recorded routes), and the busiest expert's load over the "
-          "mean: the router's balance as the policy moves.",
+          "How often each expert was routed to when generating, relative to an even split, per model version (the "
+          "MoE layers and top-k slots of the newest samples' recorded routes) and per layer for the newest version, "
+          "and the busiest expert's load over the mean (verl's max_vio + 1): the router's balance as the policy "
+          "moves. Layers whose every entry is 0 (vLLM's dense layers) are left out.",
           _token_sql, _experts_draw),
     Panel("versions", "Tokens and trajectories per model version",
           "Tokens generated by each policy version, and the trajectories it took part in (a trajectory resumed "

@@ -111,54 +111,39 @@ def expert_load_violation(routes: Iterable[Any], num_experts: int) -> dict[str, 
     """verl's ``max_vio`` over route rows: for each layer, ``max_e(load_e / total * num_experts) - 1``.
 
     ``routes``: arrays [tokens, layers, topk] of expert ids (one per sample,
-    one layer layout). Layers whose every entry is 0 (the dense layers vLLM
-    records as zeros) are left out. Returns ``{}`` when no layer has routes."""
+    one layer layout; with several, the busiest). Layers whose every entry is 0
+    (the dense layers vLLM records as zeros) are left out. Returns ``{}`` when
+    no layer has routes."""
     import numpy as np
 
-    per_layout: dict[tuple[int, int], Any] = {}
+    from trajstore.inspect._routes import count_routes
+
+    by_layout: dict[tuple[int, ...], list[Any]] = {}
     for r in routes:
         r = np.asarray(r)
-        if r.ndim != 3 or r.size == 0:
-            continue
-        layers = r.shape[1]
-        # Per layer, count every expert id at once: offset each layer's ids by layer * E.
-        flat = (r.astype(np.int64) + (np.arange(layers, dtype=np.int64) * num_experts)[None, :, None]).ravel()
-        counts = np.bincount(flat, minlength=layers * num_experts).reshape(layers, num_experts)
-        key = r.shape[1:]
-        per_layout[key] = per_layout[key] + counts if key in per_layout else counts
-    if not per_layout:
+        if r.ndim == 3 and r.size:
+            by_layout.setdefault(r.shape[1:], []).append(r)
+    if not by_layout:
         return {}
-    per_layer = max(per_layout.values(), key=lambda c: int(c.sum()))  # one model: one layout, else the busiest
+    rows = np.concatenate(max(by_layout.values(), key=lambda rs: sum(len(r) for r in rs)))
+    return _violation(count_routes(rows, num_experts)[0], num_experts)
+
+
+def _violation(per_layer: Any, num_experts: int) -> dict[str, float]:
+    """``max_vio`` figures from ``counts[layer, expert]``, dense (all-zero) layers left out."""
     total = per_layer.sum(axis=1)
-    moe = (total > 0) & (per_layer[:, 1:].sum(axis=1) > 0)  # a dense layer routes everything to 0
+    moe = (total > 0) & (per_layer[:, 1:].sum(axis=1) > 0)
     if not moe.any():
         return {}
-    load = per_layer[moe] / total[moe, None]
-    max_vio = (load * num_experts - 1.0).max(axis=1)
+    max_vio = (per_layer[moe] / total[moe, None] * num_experts - 1.0).max(axis=1)
     return {"moe/max_vio/max": float(max_vio.max()), "moe/max_vio/avg": float(max_vio.mean())}
-
-
-def _route_rows(samples: Sequence[Any]) -> list[Any]:
-    """The route rows that produced each sample's generated tokens (decode routes)."""
-    import numpy as np
-
-    out = []
-    for s in samples:
-        if s.routed_experts is None:
-            continue
-        versions = np.asarray(s.token_model_versions)
-        rows = len(s.prompt_ids) + np.flatnonzero(versions >= 0) - 1  # the row before a token produced it
-        ok = (rows >= 0) & (rows < len(s.routed_experts))
-        if s.routed_experts_mask is not None:
-            ok[ok] &= ~np.asarray(s.routed_experts_mask, bool)[rows[ok]]
-        out.append(np.asarray(s.routed_experts)[rows[ok]])
-    return out
 
 
 def _expert_load(query: Query, payload: str | None) -> dict[str, float]:
     if payload is None:
         return {}
     from trajstore.inspect._panels import _read_samples
+    from trajstore.inspect._routes import expert_load
 
     rows = query(_ROUTES_SQL).rows
     if not rows:
@@ -169,12 +154,10 @@ def _expert_load(query: Query, payload: str | None) -> dict[str, float]:
         log.warning("trackers: cannot read the newest sample segments under %s: %s", payload,
                     str(e).splitlines()[0] if str(e) else type(e).__name__)
         return {}
-    routes = _route_rows(samples)
-    if not routes:
+    load = expert_load(samples, max([int(r[4]) for r in rows if r[4]] + [0]) or None)
+    if load is None:
         return {}
-    num_experts = max([int(r[4]) for r in rows if r[4]] + [int(max(int(x.max()) for x in routes if x.size)) + 1
-                                                          if any(x.size for x in routes) else 1])
-    return expert_load_violation(routes, num_experts)
+    return _violation(load.counts.sum(axis=0), load.num_experts)
 
 
 def _lineage(query: Query) -> tuple[int | None, dict[str, float]]:

@@ -1,0 +1,84 @@
+"""Expert load from samples' recorded routes: what the report's expert-load panel and
+``trajstore track`` both count, in one pass of numpy over the route rows.
+
+The route row that produced generated token j is the row of the position
+before it (SPEC "Routed experts"): the decode routes. Rows without a captured
+route (``routed_experts_mask``) are left out. Layers whose every entry is 0 are
+dense layers as vLLM records them (zeros), and are dropped from the figures.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+__all__: list[str] = []
+
+
+def decode_routes(sample: Any) -> tuple[np.ndarray, np.ndarray] | None:
+    """``(rows [n, layers, topk], versions [n])``: the routes that generated the sample's
+    tokens and those tokens' model versions; None when the sample has no routes."""
+    if sample.routed_experts is None:
+        return None
+    versions = np.asarray(sample.token_model_versions)
+    gen = np.flatnonzero(versions >= 0)
+    rows = len(sample.prompt_ids) + gen - 1
+    ok = (rows >= 0) & (rows < len(sample.routed_experts))
+    if sample.routed_experts_mask is not None:
+        ok[ok] &= ~np.asarray(sample.routed_experts_mask, bool)[rows[ok]]
+    return np.asarray(sample.routed_experts)[rows[ok]], versions[gen[ok]]
+
+
+@dataclass(frozen=True)
+class ExpertLoad:
+    """Routed-to counts ``counts[version, layer, expert]`` over decode routes."""
+
+    versions: list[int]
+    layers: list[int]
+    """The MoE layers' indexes in the recorded layout (dense all-zero layers left out)."""
+    counts: np.ndarray
+
+    @property
+    def num_experts(self) -> int:
+        return int(self.counts.shape[2])
+
+    def max_violation(self) -> np.ndarray:
+        """Per version and layer: verl's ``max_vio``, ``max_e(load_e / total * E) - 1``."""
+        total = self.counts.sum(axis=2, keepdims=True)
+        share = self.counts / np.maximum(total, 1)
+        return (share * self.num_experts - 1.0).max(axis=2)
+
+
+def expert_load(samples: Sequence[Any], num_experts: int | None = None) -> ExpertLoad | None:
+    """The load of the samples' decode routes; the busiest layout when samples mix layouts.
+    None when no sample has a routed generated token."""
+    parts: dict[tuple[int, int], list[tuple[np.ndarray, np.ndarray]]] = {}
+    for s in samples:
+        got = decode_routes(s)
+        if got is not None and len(got[0]):
+            parts.setdefault(got[0].shape[1:], []).append(got)
+    if not parts:
+        return None
+    layout = max(parts, key=lambda k: sum(len(v) for _, v in parts[k]))
+    rows = np.concatenate([r for r, _ in parts[layout]])
+    versions_of = np.concatenate([v for _, v in parts[layout]])
+    versions, vi = np.unique(versions_of, return_inverse=True)  # per token: small next to the entries
+    counts = count_routes(rows, max(int(num_experts or 0), int(rows.max()) + 1), vi, len(versions))
+    moe = counts[:, :, 1:].sum(axis=(0, 2)) > 0
+    return ExpertLoad([int(v) for v in versions], [int(i) for i in np.flatnonzero(moe)], counts[:, moe, :])
+
+
+def count_routes(rows: np.ndarray, num_experts: int, group: np.ndarray | None = None,
+                 num_groups: int = 1) -> np.ndarray:
+    """``counts[group, layer, expert]`` of route rows ``[n, layers, topk]`` (``group[i]``:
+    row i's group, all 0 by default), with one ``bincount`` over every entry."""
+    n, layers, _ = rows.shape
+    size = num_groups * layers * num_experts
+    dtype = np.int32 if size < 2**31 else np.int64  # half the memory traffic of int64 keys
+    g = np.zeros(n, dtype) if group is None else np.asarray(group).astype(dtype, copy=False)
+    offset = (g[:, None] * layers + np.arange(layers, dtype=dtype)[None, :]) * num_experts  # [n, layers]: small
+    key = rows.astype(dtype)
+    key += offset[:, :, None]  # in place: one key array, never a broadcast temporary of the entries' size
+    return np.bincount(key.ravel(), minlength=size).reshape(num_groups, layers, num_experts)

@@ -7,6 +7,7 @@ upgraded one revision at a time ends with the schema of a direct upgrade."""
 from __future__ import annotations
 
 import ast
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -400,3 +401,18 @@ def test_stepwise_upgrade_ends_where_a_direct_one_does(two_fresh_urls):
     finally:
         stepwise.dispose()
         direct.dispose()
+
+
+def _migration_module(filename: str):
+    spec = importlib.util.spec_from_file_location(f"trajstore_migration_{filename[:4]}", VERSIONS_DIR / filename)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_view_module_describes_the_reader_role_0002_makes():
+    """reader_role_sql (documented, public) says what 0002 runs: the role's statements were frozen there."""
+    m = _migration_module("0002_inspection_views_reader_role.py")
+    assert views_module.reader_role_sql() == [m.READER_ROLE_SQL]
+    assert views_module.drop_reader_grants_sql() == [m.DROP_READER_GRANTS_SQL]
+    assert m.VIEW_NAMES == views_module.VIEW_NAMES

@@ -1,16 +1,24 @@
 """Migrations on both backends: a fresh database steps through every revision,
 and a store at 0002 (the views built before 0004's columns existed) upgrades to
-head and keeps working."""
+head and keeps working. A migration is frozen: it imports nothing from the
+package, the views at head are exactly trajstore.inspect.views', and a store
+upgraded one revision at a time ends with the schema of a direct upgrade."""
 
 from __future__ import annotations
 
+import ast
+import importlib.util
+from pathlib import Path
+
 import pytest
 from alembic import command
+from alembic.script import ScriptDirectory
 from sqlalchemy import create_engine, inspect, text
 
 import trajstore
 from trajstore._migrate import alembic_config
-from trajstore.inspect.views import VIEW_NAMES
+from trajstore.inspect import views as views_module
+from trajstore.inspect.views import READER_ROLE, VIEW_NAMES
 from tests.helpers import finished, gen, started
 
 
@@ -249,3 +257,162 @@ def test_0010_round_trip_keeps_positions_unique(store_url, tmp_path):
     assert store.materialize().num_trajectories == 2
     assert trajstore.connect(store_url).payload.location == store.payload.location
     store.close()
+
+
+# -- a migration is frozen -------------------------------------------------------------------------------------------
+
+VERSIONS_DIR = Path(trajstore.__file__).resolve().parent / "migrations" / "versions"
+
+
+def _imported_modules(path: Path) -> set[str]:
+    """Every module a migration file imports, statically or through importlib.import_module/__import__."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            names.add("." * node.level + (node.module or ""))
+        elif isinstance(node, ast.Call):
+            func = node.func
+            called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+            if called in ("import_module", "__import__") and node.args and isinstance(node.args[0], ast.Constant):
+                names.add(str(node.args[0].value))
+    return names
+
+
+def test_no_migration_imports_the_package(tmp_path):
+    """A migration must do tomorrow what it does today: it imports nothing from trajstore (the live view
+    module, the fold, ...), whose code moves on. An older migration's views are reached by loading that
+    migration's own file, as 0004, 0006 and 0009 do for their downgrades."""
+    files = sorted(VERSIONS_DIR.glob("[0-9]*.py"))
+    assert len(files) >= 11
+    offending = {f.name: sorted(m for m in _imported_modules(f) if m.split(".")[0] == "trajstore" or m.startswith("."))
+                 for f in files}
+    assert {name: mods for name, mods in offending.items() if mods} == {}
+    probe = tmp_path / "0099_probe.py"  # the check sees each way of importing
+    probe.write_text("from trajstore.inspect import views\nimport trajstore.fold as f\nfrom . import x\n"
+                     "import importlib\nimportlib.import_module('trajstore.events')\n")
+    assert _imported_modules(probe) == {"trajstore.inspect", "trajstore.fold", ".", "importlib", "trajstore.events"}
+
+
+@pytest.fixture(params=[pytest.param("sqlite", id="sqlite"),
+                        pytest.param("postgres", id="postgres", marks=pytest.mark.postgres)])
+def two_fresh_urls(request: pytest.FixtureRequest, tmp_path: Path):
+    """Two empty databases on one backend."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'a.db'}", f"sqlite:///{tmp_path / 'b.db'}"
+        return
+    cluster = request.getfixturevalue("pg_cluster")
+    urls = cluster.create_database(), cluster.create_database()
+    yield urls
+    for url in urls:
+        cluster.drop_database(url.rsplit("/", 1)[1])
+
+
+def _stored_views(conn) -> dict[str, str]:
+    """Each view's definition as the database keeps it (SQLite: the CREATE text; PostgreSQL: pg_views)."""
+    if conn.dialect.name == "sqlite":
+        return dict(conn.execute(text("SELECT name, sql FROM sqlite_master WHERE type = 'view'")).all())
+    return dict(conn.execute(text("SELECT viewname, definition FROM pg_views "
+                                  "WHERE schemaname = current_schema()")).all())
+
+
+def _schema(conn) -> dict[str, object]:
+    """The schema a migration leaves: objects, view definitions and, on PostgreSQL, every grant."""
+    if conn.dialect.name == "sqlite":
+        return {"objects": sorted(map(tuple, conn.execute(text(
+            "SELECT type, name, tbl_name, sql FROM sqlite_master WHERE name NOT LIKE 'sqlite_%'")).all()))}
+    rows = {
+        "columns": "SELECT table_name, column_name, ordinal_position, data_type, is_nullable, column_default "
+                   "FROM information_schema.columns WHERE table_schema = current_schema()",
+        "indexes": "SELECT tablename, indexname, indexdef FROM pg_indexes WHERE schemaname = current_schema()",
+        "constraints": "SELECT conrelid::regclass::text, conname, pg_get_constraintdef(oid) FROM pg_constraint "
+                       "WHERE connamespace = current_schema()::regnamespace",
+        "acl": "SELECT relname, relkind, relacl::text FROM pg_class WHERE relnamespace = current_schema()::regnamespace",
+        "schema_acl": "SELECT nspacl::text FROM pg_namespace WHERE nspname = current_schema()",
+        "default_acl": "SELECT defaclrole::regrole::text, defaclobjtype, defaclacl::text FROM pg_default_acl",
+        "reader_role": f"SELECT rolname, rolcanlogin, rolsuper FROM pg_roles WHERE rolname = '{READER_ROLE}'",
+    }
+    got: dict[str, object] = {k: sorted(map(tuple, conn.execute(text(q)).all())) for k, q in rows.items()}
+    got["views"] = _stored_views(conn)
+    return got
+
+
+def _views_and_grants(schema: dict[str, object]) -> dict[str, object]:
+    if "objects" in schema:
+        return {"views": [o for o in schema["objects"] if o[0] == "view"]}
+    return {k: v for k, v in schema.items() if k in ("views", "acl", "schema_acl", "default_acl", "reader_role")}
+
+
+def _revisions() -> list[str]:
+    return [s.revision for s in reversed(list(ScriptDirectory.from_config(alembic_config()).walk_revisions()))]
+
+
+def test_head_views_are_the_view_module_s(two_fresh_urls):
+    """The newest migration that (re)creates the views freezes exactly what trajstore.inspect.views builds:
+    changing that module without a migration that freezes the new SQL fails here."""
+    url, _ = two_fresh_urls
+    engine = create_engine(url)
+    drifted = ("trajstore.inspect.views differs from the views the newest migration freezes: "
+               "add a migration that freezes the new SQL in its own file (docs/design.md, Migrations)")
+    try:
+        _migrate(engine, "head")
+        with engine.connect() as conn:
+            dialect = conn.dialect.name
+            migrated = _schema(conn)
+            stored = _stored_views(conn)
+        assert set(VIEW_NAMES) <= set(stored)  # and 0011's projection_sample_summary, frozen there
+        if dialect == "sqlite":  # SQLite keeps the statement's text as run
+            assert {n: stored[n] for n in VIEW_NAMES} == {
+                n: f"CREATE VIEW {n} AS\n{views_module.view_sql(n, dialect)}" for n in VIEW_NAMES}, drifted
+        with engine.begin() as conn:  # PostgreSQL keeps its own rendering: compare it with the module's, made here
+            views_module.drop_views(lambda sql: conn.execute(text(sql)))
+            views_module.create_views(lambda sql: conn.execute(text(sql)), dialect)
+        with engine.connect() as conn:
+            assert _schema(conn) == migrated, drifted  # definitions, and on PostgreSQL the views' grants too
+        if dialect == "postgresql":
+            assert migrated["reader_role"] == [(READER_ROLE, False, False)]
+            acl = {name: a for name, kind, a in migrated["acl"] if kind == "v"}
+            assert set(VIEW_NAMES) <= set(acl) and all(f"{READER_ROLE}=r/" in a for a in acl.values())
+    finally:
+        engine.dispose()
+
+
+def test_stepwise_upgrade_ends_where_a_direct_one_does(two_fresh_urls):
+    """From 0001 one revision at a time (what an old store goes through), and down to 0001 and up again:
+    the same tables, views and grants as a fresh database upgraded to head at once."""
+    stepwise_url, direct_url = two_fresh_urls
+    stepwise, direct = create_engine(stepwise_url), create_engine(direct_url)
+    try:
+        for revision in _revisions():
+            _migrate(stepwise, revision)
+        _migrate(direct, "head")
+        with direct.connect() as conn:
+            expected = _schema(conn)
+        with stepwise.connect() as conn:
+            assert _schema(conn) == expected
+        _migrate(stepwise, "0001", down=True)
+        with stepwise.connect() as conn:
+            assert not _stored_views(conn)
+        _migrate(stepwise, "head")
+        with stepwise.connect() as conn:  # tables rebuilt by a downgrade may be spelled differently (SQLite's
+            again = _schema(conn)         # quoted name, PostgreSQL's column numbers): the views and grants are not
+        assert _views_and_grants(again) == _views_and_grants(expected)
+    finally:
+        stepwise.dispose()
+        direct.dispose()
+
+
+def _migration_module(filename: str):
+    spec = importlib.util.spec_from_file_location(f"trajstore_migration_{filename[:4]}", VERSIONS_DIR / filename)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_view_module_describes_the_reader_role_0002_makes():
+    """reader_role_sql (documented, public) says what 0002 runs: the role's statements were frozen there."""
+    m = _migration_module("0002_inspection_views_reader_role.py")
+    assert views_module.reader_role_sql() == [m.READER_ROLE_SQL]
+    assert views_module.drop_reader_grants_sql() == [m.DROP_READER_GRANTS_SQL]
+    assert m.VIEW_NAMES == views_module.VIEW_NAMES

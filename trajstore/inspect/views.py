@@ -8,12 +8,13 @@ Four views, documented column by column in ``docs/sql.md``:
 * ``sample_summary``: one row per materialized sample (the merge result);
 * ``model_version_stats``: one row per model version.
 
-These are the CURRENT definitions; the newest migration that changed them
-(0009) creates them from this module (``create_views``). A migration that
-changes them again drops the views, then recreates them from this module,
-and first freezes the previous migration's SQL in that migration's file (as
-0002 and 0004 hold their own): older migrations must not build views from
-this module, whose SQL reads columns they have not added yet.
+These are the CURRENT definitions, for code and docs. No migration imports
+this module: each migration that (re)creates the views holds their SQL in its
+own file, and the newest one (0009) holds exactly what this module builds
+(``tests/test_migrate_versions.py`` compares them on both backends). To
+change a view, change it here AND add a migration that drops the views and
+creates them from a copy of the new SQL pasted into it, for both dialects
+(docs/log.md, "Schema migrations").
 
 Portability rules the SQL keeps, so one text runs on both backends:
 * no ``%`` and no ``:`` (Alembic runs the text through ``sqlalchemy.text``
@@ -32,8 +33,9 @@ its outcome, ``events.sample_index`` and ``events.is_merged`` (with
 ``prefix_len``, the length of the previous sequence on a merge and 0
 otherwise); the views read those columns.
 
-The PostgreSQL read-only role used by ``trajstore sql`` is made here too
-(``reader_role_sql``); see ``trajstore.inspect.sql`` for how it is used.
+The PostgreSQL read-only role used by ``trajstore sql`` is described here
+too (``reader_role_sql``: the statements migration 0002 runs, frozen there as
+``READER_ROLE_SQL``); see ``trajstore.inspect.sql`` for how it is used.
 """
 
 from __future__ import annotations

@@ -4,17 +4,16 @@ Revision ID: 0002
 Revises: 0001
 Create Date: 2026-11-23
 
-The views as this revision made them, frozen here: the live definitions in
-``trajstore.inspect.views`` read columns that later migrations add (0004),
-so building them from the live module would fail on a fresh database at this
-revision. Later migrations drop and recreate the views. On PostgreSQL this
-also makes the ``trajstore_reader`` role that ``trajstore sql`` switches to.
+The views as this revision made them, frozen here: a migration imports
+nothing from the package, so that what it does never changes when the code
+does (the live definitions in ``trajstore.inspect.views`` read columns that
+later migrations add, 0004). Later migrations drop and recreate the views.
+On PostgreSQL this also makes the ``trajstore_reader`` role that ``trajstore
+sql`` switches to (``READER_ROLE_SQL``, frozen here too).
 """
 from __future__ import annotations
 
 from alembic import op
-
-from trajstore.inspect import views
 
 revision = '0002'
 down_revision = '0001'
@@ -186,6 +185,56 @@ GROUP BY p.model_version
 """
 
 
+# Roles belong to the cluster, not the database, so creating it tolerates
+# another database (or a concurrent migration) having made it first. A
+# migrating user without CREATEROLE cannot make it; then the migration goes on
+# with a NOTICE and an administrator runs the statements in docs/sql.md. The
+# migrating user becomes a member so that ``trajstore sql`` can ``SET ROLE``
+# to it; default privileges cover the tables and views later migrations add.
+# Each grant the user may lack the right for (USAGE on a schema it does not
+# own, membership without CREATEROLE) degrades to a NOTICE.
+READER_ROLE_SQL = """DO $$
+BEGIN
+    IF NOT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = 'trajstore_reader') THEN
+        IF NOT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = current_user AND (rolsuper OR rolcreaterole)) THEN
+            RAISE NOTICE 'trajstore: cannot create role trajstore_reader (no CREATEROLE); see docs/sql.md (read-only access)';
+            RETURN;
+        END IF;
+        BEGIN
+            CREATE ROLE trajstore_reader NOLOGIN;
+        EXCEPTION WHEN duplicate_object OR unique_violation THEN
+            NULL;  -- made concurrently by a migration of another database
+        END;
+    END IF;
+    BEGIN
+        EXECUTE 'GRANT USAGE ON SCHEMA ' || quote_ident(current_schema()) || ' TO trajstore_reader';
+    EXCEPTION WHEN insufficient_privilege THEN
+        RAISE NOTICE USING MESSAGE = 'trajstore: ' || SQLERRM || '; see docs/sql.md (read-only access)';
+    END;
+    EXECUTE 'GRANT SELECT ON ALL TABLES IN SCHEMA ' || quote_ident(current_schema()) || ' TO trajstore_reader';
+    EXECUTE 'ALTER DEFAULT PRIVILEGES IN SCHEMA ' || quote_ident(current_schema()) || ' GRANT SELECT ON TABLES TO trajstore_reader';
+    IF NOT (SELECT rolsuper FROM pg_roles WHERE rolname = current_user) THEN
+    BEGIN
+        EXECUTE 'GRANT trajstore_reader TO ' || quote_ident(current_user);
+    EXCEPTION WHEN insufficient_privilege THEN
+        RAISE NOTICE USING MESSAGE = 'trajstore: ' || SQLERRM || '; see docs/sql.md (read-only access)';
+    END;
+    END IF;
+END
+$$"""
+
+DROP_READER_GRANTS_SQL = """DO $$
+BEGIN
+    IF EXISTS (SELECT 1 FROM pg_roles WHERE rolname = 'trajstore_reader') THEN
+        EXECUTE 'ALTER DEFAULT PRIVILEGES IN SCHEMA ' || quote_ident(current_schema())
+            || ' REVOKE SELECT ON TABLES FROM trajstore_reader';
+        EXECUTE 'REVOKE SELECT ON ALL TABLES IN SCHEMA ' || quote_ident(current_schema()) || ' FROM trajstore_reader';
+        EXECUTE 'REVOKE USAGE ON SCHEMA ' || quote_ident(current_schema()) || ' FROM trajstore_reader';
+    END IF;
+END
+$$"""
+
+
 def view_sql(name: str, dialect: str) -> str:
     """The SELECT behind view ``name`` as of this revision."""
     join_sorted = ("string_agg(finish_reason, ',' ORDER BY finish_reason)" if dialect == "postgresql"
@@ -203,17 +252,20 @@ def create_views(dialect: str) -> None:
         op.execute(f"CREATE VIEW {name} AS\n{view_sql(name, dialect)}")
 
 
+def drop_views() -> None:
+    for name in reversed(VIEW_NAMES):
+        op.execute(f"DROP VIEW IF EXISTS {name}")
+
+
 def upgrade() -> None:
     dialect = op.get_bind().dialect.name
     create_views(dialect)
     if dialect == "postgresql":
         # After the views: GRANT ... ON ALL TABLES covers views that exist now.
-        for statement in views.reader_role_sql():
-            op.execute(statement)
+        op.execute(READER_ROLE_SQL)
 
 
 def downgrade() -> None:
     if op.get_bind().dialect.name == "postgresql":
-        for statement in views.drop_reader_grants_sql():
-            op.execute(statement)
-    views.drop_views(op.execute)
+        op.execute(DROP_READER_GRANTS_SQL)
+    drop_views()

@@ -28,8 +28,6 @@ from typing import Callable
 import sqlalchemy as sa
 from alembic import op
 
-from trajstore.inspect import views
-
 revision = '0004'
 down_revision = "0003"
 branch_labels = None
@@ -38,7 +36,7 @@ depends_on = None
 
 def upgrade() -> None:
     dialect = op.get_bind().dialect.name
-    views.drop_views(op.execute)
+    drop_views(op.execute)
     with op.batch_alter_table('events', schema=None) as batch_op:
         batch_op.add_column(sa.Column('min_model_version', sa.Integer(), nullable=True))
         batch_op.add_column(sa.Column('version_spans', sa.JSON(), nullable=True))
@@ -52,7 +50,7 @@ def upgrade() -> None:
 
 def downgrade() -> None:
     dialect = op.get_bind().dialect.name
-    views.drop_views(op.execute)
+    drop_views(op.execute)
     with op.batch_alter_table('samples', schema=None) as batch_op:
         batch_op.drop_column('finish_reason')
     with op.batch_alter_table('events', schema=None) as batch_op:
@@ -324,3 +322,8 @@ def create_views(execute: Callable[[str], object], dialect: str) -> None:
     """Create the four views (``execute`` runs one statement, e.g. ``op.execute``)."""
     for name in VIEW_NAMES:
         execute(f"CREATE VIEW {name} AS\n{view_sql(name, dialect)}")
+
+
+def drop_views(execute: Callable[[str], object]) -> None:
+    for name in reversed(VIEW_NAMES):
+        execute(f"DROP VIEW IF EXISTS {name}")

@@ -28,8 +28,6 @@ from pathlib import Path
 import sqlalchemy as sa
 from alembic import op
 
-from trajstore.inspect import views
-
 revision = '0006'
 down_revision = '0005'
 branch_labels = None
@@ -65,7 +63,7 @@ UPDATE trajectories SET num_samples = COALESCE((
 
 def upgrade() -> None:
     dialect = op.get_bind().dialect.name
-    views.drop_views(op.execute)
+    drop_views(op.execute)
     with op.batch_alter_table('events', schema=None) as batch_op:
         batch_op.add_column(sa.Column('sample_index', sa.Integer(), nullable=True))
         batch_op.add_column(sa.Column('is_merged', sa.Boolean(), nullable=True))
@@ -78,7 +76,7 @@ def upgrade() -> None:
 
 def downgrade() -> None:
     dialect = op.get_bind().dialect.name
-    views.drop_views(op.execute)
+    drop_views(op.execute)
     with op.batch_alter_table('trajectories', schema=None) as batch_op:
         batch_op.drop_column('num_samples')
     with op.batch_alter_table('events', schema=None) as batch_op:
@@ -452,7 +450,15 @@ GROUP BY p.model_version
 }
 
 
+VIEW_NAMES = ("generation_events", "trajectory_summary", "sample_summary", "model_version_stats")
+
+
 def create_views(execute, dialect: str) -> None:
     """Create the views as this revision made them."""
-    for name in ("generation_events", "trajectory_summary", "sample_summary", "model_version_stats"):
+    for name in VIEW_NAMES:
         execute(f"CREATE VIEW {name} AS\n{VIEWS[name, dialect].strip()}")
+
+
+def drop_views(execute) -> None:
+    for name in reversed(VIEW_NAMES):
+        execute(f"DROP VIEW IF EXISTS {name}")

@@ -17,7 +17,7 @@ import os
 import sys
 from typing import Any, Callable, Iterator
 
-from trajstore.errors import TrajstoreError
+from trajstore.errors import TrajstoreError, ValidationError
 
 __all__ = ["main"]
 
@@ -80,7 +80,12 @@ def _cmd_materialize(args: argparse.Namespace) -> int:
             raise ValidationError("--refold-quarantined folds the default samples; leave out --projection",
                                   rule="cli")
         _print_json(m.refold_quarantined().to_dict())
+        still = _quarantined(m)
+        if still:
+            print(f"trajstore: {_trajectories(len(still))} still quarantined: a payload file they need is "
+                  "still missing (trajstore info lists them)", file=sys.stderr)
         return 0
+    before = _quarantined(m)
     what = "trajectories" if args.projection is None else f"trajectories into projection {args.projection}"
     with progress_bar(f"materializing {what}", total=m.pending()) as advance:
         m.progress = advance
@@ -89,7 +94,29 @@ def _cmd_materialize(args: argparse.Namespace) -> int:
     if not metrics.get("num_steps_before"):
         metrics["merge_ratio"] = "n/a"  # 0 samples from 0 steps is not a ratio
     _print_json(metrics)
+    quarantined = _quarantined(m) - before
+    if quarantined:
+        # folded what it could, but these wait for a file: a script must not take that for success
+        shard = "" if args.num_shards == 1 else f" --shard {args.shard} --num-shards {args.num_shards}"
+        print(f"error: {_trajectories(len(quarantined))} quarantined: a payload file they need is missing "
+              f"(trajstore info lists them); once it is back, run: trajstore materialize --refold-quarantined"
+              f"{shard}", file=sys.stderr)
+        return 1
     return 0
+
+
+def _quarantined(m: Any) -> set[str]:
+    """This shard's trajectories quarantined for a missing payload file (default samples only)."""
+    from trajstore.errors import PayloadMissingError
+
+    if m.projection is not None:
+        return set()
+    return {r["trajectory_id"] for r in m.index.quarantined(PayloadMissingError.__name__)
+            if m.shard.owns(r["trajectory_id"])}
+
+
+def _trajectories(n: int) -> str:
+    return f"{n} trajector{'y' if n == 1 else 'ies'}"
 
 
 def _cmd_export(args: argparse.Namespace) -> int:

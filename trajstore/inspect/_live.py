@@ -184,7 +184,7 @@ def serve_report(url: str | None, *, host: str = "127.0.0.1", port: int = DEFAUL
     if refresh_s <= 0:
         raise TrajstoreError(f"--refresh-s must be positive, got {refresh_s:g}")
     with read_only(url) as query:  # a wrong store URL or login fails here, in one line, before serving
-        collect(query, stuck_after_s=stuck_after_s, payload=_report_page.payload_location(url, payload))
+        collect(query, stuck_after_s=stuck_after_s, payload=_report_page.payload_location(url, payload, query))
     app = make_app(url, token=token, title=title, refresh_s=refresh_s, stuck_after_s=stuck_after_s, payload=payload)
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)

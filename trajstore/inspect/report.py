@@ -44,7 +44,7 @@ def render_report(url: str | None, out_dir: str, *, title: str | None = None,
         raise TrajstoreError(f"report: {out_dir} is a file; the report writes a directory (index.html and plotly.min.js)")
     with read_only(url) as query:
         data = collect(query, stuck_after_s=DEFAULT_STUCK_AFTER_S if stuck_after_s is None else stuck_after_s,
-                       payload=_report_page.payload_location(url, payload))
+                       payload=_report_page.payload_location(url, payload, query))
     os.makedirs(out_dir, exist_ok=True)
     page = _report_page.page(title or "trajstore report", _report_page.store_label(url), live=False,
                              data_json=json.dumps(data, cls=PlotlyJSONEncoder))

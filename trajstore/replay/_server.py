@@ -252,13 +252,14 @@ class ReplayServer(fl.FlightServerBase):
             raise fl.FlightServerError(f"{proto.INVALID}: {e}") from None
         except CorruptStoreError as e:
             outcome = "error"
-            raise fl.FlightServerError(f"{proto.CORRUPT}: {e}") from None
+            _log.error("trajstore replay: %s: %s", method, e)  # the full message (paths) stays in the server's log
+            raise fl.FlightServerError(f"{proto.CORRUPT}: {self._public(e)}") from None
         except StoreUnavailable as e:
             outcome = "unavailable"
-            raise fl.FlightUnavailableError(f"{proto.UNAVAILABLE}: {e}") from None
+            raise fl.FlightUnavailableError(f"{proto.UNAVAILABLE}: {self._public(e)}") from None
         except TrajstoreError as e:
             outcome = "error"
-            raise fl.FlightServerError(f"{proto.INTERNAL}: {type(e).__name__}: {e}") from None
+            raise fl.FlightServerError(f"{proto.INTERNAL}: {type(e).__name__}: {self._public(e)}") from None
         except Exception as e:  # a bug: logged here with its traceback, one line to the client
             outcome = "error"
             _log.exception("trajstore replay: %s failed", method)
@@ -266,6 +267,30 @@ class ReplayServer(fl.FlightServerBase):
         finally:
             self.metrics.active.dec()
             self.metrics.requests.labels(method, outcome).inc()
+
+    def _public(self, e: BaseException) -> str:
+        """``e``'s message as a client may see it: the payload location's path left out
+        (a segment is named by its name, never by where the server keeps it)."""
+        text = str(e)
+        root = str(getattr(self.store.payload, "location", "") or "")
+        if root:
+            text = text.replace(root.rstrip("/") + "/", "").replace(root, "<payload>")
+        return text
+
+    def _segment_rows(self, name: str) -> int | None:
+        """How many rows the index says segment ``name`` has (None: the index names no such segment)."""
+        from sqlalchemy import select
+
+        from trajstore.schema import segments
+
+        with self.store.log.db.reading("reading a segment's row count") as conn:
+            return conn.execute(select(segments.c.num_rows).where(segments.c.name == name)).scalar_one_or_none()
+
+    def _refuse_rows_past_the_end(self, segment: str, wanted: list[int]) -> None:
+        """A row past the segment's end is the request's fault, not the store's: BadRequest."""
+        n = self._segment_rows(segment)
+        if n is not None and wanted[-1] >= n:
+            raise proto.BadRequest(f"row {wanted[-1]} is past the end of segment {segment} ({n} rows)")
 
     # -- reads ----------------------------------------------------------------
     def do_get(self, context: fl.ServerCallContext, ticket: fl.Ticket) -> fl.FlightDataStream:
@@ -281,10 +306,17 @@ class ReplayServer(fl.FlightServerBase):
             return fl.RecordBatchStream(proto.counted(proto.rows_table(rows)))
         wanted = sorted(set(req["rows"]))
         self.limiter.acquire(len(wanted), req.get("current_model_version"))
-        part = self.store.payload.read_rows(req["segment"], wanted)
+        try:
+            part = self.store.payload.read_rows(req["segment"], wanted)
+        except CorruptStoreError:
+            self._refuse_rows_past_the_end(req["segment"], wanted)
+            raise
         table = part.table
         # Only the wanted rows, in segment order: zero-copy slices of the mapped batches.
         positions = [part.index[r] for r in wanted]
+        if positions[-1] >= table.num_rows:  # a row past the end of the segment's last batch
+            self._refuse_rows_past_the_end(req["segment"], wanted)
+            raise CorruptStoreError(f"payload segment {req['segment']} is shorter than its index row says")
         slices, i = [], 0
         while i < len(positions):
             j = i + 1

@@ -17,6 +17,7 @@ redirects to ``/``, out of the address bar and history; scripts may send
 from __future__ import annotations
 
 import hashlib
+import math
 import hmac
 import json
 import logging
@@ -181,8 +182,8 @@ def serve_report(url: str | None, *, host: str = "127.0.0.1", port: int = DEFAUL
     """Serve the live page until SIGINT/SIGTERM. ``token=None`` serves it open (the caller decided)."""
     from trajstore.inspect.sql import read_only
 
-    if refresh_s <= 0:
-        raise TrajstoreError(f"--refresh-s must be positive, got {refresh_s:g}")
+    if not (math.isfinite(refresh_s) and refresh_s > 0):  # NaN would reach the page's JSON and never redraw
+        raise TrajstoreError(f"--refresh-s must be a positive number of seconds, got {refresh_s!r}")
     with read_only(url) as query:  # a wrong store URL or login fails here, in one line, before serving
         collect(query, stuck_after_s=stuck_after_s, payload=_report_page.payload_location(url, payload, query))
     app = make_app(url, token=token, title=title, refresh_s=refresh_s, stuck_after_s=stuck_after_s, payload=payload)

@@ -106,7 +106,9 @@ def _prometheus() -> Any:
     try:
         import prometheus_client
     except ImportError:
-        raise ImportError("the replay server needs prometheus_client: pip install 'trajstore[replay]'") from None
+        raise ImportError("the replay server needs the 'replay' extra (prometheus_client is not installed): "
+                          "pip install -e '.[replay]' in the trajstore checkout (or pip install 'trajstore[replay]')"
+                          ) from None
     return prometheus_client
 
 
@@ -382,8 +384,9 @@ class ReplayServer(fl.FlightServerBase):
 
 def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of ``trajstore replay`` (``--store``/``--payload`` are the CLI's global flags)."""
+    from trajstore._argtypes import number
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT}; 0: any free)")
+    parser.add_argument("--port", type=number(int, min=0, max=65535), default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT}; 0: any free)")
     parser.add_argument("--token", default=None,
                         help="read-only bearer token trainers send (default $TRAJSTORE_REPLAY_TOKEN)")
     parser.add_argument("--write-token", default=None,
@@ -391,17 +394,17 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--insecure-no-auth", action="store_true", help="accept calls without a token (reads and writes)")
     parser.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve grpc+tls")
     parser.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
-    parser.add_argument("--metrics-port", type=int, default=None,
+    parser.add_argument("--metrics-port", type=number(int, min=0, max=65535), default=None,
                         help="serve Prometheus metrics on this port (default: off)")
-    parser.add_argument("--samples-per-insert", type=float, default=None,
+    parser.add_argument("--samples-per-insert", type=number(float, min=0, min_exclusive=True), default=None,
                         help="hold sample requests while this server has served more than this many times the "
                              "samples in the store (plus --spi-tolerance); default off")
-    parser.add_argument("--spi-tolerance", type=int, default=0,
+    parser.add_argument("--spi-tolerance", type=number(int, min=0), default=0,
                         help="samples the limiter lets learners run ahead of --samples-per-insert (default 0)")
-    parser.add_argument("--max-staleness", type=int, default=None,
+    parser.add_argument("--max-staleness", type=number(int, min=0), default=None,
                         help="hold sample requests while the newest sample is more than this many policy versions "
                              "behind the trainer's current_model_version; default off")
-    parser.add_argument("--hold-s", type=float, default=5.0,
+    parser.add_argument("--hold-s", type=number(float, min=0), default=5.0,
                         help="longest a request is held by the rate limiter before the client asks again (default 5)")
 
 

@@ -328,7 +328,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="only files retired (or, unreferenced, written) longer ago than this (default 3600)")
     g.add_argument("--compact", action="store_true",
                    help="first rewrite many small log segments of unfolded trajectories into few")
-    g.add_argument("--target-mb", type=number(float, min=0, min_exclusive=True), default=64.0, help="compacted segment size (default 64 MiB)")
+    g.add_argument("--target-mb", type=number(float, min=0, min_exclusive=True), default=64.0,
+                   help="compacted segment size (default 64 MiB)")
     pl = add("payload", _cmd_payload, "where the store's payload lives: show, set (record only) or move it")
     pl_sub = pl.add_subparsers(dest="action", required=True, metavar="ACTION", help="show, set or move")
     _add_global_options(pl_sub.add_parser("show", help="print the recorded payload location"), top=False)

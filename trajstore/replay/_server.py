@@ -386,7 +386,8 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of ``trajstore replay`` (``--store``/``--payload`` are the CLI's global flags)."""
     from trajstore._argtypes import number
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    parser.add_argument("--port", type=number(int, min=0, max=65535), default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT}; 0: any free)")
+    parser.add_argument("--port", type=number(int, min=0, max=65535), default=DEFAULT_PORT,
+                        help=f"port (default {DEFAULT_PORT}; 0: any free)")
     parser.add_argument("--token", default=None,
                         help="read-only bearer token trainers send (default $TRAJSTORE_REPLAY_TOKEN)")
     parser.add_argument("--write-token", default=None,

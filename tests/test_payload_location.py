@@ -251,3 +251,11 @@ def test_a_payload_location_holding_nothing_stops_the_materializer(store_url, tm
     shutil.move(tmp_path / "unmounted", payload)
     assert store.materialize().num_trajectories == 3
     store.close()
+
+
+def test_refold_with_a_projection_is_refused_in_one_line(store_url, tmp_path, capsys):
+    with trajstore.connect(store_url, payload=str(tmp_path / "payload")) as store:
+        store.create_projection("steps", merge="none")
+    assert main(["--store", store_url, "materialize", "--refold-quarantined", "--projection", "steps"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--refold-quarantined folds the default samples; leave out --projection" in err

@@ -140,9 +140,39 @@ def test_a_long_ingest_without_a_terminal_prints_progress_lines(tmp_path):
     proc = run("--store", f"sqlite:///{tmp_path}/s.db", "ingest", str(tmp_path / "ev.jsonl"),
                env=_env(TRAJSTORE_PROGRESS_INTERVAL_S="0"))
     assert proc.returncode == 0, proc.stderr
-    lines = [line for line in proc.stderr.splitlines() if line.startswith("ingest (validate, then append): ")]
-    assert len(lines) >= 3 and lines[-1].endswith("(done)"), proc.stderr
-    assert "of" in lines[0] and "%" in lines[0]
+    size = (tmp_path / "ev.jsonl").stat().st_size
+    shown = f"of {size} bytes" if size < 1000 else "of "
+    for name in ("validate", "append"):  # one pass after the other, each counting the file's bytes once
+        lines = [line for line in proc.stderr.splitlines() if line.startswith(f"ingest: {name} {tmp_path / 'ev.jsonl'}: ")]
+        assert len(lines) >= 2 and lines[-1].endswith("(done)"), proc.stderr
+        assert shown in lines[0] and "%" in lines[0]
+        assert "(100%)" in lines[-1], lines[-1]  # not 50%: the bytes are not counted twice
+
+
+def test_export_and_report_print_progress_off_a_terminal(tmp_path):
+    """Both took 8-11 s on a run's store with nothing on stderr until the end."""
+    import trajstore
+    from trajstore.demo._run import DEMO_CONFIG
+    from trajstore.demo._simulate import trajectory_events
+    from trajstore.inspect._panels import PANELS
+
+    url = f"sqlite:///{tmp_path}/s.db"
+    with trajstore.connect(url, payload=str(tmp_path / "payload")) as store:
+        for i in range(40):
+            store.append(trajectory_events(DEMO_CONFIG, i))
+        store.materialize()
+        num_samples = store.info()["samples"]
+    env = _env(TRAJSTORE_PROGRESS_INTERVAL_S="0")
+    proc = run("--store", url, "export", str(tmp_path / "exp"), env=env)
+    assert proc.returncode == 0, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("exporting samples: ")]
+    assert len(lines) >= 2 and lines[-1].startswith(f"exporting samples: {num_samples} of {num_samples} (100%)")
+    assert lines[-1].endswith("(done)")
+    proc = run("--store", url, "report", str(tmp_path / "r"), env=env)
+    assert proc.returncode == 0, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("drawing the report's panels: ")]
+    assert len(lines) >= 3 and lines[-1].startswith(f"drawing the report's panels: {len(PANELS)} of {len(PANELS)}")
+    assert lines[-1].endswith("(done)")
 
 
 @pytest.fixture

@@ -197,6 +197,45 @@ def test_a_missing_payload_file_quarantines_never_consumes(store_url, tmp_path, 
     store.close()
 
 
+def cli(*argv: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """``trajstore ARGV`` as a user runs it: its own process, this tree first on the path."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-m", "trajstore.cli", *argv], capture_output=True, text=True,
+                          env=env, cwd=cwd, timeout=120)
+
+
+def test_materialize_exits_non_zero_naming_the_refold_when_it_quarantined(store_url, tmp_path):
+    """One missing segment of an append that carried three trajectories: ``trajstore
+    materialize`` folds the others, prints its metrics, and exits 1 with one line that
+    counts the quarantined trajectories and names ``--refold-quarantined``."""
+    store = trajstore.connect(store_url, payload=str(tmp_path / "payload"))
+    fill(store, 2, "ok")
+    store.append([e for tid in ("lost0", "lost1", "lost2") for e in trajectory(tid)])  # one segment
+    with store.log.read_engine.connect() as conn:
+        from trajstore.schema import events
+        (seg,) = set(conn.execute(select(events.c.segment).where(events.c.trajectory_id == "lost0")
+                                  .where(events.c.segment.is_not(None))).scalars())
+    aside, where = tmp_path / "aside.arrow", store.payload.path(seg)
+    shutil.move(where, aside)
+    store.close()
+    done = cli("--store", store_url, "materialize", cwd=tmp_path)
+    assert done.returncode == 1, done
+    assert json.loads(done.stdout)["num_trajectories"] == 2
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: 3 trajectories quarantined: a payload file they need is missing")
+    assert last.endswith("run: trajstore materialize --refold-quarantined")
+    # nothing new is quarantined by the next run: success again
+    again = cli("--store", store_url, "materialize", cwd=tmp_path)
+    assert again.returncode == 0 and "quarantined" not in again.stderr, again
+    # a refold while the file is still missing says so and leaves them quarantined
+    refold = cli("--store", store_url, "materialize", "--refold-quarantined", cwd=tmp_path)
+    assert refold.returncode == 0 and "3 trajectories still quarantined" in refold.stderr, refold
+    shutil.move(aside, where)
+    refold = cli("--store", store_url, "materialize", "--refold-quarantined", cwd=tmp_path)
+    assert refold.returncode == 0 and "quarantined" not in refold.stderr, refold
+    assert json.loads(refold.stdout)["num_trajectories"] == 3
+
+
 def test_a_payload_location_holding_nothing_stops_the_materializer(store_url, tmp_path):
     """Every file gone (an unmounted disk, an emptied bucket): the location is wrong,
     not one file. Nothing is recorded, the checkpoint stays, the next run folds all."""
@@ -212,3 +251,11 @@ def test_a_payload_location_holding_nothing_stops_the_materializer(store_url, tm
     shutil.move(tmp_path / "unmounted", payload)
     assert store.materialize().num_trajectories == 3
     store.close()
+
+
+def test_refold_with_a_projection_is_refused_in_one_line(store_url, tmp_path, capsys):
+    with trajstore.connect(store_url, payload=str(tmp_path / "payload")) as store:
+        store.create_projection("steps", merge="none")
+    assert main(["--store", store_url, "materialize", "--refold-quarantined", "--projection", "steps"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--refold-quarantined folds the default samples; leave out --projection" in err

@@ -6,6 +6,7 @@ advisory lock, SQLite by the write engine's ``BEGIN IMMEDIATE``.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from alembic import command
@@ -13,6 +14,8 @@ from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import Engine
+
+log = logging.getLogger(__name__)
 
 MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
 _ADVISORY_LOCK_KEY = 0x7472616A  # "traj"
@@ -37,9 +40,15 @@ def upgrade(engine: Engine) -> bool:
     with engine.begin() as conn:
         if conn.dialect.name == "postgresql":
             conn.exec_driver_sql(f"SELECT pg_advisory_xact_lock({_ADVISORY_LOCK_KEY})")
-        if MigrationContext.configure(conn).get_current_revision() == head:
+        current = MigrationContext.configure(conn).get_current_revision()
+        if current == head:
             return False
         cfg = alembic_config()
         cfg.attributes["connection"] = conn
         command.upgrade(cfg, "head")
+    where = engine.url.render_as_string(hide_password=True)
+    if current is None:  # a mistyped path or database makes a new, empty store: say where
+        log.info("trajstore: created a new store at %s (schema %s)", where, head)
+    else:
+        log.info("trajstore: upgraded the store at %s from schema %s to %s", where, current, head)
     return True

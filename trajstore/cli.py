@@ -11,13 +11,15 @@ store; the others say ``no store at ...``. Errors print one line and exit 1
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
 import sys
 from typing import Any, Callable, Iterator
 
-from trajstore.errors import TrajstoreError
+from trajstore._argtypes import number
+from trajstore.errors import TrajstoreError, ValidationError
 
 __all__ = ["main"]
 
@@ -57,9 +59,16 @@ def _cmd_ingest(args: argparse.Namespace) -> int:
     if args.file != "-" and not os.path.exists(args.file):
         raise TrajstoreError(f"no such file: {args.file}")
     store = _store(args, create=True)
-    total = 2 * os.path.getsize(args.file) if args.file != "-" else None
-    with progress_bar("ingest (validate, then append)", total=total, unit="bytes") as advance:
-        res = ingest_file(store, args.file, progress=advance)
+    size = os.path.getsize(args.file) if args.file != "-" else None
+    what = "stdin" if args.file == "-" else args.file
+    with contextlib.ExitStack() as bars:  # one bar per pass, each counting the file's bytes once
+        advance: dict[str, Callable[[int], None]] = {}
+
+        def phase(name: str) -> None:
+            bars.close()
+            advance["pass"] = bars.enter_context(progress_bar(f"ingest: {name} {what}", total=size, unit="bytes"))
+
+        res = ingest_file(store, args.file, progress=lambda n: advance["pass"](n), phase=phase)
     print(f"appended {res.num_appended} events ({res.num_duplicates} already stored); "
           f"log position {store.log.head_position()}")
     return 0
@@ -80,11 +89,16 @@ def _cmd_materialize(args: argparse.Namespace) -> int:
             raise ValidationError("--refold-quarantined folds the default samples; leave out --projection",
                                   rule="cli")
         _print_json(m.refold_quarantined().to_dict())
+        still = _quarantined(m)
+        if still:
+            print(f"trajstore: {_trajectories(len(still))} still quarantined: a payload file they need is "
+                  "still missing (trajstore info lists them)", file=sys.stderr)
         return 0
     if args.abandon_after_s is not None:
         abandoned = m.abandon_idle(args.abandon_after_s)
         if abandoned:
             print(f"finished {len(abandoned)} idle running trajectories as abandoned", file=sys.stderr)
+    before = _quarantined(m)
     what = "trajectories" if args.projection is None else f"trajectories into projection {args.projection}"
     with progress_bar(f"materializing {what}", total=m.pending()) as advance:
         m.progress = advance
@@ -93,7 +107,29 @@ def _cmd_materialize(args: argparse.Namespace) -> int:
     if not metrics.get("num_steps_before"):
         metrics["merge_ratio"] = "n/a"  # 0 samples from 0 steps is not a ratio
     _print_json(metrics)
+    quarantined = _quarantined(m) - before
+    if quarantined:
+        # folded what it could, but these wait for a file: a script must not take that for success
+        shard = "" if args.num_shards == 1 else f" --shard {args.shard} --num-shards {args.num_shards}"
+        print(f"error: {_trajectories(len(quarantined))} quarantined: a payload file they need is missing "
+              f"(trajstore info lists them); once it is back, run: trajstore materialize --refold-quarantined"
+              f"{shard}", file=sys.stderr)
+        return 1
     return 0
+
+
+def _quarantined(m: Any) -> set[str]:
+    """This shard's trajectories quarantined for a missing payload file (default samples only)."""
+    from trajstore.errors import PayloadMissingError
+
+    if m.projection is not None:
+        return set()
+    return {r["trajectory_id"] for r in m.index.quarantined(PayloadMissingError.__name__)
+            if m.shard.owns(r["trajectory_id"])}
+
+
+def _trajectories(n: int) -> str:
+    return f"{n} trajector{'y' if n == 1 else 'ies'}"
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
@@ -284,16 +320,16 @@ def _parser() -> argparse.ArgumentParser:
                                "a bad event stores nothing") \
         .add_argument("file", help="JSONL file, one wire-format event per line; - reads stdin")
     m = add("materialize", _cmd_materialize, "fold finished trajectories into samples; print the metrics")
-    m.add_argument("--shard", type=int, default=0, help="this materializer's shard index (default 0)")
-    m.add_argument("--num-shards", type=int, default=1, help="number of materializer shards (default 1)")
-    m.add_argument("--max-trajectories", type=int, default=256,
+    m.add_argument("--shard", type=number(int), default=0, help="this materializer's shard index (default 0)")
+    m.add_argument("--num-shards", type=number(int), default=1, help="number of materializer shards (default 1)")
+    m.add_argument("--max-trajectories", type=number(int), default=256,
                    help="finished trajectories folded per transaction (default 256)")
-    m.add_argument("--batch-size", type=int, default=None, dest="old_batch_size", help=argparse.SUPPRESS)
+    m.add_argument("--batch-size", type=number(int), default=None, dest="old_batch_size", help=argparse.SUPPRESS)
     m.add_argument("--refold-quarantined", action="store_true",
                    help="fold this shard's trajectories quarantined for a missing payload file, once it is back")
     m.add_argument("--projection", default=None, metavar="NAME",
                    help="fold into this named projection instead of the default samples (docs/projections.md)")
-    m.add_argument("--abandon-after-s", type=float, default=None, metavar="SECONDS",
+    m.add_argument("--abandon-after-s", type=number(float, min=0, min_exclusive=True), default=None, metavar="SECONDS",
                    help="first finish running trajectories with no event for this long as 'abandoned' "
                         "(a dead harness's); default: never (docs/materializer.md)")
     e = add("export", _cmd_export, "write the samples as a Parquet dataset (appears whole or not at all)")
@@ -303,11 +339,12 @@ def _parser() -> argparse.ArgumentParser:
                    help="export this named projection's samples instead of the default ones (docs/projections.md)")
     add("info", _cmd_info, "counts per status, event type and model version; unfoldable trajectories")
     g = add("gc", _cmd_gc, "delete payload files no index row needs (retired log segments, crash leftovers)")
-    g.add_argument("--grace-s", type=float, default=3600.0,
+    g.add_argument("--grace-s", type=number(float, min=0), default=3600.0,
                    help="only files retired (or, unreferenced, written) longer ago than this (default 3600)")
     g.add_argument("--compact", action="store_true",
                    help="first rewrite many small log segments of unfolded trajectories into few")
-    g.add_argument("--target-mb", type=float, default=64.0, help="compacted segment size (default 64 MiB)")
+    g.add_argument("--target-mb", type=number(float, min=0, min_exclusive=True), default=64.0,
+                   help="compacted segment size (default 64 MiB)")
     pl = add("payload", _cmd_payload, "where the store's payload lives: show, set (record only) or move it")
     pl_sub = pl.add_subparsers(dest="action", required=True, metavar="ACTION", help="show, set or move")
     _add_global_options(pl_sub.add_parser("show", help="print the recorded payload location"), top=False)
@@ -321,8 +358,8 @@ def _parser() -> argparse.ArgumentParser:
     _add_global_options(pm, top=False)
     pm.add_argument("--delete-old", action="store_true", help="delete the old files once the new place is recorded")
     d = add("demo", _cmd_demo, "the main job end to end on the embedded store, with simulated rollouts")
-    d.add_argument("--trajectories", type=int, default=200, help="simulated trajectories (default 200)")
-    d.add_argument("--workers", type=int, default=4, help="simulated rollout worker processes (default 4)")
+    d.add_argument("--trajectories", type=number(int), default=200, help="simulated trajectories (default 200)")
+    d.add_argument("--workers", type=number(int), default=4, help="simulated rollout worker processes (default 4)")
     d.add_argument("--dir", default="trajstore-demo",
                    help="where the demo store, export and report go (default ./trajstore-demo); "
                         "files the demo did not make are never touched")
@@ -333,8 +370,8 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--engine-only", action="store_true",
                    help="instead: serve the simulated vLLM alone on --host/--port until Ctrl-C")
     d.add_argument("--host", default="127.0.0.1", help="with --engine-only: the address (default 127.0.0.1)")
-    d.add_argument("--port", type=int, default=8000, help="with --engine-only: the port (default 8000)")
-    d.add_argument("--weight-update-every", type=int, default=10, metavar="TOKENS",
+    d.add_argument("--port", type=number(int, min=0, max=65535), default=8000, help="with --engine-only: the port (default 8000)")
+    d.add_argument("--weight-update-every", type=number(int, min=0), default=10, metavar="TOKENS",
                    help="with --engine-only: the engine moves to the next weight label every this many "
                         "generated tokens (0: never; default 10)")
     _add_projection_command(add)
@@ -367,17 +404,41 @@ def _add_edge_commands(sub, add) -> None:
             mod = importlib.import_module(module)
         except ImportError:
             continue  # an edge not present in this build
-        sp = add(name, _edge(mod, run), help)
+        sp = add(name, _edge(mod, run, name), help)
         mod.add_cli_arguments(sp)
 
 
-def _edge(mod: Any, run: str) -> Command:
+# The extra each edge command needs (pyproject.toml, README "Extras") and the packages it brings.
+_EXTRA_OF = {"serve": "server", "proxy": "server", "report": "report", "replay": "replay"}
+_EXTRA_PACKAGES = {
+    "server": {"fastapi", "starlette", "uvicorn", "httpx", "httptools", "prometheus_client"},
+    "report": {"plotly", "starlette", "uvicorn"},
+    "replay": {"prometheus_client"},
+}
+
+
+def _missing_extra(command: str, e: ModuleNotFoundError) -> TrajstoreError | None:
+    """A missing package of ``command``'s extra as one line naming the extra and its install command."""
+    extra = _EXTRA_OF.get(command)
+    package = (e.name or "").split(".")[0]
+    if extra is None or package not in _EXTRA_PACKAGES[extra]:
+        return None
+    return TrajstoreError(f"trajstore {command} needs the '{extra}' extra ({package} is not installed): "
+                          f"pip install -e '.[{extra}]' in the trajstore checkout (or pip install 'trajstore[{extra}]')")
+
+
+def _edge(mod: Any, run: str, name: str = "") -> Command:
     def call(args: argparse.Namespace) -> int:
         # serve and proxy say "listening on ..." themselves, once they answer (ingest._http.run_server)
         try:
             return int(getattr(mod, run)(args) or 0)
         except ValueError as e:  # edges report bad flags as ValueError
             raise TrajstoreError(str(e)) from None
+        except ModuleNotFoundError as e:
+            missing = _missing_extra(name, e)
+            if missing is None:
+                raise
+            raise missing from None
 
     return call
 

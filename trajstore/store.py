@@ -702,6 +702,12 @@ def dialect_of(url: str):
         raise ValidationError(f"not a store URL: {url!r} (use sqlite:///path.db or postgresql+psycopg://...)",
                               rule="url") from None
     if name == "sqlite":
+        host = make_url(url).host
+        if host:  # sqlite://run/x.db: SQLAlchemy takes "run" for a host and SQLite opens ./x.db
+            path = make_url(url).database or ""
+            raise ValidationError(f"{_safe(url)}: a SQLite URL has no host, and {host!r} would be dropped (the "
+                                  f"store would be {path!r}); write sqlite:///{host}/{path} for a relative path or "
+                                  f"sqlite:////abs/{path} for an absolute one", rule="url")
         from trajstore.log import _sqlite as backend
     elif name == "postgresql":
         from trajstore.log import postgres as backend

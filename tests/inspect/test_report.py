@@ -120,6 +120,31 @@ def test_static_export(run_store, tmp_path):
     assert len(script) > 1_000_000 and "plotly.js" in script[:500]
 
 
+def test_report_finds_the_payload_the_store_recorded_from_any_directory(run_store, tmp_path):
+    """Run as its own process from an unrelated directory without --payload: the token
+    panels read the payload the store recorded (not ./trajstore-payload or the default
+    beside the database); a --payload naming another place is refused in one line."""
+    import subprocess
+    from pathlib import Path
+
+    store, _ = run_store
+    root = Path(__file__).resolve().parents[2]
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "TRAJSTORE_PAYLOAD_DIR"}
+    env["PYTHONPATH"] = str(root)
+    cmd = [sys.executable, "-m", "trajstore.cli", "--store", reader_url_for(store.url), "report"]
+    done = subprocess.run(cmd + [str(tmp_path / "r")], cwd=elsewhere, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == f"wrote {tmp_path / 'r' / 'index.html'} with {len(PANELS)} panels"
+    wrong = subprocess.run(cmd + ["--payload", str(elsewhere), str(tmp_path / "r2")], cwd=elsewhere, env=env,
+                           capture_output=True, text=True, timeout=300)
+    assert wrong.returncode == 1 and wrong.stderr.count("\n") == 1
+    assert "disagrees with" in wrong.stderr and "the one this store recorded" in wrong.stderr
+    assert not (tmp_path / "r2").exists()
+
+
 def test_report_command_counts_what_the_page_shows(run_store, tmp_path, capsys):
     store, _ = run_store
     url = reader_url_for(store.url)

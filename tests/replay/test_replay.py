@@ -579,3 +579,82 @@ def test_a_reader_config_argument_is_deprecated_as_for_sample_reader(filled_sqli
     finally:
         old.close()
         new.close()
+
+
+def test_bad_rows_and_deep_nesting_are_invalid_requests_that_disclose_no_path(filled_sqlite, replay_servers):
+    """Rows past a segment's end and deeply nested JSON are the request's fault:
+    "invalid request" (the client raises ValidationError, not CorruptStoreError), and
+    no answer names where the server keeps the payload."""
+    from trajstore.errors import CorruptStoreError
+    from sqlalchemy import select
+    from trajstore.schema import segments
+
+    server = replay_servers(filled_sqlite)
+    client = fl.connect(server.location)
+    opts = fl.FlightCallOptions(headers=[(b"authorization", f"Bearer {READ_TOKEN}".encode())])
+    segment = next(filled_sqlite.materialized.iter_sample_rows(where={}, after=None, page_rows=1))[0]["segment"]
+    with filled_sqlite.log.read_engine.connect() as conn:
+        n = conn.execute(select(segments.c.num_rows).where(segments.c.name == segment)).scalar_one()
+    payload_dir = str(filled_sqlite.payload.location)
+    tickets = [(proto.encode(proto.SAMPLES, segment=segment, rows=[n]), "past the end"),
+               (proto.encode(proto.SAMPLES, segment=segment, rows=[0, 10**6]), "past the end"),
+               (b"[" * 200_000 + b"]" * 200_000, "nested too deeply"),
+               (b'{"a":' * 100_000 + b"1" + b"}" * 100_000, "nested too deeply")]
+    for ticket, words in tickets:
+        with pytest.raises(fl.FlightServerError) as e:
+            client.do_get(fl.Ticket(ticket), opts).read_all()
+        text = proto.message(e.value)
+        assert text.startswith(proto.INVALID) and words in text, (ticket[:30], text)
+        assert payload_dir not in str(e.value) and "RecursionError" not in str(e.value)
+    # a segment the index does not name: still one line, and no path either
+    with pytest.raises(fl.FlightServerError) as e:
+        client.do_get(fl.Ticket(proto.encode(proto.SAMPLES, segment="samples-none.arrow", rows=[0])), opts).read_all()
+    assert payload_dir not in str(e.value) and "samples-none.arrow" in str(e.value)
+    store = ReplayStore(server.location, token=READ_TOKEN, retry_timeout_s=5)
+    try:
+        with pytest.raises(ValidationError, match="past the end") as v:
+            store.payload.read_rows(segment, [n])
+        assert not isinstance(v.value, CorruptStoreError) and v.value.rule == "replay_request"
+        assert store.hello() == {"protocol": proto.VERSION}  # still serving
+    finally:
+        store.close()
+
+
+def test_a_denied_get_schema_is_one_trajstore_error_not_an_os_error(filled_sqlite, replay_servers):
+    """pyarrow's client reports a refused GetSchema as a bare OSError; the replay client
+    must not take it for an outage (retrying until retry_timeout_s) but say it was refused."""
+    server = replay_servers(filled_sqlite)
+    for token in (READ_TOKEN, "wrong-token"):
+        store = ReplayStore(server.location, token=token, retry_timeout_s=30)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(ValidationError, match="refused reading the schema") as e:
+                store._conn.call("reading the schema",
+                                 lambda c, o: c.get_schema(fl.FlightDescriptor.for_path("samples"), o))
+            assert e.value.rule == "unauthorized" and time.monotonic() - t0 < 10
+        finally:
+            store.close()
+
+
+def test_a_wait_is_logged_once_not_once_per_parallel_stream(filled_sqlite, replay_servers, caplog):
+    server = replay_servers(filled_sqlite, "--max-staleness", "0", "--hold-s", "0.2")
+    newest = max(s.max_model_version for b in SampleReader(filled_sqlite, batch_size=100) for s in b)
+    got: list = []
+    ahead = ReplayReader(server.location, token=READ_TOKEN, batch_size=16, streams=4,
+                         current_model_version=newest + 1)
+    caplog.set_level("WARNING", logger="trajstore.replay.client")
+    t = threading.Thread(target=lambda: got.append(next(ahead)), daemon=True)
+    t.start()
+    deadline = time.monotonic() + 60
+    while "holding sample requests (max_staleness" not in server.log():
+        assert time.monotonic() < deadline, "the reader was never held"
+        time.sleep(0.1)
+    time.sleep(1.5)  # several holds of every stream
+    assert not got
+    filled_sqlite.append(trajectory_events(CFG, 300, version=newest + 1))
+    Materializer(filled_sqlite).run()
+    t.join(timeout=60)
+    assert got
+    waits = [r for r in caplog.records if "replay reader waits: server" in r.getMessage()]
+    assert len(waits) == 1, [r.getMessage() for r in waits]
+    ahead.close()

@@ -153,8 +153,10 @@ def server_token(token: str | None, *, insecure_no_auth: bool) -> str | None:
 
 def add_server_arguments(parser: argparse.ArgumentParser, *, port: int, token_help: str, open_help: str) -> None:
     """``--host``, ``--port``, ``--token``, ``--insecure-no-auth``, ``--log-level``."""
+    from trajstore._argtypes import number
+
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=port, help=f"port (default {port})")
+    parser.add_argument("--port", type=number(int, min=0, max=65535), default=port, help=f"port (default {port})")
     parser.add_argument("--token", default=None, help=f"{token_help} (default $TRAJSTORE_TOKEN)")
     parser.add_argument("--insecure-no-auth", action="store_true", help=open_help)
     parser.add_argument("--log-level", default="warning", help="uvicorn log level (default warning)")

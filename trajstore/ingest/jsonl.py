@@ -48,13 +48,20 @@ class IngestResult:
 
 
 def ingest_file(store, path: str, *, progress: Callable[[int], None] | None = None,
-                batch_events: int = BATCH_EVENTS, batch_bytes: int = BATCH_BYTES) -> IngestResult:
+                batch_events: int = BATCH_EVENTS, batch_bytes: int = BATCH_BYTES,
+                phase: Callable[[str], None] | None = None) -> IngestResult:
     """Validate all of ``path`` (``-`` = stdin, spooled to a temporary file), then append it in batches.
 
     ``progress(n)`` is called with bytes processed; the whole job is
-    ``2 * size`` bytes (validate, then append)."""
+    ``2 * size`` bytes (validate, then append). ``phase(name)`` is called as
+    each pass starts, ``"validate"`` then ``"append"``: a caller showing each
+    pass on its own (the CLI) counts the file's bytes once per pass."""
     with _seekable(path) as (file, name):
+        if phase:
+            phase("validate")
         n = _validate(store, file, name, progress, batch_events, batch_bytes)
+        if phase:
+            phase("append")
         appended = duplicates = 0
         for batch, lines, nbytes in _batches(file, name, batch_events, batch_bytes):
             try:

@@ -315,22 +315,23 @@ def _ack_body(num_events: int, result: Any) -> dict:
 
 def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of ``trajstore serve`` (``--store`` is the CLI's global flag); ``ServeConfig.from_args`` reads them."""
+    from trajstore._argtypes import number
     add_server_arguments(parser, port=DEFAULT_PORT, token_help="bearer token clients must send",
                          open_help="accept requests without a token")
-    parser.add_argument("--max-body-mb", type=float, default=DEFAULT_MAX_BODY_BYTES / (1 << 20),
+    parser.add_argument("--max-body-mb", type=number(float, min=0, min_exclusive=True), default=DEFAULT_MAX_BODY_BYTES / (1 << 20),
                         help="largest request body in MiB (default 64); larger ones get 413")
-    parser.add_argument("--max-in-flight-mb", type=float, default=DEFAULT_MAX_BYTES_IN_FLIGHT / (1 << 20),
+    parser.add_argument("--max-in-flight-mb", type=number(float, min=0, min_exclusive=True), default=DEFAULT_MAX_BYTES_IN_FLIGHT / (1 << 20),
                         help="request bodies read, parsed or committing at once, in MiB (default 128); "
                              "more requests wait (bounds the service's memory)")
     parser.add_argument("--no-group-commit", action="store_true",
                         help="append each request on its own instead of coalescing concurrent ones")
-    parser.add_argument("--group-wait-ms", type=float, default=DEFAULT_GROUP_WAIT_S * 1e3,
+    parser.add_argument("--group-wait-ms", type=number(float, min=0), default=DEFAULT_GROUP_WAIT_S * 1e3,
                         help="how long a group commit waits for requests still being read or parsed "
                              f"(default {DEFAULT_GROUP_WAIT_S * 1e3:g}; 0: never)")
-    parser.add_argument("--committers", type=int, default=DEFAULT_COMMITTERS,
+    parser.add_argument("--committers", type=number(int), default=DEFAULT_COMMITTERS,
                         help="group appends in flight at once per process: one writes while another waits "
                              f"for its fsyncs (default {DEFAULT_COMMITTERS})")
-    parser.add_argument("--workers", type=int, default=1,
+    parser.add_argument("--workers", type=number(int), default=1,
                         help="server processes on the port, each with its own store connection (default 1)")
 
 

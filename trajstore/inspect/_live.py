@@ -17,6 +17,7 @@ redirects to ``/``, out of the address bar and history; scripts may send
 from __future__ import annotations
 
 import hashlib
+import math
 import hmac
 import json
 import logging
@@ -98,6 +99,7 @@ def make_app(url: str | None, *, token: str | None, title: str = "trajstore repo
 
     from trajstore.inspect.sql import read_only
 
+    _check_refresh(refresh_s)
     payload = _report_page.payload_location(url, payload)
 
     def compute() -> dict[str, Any]:
@@ -174,6 +176,12 @@ class _Server:
         self.server.run(sockets=[self.sock])
 
 
+def _check_refresh(refresh_s: float) -> None:
+    if not (isinstance(refresh_s, (int, float)) and math.isfinite(refresh_s) and refresh_s > 0):
+        # NaN would reach the page's JSON, and the page would never redraw
+        raise TrajstoreError(f"--refresh-s must be a positive number of seconds, got {refresh_s!r}")
+
+
 def serve_report(url: str | None, *, host: str = "127.0.0.1", port: int = DEFAULT_PORT, token: str | None,
                  title: str = "trajstore report", refresh_s: float = DEFAULT_REFRESH_S,
                  stuck_after_s: float = DEFAULT_STUCK_AFTER_S, log_level: str = "warning",
@@ -181,10 +189,9 @@ def serve_report(url: str | None, *, host: str = "127.0.0.1", port: int = DEFAUL
     """Serve the live page until SIGINT/SIGTERM. ``token=None`` serves it open (the caller decided)."""
     from trajstore.inspect.sql import read_only
 
-    if refresh_s <= 0:
-        raise TrajstoreError(f"--refresh-s must be positive, got {refresh_s:g}")
+    _check_refresh(refresh_s)
     with read_only(url) as query:  # a wrong store URL or login fails here, in one line, before serving
-        collect(query, stuck_after_s=stuck_after_s, payload=_report_page.payload_location(url, payload))
+        collect(query, stuck_after_s=stuck_after_s, payload=_report_page.payload_location(url, payload, query))
     app = make_app(url, token=token, title=title, refresh_s=refresh_s, stuck_after_s=stuck_after_s, payload=payload)
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)

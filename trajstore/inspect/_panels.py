@@ -16,6 +16,7 @@ so a run has at most ``MAX_BUCKETS`` of them.
 from __future__ import annotations
 
 import datetime as _dt
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -276,10 +277,19 @@ def _running_draw(c: Clock, r: list[QueryResult]) -> Any:
     return _layout(fig, barmode="group")
 
 
+def _sql_number(x: float) -> str:
+    """A number written into a panel's SQL (the page shows SQL a reader can run as is):
+    only a finite float's own literal, never text from a flag."""
+    x = float(x)
+    if not math.isfinite(x):
+        raise TrajstoreError(f"{x!r} is not a finite number")
+    return repr(x)
+
+
 def _stuck_sql(c: Clock) -> list[str]:
-    newest = repr(c.last_s)  # the newest event in the store (the clock's max(last_event_at))
+    newest = _sql_number(c.last_s)  # the newest event in the store (the clock's max(last_event_at))
     return [
-        f"SELECT count(*) AS running, count(*) FILTER (WHERE {newest} - last_event_at > {c.stuck_after_s:g}) AS stuck "
+        f"SELECT count(*) AS running, count(*) FILTER (WHERE {newest} - last_event_at > {_sql_number(c.stuck_after_s)}) AS stuck "
         "FROM trajectory_summary WHERE status = 'running'",
         f"SELECT trajectory_id, group_id, num_generations, max_model_version, {newest} - last_event_at AS idle_s "
         f"FROM trajectory_summary WHERE status = 'running' ORDER BY last_event_at, trajectory_id LIMIT {MAX_STUCK_ROWS}"]
@@ -928,14 +938,15 @@ def _summary(query: Query) -> list[list[str]]:
 # -- the page's data -------------------------------------------------------------------
 
 def collect(query: Query, *, stuck_after_s: float = DEFAULT_STUCK_AFTER_S, payload: str | None = None,
-            panels: Sequence[Panel] = PANELS) -> dict[str, Any]:
+            panels: Sequence[Panel] = PANELS, progress: Callable[[int], None] | None = None) -> dict[str, Any]:
     """Run every panel's SQL through ``query`` (one read-only snapshot) and draw it.
 
     Returns ``{"empty", "summary", "summary_sql", "panels": [{"name", "title",
     "caption", "sql", "figure", "note"}], "generated_at"}``: ``figure`` is the
     plotly figure as JSON-ready data, or None with ``note`` saying why (the
     panel has nothing to draw yet). ``payload``: where the store's payload is
-    (the token-level panels read the newest samples' segments there). An empty store (no trajectory) has no
+    (the token-level panels read the newest samples' segments there).
+    ``progress(1)`` is called after each panel. An empty store (no trajectory) has no
     panels at all: the page shows one "no data yet" state instead."""
     ran: dict[str, QueryResult] = {}
     run = query
@@ -946,7 +957,10 @@ def collect(query: Query, *, stuck_after_s: float = DEFAULT_STUCK_AFTER_S, paylo
         return ran[sql]
 
     query = once
-    clock = _clock(query, stuck_after_s, payload)
+    if not isinstance(stuck_after_s, (int, float)) or isinstance(stuck_after_s, bool) \
+            or not math.isfinite(stuck_after_s) or stuck_after_s < 0:
+        raise TrajstoreError(f"stuck_after_s must be a finite number of seconds >= 0, got {stuck_after_s!r}")
+    clock = _clock(query, float(stuck_after_s), payload)
     data: dict[str, Any] = {"generated_at": time.time(), "empty": clock.num_trajectories == 0,
                             "summary_sql": list(SUMMARY_SQL), "summary": [], "panels": []}
     if data["empty"]:
@@ -958,4 +972,6 @@ def collect(query: Query, *, stuck_after_s: float = DEFAULT_STUCK_AFTER_S, paylo
         figure, note = (None, drawn) if isinstance(drawn, str) else (drawn.to_plotly_json(), None)
         data["panels"].append({"name": panel.name, "title": panel.title, "caption": panel.caption,
                                "sql": sql, "figure": figure, "note": note})
+        if progress:
+            progress(1)  # one panel drawn
     return data

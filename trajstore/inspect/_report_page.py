@@ -11,19 +11,37 @@ from __future__ import annotations
 
 import html
 import json
+import os
 from typing import Any
 
 PLOTLY_JS = "plotly.min.js"
 
 
-def payload_location(url: str | None, payload: str | None) -> str:
-    """Where the store's payload is: ``payload`` (``--payload``), else the backend's default."""
+def payload_location(url: str | None, payload: str | None, query: Any = None) -> str:
+    """Where the store's payload is: the location the store recorded (``payload``,
+    ``--payload`` or ``$TRAJSTORE_PAYLOAD_DIR``, when given, must name the same
+    place), else (a store without a record) ``payload`` or the backend's default.
+    Read through ``query`` (a read-only connection's), else a new one."""
+    from trajstore.errors import PayloadLocationError
+    from trajstore.inspect.sql import read_only
+    from trajstore.payload import _home as home
     from trajstore.store import dialect_of, resolve_url
 
-    if payload:
-        return payload
     url = resolve_url(url)
-    return dialect_of(url).default_payload_dir(url)
+    if query is None:
+        with read_only(url) as q:
+            return payload_location(url, payload, q)
+    given, source = payload, "--payload"
+    if given is None and os.environ.get(home.ENV) and not url.startswith("sqlite"):
+        given, source = os.environ[home.ENV], f"${home.ENV}"
+    rows = query(f"SELECT value FROM store_settings WHERE name = '{home.LOCATION}'").rows
+    if not rows:
+        return given if given is not None else dialect_of(url).default_payload_dir(url)
+    recorded = home.opened_form(rows[0][0], url)
+    if given is not None and not home.same_place(given, recorded, url):
+        raise PayloadLocationError(f"payload location {given!r} (from {source}) disagrees with {recorded!r}, the "
+                                   "one this store recorded; leave it out")
+    return given if given is not None else recorded
 
 
 def store_label(url: str | None) -> str:

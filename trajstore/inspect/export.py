@@ -117,12 +117,14 @@ def _check_target(out_dir: str, replace: bool) -> None:
 
 
 _PART = re.compile(r"part-\d{5,}\.parquet")
+_PROGRESS_EVERY = 32  # samples per progress report
 
 
 def _write_parts(samples: Iterable[Sample], out_dir: str, rows_per_file: int,
                  progress: Callable[[int], None] | None) -> dict[str, int]:
     files = rows = 0
     pending: list[Sample] = []
+    unreported = 0  # samples read since progress was last told: reading is the slow part, not one file's write
 
     def flush() -> None:
         nonlocal files, rows
@@ -133,15 +135,19 @@ def _write_parts(samples: Iterable[Sample], out_dir: str, rows_per_file: int,
                 os.fsync(f.fileno())
             files += 1
             rows += len(pending)
-            if progress:
-                progress(len(pending))
             pending.clear()
 
     for s in samples:
         if pending and (len(pending) >= rows_per_file or _route_layout(s) not in (_route_layout(pending[0]), None)):
             flush()
         pending.append(s)
+        unreported += 1
+        if progress and unreported >= _PROGRESS_EVERY:
+            progress(unreported)
+            unreported = 0
     flush()
+    if progress and unreported:
+        progress(unreported)
     return {"files": files, "samples": rows}
 
 

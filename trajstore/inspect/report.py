@@ -17,7 +17,7 @@ import argparse
 import json
 import os
 import sys
-from typing import Any
+from typing import Any, Callable
 
 from trajstore.errors import TrajstoreError
 
@@ -25,14 +25,16 @@ __all__ = ["render_report", "add_cli_arguments", "run_from_args"]
 
 
 def render_report(url: str | None, out_dir: str, *, title: str | None = None,
-                  stuck_after_s: float | None = None, payload: str | None = None) -> dict[str, Any]:
+                  stuck_after_s: float | None = None, payload: str | None = None,
+                  progress: Callable[[int], None] | None = None) -> dict[str, Any]:
     """Write the static page into ``out_dir``: ``index.html`` (data embedded) and ``plotly.min.js``.
 
     Returns ``{"index", "files", "empty", "panels", "plotted", "notes"}``:
     the panels on the page, those drawn, and ``{name: why}`` for those with
     nothing to draw yet. An empty store gives one "no data yet" page and no panels.
     ``payload``: the store's payload location when not the default (the
-    token-level panels read the newest sample segments there, read-only)."""
+    token-level panels read the newest sample segments there, read-only).
+    ``progress(1)`` is called after each panel is drawn."""
     from plotly.utils import PlotlyJSONEncoder
 
     from trajstore.inspect import _report_page
@@ -44,7 +46,7 @@ def render_report(url: str | None, out_dir: str, *, title: str | None = None,
         raise TrajstoreError(f"report: {out_dir} is a file; the report writes a directory (index.html and plotly.min.js)")
     with read_only(url) as query:
         data = collect(query, stuck_after_s=DEFAULT_STUCK_AFTER_S if stuck_after_s is None else stuck_after_s,
-                       payload=_report_page.payload_location(url, payload))
+                       payload=_report_page.payload_location(url, payload, query), progress=progress)
     os.makedirs(out_dir, exist_ok=True)
     page = _report_page.page(title or "trajstore report", _report_page.store_label(url), live=False,
                              data_json=json.dumps(data, cls=PlotlyJSONEncoder))
@@ -63,6 +65,8 @@ def render_report(url: str | None, out_dir: str, *, title: str | None = None,
 # -- CLI ---------------------------------------------------------------------------------
 
 def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
+    from trajstore._argtypes import number
+
     from trajstore.ingest._http import add_server_arguments
     from trajstore.inspect._live import DEFAULT_PORT, DEFAULT_REFRESH_S
     from trajstore.inspect._panels import DEFAULT_STUCK_AFTER_S
@@ -70,13 +74,13 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("out_dir", nargs="?", default=None,
                         help="directory for the static page (index.html, plotly.min.js); not with --serve")
     parser.add_argument("--title", default=None, help="page title (default: trajstore report)")
-    parser.add_argument("--stuck-after-s", type=float, default=DEFAULT_STUCK_AFTER_S,
+    parser.add_argument("--stuck-after-s", type=number(float, min=0), default=DEFAULT_STUCK_AFTER_S,
                         help="a running trajectory idle this long while the log goes on counts as stuck "
                              f"(default {DEFAULT_STUCK_AFTER_S:g})")
     live = parser.add_argument_group("live page (--serve)")
     live.add_argument("--serve", action="store_true",
                       help="serve the page live over HTTP, redrawn from the store (read-only, token required)")
-    live.add_argument("--refresh-s", type=float, default=DEFAULT_REFRESH_S,
+    live.add_argument("--refresh-s", type=number(float, min=0, min_exclusive=True), default=DEFAULT_REFRESH_S,
                       help=f"how often the live page re-reads the store (default {DEFAULT_REFRESH_S:g})")
     add_server_arguments(live, port=DEFAULT_PORT, token_help="bearer token viewers must present",
                          open_help="serve the page without a token (anyone reaching the port reads the run)")
@@ -96,8 +100,12 @@ def run_from_args(args: argparse.Namespace) -> int:
         return 0
     if args.out_dir is None:
         raise TrajstoreError("report needs OUT_DIR (the static page) or --serve (the live page)")
-    written = render_report(args.store, args.out_dir, title=args.title, stuck_after_s=args.stuck_after_s,
-                            payload=getattr(args, "payload", None))
+    from trajstore._progress import progress_bar
+    from trajstore.inspect._panels import PANELS
+
+    with progress_bar("drawing the report's panels", total=len(PANELS), unit="panels") as advance:
+        written = render_report(args.store, args.out_dir, title=args.title, stuck_after_s=args.stuck_after_s,
+                                payload=getattr(args, "payload", None), progress=advance)
     if written["empty"]:
         print(f"wrote {written['index']}: no data yet (the store has no trajectories), 0 panels")
     else:

@@ -446,10 +446,12 @@ def _print_table(result: QueryResult, out: TextIO) -> None:
 # -- CLI ---------------------------------------------------------------------
 
 def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
+    from trajstore._argtypes import number
+
     parser.add_argument("query", help="one SQL statement, e.g. \"SELECT * FROM trajectory_summary LIMIT 5\" "
                                       "(views: see docs/sql.md)")
     parser.add_argument("--format", choices=FORMATS, default="table", help="output format (default: table)")
-    parser.add_argument("--timeout-s", type=float, default=None,
+    parser.add_argument("--timeout-s", type=number(float, min=0, min_exclusive=True), default=None,
                         help="cancel the query after this many seconds")
     parser.add_argument("--unix-times", action="store_true",
                         help="print time columns (*_at) as the unix seconds the views hold "

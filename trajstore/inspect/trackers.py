@@ -347,7 +347,9 @@ def add_cli_arguments(parser: Any) -> None:
     parser.add_argument("--wandb-mode", default="online", choices=("online", "offline"),
                         help="offline: write the run under --wandb-dir for `wandb sync` later")
     parser.add_argument("--wandb-dir", help="where W&B keeps its files")
-    parser.add_argument("--interval-s", type=float, default=30.0, help="seconds between pushes (default 30)")
+    from trajstore._argtypes import number
+
+    parser.add_argument("--interval-s", type=number(float, min=0, min_exclusive=True), default=30.0, help="seconds between pushes (default 30)")
     parser.add_argument("--once", action="store_true", help="push once and exit")
 
 

@@ -65,6 +65,8 @@ def decode(raw: bytes, allowed: tuple[str, ...]) -> dict[str, Any]:
         req = json.loads(raw)
     except (UnicodeDecodeError, ValueError) as e:
         raise BadRequest(f"request is not JSON ({e})") from None
+    except RecursionError:
+        raise BadRequest("request is nested too deeply (a ticket is a flat JSON object)") from None
     if not isinstance(req, dict):
         raise BadRequest(f"request must be a JSON object, got {type(req).__name__}")
     if req.get("v") != VERSION:

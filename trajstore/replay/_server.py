@@ -106,7 +106,9 @@ def _prometheus() -> Any:
     try:
         import prometheus_client
     except ImportError:
-        raise ImportError("the replay server needs prometheus_client: pip install 'trajstore[replay]'") from None
+        raise ImportError("the replay server needs the 'replay' extra (prometheus_client is not installed): "
+                          "pip install -e '.[replay]' in the trajstore checkout (or pip install 'trajstore[replay]')"
+                          ) from None
     return prometheus_client
 
 
@@ -252,13 +254,14 @@ class ReplayServer(fl.FlightServerBase):
             raise fl.FlightServerError(f"{proto.INVALID}: {e}") from None
         except CorruptStoreError as e:
             outcome = "error"
-            raise fl.FlightServerError(f"{proto.CORRUPT}: {e}") from None
+            _log.error("trajstore replay: %s: %s", method, e)  # the full message (paths) stays in the server's log
+            raise fl.FlightServerError(f"{proto.CORRUPT}: {self._public(e)}") from None
         except StoreUnavailable as e:
             outcome = "unavailable"
-            raise fl.FlightUnavailableError(f"{proto.UNAVAILABLE}: {e}") from None
+            raise fl.FlightUnavailableError(f"{proto.UNAVAILABLE}: {self._public(e)}") from None
         except TrajstoreError as e:
             outcome = "error"
-            raise fl.FlightServerError(f"{proto.INTERNAL}: {type(e).__name__}: {e}") from None
+            raise fl.FlightServerError(f"{proto.INTERNAL}: {type(e).__name__}: {self._public(e)}") from None
         except Exception as e:  # a bug: logged here with its traceback, one line to the client
             outcome = "error"
             _log.exception("trajstore replay: %s failed", method)
@@ -266,6 +269,30 @@ class ReplayServer(fl.FlightServerBase):
         finally:
             self.metrics.active.dec()
             self.metrics.requests.labels(method, outcome).inc()
+
+    def _public(self, e: BaseException) -> str:
+        """``e``'s message as a client may see it: the payload location's path left out
+        (a segment is named by its name, never by where the server keeps it)."""
+        text = str(e)
+        root = str(getattr(self.store.payload, "location", "") or "")
+        if root:
+            text = text.replace(root.rstrip("/") + "/", "").replace(root, "<payload>")
+        return text
+
+    def _segment_rows(self, name: str) -> int | None:
+        """How many rows the index says segment ``name`` has (None: the index names no such segment)."""
+        from sqlalchemy import select
+
+        from trajstore.schema import segments
+
+        with self.store.log.db.reading("reading a segment's row count") as conn:
+            return conn.execute(select(segments.c.num_rows).where(segments.c.name == name)).scalar_one_or_none()
+
+    def _refuse_rows_past_the_end(self, segment: str, wanted: list[int]) -> None:
+        """A row past the segment's end is the request's fault, not the store's: BadRequest."""
+        n = self._segment_rows(segment)
+        if n is not None and wanted[-1] >= n:
+            raise proto.BadRequest(f"row {wanted[-1]} is past the end of segment {segment} ({n} rows)")
 
     # -- reads ----------------------------------------------------------------
     def do_get(self, context: fl.ServerCallContext, ticket: fl.Ticket) -> fl.FlightDataStream:
@@ -281,10 +308,17 @@ class ReplayServer(fl.FlightServerBase):
             return fl.RecordBatchStream(proto.counted(proto.rows_table(rows)))
         wanted = sorted(set(req["rows"]))
         self.limiter.acquire(len(wanted), req.get("current_model_version"))
-        part = self.store.payload.read_rows(req["segment"], wanted)
+        try:
+            part = self.store.payload.read_rows(req["segment"], wanted)
+        except CorruptStoreError:
+            self._refuse_rows_past_the_end(req["segment"], wanted)
+            raise
         table = part.table
         # Only the wanted rows, in segment order: zero-copy slices of the mapped batches.
         positions = [part.index[r] for r in wanted]
+        if positions[-1] >= table.num_rows:  # a row past the end of the segment's last batch
+            self._refuse_rows_past_the_end(req["segment"], wanted)
+            raise CorruptStoreError(f"payload segment {req['segment']} is shorter than its index row says")
         slices, i = [], 0
         while i < len(positions):
             j = i + 1
@@ -350,8 +384,10 @@ class ReplayServer(fl.FlightServerBase):
 
 def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of ``trajstore replay`` (``--store``/``--payload`` are the CLI's global flags)."""
+    from trajstore._argtypes import number
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT}; 0: any free)")
+    parser.add_argument("--port", type=number(int, min=0, max=65535), default=DEFAULT_PORT,
+                        help=f"port (default {DEFAULT_PORT}; 0: any free)")
     parser.add_argument("--token", default=None,
                         help="read-only bearer token trainers send (default $TRAJSTORE_REPLAY_TOKEN)")
     parser.add_argument("--write-token", default=None,
@@ -359,17 +395,17 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--insecure-no-auth", action="store_true", help="accept calls without a token (reads and writes)")
     parser.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve grpc+tls")
     parser.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
-    parser.add_argument("--metrics-port", type=int, default=None,
+    parser.add_argument("--metrics-port", type=number(int, min=0, max=65535), default=None,
                         help="serve Prometheus metrics on this port (default: off)")
-    parser.add_argument("--samples-per-insert", type=float, default=None,
+    parser.add_argument("--samples-per-insert", type=number(float, min=0, min_exclusive=True), default=None,
                         help="hold sample requests while this server has served more than this many times the "
                              "samples in the store (plus --spi-tolerance); default off")
-    parser.add_argument("--spi-tolerance", type=int, default=0,
+    parser.add_argument("--spi-tolerance", type=number(int, min=0), default=0,
                         help="samples the limiter lets learners run ahead of --samples-per-insert (default 0)")
-    parser.add_argument("--max-staleness", type=int, default=None,
+    parser.add_argument("--max-staleness", type=number(int, min=0), default=None,
                         help="hold sample requests while the newest sample is more than this many policy versions "
                              "behind the trainer's current_model_version; default off")
-    parser.add_argument("--hold-s", type=float, default=5.0,
+    parser.add_argument("--hold-s", type=number(float, min=0), default=5.0,
                         help="longest a request is held by the rate limiter before the client asks again (default 5)")
 
 

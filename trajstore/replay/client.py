@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -43,6 +44,7 @@ __all__ = ["ReplayReader", "ReplayStore", "parse_locations"]
 _log = logging.getLogger("trajstore.replay.client")
 
 TOKEN_ENV = "TRAJSTORE_REPLAY_TOKEN"
+_DENIED = re.compile(r"Detail: (Unauthenticated|Unauthorized)\b")
 
 
 def parse_locations(locations: str | Sequence[str]) -> list[str]:
@@ -122,6 +124,19 @@ class _Connection:
         self._lock = threading.Lock()
         self._index = first % len(locations)
         self._client: _Client | None = None
+        self._warned: set[str] = set()  # wait episodes already logged: once, not once per parallel stream
+
+    def _warn_once(self, episode: str, msg: str, *args: Any) -> None:
+        with self._lock:
+            if episode in self._warned:
+                return
+            self._warned.add(episode)
+        _log.warning(msg, *args)
+
+    def _waited(self) -> None:
+        """A call that had waited got its answer: the episode is over, the next one is logged again."""
+        with self._lock:
+            self._warned.clear()
 
     def _acquire(self) -> tuple[int, _Client]:
         with self._lock:
@@ -166,9 +181,12 @@ class _Connection:
                 index, held = self._acquire()
                 try:
                     try:
-                        return fn(held.client, self.options)
+                        answer = fn(held.client, self.options)
                     finally:
                         self._release(held)
+                    if limited_since is not None or failing_since is not None:
+                        self._waited()
+                    return answer
                 except (fl.FlightUnauthenticatedError, fl.FlightUnauthorizedError) as e:
                     raise ValidationError(f"replay server {self.locations[index]} refused {what}: {proto.message(e)}",
                                           rule="unauthorized") from None
@@ -176,18 +194,23 @@ class _Connection:
                     raise _error(self.locations[index], what, proto.message(e)) from None
                 except (fl.FlightError, OSError) as e:
                     text = proto.message(e)
+                    if not isinstance(e, fl.FlightError) and _DENIED.search(str(e)):
+                        # pyarrow reports some refused calls (GetSchema) as a bare OSError: a refusal, not an outage
+                        raise ValidationError(f"replay server {self.locations[index]} refused {what}: {text}",
+                                              rule="unauthorized") from None
                     if text.startswith(proto.RATE_LIMITED):
                         if limited_since is None:
                             limited_since = time.monotonic()
-                            _log.warning("replay reader waits: server %s holds %s (%s)", self.locations[index],
-                                         what, text)
+                            self._warn_once("rate_limited", "replay reader waits: server %s holds %s (%s)",
+                                            self.locations[index], what, text)
                         time.sleep(0.05)
                         continue
                     now = time.monotonic()
                     if failing_since is None:
                         failing_since = now
-                        _log.warning("replay reader: %s failed on %s (%s); retrying%s", what, self.locations[index],
-                                     text, " on the next server" if len(self.locations) > 1 else "")
+                        self._warn_once("failing", "replay reader: %s failed on %s (%s); retrying%s", what,
+                                        self.locations[index], text,
+                                        " on the next server" if len(self.locations) > 1 else "")
                     elif now - failing_since >= self.retry_timeout_s:
                         raise StoreUnavailable(f"no replay server answered {what} for {self.retry_timeout_s:g} s "
                                                f"({', '.join(self.locations)}): {text}") from None

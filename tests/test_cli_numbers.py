@@ -24,7 +24,6 @@ FLAGS = [
     (["serve", "--group-wait-ms={v}"], "--group-wait-ms"),
     (["materialize", "--abandon-after-s={v}"], "--abandon-after-s"),
     (["track", "--interval-s={v}", "--tensorboard", "tb"], "--interval-s"),
-    (["demo", "--engine-only", "--weight-update-every={v}"], "--weight-update-every"),
 ]
 
 

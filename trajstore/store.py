@@ -208,11 +208,11 @@ class Store:
                                                before_commit=None if synced is None else synced.result)
         except CommitUnknownError:
             raise  # the commit may have landed: the segment stays (GC removes it if unreferenced)
-        except BaseException:
+        except BaseException as e:
             if synced is not None:
                 wait([synced])  # its fsync must not outlive the file
             if segment is not None:
-                self.payload.delete(segment)  # certainly not committed
+                self.payload.discard(segment, after=e)  # certainly not committed (never masks ``e``)
             raise
         self._routes.after_append(admitted, states, routes_after)
         stored_now = {i for i, _ in kept}
@@ -237,8 +237,8 @@ class Store:
         # one event per record batch; not synced yet (the caller's make_durable)
         try:
             size = self.payload.write(name, table, rows_per_batch=1, durable=False)
-        except BaseException:
-            self.payload.delete(name)  # nothing references it: a partial file is garbage
+        except BaseException as e:
+            self.payload.discard(name, after=e)  # nothing references it: a partial file is garbage
             raise
         seg_row = {"name": name, "kind": "events", "num_rows": len(gens), "num_bytes": size, "created_at": time.time()}
         return name, seg_row, {id(a): i for i, a in enumerate(gens)}

@@ -124,7 +124,8 @@ class Store:
         location = _payload_home.resolve(url, write_engine, read_engine, payload,
                                          lambda: backend.default_payload_dir(url), record=migrate)
         self.log, self.materialized = open_sql(write_engine, read_engine)
-        self.payload = PayloadStore(location, log_compression)
+        # its root was made with its marker when the location was recorded, never by a later open
+        self.payload = PayloadStore(location, log_compression, create=_payload_home.ephemeral(location))
         self._routes = _RoutesCache(ROUTES_CACHE_BYTES)
         self._route_drift = True  # off only to measure what the drift figures cost (bench/)
 

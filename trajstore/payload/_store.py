@@ -66,16 +66,21 @@ class PayloadStore:
 
     location: str
     log_compression: str | None = None
+    create: bool = field(default=True, kw_only=True, repr=False, compare=False)
+    """Create the location's root directory if missing. ``Store`` passes False: a
+    store's payload root is created only with its marker, when the location is
+    recorded (``payload/_home.py``), never by a later open."""
     _reserve: "Reserve | None" = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.log_compression not in CODECS:
             raise ValueError(f"log_compression must be one of {list(CODECS)}, got {self.log_compression!r}")
         self.fs, self.root, self.local = filesystem_of(self.location)
-        try:
-            self.fs.create_dir(self.root, recursive=True)
-        except OSError as e:
-            raise StoreUnavailable(f"cannot create payload directory {self.location!r}: {e}") from None
+        if self.create:
+            try:
+                self.fs.create_dir(self.root, recursive=True)
+            except OSError as e:
+                raise StoreUnavailable(f"cannot create payload directory {self.location!r}: {e}") from None
         if self.local:
             self._reserve = Reserve(self.root)
 

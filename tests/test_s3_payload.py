@@ -27,7 +27,7 @@ import pytest
 
 import trajstore
 from trajstore.cli import main
-from trajstore.errors import StoreUnavailable
+from trajstore.errors import PayloadLocationError, StoreUnavailable
 from tests.helpers import finished, gen, started
 
 BUCKET = "trajstore-test"
@@ -301,3 +301,33 @@ def test_object_store_defaults_and_given_options_win():
     assert (got["connect_timeout"], got["request_timeout"], got["allow_delayed_open"]) == (2.0, 3.0, True)
     got = options(base + "&connect_timeout=10&request_timeout=60&retries=5&allow_delayed_open=false")
     assert (got["connect_timeout"], got["request_timeout"], got["allow_delayed_open"]) == (10.0, 60.0, False)
+
+
+def test_the_payload_marker_on_s3(store_url, stoppable_s3):
+    """On an object store too: the marker is written with the store, re-written for a
+    store that lost it while its segments are there, checked at every open (the
+    server down: StoreUnavailable, not a driver error), and a prefix that is empty
+    (another bucket, an emptied one) is refused with nothing written there."""
+    prefix = f"run-{uuid.uuid4().hex[:8]}"
+    location = f"s3://{BUCKET}/{prefix}?endpoint_override={stoppable_s3.endpoint}&scheme=http"
+    store = trajstore.connect(store_url, payload=location)
+    store.append(trajectory("a"))
+    store.close()
+    assert "trajstore-store.json" in _objects(stoppable_s3.endpoint, prefix)
+    fs = pafs.S3FileSystem(endpoint_override=stoppable_s3.endpoint, scheme="http")
+    fs.delete_file(f"{BUCKET}/{prefix}/trajstore-store.json")  # a store made before markers
+    trajstore.connect(store_url).close()
+    assert "trajstore-store.json" in _objects(stoppable_s3.endpoint, prefix)
+    stoppable_s3.stop()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(StoreUnavailable) as err:
+            trajstore.connect(store_url)
+        assert time.monotonic() - t0 < 30 and "\n" not in str(err.value)
+    finally:
+        stoppable_s3.start()
+    fs.delete_dir_contents(f"{BUCKET}/{prefix}")
+    with pytest.raises(PayloadLocationError, match=prefix) as err:
+        trajstore.connect(store_url)
+    assert "\n" not in str(err.value)
+    assert _objects(stoppable_s3.endpoint, prefix) == []  # nothing created there

@@ -330,4 +330,7 @@ def test_the_payload_marker_on_s3(store_url, stoppable_s3):
     with pytest.raises(PayloadLocationError, match=prefix) as err:
         trajstore.connect(store_url)
     assert "\n" not in str(err.value)
+    with pytest.raises(PayloadLocationError, match=prefix) as err:  # credentials given: never shown
+        trajstore.connect(store_url, payload=location.replace("s3://", "s3://testing:secret-value@"))
+    assert "secret-value" not in str(err.value)
     assert _objects(stoppable_s3.endpoint, prefix) == []  # nothing created there

@@ -52,14 +52,14 @@ from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
 from trajstore.errors import PayloadLocationError, StoreUnavailable, first_line
 from trajstore.payload._durable import fsync_path, replace_durably
-from trajstore.payload._filesystem import filesystem_of, is_uri, join
+from trajstore.payload._filesystem import _no_secret, filesystem_of, is_uri, join
 from trajstore.payload._format import SegmentKind
 from trajstore.schema import segments, store_settings
 
 log = logging.getLogger(__name__)
 
-__all__ = ["LOCATION", "ENV", "MARKER", "STORE_ID", "recorded_form", "opened_form", "same_place", "read_recorded", "resolve", "holds",
-           "set_location", "move", "count_segments", "ephemeral", "read_marker", "write_marker"]
+__all__ = ["LOCATION", "ENV", "MARKER", "STORE_ID", "recorded_form", "opened_form", "same_place", "read_recorded",
+           "resolve", "holds", "set_location", "move", "count_segments", "ephemeral", "read_marker", "write_marker"]
 
 LOCATION = "payload_location"
 ENV = "TRAJSTORE_PAYLOAD_DIR"
@@ -174,10 +174,10 @@ def resolve(url: str, write_engine: Engine, read_engine: Engine, given: str | No
         newest = _check_holds_segments(write_engine, candidate, given is not None, source)
         marker = read_marker(candidate)
         # a store whose settings were lost takes its id back from its payload's marker
-        ident = _store_id(write_engine, read_engine, make=marker["store_id"] if marker and newest else None)
+        ident = _store_id(write_engine, read_engine, make=str(marker.get("store_id")) if marker and newest else None)
         if marker is not None and marker.get("store_id") != ident:
             raise PayloadLocationError(
-                f"payload location {candidate!r} holds another store's payload (its {MARKER} names store "
+                f"payload location {_no_secret(candidate)!r} holds another store's payload (its {MARKER} names store "
                 f"{marker.get('store_id')!r}, index {marker.get('index')!r}); give this store its own location")
         if marker is None:
             write_marker(candidate, ident, recorded_form(candidate, url), url)  # creates the root
@@ -205,7 +205,7 @@ def _make_root(location: str) -> None:
     try:
         fs.create_dir(root, recursive=True)
     except OSError as e:
-        raise StoreUnavailable(f"cannot create payload directory {location!r}: {first_line(e)}") from None
+        raise StoreUnavailable(f"cannot create payload directory {_no_secret(location)!r}: {first_line(e)}") from None
 
 
 def _index_name(url: str) -> str:
@@ -225,14 +225,16 @@ def read_marker(location: str) -> dict[str, Any] | None:
     except FileNotFoundError:
         return None
     except OSError as e:
-        raise StoreUnavailable(f"cannot read the marker of payload location {location!r}: {first_line(e)}") from None
+        raise StoreUnavailable(f"cannot read the marker of payload location {_no_secret(location)!r}: "
+                               f"{first_line(e)}") from None
     try:
         marker = json.loads(data)
         if not isinstance(marker, dict):
             raise ValueError("not an object")
         return marker
     except ValueError as e:
-        raise PayloadLocationError(f"payload location {location!r} has an unreadable {MARKER}: {e}") from None
+        raise PayloadLocationError(f"payload location {_no_secret(location)!r} has an unreadable {MARKER}: {e}"
+                                   ) from None
 
 
 def write_marker(location: str, ident: str, recorded: str, url: str) -> None:
@@ -255,7 +257,8 @@ def write_marker(location: str, ident: str, recorded: str, url: str) -> None:
             with fs.open_output_stream(path) as out:
                 out.write(body)
     except OSError as e:
-        raise StoreUnavailable(f"cannot write the marker of payload location {location!r}: {first_line(e)}") from None
+        raise StoreUnavailable(f"cannot write the marker of payload location {_no_secret(location)!r}: "
+                               f"{first_line(e)}") from None
     log.info("marked payload location %s as store %s's", recorded, ident)
 
 
@@ -290,12 +293,13 @@ def _check_marker(url: str, write_engine: Engine, read_engine: Engine, location:
     before markers existed, where its payload is found (see the module docstring)."""
     if ephemeral(location):
         return
+    shown = opened_form(recorded, url)  # (never credentials)
     marker = read_marker(location)
     ident = _store_id(write_engine, read_engine, make=False)
     if marker is not None:
         if ident is not None and marker.get("store_id") != ident:
             raise PayloadLocationError(
-                f"payload location {location!r} holds another store's payload (its {MARKER} names store "
+                f"payload location {shown!r} holds another store's payload (its {MARKER} names store "
                 f"{marker.get('store_id')!r}, index {marker.get('index')!r}, not this store {ident!r})")
         if ident is None and record:
             _store_id(write_engine, read_engine, make=str(marker.get("store_id")))
@@ -304,12 +308,12 @@ def _check_marker(url: str, write_engine: Engine, read_engine: Engine, location:
     try:
         exists = fs.get_file_info(root).type == pafs.FileType.Directory
     except OSError as e:
-        raise StoreUnavailable(f"payload location {location!r}: {first_line(e)}") from None
+        raise StoreUnavailable(f"payload location {shown!r}: {first_line(e)}") from None
     newest = _newest_segment(read_engine)
     if not exists or (newest is not None and not holds(location, newest)):
         what = "does not exist here" if not exists else f"does not hold its newest segment {newest!r}"
         raise PayloadLocationError(
-            f"the payload location this store recorded, {location!r}, has no {MARKER} and {what}: is the shared "
+            f"the payload location this store recorded, {shown!r}, has no {MARKER} and {what}: is the shared "
             "storage mounted on this machine? Nothing was written there. If the store's payload really is there "
             "(or lost), `trajstore payload set LOCATION` marks it")
     # a store recorded before markers existed, its payload found: marked now
@@ -358,7 +362,7 @@ def set_location(url: str, engine: Engine, location: str, *, force: bool = False
     ident = _store_id(engine, engine, make=str(marker.get("store_id")) if marker and newest else None)
     if marker is not None and marker.get("store_id") != ident and not force:
         raise PayloadLocationError(
-            f"payload location {location!r} holds another store's payload (its {MARKER} names store "
+            f"payload location {_no_secret(location)!r} holds another store's payload (its {MARKER} names store "
             f"{marker.get('store_id')!r}, index {marker.get('index')!r}); --force marks it as this store's")
     write_marker(location, ident, value, url)
     try:

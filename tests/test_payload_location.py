@@ -151,6 +151,8 @@ def test_payload_move(store_url, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "moved the payload" in out
     assert not [p for p in old.iterdir() if p.stat().st_size]  # the old files are gone
+    assert not (old / "trajstore-store.json").exists()  # and the old place is nobody's payload
+    assert marker_of(new)["location"] in (str(new), "new")
     s = trajstore.connect(store_url)
     assert s.payload.location == str(new)
     assert s.materialize().num_trajectories == 1
@@ -259,3 +261,105 @@ def test_refold_with_a_projection_is_refused_in_one_line(store_url, tmp_path, ca
     assert main(["--store", store_url, "materialize", "--refold-quarantined", "--projection", "steps"]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--refold-quarantined folds the default samples; leave out --projection" in err
+
+
+def marker_of(payload: Path) -> dict:
+    return json.loads((payload / "trajstore-store.json").read_text())
+
+
+def test_opening_a_store_never_creates_its_payload_root(store_url, tmp_path, monkeypatch):
+    """A node without the shared mount: the recorded payload root is missing there
+    (or is an empty directory, the bare mount point). Before, opening the store
+    created the root and appends were acknowledged with their payload on the node's
+    local disk, where no other process would look. Now the open is refused in one
+    line naming the recorded location, and nothing is created."""
+    monkeypatch.delenv("TRAJSTORE_PAYLOAD_DIR", raising=False)
+    mount = tmp_path / "shared"
+    payload = mount / "run1"
+    store = trajstore.connect(store_url, payload=str(payload))
+    fill(store, 2)
+    store.close()
+    marker = marker_of(payload)
+    # the store's id, its recorded location (SQLite: relative to the database's directory), its index
+    assert marker["location"] == (str(payload) if store_url.startswith("postgresql") else "shared/run1")
+    assert len(marker["store_id"]) == 32 and marker["index"] == store_url
+    (mount).rename(tmp_path / "unmounted")
+    for opener in (lambda: trajstore.connect(store_url), lambda: trajstore.connect(store_url, migrate=False),
+                   lambda: trajstore.connect(store_url, payload=str(payload))):
+        with pytest.raises(PayloadLocationError) as err:
+            opener()
+        message = str(err.value)
+        assert "\n" not in message and str(payload) in message and "does not exist" in message
+        assert not payload.exists() and not mount.exists()
+    assert main(["--store", store_url, "materialize"]) == 1  # the CLI says the same in one line
+    # the bare mount point: an empty directory where the payload should be
+    payload.mkdir(parents=True)
+    with pytest.raises(PayloadLocationError, match="trajstore-store.json"):
+        trajstore.connect(store_url)
+    assert list(payload.iterdir()) == []
+    shutil.rmtree(mount)
+    (tmp_path / "unmounted").rename(mount)  # mounted again
+    s = trajstore.connect(store_url)
+    fill(s, 1, "back")
+    assert s.materialize().num_trajectories == 3
+    assert sorted(x.trajectory_id for x in s.samples()) == ["back0", "t0", "t1"]
+    s.close()
+
+
+def test_a_location_holding_another_stores_payload_is_refused(store_url, tmp_path):
+    payload = tmp_path / "payload"
+    first = trajstore.connect(f"sqlite:///{tmp_path}/first.db", payload=str(payload))
+    fill(first, 1)
+    first.close()
+    with pytest.raises(PayloadLocationError, match="another store's payload"):
+        trajstore.connect(store_url, payload=str(payload))  # GC of one would delete the other's files
+    assert main(["--store", store_url, "payload", "show"]) == 1  # nothing recorded
+    assert marker_of(payload)["index"].endswith("first.db")
+
+
+def test_a_store_made_before_the_marker_gets_one(store_url, tmp_path, monkeypatch):
+    """No marker and no store id (a store created before them): a process allowed to
+    record marks the location when the newest segment is there; a read-only opener
+    uses it without writing; with the payload missing it is refused."""
+    monkeypatch.delenv("TRAJSTORE_PAYLOAD_DIR", raising=False)
+    payload = tmp_path / "payload"
+    store = trajstore.connect(store_url, payload=str(payload))
+    fill(store, 2)
+    with store.log.write_engine.begin() as conn:
+        conn.execute(delete(store_settings).where(store_settings.c.name == "store_id"))
+    store.close()
+    (payload / "trajstore-store.json").unlink()
+    reader = trajstore.connect(store_url, migrate=False)  # read-only: accepted, nothing written
+    assert not (payload / "trajstore-store.json").exists()
+    reader.close()
+    s = trajstore.connect(store_url)
+    ident = marker_of(payload)["store_id"]
+    with s.log.read_engine.connect() as conn:
+        assert conn.execute(select(store_settings.c.value).where(store_settings.c.name == "store_id")
+                            ).scalar_one() == ident
+    assert s.materialize().num_trajectories == 2
+    s.close()
+    # an old store whose payload is not where it was recorded: refused, nothing created
+    (payload / "trajstore-store.json").unlink()
+    payload.rename(tmp_path / "away")
+    with pytest.raises(PayloadLocationError, match="does not exist"):
+        trajstore.connect(store_url)
+    assert not payload.exists()
+    # `trajstore payload set` marks it (here after the files are back)
+    (tmp_path / "away").rename(payload)
+    assert main(["--store", store_url, "payload", "set", str(payload)]) == 0
+    assert marker_of(payload)["store_id"] == ident
+    trajstore.connect(store_url).close()
+
+
+def test_a_new_store_with_no_configuration_is_marked(tmp_path, monkeypatch):
+    """The embedded default (``<db>.payload`` beside the SQLite file) still needs nothing."""
+    monkeypatch.chdir(tmp_path)
+    store = trajstore.connect()
+    fill(store, 1)
+    store.close()
+    payload = tmp_path / "trajstore-data" / "trajstore.db.payload"
+    assert marker_of(payload)["location"] == "trajstore.db.payload"
+    store = trajstore.connect()
+    assert store.materialize().num_trajectories == 1
+    store.close()

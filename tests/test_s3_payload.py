@@ -1,11 +1,19 @@
 """The payload on a real S3-compatible server (``moto_server``, started here on a
 loopback port): the whole pipeline ingest -> materialize -> SampleReader -> gc on
 both backends, options passed through to pyarrow's S3FileSystem, an unresponsive
-server failing instead of hanging, and the recorded location free of credentials."""
+server failing instead of hanging, and the recorded location free of credentials.
+
+Faults: moto keeps its objects in the memory of its process, so a server that is
+stopped and started again must keep that process. ``StoppableS3`` runs moto's
+server (``ThreadedMotoServer``) in a child process that closes its listening port
+on "stop" (connections refused, as from a stopped server) and opens it again on
+"start", its objects kept; SIGSTOP of that process is a hung server (connections
+accepted by the kernel, never answered)."""
 
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -19,7 +27,7 @@ import pytest
 
 import trajstore
 from trajstore.cli import main
-from trajstore.errors import StoreUnavailable
+from trajstore.errors import PayloadLocationError, StoreUnavailable
 from tests.helpers import finished, gen, started
 
 BUCKET = "trajstore-test"
@@ -65,10 +73,77 @@ def s3_endpoint() -> str:
                 os.environ[k] = v
 
 
-def _objects(endpoint: str, prefix: str) -> list[str]:
+_SERVER = r"""
+import sys
+from moto.server import ThreadedMotoServer
+
+host, port = sys.argv[1], int(sys.argv[2])
+server = ThreadedMotoServer(host, port, verbose=False)
+server.start()
+print("start", flush=True)
+for line in sys.stdin:
+    cmd = line.strip()
+    if cmd == "stop":
+        server.stop()
+        server._server.server_close()  # the port closed: connections are refused
+    elif cmd == "start":
+        server = ThreadedMotoServer(host, port, verbose=False)  # the same process: the objects are kept
+        server.start()
+    print(cmd, flush=True)
+"""
+
+
+class StoppableS3:
+    """A moto S3 server in a child process that can be stopped and started (its
+    objects kept) and hung (SIGSTOP) and resumed (SIGCONT)."""
+
+    def __init__(self) -> None:
+        self.port = _free_port()
+        self.endpoint = f"127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen([sys.executable, "-c", _SERVER, "127.0.0.1", str(self.port)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout.readline().strip() == "start"
+        pafs.S3FileSystem(endpoint_override=self.endpoint, scheme="http",
+                          allow_bucket_creation=True).create_dir(BUCKET)
+
+    def _say(self, cmd: str) -> None:
+        self.proc.stdin.write(cmd + "\n")
+        self.proc.stdin.flush()
+        assert self.proc.stdout.readline().strip() == cmd
+
+    def stop(self) -> None:
+        self._say("stop")
+
+    def start(self) -> None:
+        self._say("start")
+
+    def hang(self) -> None:
+        os.kill(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        os.kill(self.proc.pid, signal.SIGCONT)
+
+    def close(self) -> None:
+        self.resume()
+        self.proc.kill()
+        self.proc.wait(30)
+
+
+@pytest.fixture
+def stoppable_s3(s3_endpoint):  # (s3_endpoint: the credentials in the environment)
+    server = StoppableS3()
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+def _objects(endpoint: str, prefix: str, *, marker: bool = False) -> list[str]:
+    """The objects under ``prefix``; the store's marker only with ``marker``."""
     fs = pafs.S3FileSystem(endpoint_override=endpoint, scheme="http")
     infos = fs.get_file_info(pafs.FileSelector(f"{BUCKET}/{prefix}", allow_not_found=True))
-    return sorted(i.base_name for i in infos if i.type == pafs.FileType.File)
+    return sorted(i.base_name for i in infos if i.type == pafs.FileType.File
+                  and (marker or i.base_name != "trajstore-store.json"))
 
 
 def trajectory(tid: str) -> list[dict]:
@@ -152,3 +227,112 @@ def test_an_unresponsive_object_store_fails_instead_of_hanging(tmp_path):
         listener.close()
         for c in held:
             c.close()
+
+
+def _outage_and_back(store_url: str, server: StoppableS3, fault: str) -> None:
+    """Appends before, during and after an outage of the object store, with the
+    default options (no timeout in the location): during it every append raises
+    StoreUnavailable within 30 s, never a driver or OS error; after it every
+    acknowledged append reads back and, once GC has run, the store's objects are
+    exactly the segments its index names, every one whole."""
+    from sqlalchemy import select
+
+    from trajstore.schema import segments
+
+    prefix = f"run-{uuid.uuid4().hex[:8]}"
+    store = trajstore.connect(store_url, payload=f"s3://{BUCKET}/{prefix}?endpoint_override={server.endpoint}"
+                                                 "&scheme=http")
+    acknowledged = []
+    for i in range(3):
+        store.append(trajectory(f"before{i}"))
+        acknowledged.append(f"before{i}")
+    server.hang() if fault == "hang" else server.stop()
+    try:
+        for i in range(2):
+            t0 = time.monotonic()
+            with pytest.raises(StoreUnavailable) as err:
+                store.append(trajectory(f"during{i}"))
+            took = time.monotonic() - t0
+            assert took < 30, f"{fault}: the append failed after {took:.1f} s"
+            assert "payload" in str(err.value) and "\n" not in str(err.value)
+            assert store.trajectory_state(f"during{i}") is None  # nothing of it in the index
+    finally:
+        server.resume() if fault == "hang" else server.start()
+    for i in range(2):
+        store.append(trajectory(f"during{i}"))  # the retry, once the store is back
+        acknowledged.append(f"during{i}")
+        store.append(trajectory(f"after{i}"))
+        acknowledged.append(f"after{i}")
+    for tid in acknowledged:
+        gens = store.load_generations(tid)
+        assert [list(g.output_ids) for g in gens] == [[4, 5], [7]]
+    time.sleep(1.1)  # GC's grace is whole seconds of the object store's clock
+    store.collect_garbage(grace_s=0)
+    with store.log.read_engine.connect() as conn:
+        named = sorted(conn.execute(select(segments.c.name)).scalars())
+    assert _objects(server.endpoint, prefix) == named
+    assert len(named) == len(acknowledged)
+    for tid in acknowledged:  # every one whole, read again after the GC
+        assert len(store.load_generations(tid)) == 2
+    store.close()
+
+
+def test_a_hung_object_store_fails_appends_within_30_s_and_loses_nothing(store_url, stoppable_s3):
+    """SIGSTOP of the server (before: no error for > 100 s with the default options)."""
+    _outage_and_back(store_url, stoppable_s3, "hang")
+
+
+def test_a_stopped_object_store_fails_appends_with_store_unavailable_and_loses_nothing(store_url, stoppable_s3):
+    """The server's port closed (before: a raw OSError from the cleanup's delete, which
+    masked the StoreUnavailable of the write), then open again with its objects."""
+    _outage_and_back(store_url, stoppable_s3, "stop")
+
+
+def test_object_store_defaults_and_given_options_win():
+    """Defaults that fail fast (timeouts, two attempts, one PutObject per small object);
+    every one of them yields to a value given in the location's query."""
+    from trajstore.payload._filesystem import filesystem_of
+
+    def options(location: str) -> dict:
+        fs, _, local = filesystem_of(location)
+        assert not local
+        return fs.__reduce__()[1][0]
+
+    base = "s3://b/x?endpoint_override=127.0.0.1:1&scheme=http"
+    got = options(base)
+    assert (got["connect_timeout"], got["request_timeout"], got["allow_delayed_open"]) == (2.0, 3.0, True)
+    got = options(base + "&connect_timeout=10&request_timeout=60&retries=5&allow_delayed_open=false")
+    assert (got["connect_timeout"], got["request_timeout"], got["allow_delayed_open"]) == (10.0, 60.0, False)
+
+
+def test_the_payload_marker_on_s3(store_url, stoppable_s3):
+    """On an object store too: the marker is written with the store, re-written for a
+    store that lost it while its segments are there, checked at every open (the
+    server down: StoreUnavailable, not a driver error), and a prefix that is empty
+    (another bucket, an emptied one) is refused with nothing written there."""
+    prefix = f"run-{uuid.uuid4().hex[:8]}"
+    location = f"s3://{BUCKET}/{prefix}?endpoint_override={stoppable_s3.endpoint}&scheme=http"
+    store = trajstore.connect(store_url, payload=location)
+    store.append(trajectory("a"))
+    store.close()
+    assert "trajstore-store.json" in _objects(stoppable_s3.endpoint, prefix, marker=True)
+    fs = pafs.S3FileSystem(endpoint_override=stoppable_s3.endpoint, scheme="http")
+    fs.delete_file(f"{BUCKET}/{prefix}/trajstore-store.json")  # a store made before markers
+    trajstore.connect(store_url).close()
+    assert "trajstore-store.json" in _objects(stoppable_s3.endpoint, prefix, marker=True)
+    stoppable_s3.stop()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(StoreUnavailable) as err:
+            trajstore.connect(store_url)
+        assert time.monotonic() - t0 < 30 and "\n" not in str(err.value)
+    finally:
+        stoppable_s3.start()
+    fs.delete_dir_contents(f"{BUCKET}/{prefix}")
+    with pytest.raises(PayloadLocationError, match=prefix) as err:
+        trajstore.connect(store_url)
+    assert "\n" not in str(err.value)
+    with pytest.raises(PayloadLocationError, match=prefix) as err:  # credentials given: never shown
+        trajstore.connect(store_url, payload=location.replace("s3://", "s3://testing:secret-value@"))
+    assert "secret-value" not in str(err.value)
+    assert _objects(stoppable_s3.endpoint, prefix, marker=True) == []  # nothing created there

@@ -124,7 +124,8 @@ class Store:
         location = _payload_home.resolve(url, write_engine, read_engine, payload,
                                          lambda: backend.default_payload_dir(url), record=migrate)
         self.log, self.materialized = open_sql(write_engine, read_engine)
-        self.payload = PayloadStore(location, log_compression)
+        # its root was made with its marker when the location was recorded, never by a later open
+        self.payload = PayloadStore(location, log_compression, create=_payload_home.ephemeral(location))
         self._routes = _RoutesCache(ROUTES_CACHE_BYTES)
         self._route_drift = True  # off only to measure what the drift figures cost (bench/)
 
@@ -208,11 +209,11 @@ class Store:
                                                before_commit=None if synced is None else synced.result)
         except CommitUnknownError:
             raise  # the commit may have landed: the segment stays (GC removes it if unreferenced)
-        except BaseException:
+        except BaseException as e:
             if synced is not None:
                 wait([synced])  # its fsync must not outlive the file
             if segment is not None:
-                self.payload.delete(segment)  # certainly not committed
+                self.payload.discard(segment, after=e)  # certainly not committed (never masks ``e``)
             raise
         self._routes.after_append(admitted, states, routes_after)
         stored_now = {i for i, _ in kept}
@@ -237,8 +238,8 @@ class Store:
         # one event per record batch; not synced yet (the caller's make_durable)
         try:
             size = self.payload.write(name, table, rows_per_batch=1, durable=False)
-        except BaseException:
-            self.payload.delete(name)  # nothing references it: a partial file is garbage
+        except BaseException as e:
+            self.payload.discard(name, after=e)  # nothing references it: a partial file is garbage
             raise
         seg_row = {"name": name, "kind": "events", "num_rows": len(gens), "num_bytes": size, "created_at": time.time()}
         return name, seg_row, {id(a): i for i, a in enumerate(gens)}

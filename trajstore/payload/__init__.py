@@ -10,7 +10,7 @@ a payload location) and ``SegmentRows`` (rows it reads). The modules:
 * ``_durable.py``     fsync by path, the one atomic durable write (temporary file, rename);
 * ``_reserve.py``     the reserve of empty log segment files an append fills;
 * ``_direct.py``      the sample segments' writer (one laid-out image, ``O_DIRECT``);
-* ``_home.py``        where the payload lives: recorded in the store, checked at open, moved.
+* ``_home.py``        where the payload lives: recorded in the store, marked, checked at open, moved.
 
 Names this module once exported that are internal now (``list_column``,
 ``fsync_dir``, ``write_arrow_segment``, ...) still import from here, with a

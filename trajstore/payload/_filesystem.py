@@ -26,13 +26,22 @@ def is_uri(location: str) -> bool:
 
 
 # S3 options trajstore reads from an ``s3://`` location's query (docs/deploy.md,
-# "Object storage"), with its defaults: an unresponsive server fails an append
-# within about connect + request timeout x attempts, never hangs it.
-S3_DEFAULTS = {"connect_timeout": 5.0, "request_timeout": 30.0, "retries": 3}
+# "Object storage"), with its defaults: an unresponsive server fails an append with
+# StoreUnavailable in about 20 s, never hangs it (measured on a SIGSTOPped server: one
+# attempt of an upload waits the 1 s of "Expect: 100-continue", about 5 s while curl's
+# speed window still counts the bytes sent, then ``request_timeout``, which is curl's
+# low-speed time: a transfer that moves bytes is never cut, however long it takes).
+S3_DEFAULTS = {"connect_timeout": 2.0, "request_timeout": 3.0, "retries": 2}
 _S3_FLOAT = ("connect_timeout", "request_timeout")
 _S3_STR = ("region", "scheme", "endpoint_override", "access_key", "secret_key", "session_token", "role_arn",
            "tls_ca_file_path")
-_S3_BOOL = ("anonymous", "force_virtual_addressing", "allow_bucket_creation", "background_writes")
+_S3_BOOL = ("anonymous", "force_virtual_addressing", "allow_bucket_creation", "background_writes",
+            "allow_delayed_open")
+# pyarrow options whose default trajstore changes (a value in the location's query wins):
+# ``allow_delayed_open``: an object smaller than the upload part size is written with one
+# PutObject on close instead of a multipart upload's three requests (create, part,
+# complete), so a write that fails is one request that failed, and costs one timeout
+_S3_BOOL_DEFAULTS = {"allow_delayed_open": True}
 
 
 def _s3_filesystem(location: str) -> tuple[pafs.FileSystem, str]:
@@ -42,7 +51,7 @@ def _s3_filesystem(location: str) -> tuple[pafs.FileSystem, str]:
     from urllib.parse import parse_qsl, unquote
 
     parsed = urlparse(location)
-    opts: dict[str, Any] = {}
+    opts: dict[str, Any] = dict(_S3_BOOL_DEFAULTS)
     numbers = dict(S3_DEFAULTS)
     for key, value in parse_qsl(parsed.query, keep_blank_values=True):
         try:

@@ -21,13 +21,28 @@ first process that opens it with migrations on: that process's location is
 recorded if the newest segment the index names is there (or the index names
 none); otherwise it refuses, and ``trajstore payload set LOCATION`` records
 the right one. Moving the payload is ``trajstore payload move`` (``move``).
+
+The marker (``MARKER``, ``trajstore-store.json`` in the payload root) says
+whose payload a location holds: the store's id (``store_settings`` row
+``store_id``, made once), the recorded location and the index it belongs to.
+It is written when the location is recorded (creating the root: the only time
+opening a store creates it), by ``set_location`` and by ``move`` (at the
+target). Opening a store with a recorded location reads it first, and never
+creates the root: a missing root or marker (a node without the shared mount,
+whose local directory of that name is not the payload) is refused in one
+line naming the recorded location, and so is another store's marker. A
+store recorded before markers existed has none: it gets one from a process
+allowed to record (migrations on) when the location holds the newest segment
+the index names (or the index names none and the root exists).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
+import uuid
 from typing import Any, Callable
 from urllib.parse import parse_qsl, urlencode, urlparse
 
@@ -36,17 +51,20 @@ from sqlalchemy import Engine, func, inspect, select, update
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
 from trajstore.errors import PayloadLocationError, StoreUnavailable, first_line
-from trajstore.payload._filesystem import filesystem_of, is_uri
+from trajstore.payload._durable import fsync_path, replace_durably
+from trajstore.payload._filesystem import _no_secret, filesystem_of, is_uri, join
 from trajstore.payload._format import SegmentKind
 from trajstore.schema import segments, store_settings
 
 log = logging.getLogger(__name__)
 
-__all__ = ["LOCATION", "ENV", "recorded_form", "opened_form", "same_place", "read_recorded", "resolve", "holds",
-           "set_location", "move", "count_segments"]
+__all__ = ["LOCATION", "ENV", "MARKER", "STORE_ID", "recorded_form", "opened_form", "same_place", "read_recorded",
+           "resolve", "holds", "set_location", "move", "count_segments", "ephemeral", "read_marker", "write_marker"]
 
 LOCATION = "payload_location"
 ENV = "TRAJSTORE_PAYLOAD_DIR"
+STORE_ID = "store_id"  # the store_settings row of the store's id (the marker names it)
+MARKER = "trajstore-store.json"  # the marker file in the payload root (not a segment: GC never takes it)
 # query options of a filesystem URI that say where the files are (the rest are process options)
 _WHERE_OPTIONS = ("endpoint_override", "scheme", "region")
 
@@ -129,7 +147,8 @@ def _recovering(e: BaseException) -> bool:
 
 def resolve(url: str, write_engine: Engine, read_engine: Engine, given: str | None,
             default: Callable[[], str], *, record: bool) -> str:
-    """The payload location this process opens (see the module docstring).
+    """The payload location this process opens (see the module docstring), its
+    marker checked (a recorded location) or written (one recorded now).
 
     ``given``: what the process was told (None: nothing). ``default``: the
     location a new store gets when nothing is given. ``record``: may this
@@ -144,11 +163,24 @@ def resolve(url: str, write_engine: Engine, read_engine: Engine, given: str | No
                 raise PayloadLocationError(
                     f"payload location {given!r} (from {source}) disagrees with {opened_form(rec, url)!r}, the "
                     "one this store recorded; leave it out, or move the payload with `trajstore payload move`")
-            return given if given is not None else opened_form(rec, url)
+            location = given if given is not None else opened_form(rec, url)
+            _check_marker(url, write_engine, read_engine, location, rec, record=record)
+            return location
         candidate = given if given is not None else default()
         if not record or not _has_settings(write_engine):
-            return candidate  # a read-only opener of an unrecorded store: as before the record existed
-        _check_holds_segments(write_engine, candidate, given is not None, source)
+            # a read-only opener of an unrecorded store: as before the record existed
+            _make_root(candidate)
+            return candidate
+        newest = _check_holds_segments(write_engine, candidate, given is not None, source)
+        marker = read_marker(candidate)
+        # a store whose settings were lost takes its id back from its payload's marker
+        ident = _store_id(write_engine, read_engine, make=str(marker.get("store_id")) if marker and newest else None)
+        if marker is not None and marker.get("store_id") != ident:
+            raise PayloadLocationError(
+                f"payload location {_no_secret(candidate)!r} holds another store's payload (its {MARKER} names store "
+                f"{marker.get('store_id')!r}, index {marker.get('index')!r}); give this store its own location")
+        if marker is None:
+            write_marker(candidate, ident, recorded_form(candidate, url), url)  # creates the root
         try:
             with write_engine.begin() as conn:
                 conn.execute(store_settings.insert().values(name=LOCATION, value=recorded_form(candidate, url),
@@ -160,6 +192,133 @@ def resolve(url: str, write_engine: Engine, read_engine: Engine, given: str | No
         except SQLAlchemyError as e:
             raise StoreUnavailable(f"recording the store's payload location: {first_line(e)}") from None
     raise StoreUnavailable("could not read or record the store's payload location")
+
+
+def ephemeral(location: str) -> bool:
+    """A location whose every opening is a new, empty filesystem (pyarrow's
+    ``mock://``, in this process's memory): nothing there to check or strand."""
+    return urlparse(location).scheme == "mock"
+
+
+def _make_root(location: str) -> None:
+    fs, root, _ = filesystem_of(location)
+    try:
+        fs.create_dir(root, recursive=True)
+    except OSError as e:
+        raise StoreUnavailable(f"cannot create payload directory {_no_secret(location)!r}: {first_line(e)}") from None
+
+
+def _index_name(url: str) -> str:
+    """The index a marker names: its URL without credentials."""
+    from sqlalchemy.engine import make_url
+
+    return make_url(url).render_as_string(hide_password=True).replace(":***@", "@")
+
+
+def read_marker(location: str) -> dict[str, Any] | None:
+    """The marker of ``location`` (None: there is none). Raises StoreUnavailable."""
+    fs, root, _ = filesystem_of(location)
+    path = join(root, MARKER)
+    try:
+        with fs.open_input_stream(path) as f:
+            data = f.read()
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise StoreUnavailable(f"cannot read the marker of payload location {_no_secret(location)!r}: "
+                               f"{first_line(e)}") from None
+    try:
+        marker = json.loads(data)
+        if not isinstance(marker, dict):
+            raise ValueError("not an object")
+        return marker
+    except ValueError as e:
+        raise PayloadLocationError(f"payload location {_no_secret(location)!r} has an unreadable {MARKER}: {e}"
+                                   ) from None
+
+
+def write_marker(location: str, ident: str, recorded: str, url: str) -> None:
+    """Write the marker of ``location`` (creating the root): this store's id, the
+    recorded location and the index. Atomic and durable on a local disk."""
+    body = json.dumps({"store_id": ident, "location": recorded, "index": _index_name(url),
+                       "written_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, indent=1).encode()
+    fs, root, local = filesystem_of(location)
+    path = join(root, MARKER)
+    try:
+        fs.create_dir(root, recursive=True)
+        if local:
+            def write(target: str) -> None:
+                with open(target, "wb") as f:
+                    f.write(body)
+                fsync_path(target)
+
+            replace_durably(path, root, write)
+        else:
+            with fs.open_output_stream(path) as out:
+                out.write(body)
+    except OSError as e:
+        raise StoreUnavailable(f"cannot write the marker of payload location {_no_secret(location)!r}: "
+                               f"{first_line(e)}") from None
+    log.info("marked payload location %s as store %s's", recorded, ident)
+
+
+def _store_id(write_engine: Engine, read_engine: Engine, *, make: str | None | bool = None) -> str | None:
+    """The store's id (``store_settings`` row ``store_id``). When it has none: made
+    now (``make`` a string: that one; True or None: a new one), or None when
+    ``make`` is False. Concurrent makers agree (the first insert wins)."""
+    for _ in range(3):
+        try:
+            if _has_settings(read_engine):
+                with read_engine.connect() as conn:
+                    ident = conn.execute(select(store_settings.c.value).where(store_settings.c.name == STORE_ID)
+                                         ).scalar_one_or_none()
+                if ident is not None or make is False:
+                    return ident
+            elif make is False:
+                return None
+            with write_engine.begin() as conn:
+                conn.execute(store_settings.insert().values(
+                    name=STORE_ID, value=make if isinstance(make, str) else uuid.uuid4().hex, updated_at=time.time()))
+        except IntegrityError:
+            continue  # another process made it first: read it
+        except SQLAlchemyError as e:
+            raise StoreUnavailable(f"reading the store's id: {first_line(e)}") from None
+    raise StoreUnavailable("could not read or record the store's id")
+
+
+def _check_marker(url: str, write_engine: Engine, read_engine: Engine, location: str, recorded: str, *,
+                  record: bool) -> None:
+    """Refuse ``location`` (this store's recorded one) unless it is marked as this
+    store's payload; creates nothing, except a missing marker of a store recorded
+    before markers existed, where its payload is found (see the module docstring)."""
+    if ephemeral(location):
+        return
+    shown = opened_form(recorded, url)  # (never credentials)
+    marker = read_marker(location)
+    ident = _store_id(write_engine, read_engine, make=False)
+    if marker is not None:
+        if ident is not None and marker.get("store_id") != ident:
+            raise PayloadLocationError(
+                f"payload location {shown!r} holds another store's payload (its {MARKER} names store "
+                f"{marker.get('store_id')!r}, index {marker.get('index')!r}, not this store {ident!r})")
+        if ident is None and record:
+            _store_id(write_engine, read_engine, make=str(marker.get("store_id")))
+        return
+    fs, root, _ = filesystem_of(location)
+    try:
+        exists = fs.get_file_info(root).type == pafs.FileType.Directory
+    except OSError as e:
+        raise StoreUnavailable(f"payload location {shown!r}: {first_line(e)}") from None
+    newest = _newest_segment(read_engine)
+    if not exists or (newest is not None and not holds(location, newest)):
+        what = "does not exist here" if not exists else f"does not hold its newest segment {newest!r}"
+        raise PayloadLocationError(
+            f"the payload location this store recorded, {shown!r}, has no {MARKER} and {what}: is the shared "
+            "storage mounted on this machine? Nothing was written there. If the store's payload really is there "
+            "(or lost), `trajstore payload set LOCATION` marks it")
+    # a store recorded before markers existed, its payload found: marked now
+    if record:
+        write_marker(location, _store_id(write_engine, read_engine), recorded, url)
 
 
 def _newest_segment(engine: Engine) -> str | None:
@@ -179,22 +338,33 @@ def holds(location: str, name: str) -> bool:
         raise StoreUnavailable(f"payload location {location!r}: {first_line(e)}") from None
 
 
-def _check_holds_segments(engine: Engine, location: str, given: bool, source: str) -> None:
+def _check_holds_segments(engine: Engine, location: str, given: bool, source: str) -> str | None:
+    """The newest segment the index names (None: none), which must be at ``location``."""
     newest = _newest_segment(engine)
     if newest is not None and not holds(location, newest):
         what = f"{location!r} (from {source})" if given else f"{location!r} (this process's default)"
         raise PayloadLocationError(
             f"this store has no recorded payload location and its newest segment {newest!r} is not under "
             f"{what}: record the right one with `trajstore payload set LOCATION`")
+    return newest
 
 
 def set_location(url: str, engine: Engine, location: str, *, force: bool = False) -> str:
     """Record ``location`` as the store's payload location without moving anything
     (a store whose record is missing or wrong); return what was recorded. Unless
-    ``force``, the newest segment the index names must be there."""
-    if not force:
-        _check_holds_segments(engine, location, True, "the command line")
+    ``force``, the newest segment the index names must be there, and a marker
+    there must be this store's. The location is marked as this store's (its root
+    created if missing)."""
+    newest = None if force else _check_holds_segments(engine, location, True, "the command line")
     value = recorded_form(location, url)
+    marker = read_marker(location)
+    # a store whose settings were lost takes its id back from the marker beside its newest segment
+    ident = _store_id(engine, engine, make=str(marker.get("store_id")) if marker and newest else None)
+    if marker is not None and marker.get("store_id") != ident and not force:
+        raise PayloadLocationError(
+            f"payload location {_no_secret(location)!r} holds another store's payload (its {MARKER} names store "
+            f"{marker.get('store_id')!r}, index {marker.get('index')!r}); --force marks it as this store's")
+    write_marker(location, ident, value, url)
     try:
         with engine.begin() as conn:
             done = conn.execute(update(store_settings).where(store_settings.c.name == LOCATION)
@@ -254,6 +424,7 @@ def move(store: Any, target: str, *, delete_old: bool = False,
     copy_pass()
     engine = store.log.db.write_engine
     value = recorded_form(target, url)
+    write_marker(target, _store_id(engine, engine), value, url)  # before the record names it
     try:
         with engine.begin() as conn:
             done = conn.execute(update(store_settings).where(store_settings.c.name == LOCATION)
@@ -273,6 +444,12 @@ def move(store: Any, target: str, *, delete_old: bool = False,
         for name in copied:
             store.payload.delete(name)
             removed += 1
+        try:
+            store.payload.fs.delete_file(store.payload.path(MARKER))  # the old place is nobody's payload now
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            log.warning("the old payload location's %s was not deleted: %s", MARKER, first_line(e))
     return {"from": old, "to": target, "recorded": value, "files": len(copied),
             "bytes": sum(copied.values()), "late_files": late, "missing": missing, "deleted_old": removed}
 

@@ -66,16 +66,21 @@ class PayloadStore:
 
     location: str
     log_compression: str | None = None
+    create: bool = field(default=True, kw_only=True, repr=False, compare=False)
+    """Create the location's root directory if missing. ``Store`` passes False: a
+    store's payload root is created only with its marker, when the location is
+    recorded (``payload/_home.py``), never by a later open."""
     _reserve: "Reserve | None" = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.log_compression not in CODECS:
             raise ValueError(f"log_compression must be one of {list(CODECS)}, got {self.log_compression!r}")
         self.fs, self.root, self.local = filesystem_of(self.location)
-        try:
-            self.fs.create_dir(self.root, recursive=True)
-        except OSError as e:
-            raise StoreUnavailable(f"cannot create payload directory {self.location!r}: {e}") from None
+        if self.create:
+            try:
+                self.fs.create_dir(self.root, recursive=True)
+            except OSError as e:
+                raise StoreUnavailable(f"cannot create payload directory {self.location!r}: {e}") from None
         if self.local:
             self._reserve = Reserve(self.root)
 
@@ -291,12 +296,34 @@ class PayloadStore:
             raise CorruptStoreError(f"payload segment {path!r} is unreadable: {e}") from None
 
     def delete(self, name: str) -> None:
+        """Delete segment ``name`` (gone already: nothing to do). Raises StoreUnavailable."""
         if self._reserve is not None:
             self._reserve.forget(name)
         try:
             self.fs.delete_file(self.path(name))
         except FileNotFoundError:
             pass
+        except OSError as e:
+            raise StoreUnavailable(f"cannot delete payload segment {self.path(name)!r}: {first_line(e)}") from None
+
+    def discard(self, name: str, *, after: BaseException | None = None) -> None:
+        """Best-effort delete of a segment nothing references (an append or a
+        materialization that failed before its commit): never raises, so the
+        error being handled (``after``) is the one the caller sees. A file left
+        behind is unreferenced garbage ``collect_garbage`` removes after its grace.
+
+        On an object store a write that failed because the store is unreachable
+        (``after`` a StoreUnavailable) left no object or a complete one nothing
+        names: no delete is tried then, it would only wait out the timeouts again."""
+        if not self.local and isinstance(after, StoreUnavailable):
+            if self._reserve is not None:
+                self._reserve.forget(name)
+            log.info("payload segment %r not deleted (the store is unreachable); left for gc", name)
+            return
+        try:
+            self.delete(name)
+        except StoreUnavailable as e:
+            log.warning("payload segment %r left for gc: %s", name, first_line(e))
 
     def holds_any(self) -> bool:
         """Does the location hold any segment file (False: unmounted, emptied, or the wrong place)?"""
@@ -311,7 +338,10 @@ class PayloadStore:
     def list_names(self) -> list[tuple[str, float]]:
         """(name, modification time) of every segment file, temporary ones
         included; not the empty files this store holds in its reserve."""
-        infos = self.fs.get_file_info(pafs.FileSelector(self.root, allow_not_found=True))
+        try:
+            infos = self.fs.get_file_info(pafs.FileSelector(self.root, allow_not_found=True))
+        except OSError as e:
+            raise StoreUnavailable(f"cannot list payload location {self.location!r}: {first_line(e)}") from None
         held = self._reserve.held() if self._reserve is not None else frozenset()
         return [
             (i.base_name, i.mtime.timestamp() if i.mtime else 0.0)
@@ -364,7 +394,10 @@ class PayloadStore:
         return info.mtime.timestamp() if info.mtime else time.time()
 
     def _mtime(self, name: str) -> float:
-        info = self.fs.get_file_info(self.path(name))
+        try:
+            info = self.fs.get_file_info(self.path(name))
+        except OSError as e:
+            raise StoreUnavailable(f"cannot stat payload segment {self.path(name)!r}: {first_line(e)}") from None
         if info.type == pafs.FileType.NotFound:
             return 0.0
         return info.mtime.timestamp() if info.mtime else 0.0

@@ -632,3 +632,179 @@ def test_a_reader_config_argument_is_deprecated_and_means_the_same_keywords(fill
         resumed = SampleReader(filled, config)
     resumed.load_state_dict(first.state_dict())
     assert [keys(b) for b in resumed] == [keys(b) for b in first]
+
+
+# ----------------------------------------------------------------------------
+# Hand-over: a step is handed over as soon as it is full, not when one more
+# unit arrives (or the follow timeout passes).
+
+ONE_SAMPLE_CFG = RolloutConfig(turns=1, prompt_tokens=8, output_tokens=4, observation_tokens=2, layers=2, topk=2,
+                               num_experts=8, group_size=2, mismatch_prob=0.0, abort_prob=0.0, fail_prob=0.0, seed=1)
+# Generous: a hand-over is milliseconds; the bug it catches waited the whole follow timeout.
+NO_TIMEOUT_WAIT_S = 10.0
+FOLLOW_TIMEOUT_S = 40.0
+
+
+def append_samples(store, start: int, n: int) -> None:
+    """Trajectories ``start .. start+n-1`` of one sample each, appended and materialized."""
+    for i in range(start, start + n):
+        store.append(trajectory_events(ONE_SAMPLE_CFG, i))
+    Materializer(store).run()
+
+
+@pytest.mark.parametrize("config", [{"batch_size": 4}, {"batch_size": 4, "keep_groups": True, "group_size": 2},
+                                    {"batch_size": 4, "prefetch": False}], ids=["samples", "groups", "no-prefetch"])
+def test_a_full_step_is_handed_over_without_waiting_for_more(store, config):
+    append_samples(store, 0, 4)  # exactly one step
+    with SampleReader(store, follow=True, timeout_s=FOLLOW_TIMEOUT_S, poll_interval_s=0.05, **config) as reader:
+        t0 = time.monotonic()
+        first = next(reader)
+        waited = time.monotonic() - t0
+        assert len(first) == 4 and waited < NO_TIMEOUT_WAIT_S, f"a full step waited {waited:.1f} s for more"
+        # the next step: its last group completes while the reader waits
+        writer = threading.Thread(target=append_samples, args=(store, 4, 4))
+        writer.start()
+        second = next(reader)
+        handed_over = time.monotonic()
+        writer.join()
+        assert handed_over - t0 < NO_TIMEOUT_WAIT_S + waited, "the second full step waited for the follow timeout"
+    assert sorted(keys(first + second)) == sorted((s.trajectory_id, s.sample_index) for s in store.samples())
+
+
+# ----------------------------------------------------------------------------
+# An unavailable store: the reader waits it out (unavailable_timeout_s), and an
+# iteration that raised resumes after the last batch it handed out. PostgreSQL
+# only: a SQLite store has no server to restart.
+
+def _pg_store(cluster, tmp_path):
+    url = cluster.create_database()
+    return trajstore.connect(url, payload=str(tmp_path / "payload"))
+
+
+def _restart(cluster, down_s: float = 3.0) -> None:
+    from pg_cluster import crash_cluster, start_cluster_again
+
+    crash_cluster(cluster)
+    time.sleep(down_s)
+    start_cluster_again(cluster)
+
+
+def _reader_lines(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "trajstore.reader"]
+
+
+@pytest.mark.timeout(240)
+def test_a_follow_reader_rides_out_a_database_restart(fault_cluster, tmp_path, caplog):
+    """6 samples, batch 4, follow; one batch; the server crashes (stop -m immediate),
+    stays down 3 s and starts again; more samples come: the reader goes on."""
+    import logging
+
+    caplog.set_level(logging.INFO, logger="trajstore.reader")
+    store = _pg_store(fault_cluster, tmp_path)
+    append_samples(store, 0, 6)
+    reader = SampleReader(store.url, payload=store.payload.location, batch_size=4, follow=True,
+                          timeout_s=FOLLOW_TIMEOUT_S, poll_interval_s=0.05)
+    batches = [next(reader)]
+    time.sleep(0.3)  # the reader polls for the next step meanwhile
+    _restart(fault_cluster)
+    append_samples(store, 6, 6)
+    batches += [next(reader), next(reader)]
+    reader.close()
+    assert [len(b) for b in batches] == [4, 4, 4]
+    assert keys(s for b in batches for s in b) == [(s.trajectory_id, s.sample_index) for s in store.samples()]
+    assert reader.stats.unavailable_waits == 1 and reader.stats.unavailable_s > 2.0
+    lines = _reader_lines(caplog)
+    assert sum("store unavailable while" in m for m in lines) == 1, lines  # one line per wait, not per retry
+    assert sum("store available again" in m for m in lines) == 1, lines
+    store.close()
+
+
+@pytest.mark.timeout(240)
+def test_a_reader_that_gave_up_raises_again_or_resumes_never_ends(fault_cluster, tmp_path):
+    from pg_cluster import crash_cluster, start_cluster_again
+    from trajstore.errors import StoreUnavailable
+
+    store = _pg_store(fault_cluster, tmp_path)
+    append_samples(store, 0, 4)
+    reader = SampleReader(store.url, payload=store.payload.location, batch_size=4, follow=True,
+                          timeout_s=FOLLOW_TIMEOUT_S, poll_interval_s=0.05, unavailable_timeout_s=0.5)
+    first = next(reader)
+    crash_cluster(fault_cluster)
+    try:
+        for _ in range(2):  # a trainer that catches the error and asks again gets it again
+            with pytest.raises(StoreUnavailable, match="unavailable_timeout_s=0.5"):
+                next(reader)
+    finally:
+        start_cluster_again(fault_cluster)
+    append_samples(store, 4, 4)
+    second = next(reader)  # resumes where it was: the next step, nothing lost or repeated
+    reader.close()
+    assert keys(first + second) == [(s.trajectory_id, s.sample_index) for s in store.samples()]
+    store.close()
+
+
+@pytest.mark.timeout(240)
+def test_backends_killed_mid_read_are_retried(fault_cluster, tmp_path):
+    """A row query of the reader (one page per step) is held on a table lock, its
+    backend terminated (pg_terminate_backend), and the lock released, three times:
+    every sample read once, in order."""
+    import psycopg
+
+    store = _pg_store(fault_cluster, tmp_path)
+    fill(store, shuffled(24))
+    reference = flat(drive(make_readers(store, 1, {"batch_size": 4})))
+    dbname = store.url.rsplit("/", 1)[1]
+    reader = SampleReader(store.url, payload=store.payload.location, batch_size=4, page_rows=4, prefetch=False)
+    admin = f"host=127.0.0.1 port={fault_cluster.port} user=postgres dbname={dbname}"
+    killed = 0
+    got = []
+    with psycopg.connect(admin, autocommit=True) as locker, psycopg.connect(admin, autocommit=True) as killer:
+        for _ in range(3):
+            locker.execute("BEGIN")
+            locker.execute("LOCK TABLE samples IN ACCESS EXCLUSIVE MODE")
+            result: dict = {}
+            thread = threading.Thread(target=lambda: result.update(batch=next(reader, None)))
+            thread.start()
+            deadline = time.monotonic() + 20
+            pids = []
+            while not pids and time.monotonic() < deadline:
+                pids = [r[0] for r in killer.execute(
+                    "SELECT pid FROM pg_stat_activity WHERE datname = %s AND wait_event_type = 'Lock'",
+                    (dbname,)).fetchall()]
+                time.sleep(0.02)
+            assert pids, "the reader's row query never waited on the lock"
+            for pid in pids:
+                killed += killer.execute("SELECT pg_terminate_backend(%s)", (pid,)).fetchone()[0]
+            time.sleep(0.3)
+            locker.execute("COMMIT")
+            thread.join(timeout=60)
+            got.append(keys(result["batch"]))
+        got += [keys(b) for b in reader]
+    reader.close()
+    assert killed >= 3 and reader.stats.unavailable_waits >= 3
+    assert [k for b in got for k in b] == [tuple(k) for k in reference]
+    store.close()
+
+
+@pytest.mark.timeout(300)
+def test_sample_dataset_workers_ride_out_a_database_restart(fault_cluster, tmp_path):
+    torchdata = pytest.importorskip("torchdata.stateful_dataloader")
+    from trajstore.train.collate import SampleDataset
+
+    store = _pg_store(fault_cluster, tmp_path)
+    append_samples(store, 0, 8)
+    dataset = SampleDataset(store.url, payload=store.payload.location, batch_size=4, follow=True,
+                            timeout_s=FOLLOW_TIMEOUT_S, poll_interval_s=0.05)
+    loader = torchdata.StatefulDataLoader(dataset, batch_size=None, num_workers=2)
+    it = iter(loader)
+    batches = [next(it), next(it)]
+    _restart(fault_cluster)
+    append_samples(store, 8, 8)
+    batches += [next(it), next(it)]
+    state = loader.state_dict()
+    del it
+    assert [b["step"] for b in batches] == [0, 1, 2, 3]
+    got = [(t, i) for b in batches for t, i in zip(b["trajectory_ids"], b["sample_indices"])]
+    assert got == [(s.trajectory_id, s.sample_index) for s in store.samples()]
+    assert state  # the loader's state after the restart is a normal one
+    store.close()

@@ -88,13 +88,63 @@ def drive(readers: list[SampleReader], max_steps: int | None = None,
     return steps
 
 
-def make_readers(store_or_url, world_size: int, config: dict, state=None, payload=None) -> list[SampleReader]:
-    readers = [SampleReader(store_or_url, rank=r, world_size=world_size, payload=payload, **config)
+def make_readers(store_or_url, world_size: int, config: dict, state=None, payload=None,
+                 open_reader=SampleReader) -> list[SampleReader]:
+    readers = [open_reader(store_or_url, rank=r, world_size=world_size, payload=payload, **config)
                for r in range(world_size)]
     if state is not None:
         for r in readers:
             r.load_state_dict(state)
     return readers
+
+
+class InProcessReplay:
+    """A replay server (``ReplayServer``, real gRPC on loopback) in a thread of this
+    process, over its own connection to ``store``: the reader tests run through it."""
+
+    def __init__(self, store) -> None:
+        from trajstore.replay._server import ReplayServer
+
+        own = trajstore.connect(store.url, payload=store.payload.location, migrate=False, create=False)
+        self.server = ReplayServer(own, "grpc://127.0.0.1:0", tokens=None, close_store=True)
+        self.location = f"grpc://127.0.0.1:{self.server.port}"
+        self.thread = threading.Thread(target=self.server.serve, daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.thread.join(timeout=30)
+
+
+@pytest.fixture(params=["local", "replay"])
+def open_reader(request):
+    """``open_reader(store, **settings)``: a ``SampleReader`` on the store, or a
+    ``ReplayReader`` through a replay server in front of it: the reader's seam
+    (``trajstore.reader.ReaderStore``) has two implementations, and these tests
+    run on both."""
+    servers: dict[str, InProcessReplay] = {}
+    readers: list[SampleReader] = []
+
+    def open_(store, *args, payload=None, **settings) -> SampleReader:
+        if request.param == "local":
+            reader = SampleReader(store, *args, payload=payload, **settings)
+        else:
+            from trajstore.replay import ReplayReader
+
+            if isinstance(store, str):
+                store = trajstore.connect(store, payload=payload, migrate=False, create=False)
+            if store.url not in servers:
+                servers[store.url] = InProcessReplay(store)
+            reader = ReplayReader(servers[store.url].location, *args, **settings)
+        readers.append(reader)
+        return reader
+
+    open_.kind = request.param
+    yield open_
+    for r in readers:
+        r.close()
+    for server in servers.values():
+        server.stop()
 
 
 def flat(steps) -> list[tuple[str, int]]:
@@ -187,12 +237,12 @@ def _resume_main(path: str) -> None:
     print(json.dumps(results))
 
 
-def test_state_is_small_json_and_carries_the_version(filled):
-    reader = SampleReader(filled, batch_size=4, keep_groups=True, group_size=GROUP_SIZE, current_model_version=3)
+def test_state_is_small_json_and_carries_the_version(filled, open_reader):
+    reader = open_reader(filled, batch_size=4, keep_groups=True, group_size=GROUP_SIZE, current_model_version=3)
     next(reader)
     state = reader.state_dict()
     assert len(json.dumps(state)) < 600
-    fresh = SampleReader(filled, batch_size=4, keep_groups=True, group_size=GROUP_SIZE)
+    fresh = open_reader(filled, batch_size=4, keep_groups=True, group_size=GROUP_SIZE)
     fresh.load_state_dict(json.loads(json.dumps(state)))
     assert fresh.current_model_version == 3 and fresh.state_dict() == state
 
@@ -207,32 +257,32 @@ def test_state_is_small_json_and_carries_the_version(filled):
     (lambda s: s.update(current_version="5"), "current_version must be an integer"),
     (lambda s: s["stats"].pop("steps"), "stats must hold integers"),
 ])
-def test_bad_states_are_refused_with_the_reason(filled, change, message):
+def test_bad_states_are_refused_with_the_reason(filled, change, message, open_reader):
     config = {"batch_size": 4, "keep_groups": True, "group_size": GROUP_SIZE}
-    reader = SampleReader(filled, **config)
+    reader = open_reader(filled, **config)
     next(reader)
     state = json.loads(json.dumps(reader.state_dict()))
     change(state)
     with pytest.raises(ResumeStateError, match=message):
-        SampleReader(filled, **config).load_state_dict(state)
+        open_reader(filled, **config).load_state_dict(state)
     with pytest.raises(ResumeStateError, match="must be a dict"):
-        SampleReader(filled, **config).load_state_dict([state])
+        open_reader(filled, **config).load_state_dict([state])
 
 
-def test_status_filter_is_part_of_the_state(filled):
-    reader = SampleReader(filled, batch_size=4, status="completed")
+def test_status_filter_is_part_of_the_state(filled, open_reader):
+    reader = open_reader(filled, batch_size=4, status="completed")
     next(reader)
     with pytest.raises(ResumeStateError, match="status"):
-        SampleReader(filled, batch_size=4).load_state_dict(reader.state_dict())
+        open_reader(filled, batch_size=4).load_state_dict(reader.state_dict())
 
 
 # --- sharding, groups, staleness ------------------------------------------------------------------
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 5])
 @pytest.mark.parametrize("config", [{"batch_size": 4}, {"max_tokens_per_batch": 200}], ids=["samples", "tokens"])
-def test_shards_are_disjoint_and_cover_every_sample(filled, world_size, config):
+def test_shards_are_disjoint_and_cover_every_sample(filled, world_size, config, open_reader):
     everything = [(s.trajectory_id, s.sample_index) for s in filled.samples()]
-    steps = drive(make_readers(filled, world_size, config))
+    steps = drive(make_readers(filled, world_size, config, open_reader=open_reader))
     per_rank = [set(k for step in steps for k in step[r]) for r in range(world_size)]
     for a in range(world_size):
         for b in range(a + 1, world_size):
@@ -245,24 +295,24 @@ def test_shards_are_disjoint_and_cover_every_sample(filled, world_size, config):
                 assert len(batch) == 1 or sum(tokens[k] for k in batch) <= 200
 
 
-def test_drop_last_leaves_the_tail_for_a_later_reader(filled):
+def test_drop_last_leaves_the_tail_for_a_later_reader(filled, open_reader):
     everything = [(s.trajectory_id, s.sample_index) for s in filled.samples()]
-    readers = make_readers(filled, 3, {"batch_size": 4, "drop_last": True})
+    readers = make_readers(filled, 3, {"batch_size": 4, "drop_last": True}, open_reader=open_reader)
     steps = drive(readers)
     assert all(len(batch) == 4 for step in steps for batch in step)
     assert len(flat(steps)) == len(everything) - len(everything) % 12
-    rest = drive(make_readers(filled, 1, {"batch_size": 4}, readers[0].state_dict()))
+    rest = drive(make_readers(filled, 1, {"batch_size": 4}, readers[0].state_dict(), open_reader=open_reader))
     assert_resumed(steps, rest, everything)
 
 
-def test_groups_stay_whole_in_one_batch_and_incomplete_groups_wait(store):
+def test_groups_stay_whole_in_one_batch_and_incomplete_groups_wait(store, open_reader):
     order = [i for i in shuffled() if i != 5]  # group 1 lacks one trajectory
     fill(store, order)
     samples = list(store.samples())
     group_of = {(s.trajectory_id, s.sample_index): s.group_id for s in samples}
     status_of = {(s.trajectory_id, s.sample_index): s.status for s in samples}
     config = {"batch_size": 8, "keep_groups": True, "group_size": GROUP_SIZE, "status": ("completed",)}
-    readers = make_readers(store, 2, config)
+    readers = make_readers(store, 2, config, open_reader=open_reader)
     steps = drive(readers)
     place = {}
     for i, step in enumerate(steps):
@@ -276,29 +326,29 @@ def test_groups_stay_whole_in_one_batch_and_incomplete_groups_wait(store):
         1 for k in group_of if status_of[k] != "completed" and group_of[k] != "group-3-00001")
 
 
-def test_stale_units_are_skipped_and_counted(filled):
+def test_stale_units_are_skipped_and_counted(filled, open_reader):
     samples = list(filled.samples())
-    reader = SampleReader(filled, batch_size=5, max_staleness=1, current_model_version=4)
+    reader = open_reader(filled, batch_size=5, max_staleness=1, current_model_version=4)
     got = flat([[keys(b)] for b in reader])
     fresh = [(s.trajectory_id, s.sample_index) for s in samples if s.min_model_version >= 3]
     assert got == fresh
     assert reader.stats.stale_samples == reader.stats.stale_units == len(samples) - len(fresh) > 0
 
 
-def test_stale_groups_are_skipped_whole(filled):
+def test_stale_groups_are_skipped_whole(filled, open_reader):
     samples = list(filled.samples())
     oldest: dict[str, int] = {}
     for s in samples:
         oldest[s.group_id] = min(oldest.get(s.group_id, 99), s.min_model_version)
-    reader = SampleReader(filled, batch_size=8, keep_groups=True, group_size=GROUP_SIZE,
+    reader = open_reader(filled, batch_size=8, keep_groups=True, group_size=GROUP_SIZE,
                           max_staleness=1, current_model_version=4)
     got = set(flat([[keys(b)] for b in reader]))
     assert got == {(s.trajectory_id, s.sample_index) for s in samples if oldest[s.group_id] >= 3}
     assert reader.stats.stale_units == sum(1 for v in oldest.values() if v < 3)
 
 
-def test_current_model_version_applies_from_the_next_step(filled):
-    reader = SampleReader(filled, batch_size=2, max_staleness=0)
+def test_current_model_version_applies_from_the_next_step(filled, open_reader):
+    reader = open_reader(filled, batch_size=2, max_staleness=0)
     first = next(reader)
     reader.current_model_version = 5
     rest = [s for batch in reader for s in batch]
@@ -338,20 +388,20 @@ def test_config_errors_are_one_line(filled):
 
 # --- watermark and follow ---------------------------------------------------------------------------
 
-def test_only_samples_below_every_shard_checkpoint_are_read(store):
+def test_only_samples_below_every_shard_checkpoint_are_read(store, open_reader):
     for i in range(12):
         store.append(trajectory_events(CFG, i))
     Materializer(store, shard_index=0, num_shards=2).run()
     Materializer(store, shard_index=1, num_shards=2, max_trajectories=4).run(max_steps=1)
     watermark = store.materialized.load_checkpoint(Shard(1, 2))["position"]
     rows = [r for page in store.materialized.iter_sample_rows(where={}, after=None, page_rows=1000) for r in page]
-    got = [s for batch in SampleReader(store, batch_size=4, num_shards=2) for s in batch]
+    got = [s for batch in open_reader(store, batch_size=4, num_shards=2) for s in batch]
     assert keys(got) == [(r["trajectory_id"], r["sample_index"]) for r in rows if r["finished_position"] <= watermark]
     assert 0 < len(got) < len(rows)
     # the shard count comes from the stored checkpoints; a num_shards given by hand must agree
-    assert keys(s for batch in SampleReader(store, batch_size=4) for s in batch) == keys(got)
+    assert keys(s for batch in open_reader(store, batch_size=4) for s in batch) == keys(got)
     with pytest.raises(ValidationError, match="num_shards"):
-        next(SampleReader(store, batch_size=4, num_shards=1))
+        next(open_reader(store, batch_size=4, num_shards=1))
 
 
 @contextlib.contextmanager
@@ -386,7 +436,7 @@ def _ends_once_drained(reader: SampleReader, producer: subprocess.Popen, idle_s:
 
 @pytest.mark.parametrize("config", [{"batch_size": 3}, {"batch_size": 8, "keep_groups": True, "group_size": GROUP_SIZE}],
                          ids=["samples", "groups"])
-def test_follow_sees_every_sample_once_while_another_process_writes(store, config):
+def test_follow_sees_every_sample_once_while_another_process_writes(store, config, open_reader):
     producer = subprocess.Popen([sys.executable, HERE, "produce", store.url, store.payload.location, "32"],
                                 cwd=ROOT, stderr=subprocess.PIPE, text=True)
     try:
@@ -395,7 +445,7 @@ def test_follow_sees_every_sample_once_while_another_process_writes(store, confi
         # its slowest gap under a shared CPU must stay below the idle timeout.
         while producer.poll() is None and not any(True for _ in store.samples(page_rows=1)):
             time.sleep(0.05)
-        reader = SampleReader(store, follow=True, timeout_s=20.0, poll_interval_s=0.05, **config)
+        reader = open_reader(store, follow=True, timeout_s=20.0, poll_interval_s=0.05, **config)
         with _ends_once_drained(reader, producer):
             steps = [[keys(batch)] for batch in reader]
     finally:
@@ -445,37 +495,37 @@ def _empty_read(caplog, reader: SampleReader) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.name == "trajstore.reader"]
 
 
-def test_group_size_larger_than_the_groups_is_explained_once(filled, caplog):
-    said = _empty_read(caplog, SampleReader(filled, keep_groups=True, group_size=2 * GROUP_SIZE))
+def test_group_size_larger_than_the_groups_is_explained_once(filled, caplog, open_reader):
+    said = _empty_read(caplog, open_reader(filled, keep_groups=True, group_size=2 * GROUP_SIZE))
     assert len(said) == 1, said
     groups = NUM_TRAJECTORIES // GROUP_SIZE
     assert "yields no batch" in said[0] and f"{groups} groups are still open" in said[0]
     assert f"group_size={2 * GROUP_SIZE}" in said[0] and f"the fullest has {GROUP_SIZE}" in said[0]
 
 
-def test_unmaterialized_trajectories_are_explained(store, caplog):
+def test_unmaterialized_trajectories_are_explained(store, caplog, open_reader):
     for i in range(6):
         store.append(trajectory_events(CFG, i))
-    said = _empty_read(caplog, SampleReader(store, batch_size=4))
+    said = _empty_read(caplog, open_reader(store, batch_size=4))
     assert len(said) == 1 and "6 finished trajectories are not materialized yet" in said[0], said
 
 
-def test_everything_stale_is_explained(filled, caplog):
-    said = _empty_read(caplog, SampleReader(filled, batch_size=4, max_staleness=0, current_model_version=100))
+def test_everything_stale_is_explained(filled, caplog, open_reader):
+    said = _empty_read(caplog, open_reader(filled, batch_size=4, max_staleness=0, current_model_version=100))
     assert len(said) == 1 and "staler than max_staleness=0 at current_model_version=100" in said[0], said
 
 
-def test_an_empty_store_is_explained(store, caplog):
-    said = _empty_read(caplog, SampleReader(store, batch_size=4))
+def test_an_empty_store_is_explained(store, caplog, open_reader):
+    said = _empty_read(caplog, open_reader(store, batch_size=4))
     assert said == ["trajstore reader (rank 0 of 1) yields no batch: "
                     "the store has no materialized samples and no finished trajectory"]
 
 
-def test_a_reader_with_batches_says_nothing(filled, caplog):
+def test_a_reader_with_batches_says_nothing(filled, caplog, open_reader):
     import logging
 
     caplog.set_level(logging.WARNING, logger="trajstore.reader")
-    with SampleReader(filled, batch_size=4) as reader:
+    with open_reader(filled, batch_size=4) as reader:
         assert len(list(reader)) > 0
     assert [r for r in caplog.records if r.name == "trajstore.reader"] == []
 
@@ -509,7 +559,7 @@ def test_finish_reason_options_are_checked():
     assert ReaderConfig(drop_finish_reasons="length").drop_finish_reasons == ("length",)
 
 
-def test_reader_drops_samples_by_recorded_finish_reason(store):
+def test_reader_drops_samples_by_recorded_finish_reason(store, open_reader):
     """End to end: generations recorded with finish_reason "length" never reach the trainer."""
     overlong = set()
     for i in range(12):
@@ -522,7 +572,7 @@ def test_reader_drops_samples_by_recorded_finish_reason(store):
         store.append(events)
     store.materialize()
     assert {s.finish_reason for s in store.samples() if s.trajectory_id in overlong} == {"length"}
-    with SampleReader(store, batch_size=4, drop_finish_reasons=("length",)) as reader:
+    with open_reader(store, batch_size=4, drop_finish_reasons=("length",)) as reader:
         read = [s for batch in reader for s in batch]
         dropped = reader.stats.dropped_samples
     assert read and not {s.trajectory_id for s in read} & overlong
@@ -654,9 +704,9 @@ def append_samples(store, start: int, n: int) -> None:
 
 @pytest.mark.parametrize("config", [{"batch_size": 4}, {"batch_size": 4, "keep_groups": True, "group_size": 2},
                                     {"batch_size": 4, "prefetch": False}], ids=["samples", "groups", "no-prefetch"])
-def test_a_full_step_is_handed_over_without_waiting_for_more(store, config):
+def test_a_full_step_is_handed_over_without_waiting_for_more(store, config, open_reader):
     append_samples(store, 0, 4)  # exactly one step
-    with SampleReader(store, follow=True, timeout_s=FOLLOW_TIMEOUT_S, poll_interval_s=0.05, **config) as reader:
+    with open_reader(store, follow=True, timeout_s=FOLLOW_TIMEOUT_S, poll_interval_s=0.05, **config) as reader:
         t0 = time.monotonic()
         first = next(reader)
         waited = time.monotonic() - t0
@@ -808,3 +858,57 @@ def test_sample_dataset_workers_ride_out_a_database_restart(fault_cluster, tmp_p
     assert got == [(s.trajectory_id, s.sample_index) for s in store.samples()]
     assert state  # the loader's state after the restart is a normal one
     store.close()
+
+
+# ----------------------------------------------------------------------------
+# Every setting works through the replay service too: a projection's samples.
+
+def test_a_projection_is_read_with_its_own_samples_and_state(store, open_reader):
+    for i in range(12):
+        store.append(trajectory_events(CFG, i))
+    store.materialize()
+    store.create_projection("steps", merge="none")
+    store.materialize(projection="steps")
+    want = [(s.trajectory_id, s.sample_index) for s in store.samples(projection="steps")]
+    assert len(want) > len(list(store.samples()))  # step-wise: another sequence than the default's
+    reader = open_reader(store, batch_size=4, projection="steps")
+    first = next(reader)
+    state = reader.state_dict()
+    assert state["fingerprint"]["projection"] == "steps"
+    rest = open_reader(store, batch_size=4, projection="steps")
+    rest.load_state_dict(state)
+    assert keys(first) + [k for b in rest for k in keys(b)] == want
+    with pytest.raises(ResumeStateError, match="projection"):
+        open_reader(store, batch_size=4).load_state_dict(state)
+    with pytest.raises(ValidationError, match="no projection 'nope'"):
+        open_reader(store, batch_size=4, projection="nope")
+
+
+def test_the_store_and_the_replay_store_implement_the_declared_reader_seam(store):
+    """The five reads (docs/reference.md) as ``trajstore.reader``'s Protocols: each
+    implementation has them, with the declared parameters (names, kinds, defaults)."""
+    import inspect
+
+    from trajstore.reader import ReaderEventLog, ReaderPayload, ReaderSampleIndex, ReaderStore
+    from trajstore.replay import ReplayStore
+
+    store.create_projection("steps", merge="none")
+    remote = ReplayStore("grpc://127.0.0.1:1")  # connects at the first call: none is made here
+    seams = {ReaderSampleIndex: ("iter_sample_rows", "watermark", "projection"), ReaderEventLog: ("count_events",),
+             ReaderPayload: ("read_rows",)}
+    try:
+        for impl in (store, remote):
+            assert isinstance(impl, ReaderStore)
+            parts = {ReaderSampleIndex: [impl.materialized], ReaderEventLog: [impl.log], ReaderPayload: [impl.payload]}
+            if impl is store:
+                parts[ReaderSampleIndex].append(store.materialized.projection("steps"))
+            for protocol, objects in parts.items():
+                for obj in objects:
+                    assert isinstance(obj, protocol), (type(obj), protocol)
+                    for name in seams[protocol]:
+                        declared = inspect.signature(getattr(protocol, name)).parameters.values()
+                        actual = inspect.signature(getattr(type(obj), name)).parameters.values()
+                        assert [(p.name, p.kind, p.default) for p in actual] == \
+                               [(p.name, p.kind, p.default) for p in declared], f"{type(obj).__name__}.{name}"
+    finally:
+        remote.close()

@@ -52,12 +52,14 @@ import numpy as np
 
 from trajstore._backoff import Backoff
 from trajstore._deprecated import renamed
+from trajstore._reader_seam import ReaderEventLog, ReaderPayload, ReaderSampleIndex, ReaderStore
 from trajstore._batch_plan import Key, Step, Unit, UnitBuilder, plan_step, row_key
 from trajstore.errors import ResumeStateError, StoreUnavailable, TrajstoreError, ValidationError, first_line
 from trajstore.sample import Sample
 from trajstore._samples import read_segment_samples
 
-__all__ = ["ReaderConfig", "ReaderStats", "SampleReader"]
+__all__ = ["ReaderConfig", "ReaderEventLog", "ReaderPayload", "ReaderSampleIndex", "ReaderStats", "ReaderStore",
+           "SampleReader"]
 
 _log = logging.getLogger("trajstore.reader")
 
@@ -218,7 +220,8 @@ class ReaderStats:
 class SampleReader:
     """Batches (lists of ``Sample``) for one data-parallel rank, in the global step order.
 
-    ``store`` is a ``Store`` or a store URL. Settings are the fields of
+    ``store`` is a ``Store``, a store URL, or any ``ReaderStore`` (the five reads
+    the reader makes; ``ReplayStore`` is one). Settings are the fields of
     ``ReaderConfig`` as keywords (``reader.config`` holds them)::
 
         reader = SampleReader(store, rank=r, world_size=w, batch_size=8, keep_groups=True, group_size=4)
@@ -238,7 +241,8 @@ class SampleReader:
     ``**dataclasses.asdict(config)``.
     """
 
-    def __init__(self, store: Any, config: ReaderConfig | None = None, *, rank: int = 0, world_size: int = 1,
+    def __init__(self, store: ReaderStore | str, config: ReaderConfig | None = None, *, rank: int = 0,
+                 world_size: int = 1,
                  current_model_version: int | None = None, payload: str | None = None,
                  current_version: int | None = None, **fields: Any) -> None:
         if not isinstance(world_size, int) or world_size < 1 or not isinstance(rank, int) or not 0 <= rank < world_size:
@@ -249,14 +253,14 @@ class SampleReader:
             from trajstore.store import connect
 
             store = connect(store, payload=payload, migrate=False, create=False)
-        self.store = store
+        self.store: ReaderStore = store
         self.stats = ReaderStats()
         self._closing = threading.Event()  # set by close(): a wait for the store gives up
         self._outage_lock = threading.Lock()
         self._outage_since: float | None = None  # when the current wait for an unavailable store began
         # the sample index read: the default samples, or a named projection's
         name = self.config.projection
-        self._index = (store.materialized if name is None else
+        self._index: ReaderSampleIndex = (store.materialized if name is None else
                        self._retrying("opening the projection", lambda: store.materialized.projection(name)))
         self.rank, self.world_size = rank, world_size
         self.current_model_version = renamed("current_version", "current_model_version", current_version,

@@ -28,11 +28,12 @@ import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Collection, Iterable, Iterator, Mapping, Sequence
 
 import pyarrow as pa
 import pyarrow.flight as fl
 
+from trajstore._reader_seam import ReaderEventLog, ReaderPayload, ReaderSampleIndex
 from trajstore.errors import CorruptStoreError, StoreUnavailable, TrajstoreError, ValidationError
 from trajstore.payload import SegmentRows
 from trajstore.reader import ReaderConfig, SampleReader, _settings
@@ -230,21 +231,35 @@ def _error(location: str, what: str, text: str) -> TrajstoreError:
     return TrajstoreError(f"replay server {location} failed {what}: {text}")
 
 
-class _RemoteSamples:
-    """The sample index seam (``SampleIndex``) a reader uses, over Flight."""
+class _RemoteSamples(ReaderSampleIndex):
+    """The sample index reads of the reader's seam, over Flight: the default
+    samples, or (``projection``) a named projection's."""
 
-    def __init__(self, conn: _Connection) -> None:
+    def __init__(self, conn: _Connection, projection: str | None = None) -> None:
         self.conn = conn
+        self.projection_name = projection
         self._waiting_at: int | None = None  # the watermark a follow poll last found nothing below
         self._waiting_since = 0.0
 
-    def iter_sample_rows(self, *, where: dict[str, Any], after: tuple[int, int] | None,
+    def _named(self) -> dict[str, Any]:
+        """The request fields naming the sample index (none for the default samples)."""
+        return {} if self.projection_name is None else {"projection": self.projection_name}
+
+    def projection(self, name: str) -> "_RemoteSamples":
+        """Projection ``name``'s samples; ``ValidationError`` when the store has none of that name."""
+        if not isinstance(name, str):
+            raise ValidationError(f"projection must be a name, got {name!r}", rule="projection")
+        index = _RemoteSamples(self.conn, name)
+        index.watermark()  # asks the server, which refuses an unknown projection
+        return index
+
+    def iter_sample_rows(self, *, where: Mapping[str, Any], after: tuple[int, int] | None,
                          page_rows: int) -> Iterator[list[dict[str, Any]]]:
         where = {k: (list(v) if isinstance(v, (tuple, set, frozenset)) else v) for k, v in where.items() if v is not None}
         first = True
         while True:
             ticket = proto.encode(proto.ROWS, where=where, after=None if after is None else list(after),
-                                  page_rows=page_rows)
+                                  page_rows=page_rows, **self._named())
             rows = self.conn.get("reading sample rows", ticket).to_pylist()
             if not rows:
                 if first:
@@ -264,23 +279,26 @@ class _RemoteSamples:
             _log.info("replay reader waits for new materialized samples (watermark %s)", watermark)
 
     def watermark(self, num_shards: int | None = None) -> int:
-        return int(self.conn.action("reading the watermark", proto.WATERMARK, num_shards=num_shards))
+        return int(self.conn.action("reading the watermark", proto.WATERMARK, num_shards=num_shards,
+                                    **self._named()))
 
     def count_samples(self) -> int:  # not served: readers do not need it
         raise TrajstoreError("a replay store does not count samples; ask the store")
 
 
-class _RemoteLog:
+class _RemoteLog(ReaderEventLog):
+    """The event log read of the reader's seam, over Flight."""
+
     def __init__(self, conn: _Connection) -> None:
         self.conn = conn
 
-    def count_events(self, *, after_position: int, types: Sequence[str] | None = None) -> int:
+    def count_events(self, *, after_position: int, types: Collection[str] | None = None) -> int:
         return int(self.conn.action("counting events", proto.COUNT_EVENTS, after_position=after_position,
                                     types=None if types is None else list(types)))
 
 
-class _RemotePayload:
-    """The payload seam (``PayloadStore.read_rows``) a reader uses, over Flight.
+class _RemotePayload(ReaderPayload):
+    """The payload read of the reader's seam (``PayloadStore.read_rows``), over Flight.
 
     The rows of one call are fetched as up to ``streams`` requests in parallel
     (consecutive parts): one gRPC stream is bound by one server thread's
@@ -294,7 +312,7 @@ class _RemotePayload:
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
 
-    def read_rows(self, name: str, rows: Sequence[int]) -> SegmentRows:
+    def read_rows(self, name: str, rows: Iterable[int]) -> SegmentRows:
         wanted = sorted(set(int(r) for r in rows))
         n = min(self.streams, len(wanted))
         parts = [wanted[k * len(wanted) // n: (k + 1) * len(wanted) // n] for k in range(n)]
@@ -323,7 +341,7 @@ class _RemotePayload:
 
 class ReplayStore:
     """A store as replay servers show it: the ``materialized``, ``payload`` and
-    ``log`` seams ``SampleReader`` reads. Requests go to ``locations[first]``
+    ``log`` parts ``SampleReader`` reads (a ``trajstore.reader.ReaderStore``). Requests go to ``locations[first]``
     (``ReplayReader`` passes its rank, which spreads ranks over the servers)
     and move on to the next one that answers when it fails. Read-only: it has
     no ``append``."""
@@ -403,6 +421,7 @@ class ReplayReader(SampleReader):
 
         A call waiting out a server's hold or a failover gives up first, so
         closing never waits for a server to come back."""
+        self._closing.set()
         if self._owns_store:
             self.store._conn.closing.set()
         super().close()

@@ -254,6 +254,7 @@ class SampleReader:
 
             store = connect(store, payload=payload, migrate=False, create=False)
         self.store: ReaderStore = store
+        self.rank, self.world_size = rank, world_size
         self.stats = ReaderStats()
         self._closing = threading.Event()  # set by close(): a wait for the store gives up
         self._outage_lock = threading.Lock()
@@ -262,7 +263,6 @@ class SampleReader:
         name = self.config.projection
         self._index: ReaderSampleIndex = (store.materialized if name is None else
                        self._retrying("opening the projection", lambda: store.materialized.projection(name)))
-        self.rank, self.world_size = rank, world_size
         self.current_model_version = renamed("current_version", "current_model_version", current_version,
                                              current_model_version, None)
         self._cursor: Key | None = None

@@ -19,6 +19,7 @@ from test_reader import FOLLOW_TIMEOUT_S, _restart, append_samples, keys
 @pytest.mark.timeout(240)
 def test_a_follow_replay_reader_rides_out_a_database_restart(fault_cluster, tmp_path, replay_servers, caplog):
     caplog.set_level(logging.INFO, logger="trajstore.reader")
+    caplog.set_level(logging.INFO, logger="trajstore.replay.client")
     store = trajstore.connect(fault_cluster.create_database(), payload=str(tmp_path / "payload"))
     append_samples(store, 0, 6)
     server = replay_servers(store)
@@ -37,4 +38,8 @@ def test_a_follow_replay_reader_rides_out_a_database_restart(fault_cluster, tmp_
     assert reader.stats.unavailable_waits >= 1
     lines = [r.getMessage() for r in caplog.records if r.name == "trajstore.reader"]
     assert any("store unavailable while" in m for m in lines) and any("available again" in m for m in lines), lines
+    # the client says so once per outage too, not once per request retried (nor per parallel stream)
+    client = [r.getMessage() for r in caplog.records if r.name == "trajstore.replay.client"]
+    assert sum("failed on" in m for m in client) == 1, client
+    assert sum("answers again" in m for m in client) == 1, client
     store.close()

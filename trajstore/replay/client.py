@@ -121,6 +121,8 @@ class _Connection:
         self.options = fl.FlightCallOptions(headers=headers, timeout=call_timeout_s)
         self._tls_root_certs = tls_root_certs
         self._lock = threading.Lock()
+        self._outage = False  # calls are failing: the first says so, the first answer after says it is over
+        self._outage_since = 0.0
         self._index = first % len(locations)
         self._client: _Client | None = None
 
@@ -167,9 +169,12 @@ class _Connection:
                 index, held = self._acquire()
                 try:
                     try:
-                        return fn(held.client, self.options)
+                        result = fn(held.client, self.options)
                     finally:
                         self._release(held)
+                    if self._outage:
+                        self._recovered(index)
+                    return result
                 except (fl.FlightUnauthenticatedError, fl.FlightUnauthorizedError) as e:
                     raise ValidationError(f"replay server {self.locations[index]} refused {what}: {proto.message(e)}",
                                           rule="unauthorized") from None
@@ -187,8 +192,10 @@ class _Connection:
                     now = time.monotonic()
                     if failing_since is None:
                         failing_since = now
-                        _log.warning("replay reader: %s failed on %s (%s); retrying%s", what, self.locations[index],
-                                     text, " on the next server" if len(self.locations) > 1 else "")
+                        if self._failed():  # one line per outage, not one per parallel stream
+                            _log.warning("replay reader: %s failed on %s (%s); retrying%s", what,
+                                         self.locations[index], text,
+                                         " on the next server" if len(self.locations) > 1 else "")
                     elif now - failing_since >= self.retry_timeout_s:
                         raise StoreUnavailable(f"no replay server answered {what} for {self.retry_timeout_s:g} s "
                                                f"({', '.join(self.locations)}): {text}") from None
@@ -201,6 +208,23 @@ class _Connection:
                 wait_metric.labels("rate_limited").inc(time.monotonic() - limited_since)
             if failing_since is not None:
                 wait_metric.labels("reconnect").inc(time.monotonic() - failing_since)
+
+    def _failed(self) -> bool:
+        """A call starts failing; whether it is the first since the last answer
+        (one warning per outage, however many calls or parallel streams fail)."""
+        with self._lock:
+            first = not self._outage
+            if first:
+                self._outage, self._outage_since = True, time.monotonic()
+            return first
+
+    def _recovered(self, index: int) -> None:
+        """An answer after failures: the outage is over (said once)."""
+        with self._lock:
+            was, self._outage = self._outage, False
+        if was:
+            _log.info("replay reader: %s answers again after %.1f s", self.locations[index],
+                      time.monotonic() - self._outage_since)
 
     def get(self, what: str, ticket: bytes) -> pa.Table:
         """A DoGet's whole answer (a stream cut short is retried whole)."""

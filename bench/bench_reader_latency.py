@@ -69,6 +69,8 @@ def _free_port() -> int:
 
 
 def _percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
 
@@ -91,11 +93,10 @@ def run(kind: str, poll_s: float, url: str, payload: str, args: argparse.Namespa
         reader = ReplayReader(f"grpc://127.0.0.1:{port}", **settings)
     else:
         reader = SampleReader(url, payload=payload, **settings)
-    if start:  # continue after the groups of the earlier runs
-        for _ in range(start):
-            next(reader)
     writer = subprocess.Popen([sys.executable, __file__, "--writer", url, payload, str(args.groups),
                                str(args.group_size), str(args.interval_s), str(start), commits], cwd=REPO)
+    for _ in range(start):  # the groups of the earlier runs
+        next(reader)
     handed: dict[str, float] = {}
     try:
         for batch in reader:
@@ -113,7 +114,7 @@ def run(kind: str, poll_s: float, url: str, payload: str, args: argparse.Namespa
     latencies_ms = [1000 * (handed[g] - t) for g, t in committed.items() if g in handed]
     return {"path": kind, "poll_interval_s": poll_s, "steps": len(latencies_ms), "groups": len(committed),
             "p50_ms": round(_percentile(latencies_ms, 50), 1), "p99_ms": round(_percentile(latencies_ms, 99), 1),
-            "max_ms": round(max(latencies_ms), 1)}
+            "max_ms": round(max(latencies_ms, default=float("nan")), 1)}
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

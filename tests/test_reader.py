@@ -744,7 +744,7 @@ def _reader_lines(caplog) -> list[str]:
 
 
 @pytest.mark.timeout(240)
-def test_a_follow_reader_rides_out_a_database_restart(fault_cluster, tmp_path, caplog):
+def test_a_follow_reader_rides_out_a_database_restart(fault_cluster, tmp_path, caplog, open_reader):
     """6 samples, batch 4, follow; one batch; the server crashes (stop -m immediate),
     stays down 3 s and starts again; more samples come: the reader goes on."""
     import logging
@@ -752,7 +752,7 @@ def test_a_follow_reader_rides_out_a_database_restart(fault_cluster, tmp_path, c
     caplog.set_level(logging.INFO, logger="trajstore.reader")
     store = _pg_store(fault_cluster, tmp_path)
     append_samples(store, 0, 6)
-    reader = SampleReader(store.url, payload=store.payload.location, batch_size=4, follow=True,
+    reader = open_reader(store.url, payload=store.payload.location, batch_size=4, follow=True,
                           timeout_s=FOLLOW_TIMEOUT_S, poll_interval_s=0.05)
     batches = [next(reader)]
     time.sleep(0.3)  # the reader polls for the next step meanwhile
@@ -762,21 +762,21 @@ def test_a_follow_reader_rides_out_a_database_restart(fault_cluster, tmp_path, c
     reader.close()
     assert [len(b) for b in batches] == [4, 4, 4]
     assert keys(s for b in batches for s in b) == [(s.trajectory_id, s.sample_index) for s in store.samples()]
-    assert reader.stats.unavailable_waits == 1 and reader.stats.unavailable_s > 2.0
     lines = _reader_lines(caplog)
+    assert reader.stats.unavailable_waits == 1 and reader.stats.unavailable_s > 2.0, lines
     assert sum("store unavailable while" in m for m in lines) == 1, lines  # one line per wait, not per retry
     assert sum("store available again" in m for m in lines) == 1, lines
     store.close()
 
 
 @pytest.mark.timeout(240)
-def test_a_reader_that_gave_up_raises_again_or_resumes_never_ends(fault_cluster, tmp_path):
+def test_a_reader_that_gave_up_raises_again_or_resumes_never_ends(fault_cluster, tmp_path, open_reader):
     from pg_cluster import crash_cluster, start_cluster_again
     from trajstore.errors import StoreUnavailable
 
     store = _pg_store(fault_cluster, tmp_path)
     append_samples(store, 0, 4)
-    reader = SampleReader(store.url, payload=store.payload.location, batch_size=4, follow=True,
+    reader = open_reader(store.url, payload=store.payload.location, batch_size=4, follow=True,
                           timeout_s=FOLLOW_TIMEOUT_S, poll_interval_s=0.05, unavailable_timeout_s=0.5)
     first = next(reader)
     crash_cluster(fault_cluster)

@@ -673,19 +673,21 @@ class SampleReader:
             try:
                 result = read()
             except StoreUnavailable as e:
+                if self._closing.is_set():  # closed: the read ends here, it is no outage
+                    raise StoreUnavailable(f"{what}: the reader was closed ({first_line(e)})") from None
                 if backoff is None:
                     backoff = Backoff(first_s=0.1, max_s=2.0)
                     backoff.start = started
                     self._outage_began(started, what, e)
                 budget = self.config.unavailable_timeout_s
-                if self._closing.is_set() or backoff.exhausted(budget):
-                    why = "the reader was closed" if self._closing.is_set() else f"{budget:g} s"
-                    _log.error("trajstore reader (rank %d of %d): gave up %s after %s: %s",
-                               self.rank, self.world_size, what, why, first_line(e))
-                    raise StoreUnavailable(f"{what}: the store stayed unavailable for {why} "
+                if backoff.exhausted(budget):
+                    _log.error("trajstore reader (rank %d of %d): gave up %s after %g s: %s",
+                               self.rank, self.world_size, what, budget, first_line(e))
+                    raise StoreUnavailable(f"{what}: the store stayed unavailable for {budget:g} s "
                                            f"(unavailable_timeout_s={budget:g}): {first_line(e)}") from None
                 if self._closing.wait(backoff.delay):
-                    continue  # closed meanwhile: one more attempt, then the error above
+                    raise StoreUnavailable(f"{what}: the reader was closed while the store was unavailable "
+                                           f"({first_line(e)})") from None
                 backoff.delay = min(backoff.delay * 2, backoff.max_s)
                 continue
             if self._outage_since is not None:

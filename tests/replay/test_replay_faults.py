@@ -23,8 +23,8 @@ def test_a_follow_replay_reader_rides_out_a_database_restart(fault_cluster, tmp_
     store = trajstore.connect(fault_cluster.create_database(), payload=str(tmp_path / "payload"))
     append_samples(store, 0, 6)
     server = replay_servers(store)
-    # retry_timeout_s=1: the connection alone gives up on the outage long before the
-    # server's database is back; the reader's unavailable_timeout_s (default) rides it out
+    # the server answers "store unavailable" while its database is down: the reader's
+    # unavailable_timeout_s (default) rides that out, not the connection's retry_timeout_s
     reader = ReplayReader(server.location, token=READ_TOKEN, batch_size=4, follow=True, timeout_s=FOLLOW_TIMEOUT_S,
                           poll_interval_s=0.05, retry_timeout_s=1.0)
     batches = [next(reader)]
@@ -38,8 +38,41 @@ def test_a_follow_replay_reader_rides_out_a_database_restart(fault_cluster, tmp_
     assert reader.stats.unavailable_waits >= 1
     lines = [r.getMessage() for r in caplog.records if r.name == "trajstore.reader"]
     assert any("store unavailable while" in m for m in lines) and any("available again" in m for m in lines), lines
-    # the client says so once per outage too, not once per request retried (nor per parallel stream)
+    # the server answered "store unavailable": the reader's wait is the one said, not the client's failovers
+    client = [r.getMessage() for r in caplog.records if r.name == "trajstore.replay.client"]
+    assert not any("failed on" in m for m in client), client
+    store.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_server_killed_under_parallel_streams_is_said_once(tmp_path, replay_servers, caplog):
+    """A server killed -9 while a batch's payload is asked for in parallel streams,
+    then restarted: one warning for the outage and one line when it answers again,
+    not one per stream; the batch is the local reader's."""
+    import threading
+
+    from test_reader import fill, shuffled
+    from trajstore.reader import SampleReader
+
+    caplog.set_level(logging.INFO, logger="trajstore.replay.client")
+    store = trajstore.connect(f"sqlite:///{tmp_path / 'store.db'}", payload=str(tmp_path / "payload"))
+    fill(store, shuffled(24))
+    server = replay_servers(store)
+    config = {"batch_size": 12, "page_rows": 1000, "prefetch": False}
+    reader = ReplayReader(server.location, token=READ_TOKEN, streams=4, retry_timeout_s=60, **config)
+    local = SampleReader(store, **config)
+    assert keys(next(reader)) == keys(next(local))  # the rows of every step are read: only payload calls remain
+    server.kill9()
+    restart = threading.Timer(1.5, server.start)
+    restart.start()
+    try:
+        second = next(reader)
+    finally:
+        restart.join()
+    assert keys(second) == keys(next(local))
     client = [r.getMessage() for r in caplog.records if r.name == "trajstore.replay.client"]
     assert sum("failed on" in m for m in client) == 1, client
     assert sum("answers again" in m for m in client) == 1, client
+    reader.close()
+    local.close()
     store.close()

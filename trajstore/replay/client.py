@@ -16,7 +16,10 @@ nothing is decoded twice.
 Every request is self-contained and idempotent, so a failure is retried: the
 client moves to the next server of ``locations`` (a server killed mid-stream,
 restarted, or replaced) until ``retry_timeout_s`` passes without an answer;
-a page or a batch is used only when it arrived whole. A server's rate limiter
+a page or a batch is used only when it arrived whole. A server that answers
+that its store is unavailable (its database restarting) raises
+``StoreUnavailable`` at once: the reader waits that out as it does locally,
+for its ``unavailable_timeout_s``. A server's rate limiter
 ("rate limited") is waited out as long as it lasts, counted and logged.
 """
 
@@ -182,6 +185,10 @@ class _Connection:
                     raise _error(self.locations[index], what, proto.message(e)) from None
                 except (fl.FlightError, OSError) as e:
                     text = proto.message(e)
+                    if text.startswith(proto.UNAVAILABLE):
+                        # The server is up, the store behind it is not: every server of the list
+                        # shares that store. The reader waits it out (its unavailable_timeout_s).
+                        raise StoreUnavailable(f"replay server {self.locations[index]}: {text}") from None
                     if text.startswith(proto.RATE_LIMITED):
                         if limited_since is None:
                             limited_since = time.monotonic()

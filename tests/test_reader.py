@@ -912,3 +912,120 @@ def test_the_store_and_the_replay_store_implement_the_declared_reader_seam(store
                                [(p.name, p.kind, p.default) for p in declared], f"{type(obj).__name__}.{name}"
     finally:
         remote.close()
+
+
+# ----------------------------------------------------------------------------
+# A whole run under faults: writer and materializer processes, a follow-mode
+# trainer checkpointing its reader state, PostgreSQL backends killed -9 (the
+# server restarts every backend) and the server crashed and restarted.
+
+def _soak_writer(url: str, payload: str, out_dir: str, writer: int) -> None:
+    """Appends one-sample trajectories until ``out_dir/stop`` exists, retrying each until it
+    is stored; notes each acknowledged one (fsynced)."""
+    from trajstore.errors import StoreUnavailable
+
+    stop = os.path.join(out_dir, "stop")
+    store = trajstore.connect(url, payload=payload, migrate=False)
+    with open(os.path.join(out_dir, f"acked-{writer}.txt"), "a") as ack:
+        k = 0
+        while not os.path.exists(stop):
+            index = writer * 100_000 + k
+            while True:
+                try:
+                    store.append(trajectory_events(ONE_SAMPLE_CFG, index))
+                    break
+                except StoreUnavailable:
+                    time.sleep(0.05)
+            ack.write(f"{index}\n")
+            ack.flush()
+            os.fsync(ack.fileno())
+            k += 1
+            time.sleep(0.02)
+    store.close()
+
+
+def _soak_materializer(url: str, payload: str, out_dir: str) -> None:
+    """The materializer worker: folds what is pending, again and again, riding out outages,
+    until ``out_dir/stop`` exists and nothing is pending."""
+    from trajstore.errors import StoreUnavailable
+
+    stop = os.path.join(out_dir, "stop")
+    store = trajstore.connect(url, payload=payload, migrate=False)
+    m = Materializer(store, max_trajectories=16)
+    while True:
+        stopping = os.path.exists(stop)
+        try:
+            stats = m.run()
+        except StoreUnavailable:
+            time.sleep(0.1)
+            continue
+        if stopping and stats.num_trajectories == 0:
+            break
+        time.sleep(0.05)
+    store.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_a_whole_run_under_backend_kills_and_restarts_reads_every_sample_once(fault_cluster, tmp_path):
+    import multiprocessing
+    import random as _random
+
+    rng = _random.Random(7)
+    out_dir, payload = str(tmp_path), str(tmp_path / "payload")
+    store = _pg_store(fault_cluster, tmp_path)
+    dbname = store.url.rsplit("/", 1)[1]
+    fork = multiprocessing.get_context("fork")
+    procs = [fork.Process(target=_soak_writer, args=(store.url, payload, out_dir, w), daemon=True) for w in range(2)]
+    procs.append(fork.Process(target=_soak_materializer, args=(store.url, payload, out_dir), daemon=True))
+    for p in procs:
+        p.start()
+    faults: list[str] = []
+    read: list[tuple[str, int]] = []
+    states: list[dict] = []
+    reader = SampleReader(store.url, payload=payload, batch_size=4, follow=True, timeout_s=20.0, poll_interval_s=0.05)
+    try:
+        schedule = ["kill", "kill", "restart", "kill", "kill", "restart"]
+        next_fault = time.monotonic() + 2
+        while schedule:
+            batch = next(reader)
+            read += keys(batch)
+            states.append(reader.state_dict())  # the trainer's checkpoint
+            if time.monotonic() >= next_fault:
+                fault = schedule.pop(0)
+                if fault == "restart":
+                    _restart(fault_cluster, down_s=1.0)
+                else:
+                    backends = fault_cluster.backends(dbname)
+                    assert backends, "no backend of the store to kill"
+                    fault_cluster.kill_backend(rng.choice(backends)["pid"])
+                faults.append(fault)
+                fault_cluster.wait_ready()
+                next_fault = time.monotonic() + 2
+        # a trainer restored from its last checkpoint reads on where this one stopped
+        reader.close()
+        reader = SampleReader(store.url, payload=payload, batch_size=4, follow=True, timeout_s=5.0,
+                              poll_interval_s=0.05)
+        reader.load_state_dict(states[-1])
+        open(os.path.join(out_dir, "stop"), "w").close()
+        for p in procs:
+            p.join(timeout=120)
+        read += [k for b in reader for k in keys(b)]
+    finally:
+        open(os.path.join(out_dir, "stop"), "w").close()
+        reader.close()
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    assert [p.exitcode for p in procs] == [0, 0, 0], [p.exitcode for p in procs]
+    assert faults.count("restart") >= 2 and faults.count("kill") >= 4, faults
+    acked = {i for w in range(2) for i in map(int, open(os.path.join(out_dir, f"acked-{w}.txt")).read().split())}
+    stored = [(s.trajectory_id, s.sample_index) for s in store.samples()]
+    assert len(stored) == len(set(stored)), "a trajectory was folded twice"
+    want = {trajectory_events(ONE_SAMPLE_CFG, i)[0]["trajectory_id"] for i in acked}
+    assert want <= {t for t, _ in stored}, "an acknowledged trajectory has no sample"
+    duplicates = [k for k, c in Counter(read).items() if c > 1]
+    assert not duplicates, f"samples read twice: {duplicates[:5]}"
+    assert read == stored, "the trainer did not read every stored sample once, in order"
+    store.close()

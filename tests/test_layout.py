@@ -185,7 +185,10 @@ PUBLIC_API: dict[str, set[str]] = {
     },
     "trajstore.materializer": {"MaterializeStats", "Materializer", "shard_of"},
     "trajstore.payload": {"PayloadStore", "SegmentRows"},
-    "trajstore.reader": {"ReaderConfig", "ReaderStats", "SampleReader"},
+    "trajstore.reader": {
+        "ReaderConfig", "ReaderEventLog", "ReaderPayload", "ReaderSampleIndex", "ReaderStats", "ReaderStore",
+        "SampleReader"
+    },
     "trajstore.replay": {"ReplayReader", "ReplayStore"},
     "trajstore.replay.client": {"ReplayReader", "ReplayStore", "parse_locations"},
     "trajstore.replay.dataset": {"ReplayDataset"},

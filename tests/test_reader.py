@@ -88,13 +88,63 @@ def drive(readers: list[SampleReader], max_steps: int | None = None,
     return steps
 
 
-def make_readers(store_or_url, world_size: int, config: dict, state=None, payload=None) -> list[SampleReader]:
-    readers = [SampleReader(store_or_url, rank=r, world_size=world_size, payload=payload, **config)
+def make_readers(store_or_url, world_size: int, config: dict, state=None, payload=None,
+                 open_reader=SampleReader) -> list[SampleReader]:
+    readers = [open_reader(store_or_url, rank=r, world_size=world_size, payload=payload, **config)
                for r in range(world_size)]
     if state is not None:
         for r in readers:
             r.load_state_dict(state)
     return readers
+
+
+class InProcessReplay:
+    """A replay server (``ReplayServer``, real gRPC on loopback) in a thread of this
+    process, over its own connection to ``store``: the reader tests run through it."""
+
+    def __init__(self, store) -> None:
+        from trajstore.replay._server import ReplayServer
+
+        own = trajstore.connect(store.url, payload=store.payload.location, migrate=False, create=False)
+        self.server = ReplayServer(own, "grpc://127.0.0.1:0", tokens=None, close_store=True)
+        self.location = f"grpc://127.0.0.1:{self.server.port}"
+        self.thread = threading.Thread(target=self.server.serve, daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.thread.join(timeout=30)
+
+
+@pytest.fixture(params=["local", "replay"])
+def open_reader(request):
+    """``open_reader(store, **settings)``: a ``SampleReader`` on the store, or a
+    ``ReplayReader`` through a replay server in front of it: the reader's seam
+    (``trajstore.reader.ReaderStore``) has two implementations, and these tests
+    run on both."""
+    servers: dict[str, InProcessReplay] = {}
+    readers: list[SampleReader] = []
+
+    def open_(store, *args, payload=None, **settings) -> SampleReader:
+        if request.param == "local":
+            reader = SampleReader(store, *args, payload=payload, **settings)
+        else:
+            from trajstore.replay import ReplayReader
+
+            if isinstance(store, str):
+                store = trajstore.connect(store, payload=payload, migrate=False, create=False)
+            if store.url not in servers:
+                servers[store.url] = InProcessReplay(store)
+            reader = ReplayReader(servers[store.url].location, *args, **settings)
+        readers.append(reader)
+        return reader
+
+    open_.kind = request.param
+    yield open_
+    for r in readers:
+        r.close()
+    for server in servers.values():
+        server.stop()
 
 
 def flat(steps) -> list[tuple[str, int]]:
@@ -187,12 +237,12 @@ def _resume_main(path: str) -> None:
     print(json.dumps(results))
 
 
-def test_state_is_small_json_and_carries_the_version(filled):
-    reader = SampleReader(filled, batch_size=4, keep_groups=True, group_size=GROUP_SIZE, current_model_version=3)
+def test_state_is_small_json_and_carries_the_version(filled, open_reader):
+    reader = open_reader(filled, batch_size=4, keep_groups=True, group_size=GROUP_SIZE, current_model_version=3)
     next(reader)
     state = reader.state_dict()
     assert len(json.dumps(state)) < 600
-    fresh = SampleReader(filled, batch_size=4, keep_groups=True, group_size=GROUP_SIZE)
+    fresh = open_reader(filled, batch_size=4, keep_groups=True, group_size=GROUP_SIZE)
     fresh.load_state_dict(json.loads(json.dumps(state)))
     assert fresh.current_model_version == 3 and fresh.state_dict() == state
 
@@ -207,32 +257,32 @@ def test_state_is_small_json_and_carries_the_version(filled):
     (lambda s: s.update(current_version="5"), "current_version must be an integer"),
     (lambda s: s["stats"].pop("steps"), "stats must hold integers"),
 ])
-def test_bad_states_are_refused_with_the_reason(filled, change, message):
+def test_bad_states_are_refused_with_the_reason(filled, change, message, open_reader):
     config = {"batch_size": 4, "keep_groups": True, "group_size": GROUP_SIZE}
-    reader = SampleReader(filled, **config)
+    reader = open_reader(filled, **config)
     next(reader)
     state = json.loads(json.dumps(reader.state_dict()))
     change(state)
     with pytest.raises(ResumeStateError, match=message):
-        SampleReader(filled, **config).load_state_dict(state)
+        open_reader(filled, **config).load_state_dict(state)
     with pytest.raises(ResumeStateError, match="must be a dict"):
-        SampleReader(filled, **config).load_state_dict([state])
+        open_reader(filled, **config).load_state_dict([state])
 
 
-def test_status_filter_is_part_of_the_state(filled):
-    reader = SampleReader(filled, batch_size=4, status="completed")
+def test_status_filter_is_part_of_the_state(filled, open_reader):
+    reader = open_reader(filled, batch_size=4, status="completed")
     next(reader)
     with pytest.raises(ResumeStateError, match="status"):
-        SampleReader(filled, batch_size=4).load_state_dict(reader.state_dict())
+        open_reader(filled, batch_size=4).load_state_dict(reader.state_dict())
 
 
 # --- sharding, groups, staleness ------------------------------------------------------------------
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 5])
 @pytest.mark.parametrize("config", [{"batch_size": 4}, {"max_tokens_per_batch": 200}], ids=["samples", "tokens"])
-def test_shards_are_disjoint_and_cover_every_sample(filled, world_size, config):
+def test_shards_are_disjoint_and_cover_every_sample(filled, world_size, config, open_reader):
     everything = [(s.trajectory_id, s.sample_index) for s in filled.samples()]
-    steps = drive(make_readers(filled, world_size, config))
+    steps = drive(make_readers(filled, world_size, config, open_reader=open_reader))
     per_rank = [set(k for step in steps for k in step[r]) for r in range(world_size)]
     for a in range(world_size):
         for b in range(a + 1, world_size):
@@ -245,24 +295,24 @@ def test_shards_are_disjoint_and_cover_every_sample(filled, world_size, config):
                 assert len(batch) == 1 or sum(tokens[k] for k in batch) <= 200
 
 
-def test_drop_last_leaves_the_tail_for_a_later_reader(filled):
+def test_drop_last_leaves_the_tail_for_a_later_reader(filled, open_reader):
     everything = [(s.trajectory_id, s.sample_index) for s in filled.samples()]
-    readers = make_readers(filled, 3, {"batch_size": 4, "drop_last": True})
+    readers = make_readers(filled, 3, {"batch_size": 4, "drop_last": True}, open_reader=open_reader)
     steps = drive(readers)
     assert all(len(batch) == 4 for step in steps for batch in step)
     assert len(flat(steps)) == len(everything) - len(everything) % 12
-    rest = drive(make_readers(filled, 1, {"batch_size": 4}, readers[0].state_dict()))
+    rest = drive(make_readers(filled, 1, {"batch_size": 4}, readers[0].state_dict(), open_reader=open_reader))
     assert_resumed(steps, rest, everything)
 
 
-def test_groups_stay_whole_in_one_batch_and_incomplete_groups_wait(store):
+def test_groups_stay_whole_in_one_batch_and_incomplete_groups_wait(store, open_reader):
     order = [i for i in shuffled() if i != 5]  # group 1 lacks one trajectory
     fill(store, order)
     samples = list(store.samples())
     group_of = {(s.trajectory_id, s.sample_index): s.group_id for s in samples}
     status_of = {(s.trajectory_id, s.sample_index): s.status for s in samples}
     config = {"batch_size": 8, "keep_groups": True, "group_size": GROUP_SIZE, "status": ("completed",)}
-    readers = make_readers(store, 2, config)
+    readers = make_readers(store, 2, config, open_reader=open_reader)
     steps = drive(readers)
     place = {}
     for i, step in enumerate(steps):
@@ -276,29 +326,29 @@ def test_groups_stay_whole_in_one_batch_and_incomplete_groups_wait(store):
         1 for k in group_of if status_of[k] != "completed" and group_of[k] != "group-3-00001")
 
 
-def test_stale_units_are_skipped_and_counted(filled):
+def test_stale_units_are_skipped_and_counted(filled, open_reader):
     samples = list(filled.samples())
-    reader = SampleReader(filled, batch_size=5, max_staleness=1, current_model_version=4)
+    reader = open_reader(filled, batch_size=5, max_staleness=1, current_model_version=4)
     got = flat([[keys(b)] for b in reader])
     fresh = [(s.trajectory_id, s.sample_index) for s in samples if s.min_model_version >= 3]
     assert got == fresh
     assert reader.stats.stale_samples == reader.stats.stale_units == len(samples) - len(fresh) > 0
 
 
-def test_stale_groups_are_skipped_whole(filled):
+def test_stale_groups_are_skipped_whole(filled, open_reader):
     samples = list(filled.samples())
     oldest: dict[str, int] = {}
     for s in samples:
         oldest[s.group_id] = min(oldest.get(s.group_id, 99), s.min_model_version)
-    reader = SampleReader(filled, batch_size=8, keep_groups=True, group_size=GROUP_SIZE,
+    reader = open_reader(filled, batch_size=8, keep_groups=True, group_size=GROUP_SIZE,
                           max_staleness=1, current_model_version=4)
     got = set(flat([[keys(b)] for b in reader]))
     assert got == {(s.trajectory_id, s.sample_index) for s in samples if oldest[s.group_id] >= 3}
     assert reader.stats.stale_units == sum(1 for v in oldest.values() if v < 3)
 
 
-def test_current_model_version_applies_from_the_next_step(filled):
-    reader = SampleReader(filled, batch_size=2, max_staleness=0)
+def test_current_model_version_applies_from_the_next_step(filled, open_reader):
+    reader = open_reader(filled, batch_size=2, max_staleness=0)
     first = next(reader)
     reader.current_model_version = 5
     rest = [s for batch in reader for s in batch]
@@ -338,20 +388,20 @@ def test_config_errors_are_one_line(filled):
 
 # --- watermark and follow ---------------------------------------------------------------------------
 
-def test_only_samples_below_every_shard_checkpoint_are_read(store):
+def test_only_samples_below_every_shard_checkpoint_are_read(store, open_reader):
     for i in range(12):
         store.append(trajectory_events(CFG, i))
     Materializer(store, shard_index=0, num_shards=2).run()
     Materializer(store, shard_index=1, num_shards=2, max_trajectories=4).run(max_steps=1)
     watermark = store.materialized.load_checkpoint(Shard(1, 2))["position"]
     rows = [r for page in store.materialized.iter_sample_rows(where={}, after=None, page_rows=1000) for r in page]
-    got = [s for batch in SampleReader(store, batch_size=4, num_shards=2) for s in batch]
+    got = [s for batch in open_reader(store, batch_size=4, num_shards=2) for s in batch]
     assert keys(got) == [(r["trajectory_id"], r["sample_index"]) for r in rows if r["finished_position"] <= watermark]
     assert 0 < len(got) < len(rows)
     # the shard count comes from the stored checkpoints; a num_shards given by hand must agree
-    assert keys(s for batch in SampleReader(store, batch_size=4) for s in batch) == keys(got)
+    assert keys(s for batch in open_reader(store, batch_size=4) for s in batch) == keys(got)
     with pytest.raises(ValidationError, match="num_shards"):
-        next(SampleReader(store, batch_size=4, num_shards=1))
+        next(open_reader(store, batch_size=4, num_shards=1))
 
 
 @contextlib.contextmanager
@@ -386,7 +436,7 @@ def _ends_once_drained(reader: SampleReader, producer: subprocess.Popen, idle_s:
 
 @pytest.mark.parametrize("config", [{"batch_size": 3}, {"batch_size": 8, "keep_groups": True, "group_size": GROUP_SIZE}],
                          ids=["samples", "groups"])
-def test_follow_sees_every_sample_once_while_another_process_writes(store, config):
+def test_follow_sees_every_sample_once_while_another_process_writes(store, config, open_reader):
     producer = subprocess.Popen([sys.executable, HERE, "produce", store.url, store.payload.location, "32"],
                                 cwd=ROOT, stderr=subprocess.PIPE, text=True)
     try:
@@ -395,7 +445,7 @@ def test_follow_sees_every_sample_once_while_another_process_writes(store, confi
         # its slowest gap under a shared CPU must stay below the idle timeout.
         while producer.poll() is None and not any(True for _ in store.samples(page_rows=1)):
             time.sleep(0.05)
-        reader = SampleReader(store, follow=True, timeout_s=20.0, poll_interval_s=0.05, **config)
+        reader = open_reader(store, follow=True, timeout_s=20.0, poll_interval_s=0.05, **config)
         with _ends_once_drained(reader, producer):
             steps = [[keys(batch)] for batch in reader]
     finally:
@@ -445,37 +495,37 @@ def _empty_read(caplog, reader: SampleReader) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.name == "trajstore.reader"]
 
 
-def test_group_size_larger_than_the_groups_is_explained_once(filled, caplog):
-    said = _empty_read(caplog, SampleReader(filled, keep_groups=True, group_size=2 * GROUP_SIZE))
+def test_group_size_larger_than_the_groups_is_explained_once(filled, caplog, open_reader):
+    said = _empty_read(caplog, open_reader(filled, keep_groups=True, group_size=2 * GROUP_SIZE))
     assert len(said) == 1, said
     groups = NUM_TRAJECTORIES // GROUP_SIZE
     assert "yields no batch" in said[0] and f"{groups} groups are still open" in said[0]
     assert f"group_size={2 * GROUP_SIZE}" in said[0] and f"the fullest has {GROUP_SIZE}" in said[0]
 
 
-def test_unmaterialized_trajectories_are_explained(store, caplog):
+def test_unmaterialized_trajectories_are_explained(store, caplog, open_reader):
     for i in range(6):
         store.append(trajectory_events(CFG, i))
-    said = _empty_read(caplog, SampleReader(store, batch_size=4))
+    said = _empty_read(caplog, open_reader(store, batch_size=4))
     assert len(said) == 1 and "6 finished trajectories are not materialized yet" in said[0], said
 
 
-def test_everything_stale_is_explained(filled, caplog):
-    said = _empty_read(caplog, SampleReader(filled, batch_size=4, max_staleness=0, current_model_version=100))
+def test_everything_stale_is_explained(filled, caplog, open_reader):
+    said = _empty_read(caplog, open_reader(filled, batch_size=4, max_staleness=0, current_model_version=100))
     assert len(said) == 1 and "staler than max_staleness=0 at current_model_version=100" in said[0], said
 
 
-def test_an_empty_store_is_explained(store, caplog):
-    said = _empty_read(caplog, SampleReader(store, batch_size=4))
+def test_an_empty_store_is_explained(store, caplog, open_reader):
+    said = _empty_read(caplog, open_reader(store, batch_size=4))
     assert said == ["trajstore reader (rank 0 of 1) yields no batch: "
                     "the store has no materialized samples and no finished trajectory"]
 
 
-def test_a_reader_with_batches_says_nothing(filled, caplog):
+def test_a_reader_with_batches_says_nothing(filled, caplog, open_reader):
     import logging
 
     caplog.set_level(logging.WARNING, logger="trajstore.reader")
-    with SampleReader(filled, batch_size=4) as reader:
+    with open_reader(filled, batch_size=4) as reader:
         assert len(list(reader)) > 0
     assert [r for r in caplog.records if r.name == "trajstore.reader"] == []
 
@@ -509,7 +559,7 @@ def test_finish_reason_options_are_checked():
     assert ReaderConfig(drop_finish_reasons="length").drop_finish_reasons == ("length",)
 
 
-def test_reader_drops_samples_by_recorded_finish_reason(store):
+def test_reader_drops_samples_by_recorded_finish_reason(store, open_reader):
     """End to end: generations recorded with finish_reason "length" never reach the trainer."""
     overlong = set()
     for i in range(12):
@@ -522,7 +572,7 @@ def test_reader_drops_samples_by_recorded_finish_reason(store):
         store.append(events)
     store.materialize()
     assert {s.finish_reason for s in store.samples() if s.trajectory_id in overlong} == {"length"}
-    with SampleReader(store, batch_size=4, drop_finish_reasons=("length",)) as reader:
+    with open_reader(store, batch_size=4, drop_finish_reasons=("length",)) as reader:
         read = [s for batch in reader for s in batch]
         dropped = reader.stats.dropped_samples
     assert read and not {s.trajectory_id for s in read} & overlong
@@ -632,3 +682,350 @@ def test_a_reader_config_argument_is_deprecated_and_means_the_same_keywords(fill
         resumed = SampleReader(filled, config)
     resumed.load_state_dict(first.state_dict())
     assert [keys(b) for b in resumed] == [keys(b) for b in first]
+
+
+# ----------------------------------------------------------------------------
+# Hand-over: a step is handed over as soon as it is full, not when one more
+# unit arrives (or the follow timeout passes).
+
+ONE_SAMPLE_CFG = RolloutConfig(turns=1, prompt_tokens=8, output_tokens=4, observation_tokens=2, layers=2, topk=2,
+                               num_experts=8, group_size=2, mismatch_prob=0.0, abort_prob=0.0, fail_prob=0.0, seed=1)
+# Generous: a hand-over is milliseconds; the bug it catches waited the whole follow timeout.
+NO_TIMEOUT_WAIT_S = 10.0
+FOLLOW_TIMEOUT_S = 40.0
+
+
+def append_samples(store, start: int, n: int) -> None:
+    """Trajectories ``start .. start+n-1`` of one sample each, appended and materialized."""
+    for i in range(start, start + n):
+        store.append(trajectory_events(ONE_SAMPLE_CFG, i))
+    Materializer(store).run()
+
+
+@pytest.mark.parametrize("config", [{"batch_size": 4}, {"batch_size": 4, "keep_groups": True, "group_size": 2},
+                                    {"batch_size": 4, "prefetch": False}], ids=["samples", "groups", "no-prefetch"])
+def test_a_full_step_is_handed_over_without_waiting_for_more(store, config, open_reader):
+    append_samples(store, 0, 4)  # exactly one step
+    with open_reader(store, follow=True, timeout_s=FOLLOW_TIMEOUT_S, poll_interval_s=0.05, **config) as reader:
+        t0 = time.monotonic()
+        first = next(reader)
+        waited = time.monotonic() - t0
+        assert len(first) == 4 and waited < NO_TIMEOUT_WAIT_S, f"a full step waited {waited:.1f} s for more"
+        # the next step: its last group completes while the reader waits
+        writer = threading.Thread(target=append_samples, args=(store, 4, 4))
+        writer.start()
+        second = next(reader)
+        handed_over = time.monotonic()
+        writer.join()
+        assert handed_over - t0 < NO_TIMEOUT_WAIT_S + waited, "the second full step waited for the follow timeout"
+    assert sorted(keys(first + second)) == sorted((s.trajectory_id, s.sample_index) for s in store.samples())
+
+
+# ----------------------------------------------------------------------------
+# An unavailable store: the reader waits it out (unavailable_timeout_s), and an
+# iteration that raised resumes after the last batch it handed out. PostgreSQL
+# only: a SQLite store has no server to restart.
+
+def _pg_store(cluster, tmp_path):
+    url = cluster.create_database()
+    return trajstore.connect(url, payload=str(tmp_path / "payload"))
+
+
+def _restart(cluster, down_s: float = 3.0) -> None:
+    from pg_cluster import crash_cluster, start_cluster_again
+
+    crash_cluster(cluster)
+    time.sleep(down_s)
+    start_cluster_again(cluster)
+
+
+def _reader_lines(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "trajstore.reader"]
+
+
+@pytest.mark.timeout(240)
+def test_a_follow_reader_rides_out_a_database_restart(fault_cluster, tmp_path, caplog, open_reader):
+    """6 samples, batch 4, follow; one batch; the server crashes (stop -m immediate),
+    stays down 3 s and starts again; more samples come: the reader goes on."""
+    import logging
+
+    caplog.set_level(logging.INFO, logger="trajstore.reader")
+    store = _pg_store(fault_cluster, tmp_path)
+    append_samples(store, 0, 6)
+    reader = open_reader(store.url, payload=store.payload.location, batch_size=4, follow=True,
+                          timeout_s=FOLLOW_TIMEOUT_S, poll_interval_s=0.05)
+    batches = [next(reader)]
+    time.sleep(0.3)  # the reader polls for the next step meanwhile
+    _restart(fault_cluster)
+    append_samples(store, 6, 6)
+    batches += [next(reader), next(reader)]
+    reader.close()
+    assert [len(b) for b in batches] == [4, 4, 4]
+    assert keys(s for b in batches for s in b) == [(s.trajectory_id, s.sample_index) for s in store.samples()]
+    lines = _reader_lines(caplog)
+    assert reader.stats.unavailable_waits == 1 and reader.stats.unavailable_s > 2.0, lines
+    assert sum("store unavailable while" in m for m in lines) == 1, lines  # one line per wait, not per retry
+    assert sum("store available again" in m for m in lines) == 1, lines
+    store.close()
+
+
+@pytest.mark.timeout(240)
+def test_a_reader_that_gave_up_raises_again_or_resumes_never_ends(fault_cluster, tmp_path, open_reader):
+    from pg_cluster import crash_cluster, start_cluster_again
+    from trajstore.errors import StoreUnavailable
+
+    store = _pg_store(fault_cluster, tmp_path)
+    append_samples(store, 0, 4)
+    reader = open_reader(store.url, payload=store.payload.location, batch_size=4, follow=True,
+                          timeout_s=FOLLOW_TIMEOUT_S, poll_interval_s=0.05, unavailable_timeout_s=0.5)
+    first = next(reader)
+    crash_cluster(fault_cluster)
+    try:
+        for _ in range(2):  # a trainer that catches the error and asks again gets it again
+            with pytest.raises(StoreUnavailable, match="unavailable_timeout_s=0.5"):
+                next(reader)
+    finally:
+        start_cluster_again(fault_cluster)
+    append_samples(store, 4, 4)
+    second = next(reader)  # resumes where it was: the next step, nothing lost or repeated
+    reader.close()
+    assert keys(first + second) == [(s.trajectory_id, s.sample_index) for s in store.samples()]
+    store.close()
+
+
+@pytest.mark.timeout(240)
+def test_backends_killed_mid_read_are_retried(fault_cluster, tmp_path):
+    """A row query of the reader (one page per step) is held on a table lock, its
+    backend terminated (pg_terminate_backend), and the lock released, three times:
+    every sample read once, in order."""
+    import psycopg
+
+    store = _pg_store(fault_cluster, tmp_path)
+    fill(store, shuffled(24))
+    reference = flat(drive(make_readers(store, 1, {"batch_size": 4})))
+    dbname = store.url.rsplit("/", 1)[1]
+    reader = SampleReader(store.url, payload=store.payload.location, batch_size=4, page_rows=4, prefetch=False)
+    admin = f"host=127.0.0.1 port={fault_cluster.port} user=postgres dbname={dbname}"
+    killed = 0
+    got = []
+    with psycopg.connect(admin, autocommit=True) as locker, psycopg.connect(admin, autocommit=True) as killer:
+        for _ in range(3):
+            locker.execute("BEGIN")
+            locker.execute("LOCK TABLE samples IN ACCESS EXCLUSIVE MODE")
+            result: dict = {}
+            thread = threading.Thread(target=lambda: result.update(batch=next(reader, None)))
+            thread.start()
+            deadline = time.monotonic() + 20
+            pids = []
+            while not pids and time.monotonic() < deadline:
+                pids = [r[0] for r in killer.execute(
+                    "SELECT pid FROM pg_stat_activity WHERE datname = %s AND wait_event_type = 'Lock'",
+                    (dbname,)).fetchall()]
+                time.sleep(0.02)
+            assert pids, "the reader's row query never waited on the lock"
+            for pid in pids:
+                killed += killer.execute("SELECT pg_terminate_backend(%s)", (pid,)).fetchone()[0]
+            time.sleep(0.3)
+            locker.execute("COMMIT")
+            thread.join(timeout=60)
+            got.append(keys(result["batch"]))
+        got += [keys(b) for b in reader]
+    reader.close()
+    assert killed >= 3 and reader.stats.unavailable_waits >= 3
+    assert [k for b in got for k in b] == [tuple(k) for k in reference]
+    store.close()
+
+
+@pytest.mark.timeout(300)
+def test_sample_dataset_workers_ride_out_a_database_restart(fault_cluster, tmp_path):
+    torchdata = pytest.importorskip("torchdata.stateful_dataloader")
+    from trajstore.train.collate import SampleDataset
+
+    store = _pg_store(fault_cluster, tmp_path)
+    append_samples(store, 0, 8)
+    dataset = SampleDataset(store.url, payload=store.payload.location, batch_size=4, follow=True,
+                            timeout_s=FOLLOW_TIMEOUT_S, poll_interval_s=0.05)
+    loader = torchdata.StatefulDataLoader(dataset, batch_size=None, num_workers=2)
+    it = iter(loader)
+    batches = [next(it), next(it)]
+    _restart(fault_cluster)
+    append_samples(store, 8, 8)
+    batches += [next(it), next(it)]
+    state = loader.state_dict()
+    del it
+    assert [b["step"] for b in batches] == [0, 1, 2, 3]
+    got = [(t, i) for b in batches for t, i in zip(b["trajectory_ids"], b["sample_indices"])]
+    assert got == [(s.trajectory_id, s.sample_index) for s in store.samples()]
+    assert state  # the loader's state after the restart is a normal one
+    store.close()
+
+
+# ----------------------------------------------------------------------------
+# Every setting works through the replay service too: a projection's samples.
+
+def test_a_projection_is_read_with_its_own_samples_and_state(store, open_reader):
+    for i in range(12):
+        store.append(trajectory_events(CFG, i))
+    store.materialize()
+    store.create_projection("steps", merge="none")
+    store.materialize(projection="steps")
+    want = [(s.trajectory_id, s.sample_index) for s in store.samples(projection="steps")]
+    assert len(want) > len(list(store.samples()))  # step-wise: another sequence than the default's
+    reader = open_reader(store, batch_size=4, projection="steps")
+    first = next(reader)
+    state = reader.state_dict()
+    assert state["fingerprint"]["projection"] == "steps"
+    rest = open_reader(store, batch_size=4, projection="steps")
+    rest.load_state_dict(state)
+    assert keys(first) + [k for b in rest for k in keys(b)] == want
+    with pytest.raises(ResumeStateError, match="projection"):
+        open_reader(store, batch_size=4).load_state_dict(state)
+    with pytest.raises(ValidationError, match="no projection 'nope'"):
+        open_reader(store, batch_size=4, projection="nope")
+
+
+def test_the_store_and_the_replay_store_implement_the_declared_reader_seam(store):
+    """The five reads (docs/reference.md) as ``trajstore.reader``'s Protocols: each
+    implementation has them, with the declared parameters (names, kinds, defaults)."""
+    import inspect
+
+    from trajstore.reader import ReaderEventLog, ReaderPayload, ReaderSampleIndex, ReaderStore
+    from trajstore.replay import ReplayStore
+
+    store.create_projection("steps", merge="none")
+    remote = ReplayStore("grpc://127.0.0.1:1")  # connects at the first call: none is made here
+    seams = {ReaderSampleIndex: ("iter_sample_rows", "watermark", "projection"), ReaderEventLog: ("count_events",),
+             ReaderPayload: ("read_rows",)}
+    try:
+        for impl in (store, remote):
+            assert isinstance(impl, ReaderStore)
+            parts = {ReaderSampleIndex: [impl.materialized], ReaderEventLog: [impl.log], ReaderPayload: [impl.payload]}
+            if impl is store:
+                parts[ReaderSampleIndex].append(store.materialized.projection("steps"))
+            for protocol, objects in parts.items():
+                for obj in objects:
+                    assert isinstance(obj, protocol), (type(obj), protocol)
+                    for name in seams[protocol]:
+                        declared = inspect.signature(getattr(protocol, name)).parameters.values()
+                        actual = inspect.signature(getattr(type(obj), name)).parameters.values()
+                        assert [(p.name, p.kind, p.default) for p in actual] == \
+                               [(p.name, p.kind, p.default) for p in declared], f"{type(obj).__name__}.{name}"
+    finally:
+        remote.close()
+
+
+# ----------------------------------------------------------------------------
+# A whole run under faults: writer and materializer processes, a follow-mode
+# trainer checkpointing its reader state, PostgreSQL backends killed -9 (the
+# server restarts every backend) and the server crashed and restarted.
+
+def _soak_writer(url: str, payload: str, out_dir: str, writer: int) -> None:
+    """Appends one-sample trajectories until ``out_dir/stop`` exists, retrying each until it
+    is stored; notes each acknowledged one (fsynced)."""
+    from trajstore.errors import StoreUnavailable
+
+    stop = os.path.join(out_dir, "stop")
+    store = trajstore.connect(url, payload=payload, migrate=False)
+    with open(os.path.join(out_dir, f"acked-{writer}.txt"), "a") as ack:
+        k = 0
+        while not os.path.exists(stop):
+            index = writer * 100_000 + k
+            while True:
+                try:
+                    store.append(trajectory_events(ONE_SAMPLE_CFG, index))
+                    break
+                except StoreUnavailable:
+                    time.sleep(0.05)
+            ack.write(f"{index}\n")
+            ack.flush()
+            os.fsync(ack.fileno())
+            k += 1
+            time.sleep(0.02)
+    store.close()
+
+
+def _soak_materializer(url: str, payload: str, out_dir: str) -> None:
+    """The materializer worker: folds what is pending, again and again, riding out outages,
+    until ``out_dir/stop`` exists and nothing is pending."""
+    from trajstore.errors import StoreUnavailable
+
+    stop = os.path.join(out_dir, "stop")
+    store = trajstore.connect(url, payload=payload, migrate=False)
+    m = Materializer(store, max_trajectories=16)
+    while True:
+        stopping = os.path.exists(stop)
+        try:
+            stats = m.run()
+        except StoreUnavailable:
+            time.sleep(0.1)
+            continue
+        if stopping and stats.num_trajectories == 0:
+            break
+        time.sleep(0.05)
+    store.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_a_whole_run_under_backend_kills_and_restarts_reads_every_sample_once(fault_cluster, tmp_path):
+    import multiprocessing
+    import random as _random
+
+    rng = _random.Random(7)
+    out_dir, payload = str(tmp_path), str(tmp_path / "payload")
+    store = _pg_store(fault_cluster, tmp_path)
+    dbname = store.url.rsplit("/", 1)[1]
+    fork = multiprocessing.get_context("fork")
+    procs = [fork.Process(target=_soak_writer, args=(store.url, payload, out_dir, w), daemon=True) for w in range(2)]
+    procs.append(fork.Process(target=_soak_materializer, args=(store.url, payload, out_dir), daemon=True))
+    for p in procs:
+        p.start()
+    faults: list[str] = []
+    read: list[tuple[str, int]] = []
+    states: list[dict] = []
+    reader = SampleReader(store.url, payload=payload, batch_size=4, follow=True, timeout_s=20.0, poll_interval_s=0.05)
+    try:
+        schedule = ["kill", "kill", "restart", "kill", "kill", "restart"]
+        next_fault = time.monotonic() + 2
+        while schedule:
+            batch = next(reader)
+            read += keys(batch)
+            states.append(reader.state_dict())  # the trainer's checkpoint
+            if time.monotonic() >= next_fault:
+                fault = schedule.pop(0)
+                if fault == "restart":
+                    _restart(fault_cluster, down_s=1.0)
+                else:
+                    backends = fault_cluster.backends(dbname)
+                    assert backends, "no backend of the store to kill"
+                    fault_cluster.kill_backend(rng.choice(backends)["pid"])
+                faults.append(fault)
+                fault_cluster.wait_ready()
+                next_fault = time.monotonic() + 2
+        # a trainer restored from its last checkpoint reads on where this one stopped
+        reader.close()
+        reader = SampleReader(store.url, payload=payload, batch_size=4, follow=True, timeout_s=5.0,
+                              poll_interval_s=0.05)
+        reader.load_state_dict(states[-1])
+        open(os.path.join(out_dir, "stop"), "w").close()
+        for p in procs:
+            p.join(timeout=120)
+        read += [k for b in reader for k in keys(b)]
+    finally:
+        open(os.path.join(out_dir, "stop"), "w").close()
+        reader.close()
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    assert [p.exitcode for p in procs] == [0, 0, 0], [p.exitcode for p in procs]
+    assert faults.count("restart") >= 2 and faults.count("kill") >= 4, faults
+    acked = {i for w in range(2) for i in map(int, open(os.path.join(out_dir, f"acked-{w}.txt")).read().split())}
+    stored = [(s.trajectory_id, s.sample_index) for s in store.samples()]
+    assert len(stored) == len(set(stored)), "a trajectory was folded twice"
+    want = {trajectory_events(ONE_SAMPLE_CFG, i)[0]["trajectory_id"] for i in acked}
+    assert want <= {t for t, _ in stored}, "an acknowledged trajectory has no sample"
+    duplicates = [k for k, c in Counter(read).items() if c > 1]
+    assert not duplicates, f"samples read twice: {duplicates[:5]}"
+    assert read == stored, "the trainer did not read every stored sample once, in order"
+    store.close()

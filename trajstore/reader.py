@@ -27,6 +27,14 @@ docs/reader.md for the reasoning and its limits.
 Watermark. Only rows at ``finished_position <= min(checkpoint of every
 materializer shard)`` are read: below it nothing can appear later, so what
 the reader has seen is a prefix of what it will ever see.
+
+An unavailable store. Every read of the store (``_retrying``) is retried
+with backoff while it raises ``StoreUnavailable`` (a database restarting, a
+replay server's database down), for up to ``unavailable_timeout_s``, with
+one log line when the wait starts and one when it ends; only then does the
+error reach the trainer. An iteration that raised resumes, at the next
+``next()``, after the last batch it handed out: it never ends as if the data
+were exhausted.
 """
 
 from __future__ import annotations
@@ -38,17 +46,21 @@ import warnings
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 import numpy as np
 
+from trajstore._backoff import Backoff
 from trajstore._deprecated import renamed
+from trajstore._reader_seam import ReaderEventLog, ReaderPayload, ReaderSampleIndex, ReaderStore
 from trajstore._batch_plan import Key, Step, Unit, UnitBuilder, plan_step, row_key
-from trajstore.errors import ProjectionChangedError, ResumeStateError, TrajstoreError, ValidationError
+from trajstore.errors import (ProjectionChangedError, ResumeStateError, StoreUnavailable, TrajstoreError,
+                              ValidationError, first_line)
 from trajstore.sample import Sample
 from trajstore._samples import read_segment_samples
 
-__all__ = ["ReaderConfig", "ReaderStats", "SampleReader"]
+__all__ = ["ReaderConfig", "ReaderEventLog", "ReaderPayload", "ReaderSampleIndex", "ReaderStats", "ReaderStore",
+           "SampleReader"]
 
 _log = logging.getLogger("trajstore.reader")
 
@@ -56,6 +68,7 @@ STATE_FORMAT = "trajstore.reader"
 STATE_FORMAT_VERSION = 1
 # Keys that states saved before the one-name-per-meaning renames used; such states still load.
 _LEGACY_KEYS = {"format_version": "version", "current_model_version": "current_version"}
+T = TypeVar("T")
 
 
 def _settings(owner: str, config: "ReaderConfig | None", fields: dict[str, Any]) -> dict[str, Any]:
@@ -103,7 +116,12 @@ class ReaderConfig:
     timeout_s: float = 60.0
     """With ``follow``: stop after this long without a new sample."""
     poll_interval_s: float = 0.5
-    """With ``follow``: sleep between polls that found nothing."""
+    """With ``follow``: sleep between polls that found nothing. A step is
+    handed over as soon as it is full, so this bounds the hand-over delay."""
+    unavailable_timeout_s: float = 120.0
+    """How long a read of an unavailable store (``StoreUnavailable``: a
+    database restarting, the replay service's database down) is retried with
+    backoff before the error is raised; 0 raises at once."""
     drop_last: bool = False
     """Leave a final step that is not full unconsumed instead of yielding it
     (then a rank may get an empty batch); a later reader picks it up."""
@@ -147,6 +165,10 @@ class ReaderConfig:
             raise ValidationError("keep_groups=True needs group_size (trajectories per group)", rule="reader_config")
         if self.max_staleness is not None and self.max_staleness < 0:
             raise ValidationError(f"max_staleness must be >= 0, got {self.max_staleness}", rule="reader_config")
+        for name in ("timeout_s", "poll_interval_s", "unavailable_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+                raise ValidationError(f"{name} must be a number of seconds >= 0, got {value!r}", rule="reader_config")
 
     @property
     def capacity(self) -> int:
@@ -185,17 +207,22 @@ class ReaderStats:
     """Groups seen but not complete yet (waiting for members)."""
     polls: int = 0
     """Polls in follow mode that found nothing new."""
+    unavailable_waits: int = 0
+    """Times this reader found the store unavailable and waited for it (one per outage)."""
+    unavailable_s: float = 0.0
+    """Seconds this reader waited for an unavailable store, over the outages that ended."""
 
     _SAVED = ("steps", "stale_units", "stale_samples", "filtered_samples")
 
-    def to_dict(self) -> dict[str, int]:
+    def to_dict(self) -> dict[str, float]:
         return asdict(self)
 
 
 class SampleReader:
     """Batches (lists of ``Sample``) for one data-parallel rank, in the global step order.
 
-    ``store`` is a ``Store`` or a store URL. Settings are the fields of
+    ``store`` is a ``Store``, a store URL, or any ``ReaderStore`` (the five reads
+    the reader makes; ``ReplayStore`` is one). Settings are the fields of
     ``ReaderConfig`` as keywords (``reader.config`` holds them)::
 
         reader = SampleReader(store, rank=r, world_size=w, batch_size=8, keep_groups=True, group_size=4)
@@ -215,7 +242,8 @@ class SampleReader:
     ``**dataclasses.asdict(config)``.
     """
 
-    def __init__(self, store: Any, config: ReaderConfig | None = None, *, rank: int = 0, world_size: int = 1,
+    def __init__(self, store: ReaderStore | str, config: ReaderConfig | None = None, *, rank: int = 0,
+                 world_size: int = 1,
                  current_model_version: int | None = None, payload: str | None = None,
                  current_version: int | None = None, **fields: Any) -> None:
         if not isinstance(world_size, int) or world_size < 1 or not isinstance(rank, int) or not 0 <= rank < world_size:
@@ -226,14 +254,18 @@ class SampleReader:
             from trajstore.store import connect
 
             store = connect(store, payload=payload, migrate=False, create=False)
-        self.store = store
-        # the sample index read: the default samples, or a named projection's
-        self._index = (store.materialized if self.config.projection is None
-                       else store.materialized.projection(self.config.projection))
+        self.store: ReaderStore = store
         self.rank, self.world_size = rank, world_size
+        self.stats = ReaderStats()
+        self._closing = threading.Event()  # set by close(): a wait for the store gives up
+        self._outage_lock = threading.Lock()
+        self._outage_since: float | None = None  # when the current wait for an unavailable store began
+        # the sample index read: the default samples, or a named projection's
+        name = self.config.projection
+        self._index: ReaderSampleIndex = (store.materialized if name is None else
+                       self._retrying("opening the projection", lambda: store.materialized.projection(name)))
         self.current_model_version = renamed("current_version", "current_model_version", current_version,
                                              current_model_version, None)
-        self.stats = ReaderStats()
         self._cursor: Key | None = None
         self._scan_from: Key | None = None
         self._snapshot: int | None = None
@@ -263,16 +295,36 @@ class SampleReader:
     def __next__(self) -> list[Sample]:
         if self._batches is None:
             self._batches = self.iter_steps()
-        return next(self._batches)[1]
+        try:
+            return next(self._batches)[1]
+        except StopIteration:
+            raise
+        except BaseException:
+            # The iteration that raised is over; the next call starts a new one
+            # after the last batch handed out (never a StopIteration that would
+            # look like the end of the data).
+            self._batches = None
+            raise
 
     def iter_steps(self, offset: int = 0, stride: int = 1) -> Iterator[tuple[int, list[Sample]]]:
         """``(global step, batch)`` for steps ``offset, offset + stride, ...``.
 
         The state advances over every step, loaded or not: DataLoader worker
-        ``offset`` of ``stride`` loads its share and its states stay exact."""
+        ``offset`` of ``stride`` loads its share and its states stay exact.
+
+        When it raises (or is closed early), the steps planned ahead are
+        dropped: the next iteration starts after the last batch yielded."""
         if self._steps_gen is None:
             self._steps_gen = self._steps()
         steps = self._steps_gen
+        try:
+            yield from self._iter_steps(steps, offset, stride)
+        except BaseException:
+            if self._steps_gen is steps:
+                self._steps_gen = None
+            raise
+
+    def _iter_steps(self, steps: Iterator[Step], offset: int, stride: int) -> Iterator[tuple[int, list[Sample]]]:
 
         def produce() -> tuple[Step, list[Sample] | None] | None:
             step = next(steps, None)
@@ -355,8 +407,10 @@ class SampleReader:
                      "; ".join(reasons))
 
     def _unmaterialized(self) -> int:
-        """Finished trajectories above the watermark (not materialized by every shard)."""
-        return self.store.log.count_events(after_position=self._watermark(), types=["trajectory_finished"])
+        """Finished trajectories above the watermark (not materialized by every shard);
+        asked once (explaining does not wait for an unavailable store)."""
+        return self.store.log.count_events(after_position=self._watermark(retry=False),
+                                           types=["trajectory_finished"])
 
     def _load(self, units: Sequence[Unit]) -> list[Sample]:
         """The samples of some units, in order.
@@ -387,7 +441,9 @@ class SampleReader:
 
     def _read(self, rows: list[dict[str, Any]], segment: str, idx: list[int]) -> list[tuple[int, Sample]]:
         """(index in ``rows``, sample) for some rows of one segment."""
-        samples = read_segment_samples(self.store.payload, segment, [rows[i]["segment_row"] for i in idx])
+        wanted = [rows[i]["segment_row"] for i in idx]
+        samples = self._retrying(f"reading samples of {segment}",
+                                 lambda: read_segment_samples(self.store.payload, segment, wanted))
         return list(zip(idx, samples))
 
     # -- resume state --------------------------------------------------------
@@ -440,6 +496,7 @@ class SampleReader:
             setattr(self.stats, name, state["stats"][name])
 
     def close(self) -> None:
+        self._closing.set()  # a wait for an unavailable store or a follow poll gives up
         if self._pool is not None:
             self._pool.shutdown(wait=True)
         if self._owns_store:
@@ -504,6 +561,8 @@ class SampleReader:
                     return taken, False
                 cost += self._cost(ahead[0])
             taken.append((ahead.popleft(), skip))
+            if cost >= budget:  # full: hand it over now, without waiting for the next unit
+                return taken, False
 
     def _skip(self, unit: Unit) -> bool:
         if not unit.kept:
@@ -566,7 +625,7 @@ class SampleReader:
         while True:
             found = False
             where = {"max_finished_position": self._watermark() if follow else until}
-            for page in self._index.iter_sample_rows(where=where, after=after, page_rows=self.config.page_rows):
+            for page in self._pages(where, after):
                 found, after = True, row_key(page[-1])
                 yield from page
             if not follow:
@@ -577,18 +636,95 @@ class SampleReader:
             if time.monotonic() - idle_since >= self.config.timeout_s:
                 return
             self.stats.polls += 1
-            time.sleep(self.config.poll_interval_s)
+            if self._closing.wait(self.config.poll_interval_s):
+                return
+
+    def _pages(self, where: dict[str, Any], after: Key | None) -> Iterator[list[dict[str, Any]]]:
+        """Pages of sample rows after ``after``; a page that failed on an unavailable
+        store is asked for again, after the last row received."""
+        pages: Iterator[list[dict[str, Any]]] | None = None
+
+        def next_page() -> list[dict[str, Any]] | None:
+            nonlocal pages
+            if pages is None:
+                pages = iter(self._index.iter_sample_rows(where=where, after=after, page_rows=self.config.page_rows))
+            try:
+                return next(pages, None)
+            except BaseException:
+                pages = None  # a generator that raised is finished: the retry starts a new query
+                raise
+
+        while True:
+            page = self._retrying("reading sample rows", next_page)
+            if not page:
+                return
+            yield page
+            after = row_key(page[-1])
 
     def _trajectories_before(self, group_id: str, position: int) -> int:
         where = {"group_id": group_id, "max_finished_position": position - 1}
         seen = set()
-        for page in self._index.iter_sample_rows(where=where, after=None, page_rows=self.config.page_rows):
+        for page in self._pages(where, None):
             seen.update(r["finished_position"] for r in page)
         return len(seen)
 
-    def _watermark(self) -> int:
+    def _watermark(self, *, retry: bool = True) -> int:
         """Position up to which every materializer shard has committed its samples."""
-        return self._index.watermark(self.config.num_shards)
+        read = lambda: self._index.watermark(self.config.num_shards)  # noqa: E731
+        return self._retrying("reading the watermark", read) if retry else read()
+
+    # -- an unavailable store ----------------------------------------------------
+    def _retrying(self, what: str, read: Callable[[], T]) -> T:
+        """``read()``, retried with backoff while it raises ``StoreUnavailable``, for
+        up to ``unavailable_timeout_s`` from the first failed attempt's start.
+        One WARNING when the reader starts waiting and one INFO when the store is
+        back, however many reads (prefetch, parallel payload reads) wait meanwhile;
+        ``stats.unavailable_waits`` / ``unavailable_s`` count the waits."""
+        backoff: Backoff | None = None
+        while True:
+            started = time.monotonic()
+            try:
+                result = read()
+            except StoreUnavailable as e:
+                if self._closing.is_set():  # closed: the read ends here, it is no outage
+                    raise StoreUnavailable(f"{what}: the reader was closed ({first_line(e)})") from None
+                if backoff is None:
+                    backoff = Backoff(first_s=0.1, max_s=2.0)
+                    backoff.start = started
+                    self._outage_began(started, what, e)
+                budget = self.config.unavailable_timeout_s
+                if backoff.exhausted(budget):
+                    _log.error("trajstore reader (rank %d of %d): gave up %s after %g s: %s",
+                               self.rank, self.world_size, what, budget, first_line(e))
+                    raise StoreUnavailable(f"{what}: the store stayed unavailable for {budget:g} s "
+                                           f"(unavailable_timeout_s={budget:g}): {first_line(e)}") from None
+                if self._closing.wait(backoff.delay):
+                    raise StoreUnavailable(f"{what}: the reader was closed while the store was unavailable "
+                                           f"({first_line(e)})") from None
+                backoff.delay = min(backoff.delay * 2, backoff.max_s)
+                continue
+            if self._outage_since is not None:
+                self._outage_ended()
+            return result
+
+    def _outage_began(self, at: float, what: str, e: BaseException) -> None:
+        with self._outage_lock:
+            if self._outage_since is not None:
+                return  # another read of this reader is waiting already and said so
+            self._outage_since = at
+            self.stats.unavailable_waits += 1
+        _log.warning("trajstore reader (rank %d of %d): store unavailable while %s (%s); retrying for up to %g s",
+                     self.rank, self.world_size, what, first_line(e), self.config.unavailable_timeout_s)
+
+    def _outage_ended(self) -> None:
+        with self._outage_lock:
+            since, self._outage_since = self._outage_since, None
+            if since is None:
+                return
+            waited = time.monotonic() - since
+            self.stats.unavailable_s += waited
+        _log.info("trajstore reader (rank %d of %d): store available again after %.1f s",
+                  self.rank, self.world_size, waited)
 
 
 def _split(items: list[int], n: int) -> list[list[int]]:

@@ -235,9 +235,12 @@ def test_a_cut_stream_is_never_half_used(filled_sqlite, replay_servers):
 
 
 def test_no_server_answers_is_store_unavailable_after_the_retry_time(filled_sqlite):
-    reader = ReplayReader(f"grpc://127.0.0.1:{free_port()}", token=READ_TOKEN, retry_timeout_s=1.0, batch_size=4)
-    with pytest.raises(StoreUnavailable, match="no replay server answered"):
+    # retry_timeout_s: one request's retries over the servers; unavailable_timeout_s: the reader's window
+    reader = ReplayReader(f"grpc://127.0.0.1:{free_port()}", token=READ_TOKEN, retry_timeout_s=1.0,
+                          unavailable_timeout_s=1.0, batch_size=4)
+    with pytest.raises(StoreUnavailable, match=r"unavailable_timeout_s=1\).*no replay server answered"):
         next(reader)
+    assert reader.stats.unavailable_waits == 1
 
 
 @pytest.mark.parametrize("token", [None, "wrong-token"])

@@ -16,6 +16,12 @@ PostgreSQL names them, have defaults here:
 
 A connect that times out surfaces as ``StoreUnavailable`` (one line); so does
 a statement cancelled by the timeout.
+
+Returning a connection to the pool rolls it back (``_reset``); when that fails
+because the connection broke meanwhile (a server restart, a terminated
+backend), the connection is invalidated quietly (the pool opens a new one when
+it needs one), not logged as SQLAlchemy's "Exception during reset or similar"
+traceback: nothing failed that the caller had not already been told about.
 """
 
 from __future__ import annotations
@@ -24,8 +30,11 @@ import logging
 import os
 import re
 
-from sqlalchemy import Engine, create_engine
+from typing import Any
+
+from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import make_url
+from sqlalchemy.pool import PoolResetState
 
 from trajstore.errors import ValidationError
 
@@ -53,8 +62,28 @@ def make_engines(url: str) -> tuple[Engine, Engine]:
     if not any(isinstance(f, _DropSecondReport) for f in psycopg_log.filters):
         psycopg_log.addFilter(_DropSecondReport())
     url, connect_args = engine_options(url)
-    engine = create_engine(url, pool_pre_ping=True, pool_size=4, max_overflow=8, connect_args=connect_args)
+    # reset_on_return=None: the "reset" listener below is the pool's reset (a rollback)
+    engine = create_engine(url, pool_pre_ping=True, pool_size=4, max_overflow=8, connect_args=connect_args,
+                           pool_reset_on_return=None)
+    event.listen(engine, "reset", _reset)
     return engine, engine
+
+
+_log = logging.getLogger("trajstore.log")
+
+
+def _reset(dbapi_connection: Any, record: Any, state: PoolResetState) -> None:
+    """A connection returned to the pool: roll back what it left open; a connection
+    that broke meanwhile is invalidated (closed and dropped from the pool) quietly."""
+    if state.transaction_was_reset or not state.asyncio_safe:
+        return  # already rolled back by its SQLAlchemy Connection, or not ours to touch
+    try:
+        dbapi_connection.rollback()
+    except Exception as e:  # noqa: BLE001 - any failure here means the connection is unusable
+        _log.debug("a pooled connection failed its rollback on return (%s); dropping it",
+                   str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
+        if record is not None:
+            record.invalidate(e)
 
 
 def engine_options(url: str) -> tuple[str, dict[str, str | int]]:

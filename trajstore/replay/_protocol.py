@@ -10,6 +10,10 @@ Kinds:
     rows     DoGet: one page of sample index rows (``where``, ``after``, ``page_rows``)
     samples  DoGet: the payload rows ``rows`` of one sample segment, in segment order
     watermark, count_events, hello   DoAction
+
+``rows`` and ``watermark`` read the default samples, or a named projection's
+with ``projection`` (absent: the default; requests without it are those of
+clients from before projections, and mean the same).
 """
 
 from __future__ import annotations
@@ -115,6 +119,13 @@ def _check_rows(req: dict) -> None:
                                           for v in after)):
         raise BadRequest(f"after must be null or [finished_position, sample_index], got {after!r:.80}")
     _int(req, "page_rows", lo=1, hi=MAX_PAGE_ROWS, optional=False)
+    _projection(req)
+
+
+def _projection(req: dict) -> None:
+    name = req.get("projection")
+    if name is not None and not (isinstance(name, str) and 0 < len(name) <= 200):
+        raise BadRequest(f"projection must be a name (1 to 200 characters) or null, got {name!r:.80}")
 
 
 def _is_sample_segment(name: str) -> bool:
@@ -136,6 +147,7 @@ def _check_samples(req: dict) -> None:
 
 def _check_watermark(req: dict) -> None:
     _int(req, "num_shards", lo=1, hi=1 << 16)
+    _projection(req)
 
 
 def _check_count_events(req: dict) -> None:

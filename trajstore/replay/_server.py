@@ -301,8 +301,7 @@ class ReplayServer(fl.FlightServerBase):
     def _get(self, req: dict[str, Any]) -> fl.FlightDataStream:
         if req["kind"] == proto.ROWS:
             after = None if req.get("after") is None else tuple(req["after"])
-            pages = self.store.materialized.iter_sample_rows(where=req["where"], after=after,
-                                                             page_rows=req["page_rows"])
+            pages = self._index(req).iter_sample_rows(where=req["where"], after=after, page_rows=req["page_rows"])
             rows = next(iter(pages), [])
             self.metrics.rows.inc(len(rows))
             return fl.RecordBatchStream(proto.counted(proto.rows_table(rows)))
@@ -335,6 +334,11 @@ class ReplayServer(fl.FlightServerBase):
             self.metrics.tokens.inc(tokens)
         return fl.RecordBatchStream(out)
 
+    def _index(self, req: dict[str, Any]) -> Any:
+        """The sample index a request reads: the default samples, or its ``projection``'s."""
+        name = req.get("projection")
+        return self.store.materialized if name is None else self.store.materialized.projection(name)
+
     def list_actions(self, context: fl.ServerCallContext) -> list[tuple[str, str]]:
         return [(proto.WATERMARK, "position up to which every materializer shard committed"),
                 (proto.COUNT_EVENTS, "events after a position (of some types)"),
@@ -347,7 +351,7 @@ class ReplayServer(fl.FlightServerBase):
             body = action.body.to_pybytes() if action.body is not None else b""
             req = proto.decode(body, (action.type,))
             if action.type == proto.WATERMARK:
-                value: Any = self.store.materialized.watermark(req.get("num_shards"))
+                value: Any = self._index(req).watermark(req.get("num_shards"))
             elif action.type == proto.COUNT_EVENTS:
                 value = self.store.log.count_events(after_position=req["after_position"], types=req.get("types"))
             else:

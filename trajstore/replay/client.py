@@ -16,7 +16,10 @@ nothing is decoded twice.
 Every request is self-contained and idempotent, so a failure is retried: the
 client moves to the next server of ``locations`` (a server killed mid-stream,
 restarted, or replaced) until ``retry_timeout_s`` passes without an answer;
-a page or a batch is used only when it arrived whole. A server's rate limiter
+a page or a batch is used only when it arrived whole. A server that answers
+that its store is unavailable (its database restarting) raises
+``StoreUnavailable`` at once: the reader waits that out as it does locally,
+for its ``unavailable_timeout_s``. A server's rate limiter
 ("rate limited") is waited out as long as it lasts, counted and logged.
 """
 
@@ -29,11 +32,12 @@ import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Collection, Iterable, Iterator, Mapping, Sequence
 
 import pyarrow as pa
 import pyarrow.flight as fl
 
+from trajstore._reader_seam import ReaderEventLog, ReaderPayload, ReaderSampleIndex
 from trajstore.errors import CorruptStoreError, StoreUnavailable, TrajstoreError, ValidationError
 from trajstore.payload import SegmentRows
 from trajstore.reader import ReaderConfig, SampleReader, _settings
@@ -122,6 +126,8 @@ class _Connection:
         self.options = fl.FlightCallOptions(headers=headers, timeout=call_timeout_s)
         self._tls_root_certs = tls_root_certs
         self._lock = threading.Lock()
+        self._outage = False  # calls are failing: the first says so, the first answer after says it is over
+        self._outage_since = 0.0
         self._index = first % len(locations)
         self._client: _Client | None = None
         self._warned: set[str] = set()  # wait episodes already logged: once, not once per parallel stream
@@ -181,12 +187,14 @@ class _Connection:
                 index, held = self._acquire()
                 try:
                     try:
-                        answer = fn(held.client, self.options)
+                        result = fn(held.client, self.options)
                     finally:
                         self._release(held)
-                    if limited_since is not None or failing_since is not None:
-                        self._waited()
-                    return answer
+                    if limited_since is not None:
+                        self._waited()  # the next rate-limited wait is logged again
+                    if self._outage:
+                        self._recovered(index)
+                    return result
                 except (fl.FlightUnauthenticatedError, fl.FlightUnauthorizedError) as e:
                     raise ValidationError(f"replay server {self.locations[index]} refused {what}: {proto.message(e)}",
                                           rule="unauthorized") from None
@@ -198,6 +206,10 @@ class _Connection:
                         # pyarrow reports some refused calls (GetSchema) as a bare OSError: a refusal, not an outage
                         raise ValidationError(f"replay server {self.locations[index]} refused {what}: {text}",
                                               rule="unauthorized") from None
+                    if text.startswith(proto.UNAVAILABLE):
+                        # The server is up, the store behind it is not: every server of the list
+                        # shares that store. The reader waits it out (its unavailable_timeout_s).
+                        raise StoreUnavailable(f"replay server {self.locations[index]}: {text}") from None
                     if text.startswith(proto.RATE_LIMITED):
                         if limited_since is None:
                             limited_since = time.monotonic()
@@ -208,9 +220,10 @@ class _Connection:
                     now = time.monotonic()
                     if failing_since is None:
                         failing_since = now
-                        self._warn_once("failing", "replay reader: %s failed on %s (%s); retrying%s", what,
-                                        self.locations[index], text,
-                                        " on the next server" if len(self.locations) > 1 else "")
+                        if self._failed():  # one line per outage, not one per parallel stream
+                            _log.warning("replay reader: %s failed on %s (%s); retrying%s", what,
+                                         self.locations[index], text,
+                                         " on the next server" if len(self.locations) > 1 else "")
                     elif now - failing_since >= self.retry_timeout_s:
                         raise StoreUnavailable(f"no replay server answered {what} for {self.retry_timeout_s:g} s "
                                                f"({', '.join(self.locations)}): {text}") from None
@@ -223,6 +236,23 @@ class _Connection:
                 wait_metric.labels("rate_limited").inc(time.monotonic() - limited_since)
             if failing_since is not None:
                 wait_metric.labels("reconnect").inc(time.monotonic() - failing_since)
+
+    def _failed(self) -> bool:
+        """A call starts failing; whether it is the first since the last answer
+        (one warning per outage, however many calls or parallel streams fail)."""
+        with self._lock:
+            first = not self._outage
+            if first:
+                self._outage, self._outage_since = True, time.monotonic()
+            return first
+
+    def _recovered(self, index: int) -> None:
+        """An answer after failures: the outage is over (said once)."""
+        with self._lock:
+            was, self._outage = self._outage, False
+        if was:
+            _log.info("replay reader: %s answers again after %.1f s", self.locations[index],
+                      time.monotonic() - self._outage_since)
 
     def get(self, what: str, ticket: bytes) -> pa.Table:
         """A DoGet's whole answer (a stream cut short is retried whole)."""
@@ -253,21 +283,35 @@ def _error(location: str, what: str, text: str) -> TrajstoreError:
     return TrajstoreError(f"replay server {location} failed {what}: {text}")
 
 
-class _RemoteSamples:
-    """The sample index seam (``SampleIndex``) a reader uses, over Flight."""
+class _RemoteSamples(ReaderSampleIndex):
+    """The sample index reads of the reader's seam, over Flight: the default
+    samples, or (``projection``) a named projection's."""
 
-    def __init__(self, conn: _Connection) -> None:
+    def __init__(self, conn: _Connection, projection: str | None = None) -> None:
         self.conn = conn
+        self.projection_name = projection
         self._waiting_at: int | None = None  # the watermark a follow poll last found nothing below
         self._waiting_since = 0.0
 
-    def iter_sample_rows(self, *, where: dict[str, Any], after: tuple[int, int] | None,
+    def _named(self) -> dict[str, Any]:
+        """The request fields naming the sample index (none for the default samples)."""
+        return {} if self.projection_name is None else {"projection": self.projection_name}
+
+    def projection(self, name: str) -> "_RemoteSamples":
+        """Projection ``name``'s samples; ``ValidationError`` when the store has none of that name."""
+        if not isinstance(name, str):
+            raise ValidationError(f"projection must be a name, got {name!r}", rule="projection")
+        index = _RemoteSamples(self.conn, name)
+        index.watermark()  # asks the server, which refuses an unknown projection
+        return index
+
+    def iter_sample_rows(self, *, where: Mapping[str, Any], after: tuple[int, int] | None,
                          page_rows: int) -> Iterator[list[dict[str, Any]]]:
         where = {k: (list(v) if isinstance(v, (tuple, set, frozenset)) else v) for k, v in where.items() if v is not None}
         first = True
         while True:
             ticket = proto.encode(proto.ROWS, where=where, after=None if after is None else list(after),
-                                  page_rows=page_rows)
+                                  page_rows=page_rows, **self._named())
             rows = self.conn.get("reading sample rows", ticket).to_pylist()
             if not rows:
                 if first:
@@ -287,23 +331,26 @@ class _RemoteSamples:
             _log.info("replay reader waits for new materialized samples (watermark %s)", watermark)
 
     def watermark(self, num_shards: int | None = None) -> int:
-        return int(self.conn.action("reading the watermark", proto.WATERMARK, num_shards=num_shards))
+        return int(self.conn.action("reading the watermark", proto.WATERMARK, num_shards=num_shards,
+                                    **self._named()))
 
     def count_samples(self) -> int:  # not served: readers do not need it
         raise TrajstoreError("a replay store does not count samples; ask the store")
 
 
-class _RemoteLog:
+class _RemoteLog(ReaderEventLog):
+    """The event log read of the reader's seam, over Flight."""
+
     def __init__(self, conn: _Connection) -> None:
         self.conn = conn
 
-    def count_events(self, *, after_position: int, types: Sequence[str] | None = None) -> int:
+    def count_events(self, *, after_position: int, types: Collection[str] | None = None) -> int:
         return int(self.conn.action("counting events", proto.COUNT_EVENTS, after_position=after_position,
                                     types=None if types is None else list(types)))
 
 
-class _RemotePayload:
-    """The payload seam (``PayloadStore.read_rows``) a reader uses, over Flight.
+class _RemotePayload(ReaderPayload):
+    """The payload read of the reader's seam (``PayloadStore.read_rows``), over Flight.
 
     The rows of one call are fetched as up to ``streams`` requests in parallel
     (consecutive parts): one gRPC stream is bound by one server thread's
@@ -317,7 +364,7 @@ class _RemotePayload:
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
 
-    def read_rows(self, name: str, rows: Sequence[int]) -> SegmentRows:
+    def read_rows(self, name: str, rows: Iterable[int]) -> SegmentRows:
         wanted = sorted(set(int(r) for r in rows))
         n = min(self.streams, len(wanted))
         parts = [wanted[k * len(wanted) // n: (k + 1) * len(wanted) // n] for k in range(n)]
@@ -346,7 +393,7 @@ class _RemotePayload:
 
 class ReplayStore:
     """A store as replay servers show it: the ``materialized``, ``payload`` and
-    ``log`` seams ``SampleReader`` reads. Requests go to ``locations[first]``
+    ``log`` parts ``SampleReader`` reads (a ``trajstore.reader.ReaderStore``). Requests go to ``locations[first]``
     (``ReplayReader`` passes its rank, which spreads ranks over the servers)
     and move on to the next one that answers when it fails. Read-only: it has
     no ``append``."""
@@ -426,6 +473,7 @@ class ReplayReader(SampleReader):
 
         A call waiting out a server's hold or a failover gives up first, so
         closing never waits for a server to come back."""
+        self._closing.set()
         if self._owns_store:
             self.store._conn.closing.set()
         super().close()

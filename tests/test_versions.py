@@ -260,3 +260,57 @@ def test_labels_racing_finishes_and_materializers_fold_every_trajectory_once(sto
     assert store.info()["unresolved_version_labels"] == []
     released = store.log.count_events(after_position=0, types=["trajectory_released"])
     assert released <= n
+
+
+def test_a_held_call_mixing_a_mapped_and_an_unmapped_label_folds_once_the_label_arrives(store):
+    """The common async case: a call spans a weight update, its first label is
+    mapped and the second is not yet. It folds whole once the second arrives."""
+    store.append([label("ckpt-3", 3), started("t"),
+                  call("t", 0, [1], [2, 3, 4], weight_versions=spans(("ckpt-3", 0, 2), ("ckpt-4", 2, 3))),
+                  finished("t")])
+    assert store.materialize().num_held_back == 1
+    store.append([label("ckpt-4", 4)])
+    stats = store.materialize()
+    assert (stats.num_trajectories, stats.num_unfoldable, stats.num_held_back) == (1, 0, 0)
+    assert versions_of(store) == {("t", 0): ([3, 3, 4], 3, 4)}
+    assert store.materialized.unfoldable_trajectories()["count"] == 0
+    again = store.materialize()  # exactly once
+    assert (again.num_trajectories, again.num_unfoldable) == (0, 0) and len(list(store.samples())) == 1
+
+
+@pytest.mark.parametrize("later, expected", [
+    # a second call under "default" + model_version, in a sample of its own
+    (call("t", 1, [7], [8, 9], model_version=5, weight_versions=spans(("default", 0, 2))),
+     {("t", 0): ([3, 3, 4], 3, 4), ("t", 1): ([5, 5], 5, 5)}),
+    # a later call merged into the same sample, "default" + model_version after the held label
+    (call("t", 1, [1, 2, 3, 4, 9], [5, 6], model_version=6, weight_versions=spans(("ckpt-4", 0, 1), ("default", 1, 2))),
+     {("t", 0): ([3, 3, 4, -1, 4, 6], 3, 6)}),
+    # a later call merged, its versions sent per token
+    (call("t", 1, [1, 2, 3, 4, 9], [5], token_model_versions=[4]), {("t", 0): ([3, 3, 4, -1, 4], 3, 4)}),
+])
+@pytest.mark.parametrize("mapped", ["after_finish", "before_finish"])
+def test_a_held_call_folds_with_whatever_else_its_trajectory_carries(store, later, expected, mapped):
+    store.append([label("ckpt-3", 3), started("t"),
+                  call("t", 0, [1], [2, 3, 4], weight_versions=spans(("ckpt-3", 0, 2), ("ckpt-4", 2, 3))), later])
+    if mapped == "before_finish":
+        store.append([label("ckpt-4", 4)])
+    store.append([finished("t")])
+    if mapped == "after_finish":
+        assert store.materialize().num_held_back == 1
+        store.append([label("ckpt-4", 4)])
+    stats = store.materialize()
+    assert (stats.num_trajectories, stats.num_unfoldable, stats.num_held_back) == (1, 0, 0)
+    assert versions_of(store) == expected
+    assert store.materialize().num_trajectories == 0 and len(list(store.samples())) == len(expected)
+
+
+def test_versions_sent_per_token_stay_when_a_label_they_came_with_is_mapped_later(store):
+    """A call's explicit token_model_versions win over spans whose label did not
+    resolve when it was appended; mapping that label later (to fold another held
+    call) changes nothing in it."""
+    store.append([started("t"), call("t", 0, [1], [2, 3], token_model_versions=[4, 4],
+                                     weight_versions=spans(("s", 0, 2))),
+                  call("t", 1, [1, 2, 3, 8], [9], weight_versions=spans(("s", 0, 1))), finished("t")])
+    store.append([label("s", 9)])
+    assert store.materialize().num_trajectories == 1
+    assert versions_of(store) == {("t", 0): ([4, 4, -1, 9], 4, 9)}

@@ -59,6 +59,7 @@ from typing import Any, Callable
 from trajstore._deprecated import renamed
 from trajstore import _facts as facts
 from trajstore.errors import CorruptStoreError, PayloadMissingError, StoreUnavailable, TrajstoreError, ValidationError
+from trajstore.events import decimal_label
 from trajstore.fold import DEFAULT_POLICY, FoldMetrics, FoldPolicy, FoldResult, fold
 from trajstore.log.base import SAMPLES_KIND, Repoint, Shard, StaleState, shard_index_of
 from trajstore.payload import SegmentRows
@@ -378,7 +379,16 @@ class Materializer:
         ids = [e["trajectory_id"] for e in finished]
         if not ids:
             return folded, unfoldable, gen_rows_of, held
+        held_calls = self.store.log.held_generations([t for t in ids if waiting.get(t)]) if waiting else {}
         trajs, events = self.store.log.fold_inputs(ids)
+        if held_calls:
+            # A held call resolves whole: the labels it waited for and the ones mapped before it
+            # (never re-mapped, so reading them now decides the same as any re-run).
+            named = {label for tid, positions in held_calls.items() for r in events.get(tid, ())
+                     if r["position"] in positions for label in _labels_named(r.get("weight_versions"))}
+            mapped = self.store.log.load_labels(named)
+            for tid in held_calls:
+                label_maps[tid] = {**mapped, **label_maps[tid]}
         tables, bad_segments = self._read_segments([r for rows in events.values() for r in rows])
         if bad_segments:
             # A compaction may have moved these events, and a GC with a short grace deleted
@@ -404,7 +414,7 @@ class Materializer:
                 gens = facts.generations_from_log(
                     gen_rows, tables,
                     (traj["route_layers"], traj["route_topk"]) if traj["route_layers"] else None,
-                    label_maps[tid],
+                    label_maps[tid], held_calls.get(tid, ()),
                 )
                 if self.policy.routes == "last":
                     _check_last_routes_stored(tid, gen_rows)
@@ -444,6 +454,13 @@ class Materializer:
         seg_row = {"name": name, "kind": "samples", "num_rows": len(samples), "num_bytes": size, "created_at": now}
         return seg_row, [_sample_row(s, i, name, finished_at[s.trajectory_id], c, now)
                          for i, (s, c) in enumerate(zip(samples, calls))]
+
+
+def _labels_named(weight_versions: Any) -> set[str]:
+    """The labels of a generation row's spans that only the label map resolves."""
+    spans = facts.weight_versions_from_json(weight_versions) or ()
+    return {label for label, _, _ in spans
+            if isinstance(label, str) and label != "default" and decimal_label(label) is None}
 
 
 def _check_last_routes_stored(trajectory_id: str, gen_rows: list[dict[str, Any]]) -> None:

@@ -164,6 +164,12 @@ class EventLog(ABC):
         when it was appended: each such label -> ``(model_version, position)`` of the
         version_label that mapped it, or None while it is unmapped."""
 
+    @abstractmethod
+    def held_generations(self, trajectory_ids: Collection[str]) -> dict[str, set[int]]:
+        """For each of ``trajectory_ids``: the positions of its generations whose
+        ``weight_versions`` labels did not all resolve when they were appended (the
+        calls the fold resolves; the others' versions were decided at admission)."""
+
     def load_append_state(self, identities: Collection[str], trajectory_ids: Collection[str]
                           ) -> tuple[dict[str, bytes], dict[str, dict[str, Any]]]:
         """``lookup_identities`` and ``load_trajectories`` together (backends may

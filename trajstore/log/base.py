@@ -142,6 +142,13 @@ def shard_index_of(trajectory_id: str, count: int) -> int:
     return zlib.crc32(trajectory_id.encode()) % count
 
 
+DATA_ERROR = "data"
+"""``unfoldable_trajectories.kind`` of a trajectory whose data breaks a rule (recorded for good)."""
+INTERNAL_ERROR = "internal_error"
+"""``unfoldable_trajectories.kind`` of a trajectory the fold failed on for a reason that is
+no data rule: a bug in trajstore, folded again by the next run (docs/materializer.md)."""
+
+
 class EventLog(ABC):
     """The log index: events in position order, identities, trajectory tail state, segments."""
 
@@ -355,22 +362,23 @@ class SampleIndex(ABC):
         """Number of sample rows (for ``trajstore info``)."""
 
     @abstractmethod
-    def unfoldable_trajectories(self, *, limit: int = 20) -> dict[str, Any]:
-        """Finished trajectories the materializer recorded as unfoldable:
+    def unfoldable_trajectories(self, *, limit: int = 20, kind: str = DATA_ERROR) -> dict[str, Any]:
+        """Finished trajectories the materializer recorded as unfoldable with ``kind``
+        (``DATA_ERROR``, or ``INTERNAL_ERROR``: a bug, retried):
         ``{"count", "by_error": {error class: n}, "recent": [the limit newest rows]}``."""
 
-    def quarantined(self, error: str) -> list[dict[str, Any]]:
-        """Rows of ``unfoldable_trajectories`` recorded with ``error`` (the class
-        name), oldest first: ``trajectory_id``, ``finished_position``, ``shard``."""
+    def quarantined(self, error: str | None, *, kind: str = DATA_ERROR) -> list[dict[str, Any]]:
+        """Rows of ``unfoldable_trajectories`` recorded with ``kind`` and ``error`` (the
+        class name; None: any), oldest first: ``trajectory_id``, ``finished_position``, ``shard``."""
         raise NotImplementedError
 
-    def commit_refold(self, error: str, trajectory_ids: Sequence[str], sample_rows: Sequence[dict[str, Any]],
+    def commit_refold(self, error: str | None, trajectory_ids: Sequence[str], sample_rows: Sequence[dict[str, Any]],
                       segment_row: Mapping[str, Any] | None, unfoldable_rows: Sequence[dict[str, Any]],
-                      repoints: Sequence[Repoint]) -> None:
+                      repoints: Sequence[Repoint], *, kind: str = DATA_ERROR) -> None:
         """In one transaction: take ``trajectory_ids`` out of quarantine (each must
-        still be recorded with ``error``, else ``StaleState`` and nothing changes),
-        insert their sample rows and segment, record the ones that failed
-        otherwise (``unfoldable_rows``), re-point the folded events. No
+        still be recorded with ``kind`` and ``error`` (None: any), else ``StaleState``
+        and nothing changes), insert their sample rows and segment, record the ones
+        that failed (``unfoldable_rows``), re-point the folded events. No
         checkpoint moves: the trajectories' finished events are behind it."""
         raise NotImplementedError
 

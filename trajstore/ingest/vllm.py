@@ -238,8 +238,9 @@ def _drop_declared_version(event: dict) -> None:
     spans that do not use it, it would have to equal the last token's version,
     which the declaration (made before the call ran) cannot know."""
     spans = event.get("weight_versions")
-    if spans and not any(isinstance(s, Mapping) and s.get("version") == "default" for s in spans):
-        event.pop("model_version", None)
+    if isinstance(spans, (list, tuple)) and spans and not any(
+            isinstance(s, Mapping) and s.get("version") == "default" for s in spans):
+        event.pop("model_version", None)  # (spans of another shape are refused by the store, as sent)
 
 
 def _versions_from_map(spans: list[dict], num_tokens: int, version_map: VersionMap) -> np.ndarray | None:

@@ -85,7 +85,7 @@ log = logging.getLogger(__name__)
 _DATA_ERRORS = (ValidationError, CorruptStoreError, OverflowError)
 _INFRASTRUCTURE_ERRORS = (StoreUnavailable, OSError, MemoryError)
 _MAX_MESSAGE = 1000  # characters of the reason kept in unfoldable_trajectories.message
-INTERNAL_RETRY_S = 300.0  # a long-running materializer retries its internal errors this often
+_INTERNAL_RETRY_S = 300.0  # a long-running materializer retries its internal errors this often
 
 
 def shard_of(trajectory_id: str, num_shards: int) -> int:
@@ -195,8 +195,8 @@ class Materializer:
         stats = MaterializeStats(position=position)
         if self.projection is None and time.monotonic() >= self._internal_retry_at:
             # trajectories a bug kept from folding: once the code is fixed they fold here
-            self._internal_retry_at = time.monotonic() + INTERNAL_RETRY_S
-            stats = stats + self._refold(None, INTERNAL_ERROR)
+            self._internal_retry_at = time.monotonic() + _INTERNAL_RETRY_S
+            stats = stats + self._refold(None, INTERNAL_ERROR, position)
         steps = 0
         while max_steps is None or steps < max_steps:
             outcome = self._step(position, cumulative)
@@ -308,11 +308,12 @@ class Materializer:
         unchanged)."""
         return self._refold(PayloadMissingError.__name__, DATA_ERROR) + self._refold(None, INTERNAL_ERROR)
 
-    def _refold(self, error: str | None, kind: str) -> MaterializeStats:
+    def _refold(self, error: str | None, kind: str, position: int | None = None) -> MaterializeStats:
         """Fold again this shard's trajectories recorded with ``kind`` and ``error``
-        (None: any); see ``refold_quarantined``. The default samples only."""
+        (None: any); see ``refold_quarantined``. The default samples only.
+        ``position``: this shard's checkpoint, when the caller has just read it."""
         rows = [r for r in self.store.materialized.quarantined(error, kind=kind) if self.shard.owns(r["trajectory_id"])]
-        stats = MaterializeStats(position=self._checkpoint()[0])
+        stats = MaterializeStats(position=self._checkpoint()[0] if position is None else position)
         for k in range(0, len(rows), self.max_trajectories):
             part = rows[k:k + self.max_trajectories]
             status = self.store.log.finished_status([r["trajectory_id"] for r in part])

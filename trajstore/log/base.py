@@ -61,7 +61,7 @@ from typing import Any, Callable, Collection, Iterator, Mapping, Sequence
 from trajstore.errors import ValidationError
 
 __all__ = ["EventLog", "SampleIndex", "Shard", "StaleState", "TrajectoryWrite", "shard_index_of", "SAMPLES_KIND",
-           "Repoint", "RELEASED"]
+           "Repoint", "RELEASED", "DATA_ERROR", "INTERNAL_ERROR"]
 
 SAMPLES_KIND = "samples"
 """``events.segment_kind`` of an event whose payload locator was re-pointed to

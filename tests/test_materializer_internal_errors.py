@@ -133,3 +133,45 @@ def test_info_and_sql_show_internal_errors_apart(store_url, tmp_path, monkeypatc
     assert json.loads(out[out.index("{"):])["num_trajectories"] == 1
     assert rows(store) == [] and sorted(sample_ids(store)) == ["bug", "ok"]
     store.close()
+
+
+def test_a_bug_recorded_before_migration_0012_folds_after_the_upgrade(store_url, tmp_path, monkeypatch):
+    """A store that recorded a bug's exception as bad data (before ``kind``) gets it
+    classified as an internal error by the migration, and folded by the next run."""
+    from alembic import command
+    from sqlalchemy import create_engine
+
+    import trajstore
+    from trajstore._migrate import alembic_config
+
+    def migrate(engine, target, down=False):
+        with engine.begin() as conn:
+            cfg = alembic_config()
+            cfg.attributes["connection"] = conn
+            (command.downgrade if down else command.upgrade)(cfg, target)
+
+    faults = {"bug": TypeError("int() of None"), "bad": ValidationError("refused", rule="reward_mode")}
+
+    def fold(gens, *, trajectory_id, **kw):
+        if trajectory_id in faults:
+            raise faults[trajectory_id]
+        return real_fold(gens, trajectory_id=trajectory_id, **kw)
+
+    payload = str(tmp_path / "payload")
+    with trajstore.connect(store_url, payload=payload) as store:
+        good(store, "bug")
+        good(store, "bad")
+        monkeypatch.setattr(materializer_module, "fold", fold)
+        store.materialize()
+    monkeypatch.setattr(materializer_module, "fold", real_fold)  # the fix
+    engine = create_engine(store_url)
+    try:
+        migrate(engine, "0011", down=True)  # the store as it was: no kind, a bug recorded like data
+        migrate(engine, "head")
+    finally:
+        engine.dispose()
+    with trajstore.connect(store_url, payload=payload) as store:
+        assert rows(store) == [("bug", "internal_error", "TypeError", None),
+                               ("bad", "data", "ValidationError", "reward_mode")]
+        assert store.materialize().num_trajectories == 1
+        assert rows(store) == [("bad", "data", "ValidationError", "reward_mode")] and sample_ids(store) == ["bug"]

@@ -166,7 +166,7 @@ def test_a2_from_the_wire_and_the_refused_backwards_versions():
 
 @pytest.mark.parametrize("change, rule", [
     ({"token_model_versions": [7, 7, 8]}, "length_mismatch"),
-    ({"token_model_versions": [7, 7, 8, 8], "model_version": 7}, "model_version"),
+    ({"token_model_versions": [7, 7, 8, 8], "model_version": 7}, "version_conflict"),
     ({"token_model_versions": [-1, 7, 8, 8]}, "token_model_versions"),
     ({"token_model_versions": [7, 7, 8, 2**31]}, "token_model_versions"),
     ({"token_model_versions": [7, 7.5, 8, 8]}, "token_model_versions"),

@@ -177,7 +177,8 @@ PUBLIC_API: dict[str, set[str]] = {
     },
     "trajstore.log": set(),
     "trajstore.log.base": {
-        "EventLog", "RELEASED", "Repoint", "SAMPLES_KIND", "SampleIndex", "Shard", "StaleState", "TrajectoryWrite", "shard_index_of"
+        "DATA_ERROR", "EventLog", "INTERNAL_ERROR", "RELEASED", "Repoint", "SAMPLES_KIND", "SampleIndex", "Shard",
+        "StaleState", "TrajectoryWrite", "shard_index_of"
     },
     "trajstore.log.postgres": {
         "DEFAULT_CONNECT_TIMEOUT_S", "DEFAULT_STATEMENT_TIMEOUT", "default_payload_dir", "engine_options",

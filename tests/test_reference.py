@@ -99,6 +99,9 @@ def test_worked_example(store, example):
         assert e.value.rule == example["refused"]
         assert store.log.head_position() == 0
         return
+    if "labels_before" in example:
+        store.append([{"type": "version_label", "label": k, "model_version": v}
+                      for k, v in example["labels_before"].items()])
     store.append(events)
     if "labels_after" in example:
         held = store.materialize()

@@ -260,3 +260,160 @@ def test_labels_racing_finishes_and_materializers_fold_every_trajectory_once(sto
     assert store.info()["unresolved_version_labels"] == []
     released = store.log.count_events(after_position=0, types=["trajectory_released"])
     assert released <= n
+
+
+def test_a_held_call_mixing_a_mapped_and_an_unmapped_label_folds_once_the_label_arrives(store):
+    """The common async case: a call spans a weight update, its first label is
+    mapped and the second is not yet. It folds whole once the second arrives."""
+    store.append([label("ckpt-3", 3), started("t"),
+                  call("t", 0, [1], [2, 3, 4], weight_versions=spans(("ckpt-3", 0, 2), ("ckpt-4", 2, 3))),
+                  finished("t")])
+    assert store.materialize().num_held_back == 1
+    store.append([label("ckpt-4", 4)])
+    stats = store.materialize()
+    assert (stats.num_trajectories, stats.num_unfoldable, stats.num_held_back) == (1, 0, 0)
+    assert versions_of(store) == {("t", 0): ([3, 3, 4], 3, 4)}
+    assert store.materialized.unfoldable_trajectories()["count"] == 0
+    again = store.materialize()  # exactly once
+    assert (again.num_trajectories, again.num_unfoldable) == (0, 0) and len(list(store.samples())) == 1
+
+
+@pytest.mark.parametrize("later, expected", [
+    # a second call under "default" + model_version, in a sample of its own
+    (call("t", 1, [7], [8, 9], model_version=5, weight_versions=spans(("default", 0, 2))),
+     {("t", 0): ([3, 3, 4], 3, 4), ("t", 1): ([5, 5], 5, 5)}),
+    # a later call merged into the same sample, "default" + model_version after the held label
+    (call("t", 1, [1, 2, 3, 4, 9], [5, 6], model_version=6, weight_versions=spans(("ckpt-4", 0, 1), ("default", 1, 2))),
+     {("t", 0): ([3, 3, 4, -1, 4, 6], 3, 6)}),
+    # a later call merged, its versions sent per token
+    (call("t", 1, [1, 2, 3, 4, 9], [5], token_model_versions=[4]), {("t", 0): ([3, 3, 4, -1, 4], 3, 4)}),
+])
+@pytest.mark.parametrize("mapped", ["after_finish", "before_finish"])
+def test_a_held_call_folds_with_whatever_else_its_trajectory_carries(store, later, expected, mapped):
+    store.append([label("ckpt-3", 3), started("t"),
+                  call("t", 0, [1], [2, 3, 4], weight_versions=spans(("ckpt-3", 0, 2), ("ckpt-4", 2, 3))), later])
+    if mapped == "before_finish":
+        store.append([label("ckpt-4", 4)])
+    store.append([finished("t")])
+    if mapped == "after_finish":
+        assert store.materialize().num_held_back == 1
+        store.append([label("ckpt-4", 4)])
+    stats = store.materialize()
+    assert (stats.num_trajectories, stats.num_unfoldable, stats.num_held_back) == (1, 0, 0)
+    assert versions_of(store) == expected
+    assert store.materialize().num_trajectories == 0 and len(list(store.samples())) == len(expected)
+
+
+def test_versions_sent_per_token_stay_when_a_label_they_came_with_is_mapped_later(store):
+    """A call's explicit token_model_versions win over spans whose label did not
+    resolve when it was appended; mapping that label later (to fold another held
+    call) changes nothing in it."""
+    store.append([started("t"), call("t", 0, [1], [2, 3], token_model_versions=[4, 4],
+                                     weight_versions=spans(("s", 0, 2))),
+                  call("t", 1, [1, 2, 3, 8], [9], weight_versions=spans(("s", 0, 1))), finished("t")])
+    store.append([label("s", 9)])
+    assert store.materialize().num_trajectories == 1
+    assert versions_of(store) == {("t", 0): ([4, 4, -1, 9], 4, 9)}
+
+
+# -- version forms agree (rule version_conflict), label conflicts are named ------------------
+
+@pytest.mark.parametrize("fields, span", [
+    # a boundary: the spans switch a token later than the per-token versions
+    (dict(token_model_versions=[3, 3, 4], weight_versions=spans(("3", 0, 1), ("4", 1, 3))), "weight_versions[1] '4'"),
+    # a value
+    (dict(token_model_versions=[3, 3, 4], weight_versions=spans(("3", 0, 2), ("5", 2, 3))), "weight_versions[1] '5'"),
+    # flat spans against varying versions, and the other way round
+    (dict(token_model_versions=[3, 3, 4], weight_versions=spans(("3", 0, 3))), "weight_versions[0] '3'"),
+    (dict(token_model_versions=[3, 3, 3], weight_versions=spans(("3", 0, 2), (4, 2, 3))), "weight_versions[1] 4"),
+    # a label the map holds, and "default" (the event's model_version)
+    (dict(token_model_versions=[3, 3, 3], weight_versions=spans(("3", 0, 2), ("ckpt-4", 2, 3))),
+     "weight_versions[1] 'ckpt-4'"),
+    (dict(token_model_versions=[3, 3, 4], model_version=4, weight_versions=spans(("default", 0, 2), ("4", 2, 3))),
+     "weight_versions[0] 'default'"),
+    # model_version sent with spans: the last token's version
+    (dict(model_version=3, weight_versions=spans(("3", 0, 2), ("4", 2, 3))), "weight_versions[1] '4'"),
+    (dict(model_version=3, weight_versions=spans(("3", 0, 2), ("ckpt-4", 2, 3), ("ckpt-9", 3, 3))),
+     "weight_versions[1] 'ckpt-4'"),
+    # model_version sent with per-token versions
+    (dict(model_version=3, token_model_versions=[3, 3, 4]), "token_model_versions"),
+])
+def test_version_forms_that_disagree_are_refused_naming_the_span(store, fields, span):
+    store.append([label("ckpt-4", 4)])
+    head = store.log.head_position()
+    batch = [started("a"), call("a", 0, [1], [2, 3, 4], **fields), finished("a")]
+    for attempt in (lambda: store.append(batch), lambda: store.check(batch)):
+        with pytest.raises(ValidationError) as e:
+            attempt()
+        assert (e.value.rule, e.value.index, e.value.trajectory_id) == ("version_conflict", 1, "a")
+        assert span in str(e.value) and "\n" not in str(e.value)
+    assert store.log.head_position() == head
+
+
+def test_a_label_mapped_in_the_same_batch_is_judged_too(store):
+    with pytest.raises(ValidationError) as e:
+        store.append([started("a"), call("a", 0, [1], [2, 3], token_model_versions=[3, 3],
+                                         weight_versions=spans(("s", 0, 2))), label("s", 4)])
+    assert e.value.rule == "version_conflict" and "'s'" in str(e.value)
+    assert store.log.head_position() == 0
+
+
+def test_version_forms_that_agree_are_stored(store):
+    store.append([label("ckpt-4", 4)])
+    store.append([
+        started("a"),
+        call("a", 0, [1], [2, 3, 4], token_model_versions=[3, 3, 4], model_version=4,
+             weight_versions=spans(("3", 0, 2), ("ckpt-4", 2, 3))),
+        call("a", 1, [1, 2, 3, 4, 5], [6, 7], model_version=5, weight_versions=spans(("ckpt-4", 0, 1), ("5", 1, 2))),
+        # "default" takes model_version: nothing else to agree with
+        call("a", 2, [1, 2, 3, 4, 5, 6, 7, 8], [9], model_version=5, weight_versions=spans(("default", 0, 1))),
+        # a label not mapped yet is not judged (the call is held until it is)
+        call("a", 3, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [11], model_version=6,
+             weight_versions=spans(("ckpt-6", 0, 1))),
+        finished("a"),
+    ])
+    assert store.materialize().num_held_back == 1
+    store.append([label("ckpt-6", 6)])
+    assert store.materialize().num_trajectories == 1
+    assert versions_of(store) == {("a", 0): ([3, 3, 4, -1, 4, 5, -1, 5, -1, 6], 3, 6)}
+
+
+def _post_events(url, events):
+    import httpx
+
+    from trajstore.ingest.client import encode_events
+
+    return httpx.post(f"{url}/v1/events", content=encode_events(events),
+                      headers={"Content-Type": "application/json", "Authorization": "Bearer t"})
+
+
+@pytest.mark.parametrize("via", ["store", "http"])
+@pytest.mark.parametrize("event_id", [None, "e2"])
+def test_a_remapped_label_names_the_label_and_both_versions(store, via, event_id):
+    """Through ``Store.append`` and the HTTP ingest service: never "trajectory ''"."""
+    first = label("ckpt-3", 3) if event_id is None else label("ckpt-3", 3, event_id="e1")
+    again = label("ckpt-3", 4) if event_id is None else label("ckpt-3", 4, event_id=event_id)
+    store.append([first])
+    want = "version label 'ckpt-3' is already mapped to model_version 3, not 4"
+    if via == "store":
+        for batch, index in (([again], 0), ([label("x", 1), again], 1)):
+            with pytest.raises(ConflictError) as e:
+                store.append(batch)
+            assert want in str(e.value) and "trajectory" not in str(e.value) and e.value.index == index
+        with pytest.raises(ConflictError) as e:  # within one batch
+            store.append([label("u", 1), label("u", 2)])
+        assert "version label 'u' is already mapped to model_version 1, not 2" in str(e.value)
+    else:
+        pytest.importorskip("fastapi")
+        from openai_upstream import serve_in_thread
+        from trajstore.ingest.service import make_app
+
+        with serve_in_thread(make_app(store, token="t")) as url:
+            resp = _post_events(url, [again])
+            assert resp.status_code == 409
+            err = resp.json()["error"]
+            assert want in err["message"] and "trajectory" not in err["message"] and err["index"] == 0
+            resp = _post_events(url, [label("u", 1), label("u", 2)])
+            assert resp.status_code == 409
+            assert "version label 'u' is already mapped to model_version 1, not 2" in resp.json()["error"]["message"]
+    assert sql(store, "SELECT label, model_version FROM version_labels") == [("ckpt-3", 3)]

@@ -53,7 +53,7 @@ from trajstore.events import (
 from trajstore.fold import EMPTY_HASH, FoldStep, FoldTail, fold_step, sequence_hash
 
 __all__ = ["TrajectoryState", "StoredGeneration", "Admitted", "admit", "admit_batch", "sequence_hash", "EMPTY_HASH",
-           "resolve_weight_versions", "map_labels", "RecordedRoutes"]
+           "resolve_weight_versions", "check_version_forms", "map_labels", "RecordedRoutes"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,11 +193,9 @@ def resolve_weight_versions(g: Generation, labels: Mapping[str, int]) -> tuple[G
     values = []
     missing = set()
     for label, start, end in spans:
-        v = decimal_label(label)
+        v = _resolved(label, g.model_version, labels)
         if v is None:
-            v = g.model_version if label == "default" else labels.get(label)  # type: ignore[arg-type]
-            if v is None:
-                missing.add(label)
+            missing.add(label)
         values.append(v)
     if missing:
         return g, tuple(sorted(missing))  # type: ignore[arg-type]
@@ -212,6 +210,57 @@ def resolve_weight_versions(g: Generation, labels: Mapping[str, int]) -> tuple[G
                               f"{int(versions[i + 1])} at output token {i + 1} (versions never decrease)",
                               rule="weight_versions")
     return replace(g, token_model_versions=versions, model_version=int(versions[-1])), ()
+
+
+def check_version_forms(g: Generation, labels: Mapping[str, int]) -> None:
+    """SPEC "Versions": a call that sends its versions in more than one form is
+    consistent. Every ``weight_versions`` span whose label resolves now (decimal,
+    ``"default"`` = the event's ``model_version``, or in ``labels``) agrees with
+    ``token_model_versions`` over its tokens; without per-token versions, a
+    ``model_version`` sent with spans equals the last token's version when the
+    last span's label resolves now. A ``"default"`` span takes ``model_version``
+    as its version, so a call with one states nothing else with it. Raises
+    ValidationError (rule ``version_conflict``) naming the span; labels that do
+    not resolve yet are not judged (the call is held until they are mapped).
+    (``model_version`` against ``token_model_versions`` is checked at parsing,
+    same rule.)"""
+    spans = g.weight_versions
+    if not spans:
+        return
+    tv = g.token_model_versions
+    if tv is None:
+        if g.model_version is None or any(label == "default" for label, _, _ in spans):
+            return
+        i = max(k for k, (_, start, end) in enumerate(spans) if end > start) if len(g.output_ids) else None
+        if i is None:
+            return
+        label, start, end = spans[i]
+        v = _resolved(label, g.model_version, labels)
+        if v is not None and v != g.model_version:
+            raise ValidationError(f"model_version {g.model_version} but the last output token's span, "
+                                  f"weight_versions[{i}] {label!r} [{start}, {end}), is version {v}",
+                                  rule="version_conflict")
+        return
+    for i, (label, start, end) in enumerate(spans):
+        if end <= start:
+            continue
+        v = _resolved(label, g.model_version, labels)
+        if v is None:
+            continue
+        differs = np.flatnonzero(tv[start:end] != v)
+        if differs.size:
+            k = start + int(differs[0])
+            raise ValidationError(f"weight_versions[{i}] {label!r} [{start}, {end}) is version {v} but "
+                                  f"token_model_versions has {int(tv[k])} at output token {k}",
+                                  rule="version_conflict")
+
+
+def _resolved(label: str | int, model_version: int | None, labels: Mapping[str, int]) -> int | None:
+    """A span label's version now (SPEC "Versions"); None while it is not mapped."""
+    v = decimal_label(label)
+    if v is not None:
+        return v
+    return model_version if label == "default" else labels.get(label)  # type: ignore[arg-type]
 
 
 def map_labels(events: Sequence[Event], labels: Mapping[str, int]) -> dict[str, int]:
@@ -313,6 +362,7 @@ def _admit_generation(
         raise ValidationError(f"seq {g.seq} but the next seq is {state.last_seq + 1}", rule=rule)
     step, tail = fold_step(state.tail, g, lambda: load_sequence(g.trajectory_id))
     _check_expert_ids(g, state.num_experts)
+    check_version_forms(g, labels)
     resolved, unresolved = resolve_weight_versions(g, labels)
     new_state = replace(state.with_tail(tail), revision=state.revision + 1, last_seq=g.seq)
     return Admitted(resolved, StoredGeneration.of(resolved, step, unresolved, _drift(g, step, state, recorded)),

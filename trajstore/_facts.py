@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, Mapping, Sequence
+from typing import Any, Collection, Mapping, Sequence
 
 import numpy as np
 import pyarrow as pa
 
 from trajstore._admission import Admitted, StoredGeneration, TrajectoryState, resolve_weight_versions
-from trajstore.errors import CorruptStoreError
+from trajstore.errors import CorruptStoreError, IndexInvariantError
 from trajstore.events import LOGPROB_PLACEHOLDER, Generation, Reward, TrajectoryFinished, TrajectoryStarted, VersionLabel
 from trajstore.fold import first_model_version
 from trajstore.log.base import SAMPLES_KIND
@@ -209,14 +209,21 @@ def generations_from_log(
     tables: Mapping[str, SegmentRows],
     route_shape: tuple[int, int] | None,
     labels: Mapping[str, int] | None = None,
+    held: Collection[int] | None = None,
 ) -> list[Generation]:
     """Rebuild one trajectory's generation commands from its index rows (seq order).
 
-    A call whose ``weight_versions`` did not resolve when it was appended gets
-    its per-token versions from them and ``labels`` (the label map) here; one
-    whose labels are still missing (or when ``labels`` is None: only the tokens
-    are wanted) keeps the ``model_version`` it was sent with (the materializer
-    folds a trajectory only once every label is mapped).
+    ``held``: the positions of the calls whose ``weight_versions`` did not
+    resolve when they were appended (``EventLog.held_generations``). Each gets
+    its per-token versions here from its spans and ``labels``, which must map
+    every label those spans name (the ones that were mapped at admission too:
+    a call is held whole, whatever part of it did resolve); a label missing
+    there is the store's own fault (``IndexInvariantError``), never a guess.
+    Every other call keeps the versions admission decided. With ``labels``
+    None only the tokens are wanted: held calls keep the ``model_version``
+    they were sent with (the materializer folds a trajectory only once every
+    label is mapped). ``held`` None (older callers): every call with spans and
+    no stored per-token versions is resolved where ``labels`` allow.
 
     A row's payload is either its own row of a log segment (``segment_kind``
     NULL) or, once the materializer re-pointed it, slices of the sample row it
@@ -252,7 +259,14 @@ def generations_from_log(
             weight_versions=weight_versions_from_json(row.get("weight_versions")),
         )
         if labels is not None and g.weight_versions is not None and g.token_model_versions is None:
-            g = resolve_weight_versions(g, labels)[0]
+            if held is None:
+                g = resolve_weight_versions(g, labels)[0]
+            elif row["position"] in held:
+                g, missing = resolve_weight_versions(g, labels)
+                if missing:
+                    raise IndexInvariantError(
+                        f"trajectory {row['trajectory_id']!r} seq {row['seq']}: folded while version label "
+                        f"{missing[0]!r} of its weight_versions is not in the label map")
         out.append(g)
         previous = np.concatenate([prompt, output])
     return out

@@ -153,6 +153,10 @@ def _cmd_info(args: argparse.Namespace) -> int:
     info = store.info()
     # finished trajectories the materializer recorded and skipped (docs/materializer.md)
     info["unfoldable_trajectories"] = store.materialized.unfoldable_trajectories(limit=10)
+    # ... and the ones a bug in the fold kept from folding, retried by the next run
+    from trajstore.log.base import INTERNAL_ERROR
+
+    info["internal_errors"] = store.materialized.unfoldable_trajectories(limit=10, kind=INTERNAL_ERROR)
     _print_json(info)
     return 0
 

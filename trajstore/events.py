@@ -600,7 +600,7 @@ def _model_version(obj: Mapping, token_versions: np.ndarray | None,
     if token_versions is not None and len(token_versions) and version != int(token_versions[-1]):
         raise ValidationError(
             f"model_version {version} differs from the last of token_model_versions ({int(token_versions[-1])})",
-            rule="model_version",
+            rule="version_conflict",
         )
     return version
 

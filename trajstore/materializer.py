@@ -29,8 +29,14 @@ A trajectory that cannot be folded (its payload is unreadable, its index
 rows contradict each other, the fold refuses it, a value does not fit the
 sample columns) is recorded with the reason and skipped; it never stops the
 trajectories after it (docs/materializer.md, "Unfoldable trajectories").
-Infrastructure errors (``StoreUnavailable``) still propagate: they are
-retried by running again, never recorded.
+An exception in the fold that is no data rule (a ``TypeError``, a
+``KeyError``, ...) is a bug, not the trajectory's fault: it is recorded and
+counted apart (``kind = 'internal_error'``, ``num_internal_errors``), logged
+with its traceback, and folded again by the next run (and by
+``refold_quarantined``) until it folds (docs/materializer.md, "Internal
+errors"). Infrastructure errors (``StoreUnavailable``, ``OSError``,
+``MemoryError``) still propagate: they are retried by running again, never
+recorded.
 
 A payload file that is missing never consumes a trajectory. If the payload
 location holds no file at all (an unmounted disk, an empty bucket: the
@@ -59,10 +65,10 @@ from typing import Any, Callable
 
 from trajstore._deprecated import renamed
 from trajstore import _facts as facts
-from trajstore.errors import (ConflictError, CorruptStoreError, PayloadMissingError, StoreUnavailable, TrajstoreError,
-                              ValidationError)
+from trajstore.errors import ConflictError, CorruptStoreError, PayloadMissingError, StoreUnavailable, ValidationError
+from trajstore.events import decimal_label
 from trajstore.fold import DEFAULT_POLICY, FoldMetrics, FoldPolicy, FoldResult, fold
-from trajstore.log.base import SAMPLES_KIND, Repoint, Shard, StaleState, shard_index_of
+from trajstore.log.base import DATA_ERROR, INTERNAL_ERROR, SAMPLES_KIND, Repoint, Shard, StaleState, shard_index_of
 from trajstore.payload import SegmentRows
 from trajstore.payload._format import SegmentKind, rows_per_batch
 from trajstore.sample import Sample
@@ -72,11 +78,15 @@ __all__ = ["Materializer", "MaterializeStats", "shard_of"]
 
 log = logging.getLogger(__name__)
 
-# Errors that mean "this trajectory's data cannot be folded", as opposed to
-# "the store cannot be reached right now" (StoreUnavailable, OSError,
-# MemoryError), which must propagate so the run is retried.
-_DATA_ERRORS = (TrajstoreError, ArithmeticError, ValueError, TypeError, IndexError, KeyError)
+# Errors that mean "this trajectory's data cannot be folded": the rules the fold and the
+# readers of the index raise on purpose, and a stored value that does not fit the sample's
+# int32 columns (an old SQLite store may hold one). Any other exception from the fold is a
+# bug (INTERNAL_ERROR, retried), and "the store cannot be reached right now"
+# (_INFRASTRUCTURE_ERRORS) propagates so the run is retried.
+_DATA_ERRORS = (ValidationError, CorruptStoreError, OverflowError)
+_INFRASTRUCTURE_ERRORS = (StoreUnavailable, OSError, MemoryError)
 _MAX_MESSAGE = 1000  # characters of the reason kept in unfoldable_trajectories.message
+_INTERNAL_RETRY_S = 300.0  # a long-running materializer retries its internal errors this often
 
 
 def shard_of(trajectory_id: str, num_shards: int) -> int:
@@ -90,8 +100,9 @@ class MaterializeStats:
     metrics: FoldMetrics = field(default_factory=FoldMetrics)
     num_trajectories: int = 0  # trajectories folded into samples
     position: int = 0  # checkpoint after the run
-    num_unfoldable: int = 0  # trajectories recorded in unfoldable_trajectories and skipped
+    num_unfoldable: int = 0  # trajectories recorded in unfoldable_trajectories for their data, and skipped
     num_held_back: int = 0  # finished trajectories passed while a version label they use is unmapped
+    num_internal_errors: int = 0  # trajectories the fold failed on with a bug (recorded apart, retried)
 
     @property
     def num_steps_before(self) -> int:
@@ -112,7 +123,7 @@ class MaterializeStats:
     def to_dict(self) -> dict[str, Any]:
         return {**self.metrics.to_dict(), "num_trajectories": self.num_trajectories,
                 "num_unfoldable": self.num_unfoldable, "num_held_back": self.num_held_back,
-                "position": self.position}
+                "num_internal_errors": self.num_internal_errors, "position": self.position}
 
     def __add__(self, later: "MaterializeStats") -> "MaterializeStats":
         """This run followed by ``later`` (position: the later checkpoint)."""
@@ -120,7 +131,8 @@ class MaterializeStats:
             return NotImplemented
         return MaterializeStats(self.metrics + later.metrics, self.num_trajectories + later.num_trajectories,
                                 later.position, self.num_unfoldable + later.num_unfoldable,
-                                self.num_held_back + later.num_held_back)
+                                self.num_held_back + later.num_held_back,
+                                self.num_internal_errors + later.num_internal_errors)
 
 
 class Materializer:
@@ -152,6 +164,7 @@ class Materializer:
         self.max_batch_tokens = max_batch_tokens
         self.progress = progress
         self.projection = projection
+        self._internal_retry_at = 0.0  # time.monotonic() when run() next retries internal errors
         if projection is None:
             self.index = store.materialized
             self.policy = DEFAULT_POLICY
@@ -181,6 +194,10 @@ class Materializer:
         take ends the run without asking again."""
         position, cumulative = self._checkpoint()
         stats = MaterializeStats(position=position)
+        if self.projection is None and time.monotonic() >= self._internal_retry_at:
+            # trajectories a bug kept from folding: once the code is fixed they fold here
+            self._internal_retry_at = time.monotonic() + _INTERNAL_RETRY_S
+            stats = stats + self._refold(None, INTERNAL_ERROR, position)
         steps = 0
         while max_steps is None or steps < max_steps:
             outcome = self._step(position, cumulative)
@@ -190,7 +207,8 @@ class Materializer:
             stats = stats + done
             steps += 1
             if self.progress:
-                self.progress(done.num_trajectories + done.num_unfoldable + done.num_held_back)  # trajectories this step took
+                # trajectories this step took
+                self.progress(done.num_trajectories + done.num_unfoldable + done.num_held_back + done.num_internal_errors)
             if after is None:  # lost the race for this batch: read the checkpoint again
                 position, cumulative = self._checkpoint()
             elif after[0]:
@@ -239,13 +257,12 @@ class Materializer:
         except StaleState:
             # another materializer did this batch
             return MaterializeStats(position=self._checkpoint()[0]), None
-        for row in unfoldable_rows:
-            log.warning("materializer %s: trajectory %r cannot be folded, recorded and skipped: %s: %s",
-                        self.shard, row["trajectory_id"], row["error"], row["message"])
+        _log_unfoldable(self.shard, unfoldable_rows, unfoldable)
         for tid, label in held.items():
             log.info("materializer %s: trajectory %r held back until version label %r is mapped "
                      "(a version_label event)", self.shard, tid, label)
-        return (MaterializeStats(metrics, len(folded), last, len(unfoldable), len(held)),
+        internal = sum(1 for r in unfoldable_rows if r["kind"] == INTERNAL_ERROR)
+        return (MaterializeStats(metrics, len(folded), last, len(unfoldable) - internal, len(held), internal),
                 (more, cumulative + metrics))
 
     def abandon_idle(self, idle_s: float, *, limit: int = 1000) -> list[str]:
@@ -310,7 +327,7 @@ class Materializer:
                     log.warning("materializer %s: abandoning idle trajectories failed, retried later: %s",
                                 self.shard, e)
             stats = self.run(max_steps=1)
-            if stats.num_trajectories or stats.num_unfoldable:
+            if stats.num_trajectories or stats.num_unfoldable or stats.num_internal_errors:
                 if on_step is not None:
                     on_step(stats)
             elif self.pending(all_shards=True) == 0:
@@ -327,23 +344,38 @@ class Materializer:
 
     def refold_quarantined(self) -> MaterializeStats:
         """Fold this shard's quarantined trajectories (recorded with
-        ``PayloadMissingError``) whose payload is back; the ones still missing
-        stay quarantined, the ones that now fail otherwise are recorded with
-        that reason. Their samples keep the trajectories' finished positions,
-        which are behind the checkpoint: a ``SampleReader`` whose cursor passed
-        them does not see them, a new one does. Returns what was folded
-        (``position``: this shard's checkpoint, unchanged)."""
-        error = PayloadMissingError.__name__
-        rows = [r for r in self.store.materialized.quarantined(error) if self.shard.owns(r["trajectory_id"])]
-        stats = MaterializeStats(position=self._checkpoint()[0])
+        ``PayloadMissingError``) whose payload is back, and the ones a bug kept
+        from folding (``kind = 'internal_error'``) that fold now; the ones still
+        missing (or still failing with a bug) stay recorded, the ones that now
+        fail otherwise are recorded with that reason. Their samples keep the
+        trajectories' finished positions, which are behind the checkpoint: a
+        ``SampleReader`` whose cursor passed them does not see them, a new one
+        does. Returns what was folded (``position``: this shard's checkpoint,
+        unchanged)."""
+        return self._refold(PayloadMissingError.__name__, DATA_ERROR) + self._refold(None, INTERNAL_ERROR)
+
+    def _refold(self, error: str | None, kind: str, position: int | None = None) -> MaterializeStats:
+        """Fold again this shard's trajectories recorded with ``kind`` and ``error``
+        (None: any); see ``refold_quarantined``. The default samples only.
+        ``position``: this shard's checkpoint, when the caller has just read it."""
+        rows = [r for r in self.store.materialized.quarantined(error, kind=kind) if self.shard.owns(r["trajectory_id"])]
+        stats = MaterializeStats(position=self._checkpoint()[0] if position is None else position)
         for k in range(0, len(rows), self.max_trajectories):
             part = rows[k:k + self.max_trajectories]
             status = self.store.log.finished_status([r["trajectory_id"] for r in part])
             finished = [{"position": int(r["finished_position"]), "trajectory_id": r["trajectory_id"],
                          "status": status.get(r["trajectory_id"])} for r in part]
             folded, unfoldable, gen_rows, held = self._fold(finished)
-            # still missing, or waiting on a version label: both stay quarantined for the next refold
-            still = {tid for tid, e in unfoldable.items() if isinstance(e, PayloadMissingError)} | set(held)
+            # still failing the same way, or waiting on a version label: both stay recorded for the next refold
+            if kind == INTERNAL_ERROR:
+                still = {tid for tid, e in unfoldable.items() if _kind_of(e) == INTERNAL_ERROR}
+            else:
+                still = {tid for tid, e in unfoldable.items() if isinstance(e, PayloadMissingError)}
+            still |= set(held)
+            again = [_unfoldable_row(tid, 0, self.shard, e, 0.0) for tid, e in unfoldable.items()
+                     if tid in still and _kind_of(e) == INTERNAL_ERROR]
+            _log_unfoldable(self.shard, again, unfoldable, retried=True)
+            stats = stats + MaterializeStats(position=stats.position, num_internal_errors=len(again))
             attempted = [f["trajectory_id"] for f in finished if f["trajectory_id"] not in still]
             if not attempted:
                 continue
@@ -359,15 +391,18 @@ class Materializer:
                       for tid, err in unfoldable.items() if tid not in still]
             try:
                 self.store.materialized.commit_refold(error, attempted, sample_rows, seg_row, failed,
-                                                      _repoints(seg_name, folded, gen_rows))
+                                                      _repoints(seg_name, folded, gen_rows), kind=kind)
             except StaleState:
                 if seg_row is not None:
                     self.store.payload.delete(seg_name)  # another refold took them: nothing names this file
                 continue
+            _log_unfoldable(self.shard, failed, unfoldable)
+            internal = sum(1 for r in failed if r["kind"] == INTERNAL_ERROR)
             metrics = sum((r.metrics for r in folded.values()), FoldMetrics())
-            stats = stats + MaterializeStats(metrics, len(folded), stats.position, len(failed))
-            log.info("materializer %s: re-folded %d quarantined trajectories (%d still missing payload)",
-                     self.shard, len(folded), len(still))
+            stats = stats + MaterializeStats(metrics, len(folded), stats.position, len(failed) - internal,
+                                             num_internal_errors=internal)
+            log.info("materializer %s: re-folded %d trajectories recorded as %s (%d still recorded)",
+                     self.shard, len(folded), error or kind, len(still))
         return stats
 
     def _checkpoint(self) -> tuple[int, FoldMetrics]:
@@ -425,7 +460,16 @@ class Materializer:
         ids = [e["trajectory_id"] for e in finished]
         if not ids:
             return folded, unfoldable, gen_rows_of, held
+        held_calls = self.store.log.held_generations([t for t in ids if waiting.get(t)]) if waiting else {}
         trajs, events = self.store.log.fold_inputs(ids)
+        if held_calls:
+            # A held call resolves whole: the labels it waited for and the ones mapped before it
+            # (never re-mapped, so reading them now decides the same as any re-run).
+            named = {label for tid, positions in held_calls.items() for r in events.get(tid, ())
+                     if r["position"] in positions for label in _labels_named(r.get("weight_versions"))}
+            mapped = self.store.log.load_labels(named)
+            for tid in held_calls:
+                label_maps[tid] = {**mapped, **label_maps[tid]}
         tables, bad_segments = self._read_segments([r for rows in events.values() for r in rows])
         if bad_segments:
             # A compaction may have moved these events, and a GC with a short grace deleted
@@ -451,7 +495,7 @@ class Materializer:
                 gens = facts.generations_from_log(
                     gen_rows, tables,
                     (traj["route_layers"], traj["route_topk"]) if traj["route_layers"] else None,
-                    label_maps[tid],
+                    label_maps[tid], held_calls.get(tid, ()),
                 )
                 if self.policy.routes == "last":
                     _check_last_routes_stored(tid, gen_rows)
@@ -460,9 +504,9 @@ class Materializer:
                                    final_reward=rewards[-1] if rewards else None, num_experts=traj["num_experts"],
                                    routes_alloc=plan, policy=self.policy)
                 gen_rows_of[tid] = gen_rows
-            except StoreUnavailable:
+            except _INFRASTRUCTURE_ERRORS:
                 raise
-            except _DATA_ERRORS as e:
+            except Exception as e:  # noqa: BLE001 - a data rule or a bug: told apart by _kind_of
                 unfoldable[tid] = e
         return folded, unfoldable, gen_rows_of, held
 
@@ -491,6 +535,13 @@ class Materializer:
         seg_row = {"name": name, "kind": "samples", "num_rows": len(samples), "num_bytes": size, "created_at": now}
         return seg_row, [_sample_row(s, i, name, finished_at[s.trajectory_id], c, now)
                          for i, (s, c) in enumerate(zip(samples, calls))]
+
+
+def _labels_named(weight_versions: Any) -> set[str]:
+    """The labels of a generation row's spans that only the label map resolves."""
+    spans = facts.weight_versions_from_json(weight_versions) or ()
+    return {label for label, _, _ in spans
+            if isinstance(label, str) and label != "default" and decimal_label(label) is None}
 
 
 def _check_last_routes_stored(trajectory_id: str, gen_rows: list[dict[str, Any]]) -> None:
@@ -534,10 +585,34 @@ def _repoints(segment: str, folded: dict[str, FoldResult], gen_rows: dict[str, l
     return out
 
 
+def _kind_of(error: BaseException) -> str:
+    """``DATA_ERROR`` for a data rule the fold (or a reader of the index) raised on
+    purpose, ``INTERNAL_ERROR`` for anything else: a bug in trajstore."""
+    return DATA_ERROR if isinstance(error, _DATA_ERRORS) else INTERNAL_ERROR
+
+
+def _log_unfoldable(shard: Shard, rows: list[dict[str, Any]], errors: dict[str, BaseException], *,
+                    retried: bool = False) -> None:
+    """A warning per trajectory recorded for its data; an error with the traceback per
+    internal error (a bug: the traceback is what fixing it needs)."""
+    for row in rows:
+        tid = row["trajectory_id"]
+        if row["kind"] == INTERNAL_ERROR:
+            err = errors[tid]
+            log.error("materializer %s: internal error folding trajectory %r (a bug, not its data)%s: %s: %s; "
+                      "recorded as internal_error, folded again by the next run", shard, tid,
+                      " again" if retried else "", row["error"], row["message"],
+                      exc_info=(type(err), err, err.__traceback__))
+        else:
+            log.warning("materializer %s: trajectory %r cannot be folded, recorded and skipped: %s: %s",
+                        shard, tid, row["error"], row["message"])
+
+
 def _unfoldable_row(trajectory_id: str, finished_position: int, shard: Shard, error: BaseException,
                     now: float) -> dict[str, Any]:
     message = " ".join(str(error).split()) or type(error).__name__
     return {
+        "kind": _kind_of(error),
         "trajectory_id": trajectory_id,
         "finished_position": finished_position,
         "shard": str(shard),

@@ -191,6 +191,9 @@ unfoldable_trajectories = Table(
     Column("rule", String(64), nullable=True),  # ValidationError.rule when the fold refused it
     Column("message", String(1000), nullable=False),
     Column("created_at", Float, nullable=False),
+    # migration 0012: 'data' (a data rule: recorded for good) or 'internal_error' (a bug in
+    # the fold, not the data: folded again by the next run, docs/materializer.md)
+    Column("kind", String(16), nullable=False, server_default="data"),
 )
 
 # migration 0009: the store's label map (SPEC "Versions"), filled by version_label
@@ -271,7 +274,8 @@ projection_unfoldable = Table(
     "projection_unfoldable",
     metadata,
     Column("projection", String(64), primary_key=True),
-    *[Column(c.name, c.type, primary_key=c.primary_key, nullable=c.nullable)
+    *[Column(c.name, c.type, primary_key=c.primary_key, nullable=c.nullable,
+             server_default=None if c.server_default is None else c.server_default.arg)
       for c in unfoldable_trajectories.columns],
 )
 

@@ -227,7 +227,7 @@ class Store:
                          stored: Mapping[str, bytes]) -> list[int]:
         """Indices of events not stored yet; identical retries dropped, conflicting ones refused.
         ``stored``: content hash of each of the batch's identities already in the log."""
-        return _split_retries(parsed, stored, digests.get)[0]
+        return _split_retries(parsed, stored, digests.get, lambda label: self.log.load_labels([label]).get(label))[0]
 
     def _write_segment(self, admitted: list[Admitted]) -> tuple[str | None, dict | None, dict[int, int]]:
         gens = [a for a in admitted if a.stored is not None]
@@ -505,7 +505,7 @@ class AppendCheck:
             self._states.update({tid: facts.state_from_row(rows[tid]) if tid in rows else None for tid in unknown})
         digests = _Digests([ev for ev, _ in parsed])
         # a retry of a stored event, or a repeat: append skips it
-        fresh, duplicates, first = _split_retries(parsed, ChainMap(self._seen, stored), digests.get)
+        fresh, duplicates, first = _split_retries(parsed, ChainMap(self._seen, stored), digests.get, self._labels.get)
         self._seen.update((ident, digests.get(i)) for ident, i in first.items())
         try:
             admitted = admit_batch([parsed[i][0] for i in fresh], self._states, self._sequence, self._labels)
@@ -533,12 +533,15 @@ class AppendCheck:
 
 
 def _split_retries(parsed: Sequence[tuple[Event, str | None]], known: Mapping[str, bytes],
-                   digest: Callable[[int], bytes]) -> tuple[list[int], list[int], dict[str, int]]:
+                   digest: Callable[[int], bytes], mapped: Callable[[str], int | None] = lambda label: None,
+                   ) -> tuple[list[int], list[int], dict[str, int]]:
     """The one duplicate rule of ``append`` and ``AppendCheck``: an event whose identity is
     ``known`` (its content digest, stored or seen before) or came earlier in the batch is a retry,
     dropped when its content is the same and refused (ConflictError) when it differs.
     ``digest(i)``: the content digest of ``parsed[i]``, asked only of events with an identity that
-    repeat or are first in the batch (a caller may compute them lazily).
+    repeat or are first in the batch (a caller may compute them lazily). ``mapped(label)``: the
+    stored label map's version for ``label`` (asked only to name both versions when a
+    ``version_label`` remaps a stored label).
     Returns (fresh indices, duplicate indices, identity -> index of its first fresh event)."""
     first: dict[str, int] = {}
     fresh: list[int] = []
@@ -548,6 +551,10 @@ def _split_retries(parsed: Sequence[tuple[Event, str | None]], known: Mapping[st
             if ident in known or ident in first:
                 earlier = known[ident] if ident in known else digest(first[ident])
                 if not same_content(earlier, ev, digest(i)):
+                    if isinstance(ev, VersionLabel):
+                        before = parsed[first[ident]][0] if ident in first else None
+                        raise _label_conflict(ev, ident, before.model_version if isinstance(before, VersionLabel)
+                                              and before.label == ev.label else mapped(ev.label), i)
                     raise _conflict(ev, ident, i)
                 duplicates.append(i)
                 continue
@@ -559,7 +566,15 @@ def _split_retries(parsed: Sequence[tuple[Event, str | None]], known: Mapping[st
 def _conflict(ev: Event, ident: str, index: int) -> ConflictError:
     what = f"event_id {ev.event_id!r}" if ev.event_id else ident.split(":")[0]
     return ConflictError(f"{what} is already stored with different content", index=index,
-                         trajectory_id=ev.trajectory_id)
+                         trajectory_id=ev.trajectory_id or None)
+
+
+def _label_conflict(ev: VersionLabel, ident: str, known: int | None, index: int) -> ConflictError:
+    """A version_label whose identity is taken: named by its label and both versions when it remaps one."""
+    if known is None or known == ev.model_version:  # not a remap: an event_id reused for other content
+        return _conflict(ev, ident, index)
+    return ConflictError(f"version label {ev.label!r} is already mapped to model_version {known}, "
+                         f"not {ev.model_version}", index=index)
 
 
 def _parse_all(events: Iterable[Mapping[str, Any] | Event]) -> list[tuple[Event, str | None]]:
@@ -573,7 +588,7 @@ def _labels_named(events: Sequence[Event]) -> set[str]:
     for ev in events:
         if isinstance(ev, VersionLabel):
             out.add(ev.label)
-        elif isinstance(ev, Generation) and ev.weight_versions is not None and ev.token_model_versions is None:
+        elif isinstance(ev, Generation) and ev.weight_versions is not None:
             out.update(label for label, _, _ in ev.weight_versions
                        if isinstance(label, str) and label != "default" and decimal_label(label) is None)
     return out

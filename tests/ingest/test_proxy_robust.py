@@ -334,10 +334,11 @@ def test_a_label_change_with_a_declared_version_maps_the_label_in_the_store(stor
     assert "x-trajstore-label" not in plain.headers
     assert clash.status_code == 200 and "step-7" in clash.headers["x-trajstore-error"]  # the engine's answer stands
     assert [b for _, _, b in up.requests][0] == b'{"new_version":"step-7"}'
-    # a call sampled under step-7 resolves through the map
+    assert "'step-7' is already mapped to model_version 7, not 70" in clash.headers["x-trajstore-error"]
+    # a call sampled under step-7 resolves through the map (the spans say its version: no model_version beside)
     store.append([{"type": "trajectory_started", "trajectory_id": "l"},
                   {"type": "generation", "trajectory_id": "l", "seq": 0, "prompt_ids": [1], "output_ids": [2, 3],
-                   "model_version": 0, "weight_versions": [{"version": "step-7", "start": 0, "end": 2}]},
+                   "weight_versions": [{"version": "step-7", "start": 0, "end": 2}]},
                   {"type": "trajectory_finished", "trajectory_id": "l", "status": "completed"}])
     store.materialize()
     (sample,) = list(store.samples())

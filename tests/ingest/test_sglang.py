@@ -137,7 +137,11 @@ def test_weight_update_spans_are_passed_as_sent():
     ev = generation_from_generate(resp, body, trajectory_id="t", seq=0, model_version=3, route_layout=LAYOUT)
     n = len(ev["output_ids"])
     assert ev["weight_versions"] == [{"version": "3", "start": 0, "end": 2}, {"version": "step-4", "start": 2, "end": n}]
-    assert ev["model_version"] == 3
+    # the spans say every token's version: the declared one would have to be the last (SPEC "Versions")
+    assert "model_version" not in ev
+    ev = generation_from_generate(native_response(body, _state(weight_update=(2, "default", "step-4"))), body,
+                                  trajectory_id="t", seq=0, model_version=3, route_layout=LAYOUT)
+    assert ev["model_version"] == 3  # the "default" label's version
 
 
 def test_a_single_weight_version_label_is_one_span():
@@ -218,7 +222,8 @@ def test_openai_streams_carry_routes_but_no_versions(chat):
                                        model_version=5, route_layout=LAYOUT)
     assert "weight_versions" not in ev and ev["model_version"] == 5  # the call's declared version
     del plain["weight_versions"]
-    _same_event(ev, plain)
+    assert "model_version" not in plain  # its spans ("3", "4") said the versions
+    _same_event(ev, {**plain, "model_version": 5})
 
 
 def test_stream_errors_are_not_recorded():

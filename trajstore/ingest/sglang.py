@@ -71,7 +71,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from trajstore.errors import ValidationError
-from trajstore.ingest.vllm import LOGPROB_FLOOR
+from trajstore.ingest.vllm import LOGPROB_FLOOR, _drop_declared_version
 
 __all__ = [
     "GenerateStreamAccumulator",
@@ -267,6 +267,7 @@ def _event(*, trajectory_id: str, seq: int, model_version: int, prompt_ids: Any,
         event["logprobs"] = logprobs
     if spans is not None:
         event["weight_versions"] = spans
+        _drop_declared_version(event)  # the spans say the versions ("default" takes the declared one)
     if routes is not None:
         covered = len(prompt) + len(output) - 1
         start = min(routes_start, max(covered, 0))  # SGLang clamps the start to seqlen - 1

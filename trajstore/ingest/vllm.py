@@ -231,6 +231,18 @@ def _spans_as_sent(spans: Any) -> list[dict] | None:
     return out
 
 
+def _drop_declared_version(event: dict) -> None:
+    """The engine's spans say every token's version: the call's declared
+    ``model_version`` stays only as the version of the engine's unset label
+    ``"default"`` (SPEC "Versions"), or when the spans are empty. Sent beside
+    spans that do not use it, it would have to equal the last token's version,
+    which the declaration (made before the call ran) cannot know."""
+    spans = event.get("weight_versions")
+    if isinstance(spans, (list, tuple)) and spans and not any(
+            isinstance(s, Mapping) and s.get("version") == "default" for s in spans):
+        event.pop("model_version", None)  # (spans of another shape are refused by the store, as sent)
+
+
 def _versions_from_map(spans: list[dict], num_tokens: int, version_map: VersionMap) -> np.ndarray | None:
     """Per-token versions when ``version_map`` (deprecated) maps every label, else None (the store resolves)."""
     import warnings
@@ -262,6 +274,7 @@ def _complete(
     spans = _spans_as_sent(weight_versions)
     if spans is not None:
         event["weight_versions"] = spans
+        _drop_declared_version(event)
         if version_map is not None:
             versions = _versions_from_map(spans, len(event["output_ids"]), version_map)
             if versions is not None:

@@ -60,6 +60,17 @@ class SqlEventLog(EventLog):
                     out.setdefault(tid, {})[label] = None if pos is None else (int(mv), int(pos))
         return out
 
+    def held_generations(self, trajectory_ids: Collection[str]) -> dict[str, set[int]]:
+        ids = sorted(set(trajectory_ids))
+        out: dict[str, set[int]] = {}
+        u = unresolved_labels
+        with self.db.reading("reading held generations") as conn:
+            for part in chunks(ids):
+                q = select(u.c.trajectory_id, u.c.event_position).where(u.c.trajectory_id.in_(part))
+                for tid, pos in conn.execute(q):
+                    out.setdefault(tid, set()).add(int(pos))
+        return out
+
     def load_append_state(self, identities: Collection[str], trajectory_ids: Collection[str]
                           ) -> tuple[dict[str, bytes], dict[str, dict[str, Any]]]:
         # one transaction, one connection checkout

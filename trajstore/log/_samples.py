@@ -23,7 +23,7 @@ from trajstore.errors import IndexInvariantError, ProjectionChangedError, Valida
 from trajstore.log._dialect import CHUNK, SqlDialect, chunks
 from trajstore.log._segments import repoint, retire_emptied
 from trajstore.log._transaction import Database
-from trajstore.log.base import Repoint, SampleIndex, Shard, StaleState
+from trajstore.log.base import DATA_ERROR, Repoint, SampleIndex, Shard, StaleState
 from trajstore.schema import (materializer_checkpoints, projection_checkpoints, projection_samples,
                               projection_unfoldable, projections, samples, segments, unfoldable_trajectories)
 
@@ -150,14 +150,15 @@ class _SqlSamples(SampleIndex):
         with self.db.reading(f"counting {self._whose()}samples") as conn:
             return int(conn.execute(select(func.count()).select_from(s).where(*self._conds(s))).scalar_one())
 
-    def unfoldable_trajectories(self, *, limit: int = 20) -> dict[str, Any]:
+    def unfoldable_trajectories(self, *, limit: int = 20, kind: str = DATA_ERROR) -> dict[str, Any]:
         t = self.unfoldable
+        conds = (*self._conds(t), t.c.kind == kind)
         with self.db.reading(f"reading {self._whose()}unfoldable trajectories") as conn:
-            by_error = dict(conn.execute(select(t.c.error, func.count()).where(*self._conds(t))
+            by_error = dict(conn.execute(select(t.c.error, func.count()).where(*conds)
                                          .group_by(t.c.error)).all())
             recent = conn.execute(
                 select(t.c.trajectory_id, t.c.finished_position, t.c.shard, t.c.error, t.c.rule, t.c.message)
-                .where(*self._conds(t)).order_by(t.c.finished_position.desc()).limit(limit)
+                .where(*conds).order_by(t.c.finished_position.desc()).limit(limit)
             ).all()
         return {"count": sum(int(v) for v in by_error.values()),
                 "by_error": {k: int(v) for k, v in sorted(by_error.items())},
@@ -171,24 +172,24 @@ class SqlSampleIndex(_SqlSamples):
     def __init__(self, write_engine: Engine, read_engine: Engine, db: Database | None = None) -> None:
         super().__init__(db or Database(write_engine, read_engine))
 
-    def quarantined(self, error: str) -> list[dict[str, Any]]:
+    def quarantined(self, error: str | None, *, kind: str = DATA_ERROR) -> list[dict[str, Any]]:
         t = unfoldable_trajectories
         with self.db.reading("reading quarantined trajectories") as conn:
             rows = conn.execute(select(t.c.trajectory_id, t.c.finished_position, t.c.shard)
-                                .where(t.c.error == error).order_by(t.c.finished_position)).all()
+                                .where(*_recorded_as(error, kind)).order_by(t.c.finished_position)).all()
         return [dict(r._mapping) for r in rows]
 
-    def commit_refold(self, error: str, trajectory_ids: Sequence[str], sample_rows: Sequence[dict[str, Any]],
+    def commit_refold(self, error: str | None, trajectory_ids: Sequence[str], sample_rows: Sequence[dict[str, Any]],
                       segment_row: Mapping[str, Any] | None, unfoldable_rows: Sequence[dict[str, Any]],
-                      repoints: Sequence[Repoint]) -> None:
+                      repoints: Sequence[Repoint], *, kind: str = DATA_ERROR) -> None:
         t = unfoldable_trajectories
 
         def body(conn: Connection, d: SqlDialect) -> None:
-            # the guard: every one of them is still quarantined with ``error`` (no other refold took it)
+            # the guard: every one of them is still recorded with ``kind``/``error`` (no other refold took it)
             gone = 0
             for part in chunks(sorted(trajectory_ids)):
                 gone += conn.execute(t.delete().where(t.c.trajectory_id.in_(list(part)))
-                                     .where(t.c.error == error)).rowcount
+                                     .where(*_recorded_as(error, kind))).rowcount
             if gone != len(set(trajectory_ids)):
                 raise StaleState(f"{len(set(trajectory_ids)) - gone} quarantined trajectories were re-folded "
                                  "concurrently")
@@ -205,7 +206,7 @@ class SqlSampleIndex(_SqlSamples):
         def landed(conn: Connection, _: None) -> bool:
             ids = sorted(set(trajectory_ids))[:CHUNK]
             return not conn.execute(select(t.c.trajectory_id).where(t.c.trajectory_id.in_(ids))
-                                    .where(t.c.error == error).limit(1)).first()
+                                    .where(*_recorded_as(error, kind)).limit(1)).first()
 
         self.db.transaction("re-folding quarantined trajectories", body, landed=landed)
 
@@ -317,3 +318,9 @@ def _sample_filters(where: Mapping[str, Any], table: Table) -> list[Any]:
     if where.get("max_finished_position") is not None:
         conds.append(c.finished_position <= where["max_finished_position"])
     return conds
+
+
+def _recorded_as(error: str | None, kind: str) -> list[Any]:
+    """The conditions on ``unfoldable_trajectories`` rows recorded with ``kind`` and ``error`` (None: any)."""
+    t = unfoldable_trajectories
+    return [t.c.kind == kind] + ([] if error is None else [t.c.error == error])

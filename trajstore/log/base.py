@@ -61,7 +61,7 @@ from typing import Any, Callable, Collection, Iterator, Mapping, Sequence
 from trajstore.errors import ValidationError
 
 __all__ = ["EventLog", "SampleIndex", "Shard", "StaleState", "TrajectoryWrite", "shard_index_of", "SAMPLES_KIND",
-           "Repoint", "RELEASED"]
+           "Repoint", "RELEASED", "DATA_ERROR", "INTERNAL_ERROR"]
 
 SAMPLES_KIND = "samples"
 """``events.segment_kind`` of an event whose payload locator was re-pointed to
@@ -142,6 +142,13 @@ def shard_index_of(trajectory_id: str, count: int) -> int:
     return zlib.crc32(trajectory_id.encode()) % count
 
 
+DATA_ERROR = "data"
+"""``unfoldable_trajectories.kind`` of a trajectory whose data breaks a rule (recorded for good)."""
+INTERNAL_ERROR = "internal_error"
+"""``unfoldable_trajectories.kind`` of a trajectory the fold failed on for a reason that is
+no data rule: a bug in trajstore, folded again by the next run (docs/materializer.md)."""
+
+
 class EventLog(ABC):
     """The log index: events in position order, identities, trajectory tail state, segments."""
 
@@ -163,6 +170,12 @@ class EventLog(ABC):
         """For each of ``trajectory_ids`` with a generation whose labels did not resolve
         when it was appended: each such label -> ``(model_version, position)`` of the
         version_label that mapped it, or None while it is unmapped."""
+
+    @abstractmethod
+    def held_generations(self, trajectory_ids: Collection[str]) -> dict[str, set[int]]:
+        """For each of ``trajectory_ids``: the positions of its generations whose
+        ``weight_versions`` labels did not all resolve when they were appended (the
+        calls the fold resolves; the others' versions were decided at admission)."""
 
     def load_append_state(self, identities: Collection[str], trajectory_ids: Collection[str]
                           ) -> tuple[dict[str, bytes], dict[str, dict[str, Any]]]:
@@ -354,22 +367,23 @@ class SampleIndex(ABC):
         """Number of sample rows (for ``trajstore info``)."""
 
     @abstractmethod
-    def unfoldable_trajectories(self, *, limit: int = 20) -> dict[str, Any]:
-        """Finished trajectories the materializer recorded as unfoldable:
+    def unfoldable_trajectories(self, *, limit: int = 20, kind: str = DATA_ERROR) -> dict[str, Any]:
+        """Finished trajectories the materializer recorded as unfoldable with ``kind``
+        (``DATA_ERROR``, or ``INTERNAL_ERROR``: a bug, retried):
         ``{"count", "by_error": {error class: n}, "recent": [the limit newest rows]}``."""
 
-    def quarantined(self, error: str) -> list[dict[str, Any]]:
-        """Rows of ``unfoldable_trajectories`` recorded with ``error`` (the class
-        name), oldest first: ``trajectory_id``, ``finished_position``, ``shard``."""
+    def quarantined(self, error: str | None, *, kind: str = DATA_ERROR) -> list[dict[str, Any]]:
+        """Rows of ``unfoldable_trajectories`` recorded with ``kind`` and ``error`` (the
+        class name; None: any), oldest first: ``trajectory_id``, ``finished_position``, ``shard``."""
         raise NotImplementedError
 
-    def commit_refold(self, error: str, trajectory_ids: Sequence[str], sample_rows: Sequence[dict[str, Any]],
+    def commit_refold(self, error: str | None, trajectory_ids: Sequence[str], sample_rows: Sequence[dict[str, Any]],
                       segment_row: Mapping[str, Any] | None, unfoldable_rows: Sequence[dict[str, Any]],
-                      repoints: Sequence[Repoint]) -> None:
+                      repoints: Sequence[Repoint], *, kind: str = DATA_ERROR) -> None:
         """In one transaction: take ``trajectory_ids`` out of quarantine (each must
-        still be recorded with ``error``, else ``StaleState`` and nothing changes),
-        insert their sample rows and segment, record the ones that failed
-        otherwise (``unfoldable_rows``), re-point the folded events. No
+        still be recorded with ``kind`` and ``error`` (None: any), else ``StaleState``
+        and nothing changes), insert their sample rows and segment, record the ones
+        that failed (``unfoldable_rows``), re-point the folded events. No
         checkpoint moves: the trajectories' finished events are behind it."""
         raise NotImplementedError
 

@@ -55,7 +55,7 @@ class MaterializerShard:
         self.materializer = Materializer(self.store, shard_index=shard_index, num_shards=num_shards,
                                          max_trajectories=max_trajectories)
         self._stop = threading.Event()
-        self._folded = {"num_trajectories": 0, "num_unfoldable": 0}
+        self._folded = {"num_trajectories": 0, "num_unfoldable": 0, "num_internal_errors": 0}
         self._error: str | None = None
         self._thread = None
         if follow:
@@ -67,6 +67,7 @@ class MaterializerShard:
         def count(stats) -> None:
             self._folded["num_trajectories"] += stats.num_trajectories
             self._folded["num_unfoldable"] += stats.num_unfoldable
+            self._folded["num_internal_errors"] += stats.num_internal_errors
 
         while not self._stop.is_set():
             try:
@@ -140,5 +141,6 @@ def materialize_with_ray(store_url: str, num_shards: int, *, payload: str | None
     for r in results:
         total = total + MaterializeStats(
             FoldMetrics(r["num_steps_before"], r["num_samples_after"], r["prefix_mismatch_count"]),
-            r["num_trajectories"], total.position, r["num_unfoldable"])
+            r["num_trajectories"], total.position, r["num_unfoldable"],
+            num_internal_errors=r.get("num_internal_errors", 0))
     return total

@@ -164,6 +164,11 @@ class EventLog(ABC):
         when it was appended: each such label -> ``(model_version, position)`` of the
         version_label that mapped it, or None while it is unmapped."""
 
+    def lineage_keys(self, keys: Collection[tuple]) -> dict[tuple, str]:
+        """For each lineage key (``trajstore._lineage.lineage_key``) already recorded,
+        the identity of the event that recorded it (SPEC "Training lineage")."""
+        raise NotImplementedError
+
     def load_append_state(self, identities: Collection[str], trajectory_ids: Collection[str]
                           ) -> tuple[dict[str, bytes], dict[str, dict[str, Any]]]:
         """``lookup_identities`` and ``load_trajectories`` together (backends may
@@ -178,9 +183,11 @@ class EventLog(ABC):
         segment_row: Mapping[str, Any] | None,
         *,
         before_commit: Callable[[], None] | None = None,
+        more_segments: Sequence[Mapping[str, Any]] = (),
     ) -> list[int]:
         """Atomically store a batch; return the events' positions.
 
+        ``more_segments``: further segment rows of the batch (its annotations' arrays).
         ``before_commit()`` runs inside the transaction after its statements
         and before COMMIT (the append waits there for its payload's fsync); if
         it raises, nothing is stored and its error is raised.

@@ -1,0 +1,56 @@
+"""The lineage tables of the log index (SPEC "Training lineage"): written in the
+append's transaction from the facts admission made (``trajstore._lineage``),
+and the reads admission and the lineage readers need."""
+
+from __future__ import annotations
+
+from typing import Any, Collection, Sequence
+
+from sqlalchemy import Connection, and_, or_, select
+
+from trajstore.log._dialect import SqlDialect, chunks
+from trajstore.schema import lineage_annotation_versions, lineage_annotations, lineage_step_samples, lineage_steps
+
+__all__ = ["write_lineage", "recorded_keys"]
+
+
+def write_lineage(conn: Any, d: SqlDialect, rows: Sequence[dict[str, Any]]) -> None:
+    """The lineage rows of an append's ``train_step`` and ``sample_annotation``
+    events (their ``lineage`` fact), at the events' positions. The keyed tables
+    first: a key another writer took meanwhile fails there (a lost race)."""
+    steps, samples, notes, versions = [], [], [], []
+    for r in rows:
+        fact = r.get("lineage")
+        if fact is None:
+            continue
+        if fact.step_row is not None:
+            steps.append(dict(fact.step_row, position=r["position"]))
+            samples.extend(fact.sample_rows)
+        if fact.annotation_row is not None:
+            notes.append(dict(fact.annotation_row, position=r["position"], segment=r["segment"],
+                              segment_row=r["segment_row"]))
+            versions.extend(fact.version_rows)
+    for table, part in ((lineage_steps, steps), (lineage_annotations, notes), (lineage_step_samples, samples),
+                        (lineage_annotation_versions, versions)):
+        if part:
+            d.insert_rows(conn, table, part)
+
+
+def recorded_keys(conn: Connection, keys: Collection[tuple]) -> dict[tuple, str]:
+    """The identity of the event that recorded each of ``keys`` (``_lineage.lineage_key``:
+    type first), for those recorded."""
+    out: dict[tuple, str] = {}
+    steps = sorted({k[1:] for k in keys if k[0] == "train_step"})
+    notes = sorted({k[1:] for k in keys if k[0] == "sample_annotation"})
+    s, a = lineage_steps.c, lineage_annotations.c
+    for part in chunks(steps, 200):
+        q = select(s.run, s.step, s.rank, s.attempt, s.identity).where(or_(*[
+            and_(s.run == run, s.step == step, s.rank == rank, s.attempt == attempt)
+            for run, step, rank, attempt in part]))
+        out.update((("train_step", *row[:4]), row[4]) for row in conn.execute(q))
+    for part in chunks(notes, 200):
+        q = select(a.run, a.step, a.attempt, a.trajectory_id, a.sample_index, a.identity).where(or_(*[
+            and_(a.run == run, a.step == step, a.attempt == attempt, a.trajectory_id == tid, a.sample_index == idx)
+            for run, step, attempt, tid, idx in part]))
+        out.update((("sample_annotation", *row[:5]), row[5]) for row in conn.execute(q))
+    return out

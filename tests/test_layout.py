@@ -172,6 +172,9 @@ PUBLIC_API: dict[str, set[str]] = {
         "READER_ROLE", "VIEW_NAMES", "create_views", "drop_reader_grants_sql", "drop_views", "reader_role_sql",
         "view_sql"
     },
+    "trajstore.lineage": {
+        "Annotation", "RecordedStep", "StepRecorder", "annotation_events", "read_annotations", "store_recorder"
+    },
     "trajstore.log": set(),
     "trajstore.log.base": {
         "EventLog", "RELEASED", "Repoint", "SAMPLES_KIND", "SampleIndex", "Shard", "StaleState", "TrajectoryWrite", "shard_index_of"

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 from typing import Any, Collection, Sequence
 
-from sqlalchemy import Connection, and_, or_, select
+from sqlalchemy import Connection, and_, func, or_, select
 
 from trajstore.log._dialect import SqlDialect, chunks
 from trajstore.schema import lineage_annotation_versions, lineage_annotations, lineage_step_samples, lineage_steps
 
-__all__ = ["write_lineage", "recorded_keys"]
+__all__ = ["write_lineage", "recorded_keys", "standing_attempt", "annotation_rows"]
 
 
 def write_lineage(conn: Any, d: SqlDialect, rows: Sequence[dict[str, Any]]) -> None:
@@ -54,3 +54,24 @@ def recorded_keys(conn: Connection, keys: Collection[tuple]) -> dict[tuple, str]
             for run, step, attempt, tid, idx in part]))
         out.update((("sample_annotation", *row[:5]), row[5]) for row in conn.execute(q))
     return out
+
+
+def standing_attempt(conn: Connection, run: str, step: int, rank: int) -> int | None:
+    """The highest attempt recorded for ``(run, step, rank)`` (None: none)."""
+    s = lineage_steps.c
+    q = select(func.max(s.attempt)).where(s.run == run, s.step == step, s.rank == rank)
+    found = conn.execute(q).scalar_one()
+    return None if found is None else int(found)
+
+
+def annotation_rows(conn: Connection, run: str, step: int | None, trajectory_id: str | None) -> list[dict[str, Any]]:
+    """``lineage_annotations`` rows of ``run`` (of one step, of one trajectory's
+    samples), in (step, trajectory_id, sample_index, attempt) order."""
+    a = lineage_annotations.c
+    q = select(lineage_annotations).where(a.run == run)
+    if step is not None:
+        q = q.where(a.step == step)
+    if trajectory_id is not None:
+        q = q.where(a.trajectory_id == trajectory_id)
+    q = q.order_by(a.step, a.trajectory_id, a.sample_index, a.attempt)
+    return [dict(r._mapping) for r in conn.execute(q)]

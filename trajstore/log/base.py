@@ -169,6 +169,16 @@ class EventLog(ABC):
         the identity of the event that recorded it (SPEC "Training lineage")."""
         raise NotImplementedError
 
+    def standing_attempt(self, run: str, step: int, rank: int) -> int | None:
+        """The highest attempt of a ``train_step`` recorded for ``(run, step, rank)`` (None: none)."""
+        raise NotImplementedError
+
+    def annotation_rows(self, *, run: str, step: int | None = None,
+                        trajectory_id: str | None = None) -> list[dict[str, Any]]:
+        """``lineage_annotations`` rows of ``run`` (of one step, of one trajectory's
+        samples) in (step, trajectory_id, sample_index, attempt) order."""
+        raise NotImplementedError
+
     def load_append_state(self, identities: Collection[str], trajectory_ids: Collection[str]
                           ) -> tuple[dict[str, bytes], dict[str, dict[str, Any]]]:
         """``lookup_identities`` and ``load_trajectories`` together (backends may

@@ -1,0 +1,341 @@
+"""SPEC "Training lineage" on both backends: the train_step and sample_annotation
+events (validation, unknown_sample, identity and attempts, atomicity), their
+arrays in the payload, the four views, and recording through SampleReader."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+from sqlalchemy import text
+
+import trajstore
+from trajstore.errors import ConflictError, ValidationError
+from trajstore.events import identity_of, parse_event
+from trajstore.lineage import read_annotations
+from tests.helpers import finished, gen, reader_url_for, snapshot, started
+
+
+def sql(store, query, **params):
+    with store.log.read_engine.connect() as conn:
+        return [tuple(r) for r in conn.execute(text(query), params).all()]
+
+
+def step(run="r", step=1, samples=(("a", 0),), rank=0, world_size=1, policy_version=5, **kw):
+    return {"type": "train_step", "run": run, "step": step, "rank": rank, "world_size": world_size,
+            "policy_version": policy_version, "samples": [list(s) for s in samples], **kw}
+
+
+def note(tid="a", index=0, run="r", step=1, **kw):
+    return {"type": "sample_annotation", "run": run, "step": step, "trajectory_id": tid, "sample_index": index,
+            **kw}
+
+
+def rollouts(store, ids=("a", "b", "c")):
+    """One finished trajectory per id, materialized: one sample of 5 response tokens, versions 2..3."""
+    events = []
+    for tid in ids:
+        events += [started(tid),
+                   gen(tid, 0, [1, 2], [3, 4, 5], version=2, logprobs=[-0.5, -1.0, -0.75]),
+                   gen(tid, 1, [1, 2, 3, 4, 5, 6], [7], version=3), finished(tid)]
+    store.append(events)
+    store.materialize()
+
+
+def fixed_rollouts(store, ids=("a", "b", "c")):
+    """Samples with response [10, 11, 12, 13, 14]: loss_mask [1, 1, 0, 1, 1],
+    token_model_versions [2, 2, -1, 3, 3], rollout logprobs [-.5, -1, 0, -.25, 0]
+    with logprobs_mask [1, 1, 0, 1, 0]."""
+    events = []
+    for tid in ids:
+        events += [started(tid),
+                   gen(tid, 0, [1, 2], [10, 11], version=2, logprobs=[-0.5, -1.0]),
+                   gen(tid, 1, [1, 2, 10, 11, 12], [13], version=3, logprobs=[-0.25]),
+                   gen(tid, 2, [1, 2, 10, 11, 12, 13], [14], version=3),
+                   finished(tid)]
+    store.append(events)
+    store.materialize()
+    s = next(iter(store.samples(trajectory_ids=[ids[0]])))
+    assert s.response_ids.tolist() == [10, 11, 12, 13, 14]
+    assert s.loss_mask.tolist() == [1, 1, 0, 1, 1]
+    assert s.logprobs_mask.tolist() == [True, True, False, True, False]
+    assert s.token_model_versions.tolist() == [2, 2, -1, 3, 3]
+
+
+# -- the wire format -----------------------------------------------------------------
+
+@pytest.mark.parametrize("event, rule", [
+    (step(bogus=1), "unknown_field"),
+    (note(logprob=[0.0]), "unknown_field"),
+    (step(step=2 ** 31), "int32_range"),
+    (step(attempt=-1), "attempt"),
+    (step(rank=2, world_size=2), "rank"),
+    (step(world_size=2 ** 31), "int32_range"),
+    (step(run=""), "run"),
+    (step(run="x" * 256), "run"),
+    (step(run="a\x00b"), "run"),
+    (step(samples=[["a", 0], ["a", 0]]), "samples"),
+    (step(samples=[["a"]]), "samples"),
+    (step(samples=[["", 0]]), "samples[0] trajectory_id"),
+    (step(samples=[["a", -1]]), "sample_index"),
+    (step(metrics={"loss": float("nan")}), "non_finite"),
+    (step(metrics={"loss": "low"}), "metrics"),
+    (step(metrics=[1.0]), "metrics"),
+    ({k: v for k, v in step().items() if k != "policy_version"}, "missing_field"),
+    ({k: v for k, v in step().items() if k != "samples"}, "missing_field"),
+    (note(trainer_logprobs=[0.0, float("inf")]), "non_finite"),
+    (note(entropy=[1e300]), "non_finite"),
+    (note(advantages=float("nan")), "non_finite"),
+    (note(trainer_logprobs=[0.0], entropy=[0.0, 1.0]), "length_mismatch"),
+    (note(trainer_logprobs=["x"]), "array_dtype"),
+    (note(sample_index=2 ** 31), "int32_range"),
+    ({k: v for k, v in note().items() if k != "trajectory_id"}, "missing_field"),
+])
+def test_lineage_events_are_validated_like_every_event(event, rule):
+    with pytest.raises(ValidationError) as e:
+        parse_event(event)
+    assert e.value.rule == rule
+
+
+def test_identity_is_the_key_unless_an_event_id_is_given():
+    a = parse_event(step(run="x:1", step=2))
+    b = parse_event(step(run="x", step=1, rank=0))
+    assert identity_of(a) != identity_of(b)  # ids holding ":" never collide
+    assert identity_of(parse_event(step(event_id="e1"))) == "id:e1"
+    assert identity_of(parse_event(note("t:1", 0, run="r"))) != identity_of(parse_event(note("1", 0, run="r:t")))
+    long = parse_event(note("t" * 255, 0, run="\x01" * 255))  # escapes past the column: hashed
+    assert len(identity_of(long)) <= 600
+
+
+# -- admission ------------------------------------------------------------------------
+
+def test_a_sample_not_in_the_store_is_refused_and_nothing_is_stored(store):
+    rollouts(store, ["a"])
+    store.append([started("z"), gen("z", 0, [1], [2]), finished("z")])  # not materialized yet
+    before = snapshot(store)
+    for bad in ([step(samples=[("a", 0), ("a", 1)])], [step(samples=[("z", 0)])], [note("nope", 0)],
+                [started("new"), step(samples=[("a", 0)]), note("a", 7)]):
+        with pytest.raises(ValidationError) as e:
+            store.append(bad)
+        assert e.value.rule == "unknown_sample"
+        assert e.value.index == len(bad) - 1 and "materialize it first" in str(e.value)
+    assert snapshot(store) == before
+    assert sql(store, "SELECT count(*) FROM lineage_steps") == [(0,)]
+
+
+def test_annotation_arrays_need_one_entry_per_response_token(store):
+    rollouts(store, ["a"])  # 5 response tokens
+    for name in ("trainer_logprobs", "advantages", "entropy"):
+        with pytest.raises(ValidationError) as e:
+            store.append([step(), note(**{name: [0.0] * 4})])
+        assert e.value.rule == "length_mismatch" and e.value.index == 1
+        assert "4 entries" in str(e.value) and "5 response tokens" in str(e.value)
+    assert sql(store, "SELECT count(*) FROM events WHERE type IN ('train_step', 'sample_annotation')") == [(0,)]
+    store.append([step(), note(advantages=0.5, trainer_logprobs=[0.0] * 5)])  # a number for the whole sample
+
+
+def test_same_content_is_a_noop_and_different_content_a_conflict(store):
+    rollouts(store, ["a", "b"])
+    batch = [step(samples=[("a", 0), ("b", 0)], metrics={"loss": 0.5}),
+             note("a", 0, trainer_logprobs=np.full(5, -0.5, np.float32), metrics={"kl": 0.01})]
+    first = store.append(batch)
+    assert first.num_appended == 2
+    again = store.append(batch)
+    assert (again.num_appended, again.num_duplicates) == (0, 2)
+    head = store.log.head_position()
+    for changed in (dict(batch[0], metrics={"loss": 0.6}), dict(batch[0], samples=[["a", 0]]),
+                    dict(batch[1], trainer_logprobs=[-0.4] * 5), dict(batch[0], policy_version=6)):
+        with pytest.raises(ConflictError):
+            store.append([changed])
+    # another event (another event_id) for a recorded key: one event per key
+    with pytest.raises(ConflictError) as e:
+        store.append([dict(batch[0], event_id="other")])
+    assert "already recorded by another event" in str(e.value)
+    with pytest.raises(ConflictError):
+        store.append([dict(batch[1], event_id="other")])
+    # in one batch too
+    with pytest.raises(ConflictError):
+        store.append([step(step=9, event_id="x"), step(step=9, event_id="y")])
+    assert store.log.head_position() == head
+    # an event_id-identified step is idempotent by its id
+    assert store.append([step(step=2, event_id="s2")]).num_appended == 1
+    assert store.append([step(step=2, event_id="s2")]).num_duplicates == 1
+
+
+def test_the_highest_attempt_stands_and_earlier_ones_stay(store):
+    rollouts(store, ["a", "b", "c"])
+    store.append([step(step=1, samples=[("a", 0)], metrics={"loss": 1.0}),
+                  step(step=1, rank=1, world_size=2, samples=[("c", 0)]),
+                  step(step=2, samples=[("b", 0)])])
+    store.append([step(step=1, samples=[("b", 0)], attempt=1, policy_version=6, metrics={"loss": 2.0})])
+    rows = sql(store, "SELECT run, step, rank, attempt, world_size, policy_version, num_samples, "
+                      "num_response_tokens, metrics FROM train_steps ORDER BY step, rank")
+    assert [r[:8] for r in rows] == [("r", 1, 0, 1, 1, 6, 1, 5), ("r", 1, 1, 0, 2, 5, 1, 5),
+                                     ("r", 2, 0, 0, 1, 5, 1, 5)]
+    assert json.loads(rows[0][8]) == {"loss": 2.0} and json.loads(rows[1][8]) == {}
+    assert sql(store, "SELECT trajectory_id, step, attempt FROM sample_consumption ORDER BY step, trajectory_id") \
+        == [("b", 1, 1), ("c", 1, 0), ("b", 2, 0)]
+    # the earlier attempt stays in the log and in SQL
+    assert sql(store, "SELECT attempt FROM lineage_steps WHERE step = 1 AND rank = 0 ORDER BY attempt") \
+        == [(0,), (1,)]
+    assert sql(store, "SELECT count(*) FROM events WHERE type = 'train_step'") == [(4,)]
+
+
+def test_sample_consumption_carries_staleness_at_training_time(store):
+    rollouts(store, ["a", "b"])  # versions 2..3
+    store.append([step(step=7, policy_version=9, samples=[("b", 0), ("a", 0)])])
+    assert sql(store, "SELECT run, step, rank, attempt, policy_version, trajectory_id, sample_index, "
+                      "min_model_version, max_model_version, staleness FROM sample_consumption "
+                      "ORDER BY trajectory_id") == [("r", 7, 0, 0, 9, "a", 0, 2, 3, 7), ("r", 7, 0, 0, 9, "b", 0, 2, 3, 7)]
+    # never trained on: finished samples with no consumption row
+    store.append([started("d"), gen("d", 0, [1], [2]), finished("d")])
+    store.materialize()
+    assert sql(store, "SELECT s.trajectory_id FROM samples s WHERE NOT EXISTS (SELECT 1 FROM sample_consumption c "
+                      "WHERE c.trajectory_id = s.trajectory_id AND c.sample_index = s.sample_index)") == [("d",)]
+
+
+def test_train_rollout_mismatch_is_k3_over_the_compared_tokens(store):
+    fixed_rollouts(store, ["a", "b"])
+    trainer = np.array([-0.4, -1.2, 5.0, -0.25, 9.0], np.float32)  # tokens 2 and 4 are not compared
+    store.append([step(samples=[("a", 0), ("b", 0)]),
+                  note("a", 0, trainer_logprobs=trainer),
+                  note("b", 0, trainer_logprobs=np.array([-0.5, -1.0, 0, -0.5, 0], np.float32)),
+                  note("a", 0, step=2, entropy=np.ones(5, np.float32))])  # no trainer logprobs: no row
+    r = trainer[[0, 1, 3]].astype(np.float64) - np.array([-0.5, -1.0, -0.25], np.float32)
+    k3 = np.exp(r) - 1 - r
+    [(run, st, attempt, tid, idx, n, k3_mean, abs_mean, max_abs), b_row] = sql(
+        store, "SELECT run, step, attempt, trajectory_id, sample_index, tokens_compared, k3_mean, "
+               "abs_log_ratio_mean, log_ratio_max_abs FROM train_rollout_mismatch ORDER BY trajectory_id")
+    assert (run, st, attempt, tid, idx, n) == ("r", 1, 0, "a", 0, 3)
+    assert math.isclose(k3_mean, k3.mean(), rel_tol=1e-9)
+    assert math.isclose(abs_mean, np.abs(r).mean(), rel_tol=1e-9)
+    assert math.isclose(max_abs, np.abs(r).max(), rel_tol=1e-9)
+    r_b = np.array([0.0, 0.0, -0.25])
+    k3_b = np.exp(r_b) - 1 - r_b
+    assert b_row[5] == 3 and math.isclose(b_row[6], k3_b.mean(), rel_tol=1e-9)
+    # by version: tokens 0, 1 are version 2, token 3 version 3 (of both samples)
+    rows = sql(store, "SELECT run, model_version, tokens_compared, k3_mean, abs_log_ratio_mean "
+                      "FROM train_rollout_mismatch_by_version ORDER BY model_version")
+    assert [r_[:3] for r_ in rows] == [("r", 2, 4), ("r", 3, 2)]
+    assert math.isclose(rows[0][3], (k3[:2].sum() + k3_b[:2].sum()) / 4, rel_tol=1e-9)
+    assert math.isclose(rows[1][3], (k3[2] + k3_b[2]) / 2, rel_tol=1e-9)
+    assert math.isclose(rows[1][4], (abs(r[2]) + abs(r_b[2])) / 2, rel_tol=1e-9)
+    # a redone step's annotation stands alone
+    store.append([note("a", 0, attempt=1, trainer_logprobs=np.array([-0.5, -1.0, 0, -0.25, 0], np.float32))])
+    got = dict((tid, (n, k)) for tid, n, k in sql(
+        store, "SELECT trajectory_id, tokens_compared, k3_mean FROM train_rollout_mismatch"))
+    assert got["a"] == (3, 0.0)
+    rows = sql(store, "SELECT model_version, tokens_compared FROM train_rollout_mismatch_by_version "
+                      "ORDER BY model_version")
+    assert rows == [(2, 4), (3, 2)]
+
+
+def test_annotation_arrays_live_in_the_payload_once(store):
+    fixed_rollouts(store, ["a", "b"])
+    lp = np.linspace(-1, 0, 5, dtype=np.float32)
+    adv = np.arange(5, dtype=np.float32)
+    store.append([step(samples=[("a", 0), ("b", 0)]),
+                  note("a", 0, trainer_logprobs=lp, advantages=adv, entropy=lp * 2, metrics={"m": 1.5}),
+                  note("b", 0, advantages=0.25)])
+    got = {a.trajectory_id: a for a in read_annotations(store, run="r", step=1)}
+    assert np.array_equal(got["a"].trainer_logprobs, lp) and np.array_equal(got["a"].advantages, adv)
+    assert np.array_equal(got["a"].entropy, lp * 2) and got["a"].metrics == {"m": 1.5}
+    assert got["b"].advantages == 0.25 and got["b"].trainer_logprobs is None and got["b"].entropy is None
+    # one lineage segment, named by the annotation's event; the scalar one has no payload
+    segs = sql(store, "SELECT name, kind, num_rows FROM segments WHERE kind = 'lineage'")
+    assert len(segs) == 1 and segs[0][2] == 1
+    assert sql(store, "SELECT segment FROM events WHERE type = 'sample_annotation' ORDER BY position") \
+        == [(segs[0][0],), (None,)]
+    # garbage collection and compaction leave it alone
+    store.collect_garbage(grace_s=0)
+    store.compact(target_bytes=1 << 30)
+    assert np.array_equal(read_annotations(store, run="r", step=1)[0].trainer_logprobs, lp)
+    # SQL holds no array
+    with store.log.read_engine.connect() as conn:
+        columns = set(conn.execute(text("SELECT * FROM lineage_annotations")).keys())
+    assert not columns & {"trainer_logprobs", "advantages", "entropy"}
+
+
+def test_lineage_events_do_not_disturb_the_fold(store):
+    rollouts(store, ["a"])
+    store.append([step(samples=[("a", 0)])])
+    store.append([started("b"), gen("b", 0, [1], [2]), step(step=2, samples=[("a", 0)]), finished("b")])
+    stats = store.materialize()
+    assert stats.num_trajectories == 1
+    assert sorted(s.trajectory_id for s in store.samples()) == ["a", "b"]
+    info = store.info()
+    assert info["events_by_type"]["train_step"] == 2
+
+
+def test_a_projection_step_names_that_projections_samples(store):
+    store.append([started("a"), gen("a", 0, [1], [2, 3]), gen("a", 1, [9], [4]), finished("a")])
+    store.materialize()  # two samples (a prefix mismatch)
+    store.create_projection("flat", merge="none")
+    store.materialize(projection="flat")
+    with pytest.raises(ValidationError) as e:
+        store.append([step(samples=[("a", 5)], projection="flat")])
+    assert e.value.rule == "unknown_sample" and "projection 'flat'" in str(e.value)
+    with pytest.raises(ValidationError) as e:
+        store.append([step(samples=[("a", 0)], projection="nope")])
+    assert e.value.rule == "projection"
+    store.append([step(samples=[("a", 0), ("a", 1)], projection="flat")])
+    assert sql(store, "SELECT projection, num_samples FROM train_steps") == [("flat", 2)]
+
+
+def test_the_views_are_readable_with_the_read_only_role(store, store_url):
+    rollouts(store, ["a"])
+    store.append([step(), note(trainer_logprobs=[-0.5] * 5)])
+    from trajstore.inspect.sql import run_query
+
+    for view in ("train_steps", "sample_consumption", "train_rollout_mismatch",
+                 "train_rollout_mismatch_by_version"):
+        result = run_query(reader_url_for(store_url), f"SELECT count(*) FROM {view}")
+        assert result.rows == [(1,)] or result.rows == [[1]], view
+
+
+# -- recording from the reader ---------------------------------------------------------
+
+def test_the_reader_records_what_it_handed_out_and_a_replay_is_a_noop(store):
+    rollouts(store, [f"t{i}" for i in range(6)])
+    reader = trajstore.SampleReader(store, batch_size=2)
+    batches = []
+    for k, batch in enumerate(reader):
+        batches.append([(s.trajectory_id, s.sample_index) for s in batch])
+        done = reader.record_step(k, run="grpo", policy_version=10 + k, metrics={"loss": float(k)},
+                                  annotations={(s.trajectory_id, s.sample_index):
+                                               {"trainer_logprobs": np.zeros(len(s.response_ids), np.float32)}
+                                               for s in batch[:1]})
+        assert (done.attempt, done.num_samples, done.num_annotations, done.replayed) == (0, 2, 1, False)
+        if k == 0:
+            saved = reader.state_dict()
+    assert len(batches) == 3
+    consumed = sql(store, "SELECT step, trajectory_id FROM sample_consumption ORDER BY step, ordinal")
+    assert consumed == [(k, tid) for k, b in enumerate(batches) for tid, _ in b]
+    # restored after step 0: steps 1 and 2 replayed exactly are no-ops
+    again = trajstore.SampleReader(store, batch_size=2)
+    again.load_state_dict(saved)
+    for k, batch in enumerate(again, start=1):
+        done = again.record_step(k, run="grpo", policy_version=10 + k, metrics={"loss": float(k)},
+                                 annotations={(s.trajectory_id, s.sample_index):
+                                              {"trainer_logprobs": np.zeros(len(s.response_ids), np.float32)}
+                                              for s in batch[:1]})
+        assert done.replayed and done.attempt == 0
+    # step 2 redone differently (another loss) takes attempt 1, which stands
+    again.load_state_dict(saved)
+    next(again)
+    done = again.record_step(1, run="grpo", policy_version=11, metrics={"loss": 99.0})
+    assert (done.attempt, done.replayed) == (1, False)
+    assert sql(store, "SELECT step, attempt, metrics FROM train_steps ORDER BY step") == [
+        (0, 0, '{"loss":0.0}'), (1, 1, '{"loss":99.0}'), (2, 0, '{"loss":2.0}')]
+    # the same redo once more is a no-op at the standing attempt
+    again.load_state_dict(saved)
+    next(again)
+    assert again.record_step(1, run="grpo", policy_version=11, metrics={"loss": 99.0}).replayed
+    # policy_version defaults to current_model_version
+    reader.current_model_version = 42
+    with pytest.raises(ValidationError):
+        trajstore.SampleReader(store, batch_size=2).record_step(0, run="x")
+    assert reader.record_step(3, run="grpo").num_samples == 0
+    assert sql(store, "SELECT policy_version FROM train_steps WHERE step = 3") == [(42,)]

@@ -841,7 +841,10 @@ def _metrics(obj: Mapping) -> dict[str, float]:
         raise ValidationError(f"metrics has {len(value)} entries (at most {_MAX_METRICS})", rule="metrics")
     out = {}
     for key, number in value.items():
-        name = _text(key, "metrics key", max_chars=_MAX_ID_CHARS, allow_empty=False)
+        try:
+            name = _text(key, "metrics key", max_chars=_MAX_ID_CHARS, allow_empty=False)
+        except ValidationError as e:
+            raise ValidationError(e.reason, rule="metrics") from None
         try:
             out[name] = _finite(number, f"metrics[{name!r}]")
         except ValidationError as e:

@@ -339,3 +339,78 @@ def test_the_reader_records_what_it_handed_out_and_a_replay_is_a_noop(store):
         trajstore.SampleReader(store, batch_size=2).record_step(0, run="x")
     assert reader.record_step(3, run="grpo").num_samples == 0
     assert sql(store, "SELECT policy_version FROM train_steps WHERE step = 3") == [(42,)]
+
+
+# -- a trainer killed -9 mid-step and restored (real processes) -------------------------
+
+def _trainer(store_url, run, checkpoint, *extra):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")]))}
+    return subprocess.Popen([sys.executable, str(repo / "tests" / "lineage_trainer.py"), store_url, run,
+                             str(checkpoint), *map(str, extra)], env=env, cwd=repo, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _consumption(store, run):
+    return sql(store, "SELECT step, rank, attempt, policy_version, trajectory_id, sample_index, min_model_version "
+                      "FROM sample_consumption WHERE run = :run ORDER BY step, ordinal", run=run)
+
+
+def _wait_for(path, proc, timeout_s=120.0):
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "the trainer never reached the pause"
+        time.sleep(0.05)
+
+
+@pytest.mark.timeout(600)
+def test_a_trainer_killed_mid_step_and_restored_records_what_a_run_that_never_crashed_does(store, store_url,
+                                                                                            tmp_path):
+    import signal
+
+    rollouts(store, [f"t{i:02d}" for i in range(12)])  # 12 samples: 6 steps of 2
+    ref = _trainer(store_url, "ref", tmp_path / "ref.json")
+    out, err = ref.communicate(timeout=300)
+    assert ref.returncode == 0, err
+    expected = _consumption(store, "ref")
+    assert [r[0] for r in expected] == [k for k in range(6) for _ in range(2)]
+
+    # killed -9 after recording step 3; its last checkpoint was taken after step 1
+    marker = tmp_path / "paused"
+    crash = _trainer(store_url, "crash", tmp_path / "crash.json", "--pause-after", 3, marker)
+    _wait_for(marker, crash)
+    crash.send_signal(signal.SIGKILL)
+    crash.wait(60)
+    assert json.loads((tmp_path / "crash.json").read_text())["step"] == 2
+    restored = _trainer(store_url, "crash", tmp_path / "crash.json")
+    out, err = restored.communicate(timeout=300)
+    assert restored.returncode == 0, err
+    # steps 2 and 3 were replayed with the same content: no-ops
+    assert out.splitlines()[:2] == ["step 2 attempt 0 replayed True", "step 3 attempt 0 replayed True"]
+    assert _consumption(store, "crash") == expected
+    ref_notes = [(a.step, a.trajectory_id, a.attempt, a.trainer_logprobs.tolist()) for a in read_annotations(store, run="ref")]
+    assert [(a.step, a.trajectory_id, a.attempt, a.trainer_logprobs.tolist())
+            for a in read_annotations(store, run="crash")] == ref_notes
+
+    # the same crash, but the restored trainer computes another loss: the replayed steps are redone
+    marker = tmp_path / "paused2"
+    crash = _trainer(store_url, "redo", tmp_path / "redo.json", "--pause-after", 3, marker)
+    _wait_for(marker, crash)
+    crash.send_signal(signal.SIGKILL)
+    crash.wait(60)
+    restored = _trainer(store_url, "redo", tmp_path / "redo.json", "--salt", 1.0)
+    out, err = restored.communicate(timeout=300)
+    assert restored.returncode == 0, err
+    got = _consumption(store, "redo")
+    assert [(r[0], r[4]) for r in got] == [(r[0], r[4]) for r in expected]  # the same samples per step
+    assert {r[0]: r[2] for r in got} == {0: 0, 1: 0, 2: 1, 3: 1, 4: 0, 5: 0}  # the redone steps' attempts stand
+    assert sql(store, "SELECT step, attempt FROM lineage_steps WHERE run = 'redo' AND step IN (2, 3) "
+                      "ORDER BY step, attempt") == [(2, 0), (2, 1), (3, 0), (3, 1)]

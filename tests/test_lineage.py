@@ -414,3 +414,41 @@ def test_a_trainer_killed_mid_step_and_restored_records_what_a_run_that_never_cr
     assert {r[0]: r[2] for r in got} == {0: 0, 1: 0, 2: 1, 3: 1, 4: 0, 5: 0}  # the redone steps' attempts stand
     assert sql(store, "SELECT step, attempt FROM lineage_steps WHERE run = 'redo' AND step IN (2, 3) "
                       "ORDER BY step, attempt") == [(2, 0), (2, 1), (3, 0), (3, 1)]
+
+
+# -- docs/sql.md's recipes ------------------------------------------------------------------
+
+def _recipes() -> list[str]:
+    import re
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "sql.md").read_text()
+    start = doc.index("\n## Training lineage\n")
+    section = doc[start:doc.index("\n## ", start + 5)]
+    return re.findall(r"```sql\n(.*?)```", section, re.S)
+
+
+def test_the_sql_md_recipes_answer_on_both_backends(store, store_url):
+    from trajstore.inspect.sql import run_query
+
+    fixed_rollouts(store, ["t1", "t2", "t3", "t4"])
+    store.append([step(run="grpo-a", step=3, samples=[("t2", 0), ("t1", 0)], policy_version=7,
+                       metrics={"loss": 0.25}),
+                  step(run="grpo-a", step=3, rank=1, world_size=2, samples=[("t3", 0)], policy_version=7),
+                  note("t1", 0, run="grpo-a", step=3, trainer_logprobs=np.full(5, -0.5, np.float32))])
+    recipes = _recipes()
+    assert len(recipes) == 7
+    postgres = store_url.startswith("postgresql")
+    answers = []
+    for sql_text in recipes:
+        if postgres and "json_extract" in sql_text:
+            sql_text = sql_text.replace("json_extract(metrics, '$.loss')", "CAST(metrics AS json) ->> 'loss'")
+        answers.append(run_query(reader_url_for(store_url), sql_text).rows)
+    never, used_t1, staleness, by_version, worst, step3, loss = answers
+    assert [tuple(r[:2]) for r in never] == [("t4", 0)]
+    assert [tuple(r[:5]) for r in used_t1] == [("grpo-a", 3, 0, 0, 0)]
+    assert [tuple(r[:5]) for r in staleness] == [("grpo-a", 3, 3, 5, 5)]
+    assert [tuple(r[:3]) for r in by_version] == [("grpo-a", 2, 2), ("grpo-a", 3, 1)]
+    assert [tuple(r[:5]) for r in worst] == [("grpo-a", 3, "t1", 0, 3)]
+    assert [tuple(r[:4]) for r in step3] == [(0, 0, "t2", 0), (0, 1, "t1", 0), (1, 0, "t3", 0)]
+    assert [(r[0], r[1], float(r[2]) if r[2] is not None else None) for r in loss] == [(3, 0, 0.25), (3, 1, None)]

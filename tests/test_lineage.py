@@ -452,3 +452,73 @@ def test_the_sql_md_recipes_answer_on_both_backends(store, store_url):
     assert [tuple(r[:5]) for r in worst] == [("grpo-a", 3, "t1", 0, 3)]
     assert [tuple(r[:4]) for r in step3] == [(0, 0, "t2", 0), (0, 1, "t1", 0), (1, 0, "t3", 0)]
     assert [(r[0], r[1], float(r[2]) if r[2] is not None else None) for r in loss] == [(3, 0, 0.25), (3, 1, None)]
+
+
+# -- SampleDataset with StatefulDataLoader workers and a torch training step ----------------
+
+def _torch_step(model, opt, batch):
+    """One real optimizer step on CPU; the trainer's logprobs of each sample's response tokens."""
+    import torch
+
+    ids = batch["input_ids"]
+    logits = model(ids)  # [B, S, V]
+    logp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None])[..., 0]  # [B, S-1]
+    mask = batch["loss_mask"][:, 1:]
+    loss = -(logp * mask).sum() / mask.sum().clamp(min=1)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    per_sample = {}
+    for b, (tid, idx) in enumerate(zip(batch["trajectory_ids"], batch["sample_indices"])):
+        p, s = int(batch["prompt_lens"][b]), int(batch["seq_lens"][b])
+        per_sample[(tid, int(idx))] = {"trainer_logprobs": logp[b, p - 1:s - 1].detach()}
+    return float(loss.detach()), per_sample
+
+
+def test_sample_dataset_with_stateful_dataloader_workers_records_lineage(store, store_url, tmp_path):
+    import pickle
+
+    torch = pytest.importorskip("torch")
+    StatefulDataLoader = pytest.importorskip("torchdata.stateful_dataloader").StatefulDataLoader
+    from trajstore.train.collate import SampleDataset
+
+    fixed_rollouts(store, [f"t{i}" for i in range(8)])
+
+    def run(name, crash_after=None, saved=None):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Embedding(32, 8), torch.nn.Linear(8, 32))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        dataset = SampleDataset(store_url, batch_size=2, current_model_version=7)
+        loader = StatefulDataLoader(dataset, batch_size=None, num_workers=2)
+        if saved is not None:
+            saved = pickle.loads(saved)
+            loader.load_state_dict(saved["loader"])
+            model.load_state_dict(saved["model"])
+            opt.load_state_dict(saved["opt"])
+        checkpoint = None
+        for batch in loader:
+            k = batch["step"]
+            loss, notes = _torch_step(model, opt, batch)
+            dataset.record_step(k, batch, run=name, metrics={"loss": loss}, annotations=notes)
+            if k == 1:  # the trainer's checkpoint: loader, model and optimizer together
+                checkpoint = pickle.dumps({"loader": loader.state_dict(), "model": model.state_dict(),
+                                           "opt": opt.state_dict()})  # a copy, as a file would hold it
+            if crash_after is not None and k == crash_after:
+                return checkpoint
+        return checkpoint
+
+    run("ref")
+    saved = run("crash", crash_after=2)
+    run("crash", saved=saved)  # restored: step 2 is replayed
+    expected = _consumption(store, "ref")
+    assert len(expected) == 8 and {r[3] for r in expected} == {7}
+    assert _consumption(store, "crash") == expected
+    mismatch = sql(store, "SELECT run, step, trajectory_id, tokens_compared FROM train_rollout_mismatch "
+                          "ORDER BY run, step, trajectory_id")
+    assert [r[1:] for r in mismatch if r[0] == "crash"] == [r[1:] for r in mismatch if r[0] == "ref"]
+    assert {r[3] for r in mismatch} == {3}
+    ref = read_annotations(store, run="ref", step=2)
+    crash = read_annotations(store, run="crash", step=2)
+    assert [a.trajectory_id for a in crash] == [a.trajectory_id for a in ref]
+    for a, b in zip(ref, crash):
+        np.testing.assert_allclose(a.trainer_logprobs, b.trainer_logprobs, rtol=1e-6)

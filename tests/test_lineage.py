@@ -522,3 +522,28 @@ def test_sample_dataset_with_stateful_dataloader_workers_records_lineage(store, 
     assert [a.trajectory_id for a in crash] == [a.trajectory_id for a in ref]
     for a, b in zip(ref, crash):
         np.testing.assert_allclose(a.trainer_logprobs, b.trainer_logprobs, rtol=1e-6)
+
+
+@pytest.mark.parametrize("adapter", ["skyrl", "verl"])
+def test_the_adapters_record_through_the_reader_they_read(store, adapter):
+    """verl's and SkyRL's batches come from ``reader.iter_steps()``: the trainer's
+    one call after each step is ``reader.record_step`` (rank and samples are the reader's)."""
+    pytest.importorskip("torch")
+    fixed_rollouts(store, [f"t{i}" for i in range(6)])
+    reader = trajstore.SampleReader(store, rank=1, world_size=2, batch_size=1)
+    if adapter == "skyrl":
+        from trajstore.train.skyrl import skyrl_batches
+
+        steps = [(b.step, b.output["trajectory_ids"]) for b in skyrl_batches(reader, missing_reward=0.0)
+                 if reader.record_step(b.step, run=adapter, policy_version=b.step) is not None]
+    else:
+        pytest.importorskip("verl", reason="pip install --no-deps verl==0.9.1")
+        from trajstore.train.verl import verl_batches
+
+        steps = [(b.meta_info["trajstore"]["step"], list(b.non_tensor_batch["uid"])) for b in verl_batches(reader, missing_reward=0.0)
+                 if reader.record_step(b.meta_info["trajstore"]["step"], run=adapter,
+                                       policy_version=b.meta_info["trajstore"]["step"]) is not None]
+    assert len(steps) == 3
+    rows = sql(store, "SELECT step, rank, trajectory_id FROM sample_consumption WHERE run = :run ORDER BY step",
+               run=adapter)
+    assert [(r[0], r[1]) for r in rows] == [(s, 1) for s, _ in steps]

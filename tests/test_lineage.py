@@ -547,3 +547,40 @@ def test_the_adapters_record_through_the_reader_they_read(store, adapter):
     rows = sql(store, "SELECT step, rank, trajectory_id FROM sample_consumption WHERE run = :run ORDER BY step",
                run=adapter)
     assert [(r[0], r[1]) for r in rows] == [(s, 1) for s, _ in steps]
+
+
+def test_the_batched_mismatch_equals_the_per_token_definition():
+    """``rollout_mismatches`` (all samples in one pass) against k3 written out token
+    by token, with versions that go back within a sample (the sort path) and samples
+    with nothing to compare."""
+    from types import SimpleNamespace
+
+    from trajstore._lineage import rollout_mismatches
+
+    rng = np.random.default_rng(3)
+    samples, trainer = [], []
+    for n, sorted_versions in ((7, True), (0, True), (9, False), (5, True), (4, True)):
+        versions = np.sort(rng.integers(0, 4, n)) if sorted_versions else rng.integers(0, 4, n)
+        mask = rng.integers(0, 2, n).astype(np.uint8) if n != 4 else np.zeros(n, np.uint8)
+        samples.append(SimpleNamespace(response_ids=np.zeros(n, np.int32), loss_mask=mask,
+                                       logprobs_mask=rng.random(n) < 0.8,
+                                       rollout_logprobs=-rng.random(n).astype(np.float32),
+                                       token_model_versions=versions.astype(np.int32)))
+        trainer.append(-rng.random(n).astype(np.float32) * 2)
+    got = rollout_mismatches(trainer, samples)
+    for s, t, (n, k3_sum, abs_sum, max_abs, per_version) in zip(samples, trainer, got):
+        by_version: dict[int, list[float]] = {}
+        k3s, rs = [], []
+        for i in range(len(s.response_ids)):
+            if s.loss_mask[i] and s.logprobs_mask[i]:
+                r = float(t[i]) - float(s.rollout_logprobs[i])
+                rs.append(r)
+                k3s.append(math.exp(r) - 1 - r)
+                by_version.setdefault(int(s.token_model_versions[i]), []).append(r)
+        assert n == len(rs)
+        assert math.isclose(k3_sum, sum(k3s), rel_tol=1e-9, abs_tol=1e-12)
+        assert math.isclose(abs_sum, sum(map(abs, rs)), rel_tol=1e-9, abs_tol=1e-12)
+        assert max_abs == (max(map(abs, rs)) if rs else None) or math.isclose(max_abs, max(map(abs, rs)))
+        assert [(v, c) for v, c, _, _ in per_version] == [(v, len(by_version[v])) for v in sorted(by_version)]
+        for v, c, k, a in per_version:
+            assert math.isclose(k, sum(math.exp(r) - 1 - r for r in by_version[v]), rel_tol=1e-9, abs_tol=1e-12)

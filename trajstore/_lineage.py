@@ -39,7 +39,7 @@ from trajstore.payload._columns import list_column
 from trajstore.sample import Sample
 
 __all__ = ["LineageFact", "SampleSource", "admit_lineage", "event_columns", "is_lineage", "rollout_mismatch", "annotation_table",
-           "lineage_key", "MAX_LOG_RATIO"]
+           "lineage_key", "MAX_LOG_RATIO", "rollout_mismatches"]
 
 MAX_LOG_RATIO = 700.0
 """|r| is clipped here before exp (exp(709) overflows float64): a k3 stays finite."""
@@ -132,11 +132,16 @@ def admit_lineage(events: Sequence[tuple[int, TrainStep | SampleAnnotation, str]
         except ValidationError as e:
             raise e.at(i, ev.trajectory_id or None) from None
     if compare:
-        for (k, _), sample in zip(compare, source.samples([row for _, row in compare])):
+        samples = source.samples([row for _, row in compare])
+        pairs = []
+        for k, _ in compare:
+            ev = out[k].event
+            assert isinstance(ev, SampleAnnotation) and ev.trainer_logprobs is not None
+            pairs.append(ev.trainer_logprobs)
+        for (k, _), (n, k3_sum, abs_sum, max_abs, per_version) in zip(compare, rollout_mismatches(pairs, samples)):
             fact = out[k]
             ev = fact.event
-            assert isinstance(ev, SampleAnnotation) and ev.trainer_logprobs is not None and fact.annotation_row
-            n, k3_sum, abs_sum, max_abs, per_version = rollout_mismatch(ev.trainer_logprobs, sample)
+            assert isinstance(ev, SampleAnnotation) and fact.annotation_row is not None
             fact.annotation_row.update(tokens_compared=n, k3_sum=k3_sum, abs_log_ratio_sum=abs_sum,
                                        log_ratio_max_abs=max_abs)
             fact.version_rows.extend({**_annotation_key(ev), "model_version": v, "tokens_compared": c,
@@ -153,27 +158,60 @@ def event_columns(fact: LineageFact) -> dict[str, Any]:
             "lineage": fact}
 
 
-def rollout_mismatch(trainer_logprobs: np.ndarray, sample: Sample
-                     ) -> tuple[int, float, float, float | None, list[tuple[int, int, float, float]]]:
+Mismatch = tuple[int, float, float, "float | None", list[tuple[int, int, float, float]]]
+
+
+def rollout_mismatch(trainer_logprobs: np.ndarray, sample: Sample) -> Mismatch:
     """The train/rollout mismatch of one sample: over the tokens where ``loss_mask``
     and ``logprobs_mask`` are both true, r = trainer - rollout logprob (float64,
     |r| clipped at ``MAX_LOG_RATIO``), k3 = exp(r) - 1 - r. Returns (tokens
     compared, sum of k3, sum of |r|, max |r| (None without tokens), and per model
     version of the tokens: (version, tokens, sum of k3, sum of |r|))."""
-    mask = sample.loss_mask.astype(bool) & np.asarray(sample.logprobs_mask, dtype=bool)
-    n = int(np.count_nonzero(mask))
+    return rollout_mismatches([trainer_logprobs], [sample])[0]
+
+
+def rollout_mismatches(trainer_logprobs: Sequence[np.ndarray], samples: Sequence[Sample]) -> list[Mismatch]:
+    """``rollout_mismatch`` of many samples at once: their tokens concatenated and
+    reduced per sample and per (sample, version) with ``bincount``, no per-sample
+    numpy calls (a step's 512 annotations of 2,000 tokens are one pass)."""
+    n = len(samples)
     if not n:
-        return 0, 0.0, 0.0, None, []
-    r = trainer_logprobs[mask].astype(np.float64) - sample.rollout_logprobs[mask].astype(np.float64)
+        return []
+    lengths = np.fromiter((len(s.response_ids) for s in samples), np.int64, n)
+    mask = (np.concatenate([s.loss_mask for s in samples]).astype(bool)
+            & np.concatenate([np.asarray(s.logprobs_mask, dtype=bool) for s in samples]))
+    owner = np.repeat(np.arange(n), lengths)[mask]
+    r = (np.concatenate(trainer_logprobs).astype(np.float64)[mask]
+         - np.concatenate([s.rollout_logprobs for s in samples]).astype(np.float64)[mask])
     np.clip(r, -MAX_LOG_RATIO, MAX_LOG_RATIO, out=r)
     k3 = np.expm1(r) - r
     absr = np.abs(r)
-    versions, inverse = np.unique(sample.token_model_versions[mask], return_inverse=True)
-    counts = np.bincount(inverse, minlength=len(versions))
-    k3_by = np.bincount(inverse, weights=k3, minlength=len(versions))
-    abs_by = np.bincount(inverse, weights=absr, minlength=len(versions))
-    per_version = [(int(v), int(c), float(k), float(a)) for v, c, k, a in zip(versions, counts, k3_by, abs_by)]
-    return n, float(k3.sum()), float(absr.sum()), float(absr.max()), per_version
+    counts = np.bincount(owner, minlength=n)
+    k3_sums = np.bincount(owner, weights=k3, minlength=n)
+    abs_sums = np.bincount(owner, weights=absr, minlength=n)
+    max_abs = np.zeros(n)
+    np.maximum.at(max_abs, owner, absr)  # only the compared tokens; ~1 ms per 100k
+    versions = np.concatenate([s.token_model_versions for s in samples]).astype(np.int64)[mask]
+    # (sample, version) groups: versions are int32, so one int64 key holds both
+    pair = owner.astype(np.int64) << 32 | (versions & 0xFFFFFFFF)
+    if pair.size and np.all(pair[1:] >= pair[:-1]):
+        # the usual case, with no sort: a sample's generated tokens never go back in version
+        starts = np.flatnonzero(np.concatenate([[True], pair[1:] != pair[:-1]]))
+        keys = pair[starts]
+        g_counts = np.diff(np.append(starts, len(pair)))
+        g_k3 = np.add.reduceat(k3, starts)
+        g_abs = np.add.reduceat(absr, starts)
+    else:
+        keys, inverse = np.unique(pair, return_inverse=True)
+        g_counts = np.bincount(inverse, minlength=len(keys))
+        g_k3 = np.bincount(inverse, weights=k3, minlength=len(keys))
+        g_abs = np.bincount(inverse, weights=absr, minlength=len(keys))
+    per_version: list[list[tuple[int, int, float, float]]] = [[] for _ in range(n)]
+    for key, c, k, a in zip(keys.tolist(), g_counts.tolist(), g_k3.tolist(), g_abs.tolist()):
+        v = key & 0xFFFFFFFF
+        per_version[key >> 32].append((v - (1 << 32) if v >= 1 << 31 else v, c, k, a))
+    return [(int(counts[i]), float(k3_sums[i]), float(abs_sums[i]), float(max_abs[i]) if counts[i] else None,
+             per_version[i]) for i in range(n)]
 
 
 def annotation_table(facts: Sequence[LineageFact]) -> pa.Table:

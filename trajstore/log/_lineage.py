@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from typing import Any, Collection, Sequence
 
-from sqlalchemy import Connection, and_, func, or_, select
+from sqlalchemy import Connection, func, select
 
-from trajstore.log._dialect import SqlDialect, chunks
+from trajstore.log._dialect import SqlDialect
 from trajstore.schema import lineage_annotation_versions, lineage_annotations, lineage_step_samples, lineage_steps
 
 __all__ = ["write_lineage", "recorded_keys", "standing_attempt", "annotation_rows"]
@@ -38,21 +38,24 @@ def write_lineage(conn: Any, d: SqlDialect, rows: Sequence[dict[str, Any]]) -> N
 
 def recorded_keys(conn: Connection, keys: Collection[tuple]) -> dict[tuple, str]:
     """The identity of the event that recorded each of ``keys`` (``_lineage.lineage_key``:
-    type first), for those recorded."""
+    type first), for those recorded. One query per step (and attempt, for annotations):
+    a step's keys share them, and its rows are few."""
+    wanted = set(keys)
     out: dict[tuple, str] = {}
-    steps = sorted({k[1:] for k in keys if k[0] == "train_step"})
-    notes = sorted({k[1:] for k in keys if k[0] == "sample_annotation"})
     s, a = lineage_steps.c, lineage_annotations.c
-    for part in chunks(steps, 200):
-        q = select(s.run, s.step, s.rank, s.attempt, s.identity).where(or_(*[
-            and_(s.run == run, s.step == step, s.rank == rank, s.attempt == attempt)
-            for run, step, rank, attempt in part]))
-        out.update((("train_step", *row[:4]), row[4]) for row in conn.execute(q))
-    for part in chunks(notes, 200):
-        q = select(a.run, a.step, a.attempt, a.trajectory_id, a.sample_index, a.identity).where(or_(*[
-            and_(a.run == run, a.step == step, a.attempt == attempt, a.trajectory_id == tid, a.sample_index == idx)
-            for run, step, attempt, tid, idx in part]))
-        out.update((("sample_annotation", *row[:5]), row[5]) for row in conn.execute(q))
+    for run, step in sorted({k[1:3] for k in wanted if k[0] == "train_step"}):
+        q = select(s.rank, s.attempt, s.identity).where(s.run == run, s.step == step)
+        for rank, attempt, identity in conn.execute(q):
+            key = ("train_step", run, step, rank, attempt)
+            if key in wanted:
+                out[key] = identity
+    for run, step, attempt in sorted({k[1:4] for k in wanted if k[0] == "sample_annotation"}):
+        q = select(a.trajectory_id, a.sample_index, a.identity).where(a.run == run, a.step == step,
+                                                                       a.attempt == attempt)
+        for tid, index, identity in conn.execute(q):
+            key = ("sample_annotation", run, step, attempt, tid, index)
+            if key in wanted:
+                out[key] = identity
     return out
 
 

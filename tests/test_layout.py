@@ -173,7 +173,8 @@ PUBLIC_API: dict[str, set[str]] = {
         "view_sql"
     },
     "trajstore.lineage": {
-        "Annotation", "RecordedStep", "StepRecorder", "annotation_events", "read_annotations", "store_recorder"
+        "Annotation", "RecordedStep", "StepRecorder", "annotation_events", "read_annotations", "step_samples",
+        "store_recorder"
     },
     "trajstore.log": set(),
     "trajstore.log.base": {

@@ -584,3 +584,26 @@ def test_the_batched_mismatch_equals_the_per_token_definition():
         assert [(v, c) for v, c, _, _ in per_version] == [(v, len(by_version[v])) for v in sorted(by_version)]
         for v, c, k, a in per_version:
             assert math.isclose(k, sum(math.exp(r) - 1 - r for r in by_version[v]), rel_tol=1e-9, abs_tol=1e-12)
+
+
+def test_export_step_writes_the_samples_of_one_training_step(store, store_url, tmp_path, capsys, monkeypatch):
+    import pyarrow.parquet as pq
+
+    from trajstore.cli import main
+    from trajstore.lineage import step_samples
+
+    monkeypatch.setenv("TRAJSTORE_PAYLOAD_DIR", str(tmp_path / "payload"))
+    fixed_rollouts(store, ["t1", "t2", "t3", "t4"])
+    store.append([step(run="g", step=3, samples=[("t3", 0), ("t1", 0)]),
+                  step(run="g", step=3, rank=1, world_size=2, samples=[("t2", 0)]),
+                  step(run="g", step=3, samples=[("t4", 0)], attempt=1),  # rank 0 redone: this attempt stands
+                  step(run="g", step=4, samples=[("t1", 0)])])
+    assert [s.trajectory_id for s in step_samples(store, run="g", step=3)] == ["t4", "t2"]
+    out = tmp_path / "step3"
+    assert main(["--store", store_url, "export", str(out), "--run", "g", "--step", "3"]) == 0
+    assert "exported 2 samples of step 3 of run 'g'" in capsys.readouterr().out
+    table = pq.read_table(out)
+    assert table.column("trajectory_id").to_pylist() == ["t4", "t2"]
+    assert table.column("response_ids").to_pylist()[0] == [10, 11, 12, 13, 14]
+    assert main(["--store", store_url, "export", str(tmp_path / "x"), "--run", "g"]) != 0
+    assert "--run and --step go together" in capsys.readouterr().err

@@ -33,7 +33,7 @@ import numpy as np
 from trajstore.errors import ConflictError, ValidationError
 from trajstore.events import ANNOTATION_ARRAYS
 
-__all__ = ["RecordedStep", "StepRecorder", "store_recorder", "Annotation", "read_annotations", "annotation_events"]
+__all__ = ["RecordedStep", "StepRecorder", "store_recorder", "step_samples", "Annotation", "read_annotations", "annotation_events"]
 
 _MAX_ATTEMPTS = 64
 """Attempts ``StepRecorder.record`` tries past the standing one before giving up (each lost a race)."""
@@ -188,6 +188,22 @@ def _plain(value: Any) -> Any:
             value = value.float()
         return value.numpy()
     return value
+
+
+def step_samples(store: Any, *, run: str, step: int) -> list[Any]:
+    """The ``Sample`` objects step ``step`` of ``run`` consumed (every rank, its
+    standing attempt), in (rank, order consumed): the step's data, to export or
+    to train on again."""
+    keys = store.log.step_samples(run=run, step=step)
+    out = []
+    for projection in dict.fromkeys(k["projection"] for k in keys):
+        wanted = {(k["trajectory_id"], k["sample_index"]): i for i, k in enumerate(keys)
+                  if k["projection"] == projection}
+        for s in store.samples(trajectory_ids=sorted({t for t, _ in wanted}), projection=projection):
+            i = wanted.get((s.trajectory_id, s.sample_index))
+            if i is not None:
+                out.append((i, s))
+    return [s for _, s in sorted(out, key=lambda pair: pair[0])]
 
 
 @dataclass(frozen=True, eq=False)

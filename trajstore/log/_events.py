@@ -16,7 +16,7 @@ from typing import Any, Callable, Collection, Mapping, Sequence
 
 from sqlalchemy import Connection, Engine, delete, func, insert, or_, select, text, update
 
-from trajstore.log._lineage import annotation_rows, recorded_keys, standing_attempt, write_lineage
+from trajstore.log._lineage import annotation_rows, recorded_keys, standing_attempt, step_samples, write_lineage
 from trajstore.log._dialect import FOLD_EVENT_COLUMNS, FOLD_TRAJECTORY_COLUMNS, SqlDialect, chunks
 from trajstore.log._segments import named, named_clause, repoint, retire_emptied
 from trajstore.log._transaction import Database
@@ -70,6 +70,10 @@ class SqlEventLog(EventLog):
     def standing_attempt(self, run: str, step: int, rank: int) -> int | None:
         with self.db.reading("reading a step's attempts") as conn:
             return standing_attempt(conn, run, step, rank)
+
+    def step_samples(self, *, run: str, step: int) -> list[dict[str, Any]]:
+        with self.db.reading("reading a step's samples") as conn:
+            return step_samples(conn, run, step)
 
     def annotation_rows(self, *, run: str, step: int | None = None,
                         trajectory_id: str | None = None) -> list[dict[str, Any]]:

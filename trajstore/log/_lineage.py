@@ -11,7 +11,7 @@ from sqlalchemy import Connection, func, select
 from trajstore.log._dialect import SqlDialect
 from trajstore.schema import lineage_annotation_versions, lineage_annotations, lineage_step_samples, lineage_steps
 
-__all__ = ["write_lineage", "recorded_keys", "standing_attempt", "annotation_rows"]
+__all__ = ["write_lineage", "recorded_keys", "standing_attempt", "annotation_rows", "step_samples"]
 
 
 def write_lineage(conn: Any, d: SqlDialect, rows: Sequence[dict[str, Any]]) -> None:
@@ -65,6 +65,20 @@ def standing_attempt(conn: Connection, run: str, step: int, rank: int) -> int | 
     q = select(func.max(s.attempt)).where(s.run == run, s.step == step, s.rank == rank)
     found = conn.execute(q).scalar_one()
     return None if found is None else int(found)
+
+
+def step_samples(conn: Connection, run: str, step: int) -> list[dict[str, Any]]:
+    """The samples of step ``step`` of ``run``, every rank at its standing attempt, in
+    (rank, ordinal) order: ``rank``, ``attempt``, ``trajectory_id``, ``sample_index``, ``projection``."""
+    s, x = lineage_steps.c, lineage_step_samples.c
+    top = (select(s.rank, func.max(s.attempt).label("attempt")).where(s.run == run, s.step == step)
+           .group_by(s.rank).subquery())
+    q = (select(x.rank, x.attempt, x.trajectory_id, x.sample_index, s.projection)
+         .select_from(lineage_step_samples.join(top, (top.c.rank == x.rank) & (top.c.attempt == x.attempt))
+                      .join(lineage_steps, (s.run == x.run) & (s.step == x.step) & (s.rank == x.rank)
+                            & (s.attempt == x.attempt)))
+         .where(x.run == run, x.step == step).order_by(x.rank, x.ordinal))
+    return [dict(r._mapping) for r in conn.execute(q)]
 
 
 def annotation_rows(conn: Connection, run: str, step: int | None, trajectory_id: str | None) -> list[dict[str, Any]]:

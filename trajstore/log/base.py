@@ -173,6 +173,12 @@ class EventLog(ABC):
         """The highest attempt of a ``train_step`` recorded for ``(run, step, rank)`` (None: none)."""
         raise NotImplementedError
 
+    def step_samples(self, *, run: str, step: int) -> list[dict[str, Any]]:
+        """The samples step ``step`` of ``run`` consumed, every rank at its standing
+        attempt, in (rank, order consumed): ``rank``, ``attempt``, ``trajectory_id``,
+        ``sample_index``, ``projection``."""
+        raise NotImplementedError
+
     def annotation_rows(self, *, run: str, step: int | None = None,
                         trajectory_id: str | None = None) -> list[dict[str, Any]]:
         """``lineage_annotations`` rows of ``run`` (of one step, of one trajectory's

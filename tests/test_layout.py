@@ -163,6 +163,7 @@ PUBLIC_API: dict[str, set[str]] = {
     },
     "trajstore.inspect": set(),
     "trajstore.inspect.export": {"export_samples", "export_table", "routes_from_export"},
+    "trajstore.inspect.lineage_mlflow": {"consumed_rows", "log_consumed_samples"},
     "trajstore.inspect.report": {"add_cli_arguments", "render_report", "run_from_args"},
     "trajstore.inspect.sql": {
         "QueryResult", "add_cli_arguments", "create_reader_login", "print_result", "read_only", "run_from_args",

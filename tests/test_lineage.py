@@ -607,3 +607,26 @@ def test_export_step_writes_the_samples_of_one_training_step(store, store_url, t
     assert table.column("response_ids").to_pylist()[0] == [10, 11, 12, 13, 14]
     assert main(["--store", store_url, "export", str(tmp_path / "x"), "--run", "g"]) != 0
     assert "--run and --step go together" in capsys.readouterr().err
+
+
+def test_mlflow_logs_the_consumed_samples_as_a_dataset_input(store, tmp_path):
+    mlflow = pytest.importorskip("mlflow", reason="pip install 'trajstore[mlflow]'")
+    from trajstore.inspect.lineage_mlflow import log_consumed_samples
+
+    fixed_rollouts(store, ["t1", "t2", "t3"])
+    store.append([step(run="m", step=0, samples=[("t1", 0), ("t2", 0)]), step(run="m", step=1, samples=[("t1", 0)]),
+                  step(run="m", step=2, samples=[("t3", 0)])])
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    with mlflow.start_run() as active:
+        info = log_consumed_samples(store, run="m", first_step=0, last_step=1)
+    assert (info["num_samples"], info["num_distinct_samples"], info["num_steps"]) == (3, 2, 2)
+    [logged] = mlflow.get_run(active.info.run_id).inputs.dataset_inputs
+    assert logged.dataset.digest == info["digest"] and logged.dataset.source_type == "trajstore"
+    assert json.loads(logged.dataset.source)["run"] == "m"
+    assert {t.key: t.value for t in logged.tags}["num_samples"] == "3"
+    # the same consumption, the same digest; a redone step another
+    assert log_consumed_samples(store, run="m", first_step=0, last_step=1)["digest"] == info["digest"]
+    mlflow.end_run()
+    store.append([step(run="m", step=1, samples=[("t2", 0)], attempt=1)])
+    assert log_consumed_samples(store, run="m", first_step=0, last_step=1)["digest"] != info["digest"]
+    mlflow.end_run()

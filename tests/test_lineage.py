@@ -630,3 +630,36 @@ def test_mlflow_logs_the_consumed_samples_as_a_dataset_input(store, tmp_path):
     store.append([step(run="m", step=1, samples=[("t2", 0)], attempt=1)])
     assert log_consumed_samples(store, run="m", first_step=0, last_step=1)["digest"] != info["digest"]
     mlflow.end_run()
+
+
+def test_two_writers_racing_for_one_step_key_one_wins_the_other_conflicts(store, store_url, tmp_path):
+    """Two processes' stores append different events (event_ids) for the same
+    (run, step, rank, attempt) at once: each step is recorded once, the loser gets
+    a ConflictError (never a driver error), whatever the interleaving."""
+    import threading
+
+    rollouts(store, ["a"])
+    other = trajstore.connect(store_url)
+    barrier = threading.Barrier(2)
+    outcomes: dict[str, list] = {"x": [], "y": []}
+
+    def writer(s, tag):
+        for k in range(20):
+            barrier.wait()
+            try:
+                s.append([step(step=k, samples=[("a", 0)], event_id=f"{tag}-{k}", metrics={tag: 1.0})])
+                outcomes[tag].append("stored")
+            except ConflictError:
+                outcomes[tag].append("conflict")
+            except Exception as e:  # noqa: BLE001 - recorded: the assertion names it
+                outcomes[tag].append(repr(e))
+
+    threads = [threading.Thread(target=writer, args=(s, tag)) for s, tag in ((store, "x"), (other, "y"))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    other.close()
+    for k in range(20):
+        assert sorted((outcomes["x"][k], outcomes["y"][k])) == ["conflict", "stored"], (k, outcomes)
+    assert sql(store, "SELECT count(*), count(DISTINCT step) FROM lineage_steps") == [(20, 20)]

@@ -880,6 +880,11 @@ def _step_samples(value: Any) -> tuple[tuple[str, int], ...]:
         raise ValidationError(f"samples has {len(value)} entries (at most {_MAX_STEP_SAMPLES})", rule="samples")
     out = []
     for i, pair in enumerate(value):
+        if (type(pair) in (list, tuple) and len(pair) == 2 and type(pair[0]) is str and type(pair[1]) is int
+                and 0 < len(pair[0]) <= _MAX_ID_CHARS and "\x00" not in pair[0] and 0 <= pair[1] <= _INT32_MAX
+                and pair[0].isprintable()):
+            out.append((pair[0], pair[1]))  # the usual pair, every rule checked inline
+            continue
         if isinstance(pair, np.ndarray):
             pair = pair.tolist()
         if not isinstance(pair, (list, tuple)) or len(pair) != 2:

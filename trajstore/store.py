@@ -274,12 +274,10 @@ class Store:
         def rows(projection: str | None, keys: set[tuple[str, int]]) -> dict[tuple[str, int], dict[str, Any]]:
             index = self.materialized if projection is None else self.materialized.projection(projection)
             out: dict[tuple[str, int], dict[str, Any]] = {}
-            ids = sorted({tid for tid, _ in keys})
-            for page in index.iter_sample_rows(where={"trajectory_ids": ids}, after=None, page_rows=4096):
-                for r in page:
-                    key = (r["trajectory_id"], int(r["sample_index"]))
-                    if key in keys:
-                        out[key] = r
+            for r in index.sample_facts({tid for tid, _ in keys}):
+                key = (r["trajectory_id"], int(r["sample_index"]))
+                if key in keys:
+                    out[key] = r
             return out
 
         from trajstore._samples import load_samples

@@ -367,6 +367,14 @@ class SampleIndex(ABC):
         ``min_model_version``, ``max_model_version``, ``group_id``,
         ``trajectory_ids``, ``max_finished_position``; None values are ignored."""
 
+    def sample_facts(self, trajectory_ids: Collection[str]) -> list[dict[str, Any]]:
+        """``trajectory_id``, ``sample_index``, ``prompt_len``, ``response_len``,
+        ``min_model_version``, ``max_model_version``, ``segment``, ``segment_row`` of
+        every sample of ``trajectory_ids`` (what training lineage checks against)."""
+        rows = [r for page in self.iter_sample_rows(where={"trajectory_ids": list(trajectory_ids)}, after=None,
+                                                    page_rows=4096) for r in page]
+        return rows
+
     @abstractmethod
     def count_samples(self) -> int:
         """Number of sample rows (for ``trajstore info``)."""

@@ -151,11 +151,10 @@ def admit_lineage(events: Sequence[tuple[int, TrainStep | SampleAnnotation, str]
 
 def event_columns(fact: LineageFact) -> dict[str, Any]:
     """What a lineage event's ``events`` row holds beyond the common columns: it is
-    store-wide (``trajectory_id`` ``""``), a step's policy version is its
-    ``model_version``, and ``lineage`` (not a column) carries the fact to the log."""
-    ev = fact.event
-    return {"trajectory_id": "", "model_version": ev.policy_version if isinstance(ev, TrainStep) else None,
-            "lineage": fact}
+    store-wide (``trajectory_id`` ``""``) and ``lineage`` (not a column) carries the
+    fact to the log. Its ``model_version`` stays NULL: the views read that column as
+    the versions that generated (a step's policy version is in ``lineage_steps``)."""
+    return {"trajectory_id": "", "model_version": None, "lineage": fact}
 
 
 Mismatch = tuple[int, float, float, "float | None", list[tuple[int, int, float, float]]]

@@ -73,6 +73,7 @@ def fixed_rollouts(store, ids=("a", "b", "c")):
     (step(attempt=-1), "attempt"),
     (step(rank=2, world_size=2), "rank"),
     (step(world_size=2 ** 31), "int32_range"),
+    (step(world_size=0), "world_size"),
     (step(run=""), "run"),
     (step(run="x" * 256), "run"),
     (step(run="a\x00b"), "run"),

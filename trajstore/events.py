@@ -865,10 +865,10 @@ def _run(obj: Mapping) -> str:
     return _id(obj["run"], "run")
 
 
-def _required_int(obj: Mapping, key: str) -> int:
+def _required_int(obj: Mapping, key: str, minimum: int = 0) -> int:
     if key not in obj:
         raise ValidationError(f"{obj.get('type')} needs {key}", rule="missing_field")
-    return _int(obj, key)
+    return _int(obj, key, minimum=minimum)
 
 
 def _step_samples(value: Any) -> tuple[tuple[str, int], ...]:
@@ -905,7 +905,7 @@ def _parse_train_step(obj: Mapping, tid: str) -> TrainStep:
     run = _run(obj)
     step = _required_int(obj, "step")
     rank = _required_int(obj, "rank")
-    world_size = _required_int(obj, "world_size")
+    world_size = _required_int(obj, "world_size", minimum=1)
     if rank >= world_size:
         raise ValidationError(f"rank {rank} must be < world_size {world_size}", rule="rank")
     return TrainStep(run=run, step=step, rank=rank, world_size=world_size,

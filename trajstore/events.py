@@ -197,8 +197,10 @@ def parse_event(obj: Any) -> Event:
             trajectory_id=_printable_id(tid),
             rule="unknown_type",
         )
-    if kind == "version_label" or kind == "train_step":
+    if kind == "version_label":
         tid = ""  # store-wide: no trajectory
+    elif kind == "train_step":
+        tid = None  # store-wide: its errors name no trajectory
     elif kind == "sample_annotation":
         tid = _printable_id(tid) or ""  # located by its sample (checked by its parser)
     else:

@@ -623,9 +623,14 @@ def _split_retries(parsed: Sequence[tuple[Event, str | None]], known: Mapping[st
 
 
 def _conflict(ev: Event, ident: str, index: int) -> ConflictError:
-    what = f"event_id {ev.event_id!r}" if ev.event_id else ident.split(":")[0]
+    if ev.event_id:
+        what = f"event_id {ev.event_id!r}"
+    elif ident.startswith("["):  # a lineage key (events.lineage_identity)
+        what = ident
+    else:
+        what = ident.split(":")[0]
     return ConflictError(f"{what} is already stored with different content", index=index,
-                         trajectory_id=ev.trajectory_id)
+                         trajectory_id=ev.trajectory_id or None)
 
 
 def _parse_all(events: Iterable[Mapping[str, Any] | Event]) -> list[tuple[Event, str | None]]:

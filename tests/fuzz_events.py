@@ -299,3 +299,101 @@ def run_fuzz_concurrently(make_append: Callable[[], Any], units: list[tuple[list
         total.rules.update(part.rules)
         total.accepted_mutations.update(part.accepted_mutations)
     return total
+
+
+# -- training lineage events (SPEC "Training lineage") ------------------------------------------
+
+LINEAGE_MISSPELLED = ("sample", "policy", "trainer_logprob", "advantage", "entropies", "metric", "ranks", "Run")
+
+
+def mutate_lineage(event: dict, rng: np.random.Generator, known: list[tuple[str, int]]) -> tuple[dict, str]:
+    """One mutated copy of a train_step or sample_annotation and the mutation's name."""
+    ev = dict(event)
+    k = int(rng.integers(0, 10))
+    arrays = [f for f in ("trainer_logprobs", "advantages", "entropy") if isinstance(ev.get(f), np.ndarray)]
+    if k in (0, 1) and arrays:
+        name = str(rng.choice(arrays))
+        ev[name] = _mutate_array(ev[name], name, rng)
+        return ev, f"array:{name}"
+    if k == 2:
+        key = str(rng.choice(list(ev)))
+        ev[key] = hostile_value(rng)
+        return ev, f"value:{key}"
+    if k == 3:
+        key = str(rng.choice(list(ev)))
+        del ev[key]
+        return ev, f"missing:{key}"
+    if k == 4:
+        key = str(rng.choice(LINEAGE_MISSPELLED + ("metrics", "event_id", "projection", "attempt")))
+        ev[key] = hostile_value(rng)
+        return ev, f"extra:{key}"
+    if k == 5:
+        ev["metrics"] = [lambda: {"x": math.nan}, lambda: {"": 1.0}, lambda: {"\udc80": 1.0}, lambda: {"x": "1"},
+                         lambda: {"x": True}, lambda: {f"m{i}": 1.0 for i in range(300)}, lambda: {"x": 10**400},
+                         lambda: {"ok": 0.5}, lambda: [], lambda: {"x": {"y": 1.0}}][int(rng.integers(0, 10))]()
+        return ev, "metrics"
+    if k == 6 and ev["type"] == "train_step":
+        samples = list(ev["samples"])
+        choice = int(rng.integers(0, 7))
+        if choice == 0:
+            samples.append(["never-materialized", 0])
+        elif choice == 1 and samples:
+            samples.append(list(samples[0]))  # twice
+        elif choice == 2:
+            samples.append([known[int(rng.integers(0, len(known)))][0], 999])
+        elif choice == 3:
+            samples = [[t, i] for t, i in known[: int(rng.integers(0, 4))]]  # valid others
+        elif choice == 4:
+            samples.append({"trajectory_id": "x", "sample_index": 0})
+        elif choice == 5:
+            samples.append(["x", 0, 1])
+        else:
+            samples = "t1,0"
+        ev["samples"] = samples
+        return ev, "samples"
+    if k == 7:
+        key = str(rng.choice(["rank", "world_size", "policy_version", "attempt", "step", "sample_index"]))
+        if key in ev or key in ("attempt",):
+            ev[key] = [-1, 0, 1, 7, 2**31 - 1, 2**31, 2**63, 0.5, 1.0, "3"][int(rng.integers(0, 10))]
+        return ev, f"int:{key}"
+    if k == 8 and ev["type"] == "sample_annotation":
+        if rng.random() < 0.5:
+            ev["trajectory_id"], ev["sample_index"] = known[int(rng.integers(0, len(known)))]  # another length
+        else:
+            ev["trajectory_id"] = "never-materialized"
+        return ev, "other_sample"
+    for name in arrays:  # a valid re-encoding
+        ev[name] = _reencode(ev[name], rng)
+    if "advantages" in ev and rng.random() < 0.5:
+        ev["advantages"] = [0.5, -1e30, 1e39, math.nan, 3][int(rng.integers(0, 5))]
+    return ev, "reencoded"
+
+
+def make_lineage_units(n: int, samples: list[tuple[str, int, int]], seed: int = 0
+                       ) -> list[tuple[list[dict], str]]:
+    """``n`` units: a train_step of one rank (its own step number, so units never
+    share a key) naming up to 4 of ``samples`` (``(trajectory_id, sample_index,
+    response_len)``, materialized), and an annotation for each, one event mutated."""
+    rng = np.random.default_rng(seed)
+    known = [(t, i) for t, i, _ in samples]
+    units = []
+    for u in range(n):
+        picked = [samples[int(j)] for j in rng.choice(len(samples), size=min(len(samples), int(rng.integers(1, 5))),
+                                                     replace=False)]
+        st = {"type": "train_step", "run": f"fz-{seed}", "step": u, "rank": 0, "world_size": 1,
+              "policy_version": int(rng.integers(0, 10)), "samples": [[t, i] for t, i, _ in picked],
+              "metrics": {"loss": float(rng.normal())}}
+        events = [st]
+        for t, i, n_resp in picked:
+            note = {"type": "sample_annotation", "run": f"fz-{seed}", "step": u, "trajectory_id": t,
+                    "sample_index": i, "trainer_logprobs": -np.abs(rng.normal(size=n_resp)).astype(np.float32)}
+            if rng.random() < 0.5:
+                note["advantages"] = rng.normal(size=n_resp).astype(np.float32)
+            if rng.random() < 0.3:
+                note["entropy"] = np.abs(rng.normal(size=n_resp)).astype(np.float32)
+            events.append(note)
+        i = int(rng.integers(0, len(events)))
+        events[i], name = mutate_lineage(events[i], rng, known)
+        events = [ev if j == i else {k: _reencode(v, rng) for k, v in ev.items()} for j, ev in enumerate(events)]
+        units.append((events, name))
+    return units

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 from sqlalchemy import func, select
 
-from fuzz_events import make_units, run_fuzz
+from fuzz_events import make_lineage_units, make_units, run_fuzz
 from trajstore.errors import ValidationError
 from trajstore.schema import events as events_table
 
@@ -53,3 +53,34 @@ def test_mutated_units_appended_one_by_one(store, seed):
             alone.append(False)
     assert 0 < sum(alone) < len(units)
     assert _count_events(store) == sum(len(ev) for (ev, _), ok in zip(units, alone) if ok)
+
+
+@pytest.mark.parametrize("num_units", [400])
+def test_mutated_lineage_events_are_stored_or_refused(store, num_units):
+    """train_step and sample_annotation events mutated like the others: each stored
+    or refused with a ValidationError naming it; the lineage tables hold exactly
+    what was acknowledged."""
+    from fuzz_events import CONFIG
+    from trajstore.demo._simulate import trajectory_events
+
+    store.append([ev for i in range(12) for ev in trajectory_events(CONFIG, i)])
+    store.materialize()
+    samples = [(s.trajectory_id, s.sample_index, len(s.response_ids)) for s in store.samples()]
+    assert len(samples) >= 12
+    before = _count_events(store)
+    units = make_lineage_units(num_units, samples, seed=5)
+    stats = run_fuzz(lambda evs: store.append(evs).num_appended, units, batch_units=8, refusal=ValidationError)
+    assert stats.refused_units > num_units // 5 and stats.accepted_units > num_units // 20, stats
+    assert len(stats.rules) >= 8 and {"unknown_sample", "length_mismatch", "unknown_field"} <= set(stats.rules), \
+        stats.rules
+    assert _count_events(store) - before == stats.appended_events
+    with store.log.read_engine.connect() as conn:
+        from sqlalchemy import text
+
+        steps = conn.execute(text("SELECT count(*) FROM lineage_steps")).scalar_one()
+        notes = conn.execute(text("SELECT count(*) FROM lineage_annotations")).scalar_one()
+        views = [conn.execute(text(f"SELECT count(*) FROM {v}")).scalar_one()
+                 for v in ("train_steps", "sample_consumption", "train_rollout_mismatch",
+                           "train_rollout_mismatch_by_version")]
+    assert steps + notes == stats.appended_events and views[0] == steps
+    print(f"\n{stats.accepted_units} accepted, {stats.refused_units} refused; rules: {dict(stats.rules.most_common())}")

@@ -127,7 +127,8 @@ PUBLIC_API: dict[str, set[str]] = {
     "trajstore.events": {
         "ARRAY_FIELDS", "Event", "FINISH_STATUSES", "Generation", "LOGPROB_PLACEHOLDER", "Reward", "TrajectoryFinished",
         "TrajectoryStarted", "VersionLabel", "content_hash", "decimal_label", "identity_of", "parse_event",
-        "parse_events", "routes_dtype", "same_content", "TOKEN_FIELDS", "validate_metadata"
+        "parse_events", "routes_dtype", "same_content", "TOKEN_FIELDS", "validate_metadata",
+        "ANNOTATION_ARRAYS", "LINEAGE_TYPES", "SampleAnnotation", "TrainStep", "lineage_identity"
     },
     "trajstore.fold": {
         "DEFAULT_POLICY", "EMPTY_HASH", "FoldMetrics", "FoldPolicy", "FoldResult", "FoldStep", "FoldTail", "fold",
@@ -162,6 +163,7 @@ PUBLIC_API: dict[str, set[str]] = {
     },
     "trajstore.inspect": set(),
     "trajstore.inspect.export": {"export_samples", "export_table", "routes_from_export"},
+    "trajstore.inspect.lineage_mlflow": {"consumed_rows", "log_consumed_samples"},
     "trajstore.inspect.report": {"add_cli_arguments", "render_report", "run_from_args"},
     "trajstore.inspect.trackers": {
         "MLflowSink", "StoreMetrics", "TensorBoardSink", "TrackerPusher", "TrackerSink", "WandbSink",
@@ -174,6 +176,10 @@ PUBLIC_API: dict[str, set[str]] = {
     "trajstore.inspect.views": {
         "READER_ROLE", "VIEW_NAMES", "create_views", "drop_reader_grants_sql", "drop_views", "reader_role_sql",
         "view_sql"
+    },
+    "trajstore.lineage": {
+        "Annotation", "RecordedStep", "StepRecorder", "annotation_events", "read_annotations", "step_samples",
+        "store_recorder"
     },
     "trajstore.log": set(),
     "trajstore.log.base": {
@@ -199,7 +205,8 @@ PUBLIC_API: dict[str, set[str]] = {
     "trajstore.schema": {
         "events", "log_head", "materializer_checkpoints", "metadata", "projection_checkpoints", "projection_samples",
         "projection_unfoldable", "projections", "samples", "segments", "store_settings", "trajectories",
-        "unfoldable_trajectories", "unresolved_labels", "version_labels"
+        "unfoldable_trajectories", "unresolved_labels", "version_labels", "lineage_annotation_versions",
+        "lineage_annotations", "lineage_step_samples", "lineage_steps"
     },
     "trajstore.store": {"AppendCheck", "AppendResult", "DEFAULT_URL", "Store", "connect", "dialect_of", "resolve_url"},
     "trajstore.train": set(),

@@ -53,7 +53,7 @@ def test_the_sample_fields_table_is_the_sample_record():
 
 def _source_rules() -> set[str]:
     src = "".join((ROOT / "trajstore" / f).read_text() for f in ("events.py", "_wire.py", "_admission.py",
-                                                                  "fold.py", "errors.py"))
+                                                                  "fold.py", "errors.py", "_lineage.py"))
     literal = set(re.findall(r'rule="([a-z_0-9]+)"', src)) | set(re.findall(r'"(seq_gap|seq_taken)"', src))
     return literal | {"conflict"}
 
@@ -63,7 +63,8 @@ def test_every_refusal_rule_is_documented_and_raised():
     raised = _source_rules()
     # rules named after a field (rule=key) are raised by the typed-field checks
     by_field = {"seq", "num_experts", "reward", "label", "token_model_versions", "model_version", "group_id",
-                "event_id", "finish_reason", "trajectory_id"}
+                "event_id", "finish_reason", "trajectory_id", "step", "world_size", "policy_version", "attempt",
+                "sample_index", "projection", "run"}
     assert documented - raised - by_field == set()
     # fold_policy refuses a projection's definition (docs/projections.md), never an appended event
     assert raised - documented - {"url", "conflict", "fold_policy"} == set()

@@ -50,6 +50,7 @@ from trajstore.events import (
     VersionLabel,
     decimal_label,
 )
+from trajstore.events import SampleAnnotation, TrainStep
 from trajstore.fold import EMPTY_HASH, FoldStep, FoldTail, fold_step, sequence_hash
 
 __all__ = ["TrajectoryState", "StoredGeneration", "Admitted", "admit", "admit_batch", "sequence_hash", "EMPTY_HASH",
@@ -327,6 +328,8 @@ def admit(
     call re-sends rows for recorded positions (their drift is counted);
     without it the drift is not measured (``route_rows_drifted`` None).
     """
+    if isinstance(event, (TrainStep, SampleAnnotation)):
+        return Admitted(event, None, None)  # store-wide; checked against the samples by trajstore._lineage
     if isinstance(event, VersionLabel):
         known = (stored_labels or {}).get(event.label)
         if known is not None and known != event.model_version:
@@ -457,6 +460,9 @@ def admit_batch(
             raise e.at(i, ev.trajectory_id or None) from None
         if isinstance(ev, VersionLabel):
             stored_labels.setdefault(ev.label, ev.model_version)  # a repeat in the batch is a no-op
+            out.append(adm)
+            continue
+        if adm.state is None:  # a lineage event: store-wide
             out.append(adm)
             continue
         states[ev.trajectory_id] = adm.state

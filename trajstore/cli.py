@@ -136,7 +136,20 @@ def _cmd_export(args: argparse.Namespace) -> int:
     from trajstore.inspect.export import export_samples
     from trajstore._progress import progress_bar
 
+    from trajstore.errors import ValidationError
+
     store = _store(args)
+    if (args.run is None) != (args.step is None):
+        raise ValidationError("export --run and --step go together (the samples of one training step)",
+                              rule="export")
+    if args.run is not None:
+        from trajstore.lineage import step_samples
+
+        samples = step_samples(store, run=args.run, step=args.step)
+        counts = export_samples(samples, args.dir, replace=args.replace)
+        print(f"exported {counts['samples']} samples of step {args.step} of run {args.run!r} to "
+              f"{counts['files']} Parquet file(s) in {args.dir}")
+        return 0
     if args.projection is None:
         total = store.info()["samples"]
     else:
@@ -341,6 +354,9 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--replace", action="store_true", help="replace an earlier export in DIR (atomically)")
     e.add_argument("--projection", default=None, metavar="NAME",
                    help="export this named projection's samples instead of the default ones (docs/projections.md)")
+    e.add_argument("--run", default=None, help="with --step: export the samples of that training step of this run")
+    e.add_argument("--step", type=int, default=None,
+                   help="with --run: the training step whose samples to export (every rank, standing attempt)")
     add("info", _cmd_info, "counts per status, event type and model version; unfoldable trajectories")
     g = add("gc", _cmd_gc, "delete payload files no index row needs (retired log segments, crash leftovers)")
     g.add_argument("--grace-s", type=number(float, min=0), default=3600.0,

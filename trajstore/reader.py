@@ -355,6 +355,7 @@ class SampleReader:
                 self.stats.batches += 1
                 self.stats.samples += len(batch)
                 self.stats.tokens += sum(s.num_tokens for s in batch)
+                self._lineage_recorder().handed_out(batch)
                 yield step.index, batch
 
     def _by_finish_reason(self, batch: list[Sample]) -> list[Sample]:
@@ -487,6 +488,32 @@ class SampleReader:
         for name in ReaderStats._SAVED:
             setattr(self.stats, name, state["stats"][name])
         self._steps_gen = self._batches = None
+        self._lineage_recorder().forget()  # what was handed out before the restore is not this step's
+
+    # -- training lineage (trajstore.lineage) ------------------------------------
+    def record_step(self, step: int, *, run: str, policy_version: int | None = None,
+                    metrics: dict[str, float] | None = None, annotations: Any = None,
+                    attempt: int | None = None) -> Any:
+        """Record, when training step ``step`` of ``run`` ends, the samples this rank
+        consumed in it: the ones this reader handed out since the last call. One
+        ``train_step`` event with ``metrics`` and one ``sample_annotation`` per entry
+        of ``annotations`` (``{(trajectory_id, sample_index): {"trainer_logprobs":
+        array, "advantages": array or number, "entropy": array, "metrics": {...}}}``),
+        appended atomically. ``policy_version`` defaults to ``current_model_version``.
+        A replayed step with the same content is a no-op; one redone differently
+        takes the next attempt (``trajstore.lineage``). Returns a ``RecordedStep``."""
+        version = self.current_model_version if policy_version is None else policy_version
+        return self._lineage_recorder().record(step, run=run, policy_version=version,  # type: ignore[arg-type]
+                                               metrics=metrics, annotations=annotations, attempt=attempt)
+
+    def _lineage_recorder(self) -> Any:
+        recorder = self.__dict__.get("_lineage")
+        if recorder is None:
+            from trajstore.lineage import store_recorder
+
+            recorder = self._lineage = store_recorder(self.store, rank=self.rank, world_size=self.world_size,
+                                                      projection=self.config.projection)
+        return recorder
 
     def _commit(self, state: dict[str, Any]) -> None:
         self._cursor = _key_or_none(state["cursor"])

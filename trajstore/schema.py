@@ -20,6 +20,7 @@ from sqlalchemy import (
     MetaData,
     String,
     Table,
+    Text,
 )
 
 metadata = MetaData()
@@ -279,6 +280,97 @@ projection_unfoldable = Table(
       for c in unfoldable_trajectories.columns],
 )
 
+# migration 0013: training lineage (SPEC "Training lineage"; docs/reference.md). Filled by
+# the train_step and sample_annotation events in the transaction that appends them
+# (``position`` is the event's); never updated. The views ``train_steps``,
+# ``sample_consumption``, ``train_rollout_mismatch`` and
+# ``train_rollout_mismatch_by_version`` read them, the highest attempt standing.
+
+# One row per train_step event: (run, step, rank, attempt).
+lineage_steps = Table(
+    "lineage_steps",
+    metadata,
+    Column("run", String(255), primary_key=True),
+    Column("step", Integer, primary_key=True),
+    Column("rank", Integer, primary_key=True),
+    Column("attempt", Integer, primary_key=True),
+    Column("world_size", Integer, nullable=False),
+    Column("policy_version", Integer, nullable=False),
+    Column("projection", String(64), nullable=True),  # NULL: the default samples
+    Column("num_samples", Integer, nullable=False),
+    Column("num_response_tokens", BigInteger, nullable=False),
+    Column("metrics", Text, nullable=False),  # a JSON object as text
+    Column("identity", String(600), nullable=False),  # the event's (events.identity)
+    Column("position", BigInteger, nullable=False),
+    Column("created_at", Float, nullable=False),
+)
+
+# The samples of each train_step, with what the sample row said when the step was
+# appended (its response length and version range: staleness at training time).
+lineage_step_samples = Table(
+    "lineage_step_samples",
+    metadata,
+    Column("run", String(255), primary_key=True),
+    Column("step", Integer, primary_key=True),
+    Column("rank", Integer, primary_key=True),
+    Column("attempt", Integer, primary_key=True),
+    Column("trajectory_id", String(255), primary_key=True),
+    Column("sample_index", Integer, primary_key=True),
+    Column("ordinal", Integer, nullable=False),  # its place in the step's samples list
+    Column("response_len", Integer, nullable=False),
+    Column("min_model_version", Integer, nullable=False),
+    Column("max_model_version", Integer, nullable=False),
+    Index("ix_lineage_step_samples_sample", "trajectory_id", "sample_index"),
+)
+
+# One row per sample_annotation event. Its arrays live in a payload segment
+# (``segment``, ``segment_row``); the mismatch with the rollout logprobs is
+# aggregated at admission (over the tokens where loss_mask and logprobs_mask are
+# both true, r = trainer logprob - rollout logprob, k3 = exp(r) - 1 - r).
+lineage_annotations = Table(
+    "lineage_annotations",
+    metadata,
+    Column("run", String(255), primary_key=True),
+    Column("step", Integer, primary_key=True),
+    Column("attempt", Integer, primary_key=True),
+    Column("trajectory_id", String(255), primary_key=True),
+    Column("sample_index", Integer, primary_key=True),
+    Column("projection", String(64), nullable=True),
+    Column("num_tokens", Integer, nullable=True),  # entries of its per-token arrays (NULL: none)
+    Column("has_trainer_logprobs", Boolean, nullable=False),
+    Column("has_advantages", Boolean, nullable=False),  # per-token advantages in the payload
+    Column("advantage", Float, nullable=True),  # advantages sent as one number
+    Column("has_entropy", Boolean, nullable=False),
+    Column("metrics", Text, nullable=False),
+    Column("tokens_compared", Integer, nullable=True),  # NULL without trainer_logprobs
+    Column("k3_sum", Float, nullable=True),
+    Column("abs_log_ratio_sum", Float, nullable=True),
+    Column("log_ratio_max_abs", Float, nullable=True),
+    Column("identity", String(600), nullable=False),
+    Column("position", BigInteger, nullable=False),
+    Column("segment", String(255), nullable=True),
+    Column("segment_row", Integer, nullable=True),
+    Column("created_at", Float, nullable=False),
+    Index("ix_lineage_annotations_sample", "trajectory_id", "sample_index"),
+)
+
+# The same aggregates per model version of the compared tokens (their own
+# token_model_versions), one row per annotation and version.
+lineage_annotation_versions = Table(
+    "lineage_annotation_versions",
+    metadata,
+    Column("run", String(255), primary_key=True),
+    Column("step", Integer, primary_key=True),
+    Column("attempt", Integer, primary_key=True),
+    Column("trajectory_id", String(255), primary_key=True),
+    Column("sample_index", Integer, primary_key=True),
+    Column("model_version", Integer, primary_key=True),
+    Column("tokens_compared", Integer, nullable=False),
+    Column("k3_sum", Float, nullable=False),
+    Column("abs_log_ratio_sum", Float, nullable=False),
+)
+
 __all__ = ["metadata", "log_head", "trajectories", "events", "segments", "samples", "materializer_checkpoints",
            "unfoldable_trajectories", "version_labels", "unresolved_labels", "store_settings", "projections",
-           "projection_samples", "projection_checkpoints", "projection_unfoldable"]
+           "projection_samples", "projection_checkpoints", "projection_unfoldable", "lineage_steps",
+           "lineage_step_samples", "lineage_annotations", "lineage_annotation_versions"]

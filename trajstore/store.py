@@ -26,6 +26,7 @@ from trajstore import _facts as facts
 from trajstore.payload import _home as _payload_home
 from trajstore._pools import LazyPool
 from trajstore._admission import Admitted, RecordedRoutes, TrajectoryState, admit_batch
+from trajstore import _lineage
 from trajstore.errors import (CommitUnknownError, ConflictError, ContentionError, StoreUnavailable, TrajstoreError,
                               ValidationError, first_line)
 from trajstore.events import (ARRAY_FIELDS, Event, Generation, TrajectoryFinished, TrajectoryStarted, VersionLabel,
@@ -192,28 +193,45 @@ class Store:
         kept = [(i, a) for i, a in zip(fresh, admitted) if not a.noop]
         if not kept:
             return AppendResult(0, len(parsed), None, tuple(range(len(parsed))))
+        lineage = self._admit_lineage([(i, a.event, parsed[i][1]) for i, a in kept if _lineage.is_lineage(a.event)])
         segment, seg_row, gen_rows = self._write_segment([a for _, a in kept])
-        # The segment's fsync runs on the pool while this thread hashes the content
+        written = [segment] if segment is not None else []
+        try:
+            notes, note_seg_row, note_rows = self._write_annotations(lineage)
+        except BaseException:
+            if segment is not None:
+                self.payload.delete(segment)
+            raise
+        if notes is not None:
+            written.append(notes)
+        # The segments' fsync runs on the pool while this thread hashes the content
         # digests (needed only at commit), builds the rows and runs the index
         # statements; the transaction waits for it before COMMIT, so the payload is
         # durable before any committed row references it.
-        synced = None if segment is None else _DIGEST_POOL.get().submit(self.payload.make_durable, segment)
+        synced = None if not written else _DIGEST_POOL.get().submit(
+            lambda: [self.payload.make_durable(name) for name in written])
         try:
             digest = digests.start([i for i, _ in kept]).result()
             event_rows = []
             for i, adm in kept:
                 row = facts.event_row(adm, parsed[i][1], digest[i], gen_rows.get(id(adm)))
                 row["segment"] = segment if id(adm) in gen_rows else None
+                if i in lineage:
+                    row.update(_lineage.event_columns(lineage[i]))
+                    if i in note_rows:
+                        row.update(segment=notes, segment_row=note_rows[i])
                 event_rows.append(row)
-            positions = self.log.commit_append(event_rows, _trajectory_writes([a for _, a in kept], rows), seg_row,
+            seg_rows = [r for r in (seg_row, note_seg_row) if r is not None]
+            positions = self.log.commit_append(event_rows, _trajectory_writes([a for _, a in kept], rows),
+                                               seg_rows[0] if seg_rows else None, more_segments=seg_rows[1:],
                                                before_commit=None if synced is None else synced.result)
         except CommitUnknownError:
-            raise  # the commit may have landed: the segment stays (GC removes it if unreferenced)
+            raise  # the commit may have landed: the segments stay (GC removes them if unreferenced)
         except BaseException as e:
             if synced is not None:
                 wait([synced])  # its fsync must not outlive the file
-            if segment is not None:
-                self.payload.discard(segment, after=e)  # certainly not committed (never masks ``e``)
+            for name in written:
+                self.payload.discard(name, after=e)  # certainly not committed (never masks ``e``)
             raise
         self._routes.after_append(admitted, states, routes_after)
         stored_now = {i for i, _ in kept}
@@ -243,6 +261,46 @@ class Store:
             raise
         seg_row = {"name": name, "kind": "events", "num_rows": len(gens), "num_bytes": size, "created_at": time.time()}
         return name, seg_row, {id(a): i for i, a in enumerate(gens)}
+
+    def _admit_lineage(self, events: Sequence[tuple[int, Event, str | None]]) -> dict[int, "_lineage.LineageFact"]:
+        """The facts of an append's lineage events (``trajstore._lineage``) by their index."""
+        if not events:
+            return {}
+        recorded = self.log.lineage_keys({_lineage.lineage_key(ev) for _, ev, _ in events})  # type: ignore[arg-type]
+        made = _lineage.admit_lineage(events, self._sample_source(), recorded)  # type: ignore[arg-type]
+        return {i: fact for (i, _, _), fact in zip(events, made)}
+
+    def _sample_source(self) -> "_lineage.SampleSource":
+        """The sample index as lineage admission reads it."""
+        def rows(projection: str | None, keys: set[tuple[str, int]]) -> dict[tuple[str, int], dict[str, Any]]:
+            index = self.materialized if projection is None else self.materialized.projection(projection)
+            out: dict[tuple[str, int], dict[str, Any]] = {}
+            for r in index.sample_facts({tid for tid, _ in keys}):
+                key = (r["trajectory_id"], int(r["sample_index"]))
+                if key in keys:
+                    out[key] = r
+            return out
+
+        from trajstore._samples import load_samples
+
+        return _lineage.SampleSource(rows, lambda sample_rows: load_samples(self, sample_rows))
+
+    def _write_annotations(self, lineage: Mapping[int, "_lineage.LineageFact"]
+                           ) -> tuple[str | None, dict | None, dict[int, int]]:
+        """The payload segment of an append's annotation arrays (not synced yet)."""
+        with_arrays = [(i, f) for i, f in sorted(lineage.items()) if f.has_arrays]
+        if not with_arrays:
+            return None, None, {}
+        table = _lineage.annotation_table([f for _, f in with_arrays])
+        name = self.payload.new_name("lineage")
+        try:
+            size = self.payload.write(name, table, rows_per_batch=len(with_arrays), durable=False)
+        except BaseException:
+            self.payload.delete(name)
+            raise
+        seg_row = {"name": name, "kind": "lineage", "num_rows": len(with_arrays), "num_bytes": size,
+                   "created_at": time.time()}
+        return name, seg_row, {i: k for k, (i, _) in enumerate(with_arrays)}
 
     def _recorded_routes(self, trajectory_id: str, state: TrajectoryState | None) -> RecordedRoutes | None:
         """The current sample's recorded route rows (the drift figures compare re-sent
@@ -491,6 +549,7 @@ class AppendCheck:
         self._sequences: dict[str, np.ndarray] = {}  # running trajectories' last sequence (rare path only)
         self._seen: dict[str, bytes] = {}  # identity -> content digest
         self._labels: dict[str, int] = {}  # the label map, as far as the batches named it
+        self._lineage: dict[tuple, str] = {}  # lineage keys the batches recorded -> identity
 
     def check(self, events: Iterable[Mapping[str, Any] | Event]) -> AppendResult:
         """The next batch; raises as ``Store.append`` would (indices within this batch)."""
@@ -511,12 +570,20 @@ class AppendCheck:
             admitted = admit_batch([parsed[i][0] for i in fresh], self._states, self._sequence, self._labels)
         except ValidationError as e:
             raise e.at(fresh[e.index] if e.index is not None else 0) from None
+        lineage = [(i, adm.event, parsed[i][1]) for i, adm in zip(fresh, admitted) if _lineage.is_lineage(adm.event)]
+        if lineage:
+            keys = {_lineage.lineage_key(ev) for _, ev, _ in lineage}  # type: ignore[arg-type]
+            recorded = {**self.store.log.lineage_keys(keys - self._lineage.keys()), **self._lineage}
+            _lineage.admit_lineage(lineage, self.store._sample_source(), recorded)  # type: ignore[arg-type]
+            self._lineage.update((_lineage.lineage_key(ev), ident) for _, ev, ident in lineage)  # type: ignore
         for i, adm in zip(fresh, admitted):
             ev = adm.event
             if adm.noop:
                 duplicates.append(i)
             if isinstance(ev, VersionLabel):
                 self._labels.setdefault(ev.label, ev.model_version)
+                continue
+            if adm.state is None:  # a lineage event: store-wide
                 continue
             self._states[ev.trajectory_id] = adm.state
             if isinstance(ev, Generation):
@@ -564,7 +631,12 @@ def _split_retries(parsed: Sequence[tuple[Event, str | None]], known: Mapping[st
 
 
 def _conflict(ev: Event, ident: str, index: int) -> ConflictError:
-    what = f"event_id {ev.event_id!r}" if ev.event_id else ident.split(":")[0]
+    if ev.event_id:
+        what = f"event_id {ev.event_id!r}"
+    elif ident.startswith("["):  # a lineage key (events.lineage_identity)
+        what = ident
+    else:
+        what = ident.split(":")[0]
     return ConflictError(f"{what} is already stored with different content", index=index,
                          trajectory_id=ev.trajectory_id or None)
 

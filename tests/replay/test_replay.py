@@ -661,3 +661,40 @@ def test_a_wait_is_logged_once_not_once_per_parallel_stream(filled_sqlite, repla
     waits = [r for r in caplog.records if "replay reader waits: server" in r.getMessage()]
     assert len(waits) == 1, [r.getMessage() for r in waits]
     ahead.close()
+def test_a_trainer_records_lineage_through_the_replay_reader(filled, replay_servers):
+    """``ReplayReader.record_step`` with the read token: the step lands in the store
+    as through SampleReader; a replay is a no-op, a redo takes the next attempt; the
+    read token still writes nothing but lineage; the store's refusals keep their rule."""
+    from sqlalchemy import text
+
+    server = replay_servers(filled)
+    reader = ReplayReader(server.location, token=READ_TOKEN, batch_size=4)
+    batch = next(reader)
+    done = reader.record_step(0, run="remote", policy_version=3, metrics={"loss": 0.5},
+                              annotations={(s.trajectory_id, s.sample_index):
+                                           {"trainer_logprobs": np.zeros(len(s.response_ids), np.float32)}
+                                           for s in batch[:2]})
+    assert (done.attempt, done.num_samples, done.num_annotations, done.replayed) == (0, 4, 2, False)
+    with filled.log.read_engine.connect() as conn:
+        got = conn.execute(text("SELECT trajectory_id, sample_index FROM sample_consumption WHERE run = 'remote' "
+                                "ORDER BY ordinal")).all()
+        assert [tuple(r) for r in got] == [(s.trajectory_id, s.sample_index) for s in batch]
+        assert conn.execute(text("SELECT count(*) FROM train_rollout_mismatch WHERE run = 'remote'")).scalar() == 2
+    keys = [(s.trajectory_id, s.sample_index) for s in batch]
+    recorder = reader._lineage_recorder()
+    assert recorder.record(0, run="remote", policy_version=3, metrics={"loss": 0.5}, samples=keys,
+                           annotations={k: {"trainer_logprobs": np.zeros(len(s.response_ids), np.float32)}
+                                        for k, s in zip(keys[:2], batch)}).replayed
+    redo = recorder.record(0, run="remote", policy_version=3, metrics={"loss": 0.7}, samples=keys)
+    assert (redo.attempt, redo.replayed) == (1, False)
+    with pytest.raises(ValidationError) as e:
+        reader.store.append([{"type": "train_step", "run": "remote", "step": 1, "rank": 0, "world_size": 1,
+                              "policy_version": 0, "samples": [["no-such-trajectory", 0]]}])
+    assert e.value.rule == "unknown_sample" and e.value.index == 0
+    before = filled.log.count_events(after_position=0)
+    with pytest.raises(ValidationError, match="a read token cannot write 'trajectory_started'"):
+        reader.store.append([{"type": "train_step", "run": "remote", "step": 2, "rank": 0, "world_size": 1,
+                              "policy_version": 0, "samples": []},
+                             {"type": "trajectory_started", "trajectory_id": "sneaked"}])
+    assert filled.log.count_events(after_position=0) == before
+    reader.close()

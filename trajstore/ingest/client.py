@@ -17,7 +17,8 @@ The sinks live in ``sinks.py`` and are re-exported here; this module holds
 Delivery is at-least-once on the wire and exactly-once in the store: every
 event gets an ``event_id`` when it is queued, so a batch re-sent after a lost
 connection or a service restart carries the same ids and the store treats it
-as an idempotent retry. A refused event (validation or conflict) fails its
+as an idempotent retry (training lineage events keep their key as identity
+instead: a restored trainer's replay from a new writer is a retry too). A refused event (validation or conflict) fails its
 trajectory only and is never retried: the other trajectories' events in the
 batch are re-sent, and later events of the failed trajectory are dropped
 instead of piling up seq errors. A failure the sink cannot classify (an HTTP
@@ -43,7 +44,7 @@ import numpy as np
 from trajstore._backoff import Backoff
 from trajstore._deprecated import renamed
 from trajstore.errors import StoreUnavailable, TrajstoreError, ValidationError, first_line
-from trajstore.events import TOKEN_FIELDS
+from trajstore.events import LINEAGE_TYPES, TOKEN_FIELDS
 from trajstore.ingest._event_dicts import to_numpy, trajectory_started
 from trajstore.ingest.sinks import HttpSink, Sink, StoreSink, encode_events, error_from_response, make_sink
 
@@ -134,7 +135,9 @@ class Writer:
         with self._cond:
             self._check_open(event.get("trajectory_id"))
             self._wait_for_room(n_tokens)
-            if self._id_prefix is not None and "event_id" not in event:
+            # lineage events keep their key as identity: a restored trainer's replay,
+            # from another writer, must find its step already recorded (a no-op)
+            if self._id_prefix is not None and "event_id" not in event and event.get("type") not in LINEAGE_TYPES:
                 event["event_id"] = f"{self._id_prefix}-{self._num_ids}"
                 self._num_ids += 1
             self._queue.append((event, n_tokens))
@@ -298,6 +301,10 @@ class Writer:
                 if e.rule == "body_too_large" and len(part) > 1:
                     half = len(part) // 2
                     todo += [part[half:], part[:half]]  # popped from the end: first half first
+                elif culprit is None and e.index is not None and 0 <= e.index < len(part):
+                    # a store-wide event (version_label, train_step) was refused: only it fails
+                    self._fail(None, e)
+                    todo.append(part[:e.index] + part[e.index + 1:])
                 elif culprit is not _UNKNOWN:
                     # the whole trajectory fails: its later events could only be refused too
                     self._fail(culprit, e)
@@ -412,6 +419,8 @@ class _Unclassified(Exception):
 def _refused_trajectory(events: list[dict], e: ValidationError) -> Any:
     """The trajectory a refusal names, or _UNKNOWN."""
     if e.index is not None and 0 <= e.index < len(events):
+        if events[e.index].get("type") in LINEAGE_TYPES:
+            return None  # store-wide (an annotation's trajectory_id names its sample)
         return events[e.index].get("trajectory_id")
     if e.trajectory_id is not None and any(ev.get("trajectory_id") == e.trajectory_id for ev in events):
         return e.trajectory_id

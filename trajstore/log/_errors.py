@@ -39,6 +39,8 @@ RACE_KEYS = {
     "version_labels_pkey": "version_labels.label",
     "projection_checkpoints_pkey": "projection_checkpoints.projection",
     "projections_pkey": "projections.name",
+    "lineage_steps_pkey": "lineage_steps.run",
+    "lineage_annotations_pkey": "lineage_annotations.run",
 }
 
 # SQLSTATE classes the server answers with (the transaction is rolled back, the connection fine):

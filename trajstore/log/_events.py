@@ -16,6 +16,7 @@ from typing import Any, Callable, Collection, Mapping, Sequence
 
 from sqlalchemy import Connection, Engine, delete, func, insert, or_, select, text, update
 
+from trajstore.log._lineage import annotation_rows, recorded_keys, standing_attempt, step_samples, write_lineage
 from trajstore.log._dialect import FOLD_EVENT_COLUMNS, FOLD_TRAJECTORY_COLUMNS, SqlDialect, chunks
 from trajstore.log._segments import named, named_clause, repoint, retire_emptied
 from trajstore.log._transaction import Database
@@ -70,6 +71,24 @@ class SqlEventLog(EventLog):
                 for tid, pos in conn.execute(q):
                     out.setdefault(tid, set()).add(int(pos))
         return out
+    def lineage_keys(self, keys: Collection[tuple]) -> dict[tuple, str]:
+        if not keys:
+            return {}
+        with self.db.reading("reading recorded lineage keys") as conn:
+            return recorded_keys(conn, keys)
+
+    def standing_attempt(self, run: str, step: int, rank: int) -> int | None:
+        with self.db.reading("reading a step's attempts") as conn:
+            return standing_attempt(conn, run, step, rank)
+
+    def step_samples(self, *, run: str, step: int) -> list[dict[str, Any]]:
+        with self.db.reading("reading a step's samples") as conn:
+            return step_samples(conn, run, step)
+
+    def annotation_rows(self, *, run: str, step: int | None = None,
+                        trajectory_id: str | None = None) -> list[dict[str, Any]]:
+        with self.db.reading("reading sample annotations") as conn:
+            return annotation_rows(conn, run, step, trajectory_id)
 
     def load_append_state(self, identities: Collection[str], trajectory_ids: Collection[str]
                           ) -> tuple[dict[str, bytes], dict[str, dict[str, Any]]]:
@@ -84,6 +103,7 @@ class SqlEventLog(EventLog):
         segment_row: Mapping[str, Any] | None,
         *,
         before_commit: Callable[[], None] | None = None,
+        more_segments: Sequence[Mapping[str, Any]] = (),
     ) -> list[int]:
         n = len(event_rows)
         if n == 0:
@@ -98,7 +118,7 @@ class SqlEventLog(EventLog):
             # statement; on PostgreSQL it comes before the log_head row lock (held to
             # COMMIT, it orders every appender), overlapping only what precedes it.
             if segment_row is not None:
-                d.insert_rows(conn, segments, [segment_row])
+                d.insert_rows(conn, segments, [segment_row, *more_segments])
             if before_commit is not None and not d.single_writer:
                 before_commit()
             d.order_label_appends(conn, event_rows)
@@ -106,6 +126,7 @@ class SqlEventLog(EventLog):
             rows = [dict(r, position=p) for r, p in zip(event_rows, taken)]
             _write_trajectories(conn, d, trajectory_writes, rows)
             d.insert_rows(conn, events, rows)
+            write_lineage(conn, d, rows)
             rows += _write_labels(conn, d, rows)
             if before_commit is not None and d.single_writer:
                 before_commit()

@@ -15,7 +15,7 @@ of the projection.
 from __future__ import annotations
 
 import time
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Collection, Iterator, Mapping, Sequence
 
 from sqlalchemy import Connection, Engine, Table, and_, delete, func, insert, or_, select, update
 
@@ -144,6 +144,21 @@ class _SqlSamples(SampleIndex):
                 return
             yield rows
             cursor = (rows[-1]["finished_position"], rows[-1]["sample_index"])
+
+    def sample_facts(self, trajectory_ids: Collection[str]) -> list[dict[str, Any]]:
+        """The rows training lineage checks a step against (docs/reference.md, "Training
+        lineage"): ``trajectory_id``, ``sample_index``, ``prompt_len``, ``response_len``,
+        ``min_model_version``, ``max_model_version``, ``segment``, ``segment_row`` of every
+        sample of ``trajectory_ids``; one query per chunk of ids, no order."""
+        s = self.samples
+        names = ("trajectory_id", "sample_index", "prompt_len", "response_len", "min_model_version",
+                 "max_model_version", "segment", "segment_row")
+        out: list[dict[str, Any]] = []
+        with self.db.reading(f"reading {self._whose()}sample rows") as conn:
+            for part in chunks(sorted(set(trajectory_ids))):
+                q = select(*(s.c[n] for n in names)).where(*self._conds(s), s.c.trajectory_id.in_(part))
+                out.extend(dict(zip(names, r)) for r in conn.execute(q))
+        return out
 
     def count_samples(self) -> int:
         s = self.samples

@@ -176,6 +176,26 @@ class EventLog(ABC):
         """For each of ``trajectory_ids``: the positions of its generations whose
         ``weight_versions`` labels did not all resolve when they were appended (the
         calls the fold resolves; the others' versions were decided at admission)."""
+    def lineage_keys(self, keys: Collection[tuple]) -> dict[tuple, str]:
+        """For each lineage key (``trajstore._lineage.lineage_key``) already recorded,
+        the identity of the event that recorded it (SPEC "Training lineage")."""
+        raise NotImplementedError
+
+    def standing_attempt(self, run: str, step: int, rank: int) -> int | None:
+        """The highest attempt of a ``train_step`` recorded for ``(run, step, rank)`` (None: none)."""
+        raise NotImplementedError
+
+    def step_samples(self, *, run: str, step: int) -> list[dict[str, Any]]:
+        """The samples step ``step`` of ``run`` consumed, every rank at its standing
+        attempt, in (rank, order consumed): ``rank``, ``attempt``, ``trajectory_id``,
+        ``sample_index``, ``projection``."""
+        raise NotImplementedError
+
+    def annotation_rows(self, *, run: str, step: int | None = None,
+                        trajectory_id: str | None = None) -> list[dict[str, Any]]:
+        """``lineage_annotations`` rows of ``run`` (of one step, of one trajectory's
+        samples) in (step, trajectory_id, sample_index, attempt) order."""
+        raise NotImplementedError
 
     def load_append_state(self, identities: Collection[str], trajectory_ids: Collection[str]
                           ) -> tuple[dict[str, bytes], dict[str, dict[str, Any]]]:
@@ -191,9 +211,11 @@ class EventLog(ABC):
         segment_row: Mapping[str, Any] | None,
         *,
         before_commit: Callable[[], None] | None = None,
+        more_segments: Sequence[Mapping[str, Any]] = (),
     ) -> list[int]:
         """Atomically store a batch; return the events' positions.
 
+        ``more_segments``: further segment rows of the batch (its annotations' arrays).
         ``before_commit()`` runs inside the transaction after its statements
         and before COMMIT (the append waits there for its payload's fsync); if
         it raises, nothing is stored and its error is raised.
@@ -361,6 +383,14 @@ class SampleIndex(ABC):
         ``page_rows`` rows per list (one query each). ``where`` keys: ``status`` (one or several),
         ``min_model_version``, ``max_model_version``, ``group_id``,
         ``trajectory_ids``, ``max_finished_position``; None values are ignored."""
+
+    def sample_facts(self, trajectory_ids: Collection[str]) -> list[dict[str, Any]]:
+        """``trajectory_id``, ``sample_index``, ``prompt_len``, ``response_len``,
+        ``min_model_version``, ``max_model_version``, ``segment``, ``segment_row`` of
+        every sample of ``trajectory_ids`` (what training lineage checks against)."""
+        rows = [r for page in self.iter_sample_rows(where={"trajectory_ids": list(trajectory_ids)}, after=None,
+                                                    page_rows=4096) for r in page]
+        return rows
 
     @abstractmethod
     def count_samples(self) -> int:

@@ -9,7 +9,7 @@ turns back into trajstore errors.
 Kinds:
     rows     DoGet: one page of sample index rows (``where``, ``after``, ``page_rows``)
     samples  DoGet: the payload rows ``rows`` of one sample segment, in segment order
-    watermark, count_events, hello   DoAction
+    watermark, count_events, hello, standing_attempt   DoAction
 
 ``rows`` and ``watermark`` read the default samples, or a named projection's
 with ``projection`` (absent: the default; requests without it are those of
@@ -37,10 +37,12 @@ MAX_SEGMENT_ROWS = 65_536
 
 ROWS, SAMPLES = "rows", "samples"
 WATERMARK, COUNT_EVENTS, HELLO = "watermark", "count_events", "hello"
-ACTIONS = (WATERMARK, COUNT_EVENTS, HELLO)
+STANDING_ATTEMPT = "standing_attempt"
+ACTIONS = (WATERMARK, COUNT_EVENTS, HELLO, STANDING_ATTEMPT)
 
 # Error message prefixes (the client maps them back; see client._raise).
 INVALID = "invalid request"
+CONFLICT = "conflict"
 CORRUPT = "corrupt store"
 UNAVAILABLE = "store unavailable"
 RATE_LIMITED = "rate limited"
@@ -155,7 +157,15 @@ def _check_count_events(req: dict) -> None:
     _strings(req.get("types"), "types")
 
 
-_CHECKS = {ROWS: _check_rows, SAMPLES: _check_samples, WATERMARK: _check_watermark, COUNT_EVENTS: _check_count_events}
+def _check_standing_attempt(req: dict) -> None:
+    if not isinstance(req.get("run"), str) or not 0 < len(req["run"]) <= 255:
+        raise BadRequest(f"run must be a non-empty string, got {req.get('run')!r:.80}")
+    _int(req, "step", lo=0, hi=(1 << 31) - 1, optional=False)
+    _int(req, "rank", lo=0, hi=(1 << 31) - 1, optional=False)
+
+
+_CHECKS = {ROWS: _check_rows, SAMPLES: _check_samples, WATERMARK: _check_watermark, COUNT_EVENTS: _check_count_events,
+           STANDING_ATTEMPT: _check_standing_attempt}
 
 
 def _arrow_type(column: sa.Column) -> pa.DataType:

@@ -13,7 +13,10 @@ request, and a restarted one answers the same):
 * DoAction ``watermark`` / ``count_events`` / ``hello``.
 
 DoPut appends wire-format events (an Arrow table with one ``event`` column
-of JSON objects) and needs the write token. Every call passes through
+of JSON objects). The write token may append any event; the read token (the
+trainers') only training lineage (``train_step``, ``sample_annotation``: what
+``ReplayReader.record_step`` sends), and DoAction ``standing_attempt`` tells
+it the attempt a step stands at. Every call passes through
 ``_AuthMiddlewareFactory.start_call`` first: a call without a known token is
 refused there, and a call the token's role does not allow (deny by default:
 only the methods listed in ``_ALLOWED`` pass) too.
@@ -45,7 +48,8 @@ import pyarrow.compute as pc
 import pyarrow.flight as fl
 
 from trajstore._auth import bearer_token, same_token
-from trajstore.errors import CorruptStoreError, StoreUnavailable, TrajstoreError, ValidationError
+from trajstore.errors import ConflictError, CorruptStoreError, StoreUnavailable, TrajstoreError, ValidationError
+from trajstore.events import LINEAGE_TYPES
 from trajstore.replay import _protocol as proto
 
 __all__ = ["ReplayServer", "add_cli_arguments", "serve_from_args", "DEFAULT_PORT"]
@@ -57,7 +61,7 @@ READ, WRITE = "read", "write"
 _M = fl.FlightMethod
 # What each role may call; anything else is refused (deny by default).
 _ALLOWED = {
-    READ: frozenset({_M.DO_GET, _M.DO_ACTION, _M.LIST_ACTIONS}),
+    READ: frozenset({_M.DO_GET, _M.DO_ACTION, _M.LIST_ACTIONS, _M.DO_PUT}),  # DoPut: lineage only (do_put)
     WRITE: frozenset({_M.DO_GET, _M.DO_ACTION, _M.LIST_ACTIONS, _M.DO_PUT}),
 }
 _METHOD_NAMES = {m: m.name.lower() for m in _M}
@@ -249,6 +253,9 @@ class ReplayServer(fl.FlightServerBase):
         except proto.BadRequest as e:
             outcome = "invalid"
             raise fl.FlightServerError(f"{proto.INVALID}: {e}") from None
+        except ConflictError as e:
+            outcome = "invalid"
+            raise fl.FlightServerError(f"{proto.CONFLICT}: {e}") from None
         except ValidationError as e:
             outcome = "invalid"
             raise fl.FlightServerError(f"{proto.INVALID}: {e}") from None
@@ -342,7 +349,8 @@ class ReplayServer(fl.FlightServerBase):
     def list_actions(self, context: fl.ServerCallContext) -> list[tuple[str, str]]:
         return [(proto.WATERMARK, "position up to which every materializer shard committed"),
                 (proto.COUNT_EVENTS, "events after a position (of some types)"),
-                (proto.HELLO, "the server's protocol version")]
+                (proto.HELLO, "the server's protocol version"),
+                (proto.STANDING_ATTEMPT, "the highest attempt recorded for a training step of a rank")]
 
     def do_action(self, context: fl.ServerCallContext, action: fl.Action) -> Iterator[bytes]:
         def run() -> list[bytes]:
@@ -354,6 +362,8 @@ class ReplayServer(fl.FlightServerBase):
                 value: Any = self._index(req).watermark(req.get("num_shards"))
             elif action.type == proto.COUNT_EVENTS:
                 value = self.store.log.count_events(after_position=req["after_position"], types=req.get("types"))
+            elif action.type == proto.STANDING_ATTEMPT:
+                value = self.store.log.standing_attempt(req["run"], req["step"], req["rank"])
             else:
                 value = {"protocol": proto.VERSION}
             return [json.dumps(value).encode()]
@@ -375,6 +385,13 @@ class ReplayServer(fl.FlightServerBase):
                 if not isinstance(ev, dict):
                     raise proto.BadRequest(f"event {i} must be a JSON object")
                 events.append(ev)
+            auth = context.get_middleware("auth")
+            if auth is not None and auth.role == READ:
+                other = next((ev.get("type") for ev in events if ev.get("type") not in LINEAGE_TYPES), None)
+                if events and other is not None:
+                    self.metrics.requests.labels("do_put", "denied").inc()
+                    raise fl.FlightUnauthorizedError(f"a read token cannot write {str(other)[:40]!r} events (it "
+                                                     "may record training lineage only: train_step, sample_annotation)")
             result = self.store.append(events)
             writer.write(pa.py_buffer(json.dumps({"num_appended": result.num_appended,
                                                   "num_duplicates": result.num_duplicates}).encode()))

@@ -34,14 +34,17 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Collection, Iterable, Iterator, Mapping, Sequence
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.flight as fl
 
 from trajstore._reader_seam import ReaderEventLog, ReaderPayload, ReaderSampleIndex
-from trajstore.errors import CorruptStoreError, StoreUnavailable, TrajstoreError, ValidationError
+from trajstore._wire import encode_b64
+from trajstore.errors import ConflictError, CorruptStoreError, StoreUnavailable, TrajstoreError, ValidationError
 from trajstore.payload import SegmentRows
 from trajstore.reader import ReaderConfig, SampleReader, _settings
 from trajstore.replay import _protocol as proto
+from trajstore.store import AppendResult
 
 __all__ = ["ReplayReader", "ReplayStore", "parse_locations"]
 
@@ -276,11 +279,21 @@ class _Connection:
 
 
 def _error(location: str, what: str, text: str) -> TrajstoreError:
+    if text.startswith(proto.CONFLICT):
+        text = re.sub(r" \[conflict\]$", "", text)
+        return ConflictError(f"replay server {location} refused {what}: {text}", index=_index_of(text))
     if text.startswith(proto.INVALID):
-        return ValidationError(f"replay server {location} refused {what}: {text}", rule="replay_request")
+        rule = re.search(r" \[([a-z_0-9]+)\]$", text)  # the store's rule, when it was the store's refusal
+        return ValidationError(f"replay server {location} refused {what}: {text[:rule.start()] if rule else text}",
+                               rule=rule.group(1) if rule else "replay_request", index=_index_of(text))
     if text.startswith(proto.CORRUPT):
         return CorruptStoreError(f"replay server {location}: {text}")
     return TrajstoreError(f"replay server {location} failed {what}: {text}")
+
+
+def _index_of(text: str) -> int | None:
+    found = re.search(r": event (\d+)[,:]", text)
+    return int(found.group(1)) if found else None
 
 
 class _RemoteSamples(ReaderSampleIndex):
@@ -348,6 +361,10 @@ class _RemoteLog(ReaderEventLog):
         return int(self.conn.action("counting events", proto.COUNT_EVENTS, after_position=after_position,
                                     types=None if types is None else list(types)))
 
+    def standing_attempt(self, run: str, step: int, rank: int) -> int | None:
+        return self.conn.action("reading a step's attempts", proto.STANDING_ATTEMPT, run=run, step=int(step),
+                                rank=int(rank))
+
 
 class _RemotePayload(ReaderPayload):
     """The payload read of the reader's seam (``PayloadStore.read_rows``), over Flight.
@@ -395,8 +412,8 @@ class ReplayStore:
     """A store as replay servers show it: the ``materialized``, ``payload`` and
     ``log`` parts ``SampleReader`` reads (a ``trajstore.reader.ReaderStore``). Requests go to ``locations[first]``
     (``ReplayReader`` passes its rank, which spreads ranks over the servers)
-    and move on to the next one that answers when it fails. Read-only: it has
-    no ``append``."""
+    and move on to the next one that answers when it fails. It reads; its
+    ``append`` (DoPut) is for training lineage with a read token."""
 
     def __init__(self, locations: str | Sequence[str], *, token: str | None = None, retry_timeout_s: float = 60.0,
                  call_timeout_s: float = 60.0, tls_root_certs: bytes | None = None, streams: int = 4,
@@ -412,6 +429,26 @@ class ReplayStore:
         self.log = _RemoteLog(self._conn)
         self.payload = _RemotePayload(self._conn, self.url, streams)
 
+    def append(self, events: Sequence[Mapping[str, Any]]) -> AppendResult:
+        """Append wire-format events through the server (DoPut), atomically and
+        idempotently as ``Store.append``. A read token may append training
+        lineage only (``train_step``, ``sample_annotation``: what
+        ``ReplayReader.record_step`` sends); the write token anything.
+        Numpy arrays travel as their bytes (``{b64, dtype, shape}``)."""
+        table = pa.table({"event": pa.array([json.dumps(ev, separators=(",", ":"), default=_json_value)
+                                             for ev in events], pa.string())})
+
+        def run(c: fl.FlightClient, o: fl.FlightCallOptions) -> dict[str, Any]:
+            writer, meta = c.do_put(fl.FlightDescriptor.for_path("events"), table.schema, o)
+            writer.write_table(table)
+            writer.done_writing()
+            answer = meta.read()
+            writer.close()
+            return json.loads(answer.to_pybytes())
+
+        got = self._conn.call("appending events", run)
+        return AppendResult(int(got["num_appended"]), int(got["num_duplicates"]), None)
+
     def hello(self) -> dict[str, Any]:
         """The server's answer to ``hello`` (checks the token and the protocol version)."""
         return self._conn.action("hello", proto.HELLO)
@@ -426,6 +463,15 @@ class ReplayStore:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _json_value(value: Any) -> Any:
+    """JSON for what ``json`` cannot write: numpy arrays as ``{b64, dtype, shape}``, numpy scalars as numbers."""
+    if isinstance(value, np.ndarray):
+        return encode_b64(value)
+    if isinstance(value, np.generic):
+        return value.item()
+    raise TypeError(f"{type(value).__name__} is not JSON")
 
 
 class ReplayReader(SampleReader):

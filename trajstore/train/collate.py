@@ -195,6 +195,11 @@ class SampleDataset(torch.utils.data.IterableDataset):
     ``current_model_version`` (the trainer's policy, for staleness; its old
     name ``current_version`` still works, deprecated) is read when iteration
     starts; to change it between steps, use a ``SampleReader`` directly.
+
+    Training lineage: workers prefetch, so the dataset in the main process
+    cannot know what the trainer consumed; ``record_step(step, batches, ...)``
+    records the samples of the batches it is given (their ``trajectory_ids``
+    and ``sample_indices``), see ``SampleReader.record_step``.
     """
 
     def __init__(self, url: str, config: Any = None, *, rank: int = 0, world_size: int = 1,
@@ -229,6 +234,35 @@ class SampleDataset(torch.utils.data.IterableDataset):
         if isinstance(state, dict) and state.get("format") == DATASET_STATE_FORMAT:
             state = state.get("reader_state")
         self.state, self._position = state, None
+
+    def record_step(self, step: int, batches: Any, *, run: str, policy_version: int | None = None,
+                    metrics: dict[str, float] | None = None, annotations: Any = None,
+                    attempt: int | None = None) -> Any:
+        """Record training step ``step`` of ``run`` for this rank: the samples of
+        ``batches`` (one collated batch of this dataset, or a list of them for
+        gradient accumulation), with ``metrics`` and ``annotations`` as
+        ``SampleReader.record_step`` takes them (per-sample arrays of response
+        length: unpad them first). ``policy_version`` defaults to the dataset's
+        ``current_model_version``. Appends from the calling process (its own
+        connection, opened on first use). Returns a ``RecordedStep``."""
+        if isinstance(batches, dict):
+            batches = [batches]
+        keys = [(str(t), int(i)) for b in batches for t, i in zip(b["trajectory_ids"], b["sample_indices"])]
+        recorder = self.__dict__.get("_lineage")
+        if recorder is None:
+            from trajstore.lineage import store_recorder
+            from trajstore.store import connect
+
+            store = connect(self.url, payload=self.payload, migrate=False, create=False)
+            recorder = self._lineage = store_recorder(store, rank=self.rank, world_size=self.world_size,
+                                                      projection=self.config.projection)
+        version = self.current_model_version if policy_version is None else policy_version
+        return recorder.record(step, run=run, policy_version=version, metrics=metrics,  # type: ignore[arg-type]
+                               annotations=annotations, attempt=attempt, samples=keys)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # workers get the settings, never the main process's lineage connection
+        return {k: v for k, v in self.__dict__.items() if k != "_lineage"}
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         from trajstore.reader import SampleReader

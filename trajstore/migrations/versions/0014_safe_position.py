@@ -1,7 +1,7 @@
 """log_safe_position: the log's tail bound, readable in SQL by the read-only role
 
 Revision ID: 0014
-Revises: 0011
+Revises: 0013
 Create Date: 2026-11-27
 
 On PostgreSQL positions come from a sequence and two appends may commit out of
@@ -32,7 +32,7 @@ from __future__ import annotations
 from alembic import op
 
 revision = "0014"
-down_revision = "0011"
+down_revision = "0013"
 branch_labels = None
 depends_on = None
 

@@ -1,0 +1,94 @@
+"""The lineage tables of the log index (SPEC "Training lineage"): written in the
+append's transaction from the facts admission made (``trajstore._lineage``),
+and the reads admission and the lineage readers need."""
+
+from __future__ import annotations
+
+from typing import Any, Collection, Sequence
+
+from sqlalchemy import Connection, func, select
+
+from trajstore.log._dialect import SqlDialect
+from trajstore.schema import lineage_annotation_versions, lineage_annotations, lineage_step_samples, lineage_steps
+
+__all__ = ["write_lineage", "recorded_keys", "standing_attempt", "annotation_rows", "step_samples"]
+
+
+def write_lineage(conn: Any, d: SqlDialect, rows: Sequence[dict[str, Any]]) -> None:
+    """The lineage rows of an append's ``train_step`` and ``sample_annotation``
+    events (their ``lineage`` fact), at the events' positions. The keyed tables
+    first: a key another writer took meanwhile fails there (a lost race)."""
+    steps, samples, notes, versions = [], [], [], []
+    for r in rows:
+        fact = r.get("lineage")
+        if fact is None:
+            continue
+        if fact.step_row is not None:
+            steps.append(dict(fact.step_row, position=r["position"]))
+            samples.extend(fact.sample_rows)
+        if fact.annotation_row is not None:
+            notes.append(dict(fact.annotation_row, position=r["position"], segment=r["segment"],
+                              segment_row=r["segment_row"]))
+            versions.extend(fact.version_rows)
+    for table, part in ((lineage_steps, steps), (lineage_annotations, notes), (lineage_step_samples, samples),
+                        (lineage_annotation_versions, versions)):
+        if part:
+            d.insert_rows(conn, table, part)
+
+
+def recorded_keys(conn: Connection, keys: Collection[tuple]) -> dict[tuple, str]:
+    """The identity of the event that recorded each of ``keys`` (``_lineage.lineage_key``:
+    type first), for those recorded. One query per step (and attempt, for annotations):
+    a step's keys share them, and its rows are few."""
+    wanted = set(keys)
+    out: dict[tuple, str] = {}
+    s, a = lineage_steps.c, lineage_annotations.c
+    for run, step in sorted({k[1:3] for k in wanted if k[0] == "train_step"}):
+        q = select(s.rank, s.attempt, s.identity).where(s.run == run, s.step == step)
+        for rank, attempt, identity in conn.execute(q):
+            key = ("train_step", run, step, rank, attempt)
+            if key in wanted:
+                out[key] = identity
+    for run, step, attempt in sorted({k[1:4] for k in wanted if k[0] == "sample_annotation"}):
+        q = select(a.trajectory_id, a.sample_index, a.identity).where(a.run == run, a.step == step,
+                                                                       a.attempt == attempt)
+        for tid, index, identity in conn.execute(q):
+            key = ("sample_annotation", run, step, attempt, tid, index)
+            if key in wanted:
+                out[key] = identity
+    return out
+
+
+def standing_attempt(conn: Connection, run: str, step: int, rank: int) -> int | None:
+    """The highest attempt recorded for ``(run, step, rank)`` (None: none)."""
+    s = lineage_steps.c
+    q = select(func.max(s.attempt)).where(s.run == run, s.step == step, s.rank == rank)
+    found = conn.execute(q).scalar_one()
+    return None if found is None else int(found)
+
+
+def step_samples(conn: Connection, run: str, step: int) -> list[dict[str, Any]]:
+    """The samples of step ``step`` of ``run``, every rank at its standing attempt, in
+    (rank, ordinal) order: ``rank``, ``attempt``, ``trajectory_id``, ``sample_index``, ``projection``."""
+    s, x = lineage_steps.c, lineage_step_samples.c
+    top = (select(s.rank, func.max(s.attempt).label("attempt")).where(s.run == run, s.step == step)
+           .group_by(s.rank).subquery())
+    q = (select(x.rank, x.attempt, x.trajectory_id, x.sample_index, s.projection)
+         .select_from(lineage_step_samples.join(top, (top.c.rank == x.rank) & (top.c.attempt == x.attempt))
+                      .join(lineage_steps, (s.run == x.run) & (s.step == x.step) & (s.rank == x.rank)
+                            & (s.attempt == x.attempt)))
+         .where(x.run == run, x.step == step).order_by(x.rank, x.ordinal))
+    return [dict(r._mapping) for r in conn.execute(q)]
+
+
+def annotation_rows(conn: Connection, run: str, step: int | None, trajectory_id: str | None) -> list[dict[str, Any]]:
+    """``lineage_annotations`` rows of ``run`` (of one step, of one trajectory's
+    samples), in (step, trajectory_id, sample_index, attempt) order."""
+    a = lineage_annotations.c
+    q = select(lineage_annotations).where(a.run == run)
+    if step is not None:
+        q = q.where(a.step == step)
+    if trajectory_id is not None:
+        q = q.where(a.trajectory_id == trajectory_id)
+    q = q.order_by(a.step, a.trajectory_id, a.sample_index, a.attempt)
+    return [dict(r._mapping) for r in conn.execute(q)]

@@ -58,6 +58,9 @@ from trajstore.ingest.sglang import (
     routed_experts_start_len_of,
 )
 
+__all__ = ["ENGINES", "FORWARDED", "LABEL_FIELDS", "LAYOUT_HEADER", "SGLangForwarder", "add_cli_arguments",
+           "make_sglang_proxy_app", "serve_from_args"]
+
 log = logging.getLogger("trajstore.ingest.proxy")
 
 ENGINES = ("vllm", "sglang")

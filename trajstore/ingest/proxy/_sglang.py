@@ -43,10 +43,12 @@ import os
 from typing import Any, Callable
 
 from trajstore.errors import TrajstoreError, ValidationError
-from trajstore.ingest import proxy as _vllm_proxy
 from trajstore.ingest._http import error_response, server_token
-from trajstore.ingest.proxy import (UNNAMED, Recorder, Tag, _BadCall, _passthrough, _proxy_app, _recorder_and_metrics,
-                                    _token_ids, _UpstreamForwarder, tag_of)
+from trajstore.ingest.proxy import _serve as _vllm_proxy
+from trajstore.ingest.proxy._app import _proxy_app, _recorder_and_metrics
+from trajstore.ingest.proxy._forward import UNNAMED, _BadCall, _token_ids, _UpstreamForwarder
+from trajstore.ingest.proxy._record import Recorder, Tag, tag_of
+from trajstore.ingest.proxy._sse import _passthrough
 from trajstore.ingest.sglang import (
     GenerateStreamAccumulator,
     OpenAIStreamAccumulator,

@@ -113,3 +113,27 @@ def _recorder_and_metrics(store: Any, group_commit: bool) -> tuple[Recorder, Any
     # closing the committer appends what is queued first
     return (Recorder(store, committer), metrics, _ProxyMetrics(metrics.registry),
             None if committer is None else committer.close)
+
+
+def _engine_app(forwarder: type, store: Any, upstream: str, *, title: str, forwarded: Any, token: str | None,
+                group_commit: bool, **settings: Any) -> Any:
+    """An engine's proxy app: a ``forwarder`` (an ``_UpstreamForwarder`` class, given ``settings``) for the
+    normalized ``upstream``, its recorded paths and the ``forwarded`` (method, path) pairs as routes,
+    the recorder and metrics of :func:`_recorder_and_metrics`. ``app.state.forwarder`` and
+    ``app.state.commit_metrics`` hold them."""
+    recorder, metrics, proxy_metrics, on_close = _recorder_and_metrics(store, group_commit)
+    fwd = forwarder(recorder, normalize_upstream(upstream), authenticated=token is not None, metrics=proxy_metrics,
+                    **settings)
+
+    def recorded(path: str) -> Callable:
+        return lambda request: fwd.forward(request, path)
+
+    def relayed(path: str) -> Callable:
+        return lambda request: fwd.relay(request, path)
+
+    routes = [("POST", path, f"record {path}", recorded(path)) for path in fwd.recorded]
+    routes += [(method, path, f"forward {method} {path}", relayed(path)) for method, path in forwarded]
+    app = _proxy_app(fwd, title=title, token=token, routes=routes, on_close=on_close, metrics=metrics)
+    app.state.forwarder = fwd
+    app.state.commit_metrics = metrics
+    return app

@@ -12,7 +12,7 @@ from trajstore.errors import TrajstoreError, ValidationError
 from trajstore.ingest._http import HTTPError, error_response
 from trajstore.ingest.proxy._metrics import _ProxyMetrics
 from trajstore.ingest.proxy._record import Recorder, Tag, _int_or_none
-from trajstore.ingest.proxy._sse import _sse_comments, _sse_event, _SSEData
+from trajstore.ingest.proxy._sse import _passthrough, _sse_comments, _sse_event, _SSEData
 
 log = logging.getLogger("trajstore.ingest.proxy")
 
@@ -108,8 +108,9 @@ class _UpstreamForwarder:
     """What every engine's proxy does alike: the upstream client and the headers forwarded, the 502 of
     an unreachable upstream, recording a call's answer (plain or streamed) and answering the harness,
     relaying the engine's control calls (mapping a label change's label), ``POST /trajstore/finish``.
-    An engine's forwarder adds its calls' parsing and its adapters (``_Forwarder`` here for vLLM,
-    ``_sglang_proxy.SGLangForwarder``).
+    An engine's forwarder (``_vllm.VLLMForwarder``, ``_sglang.SGLangForwarder``) says which paths it
+    records (``recorded``), how it reads and amends a call (``parse``), which adapters turn the answer
+    into events (``events``) and which accumulator collects a stream (``accumulator``).
 
     ``pass_through``: a call the store cannot take (a finished trajectory
     reused, an answer the adapter cannot read) still gets the engine's
@@ -117,18 +118,20 @@ class _UpstreamForwarder:
     error instead (:class:`_NotRecorded`). Either way it is counted.
     """
 
+    #: the recorded POST paths -> the kind of call (``parse``, ``events`` and ``accumulator`` tell kinds apart)
+    recorded: Mapping[str, str] = {}
     #: label-setting control endpoints -> the body field holding the new label
     label_fields: Mapping[str, str] = {}
 
     def __init__(self, recorder: Recorder, upstream: str, *, model_version: int, num_experts: int | None,
                  timeout_s: float, authenticated: bool, upstream_api_key: str | None,
-                 pass_through: bool = False, metrics: Any = None) -> None:
+                 skip_recorded_routes: bool = True, pass_through: bool = False, metrics: Any = None) -> None:
         import httpx
 
         self.recorder, self.upstream = recorder, upstream
         self.model_version, self.num_experts = model_version, num_experts
         self.authenticated, self.upstream_api_key = authenticated, upstream_api_key
-        self.pass_through = pass_through
+        self.skip_recorded_routes, self.pass_through = skip_recorded_routes, pass_through
         if metrics is None:
             from prometheus_client import CollectorRegistry
 
@@ -143,6 +146,86 @@ class _UpstreamForwarder:
     def _unreachable(self, e: Exception) -> Any:
         return error_response(502, f"upstream {self.upstream} failed: {type(e).__name__}: {' '.join(str(e).split())}"[:500],
                               rule="upstream_unreachable")
+
+    # What an engine's forwarder says about its calls.
+
+    async def parse(self, request: Any, kind: str, body: dict) -> tuple[dict, Tag | None, Any]:
+        """(the body to forward, the call's tag or None when unnamed, what ``events`` needs besides);
+        raises _BadCall or ValidationError (a 400)."""
+        raise NotImplementedError
+
+    def events(self, kind: str, body: dict, tag: Tag, ctx: Any) -> Callable[[Any], Callable[[int], list[dict]]]:
+        """response -> (seq -> the call's generation events)."""
+        raise NotImplementedError
+
+    def accumulator(self, kind: str) -> Any:
+        """A new stream accumulator for a streamed call of ``kind`` (``add``, ``finished``, ``response``)."""
+        raise NotImplementedError
+
+    async def forward(self, request: Any, path: str) -> Any:
+        """Forward a recorded path's call and record its answer (plain or streamed)."""
+        import httpx
+        from fastapi.responses import Response, StreamingResponse
+
+        kind = self.recorded[path]
+        try:
+            body, tag, ctx = await self._parse(request, kind)
+            headers = self.headers(request)
+            if body.get("stream"):
+                resp = await self.client.send(self.client.build_request("POST", path, json=body, headers=headers),
+                                              stream=True)
+                media_type = resp.headers.get("content-type")
+                sse = "text/event-stream" in (media_type or "")
+                if tag is None or resp.status_code != 200:
+                    extra = self.note_unrecorded(request, UNNAMED) if tag is None else self.upstream_error(resp.status_code)
+                    return StreamingResponse(_passthrough(resp, sse), status_code=resp.status_code,
+                                             media_type=media_type, headers=extra)
+                recorded = self.recorded_stream(resp, tag, self.accumulator(kind), self.events(kind, body, tag, ctx), sse)
+                return StreamingResponse(recorded, media_type=media_type)
+            resp = await self.client.post(path, json=body, headers=headers)
+            content = resp.content
+        except _BadCall as e:
+            return error_response(e.status, str(e), rule=e.rule)
+        except httpx.HTTPError as e:  # refused, reset, timed out, cut mid-body, undecodable
+            return self._unreachable(e)
+        if tag is not None and resp.status_code == 200:
+            return await self.answer(tag, resp, content, self.events(kind, body, tag, ctx))
+        extra = self.note_unrecorded(request, UNNAMED) if tag is None else self.upstream_error(resp.status_code)
+        return Response(content, status_code=resp.status_code, headers=extra, media_type=resp.headers.get("content-type"))
+
+    async def _parse(self, request: Any, kind: str) -> tuple[dict, Tag | None, Any]:
+        try:
+            body = await request.json()
+        except ValueError as e:
+            raise _BadCall(400, f"body is not JSON ({e})", "malformed_json") from None
+        if not isinstance(body, dict):
+            raise _BadCall(400, "body must be a JSON object", "malformed_json")
+        try:
+            return await self.parse(request, kind, body)
+        except ValidationError as e:
+            raise _BadCall(400, e.reason, e.rule) from None
+
+    async def ask_only_new_rows(self, tag: Tag, params: dict, field: str, prompt: Any,
+                                check: Callable[[], Any]) -> None:
+        """Only new route rows: set ``params[field]`` (the engine's prompt offset of the routes it returns)
+        to the route rows ``tag``'s trajectory has recorded when ``prompt`` is token ids that continue
+        them; the sample is the same as with every row sent. A caller's own value is checked
+        (``check()``) and kept. An engine's ``parse`` calls this only when the prompt is known before
+        the call (a chat prompt is rendered upstream: the proxy cannot tell whether it continues)."""
+        if not self.skip_recorded_routes:
+            return
+        if params.get(field) is not None:
+            check()  # the caller's choice, checked, kept
+            return
+        if not _token_ids(prompt):
+            return
+        try:
+            start = await self.recorder.route_start(tag.trajectory_id, prompt)
+        except TrajstoreError as e:  # the call still goes through, with every row
+            log.warning("could not read %s's recorded routes: %s", tag.trajectory_id, e)
+            return
+        if start:
+            params[field] = start
 
     def note_unrecorded(self, request: Any, reason: str) -> dict:
         """Log once per client (address, user agent) that its calls pass unrecorded, and why."""

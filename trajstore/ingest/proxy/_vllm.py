@@ -3,15 +3,12 @@
 
 # No ``from __future__ import annotations``: FastAPI reads the handlers'
 # annotations at runtime.
-import logging
 from typing import Any, Callable, Mapping
 
-from trajstore.errors import TrajstoreError, ValidationError
-from trajstore.ingest._http import error_response
-from trajstore.ingest.proxy._app import _proxy_app, _recorder_and_metrics, normalize_upstream, version_label_events
-from trajstore.ingest.proxy._forward import UNNAMED, _BadCall, _token_ids, _UpstreamForwarder
+from trajstore.errors import ValidationError
+from trajstore.ingest.proxy._app import _engine_app, version_label_events
+from trajstore.ingest.proxy._forward import _BadCall, _UpstreamForwarder
 from trajstore.ingest.proxy._record import Recorder, Tag, tag_of
-from trajstore.ingest.proxy._sse import _passthrough
 from trajstore.ingest.vllm import (
     OpenAIStreamAccumulator,
     VersionMap,
@@ -22,15 +19,12 @@ from trajstore.ingest.vllm import (
     routed_experts_prompt_start_of,
 )
 
-__all__ = ["FORWARDED", "RECORDED", "VLLMForwarder", "make_proxy_app"]
-
-log = logging.getLogger("trajstore.ingest.proxy")
+__all__ = ["FORWARDED", "LABEL_FIELDS", "RECORDED", "VLLMForwarder", "make_proxy_app"]
 
 TITO_PATH = "/inference/v1/generate"
 
-# The endpoints the proxy records: path -> the adapter that turns (response,
-# request body, tag, seq) into the call's generation events. Another engine's
-# routes are added here (and to RECORDED_PARAMS for what it must be asked).
+# The endpoints the proxy records: path -> the kind of call (VLLMForwarder.parse
+# asks for what a record needs, VLLMForwarder.events picks the adapter).
 RECORDED: dict[str, str] = {"/v1/completions": "completions", "/v1/chat/completions": "chat", TITO_PATH: "tito"}
 
 # Forwarded unrecorded (auth as every other path): the engine's RL control
@@ -56,20 +50,16 @@ LABEL_FIELDS = {"/update_weight_version": "new_version", "/finish_weight_update"
 
 
 class VLLMForwarder(_UpstreamForwarder):
-    """Forwards one call to vLLM and records it (the proxy's handlers)."""
+    """Forwards one call to vLLM and records it (the handlers of :func:`make_proxy_app`)."""
 
+    recorded = RECORDED
     label_fields = LABEL_FIELDS
 
-    def __init__(self, recorder: Recorder, upstream: str, *, model_version: int, num_experts: int | None,
-                 timeout_s: float, authenticated: bool, upstream_api_key: str | None, version_map: VersionMap,
-                 skip_recorded_routes: bool, pass_through: bool = False, metrics: Any = None) -> None:
-        super().__init__(recorder, upstream, model_version=model_version, num_experts=num_experts,
-                         timeout_s=timeout_s, authenticated=authenticated, upstream_api_key=upstream_api_key,
-                         pass_through=pass_through, metrics=metrics)
-        self.version_map, self.skip_recorded_routes = version_map, skip_recorded_routes
+    def __init__(self, recorder: Recorder, upstream: str, *, version_map: VersionMap = None, **kwargs: Any) -> None:
+        super().__init__(recorder, upstream, **kwargs)
+        self.version_map = version_map
 
-    def _events(self, kind: str, body: dict, tag: Tag) -> Callable[[Any], Callable[[int], list[dict]]]:
-        """response -> (seq -> the call's generation events)."""
+    def events(self, kind: str, body: dict, tag: Tag, ctx: Any) -> Callable[[Any], Callable[[int], list[dict]]]:
         def for_response(response: Any) -> Callable[[int], list[dict]]:
             if not isinstance(response, dict):
                 raise ValidationError(f"the upstream's answer is a JSON {type(response).__name__}, not an object",
@@ -83,82 +73,26 @@ class VLLMForwarder(_UpstreamForwarder):
             return lambda seq: _one_choice(make(seq))
         return for_response
 
-    async def _parse(self, request: Any, kind: str) -> tuple[dict, Tag | None]:
-        """The body to forward and the call's tag; raises _BadCall."""
-        try:
-            body = await request.json()
-        except ValueError as e:
-            raise _BadCall(400, f"body is not JSON ({e})", "malformed_json") from None
-        if not isinstance(body, dict):
-            raise _BadCall(400, "body must be a JSON object", "malformed_json")
-        try:
-            tag = tag_of(request.headers, body, self.model_version, self.num_experts)
-            if tag is None:
-                return body, None
-            params = body.get("sampling_params") if kind == "tito" else body
-            if ((params.get("n") if isinstance(params, dict) else None) or 1) != 1:
-                raise _BadCall(400, "a recorded call must have n = 1 (one trajectory per choice)", "n")
-            if kind == "tito":
-                body = request_params_for_tito(body)
-            else:
-                body = request_params_for_recording(body, chat=kind == "chat")
-            await self._ask_only_new_rows(kind, body, tag)
-        except ValidationError as e:
-            raise _BadCall(400, e.reason, e.rule) from None
-        return body, tag
+    def accumulator(self, kind: str) -> Any:
+        return OpenAIStreamAccumulator()  # /inference/v1/generate streams in the same chunks
 
-    async def _ask_only_new_rows(self, kind: str, body: dict, tag: Tag) -> None:
-        """Set routed_experts_prompt_start to the recorded rows when the prompt is known and continues them."""
-        if not self.skip_recorded_routes or kind == "chat":
-            return  # a chat prompt is rendered upstream: the proxy cannot tell whether it continues
-        params = body["sampling_params"] if kind == "tito" else body
-        if params.get("routed_experts_prompt_start") is not None:
-            routed_experts_prompt_start_of(body)  # the caller's choice, checked, kept
-            return
-        prompt = body.get("token_ids") if kind == "tito" else body.get("prompt")
-        if not _token_ids(prompt):
-            return
-        try:
-            start = await self.recorder.route_start(tag.trajectory_id, prompt)
-        except TrajstoreError as e:  # the call still goes through, with every row
-            log.warning("could not read %s's recorded routes: %s", tag.trajectory_id, e)
-            return
-        if start:
-            params["routed_experts_prompt_start"] = start
-
-    async def forward(self, request: Any, path: str) -> Any:
-        import httpx
-        from fastapi.responses import Response
-
-        kind = RECORDED[path]
-        try:
-            body, tag = await self._parse(request, kind)
-            headers = self.headers(request)
-            if body.get("stream"):
-                return await self.stream(request, path, body, headers, tag, kind)
-            resp = await self.client.post(path, json=body, headers=headers)
-            content = resp.content
-        except _BadCall as e:
-            return error_response(e.status, str(e), rule=e.rule)
-        except httpx.HTTPError as e:  # refused, reset, timed out, cut mid-body, undecodable
-            return self._unreachable(e)
-        if tag is not None and resp.status_code == 200:
-            return await self.answer(tag, resp, content, self._events(kind, body, tag))
-        extra = self.note_unrecorded(request, UNNAMED) if tag is None else self.upstream_error(resp.status_code)
-        return Response(content, status_code=resp.status_code, headers=extra, media_type=resp.headers.get("content-type"))
-
-    async def stream(self, request: Any, path: str, body: dict, headers: dict, tag: Tag | None, kind: str) -> Any:
-        from fastapi.responses import StreamingResponse
-
-        resp = await self.client.send(self.client.build_request("POST", path, json=body, headers=headers), stream=True)
-        media_type = resp.headers.get("content-type")
-        sse = "text/event-stream" in (media_type or "")
-        if tag is None or resp.status_code != 200:
-            extra = self.note_unrecorded(request, UNNAMED) if tag is None else self.upstream_error(resp.status_code)
-            return StreamingResponse(_passthrough(resp, sse), status_code=resp.status_code, media_type=media_type,
-                                     headers=extra)
-        recorded = self.recorded_stream(resp, tag, OpenAIStreamAccumulator(), self._events(kind, body, tag), sse)
-        return StreamingResponse(recorded, media_type=media_type)
+    async def parse(self, request: Any, kind: str, body: dict) -> tuple[dict, Tag | None, Any]:
+        tag = tag_of(request.headers, body, self.model_version, self.num_experts)
+        if tag is None:
+            return body, None, None
+        params = body.get("sampling_params") if kind == "tito" else body
+        if ((params.get("n") if isinstance(params, dict) else None) or 1) != 1:
+            raise _BadCall(400, "a recorded call must have n = 1 (one trajectory per choice)", "n")
+        if kind == "tito":
+            body = request_params_for_tito(body)
+        else:
+            body = request_params_for_recording(body, chat=kind == "chat")
+        if kind != "chat":  # a chat prompt is rendered upstream
+            await self.ask_only_new_rows(tag, body["sampling_params"] if kind == "tito" else body,
+                                         "routed_experts_prompt_start",
+                                         body.get("token_ids") if kind == "tito" else body.get("prompt"),
+                                         lambda: routed_experts_prompt_start_of(body))
+        return body, tag, None
 
 
 def _one_choice(events: list[dict]) -> list[dict]:
@@ -188,29 +122,12 @@ def make_proxy_app(store: Any, upstream: str, *, token: str | None = None, model
     ``GET /metrics``); by default the harness gets an error status with the
     reason in the OpenAI error shape.
     """
-    upstream = normalize_upstream(upstream)
     if isinstance(version_map, Mapping):
         # The labels go into the store's label map: every process resolves them, and a
         # trajectory held back on one of them is released.
         store.append(version_label_events(version_map))
         version_map = None
-    recorder, metrics, proxy_metrics, on_close = _recorder_and_metrics(store, group_commit)
-    fwd = VLLMForwarder(recorder, upstream, model_version=model_version,
-                     num_experts=num_experts, timeout_s=timeout_s, authenticated=token is not None,
-                     upstream_api_key=upstream_api_key, version_map=version_map,
-                     skip_recorded_routes=skip_recorded_routes, pass_through=pass_through_unrecorded,
-                     metrics=proxy_metrics)
-
-    def recorded(path: str) -> Callable:
-        return lambda request: fwd.forward(request, path)
-
-    def forwarded(path: str) -> Callable:
-        return lambda request: fwd.relay(request, path)
-
-    routes = [("POST", path, f"record {path}", recorded(path)) for path in RECORDED]
-    routes += [(method, path, f"forward {method} {path}", forwarded(path)) for method, path in FORWARDED]
-    app = _proxy_app(fwd, title="trajstore recording proxy", token=token, routes=routes, on_close=on_close,
-                     metrics=metrics)
-    app.state.forwarder = fwd
-    app.state.commit_metrics = metrics
-    return app
+    return _engine_app(VLLMForwarder, store, upstream, title="trajstore recording proxy", forwarded=FORWARDED,
+                       token=token, group_commit=group_commit, model_version=model_version, num_experts=num_experts,
+                       timeout_s=timeout_s, upstream_api_key=upstream_api_key, version_map=version_map,
+                       skip_recorded_routes=skip_recorded_routes, pass_through=pass_through_unrecorded)

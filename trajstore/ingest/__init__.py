@@ -5,6 +5,7 @@ into wire-format events and hands them to ``Store.append``.
 * ``sinks``   — where a Writer's batches go (in-process Store, HTTP service)
 * ``vllm``    — vLLM outputs (offline objects, OpenAI JSON) → generation events
 * ``sglang``  — SGLang outputs (native ``/generate``, OpenAI JSON, their streams) → generation events
+* ``_openai_stream`` — the OpenAI stream accumulation both engines' stream accumulators specialize
 * ``service`` — the HTTP ingest service: the app (``make_app``), its settings
   (``ServeConfig``), ``trajstore serve``; FastAPI. It composes:
 

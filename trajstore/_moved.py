@@ -49,6 +49,7 @@ MOVED: dict[str, str] = {
     "trajstore.demo.run": "trajstore.demo._run",
     "trajstore.demo.simulate": "trajstore.demo._simulate",
     "trajstore.demo.train_stage": "trajstore.demo._train_stage",
+    "trajstore.ingest._sglang_proxy": "trajstore.ingest.proxy._sglang",
 }
 
 

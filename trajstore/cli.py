@@ -402,8 +402,8 @@ def _parser() -> argparse.ArgumentParser:
 _EDGES = (
     # name, module, function that runs the parsed args, help
     ("serve", "trajstore.ingest.service", "serve_from_args", "run the HTTP ingest service"),
-    # --engine vllm (trajstore.ingest.proxy) or sglang; the flags are the vLLM proxy's plus --engine, --route-layout
-    ("proxy", "trajstore.ingest._sglang_proxy", "serve_from_args", "run the recording proxy in front of vLLM or SGLang"),
+    # --engine vllm or sglang: one start path (trajstore.ingest.proxy's ProxyConfig and serve)
+    ("proxy", "trajstore.ingest.proxy", "serve_proxy_from_args", "run the recording proxy in front of vLLM or SGLang"),
     ("sql", "trajstore.inspect.sql", "run_from_args", "run a read-only SQL query against the store"),
     ("report", "trajstore.inspect.report", "run_from_args", "render an HTML report with plots of the run"),
     # store-side figures to TensorBoard, MLflow, W&B (docs/report.md "Trackers")

@@ -24,7 +24,7 @@ import openai_upstream  # noqa: E402
 import sglang_upstream  # noqa: E402
 from openai_upstream import NUM_LAYERS, TOPK, serve_in_thread  # noqa: E402
 from raw_upstream import RawUpstream, framed  # noqa: E402
-from trajstore.ingest import _sglang_proxy  # noqa: E402
+from trajstore.ingest.proxy import _sglang as _sglang_proxy  # noqa: E402
 from trajstore.ingest.proxy import FORWARDED, make_proxy_app  # noqa: E402
 from trajstore.ingest.sglang import request_params_for_generate, request_params_for_openai  # noqa: E402
 from trajstore.ingest.vllm import request_params_for_tito  # noqa: E402

@@ -24,7 +24,7 @@ pytest.importorskip("fastapi", reason="needs the extra: pip install 'trajstore[s
 import sglang_upstream  # noqa: E402
 from openai_upstream import NUM_LAYERS, TOPK, serve_in_thread  # noqa: E402
 from raw_upstream import RawUpstream, framed  # noqa: E402
-from trajstore.ingest._sglang_proxy import FORWARDED, LABEL_FIELDS, make_sglang_proxy_app  # noqa: E402
+from trajstore.ingest.proxy._sglang import FORWARDED, LABEL_FIELDS, make_sglang_proxy_app  # noqa: E402
 
 LAYOUT = f"{NUM_LAYERS}x{TOPK}"
 

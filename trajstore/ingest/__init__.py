@@ -5,6 +5,7 @@ into wire-format events and hands them to ``Store.append``.
 * ``sinks``   — where a Writer's batches go (in-process Store, HTTP service)
 * ``vllm``    — vLLM outputs (offline objects, OpenAI JSON) → generation events
 * ``sglang``  — SGLang outputs (native ``/generate``, OpenAI JSON, their streams) → generation events
+* ``_openai_stream`` — the OpenAI stream accumulation both engines' stream accumulators specialize
 * ``service`` — the HTTP ingest service: the app (``make_app``), its settings
   (``ServeConfig``), ``trajstore serve``; FastAPI. It composes:
 
@@ -12,8 +13,8 @@ into wire-format events and hands them to ``Store.append``.
   * ``_body``       — a body read off raw ASGI, the byte budget on bodies in flight, the Arrow body parsed
   * ``_json_body``  — the JSON body, long integer arrays scanned straight to numpy
   * ``_metrics``    — the service's Prometheus metrics (multiprocess under ``--workers``)
-* ``proxy``   — the OpenAI-compatible recording proxy (``trajstore proxy``)
-* ``_sglang_proxy`` — the proxy in front of SGLang, and ``trajstore proxy --engine``
+* ``proxy/``  — the OpenAI-compatible recording proxy (``trajstore proxy``) in front of vLLM
+  or SGLang (``proxy/_sglang``)
 * ``jsonl``   — ``trajstore ingest FILE``: validate a whole JSONL file, then append it in batches
 * ``arrow_body`` — the binary ``POST /v1/events`` body (Arrow IPC stream) the Writer sends by default
 * ``_http``   — what service and proxy answer alike: error bodies, the one error<->status

@@ -71,6 +71,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from trajstore.errors import ValidationError
+from trajstore.ingest._openai_stream import OpenAIStreamAccumulator as _OpenAIStreamAccumulator
 from trajstore.ingest.vllm import LOGPROB_FLOOR, _drop_declared_version
 
 __all__ = [
@@ -573,7 +574,7 @@ class GenerateStreamAccumulator:
         return out
 
 
-class OpenAIStreamAccumulator:
+class OpenAIStreamAccumulator(_OpenAIStreamAccumulator):
     """Collects SGLang's streamed OpenAI completions/chat chunks into a non-streaming-shaped response.
 
     Per choice: ``token_ids`` deltas (completions), logprobs
@@ -581,68 +582,33 @@ class OpenAIStreamAccumulator:
     ``matched_stop``; the first chunk's ``prompt_token_ids``; the last
     chunk's response-level ``sglext`` (routes, and a chat's ``input_ids`` /
     ``output_ids``). No ``metadata``: SGLang streams no weight versions.
+    SGLang's error event ends the stream (refused, never recorded). The
+    accumulation is the shared one (``trajstore.ingest._openai_stream``);
+    this says how SGLang's chunks read.
     """
 
+    engine = "SGLang"
+    kept = ("finish_reason", "matched_stop")
+    shape_rule = "upstream_shape"
+    error_events = True
+
     def __init__(self) -> None:
-        self._choices: dict[int, dict] = {}
+        super().__init__()
         self._sglext: dict = {}
-        self.error: Any = None
 
-    def add(self, chunk: Mapping) -> None:
-        _guarded_add(self._add, chunk)
-
-    def _add(self, chunk: Mapping) -> None:
-        if chunk.get("error") is not None or chunk.get("object") == "error":
-            self.error = chunk.get("error", chunk)
-            return
+    def add_chunk(self, chunk: Mapping) -> None:
         if isinstance(chunk.get("sglext"), Mapping):
             self._sglext.update({k: v for k, v in chunk["sglext"].items() if v is not None})
-        for c in chunk.get("choices") or []:
-            if not _index_ok(c.get("index", 0)):
-                raise ValidationError("a stream chunk's choice has no index >= 0", rule="upstream_shape")
-            acc = self._choices.setdefault(c.get("index", 0), {"token_ids": [], "logprobs": [], "chat": False,
-                                                               "content": False, "has_logprobs": False})
-            acc["chat"] = acc["chat"] or "delta" in c
-            if c.get("token_ids") is not None:
-                acc["token_ids"].extend(c["token_ids"])
-            if c.get("prompt_token_ids") is not None:
-                acc["prompt_token_ids"] = list(c["prompt_token_ids"])
-            lp = c.get("logprobs")
-            if lp:
-                acc["has_logprobs"] = True
-                if "content" in lp:
-                    acc["content"] = True
-                    acc["logprobs"].extend(map(_LOGPROB, lp.get("content") or []))
-                else:
-                    acc["logprobs"].extend(lp.get("token_logprobs") or [])
-            for key in ("finish_reason", "matched_stop"):
-                if c.get(key) is not None:
-                    acc[key] = c[key]
 
-    def finished(self) -> bool:
-        """Whether the stream reached its end: at least one choice, each with its finish reason (vLLM's
-        rule), or SGLang's error event. ``data: [DONE]`` alone is not an end."""
-        return self.error is not None or (bool(self._choices) and all(
-            acc.get("finish_reason") is not None for acc in self._choices.values()))
+    def logprobs_of(self, c: Mapping) -> tuple[list | None, list | None, bool]:
+        lp = c.get("logprobs")
+        if not lp:
+            return None, None, False
+        if "content" in lp:
+            return list(map(_LOGPROB, lp.get("content") or [])), None, True
+        return list(lp.get("token_logprobs") or []), None, False
 
-    def response(self) -> dict:
-        if self.error is not None:
-            message = self.error.get("message") if isinstance(self.error, Mapping) else self.error
-            raise ValidationError(f"the stream ended with an error: {' '.join(str(message).split())[:500]}",
-                                  rule="upstream_error")
-        choices = []
-        for index, acc in sorted(self._choices.items()):
-            choice: dict = {"index": index, "finish_reason": acc.get("finish_reason"),
-                            "matched_stop": acc.get("matched_stop")}
-            if acc["token_ids"]:
-                choice["token_ids"] = acc["token_ids"]
-            if "prompt_token_ids" in acc:
-                choice["prompt_token_ids"] = acc["prompt_token_ids"]
-            if acc["has_logprobs"]:
-                choice["logprobs"] = ({"content": [{"logprob": v} for v in acc["logprobs"]]} if acc["content"]
-                                      else {"token_logprobs": acc["logprobs"]})
-            choices.append(choice)
-        out: dict = {"choices": choices}
+    def finish_response(self, out: dict, chat: bool) -> dict:
         if self._sglext:
             out["sglext"] = self._sglext
         return out

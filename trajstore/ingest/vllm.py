@@ -57,6 +57,7 @@ import numpy as np
 from trajstore.errors import ValidationError
 from trajstore._wire import decode_array
 from trajstore.ingest._event_dicts import to_numpy
+from trajstore.ingest._openai_stream import OpenAIStreamAccumulator as _OpenAIStreamAccumulator
 
 __all__ = [
     "LOGPROB_FLOOR",
@@ -607,8 +608,8 @@ def _list(value: Any, field: str) -> list:
     return value
 
 
-class OpenAIStreamAccumulator:
-    """Collects the chunks of a streamed (SSE) OpenAI response into one response.
+class OpenAIStreamAccumulator(_OpenAIStreamAccumulator):
+    """Collects the chunks of a streamed (SSE) OpenAI response from vLLM into one response.
 
     Feed each decoded ``data:`` JSON object to :meth:`add`; :meth:`response`
     returns a non-streaming-shaped dict that :func:`generations_from_openai`
@@ -616,71 +617,42 @@ class OpenAIStreamAccumulator:
     reads. vLLM sends ``prompt_token_ids`` on the first chunk and each chunk's
     new ``token_ids`` and logprobs as deltas; ``finish_reason``,
     ``stop_reason``, ``routed_experts`` and ``weight_versions`` are kept from
-    whichever chunk carries them (the final one).
+    whichever chunk carries them (the final one). The accumulation is the
+    shared one (``trajstore.ingest._openai_stream``); this says how vLLM's
+    chunks read.
     """
 
+    engine = "vLLM"
+    kept = ("finish_reason", "stop_reason", "routed_experts", "weight_versions")
+    shape_rule = "upstream_response"
+
     def __init__(self) -> None:
+        super().__init__()
         self._object: str | None = None
         self._prompt_ids: list[int] | None = None
-        self._choices: dict[int, dict] = {}
 
-    def add(self, chunk: Mapping) -> None:
-        """Take one ``data:`` object; ValidationError when it is not in a chunk's shape."""
-        chunk = _mapping(chunk, "a stream chunk")
-        choices = chunk.get("choices") or []
-        if not isinstance(choices, list):
-            raise ValidationError(f"a chunk's choices must be a list, got {type(choices).__name__}", rule="upstream_response")
+    def add_chunk(self, chunk: Mapping) -> None:
         if chunk.get("prompt_token_ids") is not None:
             self._prompt_ids = _list(chunk["prompt_token_ids"], "prompt_token_ids")
         self._object = self._object or chunk.get("object")
-        for c in choices:
-            self._add_choice(_mapping(c, "a chunk's choice"))
 
-    def finished(self) -> bool:
-        """Whether the stream reached its end: at least one choice, each with its finish reason."""
-        return bool(self._choices) and all(acc.get("finish_reason") is not None for acc in self._choices.values())
-
-    def _add_choice(self, c: Mapping) -> None:
-        index = c.get("index", 0)
-        if isinstance(index, bool) or not isinstance(index, int):
-            raise ValidationError(f"a chunk's choice index must be an integer, got {index!r:.40}", rule="upstream_response")
-        acc = self._choices.setdefault(index, {"token_ids": [], "logprobs": [], "tokens": [], "has_logprobs": False})
-        if c.get("prompt_token_ids") is not None:
-            acc["prompt_token_ids"] = _list(c["prompt_token_ids"], "prompt_token_ids")
-        acc["token_ids"].extend(_list(c.get("token_ids") or [], "token_ids"))
+    def logprobs_of(self, c: Mapping) -> tuple[list | None, list | None, bool]:
         values, names = _choice_logprobs(c)
-        if values is not None:
-            acc["has_logprobs"] = True
-            acc["logprobs"].extend(values)
-            acc["tokens"].extend(names or [])
-        for key in ("finish_reason", "stop_reason", "routed_experts", "weight_versions"):
-            if c.get(key) is not None:  # vLLM sends routes and version spans on the final chunk
-                acc[key] = c[key]
-        acc["chat"] = acc.get("chat", False) or "delta" in c
-        acc["content_logprobs"] = acc.get("content_logprobs", False) or "content" in (c.get("logprobs") or {})
+        return values, names, "content" in (c.get("logprobs") or {})
 
-    def response(self) -> dict:
-        chat = any(acc.get("chat") for acc in self._choices.values())
-        choices = [self._choice(i, acc, chat) for i, acc in sorted(self._choices.items())]
-        out = {"object": "chat.completion" if chat else "text_completion", "choices": choices}
-        if self._prompt_ids is not None:
-            out["prompt_token_ids"] = self._prompt_ids
-        return out
+    def logprobs_field(self, acc: dict) -> dict:
+        if acc["content"]:
+            return {"content": [{"token": t, "logprob": v} for t, v in zip(acc["tokens"], acc["logprobs"])]}
+        return {"token_logprobs": acc["logprobs"], "tokens": acc["tokens"]}
 
-    @staticmethod
-    def _choice(index: int, acc: dict, chat: bool) -> dict:
-        choice: dict = {"index": index, "finish_reason": acc.get("finish_reason")}
-        if acc["token_ids"]:
-            choice["token_ids"] = acc["token_ids"]
-        for key in ("prompt_token_ids", "routed_experts", "weight_versions", "stop_reason"):
-            if key in acc:
-                choice[key] = acc[key]
-        if acc["has_logprobs"]:
-            if acc.get("content_logprobs"):
-                content = [{"token": t, "logprob": v} for t, v in zip(acc["tokens"], acc["logprobs"])]
-                choice["logprobs"] = {"content": content}
-            else:
-                choice["logprobs"] = {"token_logprobs": acc["logprobs"], "tokens": acc["tokens"]}
+    def choice(self, index: int, acc: dict, chat: bool) -> dict:
+        choice = super().choice(index, acc, chat)
         if chat:
             choice["message"] = {"role": "assistant"}
         return choice
+
+    def finish_response(self, out: dict, chat: bool) -> dict:
+        out["object"] = "chat.completion" if chat else "text_completion"
+        if self._prompt_ids is not None:
+            out["prompt_token_ids"] = self._prompt_ids
+        return out

@@ -1,0 +1,133 @@
+"""The recording proxy in front of vLLM: the endpoints it records (``RECORDED``) and relays
+(``FORWARDED``), its forwarder, ``make_proxy_app``."""
+
+# No ``from __future__ import annotations``: FastAPI reads the handlers'
+# annotations at runtime.
+from typing import Any, Callable, Mapping
+
+from trajstore.errors import ValidationError
+from trajstore.ingest.proxy._app import _engine_app, version_label_events
+from trajstore.ingest.proxy._forward import _BadCall, _UpstreamForwarder
+from trajstore.ingest.proxy._record import Recorder, Tag, tag_of
+from trajstore.ingest.vllm import (
+    OpenAIStreamAccumulator,
+    VersionMap,
+    generations_from_openai,
+    generations_from_tito,
+    request_params_for_recording,
+    request_params_for_tito,
+    routed_experts_prompt_start_of,
+)
+
+__all__ = ["FORWARDED", "LABEL_FIELDS", "RECORDED", "VLLMForwarder", "make_proxy_app"]
+
+TITO_PATH = "/inference/v1/generate"
+
+# The endpoints the proxy records: path -> the kind of call (VLLMForwarder.parse
+# asks for what a record needs, VLLMForwarder.events picks the adapter).
+RECORDED: dict[str, str] = {"/v1/completions": "completions", "/v1/chat/completions": "chat", TITO_PATH: "tito"}
+
+# Forwarded unrecorded (auth as every other path): the engine's RL control
+# plane, its tokenizer and render endpoints, health. vLLM 0.33 serves
+# /pause ... /get_world_size with VLLM_SERVER_DEV_MODE=1
+# (entrypoints/rl/online/api_router.py), the render/derender and abort
+# endpoints with --enable-scale-out or --tokens-only (entrypoints/scale_out/).
+FORWARDED: tuple[tuple[str, str], ...] = (
+    ("GET", "/v1/models"), ("GET", "/health"), ("GET", "/version"),
+    ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/tokenizer_info"),
+    ("POST", "/inference/v1/abort_requests"), ("POST", "/abort_requests"),
+    ("POST", "/pause"), ("POST", "/resume"), ("GET", "/is_paused"),
+    ("GET", "/weight_info"), ("POST", "/update_weight_version"), ("POST", "/start_weight_update"),
+    ("POST", "/update_weights"), ("POST", "/finish_weight_update"), ("POST", "/init_weight_transfer_engine"),
+    ("POST", "/shutdown_weight_transfer_engine"), ("GET", "/get_world_size"),
+    ("POST", "/v1/chat/completions/render"), ("POST", "/v1/completions/render"),
+    ("POST", "/v1/messages/render"), ("POST", "/v1/responses/render"),
+    ("POST", "/v1/chat/completions/derender"), ("POST", "/v1/completions/derender"),
+)
+
+# The label-setting endpoints and their body field (entrypoints/rl/online/api_router.py).
+LABEL_FIELDS = {"/update_weight_version": "new_version", "/finish_weight_update": "weight_version"}
+
+
+class VLLMForwarder(_UpstreamForwarder):
+    """Forwards one call to vLLM and records it (the handlers of :func:`make_proxy_app`)."""
+
+    recorded = RECORDED
+    label_fields = LABEL_FIELDS
+
+    def __init__(self, recorder: Recorder, upstream: str, *, version_map: VersionMap = None, **kwargs: Any) -> None:
+        super().__init__(recorder, upstream, **kwargs)
+        self.version_map = version_map
+
+    def events(self, kind: str, body: dict, tag: Tag, ctx: Any) -> Callable[[Any], Callable[[int], list[dict]]]:
+        def for_response(response: Any) -> Callable[[int], list[dict]]:
+            if not isinstance(response, dict):
+                raise ValidationError(f"the upstream's answer is a JSON {type(response).__name__}, not an object",
+                                      rule="upstream_response")
+            ids = {"trajectory_id": tag.trajectory_id, "model_version": tag.model_version, "version_map": self.version_map}
+            if kind == "tito":
+                make = lambda seq: generations_from_tito(response, body, seq=seq, **ids)  # noqa: E731
+            else:
+                start = routed_experts_prompt_start_of(body)
+                make = lambda seq: generations_from_openai(response, seq=seq, routed_experts_prompt_start=start, **ids)  # noqa: E731
+            return lambda seq: _one_choice(make(seq))
+        return for_response
+
+    def accumulator(self, kind: str) -> Any:
+        return OpenAIStreamAccumulator()  # /inference/v1/generate streams in the same chunks
+
+    async def parse(self, request: Any, kind: str, body: dict) -> tuple[dict, Tag | None, Any]:
+        tag = tag_of(request.headers, body, self.model_version, self.num_experts)
+        if tag is None:
+            return body, None, None
+        params = body.get("sampling_params") if kind == "tito" else body
+        if ((params.get("n") if isinstance(params, dict) else None) or 1) != 1:
+            raise _BadCall(400, "a recorded call must have n = 1 (one trajectory per choice)", "n")
+        if kind == "tito":
+            body = request_params_for_tito(body)
+        else:
+            body = request_params_for_recording(body, chat=kind == "chat")
+        if kind != "chat":  # a chat prompt is rendered upstream
+            await self.ask_only_new_rows(tag, body["sampling_params"] if kind == "tito" else body,
+                                         "routed_experts_prompt_start",
+                                         body.get("token_ids") if kind == "tito" else body.get("prompt"),
+                                         lambda: routed_experts_prompt_start_of(body))
+        return body, tag, None
+
+
+def _one_choice(events: list[dict]) -> list[dict]:
+    if len(events) != 1:  # the request had n = 1 (checked): another count is the upstream's fault
+        raise ValidationError(f"the upstream answered {len(events)} choices to a call with n = 1", rule="upstream_response")
+    return events
+
+
+def make_proxy_app(store: Any, upstream: str, *, token: str | None = None, model_version: int = 0,
+                   num_experts: int | None = None, timeout_s: float = 600.0, upstream_api_key: str | None = None,
+                   version_map: VersionMap = None, skip_recorded_routes: bool = True,
+                   group_commit: bool = True, pass_through_unrecorded: bool = False) -> Any:
+    """The FastAPI app recording calls into ``store`` and forwarding them to ``upstream``.
+
+    ``upstream``: the engine's base URL (a trailing ``/v1`` is dropped,
+    :func:`normalize_upstream`). ``token=None`` means no auth (the caller
+    decided; ``serve_proxy`` refuses that unless told ``insecure_no_auth``).
+    ``upstream_api_key``: the bearer token the upstream wants.
+    ``version_map``: weight-version labels to model versions, appended to the
+    store as ``version_label`` events when the app is made (the engine's spans
+    are recorded as sent and the store resolves them). ``skip_recorded_routes=False``: never set
+    ``routed_experts_prompt_start`` (an engine without it). ``group_commit=False``:
+    append each call's record on its own (see :class:`Recorder`);
+    ``app.state.commit_metrics.commits`` counts the appends.
+    ``pass_through_unrecorded=True``: a named call the store cannot take
+    still gets the engine's answer, with ``X-Trajstore-Error`` (counted in
+    ``GET /metrics``); by default the harness gets an error status with the
+    reason in the OpenAI error shape.
+    """
+    if isinstance(version_map, Mapping):
+        # The labels go into the store's label map: every process resolves them, and a
+        # trajectory held back on one of them is released.
+        store.append(version_label_events(version_map))
+        version_map = None
+    return _engine_app(VLLMForwarder, store, upstream, title="trajstore recording proxy", forwarded=FORWARDED,
+                       token=token, group_commit=group_commit, model_version=model_version, num_experts=num_experts,
+                       timeout_s=timeout_s, upstream_api_key=upstream_api_key, version_map=version_map,
+                       skip_recorded_routes=skip_recorded_routes, pass_through=pass_through_unrecorded)

@@ -10,10 +10,10 @@ trajectory's tail state at append time:
   sequence plus the new tail, so a 30-turn episode does not store its prompt
   30 times;
 * only the route rows the fold keeps: on a merge, rows for positions not
-  recorded yet (a recorded route is never overwritten, SPEC R3);
+  recorded yet (a recorded route is never overwritten, docs/reference.md R3);
 * the sample the call folds into (``sample_index``) and whether it merged;
 * per-token versions from the engine's ``weight_versions`` spans when every
-  label resolves (SPEC "Versions", ``resolve_weight_versions``); otherwise
+  label resolves (docs/reference.md "Versions", ``resolve_weight_versions``); otherwise
   the labels that did not, and the event is stored as sent (the materializer
   resolves it once the labels are mapped, and holds its trajectory back until
   then).
@@ -127,7 +127,7 @@ class Admitted:
 
 class RecordedRoutes:
     """The route rows a trajectory's current sample has recorded, for the drift
-    figures (SPEC "Routed experts", drift): what re-sent rows are compared with.
+    figures (docs/reference.md "Routed experts", drift): what re-sent rows are compared with.
 
     Held as the kept rows of each call (``chunks``: ``(start, rows, valid)``,
     ``valid`` None when every row was captured, else a bool mask), never
@@ -179,7 +179,7 @@ class RecordedRoutes:
 
 
 def resolve_weight_versions(g: Generation, labels: Mapping[str, int]) -> tuple[Generation, tuple[str, ...]]:
-    """SPEC "Versions": the call with ``token_model_versions`` and ``model_version``
+    """docs/reference.md "Versions": the call with ``token_model_versions`` and ``model_version``
     derived from its ``weight_versions`` spans, and the labels that did not resolve.
 
     A decimal label (``"8"``, ``8``) is that version, ``"default"`` the event's
@@ -214,7 +214,7 @@ def resolve_weight_versions(g: Generation, labels: Mapping[str, int]) -> tuple[G
 
 
 def check_version_forms(g: Generation, labels: Mapping[str, int]) -> None:
-    """SPEC "Versions": a call that sends its versions in more than one form is
+    """docs/reference.md "Versions": a call that sends its versions in more than one form is
     consistent. Every ``weight_versions`` span whose label resolves now (decimal,
     ``"default"`` = the event's ``model_version``, or in ``labels``) agrees with
     ``token_model_versions`` over its tokens; without per-token versions, a
@@ -257,7 +257,7 @@ def check_version_forms(g: Generation, labels: Mapping[str, int]) -> None:
 
 
 def _resolved(label: str | int, model_version: int | None, labels: Mapping[str, int]) -> int | None:
-    """A span label's version now (SPEC "Versions"); None while it is not mapped."""
+    """A span label's version now (docs/reference.md "Versions"); None while it is not mapped."""
     v = decimal_label(label)
     if v is not None:
         return v
@@ -321,7 +321,7 @@ def admit(
 
     ``load_sequence(trajectory_id)`` returns the trajectory's current token
     sequence; it is called only for a prefix mismatch that skips route rows.
-    ``labels``: the label map (SPEC "Versions") the call's spans resolve with;
+    ``labels``: the label map (docs/reference.md "Versions") the call's spans resolve with;
     ``stored_labels``: the part of it already in the log (a version_label
     mapping one of those again to the same version is a no-op).
     ``recorded()``: the current sample's recorded rows, asked for only when the
@@ -374,7 +374,7 @@ def _admit_generation(
 
 def _drift(g: Generation, step: FoldStep, state: TrajectoryState, recorded: RoutesSource | None
            ) -> tuple[int | None, int | None]:
-    """``(route_rows_resent, route_rows_drifted)`` of a call (SPEC drift): rows sent for
+    """``(route_rows_resent, route_rows_drifted)`` of a call (docs/reference.md drift): rows sent for
     positions below the sample's watermark (only a merge has any; the fold drops them),
     and how many of those differ from what was recorded."""
     rows = g.routed_experts

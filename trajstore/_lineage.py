@@ -1,4 +1,4 @@
-"""Admission of the training lineage events (SPEC "Training lineage").
+"""Admission of the training lineage events (docs/reference.md "Training lineage").
 
 ``train_step`` and ``sample_annotation`` events are store-wide: they belong to
 no trajectory and change no trajectory state. What admission checks beyond

@@ -1,7 +1,7 @@
 """Materialized samples: their payload layout and reading them back.
 
 A sample segment (``samples-*.arrow``, uncompressed Arrow IPC) holds one row
-per sample with the SPEC field names as columns; the token-level ones are
+per sample with the docs/reference.md field names as columns; the token-level ones are
 Arrow lists, routes one binary value per sample (raw little-endian bytes)
 with ``routes_dtype``, ``route_layers``, ``route_topk`` beside them, and the
 masks ``routed_experts_mask`` and ``logprobs_mask`` list<uint8> (read back as

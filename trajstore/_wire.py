@@ -1,6 +1,6 @@
 """Decoding the wire format's ARRAY values into numpy arrays.
 
-An ARRAY on the wire is one of (SPEC "Event wire format"):
+An ARRAY on the wire is one of (docs/reference.md "Event wire format"):
 
 * a JSON nested list of numbers;
 * ``{"b64": ..., "dtype": "uint8", "shape": [rows, layers, topk]}``: raw

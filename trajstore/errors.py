@@ -3,7 +3,7 @@
 ::
 
     TrajstoreError                  base of everything trajstore raises on purpose
-    ├── ValidationError             an event or argument breaks a SPEC rule; nothing was stored
+    ├── ValidationError             an event or argument breaks a docs/reference.md rule; nothing was stored
     │   └── ConflictError           an event's identity is already stored with other content
     ├── StoreUnavailable            the database or payload storage cannot be reached; retry
     │   ├── ContentionError         writers kept racing on the same trajectories; retry

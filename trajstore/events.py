@@ -1,6 +1,6 @@
 """Event types of the wire format and their stateless validation.
 
-``parse_event(obj)`` turns one wire-format dict (SPEC "Event wire format")
+``parse_event(obj)`` turns one wire-format dict (docs/reference.md "Event wire format")
 into a typed, immutable event with numpy arrays, or raises ValidationError.
 Rules that need the trajectory's history (seq order, known/finished
 trajectory, expert range, route shape, reward mode, route rows below
@@ -54,7 +54,7 @@ __all__ = [
 
 FINISH_STATUSES = ("completed", "truncated", "aborted", "failed", "abandoned")
 LOGPROB_PLACEHOLDER = -9999.0
-"""SPEC: a logprob at or below this is not a logprob but the placeholder vLLM and
+"""docs/reference.md: a logprob at or below this is not a logprob but the placeholder vLLM and
 SkyRL write where the engine had none. Accepted as sent; the fold stores it as
 missing (``logprobs_mask`` false, ``rollout_logprobs`` 0.0) and the index counts
 it per event (``events.num_placeholder_logprobs``)."""
@@ -70,7 +70,7 @@ _MAX_METADATA_DEPTH = 64
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 _F32_MAX = float(np.finfo(np.float32).max)
 
-# SPEC "Event wire format": the fields each event type may carry. Anything
+# docs/reference.md "Event wire format": the fields each event type may carry. Anything
 # else is refused (``unknown_field``): a misspelled ``logprob`` must never be
 # dropped silently.
 _FIELDS = {
@@ -166,7 +166,7 @@ Event = Union[TrajectoryStarted, Generation, Reward, TrajectoryFinished, Version
 
 
 def routes_dtype(max_id: int) -> np.dtype:
-    """SPEC: uint8 when every expert id < 256, else uint16."""
+    """docs/reference.md: uint8 when every expert id < 256, else uint16."""
     return np.dtype(np.uint8) if max_id < 256 else np.dtype(np.uint16)
 
 
@@ -288,7 +288,7 @@ def _finite(value: Any, key: str) -> float:
 
 
 def validate_metadata(value: Any, where: str = "metadata") -> dict:
-    """A ``metadata`` value checked against SPEC and returned as a plain dict.
+    """A ``metadata`` value checked against docs/reference.md and returned as a plain dict.
 
     A JSON object (string keys) of at most ``_MAX_METADATA_BYTES`` as compact
     UTF-8 JSON and ``_MAX_METADATA_DEPTH`` levels; numbers finite (integers in
@@ -494,7 +494,7 @@ _DEFAULT_LABEL = "default"
 
 
 def decimal_label(label: str | int) -> int | None:
-    """The version a span label names by itself (SPEC "Versions"): an int, or a
+    """The version a span label names by itself (docs/reference.md "Versions"): an int, or a
     string that is an integer in decimal; None for any other label (``"default"``
     and the store's label map are resolved elsewhere). Raises ValidationError for
     a negative or out-of-int32 one."""
@@ -511,7 +511,7 @@ def decimal_label(label: str | int) -> int | None:
 
 
 def _weight_versions(obj: Mapping, n_out: int) -> tuple[tuple[str | int, int, int], ...] | None:
-    """SPEC "Versions": the engine's spans ``[{version, start, end}]``, in order, tiling the output once."""
+    """docs/reference.md "Versions": the engine's spans ``[{version, start, end}]``, in order, tiling the output once."""
     value = obj.get("weight_versions")
     if value is None:
         return None
@@ -555,7 +555,7 @@ def _weight_versions(obj: Mapping, n_out: int) -> tuple[tuple[str | int, int, in
 
 
 def _token_model_versions(obj: Mapping, n_out: int) -> np.ndarray | None:
-    """SPEC "Versions": one non-negative int32 per output token, never decreasing."""
+    """docs/reference.md "Versions": one non-negative int32 per output token, never decreasing."""
     value = obj.get("token_model_versions")
     if value is None:
         return None
@@ -659,7 +659,7 @@ _HASH_SKIP_IF_ABSENT = frozenset({"token_model_versions", "metadata", "weight_ve
 
 
 def identity_of(event: Event) -> str | None:
-    """The event's identity key (SPEC): event_id, else (type, trajectory, seq)."""
+    """The event's identity key (docs/reference.md): event_id, else (type, trajectory, seq)."""
     if event.event_id is not None:
         return "id:" + event.event_id
     if isinstance(event, Generation):
@@ -732,7 +732,7 @@ def _digest_fields(event: Event, h: Any) -> Any:
     return h
 
 
-# -- Training lineage (SPEC "Training lineage"): the trainer's store-wide events ------------------
+# -- Training lineage (docs/reference.md "Training lineage"): the trainer's store-wide events ------------------
 #
 # ``train_step``: the samples one rank consumed in one optimizer step, with the step's
 # metrics; ``sample_annotation``: what the trainer computed on one sample in a step
@@ -816,7 +816,7 @@ class SampleAnnotation:
 
 
 def lineage_identity(event: "TrainStep | SampleAnnotation") -> str:
-    """SPEC identity of a lineage event without ``event_id``: ``(type, run, step, rank,
+    """docs/reference.md identity of a lineage event without ``event_id``: ``(type, run, step, rank,
     attempt)`` for a train_step, ``(type, run, step, attempt, trajectory_id,
     sample_index)`` for a sample_annotation. Written as a JSON list (ids may hold
     ``:``); a key longer than the index column holds is its SHA-256."""

@@ -1,7 +1,7 @@
 """The fold: one trajectory's generation events -> training samples.
 
-Every rule SPEC.md states about merging, loss masks, logprobs (and whether
-the engine reported them: a -9999.0 placeholder is not a report), model versions (per token, SPEC "Versions"),
+Every rule docs/reference.md states about merging, loss masks, logprobs (and whether
+the engine reported them: a -9999.0 placeholder is not a report), model versions (per token, docs/reference.md "Versions"),
 finish reasons, rewards and routed experts lives here. No I/O, no clock, no
 globals: the same events always give the same samples, so the materializer
 can re-fold a trajectory after a crash and get byte-identical rows.
@@ -31,16 +31,16 @@ The fold is a reduction of one pure step over a trajectory's events:
 A named projection (docs/projections.md) folds under another
 ``FoldPolicy`` (one sample per call, SkyRL's step-wise observation layout,
 routes from the last call): a parameter of the same step and reduction, the
-default being SPEC's fold.
+default being docs/reference.md's fold.
 
-The merge rule (SPEC fold rule 1) needs the previous call's sequence
+The merge rule (docs/reference.md fold rule 1) needs the previous call's sequence
 ``S_prev``. Admission holds only its length and a 128-bit hash
 (``sequence_hash``), kept in the ``trajectories`` row, and decides by
 hashing ``prompt[:seq_len]``; the fold holds the previous call's tokens and
 compares them (hashing every event would cost the fold a third of its
 speed). ``tests/test_fold_step.py`` checks that both give the same outcomes.
 
-Routes bookkeeping (SPEC "Routed experts"): each sample keeps a *recorded
+Routes bookkeeping (docs/reference.md "Routed experts"): each sample keeps a *recorded
 length* ``route_len``, a watermark. An event's rows cover absolute positions
 ``start .. start+rows-1``; the part below the watermark is dropped (a
 recorded route is never overwritten), the part above is kept, and a gap
@@ -77,7 +77,7 @@ EMPTY_HASH = sequence_hash(np.zeros(0, dtype=np.int32))
 
 @dataclass(frozen=True)
 class FoldMetrics:
-    """SPEC "Metrics of a materialization"; ``+`` aggregates over trajectories."""
+    """docs/reference.md "Metrics of a materialization"; ``+`` aggregates over trajectories."""
 
     num_steps_before: int = 0
     """Generation events folded."""
@@ -112,13 +112,13 @@ class FoldMetrics:
 class FoldPolicy:
     """How the fold groups calls into samples: a parameter of ``fold_step`` and ``fold``.
 
-    The default is SPEC's fold. A named projection (docs/projections.md)
+    The default is docs/reference.md's fold. A named projection (docs/projections.md)
     re-folds the log under another policy; every rule not named here is the
     same for all policies."""
 
     merge: str = "prefix"
     """"prefix": a call whose prompt continues ``S_prev`` joins the current
-    sample (SPEC fold rule 1). "none": every call is a sample of its own
+    sample (docs/reference.md fold rule 1). "none": every call is a sample of its own
     (SkyRL's step-wise samples without merging)."""
     observation: str = "prompt"
     """With ``merge="none"``: where the observation tokens a call appended
@@ -126,7 +126,7 @@ class FoldPolicy:
     at the end of the previous call's response, loss mask 0 (SkyRL's
     step-wise layout: a turn's response is its output + the next observation)."""
     routes: str = "first"
-    """"first": a recorded route is never overwritten (R3, SPEC). "last": rows
+    """"first": a recorded route is never overwritten (R3, docs/reference.md). "last": rows
     a later call of the same sequence re-sent replace the recorded ones."""
 
     MERGE = ("prefix", "none")
@@ -192,7 +192,7 @@ class FoldStep(NamedTuple):
     only under ``FoldPolicy(merge="none")``)."""
     inherit: int | None = None
     """Route rows a new sample takes from the previous one (None: the rows
-    below ``routes_start``, SPEC's rule for a new sample with skipped rows)."""
+    below ``routes_start``, docs/reference.md's rule for a new sample with skipped rows)."""
 
     @property
     def inherited_rows(self) -> int:
@@ -226,7 +226,7 @@ def fold_step(
     (``reward_mode``, ``routes_shape``, ``missing_route_rows``) without a
     trajectory or event index: the caller locates it.
 
-    ``policy`` (default SPEC's fold): with ``merge="none"`` a call that
+    ``policy`` (default docs/reference.md's fold): with ``merge="none"`` a call that
     continues ``S_prev`` starts a sample of its own that inherits the rows
     its sequence recorded below the call's kept rows (the watermark carries
     on along the sequence); with ``routes="last"`` a continuing call's rows
@@ -263,7 +263,7 @@ def _hash_call(gen: Generation) -> bytes:
 
 
 def _starts_with_sequence(prompt: np.ndarray, tail: FoldTail, previous: Previous) -> bool:
-    """SPEC fold rule 1: the prompt is ``S_prev`` + a (possibly empty) delta."""
+    """docs/reference.md fold rule 1: the prompt is ``S_prev`` + a (possibly empty) delta."""
     n = tail.seq_len
     if len(prompt) < n:
         return False
@@ -286,7 +286,7 @@ def _equal(a: np.ndarray, b: np.ndarray) -> bool:
 
 
 def _reward_mode(gen: Generation, mode: str | None) -> str | None:
-    """SPEC fold rule 5: one trajectory uses scalar or token rewards, never both."""
+    """docs/reference.md fold rule 5: one trajectory uses scalar or token rewards, never both."""
     if gen.reward is not None and gen.token_rewards is not None:
         raise ValidationError(f"generation seq {gen.seq} carries reward and token_rewards", rule="reward_mode")
     this = "token" if gen.token_rewards is not None else "scalar" if gen.reward is not None else None
@@ -330,7 +330,7 @@ def _last_routes(rows: np.ndarray | None, start: int, route_len: int) -> tuple[n
 
 
 def _check_skipped_rows(gen: Generation, tail: FoldTail, previous: Previous) -> None:
-    """A new sample's rows below routed_experts_start come from the previous sample (SPEC R3).
+    """A new sample's rows below routed_experts_start come from the previous sample (docs/reference.md R3).
 
     The engine skipped those prompt positions because the caller said they
     were recorded; they are only usable if the previous sample recorded them
@@ -413,7 +413,7 @@ def fold(
     sample's routes are built in (default ``np.empty``), or a deferred one
     (``RoutesAlloc``): the materializer builds them straight in the buffer it
     writes the sample segment from. ``policy``: how calls are grouped into
-    samples (``FoldPolicy``; default SPEC's fold).
+    samples (``FoldPolicy``; default docs/reference.md's fold).
     """
     if not generations:
         return FoldResult([], FoldMetrics())
@@ -464,7 +464,7 @@ def _steps(generations: Sequence[Generation], trajectory_id: str,
 
 def _route_spec(steps: Sequence[FoldStep], tail: FoldTail, num_experts: int | None,
                 trajectory_id: str) -> _RouteSpec | None:
-    """SPEC: uint8 when every expert id < 256 (num_experts decides when given), else uint16.
+    """docs/reference.md: uint8 when every expert id < 256 (num_experts decides when given), else uint16.
 
     Whole-trajectory, so not a step rule: the dtype of every sample's routes.
     Admission refuses ids >= num_experts as they arrive (``_admission``); the
@@ -566,7 +566,7 @@ def _tokens(
         out = slice(start, start + len(gen.output_ids))
         loss_mask[out] = 1 if gen.loss_mask is None else gen.loss_mask
         if gen.logprobs is not None:
-            # SPEC: a logprob <= -9999.0 is the engine's placeholder for none: stored as missing
+            # docs/reference.md: a logprob <= -9999.0 is the engine's placeholder for none: stored as missing
             reported = gen.logprobs > LOGPROB_PLACEHOLDER
             logprobs[out] = np.where(reported, gen.logprobs, np.float32(0.0))
             logprobs_mask[out] = reported

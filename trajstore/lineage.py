@@ -2,7 +2,7 @@
 
 A trainer records, when a step ends, in one call through the reader it
 already uses, which samples each rank consumed, with the step's metrics and
-optional per-sample arrays (SPEC "Training lineage"; docs/reference.md)::
+optional per-sample arrays (docs/reference.md "Training lineage"; docs/reference.md)::
 
     for step, batch in enumerate(reader):            # SampleReader, rank r of w
         loss, logprobs = train_on(batch)

@@ -95,7 +95,7 @@ def shard_of(trajectory_id: str, num_shards: int) -> int:
 
 @dataclass
 class MaterializeStats:
-    """SPEC metrics of one materialization, plus what it covered."""
+    """docs/reference.md metrics of one materialization, plus what it covered."""
 
     metrics: FoldMetrics = field(default_factory=FoldMetrics)
     num_trajectories: int = 0  # trajectories folded into samples

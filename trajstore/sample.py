@@ -1,4 +1,4 @@
-"""The training row that folding a trajectory produces (SPEC "Sample fields").
+"""The training row that folding a trajectory produces (docs/reference.md "Sample fields").
 
 Array dtypes: token ids and model versions int32, loss mask uint8, logprobs
 and token rewards float32, logprobs mask bool ``[R]`` (True where the engine

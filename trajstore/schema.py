@@ -93,7 +93,7 @@ events = Table(
     Column("segment", String(255), nullable=True),
     Column("segment_row", Integer, nullable=True),
     Column("created_at", Float, nullable=False),
-    # migration 0004: SPEC "Versions" and generation metadata
+    # migration 0004: docs/reference.md "Versions" and generation metadata
     Column("min_model_version", Integer, nullable=True),  # the first output token's version
     # Only for a call whose tokens span several versions (else NULL): one object per
     # run of equal versions, {"model_version", "num_tokens", "num_loss_tokens"}, in token order.
@@ -113,7 +113,7 @@ events = Table(
     # migration 0009: logprobs at or below -9999.0 (the engine's placeholder for none,
     # stored as missing); NULL when the call sent no logprobs or was appended before 0009
     Column("num_placeholder_logprobs", Integer, nullable=True),
-    # migration 0009: route drift (SPEC R3 health). Rows the call sent for positions its
+    # migration 0009: route drift (docs/reference.md R3 health). Rows the call sent for positions its
     # sample had already recorded (the fold ignores them), and how many of those differ
     # from the recorded rows in any entry. NULL without routes; drifted NULL when not
     # measured (rows appended before 0009: resent was backfilled, drift cannot be).
@@ -197,7 +197,7 @@ unfoldable_trajectories = Table(
     Column("kind", String(16), nullable=False, server_default="data"),
 )
 
-# migration 0009: the store's label map (SPEC "Versions"), filled by version_label
+# migration 0009: the store's label map (docs/reference.md "Versions"), filled by version_label
 # events: an engine's weight-version label -> a model version. A label is mapped
 # once (a different version for it is a conflict); ``position`` is the
 # version_label event's.
@@ -280,7 +280,7 @@ projection_unfoldable = Table(
       for c in unfoldable_trajectories.columns],
 )
 
-# migration 0013: training lineage (SPEC "Training lineage"; docs/reference.md). Filled by
+# migration 0013: training lineage (docs/reference.md "Training lineage"; docs/reference.md). Filled by
 # the train_step and sample_annotation events in the transaction that appends them
 # (``position`` is the event's); never updated. The views ``train_steps``,
 # ``sample_consumption``, ``train_rollout_mismatch`` and

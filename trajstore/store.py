@@ -59,7 +59,7 @@ class AppendResult:
     (identical retries): a caller that coalesced several requests into one
     append can tell each its own counts."""
     route_rows_resent: int = 0
-    """Route drift of the stored calls (SPEC R3 health): rows re-sent for recorded positions..."""
+    """Route drift of the stored calls (docs/reference.md R3 health): rows re-sent for recorded positions..."""
     route_rows_drifted: int = 0
     """...and how many of those differed from the recorded rows (what a metrics counter adds up)."""
 
@@ -132,7 +132,7 @@ class Store:
 
     # -- appending ---------------------------------------------------------
     def append(self, events: Iterable[Mapping[str, Any] | Event]) -> AppendResult:
-        """Append wire-format events atomically and idempotently (SPEC "Event wire format").
+        """Append wire-format events atomically and idempotently (docs/reference.md "Event wire format").
 
         Raises ValidationError (naming the event index, trajectory and rule) and
         stores nothing when any event is refused; StoreUnavailable (retriable:

@@ -3,7 +3,7 @@
 Two streaming passes over the file, neither of which keeps more than one
 batch of events:
 
-1. **Validate.** Every line is parsed and validated (SPEC's stateless rules)
+1. **Validate.** Every line is parsed and validated (docs/reference.md's stateless rules)
    and admitted against its trajectory's tail state — read from the store,
    then threaded through the file — exactly as ``Store.append`` would, but
    nothing is written. Events already stored (a re-run) are recognized by

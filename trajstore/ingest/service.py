@@ -1,6 +1,6 @@
 """HTTP ingest service: ``POST /v1/events`` into ``store.append``.
 
-A thin edge over the library (ARCHITECTURE "Edges stay thin"): events are
+A thin edge over the library (docs/design.md: edges stay thin): events are
 parsed with ``trajstore.events.parse_events`` and stored with ``store.append``;
 nothing here re-implements a rule. FastAPI and uvicorn are imported lazily,
 so the core never needs them (``pip install 'trajstore[server]'``).

@@ -49,7 +49,7 @@ What the events carry:
 * **versions.** ``meta_info["weight_versions"]`` (spans ``{version, start,
   end}`` over output tokens, ``utils/weight_versions.py``) go into the
   event's ``weight_versions`` as sent, beside the call's declared
-  ``model_version``: the store resolves them (SPEC "Versions": the unset
+  ``model_version``: the store resolves them (docs/reference.md "Versions": the unset
   label ``"default"`` is that ``model_version``, an integer label is itself,
   any other label goes through the store's label map). A response with only
   ``weight_version`` (one label) is one span over the whole output.

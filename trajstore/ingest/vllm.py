@@ -235,7 +235,7 @@ def _spans_as_sent(spans: Any) -> list[dict] | None:
 def _drop_declared_version(event: dict) -> None:
     """The engine's spans say every token's version: the call's declared
     ``model_version`` stays only as the version of the engine's unset label
-    ``"default"`` (SPEC "Versions"), or when the spans are empty. Sent beside
+    ``"default"`` (docs/reference.md "Versions"), or when the spans are empty. Sent beside
     spans that do not use it, it would have to equal the last token's version,
     which the declaration (made before the call ran) cannot know."""
     spans = event.get("weight_versions")

@@ -883,7 +883,7 @@ PANELS: tuple[Panel, ...] = (
           "trajectory finished, and by how many versions one sample mixes.",
           _staleness_sql, _staleness_draw),
     Panel("merge_ratio", "Merge ratio",
-          "Samples per engine call for each finished trajectory (SPEC merge_ratio; lower is more merging), and "
+          "Samples per engine call for each finished trajectory (docs/reference.md merge_ratio; lower is more merging), and "
           "how many calls each sample folds.",
           _merge_sql, _merge_draw),
     Panel("prefix_mismatches", "Prefix mismatches",

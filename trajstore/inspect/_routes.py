@@ -2,7 +2,7 @@
 ``trajstore track`` both count, in one pass of numpy over the route rows.
 
 The route row that produced generated token j is the row of the position
-before it (SPEC "Routed experts"): the decode routes. Rows without a captured
+before it (docs/reference.md "Routed experts"): the decode routes. Rows without a captured
 route (``routed_experts_mask``) are left out. Layers whose every entry is 0 are
 dense layers as vLLM records them (zeros), and are dropped from the figures.
 """

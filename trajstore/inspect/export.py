@@ -1,7 +1,7 @@
 """Exporting samples as a Parquet dataset anyone can read (pyarrow, DuckDB,
 Polars, Hugging Face ``datasets``) with no trajstore code.
 
-Columns carry the SPEC sample field names, in plain Arrow types (SPEC
+Columns carry the docs/reference.md sample field names, in plain Arrow types (docs/reference.md
 "Exported columns"). Token-level fields are lists of numbers:
 ``routed_experts`` is a list (one entry per token of prompt + response) of
 fixed-size lists ``[layers]`` of fixed-size lists ``[topk]`` of uint8/uint16,
@@ -31,7 +31,7 @@ from trajstore._samples import sample_columns
 
 __all__ = ["export_samples", "export_table", "routes_from_export"]
 
-# the exported columns, in SPEC order ("Exported columns")
+# the exported columns, in docs/reference.md order ("Exported columns")
 _ORDER = ("trajectory_id", "group_id", "sample_index", "is_last_step", "status", "finish_reason",
           "prompt_ids", "response_ids", "loss_mask", "rollout_logprobs", "token_model_versions", "token_rewards",
           "logprobs_mask", "routed_experts_mask", "reward", "routed_experts", "min_model_version",

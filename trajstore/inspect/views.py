@@ -149,7 +149,7 @@ reasons AS (
     GROUP BY trajectory_id
 ),
 last_call_reward AS (
-    -- The SPEC gives the final sample the last per-call reward among its calls.
+    -- The docs/reference.md gives the final sample the last per-call reward among its calls.
     SELECT g.trajectory_id, g.reward
     FROM generation_events g
     JOIN (SELECT trajectory_id, MAX(seq) AS seq FROM generation_events
@@ -243,7 +243,7 @@ LEFT JOIN policy p ON p.position = s.finished_position
 
 def _model_version_stats(dialect: str) -> str:
     # One row per (call, version it generated at): a call whose tokens span
-    # versions (SPEC "Versions") contributes one row per span, exactly.
+    # versions (docs/reference.md "Versions") contributes one row per span, exactly.
     return f"""
 WITH call_versions AS (
     SELECT trajectory_id, model_version, output_len AS num_tokens, num_loss_tokens, finish_reason

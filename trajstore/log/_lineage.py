@@ -1,4 +1,4 @@
-"""The lineage tables of the log index (SPEC "Training lineage"): written in the
+"""The lineage tables of the log index (docs/reference.md "Training lineage"): written in the
 append's transaction from the facts admission made (``trajstore._lineage``),
 and the reads admission and the lineage readers need."""
 

@@ -163,7 +163,7 @@ class EventLog(ABC):
 
     @abstractmethod
     def load_labels(self, labels: Collection[str]) -> dict[str, int]:
-        """The label map's entries for ``labels`` (SPEC "Versions"; missing ones are absent)."""
+        """The label map's entries for ``labels`` (docs/reference.md "Versions"; missing ones are absent)."""
 
     @abstractmethod
     def pending_labels(self, trajectory_ids: Collection[str]) -> dict[str, dict[str, tuple[int, int] | None]]:
@@ -178,7 +178,7 @@ class EventLog(ABC):
         calls the fold resolves; the others' versions were decided at admission)."""
     def lineage_keys(self, keys: Collection[tuple]) -> dict[tuple, str]:
         """For each lineage key (``trajstore._lineage.lineage_key``) already recorded,
-        the identity of the event that recorded it (SPEC "Training lineage")."""
+        the identity of the event that recorded it (docs/reference.md "Training lineage")."""
         raise NotImplementedError
 
     def standing_attempt(self, run: str, step: int, rank: int) -> int | None:

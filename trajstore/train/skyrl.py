@@ -100,7 +100,7 @@ class SkyRLBatch:
     logprobs_mask: list[np.ndarray]
     """Per row, bool ``[R]``: True where ``rollout_logprobs`` holds a logprob the engine reported."""
     routed_experts_mask: list[np.ndarray] | None
-    """Per row, bool ``[P+R]``: True where no route was captured (SPEC); None without routes."""
+    """Per row, bool ``[P+R]``: True where no route was captured (docs/reference.md); None without routes."""
     masked_missing_logprobs: int = 0
     """Trained tokens whose loss mask was zeroed because they had no logprob (``missing_logprobs="mask"``)."""
     step: int | None = None

@@ -29,7 +29,7 @@ trajectory's recorded sequence, ``routed_experts_start_len`` is set to the
 recorded rows (``--no-route-skip`` turns that off; a caller's value is kept).
 
 Weight versions go to the store as SGLang's spans, which it resolves
-(SPEC "Versions"); ``--version-map '{"step-42": 42}'`` appends those
+(docs/reference.md "Versions"); ``--version-map '{"step-42": 42}'`` appends those
 ``version_label`` events to the store's label map when the proxy starts.
 """
 

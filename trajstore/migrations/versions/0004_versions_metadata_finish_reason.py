@@ -4,7 +4,7 @@ Revision ID: 0004
 Revises: 0002
 Create Date: 2026-11-23
 
-SPEC "Versions" and generation ``metadata``:
+docs/reference.md "Versions" and generation ``metadata``:
 
 * ``events.min_model_version``: the first output token's version (the last
   one stays ``model_version``); filled for existing rows;
@@ -171,7 +171,7 @@ reasons AS (
     GROUP BY trajectory_id
 ),
 last_call_reward AS (
-    -- The SPEC gives the final sample the last per-call reward among its calls.
+    -- The docs/reference.md gives the final sample the last per-call reward among its calls.
     SELECT r.trajectory_id, r.reward
     FROM (
         SELECT trajectory_id, sample_index, reward,
@@ -262,7 +262,7 @@ LEFT JOIN policy p ON p.position = s.finished_position
 
 def _model_version_stats(dialect: str) -> str:
     # One row per (call, version it generated at): a call whose tokens span
-    # versions (SPEC "Versions") contributes one row per span, exactly.
+    # versions (docs/reference.md "Versions") contributes one row per span, exactly.
     return f"""
 WITH call_versions AS (
     SELECT trajectory_id, model_version, output_len AS num_tokens, num_loss_tokens, finish_reason

@@ -150,7 +150,7 @@ reasons AS (
     GROUP BY trajectory_id
 ),
 last_call_reward AS (
-    -- The SPEC gives the final sample the last per-call reward among its calls.
+    -- The docs/reference.md gives the final sample the last per-call reward among its calls.
     SELECT r.trajectory_id, r.reward
     FROM (
         SELECT trajectory_id, sample_index, reward,
@@ -325,7 +325,7 @@ reasons AS (
     GROUP BY trajectory_id
 ),
 last_call_reward AS (
-    -- The SPEC gives the final sample the last per-call reward among its calls.
+    -- The docs/reference.md gives the final sample the last per-call reward among its calls.
     SELECT r.trajectory_id, r.reward
     FROM (
         SELECT trajectory_id, sample_index, reward,

@@ -4,7 +4,7 @@ Revision ID: 0009
 Revises: 0008
 Create Date: 2026-11-25
 
-SPEC "Versions" (the engine's ``weight_versions`` spans and the store's
+docs/reference.md "Versions" (the engine's ``weight_versions`` spans and the store's
 label map):
 
 * ``events.weight_versions``: JSON, a generation's spans exactly as sent;
@@ -13,13 +13,13 @@ label map):
 * ``unresolved_labels``: the labels of a generation the map did not hold
   when it was appended (its trajectory is held back until they are mapped).
 
-SPEC "Ordering and validation", the -9999.0 rule:
+docs/reference.md "Ordering and validation", the -9999.0 rule:
 
 * ``events.num_placeholder_logprobs``: logprobs at or below -9999.0 a call
   sent (stored as missing); NULL for calls without logprobs and for rows
   appended before this revision (counting them would read every payload).
 
-Route drift (SPEC "Routed experts", R3 health):
+Route drift (docs/reference.md "Routed experts", R3 health):
 
 * ``events.route_rows_resent``: rows a call sent for positions its sample
   had already recorded. Backfilled for existing rows: admission stored only
@@ -168,7 +168,7 @@ reasons AS (
     GROUP BY trajectory_id
 ),
 last_call_reward AS (
-    -- The SPEC gives the final sample the last per-call reward among its calls.
+    -- The docs/reference.md gives the final sample the last per-call reward among its calls.
     SELECT g.trajectory_id, g.reward
     FROM generation_events g
     JOIN (SELECT trajectory_id, MAX(seq) AS seq FROM generation_events
@@ -370,7 +370,7 @@ reasons AS (
     GROUP BY trajectory_id
 ),
 last_call_reward AS (
-    -- The SPEC gives the final sample the last per-call reward among its calls.
+    -- The docs/reference.md gives the final sample the last per-call reward among its calls.
     SELECT g.trajectory_id, g.reward
     FROM generation_events g
     JOIN (SELECT trajectory_id, MAX(seq) AS seq FROM generation_events

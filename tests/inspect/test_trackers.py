@@ -178,3 +178,24 @@ def test_worker_pushes_until_sigterm(run_store, tmp_path):
     finally:
         proc.kill()
     assert len(_tensorboard_scalars(str(tmp_path / "tb"))["trajstore/samples"]) >= 2
+
+
+def test_pushes_are_keyed_by_the_training_step_with_the_trainers_metrics(run_store, tmp_path):
+    """With lineage, each push is keyed by the newest training step, carries that step's
+    trainer metrics (mean over ranks) and the k3 mismatch of its annotated tokens."""
+    store = run_store
+    readers = [trajstore.SampleReader(store, rank=r, world_size=2, batch_size=4) for r in range(2)]
+    batches = [next(iter(reader)) for reader in readers]
+    for r, (reader, batch) in enumerate(zip(readers, batches)):
+        s = batch[0]
+        logprobs = np.asarray(s.rollout_logprobs, np.float32) + 0.1  # r = 0.1 on every compared token
+        reader.record_step(7, run="grpo", policy_version=9, metrics={"loss": 1.0 + r, "kl": 0.5},
+                           annotations={(s.trajectory_id, s.sample_index): {"trainer_logprobs": logprobs}})
+    pusher = TrackerPusher(reader_url_for(store.url), [TensorBoardSink(str(tmp_path / "tb"))],
+                           payload=store.payload.location)
+    pushed = pusher.push()
+    pusher.close()
+    assert pushed["trajstore/train/loss"] == 1.5 and pushed["trajstore/train/kl"] == 0.5
+    k3 = math.exp(0.1) - 1 - 0.1
+    assert math.isclose(pushed["trajstore/mismatch/k3_mean"], k3, rel_tol=1e-3)
+    assert _tensorboard_scalars(str(tmp_path / "tb"))["trajstore/train/loss"] == [(7, 1.5)]

@@ -47,7 +47,24 @@ def run_events(first: int, count: int, *, version_base: int = 0) -> list[list[di
 def fill(store, first: int = 0, count: int = NUM_TRAJECTORIES, *, version_base: int = 0):
     for events in run_events(first, count, version_base=version_base):
         store.append(events)
-    return store.materialize()
+    stats = store.materialize()
+    train(store, first)
+    return stats
+
+
+def train(store, first_step: int, steps: int = 2) -> None:
+    """A trainer's lineage: ``steps`` steps of 8 samples, with metrics and the trainer's
+    logprobs of two samples a step (the training panels draw them)."""
+    import numpy as np
+
+    reader = trajstore.SampleReader(store, batch_size=8)
+    for k, batch in zip(range(steps), reader):
+        annotations = {(s.trajectory_id, s.sample_index):
+                       {"trainer_logprobs": np.asarray(s.rollout_logprobs, np.float32) - 0.05 * (k + 1)}
+                       for s in batch[:2]}
+        reader.record_step(first_step + k, run="run-a", policy_version=max(s.max_model_version for s in batch),
+                           metrics={"loss": 1.0 / (first_step + k + 1), "kl": 0.01},
+                           annotations=annotations)
 
 
 @pytest.fixture

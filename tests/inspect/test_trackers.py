@@ -94,8 +94,7 @@ def test_every_tracker_gets_the_store_figures(run_store, tmp_path):
     assert first["trajstore/moe/max_vio/max"] > 0  # the demo's routes are random: never perfectly even
     assert "trajstore/ingest/calls_per_s" not in first and second["trajstore/ingest/calls_per_s"] > 0
     assert second["trajstore/samples"] > first["trajstore/samples"]
-    step = max(s.max_model_version for s in store.samples())
-    assert step >= 10
+    step = 101  # the newest training step: fill(store, 100, ...) records steps 100 and 101 (lineage)
 
     scalars = _tensorboard_scalars(str(tmp_path / "tb"))
     assert [v for _, v in scalars["trajstore/samples"]] == [first["trajstore/samples"], second["trajstore/samples"]]

@@ -517,8 +517,11 @@ def test_cli_materialize_and_info_show_unfoldable(store_url, tmp_path, capsys):
     make_bad_prefix(store, "bad")
     make_missing_payload(store, "gone")
     good(store, "ok")
-    assert main(["--store", store_url, "--payload", payload, "materialize"]) == 0
-    out = capsys.readouterr().out
+    # a quarantined trajectory (its payload file is missing) is not success: exit 1, the fix named
+    assert main(["--store", store_url, "--payload", payload, "materialize"]) == 1
+    captured = capsys.readouterr()
+    assert "1 trajectory quarantined" in captured.err and "--refold-quarantined" in captured.err
+    out = captured.out
     metrics = json.loads(out[out.index("{"):])
     assert (metrics["num_trajectories"], metrics["num_unfoldable"]) == (1, 2)
     assert main(["--store", store_url, "--payload", payload, "info"]) == 0

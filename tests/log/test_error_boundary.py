@@ -75,3 +75,18 @@ def test_raw_driver_errors_are_mapped_and_the_rest_passes_through(tmp_path):
                     raise KeyError("not the driver's")
     finally:
         conn.close()
+
+
+def test_a_server_starting_up_is_one_to_wait_out():
+    psycopg_errors = pytest.importorskip("psycopg.errors")
+    from trajstore.log._errors import ServerRecovering
+
+    # what psycopg raises while PostgreSQL starts up (SQLSTATE 57P03), as the driver builds it
+    with pytest.raises(ServerRecovering, match="^reading: the database system is starting up$") as caught:
+        with driver_errors("reading", mode="opening"):
+            raise psycopg_errors.CannotConnectNow("the database system is starting up")
+    assert isinstance(caught.value, StoreUnavailable)
+    with pytest.raises(StoreUnavailable) as caught:
+        with driver_errors("reading", mode="opening"):
+            raise psycopg_errors.UndefinedTable("relation \"x\" does not exist")
+    assert not isinstance(caught.value, ServerRecovering)

@@ -28,9 +28,8 @@ transaction resolves itself (it looks whether the commit landed).
 (unreachable, timed out, no such table, a login that may not migrate):
 ``StoreUnavailable("<what>: <the driver's first line>")``, except, with
 ``races=True``, a unique key another process took first (``StaleState``: the
-caller reads what it wrote), and
-a server starting up, in recovery or shutting down (``ServerRecovering``, a
-``StoreUnavailable`` the caller may wait out).
+caller reads what it wrote), and a server starting up, in recovery or shutting
+down (``ServerRecovering``, a ``StoreUnavailable`` the caller may wait out).
 
 ``driver_errors(what, mode="user_query")``: a query a user wrote (``trajstore
 sql``) that the database refused: ``TrajstoreError("<what>: <the database's

@@ -9,6 +9,10 @@
 * Every public module declares ``__all__``, it lists every public name the
   module defines, and it is exactly that module's row of ``PUBLIC_API``: a name
   enters or leaves the public surface only by changing this file too.
+* One driver-error boundary: outside ``trajstore/log/`` no module imports a
+  driver's exception classes (``sqlalchemy.exc``, psycopg's or sqlite3's) or
+  names one in an ``except``; it runs its database calls inside
+  ``trajstore.log._errors.driver_errors`` instead.
 """
 
 from __future__ import annotations
@@ -239,3 +243,81 @@ def test_all_lists_exactly_the_public_definitions(name: str):
     assert not missing, f"{name} defines public {sorted(missing)} but __all__ leaves them out"
     assert len(mod.__all__) == len(set(mod.__all__)), f"{name}.__all__ lists a name twice"
     assert set(mod.__all__) == PUBLIC_API[name], f"{name}.__all__ is not its row of PUBLIC_API"
+
+
+# -- one driver-error boundary -------------------------------------------------
+
+DRIVERS = ("sqlalchemy", "psycopg", "sqlite3")
+# sqlalchemy.exc names that are no driver's error: a URL SQLAlchemy cannot parse
+NOT_DRIVER_ERRORS = {"ArgumentError"}
+
+
+def _dotted(node: ast.AST) -> str:
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        return f"{_dotted(node.value)}.{node.attr}"
+    return ""
+
+
+def _driver_error_uses(source: str) -> list[str]:
+    """Where ``source`` imports a driver's exception classes or catches one."""
+    import sqlalchemy.exc
+
+    sa_errors = {n for n, v in vars(sqlalchemy.exc).items()
+                 if inspect.isclass(v) and issubclass(v, BaseException)} - NOT_DRIVER_ERRORS
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [f"line {node.lineno}: import {a.name}" for a in node.names
+                      if a.name.startswith(("sqlalchemy.exc", "psycopg.errors"))]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            mod = node.module or ""
+            root = mod.split(".")[0]
+            if mod.startswith(("sqlalchemy.exc", "psycopg.errors")):
+                names = [a.name for a in node.names if a.name not in NOT_DRIVER_ERRORS]
+            elif root in DRIVERS:
+                names = [a.name for a in node.names if a.name.endswith(("Error", "Warning", "Exception"))
+                         or a.name in ("exc", "errors")]
+            else:
+                names = []
+            found += [f"line {node.lineno}: from {mod} import {n}" for n in names]
+        elif isinstance(node, ast.ExceptHandler) and node.type is not None:
+            types = node.type.elts if isinstance(node.type, ast.Tuple) else [node.type]
+            for t in types:
+                name = _dotted(t)
+                if name.split(".")[0] in DRIVERS or name.split(".")[-1] in sa_errors:
+                    found.append(f"line {node.lineno}: except {name}")
+    return found
+
+
+def test_no_driver_error_is_caught_outside_the_boundary():
+    log_pkg = PKG / "log"
+    bad = {name: _driver_error_uses(path.read_text()) for name, path in MODULES.items()
+           if log_pkg not in path.parents}
+    assert {m: uses for m, uses in bad.items() if uses} == {}
+
+
+def test_the_boundary_check_sees_driver_errors():
+    # The rule above would be vacuous if it missed the ways code catches driver errors.
+    source = """
+import sqlite3
+import psycopg
+from sqlalchemy.exc import IntegrityError, ArgumentError
+def f():
+    from sqlalchemy.exc import DBAPIError
+    try:
+        pass
+    except (sqlite3.Error, sqlite3.Warning):
+        pass
+    except psycopg.Error:
+        pass
+    except DBAPIError:
+        pass
+    except ArgumentError:
+        pass
+"""
+    uses = _driver_error_uses(source)
+    assert sorted(u.split(": ", 1)[1] for u in uses) == sorted([
+        "from sqlalchemy.exc import IntegrityError", "from sqlalchemy.exc import DBAPIError",
+        "except sqlite3.Error", "except sqlite3.Warning", "except psycopg.Error", "except DBAPIError"])

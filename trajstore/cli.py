@@ -494,12 +494,12 @@ def _close_quietly(store: Any) -> None:
 
 def _one_line(e: BaseException) -> str:
     """A trajstore error's message; anything else (a bug or a driver error) named by its type."""
-    from sqlalchemy.exc import DBAPIError
-
     from trajstore.errors import ValidationError
+    from trajstore.log._errors import database_error_line
 
-    if isinstance(e, DBAPIError) and e.orig is not None:
-        text = f"database error: {e.orig}"
+    database_error = database_error_line(e)
+    if database_error is not None:
+        text = database_error
     elif isinstance(e, ValidationError) and e.rule == "url":
         text = e.reason  # a mistyped --store: the [rule] tag is for events
     elif isinstance(e, (TrajstoreError, OSError, ImportError)):

@@ -32,7 +32,7 @@ from trajstore.errors import (CommitUnknownError, ConflictError, ContentionError
 from trajstore.events import (ARRAY_FIELDS, Event, Generation, TrajectoryFinished, TrajectoryStarted, VersionLabel,
                               content_hash, decimal_label, identity_of, parse_events, same_content)
 from trajstore.log.base import EventLog, Repoint, SampleIndex, StaleState, TrajectoryWrite
-from trajstore.log._errors import opening_error
+from trajstore.log._errors import driver_errors
 from trajstore.log._open import open_sql
 from trajstore.payload import PayloadStore, SegmentRows
 from trajstore.payload._format import SegmentKind
@@ -114,13 +114,8 @@ class Store:
         if migrate:
             from trajstore._migrate import upgrade
 
-            try:
+            with driver_errors(f"cannot open store {_safe(url)}", mode="opening"):  # first contact: one line
                 upgrade(write_engine)
-            except Exception as e:  # driver errors at first contact: one clear line
-                error = opening_error(e, f"cannot open store {_safe(url)}")
-                if error is e:
-                    raise
-                raise error from None
         # the payload location the store recorded (refusing a disagreeing one) before any payload I/O
         location = _payload_home.resolve(url, write_engine, read_engine, payload,
                                          lambda: backend.default_payload_dir(url), record=migrate)
@@ -830,14 +825,11 @@ def _require_schema(url: str, engine: Any) -> None:
     from sqlalchemy import inspect as sa_inspect
 
     try:
-        with engine.connect() as conn:
+        with driver_errors(f"cannot open store {_safe(url)}", mode="opening"), engine.connect() as conn:
             present = sa_inspect(conn).has_table("alembic_version")
-    except Exception as e:
-        error = opening_error(e, f"cannot open store {_safe(url)}")
-        if error is e:
-            raise
+    except StoreUnavailable:
         engine.dispose()
-        raise error from None
+        raise
     if not present:
         engine.dispose()
         raise StoreUnavailable(f"no store at {_safe(url)} (trajstore init, ingest or demo makes one)")

@@ -22,7 +22,9 @@ Read-only is enforced by the database, not by looking at the query text:
   by the server, and the transaction is always rolled back, never committed.
 
 Either way a refused query raises TrajstoreError with the database's reason
-in one line, and the store is left exactly as it was.
+in one line (``trajstore.log._errors.driver_errors`` in its ``"user_query"``
+mode, the boundary that maps every driver error), and the store is left
+exactly as it was.
 """
 
 from __future__ import annotations
@@ -43,8 +45,9 @@ from typing import Any, Callable, Iterator, TextIO
 
 from sqlalchemy.engine import make_url
 
-from trajstore.errors import StoreUnavailable, TrajstoreError, first_line
+from trajstore.errors import StoreUnavailable, TrajstoreError
 from trajstore.inspect.views import READER_ROLE
+from trajstore.log._errors import driver_errors
 
 __all__ = ["QueryResult", "read_only", "run_query", "print_result", "with_iso_times", "create_reader_login",
            "add_cli_arguments", "run_from_args"]
@@ -89,23 +92,21 @@ def run_query(url: str | None, sql: str, *, timeout_s: float | None = None) -> Q
 
 
 def _upgrade(url: str, dialect: Any) -> None:
-    from sqlalchemy.exc import DBAPIError
-
     if make_url(url).get_backend_name() == "sqlite":
         path = make_url(url).database
         if not path or path == ":memory:" or not os.path.exists(path):
             raise StoreUnavailable(f"no store at {path} (trajstore init, ingest or demo makes one)")
     write_engine, read_engine = dialect.make_engines(url)
     try:
-        if not _has_schema(read_engine):
-            raise StoreUnavailable(f"no store at {make_url(url).render_as_string(hide_password=True)} "
-                                   "(trajstore init, ingest or demo makes one)")
-        if not _at_head(read_engine):
-            from trajstore._migrate import upgrade
+        # unreachable, or a reader login that cannot migrate
+        with driver_errors("cannot open store", mode="opening"):
+            if not _has_schema(read_engine):
+                raise StoreUnavailable(f"no store at {make_url(url).render_as_string(hide_password=True)} "
+                                       "(trajstore init, ingest or demo makes one)")
+            if not _at_head(read_engine):
+                from trajstore._migrate import upgrade
 
-            upgrade(write_engine)
-    except DBAPIError as e:  # unreachable, or a reader login that cannot migrate
-        raise StoreUnavailable(f"cannot open store: {first_line(e)}") from None
+                upgrade(write_engine)
     finally:
         write_engine.dispose()
         read_engine.dispose()
@@ -165,10 +166,8 @@ def _sqlite_authorizer(action: int, arg1: str | None, arg2: str | None, _db: str
 def _sqlite_reader(url: str, timeout_s: float | None) -> Iterator[Query]:
     path = os.path.abspath(make_url(url).database)
     uri = f"file:{urllib.request.pathname2url(path)}?mode=ro"
-    try:
+    with driver_errors(f"cannot open {path} read-only", mode="opening"):
         conn = sqlite3.connect(uri, uri=True, isolation_level=None, timeout=60.0)
-    except sqlite3.Error as e:
-        raise StoreUnavailable(f"cannot open {path} read-only: {e}") from None
     try:
         conn.execute("PRAGMA query_only=ON")
         conn.execute("BEGIN")  # one snapshot for every query (WAL)
@@ -184,16 +183,10 @@ def _sqlite_execute(conn: sqlite3.Connection, sql: str, timeout_s: float | None)
         deadline = time.monotonic() + timeout_s
         conn.set_progress_handler(lambda: int(time.monotonic() > deadline), 10_000)
     try:
-        cur = conn.execute(sql)
-        columns = [d[0] for d in cur.description or ()]
-        rows = cur.fetchall()
-    except (sqlite3.Error, sqlite3.Warning) as e:
-        msg = str(e)
-        if msg == "interrupted" and timeout_s:
-            msg = f"query exceeded the {timeout_s:g} s timeout"
-        elif msg == "not authorized":
-            msg = "not authorized (trajstore sql is read-only)"
-        raise TrajstoreError(f"SQL error: {first_line(msg)}") from None
+        with driver_errors("SQL error", mode="user_query", timeout_s=timeout_s):
+            cur = conn.execute(sql)
+            columns = [d[0] for d in cur.description or ()]
+            rows = cur.fetchall()
     finally:
         conn.set_progress_handler(None, 0)
     return QueryResult(columns, rows)
@@ -214,10 +207,8 @@ def _postgres_reader(url: str, timeout_s: float | None) -> Iterator[Query]:
     # never reused with our role.
     url, connect_args = engine_options(url)
     engine = create_engine(url, poolclass=NullPool, connect_args=connect_args)
-    try:
+    with driver_errors("cannot open store", mode="opening"):
         fairy = engine.raw_connection()
-    except Exception as e:
-        raise StoreUnavailable(f"cannot open store: {first_line(e)}") from None
     conn: psycopg.Connection = fairy.driver_connection
     try:
         conn.rollback()
@@ -273,17 +264,11 @@ def _check_login(conn: Any) -> None:
 
 
 def _enter_reader_role(conn: Any, timeout_s: float | None) -> None:
-    import psycopg
-
-    try:
+    with driver_errors(f"cannot switch to the read-only role {READER_ROLE} ({{reason}}); "
+                       "see 'Read-only access' in docs/sql.md", mode="user_query"):
         _check_login(conn)
         with conn.cursor() as cur:
             cur.execute(f"SET LOCAL ROLE {READER_ROLE}")
-    except psycopg.Error as e:
-        raise TrajstoreError(
-            f"cannot switch to the read-only role {READER_ROLE} ({_pg_message(e)}); "
-            "see 'Read-only access' in docs/sql.md"
-        ) from None
     with conn.cursor() as cur:
         if timeout_s:
             cur.execute(f"SET LOCAL statement_timeout = {int(timeout_s * 1000)}")
@@ -306,9 +291,7 @@ def create_reader_login(store: Any, login: str, password: str | None = None) -> 
     if not re.fullmatch(r"[a-z_][a-z0-9_]{0,62}", login):
         raise TrajstoreError(f"reader login {login!r}: use lowercase letters, digits and _ (at most 63)")
     password = password if password is not None else os.environ.get("TRAJSTORE_READER_PASSWORD")
-    from sqlalchemy.exc import DBAPIError
-
-    try:
+    with driver_errors(f"cannot make reader login {login!r}", mode="opening"):
         with store.log.write_engine.begin() as conn:
             exists = conn.execute(text("SELECT 1 FROM pg_roles WHERE rolname = :n"), {"n": login}).first()
             attrs = "LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE NOREPLICATION NOBYPASSRLS INHERIT"
@@ -318,8 +301,6 @@ def create_reader_login(store: Any, login: str, password: str | None = None) -> 
                 conn.exec_driver_sql(f"ALTER ROLE {login} PASSWORD {quoted}")
             conn.exec_driver_sql(f"GRANT {READER_ROLE} TO {login}")
             conn.exec_driver_sql(f"ALTER ROLE {login} SET default_transaction_read_only = on")
-    except DBAPIError as e:
-        raise StoreUnavailable(f"cannot make reader login {login!r}: {first_line(e)}") from None
     # The URL carries no password (a masked one would be sent as the password itself): libpq
     # takes it from $PGPASSWORD, set here from the variable it was read from, so the line
     # works as pasted into the shell that ran init and never prints the secret.
@@ -335,26 +316,14 @@ def create_reader_login(store: Any, login: str, password: str | None = None) -> 
 
 
 def _postgres_execute(conn: Any, sql: str) -> QueryResult:
-    import psycopg
-
-    try:
-        with conn.cursor() as cur:
-            # Again before every query: an earlier one may have run set_config('role', ...).
-            cur.execute(f"SET LOCAL ROLE {READER_ROLE}")
-            # prepare=True: one Parse message, so the server refuses a second statement.
-            cur.execute(sql, prepare=True)
-            columns = [d.name for d in cur.description or ()]
-            rows = cur.fetchall() if cur.description else []
-    except psycopg.Error as e:
-        raise TrajstoreError(f"SQL error: {_pg_message(e)}") from None
+    with driver_errors("SQL error", mode="user_query"), conn.cursor() as cur:
+        # Again before every query: an earlier one may have run set_config('role', ...).
+        cur.execute(f"SET LOCAL ROLE {READER_ROLE}")
+        # prepare=True: one Parse message, so the server refuses a second statement.
+        cur.execute(sql, prepare=True)
+        columns = [d.name for d in cur.description or ()]
+        rows = cur.fetchall() if cur.description else []
     return QueryResult(columns, rows)
-
-
-def _pg_message(e: Exception) -> str:
-    diag = getattr(e, "diag", None)
-    primary = getattr(diag, "message_primary", None) or str(e)
-    position = getattr(diag, "statement_position", None)
-    return first_line(primary) + (f" (at character {position})" if position else "")
 
 
 # -- printing ----------------------------------------------------------------

@@ -2,10 +2,18 @@
 
 Every SQL transaction of the index runs inside ``trajstore.log._transaction``,
 which hands whatever the driver raised, from connect to COMMIT, to
-``translate``; opening a store (``store.py``) and the writer's store sink
-(``ingest/sinks.py``) ask this module too. Nothing else classifies driver
-exceptions, and callers only ever see trajstore errors (``trajstore.errors``)
-or ``StaleState``, which ``Store`` and the materializer handle:
+``translate``. Every other piece of code that talks to the database directly
+(opening a store in ``store.py``, the payload location in ``payload/_home.py``,
+``trajstore sql`` in ``inspect/sql.py``) runs it inside ``driver_errors``, the
+context manager that maps what the driver raised (SQLAlchemy's wrapped errors or
+the raw DB-API ones of sqlite3 and psycopg) to trajstore errors, in one of three
+modes; the writer's store sink (``ingest/sinks.py``) and the CLI's last-resort
+error line ask this module too. Nothing else classifies or catches driver
+exceptions (``tests/test_layout.py`` checks that no module outside ``log/``
+imports them), and callers only ever see trajstore errors (``trajstore.errors``)
+or ``StaleState``, which ``Store`` and the materializer handle.
+
+``driver_errors(what)`` (mode ``"index"``) is ``translate``:
 
 * a lost race (a unique key another writer took first, SQLSTATE 40:
   serialization failure, deadlock) -> ``StaleState``;
@@ -15,20 +23,33 @@ or ``StaleState``, which ``Store`` and the materializer handle:
 
 A connection lost *during* COMMIT (``lost_connection``) is the one case the
 transaction resolves itself (it looks whether the commit landed).
+
+``driver_errors(what, mode="opening")``: the database cannot be used as asked
+(unreachable, timed out, no such table, a login that may not migrate):
+``StoreUnavailable("<what>: <the driver's first line>")``, except, with
+``races=True``, a unique key another process took first (``StaleState``: the
+caller reads what it wrote), and a server starting up, in recovery or shutting
+down (``ServerRecovering``, a ``StoreUnavailable`` the caller may wait out).
+
+``driver_errors(what, mode="user_query")``: a query a user wrote (``trajstore
+sql``) that the database refused: ``TrajstoreError("<what>: <the database's
+reason>")`` in one line (``{reason}`` in ``what`` places it there instead).
 """
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Iterator, Literal
 
 from sqlalchemy import Engine
-from sqlalchemy.exc import DataError, DBAPIError, IntegrityError, InterfaceError, OperationalError, StatementError
+from sqlalchemy.exc import (DataError, DBAPIError, IntegrityError, InterfaceError, OperationalError, SQLAlchemyError,
+                            StatementError)
 
 from trajstore.errors import IndexInvariantError, StoreUnavailable, TrajstoreError, ValidationError, first_line
 from trajstore.log.base import StaleState
 
-__all__ = ["RACE_KEYS", "lost_connection", "opening_error", "retriable_error", "translate", "unreachable",
-           "wrapped"]
+__all__ = ["RACE_KEYS", "ServerRecovering", "database_error_line", "driver_errors", "lost_connection",
+           "retriable_error", "translate", "unreachable", "wrapped"]
 
 # Unique keys whose violation means "another writer got there first" (-> StaleState);
 # PostgreSQL reports the constraint name, SQLite "table.column".
@@ -104,16 +125,6 @@ def lost_connection(e: BaseException) -> bool:
     return unreachable(e)
 
 
-def opening_error(e: BaseException, what: str) -> BaseException:
-    """For an error while opening a store (connecting, checking its schema,
-    migrating it): a driver error means the database cannot be used as asked
-    (unreachable, timed out, a login that may not migrate):
-    ``StoreUnavailable("<what>: <its first line>")``. Anything else as it is."""
-    if isinstance(e, DBAPIError):
-        return StoreUnavailable(f"{what}: {first_line(e)}")
-    return e
-
-
 def retriable_error(e: BaseException, what: str) -> StoreUnavailable | None:
     """``StoreUnavailable`` when ``e`` is a driver error meaning "lost the
     connection" (a writer retries it), else None. ``Store`` translates these
@@ -140,3 +151,106 @@ def wrapped(e: BaseException, raw: Any, engine: Engine, what: str) -> BaseExcept
         except Exception:  # the connection is already broken: nothing more to learn from it
             pass
     return DBAPIError.instance(what, None, e, driver_error, connection_invalidated=lost, dialect=dialect)
+
+
+class ServerRecovering(StoreUnavailable):
+    """The server answered "starting up / in recovery / shutting down" (SQLSTATE
+    class 57P) or dropped the connection while terminating it: a restart, which
+    a caller may wait out as an append's commit outcome is."""
+
+
+_RECOVERING_TEXT = ("in recovery mode", "starting up", "shutting down", "terminating connection")
+
+
+def _recovering(e: BaseException) -> bool:
+    orig = getattr(e, "orig", None)
+    state = str(getattr(orig, "sqlstate", None) or getattr(e, "sqlstate", None) or "")
+    text = str(orig or e)
+    return state.startswith("57P") or any(t in text for t in _RECOVERING_TEXT)
+
+
+def _raw_driver_errors() -> tuple[type[BaseException], ...]:
+    """The DB-API base classes of the drivers trajstore uses, for a connection
+    opened on the driver itself (``trajstore sql``), which SQLAlchemy does not wrap."""
+    import sqlite3
+
+    classes: list[type[BaseException]] = [sqlite3.Error, sqlite3.Warning]
+    try:
+        import psycopg
+    except ImportError:  # a SQLite-only install
+        pass
+    else:
+        classes += [psycopg.Error, psycopg.Warning]
+    return tuple(classes)
+
+
+def _is_driver_error(e: BaseException) -> bool:
+    return isinstance(e, SQLAlchemyError) or isinstance(e, _raw_driver_errors())
+
+
+def _reason(e: BaseException) -> str:
+    """The database's reason for refusing a statement, in one line (PostgreSQL's
+    primary message and the character it points at)."""
+    orig = getattr(e, "orig", None) or e
+    diag = getattr(orig, "diag", None)
+    primary = getattr(diag, "message_primary", None) or str(orig)
+    position = getattr(diag, "statement_position", None)
+    return first_line(primary) + (f" (at character {position})" if position else "")
+
+
+def _user_query_error(e: BaseException, what: str, timeout_s: float | None) -> TrajstoreError:
+    reason = _reason(e)
+    if reason == "interrupted" and timeout_s:  # SQLite's progress handler stopped it
+        reason = f"query exceeded the {timeout_s:g} s timeout"
+    elif reason == "not authorized":  # SQLite's authorizer refused it
+        reason = "not authorized (trajstore sql is read-only)"
+    if "{reason}" in what:
+        return TrajstoreError(what.replace("{reason}", reason))
+    return TrajstoreError(f"{what}: {reason}")
+
+
+def _opening_error(e: BaseException, what: str, races: bool) -> BaseException:
+    if races and isinstance(e, IntegrityError):
+        return StaleState(f"{what}: another process wrote it first ({first_line(e)})")
+    if _recovering(e):
+        return ServerRecovering(f"{what}: {first_line(e)}")
+    return StoreUnavailable(f"{what}: {first_line(e)}")
+
+
+Mode = Literal["index", "opening", "user_query"]
+
+
+@contextlib.contextmanager
+def driver_errors(what: str, *, mode: Mode = "index", races: bool = False,
+                  timeout_s: float | None = None) -> Iterator[None]:
+    """Run the body with whatever a database driver raises in it mapped to a
+    trajstore error (or ``StaleState``), named by ``what``; see the module
+    docstring for the three modes. ``races`` (mode ``"opening"``): a unique key
+    another process took first is ``StaleState``. ``timeout_s``: the user query's timeout,
+    named when the database stopped it. Anything that is not a driver error
+    passes through as it is."""
+    try:
+        yield
+    except (TrajstoreError, StaleState):
+        raise
+    except Exception as e:
+        if mode == "index":
+            error = translate(e, what)
+        elif not _is_driver_error(e):
+            raise
+        elif mode == "opening":
+            error = _opening_error(e, what, races)
+        else:
+            error = _user_query_error(e, what, timeout_s)
+        if error is e:
+            raise
+        raise error from None
+
+
+def database_error_line(e: BaseException) -> str | None:
+    """For an error report of last resort (the CLI's): a driver error that got
+    past every boundary (a trajstore bug) as ``database error: <the driver's
+    message>``; None for anything else."""
+    if isinstance(e, DBAPIError) and e.orig is not None:
+        return f"database error: {e.orig}"
+    return None

@@ -48,9 +48,11 @@ from urllib.parse import parse_qsl, urlencode, urlparse
 
 import pyarrow.fs as pafs
 from sqlalchemy import Engine, func, inspect, select, update
-from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
+from trajstore._backoff import Backoff
 from trajstore.errors import PayloadLocationError, StoreUnavailable, first_line
+from trajstore.log._errors import ServerRecovering, driver_errors
+from trajstore.log.base import StaleState
 from trajstore.payload._durable import fsync_path, replace_durably
 from trajstore.payload._filesystem import _no_secret, filesystem_of, is_uri, join
 from trajstore.payload._format import SegmentKind
@@ -120,29 +122,19 @@ _RECOVERY_WAIT_S = 60.0
 
 def read_recorded(engine: Engine) -> str | None:
     """The recorded location (as recorded), None when none is."""
-    deadline = time.monotonic() + _RECOVERY_WAIT_S
-    delay = 0.05
+    backoff = Backoff(first_s=0.05, max_s=1.0)
     while True:
         try:
-            if not _has_settings(engine):
-                return None
-            with engine.connect() as conn:
-                return conn.execute(select(store_settings.c.value).where(store_settings.c.name == LOCATION)
-                                    ).scalar_one_or_none()
-        except SQLAlchemyError as e:
-            if _recovering(e) and time.monotonic() < deadline:
-                time.sleep(delay)
-                delay = min(1.0, delay * 2)
-                continue
-            raise StoreUnavailable(f"reading the store's payload location: {first_line(e)}") from None
-
-
-def _recovering(e: BaseException) -> bool:
-    orig = getattr(e, "orig", None)
-    state = getattr(orig, "sqlstate", None) or ""
-    text = str(orig or e)
-    return state.startswith("57P") or "in recovery mode" in text or "starting up" in text \
-        or "shutting down" in text or "terminating connection" in text
+            with driver_errors("reading the store's payload location", mode="opening"):
+                if not _has_settings(engine):
+                    return None
+                with engine.connect() as conn:
+                    return conn.execute(select(store_settings.c.value).where(store_settings.c.name == LOCATION)
+                                        ).scalar_one_or_none()
+        except ServerRecovering:
+            if backoff.elapsed() >= _RECOVERY_WAIT_S:
+                raise
+            backoff.pause()
 
 
 def resolve(url: str, write_engine: Engine, read_engine: Engine, given: str | None,
@@ -182,15 +174,14 @@ def resolve(url: str, write_engine: Engine, read_engine: Engine, given: str | No
         if marker is None:
             write_marker(candidate, ident, recorded_form(candidate, url), url)  # creates the root
         try:
-            with write_engine.begin() as conn:
+            with driver_errors("recording the store's payload location", mode="opening", races=True), \
+                    write_engine.begin() as conn:
                 conn.execute(store_settings.insert().values(name=LOCATION, value=recorded_form(candidate, url),
                                                             updated_at=time.time()))
             log.info("recorded the store's payload location: %s", recorded_form(candidate, url))
             return candidate
-        except IntegrityError:
+        except StaleState:
             continue  # another process recorded one first: compare with it
-        except SQLAlchemyError as e:
-            raise StoreUnavailable(f"recording the store's payload location: {first_line(e)}") from None
     raise StoreUnavailable("could not read or record the store's payload location")
 
 
@@ -268,22 +259,31 @@ def _store_id(write_engine: Engine, read_engine: Engine, *, make: str | None | b
     ``make`` is False. Concurrent makers agree (the first insert wins)."""
     for _ in range(3):
         try:
-            if _has_settings(read_engine):
-                with read_engine.connect() as conn:
-                    ident = conn.execute(select(store_settings.c.value).where(store_settings.c.name == STORE_ID)
-                                         ).scalar_one_or_none()
-                if ident is not None or make is False:
-                    return ident
-            elif make is False:
-                return None
-            with write_engine.begin() as conn:
-                conn.execute(store_settings.insert().values(
-                    name=STORE_ID, value=make if isinstance(make, str) else uuid.uuid4().hex, updated_at=time.time()))
-        except IntegrityError:
+            with driver_errors("reading the store's id", mode="opening", races=True):
+                ident = _read_or_make_id(write_engine, read_engine, make)
+        except StaleState:
             continue  # another process made it first: read it
-        except SQLAlchemyError as e:
-            raise StoreUnavailable(f"reading the store's id: {first_line(e)}") from None
+        if ident is not _MADE:
+            return ident
     raise StoreUnavailable("could not read or record the store's id")
+
+
+_MADE = object()  # an id was inserted now: read it back
+
+
+def _read_or_make_id(write_engine: Engine, read_engine: Engine, make: str | None | bool) -> Any:
+    if _has_settings(read_engine):
+        with read_engine.connect() as conn:
+            ident = conn.execute(select(store_settings.c.value).where(store_settings.c.name == STORE_ID)
+                                 ).scalar_one_or_none()
+        if ident is not None or make is False:
+            return ident
+    elif make is False:
+        return None
+    with write_engine.begin() as conn:
+        conn.execute(store_settings.insert().values(
+            name=STORE_ID, value=make if isinstance(make, str) else uuid.uuid4().hex, updated_at=time.time()))
+    return _MADE
 
 
 def _check_marker(url: str, write_engine: Engine, read_engine: Engine, location: str, recorded: str, *,
@@ -322,12 +322,9 @@ def _check_marker(url: str, write_engine: Engine, read_engine: Engine, location:
 
 
 def _newest_segment(engine: Engine) -> str | None:
-    try:
-        with engine.connect() as conn:
-            return conn.execute(select(segments.c.name).order_by(segments.c.created_at.desc()).limit(1)
-                                ).scalar_one_or_none()
-    except SQLAlchemyError as e:
-        raise StoreUnavailable(f"reading the store's segments: {first_line(e)}") from None
+    with driver_errors("reading the store's segments", mode="opening"), engine.connect() as conn:
+        return conn.execute(select(segments.c.name).order_by(segments.c.created_at.desc()).limit(1)
+                            ).scalar_one_or_none()
 
 
 def holds(location: str, name: str) -> bool:
@@ -365,14 +362,11 @@ def set_location(url: str, engine: Engine, location: str, *, force: bool = False
             f"payload location {_no_secret(location)!r} holds another store's payload (its {MARKER} names store "
             f"{marker.get('store_id')!r}, index {marker.get('index')!r}); --force marks it as this store's")
     write_marker(location, ident, value, url)
-    try:
-        with engine.begin() as conn:
-            done = conn.execute(update(store_settings).where(store_settings.c.name == LOCATION)
-                                .values(value=value, updated_at=time.time())).rowcount
-            if not done:
-                conn.execute(store_settings.insert().values(name=LOCATION, value=value, updated_at=time.time()))
-    except SQLAlchemyError as e:
-        raise StoreUnavailable(f"recording the store's payload location: {first_line(e)}") from None
+    with driver_errors("recording the store's payload location", mode="opening"), engine.begin() as conn:
+        done = conn.execute(update(store_settings).where(store_settings.c.name == LOCATION)
+                            .values(value=value, updated_at=time.time())).rowcount
+        if not done:
+            conn.execute(store_settings.insert().values(name=LOCATION, value=value, updated_at=time.time()))
     return value
 
 
@@ -425,13 +419,10 @@ def move(store: Any, target: str, *, delete_old: bool = False,
     engine = store.log.db.write_engine
     value = recorded_form(target, url)
     write_marker(target, _store_id(engine, engine), value, url)  # before the record names it
-    try:
-        with engine.begin() as conn:
-            done = conn.execute(update(store_settings).where(store_settings.c.name == LOCATION)
-                                .where(store_settings.c.value == recorded_form(old, url))
-                                .values(value=value, updated_at=time.time())).rowcount
-    except SQLAlchemyError as e:
-        raise StoreUnavailable(f"recording the store's payload location: {first_line(e)}") from None
+    with driver_errors("recording the store's payload location", mode="opening"), engine.begin() as conn:
+        done = conn.execute(update(store_settings).where(store_settings.c.name == LOCATION)
+                            .where(store_settings.c.value == recorded_form(old, url))
+                            .values(value=value, updated_at=time.time())).rowcount
     if done != 1:
         raise PayloadLocationError("the store's recorded payload location changed during the move; "
                                    "nothing recorded (the copies stay at the target)")

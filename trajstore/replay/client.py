@@ -38,6 +38,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.flight as fl
 
+from trajstore._backoff import Backoff
 from trajstore._reader_seam import ReaderEventLog, ReaderPayload, ReaderSampleIndex
 from trajstore._wire import encode_b64
 from trajstore.errors import ConflictError, CorruptStoreError, StoreUnavailable, TrajstoreError, ValidationError
@@ -180,9 +181,8 @@ class _Connection:
 
     def call(self, what: str, fn: Callable[[fl.FlightClient, fl.FlightCallOptions], Any]) -> Any:
         wait_metric, reconnects = _Waits.metrics()
-        failing_since: float | None = None
+        failing: Backoff | None = None  # the pauses between reconnects, from the first failure on
         limited_since: float | None = None
-        delay = 0.05
         try:
             while True:
                 if self.closing.is_set():
@@ -220,25 +220,23 @@ class _Connection:
                                             self.locations[index], what, text)
                         time.sleep(0.05)
                         continue
-                    now = time.monotonic()
-                    if failing_since is None:
-                        failing_since = now
+                    if failing is None:
+                        failing = Backoff(first_s=0.05, max_s=1.0)
                         if self._failed():  # one line per outage, not one per parallel stream
                             _log.warning("replay reader: %s failed on %s (%s); retrying%s", what,
                                          self.locations[index], text,
                                          " on the next server" if len(self.locations) > 1 else "")
-                    elif now - failing_since >= self.retry_timeout_s:
+                    elif failing.elapsed() >= self.retry_timeout_s:
                         raise StoreUnavailable(f"no replay server answered {what} for {self.retry_timeout_s:g} s "
                                                f"({', '.join(self.locations)}): {text}") from None
                     reconnects.inc()
                     self._fail_over(index)
-                    time.sleep(delay)
-                    delay = min(delay * 2, 1.0)
+                    failing.pause()
         finally:
             if limited_since is not None:
                 wait_metric.labels("rate_limited").inc(time.monotonic() - limited_since)
-            if failing_since is not None:
-                wait_metric.labels("reconnect").inc(time.monotonic() - failing_since)
+            if failing is not None:
+                wait_metric.labels("reconnect").inc(failing.elapsed())
 
     def _failed(self) -> bool:
         """A call starts failing; whether it is the first since the last answer

@@ -193,7 +193,7 @@ def test_a_label_changed_mid_generation_gives_per_token_versions_equal_to_vllms_
 
     # The pause goes straight to vLLM, but vLLM's engine core runs ahead of the stream the harness
     # reads: a generation it finished before the pause arrived is tried again (on its own trajectory).
-    for attempt in range(4):
+    for attempt in range(8):
         tid = f"mid{attempt}" if attempt else "mid"
         engine.label("20")
         changed.clear()

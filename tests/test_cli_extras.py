@@ -23,6 +23,8 @@ CASES = [
     ("report", "plotly", "report", ["report", "{tmp}/r"]),
     ("report", "starlette", "report", ["report", "--serve", "--insecure-no-auth", "--port", "0"]),
     ("replay", "prometheus_client", "replay", ["replay", "--insecure-no-auth", "--port", "0"]),
+    ("demo", "httpx", "server", ["demo", "--engine", "--dir", "{tmp}/d"]),
+    ("demo", "fastapi", "server", ["demo", "--engine-only", "--port", "0"]),
 ]
 
 

@@ -278,14 +278,16 @@ def _add_projection_command(add) -> None:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    if args.engine_only:
-        from trajstore.demo._agent import serve_engine
+    if args.engine_only or args.engine:
+        from trajstore.demo._agent import run_engine_demo, serve_engine
 
-        return serve_engine(args)
-    if args.engine:
-        from trajstore.demo._agent import run_engine_demo
-
-        return run_engine_demo(args)
+        try:
+            return (serve_engine if args.engine_only else run_engine_demo)(args)
+        except ModuleNotFoundError as e:
+            missing = _missing_extra("demo --engine", e)
+            if missing is None:
+                raise
+            raise missing from None
     from trajstore.demo._run import run_demo
 
     return run_demo(args)
@@ -429,11 +431,13 @@ def _add_edge_commands(sub, add) -> None:
 
 
 # The extra each edge command needs (pyproject.toml, README "Extras") and the packages it brings.
-_EXTRA_OF = {"serve": "server", "proxy": "server", "report": "report", "replay": "replay"}
+_EXTRA_OF = {"serve": "server", "proxy": "server", "report": "report", "replay": "replay",
+             "demo --engine": "server", "track": "trackers"}
 _EXTRA_PACKAGES = {
     "server": {"fastapi", "starlette", "uvicorn", "httpx", "httptools", "prometheus_client"},
     "report": {"plotly", "starlette", "uvicorn"},
     "replay": {"prometheus_client"},
+    "trackers": {"tensorboard", "mlflow", "wandb"},
 }
 
 

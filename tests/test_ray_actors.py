@@ -42,3 +42,22 @@ def test_ray_shards_fold_everything_exactly_once(local_ray, fresh_pg_url, tmp_pa
     assert {store.materialized.load_checkpoint(Shard(k, 3))["position"] for k in range(3)} == {store.log.head_position()}
     again = materialize_with_ray(fresh_pg_url, 3, payload=payload, num_cpus_per_shard=0.5)
     assert (again.num_samples_after, again.num_trajectories) == (0, 0)
+
+
+def test_shards_take_their_fold_batch_and_ray_options(local_ray, fresh_pg_url, tmp_path):
+    from trajstore.scale.ray_actors import MaterializerShard, materialize_with_ray
+
+    payload = str(tmp_path / "payload")
+    store = trajstore.connect(fresh_pg_url, payload=payload)
+    for i in range(10):
+        store.append(trajectory_events(CFG, i))
+    # in-process: the shard folds at most max_trajectories per commit
+    shard = MaterializerShard(fresh_pg_url, 0, 1, payload, max_trajectories=4)
+    assert shard.status()["max_trajectories"] == 4
+    assert shard.materializer.step().num_trajectories == 4
+    # through Ray, with extra actor options (a fractional CPU and a name-free spread placement)
+    stats = materialize_with_ray(fresh_pg_url, 1, payload=payload, num_cpus_per_shard=0.25, max_trajectories=2,
+                                 actor_options={"scheduling_strategy": "SPREAD"})
+    assert (stats.num_trajectories, stats.num_unfoldable) == (6, 0)
+    assert {s.trajectory_id for s in store.samples()} == {trajectory_events(CFG, i)[0]["trajectory_id"]
+                                                          for i in range(10)}

@@ -82,9 +82,11 @@ def test_long_running_shards_on_two_nodes_survive_a_restart(two_node_ray, fresh_
 
     store = trajstore.connect(fresh_pg_url, payload=str(tmp_path / "payload"))
     name = f"t{uuid.uuid4().hex[:8]}"
-    shards = start_shards(fresh_pg_url, 2, name=name, num_cpus_per_shard=1, poll_s=0.2, gc_grace_s=None)
+    shards = start_shards(fresh_pg_url, 2, name=name, num_cpus_per_shard=1, poll_s=0.2, gc_grace_s=None,
+                          max_trajectories=3, actor_options={"scheduling_strategy": "SPREAD"})
     try:
         assert len({ray.get(s.node_id.remote(), timeout=120) for s in shards}) == 2  # one per node
+        assert [ray.get(s.status.remote(), timeout=60)["max_trajectories"] for s in shards] == [3, 3]
         for i in range(12):
             store.append(trajectory_events(CFG, i))
 

@@ -86,9 +86,11 @@ class MaterializerShard:
 
     def status(self) -> dict[str, Any]:
         """``shard``, ``pending`` (this shard's backlog), ``position`` (its checkpoint),
-        what this incarnation folded, ``following``, the last error (None)."""
+        ``max_trajectories`` (its fold batch), what this incarnation folded, ``following``,
+        the last error (None)."""
         return {"shard": str(self.materializer.shard), "pending": self.materializer.pending(),
-                "position": self.materializer._checkpoint()[0], **self._folded,
+                "position": self.materializer._checkpoint()[0],
+                "max_trajectories": self.materializer.max_trajectories, **self._folded,
                 "following": self._thread is not None and self._thread.is_alive(), "error": self._error}
 
     def node_id(self) -> str | None:
@@ -109,31 +111,39 @@ class MaterializerShard:
 
 def start_shards(store_url: str, num_shards: int, *, payload: str | None = None, name: str = "trajstore",
                  namespace: str = "trajstore", num_cpus_per_shard: float = 1.0, poll_s: float = 1.0,
-                 gc_grace_s: float | None = 3600.0, max_restarts: int = -1) -> list[Any]:
+                 gc_grace_s: float | None = 3600.0, max_restarts: int = -1, max_trajectories: int = 256,
+                 actor_options: dict[str, Any] | None = None) -> list[Any]:
     """Start (or find, by name) ``num_shards`` long-running shard actors that follow
     the log: detached named actors ``{name}-{k}of{num_shards}`` in ``namespace``,
     restarted by Ray when they die (``max_restarts``; -1: always). Call after
     ``ray.init(address=...)``; returns the actor handles (``status``, ``pending``,
-    ``stop``). See docs/deploy.md, "Materializer shards on a Ray cluster"."""
+    ``stop``). ``max_trajectories``: trajectories folded per commit
+    (``Materializer``). ``actor_options``: more Ray actor options (``resources``,
+    ``scheduling_strategy``, ...), for placement. Each shard holds
+    ``num_cpus_per_shard`` while it lives, and a restarted one is placed only
+    where that much is free: leave spare capacity (docs/deploy.md,
+    "Materializer shards on a Ray cluster")."""
     import ray
 
     actor = ray.remote(MaterializerShard)
     return [actor.options(name=f"{name}-{k}of{num_shards}", namespace=namespace, get_if_exists=True,
                           num_cpus=num_cpus_per_shard, max_restarts=max_restarts, max_task_retries=-1,
-                          lifetime="detached").remote(
-        store_url, k, num_shards, payload, follow=True, poll_s=poll_s, gc_grace_s=gc_grace_s)
+                          lifetime="detached", **(actor_options or {})).remote(
+        store_url, k, num_shards, payload, max_trajectories, follow=True, poll_s=poll_s, gc_grace_s=gc_grace_s)
         for k in range(num_shards)]
 
 
 def materialize_with_ray(store_url: str, num_shards: int, *, payload: str | None = None,
-                         num_cpus_per_shard: float = 1.0) -> MaterializeStats:
+                         num_cpus_per_shard: float = 1.0, max_trajectories: int = 256,
+                         actor_options: dict[str, Any] | None = None) -> MaterializeStats:
     """Run ``num_shards`` materializer actors once; return their summed stats,
     what ``Store.materialize()`` returns (``position``: the lowest shard
-    checkpoint, up to which every shard has folded)."""
+    checkpoint, up to which every shard has folded). ``max_trajectories`` and
+    ``actor_options`` as for ``start_shards``."""
     import ray
 
-    actor = ray.remote(num_cpus=num_cpus_per_shard)(MaterializerShard)
-    shards = [actor.remote(store_url, k, num_shards, payload) for k in range(num_shards)]
+    actor = ray.remote(MaterializerShard).options(num_cpus=num_cpus_per_shard, **(actor_options or {}))
+    shards = [actor.remote(store_url, k, num_shards, payload, max_trajectories) for k in range(num_shards)]
     results = ray.get([s.run.remote() for s in shards])
     for s in shards:
         ray.kill(s)

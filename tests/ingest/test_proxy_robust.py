@@ -16,7 +16,8 @@ pytest.importorskip("fastapi", reason="needs the extra: pip install 'trajstore[s
 
 from openai_upstream import make_upstream, respond, serve_in_thread, stream_chunks, tito_respond  # noqa: E402
 from raw_upstream import RawUpstream, framed  # noqa: E402
-from trajstore.ingest.proxy import FORWARDED, make_proxy_app, normalize_upstream  # noqa: E402
+from trajstore.ingest.proxy import FORWARDED, make_proxy_app  # noqa: E402
+from trajstore.ingest.proxy._app import normalize_upstream  # noqa: E402
 from trajstore.ingest.vllm import request_params_for_recording  # noqa: E402
 
 H = {"X-Trajstore-Trajectory": "t", "X-Trajstore-Model-Version": "3"}

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any
+import subprocess
+import time
+from typing import Any, Callable
 
 import numpy as np
 from sqlalchemy import func, select
@@ -59,3 +61,23 @@ def reader_url_for(store_url: str) -> str:
     with trajstore.connect(store_url) as store:
         create_reader_login(store, TEST_READER_LOGIN, password="")
     return make_url(store_url).set(username=TEST_READER_LOGIN, password=None).render_as_string(False)
+
+
+def wait_http(url: str, proc: subprocess.Popen, *, timeout_s: float, detail: Callable[[], Any] = lambda: "",
+              ready: Callable[[int], bool] = lambda status: status == 200, poll_s: float = 0.2) -> None:
+    """Return once ``url`` answers with a ``ready`` status. Fails (AssertionError) when ``proc``,
+    the server, exits first or ``timeout_s`` passes, with ``detail()`` (its output, its log's
+    tail) in the message."""
+    import httpx  # the server extra: only the tests that start a server need it
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"{url}: the server exited with {proc.returncode} before answering:\n{detail()}")
+        try:
+            if ready(httpx.get(url, timeout=2).status_code):
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(poll_s)
+    raise AssertionError(f"{url} did not answer in {timeout_s:.0f} s:\n{detail()}")

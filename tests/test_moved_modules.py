@@ -136,3 +136,45 @@ def test_the_split_sql_index_keeps_its_old_names():
     assert (old.SqlEventLog, old.SqlSampleIndex, old.SqlProjectionIndex, old.translate) == (
         SqlEventLog, SqlSampleIndex, SqlProjectionIndex, translate)
     assert old.RELEASED == "trajectory_released"
+
+
+# names ``trajstore.ingest.proxy`` exported before they became internals -> where they live now
+PROXY_INTERNALS = {
+    "normalize_upstream": "trajstore.ingest.proxy._app",
+    "version_label_events": "trajstore.ingest.proxy._app",
+    "tag_of": "trajstore.ingest.proxy._record",
+}
+
+
+@pytest.mark.parametrize("name", sorted(PROXY_INTERNALS))
+def test_proxy_internal_names_still_import_from_the_proxy_with_a_warning(name):
+    _optional("trajstore.ingest.proxy")
+    import trajstore.ingest.proxy as proxy
+
+    assert name not in proxy.__all__
+    with pytest.warns(DeprecationWarning, match=rf"trajstore\.ingest\.proxy\.{name} is internal now"):
+        got = getattr(proxy, name)
+    assert got is getattr(importlib.import_module(PROXY_INTERNALS[name]), name)
+    with pytest.raises(AttributeError):
+        proxy.no_such_name  # noqa: B018
+
+
+def test_the_proxy_api_does_not_warn():
+    _optional("trajstore.ingest.proxy")
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        from trajstore.ingest.proxy import FORWARDED, RECORDED, main, make_proxy_app, serve_proxy  # noqa: F401
+        from trajstore.ingest.proxy import _sglang  # noqa: F401 - a submodule is not a deprecated name
+
+
+def test_from_proxy_import_an_internal_name_warns_at_the_importer():
+    _optional("trajstore.ingest.proxy")
+    code = ("import warnings; warnings.simplefilter('always')\n"
+            "from trajstore.ingest.proxy import normalize_upstream\n"
+            "assert normalize_upstream('http://h:1/v1') == 'http://h:1'\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/tmp")
+    assert out.returncode == 0, out.stderr
+    assert out.stderr.startswith("<string>:2: DeprecationWarning: trajstore.ingest.proxy.normalize_upstream is "
+                                 "internal"), out.stderr

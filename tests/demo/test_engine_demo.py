@@ -9,12 +9,11 @@ import socket
 import subprocess
 import sys
 import textwrap
-import time
 
-import httpx
 import numpy as np
 
 import trajstore
+from helpers import wait_http
 from trajstore.cli import main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -42,17 +41,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _wait_up(url: str, proc: subprocess.Popen) -> None:
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, proc.communicate()
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    raise AssertionError(f"{url} did not come up")
+def _output(proc: subprocess.Popen):
+    """What the process wrote, once it has exited (never waits on a running one)."""
+    return proc.communicate() if proc.poll() is not None else "(still running)"
 
 
 def test_first_hour_page_works_as_written(tmp_path):
@@ -77,10 +68,10 @@ def test_first_hour_page_works_as_written(tmp_path):
     engine = subprocess.Popen(argv(engine_cmd), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     proxy = None
     try:
-        _wait_up(f"http://127.0.0.1:{engine_port}/health", engine)
+        wait_http(f"http://127.0.0.1:{engine_port}/health", engine, timeout_s=90, detail=lambda: _output(engine))
         os.makedirs(tmp_path / "run")
         proxy = subprocess.Popen(argv(proxy_cmd), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        _wait_up(f"http://127.0.0.1:{proxy_port}/healthz", proxy)
+        wait_http(f"http://127.0.0.1:{proxy_port}/healthz", proxy, timeout_s=90, detail=lambda: _output(proxy))
         script = tmp_path / "agent.py"
         script.write_text(textwrap.dedent(agent).replace("8701", str(proxy_port)))
         run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)

@@ -19,7 +19,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -27,6 +26,8 @@ from typing import Iterator
 import pytest
 
 httpx = pytest.importorskip("httpx", reason="needs the extra: pip install 'trajstore[server]'")
+
+from helpers import wait_http  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
@@ -47,20 +48,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _wait_http(url: str, proc: subprocess.Popen, log: Path, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{url} exited with {proc.returncode} before answering:\n{_tail(log)}")
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"{url} did not answer in {timeout_s:.0f} s:\n{_tail(log)}")
 
 
 def _tail(log: Path, n: int = 40) -> str:
@@ -119,7 +106,8 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=work, start_new_session=True)
     try:
-        _wait_http(f"http://127.0.0.1:{port}/health", proc, log, START_TIMEOUT_S)
+        wait_http(f"http://127.0.0.1:{port}/health", proc, timeout_s=START_TIMEOUT_S, detail=lambda: _tail(log),
+                  poll_s=0.5)
         yield Engine(f"http://127.0.0.1:{port}", model, log)
     finally:
         _stop(proc)
@@ -137,7 +125,7 @@ def proxy(engine: Engine, store, store_url: str, tmp_path: Path) -> Iterator[str
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        _wait_http(f"http://127.0.0.1:{port}/healthz", proc, log, 60)
+        wait_http(f"http://127.0.0.1:{port}/healthz", proc, timeout_s=60, detail=lambda: _tail(log), poll_s=0.5)
         yield f"http://127.0.0.1:{port}"
     finally:
         _stop(proc)

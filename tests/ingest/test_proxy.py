@@ -14,6 +14,7 @@ from openai_upstream import (  # noqa: E402
     ASSISTANT, END, NUM_LAYERS, SYSTEM, TOPK, USER, encode, make_upstream, render_chat, respond, route_rows,
     serve_in_thread, tito_respond,
 )
+from proxy_faults import ENGINE_DOWN, assert_unreachable  # noqa: E402
 from trajstore.ingest.proxy import make_proxy_app  # noqa: E402
 from trajstore.ingest.vllm import OpenAIStreamAccumulator, request_params_for_recording  # noqa: E402
 
@@ -139,9 +140,9 @@ def test_refused_record_is_reported_in_a_header(store, upstream):
 
 
 def test_unreachable_upstream_gets_502(store):
-    with serve_in_thread(make_proxy_app(store, "http://127.0.0.1:9")) as proxy:
+    with serve_in_thread(make_proxy_app(store, ENGINE_DOWN)) as proxy:
         resp = httpx.post(f"{proxy}/v1/completions", json={"prompt": "x"}, headers=_headers("u"))
-    assert resp.status_code == 502 and resp.json()["error"]["rule"] == "upstream_unreachable"
+    assert_unreachable(resp)
 
 
 def test_finish_errors_are_clear(store, upstream):

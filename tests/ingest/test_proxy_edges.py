@@ -23,6 +23,7 @@ pytest.importorskip("fastapi", reason="needs the extra: pip install 'trajstore[s
 import openai_upstream  # noqa: E402
 import sglang_upstream  # noqa: E402
 from openai_upstream import NUM_LAYERS, TOPK, serve_in_thread  # noqa: E402
+from proxy_faults import ENGINE_DOWN, assert_unreachable, engine_answering, sse  # noqa: E402
 from raw_upstream import RawUpstream, framed  # noqa: E402
 from trajstore.ingest.proxy import _sglang as _sglang_proxy  # noqa: E402
 from trajstore.ingest.proxy import FORWARDED, make_proxy_app  # noqa: E402
@@ -141,7 +142,7 @@ def test_an_answer_the_adapter_cannot_read_fails_closed_as_a_bad_gateway(store, 
 
 
 def test_the_metrics_are_open_as_on_the_ingest_service(store):
-    with serve_in_thread(make_proxy_app(store, "http://127.0.0.1:9", token="tok")) as proxy:
+    with serve_in_thread(make_proxy_app(store, ENGINE_DOWN, token="tok")) as proxy:
         metrics = httpx.get(f"{proxy}/metrics")
         other = httpx.post(f"{proxy}/v1/completions", json={"prompt": "x"})
     assert metrics.status_code == 200 and "trajstore_proxy_calls_total" in metrics.text
@@ -176,11 +177,11 @@ def sglang_upstream_state():
 @pytest.mark.parametrize("engine, kind", [("vllm", "generate"), ("sglang", "generate"), ("sglang", "completions")])
 def test_a_stream_ended_by_done_without_its_final_chunk_is_not_recorded(store, engine, kind):
     chunks = _streams_without_their_final_chunk(engine, kind)
-    pieces = [f"data: {json.dumps(c)}\n\n".encode() for c in chunks] + [b"data: [DONE]\n\n"]
+    pieces = sse(chunks) + [b"data: [DONE]\n\n"]
     path, body = _call(engine)
     if kind == "completions":
         path, body = "/v1/completions", {"prompt": "hi", "max_tokens": 4}
-    with RawUpstream(lambda m, p, b: framed(pieces, framing="chunked", content_type="text/event-stream")) as up, \
+    with engine_answering(pieces, framing="chunked") as up, \
             serve_in_thread(_app(engine, store, up.url)) as proxy:
         with httpx.stream("POST", f"{proxy}{path}", json={**body, "stream": True}, headers=H) as resp:
             raw = resp.read()
@@ -199,20 +200,20 @@ SGLANG_GETS = [(m, p) for m, p in _sglang_proxy.FORWARDED if m == "GET"]
 @pytest.mark.parametrize("engine", ENGINES)
 def test_every_passthrough_answers_a_clean_502_when_the_engine_is_down(store, engine):
     forwarded = _sglang_proxy.FORWARDED if engine == "sglang" else FORWARDED
-    with serve_in_thread(_app(engine, store, "http://127.0.0.1:9")) as proxy:
+    with serve_in_thread(_app(engine, store, ENGINE_DOWN)) as proxy:
         answers = {(m, p): httpx.request(m, f"{proxy}{p}", json={} if m == "POST" else None) for m, p in forwarded}
     for (method, path), resp in answers.items():
-        assert resp.status_code == 502 and resp.json()["error"]["rule"] == "upstream_unreachable", (method, path)
+        assert_unreachable(resp, (method, path))
 
 
 @pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("named", [True, False], ids=["named", "unnamed"])
 @pytest.mark.parametrize("content_type", ["text/event-stream", "application/json"])
 def test_an_error_body_the_engine_cuts_ends_the_harness_response_cleanly(store, engine, named, content_type):
-    cut = framed([b'{"error": {"message": "out of mem', b'ory'], framing="chunked-cut", status=503,
-                 content_type=content_type)
+    cut = [b'{"error": {"message": "out of mem', b'ory']
     path, body = _call(engine)
-    with RawUpstream(lambda m, p, b: cut) as up, serve_in_thread(_app(engine, store, up.url)) as proxy:
+    with engine_answering(cut, framing="chunked-cut", status=503, content_type=content_type) as up, \
+            serve_in_thread(_app(engine, store, up.url)) as proxy:
         with httpx.stream("POST", f"{proxy}{path}", json={**body, "stream": True},
                           headers=H if named else {}) as resp:
             raw = resp.read()  # a response the proxy broke off raises here (RemoteProtocolError)

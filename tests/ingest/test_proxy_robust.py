@@ -15,8 +15,10 @@ httpx = pytest.importorskip("httpx", reason="needs the extra: pip install 'trajs
 pytest.importorskip("fastapi", reason="needs the extra: pip install 'trajstore[server]'")
 
 from openai_upstream import make_upstream, respond, serve_in_thread, stream_chunks, tito_respond  # noqa: E402
+from proxy_faults import ENGINE_DOWN, assert_unreachable, engine_answering  # noqa: E402
 from raw_upstream import RawUpstream, framed  # noqa: E402
-from trajstore.ingest.proxy import FORWARDED, make_proxy_app, normalize_upstream  # noqa: E402
+from trajstore.ingest.proxy import FORWARDED, make_proxy_app  # noqa: E402
+from trajstore.ingest.proxy._app import normalize_upstream  # noqa: E402
 from trajstore.ingest.vllm import request_params_for_recording  # noqa: E402
 
 H = {"X-Trajstore-Trajectory": "t", "X-Trajstore-Model-Version": "3"}
@@ -105,7 +107,7 @@ def test_a_stream_cut_after_two_of_three_chunks_records_nothing_and_says_so(stor
     pieces = _stream_pieces()
     assert len(pieces) == 4  # three tokens, [DONE]
     cut = pieces[:2]
-    with RawUpstream(lambda m, p, b: framed(cut, framing=framing, content_type="text/event-stream")) as up, \
+    with engine_answering(cut, framing=framing) as up, \
             serve_in_thread(make_proxy_app(store, up.url)) as proxy:
         status, raw = _stream(proxy)
     assert status == 200 and raw.startswith(b"".join(cut))  # the harness got every byte the upstream sent
@@ -117,7 +119,7 @@ def test_a_stream_cut_after_two_of_three_chunks_records_nothing_and_says_so(stor
 @pytest.mark.parametrize("framing", ["close", "chunked", "length"])
 def test_a_whole_stream_is_recorded_whatever_its_framing(store, framing):
     pieces = _stream_pieces()
-    with RawUpstream(lambda m, p, b: framed(pieces, framing=framing, content_type="text/event-stream")) as up, \
+    with engine_answering(pieces, framing=framing) as up, \
             serve_in_thread(make_proxy_app(store, up.url)) as proxy:
         status, raw = _stream(proxy)
     assert status == 200 and raw.startswith(b"".join(pieces))
@@ -131,7 +133,7 @@ def test_a_stream_without_finish_reason_is_not_recorded_even_with_done(store):
     last = json.loads(pieces[2][5:])
     last["choices"][0]["finish_reason"] = None
     pieces[2] = f"data: {json.dumps(last)}\n\n".encode()
-    with RawUpstream(lambda m, p, b: framed(pieces, content_type="text/event-stream")) as up, \
+    with engine_answering(pieces) as up, \
             serve_in_thread(make_proxy_app(store, up.url)) as proxy:
         _, raw = _stream(proxy)
     assert "not recorded" in _events_of(raw)[0][-1]["error"]["message"] and _nothing_recorded(store)
@@ -141,7 +143,7 @@ def test_a_stream_without_finish_reason_is_not_recorded_even_with_done(store):
 def test_an_unreadable_chunk_records_nothing_and_the_stream_goes_on(store, bad):
     pieces = _stream_pieces()
     pieces.insert(1, bad)
-    with RawUpstream(lambda m, p, b: framed(pieces, content_type="text/event-stream")) as up, \
+    with engine_answering(pieces) as up, \
             serve_in_thread(make_proxy_app(store, up.url, pass_through_unrecorded=True)) as proxy:
         status, raw = _stream(proxy)
     assert status == 200 and raw.startswith(b"".join(pieces))
@@ -161,7 +163,7 @@ def test_a_body_cut_before_its_end_gets_a_clear_502(store, framing):
 
     with RawUpstream(reply) as up, serve_in_thread(make_proxy_app(store, up.url)) as proxy:
         resp = httpx.post(f"{proxy}/v1/completions", json={"prompt": [10, 20, 30]}, headers=H)
-    assert resp.status_code == 502 and resp.json()["error"]["rule"] == "upstream_unreachable"
+    assert_unreachable(resp)
     assert _nothing_recorded(store)
 
 
@@ -250,9 +252,9 @@ def test_every_rl_endpoint_is_forwarded_as_sent_and_answered_with_the_upstreams_
 
 
 def test_an_unreachable_upstream_on_a_forwarded_endpoint_gets_a_clear_502(store):
-    with serve_in_thread(make_proxy_app(store, "http://127.0.0.1:9")) as proxy:
+    with serve_in_thread(make_proxy_app(store, ENGINE_DOWN)) as proxy:
         resp = httpx.post(f"{proxy}/pause?mode=abort")
-    assert resp.status_code == 502 and resp.json()["error"]["rule"] == "upstream_unreachable"
+    assert_unreachable(resp)
 
 
 # --- abort, then resume under new weights: one sample (SPEC A1) ------------------------------

@@ -20,6 +20,7 @@ import sglang_upstream  # noqa: E402
 from openai_upstream import (  # noqa: E402
     ASSISTANT, END, NUM_LAYERS, SYSTEM, TOPK, USER, encode, render_chat, route_rows, serve_in_thread, tito_respond,
 )
+from proxy_faults import engine_answering, sse  # noqa: E402
 from trajstore.ingest.proxy._sglang import make_sglang_proxy_app  # noqa: E402
 from trajstore.ingest.proxy import make_proxy_app  # noqa: E402
 from trajstore.ingest.sglang import GenerateStreamAccumulator, OpenAIStreamAccumulator  # noqa: E402
@@ -389,25 +390,15 @@ def test_odd_upstream_answers_reach_the_caller_and_store_nothing(store, path):
 
 def test_a_stream_the_upstream_cuts_is_not_recorded_and_the_caller_is_told(store):
     """SGLang dies mid-stream: the caller gets the chunks that came and an error event; nothing is stored."""
-    from fastapi import FastAPI, Request
-    from fastapi.responses import StreamingResponse
-
-    cutting = FastAPI()
-
-    async def answer(request):
-        body = await request.json()
-
-        async def chunks():
-            for chunk in sglang_upstream.native_stream(body, _plain_state()):
-                yield f"data: {json.dumps(chunk)}\n\n".encode()
-                if len(chunk["output_ids"]) == 2:
-                    raise RuntimeError("engine died")  # uvicorn drops the connection mid-body
-        return StreamingResponse(chunks(), media_type="text/event-stream")
-
-    answer.__annotations__ = {"request": Request}
-    cutting.add_api_route("/generate", answer, methods=["POST"])
     body = {"input_ids": [3, 20, 21, 2, 5], "sampling_params": {"max_new_tokens": 6}, "stream": True}
-    with serve_in_thread(cutting) as url, serve_in_thread(make_sglang_proxy_app(store, url, route_layout=LAYOUT)) as proxy:
+    from trajstore.ingest.sglang import request_params_for_generate
+
+    # what the engine streams for the body the proxy forwards
+    chunks = list(sglang_upstream.native_stream(request_params_for_generate(body, routes=True), _plain_state()))
+    sent = [c for c in chunks if len(c["output_ids"]) <= 2]  # the engine dies after its second chunk
+    assert len(sent) == 2 < len(chunks)
+    with engine_answering(sse(sent), framing="chunked-cut") as up, \
+            serve_in_thread(make_sglang_proxy_app(store, up.url, route_layout=LAYOUT)) as proxy:
         with httpx.stream("POST", f"{proxy}/generate", json=body, headers=_headers("cut")) as r:
             lines = [line for line in r.iter_lines() if line.startswith("data:")]
     assert len(lines) == 3 and json.loads(lines[1][5:])["output_ids"] == [  # two chunks, then the error

@@ -66,12 +66,31 @@ one place, and ``serve``, the one start path for every engine, whose faces
 ``serve_proxy`` and ``main`` are).
 """
 
-from trajstore.ingest.proxy._app import normalize_upstream, version_label_events
-from trajstore.ingest.proxy._record import Recorder, Tag, tag_of
+import importlib
+import warnings
+from typing import Any
+
+from trajstore.ingest.proxy._record import Recorder, Tag
 from trajstore.ingest.proxy._serve import add_cli_arguments, main, serve_proxy, serve_proxy_from_args
 from trajstore.ingest.proxy._vllm import FORWARDED, RECORDED, make_proxy_app
 
 __all__ = [
-    "FORWARDED", "RECORDED", "Recorder", "Tag", "add_cli_arguments", "main", "make_proxy_app", "normalize_upstream",
-    "serve_proxy", "serve_proxy_from_args", "tag_of", "version_label_events",
+    "FORWARDED", "RECORDED", "Recorder", "Tag", "add_cli_arguments", "main", "make_proxy_app", "serve_proxy",
+    "serve_proxy_from_args",
 ]
+
+# names this package exported before they became internals -> the module that holds them
+_INTERNAL_NOW = {
+    "normalize_upstream": "trajstore.ingest.proxy._app",
+    "version_label_events": "trajstore.ingest.proxy._app",
+    "tag_of": "trajstore.ingest.proxy._record",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _INTERNAL_NOW.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    warnings.warn(f"trajstore.ingest.proxy.{name} is internal now and deprecated here; it is {module}.{name}",
+                  DeprecationWarning, stacklevel=2)
+    return getattr(importlib.import_module(module), name)

@@ -136,3 +136,22 @@ def test_the_split_sql_index_keeps_its_old_names():
     assert (old.SqlEventLog, old.SqlSampleIndex, old.SqlProjectionIndex, old.translate) == (
         SqlEventLog, SqlSampleIndex, SqlProjectionIndex, translate)
     assert old.RELEASED == "trajectory_released"
+
+
+def test_store_dialect_of_still_picks_the_backend_with_a_warning(tmp_path):
+    # trajstore.store.dialect_of was public; the backend registry picks a URL's backend now
+    import trajstore.store as store_module
+    from trajstore.log._registry import backend_of
+
+    assert "dialect_of" not in store_module.__all__
+    url = f"sqlite:///{tmp_path}/s.db"
+    with pytest.warns(DeprecationWarning, match="trajstore.store.dialect_of is deprecated"):
+        from trajstore.store import dialect_of
+    assert dialect_of is backend_of
+    backend = dialect_of(url)
+    assert backend.default_payload_dir(url) == f"{tmp_path}/s.db.payload"
+    write_engine, read_engine = backend.make_engines(url)  # what the module it returned offered
+    write_engine.dispose()
+    read_engine.dispose()
+    with pytest.raises(AttributeError):
+        store_module.no_such_name  # noqa: B018

@@ -1,6 +1,8 @@
 """The storage seam's conformance suite: ``EventLog`` and ``SampleIndex`` driven
-directly (no ``Store``), on SQLite and a real PostgreSQL, including which error
-each failure raises (the contract in ``trajstore/log/base.py``)."""
+directly (no ``Store``), on every registered backend (the ``store_url`` fixture has
+one case per entry of ``trajstore.log._registry.BACKENDS``: SQLite and a real
+PostgreSQL), including which error each failure raises (the contract in
+``trajstore/log/base.py``)."""
 
 from __future__ import annotations
 
@@ -14,16 +16,13 @@ import trajstore
 from trajstore.errors import IndexInvariantError, StoreUnavailable, TrajstoreError, ValidationError
 from trajstore.log.base import EventLog, SampleIndex, Shard, StaleState, TrajectoryWrite
 from trajstore.log._open import open_sql
+from trajstore.log._registry import backend_of
 
 from pg_cluster import free_loopback_port
 
 
 def _engines(url: str):
-    if url.startswith("sqlite"):
-        from trajstore.log import _sqlite as backend
-    else:
-        from trajstore.log import postgres as backend
-    return backend.make_engines(url)
+    return backend_of(url).make_engines(url)
 
 
 @pytest.fixture

@@ -123,8 +123,6 @@ def create_reader_login(store: Any, login: str, password: str | None = None) -> 
     Needs CREATEROLE (or a superuser) on the store URL's login."""
     import re
 
-    from sqlalchemy import text
-
     from trajstore.log._registry import backend_of
 
     if not backend_of(store.url).reader_logins:
@@ -133,15 +131,7 @@ def create_reader_login(store: Any, login: str, password: str | None = None) -> 
         raise TrajstoreError(f"reader login {login!r}: use lowercase letters, digits and _ (at most 63)")
     password = password if password is not None else os.environ.get("TRAJSTORE_READER_PASSWORD")
     with driver_errors(f"cannot make reader login {login!r}", mode="opening"):
-        with store.log.write_engine.begin() as conn:
-            exists = conn.execute(text("SELECT 1 FROM pg_roles WHERE rolname = :n"), {"n": login}).first()
-            attrs = "LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE NOREPLICATION NOBYPASSRLS INHERIT"
-            conn.exec_driver_sql(f"{'ALTER' if exists else 'CREATE'} ROLE {login} {attrs}")
-            if password:
-                quoted = conn.exec_driver_sql("SELECT quote_literal(%(p)s)", {"p": password}).scalar()
-                conn.exec_driver_sql(f"ALTER ROLE {login} PASSWORD {quoted}")
-            conn.exec_driver_sql(f"GRANT {READER_ROLE} TO {login}")
-            conn.exec_driver_sql(f"ALTER ROLE {login} SET default_transaction_read_only = on")
+        backend_of(store.url).make_reader_login(store.log.write_engine, login, password, READER_ROLE)
     # The URL carries no password (a masked one would be sent as the password itself): libpq
     # takes it from $PGPASSWORD, set here from the variable it was read from, so the line
     # works as pasted into the shell that ran init and never prints the secret.

@@ -14,7 +14,7 @@ A backend has two levels:
   store's payload goes (``default_payload_dir``, ``payload_base_dir``,
   ``payload_dir_from_env``), the read-only connection ``trajstore sql`` runs
   queries on (``read_only``), whether it has reader logins
-  (``reader_logins``), how concurrent first migrations are serialized
+  (``reader_logins``, ``make_reader_login``), how concurrent first migrations are serialized
   (``serialize_migrations``), and the fragments in which the inspection views'
   SQL differs (``join_sorted``, ``version_spans``, ``span_int``);
 * the engine's (an instance per SQLAlchemy dialect, ``_registry.sql_dialect``):
@@ -112,6 +112,12 @@ class Backend(SqlDialect):
         """A connection the database itself keeps read-only, every query in one
         snapshot (``role``: the read-only role, where the backend has one);
         ``timeout_s`` cancels a query that runs longer."""
+        raise NotImplementedError
+
+    @classmethod
+    def make_reader_login(cls, engine: Engine, login: str, password: str | None, role: str) -> None:
+        """Make (or update) ``login``, a login holding only ``role`` and reading only
+        (asked only where ``reader_logins``; the caller checked the name)."""
         raise NotImplementedError
 
     # -- the inspection views' fragments (trajstore.inspect.views) -----------------

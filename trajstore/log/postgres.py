@@ -23,8 +23,8 @@ backend), the connection is invalidated quietly (the pool opens a new one when
 it needs one), not logged as SQLAlchemy's "Exception during reset or similar"
 traceback: nothing failed that the caller had not already been told about.
 
-Positions, and why the materializer's tail is bounded.
-On PostgreSQL a counter row would serialize every append on its row lock,
+Positions, and why the materializer's tail is bounded. A counter row (as
+SQLite's) would serialize every append on its row lock,
 held to COMMIT (with 8 writers the lock was held 95% of the time; see
 docs/log.md, "Positions"). Appends take their positions from the sequence
 ``log_positions`` instead, and never wait for each other. Then a transaction
@@ -37,8 +37,9 @@ never see 10. So the tail is bounded (``PostgreSQL.settled_head``):
 2. a tailer reads the sequence's last value H, then (a later statement) the
    transaction ids running now in this database: the ``transactionid`` locks
    in ``pg_locks`` (every transaction holds one on its own id from its
-   assignment to its end) of this database's backends. An append holding a position <= H took it before H was read, so it
-   had its id before then: it has ended, or it is in that list;
+   assignment to its end) of this database's backends. An append holding a
+   position <= H took it before H was read, so it had its id before then: it
+   has ended, or it is in that list;
 3. once none of the listed ids is running any more, no position <= H can
    commit any more, and reading up to H cannot skip one. Until then the
    previous such bound is used (``SqlEventLog.safe_position`` waits a little
@@ -294,6 +295,20 @@ class PostgreSQL(Backend):
                 conn.rollback()
             fairy.invalidate()  # closes it: the session's role and settings die with it
             engine.dispose()
+
+    @classmethod
+    def make_reader_login(cls, engine: Engine, login: str, password: str | None, role: str) -> None:
+        from sqlalchemy import text
+
+        with engine.begin() as conn:
+            exists = conn.execute(text("SELECT 1 FROM pg_roles WHERE rolname = :n"), {"n": login}).first()
+            attrs = "LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE NOREPLICATION NOBYPASSRLS INHERIT"
+            conn.exec_driver_sql(f"{'ALTER' if exists else 'CREATE'} ROLE {login} {attrs}")
+            if password:
+                quoted = conn.exec_driver_sql("SELECT quote_literal(%(p)s)", {"p": password}).scalar()
+                conn.exec_driver_sql(f"ALTER ROLE {login} PASSWORD {quoted}")
+            conn.exec_driver_sql(f"GRANT {role} TO {login}")
+            conn.exec_driver_sql(f"ALTER ROLE {login} SET default_transaction_read_only = on")
 
     # -- the inspection views' fragments --------------------------------------------
     @classmethod

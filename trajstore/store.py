@@ -23,18 +23,19 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 import pyarrow as pa
+
 from trajstore import _facts as facts
 from trajstore.payload import _home as _payload_home
 from trajstore._digests import DIGEST_POOL as _DIGEST_POOL, Digests as _Digests
 from trajstore._admission import Admitted, RecordedRoutes, TrajectoryState, admit_batch
-from trajstore._retries import split_retries
-from trajstore._routes_cache import ROUTES_CACHE_BYTES, RoutesCache
+from trajstore._retries import split_retries as _split_retries
+from trajstore._routes_cache import ROUTES_CACHE_BYTES, RoutesCache as _RoutesCache
 from trajstore import _lineage
 from trajstore.errors import CommitUnknownError, ContentionError, TrajstoreError, ValidationError, first_line
 from trajstore.events import (Event, Generation, TrajectoryFinished, TrajectoryStarted, VersionLabel, decimal_label,
                               identity_of, parse_events)
 from trajstore.log.base import EventLog, Repoint, SampleIndex, StaleState, TrajectoryWrite
-from trajstore.log._backend import safe_url
+from trajstore.log._backend import safe_url as _safe
 from trajstore.log._errors import driver_errors
 from trajstore.log._registry import backend_of
 from trajstore.log._open import open_sql
@@ -115,7 +116,7 @@ class Store:
         if migrate:
             from trajstore._migrate import upgrade
 
-            with driver_errors(f"cannot open store {safe_url(url)}", mode="opening"):  # first contact: one line
+            with driver_errors(f"cannot open store {_safe(url)}", mode="opening"):  # first contact: one line
                 upgrade(write_engine)
         # the payload location the store recorded (refusing a disagreeing one) before any payload I/O
         location = _payload_home.resolve(url, write_engine, read_engine, payload,
@@ -123,7 +124,7 @@ class Store:
         self.log, self.materialized = open_sql(write_engine, read_engine)
         # its root was made with its marker when the location was recorded, never by a later open
         self.payload = PayloadStore(location, log_compression, create=_payload_home.ephemeral(location))
-        self._routes = RoutesCache(ROUTES_CACHE_BYTES)
+        self._routes = _RoutesCache(ROUTES_CACHE_BYTES)
         self._route_drift = True  # off only to measure what the drift figures cost (bench/)
 
     # -- appending ---------------------------------------------------------
@@ -241,7 +242,7 @@ class Store:
                          stored: Mapping[str, bytes]) -> list[int]:
         """Indices of events not stored yet; identical retries dropped, conflicting ones refused.
         ``stored``: content hash of each of the batch's identities already in the log."""
-        return split_retries(parsed, stored, digests.get, lambda label: self.log.load_labels([label]).get(label))[0]
+        return _split_retries(parsed, stored, digests.get, lambda label: self.log.load_labels([label]).get(label))[0]
 
     def _write_segment(self, admitted: list[Admitted]) -> tuple[str | None, dict | None, dict[int, int]]:
         gens = [a for a in admitted if a.stored is not None]
@@ -524,7 +525,7 @@ class Store:
         self.close()
 
     def __repr__(self) -> str:
-        return f"Store({safe_url(self.url)!r}, payload={self.payload.location!r})"
+        return f"Store({_safe(self.url)!r}, payload={self.payload.location!r})"
 
 
 class AppendCheck:
@@ -560,7 +561,7 @@ class AppendCheck:
             self._states.update({tid: facts.state_from_row(rows[tid]) if tid in rows else None for tid in unknown})
         digests = _Digests([ev for ev, _ in parsed])
         # a retry of a stored event, or a repeat: append skips it
-        fresh, duplicates, first = split_retries(parsed, ChainMap(self._seen, stored), digests.get, self._labels.get)
+        fresh, duplicates, first = _split_retries(parsed, ChainMap(self._seen, stored), digests.get, self._labels.get)
         self._seen.update((ident, digests.get(i)) for ident, i in first.items())
         try:
             admitted = admit_batch([parsed[i][0] for i in fresh], self._states, self._sequence, self._labels)

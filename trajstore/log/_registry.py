@@ -3,8 +3,8 @@
 ``BACKENDS`` maps the database name of a store URL (SQLAlchemy's backend name:
 ``sqlite``, ``postgresql``) to the class of the module that holds everything
 trajstore does on that database (``trajstore.log._backend`` says what a backend
-is). ``backend_of(url)`` picks it for a store URL, ``backend_named(name)`` for a
-database name, ``sql_dialect(engine)`` is its driver statements for an engine.
+is). ``backend_of(url)`` picks it for a store URL (``BACKENDS[name]`` for a
+database's name), ``sql_dialect(engine)`` is its driver statements for an engine.
 A new backend is one module under ``log/`` and one entry here.
 """
 
@@ -22,7 +22,7 @@ from trajstore.log._backend import Backend, safe_url
 from trajstore.log._sqlite import SQLite
 from trajstore.log.postgres import PostgreSQL
 
-__all__ = ["BACKENDS", "backend_named", "backend_of", "sql_dialect"]
+__all__ = ["BACKENDS", "backend_of", "sql_dialect"]
 
 BACKENDS: dict[str, type[Backend]] = {backend.name: backend for backend in (SQLite, PostgreSQL)}
 
@@ -41,11 +41,6 @@ def backend_of(url: str) -> type[Backend]:
                               rule="url")
     backend.check_url(url)
     return backend
-
-
-def backend_named(name: str) -> type[Backend] | None:
-    """The backend of database ``name`` (None: no such backend)."""
-    return BACKENDS.get(name)
 
 
 _OF: "weakref.WeakKeyDictionary[Any, Backend]" = weakref.WeakKeyDictionary()

@@ -16,7 +16,7 @@ client CPU (user + system) per append.
 
 ``counter-row`` replays the old position scheme (every append takes its
 positions from the ``log_head`` row, its lock held to COMMIT) for the before
-figures; ``sequence`` is what the store does now (trajstore.log._dialect,
+figures; ``sequence`` is what the store does now (trajstore.log.postgres,
 "Positions").
 """
 
@@ -38,7 +38,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import trajstore  # noqa: E402
-from trajstore.log._dialect import PostgreSQL  # noqa: E402
+from trajstore.log.postgres import PostgreSQL  # noqa: E402
 
 COUNTER_ROW = ("WITH k AS (SELECT %s::bigint AS n), "
                "h AS (UPDATE log_head SET position = position + (SELECT n FROM k) WHERE id = 1 RETURNING position) "

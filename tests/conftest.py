@@ -7,8 +7,9 @@
 - `fault_cluster` (function): a second cluster shared by the tests that kill
   backends, change server settings or crash/restart the server; reset between
   tests (see the fixture).
-- `store_url` (function, params "sqlite"/"postgres"): the URL a backend test
-  runs against; the PostgreSQL case starts the cluster only when selected.
+- `store_url` (function, one case per registered backend, ids "sqlite"/"postgres"):
+  the URL a backend test runs against; the PostgreSQL case starts the cluster
+  only when selected.
 - `store` (function): `trajstore.connect(store_url)` with the payload in the
   test's temp dir.
 
@@ -25,6 +26,7 @@ from pathlib import Path
 import pytest
 
 import trajstore
+from trajstore.log._registry import BACKENDS
 
 from pg_cluster import PgCluster
 
@@ -88,16 +90,19 @@ def fresh_pg_url(pg_cluster: PgCluster) -> Iterator[str]:
     pg_cluster.drop_database(url.rsplit("/", 1)[1])
 
 
-@pytest.fixture(
-    params=[
-        pytest.param("sqlite", id="sqlite"),
-        pytest.param("postgres", id="postgres", marks=pytest.mark.postgres),
-    ]
-)
+# How the suite makes a database for each registered backend (trajstore.log._registry.BACKENDS),
+# the test id and the marks of its cases: a backend added to the registry fails collection here
+# until the suite knows how to run the backend tests (the log conformance suite first) on it.
+BACKEND_CASES = {
+    "sqlite": ("sqlite", (), lambda request, tmp_path: f"sqlite:///{tmp_path / 'store.db'}"),
+    "postgresql": ("postgres", (pytest.mark.postgres,), lambda request, tmp_path: request.getfixturevalue("fresh_pg_url")),
+}
+
+
+@pytest.fixture(params=[pytest.param(name, id=BACKEND_CASES[name][0], marks=BACKEND_CASES[name][1])
+                        for name in BACKENDS])
 def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    if request.param == "sqlite":
-        return f"sqlite:///{tmp_path / 'store.db'}"
-    return request.getfixturevalue("fresh_pg_url")
+    return BACKEND_CASES[request.param][2](request, tmp_path)
 
 
 @pytest.fixture

@@ -178,3 +178,22 @@ def test_from_proxy_import_an_internal_name_warns_at_the_importer():
     assert out.returncode == 0, out.stderr
     assert out.stderr.startswith("<string>:2: DeprecationWarning: trajstore.ingest.proxy.normalize_upstream is "
                                  "internal"), out.stderr
+
+
+def test_store_dialect_of_still_picks_the_backend_with_a_warning(tmp_path):
+    # trajstore.store.dialect_of was public; the backend registry picks a URL's backend now
+    import trajstore.store as store_module
+    from trajstore.log._registry import backend_of
+
+    assert "dialect_of" not in store_module.__all__
+    url = f"sqlite:///{tmp_path}/s.db"
+    with pytest.warns(DeprecationWarning, match="trajstore.store.dialect_of is deprecated"):
+        from trajstore.store import dialect_of
+    assert dialect_of is backend_of
+    backend = dialect_of(url)
+    assert backend.default_payload_dir(url) == f"{tmp_path}/s.db.payload"
+    write_engine, read_engine = backend.make_engines(url)  # what the module it returned offered
+    write_engine.dispose()
+    read_engine.dispose()
+    with pytest.raises(AttributeError):
+        store_module.no_such_name  # noqa: B018

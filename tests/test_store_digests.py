@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 
 import trajstore
-from trajstore import store as store_module
+from trajstore._digests import INLINE_DIGEST_BYTES
 from trajstore.errors import ConflictError
 
 
 def _big(tid: str, seed: int) -> list[dict]:
     rng = np.random.default_rng(seed)
-    n = store_module._INLINE_DIGEST_BYTES // 4 + 100  # int32 prompt over the inline threshold: hashed on the pool
+    n = INLINE_DIGEST_BYTES // 4 + 100  # int32 prompt over the inline threshold: hashed on the pool
     return [{"type": "trajectory_started", "trajectory_id": tid},
             {"type": "generation", "trajectory_id": tid, "seq": 0,
              "prompt_ids": rng.integers(0, 1000, n - 10, dtype=np.int32),

@@ -1,7 +1,8 @@
 """Running the Alembic migrations from the library (first connect, ``trajstore init``).
 
-Concurrent first connects are serialized: PostgreSQL by a transaction-level
-advisory lock, SQLite by the write engine's ``BEGIN IMMEDIATE``.
+Concurrent first connects are serialized by the backend
+(``serialize_migrations``: PostgreSQL takes a transaction-level advisory lock,
+SQLite's write engine begins with ``BEGIN IMMEDIATE``).
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import Engine
 
+from trajstore.log._registry import sql_dialect
+
 log = logging.getLogger(__name__)
 
 MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
-_ADVISORY_LOCK_KEY = 0x7472616A  # "traj"
 
 
 def alembic_config() -> Config:
@@ -38,8 +40,7 @@ def upgrade(engine: Engine) -> bool:
         if MigrationContext.configure(conn).get_current_revision() == head:
             return False
     with engine.begin() as conn:
-        if conn.dialect.name == "postgresql":
-            conn.exec_driver_sql(f"SELECT pg_advisory_xact_lock({_ADVISORY_LOCK_KEY})")
+        sql_dialect(engine).serialize_migrations(conn)
         current = MigrationContext.configure(conn).get_current_revision()
         if current == head:
             return False

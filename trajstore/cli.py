@@ -198,12 +198,14 @@ def _cmd_gc(args: argparse.Namespace) -> int:
 def _index_engines(args: argparse.Namespace):
     """The engines of an existing store's index, migrated, without opening its payload."""
     from trajstore._migrate import upgrade
-    from trajstore.store import _require_schema, _require_sqlite_file, dialect_of, resolve_url
+    from trajstore.log._registry import backend_of
+    from trajstore.store import resolve_url
 
     url = resolve_url(args.store)
-    _require_sqlite_file(url)
-    write_engine, read_engine = dialect_of(url).make_engines(url)
-    _require_schema(url, read_engine)
+    backend = backend_of(url)
+    backend.require_database(url)
+    write_engine, read_engine = backend.make_engines(url)
+    backend.require_schema(url, read_engine)
     upgrade(write_engine)
     return url, write_engine, read_engine
 

@@ -1,52 +1,54 @@
 """The Store: the public entry point (``trajstore.connect``).
 
 It wires the layers together and owns no rule of its own:
-wire dicts → ``events.parse_events`` → identities / idempotency →
-``admission.admit_batch`` → one payload segment (``payload``) → one index
-transaction (``log``). Folding is ``materializer``'s, reading ``reader``'s.
+wire dicts → ``events.parse_events`` → identities / idempotency
+(``_retries.split_retries``) → ``_admission.admit_batch`` (the drift figures'
+recorded routes cached by ``_routes_cache``) → one payload segment
+(``payload``) → one index transaction (``log``). Which database a URL opens,
+and what must exist before it is opened, is the backend's
+(``log._registry.backend_of``). Folding is ``materializer``'s, reading
+``reader``'s.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
-from collections import ChainMap, OrderedDict
-from concurrent.futures import Future, wait
+import warnings
+from collections import ChainMap
+from concurrent.futures import wait
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 import pyarrow as pa
-from sqlalchemy.engine import make_url
-from sqlalchemy.exc import ArgumentError
 
 from trajstore import _facts as facts
 from trajstore.payload import _home as _payload_home
-from trajstore._pools import LazyPool
+from trajstore._digests import DIGEST_POOL as _DIGEST_POOL, Digests as _Digests
 from trajstore._admission import Admitted, RecordedRoutes, TrajectoryState, admit_batch
+from trajstore._retries import split_retries as _split_retries
+from trajstore._routes_cache import ROUTES_CACHE_BYTES, RoutesCache as _RoutesCache
 from trajstore import _lineage
-from trajstore.errors import (CommitUnknownError, ConflictError, ContentionError, StoreUnavailable, TrajstoreError,
-                              ValidationError, first_line)
-from trajstore.events import (ARRAY_FIELDS, Event, Generation, TrajectoryFinished, TrajectoryStarted, VersionLabel,
-                              content_hash, decimal_label, identity_of, parse_events, same_content)
+from trajstore.errors import CommitUnknownError, ContentionError, TrajstoreError, ValidationError, first_line
+from trajstore.events import (Event, Generation, TrajectoryFinished, TrajectoryStarted, VersionLabel, decimal_label,
+                              identity_of, parse_events)
 from trajstore.log.base import EventLog, Repoint, SampleIndex, StaleState, TrajectoryWrite
+from trajstore.log._backend import safe_url as _safe
 from trajstore.log._errors import driver_errors
+from trajstore.log._registry import backend_of
 from trajstore.log._open import open_sql
 from trajstore.payload import PayloadStore, SegmentRows
 from trajstore.payload._format import SegmentKind
 from trajstore.sample import Sample
 
-__all__ = ["Store", "AppendCheck", "AppendResult", "connect", "DEFAULT_URL", "dialect_of", "resolve_url"]
+__all__ = ["Store", "AppendCheck", "AppendResult", "connect", "DEFAULT_URL", "resolve_url"]
 
 log = logging.getLogger(__name__)
 
 DEFAULT_URL = "sqlite:///trajstore-data/trajstore.db"
 _MAX_ATTEMPTS = 20  # re-admissions after losing an optimistic-concurrency race
-ROUTES_CACHE_BYTES = 256 << 20
-"""Recorded route rows of running trajectories kept per Store for the drift
-figures (docs/log.md, "Route drift"); past it the least recently used go."""
 
 
 @dataclass(frozen=True)
@@ -106,11 +108,11 @@ class Store:
     def __init__(self, url: str, *, payload: str | None = None, log_compression: str | None = None,
                  migrate: bool = True, create: bool = True) -> None:
         self.url = url
-        backend = dialect_of(url)
-        _require_sqlite_file(url, missing_ok=create)
+        backend = backend_of(url)
+        backend.require_database(url, missing_ok=create)
         write_engine, read_engine = backend.make_engines(url)
         if not create:
-            _require_schema(url, read_engine)
+            backend.require_schema(url, read_engine)
         if migrate:
             from trajstore._migrate import upgrade
 
@@ -594,56 +596,6 @@ class AppendCheck:
         return self.store._current_sequence(trajectory_id)
 
 
-def _split_retries(parsed: Sequence[tuple[Event, str | None]], known: Mapping[str, bytes],
-                   digest: Callable[[int], bytes], mapped: Callable[[str], int | None] = lambda label: None,
-                   ) -> tuple[list[int], list[int], dict[str, int]]:
-    """The one duplicate rule of ``append`` and ``AppendCheck``: an event whose identity is
-    ``known`` (its content digest, stored or seen before) or came earlier in the batch is a retry,
-    dropped when its content is the same and refused (ConflictError) when it differs.
-    ``digest(i)``: the content digest of ``parsed[i]``, asked only of events with an identity that
-    repeat or are first in the batch (a caller may compute them lazily). ``mapped(label)``: the
-    stored label map's version for ``label`` (asked only to name both versions when a
-    ``version_label`` remaps a stored label).
-    Returns (fresh indices, duplicate indices, identity -> index of its first fresh event)."""
-    first: dict[str, int] = {}
-    fresh: list[int] = []
-    duplicates: list[int] = []
-    for i, (ev, ident) in enumerate(parsed):
-        if ident is not None:
-            if ident in known or ident in first:
-                earlier = known[ident] if ident in known else digest(first[ident])
-                if not same_content(earlier, ev, digest(i)):
-                    if isinstance(ev, VersionLabel):
-                        before = parsed[first[ident]][0] if ident in first else None
-                        raise _label_conflict(ev, ident, before.model_version if isinstance(before, VersionLabel)
-                                              and before.label == ev.label else mapped(ev.label), i)
-                    raise _conflict(ev, ident, i)
-                duplicates.append(i)
-                continue
-            first[ident] = i
-        fresh.append(i)
-    return fresh, duplicates, first
-
-
-def _conflict(ev: Event, ident: str, index: int) -> ConflictError:
-    if ev.event_id:
-        what = f"event_id {ev.event_id!r}"
-    elif ident.startswith("["):  # a lineage key (events.lineage_identity)
-        what = ident
-    else:
-        what = ident.split(":")[0]
-    return ConflictError(f"{what} is already stored with different content", index=index,
-                         trajectory_id=ev.trajectory_id or None)
-
-
-def _label_conflict(ev: VersionLabel, ident: str, known: int | None, index: int) -> ConflictError:
-    """A version_label whose identity is taken: named by its label and both versions when it remaps one."""
-    if known is None or known == ev.model_version:  # not a remap: an event_id reused for other content
-        return _conflict(ev, ident, index)
-    return ConflictError(f"version label {ev.label!r} is already mapped to model_version {known}, "
-                         f"not {ev.model_version}", index=index)
-
-
 def _parse_all(events: Iterable[Mapping[str, Any] | Event]) -> list[tuple[Event, str | None]]:
     return [(ev, identity_of(ev)) for ev in parse_events(events)]
 
@@ -672,91 +624,6 @@ def _starts_every_trajectory(parsed: Sequence[tuple[Event, str | None]]) -> bool
     return bool(seen)
 
 
-class _RoutesCache:
-    """trajectory_id -> (revision, RecordedRoutes) of running trajectories this
-    process appended to, least recently used first out past ``max_bytes``. An
-    entry is valid only for the trajectory revision it was made at: an append
-    by another process moves the revision, and the next comparison rebuilds it."""
-
-    def __init__(self, max_bytes: int) -> None:
-        self.max_bytes = max_bytes
-        self.nbytes = 0
-        self._entries: OrderedDict[str, tuple[int, RecordedRoutes]] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def get(self, trajectory_id: str, revision: int) -> RecordedRoutes | None:
-        with self._lock:
-            hit = self._entries.get(trajectory_id)
-            if hit is None or hit[0] != revision:
-                return None
-            self._entries.move_to_end(trajectory_id)
-            return hit[1]
-
-    def after_append(self, admitted: Sequence[Admitted], before: Mapping[str, TrajectoryState],
-                     routes_after: Mapping[str, RecordedRoutes | None]) -> None:
-        """Keep what a committed append's trajectories recorded, at their new revisions."""
-        final: dict[str, TrajectoryState] = {}
-        for a in admitted:
-            if a.state is not None:
-                final[a.event.trajectory_id] = a.state
-        with self._lock:
-            for tid, state in final.items():
-                if tid in routes_after:
-                    value = routes_after[tid]
-                else:  # the batch did not change its recorded rows: an entry at the old revision still holds
-                    old = self._entries.get(tid)
-                    prev = before.get(tid)
-                    value = old[1] if old is not None and prev is not None and old[0] == prev.revision else None
-                self._drop(tid)
-                if value is not None and state.status == "running":
-                    self._entries[tid] = (state.revision, value)
-                    self.nbytes += value.nbytes
-            while self.nbytes > self.max_bytes and self._entries:
-                self._drop(next(iter(self._entries)))
-
-    def _drop(self, trajectory_id: str) -> None:
-        old = self._entries.pop(trajectory_id, None)
-        if old is not None:
-            self.nbytes -= old[1].nbytes
-
-
-class _Digests:
-    """Content digests of an append's events, computed once, on demand or in the background."""
-
-    def __init__(self, events: Sequence[Event]) -> None:
-        self.events = events
-        self.cache: dict[int, bytes] = {}
-
-    def get(self, i: int) -> bytes:
-        if i not in self.cache:
-            self.cache[i] = content_hash(self.events[i])
-        return self.cache[i]
-
-    def start(self, indices: Sequence[int]) -> "Future[dict[int, bytes]]":
-        """The digests of ``indices``: hashed on a pooled thread when there is
-        enough to hash to pay for the hand-off, else here and now."""
-        if sum(_array_bytes(self.events[i]) for i in indices) < _INLINE_DIGEST_BYTES:
-            future: Future[dict[int, bytes]] = Future()
-            future.set_result({i: self.get(i) for i in indices})
-            return future
-        return _DIGEST_POOL.get().submit(lambda: {i: self.get(i) for i in indices})
-
-
-# Below this many bytes of arrays per append, hashing here (XXH3: ~0.1 ms per
-# MB) costs less than handing it to another thread and taking the GIL back.
-_INLINE_DIGEST_BYTES = 16 << 20
-
-
-def _array_bytes(event: Event) -> int:
-    if not isinstance(event, Generation):
-        return 0
-    arrays = (getattr(event, name) for name in ARRAY_FIELDS)
-    return sum(a.nbytes for a in arrays if a is not None)
-
-# One process-wide pool for the digests and the segment syncs (a thread per append cost ~1 ms).
-_DIGEST_POOL = LazyPool(max(1, min(4, os.cpu_count() or 1)), "trajstore-digest")
-
-
 def _trajectory_writes(admitted: Sequence[Admitted], rows: Mapping[str, Any]) -> list[TrajectoryWrite]:
     """The final state of each trajectory the batch touched."""
     last: dict[str, Admitted] = {}
@@ -775,68 +642,11 @@ def _trajectory_writes(admitted: Sequence[Admitted], rows: Mapping[str, Any]) ->
     return writes
 
 
-def dialect_of(url: str):
-    """The engines' module for a store URL (``trajstore.log._sqlite`` or
-    ``trajstore.log.postgres``: engines, timeouts, default payload dir);
-    ValidationError (rule ``url``) for anything else."""
-    try:
-        name = make_url(url).get_backend_name()
-    except ArgumentError:
-        raise ValidationError(f"not a store URL: {url!r} (use sqlite:///path.db or postgresql+psycopg://...)",
-                              rule="url") from None
-    if name == "sqlite":
-        host = make_url(url).host
-        if host:  # sqlite://run/x.db: SQLAlchemy takes "run" for a host and SQLite opens ./x.db
-            path = make_url(url).database or ""
-            raise ValidationError(f"{_safe(url)}: a SQLite URL has no host, and {host!r} would be dropped (the "
-                                  f"store would be {path!r}); write sqlite:///{host}/{path} for a relative path or "
-                                  f"sqlite:////abs/{path} for an absolute one", rule="url")
-        from trajstore.log import _sqlite as backend
-    elif name == "postgresql":
-        from trajstore.log import postgres as backend
-    else:
-        raise ValidationError(f"unsupported database {name!r} in {_safe(url)} (sqlite or postgresql)", rule="url")
-    return backend
-
-
-def _require_sqlite_file(url: str, *, missing_ok: bool = False) -> None:
-    """A SQLite store's file must be a SQLite database; it must exist unless ``missing_ok`` (``create``)."""
-    if make_url(url).get_backend_name() != "sqlite":
-        return
-    path = make_url(url).database
-    if not path or path == ":memory:":
-        if missing_ok:
-            return
-        raise StoreUnavailable("no store at an in-memory database (it starts empty)")
-    if os.path.isdir(path):
-        raise StoreUnavailable(f"not a trajstore store: {path} is a directory, not a SQLite database file")
-    if not os.path.isfile(path):
-        if missing_ok:
-            return
-        raise StoreUnavailable(f"no store at {path} (trajstore init, ingest or demo makes one)")
-    with open(path, "rb") as f:
-        header = f.read(16)
-    if header and header != b"SQLite format 3\x00":
-        raise StoreUnavailable(f"not a trajstore store: {path} is not a SQLite database")
-
-
-def _require_schema(url: str, engine: Any) -> None:
-    """For ``create=False``: the database must hold trajstore's schema (Alembic's table)."""
-    from sqlalchemy import inspect as sa_inspect
-
-    try:
-        with driver_errors(f"cannot open store {_safe(url)}", mode="opening"), engine.connect() as conn:
-            present = sa_inspect(conn).has_table("alembic_version")
-    except StoreUnavailable:
-        engine.dispose()
-        raise
-    if not present:
-        engine.dispose()
-        raise StoreUnavailable(f"no store at {_safe(url)} (trajstore init, ingest or demo makes one)")
-
-
-def _safe(url: str) -> str:
-    try:
-        return make_url(url).render_as_string(hide_password=True)
-    except ArgumentError:
-        return url
+def __getattr__(name: str):
+    # ``dialect_of`` (a store URL's backend) was public here; it is the backend registry's now
+    if name == "dialect_of":
+        warnings.warn("trajstore.store.dialect_of is deprecated; a store URL's backend is "
+                      "trajstore.log._registry.backend_of (same use: make_engines, default_payload_dir)",
+                      DeprecationWarning, stacklevel=2)
+        return backend_of
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,6 +1,8 @@
 """The storage seam's conformance suite: ``EventLog`` and ``SampleIndex`` driven
-directly (no ``Store``), on SQLite and a real PostgreSQL, including which error
-each failure raises (the contract in ``trajstore/log/base.py``)."""
+directly (no ``Store``), on every registered backend (the ``store_url`` fixture has
+one case per entry of ``trajstore.log._registry.BACKENDS``: SQLite and a real
+PostgreSQL), including which error each failure raises (the contract in
+``trajstore/log/base.py``)."""
 
 from __future__ import annotations
 
@@ -14,16 +16,34 @@ import trajstore
 from trajstore.errors import IndexInvariantError, StoreUnavailable, TrajstoreError, ValidationError
 from trajstore.log.base import EventLog, SampleIndex, Shard, StaleState, TrajectoryWrite
 from trajstore.log._open import open_sql
+from trajstore.log._backend import Backend
+from trajstore.log._dialect import SqlDialect
+from trajstore.log._registry import BACKENDS, backend_of
 
 from pg_cluster import free_loopback_port
 
 
 def _engines(url: str):
-    if url.startswith("sqlite"):
-        from trajstore.log import _sqlite as backend
-    else:
-        from trajstore.log import postgres as backend
-    return backend.make_engines(url)
+    return backend_of(url).make_engines(url)
+
+
+# What every backend must implement itself (the base class only declares them), and what only
+# a backend that says it has the capability must (``single_writer`` needs no tail bound).
+REQUIRED = ("make_engines", "default_payload_dir", "read_only", "join_sorted", "version_spans", "span_int",
+            "positions", "head")
+IF_CAPABLE = {"settled_head": lambda b: not b.single_writer, "make_reader_login": lambda b: b.reader_logins}
+
+
+@pytest.mark.parametrize("name", sorted(BACKENDS))
+def test_every_registered_backend_implements_the_backend(name):
+    backend = BACKENDS[name]
+    assert issubclass(backend, Backend) and backend.name == name
+
+    def own(member: str) -> bool:
+        return any(member in k.__dict__ for k in backend.__mro__ if k not in (Backend, SqlDialect, object))
+
+    needed = list(REQUIRED) + [m for m, capable in IF_CAPABLE.items() if capable(backend)]
+    assert [m for m in needed if not own(m)] == []
 
 
 @pytest.fixture

@@ -1,6 +1,6 @@
 """PostgreSQL positions from a sequence: appends do not wait for each other, and
 the materializer's tail never skips a transaction held open while later ones
-commit (trajstore.log._dialect, "Positions")."""
+commit (trajstore.log.postgres, "Positions")."""
 
 from __future__ import annotations
 

@@ -161,18 +161,20 @@ def _has_report_extra() -> bool:
 
 def next_steps(url: str, payload: str | None, directory: str) -> str:
     """The commands to run next, exactly as they work from the current directory."""
+    from trajstore.log._registry import backend_of
+
     base = _program() + ["--store", url] + (["--payload", payload] if payload else [])
     q = " ".join(shlex.quote(a) for a in base)
     query = ("SELECT trajectory_id, status, num_samples, reward FROM trajectory_summary "
              "ORDER BY trajectory_id LIMIT 5")
     report = shlex.quote(os.path.join(directory, "report"))
     export = shlex.quote(os.path.join(directory, "export"))
-    pg = url.startswith("postgresql")
+    reader_logins = backend_of(url).reader_logins  # a reader login is how sql and report read it
     return "\n".join([
         "",
         "next: look at the demo's store",
         *([f"  {q} init --reader-login trajstore_analyst   # on PostgreSQL, run sql and report "
-           "with the reader URL this prints (docs/sql.md)"] if pg else []),
+           "with the reader URL this prints (docs/sql.md)"] if reader_logins else []),
         f"  {q} sql {shlex.quote(query)}",
         f"  {q} report {report}" + ("" if _has_report_extra() else "   # needs the report extra: pip install -e '.[report]'"),
         f"  {q} export --replace {export}",

@@ -254,6 +254,7 @@ def _announce_when_up(url: str, line: str, stopped: threading.Event, timeout_s: 
 
 
 def _safe_store(store_url: str | None) -> str:
-    from trajstore.store import _safe, resolve_url
+    from trajstore.log._backend import safe_url
+    from trajstore.store import resolve_url
 
-    return _safe(resolve_url(store_url))
+    return safe_url(resolve_url(store_url))

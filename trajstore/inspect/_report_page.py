@@ -25,18 +25,19 @@ def payload_location(url: str | None, payload: str | None, query: Any = None) ->
     from trajstore.errors import PayloadLocationError
     from trajstore.inspect.sql import read_only
     from trajstore.payload import _home as home
-    from trajstore.store import dialect_of, resolve_url
+    from trajstore.log._registry import backend_of
+    from trajstore.store import resolve_url
 
     url = resolve_url(url)
     if query is None:
         with read_only(url) as q:
             return payload_location(url, payload, q)
     given, source = payload, "--payload"
-    if given is None and os.environ.get(home.ENV) and not url.startswith("sqlite"):
+    if given is None and os.environ.get(home.ENV) and backend_of(url).payload_dir_from_env:
         given, source = os.environ[home.ENV], f"${home.ENV}"
     rows = query(f"SELECT value FROM store_settings WHERE name = '{home.LOCATION}'").rows
     if not rows:
-        return given if given is not None else dialect_of(url).default_payload_dir(url)
+        return given if given is not None else backend_of(url).default_payload_dir(url)
     recorded = home.opened_form(rows[0][0], url)
     if given is not None and not home.same_place(given, recorded, url):
         raise PayloadLocationError(f"payload location {given!r} (from {source}) disagrees with {recorded!r}, the "

@@ -24,8 +24,11 @@ Portability rules the SQL keeps, so one text runs on both backends:
   ``WHERE has_routes``;
 * sums of sums are cast to BIGINT (PostgreSQL would give NUMERIC) and
   averages and shares to DOUBLE PRECISION (SQLite would divide integers);
-* the true differences are a sorted comma-joined aggregate (``_join_sorted``)
-  and expanding a JSON array into rows (``_version_spans``).
+* the true differences are a sorted comma-joined aggregate (``join_sorted``),
+  expanding a JSON array into rows (``version_spans``) and reading a field of
+  one of them (``span_int``): each backend's class holds its fragments
+  (``trajstore.log._backend.Backend``), picked from the backend registry by
+  the database's name.
 
 Which generation folds into which sample is not derived here: admission
 applies the fold's step (``trajstore.fold.fold_step``) to each call and stores
@@ -42,6 +45,9 @@ from __future__ import annotations
 
 from typing import Callable
 
+from trajstore.log._backend import Backend
+from trajstore.log._registry import BACKENDS
+
 __all__ = [
     "VIEW_NAMES",
     "READER_ROLE",
@@ -56,31 +62,6 @@ __all__ = [
 VIEW_NAMES = ("generation_events", "trajectory_summary", "sample_summary", "model_version_stats")
 
 READER_ROLE = "trajstore_reader"
-
-
-def _join_sorted(column: str, dialect: str) -> str:
-    """Aggregate: the distinct values of ``column`` sorted and joined with ','.
-
-    SQLite before 3.44 has no ORDER BY inside an aggregate; group_concat
-    follows the order of its input, which the callers sort in a subquery."""
-    if dialect == "postgresql":
-        return f"string_agg({column}, ',' ORDER BY {column})"
-    return f"group_concat({column}, ',')"
-
-
-def _version_spans(dialect: str) -> str:
-    """FROM-clause rows of generation_events ``g`` joined to its version spans ``j``.
-
-    ``j.value`` is one span object; ``_span_int`` reads a field of it."""
-    if dialect == "postgresql":
-        return "generation_events g CROSS JOIN LATERAL json_array_elements(g.version_spans) AS j(value)"
-    return "generation_events g, json_each(g.version_spans) j"
-
-
-def _span_int(key: str, dialect: str) -> str:
-    if dialect == "postgresql":
-        return f"CAST(j.value ->> '{key}' AS INTEGER)"
-    return f"CAST(json_extract(j.value, '$.{key}') AS INTEGER)"
 
 
 _GENERATION_EVENTS = """
@@ -108,7 +89,7 @@ WHERE e.type = 'generation'
 """
 
 
-def _trajectory_summary(dialect: str) -> str:
+def _trajectory_summary(backend: type[Backend]) -> str:
     return f"""
 WITH calls AS (
     SELECT
@@ -140,7 +121,7 @@ last_call AS (
       ON m.trajectory_id = g.trajectory_id AND m.seq = g.seq
 ),
 reasons AS (
-    SELECT trajectory_id, {_join_sorted("finish_reason", dialect)} AS finish_reasons
+    SELECT trajectory_id, {backend.join_sorted("finish_reason")} AS finish_reasons
     FROM (
         SELECT DISTINCT trajectory_id, finish_reason FROM events
         WHERE type = 'generation' AND finish_reason IS NOT NULL
@@ -191,7 +172,7 @@ LEFT JOIN times tm ON tm.trajectory_id = t.trajectory_id
 """
 
 
-def _sample_summary(dialect: str) -> str:
+def _sample_summary(backend: type[Backend]) -> str:
     return f"""
 WITH calls AS (
     SELECT
@@ -204,7 +185,7 @@ WITH calls AS (
     GROUP BY trajectory_id, sample_index
 ),
 reasons AS (
-    SELECT trajectory_id, sample_index, {_join_sorted("finish_reason", dialect)} AS finish_reasons
+    SELECT trajectory_id, sample_index, {backend.join_sorted("finish_reason")} AS finish_reasons
     FROM (
         SELECT DISTINCT trajectory_id, sample_index, finish_reason FROM generation_events
         WHERE finish_reason IS NOT NULL
@@ -241,7 +222,7 @@ LEFT JOIN policy p ON p.position = s.finished_position
 """
 
 
-def _model_version_stats(dialect: str) -> str:
+def _model_version_stats(backend: type[Backend]) -> str:
     # One row per (call, version it generated at): a call whose tokens span
     # versions (docs/reference.md "Versions") contributes one row per span, exactly.
     return f"""
@@ -250,9 +231,9 @@ WITH call_versions AS (
     FROM generation_events
     WHERE version_spans IS NULL
     UNION ALL
-    SELECT g.trajectory_id, {_span_int("model_version", dialect)}, {_span_int("num_tokens", dialect)},
-           {_span_int("num_loss_tokens", dialect)}, g.finish_reason
-    FROM {_version_spans(dialect)}
+    SELECT g.trajectory_id, {backend.span_int("model_version")}, {backend.span_int("num_tokens")},
+           {backend.span_int("num_loss_tokens")}, g.finish_reason
+    FROM {backend.version_spans()}
     WHERE g.version_spans IS NOT NULL
 ),
 drift AS (
@@ -299,14 +280,16 @@ GROUP BY p.model_version
 
 
 def view_sql(name: str, dialect: str) -> str:
-    """The SELECT behind view ``name`` for ``dialect`` ("sqlite" or "postgresql")."""
-    if dialect not in ("sqlite", "postgresql"):
-        raise ValueError(f"no inspection views for database {dialect!r} (sqlite or postgresql)")
+    """The SELECT behind view ``name`` for database ``dialect`` (a backend's name:
+    ``trajstore.log._registry.BACKENDS``)."""
+    backend = BACKENDS.get(dialect)
+    if backend is None:
+        raise ValueError(f"no inspection views for database {dialect!r} ({' or '.join(BACKENDS)})")
     builders: dict[str, Callable[[], str]] = {
         "generation_events": lambda: _GENERATION_EVENTS,
-        "trajectory_summary": lambda: _trajectory_summary(dialect),
-        "sample_summary": lambda: _sample_summary(dialect),
-        "model_version_stats": lambda: _model_version_stats(dialect),
+        "trajectory_summary": lambda: _trajectory_summary(backend),
+        "sample_summary": lambda: _sample_summary(backend),
+        "model_version_stats": lambda: _model_version_stats(backend),
     }
     if name not in builders:
         raise ValueError(f"unknown view {name!r}; views: {', '.join(VIEW_NAMES)}")

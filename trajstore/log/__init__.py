@@ -3,8 +3,17 @@
 * ``base``          — the seam: ``EventLog`` (log index), ``SampleIndex`` (samples,
                       checkpoints, watermark), ``Shard``, and their contract
                       (ordering, atomicity, which error each failure raises)
-* ``postgres``      — the production backend's engines, timeouts and payload location
-* ``_sqlite``       — the embedded default's engines and payload location
+* ``_backend``      — ``Backend``: what a backend is (everything trajstore does
+                      differently on one database)
+* ``_registry``     — ``BACKENDS``, the one table from a store URL's database to its
+                      backend (``backend_of``), and an engine's statements (``sql_dialect``)
+* ``_sqlite``       — ``SQLite``, the embedded default: engines, the file check,
+                      payload beside the file, positions from a counter row, the
+                      read-only opener, the views' fragments
+* ``postgres``      — ``PostgreSQL``, the production backend: engines, timeouts,
+                      positions from a sequence and the tail's bound, the label
+                      appends' lock, the migration lock, the read-only role opener,
+                      the views' fragments
 * ``_open``         — ``open_sql``: one database's log index and sample index
 * ``_events``       — ``SqlEventLog``: the log index (the append, reads, segments)
 * ``_samples``      — ``SqlSampleIndex`` and ``SqlProjectionIndex``: one implementation
@@ -12,8 +21,8 @@
 * ``_segments``     — which segments index rows name, re-pointing, retiring
 * ``_transaction``  — the engines and the one transaction wrapper (reads, writes,
                       a commit whose outcome is unknown)
-* ``_dialect``      — ``SQLite`` / ``PostgreSQL``: every dialect-specific statement
-                      and behaviour, and the hot paths' cached driver statements
+* ``_dialect``      — ``SqlDialect``: the hot paths' cached driver statements every
+                      backend shares
 * ``_errors``       — the one driver-error translation boundary
 """
 

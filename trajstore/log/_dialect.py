@@ -1,12 +1,14 @@
-"""The SQL a backend speaks: one typed dialect object per database, obtained once per engine.
+"""The SQL a backend speaks: the driver statements every backend shares.
 
 ``SqlDialect`` holds the driver statements of the index's hot paths (the
 append's reads and writes, the materializer's reads and commits, re-pointing,
-retiring), built once per dialect; ``SQLite`` and ``PostgreSQL`` add what
-differs between the two backends: how a driver transaction begins, how an
-append takes its positions, the log head, the database clock, how appends that
-map version labels are ordered, and the log tail's bound. Everything else is
-portable SQLAlchemy Core in ``_events.py`` and ``_samples.py``.
+retiring), built once per SQLAlchemy dialect; each backend's class
+(``trajstore.log._sqlite.SQLite``, ``trajstore.log.postgres.PostgreSQL``,
+through ``trajstore.log._backend.Backend``) adds what differs: how a driver
+transaction begins, how an append takes its positions, the log head, the
+database clock, how appends that map version labels are ordered, and the log
+tail's bound. Everything else is portable SQLAlchemy Core in ``_events.py``
+and ``_samples.py``.
 
 Why driver statements. SQLAlchemy Core spent about 4 ms per append
 compiling, caching and coercing half a dozen small statements (and a new
@@ -18,57 +20,28 @@ of each column are applied to the values (JSON, booleans, floats bind exactly
 as Core binds them). Executemany of ready tuples: both drivers sum an
 executemany's rowcount (``supports_sane_multi_rowcount``).
 
-Positions, and why the materializer's tail is bounded. SQLite has a single
+Positions, and why the materializer's tail is bounded. Tailing ``position >
+checkpoint`` must never skip a row that commits late. SQLite has a single
 writer (``BEGIN IMMEDIATE``): every append takes its positions from the
 ``log_head`` row and commits before the next one starts, so commits become
-visible in position order and tailing ``position > checkpoint`` is gap-free.
-
-On PostgreSQL a counter row would serialize every append on its row lock,
-held to COMMIT (with 8 writers the lock was held 95% of the time; see
-docs/log.md, "Positions"). Appends take their positions from the sequence
-``log_positions`` instead, and never wait for each other. Then a transaction
-may commit position 11 while one holding 10 is still open (or rolls back,
-leaving a hole). A tailer that saw 11 and moved its checkpoint past it would
-never see 10. So the tail is bounded (``PostgreSQL.settled_head``):
-
-1. an append gets its transaction id (``pg_current_xact_id()``) *before* its
-   first ``nextval`` (the statement that takes positions assigns it first);
-2. a tailer reads the sequence's last value H, then (a later statement) the
-   transaction ids running now in this database: the ``transactionid`` locks
-   in ``pg_locks`` (every transaction holds one on its own id from its
-   assignment to its end) of this database's backends. An append holding a position <= H took it before H was read, so it
-   had its id before then: it has ended, or it is in that list;
-3. once none of the listed ids is running any more, no position <= H can
-   commit any more, and reading up to H cannot skip one. Until then the
-   previous such bound is used (``SqlEventLog.safe_position`` waits a little
-   for the new one: appends take milliseconds).
-
-   (Not ``pg_snapshot_xmax`` of a snapshot: it is one past the latest
-   *completed* id, and a transaction with a higher id may already be
-   running; a test with eight writers caught exactly that.)
-
-The invariant this keeps: a transaction held open while later ones commit
-is never skipped by the tail (tests/log/test_positions_pg.py holds one open
-on a real second connection). The cost: any transaction with an id (a long
-migration, a session idle in a write transaction) holds the tail back until
-it ends, never past it. Positions are unique and increasing per append, not
-consecutive (a rolled-back append leaves a hole); ``head`` is the highest
-stored one.
+visible in position order (``single_writer``) and the tail needs no bound.
+PostgreSQL appends take their positions from the sequence ``log_positions``
+and never wait for each other, so a position may commit after a higher one:
+the tail is bounded by ``PostgreSQL.settled_head``, and ``trajstore.log.postgres``
+explains the bound and the invariant it keeps.
 """
 
 from __future__ import annotations
 
-import weakref
 from typing import Any, Callable, Collection, Iterator, Mapping, Sequence
 
-from sqlalchemy import Connection, Engine, func, select
+from sqlalchemy import Connection
 
-from trajstore._backoff import Backoff
 from trajstore.errors import IndexInvariantError
 from trajstore.log.base import RELEASED, Repoint
-from trajstore.schema import events, log_head, segments, trajectories, unresolved_labels, version_labels
+from trajstore.schema import events, segments, trajectories, unresolved_labels, version_labels
 
-__all__ = ["CHUNK", "PostgreSQL", "SQLite", "SqlDialect", "chunks", "sql_dialect", "execute"]
+__all__ = ["CHUNK", "SqlDialect", "chunks", "execute"]
 
 CHUNK = 500  # ids per IN (...) list
 
@@ -103,7 +76,7 @@ FOLD_EVENT_COLUMNS = ("position", "trajectory_id", "type", "seq", "event_id", "m
 
 class SqlDialect:
     """The driver statements of one SQLAlchemy dialect, built on first use and
-    kept; the subclasses add what differs between the backends."""
+    kept; each backend's class adds what differs (module doc)."""
 
     name = ""
     single_writer = False
@@ -350,123 +323,3 @@ class SqlDialect:
                   f"AND NOT EXISTS (SELECT 1 FROM {self.table(events)} WHERE {self.table(events)}."
                   f"{self.col(events.c.segment)} = {self.table(g)}.{self.col(g.c.name)})")
         execute(conn, f"{prefix}({self.marks(len(part))}){suffix}", tuple(part))
-
-
-class SQLite(SqlDialect):
-    """The embedded default: one writer at a time (``BEGIN IMMEDIATE``), positions
-    from the ``log_head`` counter row, consecutive and committed in order."""
-
-    name = "sqlite"
-    single_writer = True
-    begin_read = "BEGIN"  # one snapshot (the connection is in autocommit mode)
-    begin_write = "BEGIN IMMEDIATE"  # as the write engine's "begin" hook does
-    now_sql = "((julianday('now') - 2440587.5) * 86400.0)"
-
-    def __init__(self, dialect: Any) -> None:
-        super().__init__(dialect)
-        h = log_head.c
-        self.take_positions = (f"UPDATE {self.table(log_head)} SET {self.col(h.position)} = "
-                               f"{self.col(h.position)} + {self.p} WHERE {self.col(h.id)} = 1 RETURNING "
-                               f"{self.col(h.position)}")
-
-    def positions(self, cur: Any, n: int) -> Sequence[int]:
-        """``n`` consecutive positions from the counter row."""
-        cur.execute(self.take_positions, (n,))
-        (last,) = cur.fetchone()
-        return range(last - n + 1, last + 1)
-
-    def head(self, conn: Connection) -> int:
-        return int(conn.execute(select(log_head.c.position).where(log_head.c.id == 1)).scalar_one())
-
-
-_SEQUENCE_LAST = "SELECT CASE WHEN is_called THEN last_value ELSE last_value - 1 END FROM log_positions"
-# (this database's backends only: a long transaction elsewhere on the server does not hold the tail)
-_RUNNING_XIDS = ("SELECT l.transactionid::text FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid "
-                 "WHERE l.locktype = 'transactionid' AND l.mode = 'ExclusiveLock' AND l.granted "
-                 "AND l.transactionid IS NOT NULL AND a.datname = current_database()")
-_STILL_RUNNING = ("SELECT 1 FROM pg_locks WHERE locktype = 'transactionid' AND mode = 'ExclusiveLock' "
-                  "AND granted AND transactionid::text = ANY(%s) LIMIT 1")
-
-
-class PostgreSQL(SqlDialect):
-    """The production backend: positions from the sequence ``log_positions``
-    (appends never wait for each other), so the tail is bounded (module doc)."""
-
-    name = "postgresql"
-    now_sql = "EXTRACT(EPOCH FROM clock_timestamp())::float8"
-    # the transaction id first (the WHERE runs before the first nextval), then the
-    # positions: the order the tail's bound relies on (module doc)
-    take_positions = ("SELECT nextval('log_positions') FROM generate_series(1, %s) "
-                      "WHERE pg_current_xact_id() IS NOT NULL")
-
-    def positions(self, cur: Any, n: int) -> Sequence[int]:
-        """``n`` increasing positions from the sequence, not necessarily consecutive."""
-        cur.execute(self.take_positions, (n,))
-        return sorted(p for (p,) in cur.fetchall())
-
-    def head(self, conn: Connection) -> int:
-        # the highest event's: the sequence also counts positions of appends that rolled back
-        return int(conn.execute(select(func.coalesce(func.max(events.c.position), 0))).scalar_one())
-
-    def settled_head(self, conn: Connection, wait_s: float) -> int | None:
-        h = int(conn.exec_driver_sql(_SEQUENCE_LAST).scalar_one())
-        running = [x for (x,) in conn.exec_driver_sql(_RUNNING_XIDS)]
-        backoff = Backoff(first_s=0.0005, max_s=0.01)
-        while True:
-            if not running or conn.exec_driver_sql(_STILL_RUNNING, (running,)).first() is None:
-                return h
-            if backoff.exhausted(wait_s):
-                return None
-            backoff.pause()
-
-    # The held-back rule (``_events._write_labels``) decides from positions alone: a
-    # trajectory folds at its finish iff every label it waits on was mapped at a
-    # lower position, else the version_label append that maps the last one adds
-    # its release. That needs the two kinds of append to see each other in
-    # position order. SQLite has one writer at a time. On PostgreSQL positions
-    # come from a sequence, so a version_label append (position 12) could run its
-    # release query before a concurrent finish (position 11) commits: neither
-    # would release, and the trajectory would wait forever. So an append that maps
-    # a label, or that finishes a trajectory with unresolved labels, first takes
-    # one transaction-level advisory lock: those appends take their positions and
-    # commit one after another, each seeing the ones before. Every other append
-    # (generations, the finishes of trajectories that never waited on a label)
-    # takes no lock.
-    LABELS_LOCK_KEY = 0x7472616A_6C61  # "trajla": any fixed bigint no other code uses
-
-    def order_label_appends(self, cur: Any, event_rows: Sequence[Mapping[str, Any]]) -> None:
-        if self.touches_labels(cur, event_rows):
-            cur.execute("SELECT pg_advisory_xact_lock(%s)", (self.LABELS_LOCK_KEY,))
-            cur.fetchall()
-
-    def touches_labels(self, cur: Any, event_rows: Sequence[Mapping[str, Any]]) -> bool:
-        if any(r.get("version_label") is not None for r in event_rows):
-            return True
-        finishing = {r["trajectory_id"] for r in event_rows if r["type"] == "trajectory_finished"}
-        if not finishing:
-            return False
-        if any(r.get("unresolved_labels") for r in event_rows if r["trajectory_id"] in finishing):
-            return True
-        # an earlier call of a finishing trajectory left an unresolved label (those rows
-        # are committed: the trajectory row's revision guard orders appends to it)
-        for part in chunks(sorted(finishing)):
-            cur.execute(f"SELECT 1 FROM {self.table(unresolved_labels)} "
-                        f"WHERE trajectory_id IN ({self.marks(len(part))}) LIMIT 1", list(part))
-            if cur.fetchone() is not None:
-                return True
-        return False
-
-
-_BY_NAME: dict[str, type[SqlDialect]] = {"sqlite": SQLite, "postgresql": PostgreSQL}
-_OF: "weakref.WeakKeyDictionary[Any, SqlDialect]" = weakref.WeakKeyDictionary()
-
-
-def sql_dialect(engine: Engine) -> SqlDialect:
-    """The dialect object of ``engine`` (one per SQLAlchemy dialect, built on first use)."""
-    found = _OF.get(engine.dialect)
-    if found is None:
-        kind = _BY_NAME.get(engine.dialect.name)
-        if kind is None:  # pragma: no cover - store.sql_dialect refuses other URLs first
-            raise IndexInvariantError(f"no trajstore dialect for {engine.dialect.name!r}")
-        found = _OF[engine.dialect] = kind(engine.dialect)
-    return found

@@ -27,7 +27,8 @@ from sqlalchemy import Connection, Engine
 
 from trajstore._backoff import Backoff
 from trajstore.errors import CommitUnknownError, first_line
-from trajstore.log._dialect import SqlDialect, sql_dialect
+from trajstore.log._dialect import SqlDialect
+from trajstore.log._registry import sql_dialect
 from trajstore.log._errors import lost_connection, translate, wrapped
 
 __all__ = ["Database", "RESOLVE_S"]

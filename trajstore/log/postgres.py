@@ -1,7 +1,7 @@
-"""PostgreSQL engines: the production backend (psycopg 3).
+"""The PostgreSQL backend: the production database (psycopg 3), ``PostgreSQL``.
 
 Transactions run at READ COMMITTED; appends take positions from the sequence
-``log_positions`` and never wait for each other (see ``trajstore.log._dialect``).
+``log_positions`` and never wait for each other (below, "Positions").
 
 Timeouts (docs/log.md, "Timeouts"): a server that accepts TCP and never
 answers must not hang a command. Two URL query parameters, both named as
@@ -22,24 +22,76 @@ because the connection broke meanwhile (a server restart, a terminated
 backend), the connection is invalidated quietly (the pool opens a new one when
 it needs one), not logged as SQLAlchemy's "Exception during reset or similar"
 traceback: nothing failed that the caller had not already been told about.
+
+Positions, and why the materializer's tail is bounded. A counter row (as
+SQLite's) would serialize every append on its row lock,
+held to COMMIT (with 8 writers the lock was held 95% of the time; see
+docs/log.md, "Positions"). Appends take their positions from the sequence
+``log_positions`` instead, and never wait for each other. Then a transaction
+may commit position 11 while one holding 10 is still open (or rolls back,
+leaving a hole). A tailer that saw 11 and moved its checkpoint past it would
+never see 10. So the tail is bounded (``PostgreSQL.settled_head``):
+
+1. an append gets its transaction id (``pg_current_xact_id()``) *before* its
+   first ``nextval`` (the statement that takes positions assigns it first);
+2. a tailer reads the sequence's last value H, then (a later statement) the
+   transaction ids running now in this database: the ``transactionid`` locks
+   in ``pg_locks`` (every transaction holds one on its own id from its
+   assignment to its end) of this database's backends. An append holding a
+   position <= H took it before H was read, so it had its id before then: it
+   has ended, or it is in that list;
+3. once none of the listed ids is running any more, no position <= H can
+   commit any more, and reading up to H cannot skip one. Until then the
+   previous such bound is used (``SqlEventLog.safe_position`` waits a little
+   for the new one: appends take milliseconds).
+
+   (Not ``pg_snapshot_xmax`` of a snapshot: it is one past the latest
+   *completed* id, and a transaction with a higher id may already be
+   running; a test with eight writers caught exactly that.)
+
+The invariant this keeps: a transaction held open while later ones commit
+is never skipped by the tail (tests/log/test_positions_pg.py holds one open
+on a real second connection). The cost: any transaction with an id (a long
+migration, a session idle in a write transaction) holds the tail back until
+it ends, never past it. Positions are unique and increasing per append, not
+consecutive (a rolled-back append leaves a hole); ``head`` is the highest
+stored one.
+
+Read-only queries (``trajstore sql``, ``PostgreSQL.read_only``) are kept
+read-only by the server: it refuses to run as a login holding more than the
+reader's rights (a superuser, the owner, a writer: a query could switch back
+to the login's own rights with ``set_config('role', 'none', false)``);
+``trajstore init --reader-login NAME`` makes such a login. The query runs
+inside ``BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY`` after ``SET LOCAL
+ROLE trajstore_reader`` (made by migration 0002 with SELECT on the tables and
+views, nothing else) and after a first statement has taken the transaction's
+snapshot, so it can no longer be switched back to read-write. The query is
+sent as one prepared statement (extended protocol), so ``...; DELETE ...`` is
+refused by the server, and the transaction is always rolled back, never
+committed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
+from typing import Any, Iterator, Mapping, Sequence
 
-from typing import Any
-
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import Connection, Engine, create_engine, event, func, select
 from sqlalchemy.engine import make_url
-from sqlalchemy.pool import PoolResetState
+from sqlalchemy.pool import NullPool, PoolResetState
 
-from trajstore.errors import ValidationError
+from trajstore._backoff import Backoff
+from trajstore.errors import TrajstoreError, ValidationError
+from trajstore.log._backend import Backend, ReadQuery
+from trajstore.log._dialect import chunks
+from trajstore.log._errors import driver_errors
+from trajstore.schema import events, unresolved_labels
 
-__all__ = ["DEFAULT_CONNECT_TIMEOUT_S", "DEFAULT_STATEMENT_TIMEOUT", "default_payload_dir", "engine_options",
-           "make_engines"]
+__all__ = ["DEFAULT_CONNECT_TIMEOUT_S", "DEFAULT_STATEMENT_TIMEOUT", "PostgreSQL", "default_payload_dir",
+           "engine_options", "make_engines"]
 
 DEFAULT_CONNECT_TIMEOUT_S = 10
 DEFAULT_STATEMENT_TIMEOUT = "120s"
@@ -123,3 +175,214 @@ def default_payload_dir(url: str) -> str:
     if env:
         return env
     return os.path.abspath(os.path.join("trajstore-payload", make_url(url).database or "trajstore"))
+
+
+_SEQUENCE_LAST = "SELECT CASE WHEN is_called THEN last_value ELSE last_value - 1 END FROM log_positions"
+# (this database's backends only: a long transaction elsewhere on the server does not hold the tail)
+_RUNNING_XIDS = ("SELECT l.transactionid::text FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid "
+                 "WHERE l.locktype = 'transactionid' AND l.mode = 'ExclusiveLock' AND l.granted "
+                 "AND l.transactionid IS NOT NULL AND a.datname = current_database()")
+_STILL_RUNNING = ("SELECT 1 FROM pg_locks WHERE locktype = 'transactionid' AND mode = 'ExclusiveLock' "
+                  "AND granted AND transactionid::text = ANY(%s) LIMIT 1")
+
+
+class PostgreSQL(Backend):
+    """The production backend: positions from the sequence ``log_positions``
+    (appends never wait for each other), so the tail is bounded; read-only
+    queries under a role the server enforces (module doc)."""
+
+    name = "postgresql"
+    payload_dir_from_env = True
+    reader_logins = True
+    MIGRATION_LOCK_KEY = 0x7472616A  # "traj": concurrent first connects migrate one after another
+    now_sql = "EXTRACT(EPOCH FROM clock_timestamp())::float8"
+    # the transaction id first (the WHERE runs before the first nextval), then the
+    # positions: the order the tail's bound relies on (module doc)
+    take_positions = ("SELECT nextval('log_positions') FROM generate_series(1, %s) "
+                      "WHERE pg_current_xact_id() IS NOT NULL")
+
+    def positions(self, cur: Any, n: int) -> Sequence[int]:
+        """``n`` increasing positions from the sequence, not necessarily consecutive."""
+        cur.execute(self.take_positions, (n,))
+        return sorted(p for (p,) in cur.fetchall())
+
+    def head(self, conn: Connection) -> int:
+        # the highest event's: the sequence also counts positions of appends that rolled back
+        return int(conn.execute(select(func.coalesce(func.max(events.c.position), 0))).scalar_one())
+
+    def settled_head(self, conn: Connection, wait_s: float) -> int | None:
+        h = int(conn.exec_driver_sql(_SEQUENCE_LAST).scalar_one())
+        running = [x for (x,) in conn.exec_driver_sql(_RUNNING_XIDS)]
+        backoff = Backoff(first_s=0.0005, max_s=0.01)
+        while True:
+            if not running or conn.exec_driver_sql(_STILL_RUNNING, (running,)).first() is None:
+                return h
+            if backoff.exhausted(wait_s):
+                return None
+            backoff.pause()
+
+    # The held-back rule (``_events._write_labels``) decides from positions alone: a
+    # trajectory folds at its finish iff every label it waits on was mapped at a
+    # lower position, else the version_label append that maps the last one adds
+    # its release. That needs the two kinds of append to see each other in
+    # position order. SQLite has one writer at a time. On PostgreSQL positions
+    # come from a sequence, so a version_label append (position 12) could run its
+    # release query before a concurrent finish (position 11) commits: neither
+    # would release, and the trajectory would wait forever. So an append that maps
+    # a label, or that finishes a trajectory with unresolved labels, first takes
+    # one transaction-level advisory lock: those appends take their positions and
+    # commit one after another, each seeing the ones before. Every other append
+    # (generations, the finishes of trajectories that never waited on a label)
+    # takes no lock.
+    LABELS_LOCK_KEY = 0x7472616A_6C61  # "trajla": any fixed bigint no other code uses
+
+    def order_label_appends(self, cur: Any, event_rows: Sequence[Mapping[str, Any]]) -> None:
+        if self.touches_labels(cur, event_rows):
+            cur.execute("SELECT pg_advisory_xact_lock(%s)", (self.LABELS_LOCK_KEY,))
+            cur.fetchall()
+
+    def touches_labels(self, cur: Any, event_rows: Sequence[Mapping[str, Any]]) -> bool:
+        if any(r.get("version_label") is not None for r in event_rows):
+            return True
+        finishing = {r["trajectory_id"] for r in event_rows if r["type"] == "trajectory_finished"}
+        if not finishing:
+            return False
+        if any(r.get("unresolved_labels") for r in event_rows if r["trajectory_id"] in finishing):
+            return True
+        # an earlier call of a finishing trajectory left an unresolved label (those rows
+        # are committed: the trajectory row's revision guard orders appends to it)
+        for part in chunks(sorted(finishing)):
+            cur.execute(f"SELECT 1 FROM {self.table(unresolved_labels)} "
+                        f"WHERE trajectory_id IN ({self.marks(len(part))}) LIMIT 1", list(part))
+            if cur.fetchone() is not None:
+                return True
+        return False
+
+    # -- the URL's level ----------------------------------------------------------
+    @classmethod
+    def make_engines(cls, url: str) -> tuple[Engine, Engine]:
+        return make_engines(url)
+
+    @classmethod
+    def serialize_migrations(cls, conn: Any) -> None:
+        conn.exec_driver_sql(f"SELECT pg_advisory_xact_lock({cls.MIGRATION_LOCK_KEY})")
+
+    @classmethod
+    def default_payload_dir(cls, url: str) -> str:
+        return default_payload_dir(url)
+
+    @classmethod
+    @contextlib.contextmanager
+    def read_only(cls, url: str, timeout_s: float | None, role: str) -> Iterator[ReadQuery]:
+        """One connection in a read-only REPEATABLE READ transaction under ``role``
+        (module doc), with the store URL's timeouts (``timeout_s`` overrides the
+        statement timeout); closed afterwards, never reused with the role."""
+        import psycopg
+
+        url, connect_args = engine_options(url)
+        engine = create_engine(url, poolclass=NullPool, connect_args=connect_args)
+        with driver_errors("cannot open store", mode="opening"):
+            fairy = engine.raw_connection()
+        conn: psycopg.Connection = fairy.driver_connection
+        try:
+            conn.rollback()
+            conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
+            conn.read_only = True
+            _enter_reader_role(conn, timeout_s, role)
+            yield lambda sql: _execute(conn, sql, role)
+        finally:
+            with contextlib.suppress(Exception):
+                conn.rollback()
+            fairy.invalidate()  # closes it: the session's role and settings die with it
+            engine.dispose()
+
+    @classmethod
+    def make_reader_login(cls, engine: Engine, login: str, password: str | None, role: str) -> None:
+        from sqlalchemy import text
+
+        with engine.begin() as conn:
+            exists = conn.execute(text("SELECT 1 FROM pg_roles WHERE rolname = :n"), {"n": login}).first()
+            attrs = "LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE NOREPLICATION NOBYPASSRLS INHERIT"
+            conn.exec_driver_sql(f"{'ALTER' if exists else 'CREATE'} ROLE {login} {attrs}")
+            if password:
+                quoted = conn.exec_driver_sql("SELECT quote_literal(%(p)s)", {"p": password}).scalar()
+                conn.exec_driver_sql(f"ALTER ROLE {login} PASSWORD {quoted}")
+            conn.exec_driver_sql(f"GRANT {role} TO {login}")
+            conn.exec_driver_sql(f"ALTER ROLE {login} SET default_transaction_read_only = on")
+
+    # -- the inspection views' fragments --------------------------------------------
+    @classmethod
+    def join_sorted(cls, column: str) -> str:
+        return f"string_agg({column}, ',' ORDER BY {column})"
+
+    @classmethod
+    def version_spans(cls) -> str:
+        return "generation_events g CROSS JOIN LATERAL json_array_elements(g.version_spans) AS j(value)"
+
+    @classmethod
+    def span_int(cls, key: str) -> str:
+        return f"CAST(j.value ->> '{key}' AS INTEGER)"
+
+
+# Rights a login must not hold to run inspection queries: with any of them a
+# query could leave the read-only role (set_config('role', 'none', false)
+# returns to the login) and act as the login itself.
+_LOGIN_RIGHTS_SQL = """
+SELECT r.rolsuper,
+       r.rolcreaterole OR r.rolcreatedb OR r.rolbypassrls OR r.rolreplication AS admin,
+       c.oid IS NOT NULL AND pg_has_role(session_user, c.relowner, 'MEMBER') AS owner,
+       c.oid IS NOT NULL AND (has_table_privilege(session_user, c.oid, 'INSERT')
+           OR has_table_privilege(session_user, c.oid, 'UPDATE')
+           OR has_table_privilege(session_user, c.oid, 'DELETE')
+           OR has_table_privilege(session_user, c.oid, 'TRUNCATE')) AS writer,
+       (SELECT string_agg(p.rolname, ', ' ORDER BY p.rolname) FROM pg_roles p
+         WHERE p.rolname IN ('pg_signal_backend', 'pg_read_server_files', 'pg_write_server_files',
+                             'pg_execute_server_program', 'pg_write_all_data', 'pg_monitor',
+                             'pg_checkpoint', 'pg_database_owner')
+           AND pg_has_role(session_user, p.oid, 'MEMBER')) AS powers
+FROM pg_roles r LEFT JOIN pg_class c ON c.oid = to_regclass('events')
+WHERE r.rolname = session_user
+"""
+
+
+def _check_login(conn: Any, role: str) -> None:
+    """Refuse a login that holds more than the reader's rights (superuser, owner, writer)."""
+    with conn.cursor() as cur:
+        cur.execute(_LOGIN_RIGHTS_SQL)
+        row = cur.fetchone()
+        cur.execute("SELECT session_user")
+        (login,) = cur.fetchone()
+    if row is None:
+        return
+    superuser, admin, owner, writer, powers = row
+    why = ("a superuser" if superuser else "the store's owner (or a member of it)" if owner
+           else "allowed to write the store" if writer else "allowed to create roles or databases" if admin
+           else f"a member of {powers}" if powers else None)
+    if why:
+        raise TrajstoreError(
+            f"trajstore sql will not run as {login!r}, {why}: connect as a login that holds only "
+            f"the {role} role (trajstore init --reader-login NAME; see 'Read-only access' in docs/sql.md)")
+
+
+def _enter_reader_role(conn: Any, timeout_s: float | None, role: str) -> None:
+    with driver_errors(f"cannot switch to the read-only role {role} ({{reason}}); "
+                       "see 'Read-only access' in docs/sql.md", mode="user_query"):
+        _check_login(conn, role)
+        with conn.cursor() as cur:
+            cur.execute(f"SET LOCAL ROLE {role}")
+    with conn.cursor() as cur:
+        if timeout_s:
+            cur.execute(f"SET LOCAL statement_timeout = {int(timeout_s * 1000)}")
+        # Takes the snapshot: from here the transaction cannot become read-write.
+        cur.execute("SELECT 1")
+
+
+def _execute(conn: Any, sql: str, role: str) -> tuple[list[str], list[tuple[Any, ...]]]:
+    with driver_errors("SQL error", mode="user_query"), conn.cursor() as cur:
+        # Again before every query: an earlier one may have run set_config('role', ...).
+        cur.execute(f"SET LOCAL ROLE {role}")
+        # prepare=True: one Parse message, so the server refuses a second statement.
+        cur.execute(sql, prepare=True)
+        columns = [d.name for d in cur.description or ()]
+        rows = cur.fetchall() if cur.description else []
+    return columns, rows

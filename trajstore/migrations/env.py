@@ -26,9 +26,9 @@ else:
     url = context.get_x_argument(as_dictionary=True).get("url") or config.get_main_option("sqlalchemy.url")
     if not url:
         raise SystemExit("give the database: alembic -x url=sqlite:///store.db upgrade head")
-    from trajstore.store import dialect_of
+    from trajstore.log._registry import backend_of
 
-    engine, _ = dialect_of(url).make_engines(url)  # the store's engine: PostgreSQL timeouts, SQLite locking
+    engine, _ = backend_of(url).make_engines(url)  # the store's engine: PostgreSQL timeouts, SQLite locking
     try:
         with engine.connect() as conn:
             _run(conn)

@@ -9,9 +9,10 @@ payload. A given location still matters when it agrees: it may carry what the
 record leaves out (credentials in an object-store URI).
 
 What is recorded:
-* a local path: absolute; for SQLite a path inside the database file's
-  directory is recorded relative to it (the embedded default,
-  ``<db>.payload``, follows the database when both are moved together);
+* a local path: absolute; where the backend has a base directory
+  (``payload_base_dir``: SQLite's database file's directory) a path inside it
+  is recorded relative to it (the embedded default, ``<db>.payload``, follows
+  the database when both are moved together);
 * a URI: scheme, bucket/host and path, and the query options that say
   *where* (``endpoint_override``, ``scheme``, ``region``); never credentials,
   never per-process options.
@@ -52,6 +53,7 @@ from sqlalchemy import Engine, func, inspect, select, update
 from trajstore._backoff import Backoff
 from trajstore.errors import PayloadLocationError, StoreUnavailable, first_line
 from trajstore.log._errors import ServerRecovering, driver_errors
+from trajstore.log._registry import backend_of
 from trajstore.log.base import StaleState
 from trajstore.payload._durable import fsync_path, replace_durably
 from trajstore.payload._filesystem import _no_secret, filesystem_of, is_uri, join
@@ -71,15 +73,6 @@ MARKER = "trajstore-store.json"  # the marker file in the payload root (not a se
 _WHERE_OPTIONS = ("endpoint_override", "scheme", "region")
 
 
-def _sqlite_dir(url: str) -> str | None:
-    from sqlalchemy.engine import make_url
-
-    u = make_url(url)
-    if u.get_backend_name() != "sqlite" or not u.database or u.database == ":memory:":
-        return None
-    return os.path.dirname(os.path.abspath(u.database))
-
-
 def recorded_form(location: str, url: str) -> str:
     """What the store records for ``location`` (see the module docstring)."""
     if is_uri(location):
@@ -90,7 +83,7 @@ def recorded_form(location: str, url: str) -> str:
         query = sorted((k, v) for k, v in parse_qsl(p.query) if k in _WHERE_OPTIONS)
         return f"{p.scheme}://{host}{p.path.rstrip('/')}" + (f"?{urlencode(query)}" if query else "")
     path = filesystem_of(location)[1]
-    base = _sqlite_dir(url)
+    base = backend_of(url).payload_base_dir(url)
     if base is not None:
         rel = os.path.relpath(path, base)
         if not rel.startswith(os.pardir):
@@ -102,7 +95,7 @@ def opened_form(recorded: str, url: str) -> str:
     """The location to open for a recorded one (a relative path is the SQLite file's directory's)."""
     if is_uri(recorded) or os.path.isabs(recorded):
         return recorded
-    base = _sqlite_dir(url) or os.getcwd()
+    base = backend_of(url).payload_base_dir(url) or os.getcwd()
     return os.path.normpath(os.path.join(base, recorded))
 
 
@@ -146,7 +139,7 @@ def resolve(url: str, write_engine: Engine, read_engine: Engine, given: str | No
     location a new store gets when nothing is given. ``record``: may this
     process record a location (it runs migrations; read-only openers don't)."""
     source = "--payload / payload="
-    if given is None and os.environ.get(ENV) and not url.startswith("sqlite"):
+    if given is None and os.environ.get(ENV) and backend_of(url).payload_dir_from_env:
         given, source = os.environ[ENV], f"${ENV}"
     for _ in range(3):
         rec = read_recorded(read_engine)

@@ -462,9 +462,9 @@ def serve_from_args(args: argparse.Namespace) -> int:
                      **kwargs)
     if args.metrics_port is not None:
         prometheus.start_http_server(args.metrics_port, addr=args.host, registry=registry)
-    from trajstore.store import _safe
+    from trajstore.log._backend import safe_url
 
-    print(f"trajstore replay: listening on {scheme}://{args.host}:{server.port} (store {_safe(store.url)}"
+    print(f"trajstore replay: listening on {scheme}://{args.host}:{server.port} (store {safe_url(store.url)}"
           f"{'' if args.metrics_port is None else f'; metrics on http://{args.host}:{args.metrics_port}/metrics'}"
           f"; Ctrl-C stops)", file=sys.stderr, flush=True)
 

@@ -198,7 +198,7 @@ PUBLIC_API: dict[str, set[str]] = {
     "trajstore.payload": {"PayloadStore", "SegmentRows"},
     "trajstore.reader": {
         "ReaderConfig", "ReaderEventLog", "ReaderPayload", "ReaderSampleIndex", "ReaderStats", "ReaderStore",
-        "SampleReader"
+        "SampleReader", "FifoPolicy", "FreshnessPolicy", "ReadyFirstPolicy", "ReusePolicy", "SamplingPolicy"
     },
     "trajstore.replay": {"ReplayReader", "ReplayStore"},
     "trajstore.replay.client": {"ReplayReader", "ReplayStore", "parse_locations"},

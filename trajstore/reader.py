@@ -93,6 +93,10 @@ class SampleReader:
     ``current_model_version - max_staleness`` (counted in ``stats``). Set it
     between batches. ``current_version`` is its old, deprecated name.
 
+    ``policy`` chooses which ready units each step takes: ``"fifo"`` (the
+    default), ``"ready_first"``, ``"freshness"``, ``"reuse"``, or a policy
+    object (``ReusePolicy(max_uses=2)``, ...); docs/reader.md, "Sampling policies".
+
     A ``ReaderConfig`` as the second argument (its fields overridden by the
     keywords) still works but is deprecated: one way to say the settings, the
     one the README shows. Code holding a ``ReaderConfig`` passes

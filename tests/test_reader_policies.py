@@ -10,7 +10,10 @@ read locally and through a replay server on loopback (``open_reader``):
 * bad policy settings and states saved under another policy are one-line errors;
 * in follow mode a full step is handed over without waiting for the pool's
   window, and every sample is taken its uses while another process writes;
-* ``SampleDataset`` takes the policy as the reader does.
+* ``SampleDataset`` takes the policy as the reader does;
+* the pooled planner alone (hypothesis): every unit taken its uses, never twice
+  in a step, the pool within its window, and a plan resumed from any step's
+  state takes the same steps.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from collections import Counter
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from sqlalchemy import text
 
 from trajstore.errors import ResumeStateError, ValidationError
@@ -258,3 +263,56 @@ def test_a_follow_reader_takes_every_sample_its_uses_while_another_process_write
     everything = {(s.trajectory_id, s.sample_index) for s in store.samples()}
     assert set(taken) == everything, f"missing samples: {sorted(everything - set(taken))[:5]}"
     assert set(taken.values()) == {uses}, f"samples taken other than {uses} times: {taken.most_common(3)}"
+
+
+# -- the pooled planner alone (pure: no store) ----------------------------------------------------
+
+def _units(versions: list[int], sizes: list[int]):
+    from trajstore._batch_plan import Unit
+
+    out = []
+    for i, (v, n) in enumerate(zip(versions, sizes)):
+        rows = [{"finished_position": i + 1, "sample_index": j} for j in range(n)]
+        out.append(Unit(rows, rows, 10 * n, v))
+    return out
+
+
+def _plan(policy, units, *, world_size, capacity, state=None, current=None):
+    from trajstore._policies import pooled_steps
+
+    counts = {"steps": 0, "stale_units": 0, "stale_samples": 0, "filtered_samples": 0}
+    cursor, restored = None, {}
+    if state is not None:
+        counts = dict(state["stats"])
+        cursor = tuple(state["cursor"]) if state["cursor"] else None
+        restored = {(p, i): n for p, i, n in state["pool"]}
+    stream = iter([u for u in units if cursor is None or u.key > cursor or u.key in restored])
+
+    def state_after(c, pool, uses):
+        return {"cursor": c, "pool": [[*u.key, n] for u, n in zip(pool, uses)], "stats": dict(counts)}
+
+    return list(pooled_steps(policy, stream, cursor=cursor, restored=restored, world_size=world_size,
+                             capacity=capacity, cost=lambda u: len(u.kept), stale=lambda u: False,
+                             current=lambda: current, counts=counts, drop_last=False, state_after=state_after))
+
+
+@given(versions=st.lists(st.integers(0, 6), min_size=1, max_size=40), data=st.data(),
+       world_size=st.integers(1, 3), capacity=st.integers(1, 6),
+       policy=st.sampled_from([ReadyFirstPolicy(bound=1, window=5), FreshnessPolicy(decay=0.3, window=7, seed=2),
+                               ReusePolicy(max_uses=3, window=4, seed=9)]))
+def test_pooled_steps_use_every_unit_its_uses_and_resume_from_any_step(versions, data, world_size, capacity, policy):
+    sizes = data.draw(st.lists(st.integers(1, 3), min_size=len(versions), max_size=len(versions)))
+    units = _units(versions, sizes)
+    steps = _plan(policy, units, world_size=world_size, capacity=capacity, current=6)
+    taken = Counter(u.key for s in steps for b in s.bins for u in b)
+    assert taken == {u.key: policy.max_uses for u in units}
+    for s in steps:
+        in_step = [u.key for b in s.bins for u in b]
+        assert len(in_step) == len(set(in_step)), "a unit twice in one step"
+        assert all(sum(len(u.kept) for u in b) <= capacity or len(b) == 1 for b in s.bins)
+        assert len(s.state["pool"]) <= policy.window
+    cut = data.draw(st.integers(0, len(steps) - 1))
+    state = json.loads(json.dumps(steps[cut].state))
+    resumed = _plan(policy, units, world_size=world_size, capacity=capacity, state=state, current=6)
+    assert [[[u.key for u in b] for b in s.bins] for s in steps[cut + 1:]] == \
+           [[[u.key for u in b] for b in s.bins] for s in resumed], "a plan resumed from a state took other steps"

@@ -316,3 +316,36 @@ def test_pooled_steps_use_every_unit_its_uses_and_resume_from_any_step(versions,
     resumed = _plan(policy, units, world_size=world_size, capacity=capacity, state=state, current=6)
     assert [[[u.key for u in b] for b in s.bins] for s in steps[cut + 1:]] == \
            [[[u.key for u in b] for b in s.bins] for s in resumed], "a plan resumed from a state took other steps"
+
+
+# -- a trainer killed -9 mid-step and restored, with a policy (tests/lineage_trainer.py) -----------
+
+@pytest.mark.timeout(600)
+def test_a_trainer_with_bounded_reuse_killed_mid_step_records_what_an_uncrashed_run_does(store, store_url,
+                                                                                        tmp_path):
+    import signal
+
+    from test_lineage import _consumption, _trainer, _wait_for, rollouts, sql
+
+    rollouts(store, [f"t{i:02d}" for i in range(10)])  # 10 samples, each taken twice: 10 steps of 2
+    policy = json.dumps({"name": "reuse", "max_uses": 2, "window": 6, "seed": 4})
+    ref = _trainer(store_url, "ref", tmp_path / "ref.json", "--policy", policy)
+    out, err = ref.communicate(timeout=300)
+    assert ref.returncode == 0, err
+    expected = _consumption(store, "ref")
+    assert len(expected) == 20
+    # killed -9 after recording step 5; its last checkpoint was taken after step 3
+    marker = tmp_path / "paused"
+    crash = _trainer(store_url, "crash", tmp_path / "crash.json", "--pause-after", 5, marker, "--policy", policy)
+    _wait_for(marker, crash)
+    crash.send_signal(signal.SIGKILL)
+    crash.wait(60)
+    assert json.loads((tmp_path / "crash.json").read_text())["step"] == 4
+    restored = _trainer(store_url, "crash", tmp_path / "crash.json", "--policy", policy)
+    out, err = restored.communicate(timeout=300)
+    assert restored.returncode == 0, err
+    assert out.splitlines()[:2] == ["step 4 attempt 0 replayed True", "step 5 attempt 0 replayed True"]
+    assert _consumption(store, "crash") == expected, "the restored trainer's policy took other samples"
+    uses = sql(store, "SELECT trajectory_id, sample_index, count(*) FROM sample_consumption WHERE run = 'crash' "
+                      "GROUP BY trajectory_id, sample_index")
+    assert len(uses) == 10 and {n for _, _, n in uses} == {2}, uses

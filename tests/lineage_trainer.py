@@ -34,7 +34,7 @@ def main() -> None:
     p.add_argument("--every", type=int, default=2)
     p.add_argument("--pause-after", nargs=2, default=None)
     p.add_argument("--salt", type=float, default=0.0)
-    p.add_argument("--policy", type=json.loads, default="fifo")
+    p.add_argument("--policy", type=json.loads, default='"fifo"')
     args = p.parse_args()
     reader = trajstore.SampleReader(args.url, batch_size=2, policy=args.policy)
     step = 0

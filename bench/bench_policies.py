@@ -6,8 +6,8 @@ One SQLite store (24 layers x top-4 routes); for every policy a full
 non-follow epoch of ``SampleReader`` (local) and of ``ReplayReader`` through a
 ``ReplayServer`` on loopback in this process, batches touched (every array's
 first byte read), rounds interleaved (policy by policy, local then remote),
-the median reported; fifo also without prefetch, the baseline of the two
-policies that plan no step ahead. tokens/s counts the tokens handed out (``reuse`` hands
+the median reported; fifo also without prefetch, the baseline of
+ready_first, which plans no step ahead. tokens/s counts the tokens handed out (``reuse`` hands
 each sample out ``max_uses`` times). docs/benchmarks.md quotes the figures.
 """
 
@@ -32,8 +32,8 @@ from trajstore.reader import SampleReader  # noqa: E402
 
 CFG = RolloutConfig(turns=2, prompt_tokens=512, output_tokens=256, observation_tokens=64, layers=24, topk=4,
                     num_experts=64, mismatch_prob=0.1, abort_prob=0.1, fail_prob=0.0, route_drift=0.0)
-# Reader settings per variant. ready_first and freshness read current_model_version,
-# so they plan no step ahead (prefetch is off for them): fifo without prefetch is their baseline.
+# Reader settings per variant. ready_first reads current_model_version, so it plans no
+# step ahead (prefetch is off for it): fifo without prefetch is its baseline.
 VARIANTS = {
     "fifo": {"policy": "fifo"},
     "fifo-noprefetch": {"policy": "fifo", "prefetch": False},

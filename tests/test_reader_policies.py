@@ -133,6 +133,10 @@ def test_freshness_prefers_fresh_samples_and_is_seeded(filled, open_reader):
     a = [keys(b) for b in open_reader(filled, batch_size=4, policy={"name": "freshness", "seed": 0})]
     b = [keys(b) for b in open_reader(filled, batch_size=4, policy={"name": "freshness", "seed": 1})]
     assert a != b, "another seed draws another order"
+    # the weights' ratios do not depend on the trainer's version: neither does the draw (so it plans ahead)
+    later = [keys(b) for b in open_reader(filled, batch_size=4, policy={"name": "freshness", "seed": 0},
+                                          current_model_version=current + 40)]
+    assert later == a
 
 
 def test_ready_first_takes_fresh_units_first_and_defers_the_stale_ones(filled, open_reader):

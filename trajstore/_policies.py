@@ -127,7 +127,9 @@ class ReadyFirstPolicy(SamplingPolicy):
 @dataclass(frozen=True)
 class FreshnessPolicy(SamplingPolicy):
     """A seeded draw without replacement, weight ``decay ** staleness``: fresh
-    units are likelier, stale ones still come (later); each unit once."""
+    units are likelier, stale ones still come (later); each unit once. The
+    weights' ratios do not change as the trainer's version moves, so the draw
+    does not read it: the next step is planned ahead (prefetch)."""
 
     decay: float = 0.5
     """Weight ratio of a unit one version staler than another, in (0, 1]; 1 draws uniformly."""
@@ -136,7 +138,6 @@ class FreshnessPolicy(SamplingPolicy):
     seed: int = 0
     """Seeds the draw, with the global step."""
     name: str = field(default="freshness", init=False)
-    uses_version: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         self._check()
@@ -147,12 +148,15 @@ class FreshnessPolicy(SamplingPolicy):
                                   rule="reader_config")
 
     def rank(self, versions: np.ndarray, *, step: int, current: int | None) -> np.ndarray:
-        # Efraimidis-Spirakis: key log(u) / w, largest first, is a weighted draw
-        # without replacement; in logs, so a tiny weight stays ordered.
-        log_w = _staleness(versions, current) * math.log(self.decay)
+        # Efraimidis-Spirakis: u ** (1 / w), largest first, is a weighted draw without
+        # replacement; in logs, smallest first: log(-log u) - log w. With w = decay **
+        # (current - version), log w = (current - version) log decay, and the current
+        # version adds the same to every key: the order depends only on the versions,
+        # so the draw needs no current_model_version (and plans ahead).
         u = 1.0 - _generator(self.seed, step).random(len(versions))  # in (0, 1]
-        keys = np.log(u) * np.exp(-log_w)
-        return np.argsort(-keys, kind="stable")
+        with np.errstate(divide="ignore"):  # u = 1: log 0 = -inf, first
+            keys = np.log(-np.log(u)) + versions * math.log(self.decay)
+        return np.argsort(keys, kind="stable")
 
 
 @dataclass(frozen=True)

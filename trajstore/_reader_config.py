@@ -74,8 +74,8 @@ class ReaderConfig:
     prefetch: bool = True
     """Load the next step's batch in a background thread while this one is
     used (payload decoding releases the GIL). Off with ``max_staleness`` and
-    with the ``ready_first`` and ``freshness`` policies, whose next step is
-    planned only once ``current_model_version`` is set."""
+    with the ``ready_first`` policy, whose next step is planned only once
+    ``current_model_version`` is set."""
     read_threads: int = 2
     """Threads decoding one batch's payload from Parquet sample segments (the
     format before Arrow; a Parquet read decodes on one core). Arrow segments

@@ -5,10 +5,12 @@ resumes at with it). Restarted, it resumes from its last checkpoint and
 replays the steps after it.
 
     python lineage_trainer.py STORE_URL RUN CHECKPOINT [--every 2] [--pause-after N MARKER] [--salt X]
+                              [--policy JSON]
 
 ``--pause-after N MARKER``: after recording step N (before its checkpoint),
 write MARKER and sleep (the test kills the process there: mid-step for the
 next checkpoint). ``--salt``: added to the loss (a step redone differently).
+``--policy``: the reader's sampling policy, as JSON (default fifo).
 """
 
 from __future__ import annotations
@@ -32,8 +34,9 @@ def main() -> None:
     p.add_argument("--every", type=int, default=2)
     p.add_argument("--pause-after", nargs=2, default=None)
     p.add_argument("--salt", type=float, default=0.0)
+    p.add_argument("--policy", type=json.loads, default='"fifo"')
     args = p.parse_args()
-    reader = trajstore.SampleReader(args.url, batch_size=2)
+    reader = trajstore.SampleReader(args.url, batch_size=2, policy=args.policy)
     step = 0
     if os.path.exists(args.checkpoint):
         with open(args.checkpoint) as f:

@@ -172,7 +172,10 @@ PUBLIC_API: dict[str, set[str]] = {
     "trajstore.log.postgres": set(),
     "trajstore.materializer": {"MaterializeStats", "Materializer"},
     "trajstore.payload": set(),
-    "trajstore.reader": {"ReaderConfig", "ReaderStats", "SampleReader"},
+    "trajstore.reader": {
+        "FifoPolicy", "FreshnessPolicy", "ReaderConfig", "ReaderStats", "ReadyFirstPolicy", "ReusePolicy", "SampleReader",
+        "SamplingPolicy"
+    },
     "trajstore.replay": {"ReplayReader", "ReplayStore"},
     "trajstore.replay.client": {"ReplayReader", "ReplayStore"},
     "trajstore.replay.dataset": {"ReplayDataset"},
@@ -331,7 +334,7 @@ MAX_MODULE_LINES = 700
 # Modules still over the limit while they are being split. This list only ever
 # shrinks: a module leaves it once it is split (the test below then insists), and
 # nothing is added to it. Empty, it goes.
-OVER_THE_LIMIT_FOR_NOW = {"reader.py", "inspect/_panels.py"}
+OVER_THE_LIMIT_FOR_NOW = {"inspect/_panels.py"}
 
 
 def _module_lines() -> dict[str, int]:

@@ -1,9 +1,11 @@
 """The trainer's reader: a resumable cursor over materialized samples.
 
-This module holds ``ReaderConfig``, ``ReaderStats`` and ``SampleReader``:
-reading sample rows and payload, the versioned resume state and its
-validation. The pure planning it uses (units, steps, ``plan_step``) lives in
-``_batch_plan.py`` (``plan_step`` is importable from here too).
+This module holds ``SampleReader``: reading sample rows and payload, steps,
+the resume state. Around it: ``_reader_config.py`` (``ReaderConfig``,
+``ReaderStats``, re-exported here), ``_reader_state.py`` (the state's format
+and validation), ``_batch_plan.py`` (the pure planning: units, steps,
+``plan_step``, importable from here too) and ``_policies.py`` (the sampling
+policies, re-exported here).
 
 Order. Samples have a stable order, ``(finished_position, sample_index)``.
 The reader turns it into a global sequence of *units* (one sample, or with
@@ -12,17 +14,19 @@ row, so the unit sequence only grows at the end as the store grows: it is
 prefix-stable.
 
 Steps. Every rank computes the same global steps from the same unit
-sequence: step i takes the next prefix of units that packs into
-``world_size`` batches (``plan_step``) and gives rank r batch r. A rank
-reads all rows' metadata (small SQL rows) but loads payload only for its
-own batch.
+sequence: with the default ``fifo`` policy step i takes the next prefix of
+units that packs into ``world_size`` batches (``plan_step``) and gives rank r
+batch r; another policy picks each step's units from a pool of the next
+units (``_policies``). A rank reads all rows' metadata (small SQL rows) but
+loads payload only for its own batch.
 
-State. The global cursor (key of the last consumed unit) and, for groups,
-where to rescan to rebuild groups still open at the cursor. Because a step
-always consumes a prefix of the unit sequence, a state taken after any step
-resumes with any world size or batch size without losing or repeating a
-unit. Every rank's ``state_dict()`` is the same; save any one. See
-docs/reader.md for the reasoning and its limits.
+State. The global cursor (key of the last consumed unit, or the last one a
+policy's pool took in), for groups where to rescan to rebuild groups still
+open at the cursor, and a policy's pool. Because a fifo step always consumes
+a prefix of the unit sequence, its state taken after any step resumes with
+any world size or batch size without losing or repeating a unit. Every
+rank's ``state_dict()`` is the same; save any one. See docs/reader.md for
+the reasoning and its limits.
 
 Watermark. Only rows at ``finished_position <= min(checkpoint of every
 materializer shard)`` are read: below it nothing can appear later, so what
@@ -45,177 +49,30 @@ import time
 import warnings
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass, replace
+from dataclasses import replace
 from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 import numpy as np
 
+from trajstore import _reader_state
 from trajstore._backoff import Backoff
-from trajstore._deprecated import renamed
-from trajstore._reader_seam import ReaderEventLog, ReaderPayload, ReaderSampleIndex, ReaderStore
 from trajstore._batch_plan import Key, Step, Unit, UnitBuilder, plan_step, row_key
-from trajstore.errors import (ProjectionChangedError, ResumeStateError, StoreUnavailable, TrajstoreError,
-                              ValidationError, first_line)
-from trajstore.sample import Sample
+from trajstore._deprecated import renamed
+from trajstore._policies import (IDLE, FifoPolicy, FreshnessPolicy, ReadyFirstPolicy, ReusePolicy, SamplingPolicy,
+                                 pooled_steps)
+from trajstore._reader_config import ReaderConfig, ReaderStats, _settings
+from trajstore._reader_seam import ReaderEventLog, ReaderPayload, ReaderSampleIndex, ReaderStore
+from trajstore._reader_state import STATE_FORMAT, STATE_FORMAT_VERSION
 from trajstore._samples import read_segment_samples
+from trajstore.errors import ProjectionChangedError, StoreUnavailable, TrajstoreError, ValidationError, first_line
+from trajstore.sample import Sample
 
-__all__ = ["ReaderConfig", "ReaderEventLog", "ReaderPayload", "ReaderSampleIndex", "ReaderStats", "ReaderStore",
-           "SampleReader"]
+__all__ = ["FifoPolicy", "FreshnessPolicy", "ReadyFirstPolicy", "ReaderConfig", "ReaderEventLog", "ReaderPayload",
+           "ReaderSampleIndex", "ReaderStats", "ReaderStore", "ReusePolicy", "SampleReader", "SamplingPolicy"]
 
 _log = logging.getLogger("trajstore.reader")
 
-STATE_FORMAT = "trajstore.reader"
-STATE_FORMAT_VERSION = 1
-# Keys that states saved before the one-name-per-meaning renames used; such states still load.
-_LEGACY_KEYS = {"format_version": "version", "current_model_version": "current_version"}
 T = TypeVar("T")
-
-
-def _settings(owner: str, config: "ReaderConfig | None", fields: dict[str, Any]) -> dict[str, Any]:
-    """A reader's settings as ``ReaderConfig`` keywords, for ``owner.__init__`` to
-    call. A ``ReaderConfig`` given as well is the deprecated form: its fields,
-    overridden by ``fields``; the warning points at the constructor's caller."""
-    if config is None:
-        return fields
-    warnings.warn(f"{owner}(..., config) is deprecated; pass the settings as keywords "
-                  f"({owner}(..., batch_size=8, ...), or **dataclasses.asdict(config))",
-                  DeprecationWarning, stacklevel=3)
-    return {**asdict(config), **fields}
-
-
-@dataclass(frozen=True)
-class ReaderConfig:
-    batch_size: int | None = None
-    """Samples per rank batch (a group counts as its samples). Default 8 when
-    ``max_tokens_per_batch`` is not set either."""
-    max_tokens_per_batch: int | None = None
-    """Prompt+response tokens per rank batch instead of a sample count; units
-    are spread over ranks so their token counts balance. A unit larger than
-    this gets a batch of its own."""
-    keep_groups: bool = False
-    """Keep each GRPO group whole: in one batch of one rank, or skipped whole."""
-    group_size: int | None = None
-    """Trajectories per group; needed with ``keep_groups``. A group is read
-    once that many of its trajectories are materialized."""
-    status: tuple[str, ...] | None = None
-    """Keep only samples with one of these statuses (None: all)."""
-    drop_finish_reasons: tuple[str, ...] | None = None
-    """Leave out samples whose ``finish_reason`` is one of these, e.g.
-    ``("length",)`` for overlong responses (as SkyRL's filter does). Decided
-    as each batch is loaded: the batch holds fewer samples than planned; the
-    steps, and so the resume state, do not change. Counted in
-    ``stats.dropped_samples``."""
-    mask_finish_reasons: tuple[str, ...] | None = None
-    """Keep samples whose ``finish_reason`` is one of these, with their
-    ``loss_mask`` zeroed: they are in the batch (group baselines see them) but
-    add no loss. Counted in ``stats.masked_samples``."""
-    max_staleness: int | None = None
-    """Skip units whose oldest token is older than ``current_model_version - max_staleness``."""
-    follow: bool = False
-    """Keep polling for newly materialized samples (async RL)."""
-    timeout_s: float = 60.0
-    """With ``follow``: stop after this long without a new sample."""
-    poll_interval_s: float = 0.5
-    """With ``follow``: sleep between polls that found nothing. A step is
-    handed over as soon as it is full, so this bounds the hand-over delay."""
-    unavailable_timeout_s: float = 120.0
-    """How long a read of an unavailable store (``StoreUnavailable``: a
-    database restarting, the replay service's database down) is retried with
-    backoff before the error is raised; 0 raises at once."""
-    drop_last: bool = False
-    """Leave a final step that is not full unconsumed instead of yielding it
-    (then a rank may get an empty batch); a later reader picks it up."""
-    prefetch: bool = True
-    """Load the next step's batch in a background thread while this one is
-    used (payload decoding releases the GIL). Off with ``max_staleness``,
-    whose next step is planned only once ``current_model_version`` is set."""
-    read_threads: int = 2
-    """Threads decoding one batch's payload from Parquet sample segments (the
-    format before Arrow; a Parquet read decodes on one core). Arrow segments
-    are memory-mapped views and need no decoding."""
-    num_shards: int | None = None
-    """Materializer shards writing this store (their checkpoints bound what is
-    safe to read). None: as many as the stored checkpoints name; when given it
-    must agree with them."""
-    page_rows: int = 1024
-    """Sample rows per SQL query."""
-    projection: str | None = None
-    """Read the samples of this named projection (``trajstore projection create``;
-    docs/projections.md) instead of the default fold's. Its own checkpoints bound
-    what is safe to read."""
-
-    def __post_init__(self) -> None:
-        for name in ("status", "drop_finish_reasons", "mask_finish_reasons"):
-            value = getattr(self, name)
-            if isinstance(value, str):
-                object.__setattr__(self, name, (value,))
-            elif value is not None:
-                object.__setattr__(self, name, tuple(value))
-        both = set(self.drop_finish_reasons or ()) & set(self.mask_finish_reasons or ())
-        if both:
-            raise ValidationError(f"finish reasons {sorted(both)} are both dropped and masked; choose one",
-                                  rule="reader_config")
-        if self.batch_size is not None and self.max_tokens_per_batch is not None:
-            raise ValidationError("set batch_size or max_tokens_per_batch, not both", rule="reader_config")
-        for name in ("batch_size", "max_tokens_per_batch", "group_size", "num_shards", "page_rows", "read_threads"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValidationError(f"{name} must be a positive integer, got {value!r}", rule="reader_config")
-        if self.keep_groups and self.group_size is None:
-            raise ValidationError("keep_groups=True needs group_size (trajectories per group)", rule="reader_config")
-        if self.max_staleness is not None and self.max_staleness < 0:
-            raise ValidationError(f"max_staleness must be >= 0, got {self.max_staleness}", rule="reader_config")
-        for name in ("timeout_s", "poll_interval_s", "unavailable_timeout_s"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-                raise ValidationError(f"{name} must be a number of seconds >= 0, got {value!r}", rule="reader_config")
-
-    @property
-    def capacity(self) -> int:
-        """Cost a rank batch may hold: samples, or tokens."""
-        return self.max_tokens_per_batch or self.batch_size or 8
-
-    def fingerprint(self) -> dict[str, Any]:
-        """What defines the unit sequence; a state must be resumed with the same."""
-        out = {"keep_groups": self.keep_groups, "group_size": self.group_size,
-               "status": None if self.status is None else sorted(self.status)}
-        if self.projection is not None:  # absent for the default: states saved before projections load
-            out["projection"] = self.projection
-        return out
-
-
-@dataclass
-class ReaderStats:
-    steps: int = 0
-    """Global steps consumed (the same on every rank)."""
-    batches: int = 0
-    """Batches this rank yielded in this process."""
-    samples: int = 0
-    """Samples this rank yielded in this process."""
-    tokens: int = 0
-    """Prompt+response tokens this rank yielded in this process."""
-    stale_units: int = 0
-    """Units (samples or groups) skipped as too stale, over all ranks."""
-    stale_samples: int = 0
-    filtered_samples: int = 0
-    """Samples dropped by the status filter, over all ranks."""
-    dropped_samples: int = 0
-    """Samples this rank left out by ``drop_finish_reasons`` in this process."""
-    masked_samples: int = 0
-    """Samples this rank loss-masked by ``mask_finish_reasons`` in this process."""
-    open_groups: int = 0
-    """Groups seen but not complete yet (waiting for members)."""
-    polls: int = 0
-    """Polls in follow mode that found nothing new."""
-    unavailable_waits: int = 0
-    """Times this reader found the store unavailable and waited for it (one per outage)."""
-    unavailable_s: float = 0.0
-    """Seconds this reader waited for an unavailable store, over the outages that ended."""
-
-    _SAVED = ("steps", "stale_units", "stale_samples", "filtered_samples")
-
-    def to_dict(self) -> dict[str, float]:
-        return asdict(self)
 
 
 class SampleReader:
@@ -235,6 +92,10 @@ class SampleReader:
     ``max_staleness`` a unit is skipped when its oldest token is older than
     ``current_model_version - max_staleness`` (counted in ``stats``). Set it
     between batches. ``current_version`` is its old, deprecated name.
+
+    ``policy`` chooses which ready units each step takes: ``"fifo"`` (the
+    default), ``"ready_first"``, ``"freshness"``, ``"reuse"``, or a policy
+    object (``ReusePolicy(max_uses=2)``, ...); docs/reader.md, "Sampling policies".
 
     A ``ReaderConfig`` as the second argument (its fields overridden by the
     keywords) still works but is deprecated: one way to say the settings, the
@@ -274,6 +135,7 @@ class SampleReader:
         self._pool: ThreadPoolExecutor | None = None
         self._explained = False  # the reason for yielding nothing is logged once
         self._open_groups: dict[str, list[Any]] = {}
+        self._policy_pool: dict[Key, int] = {}  # a pooled policy's units at the committed state: key -> uses
 
     @property
     def current_version(self) -> int | None:
@@ -335,7 +197,7 @@ class SampleReader:
 
         # The next step is planned ahead only when that cannot change it: with
         # max_staleness it depends on current_model_version, set after this batch.
-        ahead = self.config.prefetch and self.config.max_staleness is None
+        ahead = self.config.prefetch and self.config.max_staleness is None and not self.config.policy.uses_version
         pending = _in_background(produce) if ahead else None
         before = {name: getattr(self.stats, name) for name in ReaderStats._SAVED}
         any_batch = False
@@ -460,6 +322,8 @@ class SampleReader:
             "current_model_version": self.current_model_version,
             "stats": {name: getattr(self.stats, name) for name in ReaderStats._SAVED},
             **self._projection_identity(),
+            **({"pool": [[*k, uses] for k, uses in sorted(self._policy_pool.items())]}
+               if self.config.policy.pooled else {}),
         }
 
     def _projection_identity(self) -> dict[str, str]:
@@ -474,17 +338,18 @@ class SampleReader:
         from another format version, or was saved with a different unit
         sequence (``keep_groups``, ``group_size``, ``status``). States saved
         before the keys were renamed (``version``, ``current_version``) load."""
-        _validate_state(state, self.config)
+        _reader_state.validate(state, self.config)
         mine = self._projection_identity().get("projection_token")
         saved = state.get("projection_token")
         if mine is not None and saved is not None and saved != mine:
             raise ProjectionChangedError(f"the state was saved reading projection {self.config.projection!r} as it "
                                          "was before it was dropped and created again: its samples are another "
                                          "sequence; start a new reader (and a new epoch) on it")
-        self._cursor = _key_or_none(state["cursor"])
-        self._scan_from = _key_or_none(state["scan_from"])
+        self._cursor = _reader_state.key_or_none(state["cursor"])
+        self._scan_from = _reader_state.key_or_none(state["scan_from"])
         self._snapshot = None if self.config.follow else state["snapshot_position"]
-        self.current_model_version = _get(state, "current_model_version")
+        self._policy_pool = _reader_state.pool_of(state, self.config)
+        self.current_model_version = _reader_state.get(state, "current_model_version")
         for name in ReaderStats._SAVED:
             setattr(self.stats, name, state["stats"][name])
         self._steps_gen = self._batches = None
@@ -516,9 +381,10 @@ class SampleReader:
         return recorder
 
     def _commit(self, state: dict[str, Any]) -> None:
-        self._cursor = _key_or_none(state["cursor"])
-        self._scan_from = _key_or_none(state["scan_from"])
+        self._cursor = _reader_state.key_or_none(state["cursor"])
+        self._scan_from = _reader_state.key_or_none(state["scan_from"])
         self._snapshot = state["snapshot_position"]
+        self._policy_pool = {(k[0], k[1]): k[2] for k in state.get("pool", ())}
         for name in ReaderStats._SAVED:
             setattr(self.stats, name, state["stats"][name])
 
@@ -546,6 +412,9 @@ class SampleReader:
         builder = UnitBuilder(keep_groups=self.config.keep_groups, group_size=self.config.group_size,
                               status=self.config.status)
         self._open_groups = builder.groups
+        if self.config.policy.pooled:
+            yield from self._pooled_steps(builder, snapshot)
+            return
         units = self._units(builder, self._cursor, self._scan_from, snapshot)
         ahead: deque[Unit] = deque()
         counts = {name: getattr(self.stats, name) for name in ReaderStats._SAVED}
@@ -570,6 +439,26 @@ class SampleReader:
             self.stats.open_groups = len(builder.groups)
             if ended and not ahead:
                 return
+
+    def _pooled_steps(self, builder: UnitBuilder, snapshot: int | None) -> Iterator[Step]:
+        """The steps of a pooled sampling policy (``_policies.pooled_steps``)."""
+        restored = dict(self._policy_pool)
+        units = self._units(builder, self._cursor, self._scan_from, snapshot, keep=restored, idle=True)
+        counts = {name: getattr(self.stats, name) for name in ReaderStats._SAVED}
+
+        def state_after(cursor: Key | None, pool: list[Unit], uses: list[int]) -> dict[str, Any]:
+            firsts = [u.first for u in pool] + [k for k in [builder.first_pending()] if k is not None]
+            self.stats.open_groups = len(builder.groups)
+            return {"cursor": None if cursor is None else list(cursor),
+                    "scan_from": list(min(firsts)) if firsts and cursor is not None else None,
+                    "snapshot_position": snapshot, "stats": dict(counts),
+                    "pool": [[*u.key, n] for u, n in zip(pool, uses)]}
+
+        yield from pooled_steps(self.config.policy, units, cursor=self._cursor, restored=restored,
+                                world_size=self.world_size, capacity=self.config.capacity, cost=self._cost,
+                                stale=lambda u: self._skip(u) and bool(u.kept),
+                                current=lambda: self.current_model_version, counts=counts,
+                                drop_last=self.config.drop_last, state_after=state_after)
 
     def _gather(self, ahead: deque, units: Iterator[Unit]) -> tuple[list[tuple[Unit, bool]], bool]:
         """The next units up to one step's budget, each with whether it is skipped; and
@@ -618,12 +507,18 @@ class SampleReader:
                 "snapshot_position": snapshot, "stats": dict(counts)}
 
     # -- rows ------------------------------------------------------------------
-    def _units(self, builder: UnitBuilder, cursor: Key | None, scan_from: Key | None,
-               snapshot: int | None) -> Iterator[Unit]:
-        """Units completing after ``cursor``, in order."""
+    def _units(self, builder: UnitBuilder, cursor: Key | None, scan_from: Key | None, snapshot: int | None, *,
+               keep: dict[Key, int] | None = None, idle: bool = False) -> Iterator[Unit]:
+        """Units completing after ``cursor`` (and the ones at or before it ``keep``
+        names: a policy's pool), in order; with ``idle``, ``IDLE`` where a follow
+        poll found nothing new."""
         for row in self._rows(builder, cursor, scan_from, snapshot):
+            if row is IDLE:
+                if idle:
+                    yield IDLE
+                continue
             unit = builder.add(row)
-            if unit is not None and (cursor is None or unit.key > cursor):
+            if unit is not None and (cursor is None or unit.key > cursor or (keep and unit.key in keep)):
                 yield unit
         self.stats.open_groups = len(builder.groups)
 
@@ -642,7 +537,10 @@ class SampleReader:
                 return self._trajectories_before(group_id, scan_from[0]) % self.config.group_size
 
             builder.seed = seed
-            yield from self._scan((scan_from[0], scan_from[1] - 1), cursor[0], follow=False)
+            for row in self._scan((scan_from[0], scan_from[1] - 1), cursor[0], follow=False):
+                if row_key(row) > cursor:
+                    break  # the cursor's trajectory's later samples: the scan after the cursor reads them
+                yield row
             builder.seed = None
         yield from self._scan(cursor, snapshot, follow=self.config.follow)
 
@@ -662,6 +560,7 @@ class SampleReader:
                 continue
             if time.monotonic() - idle_since >= self.config.timeout_s:
                 return
+            yield IDLE  # nothing new now: a policy's pool may plan a step with what it holds
             self.stats.polls += 1
             if self._closing.wait(self.config.poll_interval_s):
                 return
@@ -773,48 +672,3 @@ def _in_background(fn: Any) -> Future:
     threading.Thread(target=run, daemon=True, name="trajstore-reader-prefetch").start()
     return future
 
-
-def _get(state: dict[str, Any], name: str) -> Any:
-    """A state's value under its name, else under its name before the renames."""
-    return state[name] if name in state else state[_LEGACY_KEYS[name]]
-
-
-def _key_or_none(value: Any) -> Key | None:
-    return None if value is None else (int(value[0]), int(value[1]))
-
-
-def _validate_state(state: Any, config: ReaderConfig) -> None:
-    if not isinstance(state, dict):
-        raise ResumeStateError(f"reader state must be a dict, got {type(state).__name__}")
-    if state.get("format") != STATE_FORMAT:
-        raise ResumeStateError(f"not a trajstore reader state: format {state.get('format')!r}")
-    for name in ("format_version", "fingerprint", "cursor", "scan_from", "snapshot_position",
-                 "current_model_version", "stats"):
-        if name not in state and _LEGACY_KEYS.get(name) not in state:
-            raise ResumeStateError(f"reader state lacks {name!r}")
-    for name in ("format_version", "version"):
-        if name in state and state[name] != STATE_FORMAT_VERSION:
-            raise ResumeStateError(f"reader state format version {state[name]!r} is not the supported "
-                                   f"{STATE_FORMAT_VERSION}")
-    saved, mine = state["fingerprint"], config.fingerprint()
-    for name, value in mine.items():
-        if not isinstance(saved, dict) or saved.get(name) != value:
-            theirs = saved.get(name) if isinstance(saved, dict) else saved
-            raise ResumeStateError(f"state was saved with {name}={theirs!r}, this reader has {name}={value!r}")
-    if isinstance(saved, dict) and saved.get("projection") != mine.get("projection"):
-        # a projection's samples are another sequence than the default's (absent = the default)
-        raise ResumeStateError(f"state was saved with projection={saved.get('projection')!r}, this reader has "
-                               f"projection={mine.get('projection')!r}")
-    for name in ("cursor", "scan_from"):
-        value = state[name]
-        if value is not None and not (isinstance(value, (list, tuple)) and len(value) == 2
-                                      and all(isinstance(v, int) and v >= 0 for v in value)):
-            raise ResumeStateError(f"reader state {name} must be null or [finished_position, sample_index], got {value!r}")
-    if state["scan_from"] is not None and (state["cursor"] is None or not config.keep_groups):
-        raise ResumeStateError(f"reader state scan_from {state['scan_from']!r} needs a cursor and keep_groups")
-    for name in ("snapshot_position", "current_model_version", "current_version"):
-        if state.get(name) is not None and not isinstance(state[name], int):
-            raise ResumeStateError(f"reader state {name} must be an integer or null, got {state[name]!r}")
-    stats = state["stats"]
-    if not isinstance(stats, dict) or any(not isinstance(stats.get(n), int) for n in ReaderStats._SAVED):
-        raise ResumeStateError(f"reader state stats must hold integers {list(ReaderStats._SAVED)}, got {stats!r}")

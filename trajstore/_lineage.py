@@ -34,6 +34,7 @@ import numpy as np
 import pyarrow as pa
 
 from trajstore.errors import ConflictError, ValidationError
+from trajstore.log._lineage import STEP_SAMPLE_COLUMNS  # noqa: F401 - the order of LineageFact.sample_rows
 from trajstore.events import ANNOTATION_ARRAYS, Event, SampleAnnotation, TrainStep
 from trajstore.payload._columns import list_column
 from trajstore.sample import Sample
@@ -61,7 +62,7 @@ class LineageFact:
 
     event: TrainStep | SampleAnnotation
     step_row: dict[str, Any] | None = None
-    sample_rows: list[dict[str, Any]] = field(default_factory=list)
+    sample_rows: list[tuple] = field(default_factory=list)  # in STEP_SAMPLE_COLUMNS order
     annotation_row: dict[str, Any] | None = None
     version_rows: list[dict[str, Any]] = field(default_factory=list)
 
@@ -72,37 +73,33 @@ class LineageFact:
 
 
 class SampleSource:
-    """What admission reads from the sample index (the store supplies it):
-    ``rows(projection, keys)`` the sample rows (``response_len``,
-    ``min_model_version``, ``max_model_version``, ``segment``, ``segment_row``)
-    of those ``(trajectory_id, sample_index)`` keys that exist, and
-    ``samples(rows)`` their Sample objects (only for annotations with
-    ``trainer_logprobs``)."""
+    """What admission reads from the store (the store supplies it), in one read:
+    ``state(keys, wanted)`` returns the identity recording each of the lineage
+    ``keys`` already recorded, and per projection (None: the default samples)
+    the sample rows (``response_len``, ``min_model_version``,
+    ``max_model_version``, ``segment``, ``segment_row``) of those ``wanted``
+    ``(trajectory_id, sample_index)`` keys that exist; ``samples(rows)`` their
+    Sample objects (only for annotations with ``trainer_logprobs``)."""
 
-    def __init__(self, rows: Callable[[str | None, set[tuple[str, int]]], dict[tuple[str, int], dict[str, Any]]],
+    def __init__(self, state: Callable[[set[tuple], dict[str | None, set[tuple[str, int]]]],
+                                       tuple[Mapping[tuple, str], Mapping[str | None, dict[tuple[str, int], dict[str, Any]]]]],
                  samples: Callable[[Sequence[dict[str, Any]]], list[Sample]]) -> None:
-        self.rows = rows
+        self.state = state
         self.samples = samples
 
 
 def admit_lineage(events: Sequence[tuple[int, TrainStep | SampleAnnotation, str]], source: SampleSource,
-                  recorded: Mapping[tuple, str]) -> list[LineageFact]:
+                  known: Mapping[tuple, str] | None = None) -> list[LineageFact]:
     """Check lineage events (``(index in the append, event, identity)``) against the store.
 
-    ``recorded``: the identity of each lineage key already in the log (only the
-    batch's keys need be present). Raises ValidationError (``unknown_sample``,
-    ``length_mismatch``) or ConflictError, located at the event's index."""
+    ``known``: lineage keys the caller knows are recorded (a dry run's earlier
+    batches) and their identities; the store is read for the others, and for the
+    samples named, in one read (``SampleSource.state``). Raises ValidationError
+    (``unknown_sample``, ``length_mismatch``) or ConflictError, located at the
+    event's index."""
     if not events:
         return []
-    claimed: dict[tuple, str] = {}
-    for i, ev, identity in events:
-        key = lineage_key(ev)
-        known = recorded.get(key, claimed.get(key))
-        if known is not None and known != identity:
-            what = "rank" if isinstance(ev, TrainStep) else "sample"
-            raise ConflictError(f"{ev.type} {_describe(ev)} is already recorded by another event "
-                                f"(one event per {what} and attempt)", index=i)
-        claimed[key] = identity
+    known = known or {}
     wanted: dict[str | None, set[tuple[str, int]]] = {}
     for _, ev, _ in events:
         keys = wanted.setdefault(ev.projection, set())
@@ -110,7 +107,18 @@ def admit_lineage(events: Sequence[tuple[int, TrainStep | SampleAnnotation, str]
             keys.update(ev.samples)
         else:
             keys.add((ev.trajectory_id, ev.sample_index))
-    found = {proj: source.rows(proj, keys) if keys else {} for proj, keys in wanted.items()}
+    lineage_keys = {lineage_key(ev) for _, ev, _ in events}
+    stored, found = source.state(lineage_keys - known.keys(), wanted)
+    recorded = {**stored, **known}
+    claimed: dict[tuple, str] = {}
+    for i, ev, identity in events:
+        key = lineage_key(ev)
+        known_identity = recorded.get(key, claimed.get(key))
+        if known_identity is not None and known_identity != identity:
+            what = "rank" if isinstance(ev, TrainStep) else "sample"
+            raise ConflictError(f"{ev.type} {_describe(ev)} is already recorded by another event "
+                                f"(one event per {what} and attempt)", index=i)
+        claimed[key] = identity
     now = time.time()
     out: list[LineageFact] = []
     compare: list[tuple[int, dict[str, Any]]] = []  # (fact index, sample row) of annotations with trainer logprobs
@@ -255,18 +263,18 @@ def _metrics_text(metrics: Mapping[str, float]) -> str:
 
 def _step_fact(ev: TrainStep, identity: str, rows: Mapping[tuple[str, int], dict[str, Any]],
                now: float) -> LineageFact:
-    key = {"run": ev.run, "step": ev.step, "rank": ev.rank, "attempt": ev.attempt}
-    sample_rows = []
-    tokens = 0
-    for ordinal, (tid, index) in enumerate(ev.samples):
-        row = _sample_row(rows, tid, index, ev.projection)
-        tokens += int(row["response_len"])
-        sample_rows.append({**key, "trajectory_id": tid, "sample_index": index, "ordinal": ordinal,
-                            "response_len": int(row["response_len"]),
-                            "min_model_version": int(row["min_model_version"]),
-                            "max_model_version": int(row["max_model_version"])})
-    step_row = {**key, "world_size": ev.world_size, "policy_version": ev.policy_version,
-                "projection": ev.projection, "num_samples": len(ev.samples), "num_response_tokens": tokens,
+    key = (ev.run, ev.step, ev.rank, ev.attempt)
+    found = [rows.get(pair) for pair in ev.samples]
+    if None in found:
+        tid, index = ev.samples[found.index(None)]
+        _sample_row(rows, tid, index, ev.projection)  # raises unknown_sample, naming the first missing one
+    # one tuple per sample, in STEP_SAMPLE_COLUMNS order: the rows go to one executemany as they are
+    sample_rows = [(*key, tid, index, ordinal, row["response_len"], row["min_model_version"],
+                    row["max_model_version"]) for ordinal, ((tid, index), row) in enumerate(zip(ev.samples, found))]
+    tokens = sum(row["response_len"] for row in found)  # type: ignore[index]
+    step_row = {"run": ev.run, "step": ev.step, "rank": ev.rank, "attempt": ev.attempt,
+                "world_size": ev.world_size, "policy_version": ev.policy_version,
+                "projection": ev.projection, "num_samples": len(ev.samples), "num_response_tokens": int(tokens),
                 "metrics": _metrics_text(ev.metrics), "identity": identity, "created_at": now}
     return LineageFact(ev, step_row=step_row, sample_rows=sample_rows)
 

@@ -261,24 +261,14 @@ class Store:
         """The facts of an append's lineage events (``trajstore._lineage``) by their index."""
         if not events:
             return {}
-        recorded = self.log.lineage_keys({_lineage.lineage_key(ev) for _, ev, _ in events})  # type: ignore[arg-type]
-        made = _lineage.admit_lineage(events, self._sample_source(), recorded)  # type: ignore[arg-type]
+        made = _lineage.admit_lineage(events, self._sample_source())  # type: ignore[arg-type]
         return {i: fact for (i, _, _), fact in zip(events, made)}
 
     def _sample_source(self) -> "_lineage.SampleSource":
-        """The sample index as lineage admission reads it."""
-        def rows(projection: str | None, keys: set[tuple[str, int]]) -> dict[tuple[str, int], dict[str, Any]]:
-            index = self.materialized if projection is None else self.materialized.projection(projection)
-            out: dict[tuple[str, int], dict[str, Any]] = {}
-            for r in index.sample_facts({tid for tid, _ in keys}):
-                key = (r["trajectory_id"], int(r["sample_index"]))
-                if key in keys:
-                    out[key] = r
-            return out
-
+        """The log and the sample index as lineage admission reads them (one read)."""
         from trajstore._samples import load_samples
 
-        return _lineage.SampleSource(rows, lambda sample_rows: load_samples(self, sample_rows))
+        return _lineage.SampleSource(self.log.lineage_state, lambda sample_rows: load_samples(self, sample_rows))
 
     def _write_annotations(self, lineage: Mapping[int, "_lineage.LineageFact"]
                            ) -> tuple[str | None, dict | None, dict[int, int]]:
@@ -567,9 +557,7 @@ class AppendCheck:
             raise e.at(fresh[e.index] if e.index is not None else 0) from None
         lineage = [(i, adm.event, parsed[i][1]) for i, adm in zip(fresh, admitted) if _lineage.is_lineage(adm.event)]
         if lineage:
-            keys = {_lineage.lineage_key(ev) for _, ev, _ in lineage}  # type: ignore[arg-type]
-            recorded = {**self.store.log.lineage_keys(keys - self._lineage.keys()), **self._lineage}
-            _lineage.admit_lineage(lineage, self.store._sample_source(), recorded)  # type: ignore[arg-type]
+            _lineage.admit_lineage(lineage, self.store._sample_source(), self._lineage)  # type: ignore[arg-type]
             self._lineage.update((_lineage.lineage_key(ev), ident) for _, ev, ident in lineage)  # type: ignore
         for i, adm in zip(fresh, admitted):
             ev = adm.event

@@ -16,7 +16,7 @@ from typing import Any, Callable, Collection, Mapping, Sequence
 
 from sqlalchemy import Connection, Engine, delete, func, insert, or_, select, text, update
 
-from trajstore.log._lineage import annotation_rows, recorded_keys, standing_attempt, step_samples, write_lineage
+from trajstore.log._lineage import annotation_rows, lineage_state, recorded_keys, standing_attempt, step_samples, write_lineage
 from trajstore.log._dialect import FOLD_EVENT_COLUMNS, FOLD_TRAJECTORY_COLUMNS, SqlDialect, chunks
 from trajstore.log._segments import named, named_clause, repoint, retire_emptied
 from trajstore.log._transaction import Database
@@ -76,6 +76,11 @@ class SqlEventLog(EventLog):
             return {}
         with self.db.reading("reading recorded lineage keys") as conn:
             return recorded_keys(conn, keys)
+
+    def lineage_state(self, keys: Collection[tuple], wanted: Mapping[str | None, Collection[tuple[str, int]]]
+                      ) -> tuple[dict[tuple, str], dict[str | None, dict[tuple[str, int], dict[str, Any]]]]:
+        return self.db.reading_cursor("reading the lineage a step names",
+                                      lambda cur, d: lineage_state(cur, d, keys, wanted))
 
     def standing_attempt(self, run: str, step: int, rank: int) -> int | None:
         with self.db.reading("reading a step's attempts") as conn:

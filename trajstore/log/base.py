@@ -181,6 +181,16 @@ class EventLog(ABC):
         the identity of the event that recorded it (docs/reference.md "Training lineage")."""
         raise NotImplementedError
 
+    def lineage_state(self, keys: Collection[tuple], wanted: Mapping[str | None, Collection[tuple[str, int]]]
+                      ) -> tuple[dict[tuple, str], dict[str | None, dict[tuple[str, int], dict[str, Any]]]]:
+        """In one read: the identity recording each of the lineage ``keys`` already
+        recorded (as ``lineage_keys``), and per projection (None: the default
+        samples) the rows of the ``wanted`` ``(trajectory_id, sample_index)`` keys
+        that exist (``trajectory_id``, ``sample_index``, ``prompt_len``,
+        ``response_len``, ``min_model_version``, ``max_model_version``, ``segment``,
+        ``segment_row``): what admitting lineage events reads."""
+        raise NotImplementedError
+
     def standing_attempt(self, run: str, step: int, rank: int) -> int | None:
         """The highest attempt of a ``train_step`` recorded for ``(run, step, rank)`` (None: none)."""
         raise NotImplementedError

@@ -39,7 +39,7 @@ from trajstore.events import ANNOTATION_ARRAYS, Event, SampleAnnotation, TrainSt
 from trajstore.payload._columns import list_column
 from trajstore.sample import Sample
 
-__all__ = ["LineageFact", "SampleSource", "admit_lineage", "event_columns", "is_lineage", "rollout_mismatch", "annotation_table",
+__all__ = ["LineageFact", "LineagePlan", "SampleSource", "admit_lineage", "event_columns", "is_lineage", "rollout_mismatch", "annotation_table",
            "lineage_key", "MAX_LOG_RATIO", "rollout_mismatches"]
 
 MAX_LOG_RATIO = 700.0
@@ -72,6 +72,40 @@ class LineageFact:
         return isinstance(ev, SampleAnnotation) and ev.num_tokens is not None
 
 
+class LineagePlan:
+    """What admitting a batch's lineage events will read (``SampleSource.state``),
+    planned from the parsed batch so that the log can answer it in the read the
+    append makes anyway (``EventLog.load_append_state(..., lineage=plan)`` sets
+    ``result``): a step's record then costs no read of its own."""
+
+    def __init__(self, events: Sequence[TrainStep | SampleAnnotation]) -> None:
+        self.keys: set[tuple] = {lineage_key(ev) for ev in events}
+        self.wanted: dict[str | None, set[tuple[str, int]]] = _wanted(events)
+        self.result: tuple[Mapping[tuple, str], Mapping[str | None, dict[tuple[str, int], dict[str, Any]]]] | None = None
+
+    @staticmethod
+    def of(events: Sequence[Event]) -> "LineagePlan | None":
+        """The plan of a batch's lineage events (None: it has none)."""
+        found = [ev for ev in events if is_lineage(ev)]
+        return LineagePlan(found) if found else None  # type: ignore[arg-type]
+
+    def answers(self, keys: set[tuple], wanted: Mapping[str | None, set[tuple[str, int]]]) -> bool:
+        return (self.result is not None and keys <= self.keys
+                and all(k in self.wanted and v <= self.wanted[k] for k, v in wanted.items()))
+
+
+def _wanted(events: Sequence[TrainStep | SampleAnnotation]) -> dict[str | None, set[tuple[str, int]]]:
+    """The sample keys events name, per projection."""
+    wanted: dict[str | None, set[tuple[str, int]]] = {}
+    for ev in events:
+        keys = wanted.setdefault(ev.projection, set())
+        if isinstance(ev, TrainStep):
+            keys.update(ev.samples)
+        else:
+            keys.add((ev.trajectory_id, ev.sample_index))
+    return wanted
+
+
 class SampleSource:
     """What admission reads from the store (the store supplies it), in one read:
     ``state(keys, wanted)`` returns the identity recording each of the lineage
@@ -83,9 +117,18 @@ class SampleSource:
 
     def __init__(self, state: Callable[[set[tuple], dict[str | None, set[tuple[str, int]]]],
                                        tuple[Mapping[tuple, str], Mapping[str | None, dict[tuple[str, int], dict[str, Any]]]]],
-                 samples: Callable[[Sequence[dict[str, Any]]], list[Sample]]) -> None:
-        self.state = state
+                 samples: Callable[[Sequence[dict[str, Any]]], list[Sample]], *,
+                 plan: LineagePlan | None = None) -> None:
+        self._state = state
         self.samples = samples
+        self.plan = plan
+
+    def state(self, keys: set[tuple], wanted: dict[str | None, set[tuple[str, int]]]
+              ) -> tuple[Mapping[tuple, str], Mapping[str | None, dict[tuple[str, int], dict[str, Any]]]]:
+        """The plan's result when it answers (read with the append's state), else one read."""
+        if self.plan is not None and self.plan.answers(keys, wanted):
+            return self.plan.result  # type: ignore[return-value]
+        return self._state(keys, wanted)
 
 
 def admit_lineage(events: Sequence[tuple[int, TrainStep | SampleAnnotation, str]], source: SampleSource,
@@ -100,13 +143,7 @@ def admit_lineage(events: Sequence[tuple[int, TrainStep | SampleAnnotation, str]
     if not events:
         return []
     known = known or {}
-    wanted: dict[str | None, set[tuple[str, int]]] = {}
-    for _, ev, _ in events:
-        keys = wanted.setdefault(ev.projection, set())
-        if isinstance(ev, TrainStep):
-            keys.update(ev.samples)
-        else:
-            keys.add((ev.trajectory_id, ev.sample_index))
+    wanted = _wanted([ev for _, ev, _ in events])
     lineage_keys = {lineage_key(ev) for _, ev, _ in events}
     stored, found = source.state(lineage_keys - known.keys(), wanted)
     recorded = {**stored, **known}

@@ -95,11 +95,15 @@ class SqlEventLog(EventLog):
         with self.db.reading("reading sample annotations") as conn:
             return annotation_rows(conn, run, step, trajectory_id)
 
-    def load_append_state(self, identities: Collection[str], trajectory_ids: Collection[str]
-                          ) -> tuple[dict[str, bytes], dict[str, dict[str, Any]]]:
-        # one transaction, one connection checkout
-        return self.db.reading_cursor("loading the append state", lambda cur, d: (
-            d.lookup_identities(cur, identities), d.load_trajectories(cur, trajectory_ids)))
+    def load_append_state(self, identities: Collection[str], trajectory_ids: Collection[str], *,
+                          lineage: Any = None) -> tuple[dict[str, bytes], dict[str, dict[str, Any]]]:
+        # one transaction, one connection checkout (with the lineage the batch names, if any)
+        def body(cur: Any, d: SqlDialect) -> tuple[dict[str, bytes], dict[str, dict[str, Any]]]:
+            if lineage is not None:
+                lineage.result = lineage_state(cur, d, lineage.keys, lineage.wanted)
+            return d.lookup_identities(cur, identities), d.load_trajectories(cur, trajectory_ids)
+
+        return self.db.reading_cursor("loading the append state", body)
 
     def commit_append(
         self,

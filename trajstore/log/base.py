@@ -207,10 +207,15 @@ class EventLog(ABC):
         samples) in (step, trajectory_id, sample_index, attempt) order."""
         raise NotImplementedError
 
-    def load_append_state(self, identities: Collection[str], trajectory_ids: Collection[str]
-                          ) -> tuple[dict[str, bytes], dict[str, dict[str, Any]]]:
+    def load_append_state(self, identities: Collection[str], trajectory_ids: Collection[str], *,
+                          lineage: Any = None) -> tuple[dict[str, bytes], dict[str, dict[str, Any]]]:
         """``lookup_identities`` and ``load_trajectories`` together (backends may
-        answer both in one round trip: an append needs both before it admits)."""
+        answer both in one round trip: an append needs both before it admits).
+        ``lineage``: a ``trajstore._lineage.LineagePlan`` of the batch's lineage
+        events, whose ``result`` is set to ``lineage_state(plan.keys, plan.wanted)``
+        (backends read it in the same transaction)."""
+        if lineage is not None:
+            lineage.result = self.lineage_state(lineage.keys, lineage.wanted)
         return self.lookup_identities(identities), self.load_trajectories(trajectory_ids)
 
     @abstractmethod

@@ -342,6 +342,37 @@ def test_the_reader_records_what_it_handed_out_and_a_replay_is_a_noop(store):
     assert sql(store, "SELECT policy_version FROM train_steps WHERE step = 3") == [(42,)]
 
 
+def test_recording_a_step_costs_one_read_and_one_write_whatever_its_size(store):
+    """A step's record (the recorder's attempt rule, the store's admission) checks
+    out one connection to read and one to commit, for 2 samples as for 40: the
+    lineage read rides on the append's read, and nothing is read per sample."""
+    from sqlalchemy import event
+
+    from trajstore.lineage import store_recorder
+
+    rollouts(store, [f"t{i:02d}" for i in range(40)])
+    keys = [(f"t{i:02d}", 0) for i in range(40)]
+    checkouts = []
+
+    def count(*_):
+        checkouts.append(1)
+
+    engines = {store.log.write_engine, store.log.read_engine}
+    for engine in engines:
+        event.listen(engine, "checkout", count)
+    try:
+        recorder = store_recorder(store)
+        for k, n in enumerate((2, 40)):
+            checkouts.clear()
+            done = recorder.record(k, run="cost", policy_version=3, metrics={"loss": 1.0}, samples=keys[:n])
+            assert (done.attempt, done.num_samples, done.replayed) == (0, n, False)
+            assert len(checkouts) == 2, (n, len(checkouts))
+    finally:
+        for engine in engines:
+            event.remove(engine, "checkout", count)
+    assert sql(store, "SELECT step, num_samples FROM train_steps WHERE run = 'cost' ORDER BY step") == [(0, 2), (1, 40)]
+
+
 # -- a trainer killed -9 mid-step and restored (real processes) -------------------------
 
 def _trainer(store_url, run, checkpoint, *extra):

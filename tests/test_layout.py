@@ -168,6 +168,7 @@ PUBLIC_API: dict[str, set[str]] = {
     "trajstore.inspect": set(),
     "trajstore.inspect.export": {"export_samples", "export_table", "routes_from_export"},
     "trajstore.inspect.lineage_mlflow": {"consumed_rows", "log_consumed_samples"},
+    "trajstore.inspect.lineage_openlineage": {"FACET_NAME", "emit_consumed_samples", "run_event"},
     "trajstore.inspect.report": {"add_cli_arguments", "render_report", "run_from_args"},
     "trajstore.inspect.trackers": {
         "MLflowSink", "StoreMetrics", "TensorBoardSink", "TrackerPusher", "TrackerSink", "WandbSink",

@@ -4,6 +4,7 @@ arrays in the payload, the four views, and recording through SampleReader."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 
@@ -662,6 +663,47 @@ def test_mlflow_logs_the_consumed_samples_as_a_dataset_input(store, tmp_path):
     store.append([step(run="m", step=1, samples=[("t2", 0)], attempt=1)])
     assert log_consumed_samples(store, run="m", first_step=0, last_step=1)["digest"] != info["digest"]
     mlflow.end_run()
+
+
+def test_openlineage_run_events_carry_the_consumed_samples_through_the_file_transport(store, tmp_path):
+    pytest.importorskip("openlineage.client", reason="pip install 'trajstore[openlineage]'")
+    from openlineage.client import OpenLineageClient
+    from openlineage.client.transport.file import FileConfig, FileTransport
+
+    from trajstore.inspect.lineage_mlflow import consumed_rows
+    from trajstore.inspect.lineage_openlineage import emit_consumed_samples
+
+    fixed_rollouts(store, ["t1", "t2", "t3"])
+    store.append([step(run="o", step=0, samples=[("t1", 0), ("t2", 0)]), step(run="o", step=1, samples=[("t1", 0)]),
+                  step(run="o", step=2, samples=[("t3", 0)]), step(run="other", step=0, samples=[("t2", 0)])])
+    path = tmp_path / "openlineage.jsonl"
+    client = OpenLineageClient(transport=FileTransport(FileConfig(log_file_path=str(path), append=True)))
+    every_two = emit_consumed_samples(store, run="o", first_step=0, last_step=1, event_type="RUNNING", client=client)
+    whole = emit_consumed_samples(store, run="o", client=client)
+    emit_consumed_samples(store, run="other", client=client)
+    events = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [e["eventType"] for e in events] == ["RUNNING", "COMPLETE", "COMPLETE"]
+    first, second, third = events
+    # one training run, one OpenLineage run: both events share the run id; another run has its own
+    assert first["run"]["runId"] == second["run"]["runId"] == every_two["run_id"] == whole["run_id"]
+    assert third["run"]["runId"] != first["run"]["runId"]
+    assert first["job"] == {"namespace": "trajstore", "name": "o", "facets": {}}
+    [dataset] = first["inputs"]
+    assert dataset["name"] == "samples" and dataset["namespace"] == store.url
+    assert dataset["inputFacets"]["inputStatistics"]["rowCount"] == 3
+    facet = first["run"]["facets"]["trajstore_training"]
+    assert {k: facet[k] for k in ("run", "firstStep", "lastStep", "numSteps", "numSamples", "numDistinctSamples")} \
+        == {"run": "o", "firstStep": 0, "lastStep": 1, "numSteps": 2, "numSamples": 3, "numDistinctSamples": 2}
+    assert facet["_schemaURL"] and facet["_producer"]
+    facet = second["run"]["facets"]["trajstore_training"]
+    assert (facet["firstStep"], facet["lastStep"], facet["numSteps"], facet["numSamples"]) == (0, 2, 3, 4)
+    assert second["inputs"][0]["inputFacets"]["inputStatistics"]["rowCount"] == 4
+    # the digest is the one MLflow's dataset input carries for the same steps
+    rows = consumed_rows(store, run="o", first_step=0, last_step=1)
+    digest = hashlib.sha256(json.dumps(rows, separators=(",", ":")).encode()).hexdigest()[:36]
+    assert first["run"]["facets"]["trajstore_training"]["digest"] == every_two["digest"] == digest
+    with pytest.raises(ValueError, match="event_type must be one of"):
+        emit_consumed_samples(store, run="o", event_type="DONE", client=client)
 
 
 def test_two_writers_racing_for_one_step_key_one_wins_the_other_conflicts(store, store_url, tmp_path):

@@ -14,10 +14,14 @@ optional per-sample arrays (docs/reference.md "Training lineage"; docs/reference
 ``StepRecorder`` is that call's machinery, shared by every reader: it keeps
 the sample keys the reader handed out since the last record and appends one
 ``train_step`` event (and the annotations) atomically. Its attempt rule makes
-a restored trainer's replay safe: without an explicit ``attempt`` a step is
-recorded at the standing (highest) attempt of its ``(run, step, rank)``, and
-when that attempt holds other content (a step redone differently after a
-restore) at the next one. Replaying a step exactly is a no-op.
+a restored trainer's replay safe: without an explicit ``attempt`` a step this
+rank has not recorded goes in at attempt 0, and one it has at the standing
+(highest) attempt of its ``(run, step, rank)``, and when that attempt holds
+other content (a step redone differently after a restore) at the next one.
+Replaying a step exactly is a no-op. The usual record (a new step) reads
+nothing first: it tries attempt 0, and only a conflict or a replay there asks
+for the standing attempt (a step whose attempts were all given explicitly,
+none of them 0, is therefore not looked up).
 
 ``read_annotations`` reads the arrays the trainer recorded back from the
 payload (the SQL views hold only their aggregates).

@@ -622,17 +622,18 @@ def test_the_adapters_record_through_the_reader_they_read(store, adapter):
     assert [(r[0], r[1]) for r in rows] == [(s, 1) for s, _ in steps]
 
 
-def test_the_batched_mismatch_equals_the_per_token_definition():
+@pytest.mark.parametrize("with_unsorted", [True, False])
+def test_the_batched_mismatch_equals_the_per_token_definition(with_unsorted):
     """``rollout_mismatches`` (all samples in one pass) against k3 written out token
-    by token, with versions that go back within a sample (the sort path) and samples
-    with nothing to compare."""
+    by token, with versions that go back within a sample (the sort path) or not (the
+    runs path, per-sample figures from the groups), and samples with nothing to compare."""
     from types import SimpleNamespace
 
     from trajstore._lineage import rollout_mismatches
 
     rng = np.random.default_rng(3)
     samples, trainer = [], []
-    for n, sorted_versions in ((7, True), (0, True), (9, False), (5, True), (4, True)):
+    for n, sorted_versions in ((7, True), (0, True), (9, not with_unsorted), (5, True), (4, True)):
         versions = np.sort(rng.integers(0, 4, n)) if sorted_versions else rng.integers(0, 4, n)
         mask = rng.integers(0, 2, n).astype(np.uint8) if n != 4 else np.zeros(n, np.uint8)
         samples.append(SimpleNamespace(response_ids=np.zeros(n, np.int32), loss_mask=mask,

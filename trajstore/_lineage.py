@@ -225,31 +225,39 @@ def rollout_mismatches(trainer_logprobs: Sequence[np.ndarray], samples: Sequence
     mask = (np.concatenate([s.loss_mask for s in samples]).astype(bool)
             & np.concatenate([np.asarray(s.logprobs_mask, dtype=bool) for s in samples]))
     owner = np.repeat(np.arange(n), lengths)[mask]
-    r = (np.concatenate(trainer_logprobs).astype(np.float64)[mask]
-         - np.concatenate([s.rollout_logprobs for s in samples]).astype(np.float64)[mask])
+    r = (np.concatenate(trainer_logprobs)[mask].astype(np.float64)
+         - np.concatenate([s.rollout_logprobs for s in samples])[mask].astype(np.float64))
     np.clip(r, -MAX_LOG_RATIO, MAX_LOG_RATIO, out=r)
     k3 = np.expm1(r) - r
     absr = np.abs(r)
-    counts = np.bincount(owner, minlength=n)
-    k3_sums = np.bincount(owner, weights=k3, minlength=n)
-    abs_sums = np.bincount(owner, weights=absr, minlength=n)
-    max_abs = np.zeros(n)
-    np.maximum.at(max_abs, owner, absr)  # only the compared tokens; ~1 ms per 100k
-    versions = np.concatenate([s.token_model_versions for s in samples]).astype(np.int64)[mask]
+    versions = np.concatenate([s.token_model_versions for s in samples])[mask].astype(np.int64)
     # (sample, version) groups: versions are int32, so one int64 key holds both
     pair = owner.astype(np.int64) << 32 | (versions & 0xFFFFFFFF)
     if pair.size and np.all(pair[1:] >= pair[:-1]):
-        # the usual case, with no sort: a sample's generated tokens never go back in version
+        # the usual case, with no sort: a sample's generated tokens never go back in
+        # version, and ``owner`` is sorted; the groups are runs, reduced in one pass
+        # each, and the per-sample figures are sums (and the max) over the groups
         starts = np.flatnonzero(np.concatenate([[True], pair[1:] != pair[:-1]]))
         keys = pair[starts]
         g_counts = np.diff(np.append(starts, len(pair)))
         g_k3 = np.add.reduceat(k3, starts)
         g_abs = np.add.reduceat(absr, starts)
+        g_owner = (keys >> 32).astype(np.intp)
+        counts = np.bincount(g_owner, weights=g_counts, minlength=n).astype(np.int64)
+        k3_sums = np.bincount(g_owner, weights=g_k3, minlength=n)
+        abs_sums = np.bincount(g_owner, weights=g_abs, minlength=n)
+        max_abs = np.zeros(n)
+        np.maximum.at(max_abs, g_owner, np.maximum.reduceat(absr, starts))  # one entry per group
     else:
         keys, inverse = np.unique(pair, return_inverse=True)
         g_counts = np.bincount(inverse, minlength=len(keys))
         g_k3 = np.bincount(inverse, weights=k3, minlength=len(keys))
         g_abs = np.bincount(inverse, weights=absr, minlength=len(keys))
+        counts = np.bincount(owner, minlength=n)
+        k3_sums = np.bincount(owner, weights=k3, minlength=n)
+        abs_sums = np.bincount(owner, weights=absr, minlength=n)
+        max_abs = np.zeros(n)
+        np.maximum.at(max_abs, owner, absr)
     per_version: list[list[tuple[int, int, float, float]]] = [[] for _ in range(n)]
     for key, c, k, a in zip(keys.tolist(), g_counts.tolist(), g_k3.tolist(), g_abs.tolist()):
         v = key & 0xFFFFFFFF

@@ -16,7 +16,8 @@ from typing import Any, Callable, Collection, Mapping, Sequence
 
 from sqlalchemy import Connection, Engine, delete, func, insert, or_, select, text, update
 
-from trajstore.log._lineage import annotation_rows, lineage_state, recorded_keys, standing_attempt, step_samples, write_lineage
+from trajstore.log._lineage import (annotation_rows, lineage_state, pipelined, recorded_keys, send_lineage_state,
+                                    standing_attempt, step_samples, write_lineage)
 from trajstore.log._dialect import FOLD_EVENT_COLUMNS, FOLD_TRAJECTORY_COLUMNS, SqlDialect, chunks
 from trajstore.log._segments import named, named_clause, repoint, retire_emptied
 from trajstore.log._transaction import Database
@@ -99,9 +100,14 @@ class SqlEventLog(EventLog):
                           lineage: Any = None) -> tuple[dict[str, bytes], dict[str, dict[str, Any]]]:
         # one transaction, one connection checkout (with the lineage the batch names, if any)
         def body(cur: Any, d: SqlDialect) -> tuple[dict[str, bytes], dict[str, dict[str, Any]]]:
-            if lineage is not None:
-                lineage.result = lineage_state(cur, d, lineage.keys, lineage.wanted)
-            return d.lookup_identities(cur, identities), d.load_trajectories(cur, trajectory_ids)
+            if lineage is None:
+                return d.lookup_identities(cur, identities), d.load_trajectories(cur, trajectory_ids)
+            with pipelined(cur, d):  # PostgreSQL: BEGIN and the lineage statements go out with the identities'
+                collect = send_lineage_state(cur, d, lineage.keys, lineage.wanted)
+                stored = d.lookup_identities(cur, identities)
+            lineage.result = collect()
+            # lineage events are store-wide (trajectory id ""), which no trajectory row has
+            return stored, d.load_trajectories(cur, [tid for tid in trajectory_ids if tid])
 
         return self.db.reading_cursor("loading the append state", body)
 

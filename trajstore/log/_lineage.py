@@ -5,7 +5,8 @@ and the reads admission and the lineage readers need."""
 from __future__ import annotations
 
 import json
-from typing import Any, Collection, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any, Callable, Collection, Iterator, Mapping, Sequence
 
 from sqlalchemy import Connection, func, select
 
@@ -15,7 +16,7 @@ from trajstore.schema import (lineage_annotation_versions, lineage_annotations, 
                               projection_samples, projections, samples)
 
 __all__ = ["write_lineage", "recorded_keys", "standing_attempt", "annotation_rows", "step_samples", "lineage_state",
-           "SAMPLE_FACTS", "STEP_SAMPLE_COLUMNS"]
+           "send_lineage_state", "pipelined", "SAMPLE_FACTS", "STEP_SAMPLE_COLUMNS"]
 
 SAMPLE_FACTS = ("trajectory_id", "sample_index", "prompt_len", "response_len", "min_model_version",
                 "max_model_version", "segment", "segment_row")
@@ -66,48 +67,95 @@ def lineage_state(cur: Any, d: SqlDialect, keys: Collection[tuple],
     of samples: the trajectory ids go as one array parameter (PostgreSQL ``= ANY``,
     SQLite ``json_each``), not as a list of markers. A named projection that does
     not exist raises ValidationError (``projection``)."""
-    recorded: dict[tuple, str] = {}
+    return send_lineage_state(cur, d, keys, wanted)()
+
+
+def send_lineage_state(cur: Any, d: SqlDialect, keys: Collection[tuple],
+                       wanted: Mapping[str | None, Collection[tuple[str, int]]]
+                       ) -> Callable[[], tuple[dict[tuple, str], dict[str | None, dict[tuple[str, int], dict[str, Any]]]]]:
+    """``lineage_state`` in two halves: every statement is sent now (each on a
+    cursor of its own, fetching nothing), and the returned function reads the
+    results. Inside a PostgreSQL pipeline (``pipelined``) the statements then go
+    out with whatever the transaction sends next, in one round trip."""
     wanted_keys = set(keys)
+    conn = cur.connection
+    sent: list[tuple[str, tuple, Any]] = []  # (what, its key, its cursor)
+
+    def send(what: str, key: tuple, sql: str, params: tuple) -> None:
+        c = conn.cursor()
+        c.execute(sql, params)
+        sent.append((what, key, c))
+
     for run, step in sorted({k[1:3] for k in wanted_keys if k[0] == "train_step"}):
-        sql = d._cached(("lineage steps",), lambda: (
-            f"SELECT rank, attempt, identity FROM {d.table(lineage_steps)} WHERE run = {d.p} AND step = {d.p}"))
-        for rank, attempt, identity in execute(cur, sql, (run, step)).fetchall():
-            key = ("train_step", run, step, int(rank), int(attempt))
-            if key in wanted_keys:
-                recorded[key] = identity
+        send("steps", (run, step), d._cached(("lineage steps",), lambda: (
+            f"SELECT rank, attempt, identity FROM {d.table(lineage_steps)} WHERE run = {d.p} AND step = {d.p}")),
+            (run, step))
     for run, step, attempt in sorted({k[1:4] for k in wanted_keys if k[0] == "sample_annotation"}):
-        sql = d._cached(("lineage annotations",), lambda: (
+        send("annotations", (run, step, attempt), d._cached(("lineage annotations",), lambda: (
             f"SELECT trajectory_id, sample_index, identity FROM {d.table(lineage_annotations)} "
-            f"WHERE run = {d.p} AND step = {d.p} AND attempt = {d.p}"))
-        for tid, index, identity in execute(cur, sql, (run, step, attempt)).fetchall():
-            key = ("sample_annotation", run, step, attempt, tid, int(index))
-            if key in wanted_keys:
-                recorded[key] = identity
-    found: dict[str | None, dict[tuple[str, int], dict[str, Any]]] = {}
+            f"WHERE run = {d.p} AND step = {d.p} AND attempt = {d.p}")), (run, step, attempt))
+    wants: dict[str | None, set[tuple[str, int]]] = {}
     for projection, sample_keys in wanted.items():
-        want = set(sample_keys)
+        want = wants[projection] = set(sample_keys)
         ids = sorted({tid for tid, _ in want})
-        rows: dict[tuple[str, int], dict[str, Any]] = {}
-        found[projection] = rows
         if not ids:
             continue
         if projection is not None:
-            sql = d._cached(("projection exists",), lambda: (
-                f"SELECT 1 FROM {d.table(projections)} WHERE name = {d.p}"))
-            if execute(cur, sql, (projection,)).fetchone() is None:
-                raise ValidationError(f"no projection {projection!r} (trajstore projection list)", rule="projection")
+            send("projection", (projection,), d._cached(("projection exists",), lambda: (
+                f"SELECT 1 FROM {d.table(projections)} WHERE name = {d.p}")), (projection,))
         table = samples if projection is None else projection_samples
         ids_param: Any = ids if d.name == "postgresql" else json.dumps(ids)
         sql = d._cached(("lineage sample facts", projection is None), lambda: (
             f"SELECT {', '.join(SAMPLE_FACTS)} FROM {d.table(table)} WHERE "
             + ("" if projection is None else f"projection = {d.p} AND ")
-            + ("trajectory_id = ANY(%s)" if d.name == "postgresql" else "trajectory_id IN (SELECT value FROM json_each(?))")))
-        params = (ids_param,) if projection is None else (projection, ids_param)
-        for r in execute(cur, sql, params).fetchall():
-            key = (r[0], int(r[1]))
-            if key in want:
-                rows[key] = dict(zip(SAMPLE_FACTS, r))
-    return recorded, found
+            + ("trajectory_id = ANY(%s)" if d.name == "postgresql"
+               else "trajectory_id IN (SELECT value FROM json_each(?))")))
+        send("samples", (projection,), sql, (ids_param,) if projection is None else (projection, ids_param))
+
+    def collect() -> tuple[dict[tuple, str], dict[str | None, dict[tuple[str, int], dict[str, Any]]]]:
+        recorded: dict[tuple, str] = {}
+        found: dict[str | None, dict[tuple[str, int], dict[str, Any]]] = {p: {} for p in wants}
+        try:
+            for what, key, c in sent:
+                rows = c.fetchall()
+                if what == "steps":
+                    for rank, attempt, identity in rows:
+                        k = ("train_step", *key, int(rank), int(attempt))
+                        if k in wanted_keys:
+                            recorded[k] = identity
+                elif what == "annotations":
+                    for tid, index, identity in rows:
+                        k = ("sample_annotation", *key, tid, int(index))
+                        if k in wanted_keys:
+                            recorded[k] = identity
+                elif what == "projection":
+                    if not rows:
+                        raise ValidationError(f"no projection {key[0]!r} (trajstore projection list)",
+                                              rule="projection")
+                else:
+                    want, out = wants[key[0]], found[key[0]]
+                    for r in rows:
+                        k2 = (r[0], int(r[1]))
+                        if k2 in want:
+                            out[k2] = dict(zip(SAMPLE_FACTS, r))
+        finally:
+            for _, _, c in sent:
+                c.close()
+        return recorded, found
+
+    return collect
+
+
+@contextmanager
+def pipelined(cur: Any, d: SqlDialect) -> Iterator[None]:
+    """On PostgreSQL, psycopg's pipeline mode on ``cur``'s connection: statements
+    are sent without waiting, and the first fetch sends them (BEGIN included) as
+    one batch. Elsewhere nothing."""
+    if d.name != "postgresql":
+        yield
+        return
+    with cur.connection.pipeline():
+        yield
 
 
 def recorded_keys(conn: Connection, keys: Collection[tuple]) -> dict[tuple, str]:

@@ -9,8 +9,10 @@ step of all of them and records it: ``record_step`` with metrics only (one
 ``train_step`` naming every sample), then with per-token ``trainer_logprobs``
 for every sample (one ``sample_annotation`` each, the mismatch aggregated at
 admission). Reported per backend: the read and both records, median of
-``--rounds`` (wall and CPU milliseconds: the machine is shared, CPU time is
-the steadier one); the connections each record checked out; on PostgreSQL
+``--rounds`` (wall milliseconds, median and best; CPU milliseconds of the
+process, which counts the reader prefetching on its own thread meanwhile,
+and of the calling thread: what the trainer's thread spent. The machine is
+shared, so CPU time is the steadier figure); the connections each record checked out; on PostgreSQL
 the round trips of each record, counted with libpq's protocol trace
 (``PQtrace`` on every connection the recording thread checks out while the record runs:
 one round trip per ``ReadyForQuery`` the server sends, that is per request the
@@ -86,24 +88,25 @@ class Wire:
             except Exception:  # noqa: BLE001 - a connection closed meanwhile traced nothing more
                 pass
 
-    def measure(self, fn) -> tuple[float, float, int, int | None]:
-        """(wall ms, CPU ms, connections checked out, round trips or None) of ``fn()``."""
+    def measure(self, fn) -> tuple[float, float, int, int | None, float]:
+        """(wall ms, process CPU ms, connections checked out, round trips or None,
+        the calling thread's CPU ms) of ``fn()``."""
         self._trace.seek(0)
         self._trace.truncate()
         self.checkouts = 0
         self._thread = threading.get_ident()
         self.counting = True
         try:
-            w, c = time.perf_counter(), time.process_time()
+            w, c, t = time.perf_counter(), time.process_time(), time.thread_time()
             fn()
-            wall, cpu = time.perf_counter() - w, time.process_time() - c
+            wall, cpu, thread = time.perf_counter() - w, time.process_time() - c, time.thread_time() - t
         finally:
             self.counting = False
         trips = None
         if self.postgres:
             with open(self._trace.name) as f:
                 trips = sum(1 for line in f if line.startswith("B\t") and "\tReadyForQuery" in line)
-        return wall * 1e3, cpu * 1e3, self.checkouts, trips
+        return wall * 1e3, cpu * 1e3, self.checkouts, trips, thread * 1e3
 
 
 def run(url: str, payload: str, n: int, r: int, rounds: int) -> dict:
@@ -140,7 +143,8 @@ def run(url: str, payload: str, n: int, r: int, rounds: int) -> dict:
 
     def summary(xs: list, wire_counts: bool = True) -> dict:
         out = {"wall_ms": statistics.median(x[0] for x in xs), "wall_ms_best": min(x[0] for x in xs),
-               "cpu_ms": statistics.median(x[1] for x in xs)}
+               "cpu_ms": statistics.median(x[1] for x in xs),
+               "thread_cpu_ms": statistics.median(x[4] for x in xs)}
         if wire_counts:  # the reader reads on its prefetch thread: only the records' are counted
             out["checkouts"] = [x[2] for x in xs]
             if xs[0][3] is not None:

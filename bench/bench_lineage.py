@@ -17,7 +17,9 @@ the round trips of each record, counted with libpq's protocol trace
 (``PQtrace`` on every connection the recording thread checks out while the record runs:
 one round trip per ``ReadyForQuery`` the server sends, that is per request the
 client waited for: a simple query, or an extended-protocol batch ending in
-``Sync``, an ``executemany`` pipeline included); and the bytes at rest of the
+``Sync``, an ``executemany`` pipeline included; plus one per pre-ping of the
+pool, which runs before the checkout event, counted by wrapping the dialect's
+``do_ping``); and the bytes at rest of the
 annotations' payload against the raw float32 logprobs (docs/benchmarks.md,
 "Training lineage").
 
@@ -67,9 +69,19 @@ class Wire:
         self.checkouts = 0
         self.postgres = store.log.write_engine.dialect.name == "postgresql"
         self._trace = open(trace_path, "w+")
+        self.pings = 0
         for engine in {store.log.write_engine, store.log.read_engine}:
             event.listen(engine, "checkout", self._checkout)
             event.listen(engine, "checkin", self._checkin)
+            # the pool's pre-ping (one round trip) runs before the checkout event: counted here
+            ping = engine.dialect.do_ping
+
+            def counted(dbapi_conn, ping=ping):
+                if self.counting and threading.get_ident() == self._thread:
+                    self.pings += 1
+                return ping(dbapi_conn)
+
+            engine.dialect.do_ping = counted
 
     def _checkout(self, dbapi_conn, record, proxy) -> None:
         if not self.counting or threading.get_ident() != self._thread:
@@ -94,6 +106,7 @@ class Wire:
         self._trace.seek(0)
         self._trace.truncate()
         self.checkouts = 0
+        self.pings = 0
         self._thread = threading.get_ident()
         self.counting = True
         try:
@@ -105,7 +118,7 @@ class Wire:
         trips = None
         if self.postgres:
             with open(self._trace.name) as f:
-                trips = sum(1 for line in f if line.startswith("B\t") and "\tReadyForQuery" in line)
+                trips = self.pings + sum(1 for line in f if line.startswith("B\t") and "\tReadyForQuery" in line)
         return wall * 1e3, cpu * 1e3, self.checkouts, trips, thread * 1e3
 
 

@@ -1,16 +1,32 @@
 """What recording training lineage costs the trainer, beside the step's read.
 
-    python bench/bench_lineage.py [--samples 512] [--tokens 2000] [--url URL] [--out bench/results/bench_lineage.json]
+    python bench/bench_lineage.py [--samples 512] [--tokens 2000] [--rounds 7] [--postgres | --url URL]
+                                  [--tree DIR] [--out bench/results/bench_lineage.json]
 
 A store of ``--samples`` one-call trajectories of ``--tokens`` response tokens
 (with logprobs) is materialized; each round a fresh ``SampleReader`` reads one
 step of all of them and records it: ``record_step`` with metrics only (one
 ``train_step`` naming every sample), then with per-token ``trainer_logprobs``
 for every sample (one ``sample_annotation`` each, the mismatch aggregated at
-admission). Reported: the read and both records (median of ``ROUNDS``), and
-the bytes at rest of the annotations' payload
-against the raw float32 logprobs (docs/benchmarks.md, "Training lineage").
-``--url``: a PostgreSQL store instead of a temporary SQLite one.
+admission). Reported per backend: the read and both records, median of
+``--rounds`` (wall milliseconds, median and best; CPU milliseconds of the
+process, which counts the reader prefetching on its own thread meanwhile,
+and of the calling thread: what the trainer's thread spent. The machine is
+shared, so CPU time is the steadier figure); the connections each record checked out; on PostgreSQL
+the round trips of each record, counted with libpq's protocol trace
+(``PQtrace`` on every connection the recording thread checks out while the record runs:
+one round trip per ``ReadyForQuery`` the server sends, that is per request the
+client waited for: a simple query, or an extended-protocol batch ending in
+``Sync``, an ``executemany`` pipeline included; plus one per pre-ping of the
+pool, which runs before the checkout event, counted by wrapping the dialect's
+``do_ping``); and the bytes at rest of the
+annotations' payload against the raw float32 logprobs (docs/benchmarks.md,
+"Training lineage").
+
+``--postgres`` also runs it on a throwaway PostgreSQL (tests/pg_cluster.py);
+``--url`` on a given one. ``--tree DIR`` imports trajstore from DIR instead of
+this checkout (an older commit, ``git worktree``/``git archive``d, measured
+by the same script in the same window: the "before" of a change).
 """
 
 from __future__ import annotations
@@ -21,30 +37,94 @@ import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 
-import numpy as np
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+
+
+def _tree() -> str:
+    for i, arg in enumerate(sys.argv):
+        if arg == "--tree" and i + 1 < len(sys.argv):
+            return os.path.abspath(sys.argv[i + 1])
+        if arg.startswith("--tree="):
+            return os.path.abspath(arg.split("=", 1)[1])
+    return ROOT
+
+
+sys.path.insert(0, _tree())
+
+import numpy as np  # noqa: E402
+from sqlalchemy import event  # noqa: E402
 
 import trajstore  # noqa: E402
 
-ROUNDS = 5
+
+class Wire:
+    """Connections checked out and (PostgreSQL) round trips, while ``counting``."""
+
+    def __init__(self, store: trajstore.Store, trace_path: str) -> None:
+        self.counting = False
+        self._thread = 0
+        self.checkouts = 0
+        self.postgres = store.log.write_engine.dialect.name == "postgresql"
+        self._trace = open(trace_path, "w+")
+        self.pings = 0
+        for engine in {store.log.write_engine, store.log.read_engine}:
+            event.listen(engine, "checkout", self._checkout)
+            event.listen(engine, "checkin", self._checkin)
+            # the pool's pre-ping (one round trip) runs before the checkout event: counted here
+            ping = engine.dialect.do_ping
+
+            def counted(dbapi_conn, ping=ping):
+                if self.counting and threading.get_ident() == self._thread:
+                    self.pings += 1
+                return ping(dbapi_conn)
+
+            engine.dialect.do_ping = counted
+
+    def _checkout(self, dbapi_conn, record, proxy) -> None:
+        if not self.counting or threading.get_ident() != self._thread:
+            return  # not the measured call's (e.g. the reader prefetching its next batch)
+        self.checkouts += 1
+        if self.postgres:
+            from psycopg import pq
+
+            dbapi_conn.pgconn.trace(self._trace.fileno())
+            dbapi_conn.pgconn.set_trace_flags(pq.Trace.SUPPRESS_TIMESTAMPS | pq.Trace.REGRESS_MODE)
+
+    def _checkin(self, dbapi_conn, record) -> None:
+        if self.postgres and dbapi_conn is not None and threading.get_ident() == self._thread:
+            try:
+                dbapi_conn.pgconn.untrace()  # flushes what libpq buffered
+            except Exception:  # noqa: BLE001 - a connection closed meanwhile traced nothing more
+                pass
+
+    def measure(self, fn) -> tuple[float, float, int, int | None, float]:
+        """(wall ms, process CPU ms, connections checked out, round trips or None,
+        the calling thread's CPU ms) of ``fn()``."""
+        self._trace.seek(0)
+        self._trace.truncate()
+        self.checkouts = 0
+        self.pings = 0
+        self._thread = threading.get_ident()
+        self.counting = True
+        try:
+            w, c, t = time.perf_counter(), time.process_time(), time.thread_time()
+            fn()
+            wall, cpu, thread = time.perf_counter() - w, time.process_time() - c, time.thread_time() - t
+        finally:
+            self.counting = False
+        trips = None
+        if self.postgres:
+            with open(self._trace.name) as f:
+                trips = self.pings + sum(1 for line in f if line.startswith("B\t") and "\tReadyForQuery" in line)
+        return wall * 1e3, cpu * 1e3, self.checkouts, trips, thread * 1e3
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--samples", type=int, default=512)
-    parser.add_argument("--tokens", type=int, default=2000)
-    parser.add_argument("--url", default=None)
-    parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "bench_lineage.json"))
-    args = parser.parse_args()
-    tmp = tempfile.mkdtemp()
-    url = args.url or f"sqlite:///{tmp}/store.db"
-    store = trajstore.connect(url, payload=os.path.join(tmp, "payload"))
+def run(url: str, payload: str, n: int, r: int, rounds: int) -> dict:
+    store = trajstore.connect(url, payload=payload)
     rng = np.random.default_rng(0)
-    n, r = args.samples, args.tokens
     events = []
     for i in range(n):
         events += [{"type": "trajectory_started", "trajectory_id": f"t{i}"},
@@ -55,35 +135,78 @@ def main() -> None:
     for k in range(0, len(events), 300):
         store.append(events[k:k + 300])
     store.materialize()
+    wire = Wire(store, os.path.join(payload + ".trace"))
 
-    read_s, plain_s, notes_s = [], [], []
-    for round_ in range(ROUNDS):
+    read, plain, notes = [], [], []
+    for round_ in range(rounds):
         reader = trajstore.SampleReader(store, batch_size=n)
-        t = time.perf_counter()
-        batch = next(reader)
-        read_s.append(time.perf_counter() - t)
-        t = time.perf_counter()
-        reader.record_step(2 * round_, run="bench", policy_version=1, metrics={"loss": 1.0})
-        plain_s.append(time.perf_counter() - t)
-        notes = {(s.trajectory_id, s.sample_index): {"trainer_logprobs": s.rollout_logprobs - 0.01} for s in batch}
+        got: list = []
+        read.append(wire.measure(lambda: got.append(next(reader))))
+        batch = got[0]
+        plain.append(wire.measure(lambda: reader.record_step(2 * round_, run="bench", policy_version=1,
+                                                             metrics={"loss": 1.0})))
+        annotations = {(s.trajectory_id, s.sample_index): {"trainer_logprobs": s.rollout_logprobs - 0.01}
+                       for s in batch}
         reader._lineage_recorder().handed_out(batch)  # the same samples again, annotated
-        t = time.perf_counter()
-        reader.record_step(2 * round_ + 1, run="bench", policy_version=1, annotations=notes)
-        notes_s.append(time.perf_counter() - t)
+        notes.append(wire.measure(lambda: reader.record_step(2 * round_ + 1, run="bench", policy_version=1,
+                                                             annotations=annotations)))
         reader.close()
     names = [name for name, _ in store.payload.list_names() if name.startswith("lineage-")]
     at_rest = sum(os.path.getsize(store.payload.path(name)) for name in names) / len(names)
-    result = {
-        "backend": store.log.write_engine.dialect.name, "samples": n, "tokens_per_sample": r,
-        "read_ms": statistics.median(read_s) * 1e3,
-        "record_ms": statistics.median(plain_s) * 1e3,
-        "record_with_logprobs_ms": statistics.median(notes_s) * 1e3,
-        "annotation_bytes_per_float_byte": at_rest / (n * r * 4),
-    }
-    print(json.dumps(result, indent=1))
+
+    def summary(xs: list, wire_counts: bool = True) -> dict:
+        out = {"wall_ms": statistics.median(x[0] for x in xs), "wall_ms_best": min(x[0] for x in xs),
+               "cpu_ms": statistics.median(x[1] for x in xs),
+               "thread_cpu_ms": statistics.median(x[4] for x in xs)}
+        if wire_counts:  # the reader reads on its prefetch thread: only the records' are counted
+            out["checkouts"] = [x[2] for x in xs]
+            if xs[0][3] is not None:
+                out["round_trips"] = [x[3] for x in xs]
+        return out
+
+    result = {"backend": store.log.write_engine.dialect.name, "samples": n, "tokens_per_sample": r,
+              "rounds": rounds, "read": summary(read, wire_counts=False), "record": summary(plain),
+              "record_with_logprobs": summary(notes),
+              "annotation_bytes_per_float_byte": at_rest / (n * r * 4)}
+    store.close()
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--samples", type=int, default=512)
+    parser.add_argument("--tokens", type=int, default=2000)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--url", default=None, help="a PostgreSQL store (instead of --postgres's throwaway one)")
+    parser.add_argument("--postgres", action="store_true", help="also run on a throwaway PostgreSQL cluster")
+    parser.add_argument("--tree", default=None, help="import trajstore from this directory (see the module doc)")
+    parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "bench_lineage.json"))
+    args = parser.parse_args()
+    tmp = tempfile.mkdtemp()
+    results = {"tree": _tree(), "load_average": os.getloadavg()[0], "backends": []}
+    results["backends"].append(run(f"sqlite:///{tmp}/store.db", os.path.join(tmp, "payload"), args.samples,
+                                   args.tokens, args.rounds))
+    cluster = None
+    pg_url = args.url
+    if args.postgres and pg_url is None:
+        sys.path.insert(0, os.path.join(ROOT, "tests"))
+        from pg_cluster import PgCluster
+
+        cluster = PgCluster()
+        cluster.start()
+        pg_url = cluster.create_database("bench_lineage")
+    try:
+        if pg_url is not None:
+            results["backends"].append(run(pg_url, os.path.join(tmp, "pg-payload"), args.samples, args.tokens,
+                                           args.rounds))
+    finally:
+        if cluster is not None:
+            cluster.stop()
+    results["load_average_after"] = os.getloadavg()[0]
+    print(json.dumps(results, indent=1))
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+        json.dump(results, f, indent=1)
 
 
 if __name__ == "__main__":

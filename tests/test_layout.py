@@ -162,6 +162,7 @@ PUBLIC_API: dict[str, set[str]] = {
     "trajstore.inspect": set(),
     "trajstore.inspect.export": set(),
     "trajstore.inspect.lineage_mlflow": set(),
+    "trajstore.inspect.lineage_openlineage": set(),
     "trajstore.inspect.report": set(),
     "trajstore.inspect.sql": set(),
     "trajstore.inspect.trackers": set(),
@@ -223,6 +224,7 @@ EXTENSION_API: dict[str, set[str]] = {
     },
     "trajstore.inspect.export": {"export_samples", "export_table", "routes_from_export"},
     "trajstore.inspect.lineage_mlflow": {"consumed_rows", "log_consumed_samples"},
+    "trajstore.inspect.lineage_openlineage": {"FACET_NAME", "emit_consumed_samples", "run_event"},
     "trajstore.inspect.report": {"add_cli_arguments", "render_report", "run_from_args"},
     "trajstore.inspect.sql": {
         "QueryResult", "add_cli_arguments", "create_reader_login", "print_result", "read_only", "run_from_args",

@@ -4,6 +4,7 @@ arrays in the payload, the four views, and recording through SampleReader."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 
@@ -342,6 +343,77 @@ def test_the_reader_records_what_it_handed_out_and_a_replay_is_a_noop(store):
     assert sql(store, "SELECT policy_version FROM train_steps WHERE step = 3") == [(42,)]
 
 
+def test_recording_a_step_costs_one_read_and_one_write_whatever_its_size(store, tmp_path):
+    """A step's record (the recorder's attempt rule, the store's admission) checks
+    out one connection to read and one to commit, for 2 samples as for 40: the
+    lineage read rides on the append's read, and nothing is read per sample. On
+    PostgreSQL its round trips (libpq's protocol trace) are as few for 40 samples
+    as for 2."""
+    from sqlalchemy import event
+
+    from trajstore.lineage import store_recorder
+
+    rollouts(store, [f"t{i:02d}" for i in range(40)])
+    keys = [(f"t{i:02d}", 0) for i in range(40)]
+    checkouts = []
+
+    postgres = store.log.write_engine.dialect.name == "postgresql"
+    trace = open(tmp_path / "libpq.trace", "w+")
+
+    def count(dbapi_conn, *_):
+        checkouts.append(1)
+        if postgres:  # libpq's protocol trace: one ReadyForQuery per request the client waited for
+            from psycopg import pq
+
+            dbapi_conn.pgconn.trace(trace.fileno())
+            dbapi_conn.pgconn.set_trace_flags(pq.Trace.SUPPRESS_TIMESTAMPS | pq.Trace.REGRESS_MODE)
+
+    def untrace(dbapi_conn, *_):
+        if postgres:
+            dbapi_conn.pgconn.untrace()
+
+    pings = []
+
+    def round_trips():
+        with open(trace.name) as f:
+            return len(pings) + sum(1 for line in f if line.startswith("B\t") and "\tReadyForQuery" in line)
+
+    engines = {store.log.write_engine, store.log.read_engine}
+    for engine in engines:
+        event.listen(engine, "checkout", count)
+        event.listen(engine, "checkin", untrace)
+    ping = store.log.write_engine.dialect.do_ping
+
+    def counted_ping(dbapi_conn):  # the pool's pre-ping runs before the checkout event: a round trip too
+        pings.append(1)
+        return ping(dbapi_conn)
+
+    if postgres:
+        store.log.write_engine.dialect.do_ping = counted_ping
+    trips = []
+    try:
+        recorder = store_recorder(store)
+        for k, n in enumerate((2, 40)):
+            checkouts.clear()
+            pings.clear()
+            trace.seek(0)
+            trace.truncate()
+            done = recorder.record(k, run="cost", policy_version=3, metrics={"loss": 1.0}, samples=keys[:n])
+            assert (done.attempt, done.num_samples, done.replayed) == (0, n, False)
+            assert len(checkouts) == 2, (n, len(checkouts))
+            trips.append(round_trips())
+    finally:
+        for engine in engines:
+            event.remove(engine, "checkout", count)
+            event.remove(engine, "checkin", untrace)
+        if postgres:
+            store.log.write_engine.dialect.do_ping = ping
+    if postgres:
+        # a constant, and small: the lineage reads and the identity lookup go as one batch (25 before)
+        assert trips[0] == trips[1] <= 12, trips
+    assert sql(store, "SELECT step, num_samples FROM train_steps WHERE run = 'cost' ORDER BY step") == [(0, 2), (1, 40)]
+
+
 # -- a trainer killed -9 mid-step and restored (real processes) -------------------------
 
 def _trainer(store_url, run, checkpoint, *extra):
@@ -415,6 +487,46 @@ def test_a_trainer_killed_mid_step_and_restored_records_what_a_run_that_never_cr
     assert {r[0]: r[2] for r in got} == {0: 0, 1: 0, 2: 1, 3: 1, 4: 0, 5: 0}  # the redone steps' attempts stand
     assert sql(store, "SELECT step, attempt FROM lineage_steps WHERE run = 'redo' AND step IN (2, 3) "
                       "ORDER BY step, attempt") == [(2, 0), (2, 1), (3, 0), (3, 1)]
+
+
+# -- docs/lineage.md's full loop, run as written -----------------------------------------------
+
+@pytest.mark.timeout(600)
+def test_the_full_loop_in_docs_lineage_md_runs_as_written(store_url, tmp_path):
+    """rollouts -> materialize -> SampleDataset with DataLoader workers -> a torch step
+    recording lineage and trainer logprobs -> kill -9 and restore -> SQL: the page's
+    block, saved as the page says and run in an empty directory; its output as the page shows it."""
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("torch")
+    pytest.importorskip("torchdata.stateful_dataloader")
+    repo = Path(__file__).resolve().parents[1]
+    doc = (repo / "docs" / "lineage.md").read_text()
+    start = doc.index("\n## A full loop on CPU\n")
+    section = doc[start:doc.index("\n## ", start + 5)]
+    code = re.findall(r"```python\n(.*?)```", section, re.S)[0]
+    shown = re.findall(r"\n```\n(.*?)```", section[section.index(code) + len(code) + 3:], re.S)[0]
+    (tmp_path / "lineage_loop.py").write_text(code)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRAJSTORE_")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")]))
+    if store_url.startswith("postgresql"):
+        env["TRAJSTORE_URL"] = store_url
+        env["TRAJSTORE_READER_URL"] = reader_url_for(store_url)
+    done = subprocess.run([sys.executable, "lineage_loop.py"], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=540)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[:6] == ["step 0: attempt 0, replayed False", "step 1: attempt 0, replayed False",
+                         "step 2: attempt 0, replayed False", "trainer exit code -9",
+                         "step 2: attempt 0, replayed True", "step 3: attempt 0, replayed False"]
+    assert lines[6:] == shown.strip().splitlines()
+    with trajstore.connect(store_url if store_url.startswith("postgresql")
+                           else f"sqlite:///{tmp_path / 'lineage-loop' / 'store.db'}", create=False) as store:
+        assert [len(read_annotations(store, run="demo", step=k)) for k in range(4)] == [4, 4, 4, 4]
 
 
 # -- docs/sql.md's recipes ------------------------------------------------------------------
@@ -550,17 +662,18 @@ def test_the_adapters_record_through_the_reader_they_read(store, adapter):
     assert [(r[0], r[1]) for r in rows] == [(s, 1) for s, _ in steps]
 
 
-def test_the_batched_mismatch_equals_the_per_token_definition():
+@pytest.mark.parametrize("with_unsorted", [True, False])
+def test_the_batched_mismatch_equals_the_per_token_definition(with_unsorted):
     """``rollout_mismatches`` (all samples in one pass) against k3 written out token
-    by token, with versions that go back within a sample (the sort path) and samples
-    with nothing to compare."""
+    by token, with versions that go back within a sample (the sort path) or not (the
+    runs path, per-sample figures from the groups), and samples with nothing to compare."""
     from types import SimpleNamespace
 
     from trajstore._lineage import rollout_mismatches
 
     rng = np.random.default_rng(3)
     samples, trainer = [], []
-    for n, sorted_versions in ((7, True), (0, True), (9, False), (5, True), (4, True)):
+    for n, sorted_versions in ((7, True), (0, True), (9, not with_unsorted), (5, True), (4, True)):
         versions = np.sort(rng.integers(0, 4, n)) if sorted_versions else rng.integers(0, 4, n)
         mask = rng.integers(0, 2, n).astype(np.uint8) if n != 4 else np.zeros(n, np.uint8)
         samples.append(SimpleNamespace(response_ids=np.zeros(n, np.int32), loss_mask=mask,
@@ -631,6 +744,47 @@ def test_mlflow_logs_the_consumed_samples_as_a_dataset_input(store, tmp_path):
     store.append([step(run="m", step=1, samples=[("t2", 0)], attempt=1)])
     assert log_consumed_samples(store, run="m", first_step=0, last_step=1)["digest"] != info["digest"]
     mlflow.end_run()
+
+
+def test_openlineage_run_events_carry_the_consumed_samples_through_the_file_transport(store, tmp_path):
+    pytest.importorskip("openlineage.client", reason="pip install 'trajstore[openlineage]'")
+    from openlineage.client import OpenLineageClient
+    from openlineage.client.transport.file import FileConfig, FileTransport
+
+    from trajstore.inspect.lineage_mlflow import consumed_rows
+    from trajstore.inspect.lineage_openlineage import emit_consumed_samples
+
+    fixed_rollouts(store, ["t1", "t2", "t3"])
+    store.append([step(run="o", step=0, samples=[("t1", 0), ("t2", 0)]), step(run="o", step=1, samples=[("t1", 0)]),
+                  step(run="o", step=2, samples=[("t3", 0)]), step(run="other", step=0, samples=[("t2", 0)])])
+    path = tmp_path / "openlineage.jsonl"
+    client = OpenLineageClient(transport=FileTransport(FileConfig(log_file_path=str(path), append=True)))
+    every_two = emit_consumed_samples(store, run="o", first_step=0, last_step=1, event_type="RUNNING", client=client)
+    whole = emit_consumed_samples(store, run="o", client=client)
+    emit_consumed_samples(store, run="other", client=client)
+    events = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [e["eventType"] for e in events] == ["RUNNING", "COMPLETE", "COMPLETE"]
+    first, second, third = events
+    # one training run, one OpenLineage run: both events share the run id; another run has its own
+    assert first["run"]["runId"] == second["run"]["runId"] == every_two["run_id"] == whole["run_id"]
+    assert third["run"]["runId"] != first["run"]["runId"]
+    assert first["job"] == {"namespace": "trajstore", "name": "o", "facets": {}}
+    [dataset] = first["inputs"]
+    assert dataset["name"] == "samples" and dataset["namespace"] == store.url
+    assert dataset["inputFacets"]["inputStatistics"]["rowCount"] == 3
+    facet = first["run"]["facets"]["trajstore_training"]
+    assert {k: facet[k] for k in ("run", "firstStep", "lastStep", "numSteps", "numSamples", "numDistinctSamples")} \
+        == {"run": "o", "firstStep": 0, "lastStep": 1, "numSteps": 2, "numSamples": 3, "numDistinctSamples": 2}
+    assert facet["_schemaURL"] and facet["_producer"]
+    facet = second["run"]["facets"]["trajstore_training"]
+    assert (facet["firstStep"], facet["lastStep"], facet["numSteps"], facet["numSamples"]) == (0, 2, 3, 4)
+    assert second["inputs"][0]["inputFacets"]["inputStatistics"]["rowCount"] == 4
+    # the digest is the one MLflow's dataset input carries for the same steps
+    rows = consumed_rows(store, run="o", first_step=0, last_step=1)
+    digest = hashlib.sha256(json.dumps(rows, separators=(",", ":")).encode()).hexdigest()[:36]
+    assert first["run"]["facets"]["trajstore_training"]["digest"] == every_two["digest"] == digest
+    with pytest.raises(ValueError, match="event_type must be one of"):
+        emit_consumed_samples(store, run="o", event_type="DONE", client=client)
 
 
 def test_two_writers_racing_for_one_step_key_one_wins_the_other_conflicts(store, store_url, tmp_path):

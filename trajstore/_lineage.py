@@ -34,11 +34,12 @@ import numpy as np
 import pyarrow as pa
 
 from trajstore.errors import ConflictError, ValidationError
+from trajstore.log._lineage import STEP_SAMPLE_COLUMNS  # noqa: F401 - the order of LineageFact.sample_rows
 from trajstore.events import ANNOTATION_ARRAYS, Event, SampleAnnotation, TrainStep
 from trajstore.payload._columns import list_column
 from trajstore.sample import Sample
 
-__all__ = ["LineageFact", "SampleSource", "admit_lineage", "event_columns", "is_lineage", "rollout_mismatch", "annotation_table",
+__all__ = ["LineageFact", "LineagePlan", "SampleSource", "admit_lineage", "event_columns", "is_lineage", "rollout_mismatch", "annotation_table",
            "lineage_key", "MAX_LOG_RATIO", "rollout_mismatches"]
 
 MAX_LOG_RATIO = 700.0
@@ -61,7 +62,7 @@ class LineageFact:
 
     event: TrainStep | SampleAnnotation
     step_row: dict[str, Any] | None = None
-    sample_rows: list[dict[str, Any]] = field(default_factory=list)
+    sample_rows: list[tuple] = field(default_factory=list)  # in STEP_SAMPLE_COLUMNS order
     annotation_row: dict[str, Any] | None = None
     version_rows: list[dict[str, Any]] = field(default_factory=list)
 
@@ -71,46 +72,90 @@ class LineageFact:
         return isinstance(ev, SampleAnnotation) and ev.num_tokens is not None
 
 
-class SampleSource:
-    """What admission reads from the sample index (the store supplies it):
-    ``rows(projection, keys)`` the sample rows (``response_len``,
-    ``min_model_version``, ``max_model_version``, ``segment``, ``segment_row``)
-    of those ``(trajectory_id, sample_index)`` keys that exist, and
-    ``samples(rows)`` their Sample objects (only for annotations with
-    ``trainer_logprobs``)."""
+class LineagePlan:
+    """What admitting a batch's lineage events will read (``SampleSource.state``),
+    planned from the parsed batch so that the log can answer it in the read the
+    append makes anyway (``EventLog.load_append_state(..., lineage=plan)`` sets
+    ``result``): a step's record then costs no read of its own."""
 
-    def __init__(self, rows: Callable[[str | None, set[tuple[str, int]]], dict[tuple[str, int], dict[str, Any]]],
-                 samples: Callable[[Sequence[dict[str, Any]]], list[Sample]]) -> None:
-        self.rows = rows
-        self.samples = samples
+    def __init__(self, events: Sequence[TrainStep | SampleAnnotation]) -> None:
+        self.keys: set[tuple] = {lineage_key(ev) for ev in events}
+        self.wanted: dict[str | None, set[tuple[str, int]]] = _wanted(events)
+        self.result: tuple[Mapping[tuple, str], Mapping[str | None, dict[tuple[str, int], dict[str, Any]]]] | None = None
+
+    @staticmethod
+    def of(events: Sequence[Event]) -> "LineagePlan | None":
+        """The plan of a batch's lineage events (None: it has none)."""
+        found = [ev for ev in events if is_lineage(ev)]
+        return LineagePlan(found) if found else None  # type: ignore[arg-type]
+
+    def answers(self, keys: set[tuple], wanted: Mapping[str | None, set[tuple[str, int]]]) -> bool:
+        return (self.result is not None and keys <= self.keys
+                and all(k in self.wanted and v <= self.wanted[k] for k, v in wanted.items()))
 
 
-def admit_lineage(events: Sequence[tuple[int, TrainStep | SampleAnnotation, str]], source: SampleSource,
-                  recorded: Mapping[tuple, str]) -> list[LineageFact]:
-    """Check lineage events (``(index in the append, event, identity)``) against the store.
-
-    ``recorded``: the identity of each lineage key already in the log (only the
-    batch's keys need be present). Raises ValidationError (``unknown_sample``,
-    ``length_mismatch``) or ConflictError, located at the event's index."""
-    if not events:
-        return []
-    claimed: dict[tuple, str] = {}
-    for i, ev, identity in events:
-        key = lineage_key(ev)
-        known = recorded.get(key, claimed.get(key))
-        if known is not None and known != identity:
-            what = "rank" if isinstance(ev, TrainStep) else "sample"
-            raise ConflictError(f"{ev.type} {_describe(ev)} is already recorded by another event "
-                                f"(one event per {what} and attempt)", index=i)
-        claimed[key] = identity
+def _wanted(events: Sequence[TrainStep | SampleAnnotation]) -> dict[str | None, set[tuple[str, int]]]:
+    """The sample keys events name, per projection."""
     wanted: dict[str | None, set[tuple[str, int]]] = {}
-    for _, ev, _ in events:
+    for ev in events:
         keys = wanted.setdefault(ev.projection, set())
         if isinstance(ev, TrainStep):
             keys.update(ev.samples)
         else:
             keys.add((ev.trajectory_id, ev.sample_index))
-    found = {proj: source.rows(proj, keys) if keys else {} for proj, keys in wanted.items()}
+    return wanted
+
+
+class SampleSource:
+    """What admission reads from the store (the store supplies it), in one read:
+    ``state(keys, wanted)`` returns the identity recording each of the lineage
+    ``keys`` already recorded, and per projection (None: the default samples)
+    the sample rows (``response_len``, ``min_model_version``,
+    ``max_model_version``, ``segment``, ``segment_row``) of those ``wanted``
+    ``(trajectory_id, sample_index)`` keys that exist; ``samples(rows)`` their
+    Sample objects (only for annotations with ``trainer_logprobs``)."""
+
+    def __init__(self, state: Callable[[set[tuple], dict[str | None, set[tuple[str, int]]]],
+                                       tuple[Mapping[tuple, str], Mapping[str | None, dict[tuple[str, int], dict[str, Any]]]]],
+                 samples: Callable[[Sequence[dict[str, Any]]], list[Sample]], *,
+                 plan: LineagePlan | None = None) -> None:
+        self._state = state
+        self.samples = samples
+        self.plan = plan
+
+    def state(self, keys: set[tuple], wanted: dict[str | None, set[tuple[str, int]]]
+              ) -> tuple[Mapping[tuple, str], Mapping[str | None, dict[tuple[str, int], dict[str, Any]]]]:
+        """The plan's result when it answers (read with the append's state), else one read."""
+        if self.plan is not None and self.plan.answers(keys, wanted):
+            return self.plan.result  # type: ignore[return-value]
+        return self._state(keys, wanted)
+
+
+def admit_lineage(events: Sequence[tuple[int, TrainStep | SampleAnnotation, str]], source: SampleSource,
+                  known: Mapping[tuple, str] | None = None) -> list[LineageFact]:
+    """Check lineage events (``(index in the append, event, identity)``) against the store.
+
+    ``known``: lineage keys the caller knows are recorded (a dry run's earlier
+    batches) and their identities; the store is read for the others, and for the
+    samples named, in one read (``SampleSource.state``). Raises ValidationError
+    (``unknown_sample``, ``length_mismatch``) or ConflictError, located at the
+    event's index."""
+    if not events:
+        return []
+    known = known or {}
+    wanted = _wanted([ev for _, ev, _ in events])
+    lineage_keys = {lineage_key(ev) for _, ev, _ in events}
+    stored, found = source.state(lineage_keys - known.keys(), wanted)
+    recorded = {**stored, **known}
+    claimed: dict[tuple, str] = {}
+    for i, ev, identity in events:
+        key = lineage_key(ev)
+        known_identity = recorded.get(key, claimed.get(key))
+        if known_identity is not None and known_identity != identity:
+            what = "rank" if isinstance(ev, TrainStep) else "sample"
+            raise ConflictError(f"{ev.type} {_describe(ev)} is already recorded by another event "
+                                f"(one event per {what} and attempt)", index=i)
+        claimed[key] = identity
     now = time.time()
     out: list[LineageFact] = []
     compare: list[tuple[int, dict[str, Any]]] = []  # (fact index, sample row) of annotations with trainer logprobs
@@ -180,31 +225,39 @@ def rollout_mismatches(trainer_logprobs: Sequence[np.ndarray], samples: Sequence
     mask = (np.concatenate([s.loss_mask for s in samples]).astype(bool)
             & np.concatenate([np.asarray(s.logprobs_mask, dtype=bool) for s in samples]))
     owner = np.repeat(np.arange(n), lengths)[mask]
-    r = (np.concatenate(trainer_logprobs).astype(np.float64)[mask]
-         - np.concatenate([s.rollout_logprobs for s in samples]).astype(np.float64)[mask])
+    r = (np.concatenate(trainer_logprobs)[mask].astype(np.float64)
+         - np.concatenate([s.rollout_logprobs for s in samples])[mask].astype(np.float64))
     np.clip(r, -MAX_LOG_RATIO, MAX_LOG_RATIO, out=r)
     k3 = np.expm1(r) - r
     absr = np.abs(r)
-    counts = np.bincount(owner, minlength=n)
-    k3_sums = np.bincount(owner, weights=k3, minlength=n)
-    abs_sums = np.bincount(owner, weights=absr, minlength=n)
-    max_abs = np.zeros(n)
-    np.maximum.at(max_abs, owner, absr)  # only the compared tokens; ~1 ms per 100k
-    versions = np.concatenate([s.token_model_versions for s in samples]).astype(np.int64)[mask]
+    versions = np.concatenate([s.token_model_versions for s in samples])[mask].astype(np.int64)
     # (sample, version) groups: versions are int32, so one int64 key holds both
     pair = owner.astype(np.int64) << 32 | (versions & 0xFFFFFFFF)
     if pair.size and np.all(pair[1:] >= pair[:-1]):
-        # the usual case, with no sort: a sample's generated tokens never go back in version
+        # the usual case, with no sort: a sample's generated tokens never go back in
+        # version, and ``owner`` is sorted; the groups are runs, reduced in one pass
+        # each, and the per-sample figures are sums (and the max) over the groups
         starts = np.flatnonzero(np.concatenate([[True], pair[1:] != pair[:-1]]))
         keys = pair[starts]
         g_counts = np.diff(np.append(starts, len(pair)))
         g_k3 = np.add.reduceat(k3, starts)
         g_abs = np.add.reduceat(absr, starts)
+        g_owner = (keys >> 32).astype(np.intp)
+        counts = np.bincount(g_owner, weights=g_counts, minlength=n).astype(np.int64)
+        k3_sums = np.bincount(g_owner, weights=g_k3, minlength=n)
+        abs_sums = np.bincount(g_owner, weights=g_abs, minlength=n)
+        max_abs = np.zeros(n)
+        np.maximum.at(max_abs, g_owner, np.maximum.reduceat(absr, starts))  # one entry per group
     else:
         keys, inverse = np.unique(pair, return_inverse=True)
         g_counts = np.bincount(inverse, minlength=len(keys))
         g_k3 = np.bincount(inverse, weights=k3, minlength=len(keys))
         g_abs = np.bincount(inverse, weights=absr, minlength=len(keys))
+        counts = np.bincount(owner, minlength=n)
+        k3_sums = np.bincount(owner, weights=k3, minlength=n)
+        abs_sums = np.bincount(owner, weights=absr, minlength=n)
+        max_abs = np.zeros(n)
+        np.maximum.at(max_abs, owner, absr)
     per_version: list[list[tuple[int, int, float, float]]] = [[] for _ in range(n)]
     for key, c, k, a in zip(keys.tolist(), g_counts.tolist(), g_k3.tolist(), g_abs.tolist()):
         v = key & 0xFFFFFFFF
@@ -255,18 +308,18 @@ def _metrics_text(metrics: Mapping[str, float]) -> str:
 
 def _step_fact(ev: TrainStep, identity: str, rows: Mapping[tuple[str, int], dict[str, Any]],
                now: float) -> LineageFact:
-    key = {"run": ev.run, "step": ev.step, "rank": ev.rank, "attempt": ev.attempt}
-    sample_rows = []
-    tokens = 0
-    for ordinal, (tid, index) in enumerate(ev.samples):
-        row = _sample_row(rows, tid, index, ev.projection)
-        tokens += int(row["response_len"])
-        sample_rows.append({**key, "trajectory_id": tid, "sample_index": index, "ordinal": ordinal,
-                            "response_len": int(row["response_len"]),
-                            "min_model_version": int(row["min_model_version"]),
-                            "max_model_version": int(row["max_model_version"])})
-    step_row = {**key, "world_size": ev.world_size, "policy_version": ev.policy_version,
-                "projection": ev.projection, "num_samples": len(ev.samples), "num_response_tokens": tokens,
+    key = (ev.run, ev.step, ev.rank, ev.attempt)
+    found = [rows.get(pair) for pair in ev.samples]
+    if None in found:
+        tid, index = ev.samples[found.index(None)]
+        _sample_row(rows, tid, index, ev.projection)  # raises unknown_sample, naming the first missing one
+    # one tuple per sample, in STEP_SAMPLE_COLUMNS order: the rows go to one executemany as they are
+    sample_rows = [(*key, tid, index, ordinal, row["response_len"], row["min_model_version"],
+                    row["max_model_version"]) for ordinal, ((tid, index), row) in enumerate(zip(ev.samples, found))]
+    tokens = sum(row["response_len"] for row in found)  # type: ignore[index]
+    step_row = {"run": ev.run, "step": ev.step, "rank": ev.rank, "attempt": ev.attempt,
+                "world_size": ev.world_size, "policy_version": ev.policy_version,
+                "projection": ev.projection, "num_samples": len(ev.samples), "num_response_tokens": int(tokens),
                 "metrics": _metrics_text(ev.metrics), "identity": identity, "created_at": now}
     return LineageFact(ev, step_row=step_row, sample_rows=sample_rows)
 

@@ -14,10 +14,14 @@ optional per-sample arrays (docs/reference.md "Training lineage"; docs/reference
 ``StepRecorder`` is that call's machinery, shared by every reader: it keeps
 the sample keys the reader handed out since the last record and appends one
 ``train_step`` event (and the annotations) atomically. Its attempt rule makes
-a restored trainer's replay safe: without an explicit ``attempt`` a step is
-recorded at the standing (highest) attempt of its ``(run, step, rank)``, and
-when that attempt holds other content (a step redone differently after a
-restore) at the next one. Replaying a step exactly is a no-op.
+a restored trainer's replay safe: without an explicit ``attempt`` a step this
+rank has not recorded goes in at attempt 0, and one it has at the standing
+(highest) attempt of its ``(run, step, rank)``, and when that attempt holds
+other content (a step redone differently after a restore) at the next one.
+Replaying a step exactly is a no-op. The usual record (a new step) reads
+nothing first: it tries attempt 0, and only a conflict or a replay there asks
+for the standing attempt (a step whose attempts were all given explicitly,
+none of them 0, is therefore not looked up).
 
 ``read_annotations`` reads the arrays the trainer recorded back from the
 payload (the SQL views hold only their aggregates).
@@ -102,23 +106,39 @@ class StepRecorder:
             result = self._append(events)
             replayed = getattr(result, "num_appended", 1) == 0
         else:
-            standing = self._standing(run, step, self.rank)
-            attempt = 0 if standing is None else standing
-            for _ in range(_MAX_ATTEMPTS):
-                events = self._events(step, run, policy_version, metrics, notes, keys, attempt)
-                try:
-                    result = self._append(events)
-                except ConflictError:
-                    attempt += 1  # this attempt holds other content: the step was redone
-                    continue
-                replayed = getattr(result, "num_appended", 1) == 0
-                break
-            else:
-                raise ConflictError(f"step {step} of run {run!r}, rank {self.rank}: {_MAX_ATTEMPTS} attempts after "
-                                    "the standing one are taken")
+            attempt, replayed = self._record_auto(step, run, policy_version, metrics, notes, keys)
         if samples is None:
             self._keys.clear()
         return RecordedStep(run, int(step), self.rank, attempt, len(keys), len(notes), replayed)
+
+    def _record_auto(self, step: int, run: str, policy_version: int, metrics: Mapping[str, float] | None,
+                     notes: list[dict[str, Any]], keys: list[tuple[str, int]]) -> tuple[int, bool]:
+        """The module doc's attempt rule, with no read in the usual case: a step not
+        recorded yet goes in at attempt 0 straight away. Only a conflict (attempt 0
+        holds other content) or a replay (attempt 0 holds this content, and a higher
+        attempt may stand) reads the standing attempt, and continues from it."""
+        attempt, looked = 0, False
+        for _ in range(_MAX_ATTEMPTS):
+            events = self._events(step, run, policy_version, metrics, notes, keys, attempt)
+            try:
+                result = self._append(events)
+            except ConflictError:
+                if not looked:  # continue from the standing attempt (at least the next one)
+                    looked = True
+                    attempt = max(self._standing(run, step, self.rank) or 0, attempt + 1)
+                else:
+                    attempt += 1  # this attempt holds other content: the step was redone
+                continue
+            replayed = getattr(result, "num_appended", 1) == 0
+            if replayed and not looked:
+                looked = True
+                standing = self._standing(run, step, self.rank)
+                if standing is not None and standing > attempt:
+                    attempt = standing  # a redone step stands: the replay is judged against it
+                    continue
+            return attempt, replayed
+        raise ConflictError(f"step {step} of run {run!r}, rank {self.rank}: {_MAX_ATTEMPTS} attempts after "
+                            "the standing one are taken")
 
     def _events(self, step: int, run: str, policy_version: int, metrics: Mapping[str, float] | None,
                 notes: list[dict[str, Any]], keys: list[tuple[str, int]], attempt: int) -> list[dict[str, Any]]:

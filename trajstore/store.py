@@ -173,9 +173,10 @@ class Store:
         # not read_first: expected absent, checked by the unique keys at commit
         stored: Mapping[str, bytes] = {}
         loaded: Mapping[str, Any] = {}
+        plan = _lineage.LineagePlan.of([ev for ev, _ in parsed])  # read with the state: no read of its own
         if read_first:
             stored, loaded = self.log.load_append_state({ident for _, ident in parsed if ident},
-                                                        {ev.trajectory_id for ev, _ in parsed})
+                                                        {ev.trajectory_id for ev, _ in parsed}, lineage=plan)
         fresh = self._drop_duplicates(parsed, digests, stored)
         rows = {tid: loaded[tid] for tid in {parsed[i][0].trajectory_id for i in fresh} if tid in loaded}
         states = {tid: facts.state_from_row(r) for tid, r in rows.items()}
@@ -190,7 +191,8 @@ class Store:
         kept = [(i, a) for i, a in zip(fresh, admitted) if not a.noop]
         if not kept:
             return AppendResult(0, len(parsed), None, tuple(range(len(parsed))))
-        lineage = self._admit_lineage([(i, a.event, parsed[i][1]) for i, a in kept if _lineage.is_lineage(a.event)])
+        lineage = self._admit_lineage([(i, a.event, parsed[i][1]) for i, a in kept if _lineage.is_lineage(a.event)],
+                                      plan)
         segment, seg_row, gen_rows = self._write_segment([a for _, a in kept])
         written = [segment] if segment is not None else []
         try:
@@ -259,28 +261,21 @@ class Store:
         seg_row = {"name": name, "kind": "events", "num_rows": len(gens), "num_bytes": size, "created_at": time.time()}
         return name, seg_row, {id(a): i for i, a in enumerate(gens)}
 
-    def _admit_lineage(self, events: Sequence[tuple[int, Event, str | None]]) -> dict[int, "_lineage.LineageFact"]:
+    def _admit_lineage(self, events: Sequence[tuple[int, Event, str | None]],
+                       plan: "_lineage.LineagePlan | None" = None) -> dict[int, "_lineage.LineageFact"]:
         """The facts of an append's lineage events (``trajstore._lineage``) by their index."""
         if not events:
             return {}
-        recorded = self.log.lineage_keys({_lineage.lineage_key(ev) for _, ev, _ in events})  # type: ignore[arg-type]
-        made = _lineage.admit_lineage(events, self._sample_source(), recorded)  # type: ignore[arg-type]
+        made = _lineage.admit_lineage(events, self._sample_source(plan))  # type: ignore[arg-type]
         return {i: fact for (i, _, _), fact in zip(events, made)}
 
-    def _sample_source(self) -> "_lineage.SampleSource":
-        """The sample index as lineage admission reads it."""
-        def rows(projection: str | None, keys: set[tuple[str, int]]) -> dict[tuple[str, int], dict[str, Any]]:
-            index = self.materialized if projection is None else self.materialized.projection(projection)
-            out: dict[tuple[str, int], dict[str, Any]] = {}
-            for r in index.sample_facts({tid for tid, _ in keys}):
-                key = (r["trajectory_id"], int(r["sample_index"]))
-                if key in keys:
-                    out[key] = r
-            return out
-
+    def _sample_source(self, plan: "_lineage.LineagePlan | None" = None) -> "_lineage.SampleSource":
+        """The log and the sample index as lineage admission reads them (one read, or
+        none when ``plan`` was read with the append's state)."""
         from trajstore._samples import load_samples
 
-        return _lineage.SampleSource(rows, lambda sample_rows: load_samples(self, sample_rows))
+        return _lineage.SampleSource(self.log.lineage_state, lambda sample_rows: load_samples(self, sample_rows),
+                                     plan=plan)
 
     def _write_annotations(self, lineage: Mapping[int, "_lineage.LineageFact"]
                            ) -> tuple[str | None, dict | None, dict[int, int]]:
@@ -569,9 +564,7 @@ class AppendCheck:
             raise e.at(fresh[e.index] if e.index is not None else 0) from None
         lineage = [(i, adm.event, parsed[i][1]) for i, adm in zip(fresh, admitted) if _lineage.is_lineage(adm.event)]
         if lineage:
-            keys = {_lineage.lineage_key(ev) for _, ev, _ in lineage}  # type: ignore[arg-type]
-            recorded = {**self.store.log.lineage_keys(keys - self._lineage.keys()), **self._lineage}
-            _lineage.admit_lineage(lineage, self.store._sample_source(), recorded)  # type: ignore[arg-type]
+            _lineage.admit_lineage(lineage, self.store._sample_source(), self._lineage)  # type: ignore[arg-type]
             self._lineage.update((_lineage.lineage_key(ev), ident) for _, ev, ident in lineage)  # type: ignore
         for i, adm in zip(fresh, admitted):
             ev = adm.event

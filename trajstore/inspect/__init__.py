@@ -7,6 +7,8 @@ and the Parquet export.
 * ``_panels`` — the report's panels: their SQL over the views and their plotly figures
 * ``_live``   — ``trajstore report --serve``: the live page over HTTP, read-only, behind a token
 * ``export`` — ``trajstore export``: samples as a Parquet dataset
+* ``lineage_mlflow`` — a training run's consumed samples as an MLflow dataset input
+* ``lineage_openlineage`` — the same as OpenLineage run events (Marquez, DataHub, ...)
 """
 
 __all__: list[str] = []

@@ -146,7 +146,9 @@ class SqlDialect:
     def insert_rows(self, conn: Any, table: Any, rows: Sequence[Mapping[str, Any]]) -> None:
         """One executemany; the columns are the union of the rows' keys (missing ones NULL)."""
         keys = set().union(*rows)
-        names = tuple(c.name for c in table.columns if c.name in keys)
+        # the table's column names kept (iterating a Table's columns builds a list each time)
+        columns = self._cached(("columns", table.name), lambda: tuple(c.name for c in table.columns))
+        names = tuple(n for n in columns if n in keys)
         sql, procs = self._cached(("insert", table.name, names), lambda: (
             f"INSERT INTO {self.table(table)} ({', '.join(self.col(table.c[n]) for n in names)}) "
             f"VALUES ({self.marks(len(names))})", [self._bind(table.c[n]) for n in names]))

@@ -16,7 +16,8 @@ from typing import Any, Callable, Collection, Mapping, Sequence
 
 from sqlalchemy import Connection, Engine, delete, func, insert, or_, select, text, update
 
-from trajstore.log._lineage import annotation_rows, recorded_keys, standing_attempt, step_samples, write_lineage
+from trajstore.log._lineage import (annotation_rows, lineage_state, pipelined, recorded_keys, send_lineage_state,
+                                    standing_attempt, step_samples, write_lineage)
 from trajstore.log._dialect import FOLD_EVENT_COLUMNS, FOLD_TRAJECTORY_COLUMNS, SqlDialect, chunks
 from trajstore.log._segments import named, named_clause, repoint, retire_emptied
 from trajstore.log._transaction import Database
@@ -77,6 +78,11 @@ class SqlEventLog(EventLog):
         with self.db.reading("reading recorded lineage keys") as conn:
             return recorded_keys(conn, keys)
 
+    def lineage_state(self, keys: Collection[tuple], wanted: Mapping[str | None, Collection[tuple[str, int]]]
+                      ) -> tuple[dict[tuple, str], dict[str | None, dict[tuple[str, int], dict[str, Any]]]]:
+        return self.db.reading_cursor("reading the lineage a step names",
+                                      lambda cur, d: lineage_state(cur, d, keys, wanted))
+
     def standing_attempt(self, run: str, step: int, rank: int) -> int | None:
         with self.db.reading("reading a step's attempts") as conn:
             return standing_attempt(conn, run, step, rank)
@@ -90,11 +96,20 @@ class SqlEventLog(EventLog):
         with self.db.reading("reading sample annotations") as conn:
             return annotation_rows(conn, run, step, trajectory_id)
 
-    def load_append_state(self, identities: Collection[str], trajectory_ids: Collection[str]
-                          ) -> tuple[dict[str, bytes], dict[str, dict[str, Any]]]:
-        # one transaction, one connection checkout
-        return self.db.reading_cursor("loading the append state", lambda cur, d: (
-            d.lookup_identities(cur, identities), d.load_trajectories(cur, trajectory_ids)))
+    def load_append_state(self, identities: Collection[str], trajectory_ids: Collection[str], *,
+                          lineage: Any = None) -> tuple[dict[str, bytes], dict[str, dict[str, Any]]]:
+        # one transaction, one connection checkout (with the lineage the batch names, if any)
+        def body(cur: Any, d: SqlDialect) -> tuple[dict[str, bytes], dict[str, dict[str, Any]]]:
+            if lineage is None:
+                return d.lookup_identities(cur, identities), d.load_trajectories(cur, trajectory_ids)
+            with pipelined(cur, d):  # PostgreSQL: BEGIN and the lineage statements go out with the identities'
+                collect = send_lineage_state(cur, d, lineage.keys, lineage.wanted)
+                stored = d.lookup_identities(cur, identities)
+            lineage.result = collect()
+            # lineage events are store-wide (trajectory id ""), which no trajectory row has
+            return stored, d.load_trajectories(cur, [tid for tid in trajectory_ids if tid])
+
+        return self.db.reading_cursor("loading the append state", body)
 
     def commit_append(
         self,

@@ -4,14 +4,27 @@ and the reads admission and the lineage readers need."""
 
 from __future__ import annotations
 
-from typing import Any, Collection, Sequence
+import json
+from contextlib import contextmanager
+from typing import Any, Callable, Collection, Iterator, Mapping, Sequence
 
 from sqlalchemy import Connection, func, select
 
-from trajstore.log._dialect import SqlDialect
-from trajstore.schema import lineage_annotation_versions, lineage_annotations, lineage_step_samples, lineage_steps
+from trajstore.errors import ValidationError
+from trajstore.log._dialect import SqlDialect, execute
+from trajstore.schema import (lineage_annotation_versions, lineage_annotations, lineage_step_samples, lineage_steps,
+                              projection_samples, projections, samples)
 
-__all__ = ["write_lineage", "recorded_keys", "standing_attempt", "annotation_rows", "step_samples"]
+__all__ = ["write_lineage", "recorded_keys", "standing_attempt", "annotation_rows", "step_samples", "lineage_state",
+           "send_lineage_state", "pipelined", "SAMPLE_FACTS", "STEP_SAMPLE_COLUMNS"]
+
+SAMPLE_FACTS = ("trajectory_id", "sample_index", "prompt_len", "response_len", "min_model_version",
+                "max_model_version", "segment", "segment_row")
+"""The sample columns admission checks a lineage event against."""
+
+STEP_SAMPLE_COLUMNS = ("run", "step", "rank", "attempt", "trajectory_id", "sample_index", "ordinal",
+                       "response_len", "min_model_version", "max_model_version")
+"""The columns of a step's consumption rows (``_lineage.LineageFact.sample_rows`` tuples), in order."""
 
 
 def write_lineage(conn: Any, d: SqlDialect, rows: Sequence[dict[str, Any]]) -> None:
@@ -30,10 +43,119 @@ def write_lineage(conn: Any, d: SqlDialect, rows: Sequence[dict[str, Any]]) -> N
             notes.append(dict(fact.annotation_row, position=r["position"], segment=r["segment"],
                               segment_row=r["segment_row"]))
             versions.extend(fact.version_rows)
-    for table, part in ((lineage_steps, steps), (lineage_annotations, notes), (lineage_step_samples, samples),
-                        (lineage_annotation_versions, versions)):
+    for table, part in ((lineage_steps, steps), (lineage_annotations, notes), (lineage_annotation_versions, versions)):
         if part:
             d.insert_rows(conn, table, part)
+    if samples:
+        # one executemany of ready tuples (ints and strings: no bind processing), in the
+        # keyed tables' wake: a step's hundreds of rows cost one statement
+        t = lineage_step_samples
+        sql = d._cached(("insert lineage samples",), lambda: (
+            f"INSERT INTO {d.table(t)} ({', '.join(d.col(t.c[n]) for n in STEP_SAMPLE_COLUMNS)}) "
+            f"VALUES ({d.marks(len(STEP_SAMPLE_COLUMNS))})"))
+        execute(conn, sql, samples)
+
+
+def lineage_state(cur: Any, d: SqlDialect, keys: Collection[tuple],
+                  wanted: Mapping[str | None, Collection[tuple[str, int]]]
+                  ) -> tuple[dict[tuple, str], dict[str | None, dict[tuple[str, int], dict[str, Any]]]]:
+    """What admitting an append's lineage events reads, in one read transaction on
+    the driver cursor ``cur``: the identity recording each of ``keys`` (as
+    ``recorded_keys``), and per projection (None: the default samples) the
+    ``SAMPLE_FACTS`` rows of the ``wanted`` sample keys that exist. One statement
+    per step (and annotation attempt) and one per projection, whatever the number
+    of samples: the trajectory ids go as one array parameter (PostgreSQL ``= ANY``,
+    SQLite ``json_each``), not as a list of markers. A named projection that does
+    not exist raises ValidationError (``projection``)."""
+    return send_lineage_state(cur, d, keys, wanted)()
+
+
+def send_lineage_state(cur: Any, d: SqlDialect, keys: Collection[tuple],
+                       wanted: Mapping[str | None, Collection[tuple[str, int]]]
+                       ) -> Callable[[], tuple[dict[tuple, str], dict[str | None, dict[tuple[str, int], dict[str, Any]]]]]:
+    """``lineage_state`` in two halves: every statement is sent now (each on a
+    cursor of its own, fetching nothing), and the returned function reads the
+    results. Inside a PostgreSQL pipeline (``pipelined``) the statements then go
+    out with whatever the transaction sends next, in one round trip."""
+    wanted_keys = set(keys)
+    conn = cur.connection
+    sent: list[tuple[str, tuple, Any]] = []  # (what, its key, its cursor)
+
+    def send(what: str, key: tuple, sql: str, params: tuple) -> None:
+        c = conn.cursor()
+        c.execute(sql, params)
+        sent.append((what, key, c))
+
+    for run, step in sorted({k[1:3] for k in wanted_keys if k[0] == "train_step"}):
+        send("steps", (run, step), d._cached(("lineage steps",), lambda: (
+            f"SELECT rank, attempt, identity FROM {d.table(lineage_steps)} WHERE run = {d.p} AND step = {d.p}")),
+            (run, step))
+    for run, step, attempt in sorted({k[1:4] for k in wanted_keys if k[0] == "sample_annotation"}):
+        send("annotations", (run, step, attempt), d._cached(("lineage annotations",), lambda: (
+            f"SELECT trajectory_id, sample_index, identity FROM {d.table(lineage_annotations)} "
+            f"WHERE run = {d.p} AND step = {d.p} AND attempt = {d.p}")), (run, step, attempt))
+    wants: dict[str | None, set[tuple[str, int]]] = {}
+    for projection, sample_keys in wanted.items():
+        want = wants[projection] = set(sample_keys)
+        ids = sorted({tid for tid, _ in want})
+        if not ids:
+            continue
+        if projection is not None:
+            send("projection", (projection,), d._cached(("projection exists",), lambda: (
+                f"SELECT 1 FROM {d.table(projections)} WHERE name = {d.p}")), (projection,))
+        table = samples if projection is None else projection_samples
+        ids_param: Any = ids if d.name == "postgresql" else json.dumps(ids)
+        sql = d._cached(("lineage sample facts", projection is None), lambda: (
+            f"SELECT {', '.join(SAMPLE_FACTS)} FROM {d.table(table)} WHERE "
+            + ("" if projection is None else f"projection = {d.p} AND ")
+            + ("trajectory_id = ANY(%s)" if d.name == "postgresql"
+               else "trajectory_id IN (SELECT value FROM json_each(?))")))
+        send("samples", (projection,), sql, (ids_param,) if projection is None else (projection, ids_param))
+
+    def collect() -> tuple[dict[tuple, str], dict[str | None, dict[tuple[str, int], dict[str, Any]]]]:
+        recorded: dict[tuple, str] = {}
+        found: dict[str | None, dict[tuple[str, int], dict[str, Any]]] = {p: {} for p in wants}
+        try:
+            for what, key, c in sent:
+                rows = c.fetchall()
+                if what == "steps":
+                    for rank, attempt, identity in rows:
+                        k = ("train_step", *key, int(rank), int(attempt))
+                        if k in wanted_keys:
+                            recorded[k] = identity
+                elif what == "annotations":
+                    for tid, index, identity in rows:
+                        k = ("sample_annotation", *key, tid, int(index))
+                        if k in wanted_keys:
+                            recorded[k] = identity
+                elif what == "projection":
+                    if not rows:
+                        raise ValidationError(f"no projection {key[0]!r} (trajstore projection list)",
+                                              rule="projection")
+                else:
+                    want, out = wants[key[0]], found[key[0]]
+                    for r in rows:
+                        k2 = (r[0], int(r[1]))
+                        if k2 in want:
+                            out[k2] = dict(zip(SAMPLE_FACTS, r))
+        finally:
+            for _, _, c in sent:
+                c.close()
+        return recorded, found
+
+    return collect
+
+
+@contextmanager
+def pipelined(cur: Any, d: SqlDialect) -> Iterator[None]:
+    """On PostgreSQL, psycopg's pipeline mode on ``cur``'s connection: statements
+    are sent without waiting, and the first fetch sends them (BEGIN included) as
+    one batch. Elsewhere nothing."""
+    if d.name != "postgresql":
+        yield
+        return
+    with cur.connection.pipeline():
+        yield
 
 
 def recorded_keys(conn: Connection, keys: Collection[tuple]) -> dict[tuple, str]:

@@ -181,6 +181,16 @@ class EventLog(ABC):
         the identity of the event that recorded it (docs/reference.md "Training lineage")."""
         raise NotImplementedError
 
+    def lineage_state(self, keys: Collection[tuple], wanted: Mapping[str | None, Collection[tuple[str, int]]]
+                      ) -> tuple[dict[tuple, str], dict[str | None, dict[tuple[str, int], dict[str, Any]]]]:
+        """In one read: the identity recording each of the lineage ``keys`` already
+        recorded (as ``lineage_keys``), and per projection (None: the default
+        samples) the rows of the ``wanted`` ``(trajectory_id, sample_index)`` keys
+        that exist (``trajectory_id``, ``sample_index``, ``prompt_len``,
+        ``response_len``, ``min_model_version``, ``max_model_version``, ``segment``,
+        ``segment_row``): what admitting lineage events reads."""
+        raise NotImplementedError
+
     def standing_attempt(self, run: str, step: int, rank: int) -> int | None:
         """The highest attempt of a ``train_step`` recorded for ``(run, step, rank)`` (None: none)."""
         raise NotImplementedError
@@ -197,10 +207,15 @@ class EventLog(ABC):
         samples) in (step, trajectory_id, sample_index, attempt) order."""
         raise NotImplementedError
 
-    def load_append_state(self, identities: Collection[str], trajectory_ids: Collection[str]
-                          ) -> tuple[dict[str, bytes], dict[str, dict[str, Any]]]:
+    def load_append_state(self, identities: Collection[str], trajectory_ids: Collection[str], *,
+                          lineage: Any = None) -> tuple[dict[str, bytes], dict[str, dict[str, Any]]]:
         """``lookup_identities`` and ``load_trajectories`` together (backends may
-        answer both in one round trip: an append needs both before it admits)."""
+        answer both in one round trip: an append needs both before it admits).
+        ``lineage``: a ``trajstore._lineage.LineagePlan`` of the batch's lineage
+        events, whose ``result`` is set to ``lineage_state(plan.keys, plan.wanted)``
+        (backends read it in the same transaction)."""
+        if lineage is not None:
+            lineage.result = self.lineage_state(lineage.keys, lineage.wanted)
         return self.lookup_identities(identities), self.load_trajectories(trajectory_ids)
 
     @abstractmethod

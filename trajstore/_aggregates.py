@@ -1,0 +1,135 @@
+"""The run view's aggregates (docs/report.md, "Aggregates"): counts the page reads
+with one small query each, instead of scanning the store on every refresh.
+
+They are counted where the data is already in hand, and added in the
+transaction that stores it, so a retried or duplicate append (dropped before
+its transaction) and a re-run materializer batch (its commit is guarded by the
+checkpoint) never count twice:
+
+* ``event_counts(rows)``: an append's generation event rows (their index
+  columns): calls per (model version, output length), and the route drift of
+  the calls that re-sent rows, per time bucket (``agg_output_lengths``,
+  ``agg_route_drift``);
+* ``sample_counts(samples)``: a materializer commit's default samples (their
+  token columns, decoded for the sample segment): decode-route expert load per
+  (model version, layer, expert) and rollout-logprob histograms per model
+  version (``agg_expert_load``, ``agg_logprobs``).
+
+``Counts`` maps each table to ``{key: [values]}``; ``trajstore.log._aggregates``
+adds them to the tables.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable, Mapping, Sequence
+
+import numpy as np
+
+__all__ = ["Counts", "LOGPROB_RANGE", "LOGPROB_BINS", "DRIFT_WIDTHS_S", "event_counts", "sample_counts",
+           "logprob_bin_edges"]
+
+LOGPROB_RANGE = (-12.0, 0.0)
+LOGPROB_BINS = 48
+"""The stored logprob histogram: 48 equal bins over [-12, 0], values clipped into it
+(a change of either needs ``trajstore report --rebuild-aggregates``)."""
+DRIFT_WIDTHS_S = (1, 60, 3600)
+"""Bucket widths the route drift is kept at: every width of the page's ladder is a multiple of one."""
+
+Counts = dict[str, dict[tuple, list[float]]]
+
+
+def _add(into: dict[tuple, list[float]], key: tuple, values: Sequence[float]) -> None:
+    have = into.get(key)
+    if have is None:
+        into[key] = list(values)
+    else:
+        for i, v in enumerate(values):
+            have[i] += v
+
+
+def merge(a: Counts, b: Mapping[str, Mapping[tuple, Sequence[float]]]) -> Counts:
+    """``a`` plus ``b`` (into ``a``)."""
+    for table, part in b.items():
+        into = a.setdefault(table, {})
+        for key, values in part.items():
+            _add(into, key, values)
+    return a
+
+
+def event_counts(rows: Iterable[Mapping[str, Any]]) -> Counts:
+    """The aggregates of generation event rows (``events`` columns; other types are skipped)."""
+    lengths: dict[tuple, list[float]] = {}
+    drift: dict[tuple, list[float]] = {}
+    for r in rows:
+        if r.get("type") != "generation":
+            continue
+        if r.get("model_version") is not None and r.get("output_len") is not None:
+            _add(lengths, (int(r["model_version"]), int(r["output_len"])), (1,))
+        resent = r.get("route_rows_resent")
+        if resent:
+            drifted = r.get("route_rows_drifted")
+            values = (int(resent), int(resent) if drifted is not None else 0, int(drifted or 0))
+            for w in DRIFT_WIDTHS_S:
+                _add(drift, (w, math.floor(float(r["created_at"]) / w) * w), values)
+    out: Counts = {}
+    if lengths:
+        out["agg_output_lengths"] = lengths
+    if drift:
+        out["agg_route_drift"] = drift
+    return out
+
+
+def logprob_bin_edges() -> np.ndarray:
+    return np.linspace(*LOGPROB_RANGE, LOGPROB_BINS + 1)
+
+
+def sample_counts(samples: Iterable[Any], num_experts: Mapping[str, int | None] | None = None) -> Counts:
+    """The aggregates of samples' token columns: expert load of their decode routes (every
+    expert below ``num_experts[trajectory_id]`` and the highest id routed to gets a row) and
+    their generated loss tokens' rollout logprobs."""
+    from trajstore.inspect._routes import count_routes, decode_routes
+
+    experts: dict[tuple, list[float]] = {}
+    logprobs: dict[tuple, list[float]] = {}
+    per_version: dict[int, np.ndarray] = {}  # [layer, expert] counts
+    edges = logprob_bin_edges()
+    for s in samples:
+        v = np.asarray(s.token_model_versions)
+        keep = (v >= 0) & np.asarray(s.logprobs_mask, bool) & np.asarray(s.loss_mask, bool)
+        if keep.any():
+            lp = np.asarray(s.rollout_logprobs, np.float64)[keep]
+            bins = np.clip(np.searchsorted(edges, np.clip(lp, *LOGPROB_RANGE), side="right") - 1, 0, LOGPROB_BINS - 1)
+            versions, vi = np.unique(v[keep], return_inverse=True)
+            key = vi * LOGPROB_BINS + bins
+            n = np.bincount(key, minlength=len(versions) * LOGPROB_BINS)
+            total = np.bincount(key, weights=lp, minlength=len(versions) * LOGPROB_BINS)
+            for k in np.flatnonzero(n):
+                _add(logprobs, (int(versions[k // LOGPROB_BINS]), int(k % LOGPROB_BINS)), (int(n[k]), float(total[k])))
+        got = decode_routes(s)
+        if got is None or not len(got[0]):
+            continue
+        rows, row_versions = got
+        declared = int((num_experts or {}).get(s.trajectory_id) or 0)
+        versions, vi = np.unique(row_versions, return_inverse=True)
+        counts = count_routes(rows, max(declared, int(rows.max()) + 1), vi, len(versions))
+        for i, version in enumerate(versions.tolist()):
+            have = per_version.get(version)
+            if have is not None and have.shape != counts[i].shape:  # another layout: the union of both
+                grown = np.zeros(np.maximum(have.shape, counts[i].shape), np.int64)
+                grown[:have.shape[0], :have.shape[1]] += have
+                have = per_version[version] = grown
+            if have is None:
+                per_version[version] = counts[i].astype(np.int64)
+            else:
+                have[:counts.shape[1], :counts.shape[2]] += counts[i]
+    for version, c in per_version.items():  # one row per (layer, expert): once per call, not per sample
+        layers, experts_ = np.indices(c.shape)
+        experts.update(((version, int(l_), int(e)), [int(n)])
+                       for l_, e, n in zip(layers.ravel(), experts_.ravel(), c.ravel()))
+    out: Counts = {}
+    if experts:
+        out["agg_expert_load"] = experts
+    if logprobs:
+        out["agg_logprobs"] = logprobs
+    return out

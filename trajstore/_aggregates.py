@@ -27,7 +27,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 
 __all__ = ["Counts", "LOGPROB_RANGE", "LOGPROB_BINS", "DRIFT_WIDTHS_S", "event_counts", "sample_counts",
-           "logprob_bin_edges"]
+           "logprob_bin_edges", "decode_routes", "count_routes"]
 
 LOGPROB_RANGE = (-12.0, 0.0)
 LOGPROB_BINS = 48
@@ -88,8 +88,6 @@ def sample_counts(samples: Iterable[Any], num_experts: Mapping[str, int | None] 
     """The aggregates of samples' token columns: expert load of their decode routes (every
     expert below ``num_experts[trajectory_id]`` and the highest id routed to gets a row) and
     their generated loss tokens' rollout logprobs."""
-    from trajstore.inspect._routes import count_routes, decode_routes
-
     experts: dict[tuple, list[float]] = {}
     logprobs: dict[tuple, list[float]] = {}
     per_version: dict[int, np.ndarray] = {}  # [layer, expert] counts
@@ -133,3 +131,33 @@ def sample_counts(samples: Iterable[Any], num_experts: Mapping[str, int | None] 
     if logprobs:
         out["agg_logprobs"] = logprobs
     return out
+
+
+def decode_routes(sample: Any) -> tuple[np.ndarray, np.ndarray] | None:
+    """``(rows [n, layers, topk], versions [n])``: the routes that generated the sample's
+    tokens and those tokens' model versions; None when the sample has no routes."""
+    if sample.routed_experts is None:
+        return None
+    versions = np.asarray(sample.token_model_versions)
+    gen = np.flatnonzero(versions >= 0)
+    rows = len(sample.prompt_ids) + gen - 1
+    ok = (rows >= 0) & (rows < len(sample.routed_experts))
+    if sample.routed_experts_mask is not None:
+        ok[ok] &= ~np.asarray(sample.routed_experts_mask, bool)[rows[ok]]
+    routes = sample.routed_experts
+    routes = routes.array() if hasattr(routes, "place") else np.asarray(routes)  # planned routes: as written
+    return routes[rows[ok]], versions[gen[ok]]
+
+
+def count_routes(rows: np.ndarray, num_experts: int, group: np.ndarray | None = None,
+                 num_groups: int = 1) -> np.ndarray:
+    """``counts[group, layer, expert]`` of route rows ``[n, layers, topk]`` (``group[i]``:
+    row i's group, all 0 by default), with one ``bincount`` over every entry."""
+    n, layers, _ = rows.shape
+    size = num_groups * layers * num_experts
+    dtype = np.int32 if size < 2**31 else np.int64  # half the memory traffic of int64 keys
+    g = np.zeros(n, dtype) if group is None else np.asarray(group).astype(dtype, copy=False)
+    offset = (g[:, None] * layers + np.arange(layers, dtype=dtype)[None, :]) * num_experts  # [n, layers]: small
+    key = rows.astype(dtype)
+    key += offset[:, :, None]  # in place: one key array, never a broadcast temporary of the entries' size
+    return np.bincount(key.ravel(), minlength=size).reshape(num_groups, layers, num_experts)

@@ -14,23 +14,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-__all__: list[str] = []
+from trajstore._aggregates import count_routes, decode_routes
 
-
-def decode_routes(sample: Any) -> tuple[np.ndarray, np.ndarray] | None:
-    """``(rows [n, layers, topk], versions [n])``: the routes that generated the sample's
-    tokens and those tokens' model versions; None when the sample has no routes."""
-    if sample.routed_experts is None:
-        return None
-    versions = np.asarray(sample.token_model_versions)
-    gen = np.flatnonzero(versions >= 0)
-    rows = len(sample.prompt_ids) + gen - 1
-    ok = (rows >= 0) & (rows < len(sample.routed_experts))
-    if sample.routed_experts_mask is not None:
-        ok[ok] &= ~np.asarray(sample.routed_experts_mask, bool)[rows[ok]]
-    routes = sample.routed_experts
-    routes = routes.array() if hasattr(routes, "place") else np.asarray(routes)  # planned routes: as written
-    return routes[rows[ok]], versions[gen[ok]]
+__all__: list[str] = []  # decode_routes and count_routes are trajstore._aggregates'
 
 
 @dataclass(frozen=True)
@@ -86,17 +72,3 @@ def expert_load(samples: Sequence[Any], num_experts: int | None = None) -> Exper
     counts = count_routes(rows, max(int(num_experts or 0), int(rows.max()) + 1), vi, len(versions))
     moe = moe_layers(counts)
     return ExpertLoad([int(v) for v in versions], [int(i) for i in np.flatnonzero(moe)], counts[:, moe, :])
-
-
-def count_routes(rows: np.ndarray, num_experts: int, group: np.ndarray | None = None,
-                 num_groups: int = 1) -> np.ndarray:
-    """``counts[group, layer, expert]`` of route rows ``[n, layers, topk]`` (``group[i]``:
-    row i's group, all 0 by default), with one ``bincount`` over every entry."""
-    n, layers, _ = rows.shape
-    size = num_groups * layers * num_experts
-    dtype = np.int32 if size < 2**31 else np.int64  # half the memory traffic of int64 keys
-    g = np.zeros(n, dtype) if group is None else np.asarray(group).astype(dtype, copy=False)
-    offset = (g[:, None] * layers + np.arange(layers, dtype=dtype)[None, :]) * num_experts  # [n, layers]: small
-    key = rows.astype(dtype)
-    key += offset[:, :, None]  # in place: one key array, never a broadcast temporary of the entries' size
-    return np.bincount(key.ravel(), minlength=size).reshape(num_groups, layers, num_experts)

@@ -15,10 +15,12 @@ so a run has at most ``MAX_BUCKETS`` of them.
 from __future__ import annotations
 
 import datetime as _dt
+import threading
+from contextlib import contextmanager
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from trajstore.errors import TrajstoreError
 from trajstore.inspect.sql import Query, QueryResult
@@ -124,10 +126,52 @@ class Panel:
 HEIGHT = 330
 
 
+TEMPLATE = "plotly_white"
+"""Every figure's template; ``figure_json`` writes it into the figure's JSON."""
+
+
 def _layout(fig: Any, **kw: Any) -> Any:
     # The legend at the right, where it cannot cover subplot titles or headlines.
-    fig.update_layout(**{"template": "plotly_white", "height": HEIGHT, "margin": dict(l=60, r=20, t=40, b=50), **kw})
+    fig.update_layout(**{"height": HEIGHT, "margin": dict(l=60, r=20, t=40, b=50), **kw})
     return fig
+
+
+_TEMPLATE_JSON: dict[str, Any] = {}
+_NO_DEFAULT_TEMPLATE = threading.Lock()
+
+
+@contextmanager
+def drawing() -> Iterator[None]:
+    """Figures are built without plotly's default template: plotly validates and deep-copies
+    a template into every figure it makes and every ``update_layout`` that names one (most
+    of a refresh's time); ``figure_json`` adds the page's template to the JSON instead,
+    validated once. (plotly's default is process-wide: one drawing at a time.)"""
+    try:
+        import plotly.io as pio
+    except ImportError:  # the panel's _plotly() says what to install
+        yield
+        return
+    templates = pio.templates
+    # the attribute behind ``templates.default``, whose setter validates (the cost avoided here)
+    name = "_default" if hasattr(templates, "_default") else "default"
+    with _NO_DEFAULT_TEMPLATE:
+        default = getattr(templates, name)
+        setattr(templates, name, None)
+        try:
+            yield
+        finally:
+            setattr(templates, name, default)
+
+
+def figure_json(fig: Any) -> dict[str, Any]:
+    """The figure as JSON-ready data, with the page's template (``TEMPLATE``)."""
+    if not _TEMPLATE_JSON:
+        import plotly.io as pio
+
+        _TEMPLATE_JSON.update(pio.templates[TEMPLATE].to_plotly_json())
+    out = fig.to_plotly_json()
+    out.setdefault("layout", {})["template"] = _TEMPLATE_JSON
+    return out
 
 
 def _share(part: Any, whole: Any) -> float | None:

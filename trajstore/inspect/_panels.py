@@ -19,7 +19,8 @@ from typing import Any, Callable, Sequence
 
 from trajstore.errors import TrajstoreError
 from trajstore.inspect._figures import (BUCKET_WIDTHS_S, CLOCK_SQL, DEFAULT_STUCK_AFTER_S, MAX_BUCKETS,  # noqa: F401
-                                        RECENT_VERSIONS, Clock, Panel, _clock, _fmt, _share, plotly_js)
+                                        RECENT_VERSIONS, Clock, Panel, _clock, _fmt, _share, drawing, figure_json,
+                                        plotly_js)
 from trajstore.inspect._panels_lineage import (_steps_draw, _steps_sql, _train_mismatch_draw,
                                                _train_mismatch_sql)
 from trajstore.inspect._panels_run import (_finish_draw, _finish_sql, _groups_draw, _groups_sql, _ingest_draw,
@@ -189,12 +190,13 @@ def collect(query: Query, *, stuck_after_s: float = DEFAULT_STUCK_AFTER_S, paylo
     if data["empty"]:
         return data
     data["summary"] = _summary(query)
-    for panel in panels:
-        sql = list(panel.queries(clock))
-        drawn = panel.draw(clock, [query(q) for q in sql])
-        figure, note = (None, drawn) if isinstance(drawn, str) else (drawn.to_plotly_json(), None)
-        data["panels"].append({"name": panel.name, "title": panel.title, "caption": panel.caption,
-                               "sql": sql, "figure": figure, "note": note})
-        if progress:
-            progress(1)  # one panel drawn
+    with drawing():
+        for panel in panels:
+            sql = list(panel.queries(clock))
+            drawn = panel.draw(clock, [query(q) for q in sql])
+            figure, note = (None, drawn) if isinstance(drawn, str) else (figure_json(drawn), None)
+            data["panels"].append({"name": panel.name, "title": panel.title, "caption": panel.caption,
+                                   "sql": sql, "figure": figure, "note": note})
+            if progress:
+                progress(1)  # one panel drawn
     return data

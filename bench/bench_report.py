@@ -12,9 +12,11 @@ routes over ``--experts`` experts), materializes it, then:
   does on its next poll) and one refresh, and checks the new version is on the
   expert-load and length panels; reports each part and their sum.
 
-``--old DIR`` also times the refresh of another trajstore tree (e.g. ``git archive
-<commit> trajstore | tar -x -C DIR``) on the same store, in a subprocess, for a side
-by side comparison (its panels read only what that tree knows).
+``--old DIR`` also times the refresh of another trajstore tree on the same store, in a
+subprocess, for a side by side comparison (its panels read only what that tree knows).
+A tree from before the aggregates needs this store's newest migration to open it:
+``git archive <commit> trajstore | tar -x -C DIR; cp trajstore/migrations/versions/0015_*
+DIR/trajstore/migrations/versions/``.
 
     python bench/bench_report.py --trajectories 1000 10000 --layers 48 --topk 8
 """
@@ -142,8 +144,10 @@ def main() -> None:
                       f" ms, CPU min {min(cpu) * 1e3:.0f} ms ({sql_s * 1e3:.0f} ms in {len(times)} queries); slowest: "
                       + "; ".join(f"{min(v) * 1e3:.0f} ms {k[:50]!r}" for k, v in slowest))
                 if args.old:
+                    # cwd: not this checkout, or ``-c`` would import its trajstore before PYTHONPATH's
                     out = subprocess.run([sys.executable, "-c", OLD_REFRESH, url, payload, str(args.rounds)],
-                                         env={**os.environ, "PYTHONPATH": args.old}, capture_output=True, text=True)
+                                         env={**os.environ, "PYTHONPATH": os.path.abspath(args.old)},
+                                         capture_output=True, text=True, cwd=args.old)
                     if out.returncode:
                         print(f"  refresh (old): failed: {out.stderr.strip().splitlines()[-1]}")
                     else:

@@ -121,3 +121,38 @@ def test_an_upgraded_store_is_backfilled(store_url, store, tmp_path, capsys):
     with read_only(url) as query:
         panels = {p["name"]: p for p in collect(query)["panels"]}
     assert panels["expert_load"]["figure"] and panels["logprobs"]["figure"]
+
+
+@pytest.mark.parametrize("how", ["materialize", "refold_quarantined"])
+def test_a_trajectory_folded_again_counts_once(store, monkeypatch, how):
+    """A trajectory a bug kept from folding counts nothing while it is quarantined, and once
+    (in the commit that takes it out of quarantine) when it folds: equal to a recount."""
+    import trajstore.materializer as materializer_module
+    from trajstore.materializer import Materializer
+
+    real_fold = materializer_module.fold
+    broken = "traj-0-000003"
+
+    def fold(gens, *, trajectory_id, **kw):
+        if trajectory_id == broken:
+            raise TypeError("a bug")
+        return real_fold(gens, trajectory_id=trajectory_id, **kw)
+
+    for events in run_events(0, 8):
+        store.append(events)
+    monkeypatch.setattr(materializer_module, "fold", fold)
+    assert store.materialize().num_internal_errors == 1
+    without = tables(store)
+    assert store.materialize().num_internal_errors == 1  # retried, still failing: counts nothing
+    assert tables(store) == without
+    monkeypatch.setattr(materializer_module, "fold", real_fold)  # the fix
+    if how == "materialize":
+        assert store.materialize().num_trajectories == 1
+    else:
+        assert Materializer(store).refold_quarantined().num_trajectories == 1
+    folded = tables(store)
+    assert folded["agg_expert_load"] != without["agg_expert_load"]
+    assert (store.materialize().num_trajectories, Materializer(store).refold_quarantined().num_trajectories) == (0, 0)
+    assert tables(store) == folded
+    rebuild_aggregates(store)
+    assert tables(store) == folded

@@ -156,3 +156,19 @@ def test_a_trajectory_folded_again_counts_once(store, monkeypatch, how):
     assert tables(store) == folded
     rebuild_aggregates(store)
     assert tables(store) == folded
+
+
+def test_a_rebuild_without_the_payload_is_one_error_and_changes_nothing(store, tmp_path, capsys):
+    from pathlib import Path
+
+    from trajstore.payload._format import SegmentKind
+
+    fill(store)
+    before = tables(store)
+    for name, _ in store.payload.list_names():  # the sample segments are gone (a wrong mount, say)
+        if SegmentKind.of(name) in (SegmentKind.SAMPLES, SegmentKind.SAMPLES_PARQUET):
+            (Path(store.payload.location) / name).unlink()
+    assert main(["report", "--store", store.url, "--rebuild-aggregates"]) != 0
+    err = capsys.readouterr().err
+    assert "cannot read the sample segments" in err and "Traceback" not in err
+    assert tables(store) == before

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from trajstore.errors import TrajstoreError, first_line
+
 __all__: list[str] = []
 
 
@@ -28,7 +30,11 @@ def rebuild_aggregates(store: Any, *, progress: Callable[[int], None] | None = N
     location = store.payload.location
 
     def read(rows: list[tuple]) -> list[Any]:
-        got = _read_samples(location, rows)
+        try:
+            got = _read_samples(location, rows)
+        except (OSError, ValueError) as e:  # nothing is recounted: the transaction rolls back
+            raise TrajstoreError(f"cannot read the sample segments under {location} to recount the aggregates: "
+                                 f"{first_line(e) or type(e).__name__}") from None
         if progress:
             progress(len(rows))
         return got

@@ -91,36 +91,48 @@ def sample_counts(samples: Iterable[Any], num_experts: Mapping[str, int | None] 
     experts: dict[tuple, list[float]] = {}
     logprobs: dict[tuple, list[float]] = {}
     per_version: dict[int, np.ndarray] = {}  # [layer, expert] counts
+    lps: list[np.ndarray] = []  # generated loss tokens' logprobs and versions, per sample
+    lvs: list[np.ndarray] = []
+    routed: dict[tuple, tuple[list, list, list]] = {}  # layout -> decode rows, their versions, num_experts
     edges = logprob_bin_edges()
     for s in samples:
         v = np.asarray(s.token_model_versions)
         keep = (v >= 0) & np.asarray(s.logprobs_mask, bool) & np.asarray(s.loss_mask, bool)
         if keep.any():
-            lp = np.asarray(s.rollout_logprobs, np.float64)[keep]
-            bins = np.clip(np.searchsorted(edges, np.clip(lp, *LOGPROB_RANGE), side="right") - 1, 0, LOGPROB_BINS - 1)
-            versions, vi = np.unique(v[keep], return_inverse=True)
-            key = vi * LOGPROB_BINS + bins
-            n = np.bincount(key, minlength=len(versions) * LOGPROB_BINS)
-            total = np.bincount(key, weights=lp, minlength=len(versions) * LOGPROB_BINS)
-            for k in np.flatnonzero(n):
-                _add(logprobs, (int(versions[k // LOGPROB_BINS]), int(k % LOGPROB_BINS)), (int(n[k]), float(total[k])))
+            lps.append(np.asarray(s.rollout_logprobs, np.float64)[keep])
+            lvs.append(v[keep])
         got = decode_routes(s)
         if got is None or not len(got[0]):
             continue
-        rows, row_versions = got
         declared = int((num_experts or {}).get(s.trajectory_id) or 0)
-        versions, vi = np.unique(row_versions, return_inverse=True)
+        layout = got[0].shape[1:]
+        have = routed.setdefault(layout, ([], [], [0]))
+        have[0].append(got[0])
+        have[1].append(got[1])
+        have[2][0] = max(have[2][0], declared)
+    if lps:  # one histogram per call, not per sample
+        lp, lv = np.concatenate(lps), np.concatenate(lvs)
+        bins = np.clip(np.searchsorted(edges, np.clip(lp, *LOGPROB_RANGE), side="right") - 1, 0, LOGPROB_BINS - 1)
+        versions, vi = np.unique(lv, return_inverse=True)
+        key = vi * LOGPROB_BINS + bins
+        n = np.bincount(key, minlength=len(versions) * LOGPROB_BINS)
+        total = np.bincount(key, weights=lp, minlength=len(versions) * LOGPROB_BINS)
+        for k in np.flatnonzero(n):
+            _add(logprobs, (int(versions[k // LOGPROB_BINS]), int(k % LOGPROB_BINS)), (int(n[k]), float(total[k])))
+    for rows_of, versions_of, (declared,) in routed.values():  # one count per layout, not per sample
+        rows = np.concatenate(rows_of)
+        versions, vi = np.unique(np.concatenate(versions_of), return_inverse=True)
         counts = count_routes(rows, max(declared, int(rows.max()) + 1), vi, len(versions))
         for i, version in enumerate(versions.tolist()):
-            have = per_version.get(version)
-            if have is not None and have.shape != counts[i].shape:  # another layout: the union of both
-                grown = np.zeros(np.maximum(have.shape, counts[i].shape), np.int64)
-                grown[:have.shape[0], :have.shape[1]] += have
-                have = per_version[version] = grown
-            if have is None:
+            have_v = per_version.get(version)
+            if have_v is not None and have_v.shape != counts[i].shape:  # another layout: the union of both
+                grown = np.zeros(np.maximum(have_v.shape, counts[i].shape), np.int64)
+                grown[:have_v.shape[0], :have_v.shape[1]] += have_v
+                have_v = per_version[version] = grown
+            if have_v is None:
                 per_version[version] = counts[i].astype(np.int64)
             else:
-                have[:counts.shape[1], :counts.shape[2]] += counts[i]
+                have_v[:counts.shape[1], :counts.shape[2]] += counts[i]
     for version, c in per_version.items():  # one row per (layer, expert): once per call, not per sample
         layers, experts_ = np.indices(c.shape)
         experts.update(((version, int(l_), int(e)), [int(n)])
@@ -152,12 +164,24 @@ def decode_routes(sample: Any) -> tuple[np.ndarray, np.ndarray] | None:
 def count_routes(rows: np.ndarray, num_experts: int, group: np.ndarray | None = None,
                  num_groups: int = 1) -> np.ndarray:
     """``counts[group, layer, expert]`` of route rows ``[n, layers, topk]`` (``group[i]``:
-    row i's group, all 0 by default), with one ``bincount`` over every entry."""
-    n, layers, _ = rows.shape
-    size = num_groups * layers * num_experts
-    dtype = np.int32 if size < 2**31 else np.int64  # half the memory traffic of int64 keys
-    g = np.zeros(n, dtype) if group is None else np.asarray(group).astype(dtype, copy=False)
-    offset = (g[:, None] * layers + np.arange(layers, dtype=dtype)[None, :]) * num_experts  # [n, layers]: small
-    key = rows.astype(dtype)
-    key += offset[:, :, None]  # in place: one key array, never a broadcast temporary of the entries' size
-    return np.bincount(key.ravel(), minlength=size).reshape(num_groups, layers, num_experts)
+    row i's group, all 0 by default). ``bincount`` over keys built a few hundred rows at a
+    time in one reused buffer of machine ints (the conversion ``bincount`` would make of
+    narrower keys costs more than the count; a chunk stays in cache)."""
+    n, layers, topk = rows.shape
+    per_group = layers * num_experts
+    size = num_groups * per_group
+    counts = np.zeros(size, np.int64)
+    if not n:
+        return counts.reshape(num_groups, layers, num_experts)
+    chunk = max(256, -(-size // max(layers * topk, 1)))  # a chunk's keys outnumber the bins
+    layer_offset = (np.arange(layers, dtype=np.intp) * num_experts)[None, :, None]
+    buf = np.empty((min(chunk, n), layers, topk), np.intp)
+    g = None if group is None else np.asarray(group, np.intp) * per_group
+    for start in range(0, n, chunk):
+        part = rows[start:start + chunk]
+        key = buf[:len(part)]
+        np.add(part, layer_offset, out=key, casting="unsafe")
+        if g is not None:
+            key += g[start:start + chunk, None, None]
+        counts += np.bincount(key.ravel(), minlength=size)
+    return counts.reshape(num_groups, layers, num_experts)

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from trajstore.inspect._figures import (HEIGHT, MAX_STUCK_ROWS, RECENT_VERSIONS, _VERSION_STATS_SQL, Clock, _filled,
-                                        _fmt, _layout, _num, _plotly, _right_axis, _share, _sql_number, _time_axis,
-                                        _version_axis, _wide_left, _with_right_axis)
+from trajstore.inspect._figures import (HEIGHT, MAX_STUCK_ROWS, _VERSION_STATS_SQL, Clock, _filled, _layout, _num, 
+                                        _plotly, _right_axis, _share, _sql_number, _time_axis, _version_axis, 
+                                        _wide_left, _with_right_axis)
 from trajstore.inspect.sql import QueryResult
 
 __all__: list[str] = []

@@ -5,9 +5,8 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from trajstore._aggregates import DRIFT_WIDTHS_S, LOGPROB_BINS, LOGPROB_RANGE, logprob_bin_edges
-from trajstore.inspect._figures import (HEIGHT, MAX_STUCK_ROWS, RECENT_VERSIONS, _VERSION_STATS_SQL, Clock, _filled,
-                                        _fmt, _layout, _num, _plotly, _right_axis, _share, _sql_number, _time_axis,
-                                        _version_axis, _wide_left, _with_right_axis)
+from trajstore.inspect._figures import (RECENT_VERSIONS, _VERSION_STATS_SQL, Clock, _layout, _num, _plotly, 
+                                        _right_axis, _share, _time_axis, _version_axis, _wide_left)
 from trajstore.inspect.sql import QueryResult
 
 __all__: list[str] = []

@@ -131,7 +131,7 @@ PANELS: tuple[Panel, ...] = (
 # -- the summary ---------------------------------------------------------------------
 
 SUMMARY_SQL = (
-    "SELECT status, count(*) FROM trajectory_summary GROUP BY status ORDER BY status",
+    "SELECT status, count(*) FROM trajectories GROUP BY status ORDER BY status",  # the view has one row each
     CLOCK_SQL[0],
     "SELECT count(*), sum(num_merged_calls), avg(staleness), max(staleness), "
     "sum(num_route_rows), sum(CASE WHEN num_route_rows IS NULL THEN 0 ELSE num_tokens END) FROM sample_summary",

@@ -1,70 +1,179 @@
-"""How long one refresh of the run view takes (``trajstore report``, ``--serve``), by store size.
+"""How long one refresh of the run view takes (``trajstore report``, ``--serve``), and how
+long an append takes to reach the page, by store size.
 
-Fills a SQLite store with the demo's simulated rollouts (materialized), then
-times ``panels.collect`` (every panel's SQL in one read-only snapshot, plus the
-token-level panels' segment reads) and its slowest queries. The live page
-recomputes no more often than twice this time.
+Fills a SQLite store through the public append path (``Store.append``, batches of
+``--batch`` trajectories of the demo's simulated rollouts, ``--layers`` x ``--topk``
+routes over ``--experts`` experts), materializes it, then:
 
-    python bench/bench_report.py --trajectories 500 1000 2000
+* refresh: times ``panels.collect`` (every panel's SQL in one read-only snapshot,
+  as the live page runs it) over ``--rounds`` rounds, and names the slowest queries;
+* append to page: appends ``--probe`` new trajectories under a new model version,
+  runs the materializer's pass over them (what ``trajstore materialize --follow``
+  does on its next poll) and one refresh, and checks the new version is on the
+  expert-load and length panels; reports each part and their sum.
+
+``--old DIR`` also times the refresh of another trajstore tree on the same store, in a
+subprocess, for a side by side comparison (its panels read only what that tree knows).
+A tree from before the aggregates needs this store's newest migration to open it:
+``git archive <commit> trajstore | tar -x -C DIR; cp trajstore/migrations/versions/0015_*
+DIR/trajstore/migrations/versions/``.
+
+    python bench/bench_report.py --trajectories 1000 10000 --layers 48 --topk 8
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import replace
 
+OLD_REFRESH = r"""
+import json, sys, time
+from trajstore.inspect._panels import collect
+from trajstore.inspect.sql import read_only
+url, payload, rounds = sys.argv[1], sys.argv[2], int(sys.argv[3])
+times, cpu = [], []
+with read_only(url) as query:
+    for _ in range(rounds):
+        t, c = time.perf_counter(), time.process_time()
+        collect(query, payload=payload)
+        times.append(time.perf_counter() - t)
+        cpu.append(time.process_time() - c)
+print(json.dumps([times, cpu]))
+"""
 
-def fill(url: str, n: int) -> None:
-    import trajstore
+
+def config(args: argparse.Namespace):
     from trajstore.demo._run import DEMO_CONFIG
+
+    return replace(DEMO_CONFIG, prompt_tokens=64, output_tokens=48, observation_tokens=16, layers=args.layers,
+                   topk=args.topk, num_experts=args.experts)
+
+
+def fill(store, cfg, first: int, n: int, batch: int, versions: int, total: int) -> float:
+    """Append trajectories ``first .. first + n`` in batches; returns the seconds spent appending."""
     from trajstore.demo._simulate import trajectory_events
 
-    cfg = replace(DEMO_CONFIG, prompt_tokens=64, output_tokens=48, observation_tokens=16)
-    with trajstore.connect(url) as store:
-        for start in range(0, n, 100):
-            batch = []
-            for i in range(start, min(n, start + 100)):
-                batch.extend(trajectory_events(cfg, i, version=i * 10 // n))
-            store.append(batch)
-        store.materialize()
+    spent = 0.0
+    for start in range(first, first + n, batch):
+        events = []
+        for i in range(start, min(first + n, start + batch)):
+            events.extend(trajectory_events(cfg, i, version=i * versions // max(total, 1)))
+        t = time.perf_counter()
+        store.append(events)
+        spent += time.perf_counter() - t
+    return spent
+
+
+class _kept:
+    """``DIR/N``, made if missing and kept."""
+
+    def __init__(self, root: str, n: int) -> None:
+        self.path = os.path.join(root, str(n))
+
+    def __enter__(self) -> str:
+        os.makedirs(self.path, exist_ok=True)
+        return self.path
+
+    def __exit__(self, *exc: object) -> None:
+        pass
 
 
 def main() -> None:
+    import trajstore
     from trajstore.inspect import _report_page
     from trajstore.inspect._panels import collect
     from trajstore.inspect.sql import read_only
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--trajectories", type=int, nargs="+", default=[500, 1000, 2000])
+    p.add_argument("--trajectories", type=int, nargs="+", default=[1000, 10000])
+    p.add_argument("--layers", type=int, default=48)
+    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--experts", type=int, default=64)
+    p.add_argument("--versions", type=int, default=10, help="model versions over the run")
+    p.add_argument("--batch", type=int, default=200, help="trajectories per append")
+    p.add_argument("--probe", type=int, default=8, help="trajectories appended for the append-to-page latency")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--old", default=None, help="a directory holding another trajstore tree to time as well")
+    p.add_argument("--keep", default=None, metavar="DIR",
+                   help="build the stores in DIR/N and keep them; a later run with the same DIR resumes filling and "
+                        "materializing where the last one stopped (a 10,000-trajectory store takes a while)")
     args = p.parse_args()
-    print(f"load average at start: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+    cfg = config(args)
+    print(f"load average at start: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; "
+          f"routes {cfg.layers} layers x top-{cfg.topk} of {cfg.num_experts} experts")
     for n in args.trajectories:
-        with tempfile.TemporaryDirectory() as d:
+        with (tempfile.TemporaryDirectory() if args.keep is None else _kept(args.keep, n)) as d:
             url = f"sqlite:///{d}/run.db"
-            fill(url, n)
-            payload = _report_page.payload_location(url, None)
-            times: dict[str, list[float]] = {}
-            totals = []
-            with read_only(url) as query:
-                def timed(sql: str):
-                    t = time.perf_counter()
-                    try:
-                        return query(sql)
-                    finally:
-                        times.setdefault(sql, []).append(time.perf_counter() - t)
+            with trajstore.connect(url) as store:
+                t = time.perf_counter()
+                have = len(store.log.load_trajectories([f"traj-{cfg.seed}-{i:06d}" for i in range(n)]))
+                appending = fill(store, cfg, have, n - have, args.batch, args.versions, n)
+                built = time.perf_counter() - t
+                t = time.perf_counter()
+                store.materialize()
+                materializing = time.perf_counter() - t
+                size = sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(d) for f in fs)
+                print(f"{n:7d} trajectories: built in {built:.0f} s ({appending:.0f} s in append), materialized in "
+                      f"{materializing:.0f} s, {size / 1e9:.2f} GB")
+                payload = _report_page.payload_location(url, None)
+                times: dict[str, list[float]] = {}
+                totals = []
+                with read_only(url) as query:
+                    def timed(sql: str):
+                        t = time.perf_counter()
+                        try:
+                            return query(sql)
+                        finally:
+                            times.setdefault(sql, []).append(time.perf_counter() - t)
 
-                for _ in range(args.rounds):
-                    t = time.perf_counter()
-                    collect(timed, payload=payload)
-                    totals.append(time.perf_counter() - t)
-            slowest = sorted(times.items(), key=lambda kv: -min(kv[1]))[:3]
-            print(f"{n:6d} trajectories: collect min {min(totals) * 1e3:7.0f} ms, median "
-                  f"{sorted(totals)[len(totals) // 2] * 1e3:7.0f} ms over {len(times)} queries; slowest: "
-                  + "; ".join(f"{min(v) * 1e3:.0f} ms {k[:60]!r}" for k, v in slowest))
+                    cpu = []
+                    for _ in range(args.rounds):
+                        t, c = time.perf_counter(), time.process_time()
+                        collect(timed, payload=payload)
+                        totals.append(time.perf_counter() - t)
+                        cpu.append(time.process_time() - c)
+                sql_s = sum(min(v) for v in times.values())
+                slowest = sorted(times.items(), key=lambda kv: -min(kv[1]))[:3]
+                print(f"  refresh (new): min {min(totals) * 1e3:6.0f} ms, median {sorted(totals)[len(totals) // 2] * 1e3:6.0f}"
+                      f" ms, CPU min {min(cpu) * 1e3:.0f} ms ({sql_s * 1e3:.0f} ms in {len(times)} queries); slowest: "
+                      + "; ".join(f"{min(v) * 1e3:.0f} ms {k[:50]!r}" for k, v in slowest))
+                if args.old:
+                    # cwd: not this checkout, or ``-c`` would import its trajstore before PYTHONPATH's
+                    out = subprocess.run([sys.executable, "-c", OLD_REFRESH, url, payload, str(args.rounds)],
+                                         env={**os.environ, "PYTHONPATH": os.path.abspath(args.old)},
+                                         capture_output=True, text=True, cwd=args.old)
+                    if out.returncode:
+                        print(f"  refresh (old): failed: {out.stderr.strip().splitlines()[-1]}")
+                    else:
+                        old, old_cpu = json.loads(out.stdout.strip().splitlines()[-1])
+                        print(f"  refresh (old): min {min(old) * 1e3:6.0f} ms, median "
+                              f"{sorted(old)[len(old) // 2] * 1e3:6.0f} ms, CPU min {min(old_cpu) * 1e3:.0f} ms")
+                # append to page: new trajectories under a new version, one materializer pass, one refresh
+                newest = args.versions + 1
+                probe_cfg = replace(cfg, seed=1)
+                from trajstore.demo._simulate import trajectory_events
+
+                events = [e for i in range(args.probe) for e in trajectory_events(probe_cfg, i, version=newest)]
+                t0 = time.perf_counter()
+                store.append(events)
+                t1 = time.perf_counter()
+                store.materialize()
+                t2 = time.perf_counter()
+                with read_only(url) as query:
+                    data = collect(query, payload=payload)
+                t3 = time.perf_counter()
+                panels = {q["name"]: q for q in data["panels"]}
+                shown = (str(newest) in panels["expert_load"]["figure"]["data"][0]["y"]
+                         and any(tr.get("name") == f"version {newest}" for tr in panels["response_length"]["figure"]["data"]))
+                print(f"  append to page: {(t3 - t0) * 1e3:6.0f} ms (append {(t1 - t0) * 1e3:.0f} ms, materialize "
+                      f"{(t2 - t1) * 1e3:.0f} ms, refresh {(t3 - t2) * 1e3:.0f} ms); new version on the page: {shown}")
+                sys.stdout.flush()
 
 
 if __name__ == "__main__":

@@ -257,7 +257,8 @@ EXTENSION_API: dict[str, set[str]] = {
         "events", "lineage_annotation_versions", "lineage_annotations", "lineage_step_samples", "lineage_steps",
         "log_head", "materializer_checkpoints", "metadata", "projection_checkpoints", "projection_samples",
         "projection_unfoldable", "projections", "samples", "segments", "store_settings", "trajectories",
-        "unfoldable_trajectories", "unresolved_labels", "version_labels"
+        "unfoldable_trajectories", "unresolved_labels", "version_labels", "agg_expert_load", "agg_logprobs",
+        "agg_output_lengths", "agg_route_drift"
     },
     "trajstore.store": {"AppendCheck", "DEFAULT_URL", "resolve_url"},
 }
@@ -336,7 +337,7 @@ MAX_MODULE_LINES = 700
 # Modules still over the limit while they are being split. This list only ever
 # shrinks: a module leaves it once it is split (the test below then insists), and
 # nothing is added to it. Empty, it goes.
-OVER_THE_LIMIT_FOR_NOW = {"inspect/_panels.py"}
+OVER_THE_LIMIT_FOR_NOW: set[str] = set()
 
 
 def _module_lines() -> dict[str, int]:

@@ -73,6 +73,7 @@ from trajstore.payload import SegmentRows
 from trajstore.payload._format import SegmentKind, rows_per_batch
 from trajstore.sample import Sample
 from trajstore._samples import SAMPLE_BATCH_BYTES, RoutesPlan, sample_table
+from trajstore._aggregates import sample_counts
 
 __all__ = ["Materializer", "MaterializeStats", "shard_of"]
 
@@ -159,6 +160,7 @@ class Materializer:
         self.shard = Shard(shard_index, num_shards)  # validates them (ValidationError, rule "shard")
         self.store = store
         self.shard_index = shard_index
+        self._num_experts: dict[str, int | None] = {}  # the last folded batch's trajectories' num_experts
         self.num_shards = num_shards
         self.max_trajectories = max_trajectories
         self.max_batch_tokens = max_batch_tokens
@@ -246,6 +248,8 @@ class Materializer:
         seg_row, sample_rows = self._write(seg_name, samples, calls, finished_at)
         # a projection's samples are a second view: the default samples keep the one copy
         repoints = _repoints(seg_name, folded, gen_rows) if self.projection is None else []
+        # the run view's counts of the default samples, in the commit that stores them
+        aggregates = sample_counts(samples, self._num_experts) if self.projection is None else None
         now = time.time()
         unfoldable_rows = [_unfoldable_row(tid, finished_at[tid], self.shard, err, now)
                            for tid, err in unfoldable.items()]
@@ -253,7 +257,7 @@ class Materializer:
         checkpoint.pop("merge_ratio")
         try:
             self.index.commit_samples(self.shard, sample_rows, seg_row, checkpoint, position,
-                                                   unfoldable_rows=unfoldable_rows, repoints=repoints)
+                                      unfoldable_rows=unfoldable_rows, repoints=repoints, aggregates=aggregates)
         except StaleState:
             # another materializer did this batch
             return MaterializeStats(position=self._checkpoint()[0]), None
@@ -391,7 +395,8 @@ class Materializer:
                       for tid, err in unfoldable.items() if tid not in still]
             try:
                 self.store.materialized.commit_refold(error, attempted, sample_rows, seg_row, failed,
-                                                      _repoints(seg_name, folded, gen_rows), kind=kind)
+                                                      _repoints(seg_name, folded, gen_rows), kind=kind,
+                                                      aggregates=sample_counts(samples, self._num_experts))
             except StaleState:
                 if seg_row is not None:
                     self.store.payload.delete(seg_name)  # another refold took them: nothing names this file
@@ -462,6 +467,7 @@ class Materializer:
             return folded, unfoldable, gen_rows_of, held
         held_calls = self.store.log.held_generations([t for t in ids if waiting.get(t)]) if waiting else {}
         trajs, events = self.store.log.fold_inputs(ids)
+        self._num_experts = {tid: t["num_experts"] for tid, t in trajs.items()}  # for the run view's counts
         if held_calls:
             # A held call resolves whole: the labels it waited for and the ones mapped before it
             # (never re-mapped, so reading them now decides the same as any re-run).

@@ -370,7 +370,61 @@ lineage_annotation_versions = Table(
     Column("abs_log_ratio_sum", Float, nullable=False),
 )
 
+# migration 0015: the run view's aggregates (docs/report.md "Aggregates"), counted where the
+# data is already decoded, in the transaction that stores it: the append's for the
+# generation events' columns (output lengths, route drift), the materializer's commit
+# for the default samples' token columns (expert load, rollout logprobs). Each key is
+# added to (INSERT ... ON CONFLICT DO UPDATE), never rewritten, except by
+# ``trajstore report --rebuild-aggregates``, which recounts them from the log and samples.
+
+# Decode routes of the default samples' generated tokens: how often each expert of each
+# layer was routed to, per model version of the token (every expert of the layout has a
+# row, routed to or not, so max(expert) + 1 is the number of experts).
+agg_expert_load = Table(
+    "agg_expert_load",
+    metadata,
+    Column("model_version", Integer, primary_key=True),
+    Column("layer", Integer, primary_key=True),
+    Column("expert", Integer, primary_key=True),
+    Column("routed", BigInteger, nullable=False),
+)
+
+# Rollout logprobs of the default samples' generated loss tokens, per model version: a
+# histogram of fixed bins (trajstore._aggregates.LOGPROB_RANGE / LOGPROB_BINS, the value
+# clipped into the range) and the sum of the values in each bin (for the mean).
+agg_logprobs = Table(
+    "agg_logprobs",
+    metadata,
+    Column("model_version", Integer, primary_key=True),
+    Column("bin", Integer, primary_key=True),
+    Column("tokens", BigInteger, nullable=False),
+    Column("logprob_sum", Float, nullable=False),
+)
+
+# Engine calls (generation events with a model version) by model version and output length.
+agg_output_lengths = Table(
+    "agg_output_lengths",
+    metadata,
+    Column("model_version", Integer, primary_key=True),
+    Column("output_len", Integer, primary_key=True),
+    Column("calls", BigInteger, nullable=False),
+)
+
+# Route drift of the calls that re-sent rows (route_rows_resent > 0), by time of append in
+# buckets of ``width_s`` seconds (1, 60 and 3600: a panel's bucket width is a multiple of
+# one of them) starting at unix second ``bucket_start``.
+agg_route_drift = Table(
+    "agg_route_drift",
+    metadata,
+    Column("width_s", Integer, primary_key=True),
+    Column("bucket_start", BigInteger, primary_key=True),
+    Column("rows_resent", BigInteger, nullable=False),
+    Column("rows_compared", BigInteger, nullable=False),
+    Column("rows_drifted", BigInteger, nullable=False),
+)
+
 __all__ = ["metadata", "log_head", "trajectories", "events", "segments", "samples", "materializer_checkpoints",
            "unfoldable_trajectories", "version_labels", "unresolved_labels", "store_settings", "projections",
            "projection_samples", "projection_checkpoints", "projection_unfoldable", "lineage_steps",
-           "lineage_step_samples", "lineage_annotations", "lineage_annotation_versions"]
+           "lineage_step_samples", "lineage_annotations", "lineage_annotation_versions", "agg_expert_load",
+           "agg_logprobs", "agg_output_lengths", "agg_route_drift"]

@@ -14,21 +14,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-__all__: list[str] = []
+from trajstore._aggregates import count_routes, decode_routes
 
-
-def decode_routes(sample: Any) -> tuple[np.ndarray, np.ndarray] | None:
-    """``(rows [n, layers, topk], versions [n])``: the routes that generated the sample's
-    tokens and those tokens' model versions; None when the sample has no routes."""
-    if sample.routed_experts is None:
-        return None
-    versions = np.asarray(sample.token_model_versions)
-    gen = np.flatnonzero(versions >= 0)
-    rows = len(sample.prompt_ids) + gen - 1
-    ok = (rows >= 0) & (rows < len(sample.routed_experts))
-    if sample.routed_experts_mask is not None:
-        ok[ok] &= ~np.asarray(sample.routed_experts_mask, bool)[rows[ok]]
-    return np.asarray(sample.routed_experts)[rows[ok]], versions[gen[ok]]
+__all__: list[str] = []  # decode_routes and count_routes are trajstore._aggregates'
 
 
 @dataclass(frozen=True)
@@ -45,10 +33,26 @@ class ExpertLoad:
         return int(self.counts.shape[2])
 
     def max_violation(self) -> np.ndarray:
-        """Per version and layer: verl's ``max_vio``, ``max_e(load_e / total * E) - 1``."""
-        total = self.counts.sum(axis=2, keepdims=True)
-        share = self.counts / np.maximum(total, 1)
-        return (share * self.num_experts - 1.0).max(axis=2)
+        """Per version and layer: verl's ``max_vio`` (``max_violation``)."""
+        return max_violation(self.counts)
+
+
+def moe_layers(counts: np.ndarray) -> np.ndarray:
+    """Which layers of ``counts[..., layer, expert]`` are MoE layers: routed to at all, and
+    not only to expert 0 (vLLM records a dense layer's routes as zeros). The one place
+    dense layers are told apart."""
+    per_layer = counts.reshape(-1, *counts.shape[-2:]).sum(axis=0)  # [layer, expert] over versions
+    return (per_layer.sum(axis=1) > 0) & (per_layer[:, 1:].sum(axis=1) > 0)
+
+
+def max_violation(counts: np.ndarray) -> np.ndarray:
+    """verl's ``max_vio`` of each layer of routed-to counts ``counts[..., layer, expert]``
+    (``verl/trainer/ppo/metric_utils.py``): ``max_e(load_e / total * num_experts) - 1``,
+    ``num_experts`` the last axis's size; -1 for a layer without routes. Callers keep the
+    MoE layers (``moe_layers``) first."""
+    counts = np.asarray(counts, np.float64)
+    total = counts.sum(axis=-1, keepdims=True)
+    return (counts / np.maximum(total, 1) * counts.shape[-1] - 1.0).max(axis=-1)
 
 
 def expert_load(samples: Sequence[Any], num_experts: int | None = None) -> ExpertLoad | None:
@@ -66,19 +70,5 @@ def expert_load(samples: Sequence[Any], num_experts: int | None = None) -> Exper
     versions_of = np.concatenate([v for _, v in parts[layout]])
     versions, vi = np.unique(versions_of, return_inverse=True)  # per token: small next to the entries
     counts = count_routes(rows, max(int(num_experts or 0), int(rows.max()) + 1), vi, len(versions))
-    moe = counts[:, :, 1:].sum(axis=(0, 2)) > 0
+    moe = moe_layers(counts)
     return ExpertLoad([int(v) for v in versions], [int(i) for i in np.flatnonzero(moe)], counts[:, moe, :])
-
-
-def count_routes(rows: np.ndarray, num_experts: int, group: np.ndarray | None = None,
-                 num_groups: int = 1) -> np.ndarray:
-    """``counts[group, layer, expert]`` of route rows ``[n, layers, topk]`` (``group[i]``:
-    row i's group, all 0 by default), with one ``bincount`` over every entry."""
-    n, layers, _ = rows.shape
-    size = num_groups * layers * num_experts
-    dtype = np.int32 if size < 2**31 else np.int64  # half the memory traffic of int64 keys
-    g = np.zeros(n, dtype) if group is None else np.asarray(group).astype(dtype, copy=False)
-    offset = (g[:, None] * layers + np.arange(layers, dtype=dtype)[None, :]) * num_experts  # [n, layers]: small
-    key = rows.astype(dtype)
-    key += offset[:, :, None]  # in place: one key array, never a broadcast temporary of the entries' size
-    return np.bincount(key.ravel(), minlength=size).reshape(num_groups, layers, num_experts)

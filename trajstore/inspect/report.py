@@ -77,6 +77,9 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stuck-after-s", type=number(float, min=0), default=DEFAULT_STUCK_AFTER_S,
                         help="a running trajectory idle this long while the log goes on counts as stuck "
                              f"(default {DEFAULT_STUCK_AFTER_S:g})")
+    parser.add_argument("--rebuild-aggregates", action="store_true",
+                        help="count the run aggregates the panels read again from the log and every sample, then "
+                             "exit (once after upgrading a store that has samples; docs/report.md)")
     live = parser.add_argument_group("live page (--serve)")
     live.add_argument("--serve", action="store_true",
                       help="serve the page live over HTTP, redrawn from the store (read-only, token required)")
@@ -87,6 +90,17 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_from_args(args: argparse.Namespace) -> int:
+    if getattr(args, "rebuild_aggregates", False):
+        if args.serve or args.out_dir is not None:
+            raise TrajstoreError("report --rebuild-aggregates only recounts the aggregates; run it on its own")
+        import trajstore
+        from trajstore.inspect._rebuild import rebuild_aggregates
+
+        with trajstore.connect(args.store, payload=getattr(args, "payload", None), create=False) as store:
+            counted = rebuild_aggregates(store)
+        print(f"recounted the run aggregates from {counted['events']} engine calls and {counted['samples']} samples")
+        sys.stdout.flush()
+        return 0
     if args.serve:
         if args.out_dir is not None:
             raise TrajstoreError("report --serve serves the page; it takes no OUT_DIR (run without --serve to export)")

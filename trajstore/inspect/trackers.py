@@ -126,16 +126,17 @@ def expert_load_violation(routes: Iterable[Any], num_experts: int) -> dict[str, 
     if not by_layout:
         return {}
     rows = np.concatenate(max(by_layout.values(), key=lambda rs: sum(len(r) for r in rs)))
-    return _violation(count_routes(rows, num_experts)[0], num_experts)
+    return _violation(count_routes(rows, num_experts)[0])
 
 
-def _violation(per_layer: Any, num_experts: int) -> dict[str, float]:
-    """``max_vio`` figures from ``counts[layer, expert]``, dense (all-zero) layers left out."""
-    total = per_layer.sum(axis=1)
-    moe = (total > 0) & (per_layer[:, 1:].sum(axis=1) > 0)
+def _violation(per_layer: Any) -> dict[str, float]:
+    """``max_vio`` figures from ``counts[layer, expert]`` (``_routes.max_violation``), dense layers left out."""
+    from trajstore.inspect._routes import max_violation, moe_layers
+
+    moe = moe_layers(per_layer)
     if not moe.any():
         return {}
-    max_vio = (per_layer[moe] / total[moe, None] * num_experts - 1.0).max(axis=1)
+    max_vio = max_violation(per_layer[moe])
     return {"moe/max_vio/max": float(max_vio.max()), "moe/max_vio/avg": float(max_vio.mean())}
 
 
@@ -157,7 +158,7 @@ def _expert_load(query: Query, payload: str | None) -> dict[str, float]:
     load = expert_load(samples, max([int(r[4]) for r in rows if r[4]] + [0]) or None)
     if load is None:
         return {}
-    return _violation(load.counts.sum(axis=0), load.num_experts)
+    return _violation(load.counts.sum(axis=0))
 
 
 def _lineage(query: Query) -> tuple[int | None, dict[str, float]]:

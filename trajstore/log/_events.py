@@ -16,6 +16,7 @@ from typing import Any, Callable, Collection, Mapping, Sequence
 
 from sqlalchemy import Connection, Engine, delete, func, insert, or_, select, text, update
 
+from trajstore.log._aggregates import write_event_aggregates
 from trajstore.log._lineage import (annotation_rows, lineage_state, pipelined, recorded_keys, send_lineage_state,
                                     standing_attempt, step_samples, write_lineage)
 from trajstore.log._dialect import FOLD_EVENT_COLUMNS, FOLD_TRAJECTORY_COLUMNS, SqlDialect, chunks
@@ -142,6 +143,7 @@ class SqlEventLog(EventLog):
             _write_trajectories(conn, d, trajectory_writes, rows)
             d.insert_rows(conn, events, rows)
             write_lineage(conn, d, rows)
+            write_event_aggregates(conn, d, rows)  # the run view's counts, in the same transaction
             rows += _write_labels(conn, d, rows)
             if before_commit is not None and d.single_writer:
                 before_commit()

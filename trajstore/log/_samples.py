@@ -20,6 +20,7 @@ from typing import Any, Collection, Iterator, Mapping, Sequence
 from sqlalchemy import Connection, Engine, Table, and_, delete, func, insert, or_, select, update
 
 from trajstore.errors import IndexInvariantError, ProjectionChangedError, ValidationError
+from trajstore.log._aggregates import add_counts
 from trajstore.log._dialect import CHUNK, SqlDialect, chunks
 from trajstore.log._segments import repoint, retire_emptied
 from trajstore.log._transaction import Database
@@ -86,6 +87,7 @@ class _SqlSamples(SampleIndex):
         *,
         unfoldable_rows: Sequence[dict[str, Any]] = (),
         repoints: Sequence[Repoint] = (),
+        aggregates: Mapping[str, Any] | None = None,
     ) -> None:
         if repoints and self.projection_name is not None:
             raise IndexInvariantError("a projection never re-points events (the default samples hold them)")
@@ -117,6 +119,8 @@ class _SqlSamples(SampleIndex):
             if repoints:
                 repoint(conn, d, repoints, guarded=False)
                 retire_emptied(conn, d, {m.old_segment for m in repoints if m.old_segment})
+            if aggregates and self.projection_name is None:  # the run view counts the default samples
+                add_counts(conn, d, aggregates)
 
         def landed(conn: Connection, _: None) -> bool:
             pos = conn.execute(select(t.c.position).where(*self._conds(t), t.c.shard == key)).scalar_one_or_none()
@@ -196,7 +200,8 @@ class SqlSampleIndex(_SqlSamples):
 
     def commit_refold(self, error: str | None, trajectory_ids: Sequence[str], sample_rows: Sequence[dict[str, Any]],
                       segment_row: Mapping[str, Any] | None, unfoldable_rows: Sequence[dict[str, Any]],
-                      repoints: Sequence[Repoint], *, kind: str = DATA_ERROR) -> None:
+                      repoints: Sequence[Repoint], *, kind: str = DATA_ERROR,
+                      aggregates: Mapping[str, Any] | None = None) -> None:
         t = unfoldable_trajectories
 
         def body(conn: Connection, d: SqlDialect) -> None:
@@ -217,6 +222,8 @@ class SqlSampleIndex(_SqlSamples):
             if repoints:
                 repoint(conn, d, repoints, guarded=False)
                 retire_emptied(conn, d, {m.old_segment for m in repoints if m.old_segment})
+            if aggregates:
+                add_counts(conn, d, aggregates)
 
         def landed(conn: Connection, _: None) -> bool:
             ids = sorted(set(trajectory_ids))[:CHUNK]

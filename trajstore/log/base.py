@@ -381,6 +381,7 @@ class SampleIndex(ABC):
         *,
         unfoldable_rows: Sequence[dict[str, Any]] = (),
         repoints: Sequence[Repoint] = (),
+        aggregates: Mapping[str, Any] | None = None,
     ) -> None:
         """Insert sample rows (and ``unfoldable_trajectories`` rows) and move
         ``shard``'s checkpoint in one transaction; in the same transaction
@@ -424,7 +425,8 @@ class SampleIndex(ABC):
 
     def commit_refold(self, error: str | None, trajectory_ids: Sequence[str], sample_rows: Sequence[dict[str, Any]],
                       segment_row: Mapping[str, Any] | None, unfoldable_rows: Sequence[dict[str, Any]],
-                      repoints: Sequence[Repoint], *, kind: str = DATA_ERROR) -> None:
+                      repoints: Sequence[Repoint], *, kind: str = DATA_ERROR,
+                      aggregates: Mapping[str, Any] | None = None) -> None:
         """In one transaction: take ``trajectory_ids`` out of quarantine (each must
         still be recorded with ``kind`` and ``error`` (None: any), else ``StaleState``
         and nothing changes), insert their sample rows and segment, record the ones

@@ -1,0 +1,187 @@
+"""The run view's aggregates (docs/report.md, "Aggregates"): counts the page reads
+with one small query each, instead of scanning the store on every refresh.
+
+They are counted where the data is already in hand, and added in the
+transaction that stores it, so a retried or duplicate append (dropped before
+its transaction) and a re-run materializer batch (its commit is guarded by the
+checkpoint) never count twice:
+
+* ``event_counts(rows)``: an append's generation event rows (their index
+  columns): calls per (model version, output length), and the route drift of
+  the calls that re-sent rows, per time bucket (``agg_output_lengths``,
+  ``agg_route_drift``);
+* ``sample_counts(samples)``: a materializer commit's default samples (their
+  token columns, decoded for the sample segment): decode-route expert load per
+  (model version, layer, expert) and rollout-logprob histograms per model
+  version (``agg_expert_load``, ``agg_logprobs``).
+
+``Counts`` maps each table to ``{key: [values]}``; ``trajstore.log._aggregates``
+adds them to the tables.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable, Mapping, Sequence
+
+import numpy as np
+
+__all__ = ["Counts", "LOGPROB_RANGE", "LOGPROB_BINS", "DRIFT_WIDTHS_S", "event_counts", "sample_counts",
+           "logprob_bin_edges", "decode_routes", "count_routes"]
+
+LOGPROB_RANGE = (-12.0, 0.0)
+LOGPROB_BINS = 48
+"""The stored logprob histogram: 48 equal bins over [-12, 0], values clipped into it
+(a change of either needs ``trajstore report --rebuild-aggregates``)."""
+DRIFT_WIDTHS_S = (1, 60, 3600)
+"""Bucket widths the route drift is kept at: every width of the page's ladder is a multiple of one."""
+
+Counts = dict[str, dict[tuple, list[float]]]
+
+
+def _add(into: dict[tuple, list[float]], key: tuple, values: Sequence[float]) -> None:
+    have = into.get(key)
+    if have is None:
+        into[key] = list(values)
+    else:
+        for i, v in enumerate(values):
+            have[i] += v
+
+
+def merge(a: Counts, b: Mapping[str, Mapping[tuple, Sequence[float]]]) -> Counts:
+    """``a`` plus ``b`` (into ``a``)."""
+    for table, part in b.items():
+        into = a.setdefault(table, {})
+        for key, values in part.items():
+            _add(into, key, values)
+    return a
+
+
+def event_counts(rows: Iterable[Mapping[str, Any]]) -> Counts:
+    """The aggregates of generation event rows (``events`` columns; other types are skipped)."""
+    lengths: dict[tuple, list[float]] = {}
+    drift: dict[tuple, list[float]] = {}
+    for r in rows:
+        if r.get("type") != "generation":
+            continue
+        if r.get("model_version") is not None and r.get("output_len") is not None:
+            _add(lengths, (int(r["model_version"]), int(r["output_len"])), (1,))
+        resent = r.get("route_rows_resent")
+        if resent:
+            drifted = r.get("route_rows_drifted")
+            values = (int(resent), int(resent) if drifted is not None else 0, int(drifted or 0))
+            for w in DRIFT_WIDTHS_S:
+                _add(drift, (w, math.floor(float(r["created_at"]) / w) * w), values)
+    out: Counts = {}
+    if lengths:
+        out["agg_output_lengths"] = lengths
+    if drift:
+        out["agg_route_drift"] = drift
+    return out
+
+
+def logprob_bin_edges() -> np.ndarray:
+    return np.linspace(*LOGPROB_RANGE, LOGPROB_BINS + 1)
+
+
+def sample_counts(samples: Iterable[Any], num_experts: Mapping[str, int | None] | None = None) -> Counts:
+    """The aggregates of samples' token columns: expert load of their decode routes (every
+    expert below ``num_experts[trajectory_id]`` and the highest id routed to gets a row) and
+    their generated loss tokens' rollout logprobs."""
+    experts: dict[tuple, list[float]] = {}
+    logprobs: dict[tuple, list[float]] = {}
+    per_version: dict[int, np.ndarray] = {}  # [layer, expert] counts
+    lps: list[np.ndarray] = []  # generated loss tokens' logprobs and versions, per sample
+    lvs: list[np.ndarray] = []
+    routed: dict[tuple, tuple[list, list, list]] = {}  # layout -> decode rows, their versions, num_experts
+    edges = logprob_bin_edges()
+    for s in samples:
+        v = np.asarray(s.token_model_versions)
+        keep = (v >= 0) & np.asarray(s.logprobs_mask, bool) & np.asarray(s.loss_mask, bool)
+        if keep.any():
+            lps.append(np.asarray(s.rollout_logprobs, np.float64)[keep])
+            lvs.append(v[keep])
+        got = decode_routes(s)
+        if got is None or not len(got[0]):
+            continue
+        declared = int((num_experts or {}).get(s.trajectory_id) or 0)
+        layout = got[0].shape[1:]
+        have = routed.setdefault(layout, ([], [], [0]))
+        have[0].append(got[0])
+        have[1].append(got[1])
+        have[2][0] = max(have[2][0], declared)
+    if lps:  # one histogram per call, not per sample
+        lp, lv = np.concatenate(lps), np.concatenate(lvs)
+        bins = np.clip(np.searchsorted(edges, np.clip(lp, *LOGPROB_RANGE), side="right") - 1, 0, LOGPROB_BINS - 1)
+        versions, vi = np.unique(lv, return_inverse=True)
+        key = vi * LOGPROB_BINS + bins
+        n = np.bincount(key, minlength=len(versions) * LOGPROB_BINS)
+        total = np.bincount(key, weights=lp, minlength=len(versions) * LOGPROB_BINS)
+        for k in np.flatnonzero(n):
+            _add(logprobs, (int(versions[k // LOGPROB_BINS]), int(k % LOGPROB_BINS)), (int(n[k]), float(total[k])))
+    for rows_of, versions_of, (declared,) in routed.values():  # one count per layout, not per sample
+        rows = np.concatenate(rows_of)
+        versions, vi = np.unique(np.concatenate(versions_of), return_inverse=True)
+        counts = count_routes(rows, max(declared, int(rows.max()) + 1), vi, len(versions))
+        for i, version in enumerate(versions.tolist()):
+            have_v = per_version.get(version)
+            if have_v is not None and have_v.shape != counts[i].shape:  # another layout: the union of both
+                grown = np.zeros(np.maximum(have_v.shape, counts[i].shape), np.int64)
+                grown[:have_v.shape[0], :have_v.shape[1]] += have_v
+                have_v = per_version[version] = grown
+            if have_v is None:
+                per_version[version] = counts[i].astype(np.int64)
+            else:
+                have_v[:counts.shape[1], :counts.shape[2]] += counts[i]
+    for version, c in per_version.items():  # one row per (layer, expert): once per call, not per sample
+        layers, experts_ = np.indices(c.shape)
+        experts.update(((version, int(l_), int(e)), [int(n)])
+                       for l_, e, n in zip(layers.ravel(), experts_.ravel(), c.ravel()))
+    out: Counts = {}
+    if experts:
+        out["agg_expert_load"] = experts
+    if logprobs:
+        out["agg_logprobs"] = logprobs
+    return out
+
+
+def decode_routes(sample: Any) -> tuple[np.ndarray, np.ndarray] | None:
+    """``(rows [n, layers, topk], versions [n])``: the routes that generated the sample's
+    tokens and those tokens' model versions; None when the sample has no routes."""
+    if sample.routed_experts is None:
+        return None
+    versions = np.asarray(sample.token_model_versions)
+    gen = np.flatnonzero(versions >= 0)
+    rows = len(sample.prompt_ids) + gen - 1
+    ok = (rows >= 0) & (rows < len(sample.routed_experts))
+    if sample.routed_experts_mask is not None:
+        ok[ok] &= ~np.asarray(sample.routed_experts_mask, bool)[rows[ok]]
+    routes = sample.routed_experts
+    routes = routes.array() if hasattr(routes, "place") else np.asarray(routes)  # planned routes: as written
+    return routes[rows[ok]], versions[gen[ok]]
+
+
+def count_routes(rows: np.ndarray, num_experts: int, group: np.ndarray | None = None,
+                 num_groups: int = 1) -> np.ndarray:
+    """``counts[group, layer, expert]`` of route rows ``[n, layers, topk]`` (``group[i]``:
+    row i's group, all 0 by default). ``bincount`` over keys built a few hundred rows at a
+    time in one reused buffer of machine ints (the conversion ``bincount`` would make of
+    narrower keys costs more than the count; a chunk stays in cache)."""
+    n, layers, topk = rows.shape
+    per_group = layers * num_experts
+    size = num_groups * per_group
+    counts = np.zeros(size, np.int64)
+    if not n:
+        return counts.reshape(num_groups, layers, num_experts)
+    chunk = max(256, -(-size // max(layers * topk, 1)))  # a chunk's keys outnumber the bins
+    layer_offset = (np.arange(layers, dtype=np.intp) * num_experts)[None, :, None]
+    buf = np.empty((min(chunk, n), layers, topk), np.intp)
+    g = None if group is None else np.asarray(group, np.intp) * per_group
+    for start in range(0, n, chunk):
+        part = rows[start:start + chunk]
+        key = buf[:len(part)]
+        np.add(part, layer_offset, out=key, casting="unsafe")
+        if g is not None:
+            key += g[start:start + chunk, None, None]
+        counts += np.bincount(key.ravel(), minlength=size)
+    return counts.reshape(num_groups, layers, num_experts)

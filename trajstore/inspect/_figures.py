@@ -1,0 +1,233 @@
+"""What every panel of ``trajstore report`` is drawn with: the run's clock (time
+buckets, sizes), the ``Panel`` record, and the plotly helpers the panels share.
+
+The panels themselves are in ``_panels_run`` (over time, per trajectory and
+per version, from the inspection views), ``_panels_tokens`` (lengths, logprobs,
+expert load and route drift, from the run aggregates) and ``_panels_lineage``
+(training steps); ``_panels`` lists them and collects the page's data.
+
+Over-time panels bucket unix-second columns with integer arithmetic
+(``(CAST(t * 1000 AS BIGINT) - t0_ms) / width_ms``) so one SQL text gives the
+same buckets on SQLite and PostgreSQL; the width is picked from a fixed ladder
+so a run has at most ``MAX_BUCKETS`` of them.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import threading
+from contextlib import contextmanager
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Sequence
+
+from trajstore.errors import TrajstoreError
+from trajstore.inspect.sql import Query, QueryResult
+
+__all__: list[str] = []  # the page's names are trajstore.inspect._panels'
+
+MAX_BUCKETS = 120
+BUCKET_WIDTHS_S = (1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 21600, 43200, 86400)
+DEFAULT_STUCK_AFTER_S = 300.0
+MAX_STUCK_ROWS = 25
+RECENT_VERSIONS = 6
+"""Distributions show the newest this many model versions."""
+
+
+def _plotly() -> Any:
+    try:
+        import plotly.graph_objects as go
+        from plotly.subplots import make_subplots
+    except ImportError:
+        raise TrajstoreError("trajstore report needs plotly: pip install -e '.[report]' in the trajstore checkout") from None
+    return go, make_subplots
+
+
+def plotly_js() -> str:
+    """The plotly.js bundle shipped inside the plotly package (no CDN: pages work offline)."""
+    _plotly()
+    from plotly.offline import get_plotlyjs
+
+    return get_plotlyjs()
+
+
+@dataclass(frozen=True)
+class Clock:
+    """The run's time axis and the few sizes the panels' SQL is written for."""
+
+    num_trajectories: int
+    first_s: float
+    last_s: float
+    width_s: int
+    max_output_len: int
+    stuck_after_s: float
+    payload: str | None = None
+    """Where the sample segments are (the token-level panels read them); None: those panels say so."""
+    cache: dict = field(default_factory=dict, compare=False, repr=False)
+    """What panels of one ``collect`` share (the newest samples' token columns)."""
+
+    @property
+    def t0_ms(self) -> int:
+        return int(self.first_s // self.width_s) * self.width_s * 1000
+
+    def bucket(self, column: str) -> str:
+        """SQL: the bucket index of unix-seconds ``column``."""
+        return f"(CAST({column} * 1000 AS BIGINT) - {self.t0_ms}) / {self.width_s * 1000}"
+
+    def time_of(self, bucket: int) -> str:
+        """The bucket's start as an ISO UTC time (plotly's date axis)."""
+        ms = self.t0_ms + int(bucket) * self.width_s * 1000
+        return _dt.datetime.fromtimestamp(ms / 1000, _dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+
+    @property
+    def num_buckets(self) -> int:
+        return int((self.last_s * 1000 - self.t0_ms) // (self.width_s * 1000)) + 1
+
+    @property
+    def length_bin(self) -> int:
+        """Width of the response-length histogram's bins, in tokens (about 40 bins)."""
+        for w in (1, 2, 4, 5, 8, 10, 16, 20, 25, 32, 50, 64, 100, 128, 200, 256, 500, 512, 1000, 1024, 2048, 4096):
+            if self.max_output_len / w <= 40:
+                return w
+        return 8192
+
+
+CLOCK_SQL = ("SELECT count(*), sum(num_generations), sum(num_generated_tokens), sum(num_observed_tokens), "
+             "sum(num_prefix_mismatches), min(min_model_version), max(max_model_version), min(first_event_at), "
+             "max(last_event_at) FROM trajectory_summary",
+             "SELECT max(output_len) FROM agg_output_lengths")
+"""The run's totals and time span (also the summary's totals), and the longest response."""
+
+
+def _clock(query: Query, stuck_after_s: float, payload: str | None) -> Clock:
+    n, *_, first, last = query(CLOCK_SQL[0]).rows[0]
+    (max_len,) = query(CLOCK_SQL[1]).rows[0]
+    first = float(first) if first is not None else time.time()
+    last = float(last) if last is not None else first
+    span = max(last - first, 0.0)
+    width = next((w for w in BUCKET_WIDTHS_S if span / w < MAX_BUCKETS), 7 * 86400)
+    return Clock(int(n), first, last, width, int(max_len or 0), stuck_after_s, payload)
+
+
+@dataclass(frozen=True)
+class Panel:
+    name: str
+    title: str
+    caption: str
+    queries: Callable[[Clock], Sequence[str]]
+    """The panel's SQL for this clock (over-time panels write the bucket width into it)."""
+    draw: Callable[[Clock, list[QueryResult]], Any]
+    """A plotly Figure from the results, or a string saying why there is nothing to draw."""
+
+
+# -- figure helpers ----------------------------------------------------------------
+
+HEIGHT = 330
+
+
+TEMPLATE = "plotly_white"
+"""Every figure's template; ``figure_json`` writes it into the figure's JSON."""
+
+
+def _layout(fig: Any, **kw: Any) -> Any:
+    # The legend at the right, where it cannot cover subplot titles or headlines.
+    fig.update_layout(**{"height": HEIGHT, "margin": dict(l=60, r=20, t=40, b=50), **kw})
+    return fig
+
+
+_TEMPLATE_JSON: dict[str, Any] = {}
+_NO_DEFAULT_TEMPLATE = threading.Lock()
+
+
+@contextmanager
+def drawing() -> Iterator[None]:
+    """Figures are built without plotly's default template: plotly validates and deep-copies
+    a template into every figure it makes and every ``update_layout`` that names one (most
+    of a refresh's time); ``figure_json`` adds the page's template to the JSON instead,
+    validated once. (plotly's default is process-wide: one drawing at a time.)"""
+    try:
+        import plotly.io as pio
+    except ImportError:  # the panel's _plotly() says what to install
+        yield
+        return
+    templates = pio.templates
+    # the attribute behind ``templates.default``, whose setter validates (the cost avoided here)
+    name = "_default" if hasattr(templates, "_default") else "default"
+    with _NO_DEFAULT_TEMPLATE:
+        default = getattr(templates, name)
+        setattr(templates, name, None)
+        try:
+            yield
+        finally:
+            setattr(templates, name, default)
+
+
+def figure_json(fig: Any) -> dict[str, Any]:
+    """The figure as JSON-ready data, with the page's template (``TEMPLATE``)."""
+    if not _TEMPLATE_JSON:
+        import plotly.io as pio
+
+        _TEMPLATE_JSON.update(pio.templates[TEMPLATE].to_plotly_json())
+    out = fig.to_plotly_json()
+    out.setdefault("layout", {})["template"] = _TEMPLATE_JSON
+    return out
+
+
+def _share(part: Any, whole: Any) -> float | None:
+    return float(part) / float(whole) if whole else None
+
+
+def _num(x: Any) -> float | None:
+    return None if x is None else float(x)
+
+
+def _filled(clock: Clock, rows: Sequence[Sequence[Any]], columns: int) -> tuple[list[str], list[list[float]]]:
+    """Every bucket from the first to the last, with zeros where the query returned no row."""
+    by_bucket = {int(r[0]): r[1:] for r in rows if r[0] is not None}
+    buckets = range(0, max([clock.num_buckets - 1, *by_bucket]) + 1) if by_bucket else range(0)
+    xs = [clock.time_of(b) for b in buckets]
+    cols = [[float(by_bucket[b][i] or 0) if b in by_bucket else 0.0 for b in buckets] for i in range(columns)]
+    return xs, cols
+
+
+def _time_axis(fig: Any, clock: Clock, **kw: Any) -> None:
+    fig.update_xaxes(title_text=f"time (UTC; {clock.width_s} s buckets)", **kw)
+
+
+def _version_axis(fig: Any, **kw: Any) -> None:
+    """An x axis of model versions: one category each (versions are labels, not a scale)."""
+    fig.update_xaxes(title_text="model version", type="category", **kw)
+
+
+def _with_right_axis(make_subplots: Any) -> Any:
+    """A figure with a second y axis on the right (``secondary_y=True`` traces)."""
+    return make_subplots(specs=[[{"secondary_y": True}]])
+
+
+def _right_axis(fig: Any, title: str, **kw: Any) -> None:
+    """The right y axis: from zero, its own ticks, and no grid of its own (the left axis's grid stays readable)."""
+    fig.update_yaxes(title_text=title, secondary_y=True, rangemode="tozero", showgrid=False, tickmode="auto", **kw)
+
+
+def _wide_left(make_subplots: Any, titles: Sequence[str], **kw: Any) -> Any:
+    """Two panels side by side, the left one (over time or a distribution) wider than the right (per version)."""
+    return make_subplots(rows=1, cols=2, column_widths=[0.62, 0.38], subplot_titles=tuple(titles), **kw)
+
+
+def _sql_number(x: float) -> str:
+    """A number written into a panel's SQL (the page shows SQL a reader can run as is):
+    only a finite float's own literal, never text from a flag."""
+    x = float(x)
+    if not math.isfinite(x):
+        raise TrajstoreError(f"{x!r} is not a finite number")
+    return repr(x)
+
+
+def _fmt(x: Any, spec: str = "") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+_VERSION_STATS_SQL = ("SELECT model_version, num_generated_tokens, num_trajectories, num_multi_version, mean_reward, "
+                      "num_rewarded, num_failed, num_aborted, route_rows_resent, route_rows_drifted, route_drift_share "
+                      "FROM model_version_stats ORDER BY model_version")

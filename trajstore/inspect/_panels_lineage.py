@@ -1,0 +1,101 @@
+"""The training panels: what the trainer recorded per step (training lineage, docs/sql.md)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from trajstore.inspect._figures import (Clock, _fmt, _layout, _num, _plotly, _share, _version_axis, _wide_left)
+from trajstore.inspect.sql import QueryResult
+
+__all__: list[str] = []
+
+
+# -- training lineage: what the trainer did with the samples, per step ------------------------
+
+MAX_STEPS = 2000
+"""The step panels show the newest this many training steps."""
+NO_STEPS = ("no training step recorded yet: a trainer records each step with SampleReader.record_step "
+            "(docs/reader.md)")
+TRAINER_METRICS = 6
+"""The step panel draws at most this many of the trainer's metrics (the ones most steps carry)."""
+
+
+def _steps_sql(c: Clock) -> list[str]:
+    return [f"SELECT run, step, count(*) AS samples, avg(staleness) AS staleness, max(staleness) AS max_staleness, "
+            f"max(policy_version) AS policy_version FROM sample_consumption GROUP BY run, step "
+            f"ORDER BY step DESC, run LIMIT {MAX_STEPS}",
+            f"SELECT run, step, rank, metrics FROM train_steps ORDER BY step DESC, run, rank LIMIT {MAX_STEPS * 8}",
+            "SELECT count(*) AS samples, count(*) FILTER (WHERE NOT EXISTS (SELECT 1 FROM sample_consumption c "
+            "WHERE c.trajectory_id = s.trajectory_id AND c.sample_index = s.sample_index)) AS never_trained "
+            "FROM sample_summary s"]
+
+
+def _steps_draw(c: Clock, r: list[QueryResult]) -> Any:
+    import json
+
+    go, make_subplots = _plotly()
+    rows = sorted(r[0].rows, key=lambda row: (row[1], row[0]))
+    if not rows:
+        return NO_STEPS
+    total, never = r[2].rows[0]
+    per_step: dict[int, dict[str, list[float]]] = {}
+    for _, step, _, metrics in r[1].rows:
+        values = json.loads(metrics) if isinstance(metrics, str) else (metrics or {})
+        for name, v in values.items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                per_step.setdefault(int(step), {}).setdefault(name, []).append(float(v))
+    counts: dict[str, int] = {}
+    for values in per_step.values():
+        for name in values:
+            counts[name] = counts.get(name, 0) + 1
+    names = sorted(counts, key=lambda n: (-counts[n], n))[:TRAINER_METRICS]
+    fig = make_subplots(rows=1, cols=2, column_widths=[0.5, 0.5], specs=[[{"secondary_y": True}, {}]],
+                        subplot_titles=(f"samples consumed and their staleness per step (never trained on: "
+                                        f"{_fmt(_share(never, total), '.1%')} of {total} samples)",
+                                        "the trainer's metrics per step (mean over ranks)"))
+    steps = [int(row[1]) for row in rows]
+    fig.add_trace(go.Bar(x=steps, y=[int(row[2]) for row in rows], name="samples consumed", opacity=0.6,
+                         customdata=[row[0] for row in rows], hovertemplate="run %{customdata}, step %{x}: "
+                         "%{y} samples<extra></extra>"), 1, 1, secondary_y=False)
+    fig.add_trace(go.Scatter(x=steps, y=[_num(row[3]) for row in rows], mode="lines+markers",
+                             name="staleness (policy - oldest token)"), 1, 1, secondary_y=True)
+    fig.add_trace(go.Scatter(x=steps, y=[_num(row[4]) for row in rows], mode="lines", line=dict(dash="dot"),
+                             name="max staleness"), 1, 1, secondary_y=True)
+    for name in names:
+        xs = sorted(s for s in per_step if name in per_step[s])
+        fig.add_trace(go.Scatter(x=xs, y=[sum(per_step[s][name]) / len(per_step[s][name]) for s in xs],
+                                 mode="lines+markers", name=name), 1, 2)
+    fig.update_xaxes(title_text="training step")
+    fig.update_yaxes(title_text="samples", row=1, col=1, secondary_y=False)
+    fig.update_yaxes(title_text="versions", row=1, col=1, secondary_y=True, rangemode="tozero", showgrid=False)
+    return _layout(fig)
+
+
+def _train_mismatch_sql(c: Clock) -> list[str]:
+    return ["SELECT run, model_version, tokens_compared, k3_mean, abs_log_ratio_mean "
+            "FROM train_rollout_mismatch_by_version ORDER BY model_version, run",
+            "SELECT run, step, sum(k3_mean * tokens_compared) / sum(tokens_compared) AS k3_mean, "
+            "sum(tokens_compared) AS tokens FROM train_rollout_mismatch WHERE tokens_compared > 0 "
+            f"GROUP BY run, step ORDER BY step DESC, run LIMIT {MAX_STEPS}"]
+
+
+def _train_mismatch_draw(c: Clock, r: list[QueryResult]) -> Any:
+    go, make_subplots = _plotly()
+    by_version, by_step = r[0].rows, sorted(r[1].rows, key=lambda row: (row[1], row[0]))
+    if not by_version and not by_step:
+        return ("no trainer logprobs recorded yet: a trainer sends them as sample annotations with "
+                "SampleReader.record_step(..., annotations=...) (docs/reader.md)")
+    fig = _wide_left(make_subplots, ("k3 between trainer and rollout logprobs per training step",
+                                     "k3 per model version of the tokens"))
+    fig.add_trace(go.Scatter(x=[int(row[1]) for row in by_step], y=[_num(row[2]) for row in by_step],
+                             mode="lines+markers", name="k3 mean", customdata=[int(row[3]) for row in by_step],
+                             hovertemplate="step %{x}: %{y:.4g} over %{customdata} tokens<extra></extra>"), 1, 1)
+    fig.add_trace(go.Bar(x=[str(row[1]) for row in by_version], y=[_num(row[3]) for row in by_version],
+                         name="k3 mean per version", customdata=[int(row[2]) for row in by_version],
+                         hovertemplate="version %{x}: %{y:.4g} over %{customdata} tokens<extra></extra>"), 1, 2)
+    fig.update_xaxes(title_text="training step", row=1, col=1)
+    fig.update_yaxes(title_text="k3 = exp(r) - 1 - r", row=1, col=1)
+    _version_axis(fig, row=1, col=2)
+    return _layout(fig)
+
+

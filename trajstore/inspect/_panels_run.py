@@ -1,0 +1,373 @@
+"""The panels of the run over time, per trajectory and per model version: SQL over the
+inspection views (docs/sql.md)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from trajstore.inspect._figures import (HEIGHT, MAX_STUCK_ROWS, _VERSION_STATS_SQL, Clock, _filled, _layout, _num, 
+                                        _plotly, _right_axis, _share, _sql_number, _time_axis, _version_axis, 
+                                        _wide_left, _with_right_axis)
+from trajstore.inspect.sql import QueryResult
+
+__all__: list[str] = []
+
+
+def _ingest_sql(c: Clock) -> list[str]:
+    return [f"SELECT {c.bucket('created_at')} AS bucket, count(*) AS calls, "
+            "sum(output_len) AS generated_tokens, sum(num_observed_tokens) AS observed_tokens "
+            "FROM generation_events GROUP BY 1 ORDER BY 1"]
+
+
+def _ingest_draw(c: Clock, r: list[QueryResult]) -> Any:
+    go, make_subplots = _plotly()
+    if not r[0].rows:
+        return "no engine calls yet"
+    xs, (calls, gen, obs) = _filled(c, r[0].rows, 3)
+    fig = _with_right_axis(make_subplots)
+    fig.add_trace(go.Bar(x=xs, y=[v / c.width_s for v in calls], name="engine calls / s", opacity=0.6), secondary_y=False)
+    fig.add_trace(go.Scatter(x=xs, y=[v / c.width_s for v in gen], name="generated tokens / s", mode="lines"),
+                  secondary_y=True)
+    fig.add_trace(go.Scatter(x=xs, y=[v / c.width_s for v in obs], name="observed tokens / s", mode="lines",
+                             line=dict(dash="dot")), secondary_y=True)
+    _time_axis(fig, c)
+    fig.update_yaxes(title_text="calls / s", secondary_y=False, rangemode="tozero")
+    _right_axis(fig, "tokens / s")
+    return _layout(fig)
+
+
+def _staleness_time_sql(c: Clock) -> list[str]:
+    return [f"SELECT {c.bucket('t.last_event_at')} AS bucket, count(*) AS samples, "
+            "avg(s.staleness) AS mean_staleness, max(s.staleness) AS max_staleness, "
+            "max(s.latest_model_version) AS policy_version "
+            "FROM sample_summary s JOIN trajectory_summary t ON t.trajectory_id = s.trajectory_id "
+            "GROUP BY 1 ORDER BY 1"]
+
+
+def _staleness_time_draw(c: Clock, r: list[QueryResult]) -> Any:
+    go, make_subplots = _plotly()
+    rows = r[0].rows
+    if not rows:
+        return "no materialized samples yet (trajstore materialize folds finished trajectories)"
+    xs = [c.time_of(row[0]) for row in rows]
+    fig = _with_right_axis(make_subplots)
+    fig.add_trace(go.Scatter(x=xs, y=[_num(row[2]) for row in rows], name="mean staleness", mode="lines+markers",
+                             customdata=[row[1] for row in rows],
+                             hovertemplate="%{y:.2f} versions behind<br>%{customdata} samples"), secondary_y=False)
+    fig.add_trace(go.Scatter(x=xs, y=[_num(row[3]) for row in rows], name="max staleness", mode="lines",
+                             line=dict(dash="dash")), secondary_y=False)
+    fig.add_trace(go.Scatter(x=xs, y=[_num(row[4]) for row in rows], name="policy version", mode="lines",
+                             line=dict(shape="hv", color="grey")), secondary_y=True)
+    _time_axis(fig, c)
+    fig.update_yaxes(title_text="versions behind", secondary_y=False, rangemode="tozero")
+    _right_axis(fig, "policy version")
+    return _layout(fig)
+
+
+def _reward_time_sql(c: Clock) -> list[str]:
+    return [f"SELECT {c.bucket('last_event_at')} AS bucket, count(reward) AS rewarded, avg(reward) AS mean_reward, "
+            "min(reward) AS min_reward, max(reward) AS max_reward "
+            "FROM trajectory_summary WHERE status <> 'running' AND reward IS NOT NULL GROUP BY 1 ORDER BY 1"]
+
+
+def _reward_time_draw(c: Clock, r: list[QueryResult]) -> Any:
+    go, _ = _plotly()
+    rows = r[0].rows
+    if not rows:
+        return "no finished trajectory has a reward yet"
+    xs = [c.time_of(row[0]) for row in rows]
+    fig = go.Figure()
+    fig.add_trace(go.Scatter(x=xs, y=[_num(row[3]) for row in rows], mode="lines", line=dict(width=0),
+                             showlegend=False, hoverinfo="skip"))
+    fig.add_trace(go.Scatter(x=xs, y=[_num(row[4]) for row in rows], mode="lines", line=dict(width=0),
+                             fill="tonexty", fillcolor="rgba(99,110,250,0.15)", name="min .. max"))
+    fig.add_trace(go.Scatter(x=xs, y=[_num(row[2]) for row in rows], mode="lines+markers", name="mean reward",
+                             customdata=[row[1] for row in rows], hovertemplate="%{y:.3f} (n=%{customdata})"))
+    _time_axis(fig, c)
+    fig.update_yaxes(title_text="reward of finished trajectories")
+    return _layout(fig)
+
+
+def _running_sql(c: Clock) -> list[str]:
+    return [
+        "SELECT bucket, sum(started) AS started, sum(finished) AS finished, "
+        "sum(sum(started) - sum(finished)) OVER (ORDER BY bucket) AS running FROM ("
+        f"SELECT {c.bucket('first_event_at')} AS bucket, 1 AS started, 0 AS finished FROM trajectory_summary "
+        f"UNION ALL SELECT {c.bucket('last_event_at')}, 0, 1 FROM trajectory_summary WHERE status <> 'running'"
+        ") x GROUP BY bucket ORDER BY bucket"]
+
+
+def _running_draw(c: Clock, r: list[QueryResult]) -> Any:
+    go, make_subplots = _plotly()
+    rows = r[0].rows
+    if not rows:
+        return "no trajectories yet"
+    xs = [c.time_of(row[0]) for row in rows]
+    fig = _with_right_axis(make_subplots)
+    fig.add_trace(go.Scatter(x=xs, y=[row[3] for row in rows], name="running at the bucket's end", mode="lines",
+                             line=dict(shape="hv", width=3, color="#2ca02c")), secondary_y=False)
+    fig.add_trace(go.Bar(x=xs, y=[row[1] for row in rows], name="started", opacity=0.45, marker_color="#1f77b4"),
+                  secondary_y=True)
+    fig.add_trace(go.Bar(x=xs, y=[row[2] for row in rows], name="finished", opacity=0.45, marker_color="#ff7f0e"),
+                  secondary_y=True)
+    _time_axis(fig, c)
+    fig.update_yaxes(title_text="running trajectories", secondary_y=False, rangemode="tozero")
+    _right_axis(fig, "started / finished per bucket")
+    return _layout(fig, barmode="group")
+
+
+
+def _stuck_sql(c: Clock) -> list[str]:
+    newest = _sql_number(c.last_s)  # the newest event in the store (the clock's max(last_event_at))
+    return [
+        f"SELECT count(*) AS running, count(*) FILTER (WHERE {newest} - last_event_at > {_sql_number(c.stuck_after_s)}) AS stuck "
+        "FROM trajectory_summary WHERE status = 'running'",
+        f"SELECT trajectory_id, group_id, num_generations, max_model_version, {newest} - last_event_at AS idle_s "
+        f"FROM trajectory_summary WHERE status = 'running' ORDER BY last_event_at, trajectory_id LIMIT {MAX_STUCK_ROWS}"]
+
+
+def _stuck_draw(c: Clock, r: list[QueryResult]) -> Any:
+    go, _ = _plotly()
+    running, stuck = r[0].rows[0]
+    rows = r[1].rows
+    if not rows:
+        return "no running trajectories: nothing can be stuck"
+    rows = list(reversed(rows))  # the longest idle on top
+    idle = [float(row[4] or 0) for row in rows]
+    fig = go.Figure(go.Bar(
+        y=[row[0] for row in rows], x=idle, orientation="h",
+        marker_color=["#d62728" if s > c.stuck_after_s else "#1f77b4" for s in idle],
+        customdata=[[row[1], row[2], row[3]] for row in rows],
+        hovertemplate="%{y}: idle %{x:.1f} s<br>group %{customdata[0]}, %{customdata[1]} calls, "
+                      "version %{customdata[2]}<extra></extra>"))
+    fig.add_vline(x=c.stuck_after_s, line_dash="dash", line_color="#d62728",
+                  annotation_text=f"stuck after {c.stuck_after_s:g} s")
+    fig.update_xaxes(title_text="idle: seconds since its last event, behind the log's newest event",
+                     rangemode="tozero")
+    _layout(fig, title=dict(text=f"{running} running, {stuck} idle over {c.stuck_after_s:g} s"
+                                 f"{f' (the {len(rows)} longest idle shown)' if running > len(rows) else ''}",
+                            font=dict(size=13)))
+    fig.update_layout(height=max(HEIGHT, 60 + 18 * len(rows)), margin=dict(l=160))
+    return fig
+
+
+
+def _versions_sql(c: Clock) -> list[str]:
+    return [_VERSION_STATS_SQL]
+
+
+def _versions_draw(c: Clock, r: list[QueryResult]) -> Any:
+    go, make_subplots = _plotly()
+    rows = r[0].rows
+    if not rows:
+        return "no engine calls yet"
+    v = [str(row[0]) for row in rows]
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("generated tokens", "trajectories"))
+    fig.add_trace(go.Bar(x=v, y=[row[1] for row in rows], name="generated tokens", showlegend=False), 1, 1)
+    fig.add_trace(go.Bar(x=v, y=[row[2] - row[3] for row in rows], name="this version only"), 1, 2)
+    fig.add_trace(go.Bar(x=v, y=[row[3] for row in rows], name="also other versions"), 1, 2)
+    _version_axis(fig)
+    return _layout(fig, barmode="stack")
+
+
+def _reward_version_sql(c: Clock) -> list[str]:
+    return [_VERSION_STATS_SQL]
+
+
+def _reward_version_draw(c: Clock, r: list[QueryResult]) -> Any:
+    go, make_subplots = _plotly()
+    rows = r[0].rows
+    if not rows:
+        return "no engine calls yet"
+    v = [str(row[0]) for row in rows]
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("mean reward", "failed / aborted trajectories"))
+    fig.add_trace(go.Bar(x=v, y=[_num(row[4]) for row in rows], name="mean reward", showlegend=False,
+                         text=[f"n={row[5]}" for row in rows], textposition="outside"), 1, 1)
+    fig.add_trace(go.Bar(x=v, y=[_share(row[6], row[2]) for row in rows], name="failed"), 1, 2)
+    fig.add_trace(go.Bar(x=v, y=[_share(row[7], row[2]) for row in rows], name="aborted"), 1, 2)
+    _version_axis(fig)
+    fig.update_yaxes(tickformat=".0%", row=1, col=2)
+    return _layout(fig, barmode="stack")
+
+
+def _finish_sql(c: Clock) -> list[str]:
+    return [
+        f"SELECT {c.bucket('created_at')} AS bucket, COALESCE(finish_reason, '(none)') AS finish_reason, "
+        "count(*) AS calls FROM generation_events GROUP BY 1, 2 ORDER BY 1, 2",
+        "SELECT model_version, count(*) AS calls, count(*) FILTER (WHERE finish_reason = 'length') AS length_calls "
+        "FROM generation_events GROUP BY model_version ORDER BY model_version"]
+
+
+def _finish_draw(c: Clock, r: list[QueryResult]) -> Any:
+    go, make_subplots = _plotly()
+    per_time, per_version = r[0].rows, r[1].rows
+    if not per_time:
+        return "no engine calls yet"
+    totals: dict[int, int] = {}
+    for b, _, n in per_time:
+        totals[b] = totals.get(b, 0) + n
+    reasons = sorted({row[1] for row in per_time}, key=lambda s: (s != "length", s))
+    calls = sum(row[1] for row in per_version)
+    length = sum(row[2] for row in per_version)
+    fig = _wide_left(make_subplots, ("finish reasons over time (share of calls)",
+                                     f"finish_reason = 'length' per version (run: {length / calls:.1%})"))
+    for reason in reasons:
+        pts = [(b, n) for b, rr, n in per_time if rr == reason]
+        fig.add_trace(go.Scatter(x=[c.time_of(b) for b, _ in pts], y=[n / totals[b] for b, n in pts], name=reason,
+                                 stackgroup="reasons", mode="lines"), 1, 1)
+    fig.add_trace(go.Bar(x=[str(row[0]) for row in per_version], y=[_share(row[2], row[1]) for row in per_version],
+                         name="length", marker_color="#d62728", showlegend=False,
+                         customdata=[[row[2], row[1]] for row in per_version],
+                         hovertemplate="%{customdata[0]} of %{customdata[1]} calls"), 1, 2)
+    _time_axis(fig, c, row=1, col=1)
+    _version_axis(fig, row=1, col=2)
+    fig.update_yaxes(tickformat=".0%", rangemode="tozero")
+    return _layout(fig)
+
+
+
+def _groups_sql(c: Clock) -> list[str]:
+    groups = ("SELECT group_id, count(reward) AS rewarded, max(reward) = min(reward) AS zero_variance, "
+              "avg(reward * reward) - avg(reward) * avg(reward) AS reward_variance, max(last_event_at) AS finished_at "
+              "FROM trajectory_summary GROUP BY group_id "
+              "HAVING count(*) FILTER (WHERE status = 'running') = 0 AND count(reward) > 1")
+    return [f"SELECT {c.bucket('finished_at')} AS bucket, count(*) AS groups, "
+            "count(*) FILTER (WHERE zero_variance) AS zero_variance_groups, avg(reward_variance) AS mean_variance "
+            f"FROM ({groups}) g GROUP BY 1 ORDER BY 1"]
+
+
+def _groups_draw(c: Clock, r: list[QueryResult]) -> Any:
+    go, make_subplots = _plotly()
+    rows = r[0].rows
+    if not rows:
+        return "no finished group with two or more rewarded trajectories yet"
+    xs = [c.time_of(row[0]) for row in rows]
+    groups = sum(row[1] for row in rows)
+    zero = sum(row[2] for row in rows)
+    fig = _with_right_axis(make_subplots)
+    fig.add_trace(go.Bar(x=xs, y=[row[1] - row[2] for row in rows], name="groups with reward variance"),
+                  secondary_y=False)
+    fig.add_trace(go.Bar(x=xs, y=[row[2] for row in rows], name="zero-variance groups (no advantage)",
+                         marker_color="#d62728"), secondary_y=False)
+    fig.add_trace(go.Scatter(x=xs, y=[_num(row[3]) for row in rows], name="mean within-group variance",
+                             mode="lines+markers", line=dict(color="black")), secondary_y=True)
+    _time_axis(fig, c)
+    fig.update_yaxes(title_text="finished groups", secondary_y=False)
+    _right_axis(fig, "reward variance")
+    return _layout(fig, barmode="stack", title=dict(
+        text=f"{zero} of {groups} finished groups ({zero / groups:.0%}) have one reward for all their trajectories",
+        font=dict(size=13)))
+
+
+def _problems_sql(c: Clock) -> list[str]:
+    return [f"SELECT {c.bucket('last_event_at')} AS bucket, count(*) FILTER (WHERE status = 'failed') AS failed, "
+            "count(*) FILTER (WHERE status = 'aborted') AS aborted, "
+            "count(*) FILTER (WHERE status = 'truncated') AS truncated, count(*) AS finished "
+            "FROM trajectory_summary WHERE status <> 'running' GROUP BY 1 ORDER BY 1",
+            "SELECT count(*) FILTER (WHERE t.status <> 'running' AND t.num_generations > 0 AND NOT t.is_held_back "
+            "AND NOT EXISTS (SELECT 1 FROM samples s WHERE s.trajectory_id = t.trajectory_id) "
+            "AND NOT EXISTS (SELECT 1 FROM unfoldable_trajectories u WHERE u.trajectory_id = t.trajectory_id)) "
+            "AS waiting_to_fold, count(*) FILTER (WHERE t.is_held_back) AS held_back, "
+            "(SELECT count(*) FROM unfoldable_trajectories) AS unfoldable, "
+            "sum(t.num_placeholder_logprobs) AS placeholder_logprobs FROM trajectory_summary t"]
+
+
+def _problems_draw(c: Clock, r: list[QueryResult]) -> Any:
+    go, make_subplots = _plotly()
+    per_time = r[0].rows
+    waiting, held, unfoldable, placeholders = r[1].rows[0]
+    fig = _wide_left(make_subplots, (
+        "failed, aborted and truncated, by finish time", "finished, without samples, now"))
+    xs = [c.time_of(row[0]) for row in per_time]
+    for i, (name, color) in enumerate((("failed", "#d62728"), ("aborted", "#ff7f0e"), ("truncated", "#9467bd"))):
+        fig.add_trace(go.Bar(x=xs, y=[row[1 + i] for row in per_time], name=name, marker_color=color,
+                             customdata=[row[4] for row in per_time],
+                             hovertemplate="%{y} of %{customdata} finished<extra>" + name + "</extra>"), 1, 1)
+    labels = ["waiting to fold", "held back (label)", "unfoldable"]
+    fig.add_trace(go.Bar(x=labels, y=[waiting or 0, held or 0, unfoldable or 0], showlegend=False, name="now",
+                         marker_color=["#7f7f7f", "#bcbd22", "#d62728"], text=[waiting or 0, held or 0, unfoldable or 0],
+                         textposition="outside"), 1, 2)
+    _time_axis(fig, c, row=1, col=1)
+    fig.update_xaxes(title_text=f"logprobs the engine sent as placeholders (stored as missing): {placeholders or 0}",
+                     row=1, col=2)
+    fig.update_yaxes(title_text="trajectories", rangemode="tozero")
+    return _layout(fig, barmode="stack")
+
+
+def _staleness_sql(c: Clock) -> list[str]:
+    return ["SELECT staleness, count(*) AS samples FROM sample_summary GROUP BY staleness ORDER BY staleness",
+            "SELECT model_version_span, count(*) AS samples FROM sample_summary GROUP BY model_version_span "
+            "ORDER BY model_version_span"]
+
+
+def _staleness_draw(c: Clock, r: list[QueryResult]) -> Any:
+    go, make_subplots = _plotly()
+    stale, span = r[0].rows, r[1].rows
+    if not stale:
+        return "no materialized samples yet (trajstore materialize folds finished trajectories)"
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("staleness at finish (versions behind)",
+                                                        "versions mixed within one sample (max - min)"))
+    fig.add_trace(go.Bar(x=[str(row[0]) for row in stale], y=[row[1] for row in stale], showlegend=False,
+                         name="samples"), 1, 1)
+    fig.add_trace(go.Bar(x=[str(row[0]) for row in span], y=[row[1] for row in span], showlegend=False,
+                         name="samples", marker_color="#ff7f0e"), 1, 2)
+    fig.update_xaxes(type="category")
+    fig.update_yaxes(title_text="samples", row=1, col=1)
+    return _layout(fig)
+
+
+def _merge_sql(c: Clock) -> list[str]:
+    return ["SELECT num_generations, num_samples, count(*) AS trajectories FROM trajectory_summary "
+            "WHERE status <> 'running' AND num_generations > 0 GROUP BY num_generations, num_samples "
+            "ORDER BY num_generations, num_samples",
+            "SELECT num_merged_calls, count(*) AS samples FROM sample_summary GROUP BY num_merged_calls "
+            "ORDER BY num_merged_calls"]
+
+
+def _merge_draw(c: Clock, r: list[QueryResult]) -> Any:
+    go, make_subplots = _plotly()
+    per_traj, per_sample = r[0].rows, r[1].rows
+    if not per_traj:
+        return "no finished trajectory with engine calls yet"
+    overall = _share(sum(row[1] * row[2] for row in per_traj), sum(row[0] * row[2] for row in per_traj))
+    fig = make_subplots(rows=1, cols=2, subplot_titles=(f"samples / calls per trajectory (run: {overall:.3f})",
+                                                        "engine calls folded into one sample"))
+    bins = [0] * 20  # merge ratios in (0, 1], in twentieths
+    for calls, samples, n in per_traj:
+        bins[min(int(samples / calls * 20), 19)] += n
+    fig.add_trace(go.Bar(x=[(i + 0.5) / 20 for i in range(20)], y=bins, width=0.05, showlegend=False,
+                         name="trajectories"), 1, 1)
+    fig.add_vline(x=overall, line_dash="dash", row=1, col=1)
+    fig.add_trace(go.Bar(x=[str(row[0]) for row in per_sample], y=[row[1] for row in per_sample], showlegend=False,
+                         name="samples", marker_color="#2ca02c"), 1, 2)
+    fig.update_xaxes(title_text="merge ratio", range=[0, 1], row=1, col=1)
+    fig.update_yaxes(title_text="trajectories", row=1, col=1)
+    fig.update_xaxes(title_text="calls", type="category", row=1, col=2)
+    return _layout(fig)
+
+
+def _mismatch_sql(c: Clock) -> list[str]:
+    return ["SELECT num_prefix_mismatches, count(*) AS trajectories FROM trajectory_summary WHERE num_generations > 0 "
+            "GROUP BY num_prefix_mismatches ORDER BY num_prefix_mismatches",
+            "SELECT model_version, count(*) AS calls, count(*) FILTER (WHERE is_prefix_mismatch) AS mismatches "
+            "FROM generation_events GROUP BY model_version ORDER BY model_version"]
+
+
+def _mismatch_draw(c: Clock, r: list[QueryResult]) -> Any:
+    go, make_subplots = _plotly()
+    per_traj, per_version = r[0].rows, r[1].rows
+    if not per_traj:
+        return "no engine calls yet"
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("prefix mismatches per trajectory",
+                                                        "calls that start a new sample by mismatch"))
+    fig.add_trace(go.Bar(x=[str(row[0]) for row in per_traj], y=[row[1] for row in per_traj], showlegend=False,
+                         name="trajectories", marker_color="#d62728"), 1, 1)
+    fig.add_trace(go.Bar(x=[str(row[0]) for row in per_version], y=[_share(row[2], row[1]) for row in per_version],
+                         showlegend=False, name="share of calls", marker_color="#d62728"), 1, 2)
+    fig.update_xaxes(type="category")
+    fig.update_xaxes(title_text="mismatches", row=1, col=1)
+    fig.update_xaxes(title_text="model version", row=1, col=2)
+    fig.update_yaxes(tickformat=".0%", row=1, col=2)
+    return _layout(fig)
+
+

@@ -1,0 +1,281 @@
+"""The token-level panels (lengths, logprobs, expert load, route drift and coverage)."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from trajstore._aggregates import DRIFT_WIDTHS_S, LOGPROB_BINS, LOGPROB_RANGE, logprob_bin_edges
+from trajstore.inspect._figures import (RECENT_VERSIONS, _VERSION_STATS_SQL, Clock, _layout, _num, _plotly, 
+                                        _right_axis, _share, _time_axis, _version_axis, _wide_left)
+from trajstore.inspect.sql import QueryResult
+
+__all__: list[str] = []
+
+
+def _length_sql(c: Clock) -> list[str]:
+    w = c.length_bin
+    return [f"SELECT model_version, output_len / {w} * {w} AS length_bin, sum(calls) AS calls "
+            f"FROM agg_output_lengths WHERE model_version >= (SELECT max(model_version) FROM agg_output_lengths) - "
+            f"{RECENT_VERSIONS - 1} GROUP BY 1, 2 ORDER BY 1, 2",
+            "SELECT model_version, sum(output_len * calls) * 1.0 / sum(calls) AS mean_output_len, "
+            "max(output_len) AS max_output_len FROM agg_output_lengths GROUP BY model_version ORDER BY model_version"]
+
+
+def _length_draw(c: Clock, r: list[QueryResult]) -> Any:
+    go, make_subplots = _plotly()
+    bins, means = r[0].rows, r[1].rows
+    if not bins:
+        return "no engine calls yet"
+    fig = _wide_left(make_subplots, (f"tokens generated per call (bins of {c.length_bin}; newest versions)",
+                                     "mean / max per version"))
+    totals: dict[int, int] = {}
+    for v, _, n in bins:
+        totals[v] = totals.get(v, 0) + n
+    for v in sorted(totals):
+        pts = [(b, n) for vv, b, n in bins if vv == v]
+        fig.add_trace(go.Bar(x=[b + c.length_bin / 2 for b, _ in pts], y=[n / totals[v] for _, n in pts],
+                             width=c.length_bin, opacity=0.5, name=f"version {v}"), 1, 1)
+    fig.add_trace(go.Bar(x=[str(row[0]) for row in means], y=[_num(row[1]) for row in means], name="mean",
+                         showlegend=False), 1, 2)
+    fig.add_trace(go.Scatter(x=[str(row[0]) for row in means], y=[row[2] for row in means], name="max",
+                             mode="markers", showlegend=False, marker=dict(symbol="diamond", size=9,
+                                                                            color="black")), 1, 2)
+    fig.update_xaxes(title_text="output tokens", row=1, col=1)
+    _version_axis(fig, row=1, col=2)
+    fig.update_yaxes(tickformat=".0%", row=1, col=1)
+    return _layout(fig, barmode="overlay")
+
+
+
+def _drift_sql(c: Clock) -> list[str]:
+    base = max(w for w in DRIFT_WIDTHS_S if c.width_s % w == 0)  # the stored width the clock's is a multiple of
+    return [f"SELECT (bucket_start * 1000 - {c.t0_ms}) / {c.width_s * 1000} AS bucket, "
+            "sum(rows_compared) AS rows_compared, sum(rows_drifted) AS rows_drifted, sum(rows_resent) AS rows_resent "
+            f"FROM agg_route_drift WHERE width_s = {base} GROUP BY 1 ORDER BY 1",
+            _VERSION_STATS_SQL]
+
+
+def _drift_draw(c: Clock, r: list[QueryResult]) -> Any:
+    go, make_subplots = _plotly()
+    per_time = [row for row in r[0].rows if row[1]]
+    per_version = [row for row in r[1].rows if row[8]]
+    if not per_time:
+        if r[0].rows:
+            return ("route rows were re-sent, but none was compared with the recording (calls appended by a "
+                    "trajstore before route drift was measured)")
+        return ("no call re-sent route rows for recorded positions yet (drift is measured when a merged call's "
+                "engine returns the whole sequence's routes)")
+    compared = sum(row[1] for row in per_time)
+    drifted = sum(row[2] or 0 for row in per_time)
+    fig = _wide_left(make_subplots, (f"re-sent route rows that moved (run: {drifted} of {compared}, "
+                                     f"{drifted / compared:.2%})", "drift share per version"),
+                     specs=[[{"secondary_y": True}, {}]])
+    xs = [c.time_of(row[0]) for row in per_time]
+    fig.add_trace(go.Bar(x=xs, y=[row[2] or 0 for row in per_time], name="rows drifted", opacity=0.45,
+                         marker_color="#8c564b"), 1, 1, secondary_y=True)
+    fig.add_trace(go.Scatter(x=xs, y=[_share(row[2] or 0, row[1]) for row in per_time], name="drift share",
+                             mode="lines+markers", line=dict(color="#d62728"),
+                             customdata=[[row[2] or 0, row[1]] for row in per_time],
+                             hovertemplate="%{y:.2%}: %{customdata[0]} of %{customdata[1]} rows"), 1, 1)
+    fig.add_trace(go.Bar(x=[str(row[0]) for row in per_version], y=[_num(row[10]) for row in per_version],
+                         name="share", showlegend=False, marker_color="#d62728",
+                         customdata=[[row[9] or 0, row[8]] for row in per_version],
+                         hovertemplate="%{y:.2%}: %{customdata[0]} of %{customdata[1]} re-sent rows"), 1, 2)
+    _time_axis(fig, c, row=1, col=1)
+    _version_axis(fig, row=1, col=2)
+    fig.update_yaxes(tickformat=".1%", rangemode="tozero", row=1, col=1, secondary_y=False)
+    _right_axis(fig, "rows drifted", row=1, col=1)
+    fig.update_yaxes(tickformat=".1%", rangemode="tozero", row=1, col=2)
+    return _layout(fig)
+
+
+_MISSING_BUCKETS = ((0, 0, "0"), (1, 1, "1"), (2, 9, "2-9"), (10, 99, "10-99"), (100, None, "100+"))
+
+
+def _routes_sql(c: Clock) -> list[str]:
+    return ["SELECT num_tokens - num_route_rows AS tokens_without_route, count(*) AS samples, "
+            "sum(num_tokens) AS tokens, sum(num_route_rows) AS route_rows "
+            "FROM sample_summary WHERE num_route_rows IS NOT NULL GROUP BY num_tokens - num_route_rows",
+            "SELECT model_version, count(*) AS calls, count(*) FILTER (WHERE has_routes) AS calls_with_routes "
+            "FROM generation_events GROUP BY model_version ORDER BY model_version"]
+
+
+def _routes_draw(c: Clock, r: list[QueryResult]) -> Any:
+    go, make_subplots = _plotly()
+    missing, per_version = r[0].rows, r[1].rows
+    if not per_version:
+        return "no engine calls yet"
+    tokens = sum(row[2] for row in missing)
+    covered = _share(sum(row[3] for row in missing), tokens)
+    fig = make_subplots(rows=1, cols=2, subplot_titles=(
+        "samples by tokens without a route" + (f" ({covered:.2%} covered)" if covered is not None else ""),
+        "engine calls that returned routes"))
+    counts = [sum(n for m, n, *_ in missing if lo <= m and (hi is None or m <= hi)) for lo, hi, _ in _MISSING_BUCKETS]
+    fig.add_trace(go.Bar(x=[b[2] for b in _MISSING_BUCKETS], y=counts, showlegend=False, name="samples",
+                         marker_color="#9467bd"), 1, 1)
+    fig.add_trace(go.Bar(x=[str(row[0]) for row in per_version], y=[_share(row[2], row[1]) for row in per_version],
+                         showlegend=False, name="share of calls", marker_color="#9467bd"), 1, 2)
+    fig.update_xaxes(type="category")
+    fig.update_xaxes(title_text="tokens without a route (1 = the final token only)", row=1, col=1)
+    fig.update_xaxes(title_text="model version", row=1, col=2)
+    fig.update_yaxes(tickformat=".0%", row=1, col=2)
+    return _layout(fig)
+
+
+
+# -- token-level panels: the run aggregates of the default samples' token columns -----------------
+
+PENDING_SQL = "SELECT value FROM store_settings WHERE name = 'aggregates_pending'"
+PENDING_NOTE = ("this store was upgraded with samples whose token columns are not counted yet: run "
+                "trajstore report --rebuild-aggregates once (docs/report.md)")
+
+
+def _logprob_sql(c: Clock) -> list[str]:
+    return ["SELECT model_version, bin, tokens, logprob_sum FROM agg_logprobs ORDER BY model_version, bin",
+            PENDING_SQL]
+
+
+def _experts_sql(c: Clock) -> list[str]:
+    return ["SELECT model_version, layer, expert, routed FROM agg_expert_load "
+            f"WHERE model_version >= (SELECT max(model_version) FROM agg_expert_load) - {RECENT_VERSIONS - 1} "
+            "ORDER BY model_version, layer, expert",
+            PENDING_SQL]
+
+
+def _pending(r: list[QueryResult]) -> str | None:
+    return PENDING_NOTE if r[1].rows else None
+
+
+def _logprob_draw(c: Clock, r: list[QueryResult]) -> Any:
+    import numpy as np
+
+    go, make_subplots = _plotly()
+    rows = r[0].rows
+    if not rows:
+        return _pending(r) or "no materialized sample carries rollout logprobs yet"
+    versions = sorted({int(row[0]) for row in rows})
+    hist = np.zeros((len(versions), LOGPROB_BINS))
+    sums = np.zeros(len(versions))
+    at = {v: i for i, v in enumerate(versions)}
+    for v, b, n, total in rows:
+        hist[at[int(v)], int(b)] += int(n)
+        sums[at[int(v)]] += float(total)
+    tokens = hist.sum(axis=1)
+    fig = _wide_left(make_subplots, (
+        f"rollout logprob of generated loss tokens (every sample, {int(tokens.sum())} tokens)",
+        "mean logprob per version"))
+    edges = logprob_bin_edges()
+    centers = (edges[:-1] + edges[1:]) / 2
+    for i in range(max(0, len(versions) - RECENT_VERSIONS), len(versions)):
+        fig.add_trace(go.Bar(x=centers.tolist(), y=(hist[i] / max(tokens[i], 1)).tolist(),
+                             width=float(edges[1] - edges[0]), opacity=0.5, name=f"version {versions[i]}"), 1, 1)
+    fig.add_trace(go.Bar(x=[str(v) for v in versions], y=(sums / np.maximum(tokens, 1)).tolist(), name="mean",
+                         showlegend=False, customdata=[int(n) for n in tokens],
+                         hovertemplate="%{y:.3f} over %{customdata} tokens"), 1, 2)
+    fig.update_xaxes(title_text=f"logprob (clipped to {LOGPROB_RANGE[0]:g})", row=1, col=1)
+    _version_axis(fig, row=1, col=2)
+    fig.update_yaxes(tickformat=".0%", row=1, col=1)
+    if _pending(r):
+        _layout(fig, title=dict(text=PENDING_NOTE, font=dict(size=11)))
+    return _layout(fig, barmode="overlay")
+
+
+def _experts_draw(c: Clock, r: list[QueryResult]) -> Any:
+    import numpy as np
+
+    from trajstore.inspect._routes import max_violation, moe_layers
+
+    go, make_subplots = _plotly()
+    rows = r[0].rows
+    if not rows:
+        return _pending(r) or "no materialized sample carries routes yet"
+    got = np.asarray(rows, np.int64)  # [model_version, layer, expert, routed]
+    versions, vi = np.unique(got[:, 0], return_inverse=True)
+    counts = np.zeros((len(versions), int(got[:, 1].max()) + 1, int(got[:, 2].max()) + 1))
+    np.add.at(counts, (vi, got[:, 1], got[:, 2]), got[:, 3])  # [version, layer, expert]
+    moe = moe_layers(counts)
+    if not moe.any():
+        return "the samples' routes name expert 0 only (dense layers): no MoE layer to show"
+    layers = np.flatnonzero(moe)
+    counts = counts[:, moe, :]
+    num_experts = counts.shape[2]
+    per_version = counts.sum(axis=1)
+    share = per_version / np.maximum(per_version.mean(axis=1, keepdims=True), 1e-12)  # 1.0 = an even expert
+    newest = counts[-1]
+    layer_share = newest / np.maximum(newest.mean(axis=1, keepdims=True), 1e-12)
+    vio = max_violation(counts) + 1.0  # [version, layer]: busiest expert over the mean
+    names = [str(int(v)) for v in versions]
+    fig = make_subplots(rows=2, cols=2, column_widths=[0.68, 0.32], vertical_spacing=0.14, subplot_titles=(
+        f"load per expert relative to an even split, per version (every sample, decode routes, "
+        f"{len(layers)} MoE layers)",
+        "busiest expert / mean, per version (1 = balanced)",
+        f"load per expert and layer, version {names[-1]}", f"busiest expert / mean per layer, version {names[-1]}"))
+    heat = dict(colorscale="RdBu", reversescale=True, zmid=1.0)
+    fig.add_trace(go.Heatmap(z=share.tolist(), x=list(range(num_experts)), y=names, **heat,
+                             colorbar=dict(title="load / mean", x=1.0, len=0.45, y=0.78),
+                             hovertemplate="version %{y}, expert %{x}: %{z:.2f} x even<extra></extra>"), 1, 1)
+    fig.add_trace(go.Bar(x=names, y=vio.max(axis=1).tolist(), name="worst layer", marker_color="#9467bd"), 1, 2)
+    fig.add_trace(go.Bar(x=names, y=vio.mean(axis=1).tolist(), name="mean over layers", marker_color="#c5b0d5"),
+                  1, 2)
+    fig.add_trace(go.Heatmap(z=layer_share.tolist(), x=list(range(num_experts)), y=[str(i) for i in layers],
+                             **heat, showscale=False,
+                             hovertemplate="layer %{y}, expert %{x}: %{z:.2f} x even<extra></extra>"), 2, 1)
+    fig.add_trace(go.Bar(x=[str(i) for i in layers], y=vio[-1].tolist(), name="layer", showlegend=False,
+                         marker_color="#9467bd"), 2, 2)
+    fig.update_xaxes(title_text="expert id", row=1, col=1)
+    fig.update_xaxes(title_text="expert id", row=2, col=1)
+    fig.update_yaxes(title_text="model version", type="category", row=1, col=1)
+    fig.update_yaxes(title_text="layer", type="category", row=2, col=1)
+    fig.update_xaxes(title_text="layer", type="category", row=2, col=2)
+    _version_axis(fig, row=1, col=2)
+    if _pending(r):
+        _layout(fig, title=dict(text=PENDING_NOTE, font=dict(size=11)))
+    return _layout(fig, height=620, barmode="group")
+
+
+# -- reading samples from the payload read-only (trajstore track reads the newest samples' routes) ---
+
+def _read_samples(payload: str, rows: Sequence[Sequence[Any]]) -> list[Any]:
+    """The samples at (segment, segment_row) of ``rows``, read without writing anything
+    (the store's own PayloadStore makes its directory and reserve files on open)."""
+    from urllib.parse import urlparse
+
+    import pyarrow as pa
+    import pyarrow.fs as pafs
+    import pyarrow.ipc as ipc
+    import pyarrow.parquet as pq
+
+    from trajstore._samples import samples_from_table
+    from trajstore.payload._format import SegmentKind
+
+    parsed = urlparse(payload)
+    if parsed.scheme and len(parsed.scheme) > 1 and parsed.scheme != "file":
+        fs, root = pafs.FileSystem.from_uri(payload)
+    else:
+        fs, root = pafs.LocalFileSystem(), (parsed.path if parsed.scheme == "file" else payload)
+    by_segment: dict[str, list[int]] = {}
+    for r in rows:
+        by_segment.setdefault(r[2], []).append(int(r[3]))
+    out = []
+    for segment, wanted in by_segment.items():
+        path = f"{root.rstrip('/')}/{segment}"
+        if SegmentKind.of(segment) is SegmentKind.SAMPLES_PARQUET:
+            with fs.open_input_file(path) as f:
+                table = pq.read_table(f)
+            out.extend(samples_from_table(table, wanted))
+            continue
+        with fs.open_input_file(path) as f:
+            reader = ipc.open_file(f)
+            per = int((reader.schema.metadata or {}).get(b"trajstore.rows_per_batch", 0)) or None
+            if per is None:  # one batch layout unknown: read it whole
+                table = reader.read_all()
+                out.extend(samples_from_table(table, wanted))
+                continue
+            numbers = sorted({w // per for w in wanted})
+            batches = [reader.get_batch(b) for b in numbers]
+            starts, at = {}, 0
+            for b, batch in zip(numbers, batches):
+                starts[b], at = at, at + batch.num_rows
+            table = pa.Table.from_batches(batches, schema=reader.schema)
+            out.extend(samples_from_table(table, [starts[w // per] + w % per for w in wanted]))
+    return out

@@ -8,7 +8,7 @@ from typing import Any, Callable
 
 from trajstore._argtypes import number
 
-__all__ = ["add_retention_commands"]
+__all__ = ["add_partition_command", "add_retention_commands"]
 
 
 def _cmd_archive(args: argparse.Namespace, store: Any) -> int:
@@ -63,3 +63,25 @@ def add_retention_commands(add: Callable[..., argparse.ArgumentParser],
     r = add("restore", lambda args: _cmd_restore(args, open_store(args, create=True)),
             "append the events of an archive made by trajstore archive to a store (normally a new one)")
     r.add_argument("dir", help="the archive directory")
+
+
+def _cmd_partition(args: argparse.Namespace) -> int:
+    from trajstore.cli import _index_engines
+    from trajstore.log._registry import backend_of
+
+    url, write_engine, _ = _index_engines(args)
+    done = backend_of(url).partition_events(write_engine, rows=args.rows, ahead=args.ahead)
+    if done["converted"]:
+        print("events is now partitioned by position (the existing rows are partition events_legacy; "
+              "identities are in event_identities)")
+    print(f"created {len(done['created'])} partition(s); {len(done['partitions'])} in all")
+    return 0
+
+
+def add_partition_command(add: Callable[..., argparse.ArgumentParser]) -> None:
+    p = add("partition", _cmd_partition,
+            "PostgreSQL: partition the event index by position (once), then keep partitions ahead of the head")
+    p.add_argument("--rows", type=number(int, min=1), default=100_000_000, metavar="N",
+                   help="positions per new partition (default 100,000,000: about 8 h at 3,300 calls/s)")
+    p.add_argument("--ahead", type=number(int, min=1), default=2, metavar="K",
+                   help="partitions to keep past the log's head (default 2; run it again, e.g. daily)")

@@ -89,8 +89,13 @@ def test_partitioned_event_index_keeps_appends_retries_folds_and_views(fresh_pg_
     assert _scalar(store, "SELECT count(*) FROM events") == 0
     assert _scalar(store, "SELECT count(*) FROM event_identities") == 0
     capsys.readouterr()
-    assert main(["--store", fresh_pg_url, "partition", "--rows", "40", "--ahead", "4"]) == 0
+    assert main(["--store", fresh_pg_url, "partition", "--rows", "40", "--ahead", "4", "--drop-empty"]) == 0
     out = capsys.readouterr().out
+    assert "dropped" in out and "events_legacy" in out
+    left = {r for r in store.log.read_engine.connect().execute(text(
+        "SELECT c.relname FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid "
+        "WHERE i.inhparent = 'events'::regclass")).scalars()}
+    assert "events_legacy" not in left and "events_default" in left
     assert "now partitioned" not in out and "created 0 partition" not in out and "created" in out
     _append(store, range(30, 33))
     store.materialize()

@@ -121,7 +121,7 @@ class Backend(SqlDialect):
         raise NotImplementedError
 
     @classmethod
-    def partition_events(cls, engine: Engine, *, rows: int, ahead: int) -> dict[str, Any]:
+    def partition_events(cls, engine: Engine, *, rows: int, ahead: int, drop_empty: bool = False) -> dict[str, Any]:
         """Partition the event index by position (``trajstore partition``; docs/deploy.md,
         "Partitioning"): where the database has declarative partitioning."""
         from trajstore.errors import ValidationError

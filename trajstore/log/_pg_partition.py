@@ -108,15 +108,27 @@ def _convert(conn: Connection) -> int:
     return bound
 
 
-def partition_events(engine: Any, *, rows: int, ahead: int) -> dict[str, Any]:
+def partition_events(engine: Any, *, rows: int, ahead: int, drop_empty: bool = False) -> dict[str, Any]:
     """Partition ``events`` by position (once), then create partitions of ``rows``
-    positions until ``ahead`` of them lie past the log's head. Returns
-    ``{"converted", "created": [names], "partitions": [(name, from, to)]}``."""
+    positions until ``ahead`` of them lie past the log's head. With ``drop_empty``,
+    first detach and drop the partitions wholly below the head that hold no row
+    (retention emptied them; a late insert into a dropped range lands in the DEFAULT
+    partition). Returns ``{"converted", "created", "dropped": [names], "partitions": [(name, from, to)]}``."""
     with engine.begin() as conn:
         conn.exec_driver_sql("SET LOCAL statement_timeout = 0")
         converted = not _is_partitioned(conn)
         if converted:
             _convert(conn)
+        dropped = []
+        if drop_empty:
+            conn.exec_driver_sql("LOCK TABLE events IN ACCESS EXCLUSIVE MODE")
+            head = int(conn.exec_driver_sql("SELECT last_value FROM log_positions").scalar_one())
+            for name, _, hi in partitions(conn):
+                if hi is not None and hi <= head + 1 and conn.exec_driver_sql(
+                        f'SELECT NOT EXISTS (SELECT 1 FROM "{name}")').scalar_one():
+                    conn.exec_driver_sql(f'ALTER TABLE events DETACH PARTITION "{name}"')
+                    conn.exec_driver_sql(f'DROP TABLE "{name}"')
+                    dropped.append(name)
         parts = partitions(conn)
         upper = max((hi for _, _, hi in parts if hi is not None), default=0)
         # rows already in the DEFAULT partition stay there: new ranges start past them
@@ -129,4 +141,4 @@ def partition_events(engine: Any, *, rows: int, ahead: int) -> dict[str, Any]:
             conn.exec_driver_sql(f"CREATE TABLE {name} PARTITION OF events FOR VALUES FROM ({upper}) TO ({upper + rows})")
             created.append(name)
             upper += rows
-        return {"converted": converted, "created": created, "partitions": partitions(conn)}
+        return {"converted": converted, "created": created, "dropped": dropped, "partitions": partitions(conn)}

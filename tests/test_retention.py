@@ -208,3 +208,36 @@ def test_kill_9_between_the_archive_file_and_the_drop_loses_nothing(store_url, t
     _same_samples(_samples(store), before)
     _same_samples(_refold(out, tmp_path), before)
     store.close()
+
+
+def test_two_archive_runs_racing_archive_each_trajectory_once(store_url, tmp_path, monkeypatch):
+    """A second run archives the same batch between the first run's file and its drop: the first
+    run's transaction stores nothing (its rows were archived), it picks again and finds nothing."""
+    from trajstore import _retention
+    from trajstore.log._retention import SqlRetention
+
+    payload = str(tmp_path / "payload")
+    store = trajstore.connect(store_url, payload=payload)
+    _append(store, range(6))
+    store.materialize()
+    before = _samples(store)
+    drop = SqlRetention.drop_archived
+    raced = {"n": 0}
+
+    def racing_drop(self, *a, **kw):
+        if raced["n"] == 0:
+            raced["n"] += 1
+            other = trajstore.connect(store_url, payload=payload)
+            assert _retention.archive_events(other, str(tmp_path / "b"), older_than_s=0)["trajectories"] == 6
+            other.close()
+        return drop(self, *a, **kw)
+
+    monkeypatch.setattr(SqlRetention, "drop_archived", racing_drop)
+    done = _retention.archive_events(store, str(tmp_path / "a"), older_than_s=0)
+    assert raced["n"] == 1 and done["trajectories"] == 0 and done["files"] == []
+    idx = _index(store)
+    assert idx["events"] == {} and len(idx["archived"]) == 6
+    # both directories hold the same events; either folds back to the same samples
+    _same_samples(_refold(tmp_path / "a", tmp_path, "ra"), before)
+    _same_samples(_refold(tmp_path / "b", tmp_path, "rb"), before)
+    store.close()

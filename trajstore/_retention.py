@@ -42,9 +42,10 @@ import pyarrow.parquet as pq
 
 from trajstore import _facts as facts
 from trajstore._wire import encode_b64
-from trajstore.errors import TrajstoreError, ValidationError
+from trajstore.errors import ContentionError, TrajstoreError, ValidationError
 from trajstore.events import decimal_label
 from trajstore.log._retention import ARCHIVED_TYPES, SqlRetention
+from trajstore.log.base import StaleState
 from trajstore.payload._durable import fsync_path, replace_durably
 
 __all__ = ["ARCHIVE_SCHEMA", "ArchiveBatch", "LaggingProjections", "archive_events", "archive_files", "restore_archive"]
@@ -52,6 +53,7 @@ __all__ = ["ARCHIVE_SCHEMA", "ArchiveBatch", "LaggingProjections", "archive_even
 log = logging.getLogger(__name__)
 
 FORMAT = "trajstore-archive/1"
+MAX_STALE_BATCHES = 5  # batches in a row whose drop lost a race before the command gives up
 
 ARCHIVE_SCHEMA = pa.schema([
     pa.field("position", pa.int64()),  # the event's position in the source store; null for version_label rows
@@ -209,6 +211,7 @@ def archive_events(store: Any, out_dir: str, *, before_position: int | None = No
         os.makedirs(out_dir, exist_ok=True)
         fsync_path(os.path.dirname(os.path.abspath(out_dir)))
     seen: set[str] = set()
+    stale = 0
     while True:
         batch = [c for c in pick(horizon, batch_trajectories + len(seen) if dry_run else batch_trajectories)
                  if c[0] not in seen]
@@ -223,7 +226,18 @@ def archive_events(store: Any, out_dir: str, *, before_position: int | None = No
             seen.update(ids)
         else:
             path = _write_part(out_dir, _label_rows(store, labels) + rows, positions)
-            retention.drop_archived(ids, positions, segs, time.time())
+            try:
+                retention.drop_archived(ids, positions, segs, time.time())
+            except StaleState as e:
+                # another run archived some of them first, or an event arrived after the file
+                # was written: nothing was deleted; pick again (the file stays, restore drops repeats)
+                stale += 1
+                if stale > MAX_STALE_BATCHES:
+                    raise ContentionError(f"archive: {stale} batches in a row lost a race with other writers "
+                                          f"({e}); nothing of them was deleted, run it again") from None
+                log.info("archive batch picked again: %s", e)
+                continue
+            stale = 0
             total["files"].append(path)
         total["trajectories"] += len(ids)
         total["events"] += len(rows)

@@ -66,7 +66,8 @@ class SqlRetention:
         if before_position is not None:
             conds.append(t.c.finished_position < before_position)
             having.append(last < before_position)
-        q = (select(t.c.trajectory_id, last).select_from(t.join(e, e.c.trajectory_id == t.c.trajectory_id))
+        q = (select(t.c.trajectory_id, last).select_from(
+            t.join(e, and_(e.c.trajectory_id == t.c.trajectory_id, e.c.type.in_(ARCHIVED_TYPES))))
              .where(*conds).group_by(t.c.trajectory_id).having(and_(*having)).order_by(last, t.c.trajectory_id)
              .limit(limit))
         with self.db.reading("finding trajectories to archive") as conn:

@@ -65,11 +65,10 @@ def add_retention_commands(add: Callable[..., argparse.ArgumentParser],
     r.add_argument("dir", help="the archive directory")
 
 
-def _cmd_partition(args: argparse.Namespace) -> int:
-    from trajstore.cli import _index_engines
+def _cmd_partition(args: argparse.Namespace, index_engines: Callable[[argparse.Namespace], Any]) -> int:
     from trajstore.log._registry import backend_of
 
-    url, write_engine, _ = _index_engines(args)
+    url, write_engine, _ = index_engines(args)
     done = backend_of(url).partition_events(write_engine, rows=args.rows, ahead=args.ahead,
                                             drop_empty=args.drop_empty)
     if done["converted"]:
@@ -81,8 +80,10 @@ def _cmd_partition(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_partition_command(add: Callable[..., argparse.ArgumentParser]) -> None:
-    p = add("partition", _cmd_partition,
+def add_partition_command(add: Callable[..., argparse.ArgumentParser],
+                          index_engines: Callable[[argparse.Namespace], Any]) -> None:
+    """``index_engines(args)``: the CLI's ``(url, write engine, read engine)`` of an existing, migrated store."""
+    p = add("partition", lambda args: _cmd_partition(args, index_engines),
             "PostgreSQL: partition the event index by position (once), then keep partitions ahead of the head")
     p.add_argument("--rows", type=number(int, min=1), default=100_000_000, metavar="N",
                    help="positions per new partition (default 100,000,000: about 5 h at 5,800 events/s)")

@@ -402,7 +402,7 @@ def _parser() -> argparse.ArgumentParser:
     from trajstore._retention_cli import add_partition_command, add_retention_commands
 
     add_retention_commands(add, _store)
-    add_partition_command(add)
+    add_partition_command(add, _index_engines)
     _add_edge_commands(sub, add)
     return p
 

@@ -67,6 +67,10 @@ trajectories = Table(
     Column("archived_at", Float, nullable=True),
 )
 
+# migration 0015: the finished trajectories ``trajstore archive`` may still take, without the archived ones
+Index("ix_trajectories_unarchived", trajectories.c.finished_position,
+      postgresql_where=trajectories.c.archived_at.is_(None), sqlite_where=trajectories.c.archived_at.is_(None))
+
 # The append-only log index: one row per stored event, in position order.
 events = Table(
     "events",

@@ -8,7 +8,9 @@ Create Date: 2026-11-27
 folded trajectories to a Parquet archive, then deletes their ``events`` rows.
 The ``trajectories`` row stays (counts, status, reward and the samples keep
 answering in SQL) and records when its events left the index: ``archived_at``
-(unix seconds), NULL while they are in ``events``.
+(unix seconds), NULL while they are in ``events``. The partial index
+``ix_trajectories_unarchived`` finds the finished trajectories still to
+archive without walking the archived ones (there are ever more of them).
 """
 from __future__ import annotations
 
@@ -22,6 +24,8 @@ depends_on = None
 
 def upgrade() -> None:
     op.execute("ALTER TABLE trajectories ADD COLUMN archived_at FLOAT")
+    op.execute("CREATE INDEX ix_trajectories_unarchived ON trajectories (finished_position) "
+               "WHERE archived_at IS NULL")
 
 
 def downgrade() -> None:
@@ -30,4 +34,5 @@ def downgrade() -> None:
     if n:
         raise RuntimeError(f"cannot downgrade below 0015: {n} trajectories have their events archived "
                            "(their events are no longer in the index)")
+    op.execute("DROP INDEX ix_trajectories_unarchived")
     op.execute("ALTER TABLE trajectories DROP COLUMN archived_at")

@@ -241,3 +241,31 @@ def test_two_archive_runs_racing_archive_each_trajectory_once(store_url, tmp_pat
     _same_samples(_refold(tmp_path / "a", tmp_path, "ra"), before)
     _same_samples(_refold(tmp_path / "b", tmp_path, "rb"), before)
     store.close()
+
+
+def test_labelled_weight_versions_refold_from_the_archive(store_url, tmp_path):
+    """Calls whose weight_versions name labels (one mapped before, one after the call): the archive
+    carries the label map's entries, so a new store resolves them and folds the same samples."""
+    payload = str(tmp_path / "payload")
+    store = trajstore.connect(store_url, payload=payload)
+    store.append([{"type": "version_label", "label": "w-a", "model_version": 4}])
+    store.append([
+        {"type": "trajectory_started", "trajectory_id": "L"},
+        {"type": "generation", "trajectory_id": "L", "seq": 0, "prompt_ids": [1, 2], "output_ids": [3, 4, 5],
+         "logprobs": [-0.1, -0.2, -0.3],
+         "weight_versions": [{"version": "w-a", "start": 0, "end": 2}, {"version": "w-b", "start": 2, "end": 3}]},
+        {"type": "trajectory_finished", "trajectory_id": "L", "status": "completed"},
+    ])
+    store.append([{"type": "version_label", "label": "w-b", "model_version": 5}])  # releases L
+    store.materialize()
+    before = _samples(store)
+    assert len(before) == 1 and before[0].max_model_version == 5
+    from trajstore._retention import archive_events
+
+    done = archive_events(store, str(tmp_path / "a"), older_than_s=0)
+    # the label rows come first in the file
+    rows = pq.read_table(next((tmp_path / "a").glob("part-*.parquet"))).to_pylist()
+    assert [r["type"] for r in rows[:2]] == ["version_label", "version_label"]
+    assert done["trajectories"] == 1
+    _same_samples(_refold(tmp_path / "a", tmp_path), before)
+    store.close()

@@ -173,7 +173,7 @@ def _write_part(out_dir: str, rows: list[dict[str, Any]], positions: Sequence[in
 
 def archive_events(store: Any, out_dir: str, *, before_position: int | None = None,
                    older_than_s: float | None = 3600.0, skip_lagging: bool = False, dry_run: bool = False,
-                   batch_trajectories: int = 1000,
+                   batch_trajectories: int = 100,
                    on_batch: Callable[[ArchiveBatch], None] | None = None) -> dict[str, Any]:
     """Archive the events of folded trajectories to ``out_dir`` and drop their index rows.
 

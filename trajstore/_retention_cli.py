@@ -58,8 +58,9 @@ def add_retention_commands(add: Callable[..., argparse.ArgumentParser],
                    help="when a named projection has not folded some trajectories yet, archive only what "
                         "every projection folded (default: refuse, naming the projections)")
     a.add_argument("--dry-run", action="store_true", help="count what would be archived; write and delete nothing")
-    a.add_argument("--batch-trajectories", type=number(int, min=1), default=1000, metavar="N",
-                   help="trajectories per archive file and per index transaction (default 1000)")
+    a.add_argument("--batch-trajectories", type=number(int, min=1), default=100, metavar="N",
+                   help="trajectories per archive file and per index transaction (default 100; a batch's "
+                        "events are held in memory, about twice their token data)")
     r = add("restore", lambda args: _cmd_restore(args, open_store(args, create=True)),
             "append the events of an archive made by trajstore archive to a store (normally a new one)")
     r.add_argument("dir", help="the archive directory")

@@ -34,14 +34,13 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from trajstore import _facts as facts
-from trajstore._wire import encode_b64
 from trajstore.errors import ContentionError, TrajstoreError, ValidationError
 from trajstore.events import decimal_label
 from trajstore.log._retention import ARCHIVED_TYPES, SqlRetention
@@ -55,13 +54,19 @@ log = logging.getLogger(__name__)
 FORMAT = "trajstore-archive/1"
 MAX_STALE_BATCHES = 5  # batches in a row whose drop lost a race before the command gives up
 
+# A generation's arrays: raw little-endian bytes in a binary column each; the event's JSON
+# names each one present as {"dtype", "shape"} under the same key.
+ARRAY_FIELDS = ("prompt_ids", "output_ids", "logprobs", "loss_mask", "token_rewards", "token_model_versions",
+                "routed_experts")
+
 ARCHIVE_SCHEMA = pa.schema([
     pa.field("position", pa.int64()),  # the event's position in the source store; null for version_label rows
     pa.field("trajectory_id", pa.string()),
     pa.field("type", pa.string()),
     pa.field("seq", pa.int32()),
     pa.field("event_id", pa.string()),
-    pa.field("event", pa.string()),  # the wire-format event, JSON (arrays as {b64, dtype, shape})
+    pa.field("event", pa.string()),  # the wire-format event, JSON, without its arrays' bytes
+    *[pa.field(name, pa.large_binary()) for name in ARRAY_FIELDS],
 ], metadata={b"format": FORMAT.encode()})
 
 
@@ -79,17 +84,19 @@ class ArchiveBatch:
     last_position: int
 
 
-def _wire_generation(g: Any) -> dict[str, Any]:
-    ev: dict[str, Any] = {"type": "generation", "trajectory_id": g.trajectory_id, "seq": int(g.seq),
-                          "prompt_ids": encode_b64(g.prompt_ids), "output_ids": encode_b64(g.output_ids)}
+def _wire_generation(g: Any, arrays: dict[str, bytes]) -> dict[str, Any]:
+    """The generation as a wire event; its arrays' bytes go to ``arrays``, their dtype and shape in the event."""
+    ev: dict[str, Any] = {"type": "generation", "trajectory_id": g.trajectory_id, "seq": int(g.seq)}
     if g.model_version is not None:
         ev["model_version"] = int(g.model_version)
-    for key in ("logprobs", "loss_mask", "token_rewards", "token_model_versions"):
+    for key in ARRAY_FIELDS:
         value = getattr(g, key)
         if value is not None:
-            ev[key] = encode_b64(value)
+            le = np.ascontiguousarray(value)
+            le = le.astype(le.dtype.newbyteorder("<"), copy=False)
+            ev[key] = {"dtype": le.dtype.name, "shape": list(le.shape)}
+            arrays[key] = le.tobytes()
     if g.routed_experts is not None:
-        ev["routed_experts"] = encode_b64(g.routed_experts)
         ev["routed_experts_start"] = int(g.routed_experts_start)
     for key in ("reward", "finish_reason", "event_id"):
         value = getattr(g, key)
@@ -121,8 +128,9 @@ def _wire_events(store: Any, ids: Sequence[str]) -> tuple[list[dict[str, Any]], 
             if r["segment"] is not None:
                 segments.add(r["segment"])
             kind = r["type"]
+            arrays: dict[str, bytes] = {}
             if kind == "generation":
-                ev = _wire_generation(next(gens))
+                ev = _wire_generation(next(gens), arrays)
                 for span in ev.get("weight_versions", ()):
                     label = span["version"]
                     if isinstance(label, str) and label != "default" and decimal_label(label) is None:
@@ -143,7 +151,7 @@ def _wire_events(store: Any, ids: Sequence[str]) -> tuple[list[dict[str, Any]], 
                 ev["event_id"] = r["event_id"]
             out.append({"position": int(r["position"]), "trajectory_id": t, "type": kind,
                         "seq": r["seq"], "event_id": r["event_id"],
-                        "event": None if ev is None else json.dumps(ev, separators=(",", ":"))})
+                        "event": None if ev is None else json.dumps(ev, separators=(",", ":")), **arrays})
     return out, [{"label": lb} for lb in sorted(labels)], segments
 
 
@@ -158,11 +166,11 @@ def _label_rows(store: Any, labels: Sequence[dict[str, Any]]) -> list[dict[str, 
 def _write_part(out_dir: str, rows: list[dict[str, Any]], positions: Sequence[int]) -> str:
     digest = hashlib.sha256(np.asarray(sorted(positions), dtype="<i8").tobytes()).hexdigest()[:24]
     path = os.path.join(out_dir, f"part-{digest}.parquet")
-    table = pa.Table.from_arrays([pa.array([r[f.name] for r in rows], type=f.type) for f in ARCHIVE_SCHEMA],
+    table = pa.Table.from_arrays([pa.array([r.get(f.name) for r in rows], type=f.type) for f in ARCHIVE_SCHEMA],
                                  schema=ARCHIVE_SCHEMA)
 
     def write(tmp: str) -> None:
-        # the large unique strings (the events) gain nothing from dictionary encoding, which costs most of the write
+        # unique values (events, arrays) gain nothing from dictionary encoding, which would cost most of the write
         pq.write_table(table, tmp, compression="zstd", use_dictionary=["trajectory_id", "type"])
         fsync_path(tmp)
 
@@ -248,14 +256,24 @@ def archive_events(store: Any, out_dir: str, *, before_position: int | None = No
     return total
 
 
-def _archive_rows(paths: Iterable[str]) -> list[dict[str, Any]]:
-    rows: list[dict[str, Any]] = []
-    for p in paths:
-        f = pq.ParquetFile(p)
-        if (f.schema_arrow.metadata or {}).get(b"format") != FORMAT.encode():
-            raise ValidationError(f"{p} is not a trajstore event archive (format {FORMAT})", rule="archive")
-        rows.extend(f.read().to_pylist())
-    return rows
+def _archive_rows(path: str) -> list[dict[str, Any]]:
+    f = pq.ParquetFile(path)
+    if (f.schema_arrow.metadata or {}).get(b"format") != FORMAT.encode():
+        raise ValidationError(f"{path} is not a trajstore event archive (format {FORMAT})", rule="archive")
+    return f.read().to_pylist()
+
+
+def _event_of(row: Mapping[str, Any]) -> dict[str, Any]:
+    """The wire event of an archive row, its arrays as numpy (zero-copy views of the column bytes)."""
+    ev = json.loads(row["event"])
+    for key in ARRAY_FIELDS:
+        spec = ev.get(key)
+        if spec is not None:
+            raw = row.get(key)
+            if raw is None:
+                raise ValidationError(f"archive row at position {row['position']}: {key} has no bytes", rule="archive")
+            ev[key] = np.frombuffer(raw, dtype=np.dtype(spec["dtype"]).newbyteorder("<")).reshape(spec["shape"])
+    return ev
 
 
 def archive_files(archive_dir: str) -> list[str]:
@@ -267,23 +285,45 @@ def archive_files(archive_dir: str) -> list[str]:
 
 def restore_archive(store: Any, archive_dir: str, *, batch_events: int = 512,
                     on_batch: Callable[[int], None] | None = None) -> dict[str, int]:
-    """Append the events of the archive in ``archive_dir`` to ``store`` (whole
-    trajectories in their original order; the label map's entries first).
-    Events repeated across files (a run that crashed after writing its file)
-    are idempotent retries. Returns ``{"events", "trajectories"}`` appended."""
-    rows = _archive_rows(archive_files(archive_dir))
-    labels = {json.loads(r["event"])["label"]: r["event"] for r in rows if r["type"] == "version_label"}
+    """Append the events of the archive in ``archive_dir`` to ``store``: the label
+    map's entries first, then whole trajectories in the order they finished in the
+    source store (their last positions), each one's events in their original order,
+    so the folds come out in the same order. Events repeated across files (a run
+    that crashed after writing its file) are idempotent retries, appended once.
+    Memory: the archive's (trajectory, position) pairs and two files' rows.
+    Returns ``{"events", "trajectories"}`` appended."""
+    paths = archive_files(archive_dir)
+    last: dict[str, tuple[int, str]] = {}  # trajectory -> (its last position, a file holding it)
+    labels: dict[str, str] = {}
+    for path in paths:
+        f = pq.ParquetFile(path)
+        if (f.schema_arrow.metadata or {}).get(b"format") != FORMAT.encode():
+            raise ValidationError(f"{path} is not a trajstore event archive (format {FORMAT})", rule="archive")
+        cols = f.read(columns=["position", "trajectory_id", "type", "event"]).to_pydict()
+        for pos, tid, kind, ev in zip(cols["position"], cols["trajectory_id"], cols["type"], cols["event"]):
+            if kind == "version_label":
+                labels[json.loads(ev)["label"]] = ev
+            elif tid not in last or pos > last[tid][0]:
+                last[tid] = (pos, path)
     if labels:
         store.append([json.loads(e) for _, e in sorted(labels.items())])
-    by_traj: dict[str, dict[int, str]] = {}
-    for r in rows:
-        if r["type"] != "version_label" and r["event"] is not None:
-            by_traj.setdefault(r["trajectory_id"], {})[int(r["position"])] = r["event"]
-    order = sorted(by_traj, key=lambda t: max(by_traj[t]))
+    cache: dict[str, dict[str, list[dict[str, Any]]]] = {}
+
+    def events_of(tid: str, path: str) -> list[dict[str, Any]]:
+        if path not in cache:
+            if len(cache) >= 2:
+                cache.pop(next(iter(cache)))
+            by: dict[str, dict[int, dict[str, Any]]] = {}
+            for r in _archive_rows(path):
+                if r["type"] != "version_label" and r["event"] is not None:
+                    by.setdefault(r["trajectory_id"], {})[int(r["position"])] = r
+            cache[path] = {t: [rows[p] for p in sorted(rows)] for t, rows in by.items()}
+        return [_event_of(r) for r in cache[path][tid]]
+
     batch: list[dict[str, Any]] = []
     done = 0
-    for t in order:
-        evs = [json.loads(by_traj[t][p]) for p in sorted(by_traj[t])]
+    for tid in sorted(last, key=lambda t: (last[t][0], t)):
+        evs = events_of(tid, last[tid][1])
         if batch and len(batch) + len(evs) > batch_events:
             store.append(batch)
             done += len(batch)
@@ -296,4 +336,4 @@ def restore_archive(store: Any, archive_dir: str, *, batch_events: int = 512,
         done += len(batch)
         if on_batch is not None:
             on_batch(done)
-    return {"events": done, "trajectories": len(order)}
+    return {"events": done, "trajectories": len(last)}

@@ -269,3 +269,27 @@ def test_labelled_weight_versions_refold_from_the_archive(store_url, tmp_path):
     assert done["trajectories"] == 1
     _same_samples(_refold(tmp_path / "a", tmp_path), before)
     store.close()
+
+
+def test_downgrade_below_0015_is_refused_while_trajectories_are_archived(store_url, tmp_path):
+    from alembic import command
+    from sqlalchemy import create_engine
+
+    from trajstore._migrate import alembic_config
+    from trajstore._retention import archive_events
+
+    payload = str(tmp_path / "payload")
+    store = trajstore.connect(store_url, payload=payload)
+    _append(store, range(2))
+    store.materialize()
+    assert archive_events(store, str(tmp_path / "a"), older_than_s=0)["trajectories"] == 2
+    store.close()
+    engine = create_engine(store_url)
+    with pytest.raises(Exception, match="trajectories have their events archived"):
+        with engine.begin() as conn:
+            cfg = alembic_config()
+            cfg.attributes["connection"] = conn
+            command.downgrade(cfg, "0014")
+    with engine.connect() as conn:
+        assert conn.execute(select(func.count()).where(traj_table.c.archived_at.is_not(None))).scalar_one() == 2
+    engine.dispose()

@@ -399,6 +399,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="with --engine-only: the engine moves to the next weight label every this many "
                         "generated tokens (0: never; default 10)")
     _add_projection_command(add)
+    from trajstore._retention_cli import add_partition_command, add_retention_commands
+
+    add_retention_commands(add, _store)
+    add_partition_command(add, _index_engines)
     _add_edge_commands(sub, add)
     return p
 

@@ -62,7 +62,14 @@ trajectories = Table(
     # migration 0006: the fold's tail (trajstore.fold.FoldTail) also counts the samples
     # started so far; the current sample is num_samples - 1.
     Column("num_samples", Integer, nullable=False, server_default="0"),
+    # migration 0015: when ``trajstore archive`` moved the trajectory's events out of the
+    # index into a Parquet archive (docs/deploy.md, "Index growth"); NULL while they are in it
+    Column("archived_at", Float, nullable=True),
 )
+
+# migration 0015: the finished trajectories ``trajstore archive`` may still take, without the archived ones
+Index("ix_trajectories_unarchived", trajectories.c.finished_position,
+      postgresql_where=trajectories.c.archived_at.is_(None), sqlite_where=trajectories.c.archived_at.is_(None))
 
 # The append-only log index: one row per stored event, in position order.
 events = Table(

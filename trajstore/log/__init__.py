@@ -24,6 +24,10 @@
 * ``_dialect``      — ``SqlDialect``: the hot paths' cached driver statements every
                       backend shares
 * ``_errors``       — the one driver-error translation boundary
+* ``_retention``    — ``SqlRetention``: which trajectories every fold has passed, and the
+                      guarded transaction that drops their archived events
+* ``_pg_partition`` — PostgreSQL: the event index partitioned by position (identities in
+                      their own table, kept by a trigger)
 """
 
 __all__: list[str] = []

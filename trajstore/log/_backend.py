@@ -120,6 +120,15 @@ class Backend(SqlDialect):
         (asked only where ``reader_logins``; the caller checked the name)."""
         raise NotImplementedError
 
+    @classmethod
+    def partition_events(cls, engine: Engine, *, rows: int, ahead: int, drop_empty: bool = False) -> dict[str, Any]:
+        """Partition the event index by position (``trajstore partition``; docs/deploy.md,
+        "Partitioning"): where the database has declarative partitioning."""
+        from trajstore.errors import ValidationError
+
+        raise ValidationError(f"the {cls.__name__} backend does not partition the event index "
+                              "(PostgreSQL does: docs/deploy.md, \"Partitioning\")", rule="partition")
+
     # -- the inspection views' fragments (trajstore.inspect.views) -----------------
     @classmethod
     def join_sorted(cls, column: str) -> str:

@@ -297,6 +297,13 @@ class PostgreSQL(Backend):
             engine.dispose()
 
     @classmethod
+    def partition_events(cls, engine: Engine, *, rows: int, ahead: int, drop_empty: bool = False) -> dict[str, Any]:
+        from trajstore.log._pg_partition import partition_events
+
+        with driver_errors("partitioning the event index"):
+            return partition_events(engine, rows=rows, ahead=ahead, drop_empty=drop_empty)
+
+    @classmethod
     def make_reader_login(cls, engine: Engine, login: str, password: str | None, role: str) -> None:
         from sqlalchemy import text
 

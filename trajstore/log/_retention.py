@@ -1,0 +1,114 @@
+"""The retention command's index side (docs/deploy.md, "Index growth").
+
+Which trajectories may leave the index (folded by every shard of the default
+fold and by every named projection), and the one transaction that drops
+their ``events`` rows once their archive file is durable: it marks the
+``trajectories`` rows ``archived_at`` (guarded: a row another run archived
+first makes it store nothing), deletes exactly the archived positions, checks
+no other event of those trajectories is left, and retires the log segments
+left without a row. SQLAlchemy Core: the same statements on every backend.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Collection, Mapping, Sequence
+
+from sqlalchemy import Connection, and_, delete, exists, func, select, update
+
+from trajstore.log._dialect import SqlDialect, chunks
+from trajstore.log._segments import retire_emptied
+from trajstore.log._transaction import Database
+from trajstore.log.base import RELEASED, StaleState
+from trajstore.schema import (events, materializer_checkpoints, projection_checkpoints, projection_unfoldable,
+                              projections, trajectories, unfoldable_trajectories, unresolved_labels, version_labels)
+
+__all__ = ["ARCHIVED_TYPES", "SqlRetention"]
+
+# The events of a trajectory that the archive holds (the wire events) and drops;
+# ``trajectory_released`` is the store's own, dropped with them.
+ARCHIVED_TYPES = ("trajectory_started", "generation", "reward", "trajectory_finished", RELEASED)
+
+
+class SqlRetention:
+    """The index side of ``trajstore archive`` over one store's ``Database``."""
+
+    def __init__(self, db: Database) -> None:
+        self.db = db
+
+    def horizons(self) -> tuple[int, dict[str, int]]:
+        """How far the default fold (the lowest of its shards' checkpoints; 0 without
+        any) and each named projection (likewise) have folded the log."""
+        with self.db.reading("reading the fold checkpoints") as conn:
+            default = conn.execute(select(func.min(materializer_checkpoints.c.position))).scalar()
+            names = conn.execute(select(projections.c.name)).scalars().all()
+            low = dict(conn.execute(select(projection_checkpoints.c.projection,
+                                           func.min(projection_checkpoints.c.position))
+                                    .group_by(projection_checkpoints.c.projection)).all())
+        return int(default or 0), {n: int(low.get(n) or 0) for n in names}
+
+    def candidates(self, *, horizon: int, before_position: int | None, updated_before: float | None,
+                   limit: int) -> list[tuple[str, int]]:
+        """Up to ``limit`` finished, not archived trajectories whose every event is at or
+        below ``horizon`` (and below ``before_position``), last updated before
+        ``updated_before``, that no fold recorded as unfoldable and none waits on an
+        unmapped version label: ``(trajectory_id, last position)`` by last position."""
+        t, e = trajectories, events
+        last = func.max(e.c.position)
+        conds = [t.c.archived_at.is_(None), t.c.status != "running", t.c.finished_position.is_not(None),
+                 t.c.finished_position <= horizon,
+                 ~exists().where(unfoldable_trajectories.c.trajectory_id == t.c.trajectory_id),
+                 ~exists().where(projection_unfoldable.c.trajectory_id == t.c.trajectory_id),
+                 ~exists().where(and_(unresolved_labels.c.trajectory_id == t.c.trajectory_id,
+                                      ~exists().where(version_labels.c.label == unresolved_labels.c.label)))]
+        if updated_before is not None:
+            conds.append(t.c.updated_at < updated_before)
+        having = [last <= horizon]
+        if before_position is not None:
+            conds.append(t.c.finished_position < before_position)
+            having.append(last < before_position)
+        q = (select(t.c.trajectory_id, last).select_from(
+            t.join(e, and_(e.c.trajectory_id == t.c.trajectory_id, e.c.type.in_(ARCHIVED_TYPES))))
+             .where(*conds).group_by(t.c.trajectory_id).having(and_(*having)).order_by(last, t.c.trajectory_id)
+             .limit(limit))
+        with self.db.reading("finding trajectories to archive") as conn:
+            return [(r[0], int(r[1])) for r in conn.execute(q)]
+
+    def archived_count(self) -> int:
+        with self.db.reading("counting archived trajectories") as conn:
+            return int(conn.execute(select(func.count()).where(trajectories.c.archived_at.is_not(None))).scalar_one())
+
+    def drop_archived(self, trajectory_ids: Sequence[str], positions: Collection[int],
+                      segment_names: Collection[str], now: float) -> int:
+        """Mark the trajectories archived and delete exactly ``positions`` (their
+        archived events), in one transaction; retire the log segments left without
+        a row. Stores nothing (``StaleState``) when a trajectory was archived
+        meanwhile or holds an event the archive does not. Returns the rows deleted."""
+        ids, pos = sorted(set(trajectory_ids)), sorted(set(positions))
+
+        def body(conn: Connection, d: SqlDialect) -> int:
+            marked = 0
+            for part in chunks(ids):
+                marked += conn.execute(update(trajectories).where(trajectories.c.trajectory_id.in_(part),
+                                                                 trajectories.c.archived_at.is_(None))
+                                       .values(archived_at=now)).rowcount
+            if marked != len(ids):
+                raise StaleState(f"{len(ids) - marked} of {len(ids)} trajectories were archived by another run")
+            deleted = 0
+            for part in chunks(pos):
+                deleted += conn.execute(delete(events).where(events.c.position.in_(part))).rowcount
+            if deleted != len(pos):
+                raise StaleState(f"{len(pos) - deleted} archived events were no longer in the index")
+            for part in chunks(ids):
+                left = conn.execute(select(func.count()).where(events.c.trajectory_id.in_(part),
+                                                               events.c.type.in_(ARCHIVED_TYPES))).scalar_one()
+                if left:
+                    raise StaleState(f"{left} events of these trajectories arrived after their archive was written")
+            if segment_names:
+                retire_emptied(conn, d, segment_names)
+            return deleted
+
+        return self.db.transaction("dropping archived events", body)
+
+    def lagging(self, projection_horizons: Mapping[str, int], last_position: int) -> dict[str, int]:
+        """The projections whose checkpoint is below ``last_position``."""
+        return {n: h for n, h in sorted(projection_horizons.items()) if h < last_position}

@@ -271,7 +271,7 @@ def test_labelled_weight_versions_refold_from_the_archive(store_url, tmp_path):
     store.close()
 
 
-def test_downgrade_below_0015_is_refused_while_trajectories_are_archived(store_url, tmp_path):
+def test_downgrade_below_0016_is_refused_while_trajectories_are_archived(store_url, tmp_path):
     from alembic import command
     from sqlalchemy import create_engine
 
@@ -289,7 +289,7 @@ def test_downgrade_below_0015_is_refused_while_trajectories_are_archived(store_u
         with engine.begin() as conn:
             cfg = alembic_config()
             cfg.attributes["connection"] = conn
-            command.downgrade(cfg, "0014")
+            command.downgrade(cfg, "0015")
     with engine.connect() as conn:
         assert conn.execute(select(func.count()).where(traj_table.c.archived_at.is_not(None))).scalar_one() == 2
     engine.dispose()

@@ -1,7 +1,7 @@
 """trajectories.archived_at: trajectories whose events the retention command archived
 
-Revision ID: 0015
-Revises: 0014
+Revision ID: 0016
+Revises: 0015
 Create Date: 2026-11-27
 
 ``trajstore archive`` (docs/deploy.md, "Index growth") writes the events of
@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from alembic import op
 
-revision = "0015"
-down_revision = "0014"
+revision = "0016"
+down_revision = "0015"
 branch_labels = None
 depends_on = None
 
@@ -32,7 +32,7 @@ def downgrade() -> None:
     bind = op.get_bind()
     n = bind.exec_driver_sql("SELECT count(*) FROM trajectories WHERE archived_at IS NOT NULL").scalar_one()
     if n:
-        raise RuntimeError(f"cannot downgrade below 0015: {n} trajectories have their events archived "
+        raise RuntimeError(f"cannot downgrade below 0016: {n} trajectories have their events archived "
                            "(their events are no longer in the index)")
     op.execute("DROP INDEX ix_trajectories_unarchived")
     op.execute("ALTER TABLE trajectories DROP COLUMN archived_at")

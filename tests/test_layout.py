@@ -217,7 +217,7 @@ PUBLIC_API: dict[str, set[str]] = {
         "events", "log_head", "materializer_checkpoints", "metadata", "projection_checkpoints", "projection_samples",
         "projection_unfoldable", "projections", "samples", "segments", "store_settings", "trajectories",
         "unfoldable_trajectories", "unresolved_labels", "version_labels", "lineage_annotation_versions",
-        "lineage_annotations", "lineage_step_samples", "lineage_steps"
+        "lineage_annotations", "lineage_step_samples", "lineage_steps", "reader_leases"
     },
     "trajstore.store": {"AppendCheck", "AppendResult", "DEFAULT_URL", "Store", "connect", "resolve_url"},
     "trajstore.train": set(),

@@ -25,13 +25,10 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from trajstore.errors import StoreUnavailable, TrajstoreError, first_line
 from trajstore.log._leases import gc_horizon, release_lease, renew_lease, retired_segments, take_lease
-
-if TYPE_CHECKING:
-    from trajstore.store import Store
 
 log = logging.getLogger(__name__)
 
@@ -55,12 +52,12 @@ class GcStats:
     last_pass_s: float = 0.0
 
 
-def lease_horizon(store: "Store", margin_s: float) -> float:
+def lease_horizon(store: Any, margin_s: float) -> float:
     """Segments retired before this (database time) may be deleted (module doc)."""
     return gc_horizon(store.log.db, margin_s)[0]
 
 
-def collect_retired(store: "Store", *, margin_s: float = GC_MARGIN_S, max_batches: int | None = None) -> list[str]:
+def collect_retired(store: Any, *, margin_s: float = GC_MARGIN_S, max_batches: int | None = None) -> list[str]:
     """Delete the retired segments before the GC horizon, in batches of 1,000
     from the index's list; forget their rows; return their names."""
     horizon = lease_horizon(store, margin_s)
@@ -87,7 +84,7 @@ class GcWorker:
     Errors are logged and retried at the next pass; nothing it does blocks its
     caller. ``stop()`` ends it (waits for the pass running)."""
 
-    def __init__(self, store: "Store", *, margin_s: float = GC_MARGIN_S, interval_s: float = GC_INTERVAL_S,
+    def __init__(self, store: Any, *, margin_s: float = GC_MARGIN_S, interval_s: float = GC_INTERVAL_S,
                  retire_check_s: float = 60.0, sweep_interval_s: float | None = SWEEP_INTERVAL_S,
                  sweep_grace_s: float = SWEEP_GRACE_S, name: str = "trajstore-gc") -> None:
         self.store, self.margin_s, self.interval_s = store, margin_s, interval_s
@@ -151,7 +148,7 @@ class ReaderLease:
     store before migration 0015) the reader runs without one, protected only by
     the GC's margin; that is logged once."""
 
-    def __init__(self, store: "Store", holder: str | None = None, *, ttl_s: float = LEASE_TTL_S,
+    def __init__(self, store: Any, holder: str | None = None, *, ttl_s: float = LEASE_TTL_S,
                  heartbeat: bool = True) -> None:
         self.store, self.ttl_s = store, ttl_s
         self.name = uuid.uuid4().hex

@@ -54,7 +54,7 @@ def _trajectory(tid: str, rng: np.random.Generator) -> tuple[list[dict], list[di
     p2 = np.concatenate([prompt, out1, obs])
     second = [{"type": "generation", "trajectory_id": tid, "seq": 1, "prompt_ids": p2, "output_ids": out2,
                "model_version": 0, "routed_experts": rng.integers(0, 128, (len(p2) + 63, 48, 8), dtype=np.uint8)},
-              {"type": "trajectory_finished", "trajectory_id": tid, "status": "completed", "reward": 1.0}]
+              {"type": "trajectory_finished", "trajectory_id": tid, "status": "completed"}]
     return first, second, len(p2) + len(out2)
 
 

@@ -7,7 +7,7 @@ and after (the index's retired list, one DeleteObjects per 1,000 keys).
 Steady run: a SQLite store on a local payload directory; one thread appends
 ``--rate`` trajectories/s (two calls each, 256 + 64 and 64 more tokens, 48x8
 routes), ``Materializer.follow`` folds them with its default GC settings (the
-GC worker thread, 2 s margin, 1 s interval). Every 10 s: payload bytes at rest,
+GC worker thread, 1 s margin, 0.5 s interval). Every 10 s: payload bytes at rest,
 bytes of the sample segments (one copy of every folded token), copies at rest
 (their ratio) and bytes per token (at rest / tokens appended). ``--grace 3600``
 reruns it as the old default (one hour before any delete).

@@ -35,8 +35,8 @@ log = logging.getLogger(__name__)
 __all__ = ["GC_MARGIN_S", "GC_INTERVAL_S", "LEASE_TTL_S", "SWEEP_GRACE_S", "GcStats", "GcWorker", "ReaderLease",
            "collect_retired", "lease_horizon"]
 
-GC_MARGIN_S = 2.0  # deleted this long after retirement (or after the oldest live lease's held_since)
-GC_INTERVAL_S = 1.0  # one pass of the steady path every so often: one indexed query when nothing is retired
+GC_MARGIN_S = 1.0  # deleted this long after retirement (or after the oldest live lease's held_since)
+GC_INTERVAL_S = 0.5  # one pass of the steady path every so often: one indexed query when nothing is retired
 LEASE_TTL_S = 60.0  # a reader lease not renewed this long has lapsed
 SWEEP_GRACE_S = 3600.0  # a file no row knows is a crash leftover once this old (a writer may not have committed)
 SWEEP_INTERVAL_S = 6 * 3600.0  # the worker's full sweep (one listing of the payload)

@@ -1,10 +1,10 @@
 """Long-running materializer: keeps folding finished trajectories as they arrive.
 
-    python workers/materializer.py --store URL [--shard 0 --num-shards 1] [--poll-s 1.0] [--gc-grace-s 2] [--abandon-after-s S]
+    python workers/materializer.py --store URL [--shard 0 --num-shards 1] [--poll-s 1.0] [--gc-grace-s 1] [--abandon-after-s S]
 
 Shard 0 also runs the payload GC in a thread of its own: every ``--gc-interval-s``
-(default 1) it deletes the segments the index lists as retired more than
-``--gc-grace-s`` (the margin, default 2) ago, or before the oldest live reader
+(default 0.5) it deletes the segments the index lists as retired more than
+``--gc-grace-s`` (the margin, default 1) ago, or before the oldest live reader
 lease: one copy of every folded token is the state at rest.
 
 SIGTERM / SIGINT stop it after the step in progress commits (a step is one

@@ -66,17 +66,19 @@ def release_lease(db: Database, name: str) -> None:
 def gc_horizon(db: Database, margin_s: float) -> tuple[float, int]:
     """``(horizon, live leases)``: segments retired before ``horizon`` may be
     deleted. It is ``now - margin_s``, or earlier: the oldest ``held_since`` of
-    an unexpired lease, minus ``margin_s``. Expired leases are removed."""
-
-    def body(conn: Connection, d: SqlDialect) -> tuple[float, int]:
-        now = _now(conn, d)
-        conn.execute(delete(reader_leases).where(reader_leases.c.expires_at <= now))
-        oldest, n = conn.execute(select(func.min(reader_leases.c.held_since), func.count())
-                                 .select_from(reader_leases)).one()
-        horizon = now if oldest is None else min(now, float(oldest))
-        return horizon - margin_s, int(n)
-
-    return db.transaction("reading the readers' leases", body)
+    an unexpired lease, minus ``margin_s``. One read; expired leases are removed
+    (a write) only when there are some."""
+    with db.reading("reading the readers' leases") as conn:
+        now = _now(conn, db.dialect)
+        oldest, n, expired = conn.execute(select(
+            func.min(reader_leases.c.held_since).filter(reader_leases.c.expires_at > now),
+            func.count().filter(reader_leases.c.expires_at > now),
+            func.count().filter(reader_leases.c.expires_at <= now)).select_from(reader_leases)).one()
+    if expired:
+        db.transaction("removing lapsed reader leases",
+                       lambda conn, d: conn.execute(delete(reader_leases).where(reader_leases.c.expires_at <= now)))
+    horizon = now if oldest is None else min(now, float(oldest))
+    return horizon - margin_s, int(n)
 
 
 def retired_segments(db: Database, before: float, limit: int) -> list[str]:

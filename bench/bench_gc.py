@@ -61,8 +61,11 @@ def _trajectory(tid: str, rng: np.random.Generator) -> tuple[list[dict], list[di
 def _bytes(root: str) -> tuple[int, int]:
     total = samples = 0
     for e in os.scandir(root):
-        if e.is_file():
-            n = e.stat().st_size
+        try:
+            n = e.stat().st_size if e.is_file() else 0
+        except FileNotFoundError:  # a temporary file renamed meanwhile
+            continue
+        if n:
             total += n
             samples += n if e.name.startswith("samples-") else 0
     return total, samples

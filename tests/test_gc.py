@@ -288,3 +288,22 @@ def test_on_s3_one_delete_objects_request_per_thousand_keys_and_no_listing(store
         assert f"DELETE /{BUCKET}/{prefix}/events-one.arrow" in _requests(log_path, start)
     finally:
         store.close()
+
+
+def test_a_reader_login_holds_a_lease(store, store_url):
+    """The read-only role may write its own leases (migration 0015): a reader
+    connected as an analyst login protects what it reads like any other."""
+    from tests.helpers import reader_url_for
+
+    _trajectories(store, "a", 2)
+    reader = trajstore.connect(reader_url_for(store_url), migrate=False, create=False)
+    try:
+        lease = ReaderLease(reader, "analyst", heartbeat=False)
+        assert lease.held
+        store.materialize()
+        assert collect_retired(store, margin_s=0) == []
+        lease.renew()
+        lease.close()
+        assert len(collect_retired(store, margin_s=0)) == 4
+    finally:
+        reader.close()

@@ -25,11 +25,18 @@ def _now(conn: Connection, d: SqlDialect) -> float:
     return float(conn.exec_driver_sql(f"SELECT {d.now_sql}").scalar_one())
 
 
+def _writing(conn: Connection, d: SqlDialect) -> float:
+    """Start a lease's write transaction (``lease_write``: the first statement); the database's now."""
+    if d.lease_write:
+        conn.exec_driver_sql(d.lease_write)
+    return _now(conn, d)
+
+
 def take_lease(db: Database, name: str, holder: str, ttl_s: float) -> float:
     """Record lease ``name`` held since now; return its ``held_since``."""
 
     def body(conn: Connection, d: SqlDialect) -> float:
-        now = _now(conn, d)
+        now = _writing(conn, d)
         conn.execute(delete(reader_leases).where(reader_leases.c.name == name))
         conn.execute(insert(reader_leases).values(name=name, holder=holder[:255], held_since=now, renewed_at=now,
                                                   expires_at=now + ttl_s))
@@ -44,7 +51,7 @@ def renew_lease(db: Database, name: str, ttl_s: float, *, advance: bool) -> floa
     (None: the lease had expired and was removed; the caller takes a new one)."""
 
     def body(conn: Connection, d: SqlDialect) -> float | None:
-        now = _now(conn, d)
+        now = _writing(conn, d)
         values: dict[str, Any] = {"renewed_at": now, "expires_at": now + ttl_s}
         if advance:
             values["held_since"] = now
@@ -59,8 +66,11 @@ def renew_lease(db: Database, name: str, ttl_s: float, *, advance: bool) -> floa
 
 
 def release_lease(db: Database, name: str) -> None:
-    db.transaction("releasing a reader lease",
-                   lambda conn, d: conn.execute(delete(reader_leases).where(reader_leases.c.name == name)))
+    def body(conn: Connection, d: SqlDialect) -> None:
+        _writing(conn, d)
+        conn.execute(delete(reader_leases).where(reader_leases.c.name == name))
+
+    db.transaction("releasing a reader lease", body)
 
 
 def gc_horizon(db: Database, margin_s: float) -> tuple[float, int]:

@@ -156,13 +156,13 @@ class ReaderLease:
         self.held_since: float | None = None
         self._stop = threading.Event()
         self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
         try:
             self.held_since = take_lease(store.log.db, self.name, self.holder, ttl_s)
         except TrajstoreError as e:
             log.warning("reader %s runs without a GC lease (protected by the GC margin only): %s", self.holder,
                         first_line(e))
             return
-        self._thread = None
         if heartbeat:
             self._thread = threading.Thread(target=self._beat, name="trajstore-lease", daemon=True)
             self._thread.start()

@@ -307,3 +307,19 @@ def test_a_reader_login_holds_a_lease(store, store_url):
         assert len(collect_retired(store, margin_s=0)) == 4
     finally:
         reader.close()
+
+
+def test_the_workers_rare_full_sweep_takes_crash_leftovers(store):
+    """Files no segments row knows are found only by listing: the worker's full
+    sweep (here every 0.1 s, with no grace) removes them; its steady path alone does not."""
+    _trajectories(store, "a", 1)
+    leftover = "events-crashed-leftover.arrow"
+    with open(store.payload.path(leftover), "wb") as f:
+        f.write(b"x" * 100)
+    assert collect_retired(store, margin_s=0) == [] and leftover in _files(store)
+    with GcWorker(store, margin_s=0, interval_s=0.05, sweep_interval_s=0.1, sweep_grace_s=0) as w:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and leftover in _files(store):
+            time.sleep(0.05)
+    assert leftover not in _files(store) and w.stats.sweeps >= 1
+    assert store.log.referenced_segments() <= _files(store)

@@ -64,6 +64,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from trajstore._deprecated import renamed
+from trajstore._gc import GC_INTERVAL_S, GC_MARGIN_S, GcWorker
 from trajstore import _facts as facts
 from trajstore.errors import ConflictError, CorruptStoreError, PayloadMissingError, StoreUnavailable, ValidationError
 from trajstore.events import decimal_label
@@ -302,49 +303,48 @@ class Materializer:
             out.append(tid)
         return out
 
-    def follow(self, stop: threading.Event, *, poll_s: float = 1.0, gc_grace_s: float | None = 3600.0,
-               gc_interval_s: float = 60.0, on_step: Callable[[MaterializeStats], None] | None = None,
+    def follow(self, stop: threading.Event, *, poll_s: float = 1.0, gc_grace_s: float | None = GC_MARGIN_S,
+               gc_interval_s: float = GC_INTERVAL_S, on_step: Callable[[MaterializeStats], None] | None = None,
                abandon_after_s: float | None = None) -> None:
         """Fold as trajectories finish until ``stop`` is set (a step is one
         transaction: stopping between steps loses nothing), and collect garbage.
 
-        Every ``gc_interval_s`` (after a step, never during one) the store's
-        retired log segments older than ``gc_grace_s`` are deleted
-        (``Store.collect_garbage``), so one copy of every folded token is the
-        state at rest without an operator. ``gc_grace_s`` None: no collection
-        (another process does it). Only shard 0 collects unless told otherwise:
-        ``Store.collect_garbage`` is safe to run from several processes, but one
-        listing of the payload per interval is enough. ``on_step``: called with
-        the stats of each step that folded or recorded something.
-        ``abandon_after_s``: finish running trajectories idle that long as
-        ``abandoned`` (:meth:`abandon_idle`), checked every tenth of it (1 to 60 s);
-        None (the default): never."""
-        last_gc = last_abandon = time.monotonic()
-        collect = gc_grace_s is not None
+        Garbage is collected by a ``trajstore._gc.GcWorker`` in its own thread,
+        started here and stopped on return: never inside this fold loop (a slow
+        or stalled object store does not stop folding). Every ``gc_interval_s``
+        it deletes the segments the index lists as retired before the GC
+        horizon: ``gc_grace_s`` (the margin) before now, or before the oldest
+        live reader lease (docs/materializer.md, "Garbage collection"), so one
+        copy of every folded token is the state at rest without an operator.
+        ``gc_grace_s`` None: no collection (another process does it). Only shard
+        0 collects unless told otherwise (several collectors are safe, one is
+        enough). ``on_step``: called with the stats of each step that folded or
+        recorded something. ``abandon_after_s``: finish running trajectories
+        idle that long as ``abandoned`` (:meth:`abandon_idle`), checked every
+        tenth of it (1 to 60 s); None (the default): never."""
+        last_abandon = time.monotonic()
+        worker = None if gc_grace_s is None else GcWorker(
+            self.store, margin_s=gc_grace_s, interval_s=gc_interval_s, name=f"trajstore-gc-{self.shard}").start()
+        self.gc = worker
         abandon_every = None if abandon_after_s is None else max(1.0, min(60.0, abandon_after_s / 10))
-        while not stop.is_set():
-            if abandon_every is not None and time.monotonic() - last_abandon >= abandon_every:
-                last_abandon = time.monotonic()
-                try:
-                    self.abandon_idle(abandon_after_s)  # type: ignore[arg-type]
-                except StoreUnavailable as e:  # retried at the next check; folding goes on
-                    log.warning("materializer %s: abandoning idle trajectories failed, retried later: %s",
-                                self.shard, e)
-            stats = self.run(max_steps=1)
-            if stats.num_trajectories or stats.num_unfoldable or stats.num_internal_errors:
-                if on_step is not None:
-                    on_step(stats)
-            elif self.pending(all_shards=True) == 0:
-                stop.wait(poll_s)  # nothing to do: sleep, but wake at once when stopped
-            if collect and time.monotonic() - last_gc >= gc_interval_s:
-                last_gc = time.monotonic()
-                try:
-                    removed = self.store.collect_garbage(grace_s=gc_grace_s)
-                except StoreUnavailable as e:  # retried at the next interval; folding goes on
-                    log.warning("materializer %s: garbage collection failed, retried later: %s", self.shard, e)
-                else:
-                    if removed:
-                        log.info("materializer %s: collected %d payload file(s)", self.shard, len(removed))
+        try:
+            while not stop.is_set():
+                if abandon_every is not None and time.monotonic() - last_abandon >= abandon_every:
+                    last_abandon = time.monotonic()
+                    try:
+                        self.abandon_idle(abandon_after_s)  # type: ignore[arg-type]
+                    except StoreUnavailable as e:  # retried at the next check; folding goes on
+                        log.warning("materializer %s: abandoning idle trajectories failed, retried later: %s",
+                                    self.shard, e)
+                stats = self.run(max_steps=1)
+                if stats.num_trajectories or stats.num_unfoldable or stats.num_internal_errors:
+                    if on_step is not None:
+                        on_step(stats)
+                elif self.pending(all_shards=True) == 0:
+                    stop.wait(poll_s)  # nothing to do: sleep, but wake at once when stopped
+        finally:
+            if worker is not None:
+                worker.stop(timeout=0)  # a pass stuck on the object store ends with the process (daemon)
 
     def refold_quarantined(self) -> MaterializeStats:
         """Fold this shard's quarantined trajectories (recorded with

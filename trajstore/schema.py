@@ -21,6 +21,7 @@ from sqlalchemy import (
     String,
     Table,
     Text,
+    text,
 )
 
 metadata = MetaData()
@@ -146,6 +147,22 @@ segments = Table(
     Column("num_bytes", BigInteger, nullable=False),
     Column("created_at", Float, nullable=False),
     Column("retired_at", Float, nullable=True),
+    # the GC's steady path: retired segments only (migration 0015)
+    Index("ix_segments_retired", "retired_at", sqlite_where=text("retired_at IS NOT NULL"),
+          postgresql_where=text("retired_at IS NOT NULL")),
+)
+
+# Readers' leases (migration 0015): a live reader may still open any segment
+# retired after its ``held_since``; the payload GC deletes only segments retired
+# before every unexpired lease's (``trajstore._gc``). Times are the database's.
+reader_leases = Table(
+    "reader_leases",
+    metadata,
+    Column("name", String(64), primary_key=True),
+    Column("holder", String(255), nullable=False),
+    Column("held_since", Float, nullable=False),
+    Column("renewed_at", Float, nullable=False),
+    Column("expires_at", Float, nullable=False),
 )
 
 # Materialized samples: order key (finished_position, sample_index).
@@ -434,4 +451,4 @@ __all__ = ["metadata", "log_head", "trajectories", "events", "segments", "sample
            "unfoldable_trajectories", "version_labels", "unresolved_labels", "store_settings", "projections",
            "projection_samples", "projection_checkpoints", "projection_unfoldable", "lineage_steps",
            "lineage_step_samples", "lineage_annotations", "lineage_annotation_versions", "agg_expert_load",
-           "agg_logprobs", "agg_output_lengths", "agg_route_drift"]
+           "agg_logprobs", "agg_output_lengths", "agg_route_drift", "reader_leases"]

@@ -349,20 +349,28 @@ class Store:
         """Counts per status, event type and model version, and the number of samples."""
         return {**self.log.counts(), "samples": self.materialized.count_samples()}
 
-    def collect_garbage(self, *, grace_s: float = 3600.0) -> list[str]:
-        """Delete payload files nothing needs any more; return their names.
+    def collect_garbage(self, *, grace_s: float = 3600.0, margin_s: float | None = None) -> list[str]:
+        """Delete payload files nothing needs any more; return their names: the
+        full sweep, which lists the payload (``trajstore gc``; the steady path,
+        driven by the index's retired list without listing, is
+        ``trajstore._gc.collect_retired``, run by the materializer's GC worker).
 
         Two kinds: log segments retired (every event re-pointed into a sample
         segment by the materializer, or moved by ``compact``) more than
         ``grace_s`` ago, and files no ``segments`` row knows (left by a crashed
         append, materialization or compaction) older than ``grace_s``. A file
-        an ``events`` or ``samples`` row names is never deleted. The grace
-        protects readers that resolved a locator just before it was re-pointed
+        an ``events`` or ``samples`` row names is never deleted, nor one retired
+        after the oldest live reader lease's ``held_since`` minus ``margin_s``
+        (default: ``grace_s``'s smaller of it and 2 s). The grace protects readers
+        that resolved a locator just before it was re-pointed and hold no lease
         (docs/log.md, "One copy")."""
+        from trajstore._gc import GC_MARGIN_S, lease_horizon
+
         # Retirement times are the database's, and so is "now" here: the grace does not
         # depend on this machine's clock agreeing with the retiring one's.
         self.log.retire_unreferenced(time.time())  # ones two concurrent re-pointings each left to the other
-        keep = self.log.segments_in_use(retired_before=self.log.database_time() - grace_s)
+        horizon = lease_horizon(self, min(grace_s, GC_MARGIN_S) if margin_s is None else margin_s)
+        keep = self.log.segments_in_use(retired_before=min(self.log.database_time() - grace_s, horizon))
         removed = self.payload.collect_garbage(keep, grace_s=grace_s)
         self.log.forget_segments(removed)
         return removed

@@ -1,9 +1,11 @@
 """Long-running materializer: keeps folding finished trajectories as they arrive.
 
-    python workers/materializer.py --store URL [--shard 0 --num-shards 1] [--poll-s 1.0] [--gc-grace-s 3600] [--abandon-after-s S]
+    python workers/materializer.py --store URL [--shard 0 --num-shards 1] [--poll-s 1.0] [--gc-grace-s 1] [--abandon-after-s S]
 
-Shard 0 also deletes retired payload files after their grace (``--gc-grace-s``,
-every ``--gc-interval-s``): one copy of every folded token is the state at rest.
+Shard 0 also runs the payload GC in a thread of its own: every ``--gc-interval-s``
+(default 0.5) it deletes the segments the index lists as retired more than
+``--gc-grace-s`` (the margin, default 1) ago, or before the oldest live reader
+lease: one copy of every folded token is the state at rest.
 
 SIGTERM / SIGINT stop it after the step in progress commits (a step is one
 transaction, so stopping between steps loses nothing). Prints one JSON line
@@ -18,14 +20,15 @@ import signal
 import sys
 import threading
 
+from trajstore._gc import GC_INTERVAL_S, GC_MARGIN_S
 from trajstore.errors import TrajstoreError
 from trajstore.materializer import Materializer
 from trajstore.store import connect
 
 
 def run(store_url: str | None, *, shard: int, num_shards: int, poll_s: float, stop: threading.Event,
-        payload: str | None = None, max_trajectories: int = 256, gc_grace_s: float | None = 3600.0,
-        gc_interval_s: float = 60.0, abandon_after_s: float | None = None) -> None:
+        payload: str | None = None, max_trajectories: int = 256, gc_grace_s: float | None = GC_MARGIN_S,
+        gc_interval_s: float = GC_INTERVAL_S, abandon_after_s: float | None = None) -> None:
     """``gc_grace_s``: collect retired payload after this grace (None: never; by default
     only shard 0 collects)."""
     store = connect(store_url, payload=payload)
@@ -47,9 +50,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--poll-s", type=float, default=1.0)
     p.add_argument("--max-trajectories", "--batch-size", type=int, default=256, dest="max_trajectories",
                    help="finished trajectories folded per step (--batch-size: its old name)")
-    p.add_argument("--gc-grace-s", type=float, default=3600.0,
-                   help="delete retired payload files this long after retirement (default 3600; negative: never)")
-    p.add_argument("--gc-interval-s", type=float, default=60.0, help="how often to collect (default 60)")
+    p.add_argument("--gc-grace-s", type=float, default=GC_MARGIN_S,
+                   help="delete retired payload files this long after retirement, or after the oldest live "
+                        f"reader lease (default {GC_MARGIN_S:g}; negative: never)")
+    p.add_argument("--gc-interval-s", type=float, default=GC_INTERVAL_S,
+                   help=f"how often the GC worker looks at the retired list (default {GC_INTERVAL_S:g})")
     p.add_argument("--abandon-after-s", type=float, default=None,
                    help="finish running trajectories with no event for this long as 'abandoned' (default: never)")
     args = p.parse_args(argv)

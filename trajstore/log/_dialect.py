@@ -85,6 +85,10 @@ class SqlDialect:
     """What a read on a driver connection starts with (None: the driver begins by itself)."""
     begin_write: str | None = None
     """What a write transaction on a driver connection starts with."""
+    lease_write: str | None = None
+    """What a reader's lease transaction starts with: a reader login whose sessions
+    are read-only by default (PostgreSQL's ``default_transaction_read_only``) may
+    still write its own lease row (the only table its role may write)."""
     now_sql = ""
     """The database's clock, seconds since the epoch, as SQL. Retirement times are
     stamped and compared with it (``segments.retired_at``), so the GC grace does not

@@ -194,6 +194,7 @@ class PostgreSQL(Backend):
     name = "postgresql"
     payload_dir_from_env = True
     reader_logins = True
+    lease_write = "SET TRANSACTION READ WRITE"
     MIGRATION_LOCK_KEY = 0x7472616A  # "traj": concurrent first connects migrate one after another
     now_sql = "EXTRACT(EPOCH FROM clock_timestamp())::float8"
     # the transaction id first (the WHERE runs before the first nextval), then the

@@ -24,6 +24,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
+from urllib.parse import urlparse
 
 import pyarrow as pa
 import pyarrow.fs as pafs
@@ -71,6 +72,7 @@ class PayloadStore:
     store's payload root is created only with its marker, when the location is
     recorded (``payload/_home.py``), never by a later open."""
     _reserve: "Reserve | None" = field(default=None, init=False, repr=False, compare=False)
+    _bulk: Any = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.log_compression not in CODECS:
@@ -373,6 +375,27 @@ class PayloadStore:
         else:
             done = list(_GC_POOL.get().map(one, candidates))
         return [n for n in done if n is not None]
+
+    def delete_many(self, names: Sequence[str]) -> list[str]:
+        """Delete segments ``names`` (the GC's, from the index's retired list: no
+        listing); return the ones deleted or already gone. Local: one unlink each;
+        S3: one ``DeleteObjects`` per 1,000 keys (boto3, the ``s3`` extra; else one
+        request per object, in parallel). Raises StoreUnavailable."""
+        names = list(names)
+        if not names:
+            return []
+        if self.local or len(names) < 2:
+            for n in names:
+                self.delete(n)
+            return names
+        if self._bulk is None:
+            from trajstore.payload._bulk_delete import s3_batch_deleter
+
+            self._bulk = (s3_batch_deleter(self.location, self.root) if urlparse(self.location).scheme == "s3"
+                          else None) or False
+        if self._bulk is False:
+            return [n for n in _GC_POOL.get().map(lambda n: (self.delete(n), n)[1], names)]
+        return self._bulk(names)
 
     def storage_time(self) -> float:
         """The payload storage's clock, seconds since the epoch: this machine's for a

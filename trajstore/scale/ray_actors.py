@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from trajstore._gc import GC_MARGIN_S
 from trajstore.fold import FoldMetrics
 from trajstore.materializer import MaterializeStats
 
@@ -36,14 +37,15 @@ class MaterializerShard:
 
     ``follow=True``: the actor folds as trajectories finish, in a thread of its own,
     from its construction until ``stop()`` (``Materializer.follow``; shard 0 also
-    collects retired payload after ``gc_grace_s``). Its state is its shard's
+    collects retired payload in its GC worker thread, ``gc_grace_s`` after
+    retirement or the oldest live reader lease). Its state is its shard's
     checkpoint in the store: an actor restarted by Ray (``max_restarts``) is
     constructed again and resumes where the shard's last commit left it; nothing
     is folded twice (each commit is guarded by the checkpoint it started from)."""
 
     def __init__(self, store_url: str, shard_index: int, num_shards: int, payload: str | None = None,
                  max_trajectories: int = 256, batch_size: int | None = None, *, follow: bool = False,
-                 poll_s: float = 1.0, gc_grace_s: float | None = 3600.0) -> None:
+                 poll_s: float = 1.0, gc_grace_s: float | None = GC_MARGIN_S) -> None:
         import threading
 
         from trajstore._deprecated import renamed
@@ -111,7 +113,7 @@ class MaterializerShard:
 
 def start_shards(store_url: str, num_shards: int, *, payload: str | None = None, name: str = "trajstore",
                  namespace: str = "trajstore", num_cpus_per_shard: float = 1.0, poll_s: float = 1.0,
-                 gc_grace_s: float | None = 3600.0, max_restarts: int = -1, max_trajectories: int = 256,
+                 gc_grace_s: float | None = GC_MARGIN_S, max_restarts: int = -1, max_trajectories: int = 256,
                  actor_options: dict[str, Any] | None = None) -> list[Any]:
     """Start (or find, by name) ``num_shards`` long-running shard actors that follow
     the log: detached named actors ``{name}-{k}of{num_shards}`` in ``namespace``,

@@ -1,0 +1,208 @@
+"""The payload GC that keeps up without an operator (docs/materializer.md, "Garbage
+collection"; docs/log.md, "One copy").
+
+Steady path (``collect_retired``, run by ``GcWorker`` in its own thread): the
+segments the index lists as retired (``segments.retired_at`` set, no row naming
+them) before the GC horizon are deleted in batches (S3: one ``DeleteObjects``
+per 1,000 keys; a local disk: unlinks) and their rows forgotten. No listing of
+the payload. The horizon is the database's ``now``, or the oldest ``held_since``
+of a live reader lease if earlier, minus a short safety margin (``GC_MARGIN_S``:
+a retirement stamped before its transaction commits, a reader between taking
+its lease and reading). A lease lapses ``ttl_s`` after its last renewal: a dead
+reader stops holding anything back.
+
+Crash leftovers (files no ``segments`` row knows) are found only by listing:
+``Store.collect_garbage`` / ``trajstore gc``, and the worker's rare full sweep
+(``sweep_interval_s``), with their own grace for files not yet committed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from trajstore.errors import StoreUnavailable, TrajstoreError, first_line
+from trajstore.log._leases import gc_horizon, release_lease, renew_lease, retired_segments, take_lease
+
+log = logging.getLogger(__name__)
+
+__all__ = ["GC_MARGIN_S", "GC_INTERVAL_S", "LEASE_TTL_S", "SWEEP_GRACE_S", "GcStats", "GcWorker", "ReaderLease",
+           "collect_retired", "lease_horizon"]
+
+GC_MARGIN_S = 1.0  # deleted this long after retirement (or after the oldest live lease's held_since)
+GC_INTERVAL_S = 0.5  # one pass of the steady path every so often: one indexed query when nothing is retired
+LEASE_TTL_S = 60.0  # a reader lease not renewed this long has lapsed
+SWEEP_GRACE_S = 3600.0  # a file no row knows is a crash leftover once this old (a writer may not have committed)
+SWEEP_INTERVAL_S = 6 * 3600.0  # the worker's full sweep (one listing of the payload)
+_BATCH = 1000
+
+
+@dataclass
+class GcStats:
+    passes: int = 0
+    deleted: int = 0
+    sweeps: int = 0
+    failures: int = 0
+    last_pass_s: float = 0.0
+
+
+def lease_horizon(store: Any, margin_s: float) -> float:
+    """Segments retired before this (database time) may be deleted (module doc)."""
+    return gc_horizon(store.log.db, margin_s)[0]
+
+
+def collect_retired(store: Any, *, margin_s: float = GC_MARGIN_S, max_batches: int | None = None) -> list[str]:
+    """Delete the retired segments before the GC horizon, in batches of 1,000
+    from the index's list; forget their rows; return their names."""
+    horizon = lease_horizon(store, margin_s)
+    removed: list[str] = []
+    batches = 0
+    while max_batches is None or batches < max_batches:
+        names = retired_segments(store.log.db, horizon, _BATCH)
+        if not names:
+            break
+        gone = store.payload.delete_many(names)
+        store.log.forget_segments(gone)
+        removed.extend(gone)
+        batches += 1
+        if len(names) < _BATCH or len(gone) < len(names):
+            break  # the rest next pass (a delete refused now is retried then)
+    return removed
+
+
+class GcWorker:
+    """Runs the GC in its own daemon thread: ``collect_retired`` every
+    ``interval_s``, the retirement of segments two concurrent re-pointings each
+    left to the other every ``retire_check_s``, and a full sweep (listing the
+    payload for crash leftovers) every ``sweep_interval_s`` (None: never).
+    Errors are logged and retried at the next pass; nothing it does blocks its
+    caller. ``stop()`` ends it (waits for the pass running)."""
+
+    def __init__(self, store: Any, *, margin_s: float = GC_MARGIN_S, interval_s: float = GC_INTERVAL_S,
+                 retire_check_s: float = 60.0, sweep_interval_s: float | None = SWEEP_INTERVAL_S,
+                 sweep_grace_s: float = SWEEP_GRACE_S, name: str = "trajstore-gc") -> None:
+        self.store, self.margin_s, self.interval_s = store, margin_s, interval_s
+        self.retire_check_s, self.sweep_interval_s, self.sweep_grace_s = retire_check_s, sweep_interval_s, sweep_grace_s
+        self.stats = GcStats()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def start(self) -> "GcWorker":
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float | None = 30.0) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def __enter__(self) -> "GcWorker":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    def _run(self) -> None:
+        last_retire = last_sweep = time.monotonic()
+        while not self._stop.is_set():
+            t0 = time.monotonic()
+            try:
+                if t0 - last_retire >= self.retire_check_s:
+                    last_retire = t0
+                    self.store.log.retire_unreferenced(time.time())
+                if self.sweep_interval_s is not None and t0 - last_sweep >= self.sweep_interval_s:
+                    last_sweep = t0
+                    self.stats.sweeps += 1
+                    self.stats.deleted += len(self.store.collect_garbage(grace_s=self.sweep_grace_s,
+                                                                         margin_s=self.margin_s))
+                removed = collect_retired(self.store, margin_s=self.margin_s)
+                self.stats.deleted += len(removed)
+                if removed:
+                    log.info("gc: deleted %d retired payload segment(s)", len(removed))
+            except TrajstoreError as e:
+                self.stats.failures += 1
+                log.warning("gc pass failed, retried in %gs: %s", self.interval_s, first_line(e))
+            except Exception:  # noqa: BLE001 - a GC bug must not end the thread silently
+                self.stats.failures += 1
+                log.exception("gc pass failed, retried in %gs", self.interval_s)
+            self.stats.passes += 1
+            self.stats.last_pass_s = time.monotonic() - t0
+            self._stop.wait(self.interval_s)
+
+
+class ReaderLease:
+    """A reader's lease (``reader_leases`` row): while it lives, the GC keeps every
+    segment retired after its ``held_since``. Taken on construction, held since
+    then; ``advance()`` moves ``held_since`` to now (call it when every locator
+    read before is dropped, e.g. between a reader's steps); a daemon thread
+    renews it every ``ttl_s / 3``; ``close()`` releases it. A lease not renewed
+    for ``ttl_s`` (the reader died) lapses and holds nothing back.
+
+    If the lease cannot be written (a read-only login without the grant, a
+    store before migration 0015) the reader runs without one, protected only by
+    the GC's margin; that is logged once."""
+
+    def __init__(self, store: Any, holder: str | None = None, *, ttl_s: float = LEASE_TTL_S,
+                 heartbeat: bool = True) -> None:
+        self.store, self.ttl_s = store, ttl_s
+        self.name = uuid.uuid4().hex
+        self.holder = holder or f"{socket.gethostname()}:{os.getpid()}"
+        self.held_since: float | None = None
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        try:
+            self.held_since = take_lease(store.log.db, self.name, self.holder, ttl_s)
+        except TrajstoreError as e:
+            log.warning("reader %s runs without a GC lease (protected by the GC margin only): %s", self.holder,
+                        first_line(e))
+            return
+        if heartbeat:
+            self._thread = threading.Thread(target=self._beat, name="trajstore-lease", daemon=True)
+            self._thread.start()
+
+    @property
+    def held(self) -> bool:
+        return self.held_since is not None
+
+    def renew(self, *, advance: bool = False) -> None:
+        if self.held_since is None or self._stop.is_set():
+            return
+        with self._lock:
+            since = renew_lease(self.store.log.db, self.name, self.ttl_s, advance=advance)
+            if since is None:  # lapsed (the reader stalled past its ttl): hold from now on
+                log.warning("reader %s: its GC lease lapsed; segments retired meanwhile may be gone", self.holder)
+                since = take_lease(self.store.log.db, self.name, self.holder, self.ttl_s)
+            self.held_since = since
+
+    def advance(self) -> None:
+        self.renew(advance=True)
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.ttl_s / 3):
+            try:
+                self.renew()
+            except StoreUnavailable as e:
+                log.warning("reader %s: renewing its GC lease failed, retried: %s", self.holder, first_line(e))
+
+    def close(self) -> None:
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        if self.held_since is not None:
+            try:
+                release_lease(self.store.log.db, self.name)
+            except TrajstoreError as e:
+                log.info("reader %s: lease not released (it lapses by itself): %s", self.holder, first_line(e))
+
+    def __enter__(self) -> "ReaderLease":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

@@ -1,0 +1,101 @@
+"""Readers' leases and the retired-segment list: what the payload GC reads from
+the index (``trajstore._gc``; docs/log.md, "One copy").
+
+A lease (``reader_leases`` row) says: the reader may still open any segment
+retired after ``held_since`` (the database time before its oldest index read
+whose locators it still uses). It lapses at ``expires_at`` unless renewed, so a
+reader that died stops holding anything back. Every time here is the
+database's clock, as ``segments.retired_at`` is."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import Connection, delete, func, insert, select, text, update
+
+from trajstore.log._dialect import SqlDialect
+from trajstore.log._segments import named_clause
+from trajstore.log._transaction import Database
+from trajstore.schema import reader_leases, segments
+
+__all__ = ["take_lease", "renew_lease", "release_lease", "gc_horizon", "retired_segments"]
+
+
+def _now(conn: Connection, d: SqlDialect) -> float:
+    return float(conn.exec_driver_sql(f"SELECT {d.now_sql}").scalar_one())
+
+
+def _writing(conn: Connection, d: SqlDialect) -> float:
+    """Start a lease's write transaction (``lease_write``: the first statement); the database's now."""
+    if d.lease_write:
+        conn.exec_driver_sql(d.lease_write)
+    return _now(conn, d)
+
+
+def take_lease(db: Database, name: str, holder: str, ttl_s: float) -> float:
+    """Record lease ``name`` held since now; return its ``held_since``."""
+
+    def body(conn: Connection, d: SqlDialect) -> float:
+        now = _writing(conn, d)
+        conn.execute(delete(reader_leases).where(reader_leases.c.name == name))
+        conn.execute(insert(reader_leases).values(name=name, holder=holder[:255], held_since=now, renewed_at=now,
+                                                  expires_at=now + ttl_s))
+        return now
+
+    return db.transaction("taking a reader lease", body)
+
+
+def renew_lease(db: Database, name: str, ttl_s: float, *, advance: bool) -> float | None:
+    """Extend lease ``name`` by ``ttl_s`` from now; ``advance``: it holds since now
+    (the reader dropped every locator it read before). Returns its ``held_since``
+    (None: the lease had expired and was removed; the caller takes a new one)."""
+
+    def body(conn: Connection, d: SqlDialect) -> float | None:
+        now = _writing(conn, d)
+        values: dict[str, Any] = {"renewed_at": now, "expires_at": now + ttl_s}
+        if advance:
+            values["held_since"] = now
+        done = conn.execute(update(reader_leases).where(reader_leases.c.name == name,
+                                                        reader_leases.c.expires_at > now).values(**values)).rowcount
+        if not done:
+            return None
+        return float(conn.execute(select(reader_leases.c.held_since)
+                                  .where(reader_leases.c.name == name)).scalar_one())
+
+    return db.transaction("renewing a reader lease", body)
+
+
+def release_lease(db: Database, name: str) -> None:
+    def body(conn: Connection, d: SqlDialect) -> None:
+        _writing(conn, d)
+        conn.execute(delete(reader_leases).where(reader_leases.c.name == name))
+
+    db.transaction("releasing a reader lease", body)
+
+
+def gc_horizon(db: Database, margin_s: float) -> tuple[float, int]:
+    """``(horizon, live leases)``: segments retired before ``horizon`` may be
+    deleted. It is ``now - margin_s``, or earlier: the oldest ``held_since`` of
+    an unexpired lease, minus ``margin_s``. One read; expired leases are removed
+    (a write) only when there are some."""
+    with db.reading("reading the readers' leases") as conn:
+        now = _now(conn, db.dialect)
+        oldest, n, expired = conn.execute(select(
+            func.min(reader_leases.c.held_since).filter(reader_leases.c.expires_at > now),
+            func.count().filter(reader_leases.c.expires_at > now),
+            func.count().filter(reader_leases.c.expires_at <= now)).select_from(reader_leases)).one()
+    if expired:
+        db.transaction("removing lapsed reader leases",
+                       lambda conn, d: conn.execute(delete(reader_leases).where(reader_leases.c.expires_at <= now)))
+    horizon = now if oldest is None else min(now, float(oldest))
+    return horizon - margin_s, int(n)
+
+
+def retired_segments(db: Database, before: float, limit: int) -> list[str]:
+    """Up to ``limit`` segments retired before ``before`` that no index row names,
+    oldest retirement first (one range scan of ``ix_segments_retired``)."""
+    q = (select(segments.c.name)
+         .where(segments.c.retired_at.is_not(None), segments.c.retired_at < before, ~named_clause())
+         .order_by(segments.c.retired_at).limit(limit))
+    with db.reading("listing retired segments") as conn:
+        return list(conn.execute(q).scalars())

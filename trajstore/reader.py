@@ -40,6 +40,7 @@ were exhausted.
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 import warnings
@@ -69,6 +70,7 @@ STATE_FORMAT_VERSION = 1
 # Keys that states saved before the one-name-per-meaning renames used; such states still load.
 _LEGACY_KEYS = {"format_version": "version", "current_model_version": "current_version"}
 T = TypeVar("T")
+_CLOSE_WAIT_S = 120.0  # longest close() waits for reads under way (they give up once it is closing)
 
 
 def _settings(owner: str, config: "ReaderConfig | None", fields: dict[str, Any]) -> dict[str, Any]:
@@ -272,6 +274,7 @@ class SampleReader:
         self._steps_gen: Iterator[Step] | None = None
         self._batches: Iterator[tuple[int, list[Sample]]] | None = None
         self._pool: ThreadPoolExecutor | None = None
+        self._pipelines: set[_ReadAhead] = set()  # the read-ahead of iterations under way
         self._explained = False  # the reason for yielding nothing is logged once
         self._open_groups: dict[str, list[Any]] = {}
 
@@ -336,27 +339,37 @@ class SampleReader:
         # The next step is planned ahead only when that cannot change it: with
         # max_staleness it depends on current_model_version, set after this batch.
         ahead = self.config.prefetch and self.config.max_staleness is None
-        pending = _in_background(produce) if ahead else None
+        # How many steps are planned and loaded ahead of the one being used: one,
+        # or what the payload asks for (a replay server's round trips overlap).
+        pipeline = _ReadAhead(steps, lambda step: self._load(step.bins[self.rank]),
+                              lambda step: step.bins is not None and step.index % stride == offset,
+                              _read_ahead(self.store.payload)) if ahead else None
         before = {name: getattr(self.stats, name) for name in ReaderStats._SAVED}
         any_batch = False
-        while True:
-            item = pending.result() if pending is not None else produce()
-            if item is None:
-                if not any_batch and offset == 0:  # one DataLoader worker speaks for all
-                    self._explain_empty(before)
-                return
-            if ahead:
-                pending = _in_background(produce)  # decode the next batch while this one is used
-            step, batch = item
-            self._commit(step.state)
-            any_batch = any_batch or step.bins is not None
-            if batch is not None:
-                batch = self._by_finish_reason(batch)
-                self.stats.batches += 1
-                self.stats.samples += len(batch)
-                self.stats.tokens += sum(s.num_tokens for s in batch)
-                self._lineage_recorder().handed_out(batch)
-                yield step.index, batch
+        next_item = pipeline.get if pipeline is not None else produce
+        if pipeline is not None:
+            self._pipelines.add(pipeline)
+        try:
+            while True:
+                item = next_item()
+                if item is None:
+                    if not any_batch and offset == 0:  # one DataLoader worker speaks for all
+                        self._explain_empty(before)
+                    return
+                step, batch = item
+                self._commit(step.state)
+                any_batch = any_batch or step.bins is not None
+                if batch is not None:
+                    batch = self._by_finish_reason(batch)
+                    self.stats.batches += 1
+                    self.stats.samples += len(batch)
+                    self.stats.tokens += sum(s.num_tokens for s in batch)
+                    self._lineage_recorder().handed_out(batch)
+                    yield step.index, batch
+        finally:
+            if pipeline is not None:
+                pipeline.close()  # steps planned ahead are dropped: the next iteration plans them again
+                self._pipelines.discard(pipeline)
 
     def _by_finish_reason(self, batch: list[Sample]) -> list[Sample]:
         """``drop_finish_reasons`` and ``mask_finish_reasons`` applied to a loaded batch."""
@@ -429,8 +442,9 @@ class SampleReader:
         jobs = [(name, part) for name, idx in by_segment.items()
                 for part in (_split(idx, n) if name.endswith(".parquet") else [idx])]
         if len(jobs) > 1:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(n, thread_name_prefix="trajstore-reader")
+            with self._outage_lock:  # batches may load concurrently (read-ahead)
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(n, thread_name_prefix="trajstore-reader")
             parts = list(self._pool.map(lambda job: self._read(rows, *job), jobs))
         else:
             parts = [self._read(rows, *job) for job in jobs]
@@ -524,6 +538,9 @@ class SampleReader:
 
     def close(self) -> None:
         self._closing.set()  # a wait for an unavailable store or a follow poll gives up
+        for pipeline in list(self._pipelines):  # no read of the store outlives close()
+            pipeline.close()
+            pipeline.join(_CLOSE_WAIT_S)
         if self._pool is not None:
             self._pool.shutdown(wait=True)
         if self._owns_store:
@@ -760,17 +777,90 @@ def _split(items: list[int], n: int) -> list[list[int]]:
     return [items[k * len(items) // n: (k + 1) * len(items) // n] for k in range(n)]
 
 
-def _in_background(fn: Any) -> Future:
-    """Run ``fn`` in a daemon thread (never holds up interpreter exit, e.g. while following)."""
+def _read_ahead(payload: Any) -> int:
+    """Steps a reader plans and loads ahead of the one in use: the payload's ``read_ahead``
+    (a replay store's, to overlap round trips), else one."""
+    depth = getattr(payload, "read_ahead", 1)
+    return depth if isinstance(depth, int) and depth >= 1 else 1
+
+
+class _ReadAhead:
+    """Steps planned in order on one background thread, up to ``depth`` ahead of the
+    one the trainer uses, each step's batch loaded as soon as it is planned (up
+    to ``depth`` loads at once). ``get()`` hands them over in order: ``(step,
+    batch or None)``, None at the end, or raises what planning or loading raised.
+    With ``depth`` 1 this is the prefetch of one step: the next step is planned
+    and loaded while this one is used."""
+
+    def __init__(self, steps: Iterator[Step], load: Callable[[Step], list[Sample]], mine: Callable[[Step], bool],
+                 depth: int) -> None:
+        self._steps, self._load, self._mine = steps, load, mine
+        self._ready: queue.SimpleQueue = queue.SimpleQueue()
+        self._slots = threading.Semaphore(depth)  # taken by each step planned, given back as it is handed over
+        self._stop = threading.Event()
+        self._depth = depth
+        self.threads = [threading.Thread(target=self._plan, daemon=True, name="trajstore-reader-prefetch")]
+        self.threads[0].start()
+
+    def _plan(self) -> None:
+        try:
+            while True:
+                self._slots.acquire()
+                if self._stop.is_set():
+                    return
+                step = next(self._steps, None)
+                if step is None:
+                    self._ready.put(None)
+                    return
+                if not self._mine(step):
+                    self._ready.put((step, None))
+                elif self._depth == 1:  # one at a time: loaded here, as planned
+                    self._ready.put((step, _run(self._load, step)))
+                else:
+                    self._ready.put((step, _run(self._load, step, background=self.threads)))
+        except BaseException as e:  # re-raised in the consumer by get()
+            self._ready.put(e)
+
+    def get(self) -> tuple[Step, list[Sample] | None] | None:
+        item = self._ready.get()
+        if item is None or isinstance(item, BaseException):
+            if item is not None:
+                raise item
+            return None
+        step, loading = item
+        batch = None if loading is None else loading.result()
+        self._slots.release()
+        return step, batch
+
+    def close(self) -> None:
+        """Stop planning (a step being planned or loaded finishes in its thread)."""
+        self._stop.set()
+        self._slots.release()  # wakes the planner waiting for a slot: it sees the stop
+
+    def join(self, timeout_s: float) -> None:
+        """Wait (up to ``timeout_s``) for the planning and the loads under way to end."""
+        deadline = time.monotonic() + timeout_s
+        for thread in list(self.threads):
+            thread.join(max(0.0, deadline - time.monotonic()))
+
+
+def _run(fn: Callable[[Step], T], arg: Step, *, background: list[threading.Thread] | None = None) -> Future:
+    """The future of ``fn(arg)``: run now, or in a daemon thread added to ``background``
+    (a daemon never holds up interpreter exit, e.g. while a server is retried)."""
     future: Future = Future()
 
     def run() -> None:
         try:
-            future.set_result(fn())
+            future.set_result(fn(arg))
         except BaseException as e:  # re-raised in the consumer by future.result()
             future.set_exception(e)
 
-    threading.Thread(target=run, daemon=True, name="trajstore-reader-prefetch").start()
+    if background is not None:
+        thread = threading.Thread(target=run, daemon=True, name="trajstore-reader-load")
+        background[:] = [t for t in background if t.is_alive()] + [thread]
+        thread.start()
+    else:
+        run()
     return future
 
 

@@ -560,10 +560,10 @@ def test_closing_a_reader_mid_prefetch_returns_and_leaves_no_fetch_running(fille
     server = replay_servers(filled_sqlite)
     reader = ReplayReader(server.location, token=READ_TOKEN, batch_size=4, streams=4)
     assert next(reader)
-    pool = reader.store.payload._pool
-    assert pool is not None and pool._threads  # the batch was fetched in parallel
+    ahead = next(iter(reader._pipelines))
+    assert len(ahead.threads) > 1  # the next batches are fetched ahead, in threads of their own
     reader.close()
-    alive = [t.name for t in pool._threads if t.is_alive()]
+    alive = [t.name for t in ahead.threads if t.is_alive()]
     assert not alive, alive
 
 

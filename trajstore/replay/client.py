@@ -31,7 +31,6 @@ import os
 import re
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Collection, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
@@ -367,31 +366,21 @@ class _RemoteLog(ReaderEventLog):
 class _RemotePayload(ReaderPayload):
     """The payload read of the reader's seam (``PayloadStore.read_rows``), over Flight.
 
-    The rows of one call are fetched as up to ``streams`` requests in parallel
-    (consecutive parts): one gRPC stream is bound by one server thread's
-    serialization and one TCP window, several keep the link busy."""
+    One call is one request. A reader keeps ``read_ahead`` (its ``streams``)
+    steps' requests in flight at once (``SampleReader``'s read-ahead): the
+    round trips, the server's work and the transfer of several batches
+    overlap, and one gRPC stream's window does not bound the transfer."""
 
     def __init__(self, conn: _Connection, location: str, streams: int) -> None:
         self.conn = conn
         self.location = location
         self.streams = streams
+        self.read_ahead = streams
         self.current_model_version: Callable[[], int | None] = lambda: None
-        self._pool: ThreadPoolExecutor | None = None
-        self._lock = threading.Lock()
 
     def read_rows(self, name: str, rows: Iterable[int]) -> SegmentRows:
         wanted = sorted(set(int(r) for r in rows))
-        n = min(self.streams, len(wanted))
-        parts = [wanted[k * len(wanted) // n: (k + 1) * len(wanted) // n] for k in range(n)]
-        if n > 1:
-            with self._lock:
-                if self._pool is None:
-                    self._pool = ThreadPoolExecutor(self.streams, thread_name_prefix="trajstore-replay-fetch")
-            tables = list(self._pool.map(lambda part: self._fetch(name, part), parts))
-            table = pa.concat_tables(tables)
-        else:
-            table = self._fetch(name, wanted)
-        return SegmentRows(table, {r: i for i, r in enumerate(wanted)})
+        return SegmentRows(self._fetch(name, wanted), {r: i for i, r in enumerate(wanted)})
 
     def _fetch(self, name: str, wanted: list[int]) -> pa.Table:
         ticket = proto.encode(proto.SAMPLES, segment=name, rows=wanted,
@@ -402,8 +391,7 @@ class _RemotePayload(ReaderPayload):
         return table
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
+        pass
 
 
 class ReplayStore:

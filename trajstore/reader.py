@@ -343,7 +343,7 @@ class SampleReader:
         # or what the payload asks for (a replay server's round trips overlap).
         pipeline = _ReadAhead(steps, lambda step: self._load(step.bins[self.rank]),
                               lambda step: step.bins is not None and step.index % stride == offset,
-                              _read_ahead(self.store.payload)) if ahead else None
+                              lambda: _read_ahead(self.store.payload)) if ahead else None
         before = {name: getattr(self.stats, name) for name in ReaderStats._SAVED}
         any_batch = False
         next_item = pipeline.get if pipeline is not None else produce
@@ -442,9 +442,11 @@ class SampleReader:
         jobs = [(name, part) for name, idx in by_segment.items()
                 for part in (_split(idx, n) if name.endswith(".parquet") else [idx])]
         if len(jobs) > 1:
-            with self._outage_lock:  # batches may load concurrently (read-ahead)
-                if self._pool is None:
-                    self._pool = ThreadPoolExecutor(n, thread_name_prefix="trajstore-reader")
+            if self._pool is None:
+                size = n * _read_ahead(self.store.payload)  # batches may load concurrently (read-ahead)
+                with self._outage_lock:
+                    if self._pool is None:
+                        self._pool = ThreadPoolExecutor(size, thread_name_prefix="trajstore-reader")
             parts = list(self._pool.map(lambda job: self._read(rows, *job), jobs))
         else:
             parts = [self._read(rows, *job) for job in jobs]
@@ -785,7 +787,7 @@ def _read_ahead(payload: Any) -> int:
 
 
 class _ReadAhead:
-    """Steps planned in order on one background thread, up to ``depth`` ahead of the
+    """Steps planned in order on one background thread, up to ``depth()`` ahead of the
     one the trainer uses, each step's batch loaded as soon as it is planned (up
     to ``depth`` loads at once). ``get()`` hands them over in order: ``(step,
     batch or None)``, None at the end, or raises what planning or loading raised.
@@ -793,17 +795,21 @@ class _ReadAhead:
     and loaded while this one is used."""
 
     def __init__(self, steps: Iterator[Step], load: Callable[[Step], list[Sample]], mine: Callable[[Step], bool],
-                 depth: int) -> None:
+                 depth: Callable[[], int]) -> None:
         self._steps, self._load, self._mine = steps, load, mine
         self._ready: queue.SimpleQueue = queue.SimpleQueue()
-        self._slots = threading.Semaphore(depth)  # taken by each step planned, given back as it is handed over
+        self._slots = threading.Semaphore(1)  # taken by each step planned, given back as it is handed over
         self._stop = threading.Event()
-        self._depth = depth
+        self._depth_of = depth  # asked in the background (a replay store may ask its server)
+        self._depth = 1
         self.threads = [threading.Thread(target=self._plan, daemon=True, name="trajstore-reader-prefetch")]
         self.threads[0].start()
 
     def _plan(self) -> None:
         try:
+            self._depth = self._depth_of()
+            for _ in range(self._depth - 1):
+                self._slots.release()
             while True:
                 self._slots.acquire()
                 if self._stop.is_set():

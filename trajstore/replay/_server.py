@@ -409,7 +409,8 @@ class ReplayServer(fl.FlightServerBase):
         return [(proto.WATERMARK, "position up to which every materializer shard committed"),
                 (proto.COUNT_EVENTS, "events after a position (of some types)"),
                 (proto.HELLO, "the server's protocol version"),
-                (proto.STANDING_ATTEMPT, "the highest attempt recorded for a training step of a rank")]
+                (proto.STANDING_ATTEMPT, "the highest attempt recorded for a training step of a rank"),
+                (proto.PACING, "the rate limits sample requests are held by")]
 
     def do_action(self, context: fl.ServerCallContext, action: fl.Action) -> Iterator[bytes]:
         def run() -> list[bytes]:
@@ -423,6 +424,8 @@ class ReplayServer(fl.FlightServerBase):
                 value = self.store.log.count_events(after_position=req["after_position"], types=req.get("types"))
             elif action.type == proto.STANDING_ATTEMPT:
                 value = self.store.log.standing_attempt(req["run"], req["step"], req["rank"])
+            elif action.type == proto.PACING:
+                value = {"samples_per_insert": self.limiter.spi, "max_staleness": self.limiter.max_staleness}
             else:
                 value = {"protocol": proto.VERSION}
             return [json.dumps(value).encode()]

@@ -11,7 +11,8 @@ resumes in the other, and on any server.
 The plan (which samples form which batch) is computed here, from index rows
 (small); the servers only slice the wanted payload rows out of the segments,
 and the received Arrow buffers become the ``Sample`` arrays without a copy:
-nothing is decoded twice.
+nothing is decoded twice. The payload store asks the reader to prefetch
+``streams`` steps ahead (``read_ahead``): that many requests are in flight.
 
 Every request is self-contained and idempotent, so a failure is retried: the
 client moves to the next server of ``locations`` (a server killed mid-stream,
@@ -375,8 +376,23 @@ class _RemotePayload(ReaderPayload):
         self.conn = conn
         self.location = location
         self.streams = streams
-        self.read_ahead = streams
         self.current_model_version: Callable[[], int | None] = lambda: None
+        self._paced: bool | None = None  # whether the server paces samples (samples_per_insert); None: not asked
+
+    @property
+    def read_ahead(self) -> int:
+        """Steps the reader fetches ahead: ``streams``, or one from a server that paces
+        samples (``samples_per_insert``): its budget goes to the requests that ask first,
+        and a step fetched ahead must not take what the step the trainer waits for needs."""
+        if self._paced is None:
+            try:
+                pacing = self.conn.action("asking the server's pacing", proto.PACING)
+            except ValidationError:  # a server from before the pacing action: it says nothing
+                pacing = {}
+            except TrajstoreError:  # unreachable now: one step ahead, and ask again next time
+                return 1
+            self._paced = isinstance(pacing, dict) and pacing.get("samples_per_insert") is not None
+        return 1 if self._paced else self.streams
 
     def read_rows(self, name: str, rows: Iterable[int]) -> SegmentRows:
         wanted = sorted(set(int(r) for r in rows))
@@ -475,8 +491,8 @@ class ReplayReader(SampleReader):
     ``ReplayStore``; ``token`` defaults to ``$TRAJSTORE_REPLAY_TOKEN``. The
     rest is ``SampleReader``'s (``rank``, ``world_size``,
     ``current_model_version``, ``ReaderConfig`` fields as keywords; a
-    ``ReaderConfig`` as ``config`` is deprecated, as there). ``streams``: parallel
-    requests one batch's payload is fetched with. A server with a
+    ``ReaderConfig`` as ``config`` is deprecated, as there). ``streams``: the steps
+    whose payload is fetched ahead, in parallel requests (the read-ahead). A server with a
     ``max_staleness`` limit judges it against this reader's
     ``current_model_version``.
     """

@@ -364,13 +364,21 @@ class _RemoteLog(ReaderEventLog):
                                 rank=int(rank))
 
 
+_IN_FLIGHT_BYTES = 8 << 20
+"""Payload bytes a reader has under way at most (one request is always let go): large
+batches (long samples with routes) are fetched one or two at a time, as more of them
+at once only compete for the same cores and memory bandwidth; small ones ``streams``
+at a time, which hides the round trips."""
+
+
 class _RemotePayload(ReaderPayload):
     """The payload read of the reader's seam (``PayloadStore.read_rows``), over Flight.
 
     One call is one request. A reader keeps ``read_ahead`` (its ``streams``)
     steps' requests in flight at once (``SampleReader``'s read-ahead): the
     round trips, the server's work and the transfer of several batches
-    overlap, and one gRPC stream's window does not bound the transfer."""
+    overlap, and one gRPC stream's window does not bound the transfer; as
+    long as their answers weigh at most ``_IN_FLIGHT_BYTES`` together."""
 
     def __init__(self, conn: _Connection, location: str, streams: int) -> None:
         self.conn = conn
@@ -378,6 +386,9 @@ class _RemotePayload(ReaderPayload):
         self.streams = streams
         self.current_model_version: Callable[[], int | None] = lambda: None
         self._paced: bool | None = None  # whether the server paces samples (samples_per_insert); None: not asked
+        self._in_flight_changed = threading.Condition()
+        self._in_flight = 0  # bytes of the answers under way
+        self._row_bytes = 0.0  # bytes of a row in the last answer
 
     @property
     def read_ahead(self) -> int:
@@ -396,7 +407,20 @@ class _RemotePayload(ReaderPayload):
 
     def read_rows(self, name: str, rows: Iterable[int]) -> SegmentRows:
         wanted = sorted(set(int(r) for r in rows))
-        return SegmentRows(self._fetch(name, wanted), {r: i for i, r in enumerate(wanted)})
+        need = int(self._row_bytes * len(wanted))  # what the answer will weigh, by the answers so far
+        with self._in_flight_changed:
+            while self._in_flight and self._in_flight + need > _IN_FLIGHT_BYTES:
+                self._in_flight_changed.wait()
+            self._in_flight += need
+        try:
+            table = self._fetch(name, wanted)
+        finally:
+            with self._in_flight_changed:
+                self._in_flight -= need
+                self._in_flight_changed.notify_all()
+        if table.num_rows:
+            self._row_bytes = table.nbytes / table.num_rows
+        return SegmentRows(table, {r: i for i, r in enumerate(wanted)})
 
     def _fetch(self, name: str, wanted: list[int]) -> pa.Table:
         ticket = proto.encode(proto.SAMPLES, segment=name, rows=wanted,

@@ -338,6 +338,8 @@ def main(argv: list[str] | None = None) -> dict:
                         url = cluster.url(f"replay_{routes}".replace("x", "_"))
                         cluster.create_database(f"replay_{routes}".replace("x", "_"))
                     out["stores"][label] = one_store(args, d, url, routes, readers)
+                    if args.out:  # each store's figures as soon as they are there
+                        Path(args.out).write_text(json.dumps(out, indent=2))
                     if args.stalled_only:
                         continue
                     print(label, json.dumps({k: v for k, v in out["stores"][label].items()

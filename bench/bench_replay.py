@@ -2,11 +2,16 @@
 readers local (``SampleReader`` on the store), side by side in one run.
 
     PYTHONPATH=. .venv/bin/python bench/bench_replay.py [--samples 256] [--rounds 3] [--streams 4] [--dir DIR] [--out FILE]
+        [--routes 24x4,48x8,60x8,none] [--backends sqlite,postgresql] [--readers 1,2,4]
 
 The samples are bench_streaming.py's load (``bench_pipeline.arrays_load``):
 one sample of 2,400 tokens with 48 x 8 uint8 routes per trajectory, in a
-SQLite store. One replay server process serves them (``trajstore replay``,
-read token, metrics port).
+SQLite store. ``--routes`` names other route layouts (layers x top-k, or
+``none``: no routes), each a store of its own built from the simulator's
+trajectories of the same shape (``trajectory_events``), and ``--backends``
+adds a PostgreSQL index (a throwaway cluster, tests/pg_cluster.py). One
+replay server process serves each store (``trajstore replay``, read token,
+metrics port).
 
 For 1, 2 and 4 readers, each reader a process (one data-parallel rank of
 ``world_size`` = the number of readers, ``batch_size=8``), reading one epoch
@@ -22,9 +27,9 @@ Rounds interleave the paths; medians of ``--rounds``. A remote reader fetches
 a batch's payload with ``--streams`` parallel requests.
 
 Also reported: the server's CPU seconds (from /proc, utime+stime) per
-million tokens served, its peak RSS (VmHWM), the payload bytes it sent
-against the sample segments' bytes of the same samples (nothing is sent or
-decoded twice: the ratio is about 1), and, when ``mosaicml-streaming`` can be
+million tokens served, the payload bytes it sent per token and against the
+sample segments' bytes of the same samples (nothing is sent or decoded
+twice: the ratio is about 1), its peak RSS (VmHWM), and, when ``mosaicml-streaming`` can be
 imported, one local ``StreamingDataset`` reader on the same samples (as in
 bench_streaming.py).
 """
@@ -35,6 +40,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -53,7 +59,6 @@ TOKEN = "bench-read-token"
 PAGE = 4096
 ARRAYS = ("prompt_ids", "response_ids", "loss_mask", "rollout_logprobs", "logprobs_mask", "token_model_versions",
           "routed_experts", "routed_experts_mask")
-READERS = (1, 2, 4)
 CONSUMERS = ("touched", "collated")
 
 
@@ -65,14 +70,32 @@ def touch(arrays) -> int:
     return total
 
 
-def build(d: str, n: int) -> tuple[str, str]:
-    import trajstore
-    from bench_pipeline import arrays_load
+def load(n: int, start: int, routes: str) -> list[list[dict]]:
+    """Trajectories ``start .. start+n-1``: bench_streaming.py's (48x8 routes), or the
+    simulator's of the same shape with ``routes`` = "LxK" or "none"."""
+    from bench_pipeline import CFG, arrays_load
 
-    url, payload = f"sqlite:///{d}/store.db", f"{d}/payload"
+    if routes == "48x8":
+        return arrays_load(n, start=start)
+    from dataclasses import replace
+
+    from trajstore.demo._simulate import trajectory_events
+
+    if routes == "none":
+        return [[{k: v for k, v in e.items() if k != "routed_experts"} for e in trajectory_events(CFG, i)]
+                for i in range(start, start + n)]
+    layers, topk = (int(x) for x in routes.split("x"))
+    cfg = replace(CFG, layers=layers, topk=topk)
+    return [trajectory_events(cfg, i) for i in range(start, start + n)]
+
+
+def build(d: str, n: int, url: str | None = None, routes: str = "48x8") -> tuple[str, str]:
+    import trajstore
+
+    url, payload = url or f"sqlite:///{d}/store.db", f"{d}/payload"
     store = trajstore.connect(url, payload=payload)
     for start in range(0, n, 16):
-        store.append([e for t in arrays_load(min(n, start + 16) - start, start=start) for e in t])
+        store.append([e for t in load(min(n, start + 16) - start, start, routes) for e in t])
     store.materialize()
     store.close()
     return url, payload
@@ -281,66 +304,117 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--tmp", default=None)
     p.add_argument("--dir", default=None, help="keep the store here and reuse it when it is there (default: a temporary one)")
-    p.add_argument("--stalled", type=int, default=16, help="clients that open streams of the whole store and stall")
+    p.add_argument("--stalled", type=int, default=16, help="clients that open streams of the whole store and stall (0: none)")
     p.add_argument("--stalled-only", action="store_true", help="only the stalled-clients measurement")
     p.add_argument("--streams", type=int, default=4, help="parallel payload requests per remote reader (default 4)")
+    p.add_argument("--routes", default="48x8", help="route layouts, comma-separated: LAYERSxTOPK or none (default 48x8)")
+    p.add_argument("--backends", default="sqlite", help="sqlite, postgresql or both, comma-separated (default sqlite)")
+    p.add_argument("--readers", default="1,2,4", help="reader counts, comma-separated (default 1,2,4)")
+    p.add_argument("--no-extras", action="store_true", help="leave out the bare Flight and Streaming paths")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
-    with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
-        d = args.dir or tmp
-        t0 = time.perf_counter()
-        if args.dir and os.path.exists(os.path.join(d, "store.db")):
-            url, payload = f"sqlite:///{d}/store.db", f"{d}/payload"
-            with_streaming = os.path.isdir(os.path.join(d, "mds"))
-        else:
-            os.makedirs(d, exist_ok=True)
-            url, payload = build(d, args.samples)
-            with_streaming = build_mds(url, payload, os.path.join(d, "mds"))
-        build_s = time.perf_counter() - t0
-        segment_bytes = sum(os.path.getsize(os.path.join(payload, f)) for f in os.listdir(payload)
-                            if f.startswith("samples-"))
-        port, metrics_port = _free_port(), _free_port()
-        server = subprocess.Popen([sys.executable, "-m", "trajstore.cli", "replay", "--store", url, "--payload", payload,
-                                   "--port", str(port), "--token", TOKEN, "--metrics-port", str(metrics_port)],
-                                  stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
-        line = server.stderr.readline()
-        assert "listening on" in line, line + server.stderr.read()
-        location = f"grpc://127.0.0.1:{port}"
-        try:
-            if args.stalled_only:
-                out = {"samples": args.samples, "stalled_clients": _stalled_clients(url, payload, location, server.pid,
-                                                                                   args.stalled)}
-                print(json.dumps(out, indent=2))
-                return out
-            paths = [(consumer, kind, k) for consumer in CONSUMERS for k in READERS for kind in ("local", "remote")]
+    readers = tuple(int(k) for k in args.readers.split(","))
+    layouts = [r.strip() for r in args.routes.split(",") if r.strip()]
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    cluster = None
+    if "postgresql" in backends:
+        sys.path.insert(0, str(REPO / "tests"))
+        from pg_cluster import PgCluster
+
+        cluster = PgCluster()
+        cluster.start()
+    out: dict = {"samples": args.samples, "rounds": args.rounds, "cpus": os.cpu_count(), "streams": args.streams,
+                 "readers": list(readers), "stores": {}}
+    try:
+        with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
+            for backend in backends:
+                for routes in layouts:
+                    label = f"{backend} {routes}"
+                    d = os.path.join(args.dir or tmp, f"{backend}-{routes}") if len(backends) + len(layouts) > 2 \
+                        else (args.dir or tmp)
+                    url = None
+                    if backend == "postgresql":
+                        assert cluster is not None
+                        url = cluster.url(f"replay_{routes}".replace("x", "_"))
+                        cluster.create_database(f"replay_{routes}".replace("x", "_"))
+                    out["stores"][label] = one_store(args, d, url, routes, readers)
+                    if args.out:  # each store's figures as soon as they are there
+                        Path(args.out).write_text(json.dumps(out, indent=2))
+                    if args.stalled_only:
+                        continue
+                    print(label, json.dumps({k: v for k, v in out["stores"][label].items()
+                                             if k.startswith("remote_vs_local") or k.startswith("server_")}),
+                          file=sys.stderr, flush=True)
+    finally:
+        if cluster is not None:
+            cluster.stop()
+    if len(out["stores"]) == 1:  # one store: its figures at the top, as before
+        out.update(out.pop("stores").popitem()[1])
+    text = json.dumps(out, indent=2)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+    return out
+
+
+def one_store(args: argparse.Namespace, d: str, url: str | None, routes: str, readers: tuple[int, ...]) -> dict:
+    """Every path on one store (built in ``d`` unless there already), one server serving it."""
+    t0 = time.perf_counter()
+    if os.path.exists(os.path.join(d, "payload")) and (url is None and os.path.exists(os.path.join(d, "store.db"))):
+        url, payload = f"sqlite:///{d}/store.db", f"{d}/payload"
+        with_streaming = os.path.isdir(os.path.join(d, "mds"))
+    else:
+        if os.path.exists(os.path.join(d, "payload")):  # a store of an earlier run whose index is gone
+            shutil.rmtree(os.path.join(d, "payload"))
+        os.makedirs(d, exist_ok=True)
+        url, payload = build(d, args.samples, url, routes)
+        with_streaming = not args.no_extras and routes != "none" and build_mds(url, payload, os.path.join(d, "mds"))
+    build_s = time.perf_counter() - t0
+    segment_bytes = sum(os.path.getsize(os.path.join(payload, f)) for f in os.listdir(payload)
+                        if f.startswith("samples-"))
+    port, metrics_port = _free_port(), _free_port()
+    server = subprocess.Popen([sys.executable, "-m", "trajstore.cli", "replay", "--store", url, "--payload", payload,
+                               "--port", str(port), "--token", TOKEN, "--metrics-port", str(metrics_port)],
+                              stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    line = server.stderr.readline()
+    assert "listening on" in line, line + server.stderr.read()
+    location = f"grpc://127.0.0.1:{port}"
+    stalled = None
+    try:
+        if args.stalled_only:
+            return {"samples": args.samples, "stalled_clients": _stalled_clients(url, payload, location, server.pid,
+                                                                               args.stalled)}
+        paths = [(consumer, kind, k) for consumer in CONSUMERS for k in readers for kind in ("local", "remote")]
+        if not args.no_extras:
             paths.append(("touched", "flight", 1))
-            if with_streaming:
-                paths.append(("touched", "streaming", 1))
-            for consumer, kind, k in paths:  # warm: page cache, the server's first connections
-                run_readers(kind, k, url, payload, location, d, consumer, args.streams)
-            figures: dict[tuple[str, str, int], list[dict]] = {}
-            server_cpu = served_tokens = served_bytes = 0.0
-            remote_epochs = 0
-            for _ in range(args.rounds):
-                for consumer, kind, k in paths:
-                    c0 = _cpu_s(server.pid)
-                    t_0, b_0 = (_metric(metrics_port, "trajstore_replay_tokens_served_total"),
-                                _metric(metrics_port, "trajstore_replay_payload_bytes_served_total"))
-                    fig = run_readers(kind, k, url, payload, location, d, consumer, args.streams)
-                    if kind == "remote":
-                        fig["server_cpu_s"] = _cpu_s(server.pid) - c0
-                        server_cpu += fig["server_cpu_s"]
-                        served_tokens += _metric(metrics_port, "trajstore_replay_tokens_served_total") - t_0
-                        served_bytes += _metric(metrics_port, "trajstore_replay_payload_bytes_served_total") - b_0
-                        remote_epochs += 1
-                    figures.setdefault((consumer, kind, k), []).append(fig)
-            hwm = _hwm_mb(server.pid)
+        if with_streaming:
+            paths.append(("touched", "streaming", 1))
+        for consumer, kind, k in paths:  # warm: page cache, the server's first connections
+            run_readers(kind, k, url, payload, location, d, consumer, args.streams)
+        figures: dict[tuple[str, str, int], list[dict]] = {}
+        server_cpu = served_tokens = served_bytes = 0.0
+        remote_epochs = 0
+        for _ in range(args.rounds):
+            for consumer, kind, k in paths:
+                c0 = _cpu_s(server.pid)
+                t_0, b_0 = (_metric(metrics_port, "trajstore_replay_tokens_served_total"),
+                            _metric(metrics_port, "trajstore_replay_payload_bytes_served_total"))
+                fig = run_readers(kind, k, url, payload, location, d, consumer, args.streams)
+                if kind == "remote":
+                    fig["server_cpu_s"] = _cpu_s(server.pid) - c0
+                    server_cpu += fig["server_cpu_s"]
+                    served_tokens += _metric(metrics_port, "trajstore_replay_tokens_served_total") - t_0
+                    served_bytes += _metric(metrics_port, "trajstore_replay_payload_bytes_served_total") - b_0
+                    remote_epochs += 1
+                figures.setdefault((consumer, kind, k), []).append(fig)
+        hwm = _hwm_mb(server.pid)
+        if args.stalled:
             stalled = _stalled_clients(url, payload, location, server.pid, args.stalled)
-        finally:
-            server.terminate()
-            server.wait(timeout=30)
-    out: dict = {"samples": args.samples, "rounds": args.rounds, "build_s": round(build_s, 1), "cpus": os.cpu_count(),
-                 "streams": args.streams, "sample_segment_mib": round(segment_bytes / 2**20, 1), "paths": {}}
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    out: dict = {"routes": routes, "store": url.split(":", 1)[0], "build_s": round(build_s, 1),
+                 "sample_segment_mib": round(segment_bytes / 2**20, 1), "paths": {}}
     tokens = None
     for (consumer, kind, k), figs in figures.items():
         wall = statistics.median(f["wall_s"] for f in figs)
@@ -354,18 +428,16 @@ def main(argv: list[str] | None = None) -> dict:
             row["server_cpu_s"] = round(statistics.median(f["server_cpu_s"] for f in figs), 3)
         out["paths"][f"{kind} x{k}, {consumer}"] = row
     for consumer in CONSUMERS:
-        for k in READERS:
+        for k in readers:
             out[f"remote_vs_local_x{k}_{consumer}"] = round(out["paths"][f"remote x{k}, {consumer}"]["tokens_per_s"]
                                                             / out["paths"][f"local x{k}, {consumer}"]["tokens_per_s"], 3)
     out["tokens_per_epoch"] = tokens
     out["server_cpu_s_per_million_tokens"] = round(server_cpu / served_tokens * 1e6, 4)
+    out["server_payload_bytes_per_token"] = round(served_bytes / served_tokens, 1)
     out["server_bytes_sent_per_segment_byte"] = round(served_bytes / (segment_bytes * remote_epochs), 3)
     out["server_peak_rss_mb"] = round(hwm, 1)
-    out["stalled_clients"] = stalled
-    text = json.dumps(out, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text)
+    if stalled is not None:
+        out["stalled_clients"] = stalled
     return out
 
 

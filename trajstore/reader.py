@@ -48,7 +48,7 @@ import threading
 import time
 import warnings
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any, Callable, Iterator, Sequence, TypeVar
 
@@ -58,6 +58,7 @@ from trajstore import _reader_state
 from trajstore._backoff import Backoff
 from trajstore._batch_plan import Key, Step, Unit, UnitBuilder, plan_step, row_key
 from trajstore._deprecated import renamed
+from trajstore._read_ahead import ReadAhead as _ReadAhead, read_ahead as _read_ahead
 from trajstore._policies import (IDLE, FifoPolicy, FreshnessPolicy, ReadyFirstPolicy, ReusePolicy, SamplingPolicy,
                                  pooled_steps)
 from trajstore._reader_config import ReaderConfig, ReaderStats, _settings
@@ -73,6 +74,7 @@ __all__ = ["FifoPolicy", "FreshnessPolicy", "ReadyFirstPolicy", "ReaderConfig", 
 _log = logging.getLogger("trajstore.reader")
 
 T = TypeVar("T")
+_CLOSE_WAIT_S = 120.0  # longest close() waits for reads under way (they give up once it is closing)
 
 
 class SampleReader:
@@ -133,6 +135,7 @@ class SampleReader:
         self._steps_gen: Iterator[Step] | None = None
         self._batches: Iterator[tuple[int, list[Sample]]] | None = None
         self._pool: ThreadPoolExecutor | None = None
+        self._pipelines: set[_ReadAhead] = set()  # the read-ahead of iterations under way
         self._explained = False  # the reason for yielding nothing is logged once
         self._open_groups: dict[str, list[Any]] = {}
         self._policy_pool: dict[Key, int] = {}  # a pooled policy's units at the committed state: key -> uses
@@ -198,27 +201,37 @@ class SampleReader:
         # The next step is planned ahead only when that cannot change it: with
         # max_staleness it depends on current_model_version, set after this batch.
         ahead = self.config.prefetch and self.config.max_staleness is None and not self.config.policy.uses_version
-        pending = _in_background(produce) if ahead else None
+        # How many steps are planned and loaded ahead of the one being used: one,
+        # or what the payload asks for (a replay server's round trips overlap).
+        pipeline = _ReadAhead(steps, lambda step: self._load(step.bins[self.rank]),
+                              lambda step: step.bins is not None and step.index % stride == offset,
+                              lambda: _read_ahead(self.store.payload)) if ahead else None
         before = {name: getattr(self.stats, name) for name in ReaderStats._SAVED}
         any_batch = False
-        while True:
-            item = pending.result() if pending is not None else produce()
-            if item is None:
-                if not any_batch and offset == 0:  # one DataLoader worker speaks for all
-                    self._explain_empty(before)
-                return
-            if ahead:
-                pending = _in_background(produce)  # decode the next batch while this one is used
-            step, batch = item
-            self._commit(step.state)
-            any_batch = any_batch or step.bins is not None
-            if batch is not None:
-                batch = self._by_finish_reason(batch)
-                self.stats.batches += 1
-                self.stats.samples += len(batch)
-                self.stats.tokens += sum(s.num_tokens for s in batch)
-                self._lineage_recorder().handed_out(batch)
-                yield step.index, batch
+        next_item = pipeline.get if pipeline is not None else produce
+        if pipeline is not None:
+            self._pipelines.add(pipeline)
+        try:
+            while True:
+                item = next_item()
+                if item is None:
+                    if not any_batch and offset == 0:  # one DataLoader worker speaks for all
+                        self._explain_empty(before)
+                    return
+                step, batch = item
+                self._commit(step.state)
+                any_batch = any_batch or step.bins is not None
+                if batch is not None:
+                    batch = self._by_finish_reason(batch)
+                    self.stats.batches += 1
+                    self.stats.samples += len(batch)
+                    self.stats.tokens += sum(s.num_tokens for s in batch)
+                    self._lineage_recorder().handed_out(batch)
+                    yield step.index, batch
+        finally:
+            if pipeline is not None:
+                pipeline.close()  # steps planned ahead are dropped: the next iteration plans them again
+                self._pipelines.discard(pipeline)
 
     def _by_finish_reason(self, batch: list[Sample]) -> list[Sample]:
         """``drop_finish_reasons`` and ``mask_finish_reasons`` applied to a loaded batch."""
@@ -292,7 +305,10 @@ class SampleReader:
                 for part in (_split(idx, n) if name.endswith(".parquet") else [idx])]
         if len(jobs) > 1:
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(n, thread_name_prefix="trajstore-reader")
+                size = n * _read_ahead(self.store.payload)  # batches may load concurrently (read-ahead)
+                with self._outage_lock:
+                    if self._pool is None:
+                        self._pool = ThreadPoolExecutor(size, thread_name_prefix="trajstore-reader")
             parts = list(self._pool.map(lambda job: self._read(rows, *job), jobs))
         else:
             parts = [self._read(rows, *job) for job in jobs]
@@ -390,6 +406,9 @@ class SampleReader:
 
     def close(self) -> None:
         self._closing.set()  # a wait for an unavailable store or a follow poll gives up
+        for pipeline in list(self._pipelines):  # no read of the store outlives close()
+            pipeline.close()
+            pipeline.join(_CLOSE_WAIT_S)
         if self._pool is not None:
             self._pool.shutdown(wait=True)
         if self._owns_store:
@@ -657,18 +676,3 @@ def _split(items: list[int], n: int) -> list[list[int]]:
     """``items`` in at most ``n`` contiguous, non-empty parts of near-equal size."""
     n = min(n, len(items))
     return [items[k * len(items) // n: (k + 1) * len(items) // n] for k in range(n)]
-
-
-def _in_background(fn: Any) -> Future:
-    """Run ``fn`` in a daemon thread (never holds up interpreter exit, e.g. while following)."""
-    future: Future = Future()
-
-    def run() -> None:
-        try:
-            future.set_result(fn())
-        except BaseException as e:  # re-raised in the consumer by future.result()
-            future.set_exception(e)
-
-    threading.Thread(target=run, daemon=True, name="trajstore-reader-prefetch").start()
-    return future
-

@@ -560,10 +560,10 @@ def test_closing_a_reader_mid_prefetch_returns_and_leaves_no_fetch_running(fille
     server = replay_servers(filled_sqlite)
     reader = ReplayReader(server.location, token=READ_TOKEN, batch_size=4, streams=4)
     assert next(reader)
-    pool = reader.store.payload._pool
-    assert pool is not None and pool._threads  # the batch was fetched in parallel
+    ahead = next(iter(reader._pipelines))
+    assert len(ahead.threads) > 1  # the next batches are fetched ahead, in threads of their own
     reader.close()
-    alive = [t.name for t in pool._threads if t.is_alive()]
+    alive = [t.name for t in ahead.threads if t.is_alive()]
     assert not alive, alive
 
 
@@ -698,3 +698,74 @@ def test_a_trainer_records_lineage_through_the_replay_reader(filled, replay_serv
                              {"type": "trajectory_started", "trajectory_id": "sneaked"}])
     assert filled.log.count_events(after_position=0) == before
     reader.close()
+
+
+def test_a_reader_fetches_a_batch_in_one_request_and_streams_batches_at_once(filled, replay_servers):
+    """The payload of a batch is one request per segment it spans (not split into
+    smaller ones), and the reader keeps ``streams`` of them in flight: with every
+    answer held 0.2 s on arrival, four are under way at once and an epoch takes
+    less than the sum of the holds, and the batches are the local reader's."""
+    server = replay_servers(filled)
+    config = {"batch_size": 3, "page_rows": 1000}
+    local = [keys(b) for b in SampleReader(filled, **config)]
+    where = {(r["trajectory_id"], r["sample_index"]): r["segment"]
+             for page in filled.materialized.iter_sample_rows(where={}, after=None, page_rows=10_000) for r in page}
+    reader = ReplayReader(server.location, token=READ_TOKEN, streams=4, **config)
+    payload, fetched, at_once, now = reader.store.payload, [], [0], [0]
+    lock = threading.Lock()
+    fetch = payload._fetch
+
+    def held(name, wanted):
+        with lock:
+            now[0] += 1
+            at_once[0] = max(at_once[0], now[0])
+        try:
+            table = fetch(name, wanted)
+            time.sleep(0.2)
+            fetched.append(len(wanted))
+            return table
+        finally:
+            with lock:
+                now[0] -= 1
+
+    payload._fetch = held
+    try:
+        t0 = time.monotonic()
+        got = [keys(b) for b in reader]
+        took = time.monotonic() - t0
+    finally:
+        reader.close()
+    assert got == local
+    asked = sum(len({where[k] for k in batch}) for batch in local)  # (batch, segment) pairs
+    assert len(fetched) == asked and sum(fetched) == sum(map(len, local)), (fetched, asked)
+    assert 4 <= at_once[0] <= 4 * 2, at_once  # 4 steps, each of up to 2 segments (read_threads=2)
+    assert took < 0.2 * asked, (took, asked)  # one at a time: at least 0.2 s each
+
+
+def test_the_server_maps_a_segment_once_for_many_requests(filled):
+    """The server keeps the segments it serves open: ten requests for rows of one
+    segment map it once (a map per request cost page faults and an munmap each)."""
+    from trajstore.replay._server import ReplayServer
+
+    rows = next(filled.materialized.iter_sample_rows(where={}, after=None, page_rows=10_000))
+    segment = rows[0]["segment"]
+    mine = [r["segment_row"] for r in rows if r["segment"] == segment]
+    mapped = []
+    map_segment = filled.payload._map
+    filled.payload._map = lambda name: mapped.append(name) or map_segment(name)
+    server = ReplayServer(filled, "grpc://127.0.0.1:0", tokens=None)
+    threading.Thread(target=server.serve, daemon=True).start()
+    client = fl.connect(f"grpc://127.0.0.1:{server.port}")
+    try:
+        for i in range(10):
+            part = mine[i % len(mine):][:2]
+            table = client.do_get(fl.Ticket(proto.encode(proto.SAMPLES, segment=segment, rows=part))).read_all()
+            assert table.num_rows == len(part)
+            direct = filled.payload.read_rows(segment, part)
+            assert table.column("prompt_ids").to_pylist() == [
+                direct.table.column("prompt_ids")[direct.index[r]].as_py() for r in part]
+        assert mapped.count(segment) == 1 + 10, mapped  # once by the server; once per direct read above
+    finally:
+        client.close()
+        server.shutdown()
+        filled.payload._map = map_segment

@@ -9,7 +9,7 @@ turns back into trajstore errors.
 Kinds:
     rows     DoGet: one page of sample index rows (``where``, ``after``, ``page_rows``)
     samples  DoGet: the payload rows ``rows`` of one sample segment, in segment order
-    watermark, count_events, hello, standing_attempt   DoAction
+    watermark, count_events, hello, standing_attempt, pacing   DoAction
 
 ``rows`` and ``watermark`` read the default samples, or a named projection's
 with ``projection`` (absent: the default; requests without it are those of
@@ -38,7 +38,8 @@ MAX_SEGMENT_ROWS = 65_536
 ROWS, SAMPLES = "rows", "samples"
 WATERMARK, COUNT_EVENTS, HELLO = "watermark", "count_events", "hello"
 STANDING_ATTEMPT = "standing_attempt"
-ACTIONS = (WATERMARK, COUNT_EVENTS, HELLO, STANDING_ATTEMPT)
+PACING = "pacing"
+ACTIONS = (WATERMARK, COUNT_EVENTS, HELLO, STANDING_ATTEMPT, PACING)
 
 # Error message prefixes (the client maps them back; see client._raise).
 INVALID = "invalid request"

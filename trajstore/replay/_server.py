@@ -41,15 +41,19 @@ import signal
 import sys
 import threading
 import time
+from collections import OrderedDict
 from typing import Any, Iterator
 
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.flight as fl
+import pyarrow.ipc as ipc
 
 from trajstore._auth import bearer_token, same_token
 from trajstore.errors import ConflictError, CorruptStoreError, StoreUnavailable, TrajstoreError, ValidationError
 from trajstore.events import LINEAGE_TYPES
+from trajstore.payload import SegmentRows
+from trajstore.payload._format import READ_OPTIONS, ROWS_PER_BATCH, SegmentKind
 from trajstore.replay import _protocol as proto
 
 __all__ = ["ReplayServer", "add_cli_arguments", "serve_from_args", "DEFAULT_PORT"]
@@ -66,6 +70,60 @@ _ALLOWED = {
 }
 _METHOD_NAMES = {m: m.name.lower() for m in _M}
 _ROWS_PER_MESSAGE = 64  # payload rows per record batch sent: bounds one gRPC message
+
+
+class _OpenSegments:
+    """The sample segments this server has open, for the next requests: each mapped
+    once and each of its record batches read once (views of the map), the most
+    recently used ``size`` kept. Mapping a segment per request cost a page fault
+    per page sent and an ``munmap`` per request: most of the server's CPU.
+
+    Segments are immutable, so a kept one answers as the file would; one that
+    ``trajstore gc`` deleted keeps its disk space until it is dropped from
+    here. Segments that are not local Arrow files are read by the payload
+    store per request (``PayloadStore.read_rows``)."""
+
+    def __init__(self, payload: Any, size: int = 16) -> None:
+        self.payload, self.size = payload, size
+        self._lock = threading.Lock()
+        self._open: OrderedDict[str, tuple[Any, pa.Schema, int, dict[int, pa.RecordBatch]]] = OrderedDict()
+
+    def read_rows(self, name: str, wanted: list[int]) -> SegmentRows:
+        """Rows ``wanted`` (sorted) of segment ``name``, as ``PayloadStore.read_rows`` gives them."""
+        if not (self.payload.local and SegmentKind.of(name).is_arrow):
+            return self.payload.read_rows(name, wanted)
+        reader, schema, per, batches = self._segment(name)
+        numbers = sorted({r // per for r in wanted})
+        try:
+            with self._lock:
+                for b in numbers:
+                    if b not in batches:
+                        batches[b] = reader.get_batch(b)
+                got = [batches[b] for b in numbers]
+        except (pa.ArrowInvalid, IndexError, ValueError):
+            raise CorruptStoreError(f"payload segment {self.payload.path(name)!r} has no row {wanted[-1]}") from None
+        first = {b: i * per for i, b in enumerate(numbers)}
+        return SegmentRows(pa.Table.from_batches(got, schema=schema), {r: first[r // per] + r % per for r in wanted})
+
+    def _segment(self, name: str) -> tuple[Any, pa.Schema, int, dict[int, pa.RecordBatch]]:
+        with self._lock:
+            segment = self._open.get(name)
+            if segment is not None:
+                self._open.move_to_end(name)
+                return segment
+        data = self.payload._map(name)  # noqa: SLF001 - the payload store's own mapping (huge pages, its errors)
+        try:
+            reader = ipc.open_file(data, options=READ_OPTIONS)
+            per = int(reader.schema.metadata[ROWS_PER_BATCH.encode()])
+        except (pa.ArrowInvalid, KeyError, TypeError, ValueError) as e:
+            raise CorruptStoreError(f"payload segment {self.payload.path(name)!r} is unreadable: {e}") from None
+        segment = (reader, reader.schema, per, {})
+        with self._lock:
+            segment = self._open.setdefault(name, segment)
+            self._open.move_to_end(name)
+            while len(self._open) > self.size:
+                self._open.popitem(last=False)
+        return segment
 
 
 class _AuthMiddleware(fl.ServerMiddleware):
@@ -232,6 +290,7 @@ class ReplayServer(fl.FlightServerBase):
             if bad:
                 raise ValueError(f"token roles must be 'read' or 'write', got {sorted(bad)}")
         self.store, self.close_store = store, close_store
+        self.segments = _OpenSegments(store.payload)
         self.metrics = _Metrics(registry if registry is not None else _prometheus().CollectorRegistry())
         self.limiter = _RateLimiter(store, self.metrics, samples_per_insert=samples_per_insert,
                                     spi_tolerance=spi_tolerance, max_staleness=max_staleness, hold_s=hold_s)
@@ -315,7 +374,7 @@ class ReplayServer(fl.FlightServerBase):
         wanted = sorted(set(req["rows"]))
         self.limiter.acquire(len(wanted), req.get("current_model_version"))
         try:
-            part = self.store.payload.read_rows(req["segment"], wanted)
+            part = self.segments.read_rows(req["segment"], wanted)
         except CorruptStoreError:
             self._refuse_rows_past_the_end(req["segment"], wanted)
             raise
@@ -350,7 +409,8 @@ class ReplayServer(fl.FlightServerBase):
         return [(proto.WATERMARK, "position up to which every materializer shard committed"),
                 (proto.COUNT_EVENTS, "events after a position (of some types)"),
                 (proto.HELLO, "the server's protocol version"),
-                (proto.STANDING_ATTEMPT, "the highest attempt recorded for a training step of a rank")]
+                (proto.STANDING_ATTEMPT, "the highest attempt recorded for a training step of a rank"),
+                (proto.PACING, "the rate limits sample requests are held by")]
 
     def do_action(self, context: fl.ServerCallContext, action: fl.Action) -> Iterator[bytes]:
         def run() -> list[bytes]:
@@ -364,6 +424,8 @@ class ReplayServer(fl.FlightServerBase):
                 value = self.store.log.count_events(after_position=req["after_position"], types=req.get("types"))
             elif action.type == proto.STANDING_ATTEMPT:
                 value = self.store.log.standing_attempt(req["run"], req["step"], req["rank"])
+            elif action.type == proto.PACING:
+                value = {"samples_per_insert": self.limiter.spi, "max_staleness": self.limiter.max_staleness}
             else:
                 value = {"protocol": proto.VERSION}
             return [json.dumps(value).encode()]

@@ -11,7 +11,8 @@ resumes in the other, and on any server.
 The plan (which samples form which batch) is computed here, from index rows
 (small); the servers only slice the wanted payload rows out of the segments,
 and the received Arrow buffers become the ``Sample`` arrays without a copy:
-nothing is decoded twice.
+nothing is decoded twice. The payload store asks the reader to prefetch
+``streams`` steps ahead (``read_ahead``): that many requests are in flight.
 
 Every request is self-contained and idempotent, so a failure is retried: the
 client moves to the next server of ``locations`` (a server killed mid-stream,
@@ -31,7 +32,6 @@ import os
 import re
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Collection, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
@@ -364,33 +364,62 @@ class _RemoteLog(ReaderEventLog):
                                 rank=int(rank))
 
 
+_IN_FLIGHT_BYTES = 8 << 20
+"""Payload bytes a reader has under way at most (one request is always let go): large
+batches (long samples with routes) are fetched one or two at a time, as more of them
+at once only compete for the same cores and memory bandwidth; small ones ``streams``
+at a time, which hides the round trips."""
+
+
 class _RemotePayload(ReaderPayload):
     """The payload read of the reader's seam (``PayloadStore.read_rows``), over Flight.
 
-    The rows of one call are fetched as up to ``streams`` requests in parallel
-    (consecutive parts): one gRPC stream is bound by one server thread's
-    serialization and one TCP window, several keep the link busy."""
+    One call is one request. A reader keeps ``read_ahead`` (its ``streams``)
+    steps' requests in flight at once (``SampleReader``'s read-ahead): the
+    round trips, the server's work and the transfer of several batches
+    overlap, and one gRPC stream's window does not bound the transfer; as
+    long as their answers weigh at most ``_IN_FLIGHT_BYTES`` together."""
 
     def __init__(self, conn: _Connection, location: str, streams: int) -> None:
         self.conn = conn
         self.location = location
         self.streams = streams
         self.current_model_version: Callable[[], int | None] = lambda: None
-        self._pool: ThreadPoolExecutor | None = None
-        self._lock = threading.Lock()
+        self._paced: bool | None = None  # whether the server paces samples (samples_per_insert); None: not asked
+        self._in_flight_changed = threading.Condition()
+        self._in_flight = 0  # bytes of the answers under way
+        self._row_bytes = 0.0  # bytes of a row in the last answer
+
+    @property
+    def read_ahead(self) -> int:
+        """Steps the reader fetches ahead: ``streams``, or one from a server that paces
+        samples (``samples_per_insert``): its budget goes to the requests that ask first,
+        and a step fetched ahead must not take what the step the trainer waits for needs."""
+        if self._paced is None:
+            try:
+                pacing = self.conn.action("asking the server's pacing", proto.PACING)
+            except ValidationError:  # a server from before the pacing action: it says nothing
+                pacing = {}
+            except TrajstoreError:  # unreachable now: one step ahead, and ask again next time
+                return 1
+            self._paced = isinstance(pacing, dict) and pacing.get("samples_per_insert") is not None
+        return 1 if self._paced else self.streams
 
     def read_rows(self, name: str, rows: Iterable[int]) -> SegmentRows:
         wanted = sorted(set(int(r) for r in rows))
-        n = min(self.streams, len(wanted))
-        parts = [wanted[k * len(wanted) // n: (k + 1) * len(wanted) // n] for k in range(n)]
-        if n > 1:
-            with self._lock:
-                if self._pool is None:
-                    self._pool = ThreadPoolExecutor(self.streams, thread_name_prefix="trajstore-replay-fetch")
-            tables = list(self._pool.map(lambda part: self._fetch(name, part), parts))
-            table = pa.concat_tables(tables)
-        else:
+        need = int(self._row_bytes * len(wanted))  # what the answer will weigh, by the answers so far
+        with self._in_flight_changed:
+            while self._in_flight and self._in_flight + need > _IN_FLIGHT_BYTES:
+                self._in_flight_changed.wait()
+            self._in_flight += need
+        try:
             table = self._fetch(name, wanted)
+        finally:
+            with self._in_flight_changed:
+                self._in_flight -= need
+                self._in_flight_changed.notify_all()
+        if table.num_rows:
+            self._row_bytes = table.nbytes / table.num_rows
         return SegmentRows(table, {r: i for i, r in enumerate(wanted)})
 
     def _fetch(self, name: str, wanted: list[int]) -> pa.Table:
@@ -402,8 +431,7 @@ class _RemotePayload(ReaderPayload):
         return table
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
+        pass
 
 
 class ReplayStore:
@@ -487,8 +515,8 @@ class ReplayReader(SampleReader):
     ``ReplayStore``; ``token`` defaults to ``$TRAJSTORE_REPLAY_TOKEN``. The
     rest is ``SampleReader``'s (``rank``, ``world_size``,
     ``current_model_version``, ``ReaderConfig`` fields as keywords; a
-    ``ReaderConfig`` as ``config`` is deprecated, as there). ``streams``: parallel
-    requests one batch's payload is fetched with. A server with a
+    ``ReaderConfig`` as ``config`` is deprecated, as there). ``streams``: the steps
+    whose payload is fetched ahead, in parallel requests (the read-ahead). A server with a
     ``max_staleness`` limit judges it against this reader's
     ``current_model_version``.
     """

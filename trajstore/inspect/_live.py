@@ -31,7 +31,7 @@ from urllib.parse import parse_qs
 from trajstore.errors import StoreUnavailable, TrajstoreError, first_line
 from trajstore._auth import same_token
 from trajstore.ingest._http import BearerAuth, error_body
-from trajstore.inspect import _report_page
+from trajstore.inspect import _report_page, _trace
 from trajstore.inspect._panels import DEFAULT_STUCK_AFTER_S, collect, plotly_js
 
 __all__ = ["DEFAULT_PORT", "DEFAULT_REFRESH_S", "make_app", "serve_report"]
@@ -138,7 +138,8 @@ def make_app(url: str | None, *, token: str | None, title: str = "trajstore repo
     routes = [Route("/", get_index, methods=["GET", "HEAD"]),
               Route(f"/{_report_page.PLOTLY_JS}", get_script, methods=["GET", "HEAD"]),
               Route("/api/data", get_data, methods=["GET", "HEAD"]),
-              Route("/healthz", healthz, methods=["GET", "HEAD"])]
+              Route("/healthz", healthz, methods=["GET", "HEAD"]),
+              *_trace.live_routes(url, payload, _report_page.store_label(url))]  # the trace view
     # Deny by default, as on every trajstore server; no path is open, not even /healthz (the page is the run's data).
     inner = BearerAuth(Starlette(routes=routes), token, open_paths=frozenset(),
                        also_accept=None if token is None else lambda scope: _cookie_of(scope, token))

@@ -39,15 +39,21 @@ def render_report(url: str | None, out_dir: str, *, title: str | None = None,
 
     from trajstore.inspect import _report_page
     from trajstore.inspect._panels import DEFAULT_STUCK_AFTER_S, collect, plotly_js
+    from trajstore.inspect._trace import linked_ids, write_trace
     from trajstore.inspect.sql import read_only
 
     script = plotly_js()  # says what to install before anything is read or written
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise TrajstoreError(f"report: {out_dir} is a file; the report writes a directory (index.html and plotly.min.js)")
     with read_only(url) as query:
+        payload_at = _report_page.payload_location(url, payload, query)
         data = collect(query, stuck_after_s=DEFAULT_STUCK_AFTER_S if stuck_after_s is None else stuck_after_s,
-                       payload=_report_page.payload_location(url, payload, query), progress=progress)
-    os.makedirs(out_dir, exist_ok=True)
+                       payload=payload_at, progress=progress)
+        os.makedirs(out_dir, exist_ok=True)
+        # the trace pages the panels link to, beside the page (a static link opens a file)
+        data["trace_files"] = {tid: os.path.basename(write_trace(url, tid, out_dir, payload=payload_at, query=query,
+                                                                 back="index.html"))
+                               for tid in linked_ids(data)}
     page = _report_page.page(title or "trajstore report", _report_page.store_label(url), live=False,
                              data_json=json.dumps(data, cls=PlotlyJSONEncoder))
     files = {"index": os.path.join(out_dir, "index.html"), "script": os.path.join(out_dir, _report_page.PLOTLY_JS)}
@@ -77,6 +83,9 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stuck-after-s", type=number(float, min=0), default=DEFAULT_STUCK_AFTER_S,
                         help="a running trajectory idle this long while the log goes on counts as stuck "
                              f"(default {DEFAULT_STUCK_AFTER_S:g})")
+    parser.add_argument("--trace", metavar="TRAJECTORY_ID", default=None,
+                        help="write the trace view of one trajectory (its calls and samples token by token) "
+                             "into OUT_DIR instead of the run's page")
     live = parser.add_argument_group("live page (--serve)")
     live.add_argument("--serve", action="store_true",
                       help="serve the page live over HTTP, redrawn from the store (read-only, token required)")
@@ -88,6 +97,8 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_from_args(args: argparse.Namespace) -> int:
     if args.serve:
+        if args.trace is not None:
+            raise TrajstoreError("report --serve serves every trace at /trace/ID; --trace writes one into OUT_DIR")
         if args.out_dir is not None:
             raise TrajstoreError("report --serve serves the page; it takes no OUT_DIR (run without --serve to export)")
         from trajstore.ingest._http import server_token
@@ -100,6 +111,12 @@ def run_from_args(args: argparse.Namespace) -> int:
         return 0
     if args.out_dir is None:
         raise TrajstoreError("report needs OUT_DIR (the static page) or --serve (the live page)")
+    if args.trace is not None:
+        from trajstore.inspect._trace import write_trace
+
+        path = write_trace(args.store, args.trace, args.out_dir, payload=getattr(args, "payload", None))
+        print(f"wrote {path}")
+        return 0
     from trajstore._progress import progress_bar
     from trajstore.inspect._panels import PANELS
 

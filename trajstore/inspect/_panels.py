@@ -10,7 +10,8 @@ page (``trajstore report --serve``) polls and the static page embeds.
 Over-time panels bucket unix-second columns with integer arithmetic
 (``(CAST(t * 1000 AS BIGINT) - t0_ms) / width_ms``) so one SQL text gives the
 same buckets on SQLite and PostgreSQL; the width is picked from a fixed ladder
-so a run has at most ``MAX_BUCKETS`` of them.
+so a run has at most ``MAX_BUCKETS`` of them, each wider than the usual gap between
+appends (``trajstore.inspect._timeaxis``).
 """
 
 from __future__ import annotations
@@ -22,12 +23,11 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from trajstore.errors import TrajstoreError
+from trajstore.inspect._timeaxis import BUCKET_WIDTHS_S, MAX_BUCKETS, bucket_width  # noqa: F401
 from trajstore.inspect.sql import Query, QueryResult
 
 __all__ = ["Clock", "Panel", "PANELS", "DEFAULT_STUCK_AFTER_S", "collect", "plotly_js"]
 
-MAX_BUCKETS = 120
-BUCKET_WIDTHS_S = (1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 21600, 43200, 86400)
 DEFAULT_STUCK_AFTER_S = 300.0
 MAX_STUCK_ROWS = 25
 RECENT_VERSIONS = 6
@@ -100,12 +100,12 @@ CLOCK_SQL = ("SELECT count(*), sum(num_generations), sum(num_generated_tokens), 
 
 
 def _clock(query: Query, stuck_after_s: float, payload: str | None) -> Clock:
-    n, *_, first, last = query(CLOCK_SQL[0]).rows[0]
+    n, calls, *_, first, last = query(CLOCK_SQL[0]).rows[0]
     (max_len,) = query(CLOCK_SQL[1]).rows[0]
     first = float(first) if first is not None else time.time()
     last = float(last) if last is not None else first
     span = max(last - first, 0.0)
-    width = next((w for w in BUCKET_WIDTHS_S if span / w < MAX_BUCKETS), 7 * 86400)
+    width = bucket_width(span, int(calls or 0))
     return Clock(int(n), first, last, width, int(max_len or 0), stuck_after_s, payload)
 
 
@@ -998,6 +998,10 @@ PANELS: tuple[Panel, ...] = (
           "complete capture), and the share of engine calls that returned routes at all.",
           _routes_sql, _routes_draw),
 )
+
+from trajstore.inspect import _step_panels  # noqa: E402 (it reads this module only when called)
+
+PANELS = _step_panels.extend(PANELS)  # per step, per task, length over time, links to the trace view
 
 
 # -- the summary ---------------------------------------------------------------------

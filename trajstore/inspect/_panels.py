@@ -999,9 +999,12 @@ PANELS: tuple[Panel, ...] = (
           _routes_sql, _routes_draw),
 )
 
-from trajstore.inspect import _step_panels  # noqa: E402 (it reads this module only when called)
+import sys as _sys  # noqa: E402
 
-PANELS = _step_panels.extend(PANELS)  # per step, per task, length over time, links to the trace view
+from trajstore.inspect import _step_panels  # noqa: E402
+
+# per step, per task, length over time, links to the trace view (drawn with this module's helpers)
+PANELS = _step_panels.extend(PANELS, _sys.modules[__name__])
 
 
 # -- the summary ---------------------------------------------------------------------

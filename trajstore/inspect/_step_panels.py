@@ -2,10 +2,9 @@
 time, and the trajectories worth opening in the trace view.
 
 Each is a ``Panel`` of ``trajstore.inspect._panels`` (SQL over the views of
-docs/sql.md, a plotly figure from the rows); ``extend(panels)`` places them
-among the report's panels. This module reads ``_panels`` only when its
-functions run (``_panels`` registers these panels at import, so importing it
-from here at module level would be circular).
+docs/sql.md, a plotly figure from the rows); ``extend(panels, kit)`` places
+them among the report's panels, ``kit`` being that module (it registers these
+panels at import, so this one does not import it).
 
 Traces whose points are trajectories carry their ids in ``meta.trajectory_ids``
 (``_trace.link_trajectories``): the page links them to the trace view.
@@ -27,10 +26,15 @@ WORST = 10
 """Trajectories listed per criterion in the "trajectories to look at" panel."""
 
 
-def _p() -> Any:
-    from trajstore.inspect import _panels
+_kit: Any = None
+"""``trajstore.inspect._panels`` (``Panel``, the plotly helpers, ``MAX_STEPS``), handed in by
+``extend``: that module registers these panels, so this one never imports it (no import cycle)."""
 
-    return _panels
+
+def _p() -> Any:
+    if _kit is None:
+        raise RuntimeError("trajstore.inspect._step_panels is used through trajstore.inspect._panels.PANELS")
+    return _kit
 
 
 # -- never trained on, per step -----------------------------------------------------------------
@@ -263,9 +267,12 @@ def _linked_stuck(panel: Any) -> Any:
     return replace(panel, draw=draw)
 
 
-def extend(panels: Sequence[Any]) -> tuple[Any, ...]:
-    """``panels`` with these placed among them (after the panel each belongs beside, else at the end)."""
-    Panel = _p().Panel
+def extend(panels: Sequence[Any], kit: Any) -> tuple[Any, ...]:
+    """``panels`` with these placed among them (after the panel each belongs beside, else at the end).
+    ``kit``: the module of ``Panel`` and the plotly helpers (``trajstore.inspect._panels``)."""
+    global _kit
+    _kit = kit
+    Panel = kit.Panel
     new = {
         "response_length": Panel(
             "response_length_over_time", "Response length as the run goes",

@@ -27,9 +27,10 @@ __all__ = ["render_report", "add_cli_arguments", "run_from_args"]
 def render_report(url: str | None, out_dir: str, *, title: str | None = None,
                   stuck_after_s: float | None = None, payload: str | None = None,
                   progress: Callable[[int], None] | None = None) -> dict[str, Any]:
-    """Write the static page into ``out_dir``: ``index.html`` (data embedded) and ``plotly.min.js``.
+    """Write the static page into ``out_dir``: ``index.html`` (data embedded), ``plotly.min.js``,
+    and the trace view (``trace-*.html``) of each trajectory the panels link to (at most 40).
 
-    Returns ``{"index", "files", "empty", "panels", "plotted", "notes"}``:
+    Returns ``{"index", "files", "traces", "empty", "panels", "plotted", "notes"}``:
     the panels on the page, those drawn, and ``{name: why}`` for those with
     nothing to draw yet. An empty store gives one "no data yet" page and no panels.
     ``payload``: the store's payload location when not the default (the
@@ -63,7 +64,9 @@ def render_report(url: str | None, out_dir: str, *, title: str | None = None,
             f.write(text)
         os.replace(tmp, path)  # a reader of the directory sees the old page or the new one, whole
     panels = data["panels"]
-    return {"index": files["index"], "files": [files["index"], files["script"]], "empty": data["empty"],
+    traces = [os.path.join(out_dir, name) for name in data.get("trace_files", {}).values()]
+    return {"index": files["index"], "files": [files["index"], files["script"], *traces], "traces": traces,
+            "empty": data["empty"],
             "panels": [p["name"] for p in panels], "plotted": [p["name"] for p in panels if p["figure"]],
             "notes": {p["name"]: p["note"] for p in panels if not p["figure"]}}
 

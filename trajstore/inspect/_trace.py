@@ -339,6 +339,7 @@ td,th{padding:2px 10px 2px 0;border-bottom:1px solid #eee;text-align:left;vertic
 #channels label{margin-right:14px;font-size:13px}
 .legend span.sw{display:inline-block;width:14px;height:12px;margin:0 4px 0 10px;border:1px solid #ccc;vertical-align:middle}
 .legend{font-size:12px;margin:6px 0}
+.legend-title{font-weight:bold}
 .tokens{font-family:ui-monospace,monospace;font-size:12px;line-height:1.9;word-break:break-all}
 .tokens span.t{padding:1px 2px;margin:0 1px;border-radius:2px;border-bottom:2px solid transparent}
 .tokens span.k0{color:#6b7280}
@@ -375,7 +376,7 @@ _JS = r"""
 
   function legend() {
     const l = data.legend[channel], box = $("legend");
-    box.replaceChildren(el("b", {text: l.title}));
+    box.replaceChildren(el("span", {class: "legend-title", text: l.title}));
     l.colors.forEach((c, i) => {
       const sw = el("span", {class: "sw"});
       sw.style.background = c;

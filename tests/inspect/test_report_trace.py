@@ -260,3 +260,44 @@ def test_bucket_width_of_an_idle_or_empty_run():
     assert bucket_width(0.0, 0) == MIN_BUCKET_S
     assert bucket_width(5.0, 1) == 30  # one call: four calls' worth of its gap (20 s), rounded up the ladder
     assert bucket_width(1e9, 10) == BUCKET_WIDTHS_S[-1]
+
+
+def make_tokenizer(path) -> str:
+    """A word-level tokenizer.json over the demo's ids: id i is ``w{i}``, every 7th one markup."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {(f"<i>w{i}</i>" if i % 7 == 0 else f"w{i}"): i for i in range(32000)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w1"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    file = str(path / "tokenizer.json")
+    tok.save(file)
+    return file
+
+
+def word(i: int) -> str:
+    return f"<i>w{i}</i>" if i % 7 == 0 else f"w{i}"
+
+
+def test_trace_decodes_tokens_with_a_tokenizer(run_store, tmp_path, capsys):
+    store, _ = run_store
+    make_tokenizer(tmp_path)
+    decoder = _trace.load_tokenizer(str(tmp_path))  # the directory holding tokenizer.json
+    with read_only(reader_url_for(store.url)) as query:
+        tid = _annotated(query)
+        data = _trace.trace_data(query, tid, payload=store.payload.location, tokenizer=decoder,
+                                 tokenizer_name=str(tmp_path))
+        plain = _trace.trace_data(query, tid, payload=store.payload.location)
+    assert data["tokenizer"] == str(tmp_path) and plain["tokenizer"] is None
+    for s in data["samples"]:
+        assert s["text"] == [word(i) for i in s["ids"]]
+    assert all(s["text"] is None for s in plain["samples"])
+    # the CLI: decoded on the static trace page (markup in a token stays JSON text); a bad path is one line
+    out = tmp_path / "t"
+    url = reader_url_for(store.url)
+    assert main(["--store", url, "report", "--trace", tid, "--tokenizer", str(tmp_path / "tokenizer.json"),
+                 str(out)]) == 0
+    page = (out / _trace.trace_file_name(tid)).read_text()
+    assert "\\u003ci>w" in page and "<i>w" not in page
+    capsys.readouterr()
+    assert main(["--store", url, "report", "--trace", tid, "--tokenizer", str(tmp_path / "nope"), str(out)]) == 1
+    assert capsys.readouterr().err == f"error: --tokenizer {tmp_path / 'nope'}: no tokenizer.json at {tmp_path / 'nope'}\n"

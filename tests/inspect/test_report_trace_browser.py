@@ -13,7 +13,7 @@ import pytest
 import trajstore
 from tests.inspect.test_report_browser import (TOKEN, Page, assert_every_panel_drawn, browser, served,  # noqa: F401
                                                sqlite_run, start_report_server, stop)
-from tests.inspect.test_report_trace import HOSTILE_ID, HOSTILE_TEXT, _hostile_store
+from tests.inspect.test_report_trace import HOSTILE_ID, HOSTILE_TEXT, _hostile_store, make_tokenizer, word
 
 CHANNELS = ("logprob", "trainer", "mismatch", "version", "drift", "call")
 
@@ -152,7 +152,9 @@ def test_the_static_export_links_open_trace_files(sqlite_run, browser, tmp_path)
 def test_markup_in_ids_and_metadata_renders_as_text(tmp_path, browser):
     url = f"sqlite:///{tmp_path / 'hostile.db'}"
     _hostile_store(url, str(tmp_path / "payload")).close()
-    proc, base = start_report_server(url, "--token", TOKEN, "--refresh-s", "1")  # the payload the store recorded
+    # the payload the store recorded; a tokenizer whose every 7th token is markup
+    proc, base = start_report_server(url, "--token", TOKEN, "--refresh-s", "1", "--tokenizer",
+                                     make_tokenizer(tmp_path))
     try:
         page = Page(browser)
         open_report(page, base)
@@ -169,6 +171,13 @@ def test_markup_in_ids_and_metadata_renders_as_text(tmp_path, browser):
         assert page.page.evaluate("typeof window.__pwned") == "undefined"
         assert page.page.evaluate("document.querySelectorAll('img, b').length") == 0
         assert page.page.title() == f"trace {HOSTILE_ID}"
+        # decoded tokens, markup ones included, are the spans' text
+        ids, texts = page.page.evaluate("[Array.from(document.querySelectorAll('section.sample span.t')).map(s => "
+                                        "s.title.match(/token id (\\d+)/)[1]), Array.from(document.querySelectorAll("
+                                        "'section.sample span.t')).map(s => s.textContent)]")
+        assert texts == [word(int(i)) for i in ids] and any(t.startswith("<i>") for t in texts)
+        assert page.page.evaluate("document.querySelectorAll('section.sample i').length") == 0
+        assert page.page.inner_text("#tokens-shown").startswith("Tokens are decoded one by one")
         assert page.errors == []
         # the per-task panel names the task as text too
         open_report(page, base)

@@ -38,7 +38,7 @@ import numpy as np
 
 from trajstore.errors import TrajstoreError
 
-__all__ = ["MAX_TRACE_TOKENS", "trace_data", "trace_page", "trace_file_name", "sql_string"]
+__all__ = ["MAX_TRACE_TOKENS", "load_tokenizer", "trace_data", "trace_page", "trace_file_name", "sql_string"]
 
 MAX_TRACE_TOKENS = 200_000
 """Token spans the view draws per trajectory at most (the rest is counted, not drawn)."""
@@ -58,6 +58,26 @@ def sql_string(value: str) -> str:
     if not isinstance(value, str) or "\x00" in value:
         raise TrajstoreError(f"a trajectory id is a string without NUL characters, got {value!r}")
     return "'" + value.replace("'", "''") + "'"
+
+
+def load_tokenizer(path: str | None) -> Any:
+    """The tokenizer that decodes the view's token ids: a Hugging Face ``tokenizer.json`` (or a
+    directory holding one, a model's), loaded with the ``tokenizers`` package. None: show ids."""
+    import os
+
+    if path is None:
+        return None
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise TrajstoreError("--tokenizer needs the tokenizers package: pip install tokenizers") from None
+    file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+    if not os.path.isfile(file):
+        raise TrajstoreError(f"--tokenizer {path}: no tokenizer.json at {file}")
+    try:
+        return Tokenizer.from_file(file)
+    except Exception as e:  # noqa: BLE001 - tokenizers raises its own exception types: one line
+        raise TrajstoreError(f"--tokenizer {path}: cannot load {file}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
 
 
 def trace_file_name(trajectory_id: str) -> str:
@@ -161,7 +181,8 @@ def _drift_per_position(calls: list[dict], sample_index: int, n: int) -> tuple[n
     return np.cumsum(calls_diff)[:n], np.cumsum(rows_diff)[:n], np.cumsum(moved_diff)[:n]
 
 
-def _sample_tokens(sample: Any, calls: list[dict], trainer: np.ndarray | None) -> dict[str, Any]:
+def _sample_tokens(sample: Any, calls: list[dict], trainer: np.ndarray | None, tokenizer: Any = None
+                   ) -> dict[str, Any]:
     """The per-token arrays and colour indexes of one sample, whole-array numpy."""
     p, r = len(sample.prompt_ids), len(sample.response_ids)
     n = p + r
@@ -204,7 +225,10 @@ def _sample_tokens(sample: Any, calls: list[dict], trainer: np.ndarray | None) -
     return {
         "sample_index": int(sample.sample_index), "prompt_len": p, "response_len": r,
         "num_tokens": n, "reward": sample.reward, "finish_reason": sample.finish_reason,
-        "ids": ids.tolist(), "kind": kind.tolist(), "loss": loss.astype(np.int8).tolist(),
+        "ids": ids.tolist(), "kind": kind.tolist(),
+        # each token decoded alone, in one batch call (None without a tokenizer: the page shows ids)
+        "text": None if tokenizer is None else tokenizer.decode_batch(ids.reshape(-1, 1).tolist(),
+                                                                      skip_special_tokens=False), "loss": loss.astype(np.int8).tolist(),
         "logprob": rounded(lp, lp_ok), "trainer": rounded(tlp, t_ok), "mismatch": rounded(ratio, r_ok),
         "version": versions.tolist(), "call": call.tolist(),
         "drift": rounded(share, d_ok), "resent_by": resent_by.tolist(),
@@ -250,19 +274,22 @@ def _jsonable(v: Any) -> Any:
     return v
 
 
-def trace_data(query: Any, trajectory_id: str, *, payload: str | None) -> dict[str, Any]:
+def trace_data(query: Any, trajectory_id: str, *, payload: str | None, tokenizer: Any = None,
+               tokenizer_name: str | None = None) -> dict[str, Any]:
     """Everything the trace view draws for ``trajectory_id``, JSON-ready.
 
     ``{"trajectory_id", "found", "summary": [[name, value]], "sql", "calls":
     {"columns", "rows"}, "samples": [per-sample token arrays and colour
     indexes], "legend", "note", "generated_at"}``. A trajectory the store does
     not have is ``found: False``; one not materialized yet has its calls and
-    a note instead of samples."""
+    a note instead of samples. ``tokenizer`` (``load_tokenizer``): decode the tokens, named
+    ``tokenizer_name`` on the page; None: the page shows token ids."""
     sql = trace_sql(trajectory_id)
     summary, calls_r, samples_r, annotations_r, meta_r = (query(q) for q in sql)
     data: dict[str, Any] = {"trajectory_id": trajectory_id, "found": bool(summary.rows), "sql": sql,
                             "summary": [], "calls": {"columns": list(calls_r.columns), "rows": []},
-                            "samples": [], "legend": _legend(None), "note": None, "generated_at": time.time()}
+                            "samples": [], "legend": _legend(None), "note": None, "generated_at": time.time(),
+                            "tokenizer": tokenizer_name if tokenizer is not None else None}
     if not summary.rows:
         data["note"] = "the store has no trajectory with this id"
         return data
@@ -316,7 +343,7 @@ def trace_data(query: Any, trajectory_id: str, *, payload: str | None) -> dict[s
         if drawn + s.num_tokens > MAX_TRACE_TOKENS:
             data["note"] = f"drawn: the first {drawn} tokens (at most {MAX_TRACE_TOKENS}); the rest is not shown"
             break
-        data["samples"].append(_sample_tokens(s, calls, trainer.get(i)))
+        data["samples"].append(_sample_tokens(s, calls, trainer.get(i), tokenizer))
         drawn += s.num_tokens
     return data
 
@@ -341,7 +368,8 @@ td,th{padding:2px 10px 2px 0;border-bottom:1px solid #eee;text-align:left;vertic
 .legend{font-size:12px;margin:6px 0}
 .legend-title{font-weight:bold}
 .tokens{font-family:ui-monospace,monospace;font-size:12px;line-height:1.9;word-break:break-all}
-.tokens span.t{padding:1px 2px;margin:0 1px;border-radius:2px;border-bottom:2px solid transparent}
+.tokens span.t{padding:1px 2px;margin:0 1px;border-radius:2px;border-bottom:2px solid transparent;white-space:pre-wrap}
+.tokens span.id{color:#9ca3af}
 .tokens span.k0{color:#6b7280}
 .tokens span.k1{color:#6b21a8;font-style:italic}
 .tokens span.call-start{border-left:2px solid #111}
@@ -410,6 +438,9 @@ _JS = r"""
 
   function render() {
     document.title = cfg.title;
+    $("tokens-shown").textContent = data.tokenizer
+      ? "Tokens are decoded one by one with the tokenizer " + data.tokenizer + " (an id in grey: it decodes to nothing)."
+      : "Token ids are shown (the store holds ids, not text; --tokenizer decodes them).";
     $("tid").textContent = data.trajectory_id;
     const sum = $("summary");
     sum.replaceChildren(el("h2", {text: "Trajectory"}));
@@ -437,7 +468,9 @@ _JS = r"""
         const sp = document.createElement("span");
         sp.className = "t k" + s.kind[j] + (s.loss[j] ? " loss" : "") +
           (j > 0 && s.call[j] !== s.call[j - 1] && s.call[j] >= 0 ? " call-start" : "");
-        sp.textContent = String(s.ids[j]);
+        const text = s.text ? s.text[j] : null;
+        sp.textContent = text ? text : String(s.ids[j]);
+        if (s.text && !text) sp.classList.add("id");
         sp.title = tokenTitle(s, j);
         frag.appendChild(sp);
       }
@@ -504,8 +537,8 @@ def trace_page(trajectory_id: str, store: str, *, live: bool, api: str | None = 
         "<div id='summary' class='card'></div>"
         f"<div class='card'><h2>Token colours</h2><div id='channels'>{radios}</div><div id='legend' class='legend'></div>"
         "<p class='legend'>Grey ids: prompt; purple italic: observation tokens (read, not generated); underlined: loss "
-        "tokens; a bar on the left: a new engine call. Hover a token for its figures. Token ids are shown "
-        "(the store holds ids, not text).</p></div>"
+        "tokens; a bar on the left: a new engine call. Hover a token for its figures. <span id='tokens-shown'>"
+        "</span></p></div>"
         "<div id='samples'></div><div id='calls' class='card'></div><div id='sql' class='card'></div></main>"
         f"<script id='trajstore-config' type='application/json'>{config}</script>{data}"
         f"<script>{_JS}</script></body></html>\n")
@@ -513,7 +546,7 @@ def trace_page(trajectory_id: str, store: str, *, live: bool, api: str | None = 
 
 # -- the live server's routes (trajstore report --serve) --------------------------------------
 
-def live_routes(url: str | None, payload: str | None, store_label: str) -> list[Any]:
+def live_routes(url: str | None, payload: str | None, store_label: str, tokenizer: str | None = None) -> list[Any]:
     """``GET /trace/{trajectory_id}`` (the page) and ``GET /api/trace?id=ID`` (its data), read-only,
     behind the report server's token like every other path."""
     from urllib.parse import quote
@@ -526,10 +559,12 @@ def live_routes(url: str | None, payload: str | None, store_label: str) -> list[
     from trajstore.ingest._http import error_body
     from trajstore.inspect.sql import read_only
 
+    decoder = load_tokenizer(tokenizer)
+
     def compute(trajectory_id: str) -> bytes:
         with read_only(url) as query:
-            return json.dumps(trace_data(query, trajectory_id, payload=payload), allow_nan=False,
-                              default=str).encode()
+            data = trace_data(query, trajectory_id, payload=payload, tokenizer=decoder, tokenizer_name=tokenizer)
+            return json.dumps(data, allow_nan=False, default=str).encode()
 
     async def get_page(request: Any) -> Any:
         trajectory_id = request.path_params["trajectory_id"]
@@ -562,9 +597,11 @@ def live_routes(url: str | None, payload: str | None, store_label: str) -> list[
 
 
 def write_trace(url: str | None, trajectory_id: str, out_dir: str, *, payload: str | None = None,
-                query: Any = None, back: str | None = None) -> str:
+                query: Any = None, back: str | None = None, tokenizer: str | None = None,
+                decoder: Any = None) -> str:
     """Write the static trace page of ``trajectory_id`` into ``out_dir`` (data embedded, nothing
-    loaded from anywhere); returns its path. ``query``: a read-only connection's, else one is opened."""
+    loaded from anywhere); returns its path. ``query``: a read-only connection's, else one is opened.
+    ``tokenizer``: a tokenizer.json (or its directory) to decode the tokens with (``decoder``: it, loaded)."""
     import os
 
     from trajstore.inspect import _report_page
@@ -573,10 +610,12 @@ def write_trace(url: str | None, trajectory_id: str, out_dir: str, *, payload: s
     if query is None:
         with read_only(url) as q:
             return write_trace(url, trajectory_id, out_dir, payload=_report_page.payload_location(url, payload, q),
-                               query=q, back=back)
+                               query=q, back=back, tokenizer=tokenizer, decoder=decoder)
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise TrajstoreError(f"report: {out_dir} is a file; the report writes a directory")
-    data = trace_data(query, trajectory_id, payload=payload)
+    if decoder is None:
+        decoder = load_tokenizer(tokenizer)
+    data = trace_data(query, trajectory_id, payload=payload, tokenizer=decoder, tokenizer_name=tokenizer)
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, trace_file_name(trajectory_id))
     text = trace_page(trajectory_id, _report_page.store_label(url), live=False, back=back,

@@ -42,9 +42,13 @@ def _p() -> Any:
 def _never_trained_sql(c: Any) -> list[str]:
     n = _p().MAX_STEPS
     return [
-        "SELECT st.run, st.step, st.position, (SELECT count(*) FROM samples s WHERE s.finished_position < st.position) "
-        "AS available FROM (SELECT run, step, min(position) AS position FROM train_steps GROUP BY run, step) st "
-        f"ORDER BY st.step DESC, st.run LIMIT {n}",
+        # samples finished before each step was recorded: one running count over samples and steps in log order
+        "SELECT run, step, position, available FROM (SELECT run, step, position, is_step, "
+        "sum(1 - is_step) OVER (ORDER BY position ROWS UNBOUNDED PRECEDING) AS available FROM ("
+        "SELECT CAST(NULL AS VARCHAR(255)) AS run, CAST(NULL AS INTEGER) AS step, finished_position AS position, "
+        "0 AS is_step FROM samples UNION ALL "
+        "SELECT run, step, min(position), 1 FROM train_steps GROUP BY run, step) u) w "
+        f"WHERE is_step = 1 ORDER BY step DESC, run LIMIT {n}",
         "SELECT run, first_step, count(*) AS samples FROM (SELECT run, trajectory_id, sample_index, min(step) AS "
         "first_step FROM sample_consumption GROUP BY run, trajectory_id, sample_index) f "
         "GROUP BY run, first_step ORDER BY run, first_step",

@@ -119,8 +119,8 @@ def _metrics_draw(c: Any, r: list[Any]) -> Any:
     names = sorted(values, key=lambda k: (-len(values[k]), k))[:MAX_METRICS]
     cols = min(3, len(names))
     rows = (len(names) + cols - 1) // cols
-    fig = make_subplots(rows=rows, cols=cols, subplot_titles=tuple(names), vertical_spacing=0.5 / max(rows, 1) ** 0.5 / 2
-                        + 0.06, horizontal_spacing=0.08)
+    fig = make_subplots(rows=rows, cols=cols, subplot_titles=tuple(names), vertical_spacing=0.35 / rows,
+                        horizontal_spacing=0.08)
     runs = sorted({run for per in values.values() for run, _ in per})
     for i, name in enumerate(names):
         row, col = i // cols + 1, i % cols + 1

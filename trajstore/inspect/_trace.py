@@ -268,9 +268,14 @@ def _legend(version_base: int | None) -> dict[str, Any]:
     }
 
 
-def _jsonable(v: Any) -> Any:
+def _jsonable(v: Any, column: str = "") -> Any:
+    """A cell as the page shows it: times (columns ending ``_at``, unix seconds) in ISO UTC."""
     if isinstance(v, (bytes, bytearray)):
         return v.decode("utf-8", "replace")
+    if column.endswith("_at") and isinstance(v, (int, float)) and not isinstance(v, bool):
+        import datetime as dt
+
+        return dt.datetime.fromtimestamp(float(v), dt.timezone.utc).isoformat(timespec="milliseconds")
     return v
 
 
@@ -295,12 +300,12 @@ def trace_data(query: Any, trajectory_id: str, *, payload: str | None, tokenizer
         return data
     row = dict(zip(summary.columns, summary.rows[0]))
     meta = meta_r.rows[0][0] if meta_r.rows else None
-    data["summary"] = [[k, "-" if v is None else str(_jsonable(v))] for k, v in row.items()]
+    data["summary"] = [[k, "-" if v is None else str(_jsonable(v, k))] for k, v in row.items()]
     if meta is not None:
         data["summary"].append(["metadata", meta if isinstance(meta, str) else json.dumps(meta, sort_keys=True)])
     calls = [dict(zip(calls_r.columns, r)) for r in calls_r.rows]
-    data["calls"]["rows"] = [[_jsonable(v) if not isinstance(v, (dict, list)) else json.dumps(v) for v in r]
-                             for r in calls_r.rows]
+    data["calls"]["rows"] = [[_jsonable(v, k) if not isinstance(v, (dict, list)) else json.dumps(v)
+                              for k, v in zip(calls_r.columns, r)] for r in calls_r.rows]
     if not samples_r.rows:
         data["note"] = ("no materialized samples yet (trajstore materialize folds finished trajectories): "
                         "the calls are listed, their tokens are drawn once the trajectory is folded")

@@ -262,6 +262,31 @@ def test_bucket_width_of_an_idle_or_empty_run():
     assert bucket_width(1e9, 10) == BUCKET_WIDTHS_S[-1]
 
 
+@pytest.mark.parametrize("shift", [0.0, 0.5])
+def test_route_drift_buckets_are_the_pages_at_every_width(run_store, shift):
+    """The drift panel sums the stored 1/60/3600 s buckets of agg_route_drift into the page's
+    buckets: at every width of the ladder (and the first event moved half a bucket) they are
+    exactly generation_events' route drift bucketed like the other time panels."""
+    from dataclasses import replace
+
+    from trajstore.inspect._figures import _clock
+    from trajstore.inspect._panels_tokens import _drift_sql
+
+    store, _ = run_store
+    with read_only(reader_url_for(store.url)) as query:
+        page = _clock(query, 300.0, None)
+        (calls,) = query("SELECT count(*) FROM generation_events").rows[0]
+        assert page.width_s == bucket_width(page.last_s - page.first_s, calls) >= 10  # not the old 1 s
+        for width in BUCKET_WIDTHS_S:
+            c = replace(page, width_s=width, first_s=page.first_s - shift * width)
+            stored = {int(b): (int(n), int(d or 0)) for b, n, d, _ in query(_drift_sql(c)[0]).rows if n}
+            direct = {int(b): (int(n), int(d or 0)) for b, n, d in query(
+                f"SELECT {c.bucket('created_at')}, sum(route_rows_resent), sum(route_rows_drifted) "
+                "FROM generation_events WHERE route_rows_resent > 0 AND route_rows_drifted IS NOT NULL "
+                "GROUP BY 1").rows}
+            assert stored == direct and stored, width
+
+
 def make_tokenizer(path) -> str:
     """A word-level tokenizer.json over the demo's ids: id i is ``w{i}``, every 7th one markup."""
     from tokenizers import Tokenizer, models, pre_tokenizers

@@ -4,7 +4,8 @@ and the Parquet export.
 * ``views``  — the inspection views' SQL (created by migration 0002) and the reader role
 * ``sql``    — ``trajstore sql``: read-only queries over those views
 * ``report`` — ``trajstore report``: the run view, a static page (OUT_DIR) or live (``--serve``)
-* ``_panels`` — the report's panels: their SQL over the views and their plotly figures
+* ``_panels`` — the report's panels: their SQL over the views and the run aggregates, and their
+  plotly figures (``_panels_run``, ``_panels_tokens``, ``_panels_lineage``; drawn with ``_figures``)
 * ``_step_panels`` — the panels per training step and per task, response length over time, and
   the trajectories to look at (registered by ``_panels``)
 * ``_timeaxis`` — the width of the over-time panels' buckets

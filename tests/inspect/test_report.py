@@ -25,6 +25,8 @@ from trajstore.inspect.sql import read_only
 NUM_TRAJECTORIES = 40
 RUNNING = {5, 17, 33}
 """Trajectories left without trajectory_finished (running; the stuck panel lists them)."""
+TASKS = ("math", "code", "search")
+"""The task each trajectory's metadata names (trajectory i: TASKS[i % 3])."""
 LENGTH_CUT = {2, 9, 21}
 """Trajectories whose last call ended by the length limit."""
 
@@ -36,6 +38,7 @@ def run_events(first: int, count: int, *, version_base: int = 0) -> list[list[di
     out = []
     for i in range(first, first + count):
         events = trajectory_events(cfg, i, version=version_base + i * 4 // NUM_TRAJECTORIES)
+        events[0]["metadata"]["task"] = TASKS[i % len(TASKS)]  # the per-task panel groups by it
         if i in LENGTH_CUT:
             [e for e in events if e["type"] == "generation"][-1]["finish_reason"] = "length"
         if i in RUNNING:
@@ -119,7 +122,10 @@ def test_static_export(run_store, tmp_path):
     store, stats = run_store
     out = tmp_path / "report"
     written = render_report(reader_url_for(store.url), str(out), title="run 7", payload=store.payload.location)
-    assert sorted(os.listdir(out)) == ["index.html", "plotly.min.js"]
+    # the page, its script, and the trace view of every trajectory a panel links to
+    traces = sorted(os.path.basename(t) for t in written["traces"])
+    assert traces and all(t.startswith("trace-") and t.endswith(".html") for t in traces)
+    assert sorted(os.listdir(out)) == sorted(["index.html", "plotly.min.js", *traces])
     assert written["panels"] == [p.name for p in PANELS]
     assert written["notes"] == {} and written["plotted"] == written["panels"]
     page = (out / "index.html").read_text()
@@ -129,6 +135,7 @@ def test_static_export(run_store, tmp_path):
     data = json.loads(re.search(r"<script id='trajstore-data' type='application/json'>(.*?)</script>", page,
                                 re.S).group(1))
     assert [p["name"] for p in data["panels"]] == written["panels"]
+    assert sorted(data["trace_files"].values()) == traces  # the page's links open these files
     # Every panel's SQL is on the page for the reader (escaped in JSON, shown by the script).
     for panel in data["panels"]:
         for q in panel["sql"]:

@@ -72,7 +72,8 @@ def served(sqlite_run):
     stop(proc)
 
 
-PATHS = ["/", "/plotly.min.js", "/api/data", "/healthz", "/no-such-page"]
+PATHS = ["/", "/plotly.min.js", "/api/data", "/healthz", "/no-such-page", "/trace/traj-0-000000",
+         "/api/trace?id=traj-0-000000"]
 
 
 def test_every_path_is_denied_without_the_token(served):
@@ -100,6 +101,14 @@ def test_the_token_reads_and_nothing_writes(served):
         data = http.get("/api/data", headers=auth).json()
         assert [p["name"] for p in data["panels"]] == [p.name for p in PANELS]
         assert http.get("/no-such-page", headers=auth).status_code == 404
+        trace = http.get("/api/trace?id=traj-0-000000", headers=auth).json()
+        assert trace["found"] and trace["samples"] and trace["trajectory_id"] == "traj-0-000000"
+        assert http.get("/api/trace", headers=auth).json()["error"]["message"] == "api/trace needs ?id=TRAJECTORY_ID"
+        # the trace page finds its data relative to its own URL, whatever '/' the id brings
+        assert '"api": "../api/trace?id=traj-0-000000"' in http.get("/trace/traj-0-000000", headers=auth).text
+        assert '"api": "../../api/trace?id=a%2Fb"' in http.get("/trace/a/b", headers=auth).text
+        assert '"api": "../api/trace?id=a%2Fb"' in http.get("/trace/a%2Fb", headers=auth).text
+        assert http.post("/api/trace?id=x", headers=auth).status_code == 405
         for method in ("POST", "PUT", "DELETE", "PATCH"):
             assert http.request(method, "/api/data", headers=auth).status_code == 405
         # The browser's way in: the token once in the URL, then a cookie; the URL loses the token.

@@ -9,7 +9,10 @@ expert load and route drift, from the run aggregates) and ``_panels_lineage``
 Over-time panels bucket unix-second columns with integer arithmetic
 (``(CAST(t * 1000 AS BIGINT) - t0_ms) / width_ms``) so one SQL text gives the
 same buckets on SQLite and PostgreSQL; the width is picked from a fixed ladder
-so a run has at most ``MAX_BUCKETS`` of them.
+so a run has at most ``MAX_BUCKETS`` of them, each wider than the usual gap
+between appends (``trajstore.inspect._timeaxis``). Every width of the ladder is
+a multiple of one the route drift aggregate is kept at, so that panel sums the
+stored buckets into the page's.
 """
 
 from __future__ import annotations
@@ -23,12 +26,11 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
 from trajstore.errors import TrajstoreError
+from trajstore.inspect._timeaxis import BUCKET_WIDTHS_S, MAX_BUCKETS, bucket_width  # noqa: F401
 from trajstore.inspect.sql import Query, QueryResult
 
 __all__: list[str] = []  # the page's names are trajstore.inspect._panels'
 
-MAX_BUCKETS = 120
-BUCKET_WIDTHS_S = (1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 21600, 43200, 86400)
 DEFAULT_STUCK_AFTER_S = 300.0
 MAX_STUCK_ROWS = 25
 RECENT_VERSIONS = 6
@@ -101,12 +103,12 @@ CLOCK_SQL = ("SELECT count(*), sum(num_generations), sum(num_generated_tokens), 
 
 
 def _clock(query: Query, stuck_after_s: float, payload: str | None) -> Clock:
-    n, *_, first, last = query(CLOCK_SQL[0]).rows[0]
+    n, calls, *_, first, last = query(CLOCK_SQL[0]).rows[0]
     (max_len,) = query(CLOCK_SQL[1]).rows[0]
     first = float(first) if first is not None else time.time()
     last = float(last) if last is not None else first
     span = max(last - first, 0.0)
-    width = next((w for w in BUCKET_WIDTHS_S if span / w < MAX_BUCKETS), 7 * 86400)
+    width = bucket_width(span, int(calls or 0))
     return Clock(int(n), first, last, width, int(max_len or 0), stuck_after_s, payload)
 
 

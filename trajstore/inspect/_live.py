@@ -31,7 +31,7 @@ from urllib.parse import parse_qs
 from trajstore.errors import StoreUnavailable, TrajstoreError, first_line
 from trajstore._auth import same_token
 from trajstore.ingest._http import BearerAuth, error_body
-from trajstore.inspect import _report_page
+from trajstore.inspect import _report_page, _trace
 from trajstore.inspect._panels import DEFAULT_STUCK_AFTER_S, collect, plotly_js
 
 __all__ = ["DEFAULT_PORT", "DEFAULT_REFRESH_S", "make_app", "serve_report"]
@@ -89,9 +89,10 @@ class _Snapshot:
 
 def make_app(url: str | None, *, token: str | None, title: str = "trajstore report",
              refresh_s: float = DEFAULT_REFRESH_S, stuck_after_s: float = DEFAULT_STUCK_AFTER_S,
-             payload: str | None = None) -> Any:
+             payload: str | None = None, tokenizer: str | None = None) -> Any:
     """The ASGI app of the live page over store ``url``. ``token=None``: no auth (the caller decided).
-    ``payload``: the store's payload location when not the default."""
+    ``payload``: the store's payload location when not the default. ``tokenizer``: a tokenizer.json
+    (or its directory) the trace view decodes tokens with (None: it shows ids)."""
     from starlette.applications import Starlette
     from starlette.concurrency import run_in_threadpool
     from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
@@ -138,7 +139,8 @@ def make_app(url: str | None, *, token: str | None, title: str = "trajstore repo
     routes = [Route("/", get_index, methods=["GET", "HEAD"]),
               Route(f"/{_report_page.PLOTLY_JS}", get_script, methods=["GET", "HEAD"]),
               Route("/api/data", get_data, methods=["GET", "HEAD"]),
-              Route("/healthz", healthz, methods=["GET", "HEAD"])]
+              Route("/healthz", healthz, methods=["GET", "HEAD"]),
+              *_trace.live_routes(url, payload, _report_page.store_label(url), tokenizer)]  # the trace view
     # Deny by default, as on every trajstore server; no path is open, not even /healthz (the page is the run's data).
     inner = BearerAuth(Starlette(routes=routes), token, open_paths=frozenset(),
                        also_accept=None if token is None else lambda scope: _cookie_of(scope, token))
@@ -185,14 +187,16 @@ def _check_refresh(refresh_s: float) -> None:
 def serve_report(url: str | None, *, host: str = "127.0.0.1", port: int = DEFAULT_PORT, token: str | None,
                  title: str = "trajstore report", refresh_s: float = DEFAULT_REFRESH_S,
                  stuck_after_s: float = DEFAULT_STUCK_AFTER_S, log_level: str = "warning",
-                 payload: str | None = None) -> None:
-    """Serve the live page until SIGINT/SIGTERM. ``token=None`` serves it open (the caller decided)."""
+                 payload: str | None = None, tokenizer: str | None = None) -> None:
+    """Serve the live page until SIGINT/SIGTERM. ``token=None`` serves it open (the caller decided).
+    ``tokenizer``: what the trace view decodes tokens with (``make_app``)."""
     from trajstore.inspect.sql import read_only
 
     _check_refresh(refresh_s)
     with read_only(url) as query:  # a wrong store URL or login fails here, in one line, before serving
         collect(query, stuck_after_s=stuck_after_s, payload=_report_page.payload_location(url, payload, query))
-    app = make_app(url, token=token, title=title, refresh_s=refresh_s, stuck_after_s=stuck_after_s, payload=payload)
+    app = make_app(url, token=token, title=title, refresh_s=refresh_s, stuck_after_s=stuck_after_s, payload=payload,
+                   tokenizer=tokenizer)
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
         family = infos[0][0]

@@ -3,11 +3,14 @@ aggregates, drawn with plotly.
 
 Every panel is a few read-only queries and a function that turns their rows
 into a plotly figure (``_panels_run``, ``_panels_tokens``, ``_panels_lineage``;
-what they share is ``_figures``); the page shows each panel's SQL exactly as
+what they share is ``_figures``; the per-step and per-task panels, response length
+over time and the trajectories to look at are ``_step_panels``); the page shows each panel's SQL exactly as
 it ran, so every number on it can be re-derived with ``trajstore sql``.
 ``collect(query)`` runs them all in the caller's read-only snapshot and returns
 the page's data as one JSON-ready dict, which the live page (``trajstore report
---serve``) polls and the static page embeds.
+--serve``) polls and the static page embeds. Over-time panels share the run's
+time buckets (``_figures.Clock``), as wide as ``trajstore.inspect._timeaxis``
+says.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from trajstore.inspect._panels_run import (_finish_draw, _finish_sql, _groups_dr
 from trajstore.inspect._panels_tokens import (_drift_draw, _drift_sql, _experts_draw, _experts_sql, _length_draw,
                                               _length_sql, _logprob_draw, _logprob_sql, _read_samples,  # noqa: F401
                                               _routes_draw, _routes_sql)
+from trajstore.inspect._step_panels import extend as _extend_panels
 from trajstore.inspect.sql import Query, QueryResult
 
 __all__ = ["Clock", "Panel", "PANELS", "DEFAULT_STUCK_AFTER_S", "collect", "plotly_js"]
@@ -126,6 +130,8 @@ PANELS: tuple[Panel, ...] = (
           "complete capture), and the share of engine calls that returned routes at all.",
           _routes_sql, _routes_draw),
 )
+# per step, per task, length over time, and the links to the trace view, placed among the panels above
+PANELS = _extend_panels(PANELS)
 
 
 # -- the summary ---------------------------------------------------------------------

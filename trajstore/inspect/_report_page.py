@@ -75,6 +75,7 @@ details{font-size:12px;margin-top:4px}
 details summary{cursor:pointer;color:#2563eb}
 pre{background:#f6f8fa;padding:8px;white-space:pre-wrap;word-break:break-word;margin:4px 0;font-size:12px}
 .grid{display:grid;grid-template-columns:1fr;gap:0}
+.trace-link{margin-right:10px;color:#2563eb;font-family:ui-monospace,monospace}
 """
 
 _JS = r"""
@@ -138,7 +139,8 @@ _JS = r"""
       nav.appendChild(el("a", {href: "#" + p.name, text: p.title}));
       root.appendChild(el("section", {class: "card", id: p.name, "data-panel": p.name},
         el("h2", {text: p.title}), el("p", {class: "caption", text: p.caption}),
-        el("div", {class: "plot"}), el("div", {class: "note"}), el("div", {class: "sql"})));
+        el("div", {class: "plot"}), el("div", {class: "note"}), el("div", {class: "links"}),
+        el("div", {class: "sql"})));
     }
   }
 
@@ -150,20 +152,88 @@ _JS = r"""
       if (p.figure) {
         note.hidden = true;
         plot.hidden = false;
-        Plotly.react(plot, p.figure.data, p.figure.layout, plotConfig);
+        // uirevision: a refresh keeps the zoom the viewer chose
+        Plotly.react(plot, p.figure.data, Object.assign({uirevision: p.name}, p.figure.layout), plotConfig);
+        hookPlot(plot);
         s.dataset.state = "plotted";
       } else {
         Plotly.purge(plot);
+        delete plot.dataset.hooked;
         plot.hidden = true;
         note.hidden = false;
         note.textContent = p.note;
         s.dataset.state = "note";
       }
+      s.querySelector(".links").replaceChildren(...traceLinks(p));
       s.querySelector(".sql").replaceChildren(sqlDetails(p.sql));
     }
   }
 
+  // -- the trace view: trajectory ids a panel's traces carry (meta.trajectory_ids) open it --
+  let traceFiles = {};
+  function traceHref(id) {
+    if (cfg.live) return "trace/" + encodeURIComponent(id);
+    return Object.prototype.hasOwnProperty.call(traceFiles, id) ? traceFiles[id] : null;
+  }
+
+  function linkedIds(p) {
+    const ids = [];
+    for (const t of (p.figure && p.figure.data) || []) {
+      for (const id of ((t.meta && t.meta.trajectory_ids) || [])) if (!ids.includes(id)) ids.push(id);
+    }
+    return ids;
+  }
+
+  function traceLinks(p) {
+    const ids = linkedIds(p).filter((id) => traceHref(id) !== null).slice(0, 24);
+    if (!ids.length) return [];
+    const box = el("p", {class: "caption"}, el("span", {text: "trace view: "}));
+    for (const id of ids) box.appendChild(el("a", {href: traceHref(id), class: "trace-link", text: id}));
+    return [box];
+  }
+
+  // -- shared zoom: a zoom on one time axis applies to every time axis on the page --
+  let syncing = false;
+  function timeAxes(plot) {
+    const fl = plot._fullLayout || {};
+    return Object.keys(fl).filter((k) => /^xaxis[0-9]*$/.test(k) && fl[k] && fl[k].type === "date");
+  }
+
+  function hookPlot(plot) {
+    if (plot.dataset.hooked) return;
+    plot.dataset.hooked = "1";
+    plot.on("plotly_click", (ev) => {
+      const pt = ev && ev.points && ev.points[0];
+      const ids = pt && pt.data && pt.data.meta && pt.data.meta.trajectory_ids;
+      const href = ids && ids[pt.pointIndex] !== undefined ? traceHref(ids[pt.pointIndex]) : null;
+      if (href) window.location.href = href;
+    });
+    plot.on("plotly_relayout", (ev) => {
+      if (syncing || !ev) return;
+      let range = null, auto = false;
+      for (const ax of timeAxes(plot)) {
+        if (ev[ax + ".range[0]"] !== undefined) range = [ev[ax + ".range[0]"], ev[ax + ".range[1]"]];
+        else if (ev[ax + ".range"]) range = ev[ax + ".range"].slice();
+        if (ev[ax + ".autorange"]) auto = true;
+      }
+      if (!range && !auto) return;
+      syncing = true;
+      const jobs = [];
+      for (const other of document.querySelectorAll("#panels .plot")) {
+        if (other === plot || other.hidden || !other._fullLayout) continue;
+        const update = {};
+        for (const ax of timeAxes(other)) {
+          if (range) update[ax + ".range"] = range.slice(); else update[ax + ".autorange"] = true;
+        }
+        if (Object.keys(update).length) jobs.push(Plotly.relayout(other, update));
+      }
+      document.body.dataset.zoomSyncs = String(Number(document.body.dataset.zoomSyncs || 0) + 1);
+      Promise.all(jobs).finally(() => { syncing = false; });
+    });
+  }
+
   function render(data) {
+    traceFiles = data.trace_files || {};
     renderEmpty(data);
     renderSummary(data);
     renderPanels(data);

@@ -26,28 +26,38 @@ __all__ = ["render_report", "add_cli_arguments", "run_from_args"]
 
 def render_report(url: str | None, out_dir: str, *, title: str | None = None,
                   stuck_after_s: float | None = None, payload: str | None = None,
-                  progress: Callable[[int], None] | None = None) -> dict[str, Any]:
-    """Write the static page into ``out_dir``: ``index.html`` (data embedded) and ``plotly.min.js``.
+                  progress: Callable[[int], None] | None = None, tokenizer: str | None = None) -> dict[str, Any]:
+    """Write the static page into ``out_dir``: ``index.html`` (data embedded), ``plotly.min.js``,
+    and the trace view (``trace-*.html``) of each trajectory the panels link to (at most 40).
 
-    Returns ``{"index", "files", "empty", "panels", "plotted", "notes"}``:
+    Returns ``{"index", "files", "traces", "empty", "panels", "plotted", "notes"}``:
     the panels on the page, those drawn, and ``{name: why}`` for those with
     nothing to draw yet. An empty store gives one "no data yet" page and no panels.
     ``payload``: the store's payload location when not the default (the
     token-level panels read the newest sample segments there, read-only).
-    ``progress(1)`` is called after each panel is drawn."""
+    ``progress(1)`` is called after each panel is drawn. ``tokenizer``: a tokenizer.json (or
+    its directory) the trace pages decode tokens with (None: they show token ids)."""
     from plotly.utils import PlotlyJSONEncoder
 
     from trajstore.inspect import _report_page
     from trajstore.inspect._panels import DEFAULT_STUCK_AFTER_S, collect, plotly_js
+    from trajstore.inspect._trace import linked_ids, load_tokenizer, write_trace
     from trajstore.inspect.sql import read_only
 
     script = plotly_js()  # says what to install before anything is read or written
+    decoder = load_tokenizer(tokenizer)  # a wrong path fails before anything is written
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise TrajstoreError(f"report: {out_dir} is a file; the report writes a directory (index.html and plotly.min.js)")
     with read_only(url) as query:
+        payload_at = _report_page.payload_location(url, payload, query)
         data = collect(query, stuck_after_s=DEFAULT_STUCK_AFTER_S if stuck_after_s is None else stuck_after_s,
-                       payload=_report_page.payload_location(url, payload, query), progress=progress)
-    os.makedirs(out_dir, exist_ok=True)
+                       payload=payload_at, progress=progress)
+        os.makedirs(out_dir, exist_ok=True)
+        # the trace pages the panels link to, beside the page (a static link opens a file)
+        data["trace_files"] = {tid: os.path.basename(write_trace(url, tid, out_dir, payload=payload_at, query=query,
+                                                                 back="index.html", tokenizer=tokenizer,
+                                                                 decoder=decoder))
+                               for tid in linked_ids(data)}
     page = _report_page.page(title or "trajstore report", _report_page.store_label(url), live=False,
                              data_json=json.dumps(data, cls=PlotlyJSONEncoder))
     files = {"index": os.path.join(out_dir, "index.html"), "script": os.path.join(out_dir, _report_page.PLOTLY_JS)}
@@ -57,7 +67,9 @@ def render_report(url: str | None, out_dir: str, *, title: str | None = None,
             f.write(text)
         os.replace(tmp, path)  # a reader of the directory sees the old page or the new one, whole
     panels = data["panels"]
-    return {"index": files["index"], "files": [files["index"], files["script"]], "empty": data["empty"],
+    traces = [os.path.join(out_dir, name) for name in data.get("trace_files", {}).values()]
+    return {"index": files["index"], "files": [files["index"], files["script"], *traces], "traces": traces,
+            "empty": data["empty"],
             "panels": [p["name"] for p in panels], "plotted": [p["name"] for p in panels if p["figure"]],
             "notes": {p["name"]: p["note"] for p in panels if not p["figure"]}}
 
@@ -80,6 +92,12 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rebuild-aggregates", action="store_true",
                         help="count the run aggregates the panels read again from the log and every sample, then "
                              "exit (once after upgrading a store that has samples; docs/report.md)")
+    parser.add_argument("--trace", metavar="TRAJECTORY_ID", default=None,
+                        help="write the trace view of one trajectory (its calls and samples token by token) "
+                             "into OUT_DIR instead of the run's page")
+    parser.add_argument("--tokenizer", metavar="PATH", default=None,
+                        help="a Hugging Face tokenizer.json (or the model directory holding it): the trace view "
+                             "shows decoded tokens instead of token ids")
     live = parser.add_argument_group("live page (--serve)")
     live.add_argument("--serve", action="store_true",
                       help="serve the page live over HTTP, redrawn from the store (read-only, token required)")
@@ -91,7 +109,7 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_from_args(args: argparse.Namespace) -> int:
     if getattr(args, "rebuild_aggregates", False):
-        if args.serve or args.out_dir is not None:
+        if args.serve or args.out_dir is not None or getattr(args, "trace", None) is not None:
             raise TrajstoreError("report --rebuild-aggregates only recounts the aggregates; run it on its own")
         import trajstore
         from trajstore.inspect._rebuild import rebuild_aggregates
@@ -102,6 +120,8 @@ def run_from_args(args: argparse.Namespace) -> int:
         sys.stdout.flush()
         return 0
     if args.serve:
+        if args.trace is not None:
+            raise TrajstoreError("report --serve serves every trace at /trace/ID; --trace writes one into OUT_DIR")
         if args.out_dir is not None:
             raise TrajstoreError("report --serve serves the page; it takes no OUT_DIR (run without --serve to export)")
         from trajstore.ingest._http import server_token
@@ -110,16 +130,23 @@ def run_from_args(args: argparse.Namespace) -> int:
         token = server_token(args.token, insecure_no_auth=args.insecure_no_auth)
         serve_report(args.store, host=args.host, port=args.port, token=token, title=args.title or "trajstore report",
                      refresh_s=args.refresh_s, stuck_after_s=args.stuck_after_s, log_level=args.log_level,
-                     payload=getattr(args, "payload", None))
+                     payload=getattr(args, "payload", None), tokenizer=args.tokenizer)
         return 0
     if args.out_dir is None:
         raise TrajstoreError("report needs OUT_DIR (the static page) or --serve (the live page)")
+    if args.trace is not None:
+        from trajstore.inspect._trace import write_trace
+
+        path = write_trace(args.store, args.trace, args.out_dir, payload=getattr(args, "payload", None),
+                           tokenizer=args.tokenizer)
+        print(f"wrote {path}")
+        return 0
     from trajstore._progress import progress_bar
     from trajstore.inspect._panels import PANELS
 
     with progress_bar("drawing the report's panels", total=len(PANELS), unit="panels") as advance:
         written = render_report(args.store, args.out_dir, title=args.title, stuck_after_s=args.stuck_after_s,
-                                payload=getattr(args, "payload", None), progress=advance)
+                                payload=getattr(args, "payload", None), progress=advance, tokenizer=args.tokenizer)
     if written["empty"]:
         print(f"wrote {written['index']}: no data yet (the store has no trajectories), 0 panels")
     else:

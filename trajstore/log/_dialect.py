@@ -117,6 +117,12 @@ class SqlDialect:
     stamped and compared with it (``segments.retired_at``), so the GC grace does not
     depend on the clocks of the machines that retire and collect agreeing."""
     take_positions = ""
+    autocommit_reads = False
+    """Reads on a driver cursor run outside a transaction (``Database.reading_cursor``)."""
+    pipelined_writes = False
+    """A driver transaction's statements and COMMIT go out in the driver's pipeline mode
+    (``Database.transaction``): statements whose results are not read must not be asked for a
+    ``rowcount`` (guards raise on the server instead: ``update_trajectories``)."""
 
     def __init__(self, dialect: Any) -> None:
         if not dialect.supports_sane_multi_rowcount:  # pragma: no cover - both supported drivers have it
@@ -215,6 +221,11 @@ class SqlDialect:
                       for values, (row, rev) in zip(self._params([r for r, _ in group], names, procs), group)]
             n += execute(conn, sql, params).rowcount
         return n
+
+    def load_append_state(self, cur: Any, identities: Collection[str], trajectory_ids: Collection[str]
+                          ) -> tuple[dict[str, bytes], dict[str, dict[str, Any]]]:
+        """``lookup_identities`` and ``load_trajectories`` with driver cursor ``cur``."""
+        return self.lookup_identities(cur, identities), self.load_trajectories(cur, trajectory_ids)
 
     def lookup_identities(self, cur: Any, identities: Collection[str]) -> dict[str, bytes]:
         """Stored content digests of ``identities``, read with driver cursor ``cur``."""
@@ -393,6 +404,8 @@ class PostgreSQL(SqlDialect):
     (appends never wait for each other), so the tail is bounded (module doc)."""
 
     name = "postgresql"
+    autocommit_reads = True
+    pipelined_writes = True
     now_sql = "EXTRACT(EPOCH FROM clock_timestamp())::float8"
     # the transaction id first (the WHERE runs before the first nextval), then the
     # positions: the order the tail's bound relies on (module doc)
@@ -403,6 +416,58 @@ class PostgreSQL(SqlDialect):
         """``n`` increasing positions from the sequence, not necessarily consecutive."""
         cur.execute(self.take_positions, (n,))
         return sorted(p for (p,) in cur.fetchall())
+
+    def update_trajectories(self, conn: Any, updates: Sequence[tuple[dict[str, Any], int]]) -> int:
+        """Guarded updates whose guard the server checks: each update that finds its row at
+        another revision inserts a copy of the row instead, which the primary key refuses (a
+        lost race, ``StaleState``, and the pipelined COMMIT is skipped). No ``rowcount`` is
+        read, so the updates go out with the append's other writes (``pipelined_writes``)."""
+        groups: dict[tuple[str, ...], list[tuple[dict[str, Any], int]]] = {}
+        for row, rev in updates:
+            groups.setdefault(tuple(k for k in self._traj_cols if k in row and k != "trajectory_id"),
+                              []).append((row, rev))
+        t = trajectories
+        for names, group in groups.items():
+            sql, procs = self._cached(("guarded update trajectories", names), lambda: (
+                f"WITH u AS (UPDATE {self.table(t)} SET "
+                f"{', '.join(f'{self.col(t.c[n])} = {self.p}' for n in names)} "
+                f"WHERE {self.col(t.c.trajectory_id)} = {self.p} AND {self.col(t.c.revision)} = {self.p} "
+                f"RETURNING 1) INSERT INTO {self.table(t)} SELECT * FROM {self.table(t)} "
+                f"WHERE {self.col(t.c.trajectory_id)} = {self.p} AND NOT EXISTS (SELECT 1 FROM u)",
+                [self._bind(t.c[n]) for n in names]))
+            params = [values + (row["trajectory_id"], rev, row["trajectory_id"])
+                      for values, (row, rev) in zip(self._params([r for r, _ in group], names, procs), group)]
+            execute(conn, sql, params)
+        return len(updates)
+
+    def load_append_state(self, cur: Any, identities: Collection[str], trajectory_ids: Collection[str]
+                          ) -> tuple[dict[str, bytes], dict[str, dict[str, Any]]]:
+        """Both in one statement (one round trip): the trajectory rows, then the stored
+        identities' digests in two extra columns (NULL on the trajectory rows)."""
+        idents, tids = sorted(set(identities)), sorted(set(trajectory_ids))
+        if len(idents) > CHUNK or len(tids) > CHUNK:
+            return super().load_append_state(cur, identities, trajectory_ids)
+
+        def build() -> str:
+            t, e = trajectories, events
+            cols = ", ".join(self.col(c) for c in t.columns)
+            nulls = ", ".join(f"CAST(NULL AS {c.type.compile(self.dialect)})" for c in t.columns)
+            return (f"SELECT NULL, CAST(NULL AS BYTEA), {cols} FROM {self.table(t)} "
+                    f"WHERE {self.col(t.c.trajectory_id)} = ANY({self.p}) UNION ALL "
+                    f"SELECT {self.col(e.c.identity)}, {self.col(e.c.content_hash)}, {nulls} "
+                    f"FROM {self.table(e)} WHERE {self.col(e.c.identity)} = ANY({self.p})")
+        cur.execute(self._cached(("append state",), build), (tids, idents))
+        procs = [self._result(c, d[1]) for c, d in zip(trajectories.columns, cur.description[2:])]
+        names = self._traj_cols
+        stored: dict[str, bytes] = {}
+        rows: dict[str, dict[str, Any]] = {}
+        for values in cur.fetchall():
+            if values[0] is not None:
+                stored[values[0]] = bytes(values[1])
+                continue
+            row = {n: v if f is None else f(v) for n, v, f in zip(names, values[2:], procs)}
+            rows[row["trajectory_id"]] = row
+        return stored, rows
 
     def head(self, conn: Connection) -> int:
         # the highest event's: the sequence also counts positions of appends that rolled back

@@ -93,8 +93,8 @@ class SqlEventLog(EventLog):
     def load_append_state(self, identities: Collection[str], trajectory_ids: Collection[str]
                           ) -> tuple[dict[str, bytes], dict[str, dict[str, Any]]]:
         # one transaction, one connection checkout
-        return self.db.reading_cursor("loading the append state", lambda cur, d: (
-            d.lookup_identities(cur, identities), d.load_trajectories(cur, trajectory_ids)))
+        return self.db.reading_cursor("loading the append state", lambda cur, d: d.load_append_state(
+            cur, identities, trajectory_ids))
 
     def commit_append(
         self,

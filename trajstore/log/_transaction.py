@@ -10,6 +10,14 @@ small statements cost more in SQLAlchemy's per-statement execution context
 where the time goes"); driver errors there are wrapped as SQLAlchemy would
 wrap them (a lost connection is invalidated) before they are translated.
 
+On PostgreSQL a driver transaction runs in psycopg's pipeline mode, its
+COMMIT queued behind its statements: the statements a body sends without
+reading a result go to the server together, so an append costs two round
+trips (its positions, then every write with the COMMIT), and a read on a
+driver cursor runs outside any transaction (one round trip, no BEGIN and no
+ROLLBACK). A statement refused in the pipeline makes the server skip the
+queued COMMIT: nothing is stored, and the error is raised as any other.
+
 A connection lost *during* COMMIT is different: the commit may have landed.
 Then the transaction's ``landed`` check runs on a fresh connection (retrying
 with ``trajstore._backoff.Backoff`` while the server recovers); if the
@@ -80,6 +88,8 @@ class Database:
         connection of the read engine (the append's reads)."""
         d = self.dialect
         with self._connected(what, self.read_engine, raw=True) as raw:
+            if d.autocommit_reads:
+                raw.dbapi_connection.autocommit = True  # no BEGIN, no ROLLBACK: the read's one round trip
             cur = raw.cursor()
             try:
                 if d.begin_read:
@@ -87,6 +97,8 @@ class Database:
                 return body(cur, d)
             finally:
                 _quietly(cur.close)
+                if d.autocommit_reads:
+                    _quietly(lambda: setattr(raw.dbapi_connection, "autocommit", False))
 
     def transaction(self, what: str, body: Callable[[Any, SqlDialect], T],
                     landed: Callable[[Connection, T], bool] | None = None, *, raw: bool = False) -> T:
@@ -98,6 +110,8 @@ class Database:
         transaction committed; it is asked when the connection breaks during
         COMMIT."""
         d, engine = self.dialect, self.write_engine
+        if raw and d.pipelined_writes:
+            return self._pipelined(what, body, landed)
         with self._connected(what, engine, raw) as conn:
             cur = conn.cursor() if raw else None
             try:
@@ -121,6 +135,36 @@ class Database:
             finally:
                 if cur is not None:
                     _quietly(cur.close)
+
+    def _pipelined(self, what: str, body: Callable[[Any, SqlDialect], T],
+                   landed: Callable[[Connection, T], bool] | None) -> T:
+        """``transaction(raw=True)`` in psycopg's pipeline mode: the COMMIT is queued behind the
+        body's statements and sent with them (module doc). An error before the COMMIT was queued
+        rolls back; one at the pipeline's end is the commit's (a statement refused there made the
+        server skip the COMMIT; a lost connection leaves the outcome to ``landed``)."""
+        d, engine = self.dialect, self.write_engine
+        with self._connected(what, engine, raw=True) as conn:
+            driver = conn.dbapi_connection
+            # BEGIN and COMMIT are the pipeline's own statements (the driver's implicit BEGIN
+            # would wait for its answer: a round trip of its own)
+            driver.autocommit = True
+            cur = conn.cursor()
+            queued = False
+            try:
+                with driver.pipeline():
+                    cur.execute("BEGIN")
+                    result = body(cur, d)
+                    cur.execute("COMMIT")
+                    queued = True
+            except Exception as e:
+                _quietly(conn.rollback)  # an aborted transaction's end; nothing when it committed or broke
+                if not queued:
+                    raise
+                return self._after_failed_commit(what, wrapped(e, conn, engine, what), landed, result)
+            finally:
+                _quietly(cur.close)
+                _quietly(lambda: setattr(driver, "autocommit", False))
+            return result
 
     def _after_failed_commit(self, what: str, e: BaseException, landed: Callable[[Connection, T], bool] | None,
                              result: T) -> T:

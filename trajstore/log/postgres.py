@@ -17,6 +17,15 @@ PostgreSQL names them, have defaults here:
 A connect that times out surfaces as ``StoreUnavailable`` (one line); so does
 a statement cancelled by the timeout.
 
+A pooled connection is pinged (``SELECT 1``) at checkout only when it sat
+in the pool for ``PING_IDLE_S`` or more (``_ping_if_idle``), not on every
+checkout: under load an append reuses a connection within milliseconds, and
+a ping there would be a round trip of its three. A connection that broke
+while busy (a server restart under load) fails its next statement; that
+error is a lost connection (``StoreUnavailable``, retried by every writer),
+and SQLAlchemy's invalidation of the pool makes the next checkouts new
+connections.
+
 Returning a connection to the pool rolls it back (``_reset``); when that fails
 because the connection broke meanwhile (a server restart, a terminated
 backend), the connection is invalidated quietly (the pool opens a new one when
@@ -29,10 +38,12 @@ from __future__ import annotations
 import logging
 import os
 import re
+import time
 
 from typing import Any
 
 from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.exc import DisconnectionError
 from sqlalchemy.engine import make_url
 from sqlalchemy.pool import PoolResetState
 
@@ -62,11 +73,41 @@ def make_engines(url: str) -> tuple[Engine, Engine]:
     if not any(isinstance(f, _DropSecondReport) for f in psycopg_log.filters):
         psycopg_log.addFilter(_DropSecondReport())
     url, connect_args = engine_options(url)
-    # reset_on_return=None: the "reset" listener below is the pool's reset (a rollback)
-    engine = create_engine(url, pool_pre_ping=True, pool_size=4, max_overflow=8, connect_args=connect_args,
+    # reset_on_return=None: the "reset" listener below is the pool's reset (a rollback);
+    # no pool_pre_ping: _ping_if_idle pings only connections that sat idle
+    engine = create_engine(url, pool_size=4, max_overflow=8, connect_args=connect_args,
                            pool_reset_on_return=None)
     event.listen(engine, "reset", _reset)
+    event.listen(engine, "checkin", _checked_in)
+    event.listen(engine, "checkout", _ping_if_idle)
     return engine, engine
+
+
+PING_IDLE_S = 1.0
+"""A pooled connection idle this long is pinged at checkout (module doc)."""
+_IDLE_SINCE = "trajstore_idle_since"
+
+
+def _checked_in(dbapi_connection: Any, record: Any) -> None:
+    if record is not None:
+        record.info[_IDLE_SINCE] = time.monotonic()
+
+
+def _ping_if_idle(dbapi_connection: Any, record: Any, proxy: Any) -> None:
+    """At checkout: a connection idle ``PING_IDLE_S`` or more answers ``SELECT 1`` or is replaced
+    (``DisconnectionError`` makes the pool open a new one)."""
+    since = record.info.get(_IDLE_SINCE)
+    if since is None or time.monotonic() - since < PING_IDLE_S:
+        return
+    try:
+        autocommit = dbapi_connection.autocommit
+        dbapi_connection.autocommit = True
+        try:
+            dbapi_connection.execute("SELECT 1")
+        finally:
+            dbapi_connection.autocommit = autocommit
+    except Exception as e:  # noqa: BLE001 - any failure: the connection is unusable
+        raise DisconnectionError(f"pooled connection failed its ping: {e}") from None
 
 
 _log = logging.getLogger("trajstore.log")

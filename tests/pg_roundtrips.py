@@ -6,7 +6,8 @@ every connection is a traced one). ``counts()`` reads the traces: a round
 trip is a run of messages the client sent followed by the server's answer
 (one F→B turn in the trace), so pipelined statements sent together count
 once. It also counts the statements (``Query`` and ``Execute`` messages, one
-per executemany row), the COMMITs and the pings (``SELECT 1``).
+per executemany row), the COMMITs and the pings (``SELECT 1``, or the empty
+query ``;`` SQLAlchemy's ``pool_pre_ping`` sends).
 
 Why not SQLAlchemy's ``before_cursor_execute``: the append runs on pooled
 driver cursors (``Database.transaction(raw=True)``), which SQLAlchemy's
@@ -61,7 +62,7 @@ class RoundTrips:
                         text = parts[3] if len(parts) > 3 else ""
                         if '"COMMIT"' in text:
                             out["commits"] += 1
-                        if '"SELECT 1"' in text:
+                        if '"SELECT 1"' in text or '";"' in text:  # ours, SQLAlchemy's pre-ping
                             out["pings"] += 1
         return out
 

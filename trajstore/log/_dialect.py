@@ -122,7 +122,7 @@ class SqlDialect:
     pipelined_writes = False
     """A driver transaction's statements and COMMIT go out in the driver's pipeline mode
     (``Database.transaction``): statements whose results are not read must not be asked for a
-    ``rowcount`` (guards raise on the server instead: ``update_trajectories``)."""
+    ``rowcount`` (guards raise on the server instead: ``update_trajectories``); the COMMIT goes alone."""
 
     def __init__(self, dialect: Any) -> None:
         if not dialect.supports_sane_multi_rowcount:  # pragma: no cover - both supported drivers have it
@@ -420,7 +420,7 @@ class PostgreSQL(SqlDialect):
     def update_trajectories(self, conn: Any, updates: Sequence[tuple[dict[str, Any], int]]) -> int:
         """Guarded updates whose guard the server checks: each update that finds its row at
         another revision inserts a copy of the row instead, which the primary key refuses (a
-        lost race, ``StaleState``, and the pipelined COMMIT is skipped). No ``rowcount`` is
+        lost race, ``StaleState``: the transaction rolls back). No ``rowcount`` is
         read, so the updates go out with the append's other writes (``pipelined_writes``)."""
         groups: dict[tuple[str, ...], list[tuple[dict[str, Any], int]]] = {}
         for row, rev in updates:

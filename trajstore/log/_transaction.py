@@ -10,13 +10,15 @@ small statements cost more in SQLAlchemy's per-statement execution context
 where the time goes"); driver errors there are wrapped as SQLAlchemy would
 wrap them (a lost connection is invalidated) before they are translated.
 
-On PostgreSQL a driver transaction runs in psycopg's pipeline mode, its
-COMMIT queued behind its statements: the statements a body sends without
-reading a result go to the server together, so an append costs two round
-trips (its positions, then every write with the COMMIT), and a read on a
-driver cursor runs outside any transaction (one round trip, no BEGIN and no
-ROLLBACK). A statement refused in the pipeline makes the server skip the
-queued COMMIT: nothing is stored, and the error is raised as any other.
+On PostgreSQL a driver transaction runs in psycopg's pipeline mode: the
+statements a body sends without reading a result go to the server together,
+so an append's transaction costs three round trips (BEGIN with its
+positions, every write, the COMMIT), and a read on a driver cursor runs
+outside any transaction (one round trip, no BEGIN and no ROLLBACK). The
+COMMIT is sent alone, after the writes answered: queued behind them it would
+reach the server even when the client lost the connection before the writes
+ended (a backend waiting for a lock), and the client could no longer tell a
+certain failure from an uncertain commit.
 
 A connection lost *during* COMMIT is different: the commit may have landed.
 Then the transaction's ``landed`` check runs on a fresh connection (retrying
@@ -138,10 +140,9 @@ class Database:
 
     def _pipelined(self, what: str, body: Callable[[Any, SqlDialect], T],
                    landed: Callable[[Connection, T], bool] | None) -> T:
-        """``transaction(raw=True)`` in psycopg's pipeline mode: the COMMIT is queued behind the
-        body's statements and sent with them (module doc). An error before the COMMIT was queued
-        rolls back; one at the pipeline's end is the commit's (a statement refused there made the
-        server skip the COMMIT; a lost connection leaves the outcome to ``landed``)."""
+        """``transaction(raw=True)`` in psycopg's pipeline mode (module doc): BEGIN and the body's
+        statements in the pipeline, an error there rolls back; then the COMMIT alone, whose
+        failure is handled as ``transaction``'s."""
         d, engine = self.dialect, self.write_engine
         with self._connected(what, engine, raw=True) as conn:
             driver = conn.dbapi_connection
@@ -149,22 +150,23 @@ class Database:
             # would wait for its answer: a round trip of its own)
             driver.autocommit = True
             cur = conn.cursor()
-            queued = False
             try:
-                with driver.pipeline():
-                    cur.execute("BEGIN")
-                    result = body(cur, d)
-                    cur.execute("COMMIT")
-                    queued = True
-            except Exception as e:
-                _quietly(conn.rollback)  # an aborted transaction's end; nothing when it committed or broke
-                if not queued:
+                try:
+                    with driver.pipeline():
+                        cur.execute("BEGIN")
+                        result = body(cur, d)
+                except Exception:
+                    _quietly(conn.rollback)
                     raise
-                return self._after_failed_commit(what, wrapped(e, conn, engine, what), landed, result)
+                try:
+                    cur.execute("COMMIT")
+                except Exception as e:
+                    _quietly(conn.rollback)
+                    return self._after_failed_commit(what, wrapped(e, conn, engine, what), landed, result)
+                return result
             finally:
                 _quietly(cur.close)
                 _quietly(lambda: setattr(driver, "autocommit", False))
-            return result
 
     def _after_failed_commit(self, what: str, e: BaseException, landed: Callable[[Connection, T], bool] | None,
                              result: T) -> T:

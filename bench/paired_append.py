@@ -100,7 +100,8 @@ def paired(before: str, after: str, rounds: int) -> None:
           f"after faster in {sum(x > 1 for x in ratio)} of {len(ratio)}")
 
 
-def coalesce(tree: str, rounds: int, linger_ms: float) -> None:
+def coalesce(tree: str, rounds: int, linger_ms: float, max_batch_mb: float | None = None,
+             committers: int = 1) -> None:
     bp, trajstore, trajs, wire = _load(tree)
     from trajstore.ingest._group_commit import GroupCommitter
 
@@ -118,7 +119,8 @@ def coalesce(tree: str, rounds: int, linger_ms: float) -> None:
             one_by_one = time.perf_counter() - t0
             s.close()
             s = trajstore.connect(f"sqlite:///{d}/c{r}.db", payload=f"{d}/q{r}")
-            committer = GroupCommitter(s, linger_s=linger_ms / 1e3)
+            bound = {} if max_batch_mb is None else {"max_group_bytes": int(max_batch_mb * (1 << 20))}
+            committer = GroupCommitter(s, linger_s=linger_ms / 1e3, committers=committers, **bound)
             t0 = time.perf_counter()
             for f in [committer.submit(t) for t in wire]:
                 f.result()
@@ -136,7 +138,7 @@ def coalesce(tree: str, rounds: int, linger_ms: float) -> None:
     print(f"  raw Parquet write of the unique arrays: {med(x['raw'] for x in res) * 1e3:.1f} ms")
     print(f"  one append per call:  {med(x['one'] for x in res) * 1e3:.1f} ms, vs raw "
           f"{med(x['raw'] / x['one'] for x in res):.3f}x (per round)")
-    print(f"  coalesced (linger {linger_ms:g} ms): {med(x['coalesced'] for x in res) * 1e3:.1f} ms, vs raw "
+    print(f"  coalesced (linger {linger_ms:g} ms, max {max_batch_mb or 'default'} MiB, {committers} committer(s)): {med(x['coalesced'] for x in res) * 1e3:.1f} ms, vs raw "
           f"{med(x['raw'] / x['coalesced'] for x in res):.3f}x (per round), "
           f"{med(x['calls_per_object'] for x in res):.1f} calls per object")
 
@@ -200,11 +202,14 @@ def main() -> None:
     ap.add_argument("--steps", action="store_true")
     ap.add_argument("--coalesce", action="store_true")
     ap.add_argument("--linger-ms", type=float, default=20.0)
+    ap.add_argument("--max-batch-mb", type=float, default=None, help="--coalesce: the group's byte bound")
+    ap.add_argument("--committers", type=int, default=1, help="--coalesce: groups appended at once")
     args = ap.parse_args()
     if args.coalesce:
         if len(args.trees) != 1:
             ap.error("--coalesce takes one tree")
-        return coalesce(os.path.abspath(args.trees[0]), args.rounds or 10, args.linger_ms)
+        return coalesce(os.path.abspath(args.trees[0]), args.rounds or 10, args.linger_ms, args.max_batch_mb,
+                        args.committers)
     if args.steps:
         if len(args.trees) != 1:
             ap.error("--steps takes one tree")

@@ -6,8 +6,9 @@ every connection is a traced one). ``counts()`` reads the traces: a round
 trip is a run of messages the client sent followed by the server's answer
 (one F→B turn in the trace), so pipelined statements sent together count
 once. It also counts the statements (``Query`` and ``Execute`` messages, one
-per executemany row), the COMMITs and the pings (``SELECT 1``, or the empty
-query ``;`` SQLAlchemy's ``pool_pre_ping`` sends).
+per executemany row), the COMMITs (the server's answers: a prepared COMMIT
+sends no text) and the pings (``SELECT 1``, or the empty query ``;``
+SQLAlchemy's ``pool_pre_ping`` sends).
 
 Why not SQLAlchemy's ``before_cursor_execute``: the append runs on pooled
 driver cursors (``Database.transaction(raw=True)``), which SQLAlchemy's
@@ -58,12 +59,13 @@ class RoundTrips:
                         side = who
                     if who == "F" and kind in ("Query", "Execute"):
                         out["statements"] += 1
-                    if who == "F" and kind in ("Query", "Parse"):
-                        text = parts[3] if len(parts) > 3 else ""
-                        if '"COMMIT"' in text:
-                            out["commits"] += 1
-                        if '"SELECT 1"' in text or '";"' in text:  # ours, SQLAlchemy's pre-ping
-                            out["pings"] += 1
+                    text = parts[3] if len(parts) > 3 else ""
+                    if who == "B" and kind == "CommandComplete" and '"COMMIT"' in text:
+                        out["commits"] += 1  # (a prepared COMMIT sends no text: count the answers)
+                    if who == "F" and kind in ("Query", "Parse") and '"SELECT 1"' in text:
+                        out["pings"] += 1  # ours (never prepared)
+                    if who == "B" and kind == "EmptyQueryResponse":
+                        out["pings"] += 1  # SQLAlchemy's pool_pre_ping sends the empty query ";"
         return out
 
     def counts(self) -> dict[str, int]:

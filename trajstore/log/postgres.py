@@ -103,7 +103,7 @@ def _ping_if_idle(dbapi_connection: Any, record: Any, proxy: Any) -> None:
         autocommit = dbapi_connection.autocommit
         dbapi_connection.autocommit = True
         try:
-            dbapi_connection.execute("SELECT 1")
+            dbapi_connection.execute("SELECT 1", prepare=False)
         finally:
             dbapi_connection.autocommit = autocommit
     except Exception as e:  # noqa: BLE001 - any failure: the connection is unusable

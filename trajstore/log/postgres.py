@@ -21,10 +21,9 @@ A pooled connection is pinged (``SELECT 1``) at checkout only when it sat
 in the pool for ``PING_IDLE_S`` or more (``_ping_if_idle``), not on every
 checkout: under load an append reuses a connection within milliseconds, and
 a ping there would be a round trip of its three. A connection that broke
-while busy (a server restart under load) fails its next statement; that
-error is a lost connection (``StoreUnavailable``, retried by every writer),
-and SQLAlchemy's invalidation of the pool makes the next checkouts new
-connections.
+while busy (a server restart under load) fails its next use once; that
+error is a lost connection (``StoreUnavailable``, nothing stored, retried by
+every writer) and the connection is dropped from the pool.
 
 Returning a connection to the pool rolls it back (``_reset``); when that fails
 because the connection broke meanwhile (a server restart, a terminated

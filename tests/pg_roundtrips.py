@@ -44,6 +44,9 @@ class RoundTrips:
         dbapi_connection.pgconn.set_trace_flags(pq.Trace.SUPPRESS_TIMESTAMPS | pq.Trace.REGRESS_MODE)
 
     def _raw(self) -> dict[str, int]:
+        import ctypes
+
+        ctypes.CDLL(None).fflush(None)  # libpq writes the trace through a buffered stdio stream
         out = {"round_trips": 0, "statements": 0, "commits": 0, "pings": 0, "connections": len(self._files)}
         for name in sorted(os.listdir(self.dir)):
             side = None

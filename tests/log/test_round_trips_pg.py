@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 
-from helpers import gen, started
+from helpers import finished, gen, started
 from pg_roundtrips import RoundTrips
 
 import trajstore
@@ -43,6 +43,23 @@ def test_a_coalesced_group_continuing_many_trajectories_costs_four_round_trips(f
         assert counts["commits"] == 1, per_group
         assert counts["round_trips"] <= 4, per_group
         assert counts["pings"] == 0, per_group
+
+
+def test_a_group_finishing_many_trajectories_costs_four_round_trips_too(fresh_pg_url, tmp_path):
+    """The check for labels left unresolved by earlier calls goes out with the positions."""
+    tids = [f"f{i}" for i in range(16)]
+    with trajstore.connect(fresh_pg_url, payload=str(tmp_path / "p")) as store:
+        store.append([started(t) for t in tids] + _calls(tids, 0))
+        trips = RoundTrips(store.log.db.write_engine)
+        try:
+            store.append(_calls(tids, 1))  # a traced connection, its statements prepared
+            trips.reset()
+            store.append([finished(t) for t in tids])
+            counts = trips.counts()
+        finally:
+            trips.close()
+        assert {store.trajectory_state(t).status for t in tids} == {"completed"}
+    assert counts["commits"] == 1 and counts["round_trips"] <= 4, counts
 
 
 def test_a_connection_idle_past_the_ping_threshold_is_pinged_once(fresh_pg_url, tmp_path, monkeypatch):

@@ -500,26 +500,27 @@ class PostgreSQL(SqlDialect):
     LABELS_LOCK_KEY = 0x7472616A_6C61  # "trajla": any fixed bigint no other code uses
 
     def order_label_appends(self, cur: Any, event_rows: Sequence[Mapping[str, Any]]) -> None:
+        # No result is read here: in the pipelined append (``pipelined_writes``) the lock
+        # statements go out with the positions, in the same round trip.
         if self.touches_labels(cur, event_rows):
             cur.execute("SELECT pg_advisory_xact_lock(%s)", (self.LABELS_LOCK_KEY,))
-            cur.fetchall()
+            return
+        finishing = sorted({r["trajectory_id"] for r in event_rows if r["type"] == "trajectory_finished"})
+        # an earlier call of a finishing trajectory left an unresolved label (those rows
+        # are committed: the trajectory row's revision guard orders appends to it): the
+        # lock is taken where the server finds one
+        for part in chunks(finishing):
+            cur.execute(f"SELECT pg_advisory_xact_lock(%s) FROM (SELECT 1 FROM {self.table(unresolved_labels)} "
+                        f"WHERE trajectory_id IN ({self.marks(len(part))}) LIMIT 1) AS waiting",
+                        [self.LABELS_LOCK_KEY, *part])
 
     def touches_labels(self, cur: Any, event_rows: Sequence[Mapping[str, Any]]) -> bool:
+        """Does the batch itself map a label, or finish a trajectory with a label its own
+        calls leave unresolved? (Labels left by earlier calls: ``order_label_appends``.)"""
         if any(r.get("version_label") is not None for r in event_rows):
             return True
         finishing = {r["trajectory_id"] for r in event_rows if r["type"] == "trajectory_finished"}
-        if not finishing:
-            return False
-        if any(r.get("unresolved_labels") for r in event_rows if r["trajectory_id"] in finishing):
-            return True
-        # an earlier call of a finishing trajectory left an unresolved label (those rows
-        # are committed: the trajectory row's revision guard orders appends to it)
-        for part in chunks(sorted(finishing)):
-            cur.execute(f"SELECT 1 FROM {self.table(unresolved_labels)} "
-                        f"WHERE trajectory_id IN ({self.marks(len(part))}) LIMIT 1", list(part))
-            if cur.fetchone() is not None:
-                return True
-        return False
+        return any(r.get("unresolved_labels") for r in event_rows if r["trajectory_id"] in finishing)
 
 
 _BY_NAME: dict[str, type[SqlDialect]] = {"sqlite": SQLite, "postgresql": PostgreSQL}

@@ -206,6 +206,7 @@ def make_app(store: Any, config: ServeConfig | None = None, *, token: str | None
 
     app = FastAPI(title="trajstore ingest", version="1", lifespan=lifespan)
     app.state.metrics = metrics
+    app.state.committer = committer  # None without group commit
     budget = app.state.budget = ByteBudget(config.max_bytes_in_flight)
 
     async def parse(scope: Mapping[str, Any], body: bytes | bytearray) -> tuple[list, int]:

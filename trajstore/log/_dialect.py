@@ -61,16 +61,20 @@ from __future__ import annotations
 import weakref
 from typing import Any, Callable, Collection, Iterator, Mapping, Sequence
 
-from sqlalchemy import Connection, Engine, func, select
+from sqlalchemy import Connection, Engine, String, func, select
 
 from trajstore._backoff import Backoff
 from trajstore.errors import IndexInvariantError
 from trajstore.log.base import RELEASED, Repoint
 from trajstore.schema import events, log_head, segments, trajectories, unresolved_labels, version_labels
 
-__all__ = ["CHUNK", "PostgreSQL", "SQLite", "SqlDialect", "chunks", "sql_dialect", "execute"]
+__all__ = ["CHUNK", "SERVER_MARK", "PostgreSQL", "SQLite", "SqlDialect", "chunks", "sql_dialect", "execute"]
 
 CHUNK = 500  # ids per IN (...) list
+SERVER_MARK: Any = type("ServerMark", (), {"__repr__": lambda self: "SERVER_MARK"})()
+"""A trajectory row's ``started_position``/``finished_position`` the server reads from the
+event of that type just inserted in the same transaction (``PostgreSQL.insert_events_taking_positions``)."""
+_MARK_TYPES = {"started_position": "trajectory_started", "finished_position": "trajectory_finished"}
 
 
 def chunks(items: Sequence[Any], n: int = CHUNK) -> Iterator[Sequence[Any]]:
@@ -417,25 +421,89 @@ class PostgreSQL(SqlDialect):
         cur.execute(self.take_positions, (n,))
         return sorted(p for (p,) in cur.fetchall())
 
+    def insert_events_taking_positions(self, cur: Any, rows: Sequence[Mapping[str, Any]]) -> Callable[[], list[int]]:
+        """Insert ``rows`` (no ``position``) taking their positions in the INSERT itself, after
+        the transaction id is assigned (the tail bound's order, module doc): ``nextval`` once
+        per row, numbered in increasing order and joined to the rows by their order, so the
+        batch's positions increase with its rows. Nothing is read here (an executemany
+        with RETURNING would wait for its answers): the returned function reads the
+        positions, in the pipeline once every later write was sent."""
+        keys = set().union(*rows) - {"position"}
+        names = tuple(c.name for c in events.columns if c.name in keys)
+        procs = self._cached(("insert events taking positions", names),
+                             lambda: [self._bind(events.c[n]) for n in names])
+        # (a string column's cast has no length: an explicit cast to VARCHAR(n) would cut a
+        # longer value where the INSERT's own assignment refuses it)
+        casts = [f"CAST({self.p} AS {'TEXT' if isinstance(events.c[n].type, String) else events.c[n].type.compile(self.dialect)})"
+                 for n in names]
+        cols = ", ".join(self.col(events.c[n]) for n in names)
+        params = self._params(rows, names, procs)
+        step = max(1, 30000 // (len(names) + 1))  # bind parameters per statement stay under 65,535
+        cursors = []
+        for lo in range(0, len(params), step):
+            part = params[lo:lo + step]
+            values = ", ".join(f"({i}, {', '.join(casts)})" for i in range(1, len(part) + 1))
+            sql = (f"WITH p AS (SELECT nextval('log_positions') AS position FROM generate_series(1, {len(part)}) "
+                   "WHERE pg_current_xact_id() IS NOT NULL), "
+                   "o AS (SELECT position, row_number() OVER (ORDER BY position) AS ord FROM p), "
+                   f"v (ord, {', '.join(f'c{k}' for k in range(len(names)))}) AS (VALUES {values}) "
+                   f"INSERT INTO {self.table(events)} ({self.col(events.c.position)}, {cols}) "
+                   f"SELECT o.position, {', '.join(f'v.c{k}' for k in range(len(names)))} FROM v JOIN o USING (ord) "
+                   f"RETURNING {self.col(events.c.position)}")
+            taking = cur.connection.cursor()
+            taking.execute(sql, [value for row in part for value in row])
+            cursors.append(taking)
+
+        def positions() -> list[int]:
+            out: list[int] = []
+            for taking in cursors:
+                out += sorted(int(p) for (p,) in taking.fetchall())
+                taking.close()
+            if len(out) != len(rows):  # pragma: no cover - one RETURNING row per inserted row
+                raise IndexInvariantError(f"{len(out)} positions for {len(rows)} events")
+            return out
+        return positions
+
+    def _mark(self, name: str) -> str:
+        t = self.table(events)
+        return (f"(SELECT max({self.col(events.c.position)}) FROM {t} WHERE {self.col(events.c.trajectory_id)} = "
+                f"{self.p} AND {self.col(events.c.type)} = '{_MARK_TYPES[name]}')")
+
+    def insert_rows(self, conn: Any, table: Any, rows: Sequence[Mapping[str, Any]]) -> None:
+        if table is not trajectories or not any(v is SERVER_MARK for r in rows for v in r.values()):
+            return super().insert_rows(conn, table, rows)
+        for row in rows:  # new trajectories of a batch taking its positions in its INSERT: few
+            marked = tuple(k for k in _MARK_TYPES if row.get(k) is SERVER_MARK)
+            names = tuple(c.name for c in table.columns if c.name in row and c.name not in marked)
+            sql, procs = self._cached(("insert marked", names, marked), lambda: (
+                f"INSERT INTO {self.table(table)} ({', '.join(self.col(table.c[n]) for n in names + marked)}) "
+                f"VALUES ({', '.join([self.p] * len(names) + [self._mark(m) for m in marked])})",
+                [self._bind(table.c[n]) for n in names]))
+            (values,) = self._params([row], names, procs)
+            execute(conn, sql, values + (row["trajectory_id"],) * len(marked))
+
     def update_trajectories(self, conn: Any, updates: Sequence[tuple[dict[str, Any], int]]) -> int:
         """Guarded updates whose guard the server checks: each update that finds its row at
         another revision inserts a copy of the row instead, which the primary key refuses (a
         lost race, ``StaleState``: the transaction rolls back). No ``rowcount`` is
         read, so the updates go out with the append's other writes (``pipelined_writes``)."""
-        groups: dict[tuple[str, ...], list[tuple[dict[str, Any], int]]] = {}
+        groups: dict[tuple[tuple[str, ...], tuple[str, ...]], list[tuple[dict[str, Any], int]]] = {}
         for row, rev in updates:
-            groups.setdefault(tuple(k for k in self._traj_cols if k in row and k != "trajectory_id"),
-                              []).append((row, rev))
+            marked = tuple(k for k in _MARK_TYPES if row.get(k) is SERVER_MARK)
+            groups.setdefault((tuple(k for k in self._traj_cols if k in row and k != "trajectory_id"
+                                     and k not in marked), marked), []).append((row, rev))
         t = trajectories
-        for names, group in groups.items():
-            sql, procs = self._cached(("guarded update trajectories", names), lambda: (
+        for (names, marked), group in groups.items():
+            sets = [f"{self.col(t.c[n])} = {self.p}" for n in names] + [f"{self.col(t.c[m])} = {self._mark(m)}"
+                                                                         for m in marked]
+            sql, procs = self._cached(("guarded update trajectories", names, marked), lambda: (
                 f"WITH u AS (UPDATE {self.table(t)} SET "
-                f"{', '.join(f'{self.col(t.c[n])} = {self.p}' for n in names)} "
+                f"{', '.join(sets)} "
                 f"WHERE {self.col(t.c.trajectory_id)} = {self.p} AND {self.col(t.c.revision)} = {self.p} "
                 f"RETURNING 1) INSERT INTO {self.table(t)} SELECT * FROM {self.table(t)} "
                 f"WHERE {self.col(t.c.trajectory_id)} = {self.p} AND NOT EXISTS (SELECT 1 FROM u)",
                 [self._bind(t.c[n]) for n in names]))
-            params = [values + (row["trajectory_id"], rev, row["trajectory_id"])
+            params = [values + (row["trajectory_id"],) * len(marked) + (row["trajectory_id"], rev, row["trajectory_id"])
                       for values, (row, rev) in zip(self._params([r for r, _ in group], names, procs), group)]
             execute(conn, sql, params)
         return len(updates)

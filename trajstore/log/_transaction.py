@@ -40,7 +40,7 @@ from trajstore.errors import CommitUnknownError, first_line
 from trajstore.log._dialect import SqlDialect, sql_dialect
 from trajstore.log._errors import lost_connection, translate, wrapped
 
-__all__ = ["Database", "RESOLVE_S"]
+__all__ = ["Database", "Later", "RESOLVE_S"]
 
 log = logging.getLogger("trajstore.log")
 
@@ -53,6 +53,14 @@ def _quietly(fn: Callable[[], Any]) -> None:
         fn()
     except Exception:  # the connection is already broken: nothing more to learn from it
         pass
+
+
+class Later:
+    """What a pipelined transaction's body returns when its result needs the answers of the
+    statements it sent (``value()`` is called once the pipeline synced, before COMMIT)."""
+
+    def __init__(self, value: Callable[[], Any]) -> None:
+        self.value = value
 
 
 class Database:
@@ -155,6 +163,8 @@ class Database:
                     with driver.pipeline():
                         cur.execute("BEGIN")
                         result = body(cur, d)
+                    if isinstance(result, Later):  # the pipeline's one sync brought every answer
+                        result = result.value()
                 except Exception:
                     _quietly(conn.rollback)
                     raise

@@ -11,10 +11,12 @@ where the time goes"); driver errors there are wrapped as SQLAlchemy would
 wrap them (a lost connection is invalidated) before they are translated.
 
 On PostgreSQL a driver transaction runs in psycopg's pipeline mode: the
-statements a body sends without reading a result go to the server together,
-so an append's transaction costs three round trips (BEGIN with its
-positions, every write, the COMMIT), and a read on a driver cursor runs
-outside any transaction (one round trip, no BEGIN and no ROLLBACK). The
+statements a body sends without reading a result go to the server together
+(a body that needs their answers returns ``Later``, evaluated once the
+pipeline synced), so an append's transaction costs two round trips (BEGIN
+and every write, the positions taken by the events' INSERT; the COMMIT), and
+a read on a driver cursor runs outside any transaction (one round trip, no
+BEGIN and no ROLLBACK). The
 COMMIT is sent alone, after the writes answered: queued behind them it would
 reach the server even when the client lost the connection before the writes
 ended (a backend waiting for a lock), and the client could no longer tell a

@@ -78,15 +78,15 @@ class SqlTailer:
 def held_append(monkeypatch):
     """Run an append in a thread that stops, transaction open, right after taking its positions."""
     holding, release = threading.Event(), threading.Event()
-    real = logsql._write_trajectories
+    real = logsql._positions_taken
 
-    def held_write(conn, sql, writes, rows):
+    def held_write(rows):
         if threading.current_thread().name == "held-appender":
             holding.set()
             assert release.wait(60)
-        return real(conn, sql, writes, rows)
+        return real(rows)
 
-    monkeypatch.setattr(logsql, "_write_trajectories", held_write)
+    monkeypatch.setattr(logsql, "_positions_taken", held_write)
     threads: list[threading.Thread] = []
 
     def start(store, events) -> threading.Thread:

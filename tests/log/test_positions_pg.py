@@ -20,7 +20,11 @@ pytestmark = pytest.mark.postgres
 
 
 def trajectory(tid: str) -> list[dict]:
-    return [started(tid), gen(tid, 0, [1, 2], [3, 4], version=1), finished(tid)]
+    # an output length of the trajectory's own (ids of different lengths): the run aggregates
+    # (agg_output_lengths, keyed by model version and output length) are added to in the
+    # append's transaction, so appends of one key meet on one row lock, and an append held
+    # open on purpose would hold the others of its key
+    return [started(tid), gen(tid, 0, [1, 2], [3] * (2 + len(tid)), version=1), finished(tid)]
 
 
 def test_a_transaction_held_open_is_never_skipped_by_the_tail(fresh_pg_url, tmp_path, monkeypatch):

@@ -89,8 +89,8 @@ def test_a_revision_race_inside_the_pipelined_write_stores_nothing_and_re_admits
         a.append([started("race"), *_calls(["race"], 0)])
         loaded = a.log.load_append_state  # a reads the state, then b moves the trajectory first
 
-        def stale_read(identities, tids):
-            out = loaded(identities, tids)
+        def stale_read(identities, tids, **kw):
+            out = loaded(identities, tids, **kw)
             b.append(_calls(["race"], 1))
             return out
 

@@ -109,3 +109,38 @@ def test_a_revision_race_inside_the_pipelined_write_stores_nothing_and_re_admits
         rows = a.log.trajectory_events(["race"])["race"]
         assert [r["event_id"] for r in rows if r["type"] == "generation"] == ["race-0", "race-1"]
         assert a.trajectory_state("race").revision == b.trajectory_state("race").revision
+
+
+def test_the_three_round_trip_append_on_a_partitioned_event_index(fresh_pg_url, tmp_path, capsys):
+    """After ``trajstore partition`` (events partitioned by position, identities kept in
+    ``event_identities`` by a trigger): a group continuing many trajectories still costs
+    three round trips, lands in the new partitions, and counts its run aggregates."""
+    from sqlalchemy import text
+
+    from trajstore.cli import main
+
+    tids = [f"p{i}" for i in range(16)]
+    with trajstore.connect(fresh_pg_url, payload=str(tmp_path / "p")) as store:
+        store.append([started(t) for t in tids] + _calls(tids, 0))
+        assert main(["--store", fresh_pg_url, "partition", "--rows", "40", "--ahead", "2"]) == 0
+        capsys.readouterr()
+        trips = RoundTrips(store.log.db.write_engine)
+        try:
+            store.append(_calls(tids, 1))  # a traced connection, its statements prepared
+            trips.reset()
+            result = store.append(_calls(tids, 2))
+            counts = trips.counts()
+        finally:
+            trips.close()
+        with store.log.read_engine.connect() as conn:
+            where = conn.execute(text(
+                "SELECT DISTINCT tableoid::regclass::text FROM events WHERE position > :p"),
+                {"p": result.last_position - len(tids)}).scalars().all()
+            identities = conn.execute(text("SELECT count(*) FROM event_identities")).scalar_one()
+            with_identity = conn.execute(text("SELECT count(*) FROM events WHERE identity IS NOT NULL")).scalar_one()
+            counted = conn.execute(text("SELECT sum(calls) FROM agg_output_lengths")).scalar_one()
+        assert store.trajectory_state("p3").revision > 0
+    assert counts["commits"] == 1 and counts["round_trips"] <= 3, counts
+    assert where and "events_legacy" not in where, where
+    assert identities == with_identity
+    assert counted == 3 * len(tids)

@@ -2,6 +2,7 @@
 
     python bench/paired_append.py BEFORE_TREE AFTER_TREE [--rounds 20]
     python bench/paired_append.py --steps TREE [--rounds 6]
+    python bench/paired_append.py --coalesce TREE [--rounds 10] [--linger-ms 20]
 
 On a machine whose speed drifts from one minute to the next, separate runs of
 ``bench_pipeline.py`` differ as much between runs of one tree as between
@@ -11,6 +12,14 @@ then, alternately and in alternating order, run one round: the raw Parquet
 write of the unique arrays, then the 32 one-call-per-trajectory appends into
 a new SQLite store. Each round of one tree is compared with the round of the
 other run next to it.
+
+``--coalesce``: one tree, each round the raw write, then the same 32 calls
+appended one after the other (each its own payload object and transaction),
+then submitted at once to the group committer (``GroupCommitter``, the
+coalescer of the ingest service, the proxies and the Writer: calls share
+payload objects and transactions, bounded by its linger and bytes), each
+into a new store; prints both ratios to the raw write and the calls per
+object.
 
 ``--steps``: one tree, the time and CPU of each step of ``Store.append`` per
 call (timers wrapped around the functions it calls; the last rounds after a
@@ -91,6 +100,49 @@ def paired(before: str, after: str, rounds: int) -> None:
           f"after faster in {sum(x > 1 for x in ratio)} of {len(ratio)}")
 
 
+def coalesce(tree: str, rounds: int, linger_ms: float, max_batch_mb: float | None = None,
+             committers: int = 1) -> None:
+    bp, trajstore, trajs, wire = _load(tree)
+    from trajstore.ingest._group_commit import GroupCommitter
+
+    unique = bp.unique_table(trajs)
+    res: list[dict] = []
+    with tempfile.TemporaryDirectory() as d:
+        for r in range(rounds):
+            t0 = time.perf_counter()
+            bp.raw_write(unique, f"{d}/u{r}.parquet")
+            raw = time.perf_counter() - t0
+            s = trajstore.connect(f"sqlite:///{d}/a{r}.db", payload=f"{d}/p{r}")
+            t0 = time.perf_counter()
+            for t in wire:
+                s.append(t)
+            one_by_one = time.perf_counter() - t0
+            s.close()
+            s = trajstore.connect(f"sqlite:///{d}/c{r}.db", payload=f"{d}/q{r}")
+            bound = {} if max_batch_mb is None else {"max_group_bytes": int(max_batch_mb * (1 << 20))}
+            committer = GroupCommitter(s, linger_s=linger_ms / 1e3, committers=committers, **bound)
+            t0 = time.perf_counter()
+            for f in [committer.submit(t) for t in wire]:
+                f.result()
+            coalesced = time.perf_counter() - t0
+            committer.close()
+            s.close()
+            res.append({"raw": raw, "one": one_by_one, "coalesced": coalesced,
+                        "calls_per_object": committer.num_requests / max(1, committer.num_groups)})
+            print(f"round {r + 1}: raw {raw * 1e3:.0f} ms, one by one {one_by_one * 1e3:.0f} ms "
+                  f"(vs raw {raw / one_by_one:.3f}), coalesced {coalesced * 1e3:.0f} ms "
+                  f"(vs raw {raw / coalesced:.3f}; {committer.num_groups} appends of "
+                  f"{res[-1]['calls_per_object']:.1f} calls)", file=sys.stderr)
+    med = statistics.median
+    print(f"{len(wire)} calls (whole multi-turn trajectories as wire events) per round, {rounds} rounds, medians:")
+    print(f"  raw Parquet write of the unique arrays: {med(x['raw'] for x in res) * 1e3:.1f} ms")
+    print(f"  one append per call:  {med(x['one'] for x in res) * 1e3:.1f} ms, vs raw "
+          f"{med(x['raw'] / x['one'] for x in res):.3f}x (per round)")
+    print(f"  coalesced (linger {linger_ms:g} ms, max {max_batch_mb or 'default'} MiB, {committers} committer(s)): {med(x['coalesced'] for x in res) * 1e3:.1f} ms, vs raw "
+          f"{med(x['raw'] / x['coalesced'] for x in res):.3f}x (per round), "
+          f"{med(x['calls_per_object'] for x in res):.1f} calls per object")
+
+
 def steps(tree: str, rounds: int) -> None:
     bp, trajstore, _, wire = _load(tree)
     import trajstore._facts as facts
@@ -148,7 +200,16 @@ def main() -> None:
     ap.add_argument("trees", nargs="+", help="BEFORE AFTER, or one tree with --steps")
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--steps", action="store_true")
+    ap.add_argument("--coalesce", action="store_true")
+    ap.add_argument("--linger-ms", type=float, default=20.0)
+    ap.add_argument("--max-batch-mb", type=float, default=None, help="--coalesce: the group's byte bound")
+    ap.add_argument("--committers", type=int, default=1, help="--coalesce: groups appended at once")
     args = ap.parse_args()
+    if args.coalesce:
+        if len(args.trees) != 1:
+            ap.error("--coalesce takes one tree")
+        return coalesce(os.path.abspath(args.trees[0]), args.rounds or 10, args.linger_ms, args.max_batch_mb,
+                        args.committers)
     if args.steps:
         if len(args.trees) != 1:
             ap.error("--steps takes one tree")

@@ -22,6 +22,9 @@ FLAGS = [
     (["replay", "--samples-per-insert={v}"], "--samples-per-insert"),
     (["serve", "--max-body-mb={v}"], "--max-body-mb"),
     (["serve", "--group-wait-ms={v}"], "--group-wait-ms"),
+    (["serve", "--linger-ms={v}"], "--linger-ms"),
+    (["serve", "--max-batch-mb={v}"], "--max-batch-mb"),
+    (["proxy", "--upstream", "http://127.0.0.1:9", "--linger-ms={v}"], "--linger-ms"),
     (["materialize", "--abandon-after-s={v}"], "--abandon-after-s"),
     (["track", "--interval-s={v}", "--tensorboard", "tb"], "--interval-s"),
 ]

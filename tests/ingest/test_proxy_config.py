@@ -61,3 +61,25 @@ def test_workers_proxy_main_takes_the_engine_flag(monkeypatch):
         main(["--upstream", "http://127.0.0.1:9", "--route-layout", "4x2"])
     with pytest.raises(SystemExit, match="trajstore proxy: no token"):
         main(["--upstream", "http://127.0.0.1:9", "--engine", "sglang", "--route-layout", "4x2"])
+
+
+def test_the_coalescing_flags_reach_the_recorder_s_committer(tmp_path):
+    """``--linger-ms`` and ``--max-batch-mb`` (docs/ingest.md "Coalescing") land in the config, and
+    the app's group committer runs with them."""
+    import trajstore
+    from trajstore.ingest._group_commit import DEFAULT_LINGER_S, DEFAULT_MAX_GROUP_BYTES
+    from trajstore.ingest.proxy._serve import _APPS
+
+    assert (ProxyConfig(upstream="http://x").linger_s, ProxyConfig(upstream="http://x").max_batch_bytes) == (
+        DEFAULT_LINGER_S, DEFAULT_MAX_GROUP_BYTES)
+    config = ProxyConfig.from_args(_args("--linger-ms", "150", "--max-batch-mb", "2"))
+    assert (config.linger_s, config.max_batch_bytes) == (0.15, 2 << 20)
+    with trajstore.connect(f"sqlite:///{tmp_path}/s.db", payload=str(tmp_path / "p")) as store:
+        for engine in ENGINES:
+            app = _APPS[engine](store, ProxyConfig(upstream="http://127.0.0.1:9", engine=engine, linger_s=0.15,
+                                                   max_batch_bytes=2 << 20), None, None)
+            committer = app.state.forwarder.recorder.committer
+            assert (committer.linger_s, committer.max_group_bytes) == (0.15, 2 << 20)
+            committer.close()
+    with pytest.raises(ValueError, match="--linger-ms must be 0 or more"):
+        ProxyConfig(upstream="http://x", linger_s=-1.0)

@@ -31,6 +31,16 @@ def test_every_flag_lands_in_its_field():
         workers=4, log_level="info")
 
 
+def test_the_coalescing_flags_land_in_their_fields_and_reach_the_committer(store):
+    config = ServeConfig.from_args(_parse(["--linger-ms", "150", "--max-batch-mb", "2"]))
+    assert (config.linger_s, config.max_batch_bytes) == (0.15, 2 << 20)
+    assert ServeConfig.from_env(config.to_env()) == config
+    app = make_app(store, config, token=None)
+    committer = app.state.committer
+    assert (committer.linger_s, committer.max_group_bytes) == (0.15, 2 << 20)
+    committer.close()
+
+
 def test_workers_receive_the_same_config_through_the_environment_text():
     config = ServeConfig(store_url="sqlite:///x.db", payload="/p", token="t", max_body_bytes=5, committers=3,
                          group_wait_s=0.0, workers=2)
@@ -38,7 +48,8 @@ def test_workers_receive_the_same_config_through_the_environment_text():
 
 
 @pytest.mark.parametrize("field, value", [("max_body_bytes", 0), ("max_bytes_in_flight", -1), ("committers", 0),
-                                          ("workers", 0), ("group_wait_s", -0.001), ("port", 70000)])
+                                          ("workers", 0), ("group_wait_s", -0.001), ("port", 70000),
+                                          ("linger_s", -0.001), ("max_batch_bytes", 0)])
 def test_a_nonsense_setting_is_refused_naming_it(field, value):
     with pytest.raises(ValueError, match=field):
         ServeConfig(**{field: value})

@@ -20,7 +20,11 @@ pytestmark = pytest.mark.postgres
 
 
 def trajectory(tid: str) -> list[dict]:
-    return [started(tid), gen(tid, 0, [1, 2], [3, 4], version=1), finished(tid)]
+    # an output length of the trajectory's own (ids of different lengths): the run aggregates
+    # (agg_output_lengths, keyed by model version and output length) are added to in the
+    # append's transaction, so appends of one key meet on one row lock, and an append held
+    # open on purpose would hold the others of its key
+    return [started(tid), gen(tid, 0, [1, 2], [3] * (2 + len(tid)), version=1), finished(tid)]
 
 
 def test_a_transaction_held_open_is_never_skipped_by_the_tail(fresh_pg_url, tmp_path, monkeypatch):
@@ -37,15 +41,15 @@ def test_a_transaction_held_open_is_never_skipped_by_the_tail(fresh_pg_url, tmp_
     assert Materializer(m_store).run().num_trajectories == 1
 
     holding, release = threading.Event(), threading.Event()
-    real = logsql._write_trajectories
+    real = logsql._positions_taken
 
-    def held_write(conn, sql, writes, rows):
+    def held_write(rows):
         if threading.current_thread().name == "held-appender":
             holding.set()  # positions taken, transaction open
             assert release.wait(60)
-        return real(conn, sql, writes, rows)
+        return real(rows)
 
-    monkeypatch.setattr(logsql, "_write_trajectories", held_write)
+    monkeypatch.setattr(logsql, "_positions_taken", held_write)
     out: dict = {}
     a = threading.Thread(target=lambda: out.setdefault("a", a_store.append(trajectory("held"))),
                          name="held-appender")

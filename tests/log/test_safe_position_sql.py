@@ -30,7 +30,11 @@ TAIL = "SELECT position, trajectory_id FROM events WHERE position > {p} AND posi
 
 
 def trajectory(tid: str) -> list[dict]:
-    return [started(tid), gen(tid, 0, [1, 2], [3, 4], version=1), finished(tid)]
+    # an output length of the trajectory's own (ids of different lengths): the run aggregates
+    # (agg_output_lengths, keyed by model version and output length) are added to in the
+    # append's transaction, so appends of one key meet on one row lock, and an append held
+    # open on purpose would hold the others of its key
+    return [started(tid), gen(tid, 0, [1, 2], [3] * (2 + len(tid)), version=1), finished(tid)]
 
 
 class SqlTailer:
@@ -78,15 +82,15 @@ class SqlTailer:
 def held_append(monkeypatch):
     """Run an append in a thread that stops, transaction open, right after taking its positions."""
     holding, release = threading.Event(), threading.Event()
-    real = logsql._write_trajectories
+    real = logsql._positions_taken
 
-    def held_write(conn, sql, writes, rows):
+    def held_write(rows):
         if threading.current_thread().name == "held-appender":
             holding.set()
             assert release.wait(60)
-        return real(conn, sql, writes, rows)
+        return real(rows)
 
-    monkeypatch.setattr(logsql, "_write_trajectories", held_write)
+    monkeypatch.setattr(logsql, "_positions_taken", held_write)
     threads: list[threading.Thread] = []
 
     def start(store, events) -> threading.Thread:

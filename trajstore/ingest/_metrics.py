@@ -37,6 +37,8 @@ class Metrics:
         self._tokens = Counter(f"{p}_tokens", "generated tokens in acknowledged requests", registry=r)
         self._commits = Counter(f"{p}_commits", "store transactions (requests/commits: the mean group size)",
                                 registry=r)
+        self._grouped = Counter(f"{p}_committed_requests", "requests (engine calls) those transactions held "
+                                "(committed_requests/commits: requests per payload object)", registry=r)
         self._latency = Histogram(f"{p}_ack_latency_seconds", "time from request to answer",
                                   buckets=_LATENCY_BUCKETS_S, registry=r)
         self._in_flight = Gauge(f"{p}_body_bytes_in_flight", "request body bytes read, parsed or committing",
@@ -59,8 +61,9 @@ class Metrics:
             self._errors.labels(rule=rule).inc()
         self._latency.observe(latency_s)
 
-    def count_commit(self) -> None:
+    def count_commit(self, requests: int = 1) -> None:
         self._commits.inc()
+        self._grouped.inc(requests)
 
     @property
     def commits(self) -> int:

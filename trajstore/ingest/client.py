@@ -9,8 +9,12 @@
         traj.finish("completed", reward=1.0)
 
 Events go into a bounded in-memory queue; a background thread sends them in
-batches (by event count, token count or time) to the sink: an in-process
-``Store`` (``store.append``) or the HTTP ingest service (``POST /v1/events``).
+batches (by event count, token count, bytes, or time: ``flush_interval_s`` is
+the writer's linger) to the sink: an in-process ``Store`` (through the store's
+group committer: writers of one store in one process share appends) or the
+HTTP ingest service (``POST /v1/events``, which coalesces many writers'
+batches into one append). A batch of many trajectories' calls is one payload
+object and one index transaction when it reaches the store.
 The sinks live in ``sinks.py`` and are re-exported here; this module holds
 ``Writer`` and ``TrajectoryWriter``.
 
@@ -46,6 +50,7 @@ from trajstore._deprecated import renamed
 from trajstore.errors import StoreUnavailable, TrajstoreError, ValidationError, first_line
 from trajstore.events import LINEAGE_TYPES, TOKEN_FIELDS
 from trajstore.ingest._event_dicts import to_numpy, trajectory_started
+from trajstore.ingest._group_commit import DEFAULT_MAX_GROUP_BYTES, request_bytes
 from trajstore.ingest.sinks import HttpSink, Sink, StoreSink, encode_events, error_from_response, make_sink
 
 _log = logging.getLogger("trajstore.ingest.client")
@@ -72,8 +77,9 @@ class Writer:
     ``sink``: ``"http://host:port"`` of the ingest service (bearer ``token``,
     default ``$TRAJSTORE_TOKEN``), a store URL, a ``Store``, or a ``Sink``.
     A batch closes at ``max_batch_events`` events (``batch_size``: its old,
-    deprecated name), ``max_batch_tokens`` tokens, or
-    ``flush_interval_s`` after its first event. Queued plus in-flight events
+    deprecated name), ``max_batch_tokens`` tokens, ``max_batch_bytes`` bytes
+    (arrays' buffers, estimated), or ``flush_interval_s`` after its first
+    event (the linger). Queued plus in-flight events
     are bounded by ``max_pending_events`` and ``max_pending_tokens``.
     Transient failures (connection lost, database restarting, 429/502/503/504)
     are retried with backoff for up to ``retry_timeout_s`` (120 s), with one
@@ -90,7 +96,7 @@ class Writer:
         sink: Any = None,
         *,
         token: str | None = None,
-        max_batch_events: int = 64,
+        max_batch_events: int = 1024,
         max_batch_tokens: int = 65_536,
         flush_interval_s: float = 0.05,
         max_pending_events: int = 4096,
@@ -102,8 +108,12 @@ class Writer:
         on_ack: Callable[[list[dict]], None] | None = None,
         body: str = "arrow",
         batch_size: int | None = None,
+        max_batch_bytes: int = DEFAULT_MAX_GROUP_BYTES,
     ) -> None:
-        max_batch_events = renamed("batch_size", "max_batch_events", batch_size, max_batch_events, 64)
+        max_batch_events = renamed("batch_size", "max_batch_events", batch_size, max_batch_events, 1024)
+        if not max_batch_bytes >= 1:
+            raise ValueError(f"max_batch_bytes must be at least 1, got {max_batch_bytes!r}")
+        self.max_batch_bytes = max_batch_bytes
         self._sink = make_sink(sink, token, timeout_s, body)
         self._sink_name = getattr(self._sink, "name", None) or type(self._sink).__name__
         self.max_batch_events, self.max_batch_tokens = max_batch_events, max_batch_tokens
@@ -114,9 +124,9 @@ class Writer:
         self._id_prefix = uuid.uuid4().hex if assign_event_ids else None
         self._num_ids = 0
         self._cond = threading.Condition()
-        self._queue: deque[tuple[dict, int]] = deque()
+        self._queue: deque[tuple[dict, int, int]] = deque()  # (event, tokens, bytes)
         # pending = queued + in flight (bounds memory); queued = not yet taken by the sender
-        self._pending_events = self._pending_tokens = self._queued_tokens = 0
+        self._pending_events = self._pending_tokens = self._queued_tokens = self._queued_bytes = 0
         self._num_put = self._num_done = 0
         self._flush_target = 0
         self._closing = self._aborted = False
@@ -132,6 +142,7 @@ class Writer:
         """Queue one wire-format event dict; blocks while the queue is full."""
         event = dict(event)
         n_tokens = _num_tokens(event)
+        n_bytes = request_bytes([event])
         with self._cond:
             self._check_open(event.get("trajectory_id"))
             self._wait_for_room(n_tokens)
@@ -140,10 +151,11 @@ class Writer:
             if self._id_prefix is not None and "event_id" not in event and event.get("type") not in LINEAGE_TYPES:
                 event["event_id"] = f"{self._id_prefix}-{self._num_ids}"
                 self._num_ids += 1
-            self._queue.append((event, n_tokens))
+            self._queue.append((event, n_tokens, n_bytes))
             self._pending_events += 1
             self._pending_tokens += n_tokens
             self._queued_tokens += n_tokens
+            self._queued_bytes += n_bytes
             self._num_put += 1
             self._cond.notify_all()
         return event
@@ -248,12 +260,12 @@ class Writer:
             if batch is None:
                 return
             try:
-                self._deliver([event for event, _ in batch])
+                self._deliver([event for event, _, _ in batch])
             except Exception as e:  # a bug or a failing on_ack: never leave flush() waiting
                 self._fail(None, TrajstoreError(f"writer sender failed: {type(e).__name__}: {e}"))
             with self._cond:
                 self._pending_events -= len(batch)
-                self._pending_tokens -= sum(n for _, n in batch)
+                self._pending_tokens -= sum(n for _, n, _ in batch)
                 self._num_done += len(batch)
                 self._cond.notify_all()
 
@@ -261,11 +273,12 @@ class Writer:
         return (
             len(self._queue) >= self.max_batch_events
             or self._queued_tokens >= self.max_batch_tokens
+            or self._queued_bytes >= self.max_batch_bytes
             or self._closing
             or self._flush_target > self._num_done
         )
 
-    def _next_batch(self) -> list[tuple[dict, int]] | None:
+    def _next_batch(self) -> list[tuple[dict, int, int]] | None:
         with self._cond:
             self._cond.wait_for(lambda: self._queue or self._closing)
             if not self._queue:
@@ -276,14 +289,17 @@ class Writer:
                 if remaining <= 0:
                     break
                 self._cond.wait(remaining)
-            batch: list[tuple[dict, int]] = []
-            n_tokens = 0
+            batch: list[tuple[dict, int, int]] = []
+            n_tokens = n_bytes = 0
             while self._queue and len(batch) < self.max_batch_events:
-                if batch and n_tokens + self._queue[0][1] > self.max_batch_tokens:
+                if batch and (n_tokens + self._queue[0][1] > self.max_batch_tokens
+                              or n_bytes + self._queue[0][2] > self.max_batch_bytes):
                     break
                 batch.append(self._queue.popleft())
                 n_tokens += batch[-1][1]
+                n_bytes += batch[-1][2]
             self._queued_tokens -= n_tokens
+            self._queued_bytes -= n_bytes
             return batch
 
     def _deliver(self, events: list[dict]) -> None:

@@ -38,7 +38,8 @@ from typing import Any, Mapping
 from trajstore.errors import TrajstoreError
 from trajstore.ingest._body import (DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_BYTES_IN_FLIGHT, ByteBudget, ClientGone,
                                     declared_length, header, is_arrow, parse_arrow_body, read_body, send_json)
-from trajstore.ingest._group_commit import DEFAULT_COMMITTERS, DEFAULT_GROUP_WAIT_S, GroupCommitter
+from trajstore.ingest._group_commit import (DEFAULT_COMMITTERS, DEFAULT_GROUP_WAIT_S, DEFAULT_LINGER_S,
+                                            DEFAULT_MAX_GROUP_BYTES, GroupCommitter)
 from trajstore.ingest._http import OPEN_PATHS, BearerAuth, add_server_arguments, run_server, server_token
 from trajstore.ingest._http import HTTPError as _HTTPError
 from trajstore.ingest._json_body import decode_json, parse_body
@@ -90,6 +91,12 @@ class ServeConfig:
     committers: int = DEFAULT_COMMITTERS
     """Group appends in flight at once per process: one writes while another waits for its fsyncs
     (``GroupCommitter``'s ``committers``)."""
+    linger_s: float = DEFAULT_LINGER_S
+    """How long a request waits for others to share its payload object and index transaction
+    (``GroupCommitter.linger_s``, Kafka's ``linger.ms``; 0: commit as soon as a committer is free)."""
+    max_batch_bytes: int = DEFAULT_MAX_GROUP_BYTES
+    """A group's bound in request body bytes (``GroupCommitter.max_group_bytes``, Kafka's
+    ``batch.size``): a full group is committed without waiting out the linger."""
     workers: int = 1
     """Server processes on the port, each with its own store connection and group committer
     (one process is bound by its GIL to about one core)."""
@@ -97,11 +104,13 @@ class ServeConfig:
     """uvicorn's log level."""
 
     def __post_init__(self) -> None:
-        for name in ("max_body_bytes", "max_bytes_in_flight", "committers", "workers"):
+        for name in ("max_body_bytes", "max_bytes_in_flight", "committers", "workers", "max_batch_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)!r}")
         if not self.group_wait_s >= 0:
             raise ValueError(f"group_wait_s must be 0 or more, got {self.group_wait_s!r}")
+        if not self.linger_s >= 0:
+            raise ValueError(f"linger_s must be 0 or more, got {self.linger_s!r}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be within 0..65535, got {self.port!r}")
 
@@ -113,7 +122,10 @@ class ServeConfig:
                    max_body_bytes=int(args.max_body_mb * (1 << 20)),
                    max_bytes_in_flight=int(args.max_in_flight_mb * (1 << 20)), group_commit=not args.no_group_commit,
                    group_wait_s=getattr(args, "group_wait_ms", DEFAULT_GROUP_WAIT_S * 1e3) / 1e3,
-                   committers=getattr(args, "committers", DEFAULT_COMMITTERS), workers=args.workers,
+                   committers=getattr(args, "committers", DEFAULT_COMMITTERS),
+                   linger_s=getattr(args, "linger_ms", DEFAULT_LINGER_S * 1e3) / 1e3,
+                   max_batch_bytes=int(getattr(args, "max_batch_mb", DEFAULT_MAX_GROUP_BYTES / (1 << 20)) * (1 << 20)),
+                   workers=args.workers,
                    log_level=args.log_level)
 
     def to_env(self) -> str:
@@ -180,7 +192,8 @@ def make_app(store: Any, config: ServeConfig | None = None, *, token: str | None
     token, max_body_bytes = config.token, config.max_body_bytes
     metrics = Metrics()
     metrics.budget(0, 0, config.max_bytes_in_flight)
-    committer = (GroupCommitter(store, metrics=metrics, max_wait_s=config.group_wait_s, committers=config.committers)
+    committer = (GroupCommitter(store, metrics=metrics, max_wait_s=config.group_wait_s, committers=config.committers,
+                                linger_s=config.linger_s, max_group_bytes=config.max_batch_bytes)
                  if config.group_commit else None)
 
     @asynccontextmanager
@@ -193,6 +206,7 @@ def make_app(store: Any, config: ServeConfig | None = None, *, token: str | None
 
     app = FastAPI(title="trajstore ingest", version="1", lifespan=lifespan)
     app.state.metrics = metrics
+    app.state.committer = committer  # None without group commit
     budget = app.state.budget = ByteBudget(config.max_bytes_in_flight)
 
     async def parse(scope: Mapping[str, Any], body: bytes | bytearray) -> tuple[list, int]:
@@ -201,9 +215,9 @@ def make_app(store: Any, config: ServeConfig | None = None, *, token: str | None
             return parse_arrow_body(body)
         return await run_in_threadpool(parse_body, body)  # JSON: milliseconds per MiB, off the event loop
 
-    async def commit(events: list, num_tokens: int) -> tuple[int, Any]:
+    async def commit(events: list, num_tokens: int, nbytes: int) -> tuple[int, Any]:
         if committer is not None:
-            return await asyncio.wrap_future(committer.submit(events, num_tokens, expected=True))
+            return await asyncio.wrap_future(committer.submit(events, num_tokens, expected=True, nbytes=nbytes))
         return 1, await run_in_threadpool(store.append, events)
 
     async def post_events(scope: Mapping[str, Any], receive: Any, send: Any) -> None:
@@ -220,14 +234,17 @@ def make_app(store: Any, config: ServeConfig | None = None, *, token: str | None
                 if committer is not None:
                     committer.expect()
                 try:
-                    events, num_tokens = await parse(scope, await read_body(scope, receive, declared, max_body_bytes))
+                    body = await read_body(scope, receive, declared, max_body_bytes)
+                    nbytes = len(body)
+                    events, num_tokens = await parse(scope, body)
+                    del body
                 except BaseException:
                     if committer is not None:
                         committer.forget()
                     raise
                 num_events = len(events)
                 try:
-                    group_size, result = await commit(events, num_tokens)
+                    group_size, result = await commit(events, num_tokens, nbytes)
                 except Exception as e:
                     raise _HTTPError.from_error(e) from None
                 finally:
@@ -331,6 +348,13 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--committers", type=number(int), default=DEFAULT_COMMITTERS,
                         help="group appends in flight at once per process: one writes while another waits "
                              f"for its fsyncs (default {DEFAULT_COMMITTERS})")
+    parser.add_argument("--linger-ms", type=number(float, min=0), default=DEFAULT_LINGER_S * 1e3,
+                        help="how long a request waits for others to share its payload object and index "
+                             f"transaction (default {DEFAULT_LINGER_S * 1e3:g}; 0: commit at once)")
+    parser.add_argument("--max-batch-mb", type=number(float, min=0, min_exclusive=True),
+                        default=DEFAULT_MAX_GROUP_BYTES / (1 << 20),
+                        help="a group's bound in request body MiB: a full group commits without waiting "
+                             f"out the linger (default {DEFAULT_MAX_GROUP_BYTES / (1 << 20):g})")
     parser.add_argument("--workers", type=number(int), default=1,
                         help="server processes on the port, each with its own store connection (default 1)")
 

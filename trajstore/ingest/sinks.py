@@ -44,16 +44,24 @@ class Sink(Protocol):
 
 
 class StoreSink:
-    """Appends to an in-process store (``trajstore.connect(...)``)."""
+    """Appends to an in-process store (``trajstore.connect(...)``) through the store's one group
+    committer in this process (``_group_commit.shared_committer``): the batches of several writers
+    of one store sent at once share a payload object and an index transaction, and each is
+    acknowledged when that append returned; a refused batch fails alone."""
 
     def __init__(self, store: Any, *, owned: bool = False) -> None:
         self.store = store
         self._owned = owned
         self.name = repr(store)
+        self._committer: Any = None
 
     def send(self, events: list[dict]) -> None:
+        from trajstore.ingest._group_commit import shared_committer
+
         try:
-            self.store.append(events)
+            if self._committer is None:
+                self._committer = shared_committer(self.store)
+            self._committer.submit(events).result()
         except Exception as e:
             # the store translates driver errors itself; this is the writer's second line
             # of defence, so that a database restart never fails trajectories
@@ -63,6 +71,11 @@ class StoreSink:
             raise
 
     def close(self) -> None:
+        if self._committer is not None:
+            from trajstore.ingest._group_commit import release_shared
+
+            self._committer = None
+            release_shared(self.store)
         if self._owned:
             self.store.close()
 

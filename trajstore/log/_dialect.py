@@ -41,9 +41,12 @@ from trajstore.errors import IndexInvariantError
 from trajstore.log.base import RELEASED, Repoint
 from trajstore.schema import events, segments, trajectories, unresolved_labels, version_labels
 
-__all__ = ["CHUNK", "SqlDialect", "chunks", "execute"]
+__all__ = ["CHUNK", "SERVER_MARK", "SqlDialect", "chunks", "execute"]
 
 CHUNK = 500  # ids per IN (...) list
+SERVER_MARK: Any = type("ServerMark", (), {"__repr__": lambda self: "SERVER_MARK"})()
+"""A trajectory row's ``started_position``/``finished_position`` the server reads from the
+event of that type just inserted in the same transaction (``PostgreSQL.insert_events_taking_positions``)."""
 
 
 def chunks(items: Sequence[Any], n: int = CHUNK) -> Iterator[Sequence[Any]]:
@@ -94,6 +97,12 @@ class SqlDialect:
     stamped and compared with it (``segments.retired_at``), so the GC grace does not
     depend on the clocks of the machines that retire and collect agreeing."""
     take_positions = ""
+    autocommit_reads = False
+    """Reads on a driver cursor run outside a transaction (``Database.reading_cursor``)."""
+    pipelined_writes = False
+    """A driver transaction's statements and COMMIT go out in the driver's pipeline mode
+    (``Database.transaction``): statements whose results are not read must not be asked for a
+    ``rowcount`` (guards raise on the server instead: ``update_trajectories``); the COMMIT goes alone."""
 
     def __init__(self, dialect: Any) -> None:
         if not dialect.supports_sane_multi_rowcount:  # pragma: no cover - both supported drivers have it
@@ -195,6 +204,11 @@ class SqlDialect:
             n += execute(conn, sql, params).rowcount
         return n
 
+    def load_append_state(self, cur: Any, identities: Collection[str], trajectory_ids: Collection[str]
+                          ) -> tuple[dict[str, bytes], dict[str, dict[str, Any]]]:
+        """``lookup_identities`` and ``load_trajectories`` with driver cursor ``cur``."""
+        return self.lookup_identities(cur, identities), self.load_trajectories(cur, trajectory_ids)
+
     def lookup_identities(self, cur: Any, identities: Collection[str]) -> dict[str, bytes]:
         """Stored content digests of ``identities``, read with driver cursor ``cur``."""
         prefix = self._cached(("identities",), lambda: (
@@ -234,6 +248,11 @@ class SqlDialect:
 
     def positions(self, cur: Any, n: int) -> Sequence[int]:
         """Take ``n`` log positions in this transaction (module doc)."""
+        raise NotImplementedError
+
+    def insert_events_taking_positions(self, cur: Any, rows: Sequence[Mapping[str, Any]]) -> Callable[[], list[int]]:
+        """Insert ``rows`` (no ``position``), their positions taken by the INSERT itself; the
+        returned function reads the positions (asked only where ``pipelined_writes``)."""
         raise NotImplementedError
 
     def order_label_appends(self, cur: Any, event_rows: Sequence[Mapping[str, Any]]) -> None:

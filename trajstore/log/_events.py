@@ -19,9 +19,9 @@ from sqlalchemy import Connection, Engine, delete, func, insert, or_, select, te
 from trajstore.log._aggregates import write_event_aggregates
 from trajstore.log._lineage import (annotation_rows, lineage_state, pipelined, recorded_keys, send_lineage_state,
                                     standing_attempt, step_samples, write_lineage)
-from trajstore.log._dialect import FOLD_EVENT_COLUMNS, FOLD_TRAJECTORY_COLUMNS, SqlDialect, chunks
+from trajstore.log._dialect import FOLD_EVENT_COLUMNS, FOLD_TRAJECTORY_COLUMNS, SERVER_MARK, SqlDialect, chunks
 from trajstore.log._segments import named, named_clause, repoint, retire_emptied
-from trajstore.log._transaction import Database
+from trajstore.log._transaction import Database, Later
 from trajstore.log.base import RELEASED, EventLog, Repoint, StaleState, TrajectoryWrite
 from trajstore.schema import events, segments, trajectories, unresolved_labels, version_labels
 
@@ -99,11 +99,12 @@ class SqlEventLog(EventLog):
 
     def load_append_state(self, identities: Collection[str], trajectory_ids: Collection[str], *,
                           lineage: Any = None) -> tuple[dict[str, bytes], dict[str, dict[str, Any]]]:
-        # one transaction, one connection checkout (with the lineage the batch names, if any)
+        # one connection checkout (with the lineage the batch names, if any); on PostgreSQL
+        # one statement, outside a transaction (``SqlDialect.load_append_state``)
         def body(cur: Any, d: SqlDialect) -> tuple[dict[str, bytes], dict[str, dict[str, Any]]]:
             if lineage is None:
-                return d.lookup_identities(cur, identities), d.load_trajectories(cur, trajectory_ids)
-            with pipelined(cur, d):  # PostgreSQL: BEGIN and the lineage statements go out with the identities'
+                return d.load_append_state(cur, identities, trajectory_ids)
+            with pipelined(cur, d):  # PostgreSQL: the lineage statements go out with the identities'
                 collect = send_lineage_state(cur, d, lineage.keys, lineage.wanted)
                 stored = d.lookup_identities(cur, identities)
             lineage.result = collect()
@@ -127,7 +128,25 @@ class SqlEventLog(EventLog):
                 before_commit()
             return []
 
+        def in_one_round_trip(conn: Any, d: SqlDialect) -> list[dict[str, Any]]:
+            # PostgreSQL, a batch of plain calls (no label rows, no lineage): the positions
+            # are taken by the events' INSERT itself and read back once every write is sent
+            # (one round trip); the trajectories' started/finished positions are read by
+            # the server from the rows just inserted.
+            if segment_row is not None:
+                d.insert_rows(conn, segments, [segment_row, *more_segments])
+            if before_commit is not None:
+                before_commit()
+            d.order_label_appends(conn, event_rows)
+            taking = d.insert_events_taking_positions(conn, event_rows)
+            _write_trajectories(conn, d, trajectory_writes, event_rows, server_marks=True)
+            write_event_aggregates(conn, d, event_rows)  # the run view's counts (no positions needed)
+            return Later(lambda: _positions_taken([dict(r, position=p) for r, p in zip(event_rows, taking())]))
+
         def body(conn: Any, d: SqlDialect) -> list[dict[str, Any]]:  # conn: a driver cursor
+            if d.pipelined_writes and not any(r.get("lineage") is not None or r.get("version_label") is not None
+                                              or r.get("unresolved_labels") for r in event_rows):
+                return in_one_round_trip(conn, d)
             # ``before_commit`` (the append's payload fsync, running meanwhile) is waited
             # for where it holds no lock other appenders need: SQLite's write lock is
             # taken at BEGIN IMMEDIATE whatever follows, so there it overlaps every
@@ -139,7 +158,7 @@ class SqlEventLog(EventLog):
                 before_commit()
             d.order_label_appends(conn, event_rows)
             taken = d.positions(conn, n)
-            rows = [dict(r, position=p) for r, p in zip(event_rows, taken)]
+            rows = _positions_taken([dict(r, position=p) for r, p in zip(event_rows, taken)])
             _write_trajectories(conn, d, trajectory_writes, rows)
             d.insert_rows(conn, events, rows)
             write_lineage(conn, d, rows)
@@ -393,16 +412,25 @@ def _write_labels(conn: Any, d: SqlDialect, rows: list[dict[str, Any]]) -> list[
     return out
 
 
+def _positions_taken(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The append's event rows once their positions are taken, its transaction still open
+    (the seam tests hold an append at, to commit others past it)."""
+    return rows
+
+
 def _write_trajectories(conn: Any, d: SqlDialect, writes: Sequence[TrajectoryWrite],
-                        rows: list[dict[str, Any]]) -> None:
+                        rows: Sequence[Mapping[str, Any]], *, server_marks: bool = False) -> None:
     """Insert new trajectory rows, update existing ones guarded by their revision
-    (``StaleState`` when another writer moved one), in trajectory id order."""
-    marks: dict[str, dict[str, int]] = {}
+    (``StaleState`` when another writer moved one), in trajectory id order.
+    ``server_marks``: the rows have no positions yet; the started and finished
+    positions are read by the server from the batch's events (``SERVER_MARK``)."""
+    marks: dict[str, dict[str, Any]] = {}
     for r in rows:
+        value = SERVER_MARK if server_marks else r.get("position")
         if r["type"] == "trajectory_started":
-            marks.setdefault(r["trajectory_id"], {})["started_position"] = r["position"]
+            marks.setdefault(r["trajectory_id"], {})["started_position"] = value
         elif r["type"] == "trajectory_finished":
-            marks.setdefault(r["trajectory_id"], {})["finished_position"] = r["position"]
+            marks.setdefault(r["trajectory_id"], {})["finished_position"] = value
     inserts: list[dict[str, Any]] = []
     updates: list[tuple[dict[str, Any], int]] = []
     for w in sorted(writes, key=lambda w: w.row["trajectory_id"]):

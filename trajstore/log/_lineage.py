@@ -149,8 +149,9 @@ def send_lineage_state(cur: Any, d: SqlDialect, keys: Collection[tuple],
 @contextmanager
 def pipelined(cur: Any, d: SqlDialect) -> Iterator[None]:
     """On PostgreSQL, psycopg's pipeline mode on ``cur``'s connection: statements
-    are sent without waiting, and the first fetch sends them (BEGIN included) as
-    one batch. Elsewhere nothing."""
+    are sent without waiting, and the first fetch sends them as one batch (with
+    the BEGIN the driver adds, unless the connection reads in autocommit, as the
+    append's state read does: ``autocommit_reads``). Elsewhere nothing."""
     if d.name != "postgresql":
         yield
         return

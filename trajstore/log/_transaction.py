@@ -10,6 +10,18 @@ small statements cost more in SQLAlchemy's per-statement execution context
 where the time goes"); driver errors there are wrapped as SQLAlchemy would
 wrap them (a lost connection is invalidated) before they are translated.
 
+On PostgreSQL a driver transaction runs in psycopg's pipeline mode: the
+statements a body sends without reading a result go to the server together
+(a body that needs their answers returns ``Later``, evaluated once the
+pipeline synced), so an append's transaction costs two round trips (BEGIN
+and every write, the positions taken by the events' INSERT; the COMMIT), and
+a read on a driver cursor runs outside any transaction (one round trip, no
+BEGIN and no ROLLBACK). The
+COMMIT is sent alone, after the writes answered: queued behind them it would
+reach the server even when the client lost the connection before the writes
+ended (a backend waiting for a lock), and the client could no longer tell a
+certain failure from an uncertain commit.
+
 A connection lost *during* COMMIT is different: the commit may have landed.
 Then the transaction's ``landed`` check runs on a fresh connection (retrying
 with ``trajstore._backoff.Backoff`` while the server recovers); if the
@@ -31,7 +43,7 @@ from trajstore.log._dialect import SqlDialect
 from trajstore.log._registry import sql_dialect
 from trajstore.log._errors import lost_connection, translate, wrapped
 
-__all__ = ["Database", "RESOLVE_S"]
+__all__ = ["Database", "Later", "RESOLVE_S"]
 
 log = logging.getLogger("trajstore.log")
 
@@ -44,6 +56,14 @@ def _quietly(fn: Callable[[], Any]) -> None:
         fn()
     except Exception:  # the connection is already broken: nothing more to learn from it
         pass
+
+
+class Later:
+    """What a pipelined transaction's body returns when its result needs the answers of the
+    statements it sent (``value()`` is called once the pipeline synced, before COMMIT)."""
+
+    def __init__(self, value: Callable[[], Any]) -> None:
+        self.value = value
 
 
 class Database:
@@ -81,6 +101,8 @@ class Database:
         connection of the read engine (the append's reads)."""
         d = self.dialect
         with self._connected(what, self.read_engine, raw=True) as raw:
+            if d.autocommit_reads:
+                raw.dbapi_connection.autocommit = True  # no BEGIN, no ROLLBACK: the read's one round trip
             cur = raw.cursor()
             try:
                 if d.begin_read:
@@ -88,6 +110,8 @@ class Database:
                 return body(cur, d)
             finally:
                 _quietly(cur.close)
+                if d.autocommit_reads:
+                    _quietly(lambda: setattr(raw.dbapi_connection, "autocommit", False))
 
     def transaction(self, what: str, body: Callable[[Any, SqlDialect], T],
                     landed: Callable[[Connection, T], bool] | None = None, *, raw: bool = False) -> T:
@@ -99,6 +123,8 @@ class Database:
         transaction committed; it is asked when the connection breaks during
         COMMIT."""
         d, engine = self.dialect, self.write_engine
+        if raw and d.pipelined_writes:
+            return self._pipelined(what, body, landed)
         with self._connected(what, engine, raw) as conn:
             cur = conn.cursor() if raw else None
             try:
@@ -122,6 +148,38 @@ class Database:
             finally:
                 if cur is not None:
                     _quietly(cur.close)
+
+    def _pipelined(self, what: str, body: Callable[[Any, SqlDialect], T],
+                   landed: Callable[[Connection, T], bool] | None) -> T:
+        """``transaction(raw=True)`` in psycopg's pipeline mode (module doc): BEGIN and the body's
+        statements in the pipeline, an error there rolls back; then the COMMIT alone, whose
+        failure is handled as ``transaction``'s."""
+        d, engine = self.dialect, self.write_engine
+        with self._connected(what, engine, raw=True) as conn:
+            driver = conn.dbapi_connection
+            # BEGIN and COMMIT are the pipeline's own statements (the driver's implicit BEGIN
+            # would wait for its answer: a round trip of its own)
+            driver.autocommit = True
+            cur = conn.cursor()
+            try:
+                try:
+                    with driver.pipeline():
+                        cur.execute("BEGIN")
+                        result = body(cur, d)
+                    if isinstance(result, Later):  # the pipeline's one sync brought every answer
+                        result = result.value()
+                except Exception:
+                    _quietly(conn.rollback)
+                    raise
+                try:
+                    cur.execute("COMMIT")
+                except Exception as e:
+                    _quietly(conn.rollback)
+                    return self._after_failed_commit(what, wrapped(e, conn, engine, what), landed, result)
+                return result
+            finally:
+                _quietly(cur.close)
+                _quietly(lambda: setattr(driver, "autocommit", False))
 
     def _after_failed_commit(self, what: str, e: BaseException, landed: Callable[[Connection, T], bool] | None,
                              result: T) -> T:

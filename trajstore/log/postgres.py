@@ -17,6 +17,14 @@ PostgreSQL names them, have defaults here:
 A connect that times out surfaces as ``StoreUnavailable`` (one line); so does
 a statement cancelled by the timeout.
 
+A pooled connection is pinged (``SELECT 1``) at checkout only when it sat
+in the pool for ``PING_IDLE_S`` or more (``_ping_if_idle``), not on every
+checkout: under load an append reuses a connection within milliseconds, and
+a ping there would be a round trip of its three. A connection that broke
+while busy (a server restart under load) fails its next use once; that
+error is a lost connection (``StoreUnavailable``, nothing stored, retried by
+every writer) and the connection is dropped from the pool.
+
 Returning a connection to the pool rolls it back (``_reset``); when that fails
 because the connection broke meanwhile (a server restart, a terminated
 backend), the connection is invalidated quietly (the pool opens a new one when
@@ -77,18 +85,20 @@ import contextlib
 import logging
 import os
 import re
-from typing import Any, Iterator, Mapping, Sequence
+import time
+from typing import Any, Callable, Collection, Iterator, Mapping, Sequence
 
-from sqlalchemy import Connection, Engine, create_engine, event, func, select
+from sqlalchemy import Connection, Engine, String, create_engine, event, func, select
+from sqlalchemy.exc import DisconnectionError
 from sqlalchemy.engine import make_url
 from sqlalchemy.pool import NullPool, PoolResetState
 
 from trajstore._backoff import Backoff
-from trajstore.errors import TrajstoreError, ValidationError
+from trajstore.errors import IndexInvariantError, TrajstoreError, ValidationError
 from trajstore.log._backend import Backend, ReadQuery
-from trajstore.log._dialect import chunks
+from trajstore.log._dialect import CHUNK, SERVER_MARK, chunks, execute
 from trajstore.log._errors import driver_errors
-from trajstore.schema import events, unresolved_labels
+from trajstore.schema import events, trajectories, unresolved_labels
 
 __all__ = ["DEFAULT_CONNECT_TIMEOUT_S", "DEFAULT_STATEMENT_TIMEOUT", "PostgreSQL", "default_payload_dir",
            "engine_options", "make_engines"]
@@ -114,11 +124,41 @@ def make_engines(url: str) -> tuple[Engine, Engine]:
     if not any(isinstance(f, _DropSecondReport) for f in psycopg_log.filters):
         psycopg_log.addFilter(_DropSecondReport())
     url, connect_args = engine_options(url)
-    # reset_on_return=None: the "reset" listener below is the pool's reset (a rollback)
-    engine = create_engine(url, pool_pre_ping=True, pool_size=4, max_overflow=8, connect_args=connect_args,
+    # reset_on_return=None: the "reset" listener below is the pool's reset (a rollback);
+    # no pool_pre_ping: _ping_if_idle pings only connections that sat idle
+    engine = create_engine(url, pool_size=4, max_overflow=8, connect_args=connect_args,
                            pool_reset_on_return=None)
     event.listen(engine, "reset", _reset)
+    event.listen(engine, "checkin", _checked_in)
+    event.listen(engine, "checkout", _ping_if_idle)
     return engine, engine
+
+
+PING_IDLE_S = 1.0
+"""A pooled connection idle this long is pinged at checkout (module doc)."""
+_IDLE_SINCE = "trajstore_idle_since"
+
+
+def _checked_in(dbapi_connection: Any, record: Any) -> None:
+    if record is not None:
+        record.info[_IDLE_SINCE] = time.monotonic()
+
+
+def _ping_if_idle(dbapi_connection: Any, record: Any, proxy: Any) -> None:
+    """At checkout: a connection idle ``PING_IDLE_S`` or more answers ``SELECT 1`` or is replaced
+    (``DisconnectionError`` makes the pool open a new one)."""
+    since = record.info.get(_IDLE_SINCE)
+    if since is None or time.monotonic() - since < PING_IDLE_S:
+        return
+    try:
+        autocommit = dbapi_connection.autocommit
+        dbapi_connection.autocommit = True
+        try:
+            dbapi_connection.execute("SELECT 1", prepare=False)
+        finally:
+            dbapi_connection.autocommit = autocommit
+    except Exception as e:  # noqa: BLE001 - any failure: the connection is unusable
+        raise DisconnectionError(f"pooled connection failed its ping: {e}") from None
 
 
 _log = logging.getLogger("trajstore.log")
@@ -186,12 +226,18 @@ _STILL_RUNNING = ("SELECT 1 FROM pg_locks WHERE locktype = 'transactionid' AND m
                   "AND granted AND transactionid::text = ANY(%s) LIMIT 1")
 
 
+_MARK_TYPES = {"started_position": "trajectory_started", "finished_position": "trajectory_finished"}
+"""The event type whose position a trajectory row's ``SERVER_MARK`` column takes."""
+
+
 class PostgreSQL(Backend):
     """The production backend: positions from the sequence ``log_positions``
     (appends never wait for each other), so the tail is bounded; read-only
     queries under a role the server enforces (module doc)."""
 
     name = "postgresql"
+    autocommit_reads = True
+    pipelined_writes = True
     payload_dir_from_env = True
     reader_logins = True
     lease_write = "SET TRANSACTION READ WRITE"
@@ -206,6 +252,122 @@ class PostgreSQL(Backend):
         """``n`` increasing positions from the sequence, not necessarily consecutive."""
         cur.execute(self.take_positions, (n,))
         return sorted(p for (p,) in cur.fetchall())
+
+    def insert_events_taking_positions(self, cur: Any, rows: Sequence[Mapping[str, Any]]) -> Callable[[], list[int]]:
+        """Insert ``rows`` (no ``position``) taking their positions in the INSERT itself, after
+        the transaction id is assigned (the tail bound's order, module doc): ``nextval`` once
+        per row, numbered in increasing order and joined to the rows by their order, so the
+        batch's positions increase with its rows. Nothing is read here (an executemany
+        with RETURNING would wait for its answers): the returned function reads the
+        positions, in the pipeline once every later write was sent."""
+        keys = set().union(*rows) - {"position"}
+        names = tuple(c.name for c in events.columns if c.name in keys)
+        procs = self._cached(("insert events taking positions", names),
+                             lambda: [self._bind(events.c[n]) for n in names])
+        # (a string column's cast has no length: an explicit cast to VARCHAR(n) would cut a
+        # longer value where the INSERT's own assignment refuses it)
+        casts = [f"CAST({self.p} AS {'TEXT' if isinstance(events.c[n].type, String) else events.c[n].type.compile(self.dialect)})"
+                 for n in names]
+        cols = ", ".join(self.col(events.c[n]) for n in names)
+        params = self._params(rows, names, procs)
+        step = max(1, 30000 // (len(names) + 1))  # bind parameters per statement stay under 65,535
+        cursors = []
+        for lo in range(0, len(params), step):
+            part = params[lo:lo + step]
+            values = ", ".join(f"({i}, {', '.join(casts)})" for i in range(1, len(part) + 1))
+            sql = (f"WITH p AS (SELECT nextval('log_positions') AS position FROM generate_series(1, {len(part)}) "
+                   "WHERE pg_current_xact_id() IS NOT NULL), "
+                   "o AS (SELECT position, row_number() OVER (ORDER BY position) AS ord FROM p), "
+                   f"v (ord, {', '.join(f'c{k}' for k in range(len(names)))}) AS (VALUES {values}) "
+                   f"INSERT INTO {self.table(events)} ({self.col(events.c.position)}, {cols}) "
+                   f"SELECT o.position, {', '.join(f'v.c{k}' for k in range(len(names)))} FROM v JOIN o USING (ord) "
+                   f"RETURNING {self.col(events.c.position)}")
+            taking = cur.connection.cursor()
+            taking.execute(sql, [value for row in part for value in row])
+            cursors.append(taking)
+
+        def positions() -> list[int]:
+            out: list[int] = []
+            for taking in cursors:
+                out += sorted(int(p) for (p,) in taking.fetchall())
+                taking.close()
+            if len(out) != len(rows):  # pragma: no cover - one RETURNING row per inserted row
+                raise IndexInvariantError(f"{len(out)} positions for {len(rows)} events")
+            return out
+        return positions
+
+    def _mark(self, name: str) -> str:
+        t = self.table(events)
+        return (f"(SELECT max({self.col(events.c.position)}) FROM {t} WHERE {self.col(events.c.trajectory_id)} = "
+                f"{self.p} AND {self.col(events.c.type)} = '{_MARK_TYPES[name]}')")
+
+    def insert_rows(self, conn: Any, table: Any, rows: Sequence[Mapping[str, Any]]) -> None:
+        if table is not trajectories or not any(v is SERVER_MARK for r in rows for v in r.values()):
+            return super().insert_rows(conn, table, rows)
+        for row in rows:  # new trajectories of a batch taking its positions in its INSERT: few
+            marked = tuple(k for k in _MARK_TYPES if row.get(k) is SERVER_MARK)
+            names = tuple(c.name for c in table.columns if c.name in row and c.name not in marked)
+            sql, procs = self._cached(("insert marked", names, marked), lambda: (
+                f"INSERT INTO {self.table(table)} ({', '.join(self.col(table.c[n]) for n in names + marked)}) "
+                f"VALUES ({', '.join([self.p] * len(names) + [self._mark(m) for m in marked])})",
+                [self._bind(table.c[n]) for n in names]))
+            (values,) = self._params([row], names, procs)
+            execute(conn, sql, values + (row["trajectory_id"],) * len(marked))
+
+    def update_trajectories(self, conn: Any, updates: Sequence[tuple[dict[str, Any], int]]) -> int:
+        """Guarded updates whose guard the server checks: each update that finds its row at
+        another revision inserts a copy of the row instead, which the primary key refuses (a
+        lost race, ``StaleState``: the transaction rolls back). No ``rowcount`` is
+        read, so the updates go out with the append's other writes (``pipelined_writes``)."""
+        groups: dict[tuple[tuple[str, ...], tuple[str, ...]], list[tuple[dict[str, Any], int]]] = {}
+        for row, rev in updates:
+            marked = tuple(k for k in _MARK_TYPES if row.get(k) is SERVER_MARK)
+            groups.setdefault((tuple(k for k in self._traj_cols if k in row and k != "trajectory_id"
+                                     and k not in marked), marked), []).append((row, rev))
+        t = trajectories
+        for (names, marked), group in groups.items():
+            sets = [f"{self.col(t.c[n])} = {self.p}" for n in names] + [f"{self.col(t.c[m])} = {self._mark(m)}"
+                                                                         for m in marked]
+            sql, procs = self._cached(("guarded update trajectories", names, marked), lambda: (
+                f"WITH u AS (UPDATE {self.table(t)} SET "
+                f"{', '.join(sets)} "
+                f"WHERE {self.col(t.c.trajectory_id)} = {self.p} AND {self.col(t.c.revision)} = {self.p} "
+                f"RETURNING 1) INSERT INTO {self.table(t)} SELECT * FROM {self.table(t)} "
+                f"WHERE {self.col(t.c.trajectory_id)} = {self.p} AND NOT EXISTS (SELECT 1 FROM u)",
+                [self._bind(t.c[n]) for n in names]))
+            params = [values + (row["trajectory_id"],) * len(marked) + (row["trajectory_id"], rev, row["trajectory_id"])
+                      for values, (row, rev) in zip(self._params([r for r, _ in group], names, procs), group)]
+            execute(conn, sql, params)
+        return len(updates)
+
+    def load_append_state(self, cur: Any, identities: Collection[str], trajectory_ids: Collection[str]
+                          ) -> tuple[dict[str, bytes], dict[str, dict[str, Any]]]:
+        """Both in one statement (one round trip): the trajectory rows, then the stored
+        identities' digests in two extra columns (NULL on the trajectory rows)."""
+        idents, tids = sorted(set(identities)), sorted(set(trajectory_ids))
+        if len(idents) > CHUNK or len(tids) > CHUNK:
+            return super().load_append_state(cur, identities, trajectory_ids)
+
+        def build() -> str:
+            t, e = trajectories, events
+            cols = ", ".join(self.col(c) for c in t.columns)
+            nulls = ", ".join(f"CAST(NULL AS {c.type.compile(self.dialect)})" for c in t.columns)
+            return (f"SELECT NULL, CAST(NULL AS BYTEA), {cols} FROM {self.table(t)} "
+                    f"WHERE {self.col(t.c.trajectory_id)} = ANY({self.p}) UNION ALL "
+                    f"SELECT {self.col(e.c.identity)}, {self.col(e.c.content_hash)}, {nulls} "
+                    f"FROM {self.table(e)} WHERE {self.col(e.c.identity)} = ANY({self.p})")
+        cur.execute(self._cached(("append state",), build), (tids, idents))
+        procs = [self._result(c, d[1]) for c, d in zip(trajectories.columns, cur.description[2:])]
+        names = self._traj_cols
+        stored: dict[str, bytes] = {}
+        rows: dict[str, dict[str, Any]] = {}
+        for values in cur.fetchall():
+            if values[0] is not None:
+                stored[values[0]] = bytes(values[1])
+                continue
+            row = {n: v if f is None else f(v) for n, v, f in zip(names, values[2:], procs)}
+            rows[row["trajectory_id"]] = row
+        return stored, rows
 
     def head(self, conn: Connection) -> int:
         # the highest event's: the sequence also counts positions of appends that rolled back
@@ -238,26 +400,27 @@ class PostgreSQL(Backend):
     LABELS_LOCK_KEY = 0x7472616A_6C61  # "trajla": any fixed bigint no other code uses
 
     def order_label_appends(self, cur: Any, event_rows: Sequence[Mapping[str, Any]]) -> None:
+        # No result is read here: in the pipelined append (``pipelined_writes``) the lock
+        # statements go out with the positions, in the same round trip.
         if self.touches_labels(cur, event_rows):
             cur.execute("SELECT pg_advisory_xact_lock(%s)", (self.LABELS_LOCK_KEY,))
-            cur.fetchall()
+            return
+        finishing = sorted({r["trajectory_id"] for r in event_rows if r["type"] == "trajectory_finished"})
+        # an earlier call of a finishing trajectory left an unresolved label (those rows
+        # are committed: the trajectory row's revision guard orders appends to it): the
+        # lock is taken where the server finds one
+        for part in chunks(finishing):
+            cur.execute(f"SELECT pg_advisory_xact_lock(%s) FROM (SELECT 1 FROM {self.table(unresolved_labels)} "
+                        f"WHERE trajectory_id IN ({self.marks(len(part))}) LIMIT 1) AS waiting",
+                        [self.LABELS_LOCK_KEY, *part])
 
     def touches_labels(self, cur: Any, event_rows: Sequence[Mapping[str, Any]]) -> bool:
+        """Does the batch itself map a label, or finish a trajectory with a label its own
+        calls leave unresolved? (Labels left by earlier calls: ``order_label_appends``.)"""
         if any(r.get("version_label") is not None for r in event_rows):
             return True
         finishing = {r["trajectory_id"] for r in event_rows if r["type"] == "trajectory_finished"}
-        if not finishing:
-            return False
-        if any(r.get("unresolved_labels") for r in event_rows if r["trajectory_id"] in finishing):
-            return True
-        # an earlier call of a finishing trajectory left an unresolved label (those rows
-        # are committed: the trajectory row's revision guard orders appends to it)
-        for part in chunks(sorted(finishing)):
-            cur.execute(f"SELECT 1 FROM {self.table(unresolved_labels)} "
-                        f"WHERE trajectory_id IN ({self.marks(len(part))}) LIMIT 1", list(part))
-            if cur.fetchone() is not None:
-                return True
-        return False
+        return any(r.get("unresolved_labels") for r in event_rows if r["trajectory_id"] in finishing)
 
     # -- the URL's level ----------------------------------------------------------
     @classmethod

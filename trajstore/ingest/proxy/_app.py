@@ -8,6 +8,7 @@ import logging
 from typing import Any, Callable, Mapping
 
 # OPEN_PATHS: open without the token, as on every trajstore server (they change nothing, show no recorded data)
+from trajstore.ingest._group_commit import DEFAULT_LINGER_S, DEFAULT_MAX_GROUP_BYTES
 from trajstore.ingest._http import OPEN_PATHS, BearerAuth
 from trajstore.ingest.proxy._forward import _UpstreamForwarder
 from trajstore.ingest.proxy._metrics import _ProxyMetrics
@@ -103,25 +104,30 @@ def _proxy_app(fwd: _UpstreamForwarder, *, title: str, token: str | None,
     return app
 
 
-def _recorder_and_metrics(store: Any, group_commit: bool) -> tuple[Recorder, Any, _ProxyMetrics, Any]:
-    """A proxy's recorder (group-committing unless told not to), its ingest ``Metrics`` (the commits and the
-    registry ``GET /metrics`` renders), its ``_ProxyMetrics``, and what to call at shutdown."""
+def _recorder_and_metrics(store: Any, group_commit: bool, linger_s: float = DEFAULT_LINGER_S,
+                          max_batch_bytes: int = DEFAULT_MAX_GROUP_BYTES) -> tuple[Recorder, Any, _ProxyMetrics, Any]:
+    """A proxy's recorder (group-committing unless told not to: calls of many trajectories share a
+    payload object and an index transaction, each waiting up to ``linger_s`` for others, a group
+    bounded by ``max_batch_bytes``), its ingest ``Metrics`` (the commits and the registry ``GET
+    /metrics`` renders), its ``_ProxyMetrics``, and what to call at shutdown."""
     from trajstore.ingest.service import GroupCommitter, Metrics
 
     metrics = Metrics()
-    committer = GroupCommitter(store, metrics=metrics, max_wait_s=0.0) if group_commit else None
+    committer = (GroupCommitter(store, metrics=metrics, max_wait_s=0.0, linger_s=linger_s,
+                                max_group_bytes=max_batch_bytes) if group_commit else None)
     # closing the committer appends what is queued first
     return (Recorder(store, committer), metrics, _ProxyMetrics(metrics.registry),
             None if committer is None else committer.close)
 
 
 def _engine_app(forwarder: type, store: Any, upstream: str, *, title: str, forwarded: Any, token: str | None,
-                group_commit: bool, **settings: Any) -> Any:
+                group_commit: bool, linger_s: float = DEFAULT_LINGER_S,
+                max_batch_bytes: int = DEFAULT_MAX_GROUP_BYTES, **settings: Any) -> Any:
     """An engine's proxy app: a ``forwarder`` (an ``_UpstreamForwarder`` class, given ``settings``) for the
     normalized ``upstream``, its recorded paths and the ``forwarded`` (method, path) pairs as routes,
     the recorder and metrics of :func:`_recorder_and_metrics`. ``app.state.forwarder`` and
     ``app.state.commit_metrics`` hold them."""
-    recorder, metrics, proxy_metrics, on_close = _recorder_and_metrics(store, group_commit)
+    recorder, metrics, proxy_metrics, on_close = _recorder_and_metrics(store, group_commit, linger_s, max_batch_bytes)
     fwd = forwarder(recorder, normalize_upstream(upstream), authenticated=token is not None, metrics=proxy_metrics,
                     **settings)
 

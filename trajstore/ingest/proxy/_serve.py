@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping
 
 from trajstore.errors import TrajstoreError, ValidationError
+from trajstore.ingest._group_commit import DEFAULT_LINGER_S, DEFAULT_MAX_GROUP_BYTES
 from trajstore.ingest._http import add_server_arguments, run_server, server_token
 from trajstore.ingest.proxy._app import normalize_upstream, version_label_events
 from trajstore.ingest.proxy._sglang import make_sglang_proxy_app
@@ -63,10 +64,19 @@ class ProxyConfig:
     """Ask the engine for only the route rows the trajectory has not recorded."""
     pass_through_unrecorded: bool = False
     """A named call the store cannot take still gets the engine's answer, with ``X-Trajstore-Error``."""
+    linger_s: float = DEFAULT_LINGER_S
+    """How long a call's record waits for other calls to share its payload object and index
+    transaction (Kafka's ``linger.ms``; 0: appended as soon as a committer is free)."""
+    max_batch_bytes: int = DEFAULT_MAX_GROUP_BYTES
+    """A group of records' bound in bytes (Kafka's ``batch.size``): a full group is appended at once."""
     log_level: str = "warning"
     """uvicorn's log level."""
 
     def __post_init__(self) -> None:
+        if not self.linger_s >= 0:
+            raise ValueError(f"--linger-ms must be 0 or more, got {self.linger_s * 1e3!r}")
+        if not self.max_batch_bytes >= 1:
+            raise ValueError(f"--max-batch-mb must be more than 0, got {self.max_batch_bytes / (1 << 20)!r}")
         if self.engine not in ENGINES:
             raise ValueError(f"--engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
         if self.route_layout is not None and self.engine != "sglang":
@@ -90,14 +100,18 @@ class ProxyConfig:
                    model_version=args.model_version, num_experts=args.num_experts,
                    version_map=_version_map_arg(args.version_map), route_layout=layout,
                    skip_recorded_routes=not args.no_route_skip,
-                   pass_through_unrecorded=getattr(args, "pass_through_unrecorded", False), log_level=args.log_level)
+                   pass_through_unrecorded=getattr(args, "pass_through_unrecorded", False),
+                   linger_s=getattr(args, "linger_ms", DEFAULT_LINGER_S * 1e3) / 1e3,
+                   max_batch_bytes=int(getattr(args, "max_batch_mb", DEFAULT_MAX_GROUP_BYTES / (1 << 20)) * (1 << 20)),
+                   log_level=args.log_level)
 
 
 def _vllm_app(store: Any, config: ProxyConfig, token: str | None, upstream_api_key: str | None) -> Any:
     return make_proxy_app(store, config.upstream, token=token, model_version=config.model_version,
                           num_experts=config.num_experts, upstream_api_key=upstream_api_key,
                           version_map=config.version_map, skip_recorded_routes=config.skip_recorded_routes,
-                          pass_through_unrecorded=config.pass_through_unrecorded)
+                          pass_through_unrecorded=config.pass_through_unrecorded, linger_s=config.linger_s,
+                          max_batch_bytes=config.max_batch_bytes)
 
 
 def _sglang_app(store: Any, config: ProxyConfig, token: str | None, upstream_api_key: str | None) -> Any:
@@ -106,7 +120,8 @@ def _sglang_app(store: Any, config: ProxyConfig, token: str | None, upstream_api
     return make_sglang_proxy_app(store, config.upstream, token=token, model_version=config.model_version,
                                  num_experts=config.num_experts, upstream_api_key=upstream_api_key,
                                  route_layout=config.route_layout, skip_recorded_routes=config.skip_recorded_routes,
-                                 pass_through_unrecorded=config.pass_through_unrecorded)
+                                 pass_through_unrecorded=config.pass_through_unrecorded, linger_s=config.linger_s,
+                                 max_batch_bytes=config.max_batch_bytes)
 
 
 # --engine -> (store, config, token, upstream key) -> the engine's app
@@ -162,6 +177,14 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--route-layout", default=None, metavar="LAYERSxTOPK",
                         help="SGLang: the model's num_hidden_layers x num_experts_per_tok, e.g. 48x8; SGLang's "
                              "routes carry no shape (default: only calls sending X-Trajstore-Route-Layout get routes)")
+    from trajstore._argtypes import number
+    parser.add_argument("--linger-ms", type=number(float, min=0), default=DEFAULT_LINGER_S * 1e3,
+                        help="how long a call's record waits for other calls to share its payload object and index "
+                             f"transaction (default {DEFAULT_LINGER_S * 1e3:g}; 0: append at once)")
+    parser.add_argument("--max-batch-mb", type=number(float, min=0, min_exclusive=True),
+                        default=DEFAULT_MAX_GROUP_BYTES / (1 << 20),
+                        help="a group of records' bound in MiB: a full group is appended without waiting out the "
+                             f"linger (default {DEFAULT_MAX_GROUP_BYTES / (1 << 20):g})")
 
 
 def serve_proxy(upstream: str, store_url: str | None = None, host: str = "127.0.0.1", port: int = DEFAULT_PORT, *,

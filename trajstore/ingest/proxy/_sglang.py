@@ -39,6 +39,7 @@ import json
 import logging
 from typing import Any, Callable
 
+from trajstore.ingest._group_commit import DEFAULT_LINGER_S, DEFAULT_MAX_GROUP_BYTES
 from trajstore.ingest.proxy._app import _engine_app
 from trajstore.ingest.proxy._forward import _BadCall, _UpstreamForwarder
 from trajstore.ingest.proxy._record import Recorder, Tag, tag_of
@@ -167,7 +168,8 @@ def make_sglang_proxy_app(store: Any, upstream: str, *, token: str | None = None
                           num_experts: int | None = None, timeout_s: float = 600.0,
                           upstream_api_key: str | None = None, route_layout: Any = None,
                           skip_recorded_routes: bool = True, group_commit: bool = True,
-                          pass_through_unrecorded: bool = False) -> Any:
+                          pass_through_unrecorded: bool = False, linger_s: float = DEFAULT_LINGER_S,
+                          max_batch_bytes: int = DEFAULT_MAX_GROUP_BYTES) -> Any:
     """The FastAPI app recording SGLang calls into ``store`` and forwarding them to ``upstream``.
 
     ``route_layout``: the model's ``(layers, topk)`` (or ``"48x8"``), used
@@ -176,7 +178,8 @@ def make_sglang_proxy_app(store: Any, upstream: str, *, token: str | None = None
     vLLM proxy (:func:`trajstore.ingest.proxy.make_proxy_app`).
     """
     return _engine_app(SGLangForwarder, store, upstream, title="trajstore recording proxy (SGLang)",
-                       forwarded=FORWARDED, token=token, group_commit=group_commit, model_version=model_version,
+                       forwarded=FORWARDED, token=token, group_commit=group_commit, linger_s=linger_s,
+                       max_batch_bytes=max_batch_bytes, model_version=model_version,
                        num_experts=num_experts, timeout_s=timeout_s, upstream_api_key=upstream_api_key,
                        layout=route_layout, skip_recorded_routes=skip_recorded_routes,
                        pass_through=pass_through_unrecorded)

@@ -6,6 +6,7 @@
 from typing import Any, Callable, Mapping
 
 from trajstore.errors import ValidationError
+from trajstore.ingest._group_commit import DEFAULT_LINGER_S, DEFAULT_MAX_GROUP_BYTES
 from trajstore.ingest.proxy._app import _engine_app, version_label_events
 from trajstore.ingest.proxy._forward import _BadCall, _UpstreamForwarder
 from trajstore.ingest.proxy._record import Recorder, Tag, tag_of
@@ -104,7 +105,8 @@ def _one_choice(events: list[dict]) -> list[dict]:
 def make_proxy_app(store: Any, upstream: str, *, token: str | None = None, model_version: int = 0,
                    num_experts: int | None = None, timeout_s: float = 600.0, upstream_api_key: str | None = None,
                    version_map: VersionMap = None, skip_recorded_routes: bool = True,
-                   group_commit: bool = True, pass_through_unrecorded: bool = False) -> Any:
+                   group_commit: bool = True, pass_through_unrecorded: bool = False,
+                   linger_s: float = DEFAULT_LINGER_S, max_batch_bytes: int = DEFAULT_MAX_GROUP_BYTES) -> Any:
     """The FastAPI app recording calls into ``store`` and forwarding them to ``upstream``.
 
     ``upstream``: the engine's base URL (a trailing ``/v1`` is dropped,
@@ -115,7 +117,9 @@ def make_proxy_app(store: Any, upstream: str, *, token: str | None = None, model
     store as ``version_label`` events when the app is made (the engine's spans
     are recorded as sent and the store resolves them). ``skip_recorded_routes=False``: never set
     ``routed_experts_prompt_start`` (an engine without it). ``group_commit=False``:
-    append each call's record on its own (see :class:`Recorder`);
+    append each call's record on its own (see :class:`Recorder`); otherwise calls of
+    many trajectories share one payload object and index transaction, each waiting up
+    to ``linger_s`` for others, a group bounded by ``max_batch_bytes`` (docs/ingest.md);
     ``app.state.commit_metrics.commits`` counts the appends.
     ``pass_through_unrecorded=True``: a named call the store cannot take
     still gets the engine's answer, with ``X-Trajstore-Error`` (counted in
@@ -128,6 +132,7 @@ def make_proxy_app(store: Any, upstream: str, *, token: str | None = None, model
         store.append(version_label_events(version_map))
         version_map = None
     return _engine_app(VLLMForwarder, store, upstream, title="trajstore recording proxy", forwarded=FORWARDED,
-                       token=token, group_commit=group_commit, model_version=model_version, num_experts=num_experts,
+                       token=token, group_commit=group_commit, linger_s=linger_s, max_batch_bytes=max_batch_bytes,
+                       model_version=model_version, num_experts=num_experts,
                        timeout_s=timeout_s, upstream_api_key=upstream_api_key, version_map=version_map,
                        skip_recorded_routes=skip_recorded_routes, pass_through=pass_through_unrecorded)

@@ -137,7 +137,9 @@ def test_collated_batches_under_a_stateful_dataloader_equal_sample_dataset(fille
     config = {"batch_size": 4, "keep_groups": True, "group_size": GROUP_SIZE}
 
     def run(dataset, state=None, stop=None):
-        loader = torchdata.StatefulDataLoader(dataset, batch_size=None, num_workers=num_workers)
+        # workers start from a fresh interpreter: gRPC (this process's earlier replay clients) is not fork-safe
+        loader = torchdata.StatefulDataLoader(dataset, batch_size=None, num_workers=num_workers,
+                                              multiprocessing_context="forkserver" if num_workers else None)
         if state is not None:
             loader.load_state_dict(state)
         out = []

@@ -166,7 +166,9 @@ def test_replay_dataset_takes_the_policy_under_a_stateful_dataloader(filled, rep
 
     def run(state=None, stop=None):
         loader = torchdata.StatefulDataLoader(ReplayDataset(server.location, token=READ_TOKEN, **config),
-                                              batch_size=None, num_workers=2)
+                                              batch_size=None, num_workers=2,
+                                              # a fresh interpreter: gRPC (earlier clients here) is not fork-safe
+                                              multiprocessing_context="forkserver")
         if state is not None:
             loader.load_state_dict(state)
         out = []

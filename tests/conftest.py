@@ -20,6 +20,7 @@ TRAJSTORE_SKIP_POSTGRES=1 turns those tests into skips instead.
 from __future__ import annotations
 
 import os
+import secrets
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -31,6 +32,14 @@ from trajstore.log._registry import BACKENDS
 from pg_cluster import PgCluster
 
 SKIP_POSTGRES_ENV = "TRAJSTORE_SKIP_POSTGRES"
+
+# Ray (2.60) turns token authentication on for a new local cluster: `ray.init()` sets
+# RAY_AUTH_MODE=token in this process and writes a token to ~/.ray/auth_token, and every
+# cluster started later on the machine picks that file up. The suite's Ray clusters (local
+# ones and `ray start` nodes, which inherit this environment) share one token of the
+# process's own instead, so no test depends on what an earlier one left behind.
+os.environ.setdefault("RAY_AUTH_MODE", "token")
+os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
 
 
 @pytest.fixture(scope="session")

@@ -47,10 +47,7 @@ def two_node_ray():
     exe = str(Path(sys.executable).parent / "ray")
     port = _free_port()
     head_dir = tempfile.mkdtemp(prefix="rh")  # short: Ray's socket paths live under it
-    # a home of its own: a ~/.ray/auth_token left on the machine (`ray get-auth-token --generate`)
-    # makes the cluster's own clients fail its token check
-    saved_home = os.environ.get("HOME")
-    os.environ["HOME"] = head_dir
+    # token authentication: tests/conftest.py gives the suite's clusters one token of their own
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
            "RAY_USAGE_STATS_ENABLED": "0"}
     common = ["--block", "--num-cpus=1", "--disable-usage-stats"]
@@ -79,10 +76,6 @@ def two_node_ray():
                 p.wait(60)
             except subprocess.TimeoutExpired:
                 os.killpg(p.pid, signal.SIGKILL)
-        if saved_home is None:
-            os.environ.pop("HOME", None)
-        else:
-            os.environ["HOME"] = saved_home
 
 
 def test_long_running_shards_on_two_nodes_survive_a_restart(two_node_ray, fresh_pg_url, tmp_path):

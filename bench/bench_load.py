@@ -309,11 +309,14 @@ def client_main(argv: list[str]) -> None:
             sink.close()
 
     def report_progress(done: threading.Event) -> None:
-        while not done.wait(0.5):
+        while True:
+            stopping = done.wait(0.5)
             with lock:
                 line = json.dumps({"calls": state["calls"], "tokens": state["tokens"]})
             progress.with_suffix(".tmp").write_text(line)
             os.replace(progress.with_suffix(".tmp"), progress)
+            if stopping:  # the final counts written
+                return
 
     time.sleep(max(0.0, start - time.time()))
     cpu0, t0 = cpu_s(), time.time()

@@ -198,8 +198,8 @@ class Plan:
         self.rng = rng
         self.tokens = rng.integers(0, 150_000, BUFFER_TOKENS, dtype=np.int32)
         self.logprobs = -rng.random(BUFFER_TOKENS, dtype=np.float32)
-        base = rng.integers(0, EXPERTS, (BUFFER_TOKENS, LAYERS, 1), dtype=np.int64)
-        self.routes = ((base + np.arange(TOPK)) % EXPERTS).astype(np.uint8)  # top-k distinct per layer
+        base = rng.integers(0, EXPERTS, (BUFFER_TOKENS, LAYERS, 1), dtype=np.uint8)
+        self.routes = (base + np.arange(TOPK, dtype=np.uint8)) % EXPERTS  # top-k distinct per layer
         self.args = args
         self.client = client
         self.lock = threading.Lock()
@@ -257,13 +257,20 @@ def client_main(argv: list[str]) -> None:
     latencies: list[float] = []
     errors: list[str] = []
     n_calls = int(args.rate * args.seconds)
-    start = args.start_at
     progress = Path(args.progress)
+    progress.with_suffix(".ready").write_text("")  # buffers made, imports done: the bench says when to start
+    go = progress.with_name("go")
+    while not go.exists():
+        time.sleep(0.02)
+    start = float(go.read_text())
+    end = start + args.seconds
 
     def ticket() -> float | None:
+        """The due time of the next call; None once every call was taken or the run's
+        time is over (calls not yet taken then were offered, never sent: ``missed``)."""
         with lock:
             i = state["ticket"]
-            if i >= n_calls:
+            if i >= n_calls or time.time() >= end:
                 return None
             state["ticket"] += 1
         return start + i / args.rate
@@ -331,7 +338,7 @@ def client_main(argv: list[str]) -> None:
     wall, cpu = time.time() - t0, cpu_s() - cpu0
     done.set()
     reporter.join()
-    print(json.dumps({**state, "offered": n_calls, "wall_s": wall, "cpu_s": cpu, "latencies_s": latencies,
+    print(json.dumps({**state, "offered": n_calls, "missed": n_calls - state["ticket"], "wall_s": wall, "cpu_s": cpu, "latencies_s": latencies,
                       "errors": errors[:5], "num_errors": len(errors)}))
 
 
@@ -352,6 +359,20 @@ def bucket_state(s3, bucket: str, prefix: str) -> tuple[dict, int]:
             out["objects"] += 1
             out["bytes"] += obj["Size"]
     return dict(out), pages
+
+
+def pending(url: str) -> int:
+    """Finished trajectories the materializer has not folded yet (after its checkpoint)."""
+    from sqlalchemy import create_engine, text
+
+    engine = create_engine(url)
+    try:
+        with engine.connect() as conn:
+            return int(conn.execute(text(
+                "SELECT count(*) FROM events WHERE type = 'trajectory_finished' AND position > "
+                "(SELECT coalesce(min(position), -1) FROM materializer_checkpoints)")).scalar())
+    finally:
+        engine.dispose()
 
 
 def index_counts(url: str) -> dict:
@@ -414,8 +435,7 @@ def run(args: argparse.Namespace) -> dict:
             procs.append(materializer)
             s3 = moto.client()
             time.sleep(2.0)  # the materializer up, the warm call folded
-            start_at = time.time() + 3.0  # the clients' buffers made, imports done
-            client_cmd = [sys.executable, __file__, "_client", "--url", service.url, "--start-at", str(start_at)]
+            client_cmd = [sys.executable, __file__, "_client", "--url", service.url]
             passed = ["--rate", str(args.rate), "--seconds", str(args.seconds), "--turns", str(args.turns),
                       "--concurrency", str(args.concurrency), "--routes", args.routes, "--body", args.body,
                       "--prompt", "%d-%d" % args.prompt, "--output", "%d-%d" % args.output,
@@ -423,15 +443,24 @@ def run(args: argparse.Namespace) -> dict:
             clients = [subprocess.Popen(client_cmd + passed + ["--index", str(k), "--progress", str(work / f"p{k}.json")],
                                         stdout=subprocess.PIPE, env=env, text=True) for k in range(args.clients)]
             procs.extend(clients)
+            while not all((work / f"p{k}.ready").exists() for k in range(args.clients)):
+                if any(c.poll() is not None for c in clients):
+                    raise RuntimeError("a client exited before the start")
+                time.sleep(0.05)
+            start_at = time.time() + 0.5
+            (work / "go.tmp").write_text(repr(start_at))
+            os.replace(work / "go.tmp", work / "go")
             time.sleep(max(0.0, start_at - time.time()))
             pids = {"service": service.proc.pid, "materializer": materializer.pid, "moto": moto.proc.pid}
             if cluster is not None:
                 pids["postgres"] = postmaster_pid(cluster)
             cpu0 = {k: cpu_s(p) for k, p in pids.items()}
+            initial, _ = bucket_state(s3, moto.bucket, "run")  # marker, warm-up objects
+            list_pages = 0
             log0 = moto.log_offset()
             commits0, trips0 = service.commits(), service.round_trips()
             t0 = time.time()
-            samples, list_pages = [], 0
+            samples: list[dict] = []
 
             def progress() -> tuple[int, int]:
                 calls = tokens = 0
@@ -474,9 +503,10 @@ def run(args: argparse.Namespace) -> dict:
                 time.sleep(min(args.sample_s, 2.0))
                 sample("drain")
                 now = (samples[-1].get("events_objects", 0), samples[-1].get("samples_objects", 0))
-                if now == last and time.time() - load_end > 4:
-                    break  # nothing folded or deleted since the last look
+                if now == last and pending(store) == 0:
+                    break  # everything folded, nothing deleted since the last look
                 last = now
+            result["drained"] = pending(store) == 0
             cpu = {k: cpu_s(p) - cpu0[k] for k, p in pids.items()}
             wall = time.time() - t0
             time.sleep(0.5)
@@ -497,7 +527,8 @@ def run(args: argparse.Namespace) -> dict:
     lat = np.array([x for o in outs for x in o["latencies_s"]]) * 1e3
     n = max(calls, 1)
     result.update(
-        calls_offered=sum(o["offered"] for o in outs), calls_acknowledged=calls,
+        calls_offered=sum(o["offered"] for o in outs), calls_missed=sum(o["missed"] for o in outs),
+        calls_acknowledged=calls,
         calls_failed=sum(o["failed"] for o in outs), errors=[e for o in outs for e in o["errors"]][:5],
         trajectories_cut_short=sum(o["finishes"] for o in outs),
         load_s=load_end - t0, wall_s=wall, achieved_calls_per_s=calls / (load_end - t0),
@@ -512,7 +543,8 @@ def run(args: argparse.Namespace) -> dict:
         bytes_at_rest=samples,
     )
     result["objects_made_total"] = sum(made.values())
-    result["objects_deleted"] = result["objects_made_total"] - final.get("objects", 0)
+    result["objects_at_start"] = initial.get("objects", 0)
+    result["objects_deleted"] = result["objects_at_start"] + result["objects_made_total"] - final.get("objects", 0)
     result["calls_per_batch"] = calls / max(1, result["batches"])
     result["calls_per_log_object"] = calls / max(1, made.get("events", 0) + made.get("events+multipart", 0))
     if trips0 is not None:
@@ -548,12 +580,12 @@ def run(args: argparse.Namespace) -> dict:
 def print_sample(s: dict, header: bool) -> None:
     if header:
         print(f"{'t (s)':>6} {'phase':>5} {'calls':>6} {'tokens':>9} {'objects':>7} {'events MB':>9} "
-              f"{'samples MB':>10} {'B/token':>8} {'copies':>6}", flush=True)
+              f"{'samples MB':>10} {'B/token':>8} {'rest/samples':>12}", flush=True)
     tok = max(s["tokens"], 1)
     copies = s.get("bytes", 0) / s["samples_bytes"] if s.get("samples_bytes") else float("nan")
     print(f"{s['t_s']:6.1f} {s['phase']:>5} {s['calls']:6d} {s['tokens']:9d} {s.get('objects', 0):7d} "
           f"{s.get('events_bytes', 0) / 1e6:9.1f} {s.get('samples_bytes', 0) / 1e6:10.1f} "
-          f"{s.get('bytes', 0) / tok:8.1f} {copies:6.2f}", flush=True)
+          f"{s.get('bytes', 0) / tok:8.1f} {copies:12.2f}", flush=True)
 
 
 def summary(r: dict) -> str:
@@ -565,7 +597,8 @@ def summary(r: dict) -> str:
         f"({a['routes']}), {a['body']} bodies; {a['backend']} + S3 (moto); linger {a['linger_ms']:g} ms; "
         f"{r['date']}, load average {r['loadavg_start'][0]:.2f} -> {r['loadavg_end'][0]:.2f}",
         f"calls: offered {r['calls_offered']}, acknowledged {r['calls_acknowledged']} "
-        f"({r['achieved_calls_per_s']:.1f}/s), failed {r['calls_failed']}; index: {r['index']['generation_events']} "
+        f"({r['achieved_calls_per_s']:.1f}/s), failed {r['calls_failed']}, not sent in time {r['calls_missed']}; "
+        f"drained {r['drained']}; index: {r['index']['generation_events']} "
         f"generation events ({r['warmup_calls']} warm-up), {r['index']['samples']} samples; "
         f"ack p50 {r['ack_ms']['p50'] or 0:.0f} ms, p99 {r['ack_ms']['p99'] or 0:.0f} ms; "
         f"{r['body_bytes'] / max(1, r['calls_acknowledged']) / 1e3:.0f} KB body/call, "
@@ -573,7 +606,8 @@ def summary(r: dict) -> str:
         f"batches {r['batches']} ({r['calls_per_batch']:.1f} calls each); log objects "
         f"{r['objects_made'].get('events', 0) + r['objects_made'].get('events+multipart', 0)} "
         f"({r['calls_per_log_object']:.1f} calls each); objects made {r['objects_made_total']} "
-        f"{r['objects_made']}, deleted {r['objects_deleted']}, left {r['objects_left']}",
+        f"{r['objects_made']}, deleted {r['objects_deleted']}, left {r['objects_left']} "
+        f"({r['objects_at_start']} before the load: marker, warm-up)",
     ]
     if "pg_service" in r:
         d = r["pg_service"]
@@ -619,7 +653,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # the client mode's own
     p.add_argument("--url", help=argparse.SUPPRESS)
     p.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
-    p.add_argument("--start-at", type=float, default=0.0, help=argparse.SUPPRESS)
     p.add_argument("--progress", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 

@@ -43,7 +43,9 @@ the drain that lets the materializer and its GC finish):
 
 * client CPU (the clients' own ``getrusage``) and server CPU per process
   (``/proc/<pid>/stat`` of the service, the materializer, PostgreSQL's
-  postmaster and backends, moto), bench/_proc.cpu_s;
+  postmaster and backends, moto), bench/_proc.cpu_s; the materializer's per
+  call it folded (generation events of trajectories before its checkpoint),
+  the others' per call acknowledged;
 * PostgreSQL round trips of the service per committed batch: libpq's
   protocol trace of each of the service's connections (tests/pg_roundtrips),
   divided by the batches its ``/metrics`` counts (``trajstore_ingest_commits_total``);
@@ -58,9 +60,11 @@ the drain that lets the materializer and its GC finish):
 
 Projection, linear: ``projected(X) = X / calls x P`` for ``P = --project``
 calls/s (default 3,300): cores = CPU seconds per call x P, requests/s =
-requests per call x P. Calls per object and per batch grow with the rate
-(a linger collects more calls), so projected requests and round trips are
-upper bounds; CPU per call is taken as constant.
+requests per call x P. "trajstore cores" adds the clients', the service's
+and the materializer's; PostgreSQL's are apart, moto's are the stand-in
+S3's (not a cost of a deployment on S3). Calls per object and per batch grow
+with the rate (a linger collects more calls), so projected requests and
+round trips are upper bounds; CPU per call is taken as constant.
 """
 
 from __future__ import annotations
@@ -385,9 +389,14 @@ def index_counts(url: str) -> dict:
                                          "WHERE type = 'generation'")).one()
             total = conn.execute(text("SELECT count(*) FROM events")).scalar()
             samples = conn.execute(text("SELECT count(*) FROM samples")).scalar()
+            folded = conn.execute(text(
+                "SELECT count(*) FROM events WHERE type = 'generation' AND trajectory_id IN "
+                "(SELECT trajectory_id FROM events WHERE type = 'trajectory_finished' AND position <= "
+                "(SELECT coalesce(min(position), -1) FROM materializer_checkpoints))")).scalar()
     finally:
         engine.dispose()
-    return {"generation_events": int(gen), "events": int(total), "samples": int(samples)}
+    return {"generation_events": int(gen), "events": int(total), "samples": int(samples),
+            "generation_events_folded": int(folded)}
 
 
 def postmaster_pid(cluster) -> int:
@@ -551,8 +560,10 @@ def run(args: argparse.Namespace) -> dict:
         d = {k: trips1[k] - trips0.get(k, 0) for k in trips1}
         result["pg_service"] = d
         result["round_trips_per_batch"] = d["round_trips"] / max(1, result["batches"])
+    # the materializer's CPU per call it folded (it may not have folded every call when the drain ends)
+    folded = max(1, index["generation_events_folded"] - result["warmup_calls"])
     per_call = {"client_cpu_ms": result["client_cpu_s"] / n * 1e3,
-                **{f"{k}_cpu_ms": v / n * 1e3 for k, v in cpu.items()},
+                **{f"{k}_cpu_ms": v / (folded if k == "materializer" else n) * 1e3 for k, v in cpu.items()},
                 **{f"s3_{k}": v / n for k, v in result["s3_requests"].items()},
                 "objects_made": result["objects_made_total"] / n, "objects_deleted": result["objects_deleted"] / n,
                 "batches": result["batches"] / n}
@@ -561,7 +572,7 @@ def run(args: argparse.Namespace) -> dict:
     result["per_call"] = per_call
     P = args.project
     proj = {"calls_per_s": P,
-            "formula": f"projected(X) = X measured / calls acknowledged x {P:g} calls/s "
+            "formula": f"projected(X) = X measured / calls (acknowledged; the materializer's: folded) x {P:g} calls/s "
                        "(cores = CPU s per call x rate; requests/s = requests per call x rate)"}
     for k, v in per_call.items():
         if k.endswith("_cpu_ms"):
@@ -599,7 +610,8 @@ def summary(r: dict) -> str:
         f"calls: offered {r['calls_offered']}, acknowledged {r['calls_acknowledged']} "
         f"({r['achieved_calls_per_s']:.1f}/s), failed {r['calls_failed']}, not sent in time {r['calls_missed']}; "
         f"drained {r['drained']}; index: {r['index']['generation_events']} "
-        f"generation events ({r['warmup_calls']} warm-up), {r['index']['samples']} samples; "
+        f"generation events ({r['warmup_calls']} warm-up), {r['index']['generation_events_folded']} of them folded, "
+        f"{r['index']['samples']} samples; "
         f"ack p50 {r['ack_ms']['p50'] or 0:.0f} ms, p99 {r['ack_ms']['p99'] or 0:.0f} ms; "
         f"{r['body_bytes'] / max(1, r['calls_acknowledged']) / 1e3:.0f} KB body/call, "
         f"{r['tokens_acknowledged'] / max(1, r['calls_acknowledged']):.0f} new tokens/call",
@@ -645,7 +657,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-batch-mb", type=float, default=32.0)
     p.add_argument("--no-trace", action="store_true", help="run the service untraced (no round-trip counts)")
     p.add_argument("--sample-s", type=float, default=5.0, help="bytes at rest sampled this often")
-    p.add_argument("--drain-s", type=float, default=30.0, help="after the load, wait this long at most for the "
+    p.add_argument("--drain-s", type=float, default=45.0, help="after the load, wait this long at most for the "
                                                                  "materializer and its GC to settle")
     p.add_argument("--project", type=float, default=3300.0, help="calls/s to project the per-call costs to")
     p.add_argument("--json", default=None, help="write the full report here")

@@ -15,34 +15,29 @@ reruns it as the old default (one hour before any delete).
 S3: ``moto_server`` on loopback; ``--objects`` retired log segments (small
 objects, their ``segments`` rows retired); deleted by ``Store.collect_garbage``
 (the full sweep: listing, then HEAD + DELETE per object, 32 in flight) and by
-``trajstore._gc.collect_retired``; requests counted from the server's log.
+``trajstore._gc.collect_retired``; requests counted from the server's log by S3 operation
+(bench/_moto.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import re
-import socket
-import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections import Counter
-from pathlib import Path
 
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import pyarrow.fs as pafs  # noqa: E402
-
 import trajstore  # noqa: E402
 from trajstore._gc import collect_retired  # noqa: E402
 from trajstore.materializer import Materializer  # noqa: E402
 from trajstore.schema import segments  # noqa: E402
+from _moto import MotoS3, s3_requests  # noqa: E402  (bench/ is on sys.path when run as a script)
 
 
 def _trajectory(tid: str, rng: np.random.Generator) -> tuple[list[dict], list[dict], int]:
@@ -120,45 +115,12 @@ def steady(seconds: float, rate: float, grace: float | None) -> None:
         store.close()
 
 
-def _requests(log_path: Path, start: int) -> Counter:
-    with open(log_path) as f:
-        f.seek(start)
-        lines = re.findall(r'"([A-Z]+) (/\S*) HTTP', re.sub(r"\x1b\[[0-9;]*m", "", f.read()))
-    c: Counter = Counter()
-    for method, path in lines:
-        if method == "POST" and "?delete" in path:
-            c["DeleteObjects"] += 1
-        elif method == "DELETE":
-            c["DeleteObject"] += 1
-        elif method == "HEAD":
-            c["HEAD"] += 1
-        elif method == "GET" and ("list-type" in path or path.rstrip("/").count("/") <= 1):
-            c["LIST"] += 1
-        else:
-            c[method] += 1
-    return c
-
-
 def s3(objects: int) -> None:
-    port = socket.socket()
-    port.bind(("127.0.0.1", 0))
-    port_n = port.getsockname()[1]
-    port.close()
-    exe = str(Path(sys.executable).parent / "moto_server")
     with tempfile.TemporaryDirectory() as d:
-        log_path = Path(d) / "moto.log"
-        log = open(log_path, "w")
-        proc = subprocess.Popen([exe, "-H", "127.0.0.1", "-p", str(port_n)], stdout=log, stderr=subprocess.STDOUT)
-        os.environ.update(AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1")
+        moto = MotoS3(d)  # bucket "bench"
+        log_path = moto.log_path
         try:
-            for _ in range(600):
-                try:
-                    socket.create_connection(("127.0.0.1", port_n), timeout=1).close()
-                    break
-                except OSError:
-                    time.sleep(0.1)
-            endpoint = f"127.0.0.1:{port_n}"
-            pafs.S3FileSystem(endpoint_override=endpoint, scheme="http", allow_bucket_creation=True).create_dir("bench")
+            endpoint = moto.endpoint
             print(f"GC on S3 (moto_server, loopback): {objects} retired log segments of 1 KB")
             print(f"{'path':<58} {'s':>6} {'objects/s':>9}  requests")
             for name in ("before", "after"):
@@ -173,7 +135,7 @@ def s3(objects: int) -> None:
                     conn.execute(segments.insert(), [dict(name=n, kind="events", num_rows=0, num_bytes=1024,
                                                           created_at=0.0, retired_at=1.0) for n in names])
                 time.sleep(1)
-                start = log_path.stat().st_size
+                start = moto.log_offset()
                 t0 = time.perf_counter()
                 if name == "before":
                     removed = store.collect_garbage(grace_s=0)
@@ -183,15 +145,13 @@ def s3(objects: int) -> None:
                     what = "after: retired list, DeleteObjects per 1,000 keys"
                 took = time.perf_counter() - t0
                 time.sleep(0.5)
-                reqs = _requests(log_path, start)
+                reqs = s3_requests(log_path, start)[0]
                 store.close()
                 assert len(removed) >= objects, (name, len(removed))
                 print(f"{what:<58} {took:6.2f} {objects / took:9.0f}  "
                       + ", ".join(f"{k} {v}" for k, v in sorted(reqs.items())))
         finally:
-            proc.terminate()
-            proc.wait(30)
-            log.close()
+            moto.close()
 
 
 def main() -> None:

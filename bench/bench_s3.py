@@ -13,27 +13,17 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
-import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import pyarrow.fs as pafs  # noqa: E402
-
 import trajstore  # noqa: E402
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from _moto import MotoS3  # noqa: E402  (bench/ is on sys.path when run as a script)
 
 
 def _calls(n: int, rng: np.random.Generator) -> list[list[dict]]:
@@ -69,21 +59,11 @@ def main() -> None:
     p.add_argument("--appends", type=int, default=200)
     p.add_argument("--files", type=int, default=400)
     args = p.parse_args()
-    port = _free_port()
-    exe = str(Path(sys.executable).parent / "moto_server")
-    proc = subprocess.Popen([exe, "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    os.environ.update(AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1")
+    log_dir = tempfile.TemporaryDirectory()
+    moto = MotoS3(log_dir.name)  # bucket "bench"
     try:
-        for _ in range(600):
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                time.sleep(0.1)
-        endpoint = f"127.0.0.1:{port}"
-        pafs.S3FileSystem(endpoint_override=endpoint, scheme="http", allow_bucket_creation=True).create_dir("bench")
-        s3 = f"s3://bench/run?endpoint_override={endpoint}&scheme=http"
+        endpoint = moto.endpoint
+        s3 = moto.uri("run")
         rng = np.random.default_rng(0)
         calls = _calls(args.appends, rng)
         with tempfile.TemporaryDirectory() as d:
@@ -113,8 +93,8 @@ def main() -> None:
                 print(f"gc on S3, {threads:>2} request(s) in flight: {len(removed)} files in {gc_s:.2f} s = "
                       f"{len(removed) / gc_s:.0f} files/s")
     finally:
-        proc.terminate()
-        proc.wait(30)
+        moto.close()
+        log_dir.cleanup()
 
 
 if __name__ == "__main__":

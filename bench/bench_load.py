@@ -21,8 +21,11 @@ What runs (each a process of its own, on loopback):
   (``trajstore._gc.GcWorker``) deletes the retired log segments;
 * N client processes (the "proxies"), each offering M engine calls per
   second: call i is due at start + i/M, taken by the first of
-  ``--concurrency`` threads free (a proxy serves many engine calls at once;
-  a call waits for its ack before its trajectory's next call). A call is
+  ``--concurrency`` threads free (a proxy serves many engine calls at once).
+  A thread runs one trajectory at a time (a call waits for its ack before
+  the trajectory's next call), so ``--concurrency`` trajectories per client
+  are in flight; at the run's end each unfinished one gets its
+  ``trajectory_finished`` (a request without a call: "cut short"). A call is
   one ``POST /v1/events`` of a generation event (``HttpSink``, Arrow IPC
   body by default), the trajectory's first also carrying
   ``trajectory_started``, its last ``reward`` and ``trajectory_finished``.
@@ -159,12 +162,23 @@ class Service:
                 time.sleep(0.05)
         raise RuntimeError("ingest service did not start")
 
-    def commits(self) -> int:
+    def metrics(self) -> dict[str, int]:
+        """The service's counters (its ``/metrics``): store transactions, the requests they
+        held, acknowledged requests, events stored."""
         import urllib.request
 
         text = urllib.request.urlopen(f"{self.url}/metrics", timeout=30).read().decode()
-        return sum(int(float(line.split()[-1])) for line in text.splitlines()
-                   if line.startswith("trajstore_ingest_commits_total "))
+        names = {"trajstore_ingest_commits_total": "commits",
+                 "trajstore_ingest_committed_requests_total": "committed_requests",
+                 'trajstore_ingest_requests_total{status="200"}': "requests_200",
+                 "trajstore_ingest_events_total": "events",
+                 "trajstore_ingest_duplicate_events_total": "duplicate_events"}
+        out = dict.fromkeys(names.values(), 0)
+        for line in text.splitlines():
+            key, _, value = line.rpartition(" ")
+            if key in names:
+                out[names[key]] += int(float(value))
+        return out
 
     def round_trips(self) -> dict | None:
         if not self.traced:
@@ -467,7 +481,7 @@ def run(args: argparse.Namespace) -> dict:
             initial, _ = bucket_state(s3, moto.bucket, "run")  # marker, warm-up objects
             list_pages = 0
             log0 = moto.log_offset()
-            commits0, trips0 = service.commits(), service.round_trips()
+            metrics0, trips0 = service.metrics(), service.round_trips()
             t0 = time.time()
             samples: list[dict] = []
 
@@ -504,7 +518,7 @@ def run(args: argparse.Namespace) -> dict:
                     raise RuntimeError(f"a client failed (exit {c.returncode})")
                 outs.append(json.loads(out[-1]))
             load_end = time.time()
-            commits1, trips1 = service.commits(), service.round_trips()
+            metrics1, trips1 = service.metrics(), service.round_trips()
             # drain: the materializer folds what is left and its GC deletes the retired segments
             drain_end = time.time() + args.drain_s
             last = None
@@ -546,7 +560,8 @@ def run(args: argparse.Namespace) -> dict:
                 "p99": float(np.percentile(lat, 99)) if len(lat) else None},
         client_cpu_s=sum(o["cpu_s"] for o in outs), server_cpu_s=cpu,
         index=index, warmup_calls=1,
-        batches=commits1 - commits0,
+        service_metrics={k: metrics1[k] - metrics0[k] for k in metrics1},
+        batches=metrics1["commits"] - metrics0["commits"],
         s3_requests=dict(sorted((k, v) for k, v in ops.items() if v)),
         objects_made=dict(made), objects_left=final.get("objects", 0),
         bytes_at_rest=samples,
@@ -555,6 +570,7 @@ def run(args: argparse.Namespace) -> dict:
     result["objects_at_start"] = initial.get("objects", 0)
     result["objects_deleted"] = result["objects_at_start"] + result["objects_made_total"] - final.get("objects", 0)
     result["calls_per_batch"] = calls / max(1, result["batches"])
+    result["requests_per_batch"] = result["service_metrics"]["committed_requests"] / max(1, result["batches"])
     result["calls_per_log_object"] = calls / max(1, made.get("events", 0) + made.get("events+multipart", 0))
     if trips0 is not None:
         d = {k: trips1[k] - trips0.get(k, 0) for k in trips1}
@@ -615,7 +631,8 @@ def summary(r: dict) -> str:
         f"ack p50 {r['ack_ms']['p50'] or 0:.0f} ms, p99 {r['ack_ms']['p99'] or 0:.0f} ms; "
         f"{r['body_bytes'] / max(1, r['calls_acknowledged']) / 1e3:.0f} KB body/call, "
         f"{r['tokens_acknowledged'] / max(1, r['calls_acknowledged']):.0f} new tokens/call",
-        f"batches {r['batches']} ({r['calls_per_batch']:.1f} calls each); log objects "
+        f"batches {r['batches']} ({r['calls_per_batch']:.1f} calls, {r['requests_per_batch']:.1f} requests each; "
+        f"{r['trajectories_cut_short']} trajectories cut short); log objects "
         f"{r['objects_made'].get('events', 0) + r['objects_made'].get('events+multipart', 0)} "
         f"({r['calls_per_log_object']:.1f} calls each); objects made {r['objects_made_total']} "
         f"{r['objects_made']}, deleted {r['objects_deleted']}, left {r['objects_left']} "

@@ -22,6 +22,11 @@ reach the server even when the client lost the connection before the writes
 ended (a backend waiting for a lock), and the client could no longer tell a
 certain failure from an uncertain commit.
 
+A pooled connection found lost by a read on a driver cursor (``reading_cursor``,
+the append's reads) costs that read one more try on a new connection: a read
+stores nothing. A write transaction is never re-sent: lost before COMMIT it
+is a certain failure (``StoreUnavailable``), and the caller retries.
+
 A connection lost *during* COMMIT is different: the commit may have landed.
 Then the transaction's ``landed`` check runs on a fresh connection (retrying
 with ``trajstore._backoff.Backoff`` while the server recovers); if the

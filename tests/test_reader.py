@@ -932,35 +932,39 @@ def _soak_writer(url: str, payload: str, out_dir: str, writer: int) -> None:
     from trajstore.errors import StoreUnavailable
 
     stop = os.path.join(out_dir, "stop")
-    store = trajstore.connect(url, payload=payload, migrate=False)
-    with open(os.path.join(out_dir, f"acked-{writer}.txt"), "a") as ack:
-        k = 0
-        while not os.path.exists(stop):
-            index = writer * 100_000 + k
-            while True:
-                try:
-                    store.append(trajectory_events(ONE_SAMPLE_CFG, index))
-                    break
-                except StoreUnavailable:
-                    time.sleep(0.05)
-            ack.write(f"{index}\n")
-            ack.flush()
-            os.fsync(ack.fileno())
-            k += 1
-            time.sleep(0.02)
-    store.close()
+    try:
+        store = trajstore.connect(url, payload=payload, migrate=False)
+        with open(os.path.join(out_dir, f"acked-{writer}.txt"), "a") as ack:
+            k = 0
+            while not os.path.exists(stop):
+                index = writer * 100_000 + k
+                while True:
+                    try:
+                        store.append(trajectory_events(ONE_SAMPLE_CFG, index))
+                        break
+                    except StoreUnavailable:
+                        time.sleep(0.05)
+                ack.write(f"{index}\n")
+                ack.flush()
+                os.fsync(ack.fileno())
+                k += 1
+                time.sleep(0.02)
+        store.close()
+    finally:  # no append of this writer is in flight any more: the materializer may stop
+        open(os.path.join(out_dir, f"done-{writer}"), "w").close()
 
 
 def _soak_materializer(url: str, payload: str, out_dir: str) -> None:
     """The materializer worker: folds what is pending, again and again, riding out outages,
-    until ``out_dir/stop`` exists and nothing is pending."""
+    until ``out_dir/stop`` exists, both writers are done (an append they started before the
+    stop may still be in flight until then) and nothing is pending."""
     from trajstore.errors import StoreUnavailable
 
     stop = os.path.join(out_dir, "stop")
     store = trajstore.connect(url, payload=payload, migrate=False)
     m = Materializer(store, max_trajectories=16)
     while True:
-        stopping = os.path.exists(stop)
+        stopping = os.path.exists(stop) and all(os.path.exists(os.path.join(out_dir, f"done-{w}")) for w in range(2))
         try:
             stats = m.run()
         except StoreUnavailable:

@@ -192,9 +192,6 @@ def _check_out(dbapi_connection: Any, record: Any, proxy: Any) -> None:
         raise DisconnectionError(f"pooled connection failed its ping: {first_line(e)}") from None
 
 
-_ping_if_idle = _check_out  # the name of the checkout check before it polled the socket too
-
-
 _log = logging.getLogger("trajstore.log")
 
 

@@ -22,6 +22,11 @@ reach the server even when the client lost the connection before the writes
 ended (a backend waiting for a lock), and the client could no longer tell a
 certain failure from an uncertain commit.
 
+A pooled connection found lost by a read on a driver cursor (``reading_cursor``,
+the append's reads) costs that read one more try on a new connection: a read
+stores nothing. A write transaction is never re-sent: lost before COMMIT it
+is a certain failure (``StoreUnavailable``), and the caller retries.
+
 A connection lost *during* COMMIT is different: the commit may have landed.
 Then the transaction's ``landed`` check runs on a fresh connection (retrying
 with ``trajstore._backoff.Backoff`` while the server recovers); if the
@@ -58,6 +63,14 @@ def _quietly(fn: Callable[[], Any]) -> None:
         pass
 
 
+class _LostPooledConnection(Exception):
+    """A read's pooled connection was lost after its checkout (``Database.reading_cursor``)."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
 class Later:
     """What a pipelined transaction's body returns when its result needs the answers of the
     statements it sent (``value()`` is called once the pipeline synced, before COMMIT)."""
@@ -76,16 +89,21 @@ class Database:
         self.dialect: SqlDialect = sql_dialect(write_engine)
 
     @contextmanager
-    def _connected(self, what: str, engine: Engine, raw: bool) -> Iterator[Any]:
+    def _connected(self, what: str, engine: Engine, raw: bool, retry_lost: bool = False) -> Iterator[Any]:
         """A connection of ``engine`` (``raw``: a pooled driver connection), closed
         afterwards (the pool's reset rolls back what was left open); every error
-        raised meanwhile leaves translated."""
+        raised meanwhile leaves translated. With ``retry_lost`` a driver connection
+        lost after its checkout (invalidated: the pool drops it) raises
+        ``_LostPooledConnection`` instead, for the caller to try once more."""
         conn = None
         try:
             conn = engine.raw_connection() if raw else engine.connect()
             yield conn
         except Exception as e:
-            raise translate(wrapped(e, conn if raw else None, engine, what) if raw else e, what) from None
+            error = wrapped(e, conn if raw else None, engine, what) if raw else e
+            if retry_lost and conn is not None and getattr(error, "connection_invalidated", False):
+                raise _LostPooledConnection(error) from None
+            raise translate(error, what) from None
         finally:
             if conn is not None:
                 _quietly(conn.close)
@@ -98,9 +116,21 @@ class Database:
 
     def reading_cursor(self, what: str, body: Callable[[Any, SqlDialect], T]) -> T:
         """``body(cursor, dialect)`` in one read transaction on a pooled driver
-        connection of the read engine (the append's reads)."""
+        connection of the read engine (the append's reads).
+
+        A read whose pooled connection turns out lost (the server restarted and
+        the checkout's checks could not see it: ``postgres._check_out``) is run
+        once more on a new connection: a read stores nothing, so it is never
+        uncertain. A connect that fails, or a second loss, is raised as usual."""
+        try:
+            return self._read_on_cursor(what, body)
+        except _LostPooledConnection as lost:
+            log.info("%s: a pooled connection was lost (%s); reading on a new one", what, first_line(lost.error))
+        return self._read_on_cursor(what, body, retry=False)
+
+    def _read_on_cursor(self, what: str, body: Callable[[Any, SqlDialect], T], retry: bool = True) -> T:
         d = self.dialect
-        with self._connected(what, self.read_engine, raw=True) as raw:
+        with self._connected(what, self.read_engine, raw=True, retry_lost=retry) as raw:
             if d.autocommit_reads:
                 raw.dbapi_connection.autocommit = True  # no BEGIN, no ROLLBACK: the read's one round trip
             cur = raw.cursor()

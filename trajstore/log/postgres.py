@@ -17,13 +17,23 @@ PostgreSQL names them, have defaults here:
 A connect that times out surfaces as ``StoreUnavailable`` (one line); so does
 a statement cancelled by the timeout.
 
-A pooled connection is pinged (``SELECT 1``) at checkout only when it sat
-in the pool for ``PING_IDLE_S`` or more (``_ping_if_idle``), not on every
-checkout: under load an append reuses a connection within milliseconds, and
-a ping there would be a round trip of its three. A connection that broke
-while busy (a server restart under load) fails its next use once; that
-error is a lost connection (``StoreUnavailable``, nothing stored, retried by
-every writer) and the connection is dropped from the pool.
+A pooled connection is checked at every checkout without a round trip
+(``_check_out``): its socket is polled, and a connection whose server spoke
+while it sat in the pool is pinged (``SELECT 1``) and replaced when the ping
+fails. An idle connection has nothing to read; a server that stopped (a
+restart, fast or immediate, a crash, a terminated backend) sent its
+"terminating connection" notice and closed the socket, and both reach the
+client before the server can accept connections again. So a caller's first
+command after a restart gets a working connection however soon after its
+last one the server went down, with every pooled connection broken alike.
+A connection that sat in the pool ``PING_IDLE_S`` or more is pinged as well
+(a peer gone without closing the socket: a network fault, a host reset).
+Under load an append reuses a connection within milliseconds, and a ping
+there would be a round trip of its three: the poll costs a system call.
+What the checks cannot see (the connection breaks after checkout, or a dead
+peer never closed the socket) fails that command once: a lost connection
+(``StoreUnavailable``; the append's read is retried on a new connection,
+``_transaction.Database.reading_cursor``) and the connection is dropped.
 
 Returning a connection to the pool rolls it back (``_reset``); when that fails
 because the connection broke meanwhile (a server restart, a terminated
@@ -85,6 +95,7 @@ import contextlib
 import logging
 import os
 import re
+import select as io_select
 import time
 from typing import Any, Callable, Collection, Iterator, Mapping, Sequence
 
@@ -94,7 +105,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.pool import NullPool, PoolResetState
 
 from trajstore._backoff import Backoff
-from trajstore.errors import IndexInvariantError, TrajstoreError, ValidationError
+from trajstore.errors import IndexInvariantError, TrajstoreError, ValidationError, first_line
 from trajstore.log._backend import Backend, ReadQuery
 from trajstore.log._dialect import CHUNK, SERVER_MARK, chunks, execute
 from trajstore.log._errors import driver_errors
@@ -125,12 +136,12 @@ def make_engines(url: str) -> tuple[Engine, Engine]:
         psycopg_log.addFilter(_DropSecondReport())
     url, connect_args = engine_options(url)
     # reset_on_return=None: the "reset" listener below is the pool's reset (a rollback);
-    # no pool_pre_ping: _ping_if_idle pings only connections that sat idle
+    # no pool_pre_ping: _check_out pings only connections that sat idle or whose server spoke
     engine = create_engine(url, pool_size=4, max_overflow=8, connect_args=connect_args,
                            pool_reset_on_return=None)
     event.listen(engine, "reset", _reset)
     event.listen(engine, "checkin", _checked_in)
-    event.listen(engine, "checkout", _ping_if_idle)
+    event.listen(engine, "checkout", _check_out)
     return engine, engine
 
 
@@ -144,11 +155,31 @@ def _checked_in(dbapi_connection: Any, record: Any) -> None:
         record.info[_IDLE_SINCE] = time.monotonic()
 
 
-def _ping_if_idle(dbapi_connection: Any, record: Any, proxy: Any) -> None:
-    """At checkout: a connection idle ``PING_IDLE_S`` or more answers ``SELECT 1`` or is replaced
-    (``DisconnectionError`` makes the pool open a new one)."""
+def _server_spoke(dbapi_connection: Any) -> bool:
+    """Is there anything to read on an idle connection's socket (a notice, the end of the
+    stream)? Nothing is read: one ``poll`` with no wait. A connection closed or broken on
+    the client's side counts as one whose server spoke."""
+    if dbapi_connection.closed or dbapi_connection.broken:
+        return True
+    try:
+        fd = dbapi_connection.fileno()
+        if hasattr(io_select, "poll"):
+            poller = io_select.poll()
+            poller.register(fd, io_select.POLLIN | io_select.POLLPRI)
+            return bool(poller.poll(0))
+        return bool(io_select.select([fd], [], [fd], 0)[0])  # (no poll: Windows)
+    except Exception:  # noqa: BLE001 - no socket to poll: the connection is unusable
+        return True
+
+
+def _check_out(dbapi_connection: Any, record: Any, proxy: Any) -> None:
+    """At checkout: a connection whose server spoke while it sat in the pool, or idle
+    ``PING_IDLE_S`` or more, answers ``SELECT 1`` or is replaced (``DisconnectionError``
+    makes the pool open a new one); any other is handed out without a round trip."""
     since = record.info.get(_IDLE_SINCE)
-    if since is None or time.monotonic() - since < PING_IDLE_S:
+    if since is None:
+        return  # just opened
+    if time.monotonic() - since < PING_IDLE_S and not _server_spoke(dbapi_connection):
         return
     try:
         autocommit = dbapi_connection.autocommit
@@ -158,7 +189,7 @@ def _ping_if_idle(dbapi_connection: Any, record: Any, proxy: Any) -> None:
         finally:
             dbapi_connection.autocommit = autocommit
     except Exception as e:  # noqa: BLE001 - any failure: the connection is unusable
-        raise DisconnectionError(f"pooled connection failed its ping: {e}") from None
+        raise DisconnectionError(f"pooled connection failed its ping: {first_line(e)}") from None
 
 
 _log = logging.getLogger("trajstore.log")

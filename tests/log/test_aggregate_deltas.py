@@ -9,13 +9,15 @@ import threading
 import time
 
 import pytest
-from sqlalchemy import text
+from alembic import command
+from sqlalchemy import create_engine, text
 
 import trajstore
 import trajstore.log._events as logsql
 from tests.helpers import finished, gen, started
 from tests.log.procs import aggregate_writer
 from trajstore._aggregates import totals_sql
+from trajstore._migrate import alembic_config
 from trajstore.inspect._rebuild import rebuild_aggregates
 from trajstore.log._aggregates import compact_event_aggregates
 from trajstore.materializer import Materializer
@@ -143,3 +145,35 @@ def test_an_append_does_not_wait_for_another_counting_the_same_key(fresh_pg_url,
     assert totals(b_store)["agg_output_lengths"] == {(1, 3): (4,)}
     for s in (a_store, b_store):
         s.close()
+
+
+def test_the_migration_keeps_every_sum_both_ways(store_url, tmp_path):
+    """Down to 0017 (one row per key, the key the primary key again) and back: the deltas
+    are folded into the totals, every sum kept."""
+    store = trajstore.connect(store_url, payload=str(tmp_path / "payload"))
+    call = lambda tid, n: [started(tid), gen(tid, 0, [1, 2], [3] * n, version=1), finished(tid)]  # noqa: E731
+    store.append(call("a", 3))
+    store.materialize()
+    store.append(call("b", 3))  # a delta of the key with a total row
+    store.append(call("c", 4))  # a delta of a key without one
+    before = totals(store)
+    assert before["agg_output_lengths"] == {(1, 3): (2,), (1, 4): (1,)}
+    engine = create_engine(store_url)
+    try:
+        for target, down in (("0017", True), ("head", False)):
+            with engine.begin() as conn:
+                cfg = alembic_config()
+                cfg.attributes["connection"] = conn
+                (command.downgrade if down else command.upgrade)(cfg, target)
+            if down:
+                with engine.connect() as conn:
+                    got = conn.execute(text("SELECT model_version, output_len, calls FROM agg_output_lengths "
+                                            "ORDER BY 1, 2")).all()
+                assert [tuple(r) for r in got] == [(1, 3, 2), (1, 4, 1)]
+    finally:
+        engine.dispose()
+    assert totals(store) == before
+    assert rows(store, "agg_output_lengths", delta=True) == 0
+    store.append(call("d", 4))  # appends count again, as deltas
+    assert totals(store)["agg_output_lengths"] == {(1, 3): (2,), (1, 4): (2,)}
+    store.close()

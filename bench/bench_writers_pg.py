@@ -1,7 +1,8 @@
 """Concurrent writers on PostgreSQL across a network: do appends queue on each other?
 
     python bench/bench_writers_pg.py [--writers 1,2,4,8,16] [--seconds 8] [--delay-ms 1]
-                                     [--positions sequence,counter-row]
+                                     [--positions sequence,counter-row] [--aggregates on]
+                                     [--repeat 1]
 
 Starts a throwaway PostgreSQL (tests/pg_cluster.py) and a small TCP relay in
 front of it that delays every chunk by ``--delay-ms`` in each direction (what a
@@ -11,13 +12,22 @@ engine call as the recording proxy appends it alone (one ``generation`` event
 of 256 prompt + 64 output tokens with 4x2 routes; every trajectory starts and
 finishes in its own appends). Reported per run: aggregate events/s, the
 speedup over one writer, the share of ~10 ms samples of ``pg_stat_activity``
-in which any backend of the database waited on a lock, and the writers'
+in which any backend of the database waited on a lock (and, "on agg", one whose
+statement writes an aggregate table), and the writers'
 client CPU (user + system) per append.
 
 ``counter-row`` replays the old position scheme (every append takes its
 positions from the ``log_head`` row, its lock held to COMMIT) for the before
 figures; ``sequence`` is what the store does now (trajstore.log.postgres,
 "Positions").
+
+``--aggregates on,off`` runs each case with the append's run aggregates
+(``agg_output_lengths``, ``agg_route_drift``) written as the store writes them
+and with that write skipped (a switch of this script only: ``off`` is not a
+store setting), interleaved, for the cost of counting them in the append's
+transaction. Every call here has the same model version and output length: one
+key, what a run whose calls stop at ``max_tokens`` looks like. ``--repeat N``
+runs every case N times (interleaved) and reports the medians.
 """
 
 from __future__ import annotations
@@ -118,7 +128,12 @@ def _events(w: int, i: int, payload: tuple[list[int], list[int], np.ndarray]) ->
             [{"type": "trajectory_finished", "trajectory_id": tid, "status": "completed"}]]
 
 
-def writer(url: str, w: int, positions: str, ready: "mp.Barrier", seconds: float, out: "mp.Queue") -> None:
+def writer(url: str, w: int, positions: str, aggregates: str, ready: "mp.Barrier", seconds: float,
+           out: "mp.Queue") -> None:
+    if aggregates == "off":  # the append without its run aggregates (this script's switch only)
+        import trajstore.log._events as events_module
+
+        events_module.write_event_aggregates = lambda *a, **k: None
     if positions == "counter-row":
         PostgreSQL.take_positions = COUNTER_ROW  # the old statement, returning one row per position
     store = trajstore.connect(url, migrate=False)
@@ -144,20 +159,23 @@ def writer(url: str, w: int, positions: str, ready: "mp.Barrier", seconds: float
 def sample_locks(admin_url: str, db: str, stop: threading.Event, result: dict) -> None:
     import psycopg
 
-    samples = waiting = backends_waiting = 0
+    samples = waiting = backends_waiting = on_aggregates = 0
     with psycopg.connect(admin_url, autocommit=True) as conn:
         while not stop.is_set():
-            (n,) = conn.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = %s "
-                                "AND wait_event_type = 'Lock'", (db,)).fetchone()
+            n, agg = conn.execute("SELECT count(*), count(*) FILTER (WHERE position('agg_' in query) > 0) "
+                                  "FROM pg_stat_activity WHERE datname = %s AND wait_event_type = 'Lock'",
+                                  (db,)).fetchone()
             samples += 1
             waiting += n > 0
             backends_waiting += n
+            on_aggregates += agg > 0
             time.sleep(0.01)
     result.update(samples=samples, lock_wait_share=waiting / max(1, samples),
-                  mean_backends_waiting=backends_waiting / max(1, samples))
+                  mean_backends_waiting=backends_waiting / max(1, samples),
+                  agg_lock_wait_share=on_aggregates / max(1, samples))
 
 
-def run_one(cluster, relay_port: int, positions: str, writers: int, seconds: float) -> dict:
+def run_one(cluster, relay_port: int, positions: str, writers: int, seconds: float, aggregates: str = "on") -> dict:
     from sqlalchemy.engine import make_url
 
     direct = make_url(cluster.create_database())
@@ -167,7 +185,7 @@ def run_one(cluster, relay_port: int, positions: str, writers: int, seconds: flo
     ctx = mp.get_context("fork")
     out = ctx.Queue()
     ready = ctx.Barrier(writers + 1)
-    procs = [ctx.Process(target=writer, args=(url, w, positions, ready, seconds, out)) for w in range(writers)]
+    procs = [ctx.Process(target=writer, args=(url, w, positions, aggregates, ready, seconds, out)) for w in range(writers)]
     for p in procs:
         p.start()
     stop, locks = threading.Event(), {}
@@ -183,9 +201,10 @@ def run_one(cluster, relay_port: int, positions: str, writers: int, seconds: flo
     seconds = max(r["elapsed_s"] for r in results)
     events = sum(r["events"] for r in results)
     appends = sum(r["appends"] for r in results)
-    return {"positions": positions, "writers": writers, "events_per_s": events / seconds,
+    return {"positions": positions, "aggregates": aggregates, "writers": writers, "events_per_s": events / seconds,
             "appends_per_s": appends / seconds, "lock_wait_share": locks["lock_wait_share"],
             "mean_backends_waiting": locks["mean_backends_waiting"],
+            "agg_lock_wait_share": locks["agg_lock_wait_share"],
             "client_cpu_ms_per_append": 1000 * sum(r["cpu_s"] for r in results) / max(1, appends)}
 
 
@@ -195,27 +214,39 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=8.0)
     p.add_argument("--delay-ms", type=float, default=1.0)
     p.add_argument("--positions", default="sequence,counter-row")
+    p.add_argument("--aggregates", default="on", help="on, off or on,off (side by side)")
+    p.add_argument("--repeat", type=int, default=1, help="runs of every case (interleaved); medians reported")
     args = p.parse_args()
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     from pg_cluster import PgCluster
 
+    keys = ("events_per_s", "appends_per_s", "lock_wait_share", "mean_backends_waiting", "agg_lock_wait_share",
+            "client_cpu_ms_per_append")
+    cases = [(pos, agg, int(n)) for pos in args.positions.split(",") for n in args.writers.split(",")
+             for agg in args.aggregates.split(",")]
+    runs: dict[tuple, list[dict]] = {c: [] for c in cases}
     with PgCluster() as cluster:
         relay = start_relay(cluster.port, args.delay_ms / 1000)
-        rows = []
-        for positions in args.positions.split(","):
-            base = None
-            for n in [int(x) for x in args.writers.split(",")]:
-                r = run_one(cluster, relay, positions, n, args.seconds)
-                base = base or r["events_per_s"]
-                r["speedup"] = r["events_per_s"] / base
-                rows.append(r)
+        for _ in range(args.repeat):
+            for pos, agg, n in cases:
+                r = run_one(cluster, relay, pos, n, args.seconds, agg)
+                runs[(pos, agg, n)].append(r)
                 print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()}), flush=True)
-    print(f"{'positions':<12} {'writers':>7} {'events/s':>9} {'speedup':>7} {'lock-wait':>9} "
-          f"{'waiting':>7} {'cpu ms/append':>13}")
+    rows = []
+    for pos, agg, n in cases:
+        got = runs[(pos, agg, n)]
+        rows.append(dict(got[0], **{k: float(np.median([g[k] for g in got])) for k in keys}))
     for r in rows:
-        print(f"{r['positions']:<12} {r['writers']:>7} {r['events_per_s']:>9.0f} {r['speedup']:>7.2f} "
-              f"{100 * r['lock_wait_share']:>8.0f}% {r['mean_backends_waiting']:>7.2f} "
-              f"{r['client_cpu_ms_per_append']:>13.2f}")
+        base = next(b for b in rows if (b["positions"], b["aggregates"]) == (r["positions"], r["aggregates"]))
+        r["speedup"] = r["events_per_s"] / base["events_per_s"]
+    print(f"medians of {args.repeat} run(s) of {args.seconds:g} s each")
+    print(f"{'positions':<12} {'aggregates':>10} {'writers':>7} {'events/s':>9} {'appends/s':>9} {'speedup':>7} "
+          f"{'lock-wait':>9} {'on agg':>6} {'waiting':>7} {'cpu ms/append':>13}")
+    for r in rows:
+        print(f"{r['positions']:<12} {r['aggregates']:>10} {r['writers']:>7} {r['events_per_s']:>9.0f} "
+              f"{r['appends_per_s']:>9.0f} {r['speedup']:>7.2f} {100 * r['lock_wait_share']:>8.0f}% "
+              f"{100 * r['agg_lock_wait_share']:>5.0f}% "
+              f"{r['mean_backends_waiting']:>7.2f} {r['client_cpu_ms_per_append']:>13.2f}")
 
 
 if __name__ == "__main__":

@@ -17,6 +17,11 @@ checkpoint) never count twice:
 
 ``Counts`` maps each table to ``{key: [values]}``; ``trajstore.log._aggregates``
 adds them to the tables.
+
+Reading: a key's count is the SUM of its rows. ``agg_output_lengths`` and
+``agg_route_drift`` hold, besides one total row per key, the delta rows appends
+inserted and the materializer has not folded yet (docs/log.md, "Run aggregates");
+``totals_sql(table)`` is the table as one row per key, for a read or a subquery.
 """
 
 from __future__ import annotations
@@ -26,8 +31,8 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-__all__ = ["Counts", "LOGPROB_RANGE", "LOGPROB_BINS", "DRIFT_WIDTHS_S", "event_counts", "sample_counts",
-           "logprob_bin_edges", "decode_routes", "count_routes"]
+__all__ = ["Counts", "LOGPROB_RANGE", "LOGPROB_BINS", "DRIFT_WIDTHS_S", "KEYS", "VALUES", "event_counts",
+           "sample_counts", "totals_sql", "logprob_bin_edges", "decode_routes", "count_routes"]
 
 LOGPROB_RANGE = (-12.0, 0.0)
 LOGPROB_BINS = 48
@@ -37,6 +42,22 @@ DRIFT_WIDTHS_S = (1, 60, 3600)
 """Bucket widths the route drift is kept at: every width of the page's ladder is a multiple of one."""
 
 Counts = dict[str, dict[tuple, list[float]]]
+
+KEYS = {"agg_expert_load": ("model_version", "layer", "expert"), "agg_logprobs": ("model_version", "bin"),
+        "agg_output_lengths": ("model_version", "output_len"), "agg_route_drift": ("width_s", "bucket_start")}
+"""Each aggregate table's key columns."""
+VALUES = {"agg_expert_load": ("routed",), "agg_logprobs": ("tokens", "logprob_sum"),
+          "agg_output_lengths": ("calls",), "agg_route_drift": ("rows_resent", "rows_compared", "rows_drifted")}
+"""Each aggregate table's counted columns (a key's count: their sums over its rows)."""
+
+
+def totals_sql(table: str) -> str:
+    """``SELECT`` of aggregate table ``table`` as one row per key: its key columns, then its
+    counted columns summed over the key's rows (named as the columns), in key order. Use it
+    as is or as a subquery, ``FROM (...) t``; a read that groups by the key and sums is the same."""
+    keys, values = ", ".join(KEYS[table]), VALUES[table]
+    return (f"SELECT {keys}, {', '.join(f'sum({v}) AS {v}' for v in values)} FROM {table} "
+            f"GROUP BY {keys} ORDER BY {keys}")
 
 
 def _add(into: dict[tuple, list[float]], key: tuple, values: Sequence[float]) -> None:

@@ -397,8 +397,8 @@ lineage_annotation_versions = Table(
 # migration 0015: the run view's aggregates (docs/report.md "Aggregates"), counted where the
 # data is already decoded, in the transaction that stores it: the append's for the
 # generation events' columns (output lengths, route drift), the materializer's commit
-# for the default samples' token columns (expert load, rollout logprobs). Each key is
-# added to (INSERT ... ON CONFLICT DO UPDATE), never rewritten, except by
+# for the default samples' token columns (expert load, rollout logprobs). Each key of
+# those two is added to (INSERT ... ON CONFLICT DO UPDATE), never rewritten, except by
 # ``trajstore report --rebuild-aggregates``, which recounts them from the log and samples.
 
 # Decode routes of the default samples' generated tokens: how often each expert of each
@@ -425,13 +425,27 @@ agg_logprobs = Table(
     Column("logprob_sum", Float, nullable=False),
 )
 
+# The two tables the append adds to (engine calls by model version and output length;
+# route drift by time bucket) hold DELTA rows: each append inserts its own rows
+# (``delta`` true), never updating a row another append may hold, so concurrent
+# appends do not wait on each other's row locks. A key's count is the SUM of its rows
+# (one total row, ``delta`` false, unique per key, plus the deltas not yet folded
+# into it); the materializer's commit folds deltas into the totals
+# (``trajstore.log._aggregates.compact_event_aggregates``), as does
+# ``trajstore report --rebuild-aggregates``.
+
 # Engine calls (generation events with a model version) by model version and output length.
 agg_output_lengths = Table(
     "agg_output_lengths",
     metadata,
-    Column("model_version", Integer, primary_key=True),
-    Column("output_len", Integer, primary_key=True),
+    Column("id", BigInteger().with_variant(Integer, "sqlite"), primary_key=True),
+    Column("model_version", Integer, nullable=False),
+    Column("output_len", Integer, nullable=False),
     Column("calls", BigInteger, nullable=False),
+    Column("delta", Boolean, nullable=False),
+    Index("ux_agg_output_lengths_total", "model_version", "output_len", unique=True,
+          sqlite_where=text("NOT delta"), postgresql_where=text("NOT delta")),
+    Index("ix_agg_output_lengths_delta", "id", sqlite_where=text("delta"), postgresql_where=text("delta")),
 )
 
 # Route drift of the calls that re-sent rows (route_rows_resent > 0), by time of append in
@@ -440,11 +454,16 @@ agg_output_lengths = Table(
 agg_route_drift = Table(
     "agg_route_drift",
     metadata,
-    Column("width_s", Integer, primary_key=True),
-    Column("bucket_start", BigInteger, primary_key=True),
+    Column("id", BigInteger().with_variant(Integer, "sqlite"), primary_key=True),
+    Column("width_s", Integer, nullable=False),
+    Column("bucket_start", BigInteger, nullable=False),
     Column("rows_resent", BigInteger, nullable=False),
     Column("rows_compared", BigInteger, nullable=False),
     Column("rows_drifted", BigInteger, nullable=False),
+    Column("delta", Boolean, nullable=False),
+    Index("ux_agg_route_drift_total", "width_s", "bucket_start", unique=True,
+          sqlite_where=text("NOT delta"), postgresql_where=text("NOT delta")),
+    Index("ix_agg_route_drift_delta", "id", sqlite_where=text("delta"), postgresql_where=text("delta")),
 )
 
 __all__ = ["metadata", "log_head", "trajectories", "events", "segments", "samples", "materializer_checkpoints",

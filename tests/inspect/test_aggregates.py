@@ -14,6 +14,7 @@ from sqlalchemy import create_engine, text
 import trajstore
 from tests.helpers import reader_url_for
 from tests.inspect.test_report import fill, run_events
+from trajstore._aggregates import totals_sql
 from trajstore._migrate import alembic_config
 from trajstore.cli import main
 from trajstore.inspect._panels import collect
@@ -25,11 +26,12 @@ TABLES = ("agg_expert_load", "agg_logprobs", "agg_output_lengths", "agg_route_dr
 
 
 def tables(store) -> dict[str, dict[tuple, tuple]]:
-    """Every aggregate row: key -> values (floats rounded: sums may add in another order)."""
+    """Every aggregate key: key -> values, summed over its rows (floats rounded: sums may add
+    in another order)."""
     out = {}
     with store.log.read_engine.connect() as conn:
         for name in TABLES:
-            rows = conn.execute(text(f"SELECT * FROM {name}")).all()
+            rows = conn.execute(text(totals_sql(name))).all()
             keys = {"agg_expert_load": 3, "agg_logprobs": 2, "agg_output_lengths": 2, "agg_route_drift": 2}[name]
             out[name] = {tuple(r[:keys]): tuple(round(float(v), 6) for v in r[keys:]) for r in rows}
     return out

@@ -54,3 +54,17 @@ def acking_writer(url: str, payload: str, ack_path: str, start: int) -> None:
 
 if __name__ == "__main__":
     acking_writer(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]))
+
+
+def aggregate_writer(url: str, payload: str, first: int, count: int) -> None:
+    """Appends the report tests' run trajectories ``first .. first + count``, one event per
+    append (every append counts its own run aggregates: many concurrent small transactions
+    on the same aggregate keys)."""
+    from tests.inspect.test_report import run_events
+    from trajstore.store import connect
+
+    store = connect(url, payload=payload)
+    for evs in run_events(first, count):
+        for e in evs:
+            store.append([e])
+    store.close()

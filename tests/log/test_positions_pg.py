@@ -20,10 +20,9 @@ pytestmark = pytest.mark.postgres
 
 
 def trajectory(tid: str) -> list[dict]:
-    # an output length of the trajectory's own (ids of different lengths): the run aggregates
-    # (agg_output_lengths, keyed by model version and output length) are added to in the
-    # append's transaction, so appends of one key meet on one row lock, and an append held
-    # open on purpose would hold the others of its key
+    # an output length of the trajectory's own (ids of different lengths); appends of one
+    # run-aggregate key no longer meet on a row lock (the append inserts delta rows:
+    # tests/log/test_aggregate_deltas.py), so this is no longer what keeps them apart
     return [started(tid), gen(tid, 0, [1, 2], [3] * (2 + len(tid)), version=1), finished(tid)]
 
 

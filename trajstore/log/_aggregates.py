@@ -1,35 +1,56 @@
 """The run view's aggregate tables (``trajstore._aggregates``): added to in the
 transaction that stores what they count, and rebuilt from the log and the samples.
 
-``add_counts`` is one ``INSERT ... ON CONFLICT DO UPDATE`` executemany per
-table (SQLite and PostgreSQL spell it alike), keys sorted so two transactions
-adding to the same keys take their row locks in one order (no deadlock between
-materializer shards)."""
+Two ways of adding, by who adds:
+
+* the materializer's commit (``agg_expert_load``, ``agg_logprobs``): ``add_counts``,
+  one ``INSERT ... ON CONFLICT DO UPDATE`` executemany per table (SQLite and
+  PostgreSQL spell it alike), keys sorted so two transactions adding to the same
+  keys take their row locks in one order (no deadlock between materializer shards);
+* the append (``agg_output_lengths``, ``agg_route_drift``): ``insert_deltas``,
+  plain INSERTs of the append's own rows (``delta`` true). Appends are many and
+  concurrent, and a key (one output length, one time bucket) is shared by most of
+  them: an upsert of its row would make each append wait, on PostgreSQL, for the
+  row lock of any other append counting the same key until that one commits. A
+  key's count is the sum of its rows; ``compact_event_aggregates`` (in the
+  materializer's commit) folds deltas into the key's one total row, taking on
+  PostgreSQL only deltas no other transaction holds (``SKIP LOCKED``), so it never
+  waits for an append or another compaction.
+
+A retried or duplicate append adds nothing twice: its deltas are in the transaction
+that inserts its events, which fails on the events' identities. A fold moves counts
+between rows of the same key, never changing a sum: readers (one statement) see the
+sums before or after it, both exact."""
 
 from __future__ import annotations
 
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-from trajstore._aggregates import Counts, event_counts, merge, sample_counts
+from trajstore._aggregates import KEYS, VALUES, Counts, event_counts, merge, sample_counts
 from trajstore.log._dialect import SqlDialect, execute
 from trajstore.schema import (agg_expert_load, agg_logprobs, agg_output_lengths, agg_route_drift, samples,
                               store_settings, trajectories)
 
-__all__ = ["TABLES", "PENDING", "add_counts", "write_event_aggregates", "rebuild_event_aggregates",
+__all__ = ["TABLES", "DELTA_TABLES", "PENDING", "COMPACT_ROWS", "add_counts", "insert_deltas",
+           "write_event_aggregates", "compact_event_aggregates", "rebuild_event_aggregates",
            "rebuild_sample_aggregates"]
 
 TABLES = {t.name: t for t in (agg_expert_load, agg_logprobs, agg_output_lengths, agg_route_drift)}
+DELTA_TABLES = {t.name: t for t in (agg_output_lengths, agg_route_drift)}
+"""The tables appends insert delta rows into (a key's count: the sum of its rows)."""
 PENDING = "aggregates_pending"
 """The ``store_settings`` row an upgraded store with samples gets until their aggregates are counted."""
+COMPACT_ROWS = 20_000
+"""Deltas one fold takes at most per table (a materializer commit's share of the work)."""
 
 
 def _split(table: Any) -> tuple[list[str], list[str]]:
-    keys = [c.name for c in table.primary_key.columns]
-    return keys, [c.name for c in table.columns if c.name not in keys]
+    return list(KEYS[table.name]), list(VALUES[table.name])
 
 
 def add_counts(conn: Any, d: SqlDialect, counts: Counts) -> None:
-    """Add ``counts`` to the aggregate tables (``conn``: a Connection or a driver cursor)."""
+    """Add ``counts`` to the aggregate tables' rows of their keys (the totals of the delta
+    tables): one upsert per table (``conn``: a Connection or a driver cursor)."""
     for name in sorted(counts):
         part = counts[name]
         if not part:
@@ -37,23 +58,80 @@ def add_counts(conn: Any, d: SqlDialect, counts: Counts) -> None:
         table = TABLES[name]
         keys, values = _split(table)
         t = d.table(table)
+        total = name in DELTA_TABLES
 
         def build() -> str:
             cols = [*keys, *values]
             updates = ", ".join(f"{d.col(table.c[v])} = {t}.{d.col(table.c[v])} + excluded.{d.col(table.c[v])}"
                                 for v in values)
-            return (f"INSERT INTO {t} ({', '.join(d.col(table.c[c]) for c in cols)}) VALUES ({d.marks(len(cols))}) "
-                    f"ON CONFLICT ({', '.join(d.col(table.c[k]) for k in keys)}) DO UPDATE SET {updates}")
+            names = ", ".join(d.col(table.c[c]) for c in cols)
+            target = ", ".join(d.col(table.c[k]) for k in keys)
+            if total:  # the key's total row: the partial unique index over the rows not delta
+                return (f"INSERT INTO {t} ({names}, delta) VALUES ({d.marks(len(cols))}, FALSE) "
+                        f"ON CONFLICT ({target}) WHERE NOT delta DO UPDATE SET {updates}")
+            return (f"INSERT INTO {t} ({names}) VALUES ({d.marks(len(cols))}) "
+                    f"ON CONFLICT ({target}) DO UPDATE SET {updates}")
 
         sql = d._cached(("add_counts", name), build)
         execute(conn, sql, [(*k, *v) for k, v in sorted(part.items())])
 
 
+def insert_deltas(conn: Any, d: SqlDialect, counts: Counts) -> None:
+    """Insert ``counts`` of the delta tables as rows of their own (no row of another
+    transaction updated or locked)."""
+    for name in sorted(counts):
+        part = counts[name]
+        if not part:
+            continue
+        table = DELTA_TABLES[name]
+        keys, values = _split(table)
+
+        def build() -> str:
+            cols = [*keys, *values]
+            return (f"INSERT INTO {d.table(table)} ({', '.join(d.col(table.c[c]) for c in cols)}, delta) "
+                    f"VALUES ({d.marks(len(cols))}, TRUE)")
+
+        sql = d._cached(("insert_deltas", name), build)
+        execute(conn, sql, [(*k, *v) for k, v in sorted(part.items())])
+
+
 def write_event_aggregates(conn: Any, d: SqlDialect, rows: Sequence[Mapping[str, Any]]) -> None:
-    """The append's hook: add its generation events' aggregates."""
+    """The append's hook: insert its generation events' aggregates as delta rows."""
     counts = event_counts(rows)
     if counts:
+        insert_deltas(conn, d, counts)
+
+
+def compact_event_aggregates(conn: Any, d: SqlDialect, *, limit: int = COMPACT_ROWS) -> int:
+    """Fold up to ``limit`` delta rows per table into their keys' total rows, in the caller's
+    write transaction: the deltas are deleted and their sums upserted into the totals
+    (every sum unchanged). On PostgreSQL only deltas no other transaction holds are
+    taken (``FOR UPDATE SKIP LOCKED``): the fold never waits for an append, and two folds
+    take different deltas. Returns the number of deltas folded."""
+    n = 0
+    for name, table in sorted(DELTA_TABLES.items()):
+        keys, values = _split(table)
+        t = d.table(table)
+
+        def build() -> str:
+            skip = "" if d.single_writer else " FOR UPDATE SKIP LOCKED"
+            cols = ", ".join(d.col(table.c[c]) for c in (*keys, *values))
+            return (f"DELETE FROM {t} WHERE id IN (SELECT id FROM {t} WHERE delta ORDER BY id LIMIT {d.p}{skip}) "
+                    f"RETURNING {cols}")
+
+        sql = d._cached(("compact", name), build)
+        got = execute(conn, sql, (int(limit),)).fetchall()
+        if not got:
+            continue
+        k, into = len(keys), {}
+        for r in got:
+            have = into.setdefault(tuple(r[:k]), [0] * len(values))
+            for i, v in enumerate(r[k:]):
+                have[i] += v
+        counts: Counts = {name: into}
         add_counts(conn, d, counts)
+        n += len(got)
+    return n
 
 
 def _delete_all(conn: Any, d: SqlDialect, tables: Iterable[Any]) -> None:
@@ -72,7 +150,7 @@ def rebuild_event_aggregates(conn: Any, d: SqlDialect, *, page_rows: int = 50_00
     """Recount ``agg_output_lengths`` and ``agg_route_drift`` from every generation event, in
     the caller's write transaction. Returns the number of events read."""
     _lock(conn, d, (agg_output_lengths, agg_route_drift))
-    _delete_all(conn, d, (agg_output_lengths, agg_route_drift))
+    _delete_all(conn, d, (agg_output_lengths, agg_route_drift))  # totals and deltas: recounted as totals
     after, n = -1, 0
     while True:
         got = execute(conn, "SELECT position, type, model_version, output_len, route_rows_resent, route_rows_drifted, "

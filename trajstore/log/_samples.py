@@ -20,7 +20,7 @@ from typing import Any, Collection, Iterator, Mapping, Sequence
 from sqlalchemy import Connection, Engine, Table, and_, delete, func, insert, or_, select, update
 
 from trajstore.errors import IndexInvariantError, ProjectionChangedError, ValidationError
-from trajstore.log._aggregates import add_counts
+from trajstore.log._aggregates import add_counts, compact_event_aggregates
 from trajstore.log._dialect import CHUNK, SqlDialect, chunks
 from trajstore.log._segments import repoint, retire_emptied
 from trajstore.log._transaction import Database
@@ -119,8 +119,10 @@ class _SqlSamples(SampleIndex):
             if repoints:
                 repoint(conn, d, repoints, guarded=False)
                 retire_emptied(conn, d, {m.old_segment for m in repoints if m.old_segment})
-            if aggregates and self.projection_name is None:  # the run view counts the default samples
-                add_counts(conn, d, aggregates)
+            if self.projection_name is None:
+                if aggregates:  # the run view counts the default samples
+                    add_counts(conn, d, aggregates)
+                compact_event_aggregates(conn, d)  # and folds the appends' aggregate deltas
 
         def landed(conn: Connection, _: None) -> bool:
             pos = conn.execute(select(t.c.position).where(*self._conds(t), t.c.shard == key)).scalar_one_or_none()

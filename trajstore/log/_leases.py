@@ -18,7 +18,7 @@ from trajstore.log._segments import named_clause
 from trajstore.log._transaction import Database
 from trajstore.schema import reader_leases, segments
 
-__all__ = ["take_lease", "renew_lease", "release_lease", "gc_horizon", "retired_segments"]
+__all__ = ["take_lease", "renew_lease", "hold_lease", "release_lease", "gc_horizon", "retired_segments"]
 
 
 def _now(conn: Connection, d: SqlDialect) -> float:
@@ -63,6 +63,30 @@ def renew_lease(db: Database, name: str, ttl_s: float, *, advance: bool) -> floa
                                   .where(reader_leases.c.name == name)).scalar_one())
 
     return db.transaction("renewing a reader lease", body)
+
+
+def hold_lease(db: Database, name: str, holder: str, ttl_s: float, since: float | None) -> tuple[float, bool]:
+    """Lease ``name`` holds since ``since`` (a database time it was told before;
+    None: now) until ``ttl_s`` from now: one write transaction. ``held_since``
+    only moves forward (clamped between its value and now), so a holder can
+    never hold back more than it held. A lease that is absent or lapsed is
+    taken anew, held since now. Returns ``(now, taken anew)``."""
+
+    def body(conn: Connection, d: SqlDialect) -> tuple[float, bool]:
+        now = _writing(conn, d)
+        held = conn.execute(select(reader_leases.c.held_since)
+                            .where(reader_leases.c.name == name, reader_leases.c.expires_at > now)).scalar()
+        if held is None:
+            conn.execute(delete(reader_leases).where(reader_leases.c.name == name))
+            conn.execute(insert(reader_leases).values(name=name, holder=holder[:255], held_since=now, renewed_at=now,
+                                                      expires_at=now + ttl_s))
+            return now, True
+        held_since = now if since is None else min(max(float(since), float(held)), now)
+        conn.execute(update(reader_leases).where(reader_leases.c.name == name)
+                     .values(held_since=held_since, renewed_at=now, expires_at=now + ttl_s))
+        return now, False
+
+    return db.transaction("holding a reader lease", body)
 
 
 def release_lease(db: Database, name: str) -> None:

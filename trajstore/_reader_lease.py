@@ -41,6 +41,7 @@ _log = logging.getLogger(__name__)
 
 LEASE_TTL_S = 30.0  # a reader's lease not renewed this long has lapsed (the reader died)
 RENEW_S = 5.0  # one lease write per reader this often, at most
+RELEASE_WAIT_S = 5.0  # close() waits this long at most for the release
 
 Key = tuple[int, int]
 
@@ -178,16 +179,24 @@ class ReadLease:
                          "meanwhile may be gone", self.holder, self.ttl_s)
 
     def close(self) -> None:
+        """Release the row: one write, waited for at most ``RELEASE_WAIT_S`` (a store
+        or server that does not answer does not hold up closing; the row lapses)."""
         self._stop.set()
         if not self.held:
             return
         self._stamp = None
-        try:
-            with self._writing:
-                self._backend.release(self.name)
-        except TrajstoreError as e:
-            _log.info("trajstore reader %s: its GC lease was not released (it lapses by itself): %s", self.holder,
-                      first_line(e))
+
+        def release() -> None:
+            try:
+                with self._writing:
+                    self._backend.release(self.name)
+            except TrajstoreError as e:
+                _log.info("trajstore reader %s: its GC lease was not released (it lapses by itself): %s",
+                          self.holder, first_line(e))
+
+        thread = threading.Thread(target=release, daemon=True, name="trajstore-reader-lease-release")
+        thread.start()
+        thread.join(RELEASE_WAIT_S)
 
 
 def _beat(ref: "weakref.ref[ReadLease]", stop: threading.Event, every_s: float) -> None:

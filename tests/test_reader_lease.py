@@ -23,6 +23,7 @@ from trajstore._gc import collect_retired
 from trajstore.reader import SampleReader
 from trajstore.schema import projection_samples, reader_leases
 from tests.helpers import finished, gen, started
+from tests.test_gc import BUCKET, s3_logged  # noqa: F401 - the moto_server fixture
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -111,6 +112,25 @@ def test_an_idle_reader_holds_nothing_back(store):
         assert _leases(store) == 1
     finally:
         reader.close()
+
+
+def test_a_readers_lease_holds_back_sample_segments_only(store):
+    """A reader opens sample segments only: the log segments the materializer
+    retires while the reader holds rows pending are collected a margin later."""
+    segs = _projected(store)
+    collect_retired(store, margin_s=0)  # what folding the projection left
+    with SampleReader(store, projection="p", batch_size=1, prefetch=False) as reader:
+        next(reader)  # rows pending: the lease holds since before the page
+        for i in range(3):
+            tid = f"late{i}"
+            store.append([started(tid), gen(tid, 0, [1, 2], [3])])
+            store.append([finished(tid)])
+        store.materialize()  # re-points the late trajectories' events: retires their log segments
+        store.drop_projection("p")
+        time.sleep(0.05)
+        removed = set(collect_retired(store, margin_s=0))
+        assert len([n for n in removed if n.startswith("events-")]) == 3 and not removed & segs
+    assert segs <= set(collect_retired(store, margin_s=0))
 
 
 _KILLED_READER = r"""
@@ -208,3 +228,15 @@ def test_a_reader_writes_its_lease_once_not_per_page_or_sample(store):
     assert n == 12
     inserts = [w for w in writes if w.lstrip().upper().startswith("INSERT")]
     assert len(inserts) == 1 and len(writes) <= 4, writes  # take (delete + insert), release
+
+
+def test_on_s3_a_reader_keeps_reading_what_it_read_and_the_gc_deletes_it_after(store_url, s3_logged):
+    """On an object store nothing keeps a deleted object readable (no inode, no map):
+    only the lease does."""
+    endpoint, _ = s3_logged
+    prefix = f"lease-{uuid.uuid4().hex[:8]}"
+    s3 = trajstore.connect(store_url, payload=f"s3://{BUCKET}/{prefix}?endpoint_override={endpoint}&scheme=http")
+    try:
+        _reads_through_a_gc(s3)
+    finally:
+        s3.close()

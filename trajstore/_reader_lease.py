@@ -34,6 +34,7 @@ import weakref
 from typing import Any
 
 from trajstore.errors import TrajstoreError, first_line
+from trajstore.log._leases import SAMPLES_ONLY
 
 __all__ = ["LEASE_TTL_S", "RENEW_S", "ReadLease"]
 
@@ -148,7 +149,7 @@ class ReadLease:
                 return True
             self._pending.clear()
             self._stop = threading.Event()
-            self.name = uuid.uuid4().hex
+            self.name = SAMPLES_ONLY + uuid.uuid4().hex  # it opens sample segments only: log segments are not held
             try:
                 self._stamp, _ = self._backend.hold(self.name, self.holder, self.ttl_s, None)
             except TrajstoreError as e:

@@ -170,7 +170,7 @@ def _check_standing_attempt(req: dict) -> None:
     _int(req, "rank", lo=0, hi=(1 << 31) - 1, optional=False)
 
 
-_LEASE_NAME = re.compile(r"[0-9a-f]{32}")
+_LEASE_NAME = re.compile(r"samples:[0-9a-f]{32}")  # a sample reader's lease (trajstore.log._leases.SAMPLES_ONLY)
 
 
 def _number(req: dict, name: str, *, lo: float, hi: float, optional: bool) -> None:
@@ -183,7 +183,7 @@ def _number(req: dict, name: str, *, lo: float, hi: float, optional: bool) -> No
 
 def _check_lease(req: dict) -> None:
     if not isinstance(req.get("name"), str) or not _LEASE_NAME.fullmatch(req["name"]):
-        raise BadRequest(f"name must be a lease name (32 hex digits), got {req.get('name')!r:.80}")
+        raise BadRequest(f"name must be a sample reader's lease name (samples: and 32 hex digits), got {req.get('name')!r:.80}")
     if not isinstance(req.get("holder", ""), str) or len(req.get("holder", "")) > 200:
         raise BadRequest(f"holder must be a string of at most 200 characters, got {req.get('holder')!r:.80}")
     if not isinstance(req.get("release", False), bool):

@@ -9,7 +9,9 @@ the payload. The horizon is the database's ``now``, or the oldest ``held_since``
 of a live reader lease if earlier, minus a short safety margin (``GC_MARGIN_S``:
 a retirement stamped before its transaction commits, a reader between taking
 its lease and reading). A lease lapses ``ttl_s`` after its last renewal: a dead
-reader stops holding anything back.
+reader stops holding anything back. ``SampleReader`` and the replay server's
+trainers hold leases of their own (``trajstore._reader_lease``) over sample
+segments only: a log segment's horizon ignores them.
 
 Crash leftovers (files no ``segments`` row knows) are found only by listing:
 ``Store.collect_garbage`` / ``trajstore gc``, and the worker's rare full sweep

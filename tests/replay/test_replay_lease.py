@@ -93,3 +93,32 @@ def test_a_server_that_cannot_write_leases_still_serves_and_the_trainer_says_so_
     _same(got, want)
     said = [r for r in caplog.records if "without a GC lease" in r.getMessage()]
     assert len(said) == 1, caplog.text
+
+
+def test_a_client_holds_back_no_more_than_it_read(store, replay_servers):
+    """The server bounds a trainer's lease: a sample reader's name, a ttl of at most
+    600 s, and ``held_since`` that only moves forward (never back to the epoch)."""
+    import pytest
+    from sqlalchemy import select
+
+    from trajstore.errors import ValidationError
+    from trajstore.replay import ReplayStore
+    from trajstore.replay import _protocol as proto
+    from trajstore.schema import reader_leases
+
+    server = replay_servers(store)
+    name = "samples:" + "a" * 32
+    with ReplayStore(server.location, token=READ_TOKEN) as rs:
+        with pytest.raises(ValidationError, match="lease name"):
+            rs._conn.action("holding a lease", proto.LEASE, name="0" * 32, holder="h", ttl_s=5)
+        with pytest.raises(ValidationError, match="ttl_s"):
+            rs._leases.hold(name, "h", 10_000, None)
+        now, taken = rs._leases.hold(name, "h", 5, None)
+        assert taken
+        later, taken = rs._leases.hold(name, "h", 5, 0.0)  # asks to hold since the epoch
+        assert not taken and later >= now
+        with store.log.read_engine.connect() as conn:
+            row = conn.execute(select(reader_leases).where(reader_leases.c.name == name)).one()
+        assert row.held_since == now and row.holder == "replay client h"
+        rs._leases.release(name)
+    assert _leases(store) == 0

@@ -9,7 +9,9 @@ the payload. The horizon is the database's ``now``, or the oldest ``held_since``
 of a live reader lease if earlier, minus a short safety margin (``GC_MARGIN_S``:
 a retirement stamped before its transaction commits, a reader between taking
 its lease and reading). A lease lapses ``ttl_s`` after its last renewal: a dead
-reader stops holding anything back.
+reader stops holding anything back. ``SampleReader`` and the replay server's
+trainers hold leases of their own (``trajstore._reader_lease``) over sample
+segments only: a log segment's horizon ignores them.
 
 Crash leftovers (files no ``segments`` row knows) are found only by listing:
 ``Store.collect_garbage`` / ``trajstore gc``, and the worker's rare full sweep
@@ -28,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from trajstore.errors import StoreUnavailable, TrajstoreError, first_line
-from trajstore.log._leases import gc_horizon, release_lease, renew_lease, retired_segments, take_lease
+from trajstore.log._leases import gc_horizon, gc_horizons, release_lease, renew_lease, retired_segments, take_lease
 
 log = logging.getLogger(__name__)
 
@@ -60,11 +62,11 @@ def lease_horizon(store: Any, margin_s: float) -> float:
 def collect_retired(store: Any, *, margin_s: float = GC_MARGIN_S, max_batches: int | None = None) -> list[str]:
     """Delete the retired segments before the GC horizon, in batches of 1,000
     from the index's list; forget their rows; return their names."""
-    horizon = lease_horizon(store, margin_s)
+    samples_before, events_before = gc_horizons(store.log.db, margin_s)  # a sample reader's lease keeps no log segment
     removed: list[str] = []
     batches = 0
     while max_batches is None or batches < max_batches:
-        names = retired_segments(store.log.db, horizon, _BATCH)
+        names = retired_segments(store.log.db, samples_before, _BATCH, events_before=events_before)
         if not names:
             break
         gone = store.payload.delete_many(names)

@@ -58,6 +58,7 @@ from trajstore import _reader_state
 from trajstore._backoff import Backoff
 from trajstore._batch_plan import Key, Step, Unit, UnitBuilder, plan_step, row_key
 from trajstore._deprecated import renamed
+from trajstore._reader_lease import ReadLease, holder as _lease_holder
 from trajstore._read_ahead import ReadAhead as _ReadAhead, read_ahead as _read_ahead
 from trajstore._policies import (IDLE, FifoPolicy, FreshnessPolicy, ReadyFirstPolicy, ReusePolicy, SamplingPolicy,
                                  pooled_steps)
@@ -139,6 +140,8 @@ class SampleReader:
         self._explained = False  # the reason for yielding nothing is logged once
         self._open_groups: dict[str, list[Any]] = {}
         self._policy_pool: dict[Key, int] = {}  # a pooled policy's units at the committed state: key -> uses
+        # the GC lease over the sample segments of the pages read and not yet handed over (taken at the first page)
+        self._lease = ReadLease(store, _lease_holder(rank, world_size))
 
     @property
     def current_version(self) -> int | None:
@@ -187,6 +190,7 @@ class SampleReader:
         except BaseException:
             if self._steps_gen is steps:
                 self._steps_gen = None
+                self._lease.restart()  # what it planned ahead is planned again, from pages read again
             raise
 
     def _iter_steps(self, steps: Iterator[Step], offset: int, stride: int) -> Iterator[tuple[int, list[Sample]]]:
@@ -215,6 +219,7 @@ class SampleReader:
             while True:
                 item = next_item()
                 if item is None:
+                    self._lease.restart()  # every step was handed over: rows left (groups never complete) are not loaded
                     if not any_batch and offset == 0:  # one DataLoader worker speaks for all
                         self._explain_empty(before)
                     return
@@ -403,6 +408,7 @@ class SampleReader:
         self._policy_pool = {(k[0], k[1]): k[2] for k in state.get("pool", ())}
         for name in ReaderStats._SAVED:
             setattr(self.stats, name, state["stats"][name])
+        self._lease.handed_over(self._cursor, self._scan_from)
 
     def close(self) -> None:
         self._closing.set()  # a wait for an unavailable store or a follow poll gives up
@@ -411,6 +417,7 @@ class SampleReader:
             pipeline.join(_CLOSE_WAIT_S)
         if self._pool is not None:
             self._pool.shutdown(wait=True)
+        self._lease.close()
         if self._owns_store:
             self.store.close()
 
@@ -423,6 +430,7 @@ class SampleReader:
     # -- planning ------------------------------------------------------------
     def _steps(self) -> Iterator[Step]:
         """Global steps from the committed state on; each carries the state after it."""
+        self._lease.restart()  # pages an earlier plan read are read again
         snapshot = None
         if not self.config.follow:
             snapshot = self._snapshot if self._snapshot is not None else self._watermark()
@@ -584,20 +592,30 @@ class SampleReader:
             if self._closing.wait(self.config.poll_interval_s):
                 return
 
-    def _pages(self, where: dict[str, Any], after: Key | None) -> Iterator[list[dict[str, Any]]]:
+    def _pages(self, where: dict[str, Any], after: Key | None, *, leased: bool = True
+               ) -> Iterator[list[dict[str, Any]]]:
         """Pages of sample rows after ``after``; a page that failed on an unavailable
-        store is asked for again, after the last row received."""
+        store is asked for again, after the last row received. ``leased``: the
+        page's segments are held by the reader's GC lease until its rows are
+        handed over (the reader will load them)."""
         pages: Iterator[list[dict[str, Any]]] | None = None
 
         def next_page() -> list[dict[str, Any]] | None:
             nonlocal pages
-            if pages is None:
-                pages = iter(self._index.iter_sample_rows(where=where, after=after, page_rows=self.config.page_rows))
+            token = self._lease.reading() if leased else None
+            page = None
             try:
-                return next(pages, None)
-            except BaseException:
-                pages = None  # a generator that raised is finished: the retry starts a new query
-                raise
+                if pages is None:
+                    pages = iter(self._index.iter_sample_rows(where=where, after=after,
+                                                              page_rows=self.config.page_rows))
+                try:
+                    page = next(pages, None)
+                except BaseException:
+                    pages = None  # a generator that raised is finished: the retry starts a new query
+                    raise
+                return page
+            finally:
+                self._lease.read(token, row_key(page[-1]) if page else None)
 
         while True:
             page = self._retrying("reading sample rows", next_page)
@@ -609,7 +627,7 @@ class SampleReader:
     def _trajectories_before(self, group_id: str, position: int) -> int:
         where = {"group_id": group_id, "max_finished_position": position - 1}
         seen = set()
-        for page in self._pages(where, None):
+        for page in self._pages(where, None, leased=False):  # counted, never loaded
             seen.update(r["finished_position"] for r in page)
         return len(seen)
 

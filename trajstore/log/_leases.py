@@ -5,20 +5,27 @@ A lease (``reader_leases`` row) says: the reader may still open any segment
 retired after ``held_since`` (the database time before its oldest index read
 whose locators it still uses). It lapses at ``expires_at`` unless renewed, so a
 reader that died stops holding anything back. Every time here is the
-database's clock, as ``segments.retired_at`` is."""
+database's clock, as ``segments.retired_at`` is.
+
+A lease whose name starts with ``SAMPLES_ONLY`` (a sample reader's: it opens
+sample segments only) holds back sample segments only: log segments the
+materializer retires meanwhile are collected as if it were not there."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import Connection, delete, func, insert, select, text, update
+from sqlalchemy import Connection, and_, delete, func, insert, or_, select, update
 
 from trajstore.log._dialect import SqlDialect
 from trajstore.log._segments import named_clause
 from trajstore.log._transaction import Database
 from trajstore.schema import reader_leases, segments
 
-__all__ = ["take_lease", "renew_lease", "release_lease", "gc_horizon", "retired_segments"]
+__all__ = ["SAMPLES_ONLY", "take_lease", "renew_lease", "hold_lease", "release_lease", "gc_horizon", "gc_horizons",
+           "retired_segments"]
+
+SAMPLES_ONLY = "samples:"  # the name prefix of a lease over sample segments only
 
 
 def _now(conn: Connection, d: SqlDialect) -> float:
@@ -65,6 +72,30 @@ def renew_lease(db: Database, name: str, ttl_s: float, *, advance: bool) -> floa
     return db.transaction("renewing a reader lease", body)
 
 
+def hold_lease(db: Database, name: str, holder: str, ttl_s: float, since: float | None) -> tuple[float, bool]:
+    """Lease ``name`` holds since ``since`` (a database time it was told before;
+    None: now) until ``ttl_s`` from now: one write transaction. ``held_since``
+    only moves forward (clamped between its value and now), so a holder can
+    never hold back more than it held. A lease that is absent or lapsed is
+    taken anew, held since now. Returns ``(now, taken anew)``."""
+
+    def body(conn: Connection, d: SqlDialect) -> tuple[float, bool]:
+        now = _writing(conn, d)
+        held = conn.execute(select(reader_leases.c.held_since)
+                            .where(reader_leases.c.name == name, reader_leases.c.expires_at > now)).scalar()
+        if held is None:
+            conn.execute(delete(reader_leases).where(reader_leases.c.name == name))
+            conn.execute(insert(reader_leases).values(name=name, holder=holder[:255], held_since=now, renewed_at=now,
+                                                      expires_at=now + ttl_s))
+            return now, True
+        held_since = now if since is None else min(max(float(since), float(held)), now)
+        conn.execute(update(reader_leases).where(reader_leases.c.name == name)
+                     .values(held_since=held_since, renewed_at=now, expires_at=now + ttl_s))
+        return now, False
+
+    return db.transaction("holding a reader lease", body)
+
+
 def release_lease(db: Database, name: str) -> None:
     def body(conn: Connection, d: SqlDialect) -> None:
         _writing(conn, d)
@@ -78,24 +109,45 @@ def gc_horizon(db: Database, margin_s: float) -> tuple[float, int]:
     deleted. It is ``now - margin_s``, or earlier: the oldest ``held_since`` of
     an unexpired lease, minus ``margin_s``. One read; expired leases are removed
     (a write) only when there are some."""
+    samples_before, _, n = _horizons(db, margin_s)
+    return samples_before, n
+
+
+def gc_horizons(db: Database, margin_s: float) -> tuple[float, float]:
+    """``(samples_before, events_before)``: as ``gc_horizon``, for sample segments
+    (every lease) and for log segments (leases not ``SAMPLES_ONLY``)."""
+    samples_before, events_before, _ = _horizons(db, margin_s)
+    return samples_before, events_before
+
+
+def _horizons(db: Database, margin_s: float) -> tuple[float, float, int]:
     with db.reading("reading the readers' leases") as conn:
         now = _now(conn, db.dialect)
-        oldest, n, expired = conn.execute(select(
-            func.min(reader_leases.c.held_since).filter(reader_leases.c.expires_at > now),
-            func.count().filter(reader_leases.c.expires_at > now),
+        live = reader_leases.c.expires_at > now
+        oldest, oldest_all, n, expired = conn.execute(select(
+            func.min(reader_leases.c.held_since).filter(live),
+            func.min(reader_leases.c.held_since).filter(live, ~reader_leases.c.name.startswith(SAMPLES_ONLY)),
+            func.count().filter(live),
             func.count().filter(reader_leases.c.expires_at <= now)).select_from(reader_leases)).one()
     if expired:
         db.transaction("removing lapsed reader leases",
                        lambda conn, d: conn.execute(delete(reader_leases).where(reader_leases.c.expires_at <= now)))
-    horizon = now if oldest is None else min(now, float(oldest))
-    return horizon - margin_s, int(n)
+    samples = now if oldest is None else min(now, float(oldest))
+    events = now if oldest_all is None else min(now, float(oldest_all))
+    return samples - margin_s, events - margin_s, int(n)
 
 
-def retired_segments(db: Database, before: float, limit: int) -> list[str]:
-    """Up to ``limit`` segments retired before ``before`` that no index row names,
-    oldest retirement first (one range scan of ``ix_segments_retired``)."""
+def retired_segments(db: Database, before: float, limit: int, *, events_before: float | None = None) -> list[str]:
+    """Up to ``limit`` segments retired before ``before`` (log segments: before
+    ``events_before``, default the same) that no index row names, oldest
+    retirement first (one range scan of ``ix_segments_retired``)."""
+    if events_before is None or events_before <= before:
+        when = segments.c.retired_at < before
+    else:
+        when = and_(segments.c.retired_at < events_before,
+                    or_(segments.c.kind == "events", segments.c.retired_at < before))
     q = (select(segments.c.name)
-         .where(segments.c.retired_at.is_not(None), segments.c.retired_at < before, ~named_clause())
+         .where(segments.c.retired_at.is_not(None), when, ~named_clause())
          .order_by(segments.c.retired_at).limit(limit))
     with db.reading("listing retired segments") as conn:
         return list(conn.execute(q).scalars())

@@ -10,6 +10,9 @@ Kinds:
     rows     DoGet: one page of sample index rows (``where``, ``after``, ``page_rows``)
     samples  DoGet: the payload rows ``rows`` of one sample segment, in segment order
     watermark, count_events, hello, standing_attempt, pacing   DoAction
+    lease    DoAction: take, renew or release a reader's GC lease (``name``,
+             ``holder``, ``ttl_s``, ``since``, ``release``), written by the
+             server in the store's ``reader_leases`` for its trainer
 
 ``rows`` and ``watermark`` read the default samples, or a named projection's
 with ``projection`` (absent: the default; requests without it are those of
@@ -39,7 +42,9 @@ ROWS, SAMPLES = "rows", "samples"
 WATERMARK, COUNT_EVENTS, HELLO = "watermark", "count_events", "hello"
 STANDING_ATTEMPT = "standing_attempt"
 PACING = "pacing"
-ACTIONS = (WATERMARK, COUNT_EVENTS, HELLO, STANDING_ATTEMPT, PACING)
+LEASE = "lease"
+ACTIONS = (WATERMARK, COUNT_EVENTS, HELLO, STANDING_ATTEMPT, PACING, LEASE)
+MAX_LEASE_TTL_S = 600.0
 
 # Error message prefixes (the client maps them back; see client._raise).
 INVALID = "invalid request"
@@ -165,8 +170,30 @@ def _check_standing_attempt(req: dict) -> None:
     _int(req, "rank", lo=0, hi=(1 << 31) - 1, optional=False)
 
 
+_LEASE_NAME = re.compile(r"samples:[0-9a-f]{32}")  # a sample reader's lease (trajstore.log._leases.SAMPLES_ONLY)
+
+
+def _number(req: dict, name: str, *, lo: float, hi: float, optional: bool) -> None:
+    value = req.get(name)
+    if value is None and optional:
+        return
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not lo <= value <= hi:
+        raise BadRequest(f"{name} must be a number in [{lo:g}, {hi:g}], got {value!r:.80}")
+
+
+def _check_lease(req: dict) -> None:
+    if not isinstance(req.get("name"), str) or not _LEASE_NAME.fullmatch(req["name"]):
+        raise BadRequest(f"name must be a sample reader's lease name (samples: and 32 hex digits), got {req.get('name')!r:.80}")
+    if not isinstance(req.get("holder", ""), str) or len(req.get("holder", "")) > 200:
+        raise BadRequest(f"holder must be a string of at most 200 characters, got {req.get('holder')!r:.80}")
+    if not isinstance(req.get("release", False), bool):
+        raise BadRequest(f"release must be true or false, got {req.get('release')!r:.80}")
+    _number(req, "ttl_s", lo=1.0, hi=MAX_LEASE_TTL_S, optional=bool(req.get("release")))
+    _number(req, "since", lo=0.0, hi=1e12, optional=True)
+
+
 _CHECKS = {ROWS: _check_rows, SAMPLES: _check_samples, WATERMARK: _check_watermark, COUNT_EVENTS: _check_count_events,
-           STANDING_ATTEMPT: _check_standing_attempt}
+           STANDING_ATTEMPT: _check_standing_attempt, LEASE: _check_lease}
 
 
 def _arrow_type(column: sa.Column) -> pa.DataType:

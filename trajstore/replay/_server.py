@@ -10,7 +10,12 @@ request, and a restarted one answers the same):
 * DoGet ``samples``: given rows of one sample segment, as Arrow record
   batches sliced out of the memory-mapped segment (nothing is decoded here:
   the trainer makes its ``Sample`` views of the received buffers);
-* DoAction ``watermark`` / ``count_events`` / ``hello``.
+* DoAction ``watermark`` / ``count_events`` / ``hello``;
+* DoAction ``lease``: a trainer's GC lease (``trajstore._reader_lease``),
+  written here in the store's ``reader_leases`` (trainers hold no database
+  login): while the trainer renews it, the payload GC keeps the sample
+  segments of the rows pages it read and has not loaded yet; it lapses by
+  itself when the trainer dies.
 
 DoPut appends wire-format events (an Arrow table with one ``event`` column
 of JSON objects). The write token may append any event; the read token (the
@@ -410,7 +415,8 @@ class ReplayServer(fl.FlightServerBase):
                 (proto.COUNT_EVENTS, "events after a position (of some types)"),
                 (proto.HELLO, "the server's protocol version"),
                 (proto.STANDING_ATTEMPT, "the highest attempt recorded for a training step of a rank"),
-                (proto.PACING, "the rate limits sample requests are held by")]
+                (proto.PACING, "the rate limits sample requests are held by"),
+                (proto.LEASE, "take, renew or release a reader's GC lease")]
 
     def do_action(self, context: fl.ServerCallContext, action: fl.Action) -> Iterator[bytes]:
         def run() -> list[bytes]:
@@ -424,12 +430,26 @@ class ReplayServer(fl.FlightServerBase):
                 value = self.store.log.count_events(after_position=req["after_position"], types=req.get("types"))
             elif action.type == proto.STANDING_ATTEMPT:
                 value = self.store.log.standing_attempt(req["run"], req["step"], req["rank"])
+            elif action.type == proto.LEASE:
+                value = self._lease(req)
             elif action.type == proto.PACING:
                 value = {"samples_per_insert": self.limiter.spi, "max_staleness": self.limiter.max_staleness}
             else:
                 value = {"protocol": proto.VERSION}
             return [json.dumps(value).encode()]
         return iter(self._answer("do_action", run))
+
+    def _lease(self, req: dict[str, Any]) -> dict[str, Any]:
+        """A trainer's GC lease, held in the store's database for it: ``since`` only moves
+        forward and the ttl is bounded, so a client holds back no more than it read."""
+        from trajstore.log._leases import hold_lease, release_lease
+
+        if req.get("release"):
+            release_lease(self.store.log.db, req["name"])
+            return {}
+        now, anew = hold_lease(self.store.log.db, req["name"], f"replay client {req.get('holder', '')}",
+                               float(req["ttl_s"]), req.get("since"))
+        return {"now": now, "taken": anew}
 
     # -- writes (write token only; the middleware refuses the others) -----------
     def do_put(self, context: fl.ServerCallContext, descriptor: fl.FlightDescriptor,

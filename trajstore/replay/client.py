@@ -434,6 +434,22 @@ class _RemotePayload(ReaderPayload):
         pass
 
 
+class _RemoteLeases:
+    """A reader's GC lease (``trajstore._reader_lease``), written by the replay
+    server in the store's database (the ``lease`` action)."""
+
+    def __init__(self, conn: _Connection) -> None:
+        self.conn = conn
+
+    def hold(self, name: str, holder: str, ttl_s: float, since: float | None) -> tuple[float, bool]:
+        got = self.conn.action("holding a GC lease", proto.LEASE, name=name, holder=holder[:200], ttl_s=ttl_s,
+                               since=since)
+        return float(got["now"]), bool(got["taken"])
+
+    def release(self, name: str) -> None:
+        self.conn.action("releasing a GC lease", proto.LEASE, name=name, release=True)
+
+
 class ReplayStore:
     """A store as replay servers show it: the ``materialized``, ``payload`` and
     ``log`` parts ``SampleReader`` reads (a ``trajstore.reader.ReaderStore``). Requests go to ``locations[first]``
@@ -454,6 +470,7 @@ class ReplayStore:
         self.materialized = _RemoteSamples(self._conn)
         self.log = _RemoteLog(self._conn)
         self.payload = _RemotePayload(self._conn, self.url, streams)
+        self._leases = _RemoteLeases(self._conn)  # a reader's GC lease, held by the server
 
     def append(self, events: Sequence[Mapping[str, Any]]) -> AppendResult:
         """Append wire-format events through the server (DoPut), atomically and
@@ -546,6 +563,7 @@ class ReplayReader(SampleReader):
         A call waiting out a server's hold or a failover gives up first, so
         closing never waits for a server to come back."""
         self._closing.set()
+        self._lease.close()  # through the server: before the connection stops calling
         if self._owns_store:
             self.store._conn.closing.set()
         super().close()

@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import socket
 import subprocess
+import sys
 import time
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
@@ -81,3 +87,51 @@ def wait_http(url: str, proc: subprocess.Popen, *, timeout_s: float, detail: Cal
             pass
         time.sleep(poll_s)
     raise AssertionError(f"{url} did not answer in {timeout_s:.0f} s:\n{detail()}")
+
+
+def free_port() -> int:
+    """A loopback TCP port free at the time of asking."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def moto_s3(bucket: str, log_path: str | os.PathLike = os.devnull) -> Iterator[str]:
+    """A real S3-compatible server (``moto_server``) on a loopback port with ``bucket``
+    made; yields its endpoint (``host:port``). Its request log goes to ``log_path``; the
+    AWS credential variables hold test values while it runs and are restored after."""
+    import pyarrow.fs as pafs
+    import pytest
+
+    # this interpreter's (a moto_server elsewhere on PATH may be another Python's, another moto)
+    exe = str(Path(sys.executable).parent / "moto_server")
+    if not os.path.exists(exe):
+        pytest.fail("moto_server not found: install the dev extra (moto[server])")
+    port = free_port()
+    log = open(log_path, "w")
+    proc = subprocess.Popen([exe, "-H", "127.0.0.1", "-p", str(port)], stdout=log, stderr=subprocess.STDOUT)
+    old = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")}
+    os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1")
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    pytest.fail("moto_server did not start")
+                time.sleep(0.1)
+        endpoint = f"127.0.0.1:{port}"
+        pafs.S3FileSystem(endpoint_override=endpoint, scheme="http", allow_bucket_creation=True).create_dir(bucket)
+        yield endpoint
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        log.close()
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

@@ -702,22 +702,32 @@ def append_samples(store, start: int, n: int) -> None:
     Materializer(store).run()
 
 
+def two_full_steps(store, reader) -> tuple[list, list, float, float]:
+    """Two steps of 4 from a follow ``reader`` over ``store`` that holds exactly one
+    (``append_samples(store, 0, 4)``): the first, asserted handed over without waiting
+    for more, then the next, whose last samples another thread appends while the
+    reader waits. Returns both steps, the first one's wait and the time from asking
+    for the first to the second's hand-over."""
+    t0 = time.monotonic()
+    first = next(reader)
+    waited = time.monotonic() - t0
+    assert len(first) == 4 and waited < NO_TIMEOUT_WAIT_S, f"a full step waited {waited:.1f} s for more"
+    # the next step: its last group completes while the reader waits
+    writer = threading.Thread(target=append_samples, args=(store, 4, 4))
+    writer.start()
+    second = next(reader)
+    handed_over = time.monotonic()
+    writer.join()
+    return first, second, waited, handed_over - t0
+
+
 @pytest.mark.parametrize("config", [{"batch_size": 4}, {"batch_size": 4, "keep_groups": True, "group_size": 2},
                                     {"batch_size": 4, "prefetch": False}], ids=["samples", "groups", "no-prefetch"])
 def test_a_full_step_is_handed_over_without_waiting_for_more(store, config, open_reader):
     append_samples(store, 0, 4)  # exactly one step
     with open_reader(store, follow=True, timeout_s=FOLLOW_TIMEOUT_S, poll_interval_s=0.05, **config) as reader:
-        t0 = time.monotonic()
-        first = next(reader)
-        waited = time.monotonic() - t0
-        assert len(first) == 4 and waited < NO_TIMEOUT_WAIT_S, f"a full step waited {waited:.1f} s for more"
-        # the next step: its last group completes while the reader waits
-        writer = threading.Thread(target=append_samples, args=(store, 4, 4))
-        writer.start()
-        second = next(reader)
-        handed_over = time.monotonic()
-        writer.join()
-        assert handed_over - t0 < NO_TIMEOUT_WAIT_S + waited, "the second full step waited for the follow timeout"
+        first, second, waited, took = two_full_steps(store, reader)
+        assert took < NO_TIMEOUT_WAIT_S + waited, "the second full step waited for the follow timeout"
     assert sorted(keys(first + second)) == sorted((s.trajectory_id, s.sample_index) for s in store.samples())
 
 

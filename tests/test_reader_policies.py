@@ -22,7 +22,6 @@ import json
 import re
 import subprocess
 import sys
-import threading
 import time
 from collections import Counter
 
@@ -37,7 +36,8 @@ from trajstore.reader import (FifoPolicy, FreshnessPolicy, ReadyFirstPolicy, Rea
                               SampleReader)
 
 from test_reader import (FOLLOW_TIMEOUT_S, GROUP_SIZE, HERE as READER_TESTS, NO_TIMEOUT_WAIT_S, ROOT,  # noqa: F401
-                         _ends_once_drained, append_samples, drive, filled, keys, make_readers, open_reader)
+                         _ends_once_drained, append_samples, drive, filled, keys, make_readers, open_reader,
+                         two_full_steps)
 
 POLICIES = {
     "fifo": "fifo",
@@ -234,16 +234,8 @@ def test_a_follow_reader_hands_over_a_full_step_without_filling_its_window(store
     append_samples(store, 0, 4)  # exactly one step
     with open_reader(store, follow=True, timeout_s=FOLLOW_TIMEOUT_S, poll_interval_s=0.05, batch_size=4,
                      policy=POLICIES[policy]) as reader:
-        t0 = time.monotonic()
-        first = next(reader)
-        waited = time.monotonic() - t0
-        assert len(first) == 4 and waited < NO_TIMEOUT_WAIT_S, f"a full step waited {waited:.1f} s for more"
-        writer = threading.Thread(target=append_samples, args=(store, 4, 4))
-        writer.start()
-        second = next(reader)
-        handed_over = time.monotonic()
-        writer.join()
-        assert handed_over - t0 < NO_TIMEOUT_WAIT_S + waited, "the second step waited for the follow timeout"
+        _, second, waited, took = two_full_steps(store, reader)
+        assert took < NO_TIMEOUT_WAIT_S + waited, "the second step waited for the follow timeout"
     assert len(second) == 4
 
 

@@ -23,8 +23,8 @@ pytest.importorskip("fastapi", reason="needs the extra: pip install 'trajstore[s
 import openai_upstream  # noqa: E402
 import sglang_upstream  # noqa: E402
 from openai_upstream import NUM_LAYERS, TOPK, serve_in_thread  # noqa: E402
-from proxy_faults import ENGINE_DOWN, assert_unreachable, engine_answering, sse  # noqa: E402
-from raw_upstream import RawUpstream, framed  # noqa: E402
+from proxy_faults import ENGINE_DOWN, assert_unreachable, engine_answering  # noqa: E402
+from raw_upstream import RawUpstream, framed, sse  # noqa: E402
 from trajstore.ingest.proxy import _sglang as _sglang_proxy  # noqa: E402
 from trajstore.ingest.proxy import FORWARDED, make_proxy_app  # noqa: E402
 from trajstore.ingest.sglang import request_params_for_generate, request_params_for_openai  # noqa: E402
@@ -177,7 +177,7 @@ def sglang_upstream_state():
 @pytest.mark.parametrize("engine, kind", [("vllm", "generate"), ("sglang", "generate"), ("sglang", "completions")])
 def test_a_stream_ended_by_done_without_its_final_chunk_is_not_recorded(store, engine, kind):
     chunks = _streams_without_their_final_chunk(engine, kind)
-    pieces = sse(chunks) + [b"data: [DONE]\n\n"]
+    pieces = sse(chunks, done=True)
     path, body = _call(engine)
     if kind == "completions":
         path, body = "/v1/completions", {"prompt": "hi", "max_tokens": 4}

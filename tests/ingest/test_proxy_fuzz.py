@@ -45,7 +45,7 @@ httpx = pytest.importorskip("httpx", reason="needs the extra: pip install 'trajs
 pytest.importorskip("fastapi", reason="needs the extra: pip install 'trajstore[server]'")
 
 from openai_upstream import respond, serve_in_thread, stream_chunks, tito_respond, tito_stream_chunks  # noqa: E402
-from raw_upstream import FRAMINGS, RawUpstream, framed  # noqa: E402
+from raw_upstream import FRAMINGS, SSE_DONE, RawUpstream, framed  # noqa: E402
 from trajstore.ingest.proxy import make_proxy_app  # noqa: E402
 
 CASES = int(os.environ.get("TRAJSTORE_PROXY_FUZZ_CASES", "300"))
@@ -175,7 +175,7 @@ class Case:
                         break
             lines = [b"data: " + p + b"\n\n" for p in pieces]
             if not self.mutate or rng.random() < 0.7:
-                lines.append(b"data: [DONE]\n\n")
+                lines.append(SSE_DONE)
             if self.mutate and rng.random() < 0.2:  # cut mid-line
                 joined = b"".join(lines)
                 lines = [joined[: rng.randrange(len(joined) + 1)]]

@@ -20,7 +20,8 @@ import sglang_upstream  # noqa: E402
 from openai_upstream import (  # noqa: E402
     ASSISTANT, END, NUM_LAYERS, SYSTEM, TOPK, USER, encode, render_chat, route_rows, serve_in_thread, tito_respond,
 )
-from proxy_faults import engine_answering, sse  # noqa: E402
+from proxy_faults import engine_answering  # noqa: E402
+from raw_upstream import sse  # noqa: E402
 from trajstore.ingest.proxy._sglang import make_sglang_proxy_app  # noqa: E402
 from trajstore.ingest.proxy import make_proxy_app  # noqa: E402
 from trajstore.ingest.sglang import GenerateStreamAccumulator, OpenAIStreamAccumulator  # noqa: E402

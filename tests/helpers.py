@@ -135,3 +135,43 @@ def moto_s3(bucket: str, log_path: str | os.PathLike = os.devnull) -> Iterator[s
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def stop_process(proc: subprocess.Popen, timeout_s: float = 30.0) -> None:
+    """Stop a server process as Ctrl-C does (SIGINT); killed if it is still there after ``timeout_s``."""
+    import signal
+
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+@contextlib.contextmanager
+def serve_process(*argv: str, env: dict[str, str], start_timeout_s: float = 120.0,
+                  stop_timeout_s: float = 30.0) -> Iterator[tuple[subprocess.Popen, str]]:
+    """``trajstore serve`` as a real process: ``python -m trajstore.cli *argv --port P`` on a
+    free loopback port, its output piped. Yields ``(proc, url)`` once ``/healthz`` answers 200
+    (fails with its stderr if it exits first); stopped with SIGINT (``stop_process``) after."""
+    import httpx
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "trajstore.cli", *argv, "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + start_timeout_s
+        while True:
+            assert proc.poll() is None, proc.communicate()[1]
+            try:
+                if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                assert time.monotonic() < deadline, "serve did not start"
+                time.sleep(0.1)
+        yield proc, url
+    finally:
+        stop_process(proc, stop_timeout_s)
+

@@ -175,3 +175,32 @@ def serve_process(*argv: str, env: dict[str, str], start_timeout_s: float = 120.
     finally:
         stop_process(proc, stop_timeout_s)
 
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@contextlib.contextmanager
+def proxy_process(*argv: str, env: dict[str, str] | None = None, tries: int = 300) -> Iterator[str]:
+    """``trajstore proxy`` as deployed, a real process: ``python -m trajstore.cli *argv --port P``
+    on a free loopback port, run from the checkout (on its ``PYTHONPATH``) with ``env`` added to
+    this environment. Yields its URL once ``/healthz`` answers 200 (up to ``tries`` polls; fails
+    if it exits first); terminated after."""
+    import httpx
+
+    port = free_port()
+    env = {**os.environ, **(env or {}),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.Popen([sys.executable, "-m", "trajstore.cli", *argv, "--port", str(port)], env=env, cwd=REPO)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(tries):
+            try:
+                if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.05)
+            assert proc.poll() is None, f"proxy exited with {proc.returncode}"
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(10)

@@ -15,6 +15,7 @@ from typing import Any, Callable
 import numpy as np
 from sqlalchemy import func, select
 
+from trajstore.demo._simulate import RolloutConfig
 from trajstore.schema import events, materializer_checkpoints, samples, segments, trajectories
 
 
@@ -49,6 +50,10 @@ def snapshot(store) -> dict[str, Any]:
         revisions = dict(conn.execute(select(trajectories.c.trajectory_id, trajectories.c.revision)).all())
     return {"counts": counts, "head": store.log.head_position(), "revisions": revisions,
             "files": sorted(n for n, _ in store.payload.list_names())}
+
+
+# the demo trajectories of the tests of old (deprecated) names: the `five_trajectories` fixture's
+OLD_NAMES_CFG = RolloutConfig(turns=2, prompt_tokens=8, output_tokens=4, observation_tokens=2, layers=2, topk=2, seed=1)
 
 
 TEST_READER_LOGIN = "trajstore_test_analyst"

@@ -584,24 +584,6 @@ def test_reader_drops_samples_by_recorded_finish_reason(store, open_reader):
 # Old names (one name per meaning): SampleReader(current_version=) and its attribute
 # still work with a DeprecationWarning; states saved with "version" / "current_version" still load.
 
-OLD_NAMES_CFG = RolloutConfig(turns=2, prompt_tokens=8, output_tokens=4, observation_tokens=2, layers=2, topk=2, seed=1)
-
-
-@pytest.fixture
-def five_trajectories(tmp_path):
-    store = trajstore.connect(f"sqlite:///{tmp_path}/s.db")
-    for i in range(5):
-        store.append(trajectory_events(OLD_NAMES_CFG, i))
-    yield store
-    store.close()
-
-
-@pytest.fixture
-def five_folded(five_trajectories):
-    five_trajectories.materialize()
-    return five_trajectories
-
-
 def test_reader_current_version_is_current_model_version(five_folded):
     from trajstore.reader import SampleReader
 

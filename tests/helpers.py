@@ -19,6 +19,9 @@ from trajstore.demo._simulate import RolloutConfig
 from trajstore.schema import events, materializer_checkpoints, samples, segments, trajectories
 
 
+REPO = Path(__file__).resolve().parents[1]
+
+
 def started(tid: str = "t1", **kw: Any) -> dict:
     return {"type": "trajectory_started", "trajectory_id": tid, **kw}
 
@@ -142,6 +145,26 @@ def moto_s3(bucket: str, log_path: str | os.PathLike = os.devnull) -> Iterator[s
                 os.environ[k] = v
 
 
+def kill_at_pause(module: str, *args: str, marker: str, what: str, point: str) -> None:
+    """Runs ``python -m module *args`` from the checkout until it reaches its pause point,
+    that is until it writes the file ``marker`` (it writes ``marker + ".done"`` instead
+    when it ends without passing the point), then kills it -9. Fails if it exits before
+    or never gets there in 120 s; ``what`` and ``point`` name the process and the point
+    in those messages."""
+    import signal
+
+    proc = subprocess.Popen([sys.executable, "-m", module, *args], cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    try:
+        deadline = time.time() + 120
+        while not os.path.exists(marker) and not os.path.exists(marker + ".done") and time.time() < deadline:
+            assert proc.poll() is None, f"the {what} process died before its pause (exit {proc.returncode})"
+            time.sleep(0.02)
+        assert os.path.exists(marker), f"the {what} never reached its pause point {point}"
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+
+
 def stop_process(proc: subprocess.Popen, timeout_s: float = 30.0) -> None:
     """Stop a server process as Ctrl-C does (SIGINT); killed if it is still there after ``timeout_s``."""
     import signal
@@ -179,9 +202,6 @@ def serve_process(*argv: str, env: dict[str, str], start_timeout_s: float = 120.
         yield proc, url
     finally:
         stop_process(proc, stop_timeout_s)
-
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 @contextlib.contextmanager

@@ -264,10 +264,9 @@ def _run(case: Case, proxy: str, client: "httpx.Client", store) -> str:
     return "refused"
 
 
-def test_fuzzed_upstream_answers_are_passed_on_and_recorded_whole_or_not_at_all(store, caplog):
-    rng = random.Random(SEED)
-    cases = {i: Case(i, rng) for i in range(CASES)}
-
+def _replying(cases: dict, generator_errors: list[str]):
+    """The raw engine's reply: the answer of the case the request names (``fuzz_case``). A
+    generator bug is kept in ``generator_errors`` (the test fails on it, not the server thread)."""
     def reply(method, path, body):
         request = json.loads(body)
         try:
@@ -276,7 +275,14 @@ def test_fuzzed_upstream_answers_are_passed_on_and_recorded_whole_or_not_at_all(
             generator_errors.append(repr(e))
             raise
 
+    return reply
+
+
+def test_fuzzed_upstream_answers_are_passed_on_and_recorded_whole_or_not_at_all(store, caplog):
+    rng = random.Random(SEED)
+    cases = {i: Case(i, rng) for i in range(CASES)}
     generator_errors: list[str] = []
+    reply = _replying(cases, generator_errors)
 
     outcomes: dict[str, int] = {}
     with caplog.at_level(logging.ERROR), RawUpstream(reply) as up, \
@@ -361,14 +367,7 @@ def test_fuzzed_upstream_answers_fail_closed_when_they_cannot_be_recorded(store,
     rng = random.Random(SEED + 1)
     cases = {i: Case(i, rng) for i in range(max(CASES // 2, 20))}
     generator_errors: list[str] = []
-
-    def reply(method, path, body):
-        request = json.loads(body)
-        try:
-            return cases[request["fuzz_case"]].answer(request)
-        except Exception as e:  # a bug of the generator, not of the proxy: fail the test, not the thread
-            generator_errors.append(repr(e))
-            raise
+    reply = _replying(cases, generator_errors)
 
     outcomes: dict[str, int] = {}
     with caplog.at_level(logging.ERROR), RawUpstream(reply) as up, \

@@ -23,6 +23,7 @@ from openai_upstream import (  # noqa: E402
 from helpers import proxy_process  # noqa: E402
 from proxy_faults import engine_answering  # noqa: E402
 from raw_upstream import sse  # noqa: E402
+from test_proxy import _expected_routes  # noqa: E402
 from trajstore.ingest.proxy._sglang import make_sglang_proxy_app  # noqa: E402
 from trajstore.ingest.proxy import make_proxy_app  # noqa: E402
 from trajstore.ingest.sglang import GenerateStreamAccumulator, OpenAIStreamAccumulator  # noqa: E402
@@ -136,14 +137,7 @@ def test_an_sglang_rollout_and_a_vllm_rollout_of_the_same_tokens_give_the_same_s
     assert list(s.token_model_versions) == [3] * n1 + [-1] * obs2 + [3, 3] + [4] * (n2 - 2) + [-1] * obs3 + [4] * n3
     assert (s.min_model_version, s.max_model_version) == (3, 4)
     assert s.finish_reason == "stop" and s.reward == 1.0 and s.is_last_step and bool(s.logprobs_mask[0])
-    full = s_calls[-1][0] + s_calls[-1][1]
-    expected = np.zeros((len(full), NUM_LAYERS, TOPK), dtype=np.uint8)
-    recorded = 0
-    for prompt, output in s_calls:
-        rows = route_rows(prompt + output, len(prompt))
-        expected[recorded:len(rows)] = rows[recorded:]
-        recorded = len(rows)
-    expected[-1] = np.arange(TOPK)
+    expected, _ = _expected_routes(s_calls)
     np.testing.assert_array_equal(s.routed_experts, expected)
 
 

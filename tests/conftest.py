@@ -124,6 +124,28 @@ def store(store_url: str, tmp_path: Path) -> Iterator["trajstore.Store"]:
     s.close()
 
 
+@pytest.fixture
+def five_trajectories(tmp_path: Path) -> Iterator["trajstore.Store"]:
+    """A SQLite store holding five demo trajectories (``OLD_NAMES_CFG``), not folded yet:
+    the store of the tests that old (deprecated) names still work."""
+    from trajstore.demo._simulate import trajectory_events
+
+    from helpers import OLD_NAMES_CFG
+
+    store = trajstore.connect(f"sqlite:///{tmp_path}/s.db")
+    for i in range(5):
+        store.append(trajectory_events(OLD_NAMES_CFG, i))
+    yield store
+    store.close()
+
+
+@pytest.fixture
+def five_folded(five_trajectories: "trajstore.Store") -> "trajstore.Store":
+    """``five_trajectories`` folded."""
+    five_trajectories.materialize()
+    return five_trajectories
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     # So `-m "not postgres"` also deselects tests that ask for the cluster directly.
     for item in items:

@@ -11,15 +11,32 @@ Framings (``framed``): ``length`` (Content-Length), ``chunked``
 (Transfer-Encoding, terminated), ``chunked-cut`` (no terminating chunk: the
 reader sees a broken body), ``close`` (no length: the body ends when the
 connection closes, so a cut cannot be told from the end).
+
+Server-sent events (``sse_event``, ``sse``, ``SSE_DONE``): the ``data:`` lines
+every test engine streams, a JSON object each, and the ``data: [DONE]`` that
+ends an OpenAI-style stream.
 """
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
-from typing import Callable
+from typing import Any, Callable, Iterable
 
 FRAMINGS = ("length", "chunked", "chunked-cut", "close")
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def sse_event(obj: Any) -> bytes:
+    """One server-sent event: ``data:`` and ``obj`` as JSON, then the blank line that ends it."""
+    return f"data: {json.dumps(obj)}\n\n".encode()
+
+
+def sse(objs: Iterable[Any], *, done: bool = False) -> list[bytes]:
+    """The events of a stream of JSON objects, and ``data: [DONE]`` after them when ``done``."""
+    return [sse_event(obj) for obj in objs] + ([SSE_DONE] if done else [])
 
 
 def framed(pieces: list[bytes], *, framing: str = "length", status: int = 200,

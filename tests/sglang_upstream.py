@@ -54,12 +54,12 @@ answer as SGLang does. ``app.state.control`` keeps the control calls.
 
 import asyncio
 import base64
-import json
 from typing import Any, AsyncIterator, Iterator
 
 import numpy as np
 
 from openai_upstream import END, decode, encode, generate, render_chat, route_rows
+from raw_upstream import SSE_DONE, sse_event
 
 DEFAULT_VERSION = "default"
 
@@ -335,8 +335,8 @@ def make_upstream() -> Any:
     def sse(chunks: Iterator[dict]) -> Any:
         def body() -> Iterator[bytes]:
             for chunk in chunks:
-                yield f"data: {json.dumps(chunk)}\n\n".encode()
-            yield b"data: [DONE]\n\n"
+                yield sse_event(chunk)
+            yield SSE_DONE
         return StreamingResponse(body(), media_type="text/event-stream")
 
     def state() -> Any:
@@ -352,8 +352,8 @@ def make_upstream() -> Any:
         if body.get("stream") and app.state.token_delay_s is not None:
             async def live() -> AsyncIterator[bytes]:
                 async for chunk in live_stream(body, app):
-                    yield f"data: {json.dumps(chunk)}\n\n".encode()
-                yield b"data: [DONE]\n\n"
+                    yield sse_event(chunk)
+                yield SSE_DONE
             return StreamingResponse(live(), media_type="text/event-stream")
         if body.get("stream"):
             return sse(list(native_stream(body, state())))

@@ -16,7 +16,7 @@ import trajstore
 from trajstore.cli import main
 from trajstore.demo._simulate import RolloutConfig, trajectory_events
 from trajstore._wire import encode_b64, encode_npy_b64
-from tests.helpers import snapshot
+from tests.helpers import OLD_NAMES_CFG, snapshot
 
 CFG = RolloutConfig(turns=3, prompt_tokens=12, output_tokens=6, observation_tokens=3, layers=3, topk=2,
                     num_experts=16, mismatch_prob=0.3, abort_prob=0.3)
@@ -168,9 +168,6 @@ def test_core_does_not_import_edges():
 
 # ----------------------------------------------------------------------------
 # The old flag `materialize --batch-size` still works, with a DeprecationWarning.
-
-OLD_NAMES_CFG = RolloutConfig(turns=2, prompt_tokens=8, output_tokens=4, observation_tokens=2, layers=2, topk=2, seed=1)
-
 
 def test_cli_materialize_batch_size_still_works(tmp_path, capsys):
     url = f"sqlite:///{tmp_path}/s.db"

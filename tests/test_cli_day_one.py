@@ -11,7 +11,6 @@ import os
 import re
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ import pytest
 
 import trajstore
 from trajstore.cli import _parser, main
+from tests.helpers import free_port
 from tests.test_cli import write_jsonl
 
 REPO = Path(__file__).resolve().parent.parent
@@ -122,12 +122,6 @@ def _argv(command: str, tmp_path: Path) -> list[str]:
     }[command]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _wait_http(url: str, proc: subprocess.Popen) -> None:
     import httpx
 
@@ -143,7 +137,7 @@ def _wait_http(url: str, proc: subprocess.Popen) -> None:
 
 
 def _serving(command: str, url: str, payload: str, after: bool, tmp_path: Path, upstream: str | None):
-    port = _free_port()
+    port = free_port()
     flags = ["--store", url, "--payload", payload]
     tail = ["--port", str(port), "--insecure-no-auth"] + ([] if command == "serve" else ["--upstream", upstream])
     argv = [command, *tail, *flags] if after else [*flags, command, *tail]
@@ -214,7 +208,7 @@ def _check_server_option(command: str, option: str, after: bool, tmp_path: Path)
 
     url, payload = sqlite_url(tmp_path / "s.db"), str(tmp_path / "pay")
     if option == "--debug":
-        argv = [command, "--port", str(_free_port()), "--store", "mysql://nowhere/x"]
+        argv = [command, "--port", str(free_port()), "--store", "mysql://nowhere/x"]
         argv += ["--insecure-no-auth"] + ([] if command == "serve" else ["--upstream", "http://127.0.0.1:9"])
         argv = argv + ["--debug"] if after else ["--debug", *argv]
         proc = subprocess.run([*CLI, *argv], capture_output=True, text=True, timeout=60)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import select
-import signal
 import socket
 import subprocess
 import sys
@@ -16,18 +15,14 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import free_port, stop_process
+
 REPO = Path(__file__).resolve().parent.parent
 CLI = [sys.executable, "-m", "trajstore.cli"]
 
 
 def run(*argv: str, cwd=None, env=None, timeout=300) -> subprocess.CompletedProcess:
     return subprocess.run([*CLI, *argv], capture_output=True, text=True, cwd=cwd, env=env, timeout=timeout)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _env(**extra: str) -> dict:
@@ -57,20 +52,11 @@ def _stderr_lines_until(proc: subprocess.Popen, needle: str, timeout_s: float = 
     raise AssertionError(f"no {needle!r} on stderr: {lines}")
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGINT)
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
 @pytest.mark.parametrize("command", ["serve", "proxy"])
 def test_a_server_says_listening_only_once_it_answers(command, tmp_path):
     httpx = pytest.importorskip("httpx")
     pytest.importorskip("fastapi")
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([*CLI, *_server_argv(command, tmp_path, port)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=_env(TRAJSTORE_TOKEN="t0ken"))
     try:
@@ -79,13 +65,13 @@ def test_a_server_says_listening_only_once_it_answers(command, tmp_path):
         assert httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=5).status_code == 200
         assert lines[-1].startswith(f"trajstore {command}: listening on http://127.0.0.1:{port} (store sqlite:///")
     finally:
-        _stop(proc)
+        stop_process(proc)
 
 
 @pytest.mark.parametrize("command", ["serve", "proxy"])
 def test_a_server_without_a_token_prints_one_error_line_and_never_listening(command, tmp_path):
     pytest.importorskip("fastapi")
-    proc = run(*_server_argv(command, tmp_path, _free_port()), env=_env(), timeout=60)
+    proc = run(*_server_argv(command, tmp_path, free_port()), env=_env(), timeout=60)
     assert proc.returncode == 1
     assert proc.stderr.splitlines() == [
         "error: no token: pass --token or set $TRAJSTORE_TOKEN (or --insecure-no-auth to run open)"]
@@ -107,14 +93,14 @@ def test_a_server_on_a_taken_port_prints_one_error_line(command, tmp_path):
 
 def test_serve_insecure_no_auth_warns(tmp_path):
     pytest.importorskip("fastapi")
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([*CLI, *_server_argv("serve", tmp_path, port), "--insecure-no-auth"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
     try:
         lines = _stderr_lines_until(proc, "listening on")
         assert any("running open (--insecure-no-auth)" in line for line in lines), lines
     finally:
-        _stop(proc)
+        stop_process(proc)
 
 
 def test_a_second_demo_keeps_the_report_the_user_made(tmp_path):

@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -26,7 +25,7 @@ import trajstore
 from trajstore._gc import GcWorker, ReaderLease, collect_retired
 from trajstore.materializer import Materializer
 from trajstore.schema import reader_leases, segments
-from tests.helpers import finished, gen, started
+from tests.helpers import finished, gen, moto_s3, started
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -200,45 +199,11 @@ def test_explicit_gc_honours_live_leases(store):
 BUCKET = "trajstore-gc"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def s3_logged(tmp_path_factory):
-    exe = str(Path(sys.executable).parent / "moto_server")
-    if not os.path.exists(exe):
-        pytest.fail("moto_server not found: install the dev extra (moto[server])")
-    port = _free_port()
     log_path = tmp_path_factory.mktemp("moto") / "requests.log"
-    log = open(log_path, "w")
-    proc = subprocess.Popen([exe, "-H", "127.0.0.1", "-p", str(port)], stdout=log, stderr=subprocess.STDOUT)
-    old = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")}
-    os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1")
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    pytest.fail("moto_server did not start")
-                time.sleep(0.1)
-        endpoint = f"127.0.0.1:{port}"
-        pafs.S3FileSystem(endpoint_override=endpoint, scheme="http", allow_bucket_creation=True).create_dir(BUCKET)
+    with moto_s3(BUCKET, log_path) as endpoint:
         yield endpoint, log_path
-    finally:
-        proc.terminate()
-        proc.wait(30)
-        log.close()
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _requests(log_path: Path, start: int) -> list[str]:

@@ -689,18 +689,6 @@ def test_materializer_reads_equal_the_generic_ones(store):
 # Old keyword names (one name per meaning) still work, with a DeprecationWarning:
 # Materializer(batch_size=) and Store.samples(batch_size=).
 
-OLD_NAMES_CFG = RolloutConfig(turns=2, prompt_tokens=8, output_tokens=4, observation_tokens=2, layers=2, topk=2, seed=1)
-
-
-@pytest.fixture
-def five_trajectories(tmp_path):
-    store = trajstore.connect(f"sqlite:///{tmp_path}/s.db")
-    for i in range(5):
-        store.append(trajectory_events(OLD_NAMES_CFG, i))
-    yield store
-    store.close()
-
-
 def test_materializer_batch_size_is_max_trajectories(five_trajectories):
     with pytest.warns(DeprecationWarning, match="batch_size= is deprecated; use max_trajectories="):
         old = Materializer(five_trajectories, batch_size=2)

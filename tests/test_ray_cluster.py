@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -19,18 +18,13 @@ import pytest
 import trajstore
 from trajstore.demo._simulate import RolloutConfig, trajectory_events
 from trajstore.log.base import Shard
+from tests.helpers import free_port
 
 ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 CFG = RolloutConfig(turns=2, prompt_tokens=8, output_tokens=4, observation_tokens=2, layers=2, topk=2)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait_for(predicate, timeout_s: float = 120.0) -> bool:
@@ -45,7 +39,7 @@ def _wait_for(predicate, timeout_s: float = 120.0) -> bool:
 @pytest.fixture(scope="module")
 def two_node_ray():
     exe = str(Path(sys.executable).parent / "ray")
-    port = _free_port()
+    port = free_port()
     head_dir = tempfile.mkdtemp(prefix="rh")  # short: Ray's socket paths live under it
     # token authentication: tests/conftest.py gives the suite's clusters one token of their own
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),

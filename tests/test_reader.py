@@ -22,7 +22,7 @@ import sys
 import threading
 import time
 from collections import Counter
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 from hypothesis import given
@@ -434,23 +434,35 @@ def _ends_once_drained(reader: SampleReader, producer: subprocess.Popen, idle_s:
         watcher.join()
 
 
-@pytest.mark.parametrize("config", [{"batch_size": 3}, {"batch_size": 8, "keep_groups": True, "group_size": GROUP_SIZE}],
-                         ids=["samples", "groups"])
-def test_follow_sees_every_sample_once_while_another_process_writes(store, config, open_reader):
+def follow_while_another_process_writes(store, open_follow_reader: Callable[[], Any],
+                                        **popen: Any) -> tuple[Any, list[list[tuple[str, int]]]]:
+    """Another process writes 32 trajectories into ``store`` (``produce``) while a follow
+    reader, ``open_follow_reader()``, reads until it is drained (``_ends_once_drained``).
+    Asserts the producer succeeded; returns the reader and the keys of each step it read.
+    ``popen``: more ``subprocess.Popen`` arguments for the producer (its ``env``)."""
     producer = subprocess.Popen([sys.executable, HERE, "produce", store.url, store.payload.location, "32"],
-                                cwd=ROOT, stderr=subprocess.PIPE, text=True)
+                                cwd=ROOT, stderr=subprocess.PIPE, text=True, **popen)
     try:
         # Start following once the producer is up (its start-up alone can exceed the
         # follow timeout on a loaded machine); it still writes for seconds after, and
         # its slowest gap under a shared CPU must stay below the idle timeout.
         while producer.poll() is None and not any(True for _ in store.samples(page_rows=1)):
             time.sleep(0.05)
-        reader = open_reader(store, follow=True, timeout_s=20.0, poll_interval_s=0.05, **config)
+        reader = open_follow_reader()
         with _ends_once_drained(reader, producer):
-            steps = [[keys(batch)] for batch in reader]
+            steps = [keys(batch) for batch in reader]
     finally:
         _, err = producer.communicate(timeout=120)
     assert producer.returncode == 0, err[-2000:]
+    return reader, steps
+
+
+@pytest.mark.parametrize("config", [{"batch_size": 3}, {"batch_size": 8, "keep_groups": True, "group_size": GROUP_SIZE}],
+                         ids=["samples", "groups"])
+def test_follow_sees_every_sample_once_while_another_process_writes(store, config, open_reader):
+    reader, steps = follow_while_another_process_writes(
+        store, lambda: open_reader(store, follow=True, timeout_s=20.0, poll_interval_s=0.05, **config))
+    steps = [[step] for step in steps]
     assert reader.stats.polls > 0, "the reader never had to wait: the test did not exercise following"
     reference = flat(drive(make_readers(store, 1, config)))
     assert len(reference) >= 32
@@ -584,24 +596,6 @@ def test_reader_drops_samples_by_recorded_finish_reason(store, open_reader):
 # Old names (one name per meaning): SampleReader(current_version=) and its attribute
 # still work with a DeprecationWarning; states saved with "version" / "current_version" still load.
 
-OLD_NAMES_CFG = RolloutConfig(turns=2, prompt_tokens=8, output_tokens=4, observation_tokens=2, layers=2, topk=2, seed=1)
-
-
-@pytest.fixture
-def five_trajectories(tmp_path):
-    store = trajstore.connect(f"sqlite:///{tmp_path}/s.db")
-    for i in range(5):
-        store.append(trajectory_events(OLD_NAMES_CFG, i))
-    yield store
-    store.close()
-
-
-@pytest.fixture
-def five_folded(five_trajectories):
-    five_trajectories.materialize()
-    return five_trajectories
-
-
 def test_reader_current_version_is_current_model_version(five_folded):
     from trajstore.reader import SampleReader
 
@@ -702,22 +696,32 @@ def append_samples(store, start: int, n: int) -> None:
     Materializer(store).run()
 
 
+def two_full_steps(store, reader) -> tuple[list, list, float, float]:
+    """Two steps of 4 from a follow ``reader`` over ``store`` that holds exactly one
+    (``append_samples(store, 0, 4)``): the first, asserted handed over without waiting
+    for more, then the next, whose last samples another thread appends while the
+    reader waits. Returns both steps, the first one's wait and the time from asking
+    for the first to the second's hand-over."""
+    t0 = time.monotonic()
+    first = next(reader)
+    waited = time.monotonic() - t0
+    assert len(first) == 4 and waited < NO_TIMEOUT_WAIT_S, f"a full step waited {waited:.1f} s for more"
+    # the next step: its last group completes while the reader waits
+    writer = threading.Thread(target=append_samples, args=(store, 4, 4))
+    writer.start()
+    second = next(reader)
+    handed_over = time.monotonic()
+    writer.join()
+    return first, second, waited, handed_over - t0
+
+
 @pytest.mark.parametrize("config", [{"batch_size": 4}, {"batch_size": 4, "keep_groups": True, "group_size": 2},
                                     {"batch_size": 4, "prefetch": False}], ids=["samples", "groups", "no-prefetch"])
 def test_a_full_step_is_handed_over_without_waiting_for_more(store, config, open_reader):
     append_samples(store, 0, 4)  # exactly one step
     with open_reader(store, follow=True, timeout_s=FOLLOW_TIMEOUT_S, poll_interval_s=0.05, **config) as reader:
-        t0 = time.monotonic()
-        first = next(reader)
-        waited = time.monotonic() - t0
-        assert len(first) == 4 and waited < NO_TIMEOUT_WAIT_S, f"a full step waited {waited:.1f} s for more"
-        # the next step: its last group completes while the reader waits
-        writer = threading.Thread(target=append_samples, args=(store, 4, 4))
-        writer.start()
-        second = next(reader)
-        handed_over = time.monotonic()
-        writer.join()
-        assert handed_over - t0 < NO_TIMEOUT_WAIT_S + waited, "the second full step waited for the follow timeout"
+        first, second, waited, took = two_full_steps(store, reader)
+        assert took < NO_TIMEOUT_WAIT_S + waited, "the second full step waited for the follow timeout"
     assert sorted(keys(first + second)) == sorted((s.trajectory_id, s.sample_index) for s in store.samples())
 
 
@@ -739,6 +743,20 @@ def _restart(cluster, down_s: float = 3.0) -> None:
     start_cluster_again(cluster)
 
 
+def three_steps_across_a_restart(cluster, store, reader) -> list:
+    """Three steps of 4 from a follow ``reader`` over ``store`` that holds 6 samples
+    (``append_samples(store, 0, 6)``): one, then the database server crashes and starts
+    again (``_restart``) while the reader polls for the next, 6 more samples come, two
+    more steps. The reader is closed after."""
+    batches = [next(reader)]
+    time.sleep(0.3)  # the reader polls for the next step meanwhile
+    _restart(cluster)
+    append_samples(store, 6, 6)
+    batches += [next(reader), next(reader)]
+    reader.close()
+    return batches
+
+
 def _reader_lines(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.name == "trajstore.reader"]
 
@@ -754,12 +772,7 @@ def test_a_follow_reader_rides_out_a_database_restart(fault_cluster, tmp_path, c
     append_samples(store, 0, 6)
     reader = open_reader(store.url, payload=store.payload.location, batch_size=4, follow=True,
                           timeout_s=FOLLOW_TIMEOUT_S, poll_interval_s=0.05)
-    batches = [next(reader)]
-    time.sleep(0.3)  # the reader polls for the next step meanwhile
-    _restart(fault_cluster)
-    append_samples(store, 6, 6)
-    batches += [next(reader), next(reader)]
-    reader.close()
+    batches = three_steps_across_a_restart(fault_cluster, store, reader)
     assert [len(b) for b in batches] == [4, 4, 4]
     assert keys(s for b in batches for s in b) == [(s.trajectory_id, s.sample_index) for s in store.samples()]
     lines = _reader_lines(caplog)

@@ -20,10 +20,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
-import threading
-import time
 from collections import Counter
 
 import numpy as np
@@ -36,8 +32,8 @@ from trajstore.errors import ResumeStateError, ValidationError
 from trajstore.reader import (FifoPolicy, FreshnessPolicy, ReadyFirstPolicy, ReaderConfig, ReusePolicy,
                               SampleReader)
 
-from test_reader import (FOLLOW_TIMEOUT_S, GROUP_SIZE, HERE as READER_TESTS, NO_TIMEOUT_WAIT_S, ROOT,  # noqa: F401
-                         _ends_once_drained, append_samples, drive, filled, keys, make_readers, open_reader)
+from test_reader import (FOLLOW_TIMEOUT_S, GROUP_SIZE, NO_TIMEOUT_WAIT_S, append_samples, drive,  # noqa: F401
+                         filled, follow_while_another_process_writes, keys, make_readers, open_reader, two_full_steps)
 
 POLICIES = {
     "fifo": "fifo",
@@ -234,33 +230,16 @@ def test_a_follow_reader_hands_over_a_full_step_without_filling_its_window(store
     append_samples(store, 0, 4)  # exactly one step
     with open_reader(store, follow=True, timeout_s=FOLLOW_TIMEOUT_S, poll_interval_s=0.05, batch_size=4,
                      policy=POLICIES[policy]) as reader:
-        t0 = time.monotonic()
-        first = next(reader)
-        waited = time.monotonic() - t0
-        assert len(first) == 4 and waited < NO_TIMEOUT_WAIT_S, f"a full step waited {waited:.1f} s for more"
-        writer = threading.Thread(target=append_samples, args=(store, 4, 4))
-        writer.start()
-        second = next(reader)
-        handed_over = time.monotonic()
-        writer.join()
-        assert handed_over - t0 < NO_TIMEOUT_WAIT_S + waited, "the second step waited for the follow timeout"
+        _, second, waited, took = two_full_steps(store, reader)
+        assert took < NO_TIMEOUT_WAIT_S + waited, "the second step waited for the follow timeout"
     assert len(second) == 4
 
 
 @pytest.mark.parametrize("policy", ["ready_first", "reuse"])
 def test_a_follow_reader_takes_every_sample_its_uses_while_another_process_writes(store, open_reader, policy):
-    producer = subprocess.Popen([sys.executable, READER_TESTS, "produce", store.url, store.payload.location, "32"],
-                                cwd=ROOT, stderr=subprocess.PIPE, text=True)
-    try:
-        while producer.poll() is None and not any(True for _ in store.samples(page_rows=1)):
-            time.sleep(0.05)
-        reader = open_reader(store, follow=True, timeout_s=20.0, poll_interval_s=0.05, batch_size=3,
-                             policy=POLICIES[policy], current_model_version=3)
-        with _ends_once_drained(reader, producer):
-            steps = [keys(batch) for batch in reader]
-    finally:
-        _, err = producer.communicate(timeout=120)
-    assert producer.returncode == 0, err[-2000:]
+    reader, steps = follow_while_another_process_writes(
+        store, lambda: open_reader(store, follow=True, timeout_s=20.0, poll_interval_s=0.05, batch_size=3,
+                                   policy=POLICIES[policy], current_model_version=3))
     assert reader.stats.polls > 0, "the reader never had to wait: the test did not exercise following"
     uses = POLICIES[policy]["max_uses"] if policy == "reuse" else 1
     taken = Counter(k for step in steps for k in step)

@@ -5,12 +5,6 @@ writing the archive and dropping the rows loses nothing."""
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-import time
-
 import pyarrow.parquet as pq
 import pytest
 from sqlalchemy import func, select
@@ -19,8 +13,8 @@ import trajstore
 from trajstore.cli import main
 from trajstore.demo._simulate import RolloutConfig, trajectory_events
 from trajstore.schema import events as events_table, segments as segments_table, trajectories as traj_table
+from tests.helpers import kill_at_pause
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CFG = RolloutConfig(turns=3, prompt_tokens=60, output_tokens=40, observation_tokens=12, layers=4, topk=2,
                     num_experts=64, mismatch_prob=0.25, abort_prob=0.1, fail_prob=0.05, seed=21)
 N = 12
@@ -167,18 +161,8 @@ def test_before_position_bounds_what_leaves(store_url, tmp_path, capsys):
 
 
 def _kill_at(url: str, payload: str, out_dir: str, where: str, marker: str) -> None:
-    env = dict(os.environ, PYTHONPATH=ROOT)
-    proc = subprocess.Popen([sys.executable, "-m", "tests.log.archive_procs", url, payload, out_dir, where, marker],
-                            cwd=ROOT, env=env)
-    try:
-        deadline = time.time() + 120
-        while not os.path.exists(marker) and not os.path.exists(marker + ".done") and time.time() < deadline:
-            assert proc.poll() is None, f"the archive process died before its pause (exit {proc.returncode})"
-            time.sleep(0.02)
-        assert os.path.exists(marker), f"the archive never reached its pause point {where}"
-    finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
+    kill_at_pause("tests.log.archive_procs", url, payload, out_dir, where, marker, marker=marker, what="archive",
+                  point=where)
 
 
 @pytest.mark.parametrize("where", ["after_file", "in_transaction"])

@@ -20,7 +20,6 @@ import sys
 import threading
 import time
 import uuid
-from pathlib import Path
 
 import pyarrow.fs as pafs
 import pytest
@@ -28,49 +27,15 @@ import pytest
 import trajstore
 from trajstore.cli import main
 from trajstore.errors import PayloadLocationError, StoreUnavailable
-from tests.helpers import finished, gen, started
+from tests.helpers import finished, free_port, gen, moto_s3, started
 
 BUCKET = "trajstore-test"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def s3_endpoint() -> str:
-    # this interpreter's (a moto_server elsewhere on PATH may be another Python's, another moto)
-    exe = str(Path(sys.executable).parent / "moto_server")
-    if not os.path.exists(exe):
-        pytest.fail("moto_server not found: install the dev extra (moto[server])")
-    port = _free_port()
-    log = open(os.environ.get("TRAJSTORE_MOTO_LOG", os.devnull), "w")
-    proc = subprocess.Popen([exe, "-H", "127.0.0.1", "-p", str(port)], stdout=log, stderr=subprocess.STDOUT)
-    old = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")}
-    os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1")
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    pytest.fail("moto_server did not start")
-                time.sleep(0.1)
-        endpoint = f"127.0.0.1:{port}"
-        pafs.S3FileSystem(endpoint_override=endpoint, scheme="http", allow_bucket_creation=True).create_dir(BUCKET)
+    with moto_s3(BUCKET, os.environ.get("TRAJSTORE_MOTO_LOG", os.devnull)) as endpoint:
         yield endpoint
-    finally:
-        proc.terminate()
-        proc.wait(30)
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 _SERVER = r"""
@@ -98,7 +63,7 @@ class StoppableS3:
     objects kept) and hung (SIGSTOP) and resumed (SIGCONT)."""
 
     def __init__(self) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.endpoint = f"127.0.0.1:{self.port}"
         self.proc = subprocess.Popen([sys.executable, "-c", _SERVER, "127.0.0.1", str(self.port)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
 import textwrap
@@ -13,7 +12,7 @@ import textwrap
 import numpy as np
 
 import trajstore
-from helpers import wait_http
+from helpers import free_port, wait_http
 from trajstore.cli import main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -35,12 +34,6 @@ def test_demo_engine_records_episodes_with_routes_and_spans(tmp_path, capsys):
         assert s.loss_mask.sum() == 18 and (s.loss_mask[s.token_model_versions < 0] == 0).all()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _output(proc: subprocess.Popen):
     """What the process wrote, once it has exited (never waits on a running one)."""
     return proc.communicate() if proc.poll() is not None else "(still running)"
@@ -54,7 +47,7 @@ def test_first_hour_page_works_as_written(tmp_path):
     engine_cmd = next(c for c in commands if "--engine-only" in c)
     proxy_cmd = next(c for c in commands if " proxy " in c)
     agent = next(text for kind, text in blocks if kind == "python" and "X-Trajstore-Trajectory" in text)
-    engine_port, proxy_port = _free_port(), _free_port()
+    engine_port, proxy_port = free_port(), free_port()
     store_url = f"sqlite:///{tmp_path}/run/trajstore.db"
     exe = [sys.executable, "-m", "trajstore.cli"]
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -27,7 +26,7 @@ import pytest
 
 httpx = pytest.importorskip("httpx", reason="needs the extra: pip install 'trajstore[server]'")
 
-from helpers import wait_http  # noqa: E402
+from helpers import free_port, wait_http  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
@@ -42,12 +41,6 @@ def _engine_python() -> str:
             pytest.fail(message)
         pytest.skip(message)
     return python
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _tail(log: Path, n: int = 40) -> str:

@@ -7,13 +7,11 @@
   (``raw_upstream.RawUpstream``) that answers every request with ``pieces``,
   a stream by default; ``framing="chunked-cut"`` (or ``"close"``) is an engine
   that dies mid-body.
-* ``sse(objs)``: the ``data:`` lines of a stream of JSON objects.
 """
 
 from __future__ import annotations
 
-import json
-from typing import Any, Iterable
+from typing import Any
 
 from raw_upstream import RawUpstream, framed
 
@@ -24,10 +22,6 @@ def assert_unreachable(resp: Any, what: Any = None) -> None:
     """``resp`` is the proxy's clean answer to an engine it cannot reach or read: a 502 naming the rule."""
     assert resp.status_code == 502 and resp.json()["error"]["rule"] == "upstream_unreachable", (
         what if what is not None else resp.text)
-
-
-def sse(objs: Iterable[Any]) -> list[bytes]:
-    return [f"data: {json.dumps(obj)}\n\n".encode() for obj in objs]
 
 
 def engine_answering(pieces: list[bytes], *, framing: str = "length", status: int = 200,

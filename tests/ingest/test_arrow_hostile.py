@@ -7,12 +7,7 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
 import struct
-import subprocess
-import sys
-import time
 
 import numpy as np
 import pyarrow as pa
@@ -27,6 +22,7 @@ from trajstore.ingest.arrow_body import (  # noqa: E402
     ARROW_CONTENT_TYPE, ArrowBodyError, decode_arrow_events, encode_arrow_events)
 from trajstore.errors import ValidationError  # noqa: E402
 from trajstore.ingest.service import make_app  # noqa: E402
+from helpers import serve_process  # noqa: E402
 
 TOKEN = "hostile-token"
 HEADERS = {"Content-Type": ARROW_CONTENT_TYPE, "Authorization": f"Bearer {TOKEN}"}
@@ -204,12 +200,6 @@ def test_hostile_bodies_get_a_4xx_json_error_and_store_nothing(service, store):
 
 # -- a real `trajstore serve` process ------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _peak_rss_kib(pid: int) -> int:
     with open(f"/proc/{pid}/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
@@ -218,22 +208,8 @@ def _peak_rss_kib(pid: int) -> int:
 def test_a_real_serve_process_survives_every_hostile_body(tmp_path):
     """The out-of-bounds offset killed ``trajstore serve`` with SIGSEGV (rc
     139); the zstd body raised its peak memory by about what it inflates to."""
-    port = _free_port()
     env = {**os.environ, "TRAJSTORE_TOKEN": TOKEN}
-    proc = subprocess.Popen([sys.executable, "-m", "trajstore.cli", "--store", f"sqlite:///{tmp_path}/s.db",
-                             "serve", "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, proc.communicate()[1]
-            try:
-                if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                assert time.monotonic() < deadline, "serve did not start"
-                time.sleep(0.1)
+    with serve_process("--store", f"sqlite:///{tmp_path}/s.db", "serve", env=env, start_timeout_s=60) as (proc, url):
         with httpx.Client(timeout=60) as client:
             bomb = _bomb(256 << 20)
             assert len(bomb) < 64 << 10
@@ -251,10 +227,3 @@ def test_a_real_serve_process_survives_every_hostile_body(tmp_path):
                 assert resp.status_code == status, (name, resp.text[:300])
                 assert proc.poll() is None, f"{name}: serve exited with {proc.returncode}"
             assert client.get(f"{url}/healthz").status_code == 200
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()

@@ -8,14 +8,13 @@ from __future__ import annotations
 import http.client
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 
 import pytest
-from helpers import gen, started
+from helpers import free_port, gen, started
 
 import trajstore
 from trajstore.errors import StoreUnavailable, ValidationError
@@ -115,12 +114,6 @@ def test_a_failed_group_acknowledges_none_of_its_calls():
 
 # -- a real service process killed mid-linger -------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _post(port: int, events: list[dict], timeout_s: float = 60.0) -> int:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s)
     try:
@@ -153,7 +146,7 @@ def _start_service(store_url: str, payload: str, port: int, linger_ms: int) -> s
 def test_a_service_killed_mid_linger_loses_only_unacknowledged_calls(store_url, tmp_path):
     payload = str(tmp_path / "payload")
     trajstore.connect(store_url, payload=payload).close()
-    port = _free_port()
+    port = free_port()
     proc = _start_service(store_url, payload, port, linger_ms=1500)
     answers: dict[str, object] = {}
     try:

@@ -12,11 +12,6 @@ sets the count (10,000 is the full run, docs/ingest.md "Hostile bodies")."""
 from __future__ import annotations
 
 import os
-import signal
-import socket
-import subprocess
-import sys
-import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
@@ -31,6 +26,7 @@ from sqlalchemy import func, select  # noqa: E402
 from trajstore.errors import ValidationError  # noqa: E402
 from trajstore.ingest.arrow_body import ARROW_CONTENT_TYPE, ArrowBodyError, decode_arrow_events  # noqa: E402
 from trajstore.schema import events as events_table  # noqa: E402
+from helpers import serve_process  # noqa: E402
 
 TOKEN = "fuzz-arrow-token"
 HEADERS = {"Content-Type": ARROW_CONTENT_TYPE, "Authorization": f"Bearer {TOKEN}"}
@@ -41,12 +37,6 @@ CLIENTS = 8
 RSS_SLACK_MIB = 64
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _rss_kib(pid: int, key: str = "VmRSS") -> int:
     with open(f"/proc/{pid}/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith(key + ":"))
@@ -54,30 +44,9 @@ def _rss_kib(pid: int, key: str = "VmRSS") -> int:
 
 @pytest.fixture
 def serve(store_url, tmp_path):
-    port = _free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "trajstore.cli", "--store", store_url, "--payload", str(tmp_path / "payload"),
-         "serve", "--port", str(port), "--max-body-mb", "8"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "TRAJSTORE_TOKEN": TOKEN})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.communicate()[1]
-            try:
-                if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                assert time.monotonic() < deadline, "serve did not start"
-                time.sleep(0.1)
+    with serve_process("--store", store_url, "--payload", str(tmp_path / "payload"), "serve", "--max-body-mb", "8",
+                       env={**os.environ, "TRAJSTORE_TOKEN": TOKEN}, stop_timeout_s=60) as (proc, url):
         yield proc, url
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def _key(event: dict) -> str:

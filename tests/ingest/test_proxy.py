@@ -14,6 +14,7 @@ from openai_upstream import (  # noqa: E402
     ASSISTANT, END, NUM_LAYERS, SYSTEM, TOPK, USER, encode, make_upstream, render_chat, respond, route_rows,
     serve_in_thread, tito_respond,
 )
+from helpers import proxy_process  # noqa: E402
 from proxy_faults import ENGINE_DOWN, assert_unreachable  # noqa: E402
 from trajstore.ingest.proxy import make_proxy_app  # noqa: E402
 from trajstore.ingest.vllm import OpenAIStreamAccumulator, request_params_for_recording  # noqa: E402
@@ -367,42 +368,16 @@ def test_serve_proxy_refuses_to_start_without_a_token(monkeypatch):
 
 def test_trajstore_proxy_process_takes_its_token_from_the_environment(tmp_path, upstream):
     """`trajstore proxy` as deployed: a real process, the token from $TRAJSTORE_TOKEN."""
-    import os
-    import socket
-    import subprocess
-    import sys
-    import time
-    from pathlib import Path
-
     import trajstore
 
     upstream_url, requests = upstream
-    repo = Path(__file__).resolve().parents[2]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     url = f"sqlite:///{tmp_path / 'p.db'}"
-    env = {**os.environ, "TRAJSTORE_TOKEN": TOKEN,
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.Popen([sys.executable, "-m", "trajstore.cli", "--store", url, "proxy", "--upstream", upstream_url,
-                             "--port", str(port)], env=env, cwd=repo)
-    proxy = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(300):
-            try:
-                if httpx.get(f"{proxy}/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.05)
-            assert proc.poll() is None, f"proxy exited with {proc.returncode}"
+    with proxy_process("--store", url, "proxy", "--upstream", upstream_url, env={"TRAJSTORE_TOKEN": TOKEN}) as proxy:
         body = {"token_ids": [3, 20, 2, 5], "sampling_params": {"max_tokens": 3}}
         anonymous = httpx.post(f"{proxy}/inference/v1/generate", json=body, headers=_headers("p"))
         finish = httpx.post(f"{proxy}/trajstore/finish", json={"trajectory_id": "p", "status": "failed", "reward": -100})
         auth = {"Authorization": f"Bearer {TOKEN}"}
         recorded = httpx.post(f"{proxy}/inference/v1/generate", json=body, headers={**_headers("p"), **auth})
-    finally:
-        proc.terminate()
-        proc.wait(10)
     assert anonymous.status_code == 401 and finish.status_code == 401 and len(requests) == 1
     assert recorded.status_code == 200 and recorded.headers["x-trajstore-seq"] == "0"
     store = trajstore.connect(url)  # the payload location is the one the store recorded

@@ -23,8 +23,9 @@ pytest.importorskip("fastapi", reason="needs the extra: pip install 'trajstore[s
 import openai_upstream  # noqa: E402
 import sglang_upstream  # noqa: E402
 from openai_upstream import NUM_LAYERS, TOPK, serve_in_thread  # noqa: E402
-from proxy_faults import ENGINE_DOWN, assert_unreachable, engine_answering, sse  # noqa: E402
-from raw_upstream import RawUpstream, framed  # noqa: E402
+from helpers import proxy_process  # noqa: E402
+from proxy_faults import ENGINE_DOWN, assert_unreachable, engine_answering  # noqa: E402
+from raw_upstream import RawUpstream, framed, sse  # noqa: E402
 from trajstore.ingest.proxy import _sglang as _sglang_proxy  # noqa: E402
 from trajstore.ingest.proxy import FORWARDED, make_proxy_app  # noqa: E402
 from trajstore.ingest.sglang import request_params_for_generate, request_params_for_openai  # noqa: E402
@@ -177,7 +178,7 @@ def sglang_upstream_state():
 @pytest.mark.parametrize("engine, kind", [("vllm", "generate"), ("sglang", "generate"), ("sglang", "completions")])
 def test_a_stream_ended_by_done_without_its_final_chunk_is_not_recorded(store, engine, kind):
     chunks = _streams_without_their_final_chunk(engine, kind)
-    pieces = sse(chunks) + [b"data: [DONE]\n\n"]
+    pieces = sse(chunks, done=True)
     path, body = _call(engine)
     if kind == "completions":
         path, body = "/v1/completions", {"prompt": "hi", "max_tokens": 4}
@@ -229,43 +230,19 @@ def test_an_error_body_the_engine_cuts_ends_the_harness_response_cleanly(store, 
 def test_the_cli_fails_closed_unless_told_to_pass_through(tmp_path, engine):
     """``trajstore proxy`` as deployed (a real process): a reused trajectory is refused by default,
     passed through with ``--pass-through-unrecorded``."""
-    import os
-    import socket
-    import subprocess
-    import sys
-    import time
-    from pathlib import Path
-
     import trajstore
 
     url = f"sqlite:///{tmp_path / 'p.db'}"
     with trajstore.connect(url) as store:
         _finished(store)
-    repo = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")]))}
     path, body = _call(engine)
     answers = []
     with serve_in_thread(_upstream(engine)) as upstream:
         for extra in ([], ["--pass-through-unrecorded"]):
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
             engine_args = ["--engine", engine] + (["--route-layout", LAYOUT] if engine == "sglang" else [])
-            proc = subprocess.Popen([sys.executable, "-m", "trajstore.cli", "--store", url, "proxy", "--upstream", upstream,
-                                     "--port", str(port), "--insecure-no-auth", *engine_args, *extra], env=env, cwd=repo)
-            proxy = f"http://127.0.0.1:{port}"
-            try:
-                for _ in range(600):
-                    try:
-                        if httpx.get(f"{proxy}/healthz", timeout=1).status_code == 200:
-                            break
-                    except httpx.TransportError:
-                        time.sleep(0.05)
-                    assert proc.poll() is None, f"proxy exited with {proc.returncode}"
+            with proxy_process("--store", url, "proxy", "--upstream", upstream, "--insecure-no-auth", *engine_args,
+                               *extra, tries=600) as proxy:
                 answers.append(httpx.post(f"{proxy}{path}", json=body, headers=H, timeout=60))
-            finally:
-                proc.terminate()
-                proc.wait(10)
     closed, passed = answers
     assert closed.status_code == 422 and closed.json()["error"]["rule"] == "finished_trajectory"
     assert passed.status_code == 200 and "finished" in passed.headers["x-trajstore-error"]

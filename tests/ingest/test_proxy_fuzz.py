@@ -45,7 +45,7 @@ httpx = pytest.importorskip("httpx", reason="needs the extra: pip install 'trajs
 pytest.importorskip("fastapi", reason="needs the extra: pip install 'trajstore[server]'")
 
 from openai_upstream import respond, serve_in_thread, stream_chunks, tito_respond, tito_stream_chunks  # noqa: E402
-from raw_upstream import FRAMINGS, RawUpstream, framed  # noqa: E402
+from raw_upstream import FRAMINGS, SSE_DONE, RawUpstream, framed  # noqa: E402
 from trajstore.ingest.proxy import make_proxy_app  # noqa: E402
 
 CASES = int(os.environ.get("TRAJSTORE_PROXY_FUZZ_CASES", "300"))
@@ -175,7 +175,7 @@ class Case:
                         break
             lines = [b"data: " + p + b"\n\n" for p in pieces]
             if not self.mutate or rng.random() < 0.7:
-                lines.append(b"data: [DONE]\n\n")
+                lines.append(SSE_DONE)
             if self.mutate and rng.random() < 0.2:  # cut mid-line
                 joined = b"".join(lines)
                 lines = [joined[: rng.randrange(len(joined) + 1)]]
@@ -264,10 +264,9 @@ def _run(case: Case, proxy: str, client: "httpx.Client", store) -> str:
     return "refused"
 
 
-def test_fuzzed_upstream_answers_are_passed_on_and_recorded_whole_or_not_at_all(store, caplog):
-    rng = random.Random(SEED)
-    cases = {i: Case(i, rng) for i in range(CASES)}
-
+def _replying(cases: dict, generator_errors: list[str]):
+    """The raw engine's reply: the answer of the case the request names (``fuzz_case``). A
+    generator bug is kept in ``generator_errors`` (the test fails on it, not the server thread)."""
     def reply(method, path, body):
         request = json.loads(body)
         try:
@@ -276,7 +275,14 @@ def test_fuzzed_upstream_answers_are_passed_on_and_recorded_whole_or_not_at_all(
             generator_errors.append(repr(e))
             raise
 
+    return reply
+
+
+def test_fuzzed_upstream_answers_are_passed_on_and_recorded_whole_or_not_at_all(store, caplog):
+    rng = random.Random(SEED)
+    cases = {i: Case(i, rng) for i in range(CASES)}
     generator_errors: list[str] = []
+    reply = _replying(cases, generator_errors)
 
     outcomes: dict[str, int] = {}
     with caplog.at_level(logging.ERROR), RawUpstream(reply) as up, \
@@ -361,14 +367,7 @@ def test_fuzzed_upstream_answers_fail_closed_when_they_cannot_be_recorded(store,
     rng = random.Random(SEED + 1)
     cases = {i: Case(i, rng) for i in range(max(CASES // 2, 20))}
     generator_errors: list[str] = []
-
-    def reply(method, path, body):
-        request = json.loads(body)
-        try:
-            return cases[request["fuzz_case"]].answer(request)
-        except Exception as e:  # a bug of the generator, not of the proxy: fail the test, not the thread
-            generator_errors.append(repr(e))
-            raise
+    reply = _replying(cases, generator_errors)
 
     outcomes: dict[str, int] = {}
     with caplog.at_level(logging.ERROR), RawUpstream(reply) as up, \

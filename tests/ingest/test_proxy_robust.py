@@ -16,16 +16,12 @@ pytest.importorskip("fastapi", reason="needs the extra: pip install 'trajstore[s
 
 from openai_upstream import make_upstream, respond, serve_in_thread, stream_chunks, tito_respond  # noqa: E402
 from proxy_faults import ENGINE_DOWN, assert_unreachable, engine_answering  # noqa: E402
-from raw_upstream import RawUpstream, framed  # noqa: E402
+from raw_upstream import RawUpstream, framed, sse, sse_event  # noqa: E402
 from trajstore.ingest.proxy import FORWARDED, make_proxy_app  # noqa: E402
 from trajstore.ingest.proxy._app import normalize_upstream  # noqa: E402
 from trajstore.ingest.vllm import request_params_for_recording  # noqa: E402
 
 H = {"X-Trajstore-Trajectory": "t", "X-Trajstore-Model-Version": "3"}
-
-
-def _sse(objs: list, done: bool = True) -> list[bytes]:
-    return [f"data: {json.dumps(o)}\n\n".encode() for o in objs] + ([b"data: [DONE]\n\n"] if done else [])
 
 
 def _nothing_recorded(store, tid: str = "t") -> bool:
@@ -82,7 +78,7 @@ def test_the_same_answer_well_formed_is_recorded(store):
 
 def _stream_pieces(chat: bool = False) -> list[bytes]:
     body = request_params_for_recording({"prompt": "hi", "max_tokens": 3, "stream": True}, chat=chat)
-    return _sse(list(stream_chunks(body, chat=False)))
+    return sse(list(stream_chunks(body, chat=False)), done=True)
 
 
 def _stream(proxy: str, path: str = "/v1/completions", body: dict | None = None) -> tuple[int, bytes]:
@@ -132,7 +128,7 @@ def test_a_stream_without_finish_reason_is_not_recorded_even_with_done(store):
     pieces = _stream_pieces()
     last = json.loads(pieces[2][5:])
     last["choices"][0]["finish_reason"] = None
-    pieces[2] = f"data: {json.dumps(last)}\n\n".encode()
+    pieces[2] = sse_event(last)
     with engine_answering(pieces) as up, \
             serve_in_thread(make_proxy_app(store, up.url)) as proxy:
         _, raw = _stream(proxy)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -22,6 +21,7 @@ from openai_upstream import serve_in_thread  # noqa: E402
 from trajstore.ingest.client import Writer, encode_events  # noqa: E402
 from trajstore.errors import ValidationError  # noqa: E402
 from trajstore.ingest.service import GroupCommitter, make_app, serve  # noqa: E402
+from helpers import free_port  # noqa: E402
 
 TOKEN = "test-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -263,12 +263,6 @@ def test_health_metrics_openapi(service):
     assert "requestBody" in schema["paths"]["/v1/events"]["post"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _start_service(store_url: str, port: int, payload: Path) -> subprocess.Popen:
     cmd = [sys.executable, str(REPO / "workers" / "ingest_server.py"), "--store", store_url, "--port", str(port)]
     path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
@@ -288,7 +282,7 @@ def _start_service(store_url: str, port: int, payload: Path) -> subprocess.Popen
 
 @pytest.mark.slow
 def test_sigkill_mid_load_every_acknowledged_event_stored_once(store_url, tmp_path):
-    port = _free_port()
+    port = free_port()
     proc = _start_service(store_url, port, tmp_path / "payload")
     acked: list[str] = []
     lock = threading.Lock()

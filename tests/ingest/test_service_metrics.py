@@ -5,11 +5,6 @@ whole service (multiprocess mode), not one random worker's counters."""
 from __future__ import annotations
 
 import os
-import signal
-import socket
-import subprocess
-import sys
-import time
 
 import pytest
 
@@ -20,6 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 from openai_upstream import serve_in_thread  # noqa: E402
 from trajstore.ingest.service import make_app  # noqa: E402
 from trajstore.ingest.sinks import encode_events  # noqa: E402
+from helpers import serve_process  # noqa: E402
 
 TOKEN = "metrics-token"
 HEADERS = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
@@ -48,29 +44,9 @@ def test_duplicates_are_counted_apart_from_ingested_events(store):
     assert got[("trajstore_ingest_body_bytes_in_flight", ())] == 0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_every_scrape_of_a_multi_worker_service_sees_all_workers(tmp_path):
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "trajstore.cli", "--store", f"sqlite:///{tmp_path}/s.db",
-                             "serve", "--port", str(port), "--workers", "2"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "TRAJSTORE_TOKEN": TOKEN})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.communicate()[1]
-            try:
-                if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                assert time.monotonic() < deadline
-                time.sleep(0.1)
+    with serve_process("--store", f"sqlite:///{tmp_path}/s.db", "serve", "--workers", "2",
+                       env={**os.environ, "TRAJSTORE_TOKEN": TOKEN}) as (_, url):
         n = 24
         for i in range(n):  # a new connection each: the kernel spreads them over the workers
             assert httpx.post(f"{url}/v1/events", content=encode_events(_events(f"w{i}")),
@@ -81,13 +57,6 @@ def test_every_scrape_of_a_multi_worker_service_sees_all_workers(tmp_path):
             seen.append((got[("trajstore_ingest_requests_total", (("status", "200"),))],
                          got[("trajstore_ingest_events_total", ())]))
         assert seen == [(n, 3 * n)] * 8, seen
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
     leftovers = [d for d in os.listdir(os.environ.get("TMPDIR", "/tmp")) if d.startswith("trajstore-serve-metrics-")]
     assert not leftovers, leftovers
 

@@ -26,6 +26,16 @@ from trajstore.ingest.service import make_app  # noqa: E402
 TOKEN = "body-token"
 
 
+async def _read_messages(receive) -> bytes:
+    """A request's body read as an ASGI app does without the extension: message by message."""
+    body = b""
+    while True:
+        message = await receive()
+        body += message.get("body", b"")
+        if not message.get("more_body"):
+            return body
+
+
 async def _digest_app(scope, receive, send):
     """Answers ``{"whole": <extension used>, "n": <bytes>, "sha": <sha256>}`` for any POST."""
     if scope["type"] != "http":
@@ -34,12 +44,7 @@ async def _digest_app(scope, receive, send):
     if ext is not None:
         body = bytes(await ext())
     else:
-        body = b""
-        while True:
-            message = await receive()
-            body += message.get("body", b"")
-            if not message.get("more_body"):
-                break
+        body = await _read_messages(receive)
     data = json.dumps({"whole": ext is not None, "n": len(body), "sha": hashlib.sha256(body).hexdigest()}).encode()
     await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", str(len(data)).encode())]})
     await send({"type": "http.response.body", "body": data})
@@ -83,12 +88,7 @@ async def _receive_app(scope, receive, send):
     """Offered the extension but reads ``receive`` (a mounted app, say): answers like ``_digest_app``."""
     if scope["type"] != "http":
         return
-    body = b""
-    while True:
-        message = await receive()
-        body += message.get("body", b"")
-        if not message.get("more_body"):
-            break
+    body = await _read_messages(receive)
     data = json.dumps({"offered": BODY_EXTENSION in scope.get("extensions", {}), "n": len(body),
                        "sha": hashlib.sha256(body).hexdigest()}).encode()
     await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", str(len(data)).encode())]})

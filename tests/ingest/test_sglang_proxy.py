@@ -20,7 +20,10 @@ import sglang_upstream  # noqa: E402
 from openai_upstream import (  # noqa: E402
     ASSISTANT, END, NUM_LAYERS, SYSTEM, TOPK, USER, encode, render_chat, route_rows, serve_in_thread, tito_respond,
 )
-from proxy_faults import engine_answering, sse  # noqa: E402
+from helpers import proxy_process  # noqa: E402
+from proxy_faults import engine_answering  # noqa: E402
+from raw_upstream import sse  # noqa: E402
+from test_proxy import _expected_routes  # noqa: E402
 from trajstore.ingest.proxy._sglang import make_sglang_proxy_app  # noqa: E402
 from trajstore.ingest.proxy import make_proxy_app  # noqa: E402
 from trajstore.ingest.sglang import GenerateStreamAccumulator, OpenAIStreamAccumulator  # noqa: E402
@@ -134,14 +137,7 @@ def test_an_sglang_rollout_and_a_vllm_rollout_of_the_same_tokens_give_the_same_s
     assert list(s.token_model_versions) == [3] * n1 + [-1] * obs2 + [3, 3] + [4] * (n2 - 2) + [-1] * obs3 + [4] * n3
     assert (s.min_model_version, s.max_model_version) == (3, 4)
     assert s.finish_reason == "stop" and s.reward == 1.0 and s.is_last_step and bool(s.logprobs_mask[0])
-    full = s_calls[-1][0] + s_calls[-1][1]
-    expected = np.zeros((len(full), NUM_LAYERS, TOPK), dtype=np.uint8)
-    recorded = 0
-    for prompt, output in s_calls:
-        rows = route_rows(prompt + output, len(prompt))
-        expected[recorded:len(rows)] = rows[recorded:]
-        recorded = len(rows)
-    expected[-1] = np.arange(TOPK)
+    expected, _ = _expected_routes(s_calls)
     np.testing.assert_array_equal(s.routed_experts, expected)
 
 
@@ -290,44 +286,18 @@ def test_cli_flags_are_checked(tmp_path, sglang):
 
 def test_cli_runs_the_sglang_proxy(tmp_path, sglang):
     """`trajstore proxy --engine sglang` as deployed: a real process, the token from $TRAJSTORE_TOKEN."""
-    import os
-    import socket
-    import subprocess
-    import sys
-    import time
-    from pathlib import Path
-
     import trajstore
 
     url_up, app = sglang
-    repo = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "TRAJSTORE_TOKEN": "tok",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")]))}
     url = f"sqlite:///{tmp_path / 'p.db'}"
-    base = [sys.executable, "-m", "trajstore.cli", "--store", url, "proxy", "--upstream", url_up]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     app.state.weight_update = (0, "step-5", "step-5")  # the engine runs weights the operator named
-    proc = subprocess.Popen(base + ["--engine", "sglang", "--route-layout", LAYOUT, "--port", str(port),
-                                    "--version-map", '{"step-5": 5}'], env=env, cwd=repo)
-    proxy = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(300):
-            try:
-                if httpx.get(f"{proxy}/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.05)
-            assert proc.poll() is None, f"proxy exited with {proc.returncode}"
+    with proxy_process("--store", url, "proxy", "--upstream", url_up, "--engine", "sglang", "--route-layout", LAYOUT,
+                       "--version-map", '{"step-5": 5}', env={"TRAJSTORE_TOKEN": "tok"}) as proxy:
         body = {"input_ids": [3, 20, 2, 5], "sampling_params": {"max_new_tokens": 3}}
         anonymous = httpx.post(f"{proxy}/generate", json=body, headers=_headers("p"))
         recorded = httpx.post(f"{proxy}/generate", json=body, headers={**_headers("p"), "Authorization": "Bearer tok"})
         finished = httpx.post(f"{proxy}/trajstore/finish", json={"trajectory_id": "p"},
                               headers={"Authorization": "Bearer tok"})
-    finally:
-        proc.terminate()
-        proc.wait(10)
     assert anonymous.status_code == 401 and len(app.state.requests) == 1
     assert recorded.status_code == 200 and recorded.headers["x-trajstore-seq"] == "0"
     store = trajstore.connect(url)  # the payload the proxy's store recorded

@@ -268,14 +268,20 @@ def test_the_live_page_of_an_empty_store_then_its_first_events(tmp_path, browser
         stop(proc)
 
 
-def test_the_static_export_opens_offline(sqlite_run, browser, tmp_path):
+def open_static_export(store_url: str, browser, out) -> "Page":
+    """``trajstore report OUT`` (the static export) of ``store_url``, opened from its files
+    in ``browser``: every panel asserted drawn once the page has refreshed."""
     from trajstore.cli import main
 
-    out = tmp_path / "export"
-    assert main(["--store", sqlite_run.url, "report", "--stuck-after-s", "0", str(out)]) == 0
+    assert main(["--store", store_url, "report", "--stuck-after-s", "0", str(out)]) == 0
     page = Page(browser)
     page.page.goto(f"file://{out}/index.html")
     page.page.wait_for_function("Number(document.body.dataset.refreshes) >= 1", timeout=30_000)
     assert_every_panel_drawn(page)
+    return page
+
+
+def test_the_static_export_opens_offline(sqlite_run, browser, tmp_path):
+    page = open_static_export(sqlite_run.url, browser, tmp_path / "export")
     assert page.errors == []
     assert all(u.startswith("file://") for u in page.requests), page.requests

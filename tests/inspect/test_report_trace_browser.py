@@ -11,8 +11,8 @@ from urllib.parse import quote
 import pytest
 
 import trajstore
-from tests.inspect.test_report_browser import (TOKEN, Page, assert_every_panel_drawn, browser, served,  # noqa: F401
-                                               sqlite_run, start_report_server, stop)
+from tests.inspect.test_report_browser import (TOKEN, Page, assert_every_panel_drawn, browser,  # noqa: F401
+                                               open_static_export, served, sqlite_run, start_report_server, stop)
 from tests.inspect.test_report_trace import HOSTILE_ID, HOSTILE_TEXT, _hostile_store, make_tokenizer, word
 
 CHANNELS = ("logprob", "trainer", "mismatch", "version", "drift", "call")
@@ -121,14 +121,8 @@ def test_time_panels_share_their_zoom(served, browser):
 
 
 def test_the_static_export_links_open_trace_files(sqlite_run, browser, tmp_path):
-    from trajstore.cli import main
-
     out = tmp_path / "export"
-    assert main(["--store", sqlite_run.url, "report", "--stuck-after-s", "0", str(out)]) == 0
-    page = Page(browser)
-    page.page.goto(f"file://{out}/index.html")
-    page.page.wait_for_function("Number(document.body.dataset.refreshes) >= 1", timeout=30_000)
-    assert_every_panel_drawn(page)
+    page = open_static_export(sqlite_run.url, browser, out)
     stuck_links = page.page.locator("#stuck a.trace-link")
     assert stuck_links.count() >= 1  # a running trajectory: its calls, no samples yet
     target = page.page.evaluate("document.querySelector('#trajectories_to_look_at .plot').data[1].meta"

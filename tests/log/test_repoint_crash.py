@@ -5,12 +5,6 @@ after the crash (grace 0) never removes a file an index row still names."""
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-import time
-
 import pytest
 from sqlalchemy import select
 
@@ -18,9 +12,9 @@ import trajstore
 from trajstore.demo._simulate import RolloutConfig, trajectory_events
 from trajstore.log.base import Shard
 from trajstore.schema import events as events_table, samples as samples_table
+from tests.helpers import kill_at_pause
 from tests.log.test_gc_compaction import _same
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CFG = RolloutConfig(turns=3, prompt_tokens=60, output_tokens=40, observation_tokens=12, layers=4, topk=2,
                     num_experts=64, mismatch_prob=0.25, abort_prob=0.1, fail_prob=0.05, seed=21)
 N = 16
@@ -40,18 +34,8 @@ def _finishes(ids) -> list[dict]:
 
 
 def _kill_at(url: str, payload: str, job: str, where: str, nth: int, marker: str) -> None:
-    env = dict(os.environ, PYTHONPATH=ROOT)
-    proc = subprocess.Popen([sys.executable, "-m", "tests.log.repoint_procs", url, payload, job, where, str(nth),
-                             marker], cwd=ROOT, env=env)
-    try:
-        deadline = time.time() + 120
-        while not os.path.exists(marker) and not os.path.exists(marker + ".done") and time.time() < deadline:
-            assert proc.poll() is None, f"the {job} process died before its pause (exit {proc.returncode})"
-            time.sleep(0.02)
-        assert os.path.exists(marker), f"the {job} never reached its pause point {where} #{nth}"
-    finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
+    kill_at_pause("tests.log.repoint_procs", url, payload, job, where, str(nth), marker, marker=marker, what=job,
+                  point=f"{where} #{nth}")
 
 
 def _named_files_exist(store) -> None:

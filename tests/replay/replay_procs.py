@@ -8,22 +8,17 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
 
+from helpers import free_port
+
 ROOT = Path(__file__).resolve().parents[2]
 READ_TOKEN = "read-token-0123456789"
 WRITE_TOKEN = "write-token-9876543210"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ReplayProcess:

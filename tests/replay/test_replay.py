@@ -35,7 +35,8 @@ from trajstore.replay import _protocol as proto
 from trajstore.demo._simulate import trajectory_events
 
 from replay_procs import READ_TOKEN, WRITE_TOKEN, ReplayProcess, free_port
-from test_reader import CFG, GROUP_SIZE, HERE, _ends_once_drained, assert_resumed, fill, flat, keys, shuffled
+from test_reader import (CFG, GROUP_SIZE, assert_resumed, fill, flat, follow_while_another_process_writes, keys,
+                         shuffled)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -385,19 +386,11 @@ def test_a_stalled_client_does_not_stall_another(filled_sqlite, replay_servers):
 def test_follow_mode_reads_every_sample_once_while_a_process_writes(store, replay_servers):
     server = replay_servers(store)
     config = {"batch_size": 8, "keep_groups": True, "group_size": GROUP_SIZE}
-    producer = subprocess.Popen([sys.executable, HERE, "produce", store.url, store.payload.location, "32"],
-                                cwd=ROOT, stderr=subprocess.PIPE, text=True,
-                                env={**os.environ, "PYTHONPATH": ROOT})
-    try:
-        while producer.poll() is None and not any(True for _ in store.samples(page_rows=1)):
-            time.sleep(0.05)
-        reader = ReplayReader(server.location, token=READ_TOKEN, follow=True, timeout_s=20.0, poll_interval_s=0.05,
-                              **config)
-        with _ends_once_drained(reader, producer):
-            steps = [[keys(batch)] for batch in reader]
-    finally:
-        _, err = producer.communicate(timeout=120)
-    assert producer.returncode == 0, err[-2000:]
+    reader, steps = follow_while_another_process_writes(
+        store, lambda: ReplayReader(server.location, token=READ_TOKEN, follow=True, timeout_s=20.0,
+                                    poll_interval_s=0.05, **config),
+        env={**os.environ, "PYTHONPATH": ROOT})
+    steps = [[step] for step in steps]
     assert reader.stats.polls > 0, "the reader never had to wait: the test did not exercise following"
     reference = flat([[keys(b)] for b in SampleReader(store, **config)])
     assert len(reference) >= 32

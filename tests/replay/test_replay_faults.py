@@ -5,7 +5,6 @@ out and goes on, every sample read once, in order."""
 from __future__ import annotations
 
 import logging
-import time
 
 import pytest
 
@@ -13,7 +12,7 @@ import trajstore
 from trajstore.replay import ReplayReader
 
 from replay_procs import READ_TOKEN
-from test_reader import FOLLOW_TIMEOUT_S, _restart, append_samples, keys
+from test_reader import FOLLOW_TIMEOUT_S, append_samples, keys, three_steps_across_a_restart
 
 
 @pytest.mark.timeout(240)
@@ -27,12 +26,7 @@ def test_a_follow_replay_reader_rides_out_a_database_restart(fault_cluster, tmp_
     # unavailable_timeout_s (default) rides that out, not the connection's retry_timeout_s
     reader = ReplayReader(server.location, token=READ_TOKEN, batch_size=4, follow=True, timeout_s=FOLLOW_TIMEOUT_S,
                           poll_interval_s=0.05, retry_timeout_s=1.0)
-    batches = [next(reader)]
-    time.sleep(0.3)  # the reader polls the server for the next step meanwhile
-    _restart(fault_cluster)
-    append_samples(store, 6, 6)
-    batches += [next(reader), next(reader)]
-    reader.close()
+    batches = three_steps_across_a_restart(fault_cluster, store, reader)  # it polls the server meanwhile
     assert [len(b) for b in batches] == [4, 4, 4]
     assert keys(s for b in batches for s in b) == [(s.trajectory_id, s.sample_index) for s in store.samples()]
     assert reader.stats.unavailable_waits >= 1

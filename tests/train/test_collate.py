@@ -230,24 +230,6 @@ def test_logprobs_mask_and_finish_reasons_are_collated():
 # ----------------------------------------------------------------------------
 # The old keyword SampleDataset(current_version=) still works, with a DeprecationWarning.
 
-OLD_NAMES_CFG = RolloutConfig(turns=2, prompt_tokens=8, output_tokens=4, observation_tokens=2, layers=2, topk=2, seed=1)
-
-
-@pytest.fixture
-def five_trajectories(tmp_path):
-    store = trajstore.connect(f"sqlite:///{tmp_path}/s.db")
-    for i in range(5):
-        store.append(trajectory_events(OLD_NAMES_CFG, i))
-    yield store
-    store.close()
-
-
-@pytest.fixture
-def five_folded(five_trajectories):
-    five_trajectories.materialize()
-    return five_trajectories
-
-
 def test_sample_dataset_current_version_is_current_model_version(five_folded):
     pytest.importorskip("torch")
     from trajstore.train.collate import SampleDataset

@@ -70,6 +70,42 @@ def fill(store, cfg, first: int, n: int, batch: int, versions: int, total: int) 
     return spent
 
 
+def per_panel(query, payload: str, rounds: int) -> None:
+    """Each panel's cost, its best of ``rounds``: SQL, drawing (Python and plotly's figure) and the
+    figure's JSON; the clock and the summary count as panels of their own."""
+    from trajstore.inspect import _panels
+    from trajstore.inspect._figures import _clock, drawing, figure_json
+
+    best: dict[str, list[float]] = {}
+
+    def keep(name: str, sql: float, draw: float, js: float) -> None:
+        have = best.get(name)
+        best[name] = [sql, draw, js] if have is None else [min(a, b) for a, b in zip(have, (sql, draw, js))]
+
+    for _ in range(rounds):
+        t = time.perf_counter()
+        clock = _clock(query, _panels.DEFAULT_STUCK_AFTER_S, payload)
+        keep("(clock)", time.perf_counter() - t, 0.0, 0.0)
+        t = time.perf_counter()
+        _panels._summary(query)
+        keep("(summary)", time.perf_counter() - t, 0.0, 0.0)
+        with drawing():
+            for panel in _panels.PANELS:
+                t0 = time.perf_counter()
+                results = [query(q) for q in panel.queries(clock)]
+                t1 = time.perf_counter()
+                drawn = panel.draw(clock, results)
+                t2 = time.perf_counter()
+                if not isinstance(drawn, str):
+                    figure_json(drawn)
+                keep(panel.name, t1 - t0, t2 - t1, time.perf_counter() - t2)
+    total = [sum(v[i] for v in best.values()) for i in range(3)]
+    print(f"  per panel (ms, best of {rounds}): SQL / draw / JSON; total {total[0] * 1e3:.0f} / "
+          f"{total[1] * 1e3:.0f} / {total[2] * 1e3:.0f}")
+    for name, (sql, draw, js) in sorted(best.items(), key=lambda kv: -sum(kv[1])):
+        print(f"    {name:28s} {sql * 1e3:8.1f} {draw * 1e3:8.1f} {js * 1e3:8.1f}")
+
+
 class _kept:
     """``DIR/N``, made if missing and kept."""
 
@@ -138,6 +174,8 @@ def main() -> None:
                         collect(timed, payload=payload)
                         totals.append(time.perf_counter() - t)
                         cpu.append(time.process_time() - c)
+                with read_only(url) as query:
+                    per_panel(query, payload, args.rounds)
                 sql_s = sum(min(v) for v in times.values())
                 slowest = sorted(times.items(), key=lambda kv: -min(kv[1]))[:3]
                 print(f"  refresh (new): min {min(totals) * 1e3:6.0f} ms, median {sorted(totals)[len(totals) // 2] * 1e3:6.0f}"

@@ -217,6 +217,20 @@ def _wide_left(make_subplots: Any, titles: Sequence[str], **kw: Any) -> Any:
     return make_subplots(rows=1, cols=2, column_widths=[0.62, 0.38], subplot_titles=tuple(titles), **kw)
 
 
+def _two_bars(titles: Sequence[str], left: dict[str, Any], right: dict[str, Any], *,
+              categories: bool = True) -> Any:
+    """Two bar charts side by side (a distribution and a per-version share, say): ``left`` and
+    ``right`` are the ``go.Bar`` arguments of each (no legend: the subplot titles name them);
+    ``categories``: both x axes are categories. The caller names the axes."""
+    go, make_subplots = _plotly()
+    fig = make_subplots(rows=1, cols=2, subplot_titles=tuple(titles))
+    fig.add_trace(go.Bar(showlegend=False, **left), 1, 1)
+    fig.add_trace(go.Bar(showlegend=False, **right), 1, 2)
+    if categories:
+        fig.update_xaxes(type="category")
+    return fig
+
+
 def _sql_number(x: float) -> str:
     """A number written into a panel's SQL (the page shows SQL a reader can run as is):
     only a finite float's own literal, never text from a flag."""

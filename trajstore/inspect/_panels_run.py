@@ -6,8 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 from trajstore.inspect._figures import (HEIGHT, MAX_STUCK_ROWS, _VERSION_STATS_SQL, Clock, _filled, _layout, _num, 
-                                        _plotly, _right_axis, _share, _sql_number, _time_axis, _version_axis, 
-                                        _wide_left, _with_right_axis)
+                                        _plotly, _right_axis, _share, _sql_number, _time_axis, _two_bars,
+                                        _version_axis, _wide_left, _with_right_axis)
 from trajstore.inspect.sql import QueryResult
 
 __all__: list[str] = []
@@ -301,17 +301,13 @@ def _staleness_sql(c: Clock) -> list[str]:
 
 
 def _staleness_draw(c: Clock, r: list[QueryResult]) -> Any:
-    go, make_subplots = _plotly()
     stale, span = r[0].rows, r[1].rows
     if not stale:
         return "no materialized samples yet (trajstore materialize folds finished trajectories)"
-    fig = make_subplots(rows=1, cols=2, subplot_titles=("staleness at finish (versions behind)",
-                                                        "versions mixed within one sample (max - min)"))
-    fig.add_trace(go.Bar(x=[str(row[0]) for row in stale], y=[row[1] for row in stale], showlegend=False,
-                         name="samples"), 1, 1)
-    fig.add_trace(go.Bar(x=[str(row[0]) for row in span], y=[row[1] for row in span], showlegend=False,
-                         name="samples", marker_color="#ff7f0e"), 1, 2)
-    fig.update_xaxes(type="category")
+    fig = _two_bars(("staleness at finish (versions behind)", "versions mixed within one sample (max - min)"),
+                    dict(x=[str(row[0]) for row in stale], y=[row[1] for row in stale], name="samples"),
+                    dict(x=[str(row[0]) for row in span], y=[row[1] for row in span], name="samples",
+                         marker_color="#ff7f0e"))
     fig.update_yaxes(title_text="samples", row=1, col=1)
     return _layout(fig)
 
@@ -325,21 +321,18 @@ def _merge_sql(c: Clock) -> list[str]:
 
 
 def _merge_draw(c: Clock, r: list[QueryResult]) -> Any:
-    go, make_subplots = _plotly()
     per_traj, per_sample = r[0].rows, r[1].rows
     if not per_traj:
         return "no finished trajectory with engine calls yet"
     overall = _share(sum(row[1] * row[2] for row in per_traj), sum(row[0] * row[2] for row in per_traj))
-    fig = make_subplots(rows=1, cols=2, subplot_titles=(f"samples / calls per trajectory (run: {overall:.3f})",
-                                                        "engine calls folded into one sample"))
     bins = [0] * 20  # merge ratios in (0, 1], in twentieths
     for calls, samples, n in per_traj:
         bins[min(int(samples / calls * 20), 19)] += n
-    fig.add_trace(go.Bar(x=[(i + 0.5) / 20 for i in range(20)], y=bins, width=0.05, showlegend=False,
-                         name="trajectories"), 1, 1)
+    fig = _two_bars((f"samples / calls per trajectory (run: {overall:.3f})", "engine calls folded into one sample"),
+                    dict(x=[(i + 0.5) / 20 for i in range(20)], y=bins, width=0.05, name="trajectories"),
+                    dict(x=[str(row[0]) for row in per_sample], y=[row[1] for row in per_sample], name="samples",
+                         marker_color="#2ca02c"), categories=False)
     fig.add_vline(x=overall, line_dash="dash", row=1, col=1)
-    fig.add_trace(go.Bar(x=[str(row[0]) for row in per_sample], y=[row[1] for row in per_sample], showlegend=False,
-                         name="samples", marker_color="#2ca02c"), 1, 2)
     fig.update_xaxes(title_text="merge ratio", range=[0, 1], row=1, col=1)
     fig.update_yaxes(title_text="trajectories", row=1, col=1)
     fig.update_xaxes(title_text="calls", type="category", row=1, col=2)
@@ -354,20 +347,15 @@ def _mismatch_sql(c: Clock) -> list[str]:
 
 
 def _mismatch_draw(c: Clock, r: list[QueryResult]) -> Any:
-    go, make_subplots = _plotly()
     per_traj, per_version = r[0].rows, r[1].rows
     if not per_traj:
         return "no engine calls yet"
-    fig = make_subplots(rows=1, cols=2, subplot_titles=("prefix mismatches per trajectory",
-                                                        "calls that start a new sample by mismatch"))
-    fig.add_trace(go.Bar(x=[str(row[0]) for row in per_traj], y=[row[1] for row in per_traj], showlegend=False,
-                         name="trajectories", marker_color="#d62728"), 1, 1)
-    fig.add_trace(go.Bar(x=[str(row[0]) for row in per_version], y=[_share(row[2], row[1]) for row in per_version],
-                         showlegend=False, name="share of calls", marker_color="#d62728"), 1, 2)
-    fig.update_xaxes(type="category")
+    fig = _two_bars(("prefix mismatches per trajectory", "calls that start a new sample by mismatch"),
+                    dict(x=[str(row[0]) for row in per_traj], y=[row[1] for row in per_traj], name="trajectories",
+                         marker_color="#d62728"),
+                    dict(x=[str(row[0]) for row in per_version], y=[_share(row[2], row[1]) for row in per_version],
+                         name="share of calls", marker_color="#d62728"))
     fig.update_xaxes(title_text="mismatches", row=1, col=1)
     fig.update_xaxes(title_text="model version", row=1, col=2)
     fig.update_yaxes(tickformat=".0%", row=1, col=2)
     return _layout(fig)
-
-

@@ -6,7 +6,7 @@ from typing import Any, Sequence
 
 from trajstore._aggregates import DRIFT_WIDTHS_S, LOGPROB_BINS, LOGPROB_RANGE, logprob_bin_edges
 from trajstore.inspect._figures import (RECENT_VERSIONS, _VERSION_STATS_SQL, Clock, _layout, _num, _plotly, 
-                                        _right_axis, _share, _time_axis, _version_axis, _wide_left)
+                                        _right_axis, _share, _time_axis, _two_bars, _version_axis, _wide_left)
 from trajstore.inspect.sql import QueryResult
 
 __all__: list[str] = []
@@ -101,21 +101,17 @@ def _routes_sql(c: Clock) -> list[str]:
 
 
 def _routes_draw(c: Clock, r: list[QueryResult]) -> Any:
-    go, make_subplots = _plotly()
     missing, per_version = r[0].rows, r[1].rows
     if not per_version:
         return "no engine calls yet"
     tokens = sum(row[2] for row in missing)
     covered = _share(sum(row[3] for row in missing), tokens)
-    fig = make_subplots(rows=1, cols=2, subplot_titles=(
-        "samples by tokens without a route" + (f" ({covered:.2%} covered)" if covered is not None else ""),
-        "engine calls that returned routes"))
     counts = [sum(n for m, n, *_ in missing if lo <= m and (hi is None or m <= hi)) for lo, hi, _ in _MISSING_BUCKETS]
-    fig.add_trace(go.Bar(x=[b[2] for b in _MISSING_BUCKETS], y=counts, showlegend=False, name="samples",
-                         marker_color="#9467bd"), 1, 1)
-    fig.add_trace(go.Bar(x=[str(row[0]) for row in per_version], y=[_share(row[2], row[1]) for row in per_version],
-                         showlegend=False, name="share of calls", marker_color="#9467bd"), 1, 2)
-    fig.update_xaxes(type="category")
+    fig = _two_bars(("samples by tokens without a route" + (f" ({covered:.2%} covered)" if covered is not None else ""),
+                     "engine calls that returned routes"),
+                    dict(x=[b[2] for b in _MISSING_BUCKETS], y=counts, name="samples", marker_color="#9467bd"),
+                    dict(x=[str(row[0]) for row in per_version], y=[_share(row[2], row[1]) for row in per_version],
+                         name="share of calls", marker_color="#9467bd"))
     fig.update_xaxes(title_text="tokens without a route (1 = the final token only)", row=1, col=1)
     fig.update_xaxes(title_text="model version", row=1, col=2)
     fig.update_yaxes(tickformat=".0%", row=1, col=2)

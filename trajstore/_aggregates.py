@@ -7,9 +7,10 @@ its transaction) and a re-run materializer batch (its commit is guarded by the
 checkpoint) never count twice:
 
 * ``event_counts(rows)``: an append's generation event rows (their index
-  columns): calls per (model version, output length), and the route drift of
-  the calls that re-sent rows, per time bucket (``agg_output_lengths``,
-  ``agg_route_drift``);
+  columns): calls per (model version, output length), the route drift of
+  the calls that re-sent rows, per time bucket, and the calls' totals per
+  (time bucket, model version, finish reason) (``agg_output_lengths``,
+  ``agg_route_drift``, ``agg_calls``);
 * ``sample_counts(samples)``: a materializer commit's default samples (their
   token columns, decoded for the sample segment): decode-route expert load per
   (model version, layer, expert) and rollout-logprob histograms per model
@@ -26,7 +27,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-__all__ = ["Counts", "LOGPROB_RANGE", "LOGPROB_BINS", "DRIFT_WIDTHS_S", "event_counts", "sample_counts",
+__all__ = ["Counts", "LOGPROB_RANGE", "LOGPROB_BINS", "DRIFT_WIDTHS_S", "MAX_VALUES", "event_counts", "sample_counts",
            "logprob_bin_edges", "decode_routes", "count_routes"]
 
 LOGPROB_RANGE = (-12.0, 0.0)
@@ -37,23 +38,28 @@ DRIFT_WIDTHS_S = (1, 60, 3600)
 """Bucket widths the route drift is kept at: every width of the page's ladder is a multiple of one."""
 
 Counts = dict[str, dict[tuple, list[float]]]
+MAX_VALUES = {"agg_calls": (5,)}
+"""Per table, the value columns (indexes among its non-key columns) kept as a maximum, not a sum."""
+CALL_NO_VERSION, CALL_NO_REASON = -1, ""
+"""``agg_calls``' key for a call without a model version, without a finish reason."""
 
 
-def _add(into: dict[tuple, list[float]], key: tuple, values: Sequence[float]) -> None:
+def _add(into: dict[tuple, list[float]], key: tuple, values: Sequence[float], maxima: Sequence[int] = ()) -> None:
     have = into.get(key)
     if have is None:
         into[key] = list(values)
     else:
         for i, v in enumerate(values):
-            have[i] += v
+            have[i] = max(have[i], v) if i in maxima else have[i] + v
 
 
 def merge(a: Counts, b: Mapping[str, Mapping[tuple, Sequence[float]]]) -> Counts:
     """``a`` plus ``b`` (into ``a``)."""
     for table, part in b.items():
         into = a.setdefault(table, {})
+        maxima = MAX_VALUES.get(table, ())
         for key, values in part.items():
-            _add(into, key, values)
+            _add(into, key, values, maxima)
     return a
 
 
@@ -61,9 +67,18 @@ def event_counts(rows: Iterable[Mapping[str, Any]]) -> Counts:
     """The aggregates of generation event rows (``events`` columns; other types are skipped)."""
     lengths: dict[tuple, list[float]] = {}
     drift: dict[tuple, list[float]] = {}
+    calls: dict[tuple, list[float]] = {}
+    maxima = MAX_VALUES["agg_calls"]
     for r in rows:
         if r.get("type") != "generation":
             continue
+        version, reason, out_len = r.get("model_version"), r.get("finish_reason"), int(r.get("output_len") or 0)
+        key = (CALL_NO_VERSION if version is None else int(version), CALL_NO_REASON if reason is None else str(reason))
+        values = (1, out_len, int(r.get("prompt_len") or 0) - int(r.get("prefix_len") or 0),
+                  int(bool(r.get("seq")) and r.get("is_merged") is not None and not r.get("is_merged")), int((r.get("num_route_rows_sent") or 0) > 0),
+                  out_len)
+        for w in DRIFT_WIDTHS_S:
+            _add(calls, (w, math.floor(float(r["created_at"]) / w) * w, *key), values, maxima)
         if r.get("model_version") is not None and r.get("output_len") is not None:
             _add(lengths, (int(r["model_version"]), int(r["output_len"])), (1,))
         resent = r.get("route_rows_resent")
@@ -77,6 +92,8 @@ def event_counts(rows: Iterable[Mapping[str, Any]]) -> Counts:
         out["agg_output_lengths"] = lengths
     if drift:
         out["agg_route_drift"] = drift
+    if calls:
+        out["agg_calls"] = calls
     return out
 
 

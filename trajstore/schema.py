@@ -447,8 +447,29 @@ agg_route_drift = Table(
     Column("rows_drifted", BigInteger, nullable=False),
 )
 
+# migration 0018: engine calls by time of append (buckets of 1, 60 and 3600 seconds, as the
+# route drift), model version (-1: none) and finish reason ('': none), counted in the append's
+# transaction: what the run view's over-time call panels and the run's totals read.
+# ``max_output_len`` is kept as the larger of the stored and the added value (the others add).
+agg_calls = Table(
+    "agg_calls",
+    metadata,
+    Column("width_s", Integer, primary_key=True),
+    Column("bucket_start", BigInteger, primary_key=True),
+    Column("model_version", Integer, primary_key=True),
+    Column("finish_reason", String(64), primary_key=True),
+    Column("calls", BigInteger, nullable=False),
+    Column("output_tokens", BigInteger, nullable=False),
+    Column("observed_tokens", BigInteger, nullable=False),
+    Column("prefix_mismatches", BigInteger, nullable=False),
+    Column("calls_with_routes", BigInteger, nullable=False),
+    Column("max_output_len", Integer, nullable=False),
+)
+# migration 0018: the running trajectories (the run view's stuck panel) through an index
+Index("ix_trajectories_status", trajectories.c.status)
+
 __all__ = ["metadata", "log_head", "trajectories", "events", "segments", "samples", "materializer_checkpoints",
            "unfoldable_trajectories", "version_labels", "unresolved_labels", "store_settings", "projections",
            "projection_samples", "projection_checkpoints", "projection_unfoldable", "lineage_steps",
            "lineage_step_samples", "lineage_annotations", "lineage_annotation_versions", "agg_expert_load",
-           "agg_logprobs", "agg_output_lengths", "agg_route_drift", "reader_leases"]
+           "agg_logprobs", "agg_output_lengths", "agg_route_drift", "agg_calls", "reader_leases"]

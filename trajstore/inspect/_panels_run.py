@@ -8,15 +8,24 @@ from typing import Any
 from trajstore.inspect._figures import (HEIGHT, MAX_STUCK_ROWS, _VERSION_STATS_SQL, Clock, _filled, _layout, _num, 
                                         _plotly, _right_axis, _share, _sql_number, _time_axis, _two_bars,
                                         _version_axis, _wide_left, _with_right_axis)
+from trajstore.inspect import _agg_sql as agg
 from trajstore.inspect.sql import QueryResult
 
 __all__: list[str] = []
 
+_CALLS_PER_VERSION_SQL = (
+    "SELECT model_version, CAST(sum(calls) AS BIGINT) AS calls, "
+    "COALESCE(CAST(sum(calls) FILTER (WHERE finish_reason = 'length') AS BIGINT), 0) AS length_calls, "
+    "CAST(sum(prefix_mismatches) AS BIGINT) AS mismatches, CAST(sum(calls_with_routes) AS BIGINT) AS calls_with_routes "
+    f"FROM {agg.calls(agg.CALL_WIDTHS_S[-1])} GROUP BY model_version ORDER BY model_version")
+"""Engine calls per model version (``agg_calls``): the finish reason, mismatch and route coverage panels share it."""
+
 
 def _ingest_sql(c: Clock) -> list[str]:
-    return [f"SELECT {c.bucket('created_at')} AS bucket, count(*) AS calls, "
-            "sum(output_len) AS generated_tokens, sum(num_observed_tokens) AS observed_tokens "
-            "FROM generation_events GROUP BY 1 ORDER BY 1"]
+    return [f"SELECT {c.bucket_of_start('bucket_start')} AS bucket, CAST(sum(calls) AS BIGINT) AS calls, "
+            "CAST(sum(output_tokens) AS BIGINT) AS generated_tokens, "
+            f"CAST(sum(observed_tokens) AS BIGINT) AS observed_tokens FROM {agg.calls(c.base_width)} "
+            "GROUP BY 1 ORDER BY 1"]
 
 
 def _ingest_draw(c: Clock, r: list[QueryResult]) -> Any:
@@ -118,12 +127,17 @@ def _running_draw(c: Clock, r: list[QueryResult]) -> Any:
 
 
 def _stuck_sql(c: Clock) -> list[str]:
-    newest = _sql_number(c.last_s)  # the newest event in the store (the clock's max(last_event_at))
+    newest = _sql_number(c.last_s)  # the newest event in the store (the clock's)
+    # the running trajectories only (ix_trajectories_status), each one's events through its index
+    running = ("SELECT t.trajectory_id, t.group_id, count(*) FILTER (WHERE e.type = 'generation') AS num_generations, "
+               "max(CASE WHEN e.type = 'generation' THEN e.model_version END) AS max_model_version, "
+               "max(e.created_at) AS last_event_at FROM trajectories t JOIN events e ON e.trajectory_id = t.trajectory_id "
+               "WHERE t.status = 'running' GROUP BY t.trajectory_id, t.group_id")
     return [
-        f"SELECT count(*) AS running, count(*) FILTER (WHERE {newest} - last_event_at > {_sql_number(c.stuck_after_s)}) AS stuck "
-        "FROM trajectory_summary WHERE status = 'running'",
+        f"SELECT count(*) AS running, count(*) FILTER (WHERE {newest} - last_event_at > {_sql_number(c.stuck_after_s)}) "
+        f"AS stuck FROM ({running}) r",
         f"SELECT trajectory_id, group_id, num_generations, max_model_version, {newest} - last_event_at AS idle_s "
-        f"FROM trajectory_summary WHERE status = 'running' ORDER BY last_event_at, trajectory_id LIMIT {MAX_STUCK_ROWS}"]
+        f"FROM ({running}) r ORDER BY last_event_at, trajectory_id LIMIT {MAX_STUCK_ROWS}"]
 
 
 def _stuck_draw(c: Clock, r: list[QueryResult]) -> Any:
@@ -192,10 +206,9 @@ def _reward_version_draw(c: Clock, r: list[QueryResult]) -> Any:
 
 def _finish_sql(c: Clock) -> list[str]:
     return [
-        f"SELECT {c.bucket('created_at')} AS bucket, COALESCE(finish_reason, '(none)') AS finish_reason, "
-        "count(*) AS calls FROM generation_events GROUP BY 1, 2 ORDER BY 1, 2",
-        "SELECT model_version, count(*) AS calls, count(*) FILTER (WHERE finish_reason = 'length') AS length_calls "
-        "FROM generation_events GROUP BY model_version ORDER BY model_version"]
+        f"SELECT {c.bucket_of_start('bucket_start')} AS bucket, COALESCE(finish_reason, '(none)') AS finish_reason, "
+        f"CAST(sum(calls) AS BIGINT) AS calls FROM {agg.calls(c.base_width)} GROUP BY 1, 2 ORDER BY 1, 2",
+        _CALLS_PER_VERSION_SQL]
 
 
 def _finish_draw(c: Clock, r: list[QueryResult]) -> Any:
@@ -342,8 +355,7 @@ def _merge_draw(c: Clock, r: list[QueryResult]) -> Any:
 def _mismatch_sql(c: Clock) -> list[str]:
     return ["SELECT num_prefix_mismatches, count(*) AS trajectories FROM trajectory_summary WHERE num_generations > 0 "
             "GROUP BY num_prefix_mismatches ORDER BY num_prefix_mismatches",
-            "SELECT model_version, count(*) AS calls, count(*) FILTER (WHERE is_prefix_mismatch) AS mismatches "
-            "FROM generation_events GROUP BY model_version ORDER BY model_version"]
+            _CALLS_PER_VERSION_SQL]
 
 
 def _mismatch_draw(c: Clock, r: list[QueryResult]) -> Any:
@@ -353,7 +365,7 @@ def _mismatch_draw(c: Clock, r: list[QueryResult]) -> Any:
     fig = _two_bars(("prefix mismatches per trajectory", "calls that start a new sample by mismatch"),
                     dict(x=[str(row[0]) for row in per_traj], y=[row[1] for row in per_traj], name="trajectories",
                          marker_color="#d62728"),
-                    dict(x=[str(row[0]) for row in per_version], y=[_share(row[2], row[1]) for row in per_version],
+                    dict(x=[str(row[0]) for row in per_version], y=[_share(row[3], row[1]) for row in per_version],
                          name="share of calls", marker_color="#d62728"))
     fig.update_xaxes(title_text="mismatches", row=1, col=1)
     fig.update_xaxes(title_text="model version", row=1, col=2)

@@ -7,6 +7,8 @@ from typing import Any, Sequence
 from trajstore._aggregates import DRIFT_WIDTHS_S, LOGPROB_BINS, LOGPROB_RANGE, logprob_bin_edges
 from trajstore.inspect._figures import (RECENT_VERSIONS, _VERSION_STATS_SQL, Clock, _layout, _num, _plotly, 
                                         _right_axis, _share, _time_axis, _two_bars, _version_axis, _wide_left)
+from trajstore.inspect import _agg_sql as agg
+from trajstore.inspect._panels_run import _CALLS_PER_VERSION_SQL
 from trajstore.inspect.sql import QueryResult
 
 __all__: list[str] = []
@@ -15,10 +17,10 @@ __all__: list[str] = []
 def _length_sql(c: Clock) -> list[str]:
     w = c.length_bin
     return [f"SELECT model_version, output_len / {w} * {w} AS length_bin, sum(calls) AS calls "
-            f"FROM agg_output_lengths WHERE model_version >= (SELECT max(model_version) FROM agg_output_lengths) - "
-            f"{RECENT_VERSIONS - 1} GROUP BY 1, 2 ORDER BY 1, 2",
+            f"FROM {agg.output_lengths()} WHERE model_version >= (SELECT max(model_version) FROM "
+            f"{agg.output_lengths()}) - {RECENT_VERSIONS - 1} GROUP BY 1, 2 ORDER BY 1, 2",
             "SELECT model_version, sum(output_len * calls) * 1.0 / sum(calls) AS mean_output_len, "
-            "max(output_len) AS max_output_len FROM agg_output_lengths GROUP BY model_version ORDER BY model_version"]
+            f"max(output_len) AS max_output_len FROM {agg.output_lengths()} GROUP BY model_version ORDER BY model_version"]
 
 
 def _length_draw(c: Clock, r: list[QueryResult]) -> Any:
@@ -51,7 +53,7 @@ def _drift_sql(c: Clock) -> list[str]:
     base = max(w for w in DRIFT_WIDTHS_S if c.width_s % w == 0)  # the stored width the clock's is a multiple of
     return [f"SELECT (bucket_start * 1000 - {c.t0_ms}) / {c.width_s * 1000} AS bucket, "
             "sum(rows_compared) AS rows_compared, sum(rows_drifted) AS rows_drifted, sum(rows_resent) AS rows_resent "
-            f"FROM agg_route_drift WHERE width_s = {base} GROUP BY 1 ORDER BY 1",
+            f"FROM {agg.route_drift()} WHERE width_s = {base} GROUP BY 1 ORDER BY 1",
             _VERSION_STATS_SQL]
 
 
@@ -96,8 +98,7 @@ def _routes_sql(c: Clock) -> list[str]:
     return ["SELECT num_tokens - num_route_rows AS tokens_without_route, count(*) AS samples, "
             "sum(num_tokens) AS tokens, sum(num_route_rows) AS route_rows "
             "FROM sample_summary WHERE num_route_rows IS NOT NULL GROUP BY num_tokens - num_route_rows",
-            "SELECT model_version, count(*) AS calls, count(*) FILTER (WHERE has_routes) AS calls_with_routes "
-            "FROM generation_events GROUP BY model_version ORDER BY model_version"]
+            _CALLS_PER_VERSION_SQL]
 
 
 def _routes_draw(c: Clock, r: list[QueryResult]) -> Any:
@@ -110,7 +111,7 @@ def _routes_draw(c: Clock, r: list[QueryResult]) -> Any:
     fig = _two_bars(("samples by tokens without a route" + (f" ({covered:.2%} covered)" if covered is not None else ""),
                      "engine calls that returned routes"),
                     dict(x=[b[2] for b in _MISSING_BUCKETS], y=counts, name="samples", marker_color="#9467bd"),
-                    dict(x=[str(row[0]) for row in per_version], y=[_share(row[2], row[1]) for row in per_version],
+                    dict(x=[str(row[0]) for row in per_version], y=[_share(row[4], row[1]) for row in per_version],
                          name="share of calls", marker_color="#9467bd"))
     fig.update_xaxes(title_text="tokens without a route (1 = the final token only)", row=1, col=1)
     fig.update_xaxes(title_text="model version", row=1, col=2)
@@ -127,13 +128,13 @@ PENDING_NOTE = ("this store was upgraded with samples whose token columns are no
 
 
 def _logprob_sql(c: Clock) -> list[str]:
-    return ["SELECT model_version, bin, tokens, logprob_sum FROM agg_logprobs ORDER BY model_version, bin",
+    return [f"SELECT model_version, bin, tokens, logprob_sum FROM {agg.logprobs()} ORDER BY model_version, bin",
             PENDING_SQL]
 
 
 def _experts_sql(c: Clock) -> list[str]:
-    return ["SELECT model_version, layer, expert, routed FROM agg_expert_load "
-            f"WHERE model_version >= (SELECT max(model_version) FROM agg_expert_load) - {RECENT_VERSIONS - 1} "
+    return [f"SELECT model_version, layer, expert, routed FROM {agg.expert_load()} "
+            f"WHERE model_version >= (SELECT max(model_version) FROM {agg.expert_load()}) - {RECENT_VERSIONS - 1} "
             "ORDER BY model_version, layer, expert",
             PENDING_SQL]
 

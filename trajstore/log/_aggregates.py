@@ -10,15 +10,17 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-from trajstore._aggregates import Counts, event_counts, merge, sample_counts
+from trajstore._aggregates import MAX_VALUES, Counts, event_counts, merge, sample_counts
 from trajstore.log._dialect import SqlDialect, execute
-from trajstore.schema import (agg_expert_load, agg_logprobs, agg_output_lengths, agg_route_drift, samples,
-                              store_settings, trajectories)
+from trajstore.schema import (agg_calls, agg_expert_load, agg_logprobs, agg_output_lengths, agg_route_drift,
+                              samples, store_settings, trajectories)
 
 __all__ = ["TABLES", "PENDING", "add_counts", "write_event_aggregates", "rebuild_event_aggregates",
            "rebuild_sample_aggregates"]
 
-TABLES = {t.name: t for t in (agg_expert_load, agg_logprobs, agg_output_lengths, agg_route_drift)}
+TABLES = {t.name: t for t in (agg_expert_load, agg_logprobs, agg_output_lengths, agg_route_drift, agg_calls)}
+EVENT_TABLES = (agg_output_lengths, agg_route_drift, agg_calls)
+"""The tables counted from the log's generation events (the append's transaction)."""
 PENDING = "aggregates_pending"
 """The ``store_settings`` row an upgraded store with samples gets until their aggregates are counted."""
 
@@ -40,8 +42,15 @@ def add_counts(conn: Any, d: SqlDialect, counts: Counts) -> None:
 
         def build() -> str:
             cols = [*keys, *values]
-            updates = ", ".join(f"{d.col(table.c[v])} = {t}.{d.col(table.c[v])} + excluded.{d.col(table.c[v])}"
-                                for v in values)
+            maxima = {values[i] for i in MAX_VALUES.get(name, ())}
+
+            def update(v: str) -> str:
+                c = d.col(table.c[v])
+                if v in maxima:  # the larger one, spelled alike on both backends
+                    return f"{c} = CASE WHEN excluded.{c} > {t}.{c} THEN excluded.{c} ELSE {t}.{c} END"
+                return f"{c} = {t}.{c} + excluded.{c}"
+
+            updates = ", ".join(update(v) for v in values)
             return (f"INSERT INTO {t} ({', '.join(d.col(table.c[c]) for c in cols)}) VALUES ({d.marks(len(cols))}) "
                     f"ON CONFLICT ({', '.join(d.col(table.c[k]) for k in keys)}) DO UPDATE SET {updates}")
 
@@ -69,19 +78,18 @@ def _lock(conn: Any, d: SqlDialect, tables: Sequence[Any]) -> None:
 
 
 def rebuild_event_aggregates(conn: Any, d: SqlDialect, *, page_rows: int = 50_000) -> int:
-    """Recount ``agg_output_lengths`` and ``agg_route_drift`` from every generation event, in
-    the caller's write transaction. Returns the number of events read."""
-    _lock(conn, d, (agg_output_lengths, agg_route_drift))
-    _delete_all(conn, d, (agg_output_lengths, agg_route_drift))
+    """Recount ``agg_output_lengths``, ``agg_route_drift`` and ``agg_calls`` from every
+    generation event, in the caller's write transaction. Returns the number of events read."""
+    _lock(conn, d, EVENT_TABLES)
+    _delete_all(conn, d, EVENT_TABLES)
     after, n = -1, 0
+    names = ("position", "type", "model_version", "output_len", "route_rows_resent", "route_rows_drifted",
+             "created_at", "finish_reason", "prompt_len", "prefix_len", "seq", "is_merged", "num_route_rows_sent")
     while True:
-        got = execute(conn, "SELECT position, type, model_version, output_len, route_rows_resent, route_rows_drifted, "
-                      f"created_at FROM events WHERE type = 'generation' AND position > {d.p} ORDER BY position "
-                      f"LIMIT {int(page_rows)}", (after,)).fetchall()
+        got = execute(conn, f"SELECT {', '.join(names)} FROM events WHERE type = 'generation' AND position > {d.p} "
+                      f"ORDER BY position LIMIT {int(page_rows)}", (after,)).fetchall()
         if not got:
             return n
-        names = ("position", "type", "model_version", "output_len", "route_rows_resent", "route_rows_drifted",
-                 "created_at")
         add_counts(conn, d, event_counts(dict(zip(names, r)) for r in got))
         n += len(got)
         after = got[-1][0]

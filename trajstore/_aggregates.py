@@ -9,8 +9,10 @@ checkpoint) never count twice:
 * ``event_counts(rows)``: an append's generation event rows (their index
   columns): calls per (model version, output length), the route drift of
   the calls that re-sent rows, per time bucket, and the calls' totals per
-  (time bucket, model version, finish reason) (``agg_output_lengths``,
-  ``agg_route_drift``, ``agg_calls``);
+  (time bucket, model version, finish reason), and (with the trajectories'
+  start and finish events) trajectories started and finished per (time bucket,
+  status) (``agg_output_lengths``, ``agg_route_drift``, ``agg_calls``,
+  ``agg_trajectories``);
 * ``sample_counts(samples)``: a materializer commit's default samples (their
   token columns, decoded for the sample segment): decode-route expert load per
   (model version, layer, expert) and rollout-logprob histograms per model
@@ -69,14 +71,23 @@ def event_counts(rows: Iterable[Mapping[str, Any]]) -> Counts:
     drift: dict[tuple, list[float]] = {}
     calls: dict[tuple, list[float]] = {}
     maxima = MAX_VALUES["agg_calls"]
+    trajs: dict[tuple, list[float]] = {}
     for r in rows:
+        if r.get("type") in ("trajectory_started", "trajectory_finished"):
+            started = r["type"] == "trajectory_started"
+            for w in DRIFT_WIDTHS_S:
+                _add(trajs, (w, math.floor(float(r["created_at"]) / w) * w, "running" if started else str(r["status"])),
+                     (int(started), int(not started)))
+            continue
         if r.get("type") != "generation":
             continue
         version, reason, out_len = r.get("model_version"), r.get("finish_reason"), int(r.get("output_len") or 0)
         key = (CALL_NO_VERSION if version is None else int(version), CALL_NO_REASON if reason is None else str(reason))
+        resent, drifted = int(r.get("route_rows_resent") or 0), r.get("route_rows_drifted")
         values = (1, out_len, int(r.get("prompt_len") or 0) - int(r.get("prefix_len") or 0),
-                  int(bool(r.get("seq")) and r.get("is_merged") is not None and not r.get("is_merged")), int((r.get("num_route_rows_sent") or 0) > 0),
-                  out_len)
+                  int(bool(r.get("seq")) and r.get("is_merged") is not None and not r.get("is_merged")),
+                  int((r.get("num_route_rows_sent") or 0) > 0), out_len,
+                  resent, resent if drifted is not None else 0, int(drifted or 0))
         for w in DRIFT_WIDTHS_S:
             _add(calls, (w, math.floor(float(r["created_at"]) / w) * w, *key), values, maxima)
         if r.get("model_version") is not None and r.get("output_len") is not None:
@@ -94,6 +105,8 @@ def event_counts(rows: Iterable[Mapping[str, Any]]) -> Counts:
         out["agg_route_drift"] = drift
     if calls:
         out["agg_calls"] = calls
+    if trajs:
+        out["agg_trajectories"] = trajs
     return out
 
 

@@ -464,6 +464,20 @@ agg_calls = Table(
     Column("prefix_mismatches", BigInteger, nullable=False),
     Column("calls_with_routes", BigInteger, nullable=False),
     Column("max_output_len", Integer, nullable=False),
+    Column("route_rows_resent", BigInteger, nullable=False),
+    Column("route_rows_compared", BigInteger, nullable=False),
+    Column("route_rows_drifted", BigInteger, nullable=False),
+)
+# migration 0018: trajectories started (under status 'running') and finished (under their
+# status) by time of append of the event, same buckets: the run view's running and problem panels.
+agg_trajectories = Table(
+    "agg_trajectories",
+    metadata,
+    Column("width_s", Integer, primary_key=True),
+    Column("bucket_start", BigInteger, primary_key=True),
+    Column("status", String(16), primary_key=True),
+    Column("started", BigInteger, nullable=False),
+    Column("finished", BigInteger, nullable=False),
 )
 # migration 0018: the running trajectories (the run view's stuck panel) through an index
 Index("ix_trajectories_status", trajectories.c.status)
@@ -472,4 +486,4 @@ __all__ = ["metadata", "log_head", "trajectories", "events", "segments", "sample
            "unfoldable_trajectories", "version_labels", "unresolved_labels", "store_settings", "projections",
            "projection_samples", "projection_checkpoints", "projection_unfoldable", "lineage_steps",
            "lineage_step_samples", "lineage_annotations", "lineage_annotation_versions", "agg_expert_load",
-           "agg_logprobs", "agg_output_lengths", "agg_route_drift", "agg_calls", "reader_leases"]
+           "agg_logprobs", "agg_output_lengths", "agg_route_drift", "agg_calls", "agg_trajectories", "reader_leases"]

@@ -7,7 +7,8 @@ page shows it as it ran (``trajstore sql`` re-runs it as is)."""
 
 from __future__ import annotations
 
-__all__ = ["output_lengths", "route_drift", "expert_load", "logprobs", "calls", "base_width", "CALL_WIDTHS_S"]
+__all__ = ["output_lengths", "route_drift", "expert_load", "logprobs", "calls", "trajectories", "base_width",
+           "CALL_WIDTHS_S"]
 
 from trajstore._aggregates import DRIFT_WIDTHS_S
 
@@ -38,12 +39,23 @@ def logprobs() -> str:
 def calls(width_s: int) -> str:
     """Engine calls in buckets of ``width_s`` seconds (one of ``CALL_WIDTHS_S``) by (bucket_start,
     model_version, finish_reason; NULL where the calls had none): ``calls``, ``output_tokens``,
-    ``observed_tokens``, ``prefix_mismatches``, ``calls_with_routes``, ``max_output_len``."""
+    ``observed_tokens``, ``prefix_mismatches``, ``calls_with_routes``, ``max_output_len``,
+    ``route_rows_resent``, ``route_rows_compared``, ``route_rows_drifted``."""
     if width_s not in CALL_WIDTHS_S:
         raise ValueError(f"agg_calls is kept at {CALL_WIDTHS_S} s buckets, not {width_s!r}")
     return ("(SELECT bucket_start, NULLIF(model_version, -1) AS model_version, "
             "NULLIF(finish_reason, '') AS finish_reason, calls, output_tokens, observed_tokens, prefix_mismatches, "
-            f"calls_with_routes, max_output_len FROM agg_calls WHERE width_s = {int(width_s)}) agg_calls")
+            "calls_with_routes, max_output_len, route_rows_resent, route_rows_compared, route_rows_drifted "
+            f"FROM agg_calls WHERE width_s = {int(width_s)}) agg_calls")
+
+
+def trajectories(width_s: int) -> str:
+    """Trajectories in buckets of ``width_s`` seconds by (bucket_start, status): ``started`` (their
+    ``trajectory_started``, under status ``running``), ``finished`` (their ``trajectory_finished``)."""
+    if width_s not in CALL_WIDTHS_S:
+        raise ValueError(f"agg_trajectories is kept at {CALL_WIDTHS_S} s buckets, not {width_s!r}")
+    return ("(SELECT bucket_start, status, started, finished FROM agg_trajectories "
+            f"WHERE width_s = {int(width_s)}) agg_trajectories")
 
 
 def base_width(width_s: int) -> int:

@@ -99,11 +99,11 @@ def _reward_time_draw(c: Clock, r: list[QueryResult]) -> Any:
 
 def _running_sql(c: Clock) -> list[str]:
     return [
-        "SELECT bucket, sum(started) AS started, sum(finished) AS finished, "
-        "sum(sum(started) - sum(finished)) OVER (ORDER BY bucket) AS running FROM ("
-        f"SELECT {c.bucket('first_event_at')} AS bucket, 1 AS started, 0 AS finished FROM trajectory_summary "
-        f"UNION ALL SELECT {c.bucket('last_event_at')}, 0, 1 FROM trajectory_summary WHERE status <> 'running'"
-        ") x GROUP BY bucket ORDER BY bucket"]
+        f"SELECT {c.bucket_of_start('bucket_start')} AS bucket, CAST(sum(started) AS BIGINT) AS started, "
+        "CAST(sum(finished) AS BIGINT) AS finished, "
+        "CAST(sum(sum(started) - sum(finished)) OVER (ORDER BY "
+        f"{c.bucket_of_start('bucket_start')}) AS BIGINT) AS running FROM {agg.trajectories(c.base_width)} "
+        "GROUP BY 1 ORDER BY 1"]
 
 
 def _running_draw(c: Clock, r: list[QueryResult]) -> Any:
@@ -273,10 +273,12 @@ def _groups_draw(c: Clock, r: list[QueryResult]) -> Any:
 
 
 def _problems_sql(c: Clock) -> list[str]:
-    return [f"SELECT {c.bucket('last_event_at')} AS bucket, count(*) FILTER (WHERE status = 'failed') AS failed, "
-            "count(*) FILTER (WHERE status = 'aborted') AS aborted, "
-            "count(*) FILTER (WHERE status = 'truncated') AS truncated, count(*) AS finished "
-            "FROM trajectory_summary WHERE status <> 'running' GROUP BY 1 ORDER BY 1",
+    return [f"SELECT {c.bucket_of_start('bucket_start')} AS bucket, "
+            "COALESCE(CAST(sum(finished) FILTER (WHERE status = 'failed') AS BIGINT), 0) AS failed, "
+            "COALESCE(CAST(sum(finished) FILTER (WHERE status = 'aborted') AS BIGINT), 0) AS aborted, "
+            "COALESCE(CAST(sum(finished) FILTER (WHERE status = 'truncated') AS BIGINT), 0) AS truncated, "
+            f"CAST(sum(finished) AS BIGINT) AS finished FROM {agg.trajectories(c.base_width)} "
+            "WHERE status <> 'running' GROUP BY 1 ORDER BY 1",
             "SELECT count(*) FILTER (WHERE t.status <> 'running' AND t.num_generations > 0 AND NOT t.is_held_back "
             "AND NOT EXISTS (SELECT 1 FROM samples s WHERE s.trajectory_id = t.trajectory_id) "
             "AND NOT EXISTS (SELECT 1 FROM unfoldable_trajectories u WHERE u.trajectory_id = t.trajectory_id)) "

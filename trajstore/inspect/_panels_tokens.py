@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from trajstore._aggregates import DRIFT_WIDTHS_S, LOGPROB_BINS, LOGPROB_RANGE, logprob_bin_edges
-from trajstore.inspect._figures import (RECENT_VERSIONS, _VERSION_STATS_SQL, Clock, _layout, _num, _plotly, 
+from trajstore.inspect._figures import (RECENT_VERSIONS, Clock, _layout, _num, _plotly, 
                                         _right_axis, _share, _time_axis, _two_bars, _version_axis, _wide_left)
 from trajstore.inspect import _agg_sql as agg
 from trajstore.inspect._panels_run import _CALLS_PER_VERSION_SQL
@@ -54,13 +54,17 @@ def _drift_sql(c: Clock) -> list[str]:
     return [f"SELECT (bucket_start * 1000 - {c.t0_ms}) / {c.width_s * 1000} AS bucket, "
             "sum(rows_compared) AS rows_compared, sum(rows_drifted) AS rows_drifted, sum(rows_resent) AS rows_resent "
             f"FROM {agg.route_drift()} WHERE width_s = {base} GROUP BY 1 ORDER BY 1",
-            _VERSION_STATS_SQL]
+            "SELECT model_version, CAST(sum(route_rows_resent) AS BIGINT) AS route_rows_resent, "
+            "CAST(sum(route_rows_drifted) AS BIGINT) AS route_rows_drifted, "
+            "CAST(sum(route_rows_drifted) AS DOUBLE PRECISION) / NULLIF(sum(route_rows_compared), 0) "
+            f"AS route_drift_share FROM {agg.calls(agg.CALL_WIDTHS_S[-1])} GROUP BY model_version "
+            "ORDER BY model_version"]
 
 
 def _drift_draw(c: Clock, r: list[QueryResult]) -> Any:
     go, make_subplots = _plotly()
     per_time = [row for row in r[0].rows if row[1]]
-    per_version = [row for row in r[1].rows if row[8]]
+    per_version = [row for row in r[1].rows if row[1]]  # (version, resent, drifted, share)
     if not per_time:
         if r[0].rows:
             return ("route rows were re-sent, but none was compared with the recording (calls appended by a "
@@ -79,9 +83,9 @@ def _drift_draw(c: Clock, r: list[QueryResult]) -> Any:
                              mode="lines+markers", line=dict(color="#d62728"),
                              customdata=[[row[2] or 0, row[1]] for row in per_time],
                              hovertemplate="%{y:.2%}: %{customdata[0]} of %{customdata[1]} rows"), 1, 1)
-    fig.add_trace(go.Bar(x=[str(row[0]) for row in per_version], y=[_num(row[10]) for row in per_version],
+    fig.add_trace(go.Bar(x=[str(row[0]) for row in per_version], y=[_num(row[3]) for row in per_version],
                          name="share", showlegend=False, marker_color="#d62728",
-                         customdata=[[row[9] or 0, row[8]] for row in per_version],
+                         customdata=[[row[2] or 0, row[1]] for row in per_version],
                          hovertemplate="%{y:.2%}: %{customdata[0]} of %{customdata[1]} re-sent rows"), 1, 2)
     _time_axis(fig, c, row=1, col=1)
     _version_axis(fig, row=1, col=2)

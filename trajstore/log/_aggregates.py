@@ -13,14 +13,15 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 from trajstore._aggregates import MAX_VALUES, Counts, event_counts, merge, sample_counts
 from trajstore.log._dialect import SqlDialect, execute
 from trajstore.schema import (agg_calls, agg_expert_load, agg_logprobs, agg_output_lengths, agg_route_drift,
-                              samples, store_settings, trajectories)
+                              agg_trajectories, samples, store_settings, trajectories)
 
 __all__ = ["TABLES", "PENDING", "add_counts", "write_event_aggregates", "rebuild_event_aggregates",
            "rebuild_sample_aggregates"]
 
-TABLES = {t.name: t for t in (agg_expert_load, agg_logprobs, agg_output_lengths, agg_route_drift, agg_calls)}
-EVENT_TABLES = (agg_output_lengths, agg_route_drift, agg_calls)
-"""The tables counted from the log's generation events (the append's transaction)."""
+TABLES = {t.name: t for t in (agg_expert_load, agg_logprobs, agg_output_lengths, agg_route_drift, agg_calls,
+                               agg_trajectories)}
+EVENT_TABLES = (agg_output_lengths, agg_route_drift, agg_calls, agg_trajectories)
+"""The tables counted from the log's events (the append's transaction)."""
 PENDING = "aggregates_pending"
 """The ``store_settings`` row an upgraded store with samples gets until their aggregates are counted."""
 
@@ -78,20 +79,22 @@ def _lock(conn: Any, d: SqlDialect, tables: Sequence[Any]) -> None:
 
 
 def rebuild_event_aggregates(conn: Any, d: SqlDialect, *, page_rows: int = 50_000) -> int:
-    """Recount ``agg_output_lengths``, ``agg_route_drift`` and ``agg_calls`` from every
-    generation event, in the caller's write transaction. Returns the number of events read."""
+    """Recount ``agg_output_lengths``, ``agg_route_drift``, ``agg_calls`` and ``agg_trajectories``
+    from every generation, start and finish event, in the caller's write transaction. Returns the
+    number of events read."""
     _lock(conn, d, EVENT_TABLES)
     _delete_all(conn, d, EVENT_TABLES)
     after, n = -1, 0
     names = ("position", "type", "model_version", "output_len", "route_rows_resent", "route_rows_drifted",
-             "created_at", "finish_reason", "prompt_len", "prefix_len", "seq", "is_merged", "num_route_rows_sent")
+             "created_at", "finish_reason", "prompt_len", "prefix_len", "seq", "is_merged", "num_route_rows_sent", "status")
     while True:
-        got = execute(conn, f"SELECT {', '.join(names)} FROM events WHERE type = 'generation' AND position > {d.p} "
+        got = execute(conn, f"SELECT {', '.join(names)} FROM events WHERE type IN ('generation', 'trajectory_started', "
+                      f"'trajectory_finished') AND position > {d.p} "
                       f"ORDER BY position LIMIT {int(page_rows)}", (after,)).fetchall()
         if not got:
             return n
         add_counts(conn, d, event_counts(dict(zip(names, r)) for r in got))
-        n += len(got)
+        n += sum(1 for r in got if r[1] == "generation")
         after = got[-1][0]
 
 

@@ -21,7 +21,7 @@ from trajstore.inspect._rebuild import rebuild_aggregates
 from trajstore.inspect.sql import read_only
 from trajstore.log.base import StaleState
 
-TABLES = ("agg_expert_load", "agg_logprobs", "agg_output_lengths", "agg_route_drift", "agg_calls")
+TABLES = ("agg_expert_load", "agg_logprobs", "agg_output_lengths", "agg_route_drift", "agg_calls", "agg_trajectories")
 
 
 def tables(store) -> dict[str, dict[tuple, tuple]]:
@@ -31,7 +31,7 @@ def tables(store) -> dict[str, dict[tuple, tuple]]:
         for name in TABLES:
             rows = conn.execute(text(f"SELECT * FROM {name}")).all()
             keys = {"agg_expert_load": 3, "agg_logprobs": 2, "agg_output_lengths": 2, "agg_route_drift": 2,
-                    "agg_calls": 4}[name]
+                    "agg_calls": 4, "agg_trajectories": 3}[name]
             out[name] = {tuple(r[:keys]): tuple(round(float(v), 6) for v in r[keys:]) for r in rows}
     return out
 
@@ -111,7 +111,8 @@ def test_an_upgraded_store_is_backfilled(store_url, store, tmp_path, capsys):
     upgraded = tables(store)
     assert upgraded["agg_output_lengths"] == fresh["agg_output_lengths"]  # the migration counted the log's part
     assert upgraded["agg_route_drift"] == fresh["agg_route_drift"]
-    assert upgraded["agg_calls"] == fresh["agg_calls"]  # 0018 counted it from the log
+    assert upgraded["agg_calls"] == fresh["agg_calls"]  # 0018 counted them from the log
+    assert upgraded["agg_trajectories"] == fresh["agg_trajectories"]
     assert not upgraded["agg_expert_load"] and not upgraded["agg_logprobs"]  # the payload's: pending
     url = reader_url_for(store_url)
     with read_only(url) as query:

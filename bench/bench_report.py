@@ -194,7 +194,8 @@ def main() -> None:
                               f"{sorted(old)[len(old) // 2] * 1e3:6.0f} ms, CPU min {min(old_cpu) * 1e3:.0f} ms")
                 # append to page: new trajectories under a new version, one materializer pass, one refresh
                 newest = args.versions + 1
-                probe_cfg = replace(cfg, seed=1)
+                # trajectories of their own each run (a kept store has the last run's probe already)
+                probe_cfg = replace(cfg, seed=1 + int(time.time()) % 1_000_000)
                 from trajstore.demo._simulate import trajectory_events
 
                 events = [e for i in range(args.probe) for e in trajectory_events(probe_cfg, i, version=newest)]

@@ -5,6 +5,8 @@ Fills a SQLite store through the public append path (``Store.append``, batches o
 ``--batch`` trajectories of the demo's simulated rollouts, ``--layers`` x ``--topk``
 routes over ``--experts`` experts), materializes it, then:
 
+* per panel: each panel's SQL, drawing and JSON on its own (the clock and the
+  summary as panels of their own), best of ``--rounds``;
 * refresh: times ``panels.collect`` (every panel's SQL in one read-only snapshot,
   as the live page runs it) over ``--rounds`` rounds, and names the slowest queries;
 * append to page: appends ``--probe`` new trajectories under a new model version,
@@ -14,9 +16,9 @@ routes over ``--experts`` experts), materializes it, then:
 
 ``--old DIR`` also times the refresh of another trajstore tree on the same store, in a
 subprocess, for a side by side comparison (its panels read only what that tree knows).
-A tree from before the aggregates needs this store's newest migration to open it:
-``git archive <commit> trajstore | tar -x -C DIR; cp trajstore/migrations/versions/0015_*
-DIR/trajstore/migrations/versions/``.
+An older tree needs this store's newest migration to open it:
+``git archive <commit> trajstore | tar -x -C DIR; cp trajstore/migrations/versions/0018_*
+DIR/trajstore/migrations/versions/`` (and 0015 for a tree from before the first aggregates).
 
     python bench/bench_report.py --trajectories 1000 10000 --layers 48 --topk 8
 """

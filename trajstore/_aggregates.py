@@ -29,7 +29,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-__all__ = ["Counts", "LOGPROB_RANGE", "LOGPROB_BINS", "DRIFT_WIDTHS_S", "MAX_VALUES", "event_counts", "sample_counts",
+__all__ = ["Counts", "LOGPROB_RANGE", "LOGPROB_BINS", "DRIFT_WIDTHS_S", "MAX_VALUES", "WRITER_KEYED", "event_counts", "sample_counts",
            "logprob_bin_edges", "decode_routes", "count_routes"]
 
 LOGPROB_RANGE = (-12.0, 0.0)
@@ -42,6 +42,10 @@ DRIFT_WIDTHS_S = (1, 60, 3600)
 Counts = dict[str, dict[tuple, list[float]]]
 MAX_VALUES = {"agg_calls": (5,)}
 """Per table, the value columns (indexes among its non-key columns) kept as a maximum, not a sum."""
+WRITER_KEYED = ("agg_calls", "agg_trajectories")
+"""Tables whose key ends with ``writer``, which the database fills (the PostgreSQL backend adding
+the row, 0 on SQLite): every append adds to the same few keys, so concurrent appends would
+otherwise wait on each other's rows. ``Counts`` keys leave it out; readers sum over it."""
 CALL_NO_VERSION, CALL_NO_REASON = -1, ""
 """``agg_calls``' key for a call without a model version, without a finish reason."""
 

@@ -451,6 +451,9 @@ agg_route_drift = Table(
 # route drift), model version (-1: none) and finish reason ('': none), counted in the append's
 # transaction: what the run view's over-time call panels and the run's totals read.
 # ``max_output_len`` is kept as the larger of the stored and the added value (the others add).
+# ``writer``: the PostgreSQL backend that added the row (0 on SQLite), so concurrent appends
+# never wait on each other's row (every append of a bucket has the same key otherwise);
+# readers sum over it.
 agg_calls = Table(
     "agg_calls",
     metadata,
@@ -458,6 +461,7 @@ agg_calls = Table(
     Column("bucket_start", BigInteger, primary_key=True),
     Column("model_version", Integer, primary_key=True),
     Column("finish_reason", String(64), primary_key=True),
+    Column("writer", Integer, primary_key=True),
     Column("calls", BigInteger, nullable=False),
     Column("output_tokens", BigInteger, nullable=False),
     Column("observed_tokens", BigInteger, nullable=False),
@@ -476,6 +480,7 @@ agg_trajectories = Table(
     Column("width_s", Integer, primary_key=True),
     Column("bucket_start", BigInteger, primary_key=True),
     Column("status", String(16), primary_key=True),
+    Column("writer", Integer, primary_key=True),
     Column("started", BigInteger, nullable=False),
     Column("finished", BigInteger, nullable=False),
 )

@@ -14,6 +14,7 @@ from sqlalchemy import create_engine, text
 import trajstore
 from tests.helpers import reader_url_for
 from tests.inspect.test_report import fill, run_events
+from trajstore._aggregates import MAX_VALUES, WRITER_KEYED, _add
 from trajstore._migrate import alembic_config
 from trajstore.cli import main
 from trajstore.inspect._panels import collect
@@ -32,6 +33,12 @@ def tables(store) -> dict[str, dict[tuple, tuple]]:
             rows = conn.execute(text(f"SELECT * FROM {name}")).all()
             keys = {"agg_expert_load": 3, "agg_logprobs": 2, "agg_output_lengths": 2, "agg_route_drift": 2,
                     "agg_calls": 4, "agg_trajectories": 3}[name]
+            if name in WRITER_KEYED:  # the rows of every writer (database backend) summed, max_output_len maxed
+                summed: dict[tuple, list[float]] = {}
+                for r in rows:
+                    _add(summed, tuple(r[:keys]), [float(v) for v in r[keys + 1:]], MAX_VALUES.get(name, ()))
+                out[name] = {k: tuple(round(v, 6) for v in vs) for k, vs in summed.items()}
+                continue
             out[name] = {tuple(r[:keys]): tuple(round(float(v), 6) for v in r[keys:]) for r in rows}
     return out
 
@@ -80,6 +87,31 @@ def test_a_retried_append_counts_once(store):
     after = tables(store)["agg_output_lengths"]
     new_calls = sum(1 for e in run_events(6, 1)[0] if e["type"] == "generation")
     assert sum(v[0] for v in after.values()) == sum(v[0] for v in once["agg_output_lengths"].values()) + new_calls
+
+
+def test_concurrent_appends_add_to_rows_of_their_own(store_url, store):
+    """Every append of one bucket adds to the same agg_calls/agg_trajectories keys: on PostgreSQL
+    each writer (database backend) has its own row, so an append held open never holds up
+    another's; SQLite's one writer has one."""
+    import threading
+
+    other = trajstore.connect(store_url)
+    try:
+        batches = run_events(0, 4)
+        threads = [threading.Thread(target=s.append, args=(b,)) for s, b in zip((store, other), batches[:2])]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        other.append(batches[2])
+        with store.log.read_engine.connect() as conn:
+            writers = conn.execute(text("SELECT count(DISTINCT writer) FROM agg_trajectories")).scalar_one()
+        assert writers == (1 if store_url.startswith("sqlite") else 2)
+        counted = tables(store)
+        rebuild_aggregates(store)  # one writer now: the same sums
+        assert tables(store) == counted
+    finally:
+        other.close()
 
 
 def test_a_materializer_commit_that_loses_its_race_counts_nothing(store):

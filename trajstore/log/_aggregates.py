@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-from trajstore._aggregates import MAX_VALUES, Counts, event_counts, merge, sample_counts
+from trajstore._aggregates import MAX_VALUES, WRITER_KEYED, Counts, event_counts, merge, sample_counts
 from trajstore.log._dialect import SqlDialect, execute
 from trajstore.schema import (agg_calls, agg_expert_load, agg_logprobs, agg_output_lengths, agg_route_drift,
                               agg_trajectories, samples, store_settings, trajectories)
@@ -42,7 +42,12 @@ def add_counts(conn: Any, d: SqlDialect, counts: Counts) -> None:
         t = d.table(table)
 
         def build() -> str:
-            cols = [*keys, *values]
+            # the writer key is the database's (not a parameter): this backend, 0 on SQLite
+            writer = ["writer"] if name in WRITER_KEYED else []
+            given = [k for k in keys if k not in writer]
+            cols = [*given, *writer, *values]
+            marks = d.marks(len(given) + len(values)).split(", ")
+            marks[len(given):len(given)] = ["0" if d.single_writer else "pg_backend_pid()"] * len(writer)
             maxima = {values[i] for i in MAX_VALUES.get(name, ())}
 
             def update(v: str) -> str:
@@ -52,7 +57,7 @@ def add_counts(conn: Any, d: SqlDialect, counts: Counts) -> None:
                 return f"{c} = {t}.{c} + excluded.{c}"
 
             updates = ", ".join(update(v) for v in values)
-            return (f"INSERT INTO {t} ({', '.join(d.col(table.c[c]) for c in cols)}) VALUES ({d.marks(len(cols))}) "
+            return (f"INSERT INTO {t} ({', '.join(d.col(table.c[c]) for c in cols)}) VALUES ({', '.join(marks)}) "
                     f"ON CONFLICT ({', '.join(d.col(table.c[k]) for k in keys)}) DO UPDATE SET {updates}")
 
         sql = d._cached(("add_counts", name), build)

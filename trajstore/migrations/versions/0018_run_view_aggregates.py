@@ -18,6 +18,9 @@ Create Date: 2026-11-27
   ``trajectory_finished`` events (under their status) by time of append, same
   buckets: the running and problem panels' counts over time (a trajectory's
   first event is its start, its last its finish).
+* ``writer`` (both tables): the PostgreSQL backend that added the row (0 on
+  SQLite and in the backfill): concurrent appends of one bucket never wait on
+  each other's row lock; readers sum over it.
 * ``ix_trajectories_status``: the running trajectories (the stuck panel) are
   read through an index instead of the whole table.
 
@@ -52,6 +55,7 @@ def upgrade() -> None:
         sa.Column("bucket_start", sa.BigInteger(), primary_key=True),
         sa.Column("model_version", sa.Integer(), primary_key=True),
         sa.Column("finish_reason", sa.String(64), primary_key=True),
+        sa.Column("writer", sa.Integer(), primary_key=True),
         sa.Column("calls", sa.BigInteger(), nullable=False),
         sa.Column("output_tokens", sa.BigInteger(), nullable=False),
         sa.Column("observed_tokens", sa.BigInteger(), nullable=False),
@@ -67,6 +71,7 @@ def upgrade() -> None:
         sa.Column("width_s", sa.Integer(), primary_key=True),
         sa.Column("bucket_start", sa.BigInteger(), primary_key=True),
         sa.Column("status", sa.String(16), primary_key=True),
+        sa.Column("writer", sa.Integer(), primary_key=True),
         sa.Column("started", sa.BigInteger(), nullable=False),
         sa.Column("finished", sa.BigInteger(), nullable=False),
     )
@@ -74,10 +79,10 @@ def upgrade() -> None:
     for width in WIDTHS_S:
         b = _bucket(dialect, width)
         op.execute(
-            "INSERT INTO agg_calls (width_s, bucket_start, model_version, finish_reason, calls, output_tokens, "
+            "INSERT INTO agg_calls (width_s, bucket_start, model_version, finish_reason, writer, calls, output_tokens, "
             "observed_tokens, prefix_mismatches, calls_with_routes, max_output_len, route_rows_resent, "
             "route_rows_compared, route_rows_drifted) "
-            f"SELECT {width}, {b}, COALESCE(model_version, -1), COALESCE(finish_reason, ''), count(*), "
+            f"SELECT {width}, {b}, COALESCE(model_version, -1), COALESCE(finish_reason, ''), 0, count(*), "
             "COALESCE(sum(output_len), 0), COALESCE(sum(prompt_len - prefix_len), 0), "
             "count(*) FILTER (WHERE seq > 0 AND NOT is_merged), "
             "count(*) FILTER (WHERE COALESCE(num_route_rows_sent, 0) > 0), COALESCE(max(output_len), 0), "
@@ -87,8 +92,8 @@ def upgrade() -> None:
             f"FROM events WHERE type = 'generation' "
             f"GROUP BY {b}, COALESCE(model_version, -1), COALESCE(finish_reason, '')")
         op.execute(
-            "INSERT INTO agg_trajectories (width_s, bucket_start, status, started, finished) "
-            f"SELECT {width}, {b}, CASE WHEN type = 'trajectory_started' THEN 'running' ELSE status END, "
+            "INSERT INTO agg_trajectories (width_s, bucket_start, status, writer, started, finished) "
+            f"SELECT {width}, {b}, CASE WHEN type = 'trajectory_started' THEN 'running' ELSE status END, 0, "
             "count(*) FILTER (WHERE type = 'trajectory_started'), count(*) FILTER (WHERE type = 'trajectory_finished') "
             "FROM events WHERE type IN ('trajectory_started', 'trajectory_finished') "
             f"GROUP BY {b}, CASE WHEN type = 'trajectory_started' THEN 'running' ELSE status END")

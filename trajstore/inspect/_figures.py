@@ -111,17 +111,22 @@ CLOCK_SQL = ("SELECT status, count(*) FROM trajectories GROUP BY status ORDER BY
              "CAST(sum(observed_tokens) AS BIGINT), CAST(sum(prefix_mismatches) AS BIGINT), min(model_version), "
              f"max(model_version) FROM {agg.calls(agg.CALL_WIDTHS_S[-1])}",
              "SELECT (SELECT created_at FROM events ORDER BY position LIMIT 1) AS first_event_at, "
-             "(SELECT created_at FROM events ORDER BY position DESC LIMIT 1) AS last_event_at",
+             "(SELECT created_at FROM events ORDER BY position DESC LIMIT 1) AS last_event_at, "
+             f"(SELECT min(bucket_start) FROM {agg.trajectories(1)}) AS first_counted_at",
              f"SELECT max(output_len) FROM {agg.output_lengths()}")
 """The run's trajectories by status, its engine calls' totals (from ``agg_calls``), its first and
-newest event (by position, through the log's key) and its longest response: each one small
-query, whatever the store's size (the summary shows the first three too)."""
+newest event (by position, through the log's key; the first second ``agg_trajectories`` counted,
+if earlier: the time axis keeps the archived part the aggregates still hold) and its longest
+response: each one small query, whatever the store's size (the summary shows the first three
+too). Seconds are whole widths, so the first second gives the first event's bucket."""
 
 
 def _clock(query: Query, stuck_after_s: float, payload: str | None) -> Clock:
     n = sum(int(row[1]) for row in query(CLOCK_SQL[0]).rows)
     calls = query(CLOCK_SQL[1]).rows[0][0]
-    first, last = query(CLOCK_SQL[2]).rows[0]
+    first, last, counted = query(CLOCK_SQL[2]).rows[0]
+    if counted is not None and (first is None or float(counted) < float(first)):
+        first = counted  # archived trajectories' events are gone from the log, not from the aggregates
     (max_len,) = query(CLOCK_SQL[3]).rows[0]
     first = float(first) if first is not None else time.time()
     last = float(last) if last is not None else first

@@ -148,7 +148,7 @@ def _summary(query: Query) -> list[list[str]]:
     by_status = query(SUMMARY_SQL[0]).rows
     n = sum(int(row[1]) for row in by_status)
     calls, generated, observed, mismatches, vmin, vmax = query(SUMMARY_SQL[1]).rows[0]
-    _, last = query(SUMMARY_SQL[2]).rows[0]
+    _, last, _ = query(SUMMARY_SQL[2]).rows[0]
     samples, folded, mean_stale, max_stale, routed, routable = query(SUMMARY_SQL[3]).rows[0]
     last_at = "-" if last is None else _dt.datetime.fromtimestamp(float(last), _dt.timezone.utc).strftime(
         "%Y-%m-%d %H:%M:%S UTC")

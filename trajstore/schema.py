@@ -466,8 +466,48 @@ agg_route_drift = Table(
     Index("ix_agg_route_drift_delta", "id", sqlite_where=text("delta"), postgresql_where=text("delta")),
 )
 
+# migration 0018: engine calls by time of append (buckets of 1, 60 and 3600 seconds, as the
+# route drift), model version (-1: none) and finish reason ('': none), counted in the append's
+# transaction: what the run view's over-time call panels and the run's totals read.
+# ``max_output_len`` is kept as the larger of the stored and the added value (the others add).
+# ``writer``: the PostgreSQL backend that added the row (0 on SQLite), so concurrent appends
+# never wait on each other's row (every append of a bucket has the same key otherwise);
+# readers sum over it.
+agg_calls = Table(
+    "agg_calls",
+    metadata,
+    Column("width_s", Integer, primary_key=True),
+    Column("bucket_start", BigInteger, primary_key=True),
+    Column("model_version", Integer, primary_key=True),
+    Column("finish_reason", String(64), primary_key=True),
+    Column("writer", Integer, primary_key=True),
+    Column("calls", BigInteger, nullable=False),
+    Column("output_tokens", BigInteger, nullable=False),
+    Column("observed_tokens", BigInteger, nullable=False),
+    Column("prefix_mismatches", BigInteger, nullable=False),
+    Column("calls_with_routes", BigInteger, nullable=False),
+    Column("max_output_len", Integer, nullable=False),
+    Column("route_rows_resent", BigInteger, nullable=False),
+    Column("route_rows_compared", BigInteger, nullable=False),
+    Column("route_rows_drifted", BigInteger, nullable=False),
+)
+# migration 0018: trajectories started (under status 'running') and finished (under their
+# status) by time of append of the event, same buckets: the run view's running and problem panels.
+agg_trajectories = Table(
+    "agg_trajectories",
+    metadata,
+    Column("width_s", Integer, primary_key=True),
+    Column("bucket_start", BigInteger, primary_key=True),
+    Column("status", String(16), primary_key=True),
+    Column("writer", Integer, primary_key=True),
+    Column("started", BigInteger, nullable=False),
+    Column("finished", BigInteger, nullable=False),
+)
+# migration 0018: the running trajectories (the run view's stuck panel) through an index
+Index("ix_trajectories_status", trajectories.c.status)
+
 __all__ = ["metadata", "log_head", "trajectories", "events", "segments", "samples", "materializer_checkpoints",
            "unfoldable_trajectories", "version_labels", "unresolved_labels", "store_settings", "projections",
            "projection_samples", "projection_checkpoints", "projection_unfoldable", "lineage_steps",
            "lineage_step_samples", "lineage_annotations", "lineage_annotation_versions", "agg_expert_load",
-           "agg_logprobs", "agg_output_lengths", "agg_route_drift", "reader_leases"]
+           "agg_logprobs", "agg_output_lengths", "agg_route_drift", "agg_calls", "agg_trajectories", "reader_leases"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from trajstore._aggregates import DRIFT_WIDTHS_S, LOGPROB_BINS, LOGPROB_RANGE, logprob_bin_edges
+from trajstore._aggregates import LOGPROB_BINS, LOGPROB_RANGE, logprob_bin_edges
 from trajstore.inspect._figures import (RECENT_VERSIONS, Clock, _layout, _num, _plotly, 
                                         _right_axis, _share, _time_axis, _two_bars, _version_axis, _wide_left)
 from trajstore.inspect import _agg_sql as agg
@@ -50,10 +50,9 @@ def _length_draw(c: Clock, r: list[QueryResult]) -> Any:
 
 
 def _drift_sql(c: Clock) -> list[str]:
-    base = max(w for w in DRIFT_WIDTHS_S if c.width_s % w == 0)  # the stored width the clock's is a multiple of
-    return [f"SELECT (bucket_start * 1000 - {c.t0_ms}) / {c.width_s * 1000} AS bucket, "
+    return [f"SELECT {c.bucket_of_start('bucket_start')} AS bucket, "
             "sum(rows_compared) AS rows_compared, sum(rows_drifted) AS rows_drifted, sum(rows_resent) AS rows_resent "
-            f"FROM {agg.route_drift()} WHERE width_s = {base} GROUP BY 1 ORDER BY 1",
+            f"FROM {agg.route_drift(c.base_width)} GROUP BY 1 ORDER BY 1",
             "SELECT model_version, CAST(sum(route_rows_resent) AS BIGINT) AS route_rows_resent, "
             "CAST(sum(route_rows_drifted) AS BIGINT) AS route_rows_drifted, "
             "CAST(sum(route_rows_drifted) AS DOUBLE PRECISION) / NULLIF(sum(route_rows_compared), 0) "

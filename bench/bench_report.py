@@ -16,9 +16,10 @@ routes over ``--experts`` experts), materializes it, then:
 
 ``--old DIR`` also times the refresh of another trajstore tree on the same store, in a
 subprocess, for a side by side comparison (its panels read only what that tree knows).
-An older tree needs this store's newest migration to open it:
+An older tree needs this store's newest migrations to open it:
 ``git archive <commit> trajstore | tar -x -C DIR; cp trajstore/migrations/versions/0018_*
-DIR/trajstore/migrations/versions/`` (and 0015 for a tree from before the first aggregates).
+trajstore/migrations/versions/0019_* DIR/trajstore/migrations/versions/`` (and 0015 for a tree
+from before the first aggregates).
 
     python bench/bench_report.py --trajectories 1000 10000 --layers 48 --topk 8
 """

@@ -142,7 +142,7 @@ def test_an_upgraded_store_is_backfilled(store_url, store, tmp_path, capsys):
     upgraded = tables(store)
     assert upgraded["agg_output_lengths"] == fresh["agg_output_lengths"]  # the migration counted the log's part
     assert upgraded["agg_route_drift"] == fresh["agg_route_drift"]
-    assert upgraded["agg_calls"] == fresh["agg_calls"]  # 0018 counted them from the log
+    assert upgraded["agg_calls"] == fresh["agg_calls"]  # 0019 counted them from the log (total rows)
     assert upgraded["agg_trajectories"] == fresh["agg_trajectories"]
     assert not upgraded["agg_expert_load"] and not upgraded["agg_logprobs"]  # the payload's: pending
     url = reader_url_for(store_url)

@@ -36,7 +36,8 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-__all__ = ["Counts", "LOGPROB_RANGE", "LOGPROB_BINS", "DRIFT_WIDTHS_S", "KEYS", "VALUES", "MAX_VALUES", "event_counts",
+__all__ = ["Counts", "LOGPROB_RANGE", "LOGPROB_BINS", "DRIFT_WIDTHS_S", "KEYS", "VALUES", "MAX_VALUES", "DELTA_ROWS",
+           "event_counts",
            "sample_counts", "totals_sql", "logprob_bin_edges", "decode_routes", "count_routes"]
 
 LOGPROB_RANGE = (-12.0, 0.0)
@@ -65,6 +66,9 @@ VALUES = {"agg_expert_load": ("routed",), "agg_logprobs": ("tokens", "logprob_su
           "agg_trajectories": ("started", "finished")}
 """Each aggregate table's counted columns (a key's count: their sums over its rows; the max for
 those in ``MAX_VALUES``)."""
+DELTA_ROWS = ("agg_output_lengths", "agg_route_drift", "agg_calls", "agg_trajectories")
+"""The tables the append counts: a total row per key plus the appends' delta rows not folded
+yet. The others (the materializer's) are one row per key (their key is the primary key)."""
 
 
 def totals_sql(table: str, *, where: str = "", order: bool = True) -> str:
@@ -72,12 +76,15 @@ def totals_sql(table: str, *, where: str = "", order: bool = True) -> str:
     counted columns summed over the key's rows (the max for ``MAX_VALUES``; named as the
     columns), in key order (``order``). ``where``: a condition on the table's rows (its key
     columns), applied before the sums. Use it as is or as a subquery, ``FROM (...) t``; a
-    read that groups by the key and sums (maxes) is the same."""
+    read that groups by the key and sums (maxes) is the same. A table of one row per key
+    (not in ``DELTA_ROWS``) is selected as it is, no grouping (its primary key serves the read)."""
     keys, values = ", ".join(KEYS[table]), VALUES[table]
+    cut, ordered = f" WHERE {where}" if where else "", f" ORDER BY {keys}" if order else ""
+    if table not in DELTA_ROWS:
+        return f"SELECT {keys}, {', '.join(values)} FROM {table}{cut}{ordered}"
     maxima = MAX_VALUES.get(table, ())
     sums = ", ".join(f"{'max' if i in maxima else 'sum'}({v}) AS {v}" for i, v in enumerate(values))
-    return (f"SELECT {keys}, {sums} FROM {table}{f' WHERE {where}' if where else ''} GROUP BY {keys}"
-            f"{f' ORDER BY {keys}' if order else ''}")
+    return f"SELECT {keys}, {sums} FROM {table}{cut} GROUP BY {keys}{ordered}"
 
 
 def _add(into: dict[tuple, list[float]], key: tuple, values: Sequence[float], maxima: Sequence[int] = ()) -> None:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-from trajstore._aggregates import KEYS, MAX_VALUES, VALUES, Counts, _add, event_counts, merge, sample_counts
+from trajstore._aggregates import DELTA_ROWS, KEYS, MAX_VALUES, VALUES, Counts, _add, event_counts, merge, sample_counts
 from trajstore.log._dialect import SqlDialect, execute
 from trajstore.schema import (agg_calls, agg_expert_load, agg_logprobs, agg_output_lengths, agg_route_drift,
                               agg_trajectories, samples, store_settings, trajectories)
@@ -38,7 +38,7 @@ __all__ = ["TABLES", "DELTA_TABLES", "PENDING", "COMPACT_ROWS", "add_counts", "i
 
 TABLES = {t.name: t for t in (agg_expert_load, agg_logprobs, agg_output_lengths, agg_route_drift, agg_calls,
                                agg_trajectories)}
-DELTA_TABLES = {t.name: t for t in (agg_output_lengths, agg_route_drift, agg_calls, agg_trajectories)}
+DELTA_TABLES = {name: TABLES[name] for name in DELTA_ROWS}
 """The tables counted from the log's events, which appends insert delta rows into (a key's
 count: the sum of its rows, the max for ``MAX_VALUES``)."""
 PENDING = "aggregates_pending"

@@ -107,7 +107,8 @@ def merge(a: Counts, b: Mapping[str, Mapping[tuple, Sequence[float]]]) -> Counts
 
 
 def event_counts(rows: Iterable[Mapping[str, Any]]) -> Counts:
-    """The aggregates of generation event rows (``events`` columns; other types are skipped)."""
+    """The aggregates of event rows (``events`` columns): generation events, and trajectory
+    start and finish events (``agg_trajectories``); other types are skipped."""
     lengths: dict[tuple, list[float]] = {}
     drift: dict[tuple, list[float]] = {}
     calls: dict[tuple, list[float]] = {}

@@ -5,6 +5,8 @@ Fills a SQLite store through the public append path (``Store.append``, batches o
 ``--batch`` trajectories of the demo's simulated rollouts, ``--layers`` x ``--topk``
 routes over ``--experts`` experts), materializes it, then:
 
+* per panel: each panel's SQL, drawing and JSON on its own (the clock and the
+  summary as panels of their own), best of ``--rounds``;
 * refresh: times ``panels.collect`` (every panel's SQL in one read-only snapshot,
   as the live page runs it) over ``--rounds`` rounds, and names the slowest queries;
 * append to page: appends ``--probe`` new trajectories under a new model version,
@@ -14,9 +16,10 @@ routes over ``--experts`` experts), materializes it, then:
 
 ``--old DIR`` also times the refresh of another trajstore tree on the same store, in a
 subprocess, for a side by side comparison (its panels read only what that tree knows).
-A tree from before the aggregates needs this store's newest migration to open it:
-``git archive <commit> trajstore | tar -x -C DIR; cp trajstore/migrations/versions/0015_*
-DIR/trajstore/migrations/versions/``.
+An older tree needs this store's newest migrations to open it:
+``git archive <commit> trajstore | tar -x -C DIR; cp trajstore/migrations/versions/0018_*
+trajstore/migrations/versions/0019_* DIR/trajstore/migrations/versions/`` (and 0015 for a tree
+from before the first aggregates).
 
     python bench/bench_report.py --trajectories 1000 10000 --layers 48 --topk 8
 """
@@ -68,6 +71,42 @@ def fill(store, cfg, first: int, n: int, batch: int, versions: int, total: int) 
         store.append(events)
         spent += time.perf_counter() - t
     return spent
+
+
+def per_panel(query, payload: str, rounds: int) -> None:
+    """Each panel's cost, its best of ``rounds``: SQL, drawing (Python and plotly's figure) and the
+    figure's JSON; the clock and the summary count as panels of their own."""
+    from trajstore.inspect import _panels
+    from trajstore.inspect._figures import _clock, drawing, figure_json
+
+    best: dict[str, list[float]] = {}
+
+    def keep(name: str, sql: float, draw: float, js: float) -> None:
+        have = best.get(name)
+        best[name] = [sql, draw, js] if have is None else [min(a, b) for a, b in zip(have, (sql, draw, js))]
+
+    for _ in range(rounds):
+        t = time.perf_counter()
+        clock = _clock(query, _panels.DEFAULT_STUCK_AFTER_S, payload)
+        keep("(clock)", time.perf_counter() - t, 0.0, 0.0)
+        t = time.perf_counter()
+        _panels._summary(query)
+        keep("(summary)", time.perf_counter() - t, 0.0, 0.0)
+        with drawing():
+            for panel in _panels.PANELS:
+                t0 = time.perf_counter()
+                results = [query(q) for q in panel.queries(clock)]
+                t1 = time.perf_counter()
+                drawn = panel.draw(clock, results)
+                t2 = time.perf_counter()
+                if not isinstance(drawn, str):
+                    figure_json(drawn)
+                keep(panel.name, t1 - t0, t2 - t1, time.perf_counter() - t2)
+    total = [sum(v[i] for v in best.values()) for i in range(3)]
+    print(f"  per panel (ms, best of {rounds}): SQL / draw / JSON; total {total[0] * 1e3:.0f} / "
+          f"{total[1] * 1e3:.0f} / {total[2] * 1e3:.0f}")
+    for name, (sql, draw, js) in sorted(best.items(), key=lambda kv: -sum(kv[1])):
+        print(f"    {name:28s} {sql * 1e3:8.1f} {draw * 1e3:8.1f} {js * 1e3:8.1f}")
 
 
 class _kept:
@@ -138,6 +177,8 @@ def main() -> None:
                         collect(timed, payload=payload)
                         totals.append(time.perf_counter() - t)
                         cpu.append(time.process_time() - c)
+                with read_only(url) as query:
+                    per_panel(query, payload, args.rounds)
                 sql_s = sum(min(v) for v in times.values())
                 slowest = sorted(times.items(), key=lambda kv: -min(kv[1]))[:3]
                 print(f"  refresh (new): min {min(totals) * 1e3:6.0f} ms, median {sorted(totals)[len(totals) // 2] * 1e3:6.0f}"
@@ -156,7 +197,8 @@ def main() -> None:
                               f"{sorted(old)[len(old) // 2] * 1e3:6.0f} ms, CPU min {min(old_cpu) * 1e3:.0f} ms")
                 # append to page: new trajectories under a new version, one materializer pass, one refresh
                 newest = args.versions + 1
-                probe_cfg = replace(cfg, seed=1)
+                # trajectories of their own each run (a kept store has the last run's probe already)
+                probe_cfg = replace(cfg, seed=1 + int(time.time()) % 1_000_000)
                 from trajstore.demo._simulate import trajectory_events
 
                 events = [e for i in range(args.probe) for e in trajectory_events(probe_cfg, i, version=newest)]

@@ -22,7 +22,8 @@ figures; ``sequence`` is what the store does now (trajstore.log.postgres,
 "Positions").
 
 ``--aggregates on,off`` runs each case with the append's run aggregates
-(``agg_output_lengths``, ``agg_route_drift``) written as the store writes them
+(``agg_output_lengths``, ``agg_route_drift``, ``agg_calls``, ``agg_trajectories``:
+delta rows) written as the store writes them
 and with that write skipped (a switch of this script only: ``off`` is not a
 store setting), interleaved, for the cost of counting them in the append's
 transaction. Every call here has the same model version and output length: one

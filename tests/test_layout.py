@@ -258,7 +258,7 @@ EXTENSION_API: dict[str, set[str]] = {
         "log_head", "materializer_checkpoints", "metadata", "projection_checkpoints", "projection_samples",
         "projection_unfoldable", "projections", "samples", "segments", "store_settings", "trajectories",
         "unfoldable_trajectories", "unresolved_labels", "version_labels", "agg_expert_load", "agg_logprobs",
-        "agg_output_lengths", "agg_route_drift", "reader_leases"
+        "agg_output_lengths", "agg_route_drift", "agg_calls", "agg_trajectories", "reader_leases"
     },
     "trajstore.store": {"AppendCheck", "DEFAULT_URL", "resolve_url"},
 }

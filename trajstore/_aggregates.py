@@ -7,9 +7,12 @@ its transaction) and a re-run materializer batch (its commit is guarded by the
 checkpoint) never count twice:
 
 * ``event_counts(rows)``: an append's generation event rows (their index
-  columns): calls per (model version, output length), and the route drift of
-  the calls that re-sent rows, per time bucket (``agg_output_lengths``,
-  ``agg_route_drift``);
+  columns): calls per (model version, output length), the route drift of
+  the calls that re-sent rows, per time bucket, and the calls' totals per
+  (time bucket, model version, finish reason), and (with the trajectories'
+  start and finish events) trajectories started and finished per (time bucket,
+  status) (``agg_output_lengths``, ``agg_route_drift``, ``agg_calls``,
+  ``agg_trajectories``);
 * ``sample_counts(samples)``: a materializer commit's default samples (their
   token columns, decoded for the sample segment): decode-route expert load per
   (model version, layer, expert) and rollout-logprob histograms per model
@@ -18,10 +21,12 @@ checkpoint) never count twice:
 ``Counts`` maps each table to ``{key: [values]}``; ``trajstore.log._aggregates``
 adds them to the tables.
 
-Reading: a key's count is the SUM of its rows. ``agg_output_lengths`` and
-``agg_route_drift`` hold, besides one total row per key, the delta rows appends
+Reading: a key's count is the SUM of its rows (the MAX for ``MAX_VALUES``). The tables
+the append counts (``agg_output_lengths``, ``agg_route_drift``, ``agg_calls``,
+``agg_trajectories``) hold, besides one total row per key, the delta rows appends
 inserted and the materializer has not folded yet (docs/log.md, "Run aggregates");
-``totals_sql(table)`` is the table as one row per key, for a read or a subquery.
+``totals_sql(table)`` is the table as one row per key, for a read or a subquery (the
+run view reads every table through it: ``trajstore.inspect._agg_sql``).
 """
 
 from __future__ import annotations
@@ -31,7 +36,8 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-__all__ = ["Counts", "LOGPROB_RANGE", "LOGPROB_BINS", "DRIFT_WIDTHS_S", "KEYS", "VALUES", "event_counts",
+__all__ = ["Counts", "LOGPROB_RANGE", "LOGPROB_BINS", "DRIFT_WIDTHS_S", "KEYS", "VALUES", "MAX_VALUES", "DELTA_ROWS",
+           "event_counts",
            "sample_counts", "totals_sql", "logprob_bin_edges", "decode_routes", "count_routes"]
 
 LOGPROB_RANGE = (-12.0, 0.0)
@@ -42,49 +48,90 @@ DRIFT_WIDTHS_S = (1, 60, 3600)
 """Bucket widths the route drift is kept at: every width of the page's ladder is a multiple of one."""
 
 Counts = dict[str, dict[tuple, list[float]]]
+MAX_VALUES = {"agg_calls": (5,)}
+"""Per table, the counted columns (indexes into ``VALUES[table]``) kept as a maximum, not a sum:
+a key's value is the max over its rows (``agg_calls.max_output_len``)."""
+CALL_NO_VERSION, CALL_NO_REASON = -1, ""
+"""``agg_calls``' key for a call without a model version, without a finish reason."""
 
 KEYS = {"agg_expert_load": ("model_version", "layer", "expert"), "agg_logprobs": ("model_version", "bin"),
-        "agg_output_lengths": ("model_version", "output_len"), "agg_route_drift": ("width_s", "bucket_start")}
+        "agg_output_lengths": ("model_version", "output_len"), "agg_route_drift": ("width_s", "bucket_start"),
+        "agg_calls": ("width_s", "bucket_start", "model_version", "finish_reason"),
+        "agg_trajectories": ("width_s", "bucket_start", "status")}
 """Each aggregate table's key columns."""
 VALUES = {"agg_expert_load": ("routed",), "agg_logprobs": ("tokens", "logprob_sum"),
-          "agg_output_lengths": ("calls",), "agg_route_drift": ("rows_resent", "rows_compared", "rows_drifted")}
-"""Each aggregate table's counted columns (a key's count: their sums over its rows)."""
+          "agg_output_lengths": ("calls",), "agg_route_drift": ("rows_resent", "rows_compared", "rows_drifted"),
+          "agg_calls": ("calls", "output_tokens", "observed_tokens", "prefix_mismatches", "calls_with_routes",
+                        "max_output_len", "route_rows_resent", "route_rows_compared", "route_rows_drifted"),
+          "agg_trajectories": ("started", "finished")}
+"""Each aggregate table's counted columns (a key's count: their sums over its rows; the max for
+those in ``MAX_VALUES``)."""
+DELTA_ROWS = ("agg_output_lengths", "agg_route_drift", "agg_calls", "agg_trajectories")
+"""The tables the append counts: a total row per key plus the appends' delta rows not folded
+yet. The others (the materializer's) are one row per key (their key is the primary key)."""
 
 
-def totals_sql(table: str) -> str:
+def totals_sql(table: str, *, where: str = "", order: bool = True) -> str:
     """``SELECT`` of aggregate table ``table`` as one row per key: its key columns, then its
-    counted columns summed over the key's rows (named as the columns), in key order. Use it
-    as is or as a subquery, ``FROM (...) t``; a read that groups by the key and sums is the same."""
+    counted columns summed over the key's rows (the max for ``MAX_VALUES``; named as the
+    columns), in key order (``order``). ``where``: a condition on the table's rows (its key
+    columns), applied before the sums. Use it as is or as a subquery, ``FROM (...) t``; a
+    read that groups by the key and sums (maxes) is the same. A table of one row per key
+    (not in ``DELTA_ROWS``) is selected as it is, no grouping (its primary key serves the read)."""
     keys, values = ", ".join(KEYS[table]), VALUES[table]
-    return (f"SELECT {keys}, {', '.join(f'sum({v}) AS {v}' for v in values)} FROM {table} "
-            f"GROUP BY {keys} ORDER BY {keys}")
+    cut, ordered = f" WHERE {where}" if where else "", f" ORDER BY {keys}" if order else ""
+    if table not in DELTA_ROWS:
+        return f"SELECT {keys}, {', '.join(values)} FROM {table}{cut}{ordered}"
+    maxima = MAX_VALUES.get(table, ())
+    sums = ", ".join(f"{'max' if i in maxima else 'sum'}({v}) AS {v}" for i, v in enumerate(values))
+    return f"SELECT {keys}, {sums} FROM {table}{cut} GROUP BY {keys}{ordered}"
 
 
-def _add(into: dict[tuple, list[float]], key: tuple, values: Sequence[float]) -> None:
+def _add(into: dict[tuple, list[float]], key: tuple, values: Sequence[float], maxima: Sequence[int] = ()) -> None:
     have = into.get(key)
     if have is None:
         into[key] = list(values)
     else:
         for i, v in enumerate(values):
-            have[i] += v
+            have[i] = max(have[i], v) if i in maxima else have[i] + v
 
 
 def merge(a: Counts, b: Mapping[str, Mapping[tuple, Sequence[float]]]) -> Counts:
     """``a`` plus ``b`` (into ``a``)."""
     for table, part in b.items():
         into = a.setdefault(table, {})
+        maxima = MAX_VALUES.get(table, ())
         for key, values in part.items():
-            _add(into, key, values)
+            _add(into, key, values, maxima)
     return a
 
 
 def event_counts(rows: Iterable[Mapping[str, Any]]) -> Counts:
-    """The aggregates of generation event rows (``events`` columns; other types are skipped)."""
+    """The aggregates of event rows (``events`` columns): generation events, and trajectory
+    start and finish events (``agg_trajectories``); other types are skipped."""
     lengths: dict[tuple, list[float]] = {}
     drift: dict[tuple, list[float]] = {}
+    calls: dict[tuple, list[float]] = {}
+    maxima = MAX_VALUES["agg_calls"]
+    trajs: dict[tuple, list[float]] = {}
     for r in rows:
+        if r.get("type") in ("trajectory_started", "trajectory_finished"):
+            started = r["type"] == "trajectory_started"
+            for w in DRIFT_WIDTHS_S:
+                _add(trajs, (w, math.floor(float(r["created_at"]) / w) * w, "running" if started else str(r["status"])),
+                     (int(started), int(not started)))
+            continue
         if r.get("type") != "generation":
             continue
+        version, reason, out_len = r.get("model_version"), r.get("finish_reason"), int(r.get("output_len") or 0)
+        key = (CALL_NO_VERSION if version is None else int(version), CALL_NO_REASON if reason is None else str(reason))
+        resent, drifted = int(r.get("route_rows_resent") or 0), r.get("route_rows_drifted")
+        values = (1, out_len, int(r.get("prompt_len") or 0) - int(r.get("prefix_len") or 0),
+                  int(bool(r.get("seq")) and r.get("is_merged") is not None and not r.get("is_merged")),
+                  int((r.get("num_route_rows_sent") or 0) > 0), out_len,
+                  resent, resent if drifted is not None else 0, int(drifted or 0))
+        for w in DRIFT_WIDTHS_S:
+            _add(calls, (w, math.floor(float(r["created_at"]) / w) * w, *key), values, maxima)
         if r.get("model_version") is not None and r.get("output_len") is not None:
             _add(lengths, (int(r["model_version"]), int(r["output_len"])), (1,))
         resent = r.get("route_rows_resent")
@@ -98,6 +145,10 @@ def event_counts(rows: Iterable[Mapping[str, Any]]) -> Counts:
         out["agg_output_lengths"] = lengths
     if drift:
         out["agg_route_drift"] = drift
+    if calls:
+        out["agg_calls"] = calls
+    if trajs:
+        out["agg_trajectories"] = trajs
     return out
 
 

@@ -425,9 +425,9 @@ agg_logprobs = Table(
     Column("logprob_sum", Float, nullable=False),
 )
 
-# The two tables the append adds to (engine calls by model version and output length;
-# route drift by time bucket) hold DELTA rows: each append inserts its own rows
-# (``delta`` true), never updating a row another append may hold, so concurrent
+# The tables the append adds to (engine calls by model version and output length; route
+# drift by time bucket; agg_calls and agg_trajectories below, migration 0019) hold DELTA
+# rows: each append inserts its own rows (``delta`` true), never updating a row another append may hold, so concurrent
 # appends do not wait on each other's row locks. A key's count is the SUM of its rows
 # (one total row, ``delta`` false, unique per key, plus the deltas not yet folded
 # into it); the materializer's commit folds deltas into the totals
@@ -466,8 +466,54 @@ agg_route_drift = Table(
     Index("ix_agg_route_drift_delta", "id", sqlite_where=text("delta"), postgresql_where=text("delta")),
 )
 
+# migration 0019: engine calls by time of append (buckets of 1, 60 and 3600 seconds, as the
+# route drift), model version (-1: none) and finish reason ('': none), counted in the append's
+# transaction: what the run view's over-time call panels and the run's totals read. Delta rows
+# as the two tables above: a key's count is the sum of its rows, ``max_output_len`` their max.
+agg_calls = Table(
+    "agg_calls",
+    metadata,
+    Column("id", BigInteger().with_variant(Integer, "sqlite"), primary_key=True),
+    Column("width_s", Integer, nullable=False),
+    Column("bucket_start", BigInteger, nullable=False),
+    Column("model_version", Integer, nullable=False),
+    Column("finish_reason", String(64), nullable=False),
+    Column("calls", BigInteger, nullable=False),
+    Column("output_tokens", BigInteger, nullable=False),
+    Column("observed_tokens", BigInteger, nullable=False),
+    Column("prefix_mismatches", BigInteger, nullable=False),
+    Column("calls_with_routes", BigInteger, nullable=False),
+    Column("max_output_len", Integer, nullable=False),
+    Column("route_rows_resent", BigInteger, nullable=False),
+    Column("route_rows_compared", BigInteger, nullable=False),
+    Column("route_rows_drifted", BigInteger, nullable=False),
+    Column("delta", Boolean, nullable=False),
+    Index("ux_agg_calls_total", "width_s", "bucket_start", "model_version", "finish_reason", unique=True,
+          sqlite_where=text("NOT delta"), postgresql_where=text("NOT delta")),
+    Index("ix_agg_calls_delta", "id", sqlite_where=text("delta"), postgresql_where=text("delta")),
+)
+# migration 0019: trajectories started (under status 'running') and finished (under their
+# status) by time of append of the event, same buckets: the run view's running and problem
+# panels. Delta rows, summed per key.
+agg_trajectories = Table(
+    "agg_trajectories",
+    metadata,
+    Column("id", BigInteger().with_variant(Integer, "sqlite"), primary_key=True),
+    Column("width_s", Integer, nullable=False),
+    Column("bucket_start", BigInteger, nullable=False),
+    Column("status", String(16), nullable=False),
+    Column("started", BigInteger, nullable=False),
+    Column("finished", BigInteger, nullable=False),
+    Column("delta", Boolean, nullable=False),
+    Index("ux_agg_trajectories_total", "width_s", "bucket_start", "status", unique=True,
+          sqlite_where=text("NOT delta"), postgresql_where=text("NOT delta")),
+    Index("ix_agg_trajectories_delta", "id", sqlite_where=text("delta"), postgresql_where=text("delta")),
+)
+# migration 0019: the running trajectories (the run view's stuck panel) through an index
+Index("ix_trajectories_status", trajectories.c.status)
+
 __all__ = ["metadata", "log_head", "trajectories", "events", "segments", "samples", "materializer_checkpoints",
            "unfoldable_trajectories", "version_labels", "unresolved_labels", "store_settings", "projections",
            "projection_samples", "projection_checkpoints", "projection_unfoldable", "lineage_steps",
            "lineage_step_samples", "lineage_annotations", "lineage_annotation_versions", "agg_expert_load",
-           "agg_logprobs", "agg_output_lengths", "agg_route_drift", "reader_leases"]
+           "agg_logprobs", "agg_output_lengths", "agg_route_drift", "agg_calls", "agg_trajectories", "reader_leases"]

@@ -22,7 +22,7 @@ from trajstore.inspect._rebuild import rebuild_aggregates
 from trajstore.inspect.sql import read_only
 from trajstore.log.base import StaleState
 
-TABLES = ("agg_expert_load", "agg_logprobs", "agg_output_lengths", "agg_route_drift")
+TABLES = ("agg_expert_load", "agg_logprobs", "agg_output_lengths", "agg_route_drift", "agg_calls", "agg_trajectories")
 
 
 def tables(store) -> dict[str, dict[tuple, tuple]]:
@@ -32,7 +32,8 @@ def tables(store) -> dict[str, dict[tuple, tuple]]:
     with store.log.read_engine.connect() as conn:
         for name in TABLES:
             rows = conn.execute(text(totals_sql(name))).all()
-            keys = {"agg_expert_load": 3, "agg_logprobs": 2, "agg_output_lengths": 2, "agg_route_drift": 2}[name]
+            keys = {"agg_expert_load": 3, "agg_logprobs": 2, "agg_output_lengths": 2, "agg_route_drift": 2,
+                    "agg_calls": 4, "agg_trajectories": 3}[name]
             out[name] = {tuple(r[:keys]): tuple(round(float(v), 6) for v in r[keys:]) for r in rows}
     return out
 
@@ -83,6 +84,35 @@ def test_a_retried_append_counts_once(store):
     assert sum(v[0] for v in after.values()) == sum(v[0] for v in once["agg_output_lengths"].values()) + new_calls
 
 
+def test_concurrent_appends_add_rows_of_their_own(store_url, store):
+    """Every append of one bucket counts the same agg_calls/agg_trajectories keys: each inserts
+    delta rows of its own (no shared row updated), which add up to what a recount gives; the
+    recount leaves one total row per key."""
+    import threading
+
+    other = trajstore.connect(store_url)
+    try:
+        batches = run_events(0, 4)
+        threads = [threading.Thread(target=s.append, args=(b,)) for s, b in zip((store, other), batches[:2])]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        other.append(batches[2])
+        with store.log.read_engine.connect() as conn:
+            deltas = conn.execute(text("SELECT count(*) FROM agg_trajectories WHERE delta AND width_s = 3600 "
+                                       "AND status = 'running'")).scalar_one()
+        assert deltas == 3  # one per append (each starts one trajectory), none updated
+        counted = tables(store)
+        rebuild_aggregates(store)  # total rows now: the same sums
+        assert tables(store) == counted
+        with store.log.read_engine.connect() as conn:
+            for name in ("agg_calls", "agg_trajectories"):
+                assert not conn.execute(text(f"SELECT count(*) FROM {name} WHERE delta")).scalar_one()
+    finally:
+        other.close()
+
+
 def test_a_materializer_commit_that_loses_its_race_counts_nothing(store):
     fill(store)
     before = tables(store)
@@ -112,6 +142,8 @@ def test_an_upgraded_store_is_backfilled(store_url, store, tmp_path, capsys):
     upgraded = tables(store)
     assert upgraded["agg_output_lengths"] == fresh["agg_output_lengths"]  # the migration counted the log's part
     assert upgraded["agg_route_drift"] == fresh["agg_route_drift"]
+    assert upgraded["agg_calls"] == fresh["agg_calls"]  # 0019 counted them from the log (total rows)
+    assert upgraded["agg_trajectories"] == fresh["agg_trajectories"]
     assert not upgraded["agg_expert_load"] and not upgraded["agg_logprobs"]  # the payload's: pending
     url = reader_url_for(store_url)
     with read_only(url) as query:

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
 from trajstore.errors import TrajstoreError
+from trajstore.inspect import _agg_sql as agg
 from trajstore.inspect._timeaxis import BUCKET_WIDTHS_S, MAX_BUCKETS, bucket_width  # noqa: F401
 from trajstore.inspect.sql import Query, QueryResult
 
@@ -82,6 +83,16 @@ class Clock:
         ms = self.t0_ms + int(bucket) * self.width_s * 1000
         return _dt.datetime.fromtimestamp(ms / 1000, _dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
 
+    def bucket_of_start(self, column: str) -> str:
+        """SQL: the bucket index of an aggregate's ``bucket_start`` ``column`` (unix seconds at one of
+        its kept widths, ``base_width``: the page's width is a multiple of it)."""
+        return f"({column} * 1000 - {self.t0_ms}) / {self.width_s * 1000}"
+
+    @property
+    def base_width(self) -> int:
+        """The widest width an aggregate is kept at that this clock's width is a multiple of."""
+        return agg.base_width(self.width_s)
+
     @property
     def num_buckets(self) -> int:
         return int((self.last_s * 1000 - self.t0_ms) // (self.width_s * 1000)) + 1
@@ -95,16 +106,28 @@ class Clock:
         return 8192
 
 
-CLOCK_SQL = ("SELECT count(*), sum(num_generations), sum(num_generated_tokens), sum(num_observed_tokens), "
-             "sum(num_prefix_mismatches), min(min_model_version), max(max_model_version), min(first_event_at), "
-             "max(last_event_at) FROM trajectory_summary",
-             "SELECT max(output_len) FROM agg_output_lengths")
-"""The run's totals and time span (also the summary's totals), and the longest response."""
+CLOCK_SQL = ("SELECT status, count(*) FROM trajectories GROUP BY status ORDER BY status",
+             "SELECT CAST(sum(calls) AS BIGINT), CAST(sum(output_tokens) AS BIGINT), "
+             "CAST(sum(observed_tokens) AS BIGINT), CAST(sum(prefix_mismatches) AS BIGINT), min(model_version), "
+             f"max(model_version) FROM {agg.calls(agg.CALL_WIDTHS_S[-1])}",
+             "SELECT (SELECT created_at FROM events ORDER BY position LIMIT 1) AS first_event_at, "
+             "(SELECT created_at FROM events ORDER BY position DESC LIMIT 1) AS last_event_at, "
+             f"(SELECT min(bucket_start) FROM {agg.trajectories(1)}) AS first_counted_at",
+             f"SELECT max(output_len) FROM {agg.output_lengths()}")
+"""The run's trajectories by status, its engine calls' totals (from ``agg_calls``), its first and
+newest event (by position, through the log's key; the first second ``agg_trajectories`` counted,
+if earlier: the time axis keeps the archived part the aggregates still hold) and its longest
+response: each one small query, whatever the store's size (the summary shows the first three
+too). Seconds are whole widths, so the first second gives the first event's bucket."""
 
 
 def _clock(query: Query, stuck_after_s: float, payload: str | None) -> Clock:
-    n, calls, *_, first, last = query(CLOCK_SQL[0]).rows[0]
-    (max_len,) = query(CLOCK_SQL[1]).rows[0]
+    n = sum(int(row[1]) for row in query(CLOCK_SQL[0]).rows)
+    calls = query(CLOCK_SQL[1]).rows[0][0]
+    first, last, counted = query(CLOCK_SQL[2]).rows[0]
+    if counted is not None and (first is None or float(counted) < float(first)):
+        first = counted  # archived trajectories' events are gone from the log, not from the aggregates
+    (max_len,) = query(CLOCK_SQL[3]).rows[0]
     first = float(first) if first is not None else time.time()
     last = float(last) if last is not None else first
     span = max(last - first, 0.0)
@@ -215,6 +238,20 @@ def _right_axis(fig: Any, title: str, **kw: Any) -> None:
 def _wide_left(make_subplots: Any, titles: Sequence[str], **kw: Any) -> Any:
     """Two panels side by side, the left one (over time or a distribution) wider than the right (per version)."""
     return make_subplots(rows=1, cols=2, column_widths=[0.62, 0.38], subplot_titles=tuple(titles), **kw)
+
+
+def _two_bars(titles: Sequence[str], left: dict[str, Any], right: dict[str, Any], *,
+              categories: bool = True) -> Any:
+    """Two bar charts side by side (a distribution and a per-version share, say): ``left`` and
+    ``right`` are the ``go.Bar`` arguments of each (no legend: the subplot titles name them);
+    ``categories``: both x axes are categories. The caller names the axes."""
+    go, make_subplots = _plotly()
+    fig = make_subplots(rows=1, cols=2, subplot_titles=tuple(titles))
+    fig.add_trace(go.Bar(showlegend=False, **left), 1, 1)
+    fig.add_trace(go.Bar(showlegend=False, **right), 1, 2)
+    if categories:
+        fig.update_xaxes(type="category")
+    return fig
 
 
 def _sql_number(x: float) -> str:

@@ -137,8 +137,7 @@ PANELS = _extend_panels(PANELS)
 # -- the summary ---------------------------------------------------------------------
 
 SUMMARY_SQL = (
-    "SELECT status, count(*) FROM trajectories GROUP BY status ORDER BY status",  # the view has one row each
-    CLOCK_SQL[0],
+    *CLOCK_SQL[:3],  # the clock's: trajectories by status, the calls' totals, the first and newest event
     "SELECT count(*), sum(num_merged_calls), avg(staleness), max(staleness), "
     "sum(num_route_rows), sum(CASE WHEN num_route_rows IS NULL THEN 0 ELSE num_tokens END) FROM sample_summary",
 )
@@ -147,19 +146,21 @@ SUMMARY_SQL = (
 
 def _summary(query: Query) -> list[list[str]]:
     by_status = query(SUMMARY_SQL[0]).rows
-    n, calls, generated, observed, mismatches, vmin, vmax, _, last = query(SUMMARY_SQL[1]).rows[0]
-    samples, folded, mean_stale, max_stale, routed, routable = query(SUMMARY_SQL[2]).rows[0]
+    n = sum(int(row[1]) for row in by_status)
+    calls, generated, observed, mismatches, vmin, vmax = query(SUMMARY_SQL[1]).rows[0]
+    _, last, _ = query(SUMMARY_SQL[2]).rows[0]
+    samples, folded, mean_stale, max_stale, routed, routable = query(SUMMARY_SQL[3]).rows[0]
     last_at = "-" if last is None else _dt.datetime.fromtimestamp(float(last), _dt.timezone.utc).strftime(
         "%Y-%m-%d %H:%M:%S UTC")
     return [
         ["trajectories", f"{n} ({', '.join(f'{s} {c}' for s, c in by_status) or 'none'})"],
-        ["engine calls (generation events)", _fmt(calls)],
-        ["tokens generated / observed", f"{_fmt(generated)} / {_fmt(observed)}"],
+        ["engine calls (generation events)", _fmt(calls or 0)],
+        ["tokens generated / observed", f"{_fmt(generated or 0)} / {_fmt(observed or 0)}"],
         ["model versions (newest = the policy now)", "-" if vmin is None else f"{vmin} .. {vmax}"],
         ["newest event", last_at],
         ["samples", _fmt(samples)],
         ["merge ratio (samples / folded calls)", _fmt(_share(samples, folded), ".3f")],
-        ["prefix mismatches", _fmt(mismatches)],
+        ["prefix mismatches", _fmt(mismatches or 0)],
         ["staleness of samples: mean / max", f"{_fmt(mean_stale, '.2f')} / {_fmt(max_stale)}"],
         ["tokens with captured routes", _fmt(_share(routed, routable), ".2%")],
     ]

@@ -6,17 +6,26 @@ from __future__ import annotations
 from typing import Any
 
 from trajstore.inspect._figures import (HEIGHT, MAX_STUCK_ROWS, _VERSION_STATS_SQL, Clock, _filled, _layout, _num, 
-                                        _plotly, _right_axis, _share, _sql_number, _time_axis, _version_axis, 
-                                        _wide_left, _with_right_axis)
+                                        _plotly, _right_axis, _share, _sql_number, _time_axis, _two_bars,
+                                        _version_axis, _wide_left, _with_right_axis)
+from trajstore.inspect import _agg_sql as agg
 from trajstore.inspect.sql import QueryResult
 
 __all__: list[str] = []
 
+_CALLS_PER_VERSION_SQL = (
+    "SELECT model_version, CAST(sum(calls) AS BIGINT) AS calls, "
+    "COALESCE(CAST(sum(calls) FILTER (WHERE finish_reason = 'length') AS BIGINT), 0) AS length_calls, "
+    "CAST(sum(prefix_mismatches) AS BIGINT) AS mismatches, CAST(sum(calls_with_routes) AS BIGINT) AS calls_with_routes "
+    f"FROM {agg.calls(agg.CALL_WIDTHS_S[-1])} GROUP BY model_version ORDER BY model_version")
+"""Engine calls per model version (``agg_calls``): the finish reason, mismatch and route coverage panels share it."""
+
 
 def _ingest_sql(c: Clock) -> list[str]:
-    return [f"SELECT {c.bucket('created_at')} AS bucket, count(*) AS calls, "
-            "sum(output_len) AS generated_tokens, sum(num_observed_tokens) AS observed_tokens "
-            "FROM generation_events GROUP BY 1 ORDER BY 1"]
+    return [f"SELECT {c.bucket_of_start('bucket_start')} AS bucket, CAST(sum(calls) AS BIGINT) AS calls, "
+            "CAST(sum(output_tokens) AS BIGINT) AS generated_tokens, "
+            f"CAST(sum(observed_tokens) AS BIGINT) AS observed_tokens FROM {agg.calls(c.base_width)} "
+            "GROUP BY 1 ORDER BY 1"]
 
 
 def _ingest_draw(c: Clock, r: list[QueryResult]) -> Any:
@@ -90,11 +99,11 @@ def _reward_time_draw(c: Clock, r: list[QueryResult]) -> Any:
 
 def _running_sql(c: Clock) -> list[str]:
     return [
-        "SELECT bucket, sum(started) AS started, sum(finished) AS finished, "
-        "sum(sum(started) - sum(finished)) OVER (ORDER BY bucket) AS running FROM ("
-        f"SELECT {c.bucket('first_event_at')} AS bucket, 1 AS started, 0 AS finished FROM trajectory_summary "
-        f"UNION ALL SELECT {c.bucket('last_event_at')}, 0, 1 FROM trajectory_summary WHERE status <> 'running'"
-        ") x GROUP BY bucket ORDER BY bucket"]
+        f"SELECT {c.bucket_of_start('bucket_start')} AS bucket, CAST(sum(started) AS BIGINT) AS started, "
+        "CAST(sum(finished) AS BIGINT) AS finished, "
+        "CAST(sum(sum(started) - sum(finished)) OVER (ORDER BY "
+        f"{c.bucket_of_start('bucket_start')}) AS BIGINT) AS running FROM {agg.trajectories(c.base_width)} "
+        "GROUP BY 1 ORDER BY 1"]
 
 
 def _running_draw(c: Clock, r: list[QueryResult]) -> Any:
@@ -118,12 +127,17 @@ def _running_draw(c: Clock, r: list[QueryResult]) -> Any:
 
 
 def _stuck_sql(c: Clock) -> list[str]:
-    newest = _sql_number(c.last_s)  # the newest event in the store (the clock's max(last_event_at))
+    newest = _sql_number(c.last_s)  # the newest event in the store (the clock's)
+    # the running trajectories only (ix_trajectories_status), each one's events through its index
+    running = ("SELECT t.trajectory_id, t.group_id, count(*) FILTER (WHERE e.type = 'generation') AS num_generations, "
+               "max(CASE WHEN e.type = 'generation' THEN e.model_version END) AS max_model_version, "
+               "max(e.created_at) AS last_event_at FROM trajectories t JOIN events e ON e.trajectory_id = t.trajectory_id "
+               "WHERE t.status = 'running' GROUP BY t.trajectory_id, t.group_id")
     return [
-        f"SELECT count(*) AS running, count(*) FILTER (WHERE {newest} - last_event_at > {_sql_number(c.stuck_after_s)}) AS stuck "
-        "FROM trajectory_summary WHERE status = 'running'",
+        f"SELECT count(*) AS running, count(*) FILTER (WHERE {newest} - last_event_at > {_sql_number(c.stuck_after_s)}) "
+        f"AS stuck FROM ({running}) r",
         f"SELECT trajectory_id, group_id, num_generations, max_model_version, {newest} - last_event_at AS idle_s "
-        f"FROM trajectory_summary WHERE status = 'running' ORDER BY last_event_at, trajectory_id LIMIT {MAX_STUCK_ROWS}"]
+        f"FROM ({running}) r ORDER BY last_event_at, trajectory_id LIMIT {MAX_STUCK_ROWS}"]
 
 
 def _stuck_draw(c: Clock, r: list[QueryResult]) -> Any:
@@ -192,10 +206,9 @@ def _reward_version_draw(c: Clock, r: list[QueryResult]) -> Any:
 
 def _finish_sql(c: Clock) -> list[str]:
     return [
-        f"SELECT {c.bucket('created_at')} AS bucket, COALESCE(finish_reason, '(none)') AS finish_reason, "
-        "count(*) AS calls FROM generation_events GROUP BY 1, 2 ORDER BY 1, 2",
-        "SELECT model_version, count(*) AS calls, count(*) FILTER (WHERE finish_reason = 'length') AS length_calls "
-        "FROM generation_events GROUP BY model_version ORDER BY model_version"]
+        f"SELECT {c.bucket_of_start('bucket_start')} AS bucket, COALESCE(finish_reason, '(none)') AS finish_reason, "
+        f"CAST(sum(calls) AS BIGINT) AS calls FROM {agg.calls(c.base_width)} GROUP BY 1, 2 ORDER BY 1, 2",
+        _CALLS_PER_VERSION_SQL]
 
 
 def _finish_draw(c: Clock, r: list[QueryResult]) -> Any:
@@ -260,10 +273,12 @@ def _groups_draw(c: Clock, r: list[QueryResult]) -> Any:
 
 
 def _problems_sql(c: Clock) -> list[str]:
-    return [f"SELECT {c.bucket('last_event_at')} AS bucket, count(*) FILTER (WHERE status = 'failed') AS failed, "
-            "count(*) FILTER (WHERE status = 'aborted') AS aborted, "
-            "count(*) FILTER (WHERE status = 'truncated') AS truncated, count(*) AS finished "
-            "FROM trajectory_summary WHERE status <> 'running' GROUP BY 1 ORDER BY 1",
+    return [f"SELECT {c.bucket_of_start('bucket_start')} AS bucket, "
+            "COALESCE(CAST(sum(finished) FILTER (WHERE status = 'failed') AS BIGINT), 0) AS failed, "
+            "COALESCE(CAST(sum(finished) FILTER (WHERE status = 'aborted') AS BIGINT), 0) AS aborted, "
+            "COALESCE(CAST(sum(finished) FILTER (WHERE status = 'truncated') AS BIGINT), 0) AS truncated, "
+            f"CAST(sum(finished) AS BIGINT) AS finished FROM {agg.trajectories(c.base_width)} "
+            "WHERE status <> 'running' GROUP BY 1 ORDER BY 1",
             "SELECT count(*) FILTER (WHERE t.status <> 'running' AND t.num_generations > 0 AND NOT t.is_held_back "
             "AND NOT EXISTS (SELECT 1 FROM samples s WHERE s.trajectory_id = t.trajectory_id) "
             "AND NOT EXISTS (SELECT 1 FROM unfoldable_trajectories u WHERE u.trajectory_id = t.trajectory_id)) "
@@ -301,17 +316,13 @@ def _staleness_sql(c: Clock) -> list[str]:
 
 
 def _staleness_draw(c: Clock, r: list[QueryResult]) -> Any:
-    go, make_subplots = _plotly()
     stale, span = r[0].rows, r[1].rows
     if not stale:
         return "no materialized samples yet (trajstore materialize folds finished trajectories)"
-    fig = make_subplots(rows=1, cols=2, subplot_titles=("staleness at finish (versions behind)",
-                                                        "versions mixed within one sample (max - min)"))
-    fig.add_trace(go.Bar(x=[str(row[0]) for row in stale], y=[row[1] for row in stale], showlegend=False,
-                         name="samples"), 1, 1)
-    fig.add_trace(go.Bar(x=[str(row[0]) for row in span], y=[row[1] for row in span], showlegend=False,
-                         name="samples", marker_color="#ff7f0e"), 1, 2)
-    fig.update_xaxes(type="category")
+    fig = _two_bars(("staleness at finish (versions behind)", "versions mixed within one sample (max - min)"),
+                    dict(x=[str(row[0]) for row in stale], y=[row[1] for row in stale], name="samples"),
+                    dict(x=[str(row[0]) for row in span], y=[row[1] for row in span], name="samples",
+                         marker_color="#ff7f0e"))
     fig.update_yaxes(title_text="samples", row=1, col=1)
     return _layout(fig)
 
@@ -325,21 +336,18 @@ def _merge_sql(c: Clock) -> list[str]:
 
 
 def _merge_draw(c: Clock, r: list[QueryResult]) -> Any:
-    go, make_subplots = _plotly()
     per_traj, per_sample = r[0].rows, r[1].rows
     if not per_traj:
         return "no finished trajectory with engine calls yet"
     overall = _share(sum(row[1] * row[2] for row in per_traj), sum(row[0] * row[2] for row in per_traj))
-    fig = make_subplots(rows=1, cols=2, subplot_titles=(f"samples / calls per trajectory (run: {overall:.3f})",
-                                                        "engine calls folded into one sample"))
     bins = [0] * 20  # merge ratios in (0, 1], in twentieths
     for calls, samples, n in per_traj:
         bins[min(int(samples / calls * 20), 19)] += n
-    fig.add_trace(go.Bar(x=[(i + 0.5) / 20 for i in range(20)], y=bins, width=0.05, showlegend=False,
-                         name="trajectories"), 1, 1)
+    fig = _two_bars((f"samples / calls per trajectory (run: {overall:.3f})", "engine calls folded into one sample"),
+                    dict(x=[(i + 0.5) / 20 for i in range(20)], y=bins, width=0.05, name="trajectories"),
+                    dict(x=[str(row[0]) for row in per_sample], y=[row[1] for row in per_sample], name="samples",
+                         marker_color="#2ca02c"), categories=False)
     fig.add_vline(x=overall, line_dash="dash", row=1, col=1)
-    fig.add_trace(go.Bar(x=[str(row[0]) for row in per_sample], y=[row[1] for row in per_sample], showlegend=False,
-                         name="samples", marker_color="#2ca02c"), 1, 2)
     fig.update_xaxes(title_text="merge ratio", range=[0, 1], row=1, col=1)
     fig.update_yaxes(title_text="trajectories", row=1, col=1)
     fig.update_xaxes(title_text="calls", type="category", row=1, col=2)
@@ -349,25 +357,19 @@ def _merge_draw(c: Clock, r: list[QueryResult]) -> Any:
 def _mismatch_sql(c: Clock) -> list[str]:
     return ["SELECT num_prefix_mismatches, count(*) AS trajectories FROM trajectory_summary WHERE num_generations > 0 "
             "GROUP BY num_prefix_mismatches ORDER BY num_prefix_mismatches",
-            "SELECT model_version, count(*) AS calls, count(*) FILTER (WHERE is_prefix_mismatch) AS mismatches "
-            "FROM generation_events GROUP BY model_version ORDER BY model_version"]
+            _CALLS_PER_VERSION_SQL]
 
 
 def _mismatch_draw(c: Clock, r: list[QueryResult]) -> Any:
-    go, make_subplots = _plotly()
     per_traj, per_version = r[0].rows, r[1].rows
     if not per_traj:
         return "no engine calls yet"
-    fig = make_subplots(rows=1, cols=2, subplot_titles=("prefix mismatches per trajectory",
-                                                        "calls that start a new sample by mismatch"))
-    fig.add_trace(go.Bar(x=[str(row[0]) for row in per_traj], y=[row[1] for row in per_traj], showlegend=False,
-                         name="trajectories", marker_color="#d62728"), 1, 1)
-    fig.add_trace(go.Bar(x=[str(row[0]) for row in per_version], y=[_share(row[2], row[1]) for row in per_version],
-                         showlegend=False, name="share of calls", marker_color="#d62728"), 1, 2)
-    fig.update_xaxes(type="category")
+    fig = _two_bars(("prefix mismatches per trajectory", "calls that start a new sample by mismatch"),
+                    dict(x=[str(row[0]) for row in per_traj], y=[row[1] for row in per_traj], name="trajectories",
+                         marker_color="#d62728"),
+                    dict(x=[str(row[0]) for row in per_version], y=[_share(row[3], row[1]) for row in per_version],
+                         name="share of calls", marker_color="#d62728"))
     fig.update_xaxes(title_text="mismatches", row=1, col=1)
     fig.update_xaxes(title_text="model version", row=1, col=2)
     fig.update_yaxes(tickformat=".0%", row=1, col=2)
     return _layout(fig)
-
-

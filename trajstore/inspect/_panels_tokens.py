@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from trajstore._aggregates import DRIFT_WIDTHS_S, LOGPROB_BINS, LOGPROB_RANGE, logprob_bin_edges
-from trajstore.inspect._figures import (RECENT_VERSIONS, _VERSION_STATS_SQL, Clock, _layout, _num, _plotly, 
-                                        _right_axis, _share, _time_axis, _version_axis, _wide_left)
+from trajstore._aggregates import LOGPROB_BINS, LOGPROB_RANGE, logprob_bin_edges
+from trajstore.inspect._figures import (RECENT_VERSIONS, Clock, _layout, _num, _plotly, 
+                                        _right_axis, _share, _time_axis, _two_bars, _version_axis, _wide_left)
+from trajstore.inspect import _agg_sql as agg
+from trajstore.inspect._panels_run import _CALLS_PER_VERSION_SQL
 from trajstore.inspect.sql import QueryResult
 
 __all__: list[str] = []
@@ -15,10 +17,10 @@ __all__: list[str] = []
 def _length_sql(c: Clock) -> list[str]:
     w = c.length_bin
     return [f"SELECT model_version, output_len / {w} * {w} AS length_bin, sum(calls) AS calls "
-            f"FROM agg_output_lengths WHERE model_version >= (SELECT max(model_version) FROM agg_output_lengths) - "
-            f"{RECENT_VERSIONS - 1} GROUP BY 1, 2 ORDER BY 1, 2",
+            f"FROM {agg.output_lengths()} WHERE model_version >= (SELECT max(model_version) FROM "
+            f"{agg.output_lengths()}) - {RECENT_VERSIONS - 1} GROUP BY 1, 2 ORDER BY 1, 2",
             "SELECT model_version, sum(output_len * calls) * 1.0 / sum(calls) AS mean_output_len, "
-            "max(output_len) AS max_output_len FROM agg_output_lengths GROUP BY model_version ORDER BY model_version"]
+            f"max(output_len) AS max_output_len FROM {agg.output_lengths()} GROUP BY model_version ORDER BY model_version"]
 
 
 def _length_draw(c: Clock, r: list[QueryResult]) -> Any:
@@ -48,17 +50,20 @@ def _length_draw(c: Clock, r: list[QueryResult]) -> Any:
 
 
 def _drift_sql(c: Clock) -> list[str]:
-    base = max(w for w in DRIFT_WIDTHS_S if c.width_s % w == 0)  # the stored width the clock's is a multiple of
-    return [f"SELECT (bucket_start * 1000 - {c.t0_ms}) / {c.width_s * 1000} AS bucket, "
+    return [f"SELECT {c.bucket_of_start('bucket_start')} AS bucket, "
             "sum(rows_compared) AS rows_compared, sum(rows_drifted) AS rows_drifted, sum(rows_resent) AS rows_resent "
-            f"FROM agg_route_drift WHERE width_s = {base} GROUP BY 1 ORDER BY 1",
-            _VERSION_STATS_SQL]
+            f"FROM {agg.route_drift(c.base_width)} GROUP BY 1 ORDER BY 1",
+            "SELECT model_version, CAST(sum(route_rows_resent) AS BIGINT) AS route_rows_resent, "
+            "CAST(sum(route_rows_drifted) AS BIGINT) AS route_rows_drifted, "
+            "CAST(sum(route_rows_drifted) AS DOUBLE PRECISION) / NULLIF(sum(route_rows_compared), 0) "
+            f"AS route_drift_share FROM {agg.calls(agg.CALL_WIDTHS_S[-1])} GROUP BY model_version "
+            "ORDER BY model_version"]
 
 
 def _drift_draw(c: Clock, r: list[QueryResult]) -> Any:
     go, make_subplots = _plotly()
     per_time = [row for row in r[0].rows if row[1]]
-    per_version = [row for row in r[1].rows if row[8]]
+    per_version = [row for row in r[1].rows if row[1]]  # (version, resent, drifted, share)
     if not per_time:
         if r[0].rows:
             return ("route rows were re-sent, but none was compared with the recording (calls appended by a "
@@ -77,9 +82,9 @@ def _drift_draw(c: Clock, r: list[QueryResult]) -> Any:
                              mode="lines+markers", line=dict(color="#d62728"),
                              customdata=[[row[2] or 0, row[1]] for row in per_time],
                              hovertemplate="%{y:.2%}: %{customdata[0]} of %{customdata[1]} rows"), 1, 1)
-    fig.add_trace(go.Bar(x=[str(row[0]) for row in per_version], y=[_num(row[10]) for row in per_version],
+    fig.add_trace(go.Bar(x=[str(row[0]) for row in per_version], y=[_num(row[3]) for row in per_version],
                          name="share", showlegend=False, marker_color="#d62728",
-                         customdata=[[row[9] or 0, row[8]] for row in per_version],
+                         customdata=[[row[2] or 0, row[1]] for row in per_version],
                          hovertemplate="%{y:.2%}: %{customdata[0]} of %{customdata[1]} re-sent rows"), 1, 2)
     _time_axis(fig, c, row=1, col=1)
     _version_axis(fig, row=1, col=2)
@@ -96,26 +101,21 @@ def _routes_sql(c: Clock) -> list[str]:
     return ["SELECT num_tokens - num_route_rows AS tokens_without_route, count(*) AS samples, "
             "sum(num_tokens) AS tokens, sum(num_route_rows) AS route_rows "
             "FROM sample_summary WHERE num_route_rows IS NOT NULL GROUP BY num_tokens - num_route_rows",
-            "SELECT model_version, count(*) AS calls, count(*) FILTER (WHERE has_routes) AS calls_with_routes "
-            "FROM generation_events GROUP BY model_version ORDER BY model_version"]
+            _CALLS_PER_VERSION_SQL]
 
 
 def _routes_draw(c: Clock, r: list[QueryResult]) -> Any:
-    go, make_subplots = _plotly()
     missing, per_version = r[0].rows, r[1].rows
     if not per_version:
         return "no engine calls yet"
     tokens = sum(row[2] for row in missing)
     covered = _share(sum(row[3] for row in missing), tokens)
-    fig = make_subplots(rows=1, cols=2, subplot_titles=(
-        "samples by tokens without a route" + (f" ({covered:.2%} covered)" if covered is not None else ""),
-        "engine calls that returned routes"))
     counts = [sum(n for m, n, *_ in missing if lo <= m and (hi is None or m <= hi)) for lo, hi, _ in _MISSING_BUCKETS]
-    fig.add_trace(go.Bar(x=[b[2] for b in _MISSING_BUCKETS], y=counts, showlegend=False, name="samples",
-                         marker_color="#9467bd"), 1, 1)
-    fig.add_trace(go.Bar(x=[str(row[0]) for row in per_version], y=[_share(row[2], row[1]) for row in per_version],
-                         showlegend=False, name="share of calls", marker_color="#9467bd"), 1, 2)
-    fig.update_xaxes(type="category")
+    fig = _two_bars(("samples by tokens without a route" + (f" ({covered:.2%} covered)" if covered is not None else ""),
+                     "engine calls that returned routes"),
+                    dict(x=[b[2] for b in _MISSING_BUCKETS], y=counts, name="samples", marker_color="#9467bd"),
+                    dict(x=[str(row[0]) for row in per_version], y=[_share(row[4], row[1]) for row in per_version],
+                         name="share of calls", marker_color="#9467bd"))
     fig.update_xaxes(title_text="tokens without a route (1 = the final token only)", row=1, col=1)
     fig.update_xaxes(title_text="model version", row=1, col=2)
     fig.update_yaxes(tickformat=".0%", row=1, col=2)
@@ -131,13 +131,13 @@ PENDING_NOTE = ("this store was upgraded with samples whose token columns are no
 
 
 def _logprob_sql(c: Clock) -> list[str]:
-    return ["SELECT model_version, bin, tokens, logprob_sum FROM agg_logprobs ORDER BY model_version, bin",
+    return [f"SELECT model_version, bin, tokens, logprob_sum FROM {agg.logprobs()} ORDER BY model_version, bin",
             PENDING_SQL]
 
 
 def _experts_sql(c: Clock) -> list[str]:
-    return ["SELECT model_version, layer, expert, routed FROM agg_expert_load "
-            f"WHERE model_version >= (SELECT max(model_version) FROM agg_expert_load) - {RECENT_VERSIONS - 1} "
+    return [f"SELECT model_version, layer, expert, routed FROM {agg.expert_load()} "
+            f"WHERE model_version >= (SELECT max(model_version) FROM {agg.expert_load()}) - {RECENT_VERSIONS - 1} "
             "ORDER BY model_version, layer, expert",
             PENDING_SQL]
 

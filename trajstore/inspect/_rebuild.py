@@ -1,11 +1,12 @@
 """``trajstore report --rebuild-aggregates``: count the run aggregates again from the log and
 the samples (docs/report.md, "Aggregates").
 
-What a store upgraded with samples needs once (migration 0015 counts the log's
-part itself, not the samples' token columns, which are in the payload), and
+What a store upgraded with samples needs once (migrations 0015 and 0019 count the
+log's part themselves, not the samples' token columns, which are in the payload), and
 what repairs the tables should they ever disagree with the store. Two write
-transactions: the log's aggregates from every generation event, then the
-samples' from every default sample's segment rows; on PostgreSQL each holds
+transactions: the log's aggregates from every generation, start and finish
+event (into total rows: the appends' deltas are replaced), then the samples'
+from every default sample's segment rows; on PostgreSQL each holds
 its tables' lock (appends, then materializer commits, wait for it), on SQLite
 the write lock does the same."""
 

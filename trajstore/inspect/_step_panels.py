@@ -17,6 +17,7 @@ from typing import Any, Sequence
 from trajstore.inspect._figures import (HEIGHT, Clock, Panel, _layout, _num, _plotly, _right_axis, _share,
                                         _time_axis, _with_right_axis)
 from trajstore.inspect._panels_lineage import MAX_STEPS, NO_STEPS
+from trajstore.inspect import _agg_sql as agg
 from trajstore.inspect.sql import QueryResult
 
 __all__ = ["extend", "TASK_KEYS"]
@@ -181,9 +182,11 @@ def _task_draw(c: Clock, r: list[QueryResult]) -> Any:
 # -- response length as the run goes --------------------------------------------------------------
 
 def _length_time_sql(c: Clock) -> list[str]:
-    return [f"SELECT {c.bucket('created_at')} AS bucket, count(*) AS calls, avg(output_len) AS mean_output_len, "
-            "max(output_len) AS max_output_len, count(*) FILTER (WHERE finish_reason = 'length') AS length_calls "
-            "FROM generation_events GROUP BY 1 ORDER BY 1"]
+    return [f"SELECT {c.bucket_of_start('bucket_start')} AS bucket, CAST(sum(calls) AS BIGINT) AS calls, "
+            "CAST(sum(output_tokens) AS DOUBLE PRECISION) / sum(calls) AS mean_output_len, "
+            "max(max_output_len) AS max_output_len, "
+            "COALESCE(CAST(sum(calls) FILTER (WHERE finish_reason = 'length') AS BIGINT), 0) AS length_calls "
+            f"FROM {agg.calls(c.base_width)} GROUP BY 1 ORDER BY 1"]
 
 
 def _length_time_draw(c: Clock, r: list[QueryResult]) -> Any:

@@ -7,7 +7,8 @@ Two ways of adding, by who adds:
   one ``INSERT ... ON CONFLICT DO UPDATE`` executemany per table (SQLite and
   PostgreSQL spell it alike), keys sorted so two transactions adding to the same
   keys take their row locks in one order (no deadlock between materializer shards);
-* the append (``agg_output_lengths``, ``agg_route_drift``): ``insert_deltas``,
+* the append (``agg_output_lengths``, ``agg_route_drift``, ``agg_calls``,
+  ``agg_trajectories``): ``insert_deltas``,
   plain INSERTs of the append's own rows (``delta`` true). Appends are many and
   concurrent, and a key (one output length, one time bucket) is shared by most of
   them: an upsert of its row would make each append wait, on PostgreSQL, for the
@@ -26,18 +27,20 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-from trajstore._aggregates import KEYS, VALUES, Counts, event_counts, merge, sample_counts
+from trajstore._aggregates import DELTA_ROWS, KEYS, MAX_VALUES, VALUES, Counts, _add, event_counts, merge, sample_counts
 from trajstore.log._dialect import SqlDialect, execute
-from trajstore.schema import (agg_expert_load, agg_logprobs, agg_output_lengths, agg_route_drift, samples,
-                              store_settings, trajectories)
+from trajstore.schema import (agg_calls, agg_expert_load, agg_logprobs, agg_output_lengths, agg_route_drift,
+                              agg_trajectories, samples, store_settings, trajectories)
 
 __all__ = ["TABLES", "DELTA_TABLES", "PENDING", "COMPACT_ROWS", "add_counts", "insert_deltas",
            "write_event_aggregates", "compact_event_aggregates", "rebuild_event_aggregates",
            "rebuild_sample_aggregates"]
 
-TABLES = {t.name: t for t in (agg_expert_load, agg_logprobs, agg_output_lengths, agg_route_drift)}
-DELTA_TABLES = {t.name: t for t in (agg_output_lengths, agg_route_drift)}
-"""The tables appends insert delta rows into (a key's count: the sum of its rows)."""
+TABLES = {t.name: t for t in (agg_expert_load, agg_logprobs, agg_output_lengths, agg_route_drift, agg_calls,
+                               agg_trajectories)}
+DELTA_TABLES = {name: TABLES[name] for name in DELTA_ROWS}
+"""The tables counted from the log's events, which appends insert delta rows into (a key's
+count: the sum of its rows, the max for ``MAX_VALUES``)."""
 PENDING = "aggregates_pending"
 """The ``store_settings`` row an upgraded store with samples gets until their aggregates are counted."""
 COMPACT_ROWS = 20_000
@@ -62,8 +65,15 @@ def add_counts(conn: Any, d: SqlDialect, counts: Counts) -> None:
 
         def build() -> str:
             cols = [*keys, *values]
-            updates = ", ".join(f"{d.col(table.c[v])} = {t}.{d.col(table.c[v])} + excluded.{d.col(table.c[v])}"
-                                for v in values)
+            maxima = {values[i] for i in MAX_VALUES.get(name, ())}
+
+            def update(v: str) -> str:
+                c = d.col(table.c[v])
+                if v in maxima:  # the larger one, spelled alike on both backends
+                    return f"{c} = CASE WHEN excluded.{c} > {t}.{c} THEN excluded.{c} ELSE {t}.{c} END"
+                return f"{c} = {t}.{c} + excluded.{c}"
+
+            updates = ", ".join(update(v) for v in values)
             names = ", ".join(d.col(table.c[c]) for c in cols)
             target = ", ".join(d.col(table.c[k]) for k in keys)
             if total:  # the key's total row: the partial unique index over the rows not delta
@@ -96,7 +106,8 @@ def insert_deltas(conn: Any, d: SqlDialect, counts: Counts) -> None:
 
 
 def write_event_aggregates(conn: Any, d: SqlDialect, rows: Sequence[Mapping[str, Any]]) -> None:
-    """The append's hook: insert its generation events' aggregates as delta rows."""
+    """The append's hook: insert its events' aggregates (generation, start and finish events)
+    as delta rows."""
     counts = event_counts(rows)
     if counts:
         insert_deltas(conn, d, counts)
@@ -104,8 +115,8 @@ def write_event_aggregates(conn: Any, d: SqlDialect, rows: Sequence[Mapping[str,
 
 def compact_event_aggregates(conn: Any, d: SqlDialect, *, limit: int = COMPACT_ROWS) -> int:
     """Fold up to ``limit`` delta rows per table into their keys' total rows, in the caller's
-    write transaction: the deltas are deleted and their sums upserted into the totals
-    (every sum unchanged). On PostgreSQL only deltas no other transaction holds are
+    write transaction: the deltas are deleted and their sums (maxima for ``MAX_VALUES``)
+    upserted into the totals (every key's sum and max unchanged). On PostgreSQL only deltas no other transaction holds are
     taken (``FOR UPDATE SKIP LOCKED``): the fold never waits for an append, and two folds
     take different deltas. Returns the number of deltas folded."""
     n = 0
@@ -123,11 +134,9 @@ def compact_event_aggregates(conn: Any, d: SqlDialect, *, limit: int = COMPACT_R
         got = execute(conn, sql, (int(limit),)).fetchall()
         if not got:
             continue
-        k, into = len(keys), {}
+        k, into, maxima = len(keys), {}, MAX_VALUES.get(name, ())
         for r in got:
-            have = into.setdefault(tuple(r[:k]), [0] * len(values))
-            for i, v in enumerate(r[k:]):
-                have[i] += v
+            _add(into, tuple(r[:k]), list(r[k:]), maxima)
         counts: Counts = {name: into}
         add_counts(conn, d, counts)
         n += len(got)
@@ -147,21 +156,23 @@ def _lock(conn: Any, d: SqlDialect, tables: Sequence[Any]) -> None:
 
 
 def rebuild_event_aggregates(conn: Any, d: SqlDialect, *, page_rows: int = 50_000) -> int:
-    """Recount ``agg_output_lengths`` and ``agg_route_drift`` from every generation event, in
-    the caller's write transaction. Returns the number of events read."""
-    _lock(conn, d, (agg_output_lengths, agg_route_drift))
-    _delete_all(conn, d, (agg_output_lengths, agg_route_drift))  # totals and deltas: recounted as totals
+    """Recount ``agg_output_lengths``, ``agg_route_drift``, ``agg_calls`` and ``agg_trajectories``
+    into total rows from every generation, start and finish event, in the caller's write
+    transaction. Returns the number of generation events read."""
+    tables = tuple(DELTA_TABLES.values())
+    _lock(conn, d, tables)
+    _delete_all(conn, d, tables)  # totals and deltas: recounted as totals
     after, n = -1, 0
+    names = ("position", "type", "model_version", "output_len", "route_rows_resent", "route_rows_drifted",
+             "created_at", "finish_reason", "prompt_len", "prefix_len", "seq", "is_merged", "num_route_rows_sent", "status")
     while True:
-        got = execute(conn, "SELECT position, type, model_version, output_len, route_rows_resent, route_rows_drifted, "
-                      f"created_at FROM events WHERE type = 'generation' AND position > {d.p} ORDER BY position "
-                      f"LIMIT {int(page_rows)}", (after,)).fetchall()
+        got = execute(conn, f"SELECT {', '.join(names)} FROM events WHERE type IN ('generation', 'trajectory_started', "
+                      f"'trajectory_finished') AND position > {d.p} "
+                      f"ORDER BY position LIMIT {int(page_rows)}", (after,)).fetchall()
         if not got:
             return n
-        names = ("position", "type", "model_version", "output_len", "route_rows_resent", "route_rows_drifted",
-                 "created_at")
         add_counts(conn, d, event_counts(dict(zip(names, r)) for r in got))
-        n += len(got)
+        n += sum(1 for r in got if r[1] == "generation")
         after = got[-1][0]
 
 

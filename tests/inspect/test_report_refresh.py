@@ -1,0 +1,181 @@
+"""The run view's refresh costs what the run's time axis costs, not what the store holds:
+the panels moved onto aggregates and indexed queries read no inspection view (the
+statements a refresh runs, on both backends, and SQLite's query plans), and draw exactly
+what the views give on a small store (docs/report.md, "Aggregates")."""
+
+from __future__ import annotations
+
+import sqlite3
+
+import pytest
+from sqlalchemy import text
+
+import trajstore
+from tests.helpers import reader_url_for
+from tests.inspect.test_report import RUNNING, fill
+from trajstore.inspect._figures import CLOCK_SQL, _clock
+from trajstore.inspect._panels import PANELS, SUMMARY_SQL, collect
+from trajstore.inspect._rebuild import rebuild_aggregates
+from trajstore.inspect.sql import read_only
+
+VIEWS = ("generation_events", "trajectory_summary", "sample_summary", "model_version_stats")
+BOUNDED = ("ingest_rate", "finish_reasons", "response_length", "response_length_over_time", "logprobs",
+           "expert_load", "stuck", "route_drift", "running")
+"""Panels whose every query reads an aggregate or an index."""
+PARTLY = {"problems": 1, "prefix_mismatches": 2, "route_coverage": 2}
+"""Panels whose first queries do not read a view yet (over time; per version), the others still do."""
+
+
+@pytest.fixture
+def store(store_url, tmp_path):
+    s = trajstore.connect(store_url, payload=str(tmp_path / "payload"))
+    fill(s)
+    yield s
+    s.close()
+
+
+def _spread(store) -> None:
+    """The events over ten minutes or so (their times rewritten, the aggregates recounted), so the
+    page has many buckets; running trajectories idle for a while."""
+    with store.log.write_engine.begin() as conn:
+        # in log order, as appends stamp them (a trajectory starts with its first event, ends with its last)
+        start = conn.execute(text("SELECT min(created_at) FROM events")).scalar_one()
+        conn.execute(text(f"UPDATE events SET created_at = {float(start) - 1000!r} + position * 2.5"))
+    rebuild_aggregates(store)
+
+
+def test_the_bounded_panels_run_no_view(store):
+    ran: list[str] = []
+    with read_only(reader_url_for(store.url)) as query:
+        def logged(sql):
+            ran.append(sql)
+            return query(sql)
+
+        data = collect(logged, stuck_after_s=0.0, payload=store.payload.location)
+    panels = {p["name"]: p for p in data["panels"]}
+    assert set(BOUNDED) <= set(panels)
+    for name in (*BOUNDED, *PARTLY):
+        sql = panels[name]["sql"] if name in BOUNDED else panels[name]["sql"][:1]
+        if name in ("prefix_mismatches", "route_coverage"):
+            sql = panels[name]["sql"][1:]
+        assert sql and all(q in ran for q in sql)  # the statements that ran
+        assert not [q for q in sql for v in VIEWS if v in q], name
+        assert panels[name]["figure"], name
+    assert not [q for q in CLOCK_SQL for v in VIEWS if v in q]
+    assert not [q for q in SUMMARY_SQL[:3] for v in VIEWS if v in q]
+
+
+def test_sqlite_plans_the_bounded_queries_on_aggregates_and_indexes(store_url, store):
+    if not store_url.startswith("sqlite"):
+        pytest.skip("query plans: SQLite's EXPLAIN QUERY PLAN")
+    with read_only(store.url) as query:
+        clock = _clock(query, 0.0, store.payload.location)
+    queries = [*CLOCK_SQL]
+    for p in PANELS:
+        if p.name in BOUNDED:
+            queries += list(p.queries(clock))
+        elif p.name == "problems":
+            queries += list(p.queries(clock))[:1]
+        elif p.name in PARTLY:
+            queries += list(p.queries(clock))[1:]
+    db = sqlite3.connect(store_url.removeprefix("sqlite:///"))
+    try:
+        for q in queries:
+            plan = [row[3] for row in db.execute("EXPLAIN QUERY PLAN " + q)]
+            # no full pass over the log's tables: they are searched through an index, or (the first
+            # and the newest event, ORDER BY position LIMIT 1; trajectories counted by status) read
+            # through one, never scanned row by row
+            for step in plan:
+                if any(f"SCAN {t}" in step for t in ("events", "trajectories", "samples", "e ", "t ")) \
+                        or step in ("SCAN e", "SCAN t"):
+                    assert "USING" in step and "INDEX" in step, (q, plan)
+            assert not any(v in " ".join(plan) for v in VIEWS), (q, plan)
+            if "FROM trajectories t JOIN events e" in q:
+                assert any("ix_trajectories_status" in s for s in plan), plan
+                assert any("ix_events_trajectory_seq" in s for s in plan), plan
+    finally:
+        db.close()
+
+
+def _rows(query, sql):
+    return [tuple(round(float(v), 9) if isinstance(v, float) or type(v).__name__ == "Decimal" else v for v in row)
+            for row in query(sql).rows]
+
+
+def test_the_aggregate_panels_equal_the_views(store):
+    """Every moved query against what the views give, over many buckets."""
+    _spread(store)
+    with read_only(reader_url_for(store.url)) as query:
+        c = _clock(query, 30.0, store.payload.location)
+        assert c.num_buckets > 10
+        panels = {p.name: list(p.queries(c)) for p in PANELS}
+        # the run's totals and time span
+        n, calls, gen, obs, mism, vmin, vmax, first, last = query(
+            "SELECT count(*), sum(num_generations), sum(num_generated_tokens), sum(num_observed_tokens), "
+            "sum(num_prefix_mismatches), min(min_model_version), max(max_model_version), min(first_event_at), "
+            "max(last_event_at) FROM trajectory_summary").rows[0]
+        assert c.num_trajectories == n
+        assert (c.first_s, c.last_s) == (pytest.approx(float(first)), pytest.approx(float(last)))
+        totals = query(CLOCK_SQL[1]).rows[0]
+        assert [int(x) for x in totals[:4]] == [int(calls), int(gen), int(obs), int(mism)]
+        assert (totals[4], totals[5]) == (int(vmin), int(vmax))
+        # engine calls over time
+        assert _rows(query, panels["ingest_rate"][0]) == _rows(query, (
+            f"SELECT {c.bucket('created_at')} AS bucket, count(*), sum(output_len), sum(num_observed_tokens) "
+            "FROM generation_events GROUP BY 1 ORDER BY 1"))
+        assert _rows(query, panels["finish_reasons"][0]) == _rows(query, (
+            f"SELECT {c.bucket('created_at')} AS bucket, COALESCE(finish_reason, '(none)'), count(*) "
+            "FROM generation_events GROUP BY 1, 2 ORDER BY 1, 2"))
+        assert _rows(query, panels["response_length_over_time"][0]) == _rows(query, (
+            f"SELECT {c.bucket('created_at')} AS bucket, count(*), avg(output_len), max(output_len), "
+            "count(*) FILTER (WHERE finish_reason = 'length') FROM generation_events GROUP BY 1 ORDER BY 1"))
+        per_version = _rows(query, (
+            "SELECT model_version, count(*), count(*) FILTER (WHERE finish_reason = 'length'), "
+            "count(*) FILTER (WHERE is_prefix_mismatch), count(*) FILTER (WHERE has_routes) "
+            "FROM generation_events GROUP BY model_version ORDER BY model_version"))
+        assert len(per_version) > 1 and any(r[2] for r in per_version) and any(r[3] for r in per_version)
+        for name in ("finish_reasons", "prefix_mismatches", "route_coverage"):
+            assert _rows(query, panels[name][1]) == per_version, name
+        # trajectories started, finished, running; finished by status
+        assert _rows(query, panels["running"][0]) == _rows(query, (
+            "SELECT bucket, sum(started), sum(finished), sum(sum(started) - sum(finished)) OVER (ORDER BY bucket) "
+            f"FROM (SELECT {c.bucket('first_event_at')} AS bucket, 1 AS started, 0 AS finished "
+            f"FROM trajectory_summary UNION ALL SELECT {c.bucket('last_event_at')}, 0, 1 FROM trajectory_summary "
+            "WHERE status <> 'running') x GROUP BY bucket ORDER BY bucket"))
+        assert _rows(query, panels["problems"][0]) == _rows(query, (
+            f"SELECT {c.bucket('last_event_at')} AS bucket, count(*) FILTER (WHERE status = 'failed'), "
+            "count(*) FILTER (WHERE status = 'aborted'), count(*) FILTER (WHERE status = 'truncated'), count(*) "
+            "FROM trajectory_summary WHERE status <> 'running' GROUP BY 1 ORDER BY 1"))
+        # route drift per version (the versions with re-sent rows)
+        drift = [r for r in _rows(query, panels["route_drift"][1]) if r[1]]
+        assert drift and drift == _rows(query, (
+            "SELECT model_version, route_rows_resent, route_rows_drifted, route_drift_share FROM model_version_stats "
+            "WHERE route_rows_resent > 0 ORDER BY model_version"))
+        # the running trajectories, idle longest first
+        newest = repr(c.last_s)
+        assert _rows(query, panels["stuck"][0]) == _rows(query, (
+            f"SELECT count(*), count(*) FILTER (WHERE {newest} - last_event_at > 30.0) FROM trajectory_summary "
+            "WHERE status = 'running'"))
+        stuck = _rows(query, panels["stuck"][1])
+        assert stuck == _rows(query, (
+            f"SELECT trajectory_id, group_id, num_generations, max_model_version, {newest} - last_event_at "
+            "FROM trajectory_summary WHERE status = 'running' ORDER BY last_event_at, trajectory_id LIMIT 25"))
+        assert sorted(r[0] for r in stuck) == sorted(f"traj-0-{i:06d}" for i in RUNNING)
+
+
+def test_the_page_is_the_same_after_a_rebuild(store):
+    """The aggregates counted at append draw what a recount draws (figures, not SQL)."""
+    url = reader_url_for(store.url)
+
+    def figures():
+        with read_only(url) as query:
+            data = collect(query, stuck_after_s=0.0, payload=store.payload.location)
+        return data["summary"], {p["name"]: (p["figure"], p["note"]) for p in data["panels"] if p["name"] in BOUNDED}
+
+    before = figures()
+    with store.log.write_engine.begin() as conn:
+        conn.execute(text("DELETE FROM agg_calls"))
+    emptied = figures()
+    assert emptied[1]["ingest_rate"][1] == "no engine calls yet"
+    rebuild_aggregates(store)
+    assert figures() == before

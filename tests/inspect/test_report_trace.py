@@ -262,6 +262,20 @@ def test_bucket_width_of_an_idle_or_empty_run():
     assert bucket_width(1e9, 10) == BUCKET_WIDTHS_S[-1]
 
 
+def test_a_time_panels_bucket_floors_like_the_aggregates(run_store):
+    """A second's last half millisecond belongs to that second's bucket on both backends, as in
+    the aggregates (floor of created_at): PostgreSQL's CAST of a double to BIGINT rounds, and put
+    a call at 1234.9996 s into the next second's bucket, where its aggregated rows were not."""
+    from trajstore.inspect._figures import _clock
+    from dataclasses import replace
+
+    store, _ = run_store
+    with read_only(reader_url_for(store.url)) as query:
+        c = replace(_clock(query, 300.0, None), first_s=1000.0, width_s=1)
+        rows = query(f"SELECT {c.bucket('x')} FROM (SELECT CAST(1234.9996 AS DOUBLE PRECISION) AS x) t").rows
+        assert [int(r[0]) for r in rows] == [234]
+
+
 @pytest.mark.parametrize("shift", [0.0, 0.5])
 def test_route_drift_buckets_are_the_pages_at_every_width(run_store, shift):
     """The drift panel sums the stored 1/60/3600 s buckets of agg_route_drift into the page's

@@ -75,8 +75,9 @@ class Clock:
         return int(self.first_s // self.width_s) * self.width_s * 1000
 
     def bucket(self, column: str) -> str:
-        """SQL: the bucket index of unix-seconds ``column``."""
-        return f"(CAST({column} * 1000 AS BIGINT) - {self.t0_ms}) / {self.width_s * 1000}"
+        """SQL: the bucket index of unix-seconds ``column``: floored to the millisecond as the
+        aggregates floor it (a bare CAST rounds on PostgreSQL)."""
+        return f"(CAST(floor({column} * 1000) AS BIGINT) - {self.t0_ms}) / {self.width_s * 1000}"
 
     def time_of(self, bucket: int) -> str:
         """The bucket's start as an ISO UTC time (plotly's date axis)."""

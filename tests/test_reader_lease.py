@@ -85,14 +85,21 @@ def test_a_reader_with_read_ahead_holds_what_it_planned(store):
     segs = _projected(store)
     want = list(store.samples(projection="p"))
     with SampleReader(store, projection="p", batch_size=1) as reader:
-        got = list(next(reader))
-        store.drop_projection("p")
-        time.sleep(0.05)
-        assert not set(collect_retired(store, margin_s=0)) & segs
-        while len(got) < len(want):
-            got.extend(next(reader))
-        _same(got, want)
+        _read_the_rest_across_a_gc(store, reader, segs, want)
     assert set(collect_retired(store, margin_s=0)) == segs
+
+
+def _read_the_rest_across_a_gc(store, reader, segs: set, want: list) -> None:
+    """After the reader's first batch, the projection is dropped and the GC runs: it keeps the
+    segments the reader's lease holds, and the reader reads the rest of them correctly."""
+    got = list(next(reader))
+    assert reader._lease.held
+    store.drop_projection("p")
+    time.sleep(0.05)
+    assert not set(collect_retired(store, margin_s=0)) & segs
+    while len(got) < len(want):
+        got.extend(next(reader))
+    _same(got, want)
 
 
 def test_an_idle_reader_holds_nothing_back(store):
@@ -180,14 +187,7 @@ def test_a_reader_login_takes_its_lease(store, store_url, tmp_path):
     want = list(store.samples(projection="p"))
     with SampleReader(reader_url_for(store_url), projection="p", batch_size=2, prefetch=False,
                       payload=str(tmp_path / "payload")) as reader:
-        got = list(next(reader))
-        assert reader._lease.held
-        store.drop_projection("p")
-        time.sleep(0.05)
-        assert not set(collect_retired(store, margin_s=0)) & segs
-        while len(got) < len(want):
-            got.extend(next(reader))
-        _same(got, want)
+        _read_the_rest_across_a_gc(store, reader, segs, want)
     assert set(collect_retired(store, margin_s=0)) == segs
 
 

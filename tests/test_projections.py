@@ -261,6 +261,35 @@ def test_default_samples_unchanged_by_create_materialize_drop_and_drop_frees_onl
     assert set(before["samples"]) <= set(state["samples"])
 
 
+def test_a_dropped_projections_files_keep_the_grace_when_the_dropping_clock_runs_behind(store, monkeypatch):
+    """Retirement is stamped with the database's clock, as the GC reads it: a
+    process whose clock runs an hour behind drops a projection, and a GC with a
+    10-minute grace right after still keeps the projection's files (a reader
+    that resolved them just before the drop may be reading them)."""
+    cfg = RolloutConfig(turns=2, prompt_tokens=8, output_tokens=4, observation_tokens=2, layers=L, topk=K, seed=7)
+    for i in range(4):
+        store.append(trajectory_events(cfg, i))
+    store.materialize()
+    store.create_projection("steps", merge="none")
+    store.materialize(projection="steps")
+    token = store.materialized.projection("steps").row["token"]
+    files = {n for n, _ in store.payload.list_names() if n.startswith(f"samples-{token}")}
+    assert files
+    db_now = store.log.database_time()
+    real = time.time
+    monkeypatch.setattr(time, "time", lambda: real() - 3600.0)  # this process's clock: an hour behind
+    store.drop_projection("steps")
+    monkeypatch.setattr(time, "time", real)
+    with store.log.read_engine.connect() as conn:
+        stamped = dict(conn.execute(select(segments.c.name, segments.c.retired_at)
+                                    .where(segments.c.name.in_(files))).all())
+    assert set(stamped) == files
+    assert not set(store.collect_garbage(grace_s=600)) & files, "deleted within the grace"
+    assert all(db_now - 5 <= t <= store.log.database_time() + 5 for t in stamped.values()), stamped
+    assert files <= {n for n, _ in store.payload.list_names()}
+    assert files <= set(store.collect_garbage(grace_s=0))
+
+
 def test_sample_reader_reads_a_projection_and_resumes(store):
     cfg = RolloutConfig(turns=3, prompt_tokens=16, output_tokens=8, observation_tokens=4, layers=L, topk=K, seed=5)
     for i in range(8):

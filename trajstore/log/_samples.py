@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from typing import Any, Collection, Iterator, Mapping, Sequence
 
-from sqlalchemy import Connection, Engine, Table, and_, delete, func, insert, or_, select, update
+from sqlalchemy import Connection, Engine, Table, and_, delete, func, insert, or_, select, text, update
 
 from trajstore.errors import IndexInvariantError, ProjectionChangedError, ValidationError
 from trajstore.log._aggregates import add_counts, compact_event_aggregates
@@ -282,10 +282,9 @@ class SqlSampleIndex(_SqlSamples):
             for t in (projection_checkpoints, projection_unfoldable):
                 conn.execute(delete(t).where(t.c.projection == name))
             conn.execute(delete(projections).where(projections.c.name == name))
-            now = time.time()
-            for part in chunks(names):
+            for part in chunks(names):  # stamped with the database's clock, as the GC compares them
                 conn.execute(update(segments).where(segments.c.name.in_(part), segments.c.kind == "samples",
-                                                    segments.c.retired_at.is_(None)).values(retired_at=now))
+                                                    segments.c.retired_at.is_(None)).values(retired_at=text(d.now_sql)))
             return {"samples": int(n), "segments": len(names)}
 
         return self.db.transaction(f"dropping projection {name!r}", body)

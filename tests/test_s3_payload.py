@@ -301,3 +301,61 @@ def test_the_payload_marker_on_s3(store_url, stoppable_s3):
         trajstore.connect(store_url, payload=location.replace("s3://", "s3://testing:secret-value@"))
     assert "secret-value" not in str(err.value)
     assert _objects(stoppable_s3.endpoint, prefix, marker=True) == []  # nothing created there
+
+
+def _gets(log_path, start: int, kind: str) -> int:
+    """GetObject requests in moto's access log after byte ``start`` for objects named ``kind-*``."""
+    import re
+
+    with open(log_path, errors="replace") as f:
+        f.seek(start)
+        text = re.sub(r"\x1b\[[0-9;]*m", "", f.read())
+    return sum(1 for path in re.findall(r'"GET (/\S*) HTTP', text)
+               if "list-type" not in path and path.split("?", 1)[0].rsplit("/", 1)[-1].startswith(f"{kind}-"))
+
+
+@pytest.mark.parametrize("whole", [True, False], ids=["whole", "ranged"])
+def test_the_materializer_reads_a_log_segment_in_one_request(store_url, s3_endpoint, tmp_path, monkeypatch, whole):
+    """A log segment holds one engine call per record batch: an object at most
+    ``WHOLE_READ_BYTES`` is fetched whole in one GET, not its footer and then each
+    call's batch (two requests plus one per call). The ranged path a larger
+    segment takes gives the same samples."""
+    import trajstore.payload._store as payload_store
+
+    log = tmp_path / "moto.log"
+    with moto_s3(BUCKET, log) as endpoint:
+        if not whole:
+            monkeypatch.setattr(payload_store, "WHOLE_READ_BYTES", 0)
+        prefix = f"run-{uuid.uuid4().hex[:8]}"
+        store = trajstore.connect(store_url, payload=f"s3://{BUCKET}/{prefix}?endpoint_override={endpoint}&scheme=http")
+        ids = [f"t{i}" for i in range(20)]
+        store.append([e for tid in ids for e in trajectory(tid)])  # one append: one log segment of 40 calls
+        start = log.stat().st_size
+        assert store.materialize().num_trajectories == 20
+        gets = _gets(log, start, "events")
+        got = {s.trajectory_id: s for s in store.samples()}
+        store.close()
+    assert gets == (1 if whole else 2 + 40)
+    local = trajstore.connect(f"sqlite:///{tmp_path}/local.db", payload=str(tmp_path / "payload"))
+    local.append([e for tid in ids for e in trajectory(tid)])
+    local.materialize()
+    want = {s.trajectory_id: s for s in local.samples()}
+    local.close()
+    assert sorted(got) == sorted(want) == sorted(ids)
+    assert all(got[t].equals(want[t]) for t in ids)
+
+
+def test_what_a_remote_arrow_segment_read_fetches_whole():
+    """Whole when cheaper than the footer's two requests plus one per row, each
+    request counted as ``REQUEST_BYTES``; a small sample segment (one record
+    batch) always; nothing over ``WHOLE_READ_BYTES``."""
+    from trajstore.payload._format import SegmentKind
+    from trajstore.payload._store import REQUEST_BYTES, WHOLE_READ_BYTES, _read_whole
+
+    mib = REQUEST_BYTES
+    assert _read_whole(SegmentKind.EVENTS, 5 * mib, rows=16)  # the materializer: most of a group commit's calls
+    assert not _read_whole(SegmentKind.EVENTS, 5 * mib, rows=1)  # one call of it (a trace): footer + one batch
+    assert _read_whole(SegmentKind.EVENTS, 3 * mib, rows=1)
+    assert _read_whole(SegmentKind.SAMPLES, WHOLE_READ_BYTES, rows=1)
+    assert not _read_whole(SegmentKind.SAMPLES, WHOLE_READ_BYTES + 1, rows=1)
+    assert not _read_whole(SegmentKind.EVENTS, WHOLE_READ_BYTES + 1, rows=10_000)

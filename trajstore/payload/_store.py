@@ -184,29 +184,12 @@ class PayloadStore:
         wanted = sorted(set(int(r) for r in rows))
         kind = SegmentKind.of(name)
         if kind.is_arrow and self.local:
-            # The file's stream part (after the 8-byte magic) read in order up to the
-            # last batch wanted when they are dense (a log segment: one row per batch,
-            # all of them wanted), else the footer's index (a large compacted segment).
-            data = self._map(name)
-            try:
-                stream = ipc.open_stream(data.slice(8), options=READ_OPTIONS)
-                schema = stream.schema
-                per = int(schema.metadata[ROWS_PER_BATCH.encode()])
-                numbers = sorted({r // per for r in wanted})
-                if numbers and numbers[-1] + 1 <= 2 * len(numbers) + 4:
-                    batches = [stream.read_next_batch() for _ in range(numbers[-1] + 1)]
-                    if len(numbers) < len(batches):
-                        batches = [batches[k] for k in numbers]
-                else:
-                    reader = ipc.open_file(data, options=READ_OPTIONS)
-                    batches = [reader.get_batch(b) for b in numbers]
-            except StopIteration:
-                raise CorruptStoreError(f"payload segment {self.path(name)!r} has no row {wanted[-1]}") from None
-            except (pa.ArrowInvalid, KeyError, TypeError, ValueError) as e:
-                raise CorruptStoreError(f"payload segment {self.path(name)!r} is unreadable: {e}") from None
+            batches, schema, per, numbers = _arrow_batches(self._map(name), wanted, self.path(name))
         else:
             with self._open(name) as src:
-                if kind.is_arrow:
+                if kind.is_arrow and _read_whole(kind, src.size(), len(wanted)):
+                    batches, schema, per, numbers = _arrow_batches(src.read_buffer(), wanted, self.path(name))
+                elif kind.is_arrow:
                     reader = ipc.open_file(src, options=READ_OPTIONS)
                     schema = reader.schema
                     per = int(schema.metadata[ROWS_PER_BATCH.encode()])
@@ -447,3 +430,48 @@ def _huge(m: mmap.mmap) -> None:
             m.madvise(advice)
         except OSError:
             pass
+
+
+WHOLE_READ_BYTES = 16 << 20
+"""An Arrow segment on an object store larger than this is never fetched whole."""
+REQUEST_BYTES = 1 << 20
+"""What one more request to an object store costs, in bytes transferred (its latency)."""
+
+
+def _read_whole(kind: SegmentKind, size: int, rows: int) -> bool:
+    """Whether to fetch a remote Arrow segment of ``size`` bytes whole, in one
+    request, to read ``rows`` of its rows: else its footer is read (two requests)
+    and then each record batch wanted (one each). A log segment holds one engine
+    call per batch and the materializer wants most of a segment's calls at once:
+    whole when that is cheaper than 2 + ``rows`` requests; one row of a large log
+    segment (a trace, a lineage read) is ranged. A sample segment of at most
+    ``WHOLE_READ_BYTES`` is one record batch (``SAMPLE_BATCH_BYTES``): whole."""
+    if size > WHOLE_READ_BYTES:
+        return False
+    return kind is SegmentKind.SAMPLES or size <= (2 + rows) * REQUEST_BYTES
+
+
+def _arrow_batches(data: pa.Buffer, wanted: list[int], where: str
+                   ) -> tuple[list[pa.RecordBatch], pa.Schema, int, list[int]]:
+    """The record batches of an Arrow segment's bytes ``data`` that hold the rows
+    ``wanted`` (sorted): (batches, schema, rows per batch, batch numbers). The
+    stream part (after the 8-byte magic) is read in order up to the last batch
+    wanted when they are dense (a log segment: one row per batch, all of them
+    wanted), else through the footer's index (a large compacted segment)."""
+    try:
+        stream = ipc.open_stream(data.slice(8), options=READ_OPTIONS)
+        schema = stream.schema
+        per = int(schema.metadata[ROWS_PER_BATCH.encode()])
+        numbers = sorted({r // per for r in wanted})
+        if numbers and numbers[-1] + 1 <= 2 * len(numbers) + 4:
+            batches = [stream.read_next_batch() for _ in range(numbers[-1] + 1)]
+            if len(numbers) < len(batches):
+                batches = [batches[k] for k in numbers]
+        else:
+            reader = ipc.open_file(data, options=READ_OPTIONS)
+            batches = [reader.get_batch(b) for b in numbers]
+    except StopIteration:
+        raise CorruptStoreError(f"payload segment {where!r} has no row {wanted[-1]}") from None
+    except (pa.ArrowInvalid, KeyError, TypeError, ValueError) as e:
+        raise CorruptStoreError(f"payload segment {where!r} is unreadable: {e}") from None
+    return batches, schema, per, numbers

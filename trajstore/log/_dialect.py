@@ -75,6 +75,7 @@ FOLD_EVENT_COLUMNS = ("position", "trajectory_id", "type", "seq", "event_id", "m
                       "version_spans", "sample_index", "is_merged", "weight_versions",
                       # what a projection with routes="last" needs to know was dropped (projections.md)
                       "num_route_rows_sent", "route_rows_resent", "route_rows_drifted")
+_TYPE = FOLD_EVENT_COLUMNS.index("type")
 
 
 class SqlDialect:
@@ -316,9 +317,11 @@ class SqlDialect:
             f"WHERE {self.col(e.trajectory_id)} IN "))
         marks = self.marks(len(part))
         trajs = conn.exec_driver_sql(f"{traj_prefix}({marks})", tuple(part)).fetchall()
-        evs = conn.exec_driver_sql(f"{event_prefix}({marks}) AND {self.col(e.type)} IN ('generation', 'reward') "
-                                   f"ORDER BY {self.col(e.position)}", tuple(part)).fetchall()
-        return trajs, evs
+        # Every event of the trajectories, the types kept here: with a type condition in
+        # the SQL, SQLite (no statistics) searched ix_events_type_position, i.e. every
+        # generation and reward event of the log, instead of each trajectory's own.
+        evs = conn.exec_driver_sql(f"{event_prefix}({marks}) ORDER BY {self.col(e.position)}", tuple(part)).fetchall()
+        return trajs, [r for r in evs if r[_TYPE] in ("generation", "reward")]
 
     def repoint(self, conn: Any, moves: Sequence[Repoint], *, guarded: bool) -> int:
         """One executemany re-pointing ``moves`` (position order); guarded, each

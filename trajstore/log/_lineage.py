@@ -116,8 +116,9 @@ def _unread_samples_sql(d: SqlDialect, named: bool) -> str:
     if d.name == "postgresql":
         keys = "unnest(CAST(%s AS TEXT[]), CAST(%s AS INTEGER[])) WITH ORDINALITY AS k(tid, idx, ord)"
         tid, idx, ordinal = "k.tid", "k.idx", "k.ord - 1"
-    else:  # one JSON array of [trajectory_id, sample_index] pairs
-        keys, tid, idx, ordinal = "json_each(?) AS k", "k.value ->> 0", "k.value ->> 1", "k.key"
+    else:  # one JSON array of [trajectory_id, sample_index] pairs (json_extract: any SQLite with JSON1)
+        keys, ordinal = "json_each(?) AS k", "k.key"
+        tid, idx = "json_extract(k.value, '$[0]')", "json_extract(k.value, '$[1]')"
     key = ", ".join(_typed(d, t.c[n]) for n in ("run", "step", "rank", "attempt"))
     return (f"INSERT INTO {d.table(t)} ({cols}) "
             f"SELECT {key}, s.trajectory_id, s.sample_index, {ordinal}, "

@@ -27,6 +27,13 @@ the append's reads) costs that read one more try on a new connection: a read
 stores nothing. A write transaction is never re-sent: lost before COMMIT it
 is a certain failure (``StoreUnavailable``), and the caller retries.
 
+A transaction whose statements check what the caller did not read first
+(``Database.checked``, a trainer's step) sends its COMMIT inside the
+pipeline: one round trip in all. A check that fails rolls it back
+(``ChecksFailed``); a connection lost anywhere in that pipeline is handled
+as a connection lost during COMMIT (below), its ``landed`` check by the
+events' identities.
+
 A connection lost *during* COMMIT is different: the commit may have landed.
 Then the transaction's ``landed`` check runs on a fresh connection (retrying
 with ``trajstore._backoff.Backoff`` while the server recovers); if the

@@ -1,7 +1,7 @@
 """What recording training lineage costs the trainer, beside the step's read.
 
     python bench/bench_lineage.py [--samples 512] [--tokens 2000] [--rounds 7] [--postgres | --url URL]
-                                  [--tree DIR] [--out bench/results/bench_lineage.json]
+                                  [--tree DIR] [--pause S] [--out bench/results/bench_lineage.json]
 
 A store of ``--samples`` one-call trajectories of ``--tokens`` response tokens
 (with logprobs) is materialized; each round a fresh ``SampleReader`` reads one
@@ -17,9 +17,11 @@ the round trips of each record, counted with libpq's protocol trace
 (``PQtrace`` on every connection the recording thread checks out while the record runs:
 one round trip per ``ReadyForQuery`` the server sends, that is per request the
 client waited for: a simple query, or an extended-protocol batch ending in
-``Sync``, an ``executemany`` pipeline included; plus one per pre-ping of the
-pool, which runs before the checkout event, counted by wrapping the dialect's
-``do_ping``); and the bytes at rest of the
+``Sync``, an ``executemany`` pipeline included, and the ping of a pooled
+connection idle a second or more (``log.postgres._check_out``: the trace is
+switched on before it); plus one per SQLAlchemy pre-ping where an engine has
+one, counted by wrapping the dialect's ``do_ping``). ``--pause S`` waits S
+seconds between the read and the record, as a trainer's step does; and the bytes at rest of the
 annotations' payload against the raw float32 logprobs (docs/benchmarks.md,
 "Training lineage").
 
@@ -71,9 +73,11 @@ class Wire:
         self._trace = open(trace_path, "w+")
         self.pings = 0
         for engine in {store.log.write_engine, store.log.read_engine}:
-            event.listen(engine, "checkout", self._checkout)
+            # first among the checkout listeners (insert=True): PostgreSQL's own ping of a
+            # connection idle >= 1 s (log.postgres._check_out, a checkout listener) is traced
+            event.listen(engine, "checkout", self._checkout, insert=True)
             event.listen(engine, "checkin", self._checkin)
-            # the pool's pre-ping (one round trip) runs before the checkout event: counted here
+            # SQLAlchemy's pre-ping, where an engine has one, runs before any checkout listener: counted here
             ping = engine.dialect.do_ping
 
             def counted(dbapi_conn, ping=ping):
@@ -122,7 +126,7 @@ class Wire:
         return wall * 1e3, cpu * 1e3, self.checkouts, trips, thread * 1e3
 
 
-def run(url: str, payload: str, n: int, r: int, rounds: int) -> dict:
+def run(url: str, payload: str, n: int, r: int, rounds: int, pause: float = 0.0) -> dict:
     store = trajstore.connect(url, payload=payload)
     rng = np.random.default_rng(0)
     events = []
@@ -143,6 +147,8 @@ def run(url: str, payload: str, n: int, r: int, rounds: int) -> dict:
         got: list = []
         read.append(wire.measure(lambda: got.append(next(reader))))
         batch = got[0]
+        if pause:
+            time.sleep(pause)  # a trainer's step: the record's connection sat idle meanwhile
         plain.append(wire.measure(lambda: reader.record_step(2 * round_, run="bench", policy_version=1,
                                                              metrics={"loss": 1.0})))
         annotations = {(s.trajectory_id, s.sample_index): {"trainer_logprobs": s.rollout_logprobs - 0.01}
@@ -165,7 +171,7 @@ def run(url: str, payload: str, n: int, r: int, rounds: int) -> dict:
         return out
 
     result = {"backend": store.log.write_engine.dialect.name, "samples": n, "tokens_per_sample": r,
-              "rounds": rounds, "read": summary(read, wire_counts=False), "record": summary(plain),
+              "rounds": rounds, "pause_s": pause, "read": summary(read, wire_counts=False), "record": summary(plain),
               "record_with_logprobs": summary(notes),
               "annotation_bytes_per_float_byte": at_rest / (n * r * 4)}
     store.close()
@@ -181,11 +187,14 @@ def main() -> None:
     parser.add_argument("--postgres", action="store_true", help="also run on a throwaway PostgreSQL cluster")
     parser.add_argument("--tree", default=None, help="import trajstore from this directory (see the module doc)")
     parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "bench_lineage.json"))
+    parser.add_argument("--pause", type=float, default=0.0,
+                        help="seconds between the step's read and its record (a trainer's step: on PostgreSQL a "
+                             "connection idle >= 1 s is pinged at checkout, counted as a round trip)")
     args = parser.parse_args()
     tmp = tempfile.mkdtemp()
     results = {"tree": _tree(), "load_average": os.getloadavg()[0], "backends": []}
     results["backends"].append(run(f"sqlite:///{tmp}/store.db", os.path.join(tmp, "payload"), args.samples,
-                                   args.tokens, args.rounds))
+                                   args.tokens, args.rounds, args.pause))
     cluster = None
     pg_url = args.url
     if args.postgres and pg_url is None:
@@ -198,7 +207,7 @@ def main() -> None:
     try:
         if pg_url is not None:
             results["backends"].append(run(pg_url, os.path.join(tmp, "pg-payload"), args.samples, args.tokens,
-                                           args.rounds))
+                                           args.rounds, args.pause))
     finally:
         if cluster is not None:
             cluster.stop()

@@ -240,8 +240,8 @@ EXTENSION_API: dict[str, set[str]] = {
     },
     "trajstore.lineage": {"RecordedStep", "StepRecorder", "annotation_events", "store_recorder"},
     "trajstore.log.base": {
-        "DATA_ERROR", "EventLog", "INTERNAL_ERROR", "RELEASED", "Repoint", "SAMPLES_KIND", "SampleIndex", "Shard",
-        "StaleState", "TrajectoryWrite", "shard_index_of"
+        "ChecksFailed", "DATA_ERROR", "EventLog", "INTERNAL_ERROR", "RELEASED", "Repoint", "SAMPLES_KIND",
+        "SampleIndex", "Shard", "StaleState", "TrajectoryWrite", "shard_index_of"
     },
     "trajstore.log.postgres": {
         "DEFAULT_CONNECT_TIMEOUT_S", "DEFAULT_STATEMENT_TIMEOUT", "PostgreSQL", "default_payload_dir",

@@ -343,19 +343,26 @@ def test_the_reader_records_what_it_handed_out_and_a_replay_is_a_noop(store):
     assert sql(store, "SELECT policy_version FROM train_steps WHERE step = 3") == [(42,)]
 
 
-def test_recording_a_step_costs_one_read_and_one_write_whatever_its_size(store, tmp_path):
-    """A step's record (the recorder's attempt rule, the store's admission) checks
-    out one connection to read and one to commit, for 2 samples as for 40: the
-    lineage read rides on the append's read, and nothing is read per sample. On
-    PostgreSQL its round trips (libpq's protocol trace) are as few for 40 samples
-    as for 2."""
+def test_recording_a_step_is_one_write_transaction_and_no_read_whatever_its_size(store, tmp_path, monkeypatch):
+    """A new step's record (the recorder's attempt rule, the store's admission) checks
+    out one connection and runs one write transaction, with no read before it: the
+    samples and keys are checked by the statements that write them, for 2 samples as
+    for 40. On PostgreSQL that transaction is one round trip (libpq's protocol trace):
+    BEGIN, every statement and COMMIT in one pipeline ending in one Sync. On SQLite
+    the statements (sqlite3's trace) are as many for 40 samples as for 2, BEGIN
+    IMMEDIATE first and COMMIT last. The only other round trip is the pool's ping of a
+    connection idle a second or more (``log.postgres._check_out``, traced here):
+    turned off for the counts, then on for the last record, which it makes two."""
     from sqlalchemy import event
+
+    from trajstore.log import postgres as pg_backend
 
     from trajstore.lineage import store_recorder
 
     rollouts(store, [f"t{i:02d}" for i in range(40)])
     keys = [(f"t{i:02d}", 0) for i in range(40)]
     checkouts = []
+    statements: list[str] = []
 
     postgres = store.log.write_engine.dialect.name == "postgresql"
     trace = open(tmp_path / "libpq.trace", "w+")
@@ -367,51 +374,170 @@ def test_recording_a_step_costs_one_read_and_one_write_whatever_its_size(store, 
 
             dbapi_conn.pgconn.trace(trace.fileno())
             dbapi_conn.pgconn.set_trace_flags(pq.Trace.SUPPRESS_TIMESTAMPS | pq.Trace.REGRESS_MODE)
+        else:
+            dbapi_conn.set_trace_callback(statements.append)
 
     def untrace(dbapi_conn, *_):
         if postgres:
             dbapi_conn.pgconn.untrace()
+        else:
+            dbapi_conn.set_trace_callback(None)
 
     pings = []
 
-    def round_trips():
+    def protocol():
+        trace.flush()
         with open(trace.name) as f:
-            return len(pings) + sum(1 for line in f if line.startswith("B\t") and "\tReadyForQuery" in line)
+            lines = f.read().splitlines()
+        ready = sum(1 for line in lines if line.startswith("B\t") and "\tReadyForQuery" in line)
+        syncs = sum(1 for line in lines if line.startswith("F\t") and line.endswith("\tSync"))
+        parsed = [line.split('"')[3] for line in lines if line.startswith("F\t") and "\tParse\t" in line]
+        return ready, syncs, parsed
 
     engines = {store.log.write_engine, store.log.read_engine}
     for engine in engines:
-        event.listen(engine, "checkout", count)
+        event.listen(engine, "checkout", count, insert=True)  # before the idle ping's listener: it is traced
         event.listen(engine, "checkin", untrace)
+    monkeypatch.setattr(pg_backend, "PING_IDLE_S", 3600.0)  # however slow the machine, no idle ping in the counts
     ping = store.log.write_engine.dialect.do_ping
 
-    def counted_ping(dbapi_conn):  # the pool's pre-ping runs before the checkout event: a round trip too
+    def counted_ping(dbapi_conn):  # the pool's pre-ping runs before the checkout event
         pings.append(1)
         return ping(dbapi_conn)
 
     if postgres:
         store.log.write_engine.dialect.do_ping = counted_ping
-    trips = []
+    seen = []
     try:
         recorder = store_recorder(store)
-        for k, n in enumerate((2, 40)):
+        for k, n in enumerate((2, 40, 40)):
+            if k == 2:
+                monkeypatch.setattr(pg_backend, "PING_IDLE_S", 0.0)  # every checkout pings
             checkouts.clear()
             pings.clear()
+            statements.clear()
             trace.seek(0)
             trace.truncate()
             done = recorder.record(k, run="cost", policy_version=3, metrics={"loss": 1.0}, samples=keys[:n])
             assert (done.attempt, done.num_samples, done.replayed) == (0, n, False)
-            assert len(checkouts) == 2, (n, len(checkouts))
-            trips.append(round_trips())
+            assert len(checkouts) == 1, (n, len(checkouts))  # 2 before: a read, then the write
+            if postgres:
+                ready, syncs, parsed = protocol()
+                # one request: 3 before (the read, BEGIN and the writes, COMMIT alone); the ping of
+                # an idle connection a simple query of its own
+                assert (ready, syncs) == (1 if k < 2 else 2, 1), (n, ready, syncs)
+                assert parsed[0] == "BEGIN" and parsed[-1] == "COMMIT", parsed
+                assert not pings  # no SQLAlchemy pre-ping either
+                seen.append(len(parsed))
+            else:
+                assert statements[0] == "BEGIN IMMEDIATE" and statements[-1] == "COMMIT", statements
+                assert not any(s.lstrip().upper().startswith("SELECT") for s in statements), statements
+                seen.append(len(statements))
     finally:
         for engine in engines:
             event.remove(engine, "checkout", count)
             event.remove(engine, "checkin", untrace)
         if postgres:
             store.log.write_engine.dialect.do_ping = ping
-    if postgres:
-        # a constant, and small: the lineage reads and the identity lookup go as one batch (25 before)
-        assert trips[0] == trips[1] <= 12, trips
-    assert sql(store, "SELECT step, num_samples FROM train_steps WHERE run = 'cost' ORDER BY step") == [(0, 2), (1, 40)]
+    assert seen[0] == seen[1] == seen[2], seen  # nothing per sample
+    assert sql(store, "SELECT step, num_samples, num_response_tokens FROM train_steps WHERE run = 'cost' "
+                      "ORDER BY step") == [(0, 2, 10), (1, 40, 200), (2, 40, 200)]
+    assert sql(store, "SELECT trajectory_id, ordinal, response_len, min_model_version, max_model_version "
+                      "FROM lineage_step_samples WHERE step = 1 AND ordinal IN (0, 39) ORDER BY ordinal") \
+        == [("t00", 0, 5, 2, 3), ("t39", 39, 5, 2, 3)]
+
+
+def _tried_unread(store, monkeypatch):
+    """What each append's unread try (``EventLog.commit_unread_steps``) came to: "stored"
+    or the class of what it raised (``ChecksFailed``: rolled back, the batch then read
+    and admitted as any other)."""
+    tries: list[str] = []
+    commit = store.log.commit_unread_steps
+
+    def counted(rows):
+        try:
+            positions = commit(rows)
+        except BaseException as e:
+            tries.append(type(e).__name__)
+            raise
+        tries.append("stored")
+        return positions
+
+    monkeypatch.setattr(store.log, "commit_unread_steps", counted)
+    return tries
+
+
+def _lineage_rows(store):
+    return (sql(store, "SELECT run, step, rank, attempt, num_samples, num_response_tokens, identity, position "
+                       "FROM lineage_steps ORDER BY step, rank, attempt"),
+            sql(store, "SELECT step, attempt, trajectory_id, sample_index, ordinal FROM lineage_step_samples "
+                       "ORDER BY step, attempt, ordinal"))
+
+
+def test_a_step_whose_checks_fail_in_sql_gets_the_read_paths_error_and_leaves_nothing(store, monkeypatch):
+    """The unread append of a step refused by its own statements (a missing sample, a
+    projection that does not exist) is rolled back whole, and the read path gives the
+    error it always gave: the first missing sample named, at its event's index."""
+    rollouts(store, ["a", "b", "c"])
+    tries = _tried_unread(store, monkeypatch)
+    store.append([step(step=1, samples=[("a", 0), ("b", 0)])])
+    assert tries == ["stored"]
+    before, rows = snapshot(store), _lineage_rows(store)
+    for bad, index, missing in (([step(step=2, samples=[("a", 0), ("zz", 0), ("b", 0), ("yy", 1)])], 0, "'zz', 0"),
+                                ([step(step=2, samples=[("c", 0)]), step(step=3, samples=[("a", 0), ("c", 1)])],
+                                 1, "'c', 1")):
+        tries.clear()
+        with pytest.raises(ValidationError) as e:
+            store.append(bad)
+        assert tries == ["ChecksFailed"]
+        assert (e.value.rule, e.value.index) == ("unknown_sample", index)
+        assert f"[{missing}] is not in the default samples" in str(e.value)
+    tries.clear()
+    with pytest.raises(ValidationError) as e:
+        store.append([step(step=2, samples=[("a", 0)], projection="nope")])
+    assert tries == ["ChecksFailed"] and e.value.rule == "projection"
+    assert snapshot(store) == before and _lineage_rows(store) == rows  # nothing half-written
+    store.append([step(step=2, samples=[("c", 0), ("a", 0)])])  # the store still takes the next one
+    assert sql(store, "SELECT step, trajectory_id, ordinal FROM lineage_step_samples WHERE step = 2 "
+                      "ORDER BY ordinal") == [(2, "c", 0), (2, "a", 1)]
+
+
+def test_a_replayed_or_redone_step_checked_in_sql_is_a_noop_or_a_conflict_as_before(store, monkeypatch):
+    """A step whose identity or key is recorded fails the unread append's keys; the
+    read path then finds what it always found: the same content a no-op, other
+    content a conflict (the recorder then takes the next attempt), another event for
+    the key a conflict. Nothing of the failed try stays."""
+    from trajstore.lineage import store_recorder
+
+    rollouts(store, ["a", "b", "c"])
+    tries = _tried_unread(store, monkeypatch)
+    first = step(step=1, samples=[("a", 0), ("b", 0)], metrics={"loss": 0.5})
+    assert store.append([first]).num_appended == 1
+    before, rows = snapshot(store), _lineage_rows(store)
+    tries.clear()
+    again = store.append([first])
+    assert (again.num_appended, again.num_duplicates, tries) == (0, 1, ["ChecksFailed"])
+    for changed in (dict(first, metrics={"loss": 0.6}), dict(first, samples=[["c", 0]])):
+        tries.clear()
+        with pytest.raises(ConflictError) as e:
+            store.append([changed])
+        assert tries == ["ChecksFailed"] and "already stored with different content" in str(e.value)
+    tries.clear()
+    with pytest.raises(ConflictError) as e:
+        store.append([dict(first, event_id="other")])
+    assert tries == ["ChecksFailed"] and "already recorded by another event" in str(e.value)
+    assert snapshot(store) == before and _lineage_rows(store) == rows
+    # through the recorder: a replay is a no-op, a redone step the next attempt
+    recorder = store_recorder(store)
+    tries.clear()
+    replay = recorder.record(1, run="r", policy_version=5, metrics={"loss": 0.5}, samples=[("a", 0), ("b", 0)])
+    assert (replay.attempt, replay.replayed) == (0, True)
+    redo = recorder.record(1, run="r", policy_version=5, metrics={"loss": 0.7}, samples=[("c", 0)])
+    assert (redo.attempt, redo.replayed) == (1, False)
+    assert tries == ["ChecksFailed", "ChecksFailed", "stored"]
+    assert sql(store, "SELECT step, attempt, num_samples, metrics FROM train_steps") == [(1, 1, 1, '{"loss":0.7}')]
+    assert sql(store, "SELECT attempt, trajectory_id FROM lineage_step_samples ORDER BY attempt, ordinal") \
+        == [(0, "a"), (0, "b"), (1, "c")]
 
 
 # -- a trainer killed -9 mid-step and restored (real processes) -------------------------

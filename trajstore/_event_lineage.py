@@ -97,7 +97,8 @@ def _step_samples(value: Any) -> tuple[tuple[str, int], ...]:
         if (type(pair) in (list, tuple) and len(pair) == 2 and type(pair[0]) is str and type(pair[1]) is int
                 and 0 < len(pair[0]) <= _MAX_ID_CHARS and "\x00" not in pair[0] and 0 <= pair[1] <= _INT32_MAX
                 and pair[0].isprintable()):
-            out.append((pair[0], pair[1]))  # the usual pair, every rule checked inline
+            # the usual pair, every rule checked inline (a tuple kept as it is: no new object)
+            out.append(pair if type(pair) is tuple else (pair[0], pair[1]))
             continue
         if isinstance(pair, np.ndarray):
             pair = pair.tolist()

@@ -40,7 +40,7 @@ from trajstore.payload._columns import list_column
 from trajstore.sample import Sample
 
 __all__ = ["LineageFact", "LineagePlan", "SampleSource", "admit_lineage", "event_columns", "is_lineage", "rollout_mismatch", "annotation_table",
-           "lineage_key", "MAX_LOG_RATIO", "rollout_mismatches"]
+           "lineage_key", "MAX_LOG_RATIO", "rollout_mismatches", "checkable_in_sql", "unread_step_facts"]
 
 MAX_LOG_RATIO = 700.0
 """|r| is clipped here before exp (exp(709) overflows float64): a k3 stays finite."""
@@ -65,6 +65,7 @@ class LineageFact:
     sample_rows: list[tuple] = field(default_factory=list)  # in STEP_SAMPLE_COLUMNS order
     annotation_row: dict[str, Any] | None = None
     version_rows: list[dict[str, Any]] = field(default_factory=list)
+    unread: bool = False  # a step admitted without reading the store: the database checks it (``unread_step_facts``)
 
     @property
     def has_arrays(self) -> bool:
@@ -191,6 +192,36 @@ def admit_lineage(events: Sequence[tuple[int, TrainStep | SampleAnnotation, str]
                                        log_ratio_max_abs=max_abs)
             fact.version_rows.extend({**_annotation_key(ev), "model_version": v, "tokens_compared": c,
                                       "k3_sum": k3, "abs_log_ratio_sum": a} for v, c, k3, a in per_version)
+    return out
+
+
+def checkable_in_sql(events: Sequence[Event]) -> bool:
+    """Can the database itself make every check admission reads the store for
+    (``unread_step_facts``)? A batch of ``train_step`` events only, no identity twice:
+    their samples' existence, the step's facts taken from the sample rows, and a
+    lineage key or identity already recorded are all decided by the statements
+    that write them. An annotation needs its sample's length (and, with trainer
+    logprobs, its tokens) before anything is written."""
+    return bool(events) and all(isinstance(ev, TrainStep) for ev in events)
+
+
+def unread_step_facts(events: Sequence[tuple[int, TrainStep, str]]) -> list[LineageFact]:
+    """The facts of ``train_step`` events admitted without reading the store (the
+    optimistic path, docs/log.md "Recording a step in one round trip"): the step
+    row without ``num_response_tokens`` and no sample rows; the log inserts the
+    consumption rows from the sample index in the append's transaction, fills in
+    the counts, and refuses the whole append (nothing stored) when a sample is
+    missing or the key or identity is recorded. The caller then admits the batch
+    the usual way (``admit_lineage``), which finds the precise error, no-op or
+    conflict."""
+    now = time.time()
+    out = []
+    for _, ev, identity in events:
+        step_row = {"run": ev.run, "step": ev.step, "rank": ev.rank, "attempt": ev.attempt,
+                    "world_size": ev.world_size, "policy_version": ev.policy_version,
+                    "projection": ev.projection, "num_samples": len(ev.samples), "num_response_tokens": None,
+                    "metrics": _metrics_text(ev.metrics), "identity": identity, "created_at": now}
+        out.append(LineageFact(ev, step_row=step_row, unread=True))
     return out
 
 

@@ -75,7 +75,7 @@ class StepRecorder:
 
     def handed_out(self, samples: Iterable[Any]) -> None:
         """Note samples (objects with ``trajectory_id`` and ``sample_index``) the reader handed out."""
-        self._keys.extend((s.trajectory_id, int(s.sample_index)) for s in samples)
+        self._keys.extend((str(s.trajectory_id), int(s.sample_index)) for s in samples)
 
     @property
     def pending(self) -> list[tuple[str, int]]:
@@ -99,7 +99,9 @@ class StepRecorder:
         None picks it (the module doc's rule); an int is used as it is (a
         conflict raises ConflictError). On success the handed-out keys are
         cleared; on an error they stay, and the call may be retried."""
-        keys = [(str(t), int(i)) for t, i in (self._keys if samples is None else samples)]
+        # the handed-out keys are (str, int) pairs already: copied, not rebuilt (a step's
+        # hundreds of objects fewer for the trainer's garbage collector)
+        keys = list(self._keys) if samples is None else [(str(t), int(i)) for t, i in samples]
         notes = _annotation_list(annotations)
         if attempt is not None:
             events = self._events(step, run, policy_version, metrics, notes, keys, attempt)
@@ -147,7 +149,7 @@ class StepRecorder:
                                   "trained; a reader's current_model_version when set)", rule="missing_field")
         train_step: dict[str, Any] = {"type": "train_step", "run": run, "step": step, "rank": self.rank,
                                       "world_size": self.world_size, "policy_version": policy_version,
-                                      "samples": [list(k) for k in keys], "attempt": attempt}
+                                      "samples": keys, "attempt": attempt}
         if metrics:
             train_step["metrics"] = dict(metrics)
         if self.projection is not None:

@@ -34,7 +34,7 @@ from trajstore import _lineage
 from trajstore.errors import CommitUnknownError, ContentionError, TrajstoreError, ValidationError, first_line
 from trajstore.events import (Event, Generation, TrajectoryFinished, TrajectoryStarted, VersionLabel, decimal_label,
                               identity_of, parse_events)
-from trajstore.log.base import EventLog, Repoint, SampleIndex, StaleState, TrajectoryWrite
+from trajstore.log.base import ChecksFailed, EventLog, Repoint, SampleIndex, StaleState, TrajectoryWrite
 from trajstore.log._backend import safe_url as _safe
 from trajstore.log._errors import driver_errors
 from trajstore.log._registry import backend_of
@@ -144,6 +144,16 @@ class Store:
         # expectation at commit; a violation is a lost race (StaleState), and every
         # later attempt reads first (an identical retry is then found a duplicate).
         read_first = not _starts_every_trajectory(parsed)
+        if self.log.checks_steps and _lineage.checkable_in_sql([ev for ev, _ in parsed]):
+            # A batch of train_steps (a trainer's record) is admitted without reading the
+            # store: the statements that write it check its samples and keys
+            # (``EventLog.commit_unread_steps``). When a check fails nothing is stored and
+            # the batch is read and admitted as any other, which finds the precise error,
+            # no-op or conflict.
+            try:
+                return self._append_once(parsed, digests, unread=True)
+            except (ChecksFailed, StaleState):
+                pass
         last = ""
         for _ in range(_MAX_ATTEMPTS):
             try:
@@ -168,13 +178,14 @@ class Store:
         return AppendCheck(self)
 
     def _append_once(self, parsed: list[tuple[Event, str | None]], digests: "_Digests", *,
-                     read_first: bool = True) -> AppendResult:
+                     read_first: bool = True, unread: bool = False) -> AppendResult:
         # identities and trajectory rows in one read (rows of duplicates are unused);
         # not read_first: expected absent, checked by the unique keys at commit
         stored: Mapping[str, bytes] = {}
         loaded: Mapping[str, Any] = {}
-        plan = _lineage.LineagePlan.of([ev for ev, _ in parsed])  # read with the state: no read of its own
-        if read_first:
+        # the lineage admission reads, read with the state: no read of its own (unread: none at all)
+        plan = None if unread else _lineage.LineagePlan.of([ev for ev, _ in parsed])
+        if read_first and not unread:
             stored, loaded = self.log.load_append_state({ident for _, ident in parsed if ident},
                                                         {ev.trajectory_id for ev, _ in parsed}, lineage=plan)
         fresh = self._drop_duplicates(parsed, digests, stored)
@@ -191,8 +202,9 @@ class Store:
         kept = [(i, a) for i, a in zip(fresh, admitted) if not a.noop]
         if not kept:
             return AppendResult(0, len(parsed), None, tuple(range(len(parsed))))
-        lineage = self._admit_lineage([(i, a.event, parsed[i][1]) for i, a in kept if _lineage.is_lineage(a.event)],
-                                      plan)
+        named = [(i, a.event, parsed[i][1]) for i, a in kept if _lineage.is_lineage(a.event)]
+        lineage = ({i: f for (i, _, _), f in zip(named, _lineage.unread_step_facts(named))}  # type: ignore[arg-type]
+                   if unread else self._admit_lineage(named, plan))
         segment, seg_row, gen_rows = self._write_segment([a for _, a in kept])
         written = [segment] if segment is not None else []
         try:
@@ -221,9 +233,12 @@ class Store:
                         row.update(segment=notes, segment_row=note_rows[i])
                 event_rows.append(row)
             seg_rows = [r for r in (seg_row, note_seg_row) if r is not None]
-            positions = self.log.commit_append(event_rows, _trajectory_writes([a for _, a in kept], rows),
-                                               seg_rows[0] if seg_rows else None, more_segments=seg_rows[1:],
-                                               before_commit=None if synced is None else synced.result)
+            if unread:  # checked by the statements that write it (ChecksFailed: nothing stored)
+                positions = self.log.commit_unread_steps(event_rows)
+            else:
+                positions = self.log.commit_append(event_rows, _trajectory_writes([a for _, a in kept], rows),
+                                                   seg_rows[0] if seg_rows else None, more_segments=seg_rows[1:],
+                                                   before_commit=None if synced is None else synced.result)
         except CommitUnknownError:
             raise  # the commit may have landed: the segments stay (GC removes them if unreferenced)
         except BaseException as e:

@@ -13,6 +13,10 @@ restart every session):
   left to the garbage collector, never deleted under a possible commit.
 
 Either way every acknowledged event's payload exists and ``materialize`` works.
+
+The same two cases for a trainer's ``train_step``, whose append sends BEGIN, its
+writes and COMMIT in one pipeline (``Database.checked``): a connection lost
+anywhere in it leaves the outcome unknown, and the events' identities tell.
 """
 
 from __future__ import annotations
@@ -187,6 +191,66 @@ def test_commit_killed_before_it_landed_is_retriable_and_leaves_the_payload_to_g
     assert _append_retrying(store, _trajectory("during")).num_appended == 4
     assert store.collect_garbage(grace_s=0) == sorted(orphans)
     _assert_every_acknowledged_payload_present(store, ["before", "during"])
+    store.close()
+
+
+def _step(step: int, samples: list) -> dict:
+    return {"type": "train_step", "run": "r", "step": step, "rank": 0, "world_size": 1, "policy_version": 1,
+            "samples": samples, "metrics": {"loss": 0.5}}
+
+
+def _lineage(store) -> list[tuple]:
+    with store.log.read_engine.connect() as conn:
+        return [tuple(r) for r in conn.exec_driver_sql(
+            "SELECT s.step, s.attempt, s.num_samples, count(x.ordinal) FROM lineage_steps s LEFT JOIN "
+            "lineage_step_samples x USING (run, step, rank, attempt) GROUP BY s.step, s.attempt, s.num_samples "
+            "ORDER BY s.step")]
+
+
+def test_a_step_whose_pipelined_commit_landed_before_the_kill_is_acknowledged(cluster, tmp_path):
+    store, _ = _store(cluster, tmp_path)
+    store.append(_trajectory("a") + _trajectory("b"))
+    store.materialize()
+    store.append([_step(1, [["a", 0]])])
+    with _admin(cluster) as conn:
+        conn.execute("ALTER SYSTEM SET synchronous_standby_names = 'ghost'")
+        conn.execute("SELECT pg_reload_conf()")
+    time.sleep(0.5)
+    t, out = _append_in_thread(store, [_step(2, [["a", 0], ["b", 0]])])
+    _kill_backend_when(cluster, "wait_event = 'SyncRep'")  # its COMMIT written, waiting for the standby
+    _admin_run(cluster, "ALTER SYSTEM RESET synchronous_standby_names", "SELECT pg_reload_conf()")
+    t.join(timeout=120)
+    assert not t.is_alive()
+    assert "error" not in out, f"the step's append failed although its commit landed: {out['error']!r}"
+    assert out["result"].num_appended == 1 and out["result"].last_position is not None
+    assert _append_retrying(store, [_step(2, [["a", 0], ["b", 0]])]).num_duplicates == 1
+    assert _lineage(store) == [(1, 0, 1, 1), (2, 0, 2, 2)]
+    store.close()
+
+
+def test_a_step_killed_mid_pipeline_is_a_retriable_unknown_outcome_never_a_success(cluster, tmp_path):
+    """The backend is killed while a write of the pipeline waits for a lock, the COMMIT
+    queued behind it: not stored, and the caller is told the outcome is unknown
+    (retry), never that it succeeded, nor a certain failure."""
+    store, dbname = _store(cluster, tmp_path)
+    store.append(_trajectory("a"))
+    store.materialize()
+    holder = _admin(cluster, dbname)
+    holder.execute("BEGIN")
+    holder.execute("LOCK TABLE lineage_steps IN SHARE MODE")  # the step's INSERT waits for it
+    try:
+        t, out = _append_in_thread(store, [_step(1, [["a", 0]])])
+        _kill_backend_when(cluster, "wait_event_type = 'Lock' AND query LIKE 'INSERT INTO lineage_steps%%'")
+        t.join(timeout=120)
+        assert not t.is_alive()
+    finally:
+        holder.close()  # gone already: the kill restarted every session
+    err = out.get("error")
+    assert isinstance(err, CommitUnknownError), f"expected a retriable CommitUnknownError, got {out!r}"
+    assert "\n" not in str(err)
+    assert _lineage(store) == []
+    assert _append_retrying(store, [_step(1, [["a", 0]])]).num_appended == 1
+    assert _lineage(store) == [(1, 0, 1, 1)]
     store.close()
 
 

@@ -18,7 +18,7 @@ from sqlalchemy import Connection, Engine, delete, func, insert, or_, select, te
 
 from trajstore.log._aggregates import write_event_aggregates
 from trajstore.log._lineage import (annotation_rows, lineage_state, pipelined, recorded_keys, send_lineage_state,
-                                    standing_attempt, step_samples, write_lineage)
+                                    standing_attempt, step_samples, write_lineage, write_unread_steps)
 from trajstore.log._dialect import FOLD_EVENT_COLUMNS, FOLD_TRAJECTORY_COLUMNS, SERVER_MARK, SqlDialect, chunks
 from trajstore.log._segments import named, named_clause, repoint, retire_emptied
 from trajstore.log._transaction import Database, Later
@@ -170,6 +170,24 @@ class SqlEventLog(EventLog):
 
         rows = self.db.transaction("appending events", body, landed=_events_landed, raw=True)
         return [r["position"] for r in rows]
+
+    checks_steps = True
+
+    def commit_unread_steps(self, event_rows: Sequence[dict[str, Any]]) -> list[int]:
+        # BEGIN, the events (positions taken by their INSERT on PostgreSQL), each step's two
+        # checked statements (``write_unread_steps``) and COMMIT: on PostgreSQL one pipeline,
+        # one round trip; on SQLite one write transaction, no read before it
+        def body(cur: Any, d: SqlDialect) -> Any:
+            if d.pipelined_writes:
+                taking = d.insert_events_taking_positions(cur, event_rows)
+                write_unread_steps(cur, d, event_rows)
+                return Later(taking)
+            rows = [dict(r, position=p) for r, p in zip(event_rows, d.positions(cur, len(event_rows)))]
+            d.insert_rows(cur, events, rows)
+            write_unread_steps(cur, d, rows)
+            return [r["position"] for r in rows]
+
+        return self.db.checked("appending events", body, lambda conn: _identities_landed(conn, event_rows))
 
     # -- reading -----------------------------------------------------------
     def head_position(self) -> int:
@@ -446,6 +464,19 @@ def _write_trajectories(conn: Any, d: SqlDialect, writes: Sequence[TrajectoryWri
         if n != len(updates):
             raise StaleState(f"{len(updates) - n} of {len(updates)} trajectories changed concurrently "
                              f"({', '.join(repr(r['trajectory_id']) for r, _ in updates[:3])}...)")
+
+
+def _identities_landed(conn: Connection, rows: Sequence[Mapping[str, Any]]) -> list[int] | None:
+    """The positions of ``rows`` when every one is stored under its identity with its
+    content (None: not all are; positions are not known before the commit answers)."""
+    want = {r["identity"]: bytes(r["content_hash"]) for r in rows}
+    got: dict[str, tuple[int, bytes]] = {}
+    for part in chunks(sorted(want)):
+        q = select(events.c.identity, events.c.position, events.c.content_hash).where(events.c.identity.in_(part))
+        got.update({r.identity: (int(r.position), bytes(r.content_hash)) for r in conn.execute(q)})
+    if any(got.get(i, (0, None))[1] != h for i, h in want.items()):
+        return None
+    return [got[r["identity"]][0] for r in rows]
 
 
 def _events_landed(conn: Connection, rows: list[dict[str, Any]]) -> bool:

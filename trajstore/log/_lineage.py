@@ -8,14 +8,15 @@ import json
 from contextlib import contextmanager
 from typing import Any, Callable, Collection, Iterator, Mapping, Sequence
 
-from sqlalchemy import Connection, func, select
+from sqlalchemy import Connection, String, func, select
 
 from trajstore.errors import ValidationError
 from trajstore.log._dialect import SqlDialect, execute
-from trajstore.schema import (lineage_annotation_versions, lineage_annotations, lineage_step_samples, lineage_steps,
+from trajstore.log.base import ChecksFailed
+from trajstore.schema import (events, lineage_annotation_versions, lineage_annotations, lineage_step_samples, lineage_steps,
                               projection_samples, projections, samples)
 
-__all__ = ["write_lineage", "recorded_keys", "standing_attempt", "annotation_rows", "step_samples", "lineage_state",
+__all__ = ["write_lineage", "write_unread_steps", "STEP_ROW_COLUMNS", "recorded_keys", "standing_attempt", "annotation_rows", "step_samples", "lineage_state",
            "send_lineage_state", "pipelined", "SAMPLE_FACTS", "STEP_SAMPLE_COLUMNS"]
 
 SAMPLE_FACTS = ("trajectory_id", "sample_index", "prompt_len", "response_len", "min_model_version",
@@ -54,6 +55,89 @@ def write_lineage(conn: Any, d: SqlDialect, rows: Sequence[dict[str, Any]]) -> N
             f"INSERT INTO {d.table(t)} ({', '.join(d.col(t.c[n]) for n in STEP_SAMPLE_COLUMNS)}) "
             f"VALUES ({d.marks(len(STEP_SAMPLE_COLUMNS))})"))
         execute(conn, sql, samples)
+
+
+STEP_ROW_COLUMNS = ("run", "step", "rank", "attempt", "world_size", "policy_version", "projection", "metrics",
+                    "identity", "created_at")
+"""The ``lineage_steps`` columns an unread step's row gives (``_lineage.unread_step_facts``);
+the counts and the position are the database's."""
+
+
+def write_unread_steps(cur: Any, d: SqlDialect, rows: Sequence[dict[str, Any]]) -> None:
+    """The lineage rows of ``train_step`` events admitted without reading the store
+    (``_lineage.unread_step_facts``), with the checks admission would have read
+    for made by the statements themselves, two per step whatever its size:
+
+    1. its consumption rows, ``INSERT ... SELECT`` of the step's sample keys (one
+       array parameter) joined to the sample index of its projection: a sample
+       that does not exist adds no row; the sample facts (response length,
+       version range) are the rows' own;
+    2. its ``lineage_steps`` row, ``INSERT ... SELECT`` from the consumption rows
+       just written (their count and response tokens) and the event's position
+       (by its identity), guarded: when fewer rows than the step's samples were
+       found, PostgreSQL fails the statement (a division by zero, raised by the
+       server: the transaction and the pipeline abort) and on SQLite it inserts
+       nothing, which raises ``ChecksFailed`` here.
+
+    A lineage key or identity already recorded fails on its primary or unique key.
+    Whatever fails, the caller rolls the append back (``Database.checked``)."""
+    pg = d.name == "postgresql"
+    for r in rows:
+        fact = r.get("lineage")
+        if fact is None or fact.step_row is None:
+            continue
+        ev, row = fact.event, fact.step_row
+        named = ev.projection is not None
+        key = (ev.run, ev.step, ev.rank, ev.attempt)
+        execute(cur, d._cached(("unread step samples", named), lambda: _unread_samples_sql(d, named)),
+                (*key, *(([t for t, _ in ev.samples], [i for _, i in ev.samples]) if pg
+                         else (json.dumps(ev.samples, separators=(",", ":")),)),
+                 *((ev.projection,) if named else ())))
+        execute(cur, d._cached(("unread step",), lambda: _unread_step_sql(d)),
+                (*(row[c] for c in STEP_ROW_COLUMNS), row["identity"], *key, len(ev.samples)))
+        if not pg and cur.rowcount != 1:
+            raise ChecksFailed(f"train_step {key}: {len(ev.samples)} samples named, not all found")
+
+
+def _typed(d: SqlDialect, column: Any) -> str:
+    """A parameter in a SELECT list feeding ``column``: on PostgreSQL cast to its type
+    (a string to TEXT: a cast to VARCHAR(n) would cut a longer value that the INSERT's
+    own assignment refuses)."""
+    if d.name != "postgresql":
+        return d.p
+    kind = "TEXT" if isinstance(column.type, String) else column.type.compile(d.dialect)
+    return f"CAST({d.p} AS {kind})"
+
+
+def _unread_samples_sql(d: SqlDialect, named: bool) -> str:
+    t, s = lineage_step_samples, (projection_samples if named else samples)
+    cols = ", ".join(d.col(t.c[n]) for n in STEP_SAMPLE_COLUMNS)
+    on_projection = f"s.projection = {d.p} AND " if named else ""
+    if d.name == "postgresql":
+        keys = "unnest(CAST(%s AS TEXT[]), CAST(%s AS INTEGER[])) WITH ORDINALITY AS k(tid, idx, ord)"
+        tid, idx, ordinal = "k.tid", "k.idx", "k.ord - 1"
+    else:  # one JSON array of [trajectory_id, sample_index] pairs (json_extract: any SQLite with JSON1)
+        keys, ordinal = "json_each(?) AS k", "k.key"
+        tid, idx = "json_extract(k.value, '$[0]')", "json_extract(k.value, '$[1]')"
+    key = ", ".join(_typed(d, t.c[n]) for n in ("run", "step", "rank", "attempt"))
+    return (f"INSERT INTO {d.table(t)} ({cols}) "
+            f"SELECT {key}, s.trajectory_id, s.sample_index, {ordinal}, "
+            f"s.response_len, s.min_model_version, s.max_model_version "
+            f"FROM {keys} CROSS JOIN {d.table(s)} AS s "  # SQLite: the keys outside, a key lookup each
+            f"WHERE {on_projection}s.trajectory_id = {tid} AND s.sample_index = {idx}")
+
+
+def _unread_step_sql(d: SqlDialect) -> str:
+    t, x = lineage_steps, lineage_step_samples
+    given = ", ".join(_typed(d, t.c[n]) for n in STEP_ROW_COLUMNS)
+    # PostgreSQL raises on 1 / 0 (the check fails the transaction); SQLite's 1 / 0 is NULL: no row
+    return (f"INSERT INTO {d.table(t)} ({', '.join(d.col(t.c[n]) for n in STEP_ROW_COLUMNS)}, "
+            f"{d.col(t.c.position)}, {d.col(t.c.num_samples)}, {d.col(t.c.num_response_tokens)}) "
+            f"SELECT {given}, (SELECT {d.col(events.c.position)} FROM {d.table(events)} "
+            f"WHERE {d.col(events.c.identity)} = {d.p}), c.n, c.tokens "
+            f"FROM (SELECT COUNT(*) AS n, COALESCE(SUM(response_len), 0) AS tokens FROM {d.table(x)} "
+            f"WHERE run = {d.p} AND step = {d.p} AND rank = {d.p} AND attempt = {d.p}) AS c "
+            f"WHERE 1 / (CASE WHEN c.n = {d.p} THEN 1 ELSE 0 END) = 1")
 
 
 def lineage_state(cur: Any, d: SqlDialect, keys: Collection[tuple],

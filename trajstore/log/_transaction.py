@@ -27,6 +27,13 @@ the append's reads) costs that read one more try on a new connection: a read
 stores nothing. A write transaction is never re-sent: lost before COMMIT it
 is a certain failure (``StoreUnavailable``), and the caller retries.
 
+A transaction whose statements check what the caller did not read first
+(``Database.checked``, a trainer's step) sends its COMMIT inside the
+pipeline: one round trip in all. A check that fails rolls it back
+(``ChecksFailed``); a connection lost anywhere in that pipeline is handled
+as a connection lost during COMMIT (below), its ``landed`` check by the
+events' identities.
+
 A connection lost *during* COMMIT is different: the commit may have landed.
 Then the transaction's ``landed`` check runs on a fresh connection (retrying
 with ``trajstore._backoff.Backoff`` while the server recovers); if the
@@ -41,12 +48,14 @@ from contextlib import contextmanager
 from typing import Any, Callable, Iterator, TypeVar
 
 from sqlalchemy import Connection, Engine
+from sqlalchemy.exc import DataError, IntegrityError
 
 from trajstore._backoff import Backoff
 from trajstore.errors import CommitUnknownError, first_line
 from trajstore.log._dialect import SqlDialect
 from trajstore.log._registry import sql_dialect
 from trajstore.log._errors import lost_connection, translate, wrapped
+from trajstore.log.base import ChecksFailed
 
 __all__ = ["Database", "Later", "RESOLVE_S"]
 
@@ -61,6 +70,13 @@ def _quietly(fn: Callable[[], Any]) -> None:
         fn()
     except Exception:  # the connection is already broken: nothing more to learn from it
         pass
+
+
+def _refused(e: BaseException) -> bool:
+    """Did the database refuse a statement (a value, a check, a key: SQLSTATE classes 22 and
+    23), the transaction rolled back and the connection fine?"""
+    return isinstance(e, (IntegrityError, DataError)) or str(getattr(getattr(e, "orig", None), "sqlstate", "")
+                                                            or "")[:2] in ("22", "23")
 
 
 class _LostPooledConnection(Exception):
@@ -210,6 +226,75 @@ class Database:
             finally:
                 _quietly(cur.close)
                 _quietly(lambda: setattr(driver, "autocommit", False))
+
+    def checked(self, what: str, body: Callable[[Any, SqlDialect], T],
+                landed: Callable[[Connection], T | None]) -> T:
+        """``body(cursor, dialect)`` in one write transaction whose statements make their
+        own checks (the caller read nothing first), committed; on PostgreSQL BEGIN, the
+        body's statements and COMMIT are one pipeline ending in one Sync: one round
+        trip, the pool's checkout aside (``postgres._check_out``).
+
+        An error the database answers with (a check's, a key's: SQLSTATE classes 22
+        and 23) or ``ChecksFailed`` from the body rolls the transaction back and raises
+        ``ChecksFailed``: nothing is stored, the caller reads to learn why. Other
+        errors are translated as ``transaction``'s.
+
+        With the COMMIT in the pipeline, a connection lost after the pipeline was sent
+        leaves the outcome unknown wherever it broke (the server may run the queued
+        COMMIT after the client gave up, e.g. once a lock it waited for is released):
+        then ``landed(conn)`` on a fresh connection returns the result if the
+        transaction is there (else None), and ``CommitUnknownError`` is raised when it
+        is not found: never a success that was not stored, never "not stored" for a
+        write that may land."""
+        d, engine = self.dialect, self.write_engine
+        found: list[T] = []
+
+        def is_landed(conn: Connection, _: Any) -> bool:
+            result = landed(conn)
+            if result is None:
+                return False
+            found.append(result)
+            return True
+
+        with self._connected(what, engine, raw=True) as conn:
+            driver = conn.dbapi_connection
+            cur = conn.cursor()
+            pipelined = d.pipelined_writes
+            try:
+                try:
+                    if pipelined:
+                        driver.autocommit = True  # BEGIN and COMMIT are the pipeline's own statements
+                        with driver.pipeline():
+                            cur.execute("BEGIN")
+                            result = body(cur, d)
+                            cur.execute("COMMIT")
+                    else:
+                        if d.begin_write:
+                            cur.execute(d.begin_write)
+                        result = body(cur, d)
+                except ChecksFailed:
+                    _quietly(conn.rollback)
+                    raise
+                except Exception as e:
+                    error = wrapped(e, conn, engine, what)
+                    if pipelined and lost_connection(error):
+                        self._after_failed_commit(what, error, is_landed, None)
+                        return found[0]
+                    _quietly(conn.rollback)
+                    if _refused(error):
+                        raise ChecksFailed(f"{what}: {first_line(error)}") from None
+                    raise translate(error, what) from None
+                if not pipelined:
+                    try:
+                        conn.commit()
+                    except Exception as e:
+                        self._after_failed_commit(what, wrapped(e, conn, engine, what), is_landed, None)
+                        return found[0]
+                return result.value() if isinstance(result, Later) else result
+            finally:
+                _quietly(cur.close)
+                if pipelined:
+                    _quietly(lambda: setattr(driver, "autocommit", False))
 
     def _after_failed_commit(self, what: str, e: BaseException, landed: Callable[[Connection, T], bool] | None,
                              result: T) -> T:

@@ -60,7 +60,7 @@ from typing import Any, Callable, Collection, Iterator, Mapping, Sequence
 
 from trajstore.errors import ValidationError
 
-__all__ = ["EventLog", "SampleIndex", "Shard", "StaleState", "TrajectoryWrite", "shard_index_of", "SAMPLES_KIND",
+__all__ = ["EventLog", "SampleIndex", "Shard", "StaleState", "ChecksFailed", "TrajectoryWrite", "shard_index_of", "SAMPLES_KIND",
            "Repoint", "RELEASED", "DATA_ERROR", "INTERNAL_ERROR"]
 
 SAMPLES_KIND = "samples"
@@ -76,6 +76,13 @@ the trajectory there (docs/materializer.md, "Held back on a version label")."""
 class StaleState(Exception):
     """A concurrent writer changed a trajectory (or took an identity, or moved a
     checkpoint) first. Internal: ``Store`` re-admits, the materializer re-reads."""
+
+
+class ChecksFailed(Exception):
+    """An append admitted without reading the store (``EventLog.commit_unread_steps``)
+    failed a check its statements make: nothing was stored. Internal: ``Store``
+    then reads and admits the batch the usual way, which finds the precise error,
+    no-op or conflict."""
 
 
 @dataclass(frozen=True)
@@ -240,6 +247,22 @@ class EventLog(ABC):
         stored), ``CommitUnknownError`` (the outcome is unknown: the caller must
         keep the batch's payload), ``ValidationError`` or ``IndexInvariantError``
         (see the module doc)."""
+
+    checks_steps = False
+    """Does ``commit_unread_steps`` check steps itself (else the store always reads first)?"""
+
+    def commit_unread_steps(self, event_rows: Sequence[dict[str, Any]]) -> list[int]:
+        """Atomically store ``train_step`` events admitted without reading the store
+        (their ``lineage`` facts from ``trajstore._lineage.unread_step_facts``; no
+        trajectory rows, no payload); return their positions. The checks admission
+        would have read for are the statements': every sample must exist in the
+        sample index of its projection, and no step key or identity may be
+        recorded yet. When one fails nothing is stored and ``ChecksFailed`` is
+        raised (the caller reads and admits, to learn why). Otherwise raises what
+        ``commit_append`` raises; a connection lost once the statements were sent
+        leaves the outcome unknown (the COMMIT may be among them): the positions
+        when the events are found stored, else ``CommitUnknownError``."""
+        raise ChecksFailed("this log does not check steps itself")
 
     # -- reading -----------------------------------------------------------
     @abstractmethod

@@ -248,10 +248,13 @@ def count_trajectories(conn: Any, d: SqlDialect, trajectory_ids: Iterable[str], 
         if not trajs:
             continue
         calls: dict[str, list[dict[str, Any]]] = {}
-        for r in execute(conn, f"SELECT {', '.join(_CALL_COLUMNS)} FROM events WHERE type = 'generation' "
-                               f"AND trajectory_id IN ({d.marks(len(trajs))})",
+        # every event of theirs through ix_events_trajectory_seq, the calls kept here: with a condition on
+        # the type SQLite (no ANALYZE statistics) searched ix_events_type_position, every call of the log
+        for r in execute(conn, f"SELECT type, {', '.join(_CALL_COLUMNS)} FROM events "
+                               f"WHERE trajectory_id IN ({d.marks(len(trajs))})",
                          tuple(t["trajectory_id"] for t in trajs)).fetchall():
-            calls.setdefault(r[0], []).append(dict(zip(_CALL_COLUMNS, r)))
+            if r[0] == "generation":
+                calls.setdefault(r[1], []).append(dict(zip(_CALL_COLUMNS, r[1:])))
         records = [trajectory_record(t, calls.get(t["trajectory_id"], ())) for t in trajs]
         d.insert_rows(conn, agg_trajectory_stats, [{k: r[k] for k in _STATS_COLUMNS} for r in records])
         add_counts(conn, d, trajectory_counts(records))

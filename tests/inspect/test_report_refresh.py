@@ -319,3 +319,19 @@ def test_the_moved_panels_equal_the_views_after_a_recount(store):
     with read_only(url) as query:
         c = _clock(query, 30.0, store.payload.location)
         _moved_panels_equal_the_views(query, c, finished_only=False)
+
+
+def test_sqlite_plans_the_commit_s_counting_on_the_trajectories_index(store_url, store):
+    """The materializer's commit reads its trajectories' events through their index, not every
+    call of the log (a type condition made SQLite search ix_events_type_position)."""
+    if not store_url.startswith("sqlite"):
+        pytest.skip("query plans: SQLite's EXPLAIN QUERY PLAN")
+    from trajstore.log._aggregates import events_of_sql
+
+    db = sqlite3.connect(store_url.removeprefix("sqlite:///"))
+    try:
+        plan = [row[3] for row in db.execute("EXPLAIN QUERY PLAN " + events_of_sql(store.log.db.dialect, 2),
+                                             ("traj-0-000001", "traj-0-000002"))]
+    finally:
+        db.close()
+    assert any("ix_events_trajectory_seq" in step for step in plan) and not any("type" in step for step in plan), plan

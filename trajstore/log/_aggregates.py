@@ -39,7 +39,7 @@ from trajstore.schema import (agg_calls, agg_expert_load, agg_group_variance, ag
 __all__ = ["TABLES", "DELTA_TABLES", "PENDING", "COMPACT_ROWS", "add_counts", "insert_deltas",
            "write_event_aggregates", "compact_event_aggregates", "rebuild_event_aggregates",
            "rebuild_sample_aggregates", "count_commit", "count_trajectories", "count_sample_rows",
-           "count_policy_versions", "settle_groups", "rebuild_trajectory_aggregates"]
+           "count_policy_versions", "settle_groups", "rebuild_trajectory_aggregates", "events_of_sql"]
 
 TABLES = {t.name: t for t in (agg_expert_load, agg_logprobs, agg_output_lengths, agg_route_drift, agg_calls,
                                agg_trajectories, agg_rewards, agg_trajectory_shapes, agg_tasks, agg_versions,
@@ -225,6 +225,13 @@ _SAMPLE_COLUMNS = ("trajectory_id", "finished_position", "prompt_len", "response
 _STATS_COLUMNS = tuple(c.name for c in agg_trajectory_stats.columns)
 
 
+def events_of_sql(d: SqlDialect, n: int) -> str:
+    """The events of ``n`` trajectories (``type`` and the generation columns): every event of theirs
+    through ``ix_events_trajectory_seq``, the calls kept by the caller. With a condition on the type
+    SQLite (no ``ANALYZE`` statistics) searched ``ix_events_type_position``: every call of the log."""
+    return f"SELECT type, {', '.join(_CALL_COLUMNS)} FROM events WHERE trajectory_id IN ({d.marks(n)})"
+
+
 def count_trajectories(conn: Any, d: SqlDialect, trajectory_ids: Iterable[str], *, settle: bool = True) -> list[str]:
     """Count the finished trajectories of ``trajectory_ids`` not counted yet into
     ``agg_trajectory_stats`` and the per-trajectory aggregates, from their index rows (in the
@@ -248,11 +255,7 @@ def count_trajectories(conn: Any, d: SqlDialect, trajectory_ids: Iterable[str], 
         if not trajs:
             continue
         calls: dict[str, list[dict[str, Any]]] = {}
-        # every event of theirs through ix_events_trajectory_seq, the calls kept here: with a condition on
-        # the type SQLite (no ANALYZE statistics) searched ix_events_type_position, every call of the log
-        for r in execute(conn, f"SELECT type, {', '.join(_CALL_COLUMNS)} FROM events "
-                               f"WHERE trajectory_id IN ({d.marks(len(trajs))})",
-                         tuple(t["trajectory_id"] for t in trajs)).fetchall():
+        for r in execute(conn, events_of_sql(d, len(trajs)), tuple(t["trajectory_id"] for t in trajs)).fetchall():
             if r[0] == "generation":
                 calls.setdefault(r[1], []).append(dict(zip(_CALL_COLUMNS, r[1:])))
         records = [trajectory_record(t, calls.get(t["trajectory_id"], ())) for t in trajs]

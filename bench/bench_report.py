@@ -47,7 +47,22 @@ with read_only(url) as query:
         collect(query, payload=payload)
         times.append(time.perf_counter() - t)
         cpu.append(time.process_time() - c)
-print(json.dumps([times, cpu]))
+probe = []
+if len(sys.argv) > 4:  # append to page by this tree: the probe's events (JSON), one materializer pass, one refresh
+    import trajstore
+    import pandas  # pyarrow's first sample table imports it once: not the probe's cost
+    with open(sys.argv[4]) as f:
+        events = json.load(f)
+    with trajstore.connect(url) as store:
+        t0 = time.perf_counter()
+        store.append(events)
+        t1 = time.perf_counter()
+        store.materialize()
+        t2 = time.perf_counter()
+    with read_only(url) as query:
+        collect(query, payload=payload)
+    probe = [t1 - t0, t2 - t1, time.perf_counter() - t2]
+print(json.dumps([times, cpu, probe]))
 """
 
 
@@ -107,6 +122,11 @@ def per_panel(query, payload: str, rounds: int) -> None:
           f"{total[1] * 1e3:.0f} / {total[2] * 1e3:.0f}")
     for name, (sql, draw, js) in sorted(best.items(), key=lambda kv: -sum(kv[1])):
         print(f"    {name:28s} {sql * 1e3:8.1f} {draw * 1e3:8.1f} {js * 1e3:8.1f}")
+
+
+def _plain(event: dict) -> dict:
+    """An event as JSON can carry it (arrays as lists)."""
+    return {k: (v.tolist() if hasattr(v, "tolist") else v) for k, v in event.items()}
 
 
 class _kept:
@@ -184,17 +204,6 @@ def main() -> None:
                 print(f"  refresh (new): min {min(totals) * 1e3:6.0f} ms, median {sorted(totals)[len(totals) // 2] * 1e3:6.0f}"
                       f" ms, CPU min {min(cpu) * 1e3:.0f} ms ({sql_s * 1e3:.0f} ms in {len(times)} queries); slowest: "
                       + "; ".join(f"{min(v) * 1e3:.0f} ms {k[:50]!r}" for k, v in slowest))
-                if args.old:
-                    # cwd: not this checkout, or ``-c`` would import its trajstore before PYTHONPATH's
-                    out = subprocess.run([sys.executable, "-c", OLD_REFRESH, url, payload, str(args.rounds)],
-                                         env={**os.environ, "PYTHONPATH": os.path.abspath(args.old)},
-                                         capture_output=True, text=True, cwd=args.old)
-                    if out.returncode:
-                        print(f"  refresh (old): failed: {out.stderr.strip().splitlines()[-1]}")
-                    else:
-                        old, old_cpu = json.loads(out.stdout.strip().splitlines()[-1])
-                        print(f"  refresh (old): min {min(old) * 1e3:6.0f} ms, median "
-                              f"{sorted(old)[len(old) // 2] * 1e3:6.0f} ms, CPU min {min(old_cpu) * 1e3:.0f} ms")
                 # append to page: new trajectories under a new version, one materializer pass, one refresh
                 newest = args.versions + 1
                 # trajectories of their own each run (a kept store has the last run's probe already)
@@ -202,6 +211,8 @@ def main() -> None:
                 from trajstore.demo._simulate import trajectory_events
 
                 events = [e for i in range(args.probe) for e in trajectory_events(probe_cfg, i, version=newest)]
+                import pandas  # noqa: F401 - pyarrow's first sample table imports it (~1 s once): a running
+                # materializer did long ago, so the probe does not pay it
                 t0 = time.perf_counter()
                 store.append(events)
                 t1 = time.perf_counter()
@@ -216,6 +227,28 @@ def main() -> None:
                 print(f"  append to page: {(t3 - t0) * 1e3:6.0f} ms (append {(t1 - t0) * 1e3:.0f} ms, materialize "
                       f"{(t2 - t1) * 1e3:.0f} ms, refresh {(t3 - t2) * 1e3:.0f} ms); new version on the page: {shown}")
                 sys.stdout.flush()
+                if args.old:  # last: with the store closed (an old tree's connection in another process
+                    # beside this one's open store made its next SQLite open fail with a disk I/O error)
+                    store.close()
+                    # cwd: not this checkout, or ``-c`` would import its trajstore before PYTHONPATH's
+                    # the old tree's own append to page: trajectories of their own, under the same new version
+                    old_cfg = replace(cfg, seed=2 + int(time.time()) % 1_000_000)
+                    probe_file = os.path.join(d, "old-probe.json")
+                    with open(probe_file, "w") as f:
+                        json.dump([_plain(e) for i in range(args.probe)
+                                   for e in trajectory_events(old_cfg, i, version=newest)], f)
+                    out = subprocess.run([sys.executable, "-c", OLD_REFRESH, url, payload, str(args.rounds), probe_file],
+                                         env={**os.environ, "PYTHONPATH": os.path.abspath(args.old)},
+                                         capture_output=True, text=True, cwd=args.old)
+                    if out.returncode:
+                        print(f"  refresh (old): failed: {out.stderr.strip().splitlines()[-1]}")
+                    else:
+                        old, old_cpu, probe = json.loads(out.stdout.strip().splitlines()[-1])
+                        print(f"  refresh (old): min {min(old) * 1e3:6.0f} ms, median "
+                              f"{sorted(old)[len(old) // 2] * 1e3:6.0f} ms, CPU min {min(old_cpu) * 1e3:.0f} ms")
+                        if probe:
+                            print(f"  append to page (old): {sum(probe) * 1e3:6.0f} ms (append {probe[0] * 1e3:.0f} ms, "
+                                  f"materialize {probe[1] * 1e3:.0f} ms, refresh {probe[2] * 1e3:.0f} ms)")
 
 
 if __name__ == "__main__":

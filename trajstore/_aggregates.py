@@ -31,13 +31,15 @@ run view reads every table through it: ``trajstore.inspect._agg_sql``).
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-__all__ = ["Counts", "LOGPROB_RANGE", "LOGPROB_BINS", "DRIFT_WIDTHS_S", "KEYS", "VALUES", "MAX_VALUES", "DELTA_ROWS",
-           "event_counts",
+__all__ = ["Counts", "LOGPROB_RANGE", "LOGPROB_BINS", "DRIFT_WIDTHS_S", "KEYS", "VALUES", "MAX_VALUES", "MIN_VALUES",
+           "DELTA_ROWS", "NONE", "TRAJECTORY_TABLES", "TASK_KEYS", "task_sql", "trajectory_record", "event_counts", "trajectory_counts", "sample_summary_counts",
+           "group_contribution",
            "sample_counts", "totals_sql", "logprob_bin_edges", "decode_routes", "count_routes"]
 
 LOGPROB_RANGE = (-12.0, 0.0)
@@ -48,22 +50,43 @@ DRIFT_WIDTHS_S = (1, 60, 3600)
 """Bucket widths the route drift is kept at: every width of the page's ladder is a multiple of one."""
 
 Counts = dict[str, dict[tuple, list[float]]]
-MAX_VALUES = {"agg_calls": (5,)}
+MAX_VALUES = {"agg_calls": (5,), "agg_rewards": (3,), "agg_groups": (5, 6), "agg_staleness": (3, 4)}
 """Per table, the counted columns (indexes into ``VALUES[table]``) kept as a maximum, not a sum:
 a key's value is the max over its rows (``agg_calls.max_output_len``)."""
+MIN_VALUES = {"agg_rewards": (2,), "agg_groups": (4,), "agg_policy_versions": (0,)}
+"""Per table, the counted columns kept as a minimum."""
+NONE = -1
+"""The key (or kept maximum) standing for SQL NULL where a key column cannot be NULL: a call or
+sample without a model version, a sample without a staleness (read back with ``NULLIF(x, -1)``)."""
 CALL_NO_VERSION, CALL_NO_REASON = -1, ""
 """``agg_calls``' key for a call without a model version, without a finish reason."""
 
 KEYS = {"agg_expert_load": ("model_version", "layer", "expert"), "agg_logprobs": ("model_version", "bin"),
         "agg_output_lengths": ("model_version", "output_len"), "agg_route_drift": ("width_s", "bucket_start"),
         "agg_calls": ("width_s", "bucket_start", "model_version", "finish_reason"),
-        "agg_trajectories": ("width_s", "bucket_start", "status")}
+        "agg_trajectories": ("width_s", "bucket_start", "status"),
+        "agg_rewards": ("width_s", "bucket_start"),
+        "agg_trajectory_shapes": ("num_generations", "num_samples", "num_prefix_mismatches"),
+        "agg_tasks": ("task",), "agg_versions": ("model_version",), "agg_groups": ("group_id",),
+        "agg_group_variance": ("width_s", "bucket_start"), "agg_samples": ("kind", "value"),
+        "agg_staleness": ("width_s", "bucket_start"), "agg_policy_versions": ("model_version",)}
 """Each aggregate table's key columns."""
 VALUES = {"agg_expert_load": ("routed",), "agg_logprobs": ("tokens", "logprob_sum"),
           "agg_output_lengths": ("calls",), "agg_route_drift": ("rows_resent", "rows_compared", "rows_drifted"),
           "agg_calls": ("calls", "output_tokens", "observed_tokens", "prefix_mismatches", "calls_with_routes",
                         "max_output_len", "route_rows_resent", "route_rows_compared", "route_rows_drifted"),
-          "agg_trajectories": ("started", "finished")}
+          "agg_trajectories": ("started", "finished"),
+          "agg_rewards": ("rewarded", "reward_sum", "reward_min", "reward_max"),
+          "agg_trajectory_shapes": ("trajectories", "placeholder_logprobs"),
+          "agg_tasks": ("trajectories", "rewarded", "reward_sum", "generated_tokens", "calls", "failed"),
+          "agg_versions": ("trajectories", "generated_tokens", "rewarded", "reward_sum", "failed", "aborted",
+                           "multi_version"),
+          "agg_groups": ("trajectories", "rewarded", "reward_sum", "reward_sumsq", "reward_min", "reward_max",
+                         "finished_at"),
+          "agg_group_variance": ("groups", "zero_variance_groups", "variance_sum"),
+          "agg_samples": ("samples", "tokens", "route_rows"),
+          "agg_staleness": ("samples", "staled", "staleness_sum", "staleness_max", "policy_version_max"),
+          "agg_policy_versions": ("first_position",)}
 """Each aggregate table's counted columns (a key's count: their sums over its rows; the max for
 those in ``MAX_VALUES``)."""
 DELTA_ROWS = ("agg_output_lengths", "agg_route_drift", "agg_calls", "agg_trajectories")
@@ -87,22 +110,23 @@ def totals_sql(table: str, *, where: str = "", order: bool = True) -> str:
     return f"SELECT {keys}, {sums} FROM {table}{cut} GROUP BY {keys}{ordered}"
 
 
-def _add(into: dict[tuple, list[float]], key: tuple, values: Sequence[float], maxima: Sequence[int] = ()) -> None:
+def _add(into: dict[tuple, list[float]], key: tuple, values: Sequence[float], maxima: Sequence[int] = (),
+         minima: Sequence[int] = ()) -> None:
     have = into.get(key)
     if have is None:
         into[key] = list(values)
     else:
         for i, v in enumerate(values):
-            have[i] = max(have[i], v) if i in maxima else have[i] + v
+            have[i] = max(have[i], v) if i in maxima else min(have[i], v) if i in minima else have[i] + v
 
 
 def merge(a: Counts, b: Mapping[str, Mapping[tuple, Sequence[float]]]) -> Counts:
     """``a`` plus ``b`` (into ``a``)."""
     for table, part in b.items():
         into = a.setdefault(table, {})
-        maxima = MAX_VALUES.get(table, ())
+        maxima, minima = MAX_VALUES.get(table, ()), MIN_VALUES.get(table, ())
         for key, values in part.items():
-            _add(into, key, values, maxima)
+            _add(into, key, values, maxima, minima)
     return a
 
 
@@ -149,6 +173,157 @@ def event_counts(rows: Iterable[Mapping[str, Any]]) -> Counts:
         out["agg_calls"] = calls
     if trajs:
         out["agg_trajectories"] = trajs
+    return out
+
+
+TRAJECTORY_TABLES = ("agg_rewards", "agg_trajectory_shapes", "agg_tasks", "agg_versions", "agg_groups",
+                     "agg_group_variance", "agg_samples", "agg_staleness", "agg_policy_versions")
+"""The tables the materializer's commit counts each finished trajectory and its samples into
+(one row per key), besides ``agg_trajectory_stats`` (one row per trajectory)."""
+FAILED = ("failed", "aborted")
+TASK_KEYS = ("task", "env", "environment", "env_class", "data_source", "dataset", "task_name")
+"""A trajectory's task is the first of these keys its ``trajectory_started`` metadata has."""
+
+
+def task_sql(metadata: str = "metadata") -> str:
+    """SQL: a trajectory's task from its ``metadata`` column (the first of ``TASK_KEYS`` it has, as text)."""
+    return "COALESCE(" + ", ".join(f"{metadata} ->> '{k}'" for k in TASK_KEYS) + ")"
+
+
+def _spans(raw: Any) -> list[Mapping[str, Any]] | None:
+    if raw is None:
+        return None
+    return json.loads(raw) if isinstance(raw, (str, bytes)) else list(raw)
+
+
+def trajectory_record(trajectory: Mapping[str, Any], calls: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """One finished trajectory's figures, as the ``trajectory_summary`` view gives them, from its
+    ``trajectories`` row (``trajectory_id``, ``group_id``, ``status``, ``reward``, ``task``,
+    ``finished_at``: its newest event's time) and its generation events (index columns): the
+    row of ``agg_trajectory_stats`` plus ``versions`` (generated tokens per model version, a
+    call's version spans split as ``model_version_stats`` splits them) and ``model_version_span``."""
+    calls = sorted(calls, key=lambda r: int(r["seq"]))
+    n = len(calls)
+    num_samples = max((int(r["sample_index"]) for r in calls), default=-1) + 1
+    reward = trajectory.get("reward")
+    if reward is None:  # the last per-call reward, when its call is in the final sample
+        rewarded = [r for r in calls if r.get("reward") is not None]
+        if rewarded and int(rewarded[-1]["sample_index"]) == num_samples - 1:
+            reward = rewarded[-1]["reward"]
+    resent = [int(r["route_rows_resent"]) for r in calls if r.get("route_rows_resent") is not None]
+    drifted = [int(r["route_rows_drifted"]) for r in calls if r.get("route_rows_drifted") is not None]
+    compared = sum(int(r["route_rows_resent"] or 0) for r in calls if r.get("route_rows_drifted") is not None)
+    versions: dict[int, int] = {}
+    lows = [r["min_model_version"] if r.get("min_model_version") is not None else r.get("model_version")
+            for r in calls]
+    highs = [r.get("model_version") for r in calls]
+    for r in calls:
+        spans = _spans(r.get("version_spans"))
+        parts = ([(r.get("model_version"), r.get("output_len"))] if spans is None
+                 else [(sp.get("model_version"), sp.get("num_tokens")) for sp in spans])
+        for v, tokens in parts:
+            key = NONE if v is None else int(v)
+            versions[key] = versions.get(key, 0) + int(tokens or 0)
+    lows, highs = [v for v in lows if v is not None], [v for v in highs if v is not None]
+    return {
+        "trajectory_id": trajectory["trajectory_id"], "group_id": trajectory.get("group_id"),
+        "status": trajectory["status"], "task": trajectory.get("task"),
+        "finished_at": float(trajectory["finished_at"]), "reward": None if reward is None else float(reward),
+        "num_generations": n, "num_generated_tokens": sum(int(r.get("output_len") or 0) for r in calls),
+        "num_samples": max(num_samples, 0),
+        "num_prefix_mismatches": sum(1 for r in calls if int(r["seq"]) > 0 and r.get("is_merged") is not None
+                                     and not r["is_merged"]),
+        "num_placeholder_logprobs": sum(int(r.get("num_placeholder_logprobs") or 0) for r in calls),
+        "route_rows_drifted": sum(drifted) if drifted else None,
+        "route_drift_share": (sum(drifted) / compared) if drifted and compared else None,
+        "versions": versions if n else {},
+        "model_version_span": (max(highs) - min(lows)) if highs and lows else None,
+        "_resent": sum(resent) if resent else None,
+    }
+
+
+def _buckets(at: float) -> list[tuple[int, int]]:
+    return [(w, math.floor(at / w) * w) for w in DRIFT_WIDTHS_S]
+
+
+def trajectory_counts(records: Iterable[Mapping[str, Any]]) -> Counts:
+    """The per-trajectory aggregates of finished trajectories' ``trajectory_record``: rewards by
+    finish time, (calls, samples, prefix mismatches) shapes, per task, per model version, and
+    the reward sums of each group (``agg_groups``; ``group_contribution`` turns a group's row into
+    its part of ``agg_group_variance``)."""
+    out: Counts = {name: {} for name in ("agg_rewards", "agg_trajectory_shapes", "agg_tasks", "agg_versions",
+                                         "agg_groups")}
+    for r in records:
+        reward, bad = r["reward"], r["status"] in FAILED
+        if reward is not None:
+            for key in _buckets(r["finished_at"]):
+                _add(out["agg_rewards"], key, (1, reward, reward, reward), MAX_VALUES["agg_rewards"],
+                     MIN_VALUES["agg_rewards"])
+        _add(out["agg_trajectory_shapes"], (r["num_generations"], r["num_samples"], r["num_prefix_mismatches"]),
+             (1, r["num_placeholder_logprobs"]))
+        if r["task"] is not None:
+            _add(out["agg_tasks"], (str(r["task"]),),
+                 (1, int(reward is not None), reward or 0.0, r["num_generated_tokens"], r["num_generations"], int(bad)))
+        multi = int((r["model_version_span"] or 0) > 0)
+        for v, tokens in r["versions"].items():
+            _add(out["agg_versions"], (v,), (1, tokens, int(reward is not None), reward or 0.0,
+                                             int(r["status"] == "failed"), int(r["status"] == "aborted"), multi))
+        if r["group_id"] is not None:
+            _add(out["agg_groups"], (r["group_id"],),
+                 (1, int(reward is not None), reward or 0.0, (reward or 0.0) ** 2,
+                  math.inf if reward is None else reward, -math.inf if reward is None else reward, r["finished_at"]),
+                 MAX_VALUES["agg_groups"], MIN_VALUES["agg_groups"])
+    for key, values in out["agg_groups"].items():  # no reward: no bound (NULL)
+        if not values[1]:
+            values[4] = values[5] = None
+    return {k: v for k, v in out.items() if v}
+
+
+def group_contribution(values: Sequence[Any], running: int) -> tuple[float, int, float] | None:
+    """A group's part of ``agg_group_variance``: ``(finished_at, zero variance, variance)`` when
+    no trajectory of it runs and two or more are rewarded (``values``: its ``agg_groups``
+    values), else None."""
+    _, rewarded, total, squares, low, high, finished_at = values
+    rewarded = int(rewarded or 0)
+    if running or rewarded < 2:
+        return None
+    mean = float(total) / rewarded
+    return float(finished_at), int(low == high), float(squares) / rewarded - mean * mean
+
+
+def sample_summary_counts(rows: Iterable[Mapping[str, Any]], finished_at: Mapping[str, float],
+                          policy: Sequence[tuple[int, int]]) -> Counts:
+    """The aggregates of default sample rows (``samples`` columns) as ``sample_summary`` gives
+    them: by staleness, versions mixed, calls folded, tokens without a route (``agg_samples``),
+    and staleness by the trajectory's finish time (``agg_staleness``; ``finished_at``: per
+    trajectory). ``policy``: ``(first position, model version)`` of every model version, in
+    position order (``agg_policy_versions``): the newest version at a position is the largest
+    whose first position is at or before it."""
+    firsts = np.asarray([p for p, _ in policy], np.int64)
+    newest = np.maximum.accumulate(np.asarray([v for _, v in policy], np.int64)) if policy else np.zeros(0, np.int64)
+    hist: dict[tuple, list[float]] = {}
+    stale: dict[tuple, list[float]] = {}
+    for s in rows:
+        at = int(np.searchsorted(firsts, int(s["finished_position"]), side="right")) - 1
+        latest = int(newest[at]) if at >= 0 else None
+        staleness = None if latest is None else latest - int(s["min_model_version"])
+        tokens = int(s["prompt_len"]) + int(s["response_len"])
+        _add(hist, ("staleness", NONE if staleness is None else staleness), (1, 0, 0))
+        _add(hist, ("version_span", int(s["max_model_version"]) - int(s["min_model_version"])), (1, 0, 0))
+        _add(hist, ("merged_calls", int(s["num_merged_calls"])), (1, 0, 0))
+        if s.get("num_route_rows") is not None:
+            _add(hist, ("no_route", tokens - int(s["num_route_rows"])), (1, tokens, int(s["num_route_rows"])))
+        when = finished_at.get(s["trajectory_id"])
+        if when is not None:
+            for key in _buckets(when):
+                _add(stale, key, (1, int(staleness is not None), staleness or 0,
+                                  NONE if staleness is None else staleness, NONE if latest is None else latest),
+                     MAX_VALUES["agg_staleness"])
+    out: Counts = {}
+    if hist:
+        out["agg_samples"] = hist
+    if stale:
+        out["agg_staleness"] = stale
     return out
 
 

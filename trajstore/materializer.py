@@ -258,7 +258,8 @@ class Materializer:
         checkpoint.pop("merge_ratio")
         try:
             self.index.commit_samples(self.shard, sample_rows, seg_row, checkpoint, position,
-                                      unfoldable_rows=unfoldable_rows, repoints=repoints, aggregates=aggregates)
+                                      unfoldable_rows=unfoldable_rows, repoints=repoints, aggregates=aggregates,
+                                      trajectories=[e["trajectory_id"] for e in mine])
         except StaleState:
             # another materializer did this batch
             return MaterializeStats(position=self._checkpoint()[0]), None

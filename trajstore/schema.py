@@ -512,8 +512,101 @@ agg_trajectories = Table(
 # migration 0019: the running trajectories (the run view's stuck panel) through an index
 Index("ix_trajectories_status", trajectories.c.status)
 
+# migration 0020: what the materializer's commit counts of each finished trajectory it takes
+# (from its index rows) and of its default samples, so the run view's per-trajectory and
+# per-sample panels read small tables instead of the inspection views. One row per key (the
+# key is the primary key), added to by upsert as agg_expert_load is; never rewritten, except
+# by ``trajstore report --rebuild-aggregates``.
+
+# One row per counted finished trajectory, as trajectory_summary gives it: the "trajectories to
+# look at" panel reads the worst through the two ordered indexes (ORDER BY ... LIMIT), and a
+# trajectory counted once is never counted again (a re-run commit, a release after a hold).
+agg_trajectory_stats = Table(
+    "agg_trajectory_stats",
+    metadata,
+    Column("trajectory_id", String(255), primary_key=True),
+    Column("group_id", String(255), nullable=True),
+    Column("status", String(16), nullable=False),
+    Column("task", String(255), nullable=True),
+    Column("finished_at", Float, nullable=False),  # its newest event's created_at
+    Column("reward", Float, nullable=True),
+    Column("num_generations", Integer, nullable=False),
+    Column("num_generated_tokens", BigInteger, nullable=False),
+    Column("num_samples", Integer, nullable=False),
+    Column("num_prefix_mismatches", Integer, nullable=False),
+    Column("num_placeholder_logprobs", BigInteger, nullable=False),
+    Column("route_rows_drifted", BigInteger, nullable=True),
+    Column("route_drift_share", Float, nullable=True),
+)
+Index("ix_agg_trajectory_stats_drift", agg_trajectory_stats.c.route_drift_share.desc(),
+      agg_trajectory_stats.c.trajectory_id)
+Index("ix_agg_trajectory_stats_tokens", agg_trajectory_stats.c.num_generated_tokens.desc(),
+      agg_trajectory_stats.c.trajectory_id)
+
+
+def _bucketed(name: str, *values: Column) -> Table:
+    return Table(name, metadata, Column("width_s", Integer, primary_key=True),
+                 Column("bucket_start", BigInteger, primary_key=True), *values)
+
+
+# Rewards of finished trajectories by their finish time (buckets of 1, 60, 3600 s): the reward curve.
+agg_rewards = _bucketed("agg_rewards", Column("rewarded", BigInteger, nullable=False),
+                        Column("reward_sum", Float, nullable=False), Column("reward_min", Float, nullable=False),
+                        Column("reward_max", Float, nullable=False))
+# Finished trajectories by (engine calls, samples, prefix mismatches): merge ratio, prefix mismatches.
+agg_trajectory_shapes = Table(
+    "agg_trajectory_shapes", metadata,
+    Column("num_generations", Integer, primary_key=True), Column("num_samples", Integer, primary_key=True),
+    Column("num_prefix_mismatches", Integer, primary_key=True),
+    Column("trajectories", BigInteger, nullable=False), Column("placeholder_logprobs", BigInteger, nullable=False))
+# Finished trajectories per task (trajstore._aggregates.TASK_KEYS of their metadata).
+agg_tasks = Table(
+    "agg_tasks", metadata, Column("task", String(255), primary_key=True),
+    Column("trajectories", BigInteger, nullable=False), Column("rewarded", BigInteger, nullable=False),
+    Column("reward_sum", Float, nullable=False), Column("generated_tokens", BigInteger, nullable=False),
+    Column("calls", BigInteger, nullable=False), Column("failed", BigInteger, nullable=False))
+# Finished trajectories per model version they generated at (-1: calls without one), as
+# model_version_stats counts them (a call's version spans split).
+agg_versions = Table(
+    "agg_versions", metadata, Column("model_version", Integer, primary_key=True),
+    Column("trajectories", BigInteger, nullable=False), Column("generated_tokens", BigInteger, nullable=False),
+    Column("rewarded", BigInteger, nullable=False), Column("reward_sum", Float, nullable=False),
+    Column("failed", BigInteger, nullable=False), Column("aborted", BigInteger, nullable=False),
+    Column("multi_version", BigInteger, nullable=False))
+# Finished trajectories' rewards per group, and the group's part of agg_group_variance as last
+# counted (counted_*: NULL while it has none).
+agg_groups = Table(
+    "agg_groups", metadata, Column("group_id", String(255), primary_key=True),
+    Column("trajectories", BigInteger, nullable=False), Column("rewarded", BigInteger, nullable=False),
+    Column("reward_sum", Float, nullable=False), Column("reward_sumsq", Float, nullable=False),
+    Column("reward_min", Float, nullable=True), Column("reward_max", Float, nullable=True),
+    Column("finished_at", Float, nullable=False), Column("counted_at", Float, nullable=True),
+    Column("counted_zero", Integer, nullable=True), Column("counted_variance", Float, nullable=True))
+# Finished groups (none running, two or more rewarded) by the finish time of their last trajectory.
+agg_group_variance = _bucketed("agg_group_variance", Column("groups", BigInteger, nullable=False),
+                               Column("zero_variance_groups", BigInteger, nullable=False),
+                               Column("variance_sum", Float, nullable=False))
+# Default samples by kind of figure ('staleness', 'version_span', 'merged_calls', 'no_route': tokens
+# without a captured route, for samples with routes) and its value (-1: NULL).
+agg_samples = Table(
+    "agg_samples", metadata, Column("kind", String(16), primary_key=True),
+    Column("value", BigInteger, primary_key=True), Column("samples", BigInteger, nullable=False),
+    Column("tokens", BigInteger, nullable=False), Column("route_rows", BigInteger, nullable=False))
+# Default samples' staleness by their trajectory's finish time.
+agg_staleness = _bucketed("agg_staleness", Column("samples", BigInteger, nullable=False),
+                          Column("staled", BigInteger, nullable=False),
+                          Column("staleness_sum", BigInteger, nullable=False),
+                          Column("staleness_max", BigInteger, nullable=False),
+                          Column("policy_version_max", BigInteger, nullable=False))
+# Each model version's first generation event: the newest version at a position, for staleness.
+agg_policy_versions = Table(
+    "agg_policy_versions", metadata, Column("model_version", Integer, primary_key=True),
+    Column("first_position", BigInteger, nullable=False))
+
 __all__ = ["metadata", "log_head", "trajectories", "events", "segments", "samples", "materializer_checkpoints",
            "unfoldable_trajectories", "version_labels", "unresolved_labels", "store_settings", "projections",
            "projection_samples", "projection_checkpoints", "projection_unfoldable", "lineage_steps",
            "lineage_step_samples", "lineage_annotations", "lineage_annotation_versions", "agg_expert_load",
-           "agg_logprobs", "agg_output_lengths", "agg_route_drift", "agg_calls", "agg_trajectories", "reader_leases"]
+           "agg_logprobs", "agg_output_lengths", "agg_route_drift", "agg_calls", "agg_trajectories", "reader_leases",
+           "agg_trajectory_stats", "agg_rewards", "agg_trajectory_shapes", "agg_tasks", "agg_versions", "agg_groups",
+           "agg_group_variance", "agg_samples", "agg_staleness", "agg_policy_versions"]

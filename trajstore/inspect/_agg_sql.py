@@ -12,7 +12,7 @@ as is)."""
 from __future__ import annotations
 
 __all__ = ["output_lengths", "route_drift", "expert_load", "logprobs", "calls", "trajectories", "base_width",
-           "CALL_WIDTHS_S"]
+           "CALL_WIDTHS_S", "rewards", "group_variance", "staleness", "bucketed"]
 
 from trajstore._aggregates import DRIFT_WIDTHS_S, totals_sql
 
@@ -72,3 +72,26 @@ def trajectories(width_s: int) -> str:
 def base_width(width_s: int) -> int:
     """The widest kept bucket width that ``width_s`` (a page's) is a multiple of."""
     return max(w for w in CALL_WIDTHS_S if width_s % w == 0)
+
+
+def bucketed(table: str, width_s: int) -> str:
+    """A materializer-counted table kept in time buckets (``agg_rewards``, ``agg_group_variance``,
+    ``agg_staleness``: one row per key) at ``width_s`` (one of ``CALL_WIDTHS_S``)."""
+    return _totals(table, _width(table, width_s))
+
+
+def rewards(width_s: int) -> str:
+    """Finished trajectories' rewards by finish time: ``rewarded``, ``reward_sum``, ``reward_min``, ``reward_max``."""
+    return bucketed("agg_rewards", width_s)
+
+
+def group_variance(width_s: int) -> str:
+    """Finished groups by the finish time of their last trajectory: ``groups``, ``zero_variance_groups``,
+    ``variance_sum``."""
+    return bucketed("agg_group_variance", width_s)
+
+
+def staleness(width_s: int) -> str:
+    """Default samples by their trajectory's finish time: ``samples``, ``staled`` (with a staleness),
+    ``staleness_sum``, ``staleness_max`` and ``policy_version_max`` (-1: none)."""
+    return bucketed("agg_staleness", width_s)

@@ -268,6 +268,8 @@ def _fmt(x: Any, spec: str = "") -> str:
     return "-" if x is None else format(x, spec)
 
 
-_VERSION_STATS_SQL = ("SELECT model_version, num_generated_tokens, num_trajectories, num_multi_version, mean_reward, "
-                      "num_rewarded, num_failed, num_aborted, route_rows_resent, route_rows_drifted, route_drift_share "
-                      "FROM model_version_stats ORDER BY model_version")
+_VERSION_STATS_SQL = ("SELECT NULLIF(model_version, -1) AS model_version, generated_tokens AS num_generated_tokens, "
+                      "trajectories AS num_trajectories, multi_version AS num_multi_version, "
+                      "reward_sum / NULLIF(CAST(rewarded AS DOUBLE PRECISION), 0) AS mean_reward, "
+                      "rewarded AS num_rewarded, failed AS num_failed, aborted AS num_aborted "
+                      "FROM agg_versions ORDER BY model_version")

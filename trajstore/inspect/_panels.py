@@ -138,8 +138,14 @@ PANELS = _extend_panels(PANELS)
 
 SUMMARY_SQL = (
     *CLOCK_SQL[:3],  # the clock's: trajectories by status, the calls' totals, the first and newest event
-    "SELECT count(*), sum(num_merged_calls), avg(staleness), max(staleness), "
-    "sum(num_route_rows), sum(CASE WHEN num_route_rows IS NULL THEN 0 ELSE num_tokens END) FROM sample_summary",
+    # the default samples (agg_samples: one row per figure and value)
+    "SELECT COALESCE(CAST(sum(samples) FILTER (WHERE kind = 'merged_calls') AS BIGINT), 0), "
+    "CAST(sum(value * samples) FILTER (WHERE kind = 'merged_calls') AS BIGINT), "
+    "CAST(sum(value * samples) FILTER (WHERE kind = 'staleness' AND value >= 0) AS DOUBLE PRECISION) "
+    "/ NULLIF(sum(samples) FILTER (WHERE kind = 'staleness' AND value >= 0), 0), "
+    "max(value) FILTER (WHERE kind = 'staleness' AND value >= 0), "
+    "CAST(sum(route_rows) FILTER (WHERE kind = 'no_route') AS BIGINT), "
+    "CAST(sum(tokens) FILTER (WHERE kind = 'no_route') AS BIGINT) FROM agg_samples",
 )
 
 

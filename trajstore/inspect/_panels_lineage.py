@@ -25,9 +25,11 @@ def _steps_sql(c: Clock) -> list[str]:
             f"max(policy_version) AS policy_version FROM sample_consumption GROUP BY run, step "
             f"ORDER BY step DESC, run LIMIT {MAX_STEPS}",
             f"SELECT run, step, rank, metrics FROM train_steps ORDER BY step DESC, run, rank LIMIT {MAX_STEPS * 8}",
-            "SELECT count(*) AS samples, count(*) FILTER (WHERE NOT EXISTS (SELECT 1 FROM sample_consumption c "
-            "WHERE c.trajectory_id = s.trajectory_id AND c.sample_index = s.sample_index)) AS never_trained "
-            "FROM sample_summary s"]
+            # the samples (agg_samples), less the distinct ones a step consumed (linear in what was consumed)
+            "SELECT n AS samples, n - (SELECT count(*) FROM (SELECT DISTINCT c.trajectory_id, c.sample_index "
+            "FROM sample_consumption c JOIN samples s ON s.trajectory_id = c.trajectory_id "
+            "AND s.sample_index = c.sample_index) x) AS never_trained FROM (SELECT COALESCE(CAST(sum(samples) "
+            "AS BIGINT), 0) AS n FROM agg_samples WHERE kind = 'merged_calls') a"]
 
 
 def _steps_draw(c: Clock, r: list[QueryResult]) -> Any:

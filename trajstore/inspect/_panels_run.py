@@ -46,11 +46,10 @@ def _ingest_draw(c: Clock, r: list[QueryResult]) -> Any:
 
 
 def _staleness_time_sql(c: Clock) -> list[str]:
-    return [f"SELECT {c.bucket('t.last_event_at')} AS bucket, count(*) AS samples, "
-            "avg(s.staleness) AS mean_staleness, max(s.staleness) AS max_staleness, "
-            "max(s.latest_model_version) AS policy_version "
-            "FROM sample_summary s JOIN trajectory_summary t ON t.trajectory_id = s.trajectory_id "
-            "GROUP BY 1 ORDER BY 1"]
+    return [f"SELECT {c.bucket_of_start('bucket_start')} AS bucket, CAST(sum(samples) AS BIGINT) AS samples, "
+            "CAST(sum(staleness_sum) AS DOUBLE PRECISION) / NULLIF(sum(staled), 0) AS mean_staleness, "
+            "NULLIF(max(staleness_max), -1) AS max_staleness, NULLIF(max(policy_version_max), -1) AS policy_version "
+            f"FROM {agg.staleness(c.base_width)} GROUP BY 1 ORDER BY 1"]
 
 
 def _staleness_time_draw(c: Clock, r: list[QueryResult]) -> Any:
@@ -74,9 +73,9 @@ def _staleness_time_draw(c: Clock, r: list[QueryResult]) -> Any:
 
 
 def _reward_time_sql(c: Clock) -> list[str]:
-    return [f"SELECT {c.bucket('last_event_at')} AS bucket, count(reward) AS rewarded, avg(reward) AS mean_reward, "
-            "min(reward) AS min_reward, max(reward) AS max_reward "
-            "FROM trajectory_summary WHERE status <> 'running' AND reward IS NOT NULL GROUP BY 1 ORDER BY 1"]
+    return [f"SELECT {c.bucket_of_start('bucket_start')} AS bucket, CAST(sum(rewarded) AS BIGINT) AS rewarded, "
+            "sum(reward_sum) / CAST(sum(rewarded) AS DOUBLE PRECISION) AS mean_reward, min(reward_min) AS min_reward, "
+            f"max(reward_max) AS max_reward FROM {agg.rewards(c.base_width)} GROUP BY 1 ORDER BY 1"]
 
 
 def _reward_time_draw(c: Clock, r: list[QueryResult]) -> Any:
@@ -240,13 +239,10 @@ def _finish_draw(c: Clock, r: list[QueryResult]) -> Any:
 
 
 def _groups_sql(c: Clock) -> list[str]:
-    groups = ("SELECT group_id, count(reward) AS rewarded, max(reward) = min(reward) AS zero_variance, "
-              "avg(reward * reward) - avg(reward) * avg(reward) AS reward_variance, max(last_event_at) AS finished_at "
-              "FROM trajectory_summary GROUP BY group_id "
-              "HAVING count(*) FILTER (WHERE status = 'running') = 0 AND count(reward) > 1")
-    return [f"SELECT {c.bucket('finished_at')} AS bucket, count(*) AS groups, "
-            "count(*) FILTER (WHERE zero_variance) AS zero_variance_groups, avg(reward_variance) AS mean_variance "
-            f"FROM ({groups}) g GROUP BY 1 ORDER BY 1"]
+    return [f"SELECT {c.bucket_of_start('bucket_start')} AS bucket, CAST(sum(groups) AS BIGINT) AS groups, "
+            "CAST(sum(zero_variance_groups) AS BIGINT) AS zero_variance_groups, "
+            "sum(variance_sum) / CAST(sum(groups) AS DOUBLE PRECISION) AS mean_variance "
+            f"FROM {agg.group_variance(c.base_width)} GROUP BY 1 HAVING sum(groups) > 0 ORDER BY 1"]
 
 
 def _groups_draw(c: Clock, r: list[QueryResult]) -> Any:
@@ -279,12 +275,28 @@ def _problems_sql(c: Clock) -> list[str]:
             "COALESCE(CAST(sum(finished) FILTER (WHERE status = 'truncated') AS BIGINT), 0) AS truncated, "
             f"CAST(sum(finished) AS BIGINT) AS finished FROM {agg.trajectories(c.base_width)} "
             "WHERE status <> 'running' GROUP BY 1 ORDER BY 1",
-            "SELECT count(*) FILTER (WHERE t.status <> 'running' AND t.num_generations > 0 AND NOT t.is_held_back "
-            "AND NOT EXISTS (SELECT 1 FROM samples s WHERE s.trajectory_id = t.trajectory_id) "
-            "AND NOT EXISTS (SELECT 1 FROM unfoldable_trajectories u WHERE u.trajectory_id = t.trajectory_id)) "
-            "AS waiting_to_fold, count(*) FILTER (WHERE t.is_held_back) AS held_back, "
-            "(SELECT count(*) FROM unfoldable_trajectories) AS unfoldable, "
-            "sum(t.num_placeholder_logprobs) AS placeholder_logprobs FROM trajectory_summary t"]
+            _NOW_SQL]
+
+
+_UNRESOLVED = ("SELECT 1 FROM unresolved_labels u WHERE u.trajectory_id = t.trajectory_id "
+               "AND NOT EXISTS (SELECT 1 FROM version_labels v WHERE v.label = u.label)")
+_NOW_SQL = (
+    # finished after the lowest materializer checkpoint (through the index on finished_position), with a call,
+    # no sample, not unfoldable, not held back: bounded by the materializer's backlog
+    "SELECT (SELECT count(*) FROM trajectories t WHERE t.finished_position > "
+    "COALESCE((SELECT min(position) FROM materializer_checkpoints), -1) AND t.status <> 'running' "
+    "AND EXISTS (SELECT 1 FROM events e WHERE e.trajectory_id = t.trajectory_id AND e.type = 'generation') "
+    "AND NOT EXISTS (SELECT 1 FROM samples s WHERE s.trajectory_id = t.trajectory_id) "
+    "AND NOT EXISTS (SELECT 1 FROM unfoldable_trajectories f WHERE f.trajectory_id = t.trajectory_id) "
+    f"AND NOT EXISTS ({_UNRESOLVED})) AS waiting_to_fold, "
+    # the labels still unmapped: bounded by the calls that named one
+    "(SELECT count(DISTINCT u.trajectory_id) FROM unresolved_labels u JOIN trajectories t "
+    "ON t.trajectory_id = u.trajectory_id WHERE t.status <> 'running' "
+    "AND NOT EXISTS (SELECT 1 FROM version_labels v WHERE v.label = u.label)) AS held_back, "
+    "(SELECT count(*) FROM unfoldable_trajectories) AS unfoldable, "
+    "(SELECT CAST(sum(placeholder_logprobs) AS BIGINT) FROM agg_trajectory_shapes) AS placeholder_logprobs")
+"""The problems panel's "now": trajectories waiting for the materializer, held back, refused; the
+finished trajectories' placeholder logprobs (``agg_trajectory_shapes``)."""
 
 
 def _problems_draw(c: Clock, r: list[QueryResult]) -> Any:
@@ -310,9 +322,8 @@ def _problems_draw(c: Clock, r: list[QueryResult]) -> Any:
 
 
 def _staleness_sql(c: Clock) -> list[str]:
-    return ["SELECT staleness, count(*) AS samples FROM sample_summary GROUP BY staleness ORDER BY staleness",
-            "SELECT model_version_span, count(*) AS samples FROM sample_summary GROUP BY model_version_span "
-            "ORDER BY model_version_span"]
+    return ["SELECT NULLIF(value, -1) AS staleness, samples FROM agg_samples WHERE kind = 'staleness' ORDER BY value",
+            "SELECT value AS model_version_span, samples FROM agg_samples WHERE kind = 'version_span' ORDER BY value"]
 
 
 def _staleness_draw(c: Clock, r: list[QueryResult]) -> Any:
@@ -328,11 +339,10 @@ def _staleness_draw(c: Clock, r: list[QueryResult]) -> Any:
 
 
 def _merge_sql(c: Clock) -> list[str]:
-    return ["SELECT num_generations, num_samples, count(*) AS trajectories FROM trajectory_summary "
-            "WHERE status <> 'running' AND num_generations > 0 GROUP BY num_generations, num_samples "
+    return ["SELECT num_generations, num_samples, CAST(sum(trajectories) AS BIGINT) AS trajectories "
+            "FROM agg_trajectory_shapes WHERE num_generations > 0 GROUP BY num_generations, num_samples "
             "ORDER BY num_generations, num_samples",
-            "SELECT num_merged_calls, count(*) AS samples FROM sample_summary GROUP BY num_merged_calls "
-            "ORDER BY num_merged_calls"]
+            "SELECT value AS num_merged_calls, samples FROM agg_samples WHERE kind = 'merged_calls' ORDER BY value"]
 
 
 def _merge_draw(c: Clock, r: list[QueryResult]) -> Any:
@@ -355,8 +365,8 @@ def _merge_draw(c: Clock, r: list[QueryResult]) -> Any:
 
 
 def _mismatch_sql(c: Clock) -> list[str]:
-    return ["SELECT num_prefix_mismatches, count(*) AS trajectories FROM trajectory_summary WHERE num_generations > 0 "
-            "GROUP BY num_prefix_mismatches ORDER BY num_prefix_mismatches",
+    return ["SELECT num_prefix_mismatches, CAST(sum(trajectories) AS BIGINT) AS trajectories FROM agg_trajectory_shapes "
+            "WHERE num_generations > 0 GROUP BY num_prefix_mismatches ORDER BY num_prefix_mismatches",
             _CALLS_PER_VERSION_SQL]
 
 

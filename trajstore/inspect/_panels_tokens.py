@@ -98,9 +98,8 @@ _MISSING_BUCKETS = ((0, 0, "0"), (1, 1, "1"), (2, 9, "2-9"), (10, 99, "10-99"), 
 
 
 def _routes_sql(c: Clock) -> list[str]:
-    return ["SELECT num_tokens - num_route_rows AS tokens_without_route, count(*) AS samples, "
-            "sum(num_tokens) AS tokens, sum(num_route_rows) AS route_rows "
-            "FROM sample_summary WHERE num_route_rows IS NOT NULL GROUP BY num_tokens - num_route_rows",
+    return ["SELECT value AS tokens_without_route, samples, tokens, route_rows FROM agg_samples "
+            "WHERE kind = 'no_route' ORDER BY value",
             _CALLS_PER_VERSION_SQL]
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 from typing import Any, Sequence
 
+from trajstore._aggregates import TASK_KEYS  # a trajectory's task: the first of these its metadata has
 from trajstore.inspect._figures import (HEIGHT, Clock, Panel, _layout, _num, _plotly, _right_axis, _share,
                                         _time_axis, _with_right_axis)
 from trajstore.inspect._panels_lineage import MAX_STEPS, NO_STEPS
@@ -22,8 +23,6 @@ from trajstore.inspect.sql import QueryResult
 
 __all__ = ["extend", "TASK_KEYS"]
 
-TASK_KEYS = ("task", "env", "environment", "env_class", "data_source", "dataset", "task_name")
-"""A trajectory's task is the first of these keys its ``trajectory_started`` metadata has."""
 MAX_TASKS = 24
 MAX_METRICS = 12
 """The trainer-metrics panel draws at most this many of ``train_step.metrics``' keys (those most steps carry)."""
@@ -142,18 +141,10 @@ P_COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b")
 
 # -- per task -----------------------------------------------------------------------------------
 
-def _task_expr() -> str:
-    return "COALESCE(" + ", ".join(f"metadata ->> '{k}'" for k in TASK_KEYS) + ")"
-
-
 def _task_sql(c: Clock) -> list[str]:
     return [
-        "SELECT m.task, count(*) AS trajectories, count(t.reward) AS rewarded, avg(t.reward) AS mean_reward, "
-        "sum(t.num_generated_tokens) AS generated_tokens, sum(t.num_generations) AS calls, "
-        "count(*) FILTER (WHERE t.status IN ('failed', 'aborted')) AS failed "
-        f"FROM trajectory_summary t JOIN (SELECT trajectory_id, {_task_expr()} AS task FROM trajectories) m "
-        "ON m.trajectory_id = t.trajectory_id WHERE m.task IS NOT NULL "
-        f"GROUP BY m.task ORDER BY count(*) DESC, m.task LIMIT {MAX_TASKS}"]
+        "SELECT task, trajectories, rewarded, reward_sum / NULLIF(CAST(rewarded AS DOUBLE PRECISION), 0) AS mean_reward, "
+        f"generated_tokens, calls, failed FROM agg_tasks ORDER BY trajectories DESC, task LIMIT {MAX_TASKS}"]
 
 
 def _task_draw(c: Clock, r: list[QueryResult]) -> Any:
@@ -213,11 +204,12 @@ def _length_time_draw(c: Clock, r: list[QueryResult]) -> Any:
 
 def _worst_sql(c: Clock) -> list[str]:
     return [
-        "SELECT trajectory_id, route_drift_share, route_rows_drifted FROM trajectory_summary "
+        # finished trajectories (agg_trajectory_stats), the worst first through its ordered indexes
+        "SELECT trajectory_id, route_drift_share, route_rows_drifted FROM agg_trajectory_stats "
         f"WHERE route_drift_share > 0 ORDER BY route_drift_share DESC, trajectory_id LIMIT {WORST}",
         "SELECT trajectory_id, max(k3_mean) AS k3_mean, sum(tokens_compared) AS tokens FROM train_rollout_mismatch "
         f"WHERE tokens_compared > 0 GROUP BY trajectory_id ORDER BY max(k3_mean) DESC, trajectory_id LIMIT {WORST}",
-        "SELECT trajectory_id, num_generated_tokens, num_generations, status FROM trajectory_summary "
+        "SELECT trajectory_id, num_generated_tokens, num_generations, status FROM agg_trajectory_stats "
         f"WHERE num_generations > 0 ORDER BY num_generated_tokens DESC, trajectory_id LIMIT {WORST}",
     ]
 

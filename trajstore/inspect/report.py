@@ -116,7 +116,8 @@ def run_from_args(args: argparse.Namespace) -> int:
 
         with trajstore.connect(args.store, payload=getattr(args, "payload", None), create=False) as store:
             counted = rebuild_aggregates(store)
-        print(f"recounted the run aggregates from {counted['events']} engine calls and {counted['samples']} samples")
+        print(f"recounted the run aggregates from {counted['events']} engine calls, {counted['samples']} samples and "
+              f"{counted['trajectories']} finished trajectories")
         sys.stdout.flush()
         return 0
     if args.serve:

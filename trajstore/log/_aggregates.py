@@ -27,17 +27,23 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-from trajstore._aggregates import DELTA_ROWS, KEYS, MAX_VALUES, VALUES, Counts, _add, event_counts, merge, sample_counts
-from trajstore.log._dialect import SqlDialect, execute
-from trajstore.schema import (agg_calls, agg_expert_load, agg_logprobs, agg_output_lengths, agg_route_drift,
-                              agg_trajectories, samples, store_settings, trajectories)
+from trajstore._aggregates import (DELTA_ROWS, KEYS, MAX_VALUES, MIN_VALUES, TRAJECTORY_TABLES, VALUES, Counts, _add,
+                                   _buckets, event_counts, group_contribution, merge, sample_counts,
+                                   sample_summary_counts, task_sql, trajectory_counts, trajectory_record)
+from trajstore.log._dialect import SqlDialect, chunks, execute
+from trajstore.schema import (agg_calls, agg_expert_load, agg_group_variance, agg_groups, agg_logprobs,
+                              agg_output_lengths, agg_policy_versions, agg_rewards, agg_route_drift, agg_samples,
+                              agg_staleness, agg_tasks, agg_trajectories, agg_trajectory_shapes,
+                              agg_trajectory_stats, agg_versions, samples, store_settings, trajectories)
 
 __all__ = ["TABLES", "DELTA_TABLES", "PENDING", "COMPACT_ROWS", "add_counts", "insert_deltas",
            "write_event_aggregates", "compact_event_aggregates", "rebuild_event_aggregates",
-           "rebuild_sample_aggregates"]
+           "rebuild_sample_aggregates", "count_commit", "count_trajectories", "count_sample_rows",
+           "count_policy_versions", "settle_groups", "rebuild_trajectory_aggregates", "events_of_sql"]
 
 TABLES = {t.name: t for t in (agg_expert_load, agg_logprobs, agg_output_lengths, agg_route_drift, agg_calls,
-                               agg_trajectories)}
+                               agg_trajectories, agg_rewards, agg_trajectory_shapes, agg_tasks, agg_versions,
+                               agg_groups, agg_group_variance, agg_samples, agg_staleness, agg_policy_versions)}
 DELTA_TABLES = {name: TABLES[name] for name in DELTA_ROWS}
 """The tables counted from the log's events, which appends insert delta rows into (a key's
 count: the sum of its rows, the max for ``MAX_VALUES``)."""
@@ -66,11 +72,14 @@ def add_counts(conn: Any, d: SqlDialect, counts: Counts) -> None:
         def build() -> str:
             cols = [*keys, *values]
             maxima = {values[i] for i in MAX_VALUES.get(name, ())}
+            minima = {values[i] for i in MIN_VALUES.get(name, ())}
 
             def update(v: str) -> str:
                 c = d.col(table.c[v])
-                if v in maxima:  # the larger one, spelled alike on both backends
-                    return f"{c} = CASE WHEN excluded.{c} > {t}.{c} THEN excluded.{c} ELSE {t}.{c} END"
+                if v in maxima or v in minima:  # the larger (smaller) one, spelled alike on both backends; NULL: none
+                    op = ">" if v in maxima else "<"
+                    return (f"{c} = CASE WHEN {t}.{c} IS NULL OR excluded.{c} {op} {t}.{c} THEN "
+                            f"COALESCE(excluded.{c}, {t}.{c}) ELSE {t}.{c} END")
                 return f"{c} = {t}.{c} + excluded.{c}"
 
             updates = ", ".join(update(v) for v in values)
@@ -202,4 +211,164 @@ def rebuild_sample_aggregates(conn: Any, d: SqlDialect, read: Callable[[list[tup
         n += len(got)
         after = (got[-1][0], got[-1][1])
     execute(conn, f"DELETE FROM {d.table(store_settings)} WHERE name = {d.p}", (PENDING,))
+    return n
+
+
+# -- the materializer's per-trajectory and per-sample counts -------------------------------------
+
+_TRAJ_COLUMNS = ("trajectory_id", "group_id", "status", "reward", "task", "finished_at")
+_CALL_COLUMNS = ("trajectory_id", "seq", "sample_index", "is_merged", "output_len", "model_version",
+                 "min_model_version", "version_spans", "route_rows_resent", "route_rows_drifted",
+                 "num_placeholder_logprobs", "reward")
+_SAMPLE_COLUMNS = ("trajectory_id", "finished_position", "prompt_len", "response_len", "num_merged_calls",
+                   "min_model_version", "max_model_version", "num_route_rows")
+_STATS_COLUMNS = tuple(c.name for c in agg_trajectory_stats.columns)
+
+
+def events_of_sql(d: SqlDialect, n: int) -> str:
+    """The events of ``n`` trajectories (``type`` and the generation columns): every event of theirs
+    through ``ix_events_trajectory_seq``, the calls kept by the caller. With a condition on the type
+    SQLite (no ``ANALYZE`` statistics) searched ``ix_events_type_position``: every call of the log."""
+    return f"SELECT type, {', '.join(_CALL_COLUMNS)} FROM events WHERE trajectory_id IN ({d.marks(n)})"
+
+
+def count_trajectories(conn: Any, d: SqlDialect, trajectory_ids: Iterable[str], *, settle: bool = True) -> list[str]:
+    """Count the finished trajectories of ``trajectory_ids`` not counted yet into
+    ``agg_trajectory_stats`` and the per-trajectory aggregates, from their index rows (in the
+    caller's write transaction: the materializer's commit that takes them). ``settle``: also
+    update their groups' part of ``agg_group_variance``. Returns the ids counted."""
+    st, tr = d.table(agg_trajectory_stats), d.table(trajectories)
+    counted: list[str] = []
+    groups: set[str] = set()
+    for part in chunks(sorted(set(trajectory_ids))):
+        marks = d.marks(len(part))
+        have = {r[0] for r in execute(conn, f"SELECT trajectory_id FROM {st} WHERE trajectory_id IN ({marks})",
+                                      tuple(part)).fetchall()}
+        part = [t for t in part if t not in have]
+        if not part:
+            continue
+        marks = d.marks(len(part))
+        trajs = [dict(zip(_TRAJ_COLUMNS, r)) for r in execute(
+            conn, f"SELECT t.trajectory_id, t.group_id, t.status, t.reward, {task_sql('t.metadata')}, "
+            f"(SELECT max(x.created_at) FROM events x WHERE x.trajectory_id = t.trajectory_id) "
+            f"FROM {tr} t WHERE t.trajectory_id IN ({marks}) AND t.status <> 'running'", tuple(part)).fetchall()]
+        if not trajs:
+            continue
+        calls: dict[str, list[dict[str, Any]]] = {}
+        for r in execute(conn, events_of_sql(d, len(trajs)), tuple(t["trajectory_id"] for t in trajs)).fetchall():
+            if r[0] == "generation":
+                calls.setdefault(r[1], []).append(dict(zip(_CALL_COLUMNS, r[1:])))
+        records = [trajectory_record(t, calls.get(t["trajectory_id"], ())) for t in trajs]
+        d.insert_rows(conn, agg_trajectory_stats, [{k: r[k] for k in _STATS_COLUMNS} for r in records])
+        add_counts(conn, d, trajectory_counts(records))
+        counted.extend(r["trajectory_id"] for r in records)
+        groups.update(r["group_id"] for r in records if r["group_id"] is not None)
+    if settle and groups:
+        settle_groups(conn, d, groups)
+    return counted
+
+
+def settle_groups(conn: Any, d: SqlDialect, group_ids: Iterable[str]) -> None:
+    """Move each group's part of ``agg_group_variance`` to what its ``agg_groups`` row and its
+    running trajectories say now (a group counts once none of its trajectories runs and two or
+    more are rewarded; its earlier part, if any, is taken back)."""
+    g, tr = d.table(agg_groups), d.table(trajectories)
+    names = VALUES["agg_groups"]
+    for part in chunks(sorted(set(group_ids))):
+        marks = d.marks(len(part))
+        rows = execute(conn, f"SELECT group_id, {', '.join(names)}, counted_at, counted_zero, counted_variance "
+                             f"FROM {g} WHERE group_id IN ({marks})", tuple(part)).fetchall()
+        running = dict(execute(conn, f"SELECT group_id, count(*) FROM {tr} WHERE group_id IN ({marks}) "
+                                     "AND status = 'running' GROUP BY group_id", tuple(part)).fetchall())
+        delta: dict[tuple, list[float]] = {}
+        updates = []
+        for r in rows:
+            gid, values, old = r[0], r[1:1 + len(names)], r[1 + len(names):]
+            new = group_contribution(values, int(running.get(gid, 0)))
+            was = None if old[0] is None else (float(old[0]), int(old[1]), float(old[2]))
+            if was == new:
+                continue
+            for sign, got in ((-1, was), (1, new)):
+                if got is not None:
+                    for key in _buckets(got[0]):
+                        _add(delta, key, (sign, sign * got[1], sign * got[2]))
+            updates.append((*(new or (None, None, None)), gid))
+        if updates:
+            execute(conn, f"UPDATE {g} SET counted_at = {d.p}, counted_zero = {d.p}, counted_variance = {d.p} "
+                          f"WHERE group_id = {d.p}", updates)
+        if delta:
+            add_counts(conn, d, {"agg_group_variance": delta})
+
+
+def count_policy_versions(conn: Any, d: SqlDialect, after: int, upto: int | None = None) -> None:
+    """Note the first position of each model version generated at after ``after`` (to ``upto``)
+    in ``agg_policy_versions`` (the newest version at a position, for a sample's staleness)."""
+    cut = "" if upto is None else f" AND position <= {d.p}"
+    got = execute(conn, f"SELECT model_version, min(position) FROM events WHERE type = 'generation' "
+                        f"AND position > {d.p}{cut} AND model_version IS NOT NULL GROUP BY model_version",
+                  (int(after),) if upto is None else (int(after), int(upto))).fetchall()
+    if got:
+        add_counts(conn, d, {"agg_policy_versions": {(int(v),): [int(p)] for v, p in got}})
+
+
+def count_sample_rows(conn: Any, d: SqlDialect, rows: Sequence[Mapping[str, Any]]) -> None:
+    """Count default sample rows (``samples`` columns) into ``agg_samples`` and ``agg_staleness``
+    (their trajectories counted already: ``agg_trajectory_stats`` gives the finish time)."""
+    if not rows:
+        return
+    st = d.table(agg_trajectory_stats)
+    finished_at: dict[str, float] = {}
+    for part in chunks(sorted({r["trajectory_id"] for r in rows})):
+        finished_at.update(execute(conn, f"SELECT trajectory_id, finished_at FROM {st} WHERE trajectory_id IN "
+                                         f"({d.marks(len(part))})", tuple(part)).fetchall())
+    policy = [(int(p), int(v)) for p, v in execute(
+        conn, f"SELECT first_position, model_version FROM {d.table(agg_policy_versions)} ORDER BY first_position",
+        ()).fetchall()]
+    add_counts(conn, d, sample_summary_counts(rows, finished_at, policy))
+
+
+def count_commit(conn: Any, d: SqlDialect, trajectory_ids: Sequence[str], sample_rows: Sequence[Mapping[str, Any]],
+                 after: int, upto: int) -> None:
+    """The materializer commit's counts of the run view: the trajectories it takes (finished
+    after ``after`` up to ``upto`` in the log), their groups, the model versions first seen in
+    that stretch of the log, and its default samples."""
+    count_policy_versions(conn, d, after, upto)
+    count_trajectories(conn, d, trajectory_ids)
+    count_sample_rows(conn, d, sample_rows)
+
+
+def rebuild_trajectory_aggregates(conn: Any, d: SqlDialect, *, page_rows: int = 2000) -> int:
+    """Recount ``agg_trajectory_stats`` and the per-trajectory and per-sample aggregates
+    (``TRAJECTORY_TABLES``) from every finished trajectory and default sample, in the caller's
+    write transaction. Returns the number of trajectories counted."""
+    tables = (agg_trajectory_stats, *(TABLES[n] for n in TRAJECTORY_TABLES))
+    _lock(conn, d, tables)
+    _delete_all(conn, d, tables)
+    count_policy_versions(conn, d, -1)
+    tr, s, n, after = d.table(trajectories), d.table(samples), 0, ""
+    while True:
+        ids = [r[0] for r in execute(conn, f"SELECT trajectory_id FROM {tr} WHERE status <> 'running' AND "
+                                           f"trajectory_id > {d.p} ORDER BY trajectory_id LIMIT {int(page_rows)}",
+                                     (after,)).fetchall()]
+        if not ids:
+            break
+        n += len(count_trajectories(conn, d, ids, settle=False))
+        after = ids[-1]
+    after = ""
+    while True:
+        groups = [r[0] for r in execute(conn, f"SELECT group_id FROM {d.table(agg_groups)} WHERE group_id > {d.p} "
+                                              f"ORDER BY group_id LIMIT {int(page_rows)}", (after,)).fetchall()]
+        if not groups:
+            break
+        settle_groups(conn, d, groups)
+        after = groups[-1]
+    cursor: tuple = ("", -1)
+    while True:
+        got = execute(conn, f"SELECT {', '.join(_SAMPLE_COLUMNS)}, sample_index FROM {s} WHERE trajectory_id > {d.p} "
+                            f"OR (trajectory_id = {d.p} AND sample_index > {d.p}) ORDER BY trajectory_id, sample_index "
+                            f"LIMIT {int(page_rows)}", (cursor[0], cursor[0], cursor[1])).fetchall()
+        if not got:
+            break
+        count_sample_rows(conn, d, [dict(zip(_SAMPLE_COLUMNS, r)) for r in got])
+        cursor = (got[-1][0], got[-1][-1])
     return n

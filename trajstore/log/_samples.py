@@ -20,7 +20,7 @@ from typing import Any, Collection, Iterator, Mapping, Sequence
 from sqlalchemy import Connection, Engine, Table, and_, delete, func, insert, or_, select, text, update
 
 from trajstore.errors import IndexInvariantError, ProjectionChangedError, ValidationError
-from trajstore.log._aggregates import add_counts, compact_event_aggregates
+from trajstore.log._aggregates import add_counts, compact_event_aggregates, count_commit, count_sample_rows
 from trajstore.log._dialect import CHUNK, SqlDialect, chunks
 from trajstore.log._segments import repoint, retire_emptied
 from trajstore.log._transaction import Database
@@ -88,6 +88,7 @@ class _SqlSamples(SampleIndex):
         unfoldable_rows: Sequence[dict[str, Any]] = (),
         repoints: Sequence[Repoint] = (),
         aggregates: Mapping[str, Any] | None = None,
+        trajectories: Sequence[str] = (),
     ) -> None:
         if repoints and self.projection_name is not None:
             raise IndexInvariantError("a projection never re-points events (the default samples hold them)")
@@ -122,6 +123,8 @@ class _SqlSamples(SampleIndex):
             if self.projection_name is None:
                 if aggregates:  # the run view counts the default samples
                     add_counts(conn, d, aggregates)
+                # and the finished trajectories it takes, from their index rows
+                count_commit(conn, d, trajectories, sample_rows, expected_position, int(checkpoint["position"]))
                 compact_event_aggregates(conn, d)  # and folds the appends' aggregate deltas
 
         def landed(conn: Connection, _: None) -> bool:
@@ -226,6 +229,7 @@ class SqlSampleIndex(_SqlSamples):
                 retire_emptied(conn, d, {m.old_segment for m in repoints if m.old_segment})
             if aggregates:
                 add_counts(conn, d, aggregates)
+            count_sample_rows(conn, d, sample_rows)  # their trajectories were counted when recorded
 
         def landed(conn: Connection, _: None) -> bool:
             ids = sorted(set(trajectory_ids))[:CHUNK]

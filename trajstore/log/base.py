@@ -405,6 +405,7 @@ class SampleIndex(ABC):
         unfoldable_rows: Sequence[dict[str, Any]] = (),
         repoints: Sequence[Repoint] = (),
         aggregates: Mapping[str, Any] | None = None,
+        trajectories: Sequence[str] = (),
     ) -> None:
         """Insert sample rows (and ``unfoldable_trajectories`` rows) and move
         ``shard``'s checkpoint in one transaction; in the same transaction
@@ -413,7 +414,10 @@ class SampleIndex(ABC):
 
         Raises ``StaleState`` when the stored checkpoint is not
         ``expected_position`` (another materializer of the same shard got there
-        first); the other errors as in the module doc."""
+        first); the other errors as in the module doc. ``aggregates``: the run view's counts of
+        the samples' token columns; ``trajectories``: the finished trajectories the commit takes
+        (folded, unfoldable or held back), counted into the run view's per-trajectory aggregates
+        with its default samples."""
 
     @abstractmethod
     def iter_sample_rows(self, *, where: Mapping[str, Any], after: tuple[int, int] | None,

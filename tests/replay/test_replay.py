@@ -488,7 +488,8 @@ def test_tls(filled_sqlite, replay_servers, tmp_path):
                    check=True, capture_output=True)
     server = replay_servers(filled_sqlite, "--host", "localhost", "--tls-cert", str(cert), "--tls-key", str(key))
     assert "listening on grpc+tls://localhost:" in server.log()
-    got = list(ReplayReader(server.location, token=READ_TOKEN, tls_root_certs=cert.read_bytes(), batch_size=4))
+    with ReplayReader(server.location, token=READ_TOKEN, tls_root_certs=cert.read_bytes(), batch_size=4) as reader:
+        got = list(reader)
     local = list(SampleReader(filled_sqlite, batch_size=4))
     assert len(got) == len(local) > 0
     for a, b in zip(local, got):
@@ -503,9 +504,10 @@ def test_tls(filled_sqlite, replay_servers, tmp_path):
                                  (f"grpc+tls://127.0.0.1:{port}", cert.read_bytes(), "127.0.0.1 is not in peer"),
                                  (f"grpc+tls://localhost:{plain_port}", cert.read_bytes(), "wrong version number")]:
         start = time.monotonic()
-        with pytest.raises(ValidationError, match=f"replay server {re.escape(location)} failed the TLS handshake "
-                                                  f"for .*{why}") as refused:
-            next(ReplayReader(location, token=READ_TOKEN, tls_root_certs=roots, batch_size=4))
+        with ReplayReader(location, token=READ_TOKEN, tls_root_certs=roots, batch_size=4) as reader, \
+                pytest.raises(ValidationError, match=f"replay server {re.escape(location)} failed the TLS handshake "
+                                                     f"for .*{why}") as refused:
+            next(reader)
         assert refused.value.rule == "replay_tls"
         assert time.monotonic() - start < 5, time.monotonic() - start
 

@@ -44,7 +44,7 @@ SERVER_SETTINGS = {
     "shared_buffers": "64MB",
     "logging_collector": "off",
 }
-# PostgreSQL 14+: crash recovery (every start after `pg_ctl -m immediate`) first syncs the
+# PostgreSQL 14+ on Linux: crash recovery (every start after `pg_ctl -m immediate`) first syncs the
 # data directory; one syncfs() of its file system instead of an fsync of every file (2-4 s
 # a restart on a busy machine, 0.3 s so). The same durability, only the method differs.
 SERVER_SETTINGS_14 = {"recovery_init_sync_method": "syncfs"}
@@ -328,7 +328,7 @@ class PgCluster:
     def _write_settings(self) -> None:
         settings = dict(SERVER_SETTINGS, port=str(self.port),
                         unix_socket_directories=f"'{self.base_dir}'")
-        if int((self.data_dir / "PG_VERSION").read_text().split(".")[0]) >= 14:
+        if sys.platform == "linux" and int((self.data_dir / "PG_VERSION").read_text().split(".")[0]) >= 14:
             settings.update(SERVER_SETTINGS_14)
         # postgresql.auto.conf is read last, so rewriting it on a port retry wins.
         text = "".join(f"{k} = {v}\n" for k, v in settings.items())

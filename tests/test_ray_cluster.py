@@ -42,17 +42,23 @@ def two_node_ray():
     port = free_port()
     head_dir = tempfile.mkdtemp(prefix="rh")  # short: Ray's socket paths live under it
     # token authentication: tests/conftest.py gives the suite's clusters one token of their own
+    # No drain on SIGTERM: a node drains for up to 30 s (Ray's default) before it stops, and
+    # its drain request waits that long for a GCS the same SIGTERM of the group has stopped.
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-           "RAY_USAGE_STATS_ENABLED": "0"}
+           "RAY_USAGE_STATS_ENABLED": "0", "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
     common = ["--block", "--num-cpus=1", "--disable-usage-stats"]
-    head = subprocess.Popen([exe, "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1",
-                             "--include-dashboard=false", f"--temp-dir={head_dir}", *common],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    head_out = Path(head_dir) / "ray-start.out"
+    with open(head_out, "wb") as out:
+        head = subprocess.Popen([exe, "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1",
+                                 "--include-dashboard=false", f"--temp-dir={head_dir}", *common],
+                                env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     procs = [head]
     try:
         address = f"127.0.0.1:{port}"
-        assert _wait_for(lambda: subprocess.run([exe, "status", f"--address={address}"], env=env,
-                                                capture_output=True).returncode == 0), "ray head did not start"
+        # `ray start` says so once its node runs (polling `ray status` cost a Python start a try)
+        assert _wait_for(lambda: b"Ray runtime started" in head_out.read_bytes() or head.poll() is not None), \
+            "ray head did not start"
+        assert head.poll() is None, f"ray head exited: {head_out.read_text()[-2000:]}"
         worker = subprocess.Popen([exe, "start", f"--address={address}", "--node-ip-address=127.0.0.1", *common],
                                   env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                   start_new_session=True)

@@ -52,6 +52,8 @@ _BODIES = {"json": (encode_events, "application/json"), "arrow": (encode_arrow_e
 def _poster(url: str, client: "httpx.Client", body: str = "json"):
     encode, content_type = _BODIES[body]
     headers = {**AUTH, "Content-Type": content_type}
+    if body == "json":
+        encode = _json_encoder()
 
     def append(events: list) -> int:
         resp = client.post(f"{url}/v1/events", content=encode(events), headers=headers)
@@ -63,6 +65,31 @@ def _poster(url: str, client: "httpx.Client", body: str = "json"):
         raise Refused(resp.status_code, err["index"], err["rule"])
 
     return append
+
+
+def _json_encoder():
+    """``encode_events``'s bytes, each event encoded once: a refusal drops one unit of a
+    request and sends the rest again, and encoding them anew each time was a fifth of
+    the 10,000-event run. ``{"events":[a,b]}`` is ``{"events":[`` + a + ``,`` + b + ``]}``
+    in compact JSON; the first body is checked against ``encode_events`` itself."""
+    encoded: dict[int, tuple[dict, bytes]] = {}  # id(event) -> (the event, kept alive; its JSON)
+    checked = False
+
+    def encode(events: list) -> bytes:
+        nonlocal checked
+        parts = []
+        for ev in events:
+            hit = encoded.get(id(ev))
+            if hit is None:
+                hit = encoded[id(ev)] = (ev, encode_events([ev])[len(b'{"events":['):-len(b"]}")])
+            parts.append(hit[1])
+        got = b'{"events":[' + b",".join(parts) + b"]}"
+        if not checked:
+            assert got == encode_events(events)
+            checked = True
+        return got
+
+    return encode
 
 
 # Eight clients at once (one at a time, 10,000 took ~9 minutes: each request

@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+import multiprocessing
+
 import pytest
 
 from replay_procs import ReplayProcess, free_port
+
+# The DataLoader tests start their workers from the forkserver (a fresh interpreter: gRPC is
+# not fork-safe once this process has had replay clients). The forkserver imports torch and
+# the datasets once, before any client exists; every worker forked from it has them (each
+# worker importing torch itself took seconds).
+multiprocessing.get_context("forkserver").set_forkserver_preload(
+    ["torch", "trajstore.replay.dataset", "trajstore.train.collate"])
 
 
 @pytest.fixture

@@ -488,14 +488,28 @@ def test_tls(filled_sqlite, replay_servers, tmp_path):
                    check=True, capture_output=True)
     server = replay_servers(filled_sqlite, "--host", "localhost", "--tls-cert", str(cert), "--tls-key", str(key))
     assert "listening on grpc+tls://localhost:" in server.log()
-    got = list(ReplayReader(server.location, token=READ_TOKEN, tls_root_certs=cert.read_bytes(), batch_size=4))
+    with ReplayReader(server.location, token=READ_TOKEN, tls_root_certs=cert.read_bytes(), batch_size=4) as reader:
+        got = list(reader)
     local = list(SampleReader(filled_sqlite, batch_size=4))
     assert len(got) == len(local) > 0
     for a, b in zip(local, got):
         same_batch(a, b)
-    # a client that does not trust the certificate reads nothing
-    with pytest.raises(StoreUnavailable):
-        next(ReplayReader(server.location, token=READ_TOKEN, retry_timeout_s=1.0, batch_size=4))
+    # A client that does not trust the certificate, names a host the certificate does not,
+    # or speaks TLS to a plaintext server reads nothing, and is told so at once: a refused
+    # handshake is no outage to wait out (it was retried for retry_timeout_s, then waited
+    # out for unavailable_timeout_s).
+    port = server.location.rsplit(":", 1)[1]
+    plain_port = replay_servers(filled_sqlite).location.rsplit(":", 1)[1]
+    for location, roots, why in [(server.location, None, "certificate verify failed"),
+                                 (f"grpc+tls://127.0.0.1:{port}", cert.read_bytes(), "127.0.0.1 is not in peer"),
+                                 (f"grpc+tls://localhost:{plain_port}", cert.read_bytes(), "wrong version number")]:
+        start = time.monotonic()
+        with ReplayReader(location, token=READ_TOKEN, tls_root_certs=roots, batch_size=4) as reader, \
+                pytest.raises(ValidationError, match=f"replay server {re.escape(location)} failed the TLS handshake "
+                                                     f"for .*{why}") as refused:
+            next(reader)
+        assert refused.value.rule == "replay_tls"
+        assert time.monotonic() - start < 5, time.monotonic() - start
 
 
 def test_every_answer_announces_its_row_count(filled_sqlite, replay_servers):

@@ -53,6 +53,11 @@ _log = logging.getLogger("trajstore.replay.client")
 
 TOKEN_ENV = "TRAJSTORE_REPLAY_TOKEN"
 _DENIED = re.compile(r"Detail: (Unauthenticated|Unauthorized)\b")
+# gRPC's words for a TLS handshake that OpenSSL refused (a certificate not trusted,
+# TLS against a plaintext port) or a certificate for another host name: the
+# setup is wrong, and asking again (or another server of the same deployment) cannot help.
+_TLS_REFUSED = re.compile(r"Ssl handshake failed \([A-Z_]+\): SSL_ERROR_SSL: (?:error:[0-9A-F]+:SSL routines::)?"
+                          r"(?P<ssl>[^;\n]+)|(?P<peer>Peer name \S+ is not in peer certificate)")
 
 
 def parse_locations(locations: str | Sequence[str]) -> list[str]:
@@ -209,6 +214,12 @@ class _Connection:
                         # pyarrow reports some refused calls (GetSchema) as a bare OSError: a refusal, not an outage
                         raise ValidationError(f"replay server {self.locations[index]} refused {what}: {text}",
                                               rule="unauthorized") from None
+                    tls = _TLS_REFUSED.search(text)
+                    if tls:
+                        raise ValidationError(f"replay server {self.locations[index]} failed the TLS handshake for "
+                                              f"{what} ({tls.group('ssl') or tls.group('peer')}): pass its certificate "
+                                              f"or CA as tls_root_certs= and the host name that certificate names",
+                                              rule="replay_tls") from None
                     if text.startswith(proto.UNAVAILABLE):
                         # The server is up, the store behind it is not: every server of the list
                         # shares that store. The reader waits it out (its unavailable_timeout_s).

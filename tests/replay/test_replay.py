@@ -766,6 +766,28 @@ def test_a_reader_fetches_a_batch_in_one_request_and_streams_batches_at_once(fil
     assert took < 0.2 * asked, (took, asked)  # one at a time: at least 0.2 s each
 
 
+def test_a_reader_loads_its_read_ahead_on_streams_threads_not_one_per_batch(filled_sqlite, replay_servers):
+    """The read-ahead's loads run on ``streams`` threads kept for the iteration (a
+    thread started per batch cost a thread start and a cold stack each), and the
+    batches are the local reader's."""
+    server = replay_servers(filled_sqlite)
+    local = [keys(b) for b in SampleReader(filled_sqlite, batch_size=2)]
+    reader = ReplayReader(server.location, token=READ_TOKEN, streams=3, batch_size=2)
+    load, threads = reader._load, set()
+
+    def counted(units):
+        threads.add(threading.get_native_id())
+        return load(units)
+
+    reader._load = counted
+    try:
+        got = [keys(b) for b in reader]
+    finally:
+        reader.close()
+    assert got == local and len(local) >= 12
+    assert 1 <= len(threads) <= 3, len(threads)
+
+
 def test_the_server_maps_a_segment_once_for_many_requests(filled):
     """The server keeps the segments it serves open: ten requests for rows of one
     segment map it once (a map per request cost page faults and an munmap each)."""

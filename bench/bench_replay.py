@@ -420,9 +420,9 @@ def one_store(args: argparse.Namespace, d: str, url: str | None, routes: str, re
         for _ in range(args.rounds):
             for consumer, kind, k in paths:
                 proc, _, port = servers.get(kind, servers["remote"])
-                c0 = _cpu_s(proc.pid)
                 t_0, b_0 = (_metric(port, "trajstore_replay_tokens_served_total"),
                             _metric(port, "trajstore_replay_payload_bytes_served_total"))
+                c0 = _cpu_s(proc.pid)  # after the scrapes: answering them is not serving the epoch
                 fig = run(kind, k, consumer)
                 fig["server_cpu_s"] = _cpu_s(proc.pid) - c0
                 fig["served_bytes"] = _metric(port, "trajstore_replay_payload_bytes_served_total") - b_0

@@ -2,7 +2,7 @@
 readers local (``SampleReader`` on the store), side by side in one run.
 
     PYTHONPATH=. .venv/bin/python bench/bench_replay.py [--samples 256] [--rounds 3] [--streams 4] [--dir DIR] [--out FILE]
-        [--routes 24x4,48x8,60x8,none] [--backends sqlite,postgresql] [--readers 1,2,4]
+        [--routes 24x4,48x8,60x8,none] [--backends sqlite,postgresql] [--readers 1,2,4] [--before TREE]
 
 The samples are bench_streaming.py's load (``bench_pipeline.arrays_load``):
 one sample of 2,400 tokens with 48 x 8 uint8 routes per trajectory, in a
@@ -23,8 +23,18 @@ sample (the least a trainer does with its data: a local reader's
 memory-mapped views pay their page faults here, as a remote reader's received
 buffers were paid for on arrival); ``collated`` collates the batch into
 packed torch tensors (``collate``, what ``SampleDataset`` hands a trainer).
-Rounds interleave the paths; medians of ``--rounds``. A remote reader fetches
-a batch's payload with ``--streams`` parallel requests.
+Rounds interleave the paths; medians of ``--rounds``. A remote reader keeps
+``--streams`` steps' payload requests in flight.
+
+``--before TREE``: a source tree of trajstore (``git archive main trajstore |
+tar -x -C TREE``) whose server and ``ReplayReader`` make a third path,
+``before``, in the same rounds (its own server process on the same store).
+Without ``--no-extras``, a ``flight`` path is the ceiling of the transfer:
+this rank's rows fetched with bare DoGets of 8 rows of one segment,
+``--streams`` of them in flight, every page of every buffer touched (no
+reader, no ``Sample``). For every path the payload MB/s (the Arrow IPC bytes
+an epoch sends) and the reader's CPU ms per MB; for the remote paths the
+server's CPU ms per MB too.
 
 Also reported: the server's CPU seconds (from /proc, utime+stime) per
 million tokens served, the payload bytes it sent per token and against the
@@ -174,13 +184,13 @@ def _free_port() -> int:
 
 
 def run_readers(kind: str, k: int, url: str, payload: str, location: str, go_dir: str, consumer: str,
-                streams: int) -> dict:
+                streams: int, tree: Path = REPO) -> dict:
     """k reader processes of ``kind`` ("local", "remote", "streaming"); aggregate figures."""
     go = os.path.join(go_dir, f"go-{time.monotonic_ns()}")
     procs = [subprocess.Popen([sys.executable, __file__, "--child", kind, str(r), str(k), url, payload, location, go,
                                consumer, str(streams)],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env={**os.environ, "PYTHONPATH": str(REPO)}) for r in range(k)]
+                              env={**os.environ, "PYTHONPATH": str(tree)}) for r in range(k)]
     ready = [p.stdout.readline() for p in procs]  # each says "ready" once imported and connected
     assert all(line.strip() == "ready" for line in ready), [p.stderr.read() for p in procs]
     Path(go).touch()
@@ -203,14 +213,14 @@ def _child(kind: str, rank: int, world: int, url: str, payload: str, location: s
 
         reader = SampleReader(url, payload=payload, rank=rank, world_size=world, batch_size=8)
         batches = iter(reader)
-    elif kind == "remote":
+    elif kind in ("remote", "before"):
         from trajstore.replay import ReplayReader
 
         reader = ReplayReader(location, token=TOKEN, rank=rank, world_size=world, batch_size=8, streams=int(streams))
         reader.store.hello()
         batches = iter(reader)
     elif kind == "flight":
-        batches = _raw_flight(url, payload, location, rank, world)
+        batches = _raw_flight(url, payload, location, rank, world, int(streams))
     else:
         from bench_streaming import import_streaming
 
@@ -245,9 +255,12 @@ def _child(kind: str, rank: int, world: int, url: str, payload: str, location: s
                       "samples": samples, "batches": n}))
 
 
-def _raw_flight(url: str, payload: str, location: str, rank: int, world: int):
-    """The ceiling: this rank's share of the sample rows fetched with bare DoGets of 8 rows,
-    every page of every buffer touched; yields [tokens of the 8 rows]."""
+def _raw_flight(url: str, payload: str, location: str, rank: int, world: int, streams: int):
+    """The ceiling: this rank's share of the sample rows fetched with bare DoGets of 8 rows
+    of one segment, ``streams`` in flight, every page of every buffer touched; yields
+    [tokens of the 8 rows]."""
+    from concurrent.futures import ThreadPoolExecutor
+
     import pyarrow.compute as pc
     import pyarrow.flight as fl
 
@@ -257,15 +270,20 @@ def _raw_flight(url: str, payload: str, location: str, rank: int, world: int):
     store = trajstore.connect(url, payload=payload, migrate=False, create=False)
     rows = [r for page in store.materialized.iter_sample_rows(where={}, after=None, page_rows=100_000) for r in page]
     store.close()
-    mine = rows[rank::world]
+    by_segment: dict[str, list[int]] = {}
+    for r in rows[rank::world]:
+        by_segment.setdefault(r["segment"], []).append(r["segment_row"])
+    requests = [(name, numbers[i:i + 8]) for name, numbers in by_segment.items() for i in range(0, len(numbers), 8)]
     client = fl.connect(location)
     opts = fl.FlightCallOptions(headers=[(b"authorization", f"Bearer {TOKEN}".encode())])
 
+    def get(request: tuple[str, list[int]]):
+        return client.do_get(fl.Ticket(proto.encode(proto.SAMPLES, segment=request[0], rows=request[1])),
+                             opts).read_all()
+
     def gen():
-        for i in range(0, len(mine), 8):
-            part = mine[i:i + 8]
-            table = client.do_get(fl.Ticket(proto.encode(proto.SAMPLES, segment=part[0]["segment"],
-                                                         rows=[r["segment_row"] for r in part])), opts).read_all()
+        pool = ThreadPoolExecutor(streams)
+        for table in pool.map(get, requests):
             for column in table.columns:
                 for chunk in column.chunks:
                     for buf in chunk.buffers():
@@ -311,6 +329,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--backends", default="sqlite", help="sqlite, postgresql or both, comma-separated (default sqlite)")
     p.add_argument("--readers", default="1,2,4", help="reader counts, comma-separated (default 1,2,4)")
     p.add_argument("--no-extras", action="store_true", help="leave out the bare Flight and Streaming paths")
+    p.add_argument("--before", default=None, help="a trajstore source tree whose server and reader make a 'before' "
+                                                   "path in the same rounds")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     readers = tuple(int(k) for k in args.readers.split(","))
@@ -343,7 +363,7 @@ def main(argv: list[str] | None = None) -> dict:
                     if args.stalled_only:
                         continue
                     print(label, json.dumps({k: v for k, v in out["stores"][label].items()
-                                             if k.startswith("remote_vs_local") or k.startswith("server_")}),
+                                             if "_vs_local" in k or "server_" in k}),
                           file=sys.stderr, flush=True)
     finally:
         if cluster is not None:
@@ -372,49 +392,58 @@ def one_store(args: argparse.Namespace, d: str, url: str | None, routes: str, re
     build_s = time.perf_counter() - t0
     segment_bytes = sum(os.path.getsize(os.path.join(payload, f)) for f in os.listdir(payload)
                         if f.startswith("samples-"))
-    port, metrics_port = _free_port(), _free_port()
-    server = subprocess.Popen([sys.executable, "-m", "trajstore.cli", "replay", "--store", url, "--payload", payload,
-                               "--port", str(port), "--token", TOKEN, "--metrics-port", str(metrics_port)],
-                              stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
-    line = server.stderr.readline()
-    assert "listening on" in line, line + server.stderr.read()
-    location = f"grpc://127.0.0.1:{port}"
+    servers = {"remote": _serve(url, payload, REPO)}
+    if args.before:
+        servers["before"] = _serve(url, payload, Path(args.before))
+    server, location, metrics_port = servers["remote"]
     stalled = None
     try:
         if args.stalled_only:
             return {"samples": args.samples, "stalled_clients": _stalled_clients(url, payload, location, server.pid,
                                                                                args.stalled)}
-        paths = [(consumer, kind, k) for consumer in CONSUMERS for k in readers for kind in ("local", "remote")]
+        remote_kinds = tuple(servers)
+        paths = [(consumer, kind, k) for consumer in CONSUMERS for k in readers for kind in ("local",) + remote_kinds]
         if not args.no_extras:
             paths.append(("touched", "flight", 1))
         if with_streaming:
             paths.append(("touched", "streaming", 1))
+
+        def run(kind: str, k: int, consumer: str) -> dict:
+            proc, loc, _ = servers.get(kind, servers["remote"])
+            return run_readers(kind, k, url, payload, loc, d, consumer, args.streams,
+                               Path(args.before) if kind == "before" else REPO)
+
         for consumer, kind, k in paths:  # warm: page cache, the server's first connections
-            run_readers(kind, k, url, payload, location, d, consumer, args.streams)
+            run(kind, k, consumer)
         figures: dict[tuple[str, str, int], list[dict]] = {}
-        server_cpu = served_tokens = served_bytes = 0.0
-        remote_epochs = 0
+        served = {kind: {"cpu": 0.0, "tokens": 0.0, "bytes": 0.0, "epochs": 0} for kind in servers}
         for _ in range(args.rounds):
             for consumer, kind, k in paths:
-                c0 = _cpu_s(server.pid)
-                t_0, b_0 = (_metric(metrics_port, "trajstore_replay_tokens_served_total"),
-                            _metric(metrics_port, "trajstore_replay_payload_bytes_served_total"))
-                fig = run_readers(kind, k, url, payload, location, d, consumer, args.streams)
-                if kind == "remote":
-                    fig["server_cpu_s"] = _cpu_s(server.pid) - c0
-                    server_cpu += fig["server_cpu_s"]
-                    served_tokens += _metric(metrics_port, "trajstore_replay_tokens_served_total") - t_0
-                    served_bytes += _metric(metrics_port, "trajstore_replay_payload_bytes_served_total") - b_0
-                    remote_epochs += 1
+                proc, _, port = servers.get(kind, servers["remote"])
+                t_0, b_0 = (_metric(port, "trajstore_replay_tokens_served_total"),
+                            _metric(port, "trajstore_replay_payload_bytes_served_total"))
+                c0 = _cpu_s(proc.pid)  # after the scrapes: answering them is not serving the epoch
+                fig = run(kind, k, consumer)
+                fig["server_cpu_s"] = _cpu_s(proc.pid) - c0
+                fig["served_bytes"] = _metric(port, "trajstore_replay_payload_bytes_served_total") - b_0
+                if kind in servers:
+                    tally = served[kind]
+                    tally["cpu"] += fig["server_cpu_s"]
+                    tally["tokens"] += _metric(port, "trajstore_replay_tokens_served_total") - t_0
+                    tally["bytes"] += fig["served_bytes"]
+                    tally["epochs"] += 1
                 figures.setdefault((consumer, kind, k), []).append(fig)
         hwm = _hwm_mb(server.pid)
         if args.stalled:
             stalled = _stalled_clients(url, payload, location, server.pid, args.stalled)
     finally:
-        server.terminate()
-        server.wait(timeout=30)
+        for proc, _, _ in servers.values():
+            proc.terminate()
+            proc.wait(timeout=30)
     out: dict = {"routes": routes, "store": url.split(":", 1)[0], "build_s": round(build_s, 1),
                  "sample_segment_mib": round(segment_bytes / 2**20, 1), "paths": {}}
+    mine = served["remote"]
+    epoch_mb = mine["bytes"] / mine["epochs"] / 1e6  # the Arrow IPC bytes of one epoch's payload
     tokens = None
     for (consumer, kind, k), figs in figures.items():
         wall = statistics.median(f["wall_s"] for f in figs)
@@ -422,23 +451,46 @@ def one_store(args: argparse.Namespace, d: str, url: str | None, routes: str, re
         assert all(f["tokens"] == t for f in figs), (kind, k)
         tokens = t if tokens is None else tokens
         assert t == tokens, f"{kind} x{k} read {t} tokens, others {tokens}"
+        cpu = statistics.median(f["reader_cpu_s"] for f in figs)
         row = {"wall_s": round(wall, 4), "batches_per_s": round(figs[0]["batches"] / wall, 1),
-               "tokens_per_s": round(t / wall), "reader_cpu_s": round(statistics.median(f["reader_cpu_s"] for f in figs), 3)}
-        if kind == "remote":
-            row["server_cpu_s"] = round(statistics.median(f["server_cpu_s"] for f in figs), 3)
+               "tokens_per_s": round(t / wall), "payload_mb_per_s": round(epoch_mb / wall),
+               "reader_cpu_s": round(cpu, 3), "reader_cpu_ms_per_mb": round(cpu * 1e3 / epoch_mb, 3)}
+        if kind != "local" and kind != "streaming":
+            server_cpu = statistics.median(f["server_cpu_s"] for f in figs)
+            row["server_cpu_s"] = round(server_cpu, 3)
+            row["server_cpu_ms_per_mb"] = round(server_cpu * 1e3 / epoch_mb, 3)
         out["paths"][f"{kind} x{k}, {consumer}"] = row
     for consumer in CONSUMERS:
         for k in readers:
-            out[f"remote_vs_local_x{k}_{consumer}"] = round(out["paths"][f"remote x{k}, {consumer}"]["tokens_per_s"]
-                                                            / out["paths"][f"local x{k}, {consumer}"]["tokens_per_s"], 3)
+            for kind in servers:
+                name = "remote_vs_local" if kind == "remote" else f"{kind}_vs_local"
+                out[f"{name}_x{k}_{consumer}"] = round(out["paths"][f"{kind} x{k}, {consumer}"]["tokens_per_s"]
+                                                       / out["paths"][f"local x{k}, {consumer}"]["tokens_per_s"], 3)
+    if "flight x1, touched" in out["paths"]:
+        out["flight_vs_local_x1_touched"] = round(out["paths"]["flight x1, touched"]["tokens_per_s"]
+                                                  / out["paths"]["local x1, touched"]["tokens_per_s"], 3)
     out["tokens_per_epoch"] = tokens
-    out["server_cpu_s_per_million_tokens"] = round(server_cpu / served_tokens * 1e6, 4)
-    out["server_payload_bytes_per_token"] = round(served_bytes / served_tokens, 1)
-    out["server_bytes_sent_per_segment_byte"] = round(served_bytes / (segment_bytes * remote_epochs), 3)
+    out["payload_mb_per_epoch"] = round(epoch_mb, 2)
+    for kind, tally in served.items():
+        prefix = "server" if kind == "remote" else f"{kind}_server"
+        out[f"{prefix}_cpu_s_per_million_tokens"] = round(tally["cpu"] / tally["tokens"] * 1e6, 4)
+        out[f"{prefix}_payload_bytes_per_token"] = round(tally["bytes"] / tally["tokens"], 1)
+        out[f"{prefix}_bytes_sent_per_segment_byte"] = round(tally["bytes"] / (segment_bytes * tally["epochs"]), 3)
     out["server_peak_rss_mb"] = round(hwm, 1)
     if stalled is not None:
         out["stalled_clients"] = stalled
     return out
+
+
+def _serve(url: str, payload: str, tree: Path) -> tuple[subprocess.Popen, str, int]:
+    """A ``trajstore replay`` process of source tree ``tree`` on the store: (process, location, metrics port)."""
+    port, metrics_port = _free_port(), _free_port()
+    server = subprocess.Popen([sys.executable, "-m", "trajstore.cli", "replay", "--store", url, "--payload", payload,
+                               "--port", str(port), "--token", TOKEN, "--metrics-port", str(metrics_port)],
+                              stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(tree)})
+    line = server.stderr.readline()
+    assert "listening on" in line, line + server.stderr.read()
+    return server, f"grpc://127.0.0.1:{port}", metrics_port
 
 
 if __name__ == "__main__":

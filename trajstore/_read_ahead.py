@@ -39,14 +39,22 @@ class ReadAhead:
         self._stop = threading.Event()
         self._depth_of = depth  # asked in the background (a replay store may ask its server)
         self._depth = 1
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()  # (future, step) for the loaders; None: no more
         self.threads = [threading.Thread(target=self._plan, daemon=True, name="trajstore-reader-prefetch")]
         self.threads[0].start()
 
     def _plan(self) -> None:
+        loaders = 0
         try:
             self._depth = self._depth_of()
             for _ in range(self._depth - 1):
                 self._slots.release()
+            if self._depth > 1:  # that many loads at once, each on a thread of its own kept for the iteration
+                loaders = self._depth
+                for _ in range(loaders):
+                    thread = threading.Thread(target=self._loader, daemon=True, name="trajstore-reader-load")
+                    self.threads.append(thread)
+                    thread.start()
             while True:
                 self._slots.acquire()
                 if self._stop.is_set():
@@ -60,9 +68,28 @@ class ReadAhead:
                 elif self._depth == 1:  # one at a time: loaded here, as planned
                     self._ready.put((step, _run(self._load, step)))
                 else:
-                    self._ready.put((step, _run(self._load, step, background=self.threads)))
+                    future: Future = Future()
+                    self._jobs.put((future, step))
+                    self._ready.put((step, future))
         except BaseException as e:  # re-raised in the consumer by get()
             self._ready.put(e)
+        finally:
+            for _ in range(loaders):  # nothing more to load: each loader ends once the queue is done
+                self._jobs.put(None)
+
+    def _loader(self) -> None:
+        """Loads the steps planned, in order, until the planner is done (a thread per
+        load cost a thread start and a cold stack per batch)."""
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            future, step = job
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(self._load(step))
+                except BaseException as e:  # re-raised in the consumer by future.result()
+                    future.set_exception(e)
 
     def get(self) -> tuple[Step, list[Sample] | None] | None:
         item = self._ready.get()
@@ -87,22 +114,12 @@ class ReadAhead:
             thread.join(max(0.0, deadline - time.monotonic()))
 
 
-def _run(fn: Callable[[Step], T], arg: Step, *, background: list[threading.Thread] | None = None) -> Future:
-    """The future of ``fn(arg)``: run now, or in a daemon thread added to ``background``
-    (a daemon never holds up interpreter exit, e.g. while a server is retried)."""
+def _run(fn: Callable[[Step], T], arg: Step) -> Future:
+    """The future of ``fn(arg)``, run now."""
     future: Future = Future()
-
-    def run() -> None:
-        try:
-            future.set_result(fn(arg))
-        except BaseException as e:  # re-raised in the consumer by future.result()
-            future.set_exception(e)
-
-    if background is not None:
-        thread = threading.Thread(target=run, daemon=True, name="trajstore-reader-load")
-        background[:] = [t for t in background if t.is_alive()] + [thread]
-        thread.start()
-    else:
-        run()
+    try:
+        future.set_result(fn(arg))
+    except BaseException as e:  # re-raised in the consumer by future.result()
+        future.set_exception(e)
     return future
 

@@ -526,6 +526,35 @@ def test_every_answer_announces_its_row_count(filled_sqlite, replay_servers):
     assert not proto.complete(part.slice(0, 0))
 
 
+def test_the_metrics_count_the_ipc_bytes_and_the_tokens_sent(filled_sqlite, replay_servers):
+    """``payload_bytes_served`` is the bytes of the Arrow IPC messages sent (what the
+    client receives, before gRPC's framing) and ``tokens_served`` their prompt and
+    response tokens, for answers of contiguous and scattered rows."""
+    import pyarrow.ipc as ipc
+
+    server = replay_servers(filled_sqlite, metrics=True)
+    client = fl.connect(server.location)
+    opts = fl.FlightCallOptions(headers=[(b"authorization", f"Bearer {READ_TOKEN}".encode())])
+    rows = next(filled_sqlite.materialized.iter_sample_rows(where={}, after=None, page_rows=10_000))
+    segment = Counter(r["segment"] for r in rows).most_common(1)[0][0]
+    numbers = sorted(r["segment_row"] for r in rows if r["segment"] == segment)
+    assert len(numbers) >= 4
+
+    def served() -> tuple[float, float]:
+        text = server.metrics()
+        return tuple(float(re.search(rf"^trajstore_replay_{name}_total (\S+)$", text, re.M).group(1))
+                     for name in ("payload_bytes_served", "tokens_served"))
+
+    sent = tokens = 0
+    before = served()
+    for wanted in (numbers[:3], numbers[::2]):
+        table = client.do_get(fl.Ticket(proto.encode(proto.SAMPLES, segment=segment, rows=wanted)), opts).read_all()
+        sent += sum(ipc.get_record_batch_size(b) for b in table.to_batches())
+        tokens += sum(len(p) + len(r) for p, r in zip(table["prompt_ids"].to_pylist(), table["response_ids"].to_pylist()))
+    after = served()
+    assert (after[0] - before[0], after[1] - before[1]) == (sent, tokens)
+
+
 def test_a_fail_over_never_closes_a_client_another_call_is_using(filled_sqlite, replay_servers):
     """Parallel fetches share one Flight client; when one of them fails over, the others
     are still inside their calls on it. Closing it under them crashed the process
@@ -749,6 +778,28 @@ def test_a_reader_fetches_a_batch_in_one_request_and_streams_batches_at_once(fil
     assert len(fetched) == asked and sum(fetched) == sum(map(len, local)), (fetched, asked)
     assert 4 <= at_once[0] <= 4 * 2, at_once  # 4 steps, each of up to 2 segments (read_threads=2)
     assert took < 0.2 * asked, (took, asked)  # one at a time: at least 0.2 s each
+
+
+def test_a_reader_loads_its_read_ahead_on_streams_threads_not_one_per_batch(filled_sqlite, replay_servers):
+    """The read-ahead's loads run on ``streams`` threads kept for the iteration (a
+    thread started per batch cost a thread start and a cold stack each), and the
+    batches are the local reader's."""
+    server = replay_servers(filled_sqlite)
+    local = [keys(b) for b in SampleReader(filled_sqlite, batch_size=2)]
+    reader = ReplayReader(server.location, token=READ_TOKEN, streams=3, batch_size=2)
+    load, threads = reader._load, set()
+
+    def counted(units):
+        threads.add(threading.get_native_id())
+        return load(units)
+
+    reader._load = counted
+    try:
+        got = [keys(b) for b in reader]
+    finally:
+        reader.close()
+    assert got == local and len(local) >= 12
+    assert 1 <= len(threads) <= 3, len(threads)
 
 
 def test_the_server_maps_a_segment_once_for_many_requests(filled):

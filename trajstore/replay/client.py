@@ -430,7 +430,8 @@ class _RemotePayload(ReaderPayload):
                 self._in_flight -= need
                 self._in_flight_changed.notify_all()
         if table.num_rows:
-            self._row_bytes = table.nbytes / table.num_rows
+            # the received buffers are its own, whole: their total is its size (nbytes walks every list, 0.07 ms)
+            self._row_bytes = table.get_total_buffer_size() / table.num_rows
         return SegmentRows(table, {r: i for i, r in enumerate(wanted)})
 
     def _fetch(self, name: str, wanted: list[int]) -> pa.Table:

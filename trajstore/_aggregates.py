@@ -38,7 +38,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 
 __all__ = ["Counts", "LOGPROB_RANGE", "LOGPROB_BINS", "DRIFT_WIDTHS_S", "KEYS", "VALUES", "MAX_VALUES", "MIN_VALUES",
-           "DELTA_ROWS", "NONE", "TRAJECTORY_TABLES", "TASK_KEYS", "task_sql", "trajectory_record", "event_counts", "trajectory_counts", "sample_summary_counts",
+           "DELTA_ROWS", "NONE", "TRAJECTORY_TABLES", "SUMMED_REWARD_BOUND", "TASK_KEYS", "task_sql", "trajectory_record", "event_counts", "trajectory_counts", "sample_summary_counts",
            "group_contribution",
            "sample_counts", "totals_sql", "logprob_bin_edges", "decode_routes", "count_routes"]
 
@@ -246,6 +246,13 @@ def _buckets(at: float) -> list[tuple[int, int]]:
     return [(w, math.floor(at / w) * w) for w in DRIFT_WIDTHS_S]
 
 
+SUMMED_REWARD_BOUND = 1e100
+"""A reward enters the aggregates' sums (and sums of squares) clamped to ± this: any finite
+reward is accepted, and a sum of a few such as 1e308 would overflow (PostgreSQL refuses
+the upsert, Python's ``**`` raises) and stop the materializer's commit. Minimums and
+maximums keep the reward as sent."""
+
+
 def trajectory_counts(records: Iterable[Mapping[str, Any]]) -> Counts:
     """The per-trajectory aggregates of finished trajectories' ``trajectory_record``: rewards by
     finish time, (calls, samples, prefix mismatches) shapes, per task, per model version, and
@@ -255,22 +262,23 @@ def trajectory_counts(records: Iterable[Mapping[str, Any]]) -> Counts:
                                          "agg_groups")}
     for r in records:
         reward, bad = r["reward"], r["status"] in FAILED
+        summed = 0.0 if reward is None else min(max(reward, -SUMMED_REWARD_BOUND), SUMMED_REWARD_BOUND)
         if reward is not None:
             for key in _buckets(r["finished_at"]):
-                _add(out["agg_rewards"], key, (1, reward, reward, reward), MAX_VALUES["agg_rewards"],
+                _add(out["agg_rewards"], key, (1, summed, reward, reward), MAX_VALUES["agg_rewards"],
                      MIN_VALUES["agg_rewards"])
         _add(out["agg_trajectory_shapes"], (r["num_generations"], r["num_samples"], r["num_prefix_mismatches"]),
              (1, r["num_placeholder_logprobs"]))
         if r["task"] is not None:
             _add(out["agg_tasks"], (str(r["task"]),),
-                 (1, int(reward is not None), reward or 0.0, r["num_generated_tokens"], r["num_generations"], int(bad)))
+                 (1, int(reward is not None), summed, r["num_generated_tokens"], r["num_generations"], int(bad)))
         multi = int((r["model_version_span"] or 0) > 0)
         for v, tokens in r["versions"].items():
-            _add(out["agg_versions"], (v,), (1, tokens, int(reward is not None), reward or 0.0,
+            _add(out["agg_versions"], (v,), (1, tokens, int(reward is not None), summed,
                                              int(r["status"] == "failed"), int(r["status"] == "aborted"), multi))
         if r["group_id"] is not None:
             _add(out["agg_groups"], (r["group_id"],),
-                 (1, int(reward is not None), reward or 0.0, (reward or 0.0) ** 2,
+                 (1, int(reward is not None), summed, summed * summed,
                   math.inf if reward is None else reward, -math.inf if reward is None else reward, r["finished_at"]),
                  MAX_VALUES["agg_groups"], MIN_VALUES["agg_groups"])
     for key, values in out["agg_groups"].items():  # no reward: no bound (NULL)

@@ -218,3 +218,27 @@ def test_a_rebuild_without_the_payload_is_one_error_and_changes_nothing(store, t
     err = capsys.readouterr().err
     assert "cannot read the sample segments" in err and "Traceback" not in err
     assert tables(store) == before
+
+
+def test_rewards_near_the_float_limit_are_counted_and_the_page_draws(store_url, store):
+    """Any finite reward is accepted; the aggregates' sums take it clamped to
+    ``SUMMED_REWARD_BOUND`` (1e308 squared raised in Python and two of them summed
+    overflowed PostgreSQL's upsert: the materializer's commit failed, and with it
+    every other trajectory of the step). Minimums and maximums keep the values."""
+    from tests.helpers import finished, gen, reward, started
+    from trajstore._aggregates import SUMMED_REWARD_BOUND
+
+    values = {"big": 1.7e308, "bigger": 1.7e308, "low": -1.7e308, "plain": 0.5}
+    for tid, r in values.items():
+        store.append([started(tid, group_id="g"), gen(tid, 0, [1, 2], [3]), reward(tid, r), finished(tid)])
+    assert store.materialize().num_trajectories == 4
+    counted = tables(store)
+    ((_, (count, total, low, high)),) = [(k, v) for k, v in counted["agg_rewards"].items() if k[0] == 1]
+    assert (count, low, high) == (4.0, -1.7e308, 1.7e308)
+    assert total == round(SUMMED_REWARD_BOUND + 0.5, 6)
+    assert counted["agg_group_variance"]  # the group's variance: finite, two or more rewarded
+    assert all(np.isfinite(v).all() for v in counted["agg_group_variance"].values())
+    with read_only(reader_url_for(store_url)) as query:
+        panels = {p["name"]: p for p in collect(query)["panels"]}
+    for name in ("reward_curve", "group_reward_variance", "reward_by_version"):
+        assert panels[name]["figure"], (name, panels[name]["note"])

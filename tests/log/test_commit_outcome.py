@@ -272,7 +272,16 @@ def test_backends_killed_at_random_under_retrying_appenders(cluster, tmp_path):
     enough = threading.Event()
 
     def appender(w: int) -> None:
-        s = trajstore.connect(url, payload=store.payload.location, migrate=False)
+        while True:  # opening the store reads it too: its backend may be the one killed
+            try:
+                s = trajstore.connect(url, payload=store.payload.location, migrate=False)
+                break
+            except StoreUnavailable as e:
+                seen_errors.append(e)
+                time.sleep(0.05)
+            except BaseException as e:  # anything else fails the test below
+                seen_errors.append(e)
+                return
         try:
             k = 0
             while k < 12 or (not enough.is_set() and k < 1000):

@@ -143,6 +143,22 @@ def _assert_every_acknowledged_payload_present(store, tids: list[str]) -> None:
     assert {s.trajectory_id for s in store.samples()} == set(tids)
 
 
+def _unknown_outcome(store, cluster: PgCluster, events, condition: str, holder) -> None:
+    """Append ``events`` on a thread, kill its backend once it matches ``condition`` (it
+    waits on a lock ``holder`` holds), and check the caller got a retriable, one-line
+    ``CommitUnknownError``; ``holder`` is closed (the kill restarted every session)."""
+    try:
+        t, out = _append_in_thread(store, events)
+        _kill_backend_when(cluster, condition)
+        t.join(timeout=120)
+        assert not t.is_alive()
+    finally:
+        holder.close()
+    err = out.get("error")
+    assert isinstance(err, CommitUnknownError), f"expected a retriable CommitUnknownError, got {out!r}"
+    assert "\n" not in str(err)
+
+
 def test_commit_that_landed_before_the_kill_is_acknowledged_and_keeps_its_payload(cluster, tmp_path):
     store, _ = _store(cluster, tmp_path)
     store.append(_trajectory("before"))
@@ -175,16 +191,7 @@ def test_commit_killed_before_it_landed_is_retriable_and_leaves_the_payload_to_g
     files_before = {name for name, _ in store.payload.list_names()}
     holder = _admin(cluster, dbname)  # advisory locks are per database
     holder.execute("SELECT pg_advisory_lock(4242)")
-    try:
-        t, out = _append_in_thread(store, _trajectory("during"))
-        _kill_backend_when(cluster, "query = 'COMMIT' AND wait_event_type = 'Lock'")
-        t.join(timeout=120)
-        assert not t.is_alive()
-    finally:
-        holder.close()  # gone already: the kill restarted every session
-    err = out.get("error")
-    assert isinstance(err, CommitUnknownError), f"expected a retriable CommitUnknownError, got {out!r}"
-    assert "\n" not in str(err)
+    _unknown_outcome(store, cluster, _trajectory("during"), "query = 'COMMIT' AND wait_event_type = 'Lock'", holder)
     orphans = {name for name, _ in store.payload.list_names()} - files_before
     assert len(orphans) == 1, "the payload of an uncertain commit must be kept"
     _admin_run(cluster, "DROP TRIGGER IF EXISTS hold_commit ON segments", dbname=dbname)
@@ -238,16 +245,8 @@ def test_a_step_killed_mid_pipeline_is_a_retriable_unknown_outcome_never_a_succe
     holder = _admin(cluster, dbname)
     holder.execute("BEGIN")
     holder.execute("LOCK TABLE lineage_steps IN SHARE MODE")  # the step's INSERT waits for it
-    try:
-        t, out = _append_in_thread(store, [_step(1, [["a", 0]])])
-        _kill_backend_when(cluster, "wait_event_type = 'Lock' AND query LIKE 'INSERT INTO lineage_steps%%'")
-        t.join(timeout=120)
-        assert not t.is_alive()
-    finally:
-        holder.close()  # gone already: the kill restarted every session
-    err = out.get("error")
-    assert isinstance(err, CommitUnknownError), f"expected a retriable CommitUnknownError, got {out!r}"
-    assert "\n" not in str(err)
+    _unknown_outcome(store, cluster, [_step(1, [["a", 0]])],
+                     "wait_event_type = 'Lock' AND query LIKE 'INSERT INTO lineage_steps%%'", holder)
     assert _lineage(store) == []
     assert _append_retrying(store, [_step(1, [["a", 0]])]).num_appended == 1
     assert _lineage(store) == [(1, 0, 1, 1)]

@@ -206,6 +206,13 @@ def test_projection_of_the_stored_facts_equals_the_policy_on_the_commands(store,
             assert a.equals(b), f"{tid} sample {a.sample_index} differs"
 
 
+def _folded(store, cfg: RolloutConfig, n: int) -> None:
+    """``n`` demo trajectories of ``cfg`` appended and folded into the default samples."""
+    for i in range(n):
+        store.append(trajectory_events(cfg, i))
+    store.materialize()
+
+
 def _default_state(store) -> dict:
     with store.log.read_engine.connect() as conn:
         return {
@@ -220,9 +227,7 @@ def _default_state(store) -> dict:
 
 def test_default_samples_unchanged_by_create_materialize_drop_and_drop_frees_only_its_files(store):
     cfg = RolloutConfig(turns=3, prompt_tokens=16, output_tokens=8, observation_tokens=4, layers=L, topk=K, seed=4)
-    for i in range(12):
-        store.append(trajectory_events(cfg, i))
-    store.materialize()
+    _folded(store, cfg, 12)
     before = _default_state(store)
     default = list(store.samples())
     store.create_projection("steps", merge="none")
@@ -267,9 +272,7 @@ def test_a_dropped_projections_files_keep_the_grace_when_the_dropping_clock_runs
     10-minute grace right after still keeps the projection's files (a reader
     that resolved them just before the drop may be reading them)."""
     cfg = RolloutConfig(turns=2, prompt_tokens=8, output_tokens=4, observation_tokens=2, layers=L, topk=K, seed=7)
-    for i in range(4):
-        store.append(trajectory_events(cfg, i))
-    store.materialize()
+    _folded(store, cfg, 4)
     store.create_projection("steps", merge="none")
     store.materialize(projection="steps")
     token = store.materialized.projection("steps").row["token"]
@@ -292,9 +295,7 @@ def test_a_dropped_projections_files_keep_the_grace_when_the_dropping_clock_runs
 
 def test_sample_reader_reads_a_projection_and_resumes(store):
     cfg = RolloutConfig(turns=3, prompt_tokens=16, output_tokens=8, observation_tokens=4, layers=L, topk=K, seed=5)
-    for i in range(8):
-        store.append(trajectory_events(cfg, i))
-    store.materialize()
+    _folded(store, cfg, 8)
     store.create_projection("steps", merge="none")
     # before its materialization, the projection has nothing to read
     assert list(SampleReader(store, projection="steps", batch_size=4)) == []
@@ -533,9 +534,7 @@ def test_a_projection_dropped_under_a_reader_is_an_error_not_an_end(store, recre
     from trajstore.errors import ProjectionChangedError
 
     cfg = RolloutConfig(turns=3, prompt_tokens=16, output_tokens=8, observation_tokens=4, layers=L, topk=K, seed=5)
-    for i in range(12):
-        store.append(trajectory_events(cfg, i))
-    store.materialize()
+    _folded(store, cfg, 12)
     store.create_projection("steps", merge="none")
     store.materialize(projection="steps")
     # prefetch=False: a prefetching reader may have read this small epoch's rows whole before the drop

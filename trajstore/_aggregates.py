@@ -284,7 +284,12 @@ def trajectory_counts(records: Iterable[Mapping[str, Any]]) -> Counts:
     for key, values in out["agg_groups"].items():  # no reward: no bound (NULL)
         if not values[1]:
             values[4] = values[5] = None
-    return {k: v for k, v in out.items() if v}
+    return _nonempty(out)
+
+
+def _nonempty(counts: Counts) -> Counts:
+    """The tables of ``counts`` that have a key to add."""
+    return {name: keys for name, keys in counts.items() if keys}
 
 
 def group_contribution(values: Sequence[Any], running: int) -> tuple[float, int, float] | None:
@@ -327,12 +332,7 @@ def sample_summary_counts(rows: Iterable[Mapping[str, Any]], finished_at: Mappin
                 _add(stale, key, (1, int(staleness is not None), staleness or 0,
                                   NONE if staleness is None else staleness, NONE if latest is None else latest),
                      MAX_VALUES["agg_staleness"])
-    out: Counts = {}
-    if hist:
-        out["agg_samples"] = hist
-    if stale:
-        out["agg_staleness"] = stale
-    return out
+    return _nonempty({"agg_samples": hist, "agg_staleness": stale})
 
 
 def logprob_bin_edges() -> np.ndarray:
@@ -392,12 +392,7 @@ def sample_counts(samples: Iterable[Any], num_experts: Mapping[str, int | None] 
         layers, experts_ = np.indices(c.shape)
         experts.update(((version, int(l_), int(e)), [int(n)])
                        for l_, e, n in zip(layers.ravel(), experts_.ravel(), c.ravel()))
-    out: Counts = {}
-    if experts:
-        out["agg_expert_load"] = experts
-    if logprobs:
-        out["agg_logprobs"] = logprobs
-    return out
+    return _nonempty({"agg_expert_load": experts, "agg_logprobs": logprobs})
 
 
 def decode_routes(sample: Any) -> tuple[np.ndarray, np.ndarray] | None:

@@ -43,6 +43,8 @@ SERVER_SETTINGS = {
     "max_connections": "200",
     "shared_buffers": "64MB",
     "logging_collector": "off",
+    # a few, for fault tests that hold a lock across a crash restart (PREPARE TRANSACTION)
+    "max_prepared_transactions": "4",
 }
 # PostgreSQL 14+ on Linux: crash recovery (every start after `pg_ctl -m immediate`) first syncs the
 # data directory; one syncfs() of its file system instead of an fsync of every file (2-4 s

@@ -14,9 +14,12 @@ restart every session):
 
 Either way every acknowledged event's payload exists and ``materialize`` works.
 
-The same two cases for a trainer's ``train_step``, whose append sends BEGIN, its
+The same cases for a trainer's ``train_step``, whose append sends BEGIN, its
 writes and COMMIT in one pipeline (``Database.checked``): a connection lost
 anywhere in it leaves the outcome unknown, and the events' identities tell.
+Found not stored, it is sent once more on a new connection (its keys are
+unique): a second loss, with the lock it waited for held across the crash
+restart by a prepared transaction, is the retriable ``CommitUnknownError``.
 """
 
 from __future__ import annotations
@@ -93,18 +96,24 @@ def _trajectory(tid: str) -> list[dict]:
 
 
 def _kill_backend_when(c: PgCluster, condition: str) -> int:
-    """SIGKILL the appender's backend once it shows ``condition`` in pg_stat_activity."""
+    """SIGKILL the appender's backend once it shows ``condition`` in pg_stat_activity
+    (watching from a new connection when the one watching is cut: in crash recovery)."""
     deadline = time.monotonic() + 60
-    with _admin(c) as conn:
-        while time.monotonic() < deadline:
-            row = conn.execute(f"SELECT pid FROM pg_stat_activity WHERE usename = %s AND {condition}",
-                               (APPENDER,)).fetchone()
-            if row:
-                os.kill(row[0], signal.SIGKILL)
-                return row[0]
-            time.sleep(0.02)
-        seen = conn.execute("SELECT pid, state, wait_event_type, wait_event, query FROM pg_stat_activity "
-                            "WHERE usename = %s", (APPENDER,)).fetchall()
+    seen: list = []
+    while time.monotonic() < deadline:
+        try:
+            with _admin(c) as conn:
+                while time.monotonic() < deadline:
+                    row = conn.execute(f"SELECT pid FROM pg_stat_activity WHERE usename = %s AND {condition}",
+                                       (APPENDER,)).fetchone()
+                    if row:
+                        os.kill(row[0], signal.SIGKILL)
+                        return row[0]
+                    time.sleep(0.02)
+                seen = conn.execute("SELECT pid, state, wait_event_type, wait_event, query FROM pg_stat_activity "
+                                    "WHERE usename = %s", (APPENDER,)).fetchall()
+        except psycopg.OperationalError:
+            time.sleep(0.2)
     raise AssertionError(f"no appender backend with {condition}: {seen}")
 
 
@@ -143,13 +152,15 @@ def _assert_every_acknowledged_payload_present(store, tids: list[str]) -> None:
     assert {s.trajectory_id for s in store.samples()} == set(tids)
 
 
-def _unknown_outcome(store, cluster: PgCluster, events, condition: str, holder) -> None:
+def _unknown_outcome(store, cluster: PgCluster, events, condition: str, holder, kills: int = 1) -> None:
     """Append ``events`` on a thread, kill its backend once it matches ``condition`` (it
-    waits on a lock ``holder`` holds), and check the caller got a retriable, one-line
-    ``CommitUnknownError``; ``holder`` is closed (the kill restarted every session)."""
+    waits on a lock ``holder`` holds), ``kills`` times, and check the caller got a
+    retriable, one-line ``CommitUnknownError``; ``holder`` is closed (the kill restarted
+    every session)."""
     try:
         t, out = _append_in_thread(store, events)
-        _kill_backend_when(cluster, condition)
+        for _ in range(kills):
+            _kill_backend_when(cluster, condition)
         t.join(timeout=120)
         assert not t.is_alive()
     finally:
@@ -235,18 +246,50 @@ def test_a_step_whose_pipelined_commit_landed_before_the_kill_is_acknowledged(cl
     store.close()
 
 
-def test_a_step_killed_mid_pipeline_is_a_retriable_unknown_outcome_never_a_success(cluster, tmp_path):
+_STEP_INSERT_WAITS = "wait_event_type = 'Lock' AND query LIKE 'INSERT INTO lineage_steps%%'"
+
+
+def test_a_step_killed_mid_pipeline_is_sent_again_and_stored_once(cluster, tmp_path):
     """The backend is killed while a write of the pipeline waits for a lock, the COMMIT
-    queued behind it: not stored, and the caller is told the outcome is unknown
-    (retry), never that it succeeded, nor a certain failure."""
+    queued behind it. The step is not stored, so it is sent once more on a new
+    connection (its identity and lineage key are unique: the two sends cannot both
+    land): the caller is acknowledged, and the step is stored once."""
     store, dbname = _store(cluster, tmp_path)
     store.append(_trajectory("a"))
     store.materialize()
     holder = _admin(cluster, dbname)
     holder.execute("BEGIN")
     holder.execute("LOCK TABLE lineage_steps IN SHARE MODE")  # the step's INSERT waits for it
-    _unknown_outcome(store, cluster, [_step(1, [["a", 0]])],
-                     "wait_event_type = 'Lock' AND query LIKE 'INSERT INTO lineage_steps%%'", holder)
+    try:
+        t, out = _append_in_thread(store, [_step(1, [["a", 0]])])
+        _kill_backend_when(cluster, _STEP_INSERT_WAITS)  # ends every session: the lock too
+        t.join(timeout=120)
+        assert not t.is_alive()
+    finally:
+        holder.close()
+    assert "error" not in out, f"the step was not stored, yet its second send failed: {out['error']!r}"
+    assert out["result"].num_appended == 1 and out["result"].last_position is not None
+    assert _lineage(store) == [(1, 0, 1, 1)]
+    assert _append_retrying(store, [_step(1, [["a", 0]])]).num_duplicates == 1
+    store.close()
+
+
+def test_a_step_lost_on_both_sends_is_a_retriable_unknown_outcome_never_a_success(cluster, tmp_path):
+    """A prepared transaction holds the lock the step's INSERT waits for, across the
+    crash restart the kill causes: the first send is killed waiting for it, the second
+    send waits for it again and is killed too. Not stored, and the caller is told the
+    outcome is unknown (retry), never that it succeeded, nor a certain failure."""
+    store, dbname = _store(cluster, tmp_path)
+    store.append(_trajectory("a"))
+    store.materialize()
+    holder = _admin(cluster, dbname)
+    holder.execute("BEGIN")
+    holder.execute("LOCK TABLE lineage_steps IN SHARE MODE")
+    holder.execute("PREPARE TRANSACTION 'hold_steps'")  # outlives the session and the crash restart
+    try:
+        _unknown_outcome(store, cluster, [_step(1, [["a", 0]])], _STEP_INSERT_WAITS, holder, kills=2)
+    finally:
+        _admin_run(cluster, "ROLLBACK PREPARED 'hold_steps'", dbname=dbname)
     assert _lineage(store) == []
     assert _append_retrying(store, [_step(1, [["a", 0]])]).num_appended == 1
     assert _lineage(store) == [(1, 0, 1, 1)]

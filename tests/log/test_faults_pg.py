@@ -3,6 +3,11 @@
 * A server that accepts TCP and never answers: every command fails with one
   line (StoreUnavailable) instead of hanging (9.11). The server is a real
   listening socket on loopback that accepts and holds connections silently.
+* A peer that vanishes without closing the socket (a network fault, a host
+  reset: a loopback proxy severs its connections silently and resets each one
+  the client writes to): a trainer's step record, whose pooled connection is
+  not pinged for having sat idle, finds the connection dead by sending, sends
+  again on a new one, is acknowledged and stored once.
 * The required fault test: appender processes that retry while
   backends are killed during COMMIT, killed at random, and the cluster is
   restarted; afterwards every acknowledged event is stored exactly once, every
@@ -16,6 +21,7 @@ import multiprocessing
 import os
 import random
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -124,6 +130,100 @@ def test_statement_timeout_is_in_effect(fresh_pg_url, tmp_path):
             conn.exec_driver_sql("SELECT pg_sleep(30)")
     assert store.info()["head_position"] == 0  # the store itself works under the setting
     store.close()
+
+
+# -- a peer gone without a word ---------------------------------------------------
+class _SeveringProxy:
+    """A loopback TCP proxy to ``port``; ``sever()`` makes every connection open now a
+    dead peer: the server's side is closed, the client's is held open in silence and
+    reset (RST) when the client writes to it. Connections opened later work."""
+
+    def __init__(self, port: int) -> None:
+        self.upstream = port
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.pairs: list[tuple[socket.socket, socket.socket, threading.Event]] = []
+        self.resets = 0
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(("127.0.0.1", self.upstream))
+            severed = threading.Event()
+            self.pairs.append((client, server, severed))
+            threading.Thread(target=self._pump, args=(client, server, severed, True), daemon=True).start()
+            threading.Thread(target=self._pump, args=(server, client, severed, False), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, severed: threading.Event, from_client: bool) -> None:
+        while True:
+            try:
+                data = src.recv(65536)
+            except OSError:
+                return
+            if severed.is_set() or not data:
+                if from_client and data:  # the client wrote to a dead peer: reset
+                    src.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                    self.resets += 1
+                    src.close()
+                elif not severed.is_set():
+                    dst.close()
+                return
+            try:
+                dst.sendall(data)
+            except OSError:
+                return
+
+    def sever(self) -> None:
+        for _, server, severed in self.pairs:
+            severed.set()
+            server.shutdown(socket.SHUT_RDWR)  # the server's side ends; the client hears nothing
+
+    def close(self) -> None:
+        self.listener.close()
+        for client, server, _ in self.pairs:
+            client.close()
+            server.close()
+
+
+@pytest.mark.postgres
+@pytest.mark.timeout(120)
+def test_a_step_record_on_an_idle_connection_whose_peer_vanished_is_sent_again(fresh_pg_url, tmp_path, monkeypatch,
+                                                                                caplog):
+    from trajstore.lineage import store_recorder
+    from trajstore.log import postgres as pg_backend
+
+    port = int(sa.engine.make_url(fresh_pg_url).port)
+    proxy = _SeveringProxy(port)
+    url = fresh_pg_url.replace(f":{port}/", f":{proxy.port}/")
+    store = trajstore.connect(url, payload=str(tmp_path / "p"))
+    try:
+        tids = [f"t{i}" for i in range(3)]
+        for tid in tids:
+            store.append([{"type": "trajectory_started", "trajectory_id": tid},
+                          {"type": "generation", "trajectory_id": tid, "seq": 0, "prompt_ids": [1, 2],
+                           "output_ids": [3, 4], "logprobs": [-0.1, -0.2], "model_version": 1},
+                          {"type": "trajectory_finished", "trajectory_id": tid, "status": "completed"}])
+        store.materialize()
+        recorder = store_recorder(store)
+        assert recorder.record(0, run="r", policy_version=1, samples=[(tids[0], 0)]).attempt == 0
+        monkeypatch.setattr(pg_backend, "PING_IDLE_S", 0.0)  # every pooled connection counts as idle
+        proxy.sever()
+        with caplog.at_level("WARNING", logger="trajstore.log"):
+            done = recorder.record(1, run="r", policy_version=1, samples=[(t, 0) for t in tids])
+        assert (done.attempt, done.num_samples, done.replayed) == (0, 3, False)
+        assert proxy.resets >= 1, "the record never wrote to a severed connection: it was pinged first"
+        assert any("sending it again on a new connection" in r.getMessage() for r in caplog.records)
+        with store.log.read_engine.connect() as conn:
+            assert conn.exec_driver_sql("SELECT step, num_samples FROM train_steps ORDER BY step").fetchall() \
+                == [(0, 1), (1, 3)]
+            assert conn.exec_driver_sql("SELECT count(*) FROM events WHERE type = 'train_step'").scalar_one() == 2
+    finally:
+        store.close()
+        proxy.close()
 
 
 # -- the required fault test ------------------------------------------------------

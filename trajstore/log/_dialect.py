@@ -33,6 +33,7 @@ explains the bound and the invariant it keeps.
 
 from __future__ import annotations
 
+from contextvars import ContextVar
 from typing import Any, Callable, Collection, Iterator, Mapping, Sequence
 
 from sqlalchemy import Connection
@@ -41,12 +42,19 @@ from trajstore.errors import IndexInvariantError
 from trajstore.log.base import RELEASED, Repoint
 from trajstore.schema import events, segments, trajectories, unresolved_labels, version_labels
 
-__all__ = ["CHUNK", "SERVER_MARK", "SqlDialect", "chunks", "execute"]
+__all__ = ["CHUNK", "SERVER_MARK", "SqlDialect", "chunks", "execute", "RESENT_IF_LOST"]
 
 CHUNK = 500  # ids per IN (...) list
 SERVER_MARK: Any = type("ServerMark", (), {"__repr__": lambda self: "SERVER_MARK"})()
 """A trajectory row's ``started_position``/``finished_position`` the server reads from the
 event of that type just inserted in the same transaction (``PostgreSQL.insert_events_taking_positions``)."""
+
+
+RESENT_IF_LOST: ContextVar[bool] = ContextVar("trajstore_resent_if_lost", default=False)
+"""True while a write that is sent again when its connection turns out lost checks its
+connection out (``_transaction.Database.checked``): a backend's checkout may then skip a
+ping it makes only to find a dead connection before anything is sent
+(``postgres._check_out``)."""
 
 
 def chunks(items: Sequence[Any], n: int = CHUNK) -> Iterator[Sequence[Any]]:

@@ -32,7 +32,10 @@ A transaction whose statements check what the caller did not read first
 pipeline: one round trip in all. A check that fails rolls it back
 (``ChecksFailed``); a connection lost anywhere in that pipeline is handled
 as a connection lost during COMMIT (below), its ``landed`` check by the
-events' identities.
+events' identities, except that a write found not stored is sent once more
+on a new connection (its keys are unique: at most one of the sends lands).
+So its pooled connection is not pinged for having sat idle: a dead one costs
+the send that finds it, never a round trip for every live one.
 
 A connection lost *during* COMMIT is different: the commit may have landed.
 Then the transaction's ``landed`` check runs on a fresh connection (retrying
@@ -52,7 +55,7 @@ from sqlalchemy.exc import DataError, IntegrityError
 
 from trajstore._backoff import Backoff
 from trajstore.errors import CommitUnknownError, first_line
-from trajstore.log._dialect import SqlDialect
+from trajstore.log._dialect import RESENT_IF_LOST, SqlDialect
 from trajstore.log._registry import sql_dialect
 from trajstore.log._errors import lost_connection, translate, wrapped
 from trajstore.log.base import ChecksFailed
@@ -87,6 +90,14 @@ class _LostPooledConnection(Exception):
         self.error = error
 
 
+class _NotStored(Exception):
+    """A pipelined write lost its connection and is not stored (``Database.checked`` sends it again)."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
 class Later:
     """What a pipelined transaction's body returns when its result needs the answers of the
     statements it sent (``value()`` is called once the pipeline synced, before COMMIT)."""
@@ -105,15 +116,22 @@ class Database:
         self.dialect: SqlDialect = sql_dialect(write_engine)
 
     @contextmanager
-    def _connected(self, what: str, engine: Engine, raw: bool, retry_lost: bool = False) -> Iterator[Any]:
+    def _connected(self, what: str, engine: Engine, raw: bool, retry_lost: bool = False,
+                   resent_if_lost: bool = False) -> Iterator[Any]:
         """A connection of ``engine`` (``raw``: a pooled driver connection), closed
         afterwards (the pool's reset rolls back what was left open); every error
         raised meanwhile leaves translated. With ``retry_lost`` a driver connection
         lost after its checkout (invalidated: the pool drops it) raises
-        ``_LostPooledConnection`` instead, for the caller to try once more."""
+        ``_LostPooledConnection`` instead, for the caller to try once more.
+        ``resent_if_lost``: checked out under ``RESENT_IF_LOST`` (the caller sends its
+        write again if this connection is lost: no idle ping)."""
         conn = None
         try:
-            conn = engine.raw_connection() if raw else engine.connect()
+            token = RESENT_IF_LOST.set(resent_if_lost)
+            try:
+                conn = engine.raw_connection() if raw else engine.connect()
+            finally:
+                RESENT_IF_LOST.reset(token)
             yield conn
         except Exception as e:
             error = wrapped(e, conn if raw else None, engine, what) if raw else e
@@ -232,7 +250,8 @@ class Database:
         """``body(cursor, dialect)`` in one write transaction whose statements make their
         own checks (the caller read nothing first), committed; on PostgreSQL BEGIN, the
         body's statements and COMMIT are one pipeline ending in one Sync: one round
-        trip, the pool's checkout aside (``postgres._check_out``).
+        trip in all, the pooled connection checked out without the idle ping
+        (``RESENT_IF_LOST``: a dead one is found by the send, below).
 
         An error the database answers with (a check's, a key's: SQLSTATE classes 22
         and 23) or ``ChecksFailed`` from the body rolls the transaction back and raises
@@ -243,9 +262,25 @@ class Database:
         leaves the outcome unknown wherever it broke (the server may run the queued
         COMMIT after the client gave up, e.g. once a lock it waited for is released):
         then ``landed(conn)`` on a fresh connection returns the result if the
-        transaction is there (else None), and ``CommitUnknownError`` is raised when it
-        is not found: never a success that was not stored, never "not stored" for a
-        write that may land."""
+        transaction is there. When it is not, the pipeline is sent once more on a new
+        connection: the body's rows are keyed by the events' identities (and the
+        lineage keys), which the database makes unique, so of the two sends at most
+        one lands. A first send that commits late makes the second wait for it and
+        fail on a key (``ChecksFailed``: the caller reads and finds it stored).
+        ``CommitUnknownError`` is raised when the outcome cannot be checked, or the
+        second send's connection is lost too and its write is not found: never a
+        success that was not stored, never "not stored" for a write that may land."""
+        try:
+            return self._checked(what, body, landed, resend=True)
+        except _NotStored as lost:
+            log.warning("%s: connection lost (%s) and nothing stored; sending it again on a new connection",
+                        what, first_line(lost.error))
+        return self._checked(what, body, landed, resend=False)
+
+    def _checked(self, what: str, body: Callable[[Any, SqlDialect], T],
+                 landed: Callable[[Connection], T | None], *, resend: bool) -> T:
+        """One send of ``checked``; with ``resend`` a pipelined write whose connection
+        was lost and that is not stored raises ``_NotStored``."""
         d, engine = self.dialect, self.write_engine
         found: list[T] = []
 
@@ -256,10 +291,10 @@ class Database:
             found.append(result)
             return True
 
-        with self._connected(what, engine, raw=True) as conn:
+        pipelined = d.pipelined_writes
+        with self._connected(what, engine, raw=True, resent_if_lost=pipelined and resend) as conn:
             driver = conn.dbapi_connection
             cur = conn.cursor()
-            pipelined = d.pipelined_writes
             try:
                 try:
                     if pipelined:
@@ -278,7 +313,7 @@ class Database:
                 except Exception as e:
                     error = wrapped(e, conn, engine, what)
                     if pipelined and lost_connection(error):
-                        self._after_failed_commit(what, error, is_landed, None)
+                        self._after_failed_commit(what, error, is_landed, None, resend=resend)
                         return found[0]
                     _quietly(conn.rollback)
                     if _refused(error):
@@ -297,8 +332,9 @@ class Database:
                     _quietly(lambda: setattr(driver, "autocommit", False))
 
     def _after_failed_commit(self, what: str, e: BaseException, landed: Callable[[Connection, T], bool] | None,
-                             result: T) -> T:
-        """A COMMIT raised ``e``: the result if it landed after all, else the error to raise."""
+                             result: T, *, resend: bool = False) -> T:
+        """A COMMIT raised ``e``: the result if it landed after all, else the error to raise
+        (``resend``: ``_NotStored`` when it is certainly not there, for the caller to send again)."""
         if not lost_connection(e):
             raise translate(e, what) from None  # the server refused the commit: rolled back
         log.warning("%s: connection lost during COMMIT (%s); finding out whether it landed", what, first_line(e))
@@ -306,6 +342,8 @@ class Database:
         if outcome:
             log.warning("%s: the commit had landed", what)
             return result
+        if outcome is False and resend:
+            raise _NotStored(e)
         state = "it is not visible" if outcome is False else "it could not be checked"
         raise CommitUnknownError(f"{what}: connection lost during COMMIT ({first_line(e)}) and {state}; "
                                  "retry (appends are idempotent)") from None

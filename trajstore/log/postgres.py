@@ -27,7 +27,10 @@ client before the server can accept connections again. So a caller's first
 command after a restart gets a working connection however soon after its
 last one the server went down, with every pooled connection broken alike.
 A connection that sat in the pool ``PING_IDLE_S`` or more is pinged as well
-(a peer gone without closing the socket: a network fault, a host reset).
+(a peer gone without closing the socket: a network fault, a host reset),
+except for a write that is sent again on a new connection when its own turns
+out lost (``_dialect.RESENT_IF_LOST``: a trainer's step record, whose keys the
+database makes unique, so the first send and the second cannot both land).
 Under load an append reuses a connection within milliseconds, and a ping
 there would be a round trip of its three: the poll costs a system call.
 What the checks cannot see (the connection breaks after checkout, or a dead
@@ -107,7 +110,7 @@ from sqlalchemy.pool import NullPool, PoolResetState
 from trajstore._backoff import Backoff
 from trajstore.errors import IndexInvariantError, TrajstoreError, ValidationError, first_line
 from trajstore.log._backend import Backend, ReadQuery
-from trajstore.log._dialect import CHUNK, SERVER_MARK, chunks, execute
+from trajstore.log._dialect import CHUNK, RESENT_IF_LOST, SERVER_MARK, chunks, execute
 from trajstore.log._errors import driver_errors
 from trajstore.schema import events, trajectories, unresolved_labels
 
@@ -175,12 +178,14 @@ def _server_spoke(dbapi_connection: Any) -> bool:
 def _check_out(dbapi_connection: Any, record: Any, proxy: Any) -> None:
     """At checkout: a connection whose server spoke while it sat in the pool, or idle
     ``PING_IDLE_S`` or more, answers ``SELECT 1`` or is replaced (``DisconnectionError``
-    makes the pool open a new one); any other is handed out without a round trip."""
+    makes the pool open a new one); any other is handed out without a round trip. An
+    idle one is not pinged for a write that is sent again on a new connection when its
+    own is lost (``RESENT_IF_LOST``, a trainer's step record): it finds out itself."""
     since = record.info.get(_IDLE_SINCE)
     if since is None:
         return  # just opened
-    if time.monotonic() - since < PING_IDLE_S and not _server_spoke(dbapi_connection):
-        return
+    if (time.monotonic() - since < PING_IDLE_S or RESENT_IF_LOST.get()) and not _server_spoke(dbapi_connection):
+        return  # (a write re-sent on a new connection if this one is lost needs no idle ping)
     try:
         autocommit = dbapi_connection.autocommit
         dbapi_connection.autocommit = True

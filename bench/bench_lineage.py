@@ -21,7 +21,11 @@ client waited for: a simple query, or an extended-protocol batch ending in
 connection idle a second or more (``log.postgres._check_out``: the trace is
 switched on before it); plus one per SQLAlchemy pre-ping where an engine has
 one, counted by wrapping the dialect's ``do_ping``). ``--pause S`` waits S
-seconds between the read and the record, as a trainer's step does; and the bytes at rest of the
+seconds between the read and the record, as a trainer's step does, and then as long again before a
+control workload (``_control``: 512 keys through ``json.dumps`` and ``repr`` and into an
+indexed in-memory SQLite table, ~the record's Python and SQL with no store), timed the same
+way and also warm (run again at once): what the same pause does to any work on this machine,
+beside what it does to the record; and the bytes at rest of the
 annotations' payload against the raw float32 logprobs (docs/benchmarks.md,
 "Training lineage").
 
@@ -126,6 +130,33 @@ class Wire:
         return wall * 1e3, cpu * 1e3, self.checkouts, trips, thread * 1e3
 
 
+_CONTROL_DB = None
+
+
+def _control(n: int) -> None:
+    """The control workload (module doc): no store, no file, no other thread."""
+    global _CONTROL_DB
+    import sqlite3
+
+    if _CONTROL_DB is None:
+        _CONTROL_DB = sqlite3.connect(":memory:", isolation_level=None)
+        _CONTROL_DB.execute("CREATE TABLE x (step INTEGER, tid TEXT, idx INTEGER, PRIMARY KEY (step, tid, idx))")
+        _CONTROL_DB.execute("CREATE INDEX ix_x ON x (tid, idx)")
+    keys = [(f"t{i}", 0) for i in range(n)]
+    json.dumps(keys)
+    repr(keys)
+    step = _CONTROL_DB.execute("SELECT coalesce(max(step), 0) + 1 FROM x").fetchone()[0]
+    _CONTROL_DB.execute("BEGIN")
+    _CONTROL_DB.executemany("INSERT INTO x VALUES (?, ?, ?)", [(step, t, i) for t, i in keys])
+    _CONTROL_DB.execute("COMMIT")
+
+
+def _timed(fn) -> tuple[float, float]:
+    w, t = time.perf_counter(), time.thread_time()
+    fn()
+    return (time.perf_counter() - w) * 1e3, (time.thread_time() - t) * 1e3
+
+
 def run(url: str, payload: str, n: int, r: int, rounds: int, pause: float = 0.0) -> dict:
     store = trajstore.connect(url, payload=payload)
     rng = np.random.default_rng(0)
@@ -141,7 +172,7 @@ def run(url: str, payload: str, n: int, r: int, rounds: int, pause: float = 0.0)
     store.materialize()
     wire = Wire(store, os.path.join(payload + ".trace"))
 
-    read, plain, notes = [], [], []
+    read, plain, notes, control, control_warm = [], [], [], [], []
     for round_ in range(rounds):
         reader = trajstore.SampleReader(store, batch_size=n)
         got: list = []
@@ -157,6 +188,9 @@ def run(url: str, payload: str, n: int, r: int, rounds: int, pause: float = 0.0)
         notes.append(wire.measure(lambda: reader.record_step(2 * round_ + 1, run="bench", policy_version=1,
                                                              annotations=annotations)))
         reader.close()
+        time.sleep(pause)
+        control.append(_timed(lambda: _control(n)))
+        control_warm.append(_timed(lambda: _control(n)))
     names = [name for name, _ in store.payload.list_names() if name.startswith("lineage-")]
     at_rest = sum(os.path.getsize(store.payload.path(name)) for name in names) / len(names)
 
@@ -173,7 +207,11 @@ def run(url: str, payload: str, n: int, r: int, rounds: int, pause: float = 0.0)
     result = {"backend": store.log.write_engine.dialect.name, "samples": n, "tokens_per_sample": r,
               "rounds": rounds, "pause_s": pause, "read": summary(read, wire_counts=False), "record": summary(plain),
               "record_with_logprobs": summary(notes),
-              "annotation_bytes_per_float_byte": at_rest / (n * r * 4)}
+              "annotation_bytes_per_float_byte": at_rest / (n * r * 4),
+              "control_after_pause": {"wall_ms": statistics.median(x[0] for x in control),
+                                      "thread_cpu_ms": statistics.median(x[1] for x in control)},
+              "control_warm": {"wall_ms": statistics.median(x[0] for x in control_warm),
+                               "thread_cpu_ms": statistics.median(x[1] for x in control_warm)}}
     store.close()
     return result
 

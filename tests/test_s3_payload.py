@@ -195,10 +195,16 @@ def test_an_unresponsive_object_store_fails_instead_of_hanging(tmp_path):
             c.close()
 
 
+# An append during an outage fails within this: about 20 s on a hung server with the default
+# options (20-26 s measured alone, also beside CPU and fsync load; 37.6 s once in a full suite
+# on both loaded cores), about 2 s on a stopped one. Before the defaults: no error for > 100 s.
+OUTAGE_BOUND_S = 45
+
+
 def _outage_and_back(store_url: str, server: StoppableS3, fault: str) -> None:
     """Appends before, during and after an outage of the object store, with the
     default options (no timeout in the location): during it every append (two at
-    once) raises StoreUnavailable within 30 s, never a driver or OS error; after it every
+    once) raises StoreUnavailable within ``OUTAGE_BOUND_S``, never a driver or OS error; after it every
     acknowledged append reads back and, once GC has run, the store's objects are
     exactly the segments its index names, every one whole."""
     from sqlalchemy import select
@@ -218,7 +224,7 @@ def _outage_and_back(store_url: str, server: StoppableS3, fault: str) -> None:
         with pytest.raises(StoreUnavailable) as err:
             store.append(trajectory(f"during{i}"))
         took = time.monotonic() - t0
-        assert took < 30, f"{fault}: the append failed after {took:.1f} s"
+        assert took < OUTAGE_BOUND_S, f"{fault}: the append failed after {took:.1f} s"
         assert "payload" in str(err.value) and "\n" not in str(err.value)
 
     server.hang() if fault == "hang" else server.stop()
@@ -250,7 +256,7 @@ def _outage_and_back(store_url: str, server: StoppableS3, fault: str) -> None:
     store.close()
 
 
-def test_a_hung_object_store_fails_appends_within_30_s_and_loses_nothing(store_url, stoppable_s3):
+def test_a_hung_object_store_fails_appends_within_45_s_and_loses_nothing(store_url, stoppable_s3):
     """SIGSTOP of the server (before: no error for > 100 s with the default options)."""
     _outage_and_back(store_url, stoppable_s3, "hang")
 

@@ -29,6 +29,10 @@ beside what it does to the record; and the bytes at rest of the
 annotations' payload against the raw float32 logprobs (docs/benchmarks.md,
 "Training lineage").
 
+``--consumed N`` first writes N consumption rows of earlier steps (a long run's
+lineage; trajectory ids random then, as uuid4 ids are): a record's cost as the
+lineage tables grow.
+
 ``--postgres`` also runs it on a throwaway PostgreSQL (tests/pg_cluster.py);
 ``--url`` on a given one. ``--tree DIR`` imports trajstore from DIR instead of
 this checkout (an older commit, ``git worktree``/``git archive``d, measured
@@ -157,19 +161,40 @@ def _timed(fn) -> tuple[float, float]:
     return (time.perf_counter() - w) * 1e3, (time.thread_time() - t) * 1e3
 
 
-def run(url: str, payload: str, n: int, r: int, rounds: int, pause: float = 0.0) -> dict:
+def _fill_consumption(store: trajstore.Store, rows: int, n: int) -> None:
+    """``rows`` consumption rows of earlier steps (run "filler", ``n`` a step, random 32-hex
+    trajectory ids as uuid4 ids are), written straight into ``lineage_step_samples``."""
+    cols = ("run, step, rank, attempt, trajectory_id, sample_index, ordinal, response_len, "
+            "min_model_version, max_model_version")
+    with store.log.write_engine.begin() as conn:
+        if conn.dialect.name == "postgresql":
+            conn.exec_driver_sql(f"INSERT INTO lineage_step_samples ({cols}) SELECT 'filler', i / {n}, 0, 0, "
+                                 f"md5(i::text), 0, mod(i, {n}), 1, 1, 1 FROM generate_series(0, {rows - 1}) i")
+        else:
+            rng = np.random.default_rng(1)
+            for k in range(0, rows, 100_000):
+                conn.exec_driver_sql(f"INSERT INTO lineage_step_samples ({cols}) VALUES (?, ?, 0, 0, ?, 0, ?, 1, 1, 1)",
+                                     [("filler", i // n, rng.bytes(16).hex(), i % n)
+                                      for i in range(k, min(rows, k + 100_000))])
+
+
+def run(url: str, payload: str, n: int, r: int, rounds: int, pause: float = 0.0, consumed: int = 0) -> dict:
     store = trajstore.connect(url, payload=payload)
     rng = np.random.default_rng(0)
+    # with --consumed the ids are random, as uuid4 ids are (where each sample's index rows land)
+    ids = [rng.bytes(16).hex() if consumed else f"t{i}" for i in range(n)]
     events = []
-    for i in range(n):
-        events += [{"type": "trajectory_started", "trajectory_id": f"t{i}"},
-                   {"type": "generation", "trajectory_id": f"t{i}", "seq": 0, "prompt_ids": np.arange(64),
+    for tid in ids:
+        events += [{"type": "trajectory_started", "trajectory_id": tid},
+                   {"type": "generation", "trajectory_id": tid, "seq": 0, "prompt_ids": np.arange(64),
                     "output_ids": np.arange(r) % 1000, "logprobs": -rng.random(r).astype(np.float32),
                     "model_version": 1},
-                   {"type": "trajectory_finished", "trajectory_id": f"t{i}", "status": "completed"}]
+                   {"type": "trajectory_finished", "trajectory_id": tid, "status": "completed"}]
     for k in range(0, len(events), 300):
         store.append(events[k:k + 300])
     store.materialize()
+    if consumed:
+        _fill_consumption(store, consumed, n)
     wire = Wire(store, os.path.join(payload + ".trace"))
 
     read, plain, notes, control, control_warm = [], [], [], [], []
@@ -205,6 +230,7 @@ def run(url: str, payload: str, n: int, r: int, rounds: int, pause: float = 0.0)
         return out
 
     result = {"backend": store.log.write_engine.dialect.name, "samples": n, "tokens_per_sample": r,
+              "consumption_rows_before": consumed,
               "rounds": rounds, "pause_s": pause, "read": summary(read, wire_counts=False), "record": summary(plain),
               "record_with_logprobs": summary(notes),
               "annotation_bytes_per_float_byte": at_rest / (n * r * 4),
@@ -228,11 +254,14 @@ def main() -> None:
     parser.add_argument("--pause", type=float, default=0.0,
                         help="seconds between the step's read and its record (a trainer's step: on PostgreSQL a "
                              "connection idle >= 1 s is pinged at checkout, counted as a round trip)")
+    parser.add_argument("--consumed", type=int, default=0,
+                        help="consumption rows of earlier steps in the store before the rounds (a run's "
+                             "history: 1,000,000 is ~2,000 steps of 512), with random trajectory ids")
     args = parser.parse_args()
     tmp = tempfile.mkdtemp()
     results = {"tree": _tree(), "load_average": os.getloadavg()[0], "backends": []}
     results["backends"].append(run(f"sqlite:///{tmp}/store.db", os.path.join(tmp, "payload"), args.samples,
-                                   args.tokens, args.rounds, args.pause))
+                                   args.tokens, args.rounds, args.pause, args.consumed))
     cluster = None
     pg_url = args.url
     if args.postgres and pg_url is None:
@@ -245,7 +274,7 @@ def main() -> None:
     try:
         if pg_url is not None:
             results["backends"].append(run(pg_url, os.path.join(tmp, "pg-payload"), args.samples, args.tokens,
-                                           args.rounds, args.pause))
+                                           args.rounds, args.pause, args.consumed))
     finally:
         if cluster is not None:
             cluster.stop()

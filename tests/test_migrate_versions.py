@@ -416,3 +416,32 @@ def test_the_view_module_describes_the_reader_role_0002_makes():
     assert views_module.reader_role_sql() == [m.READER_ROLE_SQL]
     assert views_module.drop_reader_grants_sql() == [m.DROP_READER_GRANTS_SQL]
     assert m.VIEW_NAMES == views_module.VIEW_NAMES
+
+
+def test_0021_drops_the_per_sample_lineage_index_on_sqlite_only(store_url):
+    """The trainer's consumption rows keep their per-sample index on PostgreSQL only (on
+    SQLite it cost the record a WAL page per sample: docs/benchmarks.md, "Training
+    lineage"); the rows stay, one trajectory's still answer, and the downgrade puts it back."""
+    engine = create_engine(store_url)
+    sqlite = engine.dialect.name == "sqlite"
+
+    def indexed() -> bool:
+        return "ix_lineage_step_samples_sample" in {ix["name"] for ix in inspect(engine).get_indexes(
+            "lineage_step_samples")}
+
+    try:
+        _migrate(engine, "0020")
+        with engine.begin() as conn:
+            conn.execute(text("INSERT INTO lineage_step_samples (run, step, rank, attempt, trajectory_id, "
+                              "sample_index, ordinal, response_len, min_model_version, max_model_version) "
+                              "VALUES ('r', 1, 0, 0, 't1', 0, 0, 5, 1, 2), ('r', 1, 0, 0, 't2', 0, 1, 3, 1, 1)"))
+        assert indexed()
+        _migrate(engine, "0021")
+        assert indexed() is not sqlite
+        with engine.connect() as conn:
+            assert conn.execute(text("SELECT step, ordinal FROM lineage_step_samples WHERE trajectory_id = 't2'")
+                                ).fetchall() == [(1, 1)]
+        _migrate(engine, "0020", down=True)
+        assert indexed()
+    finally:
+        engine.dispose()

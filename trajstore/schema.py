@@ -344,7 +344,9 @@ lineage_step_samples = Table(
     Column("response_len", Integer, nullable=False),
     Column("min_model_version", Integer, nullable=False),
     Column("max_model_version", Integer, nullable=False),
-    Index("ix_lineage_step_samples_sample", "trajectory_id", "sample_index"),
+    # PostgreSQL only (migration 0021): on SQLite a step's samples would scatter over its leaf
+    # pages, each written whole to the WAL by the trainer's record
+    Index("ix_lineage_step_samples_sample", "trajectory_id", "sample_index").ddl_if(dialect="postgresql"),
 )
 
 # One row per sample_annotation event. Its arrays live in a payload segment

@@ -152,11 +152,10 @@ def _assert_every_acknowledged_payload_present(store, tids: list[str]) -> None:
     assert {s.trajectory_id for s in store.samples()} == set(tids)
 
 
-def _unknown_outcome(store, cluster: PgCluster, events, condition: str, holder, kills: int = 1) -> None:
-    """Append ``events`` on a thread, kill its backend once it matches ``condition`` (it
-    waits on a lock ``holder`` holds), ``kills`` times, and check the caller got a
-    retriable, one-line ``CommitUnknownError``; ``holder`` is closed (the kill restarted
-    every session)."""
+def _killed_while_waiting(store, cluster: PgCluster, events, condition: str, holder, kills: int = 1) -> dict:
+    """Append ``events`` on a thread and kill its backend once it matches ``condition`` (it
+    waits on a lock ``holder`` holds), ``kills`` times; ``holder`` is closed (the kill
+    restarted every session). The thread's outcome: ``{"result": ...}`` or ``{"error": ...}``."""
     try:
         t, out = _append_in_thread(store, events)
         for _ in range(kills):
@@ -165,6 +164,12 @@ def _unknown_outcome(store, cluster: PgCluster, events, condition: str, holder, 
         assert not t.is_alive()
     finally:
         holder.close()
+    return out
+
+
+def _unknown_outcome(store, cluster: PgCluster, events, condition: str, holder, kills: int = 1) -> None:
+    """``_killed_while_waiting``, and the caller got a retriable, one-line ``CommitUnknownError``."""
+    out = _killed_while_waiting(store, cluster, events, condition, holder, kills)
     err = out.get("error")
     assert isinstance(err, CommitUnknownError), f"expected a retriable CommitUnknownError, got {out!r}"
     assert "\n" not in str(err)
@@ -249,24 +254,26 @@ def test_a_step_whose_pipelined_commit_landed_before_the_kill_is_acknowledged(cl
 _STEP_INSERT_WAITS = "wait_event_type = 'Lock' AND query LIKE 'INSERT INTO lineage_steps%%'"
 
 
-def test_a_step_killed_mid_pipeline_is_sent_again_and_stored_once(cluster, tmp_path):
-    """The backend is killed while a write of the pipeline waits for a lock, the COMMIT
-    queued behind it. The step is not stored, so it is sent once more on a new
-    connection (its identity and lineage key are unique: the two sends cannot both
-    land): the caller is acknowledged, and the step is stored once."""
+def _a_sample_and_its_steps_locked(cluster: PgCluster, tmp_path):
+    """A store with one materialized sample ("a", 0), its database and an admin connection
+    in a transaction holding a lock a step's ``lineage_steps`` INSERT waits for."""
     store, dbname = _store(cluster, tmp_path)
     store.append(_trajectory("a"))
     store.materialize()
     holder = _admin(cluster, dbname)
     holder.execute("BEGIN")
-    holder.execute("LOCK TABLE lineage_steps IN SHARE MODE")  # the step's INSERT waits for it
-    try:
-        t, out = _append_in_thread(store, [_step(1, [["a", 0]])])
-        _kill_backend_when(cluster, _STEP_INSERT_WAITS)  # ends every session: the lock too
-        t.join(timeout=120)
-        assert not t.is_alive()
-    finally:
-        holder.close()
+    holder.execute("LOCK TABLE lineage_steps IN SHARE MODE")
+    return store, dbname, holder
+
+
+def test_a_step_killed_mid_pipeline_is_sent_again_and_stored_once(cluster, tmp_path):
+    """The backend is killed while a write of the pipeline waits for a lock, the COMMIT
+    queued behind it. The step is not stored, so it is sent once more on a new
+    connection (its identity and lineage key are unique: the two sends cannot both
+    land): the caller is acknowledged, and the step is stored once."""
+    store, _, holder = _a_sample_and_its_steps_locked(cluster, tmp_path)
+    # the kill ends every session: the lock too
+    out = _killed_while_waiting(store, cluster, [_step(1, [["a", 0]])], _STEP_INSERT_WAITS, holder)
     assert "error" not in out, f"the step was not stored, yet its second send failed: {out['error']!r}"
     assert out["result"].num_appended == 1 and out["result"].last_position is not None
     assert _lineage(store) == [(1, 0, 1, 1)]
@@ -279,12 +286,7 @@ def test_a_step_lost_on_both_sends_is_a_retriable_unknown_outcome_never_a_succes
     crash restart the kill causes: the first send is killed waiting for it, the second
     send waits for it again and is killed too. Not stored, and the caller is told the
     outcome is unknown (retry), never that it succeeded, nor a certain failure."""
-    store, dbname = _store(cluster, tmp_path)
-    store.append(_trajectory("a"))
-    store.materialize()
-    holder = _admin(cluster, dbname)
-    holder.execute("BEGIN")
-    holder.execute("LOCK TABLE lineage_steps IN SHARE MODE")
+    store, dbname, holder = _a_sample_and_its_steps_locked(cluster, tmp_path)
     holder.execute("PREPARE TRANSACTION 'hold_steps'")  # outlives the session and the crash restart
     try:
         _unknown_outcome(store, cluster, [_step(1, [["a", 0]])], _STEP_INSERT_WAITS, holder, kills=2)
@@ -313,32 +315,31 @@ def test_backends_killed_at_random_under_retrying_appenders(cluster, tmp_path):
     # on a loaded machine a fixed amount of work could end before three kills.
     enough = threading.Event()
 
-    def appender(w: int) -> None:
-        while True:  # opening the store reads it too: its backend may be the one killed
+    def retried(call) -> tuple[bool, object]:
+        """``call()`` again while it raises ``StoreUnavailable``; (False, None) after any other
+        error (which fails the test below). Every error is noted."""
+        while True:
             try:
-                s = trajstore.connect(url, payload=store.payload.location, migrate=False)
-                break
+                return True, call()
             except StoreUnavailable as e:
                 seen_errors.append(e)
                 time.sleep(0.05)
-            except BaseException as e:  # anything else fails the test below
+            except BaseException as e:
                 seen_errors.append(e)
-                return
+                return False, None
+
+    def appender(w: int) -> None:
+        # opening the store reads it too: its backend may be the one killed
+        ok, s = retried(lambda: trajstore.connect(url, payload=store.payload.location, migrate=False))
+        if not ok:
+            return
         try:
             k = 0
             while k < 12 or (not enough.is_set() and k < 1000):
                 evs = small_trajectory(w, k)
                 for i in range(0, len(evs), 2):
-                    while True:
-                        try:
-                            s.append(evs[i:i + 2])
-                            break
-                        except StoreUnavailable as e:
-                            seen_errors.append(e)
-                            time.sleep(0.05)
-                        except BaseException as e:  # anything else fails the test below
-                            seen_errors.append(e)
-                            return
+                    if not retried(lambda: s.append(evs[i:i + 2]))[0]:
+                        return
                 acked.append((w, k))
                 k += 1
         finally:

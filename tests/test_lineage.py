@@ -945,3 +945,38 @@ def test_two_writers_racing_for_one_step_key_one_wins_the_other_conflicts(store,
     for k in range(20):
         assert sorted((outcomes["x"][k], outcomes["y"][k])) == ["conflict", "stored"], (k, outcomes)
     assert sql(store, "SELECT count(*), count(DISTINCT step) FROM lineage_steps") == [(20, 20)]
+
+
+def test_huge_trainer_logprobs_leave_the_views_the_tracker_and_the_report_readable(store, store_url):
+    """A finite but huge trainer logprob (1e30) makes each token's k3 about exp(700),
+    1e304: two annotations of 10,000 such tokens summed overflowed float64, and
+    PostgreSQL's ``SUM`` in ``train_rollout_mismatch_by_version``, the tracker's and the
+    report's queries failed (``value out of range: overflow``). k3 and its stored sums
+    are clamped to ``SUMMED_K3_BOUND``; |r| keeps its value."""
+    from trajstore._lineage import MAX_LOG_RATIO, SUMMED_K3_BOUND
+    from trajstore.inspect._panels import collect
+    from trajstore.inspect.sql import read_only
+    from trajstore.inspect.trackers import store_metrics
+
+    n = 10_000
+    events = []
+    for tid in ("a", "b"):
+        events += [started(tid), gen(tid, 0, [1], list(range(2, n + 2)), version=2, logprobs=[-1.0] * n),
+                   finished(tid)]
+    store.append(events)
+    store.materialize()
+    huge = np.full(n, 1e30, np.float32)
+    store.append([step(samples=[("a", 0), ("b", 0)]), note("a", 0, trainer_logprobs=huge),
+                  note("b", 0, trainer_logprobs=huge)])
+    [(tokens, k3_mean, abs_mean)] = sql(store, "SELECT tokens_compared, k3_mean, abs_log_ratio_mean "
+                                               "FROM train_rollout_mismatch_by_version")
+    assert tokens == 2 * n and math.isclose(k3_mean, SUMMED_K3_BOUND / n, rel_tol=1e-9)
+    assert abs_mean == MAX_LOG_RATIO
+    assert sql(store, "SELECT max(log_ratio_max_abs) FROM train_rollout_mismatch") == [(MAX_LOG_RATIO,)]
+    with read_only(reader_url_for(store_url)) as query:
+        values = store_metrics(query).values
+        panels = {p["name"]: p for p in collect(query)["panels"]}
+    assert math.isclose(values["mismatch/k3_mean"], SUMMED_K3_BOUND / n, rel_tol=1e-9)
+    assert all(math.isfinite(v) for v in values.values())
+    drawn = [p for name, p in panels.items() if "mismatch" in name or "k3" in (p["title"] or "")]
+    assert drawn and all(p["figure"] for p in drawn), [(p["name"], p["note"]) for p in drawn]

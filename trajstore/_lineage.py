@@ -40,10 +40,17 @@ from trajstore.payload._columns import list_column
 from trajstore.sample import Sample
 
 __all__ = ["LineageFact", "LineagePlan", "SampleSource", "admit_lineage", "event_columns", "is_lineage", "rollout_mismatch", "annotation_table",
-           "lineage_key", "MAX_LOG_RATIO", "rollout_mismatches", "checkable_in_sql", "unread_step_facts"]
+           "lineage_key", "MAX_LOG_RATIO", "SUMMED_K3_BOUND", "rollout_mismatches", "checkable_in_sql", "unread_step_facts"]
 
 MAX_LOG_RATIO = 700.0
 """|r| is clipped here before exp (exp(709) overflows float64): a k3 stays finite."""
+
+SUMMED_K3_BOUND = 1e100
+"""A token's k3 and every sum of k3 stored (per annotation, per model version) are
+clamped to this, like the rewards' ``SUMMED_REWARD_BOUND``: a k3 near exp(700) is
+finite, but a few of them summed overflow float64 and the views' ``SUM`` over them
+fails on PostgreSQL (``value out of range: overflow``). ``log_ratio_max_abs`` and
+the |r| sums keep the values (|r| <= ``MAX_LOG_RATIO``)."""
 
 
 def is_lineage(event: Event) -> bool:
@@ -260,6 +267,7 @@ def rollout_mismatches(trainer_logprobs: Sequence[np.ndarray], samples: Sequence
          - np.concatenate([s.rollout_logprobs for s in samples])[mask].astype(np.float64))
     np.clip(r, -MAX_LOG_RATIO, MAX_LOG_RATIO, out=r)
     k3 = np.expm1(r) - r
+    np.minimum(k3, SUMMED_K3_BOUND, out=k3)  # k3 >= 0; a sum of n stays below n * 1e100
     absr = np.abs(r)
     versions = np.concatenate([s.token_model_versions for s in samples])[mask].astype(np.int64)
     # (sample, version) groups: versions are int32, so one int64 key holds both
@@ -289,6 +297,8 @@ def rollout_mismatches(trainer_logprobs: Sequence[np.ndarray], samples: Sequence
         abs_sums = np.bincount(owner, weights=absr, minlength=n)
         max_abs = np.zeros(n)
         np.maximum.at(max_abs, owner, absr)
+    np.minimum(g_k3, SUMMED_K3_BOUND, out=g_k3)
+    np.minimum(k3_sums, SUMMED_K3_BOUND, out=k3_sums)
     per_version: list[list[tuple[int, int, float, float]]] = [[] for _ in range(n)]
     for key, c, k, a in zip(keys.tolist(), g_counts.tolist(), g_k3.tolist(), g_abs.tolist()):
         v = key & 0xFFFFFFFF

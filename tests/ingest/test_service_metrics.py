@@ -5,6 +5,7 @@ whole service (multiprocess mode), not one random worker's counters."""
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
@@ -44,9 +45,21 @@ def test_duplicates_are_counted_apart_from_ingested_events(store):
     assert got[("trajstore_ingest_body_bytes_in_flight", ())] == 0
 
 
+def _own_tmp(tmp_path) -> tuple[str, dict]:
+    """A temp dir of this test's own for serve (its metrics directories), and the env naming it:
+    other serves on the machine make theirs elsewhere."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    return str(tmp), {**os.environ, "TRAJSTORE_TOKEN": TOKEN, "TMPDIR": str(tmp)}
+
+
+def _metrics_dirs(tmp: str) -> list[str]:
+    return sorted(d for d in os.listdir(tmp) if d.startswith("trajstore-serve-metrics-"))
+
+
 def test_every_scrape_of_a_multi_worker_service_sees_all_workers(tmp_path):
-    with serve_process("--store", f"sqlite:///{tmp_path}/s.db", "serve", "--workers", "2",
-                       env={**os.environ, "TRAJSTORE_TOKEN": TOKEN}) as (_, url):
+    tmp, env = _own_tmp(tmp_path)
+    with serve_process("--store", f"sqlite:///{tmp_path}/s.db", "serve", "--workers", "2", env=env) as (_, url):
         n = 24
         for i in range(n):  # a new connection each: the kernel spreads them over the workers
             assert httpx.post(f"{url}/v1/events", content=encode_events(_events(f"w{i}")),
@@ -57,8 +70,49 @@ def test_every_scrape_of_a_multi_worker_service_sees_all_workers(tmp_path):
             seen.append((got[("trajstore_ingest_requests_total", (("status", "200"),))],
                          got[("trajstore_ingest_events_total", ())]))
         assert seen == [(n, 3 * n)] * 8, seen
-    leftovers = [d for d in os.listdir(os.environ.get("TMPDIR", "/tmp")) if d.startswith("trajstore-serve-metrics-")]
-    assert not leftovers, leftovers
+    assert not _metrics_dirs(tmp)
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except (OSError, ValueError):
+            continue
+        if entry.isdigit() and int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            out.append(int(entry))
+    return out
+
+
+def test_a_serve_killed_with_minus_9_leaves_a_metrics_directory_the_next_serve_removes(tmp_path):
+    """``serve --workers N`` killed with -9 cannot remove its multiprocess metrics directory:
+    the next ``serve`` removes the ones whose serve and workers are gone, and keeps a live one's."""
+    import signal
+
+    tmp, env = _own_tmp(tmp_path)
+    live = os.path.join(tmp, f"trajstore-serve-metrics-{os.getpid()}-live")  # this process: alive
+    os.mkdir(live)
+    args = ("--store", f"sqlite:///{tmp_path}/s.db", "serve", "--workers", "2")
+    with serve_process(*args, env=env) as (proc, url):
+        assert httpx.post(f"{url}/v1/events", content=encode_events(_events("k")), headers=HEADERS).status_code == 200
+        workers = _children(proc.pid)
+        (killed,) = [d for d in _metrics_dirs(tmp) if not d.endswith("-live")]
+        for pid in [proc.pid, *workers]:
+            os.kill(pid, signal.SIGKILL)
+        proc.wait()
+    for pid in workers:  # reaped by init once their parent is gone
+        for _ in range(200):
+            if not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z":
+                break
+            time.sleep(0.05)
+    assert _metrics_dirs(tmp) == sorted([killed, os.path.basename(live)])
+    with serve_process(*args, env=env) as (proc, url):
+        assert httpx.get(f"{url}/healthz").status_code == 200
+        now = _metrics_dirs(tmp)
+        assert killed not in now and os.path.basename(live) in now and len(now) == 2, now
+    assert _metrics_dirs(tmp) == [os.path.basename(live)]
 
 
 def test_the_token_rule_denies_by_default_every_endpoint_not_listed_open(store):

@@ -6,11 +6,20 @@ Under ``serve --workers N`` every worker process writes its values into
 
 from __future__ import annotations
 
+import logging
 import os
+import re
+import shutil
+import tempfile
 
-__all__ = ["MULTIPROC_ENV", "Metrics"]
+__all__ = ["MULTIPROC_ENV", "Metrics", "make_multiproc_dir"]
+
+log = logging.getLogger(__name__)
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"  # prometheus_client's multiprocess mode (serve --workers N)
+_DIR_PREFIX = "trajstore-serve-metrics-"
+_DIR_NAME = re.compile(re.escape(_DIR_PREFIX) + r"(\d+)-")
+_FILE_PID = re.compile(r"_(\d+)\.db$")  # prometheus_client's files: <kind>_<pid>.db
 _LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
@@ -85,3 +94,42 @@ class Metrics:
             MultiProcessCollector(registry)
             return generate_latest(registry).decode()
         return generate_latest(self.registry).decode()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process (EPERM): alive
+        return True
+    try:  # a zombie (killed, not reaped yet) is gone too
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def make_multiproc_dir(parent: str | None = None) -> str:
+    """A new ``trajstore-serve-metrics-<pid>-*`` directory in ``parent`` (the temp dir) for
+    ``serve --workers N``'s multiprocess metrics, after removing the ones a killed ``serve``
+    left there: this user's, whose ``serve`` and every worker named by its files are gone
+    (a ``serve`` stopped normally removes its own; one killed with -9 cannot)."""
+    parent = parent or tempfile.gettempdir()
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        names = []
+    for name in names:
+        m = _DIR_NAME.match(name)
+        path = os.path.join(parent, name)
+        try:
+            if not m or os.stat(path).st_uid != os.getuid() or _alive(int(m.group(1))):
+                continue
+            if any(_alive(int(f.group(1))) for f in map(_FILE_PID.search, os.listdir(path)) if f):
+                continue
+        except OSError:
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        log.info("removed %s: the metrics directory of a serve that is gone", path)
+    return tempfile.mkdtemp(prefix=f"{_DIR_PREFIX}{os.getpid()}-", dir=parent)

@@ -43,7 +43,7 @@ from trajstore.ingest._group_commit import (DEFAULT_COMMITTERS, DEFAULT_GROUP_WA
 from trajstore.ingest._http import OPEN_PATHS, BearerAuth, add_server_arguments, run_server, server_token
 from trajstore.ingest._http import HTTPError as _HTTPError
 from trajstore.ingest._json_body import decode_json, parse_body
-from trajstore.ingest._metrics import MULTIPROC_ENV, Metrics
+from trajstore.ingest._metrics import MULTIPROC_ENV, Metrics, make_multiproc_dir
 
 # The body parsers, the byte budget, the metrics and the defaults come from the
 # service's internals (_body, _json_body, _metrics, _group_commit): importable
@@ -384,10 +384,8 @@ def serve(config: ServeConfig | str | None = None, *args: Any, **settings: Any) 
     os.environ[_CONFIG_ENV] = config.to_env()
     metrics_dir = None
     if config.workers > 1 and not os.environ.get(MULTIPROC_ENV):
-        import tempfile
-
         # every worker counts into this directory; a scrape of any worker sums them (Metrics.render)
-        metrics_dir = os.environ[MULTIPROC_ENV] = tempfile.mkdtemp(prefix="trajstore-serve-metrics-")
+        metrics_dir = os.environ[MULTIPROC_ENV] = make_multiproc_dir()
     try:
         # http=: TCP_NODELAY on every accepted connection, whatever socket the
         # workers were handed (see _nodelay).

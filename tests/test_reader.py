@@ -24,6 +24,7 @@ import time
 from collections import Counter
 from typing import Any, Callable
 
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -810,6 +811,99 @@ def test_a_reader_that_gave_up_raises_again_or_resumes_never_ends(fault_cluster,
     second = next(reader)  # resumes where it was: the next step, nothing lost or repeated
     reader.close()
     assert keys(first + second) == [(s.trajectory_id, s.sample_index) for s in store.samples()]
+    store.close()
+
+
+def _start_again_after(cluster, down_s: float) -> threading.Thread:
+    from pg_cluster import start_cluster_again
+
+    def later():
+        time.sleep(down_s)
+        start_cluster_again(cluster)
+
+    thread = threading.Thread(target=later, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.timeout(240)
+def test_opening_a_reader_waits_out_a_server_down_and_a_missing_store_fails_at_once(fault_cluster, tmp_path, caplog):
+    """``SampleReader(url)`` while the server is down waits like reading (a supervised
+    trainer restarting during an outage crash-looped), up to ``unavailable_timeout_s``;
+    a store that is not there still fails at once."""
+    import logging
+
+    from pg_cluster import crash_cluster
+    from trajstore.errors import StoreUnavailable
+
+    caplog.set_level(logging.INFO, logger="trajstore.reader")
+    store = _pg_store(fault_cluster, tmp_path)
+    append_samples(store, 0, 4)
+    url, payload = store.url, store.payload.location
+    store.close()
+    crash_cluster(fault_cluster)
+    began = time.monotonic()
+    with pytest.raises(StoreUnavailable, match="opening the store.*unavailable_timeout_s=1"):
+        SampleReader(url, payload=payload, batch_size=4, unavailable_timeout_s=1.0)
+    assert 0.7 < time.monotonic() - began < 10
+    restarted = _start_again_after(fault_cluster, 3.0)
+    began = time.monotonic()
+    reader = SampleReader(url, payload=payload, batch_size=4)
+    waited = time.monotonic() - began
+    restarted.join()
+    assert waited > 2.0 and reader.stats.unavailable_waits == 1, waited
+    assert len(next(reader)) == 4
+    reader.close()
+    lines = _reader_lines(caplog)
+    assert sum("store unavailable while opening the store" in m for m in lines) == 2, lines
+    # not there: no wait (the default unavailable_timeout_s is 120 s)
+    for missing in (fault_cluster.url("no_such_database"), f"sqlite:///{tmp_path}/none.db",
+                    fault_cluster.create_database()):  # a database without trajstore's schema
+        began = time.monotonic()
+        with pytest.raises(StoreUnavailable) as info:
+            SampleReader(missing, payload=payload)
+        assert time.monotonic() - began < 5, (missing, str(info.value))
+        assert "unavailable_timeout_s" not in str(info.value)
+
+
+@pytest.mark.timeout(240)
+def test_record_step_waits_out_a_database_restart_and_records_once(fault_cluster, tmp_path, caplog):
+    """A restart overlapping a step's end: ``record_step`` waits it out as ``next()``
+    does (a trainer written as the README shows died there), and the step is recorded
+    once, however many tries it took."""
+    import logging
+
+    from pg_cluster import crash_cluster
+    from sqlalchemy import text
+
+    caplog.set_level(logging.INFO, logger="trajstore.reader")
+    store = _pg_store(fault_cluster, tmp_path)
+    append_samples(store, 0, 8)
+    reader = SampleReader(store.url, payload=store.payload.location, batch_size=4)
+    batches = [next(reader)]
+    reader.record_step(0, run="r", policy_version=0)
+    batches.append(next(reader))
+    notes = ({"trajectory_id": s.trajectory_id, "sample_index": s.sample_index,
+              "advantages": np.ones(len(s.response_ids), np.float32)} for s in batches[1])  # an iterator
+    crash_cluster(fault_cluster)
+    restarted = _start_again_after(fault_cluster, 3.0)
+    began = time.monotonic()
+    recorded = reader.record_step(1, run="r", policy_version=0, annotations=notes)
+    waited = time.monotonic() - began
+    restarted.join()
+    assert waited > 2.0 and (recorded.step, recorded.attempt, recorded.num_samples) == (1, 0, 4), (waited, recorded)
+    assert reader.stats.unavailable_waits == 1
+    assert any("store unavailable while recording step 1 of run 'r'" in m for m in _reader_lines(caplog))
+    with store.log.read_engine.connect() as conn:
+        steps = conn.execute(text("SELECT step, attempt, num_samples FROM train_steps ORDER BY step")).all()
+        consumed = conn.execute(text("SELECT step, trajectory_id, sample_index FROM sample_consumption "
+                                     "ORDER BY step, ordinal")).all()
+        annotated = conn.execute(text("SELECT count(*) FROM lineage_annotations WHERE step = 1")).scalar_one()
+    assert [tuple(r) for r in steps] == [(0, 0, 4), (1, 0, 4)]
+    assert [tuple(r) for r in consumed] == [(i, s.trajectory_id, s.sample_index)
+                                            for i, b in enumerate(batches) for s in b]
+    assert annotated == 4
+    reader.close()
     store.close()
 
 

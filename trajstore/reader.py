@@ -38,26 +38,26 @@ replay server's database down), for up to ``unavailable_timeout_s``, with
 one log line when the wait starts and one when it ends; only then does the
 error reach the trainer. An iteration that raised resumes, at the next
 ``next()``, after the last batch it handed out: it never ends as if the data
-were exhausted.
+were exhausted. Opening a store by URL and ``record_step`` wait the same way
+(``_reader_patience``).
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 import warnings
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
-from typing import Any, Callable, Iterator, Sequence, TypeVar
+from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 
 from trajstore import _reader_state
-from trajstore._backoff import Backoff
 from trajstore._batch_plan import Key, Step, Unit, UnitBuilder, plan_step, row_key
 from trajstore._deprecated import renamed
+from trajstore._reader_patience import Patient
 from trajstore._reader_lease import ReadLease, holder as _lease_holder
 from trajstore._read_ahead import ReadAhead as _ReadAhead, read_ahead as _read_ahead
 from trajstore._policies import (IDLE, FifoPolicy, FreshnessPolicy, ReadyFirstPolicy, ReusePolicy, SamplingPolicy,
@@ -66,7 +66,7 @@ from trajstore._reader_config import ReaderConfig, ReaderStats, _settings
 from trajstore._reader_seam import ReaderEventLog, ReaderPayload, ReaderSampleIndex, ReaderStore
 from trajstore._reader_state import STATE_FORMAT, STATE_FORMAT_VERSION
 from trajstore._samples import read_segment_samples
-from trajstore.errors import ProjectionChangedError, StoreUnavailable, TrajstoreError, ValidationError, first_line
+from trajstore.errors import ProjectionChangedError, TrajstoreError, ValidationError
 from trajstore.sample import Sample
 
 __all__ = ["FifoPolicy", "FreshnessPolicy", "ReadyFirstPolicy", "ReaderConfig", "ReaderEventLog", "ReaderPayload",
@@ -74,11 +74,10 @@ __all__ = ["FifoPolicy", "FreshnessPolicy", "ReadyFirstPolicy", "ReaderConfig", 
 
 _log = logging.getLogger("trajstore.reader")
 
-T = TypeVar("T")
 _CLOSE_WAIT_S = 120.0  # longest close() waits for reads under way (they give up once it is closing)
 
 
-class SampleReader:
+class SampleReader(Patient):
     """Batches (lists of ``Sample``) for one data-parallel rank, in the global step order.
 
     ``store`` is a ``Store``, a store URL, or any ``ReaderStore`` (the five reads
@@ -113,17 +112,18 @@ class SampleReader:
         if not isinstance(world_size, int) or world_size < 1 or not isinstance(rank, int) or not 0 <= rank < world_size:
             raise ValidationError(f"rank {rank!r} not in [0, world_size={world_size!r})", rule="reader_config")
         self.config = ReaderConfig(**_settings(type(self).__name__, config, fields))
-        self._owns_store = isinstance(store, str)
-        if self._owns_store:
-            from trajstore.store import connect
-
-            store = connect(store, payload=payload, migrate=False, create=False)
-        self.store: ReaderStore = store
         self.rank, self.world_size = rank, world_size
         self.stats = ReaderStats()
-        self._closing = threading.Event()  # set by close(): a wait for the store gives up
-        self._outage_lock = threading.Lock()
-        self._outage_since: float | None = None  # when the current wait for an unavailable store began
+        self._patience_init()
+        self._owns_store = isinstance(store, str)
+        if self._owns_store:
+            from trajstore.log._errors import transient_opening
+            from trajstore.store import connect
+
+            url = store  # opening waits out a server down or restarting, as reading does
+            store = self._retrying("opening the store", lambda: connect(url, payload=payload, migrate=False,
+                                                                        create=False), transient_opening)
+        self.store: ReaderStore = store
         # the sample index read: the default samples, or a named projection's
         name = self.config.projection
         self._index: ReaderSampleIndex = (store.materialized if name is None else
@@ -389,8 +389,14 @@ class SampleReader:
         A replayed step with the same content is a no-op; one redone differently
         takes the next attempt (``trajstore.lineage``). Returns a ``RecordedStep``."""
         version = self.current_model_version if policy_version is None else policy_version
-        return self._lineage_recorder().record(step, run=run, policy_version=version,  # type: ignore[arg-type]
-                                               metrics=metrics, annotations=annotations, attempt=attempt)
+        if annotations is not None and not isinstance(annotations, (Mapping, Sequence)):
+            annotations = list(annotations)  # an iterator: read once, the same for every try
+        recorder = self._lineage_recorder()
+        # waits out an unavailable store as reading does: a try that failed stored nothing or
+        # this same content, which the next finds stored (a no-op, by identity)
+        return self._retrying(f"recording step {step} of run {run!r}", lambda: recorder.record(
+            step, run=run, policy_version=version, metrics=metrics,  # type: ignore[arg-type]
+            annotations=annotations, attempt=attempt))
 
     def _lineage_recorder(self) -> Any:
         recorder = self.__dict__.get("_lineage")
@@ -635,59 +641,6 @@ class SampleReader:
         """Position up to which every materializer shard has committed its samples."""
         read = lambda: self._index.watermark(self.config.num_shards)  # noqa: E731
         return self._retrying("reading the watermark", read) if retry else read()
-
-    # -- an unavailable store ----------------------------------------------------
-    def _retrying(self, what: str, read: Callable[[], T]) -> T:
-        """``read()``, retried with backoff while it raises ``StoreUnavailable``, for
-        up to ``unavailable_timeout_s`` from the first failed attempt's start.
-        One WARNING when the reader starts waiting and one INFO when the store is
-        back, however many reads (prefetch, parallel payload reads) wait meanwhile;
-        ``stats.unavailable_waits`` / ``unavailable_s`` count the waits."""
-        backoff: Backoff | None = None
-        while True:
-            started = time.monotonic()
-            try:
-                result = read()
-            except StoreUnavailable as e:
-                if self._closing.is_set():  # closed: the read ends here, it is no outage
-                    raise StoreUnavailable(f"{what}: the reader was closed ({first_line(e)})") from None
-                if backoff is None:
-                    backoff = Backoff(first_s=0.1, max_s=2.0)
-                    backoff.start = started
-                    self._outage_began(started, what, e)
-                budget = self.config.unavailable_timeout_s
-                if backoff.exhausted(budget):
-                    _log.error("trajstore reader (rank %d of %d): gave up %s after %g s: %s",
-                               self.rank, self.world_size, what, budget, first_line(e))
-                    raise StoreUnavailable(f"{what}: the store stayed unavailable for {budget:g} s "
-                                           f"(unavailable_timeout_s={budget:g}): {first_line(e)}") from None
-                if self._closing.wait(backoff.delay):
-                    raise StoreUnavailable(f"{what}: the reader was closed while the store was unavailable "
-                                           f"({first_line(e)})") from None
-                backoff.delay = min(backoff.delay * 2, backoff.max_s)
-                continue
-            if self._outage_since is not None:
-                self._outage_ended()
-            return result
-
-    def _outage_began(self, at: float, what: str, e: BaseException) -> None:
-        with self._outage_lock:
-            if self._outage_since is not None:
-                return  # another read of this reader is waiting already and said so
-            self._outage_since = at
-            self.stats.unavailable_waits += 1
-        _log.warning("trajstore reader (rank %d of %d): store unavailable while %s (%s); retrying for up to %g s",
-                     self.rank, self.world_size, what, first_line(e), self.config.unavailable_timeout_s)
-
-    def _outage_ended(self) -> None:
-        with self._outage_lock:
-            since, self._outage_since = self._outage_since, None
-            if since is None:
-                return
-            waited = time.monotonic() - since
-            self.stats.unavailable_s += waited
-        _log.info("trajstore reader (rank %d of %d): store available again after %.1f s",
-                  self.rank, self.world_size, waited)
 
 
 def _split(items: list[int], n: int) -> list[list[int]]:

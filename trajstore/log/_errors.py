@@ -29,7 +29,8 @@ transaction resolves itself (it looks whether the commit landed).
 ``StoreUnavailable("<what>: <the driver's first line>")``, except, with
 ``races=True``, a unique key another process took first (``StaleState``: the
 caller reads what it wrote), and a server starting up, in recovery or shutting
-down (``ServerRecovering``, a ``StoreUnavailable`` the caller may wait out).
+down (``ServerRecovering``, a ``StoreUnavailable`` the caller may wait out), and a
+server no connection reached (``ServerUnreachable``, the same; ``transient_opening``).
 
 ``driver_errors(what, mode="user_query")``: a query a user wrote (``trajstore
 sql``) that the database refused: ``TrajstoreError("<what>: <the database's
@@ -48,8 +49,8 @@ from sqlalchemy.exc import (DataError, DBAPIError, IntegrityError, InterfaceErro
 from trajstore.errors import IndexInvariantError, StoreUnavailable, TrajstoreError, ValidationError, first_line
 from trajstore.log.base import StaleState
 
-__all__ = ["RACE_KEYS", "ServerRecovering", "database_error_line", "driver_errors", "lost_connection",
-           "retriable_error", "translate", "unreachable", "wrapped"]
+__all__ = ["RACE_KEYS", "ServerRecovering", "ServerUnreachable", "database_error_line", "driver_errors",
+           "lost_connection", "retriable_error", "transient_opening", "translate", "unreachable", "wrapped"]
 
 # Unique keys whose violation means "another writer got there first" (-> StaleState);
 # PostgreSQL reports the constraint name, SQLite "table.column".
@@ -169,6 +170,28 @@ def _recovering(e: BaseException) -> bool:
     return state.startswith("57P") or any(t in text for t in _RECOVERING_TEXT)
 
 
+class ServerUnreachable(StoreUnavailable):
+    """Opening a store: no server answered (connection refused or timed out, the
+    connection dropped, no connection slot free), which a caller may wait out; a
+    refused login or a missing database is not this."""
+
+
+_UNREACHABLE_TEXT = ("connection refused", "could not connect", "timeout expired", "timed out",
+                     "server closed the connection", "connection reset", "no route to host",
+                     "not yet accepting connections", "too many clients", "no such file or directory")
+
+
+def _unreachable_server(e: BaseException) -> bool:
+    text = str(getattr(e, "orig", None) or e).lower()
+    return unreachable(e) and any(t in text for t in _UNREACHABLE_TEXT)
+
+
+def transient_opening(e: BaseException) -> bool:
+    """Is ``e``, raised opening a store, a server down or restarting (worth waiting
+    for), rather than a store that is not there or a login it refused?"""
+    return isinstance(e, (ServerRecovering, ServerUnreachable))
+
+
 def _raw_driver_errors() -> tuple[type[BaseException], ...]:
     """The DB-API base classes of the drivers trajstore uses, for a connection
     opened on the driver itself (``trajstore sql``), which SQLAlchemy does not wrap."""
@@ -214,6 +237,8 @@ def _opening_error(e: BaseException, what: str, races: bool) -> BaseException:
         return StaleState(f"{what}: another process wrote it first ({first_line(e)})")
     if _recovering(e):
         return ServerRecovering(f"{what}: {first_line(e)}")
+    if _unreachable_server(e):
+        return ServerUnreachable(f"{what}: {first_line(e)}")
     return StoreUnavailable(f"{what}: {first_line(e)}")
 
 

@@ -135,7 +135,12 @@ class Store:
         stores nothing when any event is refused; StoreUnavailable (retriable:
         ContentionError when other writers kept winning the race for the same
         trajectories, CommitUnknownError when the commit's outcome is unknown)
-        when the append may not have been stored. Retrying an append is safe."""
+        when the append may not have been stored. Retrying an append is safe. Its
+        object-store requests share one deadline (``payload/_deadline.py``)."""
+        with self.payload.deadline():
+            return self._append(events)
+
+    def _append(self, events: Iterable[Mapping[str, Any] | Event]) -> AppendResult:
         parsed = _parse_all(events)
         digests = _Digests([ev for ev, _ in parsed])
         # A batch that starts every trajectory it touches expects none of them, nor

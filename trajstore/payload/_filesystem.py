@@ -15,8 +15,9 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 
 from trajstore.errors import StoreUnavailable, first_line
+from trajstore.payload._deadline import DEFAULT_DEADLINE_S
 
-__all__ = ["is_uri", "filesystem_of", "join", "S3_DEFAULTS"]
+__all__ = ["is_uri", "deadline_of", "filesystem_of", "join", "S3_DEFAULTS"]
 
 
 def is_uri(location: str) -> bool:
@@ -31,8 +32,10 @@ def is_uri(location: str) -> bool:
 # attempt of an upload waits the 1 s of "Expect: 100-continue", about 5 s while curl's
 # speed window still counts the bytes sent, then ``request_timeout``, which is curl's
 # low-speed time: a transfer that moves bytes is never cut, however long it takes).
-S3_DEFAULTS = {"connect_timeout": 2.0, "request_timeout": 3.0, "retries": 2}
-_S3_FLOAT = ("connect_timeout", "request_timeout")
+# ``deadline`` is trajstore's, not pyarrow's: whatever the number of requests and attempts
+# in an append, it fails by then (``payload/_deadline.py``).
+S3_DEFAULTS = {"connect_timeout": 2.0, "request_timeout": 3.0, "retries": 2, "deadline": DEFAULT_DEADLINE_S}
+_S3_FLOAT = ("connect_timeout", "request_timeout", "deadline")
 _S3_STR = ("region", "scheme", "endpoint_override", "access_key", "secret_key", "session_token", "role_arn",
            "tls_ca_file_path")
 _S3_BOOL = ("anonymous", "force_virtual_addressing", "allow_bucket_creation", "background_writes",
@@ -70,10 +73,22 @@ def _s3_filesystem(location: str) -> tuple[pafs.FileSystem, str]:
     if parsed.username:
         opts.setdefault("access_key", unquote(parsed.username))
         opts.setdefault("secret_key", unquote(parsed.password or ""))
+    if not numbers["deadline"] > 0:
+        raise StoreUnavailable(f"payload location {_no_secret(location)!r}: deadline must be more than 0")
     fs = pafs.S3FileSystem(connect_timeout=numbers["connect_timeout"], request_timeout=numbers["request_timeout"],
                            retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=max(1, numbers["retries"])),
                            **opts)
     return fs, f"{parsed.hostname or ''}{parsed.path}".rstrip("/")
+
+
+def deadline_of(location: str) -> float:
+    """The deadline of an append's requests to a remote location: its ``deadline=``
+    (``s3://`` only, checked by ``filesystem_of``), else ``DEFAULT_DEADLINE_S``."""
+    from urllib.parse import parse_qsl
+
+    parsed = urlparse(location)
+    given = dict(parse_qsl(parsed.query)).get("deadline") if parsed.scheme == "s3" else None
+    return float(given) if given else DEFAULT_DEADLINE_S
 
 
 def _no_secret(location: str) -> str:

@@ -36,7 +36,8 @@ from trajstore.errors import CorruptStoreError, PayloadMissingError, StoreUnavai
 from trajstore.payload._columns import SegmentRows, shared_rows
 from trajstore.payload._direct import write_arrow_segment
 from trajstore.payload._durable import fsync_path, replace_durably
-from trajstore.payload._filesystem import filesystem_of, join
+from trajstore.payload._deadline import Remote, deadline
+from trajstore.payload._filesystem import _no_secret, deadline_of, filesystem_of, join
 from trajstore.payload._format import CODECS, READ_OPTIONS, ROWS_PER_BATCH, SegmentKind, dated_name, write_table
 from trajstore.payload._reserve import Reserve
 
@@ -73,11 +74,14 @@ class PayloadStore:
     recorded (``payload/_home.py``), never by a later open."""
     _reserve: "Reserve | None" = field(default=None, init=False, repr=False, compare=False)
     _bulk: Any = field(default=None, init=False, repr=False, compare=False)
+    _remote: "Remote | None" = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.log_compression not in CODECS:
             raise ValueError(f"log_compression must be one of {list(CODECS)}, got {self.log_compression!r}")
         self.fs, self.root, self.local = filesystem_of(self.location)
+        if not self.local:
+            self._remote = Remote(deadline_of(self.location), _no_secret(self.location))
         if self.create:
             try:
                 self.fs.create_dir(self.root, recursive=True)
@@ -88,6 +92,14 @@ class PayloadStore:
 
     def path(self, name: str) -> str:
         return join(self.root, name)
+
+    def deadline(self) -> Any:
+        """A block whose object-store requests (this thread's) share one deadline
+        (``deadline=`` of the location, ``payload/_deadline.py``); local: no deadline."""
+        return deadline(None if self._remote is None else self._remote.seconds)
+
+    def _call(self, what: str, request: Any, undo: Any = None) -> Any:
+        return request() if self._remote is None else self._remote.call(what, request, undo=undo)
 
     def new_name(self, kind: str, suffix: str = ".arrow") -> str:
         """A new unique name ``{kind}-{date}-{hex}{suffix}`` (``SegmentKind.new_name`` for the log's and samples')."""
@@ -132,8 +144,12 @@ class PayloadStore:
                 sink = pa.BufferOutputStream()
                 write_table(name, table, sink, rows_per_batch, self.log_compression)
                 data = sink.getvalue()
-                with self.fs.open_output_stream(path) as out:
-                    out.write(data)
+
+                def put() -> None:
+                    with self.fs.open_output_stream(path) as out:
+                        out.write(data)
+
+                self._call(f"cannot write payload segment {path!r}", put, lambda: self.fs.delete_file(path))
                 return data.size
 
             def write_file(target: str) -> int:
@@ -186,24 +202,27 @@ class PayloadStore:
         if kind.is_arrow and self.local:
             batches, schema, per, numbers = _arrow_batches(self._map(name), wanted, self.path(name))
         else:
-            with self._open(name) as src:
-                if kind.is_arrow and _read_whole(kind, src.size(), len(wanted)):
-                    batches, schema, per, numbers = _arrow_batches(src.read_buffer(), wanted, self.path(name))
-                elif kind.is_arrow:
-                    reader = ipc.open_file(src, options=READ_OPTIONS)
-                    schema = reader.schema
-                    per = int(schema.metadata[ROWS_PER_BATCH.encode()])
-                    numbers = sorted({r // per for r in wanted})
-                    batches = [reader.get_batch(b) for b in numbers]
-                else:
-                    pf = pq.ParquetFile(src)
-                    schema = pf.schema_arrow
-                    per = int(schema.metadata[ROWS_PER_BATCH.encode()])
-                    numbers = sorted({r // per for r in wanted})
-                    batches = pf.read_row_groups(numbers).to_batches()
-                    # a row group may come back as several batches: positions count rows, not batches
+            batches, schema, per, numbers = self._call(f"cannot read payload segment {self.path(name)!r}",
+                                                       lambda: self._read_opened(name, kind, wanted))
         first = {b: i * per for i, b in enumerate(numbers)}
         return batches, schema, {r: first[r // per] + r % per for r in wanted}
+
+    def _read_opened(self, name: str, kind: SegmentKind, wanted: list[int]) -> tuple:
+        with self._open(name) as src:
+            if kind.is_arrow and _read_whole(kind, src.size(), len(wanted)):
+                return _arrow_batches(src.read_buffer(), wanted, self.path(name))
+            if kind.is_arrow:
+                reader = ipc.open_file(src, options=READ_OPTIONS)
+                schema = reader.schema
+                per = int(schema.metadata[ROWS_PER_BATCH.encode()])
+                numbers = sorted({r // per for r in wanted})
+                return [reader.get_batch(b) for b in numbers], schema, per, numbers
+            pf = pq.ParquetFile(src)
+            schema = pf.schema_arrow
+            per = int(schema.metadata[ROWS_PER_BATCH.encode()])
+            numbers = sorted({r // per for r in wanted})
+            # a row group may come back as several batches: positions count rows, not batches
+            return pf.read_row_groups(numbers).to_batches(), schema, per, numbers
 
     def _map(self, name: str) -> pa.Buffer:
         """A local segment's bytes, memory-mapped (read-only; unmapped when no buffer uses it)."""
@@ -285,7 +304,7 @@ class PayloadStore:
         if self._reserve is not None:
             self._reserve.forget(name)
         try:
-            self.fs.delete_file(self.path(name))
+            self._call(f"cannot delete payload segment {self.path(name)!r}", lambda: self.fs.delete_file(self.path(name)))
         except FileNotFoundError:
             pass
         except OSError as e:
@@ -343,6 +362,8 @@ class PayloadStore:
         LastModified is compared with the server's time, never this machine's.
         On an object store the checks and deletes run in parallel
         (``_GC_THREADS``): one HEAD and one DELETE per file, each a round trip."""
+        if self._remote is not None:
+            self._remote.settle()  # writes given up on finish first (and delete what they wrote)
         now = self.storage_time()
         candidates = [name for name, mtime in self.list_names() if name not in referenced and now - mtime >= grace_s]
 

@@ -7,6 +7,7 @@ a payload location) and ``SegmentRows`` (rows it reads). The modules:
 * ``_format.py``      ``SegmentKind`` (what a file is, by its name) and a segment's layout;
 * ``_columns.py``     Arrow columns from numpy buffers and back, ``SegmentRows``;
 * ``_filesystem.py``  a payload location (path or URI, S3 options) as a pyarrow filesystem;
+* ``_deadline.py``    one deadline for an append's object-store requests;
 * ``_durable.py``     fsync by path, the one atomic durable write (temporary file, rename);
 * ``_reserve.py``     the reserve of empty log segment files an append fills;
 * ``_direct.py``      the sample segments' writer (one laid-out image, ``O_DIRECT``);

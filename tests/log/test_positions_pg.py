@@ -94,3 +94,65 @@ def test_a_rolled_back_append_leaves_a_hole_the_tail_steps_over(fresh_pg_url, tm
     assert store.log.head_position() == 11  # 3 positions, a hole of 5, 3 more: the highest stored one
     assert sorted(s.trajectory_id for s in store.samples()) == ["a", "b"]
     store.close()
+
+
+def test_a_reader_login_holding_a_transaction_id_stalls_neither_the_tail_nor_the_materializer(fresh_pg_url, tmp_path):
+    """An analyst's session as the reader login (``trajstore init --reader-login``) holds a
+    transaction id (``BEGIN; SELECT txid_current();``) and stays idle: before, the tail
+    waited on it (``log_safe_position`` NULL, the materializer folded 0 of 3) for as long as
+    it stayed. Only the transactions of logins that may append hold the tail: a writer's
+    held transaction still does. The login's sessions are capped by the timeouts ``init``
+    sets on it."""
+    import psycopg
+    from sqlalchemy.engine import make_url
+
+    from trajstore.cli import main
+
+    login = "stall_analyst"
+    store = trajstore.connect(fresh_pg_url, payload=str(tmp_path / "payload"))
+    assert main(["--store", fresh_pg_url, "init", "--reader-login", login]) == 0
+    u = make_url(fresh_pg_url)
+    dsn = f"host={u.host} port={u.port} dbname={u.database}"
+    reader = psycopg.connect(f"{dsn} user={login}")
+    owner = psycopg.connect(f"{dsn} user={u.username}", autocommit=True)
+    try:
+        with reader.cursor() as cur:
+            cur.execute("SHOW idle_in_transaction_session_timeout")
+            assert cur.fetchone()[0] == "1min"
+            cur.execute("SHOW statement_timeout")
+            assert cur.fetchone()[0] == "5min"
+            cur.execute("SELECT txid_current()")  # psycopg opened the transaction: it holds an id now
+            held = cur.fetchone()[0]
+        with owner.cursor() as cur:
+            cur.execute("SELECT count(*) FROM pg_locks WHERE locktype = 'transactionid' AND transactionid::text = %s",
+                        (str(held % 2**32),))
+            assert cur.fetchone()[0] == 1  # the reader's transaction id is running
+        for tid in ("a", "b", "c"):
+            store.append(trajectory(tid))
+        head = store.log.head_position()
+        assert store.log.safe_position(wait_s=0.2) == head
+        assert Materializer(store).run().num_trajectories == 3
+        with owner.cursor() as cur:
+            cur.execute("SELECT log_safe_position(0.2)")
+            assert cur.fetchone()[0] == head
+        with reader.cursor() as cur:  # the reader's own view, in its held transaction
+            cur.execute("SELECT position FROM log_safe_position")
+            assert cur.fetchone()[0] == head
+        # a login that may append still holds the tail while its transaction has an id
+        writer = psycopg.connect(f"{dsn} user={u.username}")
+        try:
+            with writer.cursor() as cur:
+                cur.execute("SELECT txid_current()")
+            store.append(trajectory("d"))
+            assert store.log.safe_position(wait_s=0.2) == head  # the earlier bound, not past the writer
+            with owner.cursor() as cur:
+                cur.execute("SELECT log_safe_position(0.2)")
+                assert cur.fetchone()[0] is None
+        finally:
+            writer.close()
+        assert store.log.safe_position(wait_s=0.2) == store.log.head_position()
+        assert Materializer(store).run().num_trajectories == 1
+    finally:
+        reader.close()
+        owner.close()
+        store.close()

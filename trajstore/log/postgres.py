@@ -58,9 +58,11 @@ never see 10. So the tail is bounded (``PostgreSQL.settled_head``):
 2. a tailer reads the sequence's last value H, then (a later statement) the
    transaction ids running now in this database: the ``transactionid`` locks
    in ``pg_locks`` (every transaction holds one on its own id from its
-   assignment to its end) of this database's backends. An append holding a
-   position <= H took it before H was read, so it had its id before then: it
-   has ended, or it is in that list;
+   assignment to its end) of this database's backends whose login may append
+   (INSERT on ``events`` or USAGE/UPDATE on the sequence, itself or through a
+   role it is a member of). An append holding a position <= H took it before
+   H was read, so it had its id before then: it has ended, or it is in that
+   list;
 3. once none of the listed ids is running any more, no position <= H can
    commit any more, and reading up to H cannot skip one. Until then the
    previous such bound is used (``SqlEventLog.safe_position`` waits a little
@@ -72,9 +74,13 @@ never see 10. So the tail is bounded (``PostgreSQL.settled_head``):
 
 The invariant this keeps: a transaction held open while later ones commit
 is never skipped by the tail (tests/log/test_positions_pg.py holds one open
-on a real second connection). The cost: any transaction with an id (a long
-migration, a session idle in a write transaction) holds the tail back until
-it ends, never past it. Positions are unique and increasing per append, not
+on a real second connection). The cost: any transaction with an id of a login
+that may append (a long migration, a writer's session idle in a write
+transaction) holds the tail back until it ends, never past it; a reader
+login's (``trajstore init --reader-login``, an analyst's idle BI session
+holding ``txid_current()``) does not, whatever it holds. (Revoking a login's
+write rights while its append is in flight is the one way around the rule:
+revoke them with its sessions ended.) Positions are unique and increasing per append, not
 consecutive (a rolled-back append leaves a hole); ``head`` is the highest
 stored one.
 
@@ -119,6 +125,10 @@ __all__ = ["DEFAULT_CONNECT_TIMEOUT_S", "DEFAULT_STATEMENT_TIMEOUT", "PostgreSQL
 
 DEFAULT_CONNECT_TIMEOUT_S = 10
 DEFAULT_STATEMENT_TIMEOUT = "120s"
+_READER_LOGIN_TIMEOUTS = {"idle_in_transaction_session_timeout": "60s", "statement_timeout": "300s"}
+"""Set on a reader login by ``trajstore init --reader-login``: a session of it idle inside a
+transaction for 60 s is ended, a statement running 5 min is cancelled (defaults of the
+login; its transactions never hold the log's tail anyway, ``_MAY_APPEND_SQL``)."""
 
 _DURATION = re.compile(r"^[0-9]+(ms|s|min|h|d)?$")
 
@@ -254,10 +264,17 @@ def default_payload_dir(url: str) -> str:
 
 
 _SEQUENCE_LAST = "SELECT CASE WHEN is_called THEN last_value ELSE last_value - 1 END FROM log_positions"
-# (this database's backends only: a long transaction elsewhere on the server does not hold the tail)
+# Whether backend ``a``'s login may take log positions: it (or a role it may become) can
+# insert events or advance the sequence. A login that cannot (a reader login, the
+# ``trajstore_reader`` role's) holds no position, so its transactions never hold the tail.
+_MAY_APPEND_SQL = ("EXISTS (SELECT 1 FROM pg_roles r WHERE pg_has_role(a.usesysid, r.oid, 'MEMBER') "
+                  "AND (has_table_privilege(r.oid, to_regclass('events'), 'INSERT') "
+                  "OR has_sequence_privilege(r.oid, to_regclass('log_positions'), 'USAGE, UPDATE')))")
+# (this database's backends only: a long transaction elsewhere on the server does not hold the tail;
+# and only a login's that may append, above)
 _RUNNING_XIDS = ("SELECT l.transactionid::text FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid "
                  "WHERE l.locktype = 'transactionid' AND l.mode = 'ExclusiveLock' AND l.granted "
-                 "AND l.transactionid IS NOT NULL AND a.datname = current_database()")
+                 f"AND l.transactionid IS NOT NULL AND a.datname = current_database() AND {_MAY_APPEND_SQL}")
 _STILL_RUNNING = ("SELECT 1 FROM pg_locks WHERE locktype = 'transactionid' AND mode = 'ExclusiveLock' "
                   "AND granted AND transactionid::text = ANY(%s) LIMIT 1")
 
@@ -516,6 +533,9 @@ class PostgreSQL(Backend):
                 conn.exec_driver_sql(f"ALTER ROLE {login} PASSWORD {quoted}")
             conn.exec_driver_sql(f"GRANT {role} TO {login}")
             conn.exec_driver_sql(f"ALTER ROLE {login} SET default_transaction_read_only = on")
+            # what one of its sessions may hold (an idle BI session, a runaway query): defaults of the login's
+            for name, value in _READER_LOGIN_TIMEOUTS.items():
+                conn.exec_driver_sql(f"ALTER ROLE {login} SET {name} = '{value}'")
 
     # -- the inspection views' fragments --------------------------------------------
     @classmethod

@@ -83,9 +83,10 @@ class EpisodeRecorder:
                                  logprobs=logprobs, routed_experts=routed_experts,
                                  routed_experts_start=routed_experts_start or None, finish_reason=finish_reason)
 
-    def started(self, trajectory_id: str) -> bool:
+    def open_ids(self, prefix: str = "") -> list[str]:
+        """The trajectories this recorder started and has not finished, whose id starts with ``prefix``."""
         with self._lock:
-            return trajectory_id in self._handles
+            return [t for t in self._handles if t.startswith(prefix)]
 
     def finish(self, trajectory_id: str, status: str = "completed", reward: float | None = None) -> bool:
         """Finish a trajectory this recorder started; False (nothing written) when it recorded no call."""

@@ -22,7 +22,9 @@ import asyncio
 import base64
 import io
 import os
+import re
 import uuid
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -72,6 +74,21 @@ def model_dir(tmp_path_factory):
     LlamaConfig(vocab_size=300, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                 num_key_value_heads=1, architectures=["LlamaForCausalLM"]).save_pretrained(path)
     return path
+
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "verl.md"
+
+
+def recipe_overrides(ingest: str) -> list[str]:
+    """The settings docs/verl.md's "Record the rollouts" puts on verl's command line, as written
+    (the sink: this test's service)."""
+    page = DOC.read_text()
+    section = page[page.index("## Record the rollouts"):]
+    block = next(b for b in re.findall(r"```bash\n(.*?)```", section, re.S) if "verl.trainer.main_ppo" in b)
+    overrides = [w for w in block.split() if w.startswith("+")]
+    assert overrides == ["+actor_rollout_ref.rollout.agent.agent_loop_manager_class="
+                         "trajstore.ingest.verl.RecordingAgentLoopManager", "+trajstore.sink=http://ingest-host:8700"]
+    return [o.replace("http://ingest-host:8700", ingest) for o in overrides]
 
 
 def verl_config(model_dir, *overrides: str):
@@ -209,9 +226,7 @@ def test_a_verl_agent_loop_batch_is_recorded_folded_and_read_back_as_verl_return
                        env={**os.environ, "TRAJSTORE_TOKEN": TOKEN}) as (_, ingest):
         os.environ["TRAJSTORE_TOKEN"] = TOKEN
         try:
-            config = verl_config(model_dir, "+actor_rollout_ref.rollout.agent.agent_loop_manager_class="
-                                 "trajstore.ingest.verl.RecordingAgentLoopManager", f"+trajstore.sink={ingest}",
-                                 f"+trajstore.num_experts={NUM_EXPERTS}")
+            config = verl_config(model_dir, *recipe_overrides(ingest), f"+trajstore.num_experts={NUM_EXPERTS}")
             single = _rollout(config, engine, prompts("single_turn_agent", 2))
             multi = _rollout(config, engine, prompts("two_turn_with_a_tool", 2))
         finally:

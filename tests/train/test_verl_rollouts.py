@@ -35,6 +35,7 @@ import httpx
 import torch
 from helpers import serve_process
 from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopOutput, register
+from verl.workers.rollout.llm_server import LLMServerClient
 
 import trajstore
 from trajstore.demo._agent import _serving
@@ -130,18 +131,19 @@ class EngineServer:
                            stop_reason="completed", extra_fields={"global_steps": self.global_steps})
 
 
-def client(config, server: EngineServer):
-    """verl's ``LLMServerClient`` with one server in place of its Ray load balancer."""
-    from verl.workers.rollout.llm_server import LLMServerClient
+class OneServerClient(LLMServerClient):
+    """verl's ``LLMServerClient`` with one server in place of its Ray load balancer (a module-level
+    class: Ray's workers unpickle it)."""
 
-    class OneServerClient(LLMServerClient):
-        async def _acquire_server(self, request_id, **extra):
-            return "engine", server
+    def __init__(self, config, server: EngineServer) -> None:
+        super().__init__(config)
+        self.server = server
 
-        def _release_server(self, server_id, request_id=None):
-            pass
+    async def _acquire_server(self, request_id, **extra):
+        return "engine", self.server
 
-    return OneServerClient(config)
+    def _release_server(self, server_id, request_id=None):
+        pass
 
 
 @register("two_turn_with_a_tool")
@@ -212,7 +214,7 @@ def _same_as_verls(theirs, samples, *, routes: str = "equal"):
 def _rollout(config, engine_url: str, batch):
     from trajstore.ingest.verl import RecordingAgentLoopWorker
 
-    worker = RecordingAgentLoopWorker(config, client(config, EngineServer(engine_url, STEP)))
+    worker = RecordingAgentLoopWorker(config, OneServerClient(config, EngineServer(engine_url, STEP)))
     try:
         return asyncio.run(worker.generate_sequences(batch))
     finally:
@@ -268,3 +270,32 @@ def test_the_recipe_without_a_sink_fails_in_the_trainer_naming_it(model_dir):
     config = verl_config(model_dir)
     with pytest.raises(ValidationError, match=r"\+trajstore\.sink=URL"):
         RecordingAgentLoopManager(config, llm_client=None)
+
+
+@pytest.mark.slow
+def test_the_recipe_under_ray_as_verls_trainer_starts_it(engine, model_dir, tmp_path):
+    """``RecordingAgentLoopManager.create`` as ``RayPPOTrainer.init_workers`` calls it, on a local Ray
+    cluster: the worker actors are ``RecordingAgentLoopWorker``, they record into the service the
+    config names, and the manager's batch (verl's concatenation of its workers') is what the store holds."""
+    ray = pytest.importorskip("ray")
+    from trajstore.ingest.verl import RecordingAgentLoopManager
+
+    store_url, payload = f"sqlite:///{tmp_path}/store.db", str(tmp_path / "payload")
+    here = os.path.dirname(os.path.abspath(__file__))
+    with serve_process("--store", store_url, "--payload", payload, "serve",
+                       env={**os.environ, "TRAJSTORE_TOKEN": TOKEN}) as (_, ingest):
+        config = verl_config(model_dir, *recipe_overrides(ingest), f"+trajstore.num_experts={NUM_EXPERTS}",
+                             f"+trajstore.token={TOKEN}", "actor_rollout_ref.rollout.agent.num_workers=2")
+        path = os.pathsep.join([os.path.dirname(os.path.dirname(here)), os.path.dirname(here), here,
+                                os.environ.get("PYTHONPATH", "")])
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False,
+                 runtime_env={"env_vars": {"PYTHONPATH": path}})
+        try:
+            manager = RecordingAgentLoopManager.create(config=config, llm_client=OneServerClient(config, EngineServer(engine, STEP)))
+            out = manager.generate_sequences(prompts("single_turn_agent", 2))
+        finally:
+            ray.shutdown()
+    with trajstore.connect(store_url, payload=payload) as store:
+        assert store.materialize().num_samples_after == 4
+    samples = next(iter(SampleReader(store_url, batch_size=4, payload=payload)))
+    _same_as_verls(out, samples)

@@ -179,3 +179,11 @@ def test_a_skyrl_generator_batch_is_recorded_folded_and_read_back_as_skyrl_retur
         assert np.allclose(np.asarray(ours["rollout_logprobs"][j])[np.asarray(ours["loss_masks"][j]) == 1],
                            np.asarray(out["rollout_logprobs"][i])[np.asarray(out["loss_masks"][i]) == 1])
         assert ours["trajectory_ids"][j].instance_id == s.group_id
+
+
+def test_without_a_sink_the_recipe_fails_naming_it():
+    from trajstore.errors import ValidationError
+    from trajstore.ingest.skyrl import RecordingInferenceClient
+
+    with pytest.raises(ValidationError, match=r"needs a sink: the ingest service's http://host:port, or a store URL"):
+        RecordingInferenceClient(object(), None)

@@ -131,6 +131,16 @@ class EngineServer:
                            stop_reason="completed", extra_fields={"global_steps": self.global_steps})
 
 
+@register("fails_after_one_call")
+class FailingAgentLoop(AgentLoopBase):
+    """An agent loop whose tool crashes after the first engine call."""
+
+    async def run(self, sampling_params, **kwargs):
+        ids = await self.ct_build_initial_tokens(list(kwargs["raw_prompt"]))
+        await self.server_manager.generate(request_id=uuid.uuid4().hex, prompt_ids=ids, sampling_params=sampling_params)
+        raise RuntimeError("the tool crashed")
+
+
 class OneServerClient(LLMServerClient):
     """verl's ``LLMServerClient`` with one server in place of its Ray load balancer (a module-level
     class: Ray's workers unpickle it)."""
@@ -299,3 +309,17 @@ def test_the_recipe_under_ray_as_verls_trainer_starts_it(engine, model_dir, tmp_
         assert store.materialize().num_samples_after == 4
     samples = next(iter(SampleReader(store_url, batch_size=4, payload=payload)))
     _same_as_verls(out, samples)
+
+
+def test_an_episode_that_raises_is_recorded_failed_and_the_error_reaches_verl(engine, model_dir, tmp_path):
+    """A store URL as the sink (the Writer appends in process); the episode's call is kept, its
+    trajectory finished ``failed``, and verl's worker sees the agent loop's own error."""
+    store_url = f"sqlite:///{tmp_path}/store.db"
+    trajstore.connect(store_url).close()
+    config = verl_config(model_dir, *recipe_overrides(store_url))
+    with pytest.raises(RuntimeError, match="the tool crashed"):
+        _rollout(config, engine, prompts("fails_after_one_call", 1, rollout_n=1))
+    with trajstore.connect(store_url) as store:
+        info = store.info()
+    assert info["trajectories_by_status"] == {"failed": 1}
+    assert info["events_by_type"] == {"trajectory_started": 1, "generation": 1, "trajectory_finished": 1}

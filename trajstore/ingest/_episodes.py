@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from trajstore.errors import ValidationError
 from trajstore.ingest._event_dicts import to_numpy
 
 __all__: list[str] = []
@@ -35,7 +36,8 @@ class EpisodeRecorder:
     def __init__(self, sink: Any, *, token: str | None = None, num_experts: int | None = None,
                  writer_options: dict | None = None) -> None:
         if sink is None or sink == "":
-            raise ValueError("the recorder needs a sink: the ingest service's URL or a store URL")
+            raise ValidationError("trajstore's recorder needs a sink: the ingest service's http://host:port, "
+                                  "or a store URL", rule="sink")
         self.sink, self.token, self.num_experts = sink, token, num_experts
         self.writer_options = dict(writer_options or {})
         self._writer: Any = None

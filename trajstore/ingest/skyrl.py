@@ -32,6 +32,7 @@ import logging
 import uuid
 from typing import Any
 
+from trajstore.errors import first_line
 from trajstore.ingest._episodes import EpisodeRecorder
 
 __all__ = ["RecordingGenerator", "RecordingInferenceClient"]
@@ -118,10 +119,15 @@ class RecordingGenerator:
     async def generate(self, input_batch: Any) -> Any:
         batch = uuid.uuid4().hex[:12]
         token = _BATCH.set(batch)
+        flush = asyncio.get_running_loop().run_in_executor
         try:
             output = await self.inner.generate(input_batch)
         except BaseException:
             self._finish_all(batch, "failed")
+            try:  # keep what was recorded; the generator's error is the one raised
+                await flush(None, self.client.recorder.flush)
+            except Exception as e:  # noqa: BLE001 - logged, never masking the generator's error
+                log.error("trajstore: %s", first_line(e))
             raise
         finally:
             _BATCH.reset(token)
@@ -135,7 +141,7 @@ class RecordingGenerator:
             reward = float(sum(reward)) if isinstance(reward, (list, tuple)) else float(reward)
             recorder.finish(self.client.trajectory_id(trajectory.to_string(), batch), "completed", reward=reward)
         self._finish_all(batch, "failed")  # a trajectory the output does not account for
-        await asyncio.get_running_loop().run_in_executor(None, recorder.flush)  # stored before SkyRL trains
+        await flush(None, recorder.flush)  # stored before SkyRL trains
         return output
 
     def _finish_all(self, batch: str, status: str) -> None:

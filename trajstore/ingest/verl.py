@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import logging
 import os
 import uuid
 from dataclasses import dataclass
@@ -39,10 +40,12 @@ from typing import Any
 import ray
 from verl.experimental.agent_loop.agent_loop import AgentLoopManager, AgentLoopWorker
 
-from trajstore.errors import ValidationError
+from trajstore.errors import ValidationError, first_line
 from trajstore.ingest._episodes import EpisodeRecorder
 
 __all__ = ["RecordingAgentLoopManager", "RecordingAgentLoopWorker", "RecordingLLMClient"]
+
+_log = logging.getLogger("trajstore.ingest.verl")
 
 
 @dataclass
@@ -140,8 +143,16 @@ class RecordingAgentLoopWorker(AgentLoopWorker):
         return output
 
     async def generate_sequences(self, batch: Any) -> Any:
-        output = await super().generate_sequences(batch)
-        await asyncio.get_running_loop().run_in_executor(None, self.trajstore.flush)  # stored before verl trains
+        flush = asyncio.get_running_loop().run_in_executor
+        try:
+            output = await super().generate_sequences(batch)
+        except BaseException:
+            try:  # keep what was recorded (the failed episodes too); the loop's error is the one raised
+                await flush(None, self.trajstore.flush)
+            except Exception as e:  # noqa: BLE001 - logged, never masking the agent loop's error
+                _log.error("trajstore: %s", first_line(e))
+            raise
+        await flush(None, self.trajstore.flush)  # stored before verl trains
         return output
 
 

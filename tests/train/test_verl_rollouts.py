@@ -286,7 +286,7 @@ def test_the_recipe_without_a_sink_fails_in_the_trainer_naming_it(model_dir):
 def test_the_recipe_under_ray_as_verls_trainer_starts_it(engine, model_dir, tmp_path):
     """``RecordingAgentLoopManager.create`` as ``RayPPOTrainer.init_workers`` calls it, on a local Ray
     cluster: the worker actors are ``RecordingAgentLoopWorker``, they record into the service the
-    config names, and the manager's batch (verl's concatenation of its workers') is what the store holds."""
+    config names with the token of the environment verl started in, and the manager's batch (verl's concatenation of its workers') is what the store holds."""
     ray = pytest.importorskip("ray")
     from trajstore.ingest.verl import RecordingAgentLoopManager
 
@@ -295,7 +295,8 @@ def test_the_recipe_under_ray_as_verls_trainer_starts_it(engine, model_dir, tmp_
     with serve_process("--store", store_url, "--payload", payload, "serve",
                        env={**os.environ, "TRAJSTORE_TOKEN": TOKEN}) as (_, ingest):
         config = verl_config(model_dir, *recipe_overrides(ingest), f"+trajstore.num_experts={NUM_EXPERTS}",
-                             f"+trajstore.token={TOKEN}", "actor_rollout_ref.rollout.agent.num_workers=2")
+                             "actor_rollout_ref.rollout.agent.num_workers=2")
+        os.environ["TRAJSTORE_TOKEN"] = TOKEN  # the workers of a local cluster inherit the driver's environment
         path = os.pathsep.join([os.path.dirname(os.path.dirname(here)), os.path.dirname(here), here,
                                 os.environ.get("PYTHONPATH", "")])
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False,
@@ -305,6 +306,7 @@ def test_the_recipe_under_ray_as_verls_trainer_starts_it(engine, model_dir, tmp_
             out = manager.generate_sequences(prompts("single_turn_agent", 2))
         finally:
             ray.shutdown()
+            del os.environ["TRAJSTORE_TOKEN"]
     with trajstore.connect(store_url, payload=payload) as store:
         assert store.materialize().num_samples_after == 4
     samples = next(iter(SampleReader(store_url, batch_size=4, payload=payload)))

@@ -74,7 +74,8 @@ def base_ppo_exp(skyrl):
     tree = ast.parse(open(path).read(), path)
     (cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "BasePPOExp"]
     (method,) = [n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "get_generator"]
-    namespace = {"GeneratorInterface": object, "resolve_policy_model_name": skyrl.servers_utils.resolve_policy_model_name}
+    namespace = {"GeneratorInterface": object,
+                 "resolve_policy_model_name": skyrl.servers_utils.resolve_policy_model_name}
     exec(compile(ast.Module([method], type_ignores=[]), path, "exec"), namespace)
     return type("BasePPOExp", (), {"get_generator": namespace["get_generator"]})
 

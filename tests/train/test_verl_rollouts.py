@@ -214,8 +214,9 @@ def _same_as_verls(theirs, samples, *, routes: str = "equal"):
                 "rollout_log_probs", "routed_experts", "rm_scores"):
         if key not in theirs.batch.keys() or (key == "routed_experts" and routes != "equal"):
             continue
-        assert ours.batch[key].dtype == theirs.batch[key].dtype and ours.batch[key].shape == theirs.batch[key].shape, key
-        assert torch.equal(ours.batch[key], theirs.batch[key]), key
+        mine, verls = ours.batch[key], theirs.batch[key]
+        assert mine.dtype == verls.dtype and mine.shape == verls.shape, key
+        assert torch.equal(mine, verls), key
     assert ours.non_tensor_batch["min_global_steps"].tolist() == [STEP] * len(ours)
     assert ours.non_tensor_batch["__num_turns__"].tolist() == theirs.non_tensor_batch["__num_turns__"].tolist()
     return ours, theirs
@@ -286,7 +287,8 @@ def test_the_recipe_without_a_sink_fails_in_the_trainer_naming_it(model_dir):
 def test_the_recipe_under_ray_as_verls_trainer_starts_it(engine, model_dir, tmp_path):
     """``RecordingAgentLoopManager.create`` as ``RayPPOTrainer.init_workers`` calls it, on a local Ray
     cluster: the worker actors are ``RecordingAgentLoopWorker``, they record into the service the
-    config names with the token of the environment verl started in, and the manager's batch (verl's concatenation of its workers') is what the store holds."""
+    config names with the token of the environment verl started in, and the manager's batch (verl's
+    concatenation of its workers') is what the store holds."""
     ray = pytest.importorskip("ray")
     from trajstore.ingest.verl import RecordingAgentLoopManager
 
@@ -302,7 +304,8 @@ def test_the_recipe_under_ray_as_verls_trainer_starts_it(engine, model_dir, tmp_
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False,
                  runtime_env={"env_vars": {"PYTHONPATH": path}})
         try:
-            manager = RecordingAgentLoopManager.create(config=config, llm_client=OneServerClient(config, EngineServer(engine, STEP)))
+            client = OneServerClient(config, EngineServer(engine, STEP))
+            manager = RecordingAgentLoopManager.create(config=config, llm_client=client)
             out = manager.generate_sequences(prompts("single_turn_agent", 2))
         finally:
             ray.shutdown()

@@ -18,10 +18,11 @@ The trainer keeps the client it made (weight sync, pause, sleep go to it unchang
 generator calls through the recording one, which records each prompt's call (prompt ids,
 response ids, logprobs, routes, the stop reason, the client's ``weight_version`` as the
 model version) as the next generation of its trajectory. ``RecordingGenerator`` gives each
-``generate`` batch its own trajectory ids (``<run>-<batch>-<instance_id>_<repetition_id>``, in
-the group ``<run>-<batch>-<instance_id>``: SkyRL's ids repeat every epoch), finishes each trajectory with its reward (a per-token
-reward list: its sum) once the batch is generated, and waits until the batch's calls are
-stored before SkyRL's trainer gets it. SkyRL is never imported here (it needs Python 3.12).
+``generate`` batch its own trajectory ids (``<run>-<batch>-<instance_id>_<repetition_id>``,
+in the group ``<run>-<batch>-<instance_id>``: SkyRL's ids repeat every epoch), finishes each
+trajectory with its reward (a per-token reward list: its sum) once the batch is generated,
+and waits until the batch's calls are stored before SkyRL's trainer gets it.
+SkyRL is never imported here (it needs Python 3.12).
 """
 
 from __future__ import annotations

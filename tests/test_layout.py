@@ -158,6 +158,8 @@ PUBLIC_API: dict[str, set[str]] = {
     "trajstore.ingest.service": {"DEFAULT_PORT", "ServeConfig", "main", "make_app", "serve"},
     "trajstore.ingest.sglang": set(),
     "trajstore.ingest.sinks": set(),
+    "trajstore.ingest.skyrl": {"RecordingGenerator", "RecordingInferenceClient"},
+    "trajstore.ingest.verl": {"RecordingAgentLoopManager", "RecordingAgentLoopWorker", "RecordingLLMClient"},
     "trajstore.ingest.vllm": set(),
     "trajstore.inspect": set(),
     "trajstore.inspect.export": set(),

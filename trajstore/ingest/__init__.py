@@ -15,6 +15,9 @@ into wire-format events and hands them to ``Store.append``.
   * ``_metrics``    — the service's Prometheus metrics (multiprocess under ``--workers``)
 * ``proxy/``  — the OpenAI-compatible recording proxy (``trajstore proxy``) in front of vLLM
   or SGLang (``proxy/_sglang``)
+* ``verl``    — verl's agent-loop worker and LLM client recording each episode's engine calls
+* ``skyrl``   — SkyRL's generator and inference-engine client recording theirs
+  (``_episodes``: the recorder both share)
 * ``jsonl``   — ``trajstore ingest FILE``: validate a whole JSONL file, then append it in batches
 * ``arrow_body`` — the binary ``POST /v1/events`` body (Arrow IPC stream) the Writer sends by default
 * ``_http``   — what service and proxy answer alike: error bodies, the one error<->status

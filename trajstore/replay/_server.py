@@ -54,7 +54,8 @@ import pyarrow.flight as fl
 import pyarrow.ipc as ipc
 
 from trajstore._auth import bearer_token, same_token
-from trajstore.errors import ConflictError, CorruptStoreError, StoreUnavailable, TrajstoreError, ValidationError
+from trajstore.errors import (ConflictError, CorruptStoreError, ProjectionChangedError, StoreUnavailable,
+                              TrajstoreError, ValidationError)
 from trajstore.events import LINEAGE_TYPES
 from trajstore.payload import SegmentRows
 from trajstore.payload._format import READ_OPTIONS, ROWS_PER_BATCH, SegmentKind
@@ -328,6 +329,9 @@ class ReplayServer(fl.FlightServerBase):
         except ValidationError as e:
             outcome = "invalid"
             raise fl.FlightServerError(f"{proto.INVALID}: {e}") from None
+        except ProjectionChangedError as e:
+            outcome = "invalid"
+            raise fl.FlightServerError(f"{proto.PROJECTION_CHANGED}: {e}") from None
         except CorruptStoreError as e:
             outcome = "error"
             _log.error("trajstore replay: %s: %s", method, e)  # the full message (paths) stays in the server's log
@@ -412,9 +416,15 @@ class ReplayServer(fl.FlightServerBase):
         return fl.RecordBatchStream(out)
 
     def _index(self, req: dict[str, Any]) -> Any:
-        """The sample index a request reads: the default samples, or its ``projection``'s."""
-        name = req.get("projection")
-        return self.store.materialized if name is None else self.store.materialized.projection(name)
+        """The sample index a request reads: the default samples, or its ``projection``'s;
+        with ``projection_token``, that projection only as created with that token (its
+        reads raise ``ProjectionChangedError`` once the name holds another one)."""
+        name, token = req.get("projection"), req.get("projection_token")
+        if name is None:
+            return self.store.materialized
+        if token is None:  # a client from before projection tokens
+            return self.store.materialized.projection(name)
+        return self.store.materialized.projection_as(name, token)
 
     def list_actions(self, context: fl.ServerCallContext) -> list[tuple[str, str]]:
         return [(proto.WATERMARK, "position up to which every materializer shard committed"),
@@ -422,7 +432,8 @@ class ReplayServer(fl.FlightServerBase):
                 (proto.HELLO, "the server's protocol version"),
                 (proto.STANDING_ATTEMPT, "the highest attempt recorded for a training step of a rank"),
                 (proto.PACING, "the rate limits sample requests are held by"),
-                (proto.LEASE, "take, renew or release a reader's GC lease")]
+                (proto.LEASE, "take, renew or release a reader's GC lease"),
+                (proto.PROJECTION, "a projection's identity token")]
 
     def do_action(self, context: fl.ServerCallContext, action: fl.Action) -> Iterator[bytes]:
         def run() -> list[bytes]:
@@ -438,6 +449,8 @@ class ReplayServer(fl.FlightServerBase):
                 value = self.store.log.standing_attempt(req["run"], req["step"], req["rank"])
             elif action.type == proto.LEASE:
                 value = self._lease(req)
+            elif action.type == proto.PROJECTION:
+                value = {"name": req["projection"], "token": self.store.materialized.projection(req["projection"]).token}
             elif action.type == proto.PACING:
                 value = {"samples_per_insert": self.limiter.spi, "max_staleness": self.limiter.max_staleness}
             else:

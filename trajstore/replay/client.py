@@ -41,7 +41,8 @@ import pyarrow.flight as fl
 from trajstore._backoff import Backoff
 from trajstore._reader_seam import ReaderEventLog, ReaderPayload, ReaderSampleIndex
 from trajstore._wire import encode_b64
-from trajstore.errors import ConflictError, CorruptStoreError, StoreUnavailable, TrajstoreError, ValidationError
+from trajstore.errors import (ConflictError, CorruptStoreError, ProjectionChangedError, StoreUnavailable,
+                              TrajstoreError, ValidationError)
 from trajstore.payload import SegmentRows
 from trajstore.reader import ReaderConfig, SampleReader, _settings
 from trajstore.replay import _protocol as proto
@@ -297,6 +298,8 @@ def _error(location: str, what: str, text: str) -> TrajstoreError:
                                rule=rule.group(1) if rule else "replay_request", index=_index_of(text))
     if text.startswith(proto.CORRUPT):
         return CorruptStoreError(f"replay server {location}: {text}")
+    if text.startswith(proto.PROJECTION_CHANGED):
+        return ProjectionChangedError(f"replay server {location}: {text[len(proto.PROJECTION_CHANGED) + 2:]}")
     return TrajstoreError(f"replay server {location} failed {what}: {text}")
 
 
@@ -307,24 +310,35 @@ def _index_of(text: str) -> int | None:
 
 class _RemoteSamples(ReaderSampleIndex):
     """The sample index reads of the reader's seam, over Flight: the default
-    samples, or (``projection``) a named projection's."""
+    samples, or (``projection``) a named projection's, as created with ``token``
+    (its identity: the server refuses a request once the name holds another)."""
 
-    def __init__(self, conn: _Connection, projection: str | None = None) -> None:
+    def __init__(self, conn: _Connection, projection: str | None = None, token: str | None = None) -> None:
         self.conn = conn
         self.projection_name = projection
+        self.token = token
         self._waiting_at: int | None = None  # the watermark a follow poll last found nothing below
         self._waiting_since = 0.0
 
     def _named(self) -> dict[str, Any]:
         """The request fields naming the sample index (none for the default samples)."""
-        return {} if self.projection_name is None else {"projection": self.projection_name}
+        if self.projection_name is None:
+            return {}
+        return {"projection": self.projection_name, **({} if self.token is None else {"projection_token": self.token})}
 
     def projection(self, name: str) -> "_RemoteSamples":
-        """Projection ``name``'s samples; ``ValidationError`` when the store has none of that name."""
+        """Projection ``name``'s samples, as the projection of that name is now (its
+        token); ``ValidationError`` when the store has none of that name."""
         if not isinstance(name, str):
             raise ValidationError(f"projection must be a name, got {name!r}", rule="projection")
-        index = _RemoteSamples(self.conn, name)
-        index.watermark()  # asks the server, which refuses an unknown projection
+        try:  # the server refuses an unknown projection
+            token = self.conn.action("reading a projection", proto.PROJECTION, projection=name)["token"]
+        except ValidationError as e:
+            if "unknown action" not in str(e):
+                raise
+            token = None  # a server from before projection tokens: the name only
+        index = _RemoteSamples(self.conn, name, token)
+        index.watermark()
         return index
 
     def iter_sample_rows(self, *, where: Mapping[str, Any], after: tuple[int, int] | None,

@@ -56,10 +56,10 @@ import pyarrow.ipc as ipc
 from trajstore._auth import bearer_token, same_token
 from trajstore.errors import (ConflictError, CorruptStoreError, ProjectionChangedError, StoreUnavailable,
                               TrajstoreError, ValidationError)
-from trajstore.events import LINEAGE_TYPES
 from trajstore.payload import SegmentRows
 from trajstore.payload._format import READ_OPTIONS, ROWS_PER_BATCH, SegmentKind
 from trajstore.replay import _protocol as proto
+from trajstore.replay import _puts as puts
 
 __all__ = ["ReplayServer", "add_cli_arguments", "serve_from_args", "DEFAULT_PORT"]
 
@@ -138,16 +138,18 @@ class _OpenSegments:
 
 
 class _AuthMiddleware(fl.ServerMiddleware):
-    def __init__(self, role: str) -> None:
+    def __init__(self, role: str, declared: puts.Declared | None = None) -> None:
         self.role = role
+        self.declared = declared  # a read token's put: the size its headers declared
 
 
 class _AuthMiddlewareFactory(fl.ServerMiddlewareFactory):
     """The one place every call is checked: its bearer token and what the token's role allows."""
 
-    def __init__(self, tokens: dict[str, str] | None, metrics: "_Metrics") -> None:
+    def __init__(self, tokens: dict[str, str] | None, metrics: "_Metrics", limits: puts.PutLimits) -> None:
         self.tokens = tokens  # token -> role; None: no auth (every caller may read and write)
         self.metrics = metrics
+        self.limits = limits
 
     def start_call(self, info: fl.CallInfo, headers: dict[str, list[Any]]) -> _AuthMiddleware:
         method = _METHOD_NAMES.get(info.method, "unknown")
@@ -167,6 +169,12 @@ class _AuthMiddlewareFactory(fl.ServerMiddlewareFactory):
             self.metrics.requests.labels(method, "denied").inc()
             what = "write" if info.method in (_M.DO_PUT, _M.DO_EXCHANGE) else f"call {method}"
             raise fl.FlightUnauthorizedError(f"a {role} token cannot {what}")
+        if info.method == _M.DO_PUT and role == READ:  # bounded here, before any of the body is read
+            try:
+                return _AuthMiddleware(role, puts.declared_size(headers, self.limits))
+            except fl.FlightError:
+                self.metrics.requests.labels(method, "invalid").inc()
+                raise
         return _AuthMiddleware(role)
 
 
@@ -293,7 +301,8 @@ class ReplayServer(fl.FlightServerBase):
     def __init__(self, store: Any, location: str = "grpc://127.0.0.1:0", *, tokens: dict[str, str] | None,
                  samples_per_insert: float | None = None, spi_tolerance: int = 0, max_staleness: int | None = None,
                  hold_s: float = 5.0, registry: CollectorRegistry | None = None, close_store: bool = False,
-                 tls_certificates: list[tuple[bytes, bytes]] | None = None) -> None:
+                 tls_certificates: list[tuple[bytes, bytes]] | None = None,
+                 put_limits: puts.PutLimits | None = None) -> None:
         if tokens is not None:
             if not tokens:
                 raise ValueError("no token given: a server needs at least one (or tokens=None to run open)")
@@ -305,8 +314,10 @@ class ReplayServer(fl.FlightServerBase):
         self.metrics = _Metrics(registry if registry is not None else _prometheus().CollectorRegistry())
         self.limiter = _RateLimiter(store, self.metrics, samples_per_insert=samples_per_insert,
                                     spi_tolerance=spi_tolerance, max_staleness=max_staleness, hold_s=hold_s)
+        self.put_limits = put_limits or puts.PutLimits()
         try:
-            super().__init__(location, middleware={"auth": _AuthMiddlewareFactory(tokens, self.metrics)},
+            super().__init__(location, middleware={"auth": _AuthMiddlewareFactory(tokens, self.metrics,
+                                                                                  self.put_limits)},
                              tls_certificates=tls_certificates or [])
         except pa.ArrowException as e:
             raise ValueError(f"cannot listen on {location} (is the port in use?): {proto.message(e)}") from None
@@ -474,25 +485,15 @@ class ReplayServer(fl.FlightServerBase):
     def do_put(self, context: fl.ServerCallContext, descriptor: fl.FlightDescriptor,
                reader: fl.MetadataRecordBatchReader, writer: fl.FlightMetadataWriter) -> None:
         def run() -> None:
-            table = reader.read_all()
-            if table.column_names != ["event"] or not pa.types.is_string(table.schema.field("event").type):
-                raise proto.BadRequest(f"a put must be a table with one string column 'event', got {table.schema}")
-            events = []
-            for i, text in enumerate(table.column("event").to_pylist()):
-                try:
-                    ev = json.loads(text) if text is not None else None
-                except ValueError as e:
-                    raise proto.BadRequest(f"event {i} is not JSON ({e})") from None
-                if not isinstance(ev, dict):
-                    raise proto.BadRequest(f"event {i} must be a JSON object")
-                events.append(ev)
             auth = context.get_middleware("auth")
-            if auth is not None and auth.role == READ:
-                other = next((ev.get("type") for ev in events if ev.get("type") not in LINEAGE_TYPES), None)
-                if events and other is not None:
+            read = auth is not None and auth.role == READ
+            events = puts.parse_events(puts.read_put(reader, auth.declared if read else None))
+            if read:
+                try:
+                    puts.check_lineage_only(events, self.put_limits)
+                except fl.FlightUnauthorizedError:
                     self.metrics.requests.labels("do_put", "denied").inc()
-                    raise fl.FlightUnauthorizedError(f"a read token cannot write {str(other)[:40]!r} events (it "
-                                                     "may record training lineage only: train_step, sample_annotation)")
+                    raise
             result = self.store.append(events)
             writer.write(pa.py_buffer(json.dumps({"num_appended": result.num_appended,
                                                   "num_duplicates": result.num_duplicates}).encode()))
@@ -527,6 +528,12 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-staleness", type=number(int, min=0), default=None,
                         help="hold sample requests while the newest sample is more than this many policy versions "
                              "behind the trainer's current_model_version; default off")
+    parser.add_argument("--max-lineage-put-bytes", type=number(int, min=1), default=puts.DEFAULT_MAX_PUT_BYTES,
+                        help="largest training-lineage put a read token may send, in bytes of events (refused "
+                             f"before its body is read; default {puts.DEFAULT_MAX_PUT_BYTES})")
+    parser.add_argument("--max-lineage-put-rows", type=number(int, min=1), default=puts.DEFAULT_MAX_PUT_ROWS,
+                        help="most events in a read token's put, and samples in one train_step "
+                             f"(default {puts.DEFAULT_MAX_PUT_ROWS})")
     parser.add_argument("--hold-s", type=number(float, min=0), default=5.0,
                         help="longest a request is held by the rate limiter before the client asks again (default 5)")
 
@@ -560,7 +567,7 @@ def serve_from_args(args: argparse.Namespace) -> int:
     server = ReplayServer(store, f"{scheme}://{args.host}:{args.port}", tokens=tokens,
                      samples_per_insert=args.samples_per_insert, spi_tolerance=args.spi_tolerance,
                      max_staleness=args.max_staleness, hold_s=args.hold_s, registry=registry, close_store=True,
-                     **kwargs)
+                     put_limits=puts.PutLimits(args.max_lineage_put_bytes, args.max_lineage_put_rows), **kwargs)
     if args.metrics_port is not None:
         prometheus.start_http_server(args.metrics_port, addr=args.host, registry=registry)
     from trajstore.log._backend import safe_url

@@ -46,6 +46,7 @@ from trajstore.errors import (ConflictError, CorruptStoreError, ProjectionChange
 from trajstore.payload import SegmentRows
 from trajstore.reader import ReaderConfig, SampleReader, _settings
 from trajstore.replay import _protocol as proto
+from trajstore.replay._puts import PUT_BYTES, PUT_ROWS, value_bytes
 from trajstore.store import AppendResult
 
 __all__ = ["ReplayReader", "ReplayStore", "parse_locations"]
@@ -132,8 +133,9 @@ class _Connection:
                  tls_root_certs: bytes | None, first: int = 0) -> None:
         self.locations, self.retry_timeout_s = locations, retry_timeout_s
         self.closing = threading.Event()  # set by close(): a call waiting out a hold or a failover gives up
-        headers = [] if token is None else [(b"authorization", f"Bearer {token}".encode())]
-        self.options = fl.FlightCallOptions(headers=headers, timeout=call_timeout_s)
+        self.headers = [] if token is None else [(b"authorization", f"Bearer {token}".encode())]
+        self.call_timeout_s = call_timeout_s
+        self.options = fl.FlightCallOptions(headers=self.headers, timeout=call_timeout_s)
         self._tls_root_certs = tls_root_certs
         self._lock = threading.Lock()
         self._outage = False  # calls are failing: the first says so, the first answer after says it is over
@@ -504,11 +506,17 @@ class ReplayStore:
         lineage only (``train_step``, ``sample_annotation``: what
         ``ReplayReader.record_step`` sends); the write token anything.
         Numpy arrays travel as their bytes (``{b64, dtype, shape}``)."""
-        table = pa.table({"event": pa.array([json.dumps(ev, separators=(",", ":"), default=_json_value)
-                                             for ev in events], pa.string())})
+        column = pa.array([json.dumps(ev, separators=(",", ":"), default=_json_value) for ev in events], pa.string())
+        table = pa.table({"event": column})
+        # the put's size, declared: a server bounds a read token's put before reading its body
+        size = value_bytes(column)
+        conn = self._conn
+        declared = fl.FlightCallOptions(headers=[*conn.headers, (PUT_BYTES.encode(), str(size).encode()),
+                                                 (PUT_ROWS.encode(), str(len(column)).encode())],
+                                        timeout=conn.call_timeout_s)
 
         def run(c: fl.FlightClient, o: fl.FlightCallOptions) -> dict[str, Any]:
-            writer, meta = c.do_put(fl.FlightDescriptor.for_path("events"), table.schema, o)
+            writer, meta = c.do_put(fl.FlightDescriptor.for_path("events"), table.schema, declared)
             writer.write_table(table)
             writer.done_writing()
             answer = meta.read()

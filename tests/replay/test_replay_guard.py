@@ -1,0 +1,120 @@
+"""What a read token cannot do through a real `trajstore replay` process, on both backends:
+write anything but lineage (each event checked), send an unbounded put (refused by the
+middleware before the body is read, and when the body holds more than declared),
+record another owner's run, or squat the highest attempt of a step."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.flight as fl
+import pytest
+
+from trajstore.demo._simulate import trajectory_events
+from trajstore.errors import ValidationError
+from trajstore.replay import ReplayReader, ReplayStore
+
+from replay_procs import READ_TOKEN
+from test_reader import CFG
+
+OTHER_TOKEN = "other-read-token-55555"
+
+
+@pytest.fixture
+def folded(store):
+    for i in range(8):
+        store.append(trajectory_events(CFG, i))
+    store.materialize()
+    return store
+
+
+def _keys(store, n: int) -> list[list]:
+    rows = next(store.materialized.iter_sample_rows(where={}, after=None, page_rows=n))
+    return [[r["trajectory_id"], r["sample_index"]] for r in rows]
+
+
+def _step(run: str, step: int, samples, **extra) -> dict:
+    return {"type": "train_step", "run": run, "step": step, "rank": 0, "world_size": 1, "policy_version": 0,
+            "samples": samples, **extra}
+
+
+def _put(location: str, texts: list[str], *, token: str = READ_TOKEN, declared: tuple[int, int] | None = None,
+         batches: int = 1) -> bytes:
+    """A raw DoPut of ``texts`` (the event column) in ``batches`` messages, declaring
+    ``declared`` (bytes, rows) or nothing."""
+    column = pa.array(texts, pa.string())
+    table = pa.table({"event": column})
+    headers = [(b"authorization", f"Bearer {token}".encode())]
+    if declared is not None:
+        headers += [(b"x-trajstore-put-bytes", str(declared[0]).encode()),
+                    (b"x-trajstore-put-rows", str(declared[1]).encode())]
+    client = fl.connect(location)
+    try:
+        writer, meta = client.do_put(fl.FlightDescriptor.for_path("events"), table.schema,
+                                     fl.FlightCallOptions(headers=headers, timeout=60))
+        per = max(1, -(-table.num_rows // batches))
+        for start in range(0, table.num_rows, per):
+            writer.write_table(table.slice(start, per))
+        writer.done_writing()
+        answer = meta.read()
+        writer.close()
+        return answer.to_pybytes()
+    finally:
+        client.close()
+
+
+def _peak_rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) << 10 for line in f if line.startswith("VmHWM:"))
+
+
+def test_every_event_of_a_read_tokens_put_is_checked(folded, replay_servers):
+    """A put whose offender has no type (or a non-lineage type after a valid step) is
+    refused by the role check, naming the event: not passed on to the store."""
+    server = replay_servers(folded)
+    store = ReplayStore(server.location, token=READ_TOKEN)
+    before = folded.log.count_events(after_position=0)
+    good = _step("mine", 0, _keys(folded, 2))
+    for offender in ({"run": "mine"}, {"type": None}, {"type": "trajectory_started", "trajectory_id": "x"}):
+        with pytest.raises(ValidationError, match=r"a read token cannot write .* events \(event 1;") as e:
+            store.append([good, offender])
+        assert e.value.rule == "unauthorized"
+    assert folded.log.count_events(after_position=0) == before
+    assert store.append([good]).num_appended == 1  # the step alone is lineage: recorded
+    store.close()
+
+
+def test_a_read_tokens_put_is_bounded_before_its_body_is_read(folded, replay_servers):
+    """Undeclared or over the bound: refused by the middleware, one line, the server's
+    memory untouched by the body; declared small but larger: refused as it is read;
+    a train_step naming more samples than the bound: refused; nothing stored."""
+    server = replay_servers(folded, "--max-lineage-put-bytes", "1048576", "--max-lineage-put-rows", "100")
+    before = folded.log.count_events(after_position=0)
+    step = json.dumps(_step("mine", 0, _keys(folded, 2)))
+    with pytest.raises(fl.FlightServerError, match="must declare its size"):
+        _put(server.location, [step])
+    # 96 MiB of events declared as what they are: refused before the body is read
+    big = ["x" * (1 << 20)] * 96
+    peak = _peak_rss(server.proc.pid)
+    with pytest.raises(fl.FlightError, match=r"over this server's bound \(100 events, 1048576 bytes"):
+        _put(server.location, big, declared=(96 << 20, 96), batches=96)
+    grew = _peak_rss(server.proc.pid) - peak
+    assert grew < 24 << 20, f"the server's peak memory grew by {grew >> 20} MiB on a refused put"
+    # declared small, sent larger: refused once the body holds more than it declared
+    with pytest.raises(fl.FlightError, match="holds more than it declared"):
+        _put(server.location, [step] + ["y" * 4096] * 50, declared=(len(step), 1), batches=51)
+    too_many = json.dumps(_step("mine", 0, [["t", i] for i in range(101)]))
+    with pytest.raises(fl.FlightServerError, match="a train_step of 101 samples is over this server's bound of 100"):
+        _put(server.location, [too_many], declared=(len(too_many), 1))
+    assert folded.log.count_events(after_position=0) == before
+    # the client declares its puts: a step records as before; over the bound, one line with its rule
+    reader = ReplayReader(server.location, token=READ_TOKEN, batch_size=2)
+    next(reader)
+    assert reader.record_step(0, run="mine", policy_version=0).num_samples == 2
+    with pytest.raises(ValidationError) as e:
+        reader.store.append([_step("mine", 1, [], metrics={"pad": float(i)}) for i in range(101)])
+    assert e.value.rule == "lineage_put_size" and "\n" not in str(e.value)
+    reader.close()
+    assert server.proc.poll() is None

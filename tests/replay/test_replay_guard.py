@@ -118,3 +118,60 @@ def test_a_read_tokens_put_is_bounded_before_its_body_is_read(folded, replay_ser
     assert e.value.rule == "lineage_put_size" and "\n" not in str(e.value)
     reader.close()
     assert server.proc.poll() is None
+
+
+def test_a_steps_export_is_what_it_trained_on_or_refused_after_its_projection_was_created_again(
+        store, replay_servers, tmp_path, capsys):
+    """Steps recorded through a replay server from a projection (one without annotations:
+    the one-round-trip path; one with: the checked path) keep the projection's identity;
+    exported, they are exactly the samples trained on. Once the projection was dropped and
+    created again, the export refuses in one line (exit 1) instead of exporting the new
+    fold's samples of the same keys; a step of the default samples still exports."""
+    import pyarrow.parquet as pq
+    from sqlalchemy import select
+
+    from trajstore.cli import main
+    from trajstore.schema import lineage_steps
+
+    for i in range(8):
+        store.append(trajectory_events(CFG, i))
+    store.materialize()
+    store.create_projection("steps", merge="none")
+    store.materialize(projection="steps")
+    server = replay_servers(store)
+    reader = ReplayReader(server.location, token=READ_TOKEN, batch_size=3, projection="steps")
+    trained = []
+    for step in range(2):
+        batch = next(reader)
+        trained.append([(s.trajectory_id, s.sample_index) for s in batch])
+        notes = None if step == 0 else {(s.trajectory_id, s.sample_index):
+                                        {"trainer_logprobs": np.zeros(len(s.response_ids), np.float32)} for s in batch}
+        reader.record_step(step, run="r", policy_version=0, annotations=notes)
+    default = ReplayReader(server.location, token=READ_TOKEN, batch_size=2)
+    plain = [(s.trajectory_id, s.sample_index) for s in next(default)]
+    default.record_step(0, run="plain", policy_version=0)
+    reader.close()
+    default.close()
+    token = store.materialized.projection("steps").token
+    with store.log.read_engine.connect() as conn:
+        assert conn.execute(select(lineage_steps.c.step, lineage_steps.c.projection_token)
+                            .where(lineage_steps.c.run == "r").order_by(lineage_steps.c.step)).all() == \
+            [(0, token), (1, token)]
+    base = ["--store", store.url, "--payload", store.payload.location, "export"]
+
+    def exported(run: str, step: int, name: str) -> list:
+        assert main([*base, str(tmp_path / name), "--run", run, "--step", str(step)]) == 0
+        table = pq.read_table(tmp_path / name)
+        return list(zip(table.column("trajectory_id").to_pylist(), table.column("sample_index").to_pylist()))
+
+    assert exported("r", 0, "before0") == trained[0] and exported("r", 1, "before1") == trained[1]
+    store.drop_projection("steps")
+    store.create_projection("steps", merge="prefix")  # the same keys exist again: other samples
+    store.materialize(projection="steps")
+    capsys.readouterr()
+    for step in range(2):
+        assert main([*base, str(tmp_path / f"after{step}"), "--run", "r", "--step", str(step)]) == 1
+        err = capsys.readouterr().err.strip()
+        assert "trained on projection 'steps' as it was before it was dropped and created again" in err, err
+        assert "\n" not in err and not (tmp_path / f"after{step}").exists()
+    assert exported("plain", 0, "plain") == plain

@@ -175,3 +175,49 @@ def test_a_steps_export_is_what_it_trained_on_or_refused_after_its_projection_wa
         assert "trained on projection 'steps' as it was before it was dropped and created again" in err, err
         assert "\n" not in err and not (tmp_path / f"after{step}").exists()
     assert exported("plain", 0, "plain") == plain
+
+
+def test_a_read_token_records_only_its_own_runs_and_takes_attempts_in_order(folded, replay_servers):
+    """Two teams' read tokens on one server: the first to record a run owns it; the
+    other cannot supersede its steps (attempt 7) nor record it at all, nor record a run
+    a trainer recorded with the store's login. Within its own run a token cannot squat
+    attempt 2**31-1: the victim's redo and next step still record."""
+    from sqlalchemy import text
+
+    from trajstore.reader import SampleReader
+
+    server = replay_servers(folded, "--token", OTHER_TOKEN)
+    victim = ReplayReader(server.location, token=READ_TOKEN, batch_size=2)
+    first = [(s.trajectory_id, s.sample_index) for s in next(victim)]
+    assert victim.record_step(0, run="victim", policy_version=0).attempt == 0
+    attacker = ReplayStore(server.location, token=OTHER_TOKEN)
+    keys = [list(k) for k in _keys(folded, 4)[2:]]
+    for event in (_step("victim", 0, keys, attempt=7), _step("victim", 1, keys),
+                  _step("victim", 0, keys, attempt=(1 << 31) - 1)):
+        with pytest.raises(ValidationError, match="run 'victim' is recorded by another read token") as e:
+            attacker.append([event])
+        assert e.value.rule == "unauthorized"
+    local = SampleReader(folded, batch_size=2)
+    next(local)
+    local.record_step(0, run="by-login", policy_version=0)
+    local.close()
+    with pytest.raises(ValidationError, match="run 'by-login' was recorded without a read token"):
+        attacker.append([_step("by-login", 0, keys, attempt=1)])
+    # its own run: attempts in order only
+    assert attacker.append([_step("mine", 0, keys)]).num_appended == 1
+    for attempt in ((1 << 31) - 1, 2):
+        with pytest.raises(ValidationError, match=f"attempt {attempt} of step 0 of run 'mine', rank 0 skips attempts"):
+            attacker.append([_step("mine", 0, keys, attempt=attempt)])
+    assert attacker.append([_step("mine", 0, keys, attempt=1, metrics={"loss": 1.0})]).num_appended == 1
+    attacker.close()
+    with folded.log.read_engine.connect() as conn:
+        got = conn.execute(text("SELECT trajectory_id, sample_index FROM sample_consumption WHERE run = 'victim' "
+                                "ORDER BY ordinal")).all()
+    assert [tuple(r) for r in got] == first, "the victim's step 0 was superseded"
+    # the victim records on: its next step, and a redo of step 0 at the next attempt
+    second = next(victim)
+    assert victim.record_step(1, run="victim", policy_version=0).attempt == 0
+    victim._lineage_recorder().handed_out(second)
+    redo = victim.record_step(0, run="victim", policy_version=0, metrics={"loss": 2.0})
+    assert (redo.attempt, redo.replayed) == (1, False)
+    victim.close()

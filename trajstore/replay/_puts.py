@@ -9,6 +9,14 @@ read token's put that declares nothing or more than ``PutLimits`` allows, and
 the body is then read message by message and refused as soon as it holds more
 than it declared. A ``train_step`` may name at most ``max_rows`` samples.
 
+A read token records only its own runs (``trajstore.log._run_owners``: the
+first read token to record a run owns it; a run recorded without a read token
+is not a read token's either), and takes attempts in order: a ``train_step`` at
+attempt N > 0 needs attempt N - 1 recorded for its (run, step, rank), and an
+annotation at N > 0 comes with its step's ``train_step`` at N in the same put.
+So it supersedes no other run's step, and no attempt can be squatted at
+2**31 - 1 (a redo then overflowing the attempt column).
+
 The write token's puts are not bounded here (its writers are trusted, as the
 ingest service's are).
 """
@@ -26,7 +34,7 @@ import pyarrow.flight as fl
 from trajstore.events import LINEAGE_TYPES
 from trajstore.replay import _protocol as proto
 
-__all__ = ["PUT_BYTES", "PUT_ROWS", "PutLimits", "DEFAULT_MAX_PUT_BYTES", "DEFAULT_MAX_PUT_ROWS", "declared_size", "value_bytes",
+__all__ = ["check_runs_and_attempts", "PUT_BYTES", "PUT_ROWS", "PutLimits", "DEFAULT_MAX_PUT_BYTES", "DEFAULT_MAX_PUT_ROWS", "declared_size", "value_bytes",
            "read_put", "check_lineage_only"]
 
 PUT_BYTES = "x-trajstore-put-bytes"
@@ -129,3 +137,34 @@ def check_lineage_only(events: list[dict[str, Any]], limits: PutLimits) -> None:
         if kind == "train_step" and isinstance(samples, list) and len(samples) > limits.max_rows:
             raise proto.BadRequest(f"event {i}: a train_step of {len(samples)} samples is over this server's bound "
                                    f"of {limits.max_rows} (--max-lineage-put-rows){_RULE}")
+
+
+def check_runs_and_attempts(store: Any, events: list[dict[str, Any]], owner: str) -> None:
+    """A read token's lineage put (already ``check_lineage_only``): its runs claimed for
+    ``owner`` (FlightUnauthorizedError naming a run it may not record), then its
+    attempts taken in order (BadRequest naming the event)."""
+    from trajstore.log._run_owners import claim_runs
+
+    runs = {ev["run"] for ev in events if isinstance(ev.get("run"), str)}
+    refused = claim_runs(store.log.db, runs, owner) if runs else {}
+    if refused:
+        run, why = sorted(refused.items())[0]
+        raise fl.FlightUnauthorizedError(f"run {run!r} {why}: a read token records only the runs it began")
+    steps = {(ev.get("run"), ev.get("step"), ev.get("attempt", 0)) for ev in events if ev.get("type") == "train_step"}
+    for i, ev in enumerate(events):
+        attempt = ev.get("attempt", 0)
+        if not isinstance(attempt, int) or isinstance(attempt, bool) or attempt <= 0:
+            continue  # attempt 0, or a value the store's checks refuse
+        run, step = ev.get("run"), ev.get("step")
+        if ev.get("type") == "train_step":
+            rank = ev.get("rank")
+            if not (isinstance(run, str) and isinstance(step, int) and isinstance(rank, int)):
+                continue
+            standing = store.log.standing_attempt(run, step, rank)
+            if standing is None or attempt > standing + 1:
+                raise proto.BadRequest(
+                    f"event {i}: attempt {attempt} of step {step} of run {run!r}, rank {rank} skips attempts (the "
+                    f"standing one is {standing}): a read token takes the next attempt only [attempt]")
+        elif (run, step, attempt) not in steps:
+            raise proto.BadRequest(f"event {i}: an annotation at attempt {attempt} of step {step} of run {run!r} "
+                                   "comes with that attempt's train_step in the same put [attempt]")

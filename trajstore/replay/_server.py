@@ -54,6 +54,7 @@ import pyarrow.flight as fl
 import pyarrow.ipc as ipc
 
 from trajstore._auth import bearer_token, same_token
+from trajstore.log._run_owners import owner_of
 from trajstore.errors import (ConflictError, CorruptStoreError, ProjectionChangedError, StoreUnavailable,
                               TrajstoreError, ValidationError)
 from trajstore.payload import SegmentRows
@@ -138,9 +139,10 @@ class _OpenSegments:
 
 
 class _AuthMiddleware(fl.ServerMiddleware):
-    def __init__(self, role: str, declared: puts.Declared | None = None) -> None:
+    def __init__(self, role: str, declared: puts.Declared | None = None, owner: str | None = None) -> None:
         self.role = role
         self.declared = declared  # a read token's put: the size its headers declared
+        self.owner = owner  # a read token's put: the digest its runs are owned under
 
 
 class _AuthMiddlewareFactory(fl.ServerMiddlewareFactory):
@@ -157,11 +159,11 @@ class _AuthMiddlewareFactory(fl.ServerMiddlewareFactory):
             role = WRITE
         else:
             given = _bearer(headers)
-            role = None
+            role = matched = None
             if given is not None:
                 for token, r in self.tokens.items():  # compare against every token: no early exit to time
                     if same_token(given, token):
-                        role = r
+                        role, matched = r, token
             if role is None:
                 self.metrics.requests.labels(method, "unauthenticated").inc()
                 raise fl.FlightUnauthenticatedError("missing or wrong bearer token")
@@ -171,7 +173,7 @@ class _AuthMiddlewareFactory(fl.ServerMiddlewareFactory):
             raise fl.FlightUnauthorizedError(f"a {role} token cannot {what}")
         if info.method == _M.DO_PUT and role == READ:  # bounded here, before any of the body is read
             try:
-                return _AuthMiddleware(role, puts.declared_size(headers, self.limits))
+                return _AuthMiddleware(role, puts.declared_size(headers, self.limits), owner_of(str(matched)))
             except fl.FlightError:
                 self.metrics.requests.labels(method, "invalid").inc()
                 raise
@@ -491,6 +493,8 @@ class ReplayServer(fl.FlightServerBase):
             if read:
                 try:
                     puts.check_lineage_only(events, self.put_limits)
+                    if auth.owner is not None:
+                        puts.check_runs_and_attempts(self.store, events, auth.owner)
                 except fl.FlightUnauthorizedError:
                     self.metrics.requests.labels("do_put", "denied").inc()
                     raise
@@ -511,8 +515,9 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=number(int, min=0, max=65535), default=DEFAULT_PORT,
                         help=f"port (default {DEFAULT_PORT}; 0: any free)")
-    parser.add_argument("--token", default=None,
-                        help="read-only bearer token trainers send (default $TRAJSTORE_REPLAY_TOKEN)")
+    parser.add_argument("--token", default=None, action="append",
+                        help="read-only bearer token trainers send (default $TRAJSTORE_REPLAY_TOKEN); repeat it for "
+                             "one token per team: each records the lineage of the runs it began only")
     parser.add_argument("--write-token", default=None,
                         help="bearer token that may also append events with DoPut (default: none, no writes)")
     parser.add_argument("--insecure-no-auth", action="store_true", help="accept calls without a token (reads and writes)")
@@ -544,15 +549,16 @@ def serve_from_args(args: argparse.Namespace) -> int:
 
     if not logging.getLogger().handlers:  # one line per event on stderr, e.g. each rate-limit wait
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    token = args.token or os.environ.get("TRAJSTORE_REPLAY_TOKEN") or None
+    given = args.token if isinstance(args.token, list) else [args.token]
+    read_tokens = [t for t in given if t] or [t for t in [os.environ.get("TRAJSTORE_REPLAY_TOKEN")] if t]
     if args.insecure_no_auth:
         tokens = None
     else:
-        if token is None and args.write_token is None:
+        if not read_tokens and args.write_token is None:
             raise ValueError("no token: pass --token or set $TRAJSTORE_REPLAY_TOKEN (or --insecure-no-auth to run open)")
-        if token is not None and token == args.write_token:
+        if args.write_token is not None and args.write_token in read_tokens:
             raise ValueError("--token and --write-token must differ (a read-only token must not be able to write)")
-        tokens = {t: r for t, r in ((token, READ), (args.write_token, WRITE)) if t}
+        tokens = {**{t: READ for t in read_tokens}, **({args.write_token: WRITE} if args.write_token else {})}
     if (args.tls_cert is None) != (args.tls_key is None):
         raise ValueError("--tls-cert and --tls-key go together")
     store = trajstore.connect(args.store, payload=args.payload, migrate=False, create=False)

@@ -18,10 +18,11 @@ request, and a restarted one answers the same):
   itself when the trainer dies.
 
 DoPut appends wire-format events (an Arrow table with one ``event`` column
-of JSON objects). The write token may append any event; the read token (the
+of JSON objects). The write token may append any event; a read token (the
 trainers') only training lineage (``train_step``, ``sample_annotation``: what
-``ReplayReader.record_step`` sends), and DoAction ``standing_attempt`` tells
-it the attempt a step stands at. Every call passes through
+``ReplayReader.record_step`` sends), bounded in size before its body is read,
+of the runs it began only and at attempts in order (``trajstore.replay._puts``),
+and DoAction ``standing_attempt`` tells it the attempt a step stands at. Every call passes through
 ``_AuthMiddlewareFactory.start_call`` first: a call without a known token is
 refused there, and a call the token's role does not allow (deny by default:
 only the methods listed in ``_ALLOWED`` pass) too.

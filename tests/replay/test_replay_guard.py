@@ -221,3 +221,40 @@ def test_a_read_token_records_only_its_own_runs_and_takes_attempts_in_order(fold
     redo = victim.record_step(0, run="victim", policy_version=0, metrics={"loss": 2.0})
     assert (redo.attempt, redo.replayed) == (1, False)
     victim.close()
+
+
+def test_a_replay_reader_of_a_projection_created_again_raises_through_a_real_server(store, replay_servers):
+    """Through a `trajstore replay` process: a reader mid-epoch on a projection dropped and
+    created again raises ``ProjectionChangedError`` (never the old fold's and the new one's
+    samples mixed); a request carrying the old token is refused by the server itself; a new reader
+    reads the new projection."""
+    from trajstore.errors import ProjectionChangedError
+    from trajstore.replay import _protocol as proto
+
+    for i in range(8):
+        store.append(trajectory_events(CFG, i))
+    store.materialize()
+    store.create_projection("steps", merge="none")
+    store.materialize(projection="steps")
+    server = replay_servers(store)
+    reader = ReplayReader(server.location, token=READ_TOKEN, batch_size=2, page_rows=2, prefetch=False,
+                          projection="steps")
+    next(reader)
+    old = reader.state_dict()["projection_token"]
+    store.drop_projection("steps")
+    store.create_projection("steps", merge="prefix")
+    store.materialize(projection="steps")
+    with pytest.raises(ProjectionChangedError, match="dropped and created again"):
+        for _ in reader:
+            pass
+    reader.close()
+    client = fl.connect(server.location)
+    opts = fl.FlightCallOptions(headers=[(b"authorization", f"Bearer {READ_TOKEN}".encode())])
+    ticket = proto.encode(proto.ROWS, where={}, after=None, page_rows=10, projection="steps", projection_token=old)
+    with pytest.raises(fl.FlightServerError, match="projection changed: projection 'steps' was dropped and created"):
+        client.do_get(fl.Ticket(ticket), opts).read_all()
+    client.close()
+    fresh = ReplayReader(server.location, token=READ_TOKEN, batch_size=2, projection="steps")
+    assert fresh.state_dict()["projection_token"] == store.materialized.projection("steps").token != old
+    assert len(next(fresh)) == 2
+    fresh.close()

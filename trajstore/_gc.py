@@ -38,8 +38,8 @@ from trajstore.log._leases import (LEASE_MAX_AGE_S, gc_horizon, gc_horizons, rel
 
 log = logging.getLogger(__name__)
 
-__all__ = ["GC_MARGIN_S", "GC_INTERVAL_S", "LEASE_MAX_AGE_S", "LEASE_TTL_S", "SWEEP_GRACE_S", "GcStats", "GcWorker", "ReaderLease",
-           "collect_retired", "lease_horizon"]
+__all__ = ["GC_MARGIN_S", "GC_INTERVAL_S", "LEASE_MAX_AGE_S", "LEASE_TTL_S", "SWEEP_GRACE_S", "GcStats", "GcWorker",
+           "ReaderLease", "collect_retired", "lease_horizon"]
 
 GC_MARGIN_S = 1.0  # deleted this long after retirement (or after the oldest live lease's held_since)
 GC_INTERVAL_S = 0.5  # one pass of the steady path every so often: one indexed query when nothing is retired

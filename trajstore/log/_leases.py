@@ -29,8 +29,8 @@ from trajstore.log._segments import named_clause
 from trajstore.log._transaction import Database
 from trajstore.schema import reader_leases, segments
 
-__all__ = ["SAMPLES_ONLY", "LEASE_MAX_AGE_S", "take_lease", "renew_lease", "hold_lease", "release_lease", "gc_horizon", "gc_horizons",
-           "retired_segments"]
+__all__ = ["SAMPLES_ONLY", "LEASE_MAX_AGE_S", "take_lease", "renew_lease", "hold_lease", "release_lease", "gc_horizon",
+           "gc_horizons", "retired_segments"]
 
 SAMPLES_ONLY = "samples:"  # the name prefix of a lease over sample segments only
 LEASE_MAX_AGE_S = 6 * 3600.0  # a lease holds back nothing retired longer ago than this

@@ -34,8 +34,8 @@ import pyarrow.flight as fl
 from trajstore.events import LINEAGE_TYPES
 from trajstore.replay import _protocol as proto
 
-__all__ = ["check_runs_and_attempts", "PUT_BYTES", "PUT_ROWS", "PutLimits", "DEFAULT_MAX_PUT_BYTES", "DEFAULT_MAX_PUT_ROWS", "declared_size", "value_bytes",
-           "read_put", "check_lineage_only"]
+__all__ = ["PUT_BYTES", "PUT_ROWS", "PutLimits", "DEFAULT_MAX_PUT_BYTES", "DEFAULT_MAX_PUT_ROWS", "declared_size",
+           "value_bytes", "read_put", "parse_events", "check_lineage_only", "check_runs_and_attempts"]
 
 PUT_BYTES = "x-trajstore-put-bytes"
 PUT_ROWS = "x-trajstore-put-rows"

@@ -22,8 +22,8 @@ of JSON objects). The write token may append any event; a read token (the
 trainers') only training lineage (``train_step``, ``sample_annotation``: what
 ``ReplayReader.record_step`` sends), bounded in size before its body is read,
 of the runs it began only and at attempts in order (``trajstore.replay._puts``),
-and DoAction ``standing_attempt`` tells it the attempt a step stands at. Every call passes through
-``_AuthMiddlewareFactory.start_call`` first: a call without a known token is
+and DoAction ``standing_attempt`` tells it the attempt a step stands at. Every
+call passes through ``_AuthMiddlewareFactory.start_call`` first: a call without a known token is
 refused there, and a call the token's role does not allow (deny by default:
 only the methods listed in ``_ALLOWED`` pass) too.
 
@@ -55,9 +55,9 @@ import pyarrow.flight as fl
 import pyarrow.ipc as ipc
 
 from trajstore._auth import bearer_token, same_token
-from trajstore.log._run_owners import owner_of
 from trajstore.errors import (ConflictError, CorruptStoreError, ProjectionChangedError, StoreUnavailable,
                               TrajstoreError, ValidationError)
+from trajstore.log._run_owners import owner_of
 from trajstore.payload import SegmentRows
 from trajstore.payload._format import READ_OPTIONS, ROWS_PER_BATCH, SegmentKind
 from trajstore.replay import _protocol as proto
@@ -464,7 +464,8 @@ class ReplayServer(fl.FlightServerBase):
             elif action.type == proto.LEASE:
                 value = self._lease(req)
             elif action.type == proto.PROJECTION:
-                value = {"name": req["projection"], "token": self.store.materialized.projection(req["projection"]).token}
+                name = req["projection"]
+                value = {"name": name, "token": self.store.materialized.projection(name).token}
             elif action.type == proto.PACING:
                 value = {"samples_per_insert": self.limiter.spi, "max_staleness": self.limiter.max_staleness}
             else:

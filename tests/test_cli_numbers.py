@@ -17,6 +17,7 @@ FLAGS = [
     (["report", "--stuck-after-s={v}", "out"], "--stuck-after-s"),
     (["gc", "--grace-s={v}"], "--grace-s"),
     (["gc", "--target-mb={v}"], "--target-mb"),
+    (["gc", "--lease-max-age-s={v}"], "--lease-max-age-s"),
     (["sql", "--timeout-s={v}", "SELECT 1"], "--timeout-s"),
     (["replay", "--hold-s={v}"], "--hold-s"),
     (["replay", "--samples-per-insert={v}"], "--samples-per-insert"),
@@ -46,6 +47,9 @@ def test_non_finite_values_are_refused_naming_the_flag(argv, flag, value, capsys
     (["gc", "--grace-s", "-1"], "argument --grace-s: -1 must be at least 0"),
     (["serve", "--port", "70000"], "argument --port: 70000 must be at most 65535"),
     (["materialize", "--shard", "x"], "argument --shard: 'x' is not an integer"),
+    (["gc", "--lease-max-age-s", "-1"], "argument --lease-max-age-s: -1 must be at least 0"),
+    (["replay", "--max-lineage-put-bytes", "0"], "argument --max-lineage-put-bytes: 0 must be at least 1"),
+    (["replay", "--max-lineage-put-rows", "1.5"], "argument --max-lineage-put-rows: '1.5' is not an integer"),
 ])
 def test_out_of_range_values_are_refused(argv, words, capsys, tmp_path):
     with pytest.raises(SystemExit) as e:

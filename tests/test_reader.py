@@ -998,6 +998,37 @@ def test_a_projection_is_read_with_its_own_samples_and_state(store, open_reader)
         open_reader(store, batch_size=4, projection="nope")
 
 
+@pytest.mark.parametrize("recreate", [False, True], ids=["dropped", "created-again"])
+def test_a_projection_changed_mid_epoch_is_an_error_in_both_readers(store, open_reader, recreate):
+    """Either reader, mid-epoch on a projection dropped (and created again under the same
+    name: another fold, another sequence), raises ``ProjectionChangedError`` at its next
+    page: it never reads on into the other projection's samples (a mix of two folds)."""
+    from trajstore.errors import ProjectionChangedError
+
+    for i in range(12):
+        store.append(trajectory_events(CFG, i))
+    store.materialize()
+    store.create_projection("steps", merge="none")
+    store.materialize(projection="steps")
+    reader = open_reader(store, batch_size=2, page_rows=2, prefetch=False, projection="steps")
+    first = next(reader)
+    assert len(first) == 2 and reader.state_dict()["projection_token"]
+    store.drop_projection("steps")
+    if recreate:
+        store.create_projection("steps", merge="prefix")
+        store.materialize(projection="steps")
+    seen = []
+    with pytest.raises(ProjectionChangedError, match="projection 'steps' was dropped"
+                                                     + (" and created again" if recreate else "")):
+        for batch in reader:
+            seen.extend(keys(batch))
+    assert len(seen) < 2  # at most what the one page read before the change held
+    if recreate:  # a new reader of either kind reads the new projection from its start
+        fresh = open_reader(store, batch_size=2, projection="steps")
+        assert fresh.state_dict()["projection_token"] != reader.state_dict()["projection_token"]
+        assert len(next(iter(fresh))) == 2
+
+
 def test_the_store_and_the_replay_store_implement_the_declared_reader_seam(store):
     """The five reads (docs/reference.md) as ``trajstore.reader``'s Protocols: each
     implementation has them, with the declared parameters (names, kinds, defaults)."""

@@ -277,3 +277,35 @@ def test_downgrade_below_0016_is_refused_while_trajectories_are_archived(store_u
     with engine.connect() as conn:
         assert conn.execute(select(func.count()).where(traj_table.c.archived_at.is_not(None))).scalar_one() == 2
     engine.dispose()
+
+
+def test_a_shard_without_a_checkpoint_yet_keeps_its_trajectories(store_url, tmp_path, capsys):
+    """Two materializer shards, one of which has not committed anything yet: its
+    trajectories are not folded, so archive keeps every trajectory (the missing
+    shard counts as position 0, as the readers' watermark counts it); once it has
+    folded, archive takes them all and every one has its samples. Same for a
+    projection folded by one shard of two."""
+    from trajstore._retention import LaggingProjections
+    from trajstore.log._retention import SqlRetention
+
+    payload = str(tmp_path / "payload")
+    store = trajstore.connect(store_url, payload=payload)
+    _append(store, range(N))
+    store.materialize(shard_index=0, num_shards=2)  # shard 1/2 has no checkpoint row
+    assert 0 < len({s.trajectory_id for s in _samples(store)}) < N
+    out = tmp_path / "archive"
+    args = ["--store", store_url, "--payload", payload, "archive", str(out), "--older-than-s", "0"]
+    assert main(args) == 0
+    assert "archived 0 trajectories" in capsys.readouterr().out
+    assert _index(store)["archived"] == set()
+    store.materialize(shard_index=1, num_shards=2)
+    store.create_projection("p", merge="none")
+    store.materialize(projection="p", shard_index=1, num_shards=2)  # its shard 0/2 has not started
+    assert SqlRetention(store.log.db).horizons()[1] == {"p": 0}
+    with pytest.raises(LaggingProjections, match="'p' \\(checkpoint 0\\)"):
+        main([*args, "--debug"])
+    store.materialize(projection="p", shard_index=0, num_shards=2)
+    assert main(args) == 0
+    assert f"archived {N} trajectories" in capsys.readouterr().out
+    assert _index(store)["archived"] == {_tid(i) for i in range(N)} == {s.trajectory_id for s in _samples(store)}
+    store.close()

@@ -9,7 +9,10 @@ the payload. The horizon is the database's ``now``, or the oldest ``held_since``
 of a live reader lease if earlier, minus a short safety margin (``GC_MARGIN_S``:
 a retirement stamped before its transaction commits, a reader between taking
 its lease and reading). A lease lapses ``ttl_s`` after its last renewal: a dead
-reader stops holding anything back. ``SampleReader`` and the replay server's
+reader stops holding anything back; and a live one holds back nothing retired
+more than ``lease_max_age_s`` ago (``LEASE_MAX_AGE_S``, 6 h, by default; logged
+once per lease when it loses its protection), so disk use stays bounded
+whatever a reader does. ``SampleReader`` and the replay server's
 trainers hold leases of their own (``trajstore._reader_lease``) over sample
 segments only: a log segment's horizon ignores them.
 
@@ -30,12 +33,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from trajstore.errors import StoreUnavailable, TrajstoreError, first_line
-from trajstore.log._leases import gc_horizon, gc_horizons, release_lease, renew_lease, retired_segments, take_lease
+from trajstore.log._leases import (LEASE_MAX_AGE_S, gc_horizon, gc_horizons, release_lease, renew_lease,
+                                   retired_segments, take_lease)
 
 log = logging.getLogger(__name__)
 
-__all__ = ["GC_MARGIN_S", "GC_INTERVAL_S", "LEASE_TTL_S", "SWEEP_GRACE_S", "GcStats", "GcWorker", "ReaderLease",
-           "collect_retired", "lease_horizon"]
+__all__ = ["GC_MARGIN_S", "GC_INTERVAL_S", "LEASE_MAX_AGE_S", "LEASE_TTL_S", "SWEEP_GRACE_S", "GcStats", "GcWorker",
+           "ReaderLease", "collect_retired", "lease_horizon"]
 
 GC_MARGIN_S = 1.0  # deleted this long after retirement (or after the oldest live lease's held_since)
 GC_INTERVAL_S = 0.5  # one pass of the steady path every so often: one indexed query when nothing is retired
@@ -54,15 +58,17 @@ class GcStats:
     last_pass_s: float = 0.0
 
 
-def lease_horizon(store: Any, margin_s: float) -> float:
+def lease_horizon(store: Any, margin_s: float, lease_max_age_s: float = LEASE_MAX_AGE_S) -> float:
     """Segments retired before this (database time) may be deleted (module doc)."""
-    return gc_horizon(store.log.db, margin_s)[0]
+    return gc_horizon(store.log.db, margin_s, lease_max_age_s)[0]
 
 
-def collect_retired(store: Any, *, margin_s: float = GC_MARGIN_S, max_batches: int | None = None) -> list[str]:
+def collect_retired(store: Any, *, margin_s: float = GC_MARGIN_S, max_batches: int | None = None,
+                    lease_max_age_s: float = LEASE_MAX_AGE_S) -> list[str]:
     """Delete the retired segments before the GC horizon, in batches of 1,000
     from the index's list; forget their rows; return their names."""
-    samples_before, events_before = gc_horizons(store.log.db, margin_s)  # a sample reader's lease keeps no log segment
+    # a sample reader's lease keeps no log segment
+    samples_before, events_before = gc_horizons(store.log.db, margin_s, lease_max_age_s)
     removed: list[str] = []
     batches = 0
     while max_batches is None or batches < max_batches:
@@ -88,8 +94,10 @@ class GcWorker:
 
     def __init__(self, store: Any, *, margin_s: float = GC_MARGIN_S, interval_s: float = GC_INTERVAL_S,
                  retire_check_s: float = 60.0, sweep_interval_s: float | None = SWEEP_INTERVAL_S,
-                 sweep_grace_s: float = SWEEP_GRACE_S, name: str = "trajstore-gc") -> None:
+                 sweep_grace_s: float = SWEEP_GRACE_S, name: str = "trajstore-gc",
+                 lease_max_age_s: float = LEASE_MAX_AGE_S) -> None:
         self.store, self.margin_s, self.interval_s = store, margin_s, interval_s
+        self.lease_max_age_s = lease_max_age_s
         self.retire_check_s, self.sweep_interval_s, self.sweep_grace_s = retire_check_s, sweep_interval_s, sweep_grace_s
         self.stats = GcStats()
         self._stop = threading.Event()
@@ -121,9 +129,9 @@ class GcWorker:
                 if self.sweep_interval_s is not None and t0 - last_sweep >= self.sweep_interval_s:
                     last_sweep = t0
                     self.stats.sweeps += 1
-                    self.stats.deleted += len(self.store.collect_garbage(grace_s=self.sweep_grace_s,
-                                                                         margin_s=self.margin_s))
-                removed = collect_retired(self.store, margin_s=self.margin_s)
+                    self.stats.deleted += len(self.store.collect_garbage(
+                        grace_s=self.sweep_grace_s, margin_s=self.margin_s, lease_max_age_s=self.lease_max_age_s))
+                removed = collect_retired(self.store, margin_s=self.margin_s, lease_max_age_s=self.lease_max_age_s)
                 self.stats.deleted += len(removed)
                 if removed:
                     log.info("gc: deleted %d retired payload segment(s)", len(removed))

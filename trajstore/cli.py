@@ -186,7 +186,7 @@ def _cmd_gc(args: argparse.Namespace) -> int:
     keep = store.log.segments_in_use(retired_before=now - args.grace_s)
     young = sum(1 for name, mtime in store.payload.list_names()
                 if name not in keep and now - mtime < args.grace_s)
-    removed = store.collect_garbage(grace_s=args.grace_s)
+    removed = store.collect_garbage(grace_s=args.grace_s, lease_max_age_s=args.lease_max_age_s)
     retired = len(store.log.segments_in_use(retired_before=float("-inf")) - store.log.referenced_segments())
     print(f"removed {len(removed)} payload file(s) (retired log segments or unreferenced); kept {young} younger "
           f"than --grace-s {args.grace_s:g} (they may belong to appends still running) and {retired} retired "
@@ -365,6 +365,8 @@ def _parser() -> argparse.ArgumentParser:
     g = add("gc", _cmd_gc, "delete payload files no index row needs (retired log segments, crash leftovers)")
     g.add_argument("--grace-s", type=number(float, min=0), default=3600.0,
                    help="only files retired (or, unreferenced, written) longer ago than this (default 3600)")
+    g.add_argument("--lease-max-age-s", type=number(float, min=0), default=6 * 3600.0,
+                   help="a reader's lease protects nothing retired longer ago than this (default 21600: 6 h)")
     g.add_argument("--compact", action="store_true",
                    help="first rewrite many small log segments of unfolded trajectories into few")
     g.add_argument("--target-mb", type=number(float, min=0, min_exclusive=True), default=64.0,

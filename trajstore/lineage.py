@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
-from trajstore.errors import ConflictError, ValidationError
+from trajstore.errors import ConflictError, ProjectionChangedError, ValidationError
 from trajstore.events import ANNOTATION_ARRAYS
 
 __all__ = ["RecordedStep", "StepRecorder", "store_recorder", "step_samples", "Annotation", "read_annotations", "annotation_events"]
@@ -215,17 +215,45 @@ def _plain(value: Any) -> Any:
 def step_samples(store: Any, *, run: str, step: int) -> list[Any]:
     """The ``Sample`` objects step ``step`` of ``run`` consumed (every rank, its
     standing attempt), in (rank, order consumed): the step's data, to export or
-    to train on again."""
+    to train on again. Exactly those, or ``ProjectionChangedError``: when the step
+    read a projection that was dropped (or dropped and created again: another
+    fold under the same name) since, or when some of its samples no longer exist,
+    never other samples or fewer."""
     keys = store.log.step_samples(run=run, step=step)
     out = []
     for projection in dict.fromkeys(k["projection"] for k in keys):
+        if projection is not None:
+            _same_projection(store, run, step, projection,
+                             {k.get("projection_token") for k in keys if k["projection"] == projection} - {None})
         wanted = {(k["trajectory_id"], k["sample_index"]): i for i, k in enumerate(keys)
                   if k["projection"] == projection}
         for s in store.samples(trajectory_ids=sorted({t for t, _ in wanted}), projection=projection):
             i = wanted.get((s.trajectory_id, s.sample_index))
             if i is not None:
                 out.append((i, s))
+    if len(out) != len(keys):
+        found = {i for i, _ in out}
+        k = next(k for i, k in enumerate(keys) if i not in found)
+        raise ProjectionChangedError(
+            f"step {step} of run {run!r} trained on {len(keys)} samples, {len(keys) - len(out)} of which no longer "
+            f"exist (the first: [{k['trajectory_id']!r}, {k['sample_index']}] of "
+            + ("the default samples" if k["projection"] is None else f"projection {k['projection']!r}") + ")")
     return [s for _, s in sorted(out, key=lambda pair: pair[0])]
+
+
+def _same_projection(store: Any, run: str, step: int, name: str, tokens: set[str]) -> None:
+    """The step's samples of projection ``name`` are the current projection's: its
+    recorded identity is the current one (steps recorded before identities were kept
+    have none: their samples are checked one by one only)."""
+    try:
+        current = store.materialized.projection(name).token
+    except ValidationError:
+        current = None
+    if current is None or (tokens and tokens != {current}):
+        raise ProjectionChangedError(
+            f"step {step} of run {run!r} trained on projection {name!r} as it was before it was dropped"
+            + ("" if current is None else " and created again") + ": those samples no longer exist "
+            "(a projection created again is another fold; export it with --projection)")
 
 
 @dataclass(frozen=True, eq=False)

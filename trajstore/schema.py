@@ -327,6 +327,9 @@ lineage_steps = Table(
     Column("identity", String(600), nullable=False),  # the event's (events.identity)
     Column("position", BigInteger, nullable=False),
     Column("created_at", Float, nullable=False),
+    # migration 0024: the projection's identity (projections.token) when the step was
+    # written; NULL: the default samples (or a step recorded before 0024)
+    Column("projection_token", String(32), nullable=True),
 )
 
 # The samples of each train_step, with what the sample row said when the step was
@@ -600,6 +603,15 @@ agg_staleness = _bucketed("agg_staleness", Column("samples", BigInteger, nullabl
                           Column("staleness_sum", BigInteger, nullable=False),
                           Column("staleness_max", BigInteger, nullable=False),
                           Column("policy_version_max", BigInteger, nullable=False))
+# migration 0024: the replay read token that records each run's lineage (the first to
+# record it owns it; ``owner``: a digest of the token). Another read token cannot record it.
+run_owners = Table(
+    "run_owners", metadata,
+    Column("run", String(255), primary_key=True),
+    Column("owner", String(64), nullable=False),
+    Column("created_at", Float, nullable=False),
+)
+
 # Each model version's first generation event: the newest version at a position, for staleness.
 agg_policy_versions = Table(
     "agg_policy_versions", metadata, Column("model_version", Integer, primary_key=True),
@@ -611,4 +623,4 @@ __all__ = ["metadata", "log_head", "trajectories", "events", "segments", "sample
            "lineage_step_samples", "lineage_annotations", "lineage_annotation_versions", "agg_expert_load",
            "agg_logprobs", "agg_output_lengths", "agg_route_drift", "agg_calls", "agg_trajectories", "reader_leases",
            "agg_trajectory_stats", "agg_rewards", "agg_trajectory_shapes", "agg_tasks", "agg_versions", "agg_groups",
-           "agg_group_variance", "agg_samples", "agg_staleness", "agg_policy_versions"]
+           "agg_group_variance", "agg_samples", "agg_staleness", "agg_policy_versions", "run_owners"]

@@ -369,7 +369,8 @@ class Store:
         """Counts per status, event type and model version, and the number of samples."""
         return {**self.log.counts(), "samples": self.materialized.count_samples()}
 
-    def collect_garbage(self, *, grace_s: float = 3600.0, margin_s: float | None = None) -> list[str]:
+    def collect_garbage(self, *, grace_s: float = 3600.0, margin_s: float | None = None,
+                        lease_max_age_s: float | None = None) -> list[str]:
         """Delete payload files nothing needs any more; return their names: the
         full sweep, which lists the payload (``trajstore gc``; the steady path,
         driven by the index's retired list without listing, is
@@ -381,15 +382,17 @@ class Store:
         append, materialization or compaction) older than ``grace_s``. A file
         an ``events`` or ``samples`` row names is never deleted, nor one retired
         after the oldest live reader lease's ``held_since`` minus ``margin_s``
-        (default: ``grace_s``'s smaller of it and 2 s). The grace protects readers
-        that resolved a locator just before it was re-pointed and hold no lease
-        (docs/log.md, "One copy")."""
-        from trajstore._gc import GC_MARGIN_S, lease_horizon
+        (default: ``grace_s``'s smaller of it and 2 s); a lease protects nothing
+        retired more than ``lease_max_age_s`` ago (default ``LEASE_MAX_AGE_S``,
+        6 h). The grace protects readers that resolved a locator just before it
+        was re-pointed and hold no lease (docs/log.md, "One copy")."""
+        from trajstore._gc import GC_MARGIN_S, LEASE_MAX_AGE_S, lease_horizon
 
         # Retirement times are the database's, and so is "now" here: the grace does not
         # depend on this machine's clock agreeing with the retiring one's.
         self.log.retire_unreferenced(time.time())  # ones two concurrent re-pointings each left to the other
-        horizon = lease_horizon(self, min(grace_s, GC_MARGIN_S) if margin_s is None else margin_s)
+        horizon = lease_horizon(self, min(grace_s, GC_MARGIN_S) if margin_s is None else margin_s,
+                                LEASE_MAX_AGE_S if lease_max_age_s is None else lease_max_age_s)
         keep = self.log.segments_in_use(retired_before=min(self.log.database_time() - grace_s, horizon))
         removed = self.payload.collect_garbage(keep, grace_s=grace_s)
         self.log.forget_segments(removed)

@@ -277,7 +277,10 @@ def test_a_read_only_token_cannot_write_and_the_write_token_can(filled_sqlite, r
     client = fl.connect(server.location)
 
     def put(token: str) -> bytes:
-        opts = fl.FlightCallOptions(headers=[(b"authorization", f"Bearer {token}".encode())])
+        size = sum(len(e.encode()) for e in table.column("event").to_pylist())
+        opts = fl.FlightCallOptions(headers=[(b"authorization", f"Bearer {token}".encode()),
+                                             (b"x-trajstore-put-bytes", str(size).encode()),
+                                             (b"x-trajstore-put-rows", str(table.num_rows).encode())])
         writer, meta = client.do_put(desc, table.schema, opts)
         writer.write_table(table)
         writer.done_writing()

@@ -122,3 +122,32 @@ def test_a_client_holds_back_no_more_than_it_read(store, replay_servers):
         assert row.held_since == now and row.holder == "replay client h"
         rs._leases.release(name)
     assert _leases(store) == 0
+
+
+def test_a_lease_renewed_since_the_epoch_protects_for_its_maximum_age_only(store, replay_servers, caplog):
+    """A read token renewing its lease with ``since=0`` for ever keeps its ``held_since``
+    where it was taken: the GC keeps what was retired since, but only for the maximum
+    lease age; then it collects, and says once which lease lost its protection."""
+    import logging
+
+    from trajstore.replay import ReplayStore
+
+    segs = _projected(store)
+    server = replay_servers(store)
+    name = "samples:" + "b" * 32
+    with ReplayStore(server.location, token=READ_TOKEN) as rs:
+        rs._leases.hold(name, "squatter", 600, None)
+        time.sleep(0.05)
+        store.drop_projection("p")  # retired after the lease's held_since: protected
+        time.sleep(0.05)
+        rs._leases.hold(name, "squatter", 600, 0.0)
+        assert not set(collect_retired(store, margin_s=0)) & segs, "a lease younger than the maximum age protects"
+        time.sleep(1.2)
+        rs._leases.hold(name, "squatter", 600, 0.0)  # renewed, never moved forward
+        assert not set(collect_retired(store, margin_s=0)) & segs  # the default maximum age (6 h) is not reached
+        with caplog.at_level(logging.WARNING, logger="trajstore.gc"):
+            assert set(collect_retired(store, margin_s=0, lease_max_age_s=1.0)) == segs
+            collect_retired(store, margin_s=0, lease_max_age_s=1.0)
+        said = [r.getMessage() for r in caplog.records if "maximum lease age" in r.getMessage()]
+        assert len(said) == 1 and name in said[0] and "replay client squatter" in said[0], said
+        assert _leases(store) == 1  # the lease itself stands (it lapses when no longer renewed)

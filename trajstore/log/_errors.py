@@ -63,6 +63,7 @@ RACE_KEYS = {
     "projections_pkey": "projections.name",
     "lineage_steps_pkey": "lineage_steps.run",
     "lineage_annotations_pkey": "lineage_annotations.run",
+    "run_owners_pkey": "run_owners.run",
 }
 
 # SQLSTATE classes the server answers with (the transaction is rolled back, the connection fine):

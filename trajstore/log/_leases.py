@@ -7,12 +7,19 @@ whose locators it still uses). It lapses at ``expires_at`` unless renewed, so a
 reader that died stops holding anything back. Every time here is the
 database's clock, as ``segments.retired_at`` is.
 
+A lease protects for at most ``max_age_s`` (``LEASE_MAX_AGE_S`` by default):
+the GC's horizon is never earlier than that long before now, whatever a lease's
+``held_since`` says, so a reader that renews without ever moving forward (a
+read token renewing with ``since=0``) cannot hold back the GC forever. Each
+lease that loses its protection so is logged once by the GC that passes it.
+
 A lease whose name starts with ``SAMPLES_ONLY`` (a sample reader's: it opens
 sample segments only) holds back sample segments only: log segments the
 materializer retires meanwhile are collected as if it were not there."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from sqlalchemy import Connection, and_, delete, func, insert, or_, select, update
@@ -22,10 +29,13 @@ from trajstore.log._segments import named_clause
 from trajstore.log._transaction import Database
 from trajstore.schema import reader_leases, segments
 
-__all__ = ["SAMPLES_ONLY", "take_lease", "renew_lease", "hold_lease", "release_lease", "gc_horizon", "gc_horizons",
-           "retired_segments"]
+__all__ = ["SAMPLES_ONLY", "LEASE_MAX_AGE_S", "take_lease", "renew_lease", "hold_lease", "release_lease", "gc_horizon",
+           "gc_horizons", "retired_segments"]
 
 SAMPLES_ONLY = "samples:"  # the name prefix of a lease over sample segments only
+LEASE_MAX_AGE_S = 6 * 3600.0  # a lease holds back nothing retired longer ago than this
+_log = logging.getLogger("trajstore.gc")
+_told: set[tuple[str, float]] = set()  # leases already logged as past their maximum age (name, held_since)
 
 
 def _now(conn: Connection, d: SqlDialect) -> float:
@@ -104,23 +114,36 @@ def release_lease(db: Database, name: str) -> None:
     db.transaction("releasing a reader lease", body)
 
 
-def gc_horizon(db: Database, margin_s: float) -> tuple[float, int]:
+def gc_horizon(db: Database, margin_s: float, max_age_s: float = LEASE_MAX_AGE_S) -> tuple[float, int]:
     """``(horizon, live leases)``: segments retired before ``horizon`` may be
     deleted. It is ``now - margin_s``, or earlier: the oldest ``held_since`` of
-    an unexpired lease, minus ``margin_s``. One read; expired leases are removed
-    (a write) only when there are some."""
-    samples_before, _, n = _horizons(db, margin_s)
+    an unexpired lease (but not before ``now - max_age_s``), minus ``margin_s``.
+    One read; expired leases are removed (a write) only when there are some."""
+    samples_before, _, n = _horizons(db, margin_s, max_age_s)
     return samples_before, n
 
 
-def gc_horizons(db: Database, margin_s: float) -> tuple[float, float]:
+def gc_horizons(db: Database, margin_s: float, max_age_s: float = LEASE_MAX_AGE_S) -> tuple[float, float]:
     """``(samples_before, events_before)``: as ``gc_horizon``, for sample segments
     (every lease) and for log segments (leases not ``SAMPLES_ONLY``)."""
-    samples_before, events_before, _ = _horizons(db, margin_s)
+    samples_before, events_before, _ = _horizons(db, margin_s, max_age_s)
     return samples_before, events_before
 
 
-def _horizons(db: Database, margin_s: float) -> tuple[float, float, int]:
+def _past_max_age(db: Database, floor: float, max_age_s: float) -> None:
+    """Log (once each) the live leases held since before ``floor``: they protect no more."""
+    with db.reading("reading the readers' leases") as conn:
+        rows = conn.execute(select(reader_leases.c.name, reader_leases.c.holder, reader_leases.c.held_since)
+                            .where(reader_leases.c.held_since < floor, reader_leases.c.expires_at > floor)).all()
+    for name, holder, since in rows:
+        if (name, float(since)) not in _told:
+            _told.add((name, float(since)))
+            _log.warning("gc: reader lease %s (%s) has held since %.0f s ago, past the maximum lease age (%g s): "
+                         "segments retired before then are collected, that reader loses their protection",
+                         name, holder, floor + max_age_s - float(since), max_age_s)
+
+
+def _horizons(db: Database, margin_s: float, max_age_s: float = LEASE_MAX_AGE_S) -> tuple[float, float, int]:
     with db.reading("reading the readers' leases") as conn:
         now = _now(conn, db.dialect)
         live = reader_leases.c.expires_at > now
@@ -132,8 +155,11 @@ def _horizons(db: Database, margin_s: float) -> tuple[float, float, int]:
     if expired:
         db.transaction("removing lapsed reader leases",
                        lambda conn, d: conn.execute(delete(reader_leases).where(reader_leases.c.expires_at <= now)))
-    samples = now if oldest is None else min(now, float(oldest))
-    events = now if oldest_all is None else min(now, float(oldest_all))
+    floor = now - max_age_s
+    if oldest is not None and float(oldest) < floor:
+        _past_max_age(db, floor, max_age_s)
+    samples = now if oldest is None else min(now, max(float(oldest), floor))
+    events = now if oldest_all is None else min(now, max(float(oldest_all), floor))
     return samples - margin_s, events - margin_s, int(n)
 
 

@@ -47,6 +47,8 @@ def write_lineage(conn: Any, d: SqlDialect, rows: Sequence[dict[str, Any]]) -> N
     for table, part in ((lineage_steps, steps), (lineage_annotations, notes), (lineage_annotation_versions, versions)):
         if part:
             d.insert_rows(conn, table, part)
+    stamp_projection_tokens(conn, d, [(r["run"], r["step"], r["rank"], r["attempt"]) for r in steps
+                                      if r["projection"] is not None])
     if samples:
         # one executemany of ready tuples (ints and strings: no bind processing), in the
         # keyed tables' wake: a step's hundreds of rows cost one statement
@@ -97,6 +99,22 @@ def write_unread_steps(cur: Any, d: SqlDialect, rows: Sequence[dict[str, Any]]) 
                 (*(row[c] for c in STEP_ROW_COLUMNS), row["identity"], *key, len(ev.samples)))
         if not pg and cur.rowcount != 1:
             raise ChecksFailed(f"train_step {key}: {len(ev.samples)} samples named, not all found")
+        if named:
+            stamp_projection_tokens(cur, d, [key])
+
+
+def stamp_projection_tokens(conn: Any, d: SqlDialect, keys: Sequence[tuple]) -> None:
+    """Give the steps ``keys`` (run, step, rank, attempt), just written from a named
+    projection's samples, that projection's identity (``projections.token``) in the
+    same transaction: what was trained is then named beyond the projection's name."""
+    if not keys:
+        return
+    t, p = lineage_steps, projections
+    sql = d._cached(("lineage projection token",), lambda: (
+        f"UPDATE {d.table(t)} SET {d.col(t.c.projection_token)} = (SELECT {d.col(p.c.token)} FROM {d.table(p)} "
+        f"WHERE {d.col(p.c.name)} = {d.table(t)}.{d.col(t.c.projection)}) "
+        f"WHERE run = {d.p} AND step = {d.p} AND rank = {d.p} AND attempt = {d.p}"))
+    execute(conn, sql, list(keys))
 
 
 def _typed(d: SqlDialect, column: Any) -> str:
@@ -276,11 +294,13 @@ def standing_attempt(conn: Connection, run: str, step: int, rank: int) -> int | 
 
 def step_samples(conn: Connection, run: str, step: int) -> list[dict[str, Any]]:
     """The samples of step ``step`` of ``run``, every rank at its standing attempt, in
-    (rank, ordinal) order: ``rank``, ``attempt``, ``trajectory_id``, ``sample_index``, ``projection``."""
+    (rank, ordinal) order: ``rank``, ``attempt``, ``trajectory_id``, ``sample_index``, ``projection``,
+    ``projection_token`` (the projection's identity when the step was written; None: the
+    default samples or a step written before it was kept)."""
     s, x = lineage_steps.c, lineage_step_samples.c
     top = (select(s.rank, func.max(s.attempt).label("attempt")).where(s.run == run, s.step == step)
            .group_by(s.rank).subquery())
-    q = (select(x.rank, x.attempt, x.trajectory_id, x.sample_index, s.projection)
+    q = (select(x.rank, x.attempt, x.trajectory_id, x.sample_index, s.projection, s.projection_token)
          .select_from(lineage_step_samples.join(top, (top.c.rank == x.rank) & (top.c.attempt == x.attempt))
                       .join(lineage_steps, (s.run == x.run) & (s.step == x.step) & (s.rank == x.rank)
                             & (s.attempt == x.attempt)))

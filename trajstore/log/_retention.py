@@ -18,7 +18,7 @@ from sqlalchemy import Connection, and_, delete, exists, func, select, update
 from trajstore.log._dialect import SqlDialect, chunks
 from trajstore.log._segments import retire_emptied
 from trajstore.log._transaction import Database
-from trajstore.log.base import RELEASED, StaleState
+from trajstore.log.base import RELEASED, Shard, StaleState
 from trajstore.schema import (events, materializer_checkpoints, projection_checkpoints, projection_unfoldable,
                               projections, trajectories, unfoldable_trajectories, unresolved_labels, version_labels)
 
@@ -29,6 +29,17 @@ __all__ = ["ARCHIVED_TYPES", "SqlRetention"]
 ARCHIVED_TYPES = ("trajectory_started", "generation", "reward", "trajectory_finished", RELEASED)
 
 
+def _folded_to(checkpoints: Sequence[tuple[str, int]]) -> int:
+    """The position every shard of a fold has committed: 0 when some shard of the
+    count its keys name (or of any count they name) has no checkpoint."""
+    if not checkpoints:
+        return 0
+    at = {Shard.parse(str(key)): int(position) for key, position in checkpoints}
+    if any(shard not in at for count in {s.count for s in at} for shard in Shard.all(count)):
+        return 0
+    return min(at.values())
+
+
 class SqlRetention:
     """The index side of ``trajstore archive`` over one store's ``Database``."""
 
@@ -36,15 +47,20 @@ class SqlRetention:
         self.db = db
 
     def horizons(self) -> tuple[int, dict[str, int]]:
-        """How far the default fold (the lowest of its shards' checkpoints; 0 without
-        any) and each named projection (likewise) have folded the log."""
+        """How far the default fold and each named projection have folded the log: the
+        lowest checkpoint of its shards, where a shard without a checkpoint row yet
+        counts as position 0 (as the readers' watermark counts it): the shard set is
+        the one the checkpoint keys name (``index/count``), so one shard of two that
+        has not committed keeps every trajectory (0 without any checkpoint)."""
+        pc = projection_checkpoints
         with self.db.reading("reading the fold checkpoints") as conn:
-            default = conn.execute(select(func.min(materializer_checkpoints.c.position))).scalar()
+            default = conn.execute(select(materializer_checkpoints.c.shard, materializer_checkpoints.c.position)).all()
             names = conn.execute(select(projections.c.name)).scalars().all()
-            low = dict(conn.execute(select(projection_checkpoints.c.projection,
-                                           func.min(projection_checkpoints.c.position))
-                                    .group_by(projection_checkpoints.c.projection)).all())
-        return int(default or 0), {n: int(low.get(n) or 0) for n in names}
+            rows = conn.execute(select(pc.c.projection, pc.c.shard, pc.c.position)).all()
+        per: dict[str, list[tuple[str, int]]] = {}
+        for name, shard, position in rows:
+            per.setdefault(name, []).append((shard, position))
+        return _folded_to(default), {n: _folded_to(per.get(n, [])) for n in names}
 
     def candidates(self, *, horizon: int, before_position: int | None, updated_before: float | None,
                    limit: int) -> list[tuple[str, int]]:

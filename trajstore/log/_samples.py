@@ -272,6 +272,15 @@ class SqlSampleIndex(_SqlSamples):
             raise ValidationError(f"no projection {name!r} (trajstore projection list)", rule="projection")
         return SqlProjectionIndex(self.db, dict(row._mapping))
 
+    def projection_as(self, name: str, token: str) -> "SqlProjectionIndex":
+        """Projection ``name`` as it was created with identity ``token`` (a reader's, told
+        before): ``ProjectionChangedError`` now and at each later read once the projection
+        of that name is another one (dropped, or dropped and created again)."""
+        index = SqlProjectionIndex(self.db, {"name": name, "token": token})
+        with self.db.reading("reading a projection") as conn:
+            index._check_read(conn)  # noqa: SLF001 - its own class's check
+        return index
+
     def drop_projection(self, name: str) -> dict[str, int]:
         """In one transaction: delete projection ``name``'s samples, checkpoints,
         unfoldable rows and row, and retire its sample segments (``trajstore gc``

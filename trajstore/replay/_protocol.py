@@ -10,13 +10,18 @@ Kinds:
     rows     DoGet: one page of sample index rows (``where``, ``after``, ``page_rows``)
     samples  DoGet: the payload rows ``rows`` of one sample segment, in segment order
     watermark, count_events, hello, standing_attempt, pacing   DoAction
+    projection  DoAction: a projection's identity token (``name``), the one the
+             reader's ``rows`` and ``watermark`` requests then carry
     lease    DoAction: take, renew or release a reader's GC lease (``name``,
              ``holder``, ``ttl_s``, ``since``, ``release``), written by the
              server in the store's ``reader_leases`` for its trainer
 
 ``rows`` and ``watermark`` read the default samples, or a named projection's
 with ``projection`` (absent: the default; requests without it are those of
-clients from before projections, and mean the same).
+clients from before projections, and mean the same). With ``projection_token``
+too, the server refuses ("projection changed") a request when the projection of
+that name is no longer the one created with that token (dropped, or dropped and
+created again): a reader never reads on into another fold of the same name.
 """
 
 from __future__ import annotations
@@ -43,7 +48,8 @@ WATERMARK, COUNT_EVENTS, HELLO = "watermark", "count_events", "hello"
 STANDING_ATTEMPT = "standing_attempt"
 PACING = "pacing"
 LEASE = "lease"
-ACTIONS = (WATERMARK, COUNT_EVENTS, HELLO, STANDING_ATTEMPT, PACING, LEASE)
+PROJECTION = "projection"
+ACTIONS = (WATERMARK, COUNT_EVENTS, HELLO, STANDING_ATTEMPT, PACING, LEASE, PROJECTION)
 MAX_LEASE_TTL_S = 600.0
 
 # Error message prefixes (the client maps them back; see client._raise).
@@ -52,6 +58,7 @@ CONFLICT = "conflict"
 CORRUPT = "corrupt store"
 UNAVAILABLE = "store unavailable"
 RATE_LIMITED = "rate limited"
+PROJECTION_CHANGED = "projection changed"
 INTERNAL = "internal error"
 
 # what a sample segment's name may hold between its kind's prefix and suffix
@@ -134,6 +141,16 @@ def _projection(req: dict) -> None:
     name = req.get("projection")
     if name is not None and not (isinstance(name, str) and 0 < len(name) <= 200):
         raise BadRequest(f"projection must be a name (1 to 200 characters) or null, got {name!r:.80}")
+    token = req.get("projection_token")
+    if token is not None and not (name is not None and isinstance(token, str) and 0 < len(token) <= 200):
+        raise BadRequest(f"projection_token must be a projection's token (1 to 200 characters) with its projection, "
+                         f"got {token!r:.80}")
+
+
+def _check_projection(req: dict) -> None:
+    if req.get("projection") is None:
+        raise BadRequest("projection must name a projection")
+    _projection(req)
 
 
 def _is_sample_segment(name: str) -> bool:
@@ -193,7 +210,7 @@ def _check_lease(req: dict) -> None:
 
 
 _CHECKS = {ROWS: _check_rows, SAMPLES: _check_samples, WATERMARK: _check_watermark, COUNT_EVENTS: _check_count_events,
-           STANDING_ATTEMPT: _check_standing_attempt, LEASE: _check_lease}
+           STANDING_ATTEMPT: _check_standing_attempt, LEASE: _check_lease, PROJECTION: _check_projection}
 
 
 def _arrow_type(column: sa.Column) -> pa.DataType:

@@ -18,11 +18,12 @@ request, and a restarted one answers the same):
   itself when the trainer dies.
 
 DoPut appends wire-format events (an Arrow table with one ``event`` column
-of JSON objects). The write token may append any event; the read token (the
+of JSON objects). The write token may append any event; a read token (the
 trainers') only training lineage (``train_step``, ``sample_annotation``: what
-``ReplayReader.record_step`` sends), and DoAction ``standing_attempt`` tells
-it the attempt a step stands at. Every call passes through
-``_AuthMiddlewareFactory.start_call`` first: a call without a known token is
+``ReplayReader.record_step`` sends), bounded in size before its body is read,
+of the runs it began only and at attempts in order (``trajstore.replay._puts``),
+and DoAction ``standing_attempt`` tells it the attempt a step stands at. Every
+call passes through ``_AuthMiddlewareFactory.start_call`` first: a call without a known token is
 refused there, and a call the token's role does not allow (deny by default:
 only the methods listed in ``_ALLOWED`` pass) too.
 
@@ -54,11 +55,13 @@ import pyarrow.flight as fl
 import pyarrow.ipc as ipc
 
 from trajstore._auth import bearer_token, same_token
-from trajstore.errors import ConflictError, CorruptStoreError, StoreUnavailable, TrajstoreError, ValidationError
-from trajstore.events import LINEAGE_TYPES
+from trajstore.errors import (ConflictError, CorruptStoreError, ProjectionChangedError, StoreUnavailable,
+                              TrajstoreError, ValidationError)
+from trajstore.log._run_owners import owner_of
 from trajstore.payload import SegmentRows
 from trajstore.payload._format import READ_OPTIONS, ROWS_PER_BATCH, SegmentKind
 from trajstore.replay import _protocol as proto
+from trajstore.replay import _puts as puts
 
 __all__ = ["ReplayServer", "add_cli_arguments", "serve_from_args", "DEFAULT_PORT"]
 
@@ -137,16 +140,19 @@ class _OpenSegments:
 
 
 class _AuthMiddleware(fl.ServerMiddleware):
-    def __init__(self, role: str) -> None:
+    def __init__(self, role: str, declared: puts.Declared | None = None, owner: str | None = None) -> None:
         self.role = role
+        self.declared = declared  # a read token's put: the size its headers declared
+        self.owner = owner  # a read token's put: the digest its runs are owned under
 
 
 class _AuthMiddlewareFactory(fl.ServerMiddlewareFactory):
     """The one place every call is checked: its bearer token and what the token's role allows."""
 
-    def __init__(self, tokens: dict[str, str] | None, metrics: "_Metrics") -> None:
+    def __init__(self, tokens: dict[str, str] | None, metrics: "_Metrics", limits: puts.PutLimits) -> None:
         self.tokens = tokens  # token -> role; None: no auth (every caller may read and write)
         self.metrics = metrics
+        self.limits = limits
 
     def start_call(self, info: fl.CallInfo, headers: dict[str, list[Any]]) -> _AuthMiddleware:
         method = _METHOD_NAMES.get(info.method, "unknown")
@@ -154,11 +160,11 @@ class _AuthMiddlewareFactory(fl.ServerMiddlewareFactory):
             role = WRITE
         else:
             given = _bearer(headers)
-            role = None
+            role = matched = None
             if given is not None:
                 for token, r in self.tokens.items():  # compare against every token: no early exit to time
                     if same_token(given, token):
-                        role = r
+                        role, matched = r, token
             if role is None:
                 self.metrics.requests.labels(method, "unauthenticated").inc()
                 raise fl.FlightUnauthenticatedError("missing or wrong bearer token")
@@ -166,6 +172,12 @@ class _AuthMiddlewareFactory(fl.ServerMiddlewareFactory):
             self.metrics.requests.labels(method, "denied").inc()
             what = "write" if info.method in (_M.DO_PUT, _M.DO_EXCHANGE) else f"call {method}"
             raise fl.FlightUnauthorizedError(f"a {role} token cannot {what}")
+        if info.method == _M.DO_PUT and role == READ:  # bounded here, before any of the body is read
+            try:
+                return _AuthMiddleware(role, puts.declared_size(headers, self.limits), owner_of(str(matched)))
+            except fl.FlightError:
+                self.metrics.requests.labels(method, "invalid").inc()
+                raise
         return _AuthMiddleware(role)
 
 
@@ -292,7 +304,8 @@ class ReplayServer(fl.FlightServerBase):
     def __init__(self, store: Any, location: str = "grpc://127.0.0.1:0", *, tokens: dict[str, str] | None,
                  samples_per_insert: float | None = None, spi_tolerance: int = 0, max_staleness: int | None = None,
                  hold_s: float = 5.0, registry: CollectorRegistry | None = None, close_store: bool = False,
-                 tls_certificates: list[tuple[bytes, bytes]] | None = None) -> None:
+                 tls_certificates: list[tuple[bytes, bytes]] | None = None,
+                 put_limits: puts.PutLimits | None = None) -> None:
         if tokens is not None:
             if not tokens:
                 raise ValueError("no token given: a server needs at least one (or tokens=None to run open)")
@@ -304,8 +317,10 @@ class ReplayServer(fl.FlightServerBase):
         self.metrics = _Metrics(registry if registry is not None else _prometheus().CollectorRegistry())
         self.limiter = _RateLimiter(store, self.metrics, samples_per_insert=samples_per_insert,
                                     spi_tolerance=spi_tolerance, max_staleness=max_staleness, hold_s=hold_s)
+        self.put_limits = put_limits or puts.PutLimits()
         try:
-            super().__init__(location, middleware={"auth": _AuthMiddlewareFactory(tokens, self.metrics)},
+            super().__init__(location, middleware={"auth": _AuthMiddlewareFactory(tokens, self.metrics,
+                                                                                  self.put_limits)},
                              tls_certificates=tls_certificates or [])
         except pa.ArrowException as e:
             raise ValueError(f"cannot listen on {location} (is the port in use?): {proto.message(e)}") from None
@@ -328,6 +343,9 @@ class ReplayServer(fl.FlightServerBase):
         except ValidationError as e:
             outcome = "invalid"
             raise fl.FlightServerError(f"{proto.INVALID}: {e}") from None
+        except ProjectionChangedError as e:
+            outcome = "invalid"
+            raise fl.FlightServerError(f"{proto.PROJECTION_CHANGED}: {e}") from None
         except CorruptStoreError as e:
             outcome = "error"
             _log.error("trajstore replay: %s: %s", method, e)  # the full message (paths) stays in the server's log
@@ -412,9 +430,15 @@ class ReplayServer(fl.FlightServerBase):
         return fl.RecordBatchStream(out)
 
     def _index(self, req: dict[str, Any]) -> Any:
-        """The sample index a request reads: the default samples, or its ``projection``'s."""
-        name = req.get("projection")
-        return self.store.materialized if name is None else self.store.materialized.projection(name)
+        """The sample index a request reads: the default samples, or its ``projection``'s;
+        with ``projection_token``, that projection only as created with that token (its
+        reads raise ``ProjectionChangedError`` once the name holds another one)."""
+        name, token = req.get("projection"), req.get("projection_token")
+        if name is None:
+            return self.store.materialized
+        if token is None:  # a client from before projection tokens
+            return self.store.materialized.projection(name)
+        return self.store.materialized.projection_as(name, token)
 
     def list_actions(self, context: fl.ServerCallContext) -> list[tuple[str, str]]:
         return [(proto.WATERMARK, "position up to which every materializer shard committed"),
@@ -422,7 +446,8 @@ class ReplayServer(fl.FlightServerBase):
                 (proto.HELLO, "the server's protocol version"),
                 (proto.STANDING_ATTEMPT, "the highest attempt recorded for a training step of a rank"),
                 (proto.PACING, "the rate limits sample requests are held by"),
-                (proto.LEASE, "take, renew or release a reader's GC lease")]
+                (proto.LEASE, "take, renew or release a reader's GC lease"),
+                (proto.PROJECTION, "a projection's identity token")]
 
     def do_action(self, context: fl.ServerCallContext, action: fl.Action) -> Iterator[bytes]:
         def run() -> list[bytes]:
@@ -438,6 +463,9 @@ class ReplayServer(fl.FlightServerBase):
                 value = self.store.log.standing_attempt(req["run"], req["step"], req["rank"])
             elif action.type == proto.LEASE:
                 value = self._lease(req)
+            elif action.type == proto.PROJECTION:
+                name = req["projection"]
+                value = {"name": name, "token": self.store.materialized.projection(name).token}
             elif action.type == proto.PACING:
                 value = {"samples_per_insert": self.limiter.spi, "max_staleness": self.limiter.max_staleness}
             else:
@@ -461,25 +489,17 @@ class ReplayServer(fl.FlightServerBase):
     def do_put(self, context: fl.ServerCallContext, descriptor: fl.FlightDescriptor,
                reader: fl.MetadataRecordBatchReader, writer: fl.FlightMetadataWriter) -> None:
         def run() -> None:
-            table = reader.read_all()
-            if table.column_names != ["event"] or not pa.types.is_string(table.schema.field("event").type):
-                raise proto.BadRequest(f"a put must be a table with one string column 'event', got {table.schema}")
-            events = []
-            for i, text in enumerate(table.column("event").to_pylist()):
-                try:
-                    ev = json.loads(text) if text is not None else None
-                except ValueError as e:
-                    raise proto.BadRequest(f"event {i} is not JSON ({e})") from None
-                if not isinstance(ev, dict):
-                    raise proto.BadRequest(f"event {i} must be a JSON object")
-                events.append(ev)
             auth = context.get_middleware("auth")
-            if auth is not None and auth.role == READ:
-                other = next((ev.get("type") for ev in events if ev.get("type") not in LINEAGE_TYPES), None)
-                if events and other is not None:
+            read = auth is not None and auth.role == READ
+            events = puts.parse_events(puts.read_put(reader, auth.declared if read else None))
+            if read:
+                try:
+                    puts.check_lineage_only(events, self.put_limits)
+                    if auth.owner is not None:
+                        puts.check_runs_and_attempts(self.store, events, auth.owner)
+                except fl.FlightUnauthorizedError:
                     self.metrics.requests.labels("do_put", "denied").inc()
-                    raise fl.FlightUnauthorizedError(f"a read token cannot write {str(other)[:40]!r} events (it "
-                                                     "may record training lineage only: train_step, sample_annotation)")
+                    raise
             result = self.store.append(events)
             writer.write(pa.py_buffer(json.dumps({"num_appended": result.num_appended,
                                                   "num_duplicates": result.num_duplicates}).encode()))
@@ -497,8 +517,9 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=number(int, min=0, max=65535), default=DEFAULT_PORT,
                         help=f"port (default {DEFAULT_PORT}; 0: any free)")
-    parser.add_argument("--token", default=None,
-                        help="read-only bearer token trainers send (default $TRAJSTORE_REPLAY_TOKEN)")
+    parser.add_argument("--token", default=None, action="append",
+                        help="read-only bearer token trainers send (default $TRAJSTORE_REPLAY_TOKEN); repeat it for "
+                             "one token per team: each records the lineage of the runs it began only")
     parser.add_argument("--write-token", default=None,
                         help="bearer token that may also append events with DoPut (default: none, no writes)")
     parser.add_argument("--insecure-no-auth", action="store_true", help="accept calls without a token (reads and writes)")
@@ -514,6 +535,12 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-staleness", type=number(int, min=0), default=None,
                         help="hold sample requests while the newest sample is more than this many policy versions "
                              "behind the trainer's current_model_version; default off")
+    parser.add_argument("--max-lineage-put-bytes", type=number(int, min=1), default=puts.DEFAULT_MAX_PUT_BYTES,
+                        help="largest training-lineage put a read token may send, in bytes of events (refused "
+                             f"before its body is read; default {puts.DEFAULT_MAX_PUT_BYTES})")
+    parser.add_argument("--max-lineage-put-rows", type=number(int, min=1), default=puts.DEFAULT_MAX_PUT_ROWS,
+                        help="most events in a read token's put, and samples in one train_step "
+                             f"(default {puts.DEFAULT_MAX_PUT_ROWS})")
     parser.add_argument("--hold-s", type=number(float, min=0), default=5.0,
                         help="longest a request is held by the rate limiter before the client asks again (default 5)")
 
@@ -524,15 +551,16 @@ def serve_from_args(args: argparse.Namespace) -> int:
 
     if not logging.getLogger().handlers:  # one line per event on stderr, e.g. each rate-limit wait
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    token = args.token or os.environ.get("TRAJSTORE_REPLAY_TOKEN") or None
+    given = args.token if isinstance(args.token, list) else [args.token]
+    read_tokens = [t for t in given if t] or [t for t in [os.environ.get("TRAJSTORE_REPLAY_TOKEN")] if t]
     if args.insecure_no_auth:
         tokens = None
     else:
-        if token is None and args.write_token is None:
+        if not read_tokens and args.write_token is None:
             raise ValueError("no token: pass --token or set $TRAJSTORE_REPLAY_TOKEN (or --insecure-no-auth to run open)")
-        if token is not None and token == args.write_token:
+        if args.write_token is not None and args.write_token in read_tokens:
             raise ValueError("--token and --write-token must differ (a read-only token must not be able to write)")
-        tokens = {t: r for t, r in ((token, READ), (args.write_token, WRITE)) if t}
+        tokens = {**{t: READ for t in read_tokens}, **({args.write_token: WRITE} if args.write_token else {})}
     if (args.tls_cert is None) != (args.tls_key is None):
         raise ValueError("--tls-cert and --tls-key go together")
     store = trajstore.connect(args.store, payload=args.payload, migrate=False, create=False)
@@ -547,7 +575,7 @@ def serve_from_args(args: argparse.Namespace) -> int:
     server = ReplayServer(store, f"{scheme}://{args.host}:{args.port}", tokens=tokens,
                      samples_per_insert=args.samples_per_insert, spi_tolerance=args.spi_tolerance,
                      max_staleness=args.max_staleness, hold_s=args.hold_s, registry=registry, close_store=True,
-                     **kwargs)
+                     put_limits=puts.PutLimits(args.max_lineage_put_bytes, args.max_lineage_put_rows), **kwargs)
     if args.metrics_port is not None:
         prometheus.start_http_server(args.metrics_port, addr=args.host, registry=registry)
     from trajstore.log._backend import safe_url

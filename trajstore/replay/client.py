@@ -41,10 +41,12 @@ import pyarrow.flight as fl
 from trajstore._backoff import Backoff
 from trajstore._reader_seam import ReaderEventLog, ReaderPayload, ReaderSampleIndex
 from trajstore._wire import encode_b64
-from trajstore.errors import ConflictError, CorruptStoreError, StoreUnavailable, TrajstoreError, ValidationError
+from trajstore.errors import (ConflictError, CorruptStoreError, ProjectionChangedError, StoreUnavailable,
+                              TrajstoreError, ValidationError)
 from trajstore.payload import SegmentRows
 from trajstore.reader import ReaderConfig, SampleReader, _settings
 from trajstore.replay import _protocol as proto
+from trajstore.replay._puts import PUT_BYTES, PUT_ROWS, value_bytes
 from trajstore.store import AppendResult
 
 __all__ = ["ReplayReader", "ReplayStore", "parse_locations"]
@@ -131,8 +133,9 @@ class _Connection:
                  tls_root_certs: bytes | None, first: int = 0) -> None:
         self.locations, self.retry_timeout_s = locations, retry_timeout_s
         self.closing = threading.Event()  # set by close(): a call waiting out a hold or a failover gives up
-        headers = [] if token is None else [(b"authorization", f"Bearer {token}".encode())]
-        self.options = fl.FlightCallOptions(headers=headers, timeout=call_timeout_s)
+        self.headers = [] if token is None else [(b"authorization", f"Bearer {token}".encode())]
+        self.call_timeout_s = call_timeout_s
+        self.options = fl.FlightCallOptions(headers=self.headers, timeout=call_timeout_s)
         self._tls_root_certs = tls_root_certs
         self._lock = threading.Lock()
         self._outage = False  # calls are failing: the first says so, the first answer after says it is over
@@ -297,6 +300,8 @@ def _error(location: str, what: str, text: str) -> TrajstoreError:
                                rule=rule.group(1) if rule else "replay_request", index=_index_of(text))
     if text.startswith(proto.CORRUPT):
         return CorruptStoreError(f"replay server {location}: {text}")
+    if text.startswith(proto.PROJECTION_CHANGED):
+        return ProjectionChangedError(f"replay server {location}: {text[len(proto.PROJECTION_CHANGED) + 2:]}")
     return TrajstoreError(f"replay server {location} failed {what}: {text}")
 
 
@@ -307,24 +312,35 @@ def _index_of(text: str) -> int | None:
 
 class _RemoteSamples(ReaderSampleIndex):
     """The sample index reads of the reader's seam, over Flight: the default
-    samples, or (``projection``) a named projection's."""
+    samples, or (``projection``) a named projection's, as created with ``token``
+    (its identity: the server refuses a request once the name holds another)."""
 
-    def __init__(self, conn: _Connection, projection: str | None = None) -> None:
+    def __init__(self, conn: _Connection, projection: str | None = None, token: str | None = None) -> None:
         self.conn = conn
         self.projection_name = projection
+        self.token = token
         self._waiting_at: int | None = None  # the watermark a follow poll last found nothing below
         self._waiting_since = 0.0
 
     def _named(self) -> dict[str, Any]:
         """The request fields naming the sample index (none for the default samples)."""
-        return {} if self.projection_name is None else {"projection": self.projection_name}
+        if self.projection_name is None:
+            return {}
+        return {"projection": self.projection_name, **({} if self.token is None else {"projection_token": self.token})}
 
     def projection(self, name: str) -> "_RemoteSamples":
-        """Projection ``name``'s samples; ``ValidationError`` when the store has none of that name."""
+        """Projection ``name``'s samples, as the projection of that name is now (its
+        token); ``ValidationError`` when the store has none of that name."""
         if not isinstance(name, str):
             raise ValidationError(f"projection must be a name, got {name!r}", rule="projection")
-        index = _RemoteSamples(self.conn, name)
-        index.watermark()  # asks the server, which refuses an unknown projection
+        try:  # the server refuses an unknown projection
+            token = self.conn.action("reading a projection", proto.PROJECTION, projection=name)["token"]
+        except ValidationError as e:
+            if "unknown action" not in str(e):
+                raise
+            token = None  # a server from before projection tokens: the name only
+        index = _RemoteSamples(self.conn, name, token)
+        index.watermark()
         return index
 
     def iter_sample_rows(self, *, where: Mapping[str, Any], after: tuple[int, int] | None,
@@ -490,11 +506,17 @@ class ReplayStore:
         lineage only (``train_step``, ``sample_annotation``: what
         ``ReplayReader.record_step`` sends); the write token anything.
         Numpy arrays travel as their bytes (``{b64, dtype, shape}``)."""
-        table = pa.table({"event": pa.array([json.dumps(ev, separators=(",", ":"), default=_json_value)
-                                             for ev in events], pa.string())})
+        column = pa.array([json.dumps(ev, separators=(",", ":"), default=_json_value) for ev in events], pa.string())
+        table = pa.table({"event": column})
+        # the put's size, declared: a server bounds a read token's put before reading its body
+        size = value_bytes(column)
+        conn = self._conn
+        declared = fl.FlightCallOptions(headers=[*conn.headers, (PUT_BYTES.encode(), str(size).encode()),
+                                                 (PUT_ROWS.encode(), str(len(column)).encode())],
+                                        timeout=conn.call_timeout_s)
 
         def run(c: fl.FlightClient, o: fl.FlightCallOptions) -> dict[str, Any]:
-            writer, meta = c.do_put(fl.FlightDescriptor.for_path("events"), table.schema, o)
+            writer, meta = c.do_put(fl.FlightDescriptor.for_path("events"), table.schema, declared)
             writer.write_table(table)
             writer.done_writing()
             answer = meta.read()

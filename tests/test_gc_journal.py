@@ -35,7 +35,8 @@ def _wire(i: int) -> list[dict]:
     for e in events:
         if e["type"] == "generation":
             e = dict(e, prompt_ids=encode_b64(e["prompt_ids"]), output_ids=encode_b64(e["output_ids"]),
-                     logprobs=encode_b64(e["logprobs"]), routed_experts=encode_npy_b64(table[:len(e["routed_experts"])]))
+                     logprobs=encode_b64(e["logprobs"]),
+                     routed_experts=encode_npy_b64(table[:len(e["routed_experts"])]))
         out.append(e)
     return out
 
@@ -43,7 +44,8 @@ def _wire(i: int) -> list[dict]:
 def _bytes(db: str, payload: str) -> dict[str, int]:
     size = lambda p: os.path.getsize(p) if os.path.exists(p) else 0  # noqa: E731
     files = [f for f in os.listdir(payload) if f.startswith(("events-", "samples-"))]
-    return {"db": size(db), "wal": size(db + "-wal"), "payload": sum(os.path.getsize(os.path.join(payload, f)) for f in files)}
+    return {"db": size(db), "wal": size(db + "-wal"),
+            "payload": sum(os.path.getsize(os.path.join(payload, f)) for f in files)}
 
 
 def test_the_whole_store_right_after_gc_is_within_the_bound(tmp_path):

@@ -4,6 +4,8 @@ each writer's close flushes its own calls, and one writer's refused event never 
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 
 import pytest
@@ -139,3 +141,24 @@ def test_a_store_passed_by_the_caller_is_not_shared_nor_closed_by_the_writer(url
         w.close()
         assert not sinks._STORES
         assert s.log.trajectory_events(["own"])["own"][0]["type"] == "trajectory_started"  # still open
+
+
+def test_a_forked_child_opens_a_store_of_its_own(url):
+    w = Writer(url)
+    w.put(started("parent"))
+    w.flush()  # the parent's store and its committer are in use
+    pid = os.fork()
+    if pid == 0:  # the child: a writer of the same URL must not reach the parent's committer
+        code = 1
+        signal.alarm(30)  # a child stuck on the parent's committer dies instead of hanging the test
+        try:
+            child = Writer(url)
+            code = 0 if child._sink.store is not w._sink.store else 2
+            child.put(started("child"))
+            child.close()
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    w.close()
+    assert sorted(_stored(url, ["parent", "child"])) == ["child", "parent"]

@@ -93,6 +93,17 @@ _STORES: dict[str, tuple[Any, int]] = {}
 _STORES_LOCK = threading.Lock()
 
 
+def _forget_stores_in_forked_children() -> None:
+    # A forked child's writers open stores of their own: the parent's committer threads
+    # do not exist in the child, and its lock may have been held at the fork.
+    global _STORES_LOCK
+    _STORES.clear()
+    _STORES_LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_stores_in_forked_children)
+
+
 def _shared_store(url: str | None) -> Any:
     """The one ``Store`` of ``url`` (None: ``$TRAJSTORE_URL``, else the default) that this
     process's writers share, opened on first use: ``Writer``s made from the same URL

@@ -1,6 +1,6 @@
 """The append of bench_pipeline.py's load on two source trees, paired round by round.
 
-    python bench/paired_append.py BEFORE_TREE AFTER_TREE [--rounds 20]
+    python bench/paired_append.py BEFORE_TREE AFTER_TREE [--rounds 20] [--batch 64]
     python bench/paired_append.py --steps TREE [--rounds 6]
     python bench/paired_append.py --coalesce TREE [--rounds 10] [--linger-ms 20]
 
@@ -12,6 +12,14 @@ then, alternately and in alternating order, run one round: the raw Parquet
 write of the unique arrays, then the 32 one-call-per-trajectory appends into
 a new SQLite store. Each round of one tree is compared with the round of the
 other run next to it.
+
+``--batch N``: the calls are the 224 wire events turn-major (event k of
+every trajectory, then event k+1: what a Writer or the service receives from
+32 trajectories generating at once) in batches of N events per
+``store.append`` (64: what a busy Writer sends), instead of one call per
+trajectory. Each round's files are deleted after it (page-cache pages are
+then reused, as in a steady store, instead of ever new ones). Both trees'
+rounds report wall and CPU (user + system of the process).
 
 ``--coalesce``: one tree, each round the raw write, then the same 32 calls
 appended one after the other (each its own payload object and transaction),
@@ -32,6 +40,7 @@ import argparse
 import collections
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -50,31 +59,42 @@ def _load(tree: str):
     return bp, trajstore, trajs, [bp.to_wire(t) for t in trajs]
 
 
-def child(tree: str, scratch: str) -> None:
+def turn_major(wire: list[list[dict]], batch: int) -> list[list[dict]]:
+    """The trajectories' events interleaved turn by turn, in appends of ``batch`` events."""
+    flat = [t[k] for k in range(max(map(len, wire))) for t in wire if k < len(t)]
+    return [flat[i:i + batch] for i in range(0, len(flat), batch)]
+
+
+def child(tree: str, scratch: str, batch: int = 0) -> None:
     """Serve rounds: one line in, one JSON line out."""
     bp, trajstore, trajs, wire = _load(tree)
     unique = bp.unique_table(trajs)
+    calls = turn_major(wire, batch) if batch else wire
     print("ready", flush=True)
     for r, _ in enumerate(sys.stdin):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         bp.raw_write(unique, f"{scratch}/u{r}.parquet")
-        raw = time.perf_counter() - t0
+        raw, raw_cpu = time.perf_counter() - t0, time.process_time() - c0
         s = trajstore.connect(f"sqlite:///{scratch}/a{r}.db", payload=f"{scratch}/p{r}")
         t0, c0 = time.perf_counter(), time.process_time()
-        for t in wire:
+        for t in calls:
             s.append(t)
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         s.close()
-        print(json.dumps({"raw": raw, "wall": wall, "cpu": cpu}), flush=True)
+        if batch:
+            for f in os.listdir(scratch):
+                path = os.path.join(scratch, f)
+                shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+        print(json.dumps({"raw": raw, "raw_cpu": raw_cpu, "wall": wall, "cpu": cpu}), flush=True)
 
 
-def paired(before: str, after: str, rounds: int) -> None:
+def paired(before: str, after: str, rounds: int, batch: int = 0) -> None:
     trees = {"before": before, "after": after}
     procs = {}
     with tempfile.TemporaryDirectory() as scratch:
         for k, tree in trees.items():
             os.makedirs(f"{scratch}/{k}")
-            procs[k] = subprocess.Popen([sys.executable, __file__, "--child", tree, f"{scratch}/{k}"],
+            procs[k] = subprocess.Popen([sys.executable, __file__, "--child", tree, f"{scratch}/{k}", str(batch)],
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                         env=dict(os.environ, PYTHONPATH=tree))
         for p in procs.values():
@@ -95,9 +115,18 @@ def paired(before: str, after: str, rounds: int) -> None:
         print(f"{k} ({trees[k]}): append wall median {statistics.median(wall):.1f} ms (min {min(wall):.1f}), "
               f"CPU median {statistics.median(r['cpu'] * 1e3 for r in rs):.1f} ms, "
               f"raw write median {statistics.median(r['raw'] * 1e3 for r in rs):.1f} ms")
+        if batch:
+            med = statistics.median
+            print(f"  {k}: vs raw write, per round: wall {med(r['raw'] / r['wall'] for r in rs):.3f}x "
+                  f"(min {min(r['raw'] / r['wall'] for r in rs):.3f}, max {max(r['raw'] / r['wall'] for r in rs):.3f}), "
+                  f"CPU {med(r['raw_cpu'] / r['cpu'] for r in rs):.3f}x (raw write CPU median "
+                  f"{med(r['raw_cpu'] * 1e3 for r in rs):.1f} ms)")
     ratio = [b["wall"] / a["wall"] for b, a in zip(res["before"], res["after"])]
     print(f"per round, before wall / after wall: median {statistics.median(ratio):.3f}, "
           f"after faster in {sum(x > 1 for x in ratio)} of {len(ratio)}")
+    cpu_ratio = [b["cpu"] / a["cpu"] for b, a in zip(res["before"], res["after"])]
+    print(f"per round, before CPU / after CPU: median {statistics.median(cpu_ratio):.3f}, "
+          f"after cheaper in {sum(x > 1 for x in cpu_ratio)} of {len(cpu_ratio)}")
 
 
 def coalesce(tree: str, rounds: int, linger_ms: float, max_batch_mb: float | None = None,
@@ -143,8 +172,10 @@ def coalesce(tree: str, rounds: int, linger_ms: float, max_batch_mb: float | Non
           f"{med(x['calls_per_object'] for x in res):.1f} calls per object")
 
 
-def steps(tree: str, rounds: int) -> None:
+def steps(tree: str, rounds: int, batch: int = 0) -> None:
     bp, trajstore, _, wire = _load(tree)
+    if batch:
+        wire = turn_major(wire, batch)
     import trajstore._facts as facts
     try:
         import trajstore.log._events as lsql
@@ -194,8 +225,8 @@ def steps(tree: str, rounds: int) -> None:
 
 
 def main() -> None:
-    if len(sys.argv) == 4 and sys.argv[1] == "--child":
-        return child(sys.argv[2], sys.argv[3])
+    if len(sys.argv) in (4, 5) and sys.argv[1] == "--child":
+        return child(sys.argv[2], sys.argv[3], int(sys.argv[4]) if len(sys.argv) == 5 else 0)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("trees", nargs="+", help="BEFORE AFTER, or one tree with --steps")
     ap.add_argument("--rounds", type=int, default=None)
@@ -204,6 +235,8 @@ def main() -> None:
     ap.add_argument("--linger-ms", type=float, default=20.0)
     ap.add_argument("--max-batch-mb", type=float, default=None, help="--coalesce: the group's byte bound")
     ap.add_argument("--committers", type=int, default=1, help="--coalesce: groups appended at once")
+    ap.add_argument("--batch", type=int, default=0,
+                    help="two trees: events per store.append, turn-major (0: one call per trajectory)")
     args = ap.parse_args()
     if args.coalesce:
         if len(args.trees) != 1:
@@ -213,10 +246,10 @@ def main() -> None:
     if args.steps:
         if len(args.trees) != 1:
             ap.error("--steps takes one tree")
-        return steps(os.path.abspath(args.trees[0]), args.rounds or 6)
+        return steps(os.path.abspath(args.trees[0]), args.rounds or 6, args.batch)
     if len(args.trees) != 2:
         ap.error("give BEFORE and AFTER trees")
-    paired(*(os.path.abspath(t) for t in args.trees), args.rounds or 20)
+    paired(*(os.path.abspath(t) for t in args.trees), args.rounds or 20, args.batch)
 
 
 if __name__ == "__main__":

@@ -149,8 +149,19 @@ class RecordedRoutes:
         """These rows and ``rows`` (kept by a call, at ``start``)."""
         if not len(rows):
             return self
-        return RecordedRoutes(self.sample_index, self.chunks + [(start, np.array(rows), None)],
+        return RecordedRoutes(self.sample_index, self.chunks + [(start, _own_rows(rows), None)],
                               self.nbytes + rows.nbytes)
+
+    def compared(self, start: int, end: int) -> bool:
+        """Is every position ``start <= p < end`` held by a chunk with every row captured
+        (``count_drifted`` then compared each of them, none counted equal unseen)?"""
+        spans = sorted((max(start, c), min(end, c + len(r))) for c, r, valid in self.chunks if valid is None)
+        at = start
+        for a, b in spans:
+            if a > at:
+                break
+            at = max(at, b)
+        return at >= end
 
     def head(self, n: int) -> list[tuple[int, np.ndarray, np.ndarray | None]]:
         """The chunks cut to positions ``< n`` (what a new sample inherits)."""
@@ -170,8 +181,11 @@ class RecordedRoutes:
             a, b = max(start, c_start), min(end, c_start + len(c_rows))
             if a >= b:
                 continue
-            differs = _differing_rows(_words(rows[a - start:b - start], c_rows.dtype),
-                                      _words(c_rows[a - c_start:b - c_start], rows.dtype))
+            sent = _words(rows[a - start:b - start], c_rows.dtype)
+            kept = _words(c_rows[a - c_start:b - c_start], rows.dtype)
+            if np.array_equal(sent, kept):  # the common case: one pass, no per-row reduction
+                continue
+            differs = _differing_rows(sent, kept)
             if valid is not None:
                 differs &= valid[a - c_start:b - c_start]
             drifted += int(np.count_nonzero(differs))
@@ -279,6 +293,25 @@ def map_labels(events: Sequence[Event], labels: Mapping[str, int]) -> dict[str, 
     return out
 
 
+def _own_rows(rows: np.ndarray) -> np.ndarray:
+    """``rows`` held without keeping more memory alive than they use, and safe from the
+    caller: the array itself when it is a read-only view of an immutable ``bytes`` of
+    about its size (a call's routes decoded from base64 with no re-sent rows before
+    them: its first call, or a call that starts a sample), else a copy (a view of a
+    re-sent table would keep the whole table alive; a caller's array may be changed)."""
+    base = rows
+    while isinstance(base, np.ndarray) and base.base is not None:
+        if base.flags.writeable:
+            return np.array(rows)
+        base = base.base
+    if isinstance(base, bytes) and not rows.flags.writeable and len(base) <= rows.nbytes + _OWN_SLACK:
+        return rows
+    return np.array(rows)
+
+
+_OWN_SLACK = 4096  # bytes beyond the rows a kept view may hold alive (a .npy header)
+
+
 def _words(rows: np.ndarray, other: np.dtype) -> np.ndarray:
     """``rows`` [n, layers, topk] as [n, w] machine words when both sides have one dtype
     (a row of 48 x 8 uint8 ids is 48 uint64 words: the comparison reads 8x fewer
@@ -364,29 +397,55 @@ def _admit_generation(
         rule = "seq_taken" if g.seq <= state.last_seq else "seq_gap"
         raise ValidationError(f"seq {g.seq} but the next seq is {state.last_seq + 1}", rule=rule)
     step, tail = fold_step(state.tail, g, lambda: load_sequence(g.trajectory_id))
-    _check_expert_ids(g, state.num_experts)
+    drift, same = _drift(g, step, state, recorded)
+    _check_expert_ids(g, state.num_experts, same)
     check_version_forms(g, labels)
     resolved, unresolved = resolve_weight_versions(g, labels)
     new_state = replace(state.with_tail(tail), revision=state.revision + 1, last_seq=g.seq)
-    return Admitted(resolved, StoredGeneration.of(resolved, step, unresolved, _drift(g, step, state, recorded)),
-                    new_state)
+    return Admitted(resolved, StoredGeneration.of(resolved, step, unresolved, drift), new_state)
 
 
 def _drift(g: Generation, step: FoldStep, state: TrajectoryState, recorded: RoutesSource | None
-           ) -> tuple[int | None, int | None]:
+           ) -> tuple[tuple[int | None, int | None], int]:
     """``(route_rows_resent, route_rows_drifted)`` of a call (docs/reference.md drift): rows sent for
     positions below the sample's watermark (only a merge has any; the fold drops them),
-    and how many of those differ from what was recorded."""
+    and how many of those differ from what was recorded; then how many leading rows of
+    the call were compared with recorded rows and found equal (rows admission checked
+    before, against the same ``num_experts``)."""
     rows = g.routed_experts
     if rows is None:
-        return None, None
+        return (None, None), 0
     if not step.merged:
-        return 0, 0
+        return (0, 0), 0
     resent = min(len(rows), max(0, state.route_len - g.routed_experts_start))
     if not resent:
-        return 0, 0
+        return (0, 0), 0
     have = recorded() if recorded is not None else None
-    return resent, None if have is None else have.count_drifted(rows[:resent], g.routed_experts_start)
+    if have is None:
+        return (resent, None), 0
+    start = g.routed_experts_start
+    drifted = have.count_drifted(rows[:resent], start)
+    return (resent, drifted), resent if not drifted and have.compared(start, start + resent) else 0
+
+
+def _resent_whole(have: RecordedRoutes | None, g: Generation, s: StoredGeneration) -> RecordedRoutes | None:
+    """The recorded rows after a merged call that re-sent every recorded row from its
+    ``routed_experts_start`` on, each compared and found equal, with its kept rows right
+    after them in the same array (vLLM's calls): the call's own table, held as it was
+    decoded (no copy; the chunks it equals are let go). None when that does not hold."""
+    rows, resent = g.routed_experts, s.route_rows_resent or 0
+    if have is None or rows is None or s.routes is None or not resent or s.route_rows_drifted != 0:
+        return None
+    start, n = g.routed_experts_start, resent + len(s.routes)
+    if s.routes_start != start + resent or n > len(rows) or not have.compared(start, start + resent):
+        return None
+    whole = rows[:n]
+    kept = whole[resent:]
+    if (s.routes.dtype != kept.dtype or s.routes.shape != kept.shape
+            or s.routes.__array_interface__["data"][0] != kept.__array_interface__["data"][0]
+            or _own_rows(whole) is not whole):
+        return None
+    return RecordedRoutes(have.sample_index, have.head(start) + [(start, whole, None)])
 
 
 def _next_recorded(have: RecordedRoutes | None, step: FoldStep) -> RecordedRoutes | None:
@@ -400,11 +459,16 @@ def _next_recorded(have: RecordedRoutes | None, step: FoldStep) -> RecordedRoute
     return out.plus(step.routes_start, step.routes) if step.routes is not None else out
 
 
-def _check_expert_ids(g: Generation, num_experts: int | None) -> None:
-    """Every expert id sent is below the num_experts trajectory_started declared."""
+def _check_expert_ids(g: Generation, num_experts: int | None, same: int = 0) -> None:
+    """Every expert id sent is below the num_experts trajectory_started declared.
+    ``same``: leading rows found equal to recorded ones, checked when they were
+    recorded (a re-sent table's bulk: not scanned again)."""
     r = g.routed_experts
     # a dtype that cannot hold num_experts needs no scan (uint8 rows against 256+ experts)
     if num_experts is None or r is None or not r.size or np.iinfo(r.dtype).max < num_experts:
+        return
+    r = r[same:]
+    if not r.size:
         return
     hi = int(r.max())
     if hi >= num_experts:
@@ -479,7 +543,7 @@ def admit_batch(
             elif step.routes is not None and len(step.routes):
                 # new rows: known only if loaded (a call that re-sent rows loaded it); else unknown
                 # until the next comparison reloads (engines that send only new rows never compare)
-                working[tid] = _next_recorded(working.get(tid), step)
+                working[tid] = _resent_whole(working.get(tid), ev, s) or _next_recorded(working.get(tid), step)
         out.append(adm)
     if routes_after is not None:
         routes_after.update(working)

@@ -75,7 +75,9 @@ class Writer:
     """Thread-safe batching writer (see the module docstring).
 
     ``sink``: ``"http://host:port"`` of the ingest service (bearer ``token``,
-    default ``$TRAJSTORE_TOKEN``), a store URL, a ``Store``, or a ``Sink``.
+    default ``$TRAJSTORE_TOKEN``), a store URL (the writers of one URL in a
+    process share its ``Store``, closed with the last of them), a ``Store``, or
+    a ``Sink``.
     A batch closes at ``max_batch_events`` events (``batch_size``: its old,
     deprecated name), ``max_batch_tokens`` tokens, ``max_batch_bytes`` bytes
     (arrays' buffers, estimated), or ``flush_interval_s`` after its first

@@ -13,6 +13,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import threading
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
@@ -47,21 +48,26 @@ class StoreSink:
     """Appends to an in-process store (``trajstore.connect(...)``) through the store's one group
     committer in this process (``_group_commit.shared_committer``): the batches of several writers
     of one store sent at once share a payload object and an index transaction, and each is
-    acknowledged when that append returned; a refused batch fails alone."""
+    acknowledged when that append returned; a refused batch fails alone. ``owned``: the sink
+    lets go of the store when it closes (``_release_store``: a store shared by writers of one
+    URL closes with the last of them)."""
 
     def __init__(self, store: Any, *, owned: bool = False) -> None:
         self.store = store
         self._owned = owned
         self.name = repr(store)
         self._committer: Any = None
+        self._lock = threading.Lock()
 
     def send(self, events: list[dict]) -> None:
         from trajstore.ingest._group_commit import shared_committer
 
         try:
-            if self._committer is None:
-                self._committer = shared_committer(self.store)
-            self._committer.submit(events).result()
+            with self._lock:
+                if self._committer is None:
+                    self._committer = shared_committer(self.store)
+                committer = self._committer
+            committer.submit(events).result()
         except Exception as e:
             # the store translates driver errors itself; this is the writer's second line
             # of defence, so that a database restart never fails trajectories
@@ -71,13 +77,60 @@ class StoreSink:
             raise
 
     def close(self) -> None:
-        if self._committer is not None:
+        with self._lock:
+            committer, self._committer = self._committer, None
+            owned, self._owned = self._owned, False
+        if committer is not None:
             from trajstore.ingest._group_commit import release_shared
 
-            self._committer = None
             release_shared(self.store)
-        if self._owned:
-            self.store.close()
+        if owned:
+            _release_store(self.store)
+
+
+# The stores that Writers made from a URL, one per URL in this process: (store, users).
+_STORES: dict[str, tuple[Any, int]] = {}
+_STORES_LOCK = threading.Lock()
+
+
+def _forget_stores_in_forked_children() -> None:
+    # A forked child's writers open stores of their own: the parent's committer threads
+    # do not exist in the child, and its lock may have been held at the fork.
+    global _STORES_LOCK
+    _STORES.clear()
+    _STORES_LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_stores_in_forked_children)
+
+
+def _shared_store(url: str | None) -> Any:
+    """The one ``Store`` of ``url`` (None: ``$TRAJSTORE_URL``, else the default) that this
+    process's writers share, opened on first use: ``Writer``s made from the same URL
+    then share its group committer (payload objects and index transactions). Every
+    call is paired with ``_release_store(store)``; the last one closes the store."""
+    from trajstore.store import connect, resolve_url
+
+    key = resolve_url(url)
+    with _STORES_LOCK:  # held while opening: two writers starting at once open it once
+        found = _STORES.get(key)
+        store = connect(key) if found is None else found[0]
+        _STORES[key] = (store, 1 if found is None else found[1] + 1)
+        return store
+
+
+def _release_store(store: Any) -> None:
+    """One user of ``_shared_store(url)`` is done with ``store``; the last one closes it.
+    A store that is not shared is closed at once."""
+    with _STORES_LOCK:
+        key = next((k for k, (s, _) in _STORES.items() if s is store), None)
+        if key is not None:
+            users = _STORES[key][1] - 1
+            if users:
+                _STORES[key] = (store, users)
+                return
+            del _STORES[key]
+    store.close()
 
 
 def encode_events(events: list[dict]) -> bytes:
@@ -179,9 +232,7 @@ def make_sink(sink: Any, token: str | None, timeout_s: float, body: str = "arrow
         return HttpSink(sink, token=token if token is not None else os.environ.get("TRAJSTORE_TOKEN"), timeout_s=timeout_s,
                         body=body)
     if isinstance(sink, str) or sink is None:
-        import trajstore
-
-        return StoreSink(trajstore.connect(sink), owned=True)
+        return StoreSink(_shared_store(sink), owned=True)
     if hasattr(sink, "send"):
         return sink
     if hasattr(sink, "append"):

@@ -145,3 +145,9 @@ class Backend(SqlDialect):
     def span_int(cls, key: str) -> str:
         """Field ``key`` of span ``j.value`` as an INTEGER."""
         raise NotImplementedError
+
+    @classmethod
+    def shrink_journal(cls, engine: Engine) -> None:
+        """Give back the disk space the database's journal holds beyond its data,
+        without waiting for any reader or writer (after a garbage collection). A
+        backend whose journal is the server's own (PostgreSQL's WAL): nothing."""

@@ -306,6 +306,9 @@ class SqlEventLog(EventLog):
 
         return self.db.transaction("forgetting deleted segments", body) if names else 0
 
+    def shrink_journal(self) -> None:
+        self.db.dialect.shrink_journal(self.write_engine)  # type: ignore[attr-defined]
+
     def compaction_candidates(self, *, max_bytes: int, limit_bytes: int) -> list[dict[str, Any]]:
         q = (select(segments).where(segments.c.kind == "events", segments.c.retired_at.is_(None),
                                     segments.c.num_bytes < max_bytes)

@@ -137,6 +137,34 @@ class SQLite(Backend):
     def head(self, conn: Connection) -> int:
         return int(conn.execute(select(log_head.c.position).where(log_head.c.id == 1)).scalar_one())
 
+    @classmethod
+    def shrink_journal(cls, engine: Engine) -> None:
+        """Copy the WAL into the database file and truncate it to zero bytes
+        (``wal_checkpoint(TRUNCATE)``). Between checkpoints the WAL holds up to
+        ~1,000 pages (4 MB) that SQLite reuses rather than truncates; right after a
+        garbage collection that was most of the index's bytes on disk. Never
+        waits: with ``busy_timeout`` 0 a reader or writer in the way makes it a
+        partial checkpoint that leaves the file as it is (the next one does it)."""
+        try:
+            conn = engine.raw_connection()
+        except Exception as e:  # noqa: BLE001 - best effort: the collection itself is done
+            logging.getLogger(__name__).debug("trajstore: no WAL checkpoint: %s", e)
+            return
+        try:
+            cur = conn.cursor()
+            cur.execute("PRAGMA busy_timeout=0")
+            try:
+                busy, _, _ = cur.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+                if busy:
+                    logging.getLogger(__name__).debug("trajstore: WAL not truncated: a reader or writer is in the way")
+            finally:
+                cur.execute(f"PRAGMA busy_timeout={_BUSY_TIMEOUT_MS}")
+                cur.close()
+        except Exception as e:  # noqa: BLE001 - best effort, as above
+            logging.getLogger(__name__).debug("trajstore: WAL checkpoint failed: %s", e)
+        finally:
+            conn.close()
+
     # -- the URL's level ----------------------------------------------------------
     @classmethod
     def check_url(cls, url: str) -> None:

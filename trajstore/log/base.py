@@ -313,6 +313,11 @@ class EventLog(ABC):
         """Delete the ``segments`` rows of retired segments no index row names
         (after their files were deleted); returns how many."""
 
+    def shrink_journal(self) -> None:
+        """Give back the disk space the database's journal holds beyond its data
+        (SQLite's WAL), never waiting for another connection; a no-op where there is
+        nothing to give back."""
+
     @abstractmethod
     def compaction_candidates(self, *, max_bytes: int, limit_bytes: int) -> list[dict[str, Any]]:
         """Log segment rows not retired and smaller than ``max_bytes``, oldest

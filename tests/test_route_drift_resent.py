@@ -1,0 +1,69 @@
+"""Route drift with tables re-sent as vLLM sends them (base64 ``.npy``, every row each call),
+on both backends: a call that re-sent every recorded row unchanged is held as the recorded
+rows without a copy, and later calls are still compared with the rows first recorded; rows
+found equal are not scanned again for ``num_experts``, a drifted one still is."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from helpers import gen, started
+from sqlalchemy import text
+
+from trajstore._wire import encode_npy_b64
+from trajstore.errors import ValidationError
+
+
+def rows(values, layers=2, topk=2):
+    """One row per value, every entry of the row = that value."""
+    return np.repeat(np.asarray(values, np.uint8), layers * topk).reshape(len(values), layers, topk)
+
+
+def call(seq: int, table: np.ndarray) -> dict:
+    """Call ``seq``: a prompt of ``len(table) + 1`` tokens, no output, ``table`` as vLLM's base64 .npy."""
+    return gen("t", seq, range(len(table) + 1), [], routed_experts=encode_npy_b64(table))
+
+
+def drift(store):
+    with store.log.read_engine.connect() as conn:
+        return [tuple(r) for r in conn.execute(text(
+            "SELECT seq, route_rows_resent, route_rows_drifted FROM generation_events ORDER BY seq"))]
+
+
+def test_a_resent_table_is_held_as_recorded_and_later_drift_is_against_the_first_rows(store):
+    first = rows([1, 2, 3, 4])
+    store.append([started("t", num_experts=16), call(0, first)])
+    store.append([call(1, np.concatenate([first, rows([5, 6])]))])  # all re-sent rows equal
+    (_, held), = store._routes._entries.values()
+    assert len(held.chunks) == 1 and len(held.chunks[0][1]) == 6  # the call's whole table ...
+    assert not held.chunks[0][1].flags.writeable and held.nbytes == 6 * 4  # ... as decoded, no copy
+
+    moved = np.concatenate([first, rows([5, 6, 7, 8])])
+    moved[1] = 9  # position 1 recomputed differently: drifted, and not recorded
+    store.append([call(2, moved)])
+    again = np.concatenate([first, rows([5, 6, 7, 8, 9, 10])])  # the first rows again: no drift
+    store.append([call(3, again)])
+    assert drift(store) == [(0, 0, 0), (1, 4, 0), (2, 6, 1), (3, 8, 0)]
+
+    bad = np.concatenate([first, rows([5, 6, 7, 8, 9, 10, 11, 12])])
+    bad[2, 1, 0] = 16  # a re-sent row drifted to an expert id over num_experts: still refused
+    with pytest.raises(ValidationError, match="expert id 16") as e:
+        store.append([call(4, bad)])
+    assert e.value.rule == "expert_id_range"
+    bad[2, 1, 0] = 3
+    bad[-1, 0, 1] = 16  # a new row over it: refused
+    with pytest.raises(ValidationError, match="expert id 16"):
+        store.append([call(4, bad)])
+    bad[-1, 0, 1] = 12
+    store.append([call(4, bad)])
+    assert drift(store)[-1] == (4, 10, 0)
+
+
+def test_a_batch_of_resent_calls_gives_the_figures_of_one_call_per_append(store):
+    t0 = rows([1, 2, 3])
+    t1 = np.concatenate([t0, rows([4, 5])])
+    t2 = np.concatenate([t0, rows([4, 5, 6, 7])])
+    t2[0] = 8
+    t3 = np.concatenate([t0, rows([4, 5, 6, 7, 8, 9])])
+    store.append([started("t", num_experts=16), call(0, t0), call(1, t1), call(2, t2), call(3, t3)])
+    assert drift(store) == [(0, 0, 0), (1, 3, 0), (2, 5, 1), (3, 7, 0)]

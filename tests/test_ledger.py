@@ -252,3 +252,42 @@ def test_the_plan_through_a_writer_and_the_ingest_service(store):
         conn.request("GET", "/v1/rollout_state?run=" + RUN)  # no token
         assert conn.getresponse().status == 401
         conn.close()
+
+
+# -- docs/sql.md: the rollout_groups view and its recipes ---------------------------------------
+
+def _recipes() -> list[str]:
+    import re
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "sql.md").read_text()
+    start = doc.index("\n## Rollout ledger\n")
+    section = doc[start:doc.index("\n## ", start + 5)]
+    return re.findall(r"```sql\n(.*?)```", section, re.S)
+
+
+def test_the_view_and_the_sql_md_recipes_answer_on_both_backends(store, store_url):
+    import time
+
+    from helpers import reader_url_for
+    from trajstore.inspect.sql import run_query
+
+    store.append([started("a", "g1", size=1), started("b", "g2", prompt="p2"), started("c", "g2", prompt="p2"),
+                  started("d", "g3", prompt="p3"), started("e", "g4", prompt="p1", epoch=1, size=1),
+                  {"type": "trajectory_started", "trajectory_id": "v4", "group_id": "plain"}])
+    store.append([finished("a"), finished("b", "failed"), dropped("g3"), finished("d", "aborted")])
+    url = reader_url_for(store_url)
+    rows = run_query(url, "SELECT group_id, num_started, num_finished, num_failed, num_running, whole, dropped, "
+                          "last_event_at FROM rollout_groups ORDER BY group_id").rows
+    assert [(r[0], r[1], r[2], r[3], r[4], bool(r[5]), bool(r[6])) for r in rows] == [
+        ("g1", 1, 1, 0, 0, True, False), ("g2", 2, 0, 1, 1, False, False), ("g3", 1, 0, 1, 0, False, True),
+        ("g4", 1, 0, 0, 1, False, False)]
+    assert all(abs(r[7] - time.time()) < 300 for r in rows)
+    progress, stuck = _recipes()
+    by_epoch = run_query(url, progress).rows
+    assert [tuple(int(x) for x in r) for r in by_epoch] == [(0, 3, 1, 1, 1, 1), (1, 1, 0, 0, 1, 1)]
+    if store_url.startswith("postgresql"):
+        stuck = stuck.replace("strftime('%s', 'now')", "extract(epoch FROM now())")
+    assert run_query(url, stuck).rows == []  # nothing idle for ten minutes yet
+    # oldest first: g4 changed last in the first append, g2 in the second
+    assert [r[1] for r in run_query(url, stuck.replace("- 600", "+ 600")).rows] == ["g4", "g2"]

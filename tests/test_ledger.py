@@ -291,3 +291,29 @@ def test_the_view_and_the_sql_md_recipes_answer_on_both_backends(store, store_ur
     assert run_query(url, stuck).rows == []  # nothing idle for ten minutes yet
     # oldest first: g4 changed last in the first append, g2 in the second
     assert [r[1] for r in run_query(url, stuck.replace("- 600", "+ 600")).rows] == ["g4", "g2"]
+
+
+# -- readers: whole as the ledger counts, dropped never handed out ---------------------------------
+
+def test_readers_count_whole_as_the_ledger_and_never_hand_out_a_dropped_group(store):
+    from trajstore import SampleReader
+
+    def episode(tid, gid, status, prompt="p1", size=2, token=1):
+        return [started(tid, gid, prompt=prompt, size=size), call(tid, 0, [token], [token + 1]), finished(tid, status)]
+
+    # g1 (size 2): a completed, b aborted (does not count), c completed -> whole with three trajectories;
+    # d finishes after g1 was whole: not part of it. g2 dropped after one completed. g3 open.
+    store.append(episode("a", "g1", "completed") + episode("b", "g1", "aborted"))
+    store.append(episode("x", "g2", "completed", prompt="p2") + [dropped("g2")])
+    store.append(episode("c", "g1", "completed") + episode("o", "g3", "completed", prompt="p3"))
+    store.append([started("d", "g1", size=2), finished("d", "truncated")])
+    store.materialize()
+
+    reader = SampleReader(store, batch_size=8, keep_groups=True, group_size=5, drop_last=False)
+    handed = [s.trajectory_id for batch in reader for s in batch]
+    reader.close()
+    assert sorted(handed) == ["a", "b", "c"]  # the ledger's group_size 2, not the reader's 5
+    reader = SampleReader(store, batch_size=8, drop_last=False)
+    handed = [s.trajectory_id for batch in reader for s in batch]
+    reader.close()
+    assert "x" not in handed and sorted(handed) == ["a", "b", "c", "o"]

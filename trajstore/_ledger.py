@@ -212,39 +212,33 @@ def _change(ev: Event, group_id: str | None, groups: dict[str, list[Any]],
 
 # -- the resume plan -------------------------------------------------------------------
 
-def rollout_plan(run: str, groups: Sequence[Mapping[str, Any]], members: Sequence[tuple[str, str, str, int]],
+def rollout_plan(run: str, groups: Sequence[tuple], members: Sequence[tuple[str, str, str, int]],
                  tails: Callable[[Sequence[tuple[str, int]]], Mapping[str, tuple[np.ndarray, Generation | None]]]
                  ) -> RolloutPlan:
-    """The plan from ``EventLog.rollout_rows(run)``. ``tails(running)`` rebuilds the
-    last call of each running ``(trajectory_id, last_seq)``: ``trajectory_id ->
-    (tokens, last call or None)``."""
-    by_group: dict[str, tuple[list[str], list[str], list[tuple[str, int]]]] = {g["group_id"]: ([], [], [])
-                                                                               for g in groups}
-    for gid, tid, status, last_seq in members:
-        lists = by_group.get(gid)
-        if lists is None:  # a group the read did not list (cannot happen in one snapshot)
-            continue
-        if status == "running":
-            lists[2].append((tid, last_seq))
-        elif status in WHOLE_STATUSES:
-            lists[0].append(tid)
-        else:
-            lists[1].append(tid)
-    need = [running for g in groups for running in by_group[g["group_id"]][2]]
-    rebuilt = tails(need) if need else {}
+    """The plan from ``EventLog.rollout_rows(run)`` (group rows as tuples of
+    ``log._ledger.GROUP_COLUMNS``). ``tails(running)`` rebuilds the last call of each
+    running ``(trajectory_id, last_seq)``: ``trajectory_id -> (tokens, last call or None)``."""
+    by_group: dict[str, list[tuple[str, str, str, int]]] = {}
+    for m in members:
+        by_group.setdefault(m[0], []).append(m)
+    rebuilt = tails([(m[1], int(m[3])) for m in members if m[2] == "running"]) if members else {}
     whole, open_, dropped = [], [], []
-    for g in groups:
-        finished, failed, running = by_group[g["group_id"]]
-        is_dropped = g["dropped_position"] is not None
-        is_whole = not is_dropped and len(finished) >= g["group_size"]
-        group = Group(
-            group_id=g["group_id"], prompt_id=g["prompt_id"], epoch=int(g["epoch"]), group_size=int(g["group_size"]),
-            finished=tuple(finished), failed=tuple(failed),
-            running=tuple(_tail(tid, seq, rebuilt.get(tid)) for tid, seq in running),
-            dropped=is_dropped, reason=g["dropped_reason"])
-        (dropped if is_dropped else whole if is_whole else open_).append(group)
-    return RolloutPlan(run, frozenset((g["prompt_id"], int(g["epoch"])) for g in groups), tuple(whole),
-                       tuple(open_), tuple(dropped))
+    dispatched = set()
+    for gid, _run, prompt_id, epoch, size, *_, dropped_position, reason, _at in groups:
+        finished, failed, running = [], [], []
+        for _, tid, status, last_seq in by_group.get(gid, ()):
+            if status == "running":
+                running.append(_tail(tid, int(last_seq), rebuilt.get(tid)))
+            elif status in WHOLE_STATUSES:
+                finished.append(tid)
+            else:
+                failed.append(tid)
+        is_dropped = dropped_position is not None
+        group = Group(gid, prompt_id, int(epoch), int(size), tuple(finished), tuple(failed), tuple(running),
+                      is_dropped, reason)
+        (dropped if is_dropped else whole if len(finished) >= size else open_).append(group)
+        dispatched.add((prompt_id, int(epoch)))
+    return RolloutPlan(run, frozenset(dispatched), tuple(whole), tuple(open_), tuple(dropped))
 
 
 _NO_TOKENS = np.zeros(0, dtype=np.int32)

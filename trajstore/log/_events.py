@@ -104,7 +104,7 @@ class SqlEventLog(EventLog):
         with self.db.reading("reading the rollout ledger") as conn:
             return load_ledger(conn, group_ids, prompts, check_plain)
 
-    def rollout_rows(self, run: str) -> tuple[list[dict[str, Any]], list[tuple[str, str, str, int]]]:
+    def rollout_rows(self, run: str) -> tuple[list[tuple], list[tuple[str, str, str, int]]]:
         with self.db.reading("reading the rollout ledger") as conn:  # one read transaction: one snapshot
             return run_groups(conn, run), run_members(conn, run)
 

@@ -223,8 +223,9 @@ class EventLog(ABC):
         ledger groups) name trajectories started without the ledger's fields."""
         raise NotImplementedError
 
-    def rollout_rows(self, run: str) -> tuple[list[dict[str, Any]], list[tuple[str, str, str, int]]]:
-        """In one read: ``run``'s ``ledger_groups`` rows oldest first, and
+    def rollout_rows(self, run: str) -> tuple[list[tuple], list[tuple[str, str, str, int]]]:
+        """In one read: ``run``'s ``ledger_groups`` rows oldest first (tuples of
+        ``log._ledger.GROUP_COLUMNS``), and
         ``(group_id, trajectory_id, status, last_seq)`` of their trajectories in start order."""
         raise NotImplementedError
 

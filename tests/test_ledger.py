@@ -317,3 +317,11 @@ def test_readers_count_whole_as_the_ledger_and_never_hand_out_a_dropped_group(st
     handed = [s.trajectory_id for batch in reader for s in batch]
     reader.close()
     assert "x" not in handed and sorted(handed) == ["a", "b", "c", "o"]
+
+
+def test_a_prompt_skipped_for_good_is_a_group_opened_and_dropped_in_one_append(store):
+    store.append([started("s", "skip-g", prompt="p9"), finished("s", "aborted"), dropped("skip-g", reason="skipped")])
+    plan = store.rollout_state(RUN)
+    assert ("p9", 0) in plan.dispatched and plan.open == () and plan.whole == ()
+    (g,) = plan.dropped
+    assert g.reason == "skipped" and g.failed == ("s",) and g.running == ()

@@ -325,3 +325,42 @@ def test_a_prompt_skipped_for_good_is_a_group_opened_and_dropped_in_one_append(s
     assert ("p9", 0) in plan.dispatched and plan.open == () and plan.whole == ()
     (g,) = plan.dropped
     assert g.reason == "skipped" and g.failed == ("s",) and g.running == ()
+
+
+def test_concurrent_writers_keep_the_counts_and_one_group_per_prompt(store_url, tmp_path):
+    """Writers racing (each its own Store, as separate processes would be): the members of one new
+    group all land and are counted; two groups racing for one prompt: one wins, the other is
+    refused ``prompt_redispatched`` naming it."""
+    import threading
+
+    payload = str(tmp_path / "payload")
+    stores = [trajstore.connect(store_url, payload=payload) for _ in range(4)]
+    barrier = threading.Barrier(4)
+    errors: dict[int, Exception] = {}
+
+    def member(k: int) -> None:
+        barrier.wait()
+        stores[k].append([started(f"m{k}", "race", prompt="pr", size=4), call(f"m{k}", 0, [1], [2]),
+                          finished(f"m{k}")])
+
+    def rival(k: int) -> None:
+        barrier.wait()
+        try:
+            stores[k].append([started(f"r{k}", f"rival-{k}", prompt="contested")])
+        except ValidationError as e:
+            errors[k] = e
+
+    for target in (member, rival):
+        threads = [threading.Thread(target=target, args=(k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    plan = stores[0].rollout_state(RUN)
+    (race,) = [g for g in plan.whole if g.group_id == "race"]
+    assert sorted(race.finished) == ["m0", "m1", "m2", "m3"]
+    assert [r[:4] for r in _group_rows(stores[0]) if r[0] == "race"] == [("race", 4, 4, 0)]
+    (winner,) = [g.group_id for g in plan.open if g.prompt_id == "contested"]
+    assert len(errors) == 3 and all(e.rule == "prompt_redispatched" and repr(winner) in str(e) for e in errors.values())
+    for s in stores:
+        s.close()

@@ -144,9 +144,9 @@ PUBLIC_API: dict[str, set[str]] = {
         "TrajstoreError", "ValidationError"
     },
     "trajstore.events": {
-        "ANNOTATION_ARRAYS", "ARRAY_FIELDS", "Event", "FINISH_STATUSES", "Generation", "LINEAGE_TYPES",
+        "ANNOTATION_ARRAYS", "ARRAY_FIELDS", "Event", "FINISH_STATUSES", "Generation", "GroupDropped", "LINEAGE_TYPES",
         "LOGPROB_PLACEHOLDER", "Reward", "SampleAnnotation", "TOKEN_FIELDS", "TrainStep", "TrajectoryFinished",
-        "TrajectoryStarted", "VersionLabel", "content_hash", "decimal_label", "identity_of", "lineage_identity",
+        "TrajectoryStarted", "VersionLabel", "WHOLE_STATUSES", "content_hash", "decimal_label", "identity_of", "lineage_identity",
         "parse_event", "parse_events", "routes_dtype", "same_content", "validate_metadata"
     },
     "trajstore.fold": set(),
@@ -260,7 +260,7 @@ EXTENSION_API: dict[str, set[str]] = {
         "unfoldable_trajectories", "unresolved_labels", "version_labels", "agg_expert_load", "agg_logprobs",
         "agg_output_lengths", "agg_route_drift", "agg_calls", "agg_trajectories", "reader_leases",
         "agg_trajectory_stats", "agg_rewards", "agg_trajectory_shapes", "agg_tasks", "agg_versions", "agg_groups",
-        "agg_group_variance", "agg_samples", "agg_staleness", "agg_policy_versions"
+        "agg_group_variance", "agg_samples", "agg_staleness", "agg_policy_versions", "ledger_groups"
     },
     "trajstore.store": {"AppendCheck", "DEFAULT_URL", "resolve_url"},
 }

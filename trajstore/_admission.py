@@ -50,7 +50,7 @@ from trajstore.events import (
     VersionLabel,
     decimal_label,
 )
-from trajstore.events import SampleAnnotation, TrainStep
+from trajstore.events import GroupDropped, SampleAnnotation, TrainStep
 from trajstore.fold import EMPTY_HASH, FoldStep, FoldTail, fold_step, sequence_hash
 
 __all__ = ["TrajectoryState", "StoredGeneration", "Admitted", "admit", "admit_batch", "sequence_hash", "EMPTY_HASH",
@@ -330,6 +330,8 @@ def admit(
     """
     if isinstance(event, (TrainStep, SampleAnnotation)):
         return Admitted(event, None, None)  # store-wide; checked against the samples by trajstore._lineage
+    if isinstance(event, GroupDropped):
+        return Admitted(event, None, None)  # store-wide; checked against the groups by trajstore._ledger
     if isinstance(event, VersionLabel):
         known = (stored_labels or {}).get(event.label)
         if known is not None and known != event.model_version:
@@ -462,7 +464,7 @@ def admit_batch(
             stored_labels.setdefault(ev.label, ev.model_version)  # a repeat in the batch is a no-op
             out.append(adm)
             continue
-        if adm.state is None:  # a lineage event: store-wide
+        if adm.state is None:  # a lineage or ledger event: store-wide
             out.append(adm)
             continue
         states[ev.trajectory_id] = adm.state

@@ -16,11 +16,14 @@ import numpy as np
 import xxhash
 
 from trajstore._event_lineage import lineage_identity
-from trajstore._event_types import Event, Generation, SampleAnnotation, TrainStep, TrajectoryFinished, TrajectoryStarted, VersionLabel
+from trajstore._event_types import (Event, Generation, GroupDropped, SampleAnnotation, TrainStep, TrajectoryFinished,
+                                    TrajectoryStarted, VersionLabel)
 
 __all__ = ["content_hash", "identity_of", "same_content"]
 
-_HASH_SKIP_IF_ABSENT = frozenset({"token_model_versions", "metadata", "weight_versions"})
+# fields added later: an event without them keeps the digest it was stored with
+_HASH_SKIP_IF_ABSENT = frozenset({"token_model_versions", "metadata", "weight_versions", "run", "prompt_id", "epoch",
+                                  "group_size"})
 
 
 def identity_of(event: Event) -> str | None:
@@ -35,6 +38,8 @@ def identity_of(event: Event) -> str | None:
         return f"version_label:{event.label}"
     if isinstance(event, (TrainStep, SampleAnnotation)):
         return lineage_identity(event)
+    if isinstance(event, GroupDropped):  # (type, run, group_id), a JSON list: ids may hold ":"
+        return json.dumps(["group_dropped", event.run, event.group_id], ensure_ascii=False, separators=(",", ":"))
     return None  # a reward without event_id replaces the earlier reward
 
 

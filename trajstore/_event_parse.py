@@ -25,6 +25,7 @@ from trajstore._event_fields import (
     _text,
     validate_metadata,
 )
+from trajstore._event_ledger import ledger_fields
 from trajstore._event_types import (
     FINISH_STATUSES,
     Generation,
@@ -50,12 +51,14 @@ def _parse_started(obj: Mapping, tid: str) -> TrajectoryStarted:
         if num_experts > _ROUTE_ID_LIMIT:
             raise ValidationError(f"num_experts must be <= {_ROUTE_ID_LIMIT}, got {num_experts}", rule="num_experts")
     metadata = obj.get("metadata")
+    group_id = _optional_id(obj, "group_id")
     return TrajectoryStarted(
         trajectory_id=tid,
-        group_id=_optional_id(obj, "group_id"),
+        group_id=group_id,
         num_experts=num_experts,
         metadata={} if metadata is None else validate_metadata(metadata),
         event_id=_optional_id(obj, "event_id"),
+        **ledger_fields(obj, group_id),
     )
 
 

@@ -14,12 +14,17 @@ from typing import Any, Union
 import numpy as np
 
 __all__ = [
-    "ANNOTATION_ARRAYS", "ARRAY_FIELDS", "Event", "FINISH_STATUSES", "Generation", "LINEAGE_TYPES",
+    "ANNOTATION_ARRAYS", "ARRAY_FIELDS", "Event", "FINISH_STATUSES", "Generation", "GroupDropped", "LEDGER_FIELDS",
+    "LINEAGE_TYPES", "WHOLE_STATUSES",
     "LOGPROB_PLACEHOLDER", "Reward", "SampleAnnotation", "TOKEN_FIELDS", "TrainStep", "TrajectoryFinished",
     "TrajectoryStarted", "VersionLabel", "routes_dtype",
 ]
 
 FINISH_STATUSES = ("completed", "truncated", "aborted", "failed", "abandoned")
+WHOLE_STATUSES = ("completed", "truncated")
+"""docs/reference.md "Rollout ledger": the finish statuses that count toward a group's ``group_size``."""
+LEDGER_FIELDS = ("run", "prompt_id", "epoch", "group_size")
+"""docs/reference.md "Rollout ledger": the ``trajectory_started`` fields sent all together or not at all."""
 LOGPROB_PLACEHOLDER = -9999.0
 """docs/reference.md: a logprob at or below this is not a logprob but the placeholder vLLM and
 SkyRL write where the engine had none. Accepted as sent; the fold stores it as
@@ -30,7 +35,8 @@ it per event (``events.num_placeholder_logprobs``)."""
 # else is refused (``unknown_field``): a misspelled ``logprob`` must never be
 # dropped silently.
 _FIELDS = {
-    "trajectory_started": frozenset({"type", "trajectory_id", "group_id", "num_experts", "metadata", "event_id"}),
+    "trajectory_started": frozenset({"type", "trajectory_id", "group_id", "num_experts", "metadata", "event_id",
+                                     "run", "prompt_id", "epoch", "group_size"}),
     "generation": frozenset({
         "type", "trajectory_id", "seq", "prompt_ids", "output_ids", "logprobs", "loss_mask", "model_version",
         "token_model_versions", "weight_versions", "routed_experts", "routed_experts_start", "reward",
@@ -69,12 +75,26 @@ _FIELDS.update({
 
 @dataclass(frozen=True, slots=True, eq=False)
 class TrajectoryStarted:
+    """``run``, ``prompt_id``, ``epoch``, ``group_size``: the rollout ledger's fields
+    (docs/reference.md "Rollout ledger"), all None or all set (then ``group_id`` is set too)."""
+
     trajectory_id: str
     group_id: str | None = None
     num_experts: int | None = None
     metadata: Mapping[str, Any] = field(default_factory=dict)
     event_id: str | None = None
     type: str = "trajectory_started"
+    run: str | None = None
+    prompt_id: str | None = None
+    epoch: int | None = None
+    group_size: int | None = None
+
+    @property
+    def ledger(self) -> tuple[str, str, int, int] | None:
+        """``(run, prompt_id, epoch, group_size)``, or None for a trajectory outside the ledger."""
+        if self.run is None:
+            return None
+        return (self.run, self.prompt_id, self.epoch, self.group_size)  # type: ignore[return-value]
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -135,6 +155,21 @@ class VersionLabel:
     type: str = "version_label"
     trajectory_id: str = ""
 
+
+@dataclass(frozen=True, slots=True, eq=False)
+class GroupDropped:
+    """Store-wide (docs/reference.md "Rollout ledger"): group ``group_id`` of ``run`` is
+    dropped: never whole, takes no new trajectory, its samples never handed out.
+    Not part of any trajectory (``trajectory_id`` is ``""``)."""
+
+    run: str
+    group_id: str
+    reason: str | None = None
+    event_id: str | None = None
+    type: str = "group_dropped"
+    trajectory_id: str = ""
+
+
 @dataclass(frozen=True, slots=True, eq=False)
 class TrainStep:
     """Store-wide: rank ``rank`` of ``world_size`` consumed ``samples`` in step ``step`` of ``run``.
@@ -193,7 +228,10 @@ class SampleAnnotation:
                 return len(value)
         return None
 
-Event = Union[TrajectoryStarted, Generation, Reward, TrajectoryFinished, VersionLabel, TrainStep, SampleAnnotation]
+_FIELDS["group_dropped"] = frozenset({"type", "run", "group_id", "reason", "event_id"})
+
+Event = Union[TrajectoryStarted, Generation, Reward, TrajectoryFinished, VersionLabel, TrainStep, SampleAnnotation,
+              GroupDropped]
 
 
 def routes_dtype(max_id: int) -> np.dtype:

@@ -26,7 +26,8 @@ import pyarrow as pa
 
 from trajstore._admission import Admitted, StoredGeneration, TrajectoryState, resolve_weight_versions
 from trajstore.errors import CorruptStoreError, IndexInvariantError
-from trajstore.events import LOGPROB_PLACEHOLDER, Generation, Reward, TrajectoryFinished, TrajectoryStarted, VersionLabel
+from trajstore.events import (LOGPROB_PLACEHOLDER, Generation, GroupDropped, Reward, TrajectoryFinished, TrajectoryStarted,
+                              VersionLabel)
 from trajstore.fold import first_model_version
 from trajstore.log.base import SAMPLES_KIND
 from trajstore.schema import events as events_table
@@ -117,7 +118,9 @@ def event_row(adm: Admitted, identity: str | None, content_hash: bytes, segment_
         "content_hash": content_hash,
         "created_at": time.time(),
     }
-    if isinstance(ev, VersionLabel):
+    if isinstance(ev, GroupDropped):  # the log keeps what it said (ledger_groups keeps the drop)
+        row["metadata"] = {"run": ev.run, "group_id": ev.group_id, "reason": ev.reason}
+    elif isinstance(ev, VersionLabel):
         row["model_version"] = ev.model_version
         row["version_label"] = ev.label  # not a column: the log adds the version_labels row
     elif isinstance(ev, Reward):

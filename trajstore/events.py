@@ -12,7 +12,8 @@ loss mask uint8, routes uint8 when every id < 256 else uint16.
 The module is the documented import path; its parts live in private modules:
 ``_event_types`` (the dataclasses and field lists), ``_event_fields`` (the
 typed field checks), ``_event_parse`` (trajectory events), ``_event_lineage``
-(the trainer's lineage events) and ``_event_digest`` (identity and digest).
+(the trainer's lineage events), ``_event_ledger`` (the rollout ledger's fields and
+``group_dropped``) and ``_event_digest`` (identity and digest).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping  # isinstance against typing.Mapping is ~10x slower
 from typing import Any
 
-from trajstore import _event_lineage, _event_parse
+from trajstore import _event_ledger, _event_lineage, _event_parse
 # _legacy_content_hash: still importable from here (the digest tests compare both formats)
 from trajstore._event_digest import _legacy_content_hash, content_hash, identity_of, same_content  # noqa: F401
 from trajstore._event_fields import _id, _printable_id, _short, validate_metadata
@@ -34,8 +35,10 @@ from trajstore._event_types import (
     LINEAGE_TYPES,
     LOGPROB_PLACEHOLDER,
     TOKEN_FIELDS,
+    WHOLE_STATUSES,
     Event,
     Generation,
+    GroupDropped,
     Reward,
     SampleAnnotation,
     TrainStep,
@@ -53,12 +56,14 @@ __all__ = [
     "TrajectoryFinished",
     "TrajectoryStarted",
     "VersionLabel",
+    "GroupDropped",
     "TrainStep",
     "SampleAnnotation",
     "LINEAGE_TYPES",
     "lineage_identity",
     "ANNOTATION_ARRAYS",
     "FINISH_STATUSES",
+    "WHOLE_STATUSES",
     "LOGPROB_PLACEHOLDER",
     "ARRAY_FIELDS",
     "TOKEN_FIELDS",
@@ -72,7 +77,7 @@ __all__ = [
     "validate_metadata",
 ]
 
-_PARSERS = {**_event_parse.PARSERS, **_event_lineage.PARSERS}
+_PARSERS = {**_event_parse.PARSERS, **_event_lineage.PARSERS, **_event_ledger.PARSERS}
 assert set(_PARSERS) == set(_FIELDS)
 
 
@@ -90,7 +95,7 @@ def parse_events(objs: Iterable[Any]) -> list[Event]:
 def parse_event(obj: Any) -> Event:
     """Parse and validate one wire-format event (no history needed)."""
     if isinstance(obj, (TrajectoryStarted, Generation, Reward, TrajectoryFinished, VersionLabel, TrainStep,
-                        SampleAnnotation)):
+                        SampleAnnotation, GroupDropped)):
         return obj
     if not isinstance(obj, Mapping):
         raise ValidationError(f"an event must be a JSON object, got {type(obj).__name__}", rule="not_object")
@@ -103,7 +108,7 @@ def parse_event(obj: Any) -> Event:
             trajectory_id=_printable_id(tid),
             rule="unknown_type",
         )
-    if kind == "version_label":
+    if kind in ("version_label", "group_dropped"):
         tid = ""  # store-wide: no trajectory
     elif kind == "train_step":
         tid = None  # store-wide: its errors name no trajectory

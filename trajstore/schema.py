@@ -605,10 +605,33 @@ agg_policy_versions = Table(
     "agg_policy_versions", metadata, Column("model_version", Integer, primary_key=True),
     Column("first_position", BigInteger, nullable=False))
 
+# The rollout ledger (docs/reference.md "Rollout ledger"): one row per group that
+# trajectory_started events with run, prompt_id, epoch and group_size opened, its counts
+# kept in the transaction of each append that starts or finishes one of its trajectories.
+# num_finished: finished completed/truncated (whole at group_size); num_failed: the others.
+ledger_groups = Table(
+    "ledger_groups", metadata,
+    Column("group_id", String(255), primary_key=True),
+    Column("run", String(255), nullable=False),
+    Column("prompt_id", String(255), nullable=False),
+    Column("epoch", Integer, nullable=False),
+    Column("group_size", Integer, nullable=False),
+    Column("num_started", Integer, nullable=False),
+    Column("num_finished", Integer, nullable=False),
+    Column("num_failed", Integer, nullable=False),
+    Column("started_position", BigInteger, nullable=False),  # its first trajectory_started
+    Column("started_at", Float, nullable=False),
+    Column("dropped_position", BigInteger, nullable=True),  # its group_dropped (NULL: not dropped)
+    Column("dropped_reason", String(255), nullable=True),
+    Column("dropped_at", Float, nullable=True),
+    Index("ux_ledger_groups_prompt", "run", "prompt_id", "epoch", unique=True),
+    Index("ix_ledger_groups_run_started", "run", "started_position"),
+)
+
 __all__ = ["metadata", "log_head", "trajectories", "events", "segments", "samples", "materializer_checkpoints",
            "unfoldable_trajectories", "version_labels", "unresolved_labels", "store_settings", "projections",
            "projection_samples", "projection_checkpoints", "projection_unfoldable", "lineage_steps",
            "lineage_step_samples", "lineage_annotations", "lineage_annotation_versions", "agg_expert_load",
            "agg_logprobs", "agg_output_lengths", "agg_route_drift", "agg_calls", "agg_trajectories", "reader_leases",
            "agg_trajectory_stats", "agg_rewards", "agg_trajectory_shapes", "agg_tasks", "agg_versions", "agg_groups",
-           "agg_group_variance", "agg_samples", "agg_staleness", "agg_policy_versions"]
+           "agg_group_variance", "agg_samples", "agg_staleness", "agg_policy_versions", "ledger_groups"]

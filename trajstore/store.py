@@ -30,10 +30,10 @@ from trajstore._digests import DIGEST_POOL as _DIGEST_POOL, Digests as _Digests
 from trajstore._admission import Admitted, RecordedRoutes, TrajectoryState, admit_batch
 from trajstore._retries import split_retries as _split_retries
 from trajstore._routes_cache import ROUTES_CACHE_BYTES, RoutesCache as _RoutesCache
-from trajstore import _lineage
+from trajstore import _ledger, _lineage
 from trajstore.errors import CommitUnknownError, ContentionError, TrajstoreError, ValidationError, first_line
-from trajstore.events import (Event, Generation, TrajectoryFinished, TrajectoryStarted, VersionLabel, decimal_label,
-                              identity_of, parse_events)
+from trajstore.events import (Event, Generation, GroupDropped, TrajectoryFinished, TrajectoryStarted, VersionLabel,
+                              decimal_label, identity_of, parse_events)
 from trajstore.log.base import ChecksFailed, EventLog, Repoint, SampleIndex, StaleState, TrajectoryWrite
 from trajstore.log._backend import safe_url as _safe
 from trajstore.log._errors import driver_errors
@@ -202,6 +202,7 @@ class Store:
         kept = [(i, a) for i, a in zip(fresh, admitted) if not a.noop]
         if not kept:
             return AppendResult(0, len(parsed), None, tuple(range(len(parsed))))
+        ledger = _ledger_changes(self.log, kept)
         named = [(i, a.event, parsed[i][1]) for i, a in kept if _lineage.is_lineage(a.event)]
         lineage = ({i: f for (i, _, _), f in zip(named, _lineage.unread_step_facts(named))}  # type: ignore[arg-type]
                    if unread else self._admit_lineage(named, plan))
@@ -227,6 +228,8 @@ class Store:
             for i, adm in kept:
                 row = facts.event_row(adm, parsed[i][1], digest[i], gen_rows.get(id(adm)))
                 row["segment"] = segment if id(adm) in gen_rows else None
+                if i in ledger:
+                    row["ledger"] = ledger[i]  # not a column: the log changes its ledger_groups row
                 if i in lineage:
                     row.update(_lineage.event_columns(lineage[i]))
                     if i in note_rows:
@@ -359,6 +362,14 @@ class Store:
         ``last_seq + 1``."""
         row = self.log.load_trajectories([trajectory_id]).get(trajectory_id)
         return None if row is None else facts.state_from_row(row)
+
+    def rollout_state(self, run: str) -> "_ledger.RolloutPlan":
+        """The resume plan of rollout run ``run`` (docs/reference.md "Rollout ledger"):
+        ``dispatched``, ``whole``, ``open`` (oldest first, each running trajectory's
+        tail) and ``dropped``, from one read of the ledger's index (never a scan of
+        the log) and the last call of each running trajectory. An unknown run: an
+        empty plan."""
+        return _ledger.rollout_plan(run, *self.log.rollout_rows(run), lambda running: _ledger.tails(self, running))
 
     def info(self) -> dict[str, Any]:
         """Counts per status, event type and model version, and the number of samples."""
@@ -565,6 +576,7 @@ class AppendCheck:
         self._seen: dict[str, bytes] = {}  # identity -> content digest
         self._labels: dict[str, int] = {}  # the label map, as far as the batches named it
         self._lineage: dict[tuple, str] = {}  # lineage keys the batches recorded -> identity
+        self._ledger: list = []  # the batches' ledger events so far (admitted with each next batch's)
 
     def check(self, events: Iterable[Mapping[str, Any] | Event]) -> AppendResult:
         """The next batch; raises as ``Store.append`` would (indices within this batch)."""
@@ -585,6 +597,7 @@ class AppendCheck:
             admitted = admit_batch([parsed[i][0] for i in fresh], self._states, self._sequence, self._labels)
         except ValidationError as e:
             raise e.at(fresh[e.index] if e.index is not None else 0) from None
+        _ledger_changes(log, [(i, adm) for i, adm in zip(fresh, admitted) if not adm.noop], self._ledger)
         lineage = [(i, adm.event, parsed[i][1]) for i, adm in zip(fresh, admitted) if _lineage.is_lineage(adm.event)]
         if lineage:
             _lineage.admit_lineage(lineage, self.store._sample_source(), self._lineage)  # type: ignore[arg-type]
@@ -610,6 +623,20 @@ class AppendCheck:
         if trajectory_id in self._sequences:
             return self._sequences[trajectory_id]
         return self.store._current_sequence(trajectory_id)
+
+
+def _ledger_changes(log: EventLog, kept: Sequence[tuple[int, Admitted]], before: list | None = None
+                    ) -> dict[int, "_ledger.LedgerChange"]:
+    """The rollout ledger's changes of an append's stored events by index (``trajstore._ledger``).
+    ``before``: the ledger events of earlier checked batches, admitted first (index -1), then extended."""
+    events = [(i, a.event, a.state.group_id if a.state is not None else None) for i, a in kept]
+    prior = before if before is not None else []
+    reads = _ledger.ledger_reads([ev for _, ev, _ in prior + events])
+    changes = _ledger.ledger_changes(prior + events, ({}, {}, set()) if reads is None else log.load_ledger(*reads))
+    changes.pop(-1, None)
+    if before is not None:
+        before.extend((-1, ev, gid) for _, ev, gid in events if isinstance(ev, (TrajectoryStarted, GroupDropped)))
+    return changes
 
 
 def _parse_all(events: Iterable[Mapping[str, Any] | Event]) -> list[tuple[Event, str | None]]:

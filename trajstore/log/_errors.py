@@ -62,6 +62,8 @@ RACE_KEYS = {
     "projections_pkey": "projections.name",
     "lineage_steps_pkey": "lineage_steps.run",
     "lineage_annotations_pkey": "lineage_annotations.run",
+    "ledger_groups_pkey": "ledger_groups.group_id",
+    "ux_ledger_groups_prompt": "ledger_groups.run",  # (run, prompt_id, epoch) another group took
 }
 
 # SQLSTATE classes the server answers with (the transaction is rolled back, the connection fine):

@@ -19,6 +19,7 @@ from sqlalchemy import Connection, Engine, delete, func, insert, or_, select, te
 from trajstore.log._aggregates import write_event_aggregates
 from trajstore.log._lineage import (annotation_rows, lineage_state, pipelined, recorded_keys, send_lineage_state,
                                     standing_attempt, step_samples, write_lineage, write_unread_steps)
+from trajstore.log._ledger import load_ledger, run_groups, run_members, write_ledger
 from trajstore.log._dialect import FOLD_EVENT_COLUMNS, FOLD_TRAJECTORY_COLUMNS, SERVER_MARK, SqlDialect, chunks
 from trajstore.log._segments import named, named_clause, repoint, retire_emptied
 from trajstore.log._transaction import Database, Later
@@ -97,6 +98,15 @@ class SqlEventLog(EventLog):
         with self.db.reading("reading sample annotations") as conn:
             return annotation_rows(conn, run, step, trajectory_id)
 
+    def load_ledger(self, group_ids: Collection[str], prompts: Collection[tuple[str, str, int]]
+                    ) -> tuple[dict[str, dict[str, Any]], dict[tuple[str, str, int], str], set[str]]:
+        with self.db.reading("reading the rollout ledger") as conn:
+            return load_ledger(conn, group_ids, prompts)
+
+    def rollout_rows(self, run: str) -> tuple[list[dict[str, Any]], list[tuple[str, str, str, int]]]:
+        with self.db.reading("reading the rollout ledger") as conn:  # one read transaction: one snapshot
+            return run_groups(conn, run), run_members(conn, run)
+
     def load_append_state(self, identities: Collection[str], trajectory_ids: Collection[str], *,
                           lineage: Any = None) -> tuple[dict[str, bytes], dict[str, dict[str, Any]]]:
         # one connection checkout (with the lineage the batch names, if any); on PostgreSQL
@@ -140,12 +150,14 @@ class SqlEventLog(EventLog):
             d.order_label_appends(conn, event_rows)
             taking = d.insert_events_taking_positions(conn, event_rows)
             _write_trajectories(conn, d, trajectory_writes, event_rows, server_marks=True)
+            write_ledger(conn, d, event_rows, time.time())  # trajectories finished in ledger groups (no positions)
             write_event_aggregates(conn, d, event_rows)  # the run view's counts (no positions needed)
             return Later(lambda: _positions_taken([dict(r, position=p) for r, p in zip(event_rows, taking())]))
 
         def body(conn: Any, d: SqlDialect) -> list[dict[str, Any]]:  # conn: a driver cursor
             if d.pipelined_writes and not any(r.get("lineage") is not None or r.get("version_label") is not None
-                                              or r.get("unresolved_labels") for r in event_rows):
+                                              or r.get("unresolved_labels") or _ledger_reads_positions(r)
+                                              for r in event_rows):
                 return in_one_round_trip(conn, d)
             # ``before_commit`` (the append's payload fsync, running meanwhile) is waited
             # for where it holds no lock other appenders need: SQLite's write lock is
@@ -162,6 +174,7 @@ class SqlEventLog(EventLog):
             _write_trajectories(conn, d, trajectory_writes, rows)
             d.insert_rows(conn, events, rows)
             write_lineage(conn, d, rows)
+            write_ledger(conn, d, rows, time.time())  # the rollout ledger's groups
             write_event_aggregates(conn, d, rows)  # the run view's counts, in the same transaction
             rows += _write_labels(conn, d, rows)
             if before_commit is not None and d.single_writer:
@@ -428,6 +441,12 @@ def _write_labels(conn: Any, d: SqlDialect, rows: list[dict[str, Any]]) -> list[
         out.append(row)
     d.insert_rows(conn, events, out)
     return out
+
+
+def _ledger_reads_positions(row: Mapping[str, Any]) -> bool:
+    """Does the row's ledger change need its position (a group started or dropped; a finish does not)?"""
+    change = row.get("ledger")
+    return change is not None and change.kind != "finish"
 
 
 def _positions_taken(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -214,6 +214,19 @@ class EventLog(ABC):
         samples) in (step, trajectory_id, sample_index, attempt) order."""
         raise NotImplementedError
 
+    def load_ledger(self, group_ids: Collection[str], prompts: Collection[tuple[str, str, int]]
+                    ) -> tuple[dict[str, dict[str, Any]], dict[tuple[str, str, int], str], set[str]]:
+        """What admitting rollout ledger events reads (docs/reference.md "Rollout ledger"):
+        the ``ledger_groups`` rows of ``group_ids``, the group holding each of
+        ``prompts`` ``(run, prompt_id, epoch)``, and which of ``group_ids`` name
+        trajectories started without the ledger's fields."""
+        raise NotImplementedError
+
+    def rollout_rows(self, run: str) -> tuple[list[dict[str, Any]], list[tuple[str, str, str, int]]]:
+        """In one read: ``run``'s ``ledger_groups`` rows oldest first, and
+        ``(group_id, trajectory_id, status, last_seq)`` of their trajectories in start order."""
+        raise NotImplementedError
+
     def load_append_state(self, identities: Collection[str], trajectory_ids: Collection[str], *,
                           lineage: Any = None) -> tuple[dict[str, bytes], dict[str, dict[str, Any]]]:
         """``lookup_identities`` and ``load_trajectories`` together (backends may

@@ -213,3 +213,42 @@ def _group_rows(store) -> list[tuple]:
     with store.log.db.reading("test") as conn:
         return [(r.group_id, r.num_started, r.num_finished, r.num_failed, r.dropped_position is not None)
                 for r in conn.execute(select(t).order_by(t.c.group_id))]
+
+
+def test_the_plan_through_a_writer_and_the_ingest_service(store):
+    """The same plan from ``Store.rollout_state``, a Writer on the store, and a Writer on a real
+    ingest service over loopback (bearer auth like the other endpoints)."""
+    pytest.importorskip("fastapi", reason="needs the extra: pip install 'trajstore[server]'")
+    import http.client
+    from urllib.parse import urlsplit
+
+    from openai_upstream import serve_in_thread
+    from trajstore.ingest.client import Writer
+    from trajstore.ingest.service import make_app
+
+    with serve_in_thread(make_app(store, token="tok")) as url:
+        with Writer(url, token="tok") as writer:
+            traj = writer.trajectory("a", group_id="g", run=RUN, prompt_id="p/1", epoch=3, group_size=2)
+            traj.generation([1, 2], [3, 4], model_version=5, finish_reason="length")
+            writer.trajectory("b", group_id="g", run=RUN, prompt_id="p/1", epoch=3, group_size=2).finish("failed")
+            over_http = writer.rollout_state(RUN)  # flushes first
+        with Writer(store) as writer:
+            in_process = writer.rollout_state(RUN)
+        direct = store.rollout_state(RUN)
+        for plan in (over_http, in_process):
+            assert plan.dispatched == direct.dispatched == {("p/1", 3)}
+            (g,) = plan.open
+            assert (g.group_id, g.failed, g.missing) == ("g", ("b",), 1)
+            (t,) = g.running
+            assert (t.trajectory_id, t.next_seq, t.last_version, t.last_finish_reason) == ("a", 1, 5, "length")
+            assert t.tokens.dtype == np.int32 and t.tokens.tolist() == [1, 2, 3, 4]
+        with Writer(url, token="tok") as writer:
+            assert writer.rollout_state("unknown-run").open == ()
+            with pytest.raises(ValidationError) as info:
+                writer.rollout_state("x" * 300)
+            assert info.value.rule == "run"
+        parts = urlsplit(url)
+        conn = http.client.HTTPConnection(parts.hostname, parts.port)
+        conn.request("GET", "/v1/rollout_state?run=" + RUN)  # no token
+        assert conn.getresponse().status == 401
+        conn.close()

@@ -273,3 +273,39 @@ def tails(store: Any, running: Sequence[tuple[str, int]]) -> dict[str, tuple[np.
         tokens = np.concatenate([last.prompt_ids, last.output_ids]).astype(np.int32, copy=False)
         out[tid] = (tokens, last)
     return out
+
+
+# -- the plan as JSON (the ingest service's GET /v1/rollout_state) --------------------
+
+def plan_to_json(plan: RolloutPlan) -> dict[str, Any]:
+    """The plan as a JSON object; each tail's tokens as ``{b64, dtype, shape}`` (``_wire``)."""
+    from trajstore._wire import encode_b64
+
+    def group(g: Group) -> dict[str, Any]:
+        return {"group_id": g.group_id, "prompt_id": g.prompt_id, "epoch": g.epoch, "group_size": g.group_size,
+                "finished": list(g.finished), "failed": list(g.failed), "dropped": g.dropped, "reason": g.reason,
+                "running": [{"trajectory_id": t.trajectory_id, "next_seq": t.next_seq, "tokens": encode_b64(t.tokens),
+                             "last_version": t.last_version, "last_finish_reason": t.last_finish_reason}
+                            for t in g.running]}
+
+    return {"run": plan.run, "dispatched": sorted([p, e] for p, e in plan.dispatched),
+            "whole": [group(g) for g in plan.whole], "open": [group(g) for g in plan.open],
+            "dropped": [group(g) for g in plan.dropped]}
+
+
+def plan_from_json(obj: Mapping[str, Any]) -> RolloutPlan:
+    """``plan_to_json``'s inverse."""
+    from trajstore._wire import decode_array
+
+    def group(g: Mapping[str, Any]) -> Group:
+        return Group(g["group_id"], g["prompt_id"], int(g["epoch"]), int(g["group_size"]), tuple(g["finished"]),
+                     tuple(g["failed"]),
+                     tuple(Tail(t["trajectory_id"], int(t["next_seq"]),
+                                np.ascontiguousarray(decode_array(t["tokens"], field="tokens").reshape(-1),
+                                                     dtype=np.int32),
+                                t["last_version"], t["last_finish_reason"]) for t in g["running"]),
+                     bool(g["dropped"]), g["reason"])
+
+    return RolloutPlan(obj["run"], frozenset((p, int(e)) for p, e in obj["dispatched"]),
+                       tuple(group(g) for g in obj["whole"]), tuple(group(g) for g in obj["open"]),
+                       tuple(group(g) for g in obj["dropped"]))

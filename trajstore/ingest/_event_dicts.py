@@ -19,10 +19,12 @@ __all__ = ["json_default", "to_numpy", "trajectory_started"]
 
 
 def trajectory_started(trajectory_id: str, *, group_id: str | None = None, num_experts: int | None = None,
-                       metadata: Mapping | None = None) -> dict:
+                       metadata: Mapping | None = None, run: str | None = None, prompt_id: str | None = None,
+                       epoch: int | None = None, group_size: int | None = None) -> dict:
     """A ``trajectory_started`` event; fields left None are left out."""
     event: dict = {"type": "trajectory_started", "trajectory_id": trajectory_id}
-    for key, value in (("group_id", group_id), ("num_experts", num_experts), ("metadata", metadata)):
+    for key, value in (("group_id", group_id), ("num_experts", num_experts), ("metadata", metadata), ("run", run),
+                       ("prompt_id", prompt_id), ("epoch", epoch), ("group_size", group_size)):
         if value is not None:
             event[key] = value
     return event

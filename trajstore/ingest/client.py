@@ -195,14 +195,32 @@ class Writer:
         metadata: Mapping | None = None,
         start: bool = True,
         next_seq: int = 0,
+        run: str | None = None,
+        prompt_id: str | None = None,
+        epoch: int | None = None,
+        group_size: int | None = None,
     ) -> "TrajectoryWriter":
         """A handle that writes one trajectory and numbers its generations.
 
-        ``start=False, next_seq=k`` resumes a trajectory already started.
+        ``start=False, next_seq=k`` resumes a trajectory already started (a running
+        trajectory of a rollout plan: ``next_seq=tail.next_seq``). ``run``,
+        ``prompt_id``, ``epoch``, ``group_size``: the rollout ledger's fields (all or none).
         """
         if start:
-            self.put(trajectory_started(trajectory_id, group_id=group_id, num_experts=num_experts, metadata=metadata))
+            self.put(trajectory_started(trajectory_id, group_id=group_id, num_experts=num_experts, metadata=metadata,
+                                        run=run, prompt_id=prompt_id, epoch=epoch, group_size=group_size))
         return TrajectoryWriter(self, trajectory_id, next_seq)
+
+    def rollout_state(self, run: str, *, flush: bool = True) -> Any:
+        """The resume plan of rollout run ``run`` (docs/reference.md "Rollout ledger"), from
+        the store or the ingest service this writer sends to (``GET /v1/rollout_state``).
+        ``flush``: first wait until every event put so far is stored, so the plan holds them."""
+        if flush:
+            self.flush()
+        reader = getattr(self._sink, "rollout_state", None)
+        if reader is None:
+            raise TypeError(f"{self._sink_name} cannot read a rollout plan (a Sink without rollout_state)")
+        return reader(run)
 
     def flush(self, timeout_s: float | None = None) -> None:
         """Wait until every event queued so far is stored (or refused); raise the first error."""

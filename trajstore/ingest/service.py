@@ -283,6 +283,23 @@ def make_app(store: Any, config: ServeConfig | None = None, *, token: str | None
     async def post_events_route() -> Any:
         return _Handled()
 
+    @app.get("/v1/rollout_state")
+    async def rollout_state(run: str) -> Any:
+        """A rollout run's resume plan (docs/reference.md "Rollout ledger"), as ``_ledger.plan_to_json``."""
+        from fastapi.responses import JSONResponse
+
+        from trajstore import _ledger
+        from trajstore._event_fields import _id
+
+        try:
+            plan = await run_in_threadpool(lambda: store.rollout_state(_id(run, "run")))
+        except Exception as e:  # noqa: BLE001 - every answer is a trajstore error body
+            error = _HTTPError.from_error(e)
+            if error.status >= 500:
+                log.exception("rollout_state request failed")
+            return error.response()
+        return JSONResponse(_ledger.plan_to_json(plan))
+
     @app.get("/healthz")
     async def healthz() -> dict:
         return {"status": "ok"}

@@ -79,6 +79,10 @@ class StoreSink:
         if self._owned:
             self.store.close()
 
+    def rollout_state(self, run: str) -> Any:
+        """The store's resume plan of ``run`` (docs/reference.md "Rollout ledger")."""
+        return self.store.rollout_state(run)
+
 
 def encode_events(events: list[dict]) -> bytes:
     """The JSON ``POST /v1/events`` body for ``events`` (numpy arrays as {b64,dtype,shape})."""
@@ -151,6 +155,27 @@ class HttpSink:
         if self._conn is not None:
             self._conn.close()
             self._conn = None
+
+    def rollout_state(self, run: str) -> Any:
+        """``GET /v1/rollout_state?run=``: the run's resume plan (docs/reference.md "Rollout ledger")."""
+        from urllib.parse import quote
+
+        from trajstore._ledger import plan_from_json
+
+        path = self._parts.path.rstrip("/") + "/v1/rollout_state?run=" + quote(run, safe="")
+        headers = {k: v for k, v in self._headers.items() if k != "Content-Type"}
+        conn = self._connect()  # its own connection: the writer's sender thread owns the kept-alive one
+        try:
+            conn.request("GET", path, headers=headers)
+            resp = conn.getresponse()
+            data = resp.read()
+        except (OSError, http.client.HTTPException) as e:
+            raise StoreUnavailable(f"ingest service at {self.name} unreachable: {e}") from None
+        finally:
+            conn.close()
+        if resp.status != 200:
+            raise error_from_response(resp.status, data)
+        return plan_from_json(json.loads(data))
 
 
 def error_from_response(status: int, data: bytes) -> TrajstoreError:

@@ -17,12 +17,17 @@ __all__ = ["Recorder", "Tag", "tag_of"]
 
 @dataclass
 class Tag:
-    """What the harness said about a call: which trajectory, which policy version."""
+    """What the harness said about a call: which trajectory, which policy version, and
+    (a rollout driver's trajectory) its rollout ledger fields, all or none."""
 
     trajectory_id: str
     model_version: int
     group_id: str | None = None
     num_experts: int | None = None
+    run: str | None = None
+    prompt_id: str | None = None
+    epoch: int | None = None
+    group_size: int | None = None
 
 
 class Recorder:
@@ -90,7 +95,9 @@ class Recorder:
                 stored, seq = (True, self._next_seq[tag.trajectory_id]) if known else await run_in_threadpool(self._tail, tag.trajectory_id)
                 events = make_events(seq)
                 if not stored:
-                    events.insert(0, trajectory_started(tag.trajectory_id, group_id=tag.group_id, num_experts=tag.num_experts))
+                    events.insert(0, trajectory_started(
+                        tag.trajectory_id, group_id=tag.group_id, num_experts=tag.num_experts, run=tag.run,
+                        prompt_id=tag.prompt_id, epoch=tag.epoch, group_size=tag.group_size))
                 try:
                     await self._append(events)
                 except ValidationError as e:
@@ -134,9 +141,16 @@ def tag_of(headers: Any, body: dict, default_model_version: int, default_num_exp
         return None
     version = headers.get("x-trajstore-model-version", extra.get("model_version"))
     num_experts = headers.get("x-trajstore-num-experts", extra.get("num_experts"))
+    run = headers.get("x-trajstore-run", extra.get("run"))
+    prompt_id = headers.get("x-trajstore-prompt", extra.get("prompt_id"))
     return Tag(
         trajectory_id=str(tid),
         model_version=default_model_version if version is None else _int_or_none(version, "model_version"),
         group_id=headers.get("x-trajstore-group", extra.get("group_id")),
         num_experts=default_num_experts if num_experts is None else _int_or_none(num_experts, "num_experts"),
+        # the rollout ledger's fields (docs/reference.md "Rollout ledger"): checked with the trajectory_started
+        run=None if run is None else str(run),
+        prompt_id=None if prompt_id is None else str(prompt_id),
+        epoch=_int_or_none(headers.get("x-trajstore-epoch", extra.get("epoch")), "epoch"),
+        group_size=_int_or_none(headers.get("x-trajstore-group-size", extra.get("group_size")), "group_size"),
     )

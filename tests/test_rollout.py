@@ -185,3 +185,16 @@ def test_a_writer_is_a_ledger_too(store_url, tmp_path):
         stats = RolloutDriver(writer, "w", PROMPTS[:2], episode=Agent(store), group_size=2).run()
         assert stats.dispatched == 2 and len(store.rollout_state("w").whole) == 2
 
+
+
+def test_running_members_of_a_group_dropped_elsewhere_are_finished_aborted(store):
+    with pytest.raises(Crash):
+        _driver(store, Agent(store, crash_after=3), concurrency=1).run()
+    (g,) = store.rollout_state("r").open
+    store.append([{"type": "group_dropped", "run": "r", "group_id": g.group_id, "reason": "by hand"}])
+    agent = Agent(store)
+    _driver(store, agent).run()
+    assert g.group_id not in {ep.group_id for ep in agent.episodes}
+    assert all(store.trajectory_state(t.trajectory_id).status == "aborted" for t in g.running)
+    (dropped,) = [d for d in store.rollout_state("r").dropped if d.group_id == g.group_id]
+    assert not dropped.running and dropped.reason == "by hand"

@@ -222,6 +222,10 @@ class RolloutDriver:
         try:
             for g in plan.open:
                 self._resume_group(g, groups, queue)
+            # a group dropped elsewhere (an operator, another tool) may leave running members: end them
+            leftover = [t.trajectory_id for g in getattr(plan, "dropped", ()) for t in g.running]
+            if leftover:
+                self._append([e for tid in leftover for e in self._finish_events(tid, "aborted")])
         except TrajstoreError as e:
             self._lost("resuming the open groups", e)
             return False
@@ -349,12 +353,12 @@ class RolloutDriver:
         if g.failed >= self.max_failures:
             return self._drop(g, f"{g.failed} episodes failed", running)
         groups[g.group_id] = g
-        replace = [t for t in pg.running if self.resume == "replace" and len(t.tokens)]
+        replace = {t.trajectory_id for t in pg.running if self.resume == "replace" and len(t.tokens)}
         if replace:  # a harness that cannot continue from tokens: abort them, start others in their place
-            self._append([e for t in replace for e in self._finish_events(t.trajectory_id, "aborted")])
+            self._append([e for tid in sorted(replace) for e in self._finish_events(tid, "aborted")])
             g.failed += len(replace)
         for t in pg.running:
-            if t in replace:
+            if t.trajectory_id in replace:
                 continue
             idx = _index_of(t.trajectory_id, pg.group_id)
             queue.append(Episode(self.run_name, t.trajectory_id, g.group_id, g.prompt_id, g.epoch, idx, g.item, t))

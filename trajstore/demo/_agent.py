@@ -162,6 +162,9 @@ def run_engine_demo(args: argparse.Namespace) -> int:
         stats = store.materialize()
         console.print(f"recorded {EPISODES} episodes x {TURNS} calls; folded {stats.num_samples_after} samples "
                       f"(merge ratio {stats.merge_ratio:.2f}) in {time.monotonic() - started:.1f} s")
+        plan = store.rollout_state("demo")
+        console.print(f"rollout ledger of run demo: {len(plan.dispatched)} prompts dispatched, {len(plan.whole)} "
+                      f"groups whole, {len(plan.open)} open (store.rollout_state; docs/rollout.md)")
         _show(console, store, "episode-0")
     finally:
         store.close()

@@ -30,6 +30,8 @@ def test_a_killed_driver_resumes_with_nothing_lost_and_nothing_repeated(store_ur
     assert not proof.recorded - proof.engine_calls  # every recorded call is one the engine generated
     assert sum(wasted.values()) == sum(k.wasted_calls for k in proof.kills)  # none after the last kill
     assert all(0 <= k.wasted_calls <= setup.concurrency for k in proof.kills), proof.kills
+    # and each was a call the run went on to record (the one in flight, done again), never an extra one
+    assert set(wasted) <= set(proof.recorded)
     # the uninterrupted run generated each call once, and the killed run recorded exactly its calls
     assert proof.ref_engine_calls == proof.ref_recorded
     assert proof.recorded == proof.ref_recorded

@@ -252,3 +252,68 @@ def test_the_plan_through_a_writer_and_the_ingest_service(store):
         conn.request("GET", "/v1/rollout_state?run=" + RUN)  # no token
         assert conn.getresponse().status == 401
         conn.close()
+
+
+# -- docs/sql.md: the rollout_groups view and its recipes ---------------------------------------
+
+def _recipes() -> list[str]:
+    import re
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "sql.md").read_text()
+    start = doc.index("\n## Rollout ledger\n")
+    section = doc[start:doc.index("\n## ", start + 5)]
+    return re.findall(r"```sql\n(.*?)```", section, re.S)
+
+
+def test_the_view_and_the_sql_md_recipes_answer_on_both_backends(store, store_url):
+    import time
+
+    from helpers import reader_url_for
+    from trajstore.inspect.sql import run_query
+
+    store.append([started("a", "g1", size=1), started("b", "g2", prompt="p2"), started("c", "g2", prompt="p2"),
+                  started("d", "g3", prompt="p3"), started("e", "g4", prompt="p1", epoch=1, size=1),
+                  {"type": "trajectory_started", "trajectory_id": "v4", "group_id": "plain"}])
+    store.append([finished("a"), finished("b", "failed"), dropped("g3"), finished("d", "aborted")])
+    url = reader_url_for(store_url)
+    rows = run_query(url, "SELECT group_id, num_started, num_finished, num_failed, num_running, whole, dropped, "
+                          "last_event_at FROM rollout_groups ORDER BY group_id").rows
+    assert [(r[0], r[1], r[2], r[3], r[4], bool(r[5]), bool(r[6])) for r in rows] == [
+        ("g1", 1, 1, 0, 0, True, False), ("g2", 2, 0, 1, 1, False, False), ("g3", 1, 0, 1, 0, False, True),
+        ("g4", 1, 0, 0, 1, False, False)]
+    assert all(abs(r[7] - time.time()) < 300 for r in rows)
+    progress, stuck = _recipes()
+    by_epoch = run_query(url, progress).rows
+    assert [tuple(int(x) for x in r) for r in by_epoch] == [(0, 3, 1, 1, 1, 1), (1, 1, 0, 0, 1, 1)]
+    if store_url.startswith("postgresql"):
+        stuck = stuck.replace("strftime('%s', 'now')", "extract(epoch FROM now())")
+    assert run_query(url, stuck).rows == []  # nothing idle for ten minutes yet
+    # oldest first: g4 changed last in the first append, g2 in the second
+    assert [r[1] for r in run_query(url, stuck.replace("- 600", "+ 600")).rows] == ["g4", "g2"]
+
+
+# -- readers: whole as the ledger counts, dropped never handed out ---------------------------------
+
+def test_readers_count_whole_as_the_ledger_and_never_hand_out_a_dropped_group(store):
+    from trajstore import SampleReader
+
+    def episode(tid, gid, status, prompt="p1", size=2, token=1):
+        return [started(tid, gid, prompt=prompt, size=size), call(tid, 0, [token], [token + 1]), finished(tid, status)]
+
+    # g1 (size 2): a completed, b aborted (does not count), c completed -> whole with three trajectories;
+    # d finishes after g1 was whole: not part of it. g2 dropped after one completed. g3 open.
+    store.append(episode("a", "g1", "completed") + episode("b", "g1", "aborted"))
+    store.append(episode("x", "g2", "completed", prompt="p2") + [dropped("g2")])
+    store.append(episode("c", "g1", "completed") + episode("o", "g3", "completed", prompt="p3"))
+    store.append([started("d", "g1", size=2), finished("d", "truncated")])
+    store.materialize()
+
+    reader = SampleReader(store, batch_size=8, keep_groups=True, group_size=5, drop_last=False)
+    handed = [s.trajectory_id for batch in reader for s in batch]
+    reader.close()
+    assert sorted(handed) == ["a", "b", "c"]  # the ledger's group_size 2, not the reader's 5
+    reader = SampleReader(store, batch_size=8, drop_last=False)
+    handed = [s.trajectory_id for batch in reader for s in batch]
+    reader.close()
+    assert "x" not in handed and sorted(handed) == ["a", "b", "c", "o"]

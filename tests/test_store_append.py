@@ -47,6 +47,10 @@ BAD_GENERATIONS = [
     ("routes_shape", dict(routed_experts=routes(6, 3, 2))),
     ("too_many_route_rows", dict(routed_experts=routes(8, 2, 2))),
     ("too_many_route_rows", dict(routed_experts=routes(6, 2, 2), routed_experts_start=2)),
+    # v5: rows must reach position len(prompt)+len(output)-2 (here 5)
+    ("too_few_route_rows", dict(routed_experts=routes(5, 2, 2))),
+    ("too_few_route_rows", dict(routed_experts=routes(2, 2, 2))),  # only the output's rows: misaligned
+    ("too_few_route_rows", dict(routed_experts=routes(3, 2, 2), routed_experts_start=2)),
     ("non_finite", dict(logprobs=[float("nan"), -0.1])),
     ("non_finite", dict(logprobs=[-0.1, float("-inf")])),
     ("non_finite", dict(reward=float("inf"))),

@@ -33,9 +33,10 @@ def test_three_encodings_decode_equal(arr):
 
 
 @settings(max_examples=150, deadline=None)
-@given(route_arrays, st.integers(0, 3))
-def test_generation_with_any_encoding_parses_to_compact_routes(arr, extra_rows):
-    n = len(arr) + 1 + extra_rows
+@given(route_arrays, st.integers(0, 1))
+def test_generation_with_any_encoding_parses_to_compact_routes(arr, last_row):
+    # the rows cover positions 0 .. n-2 exactly, plus (tolerated) one for the last token
+    n = len(arr) + 1 - last_row
     ev = {"type": "generation", "trajectory_id": "t", "seq": 0, "prompt_ids": list(range(n - 1)),
           "output_ids": [1], "model_version": 0}
     for encoded in (arr.tolist(), encode_b64(arr), encode_npy_b64(arr)):

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from trajstore.errors import CorruptStoreError
+from trajstore.events import WHOLE_STATUSES
 
 __all__ = ["Key", "Step", "Unit", "UnitBuilder", "plan_step", "row_key"]
 
@@ -99,17 +100,38 @@ class UnitBuilder:
 
     ``keep_groups``, ``group_size`` and ``status`` mean what they mean in
     ``ReaderConfig``. On resume the reader sets ``seed(group_id)``: how many of
-    a group's trajectories were already counted before the rescan."""
+    a group's trajectories were already counted before the rescan.
 
-    def __init__(self, *, keep_groups: bool, group_size: int | None, status: tuple[str, ...] | None) -> None:
+    Groups of the rollout ledger (docs/reference.md "Rollout ledger") count as the
+    ledger does: ``ledger(group_ids)`` gives ``{group_id: (group_size, dropped)}``
+    of the ledger groups among them, asked once per page of rows (``learn``). A
+    ledger group is whole when its own ``group_size`` trajectories finished
+    completed or truncated (aborted and failed ones ride along, never counted);
+    a trajectory finishing after that is not part of it; a dropped group's
+    samples are never handed out, with or without ``keep_groups``."""
+
+    def __init__(self, *, keep_groups: bool, group_size: int | None, status: tuple[str, ...] | None,
+                 ledger: Callable[[set[str]], dict[str, tuple[int, bool]]] | None = None) -> None:
         self.keep_groups, self.group_size, self.status = keep_groups, group_size, status
         self.trajectory: list[dict[str, Any]] = []
         self.groups: dict[str, list[Any]] = {}  # group_id -> [trajectories seen, rows]
         self.seed: Callable[[str], int] | None = None
+        self.ledger, self.ledger_groups = ledger, {}  # group_id -> (group_size, dropped), or None
+        self.whole: set[str] = set()  # ledger groups handed out whole
+
+    def learn(self, rows: Sequence[dict[str, Any]]) -> None:
+        """The ledger state of the groups of a page of rows, before its rows are added."""
+        if self.ledger is None:
+            return
+        ids = {r["group_id"] for r in rows if r["group_id"] is not None}
+        if ids:
+            self.ledger_groups.update(dict.fromkeys(ids))
+            self.ledger_groups.update(self.ledger(ids))
 
     def add(self, row: dict[str, Any]) -> Unit | None:
+        ledger = self.ledger_groups.get(row["group_id"]) if row["group_id"] is not None else None
         if not self.keep_groups:
-            return self._unit([row])
+            return None if ledger is not None and ledger[1] else self._unit([row])
         if self.trajectory and row["finished_position"] != self.trajectory[0]["finished_position"]:
             raise _corrupt(self.trajectory[0])
         self.trajectory.append(row)
@@ -119,6 +141,8 @@ class UnitBuilder:
         group_id = rows[0]["group_id"]
         if group_id is None:
             return self._unit(rows)
+        if ledger is not None:
+            return self._add_to_ledger_group(group_id, rows, *ledger)
         if group_id not in self.groups:
             self.groups[group_id] = [self.seed(group_id) if self.seed else 0, []]
         group = self.groups[group_id]
@@ -127,6 +151,20 @@ class UnitBuilder:
         if group[0] < self.group_size:
             return None
         del self.groups[group_id]
+        return self._unit(group[1])
+
+    def _add_to_ledger_group(self, group_id: str, rows: list[dict[str, Any]], size: int, dropped: bool
+                             ) -> Unit | None:
+        if dropped or group_id in self.whole:
+            self.groups.pop(group_id, None)  # a dropped group's rows go, held ones too
+            return None
+        group = self.groups.setdefault(group_id, [0, []])
+        group[0] += rows[0]["status"] in WHOLE_STATUSES
+        group[1].extend(rows)
+        if group[0] < size:
+            return None
+        del self.groups[group_id]
+        self.whole.add(group_id)
         return self._unit(group[1])
 
     def first_pending(self) -> Key | None:

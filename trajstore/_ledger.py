@@ -110,19 +110,23 @@ class RolloutPlan:
 
 # -- admission -------------------------------------------------------------------------
 
-def ledger_reads(events: Sequence[Event]) -> tuple[set[str], set[tuple[str, str, int]]] | None:
-    """The group ids and ``(run, prompt_id, epoch)`` keys admitting ``events`` reads
-    (None: the batch has no ledger event and no grouped trajectory_started)."""
+def ledger_reads(events: Sequence[Event]) -> tuple[set[str], set[tuple[str, str, int]], set[str]] | None:
+    """What admitting ``events`` reads (``EventLog.load_ledger``): the group ids they
+    name, the ``(run, prompt_id, epoch)`` keys their ledger starts answer, and the
+    group ids of those starts (checked for trajectories outside the ledger). None: the
+    batch has no ledger event and no grouped trajectory_started."""
     ids: set[str] = set()
     prompts: set[tuple[str, str, int]] = set()
+    ledger_ids: set[str] = set()
     for ev in events:
         if isinstance(ev, TrajectoryStarted) and ev.group_id is not None:
             ids.add(ev.group_id)
             if ev.run is not None:
                 prompts.add((ev.run, ev.prompt_id, ev.epoch))  # type: ignore[arg-type]
+                ledger_ids.add(ev.group_id)
         elif isinstance(ev, GroupDropped):
             ids.add(ev.group_id)
-    return (ids, prompts) if ids else None
+    return (ids, prompts, ledger_ids) if ids else None
 
 
 def _describe(fields: Sequence[Any]) -> str:
@@ -309,3 +313,21 @@ def plan_from_json(obj: Mapping[str, Any]) -> RolloutPlan:
     return RolloutPlan(obj["run"], frozenset((p, int(e)) for p, e in obj["dispatched"]),
                        tuple(group(g) for g in obj["whole"]), tuple(group(g) for g in obj["open"]),
                        tuple(group(g) for g in obj["dropped"]))
+
+
+def reader_lookup(log: Any) -> Callable[[set[str]], dict[str, tuple[int, bool]]] | None:
+    """What a reader asks of the ledger (``_batch_plan.UnitBuilder``): ``{group_id:
+    (group_size, dropped)}`` of the ledger groups among some group ids, one read. None
+    when ``log`` keeps no ledger (a reader over a replay service)."""
+    load = getattr(log, "load_ledger", None)
+    if load is None:
+        return None
+
+    def lookup(group_ids: set[str]) -> dict[str, tuple[int, bool]]:
+        try:
+            rows = load(group_ids, ())[0]
+        except NotImplementedError:
+            return {}
+        return {gid: (int(r["group_size"]), r["dropped_position"] is not None) for gid, r in rows.items()}
+
+    return lookup

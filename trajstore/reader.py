@@ -58,6 +58,7 @@ from trajstore import _reader_state
 from trajstore._backoff import Backoff
 from trajstore._batch_plan import Key, Step, Unit, UnitBuilder, plan_step, row_key
 from trajstore._deprecated import renamed
+from trajstore._ledger import reader_lookup
 from trajstore._reader_lease import ReadLease, holder as _lease_holder
 from trajstore._read_ahead import ReadAhead as _ReadAhead, read_ahead as _read_ahead
 from trajstore._policies import (IDLE, FifoPolicy, FreshnessPolicy, ReadyFirstPolicy, ReusePolicy, SamplingPolicy,
@@ -437,7 +438,8 @@ class SampleReader:
         else:
             self._watermark()
         builder = UnitBuilder(keep_groups=self.config.keep_groups, group_size=self.config.group_size,
-                              status=self.config.status)
+                              status=self.config.status, ledger=reader_lookup(self.store.log))
+        self._learn = builder.learn  # each page's ledger groups (whole as the ledger counts, dropped never read)
         self._open_groups = builder.groups
         if self.config.policy.pooled:
             yield from self._pooled_steps(builder, snapshot)
@@ -579,6 +581,7 @@ class SampleReader:
             where = {"max_finished_position": self._watermark() if follow else until}
             for page in self._pages(where, after):
                 found, after = True, row_key(page[-1])
+                self._learn(page)
                 yield from page
             if not follow:
                 return

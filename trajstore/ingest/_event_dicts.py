@@ -15,7 +15,28 @@ import numpy as np
 
 from trajstore._wire import encode_b64
 
-__all__ = ["json_default", "to_numpy", "trajectory_started"]
+__all__ = ["ABORT_ROUTES_NOTE", "json_default", "partial_routes_of_abort", "to_numpy", "trajectory_started"]
+
+ABORT_ROUTES_NOTE = "route_rows_dropped"
+"""``metadata`` key of an aborted call whose partial route rows were not recorded (how many it sent)."""
+
+
+def partial_routes_of_abort(event: dict, metadata: dict, rows_sent: int) -> None:
+    """An aborted engine call may answer with route rows for only part of its sequence
+    (docs/ingest.md "Route rows of an aborted call": vLLM 0.33.0 and SGLang 0.5.23 both
+    do). The store refuses rows that stop short of position ``prompt + output - 2``
+    (``too_few_route_rows``), so the adapter says so explicitly: when ``event`` (a
+    generation with ``routed_experts``) finished ``abort`` with fewer rows than it
+    covers, its rows are left out (its positions stay without a captured route, masked)
+    and ``metadata["route_rows_dropped"]`` records how many it sent. Anything else is
+    left to the store's rules."""
+    if event.get("finish_reason") != "abort" or "routed_experts" not in event:
+        return
+    covered = len(event["prompt_ids"]) + len(event["output_ids"]) - 1 - int(event.get("routed_experts_start", 0))
+    if rows_sent < covered:
+        del event["routed_experts"]
+        event.pop("routed_experts_start", None)
+        metadata[ABORT_ROUTES_NOTE] = int(rows_sent)
 
 
 def trajectory_started(trajectory_id: str, *, group_id: str | None = None, num_experts: int | None = None,

@@ -71,6 +71,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from trajstore.errors import ValidationError
+from trajstore.ingest._event_dicts import partial_routes_of_abort
 from trajstore.ingest._openai_stream import OpenAIStreamAccumulator as _OpenAIStreamAccumulator
 from trajstore.ingest.vllm import LOGPROB_FLOOR, _drop_declared_version
 
@@ -269,15 +270,19 @@ def _event(*, trajectory_id: str, seq: int, model_version: int, prompt_ids: Any,
     if spans is not None:
         event["weight_versions"] = spans
         _drop_declared_version(event)  # the spans say the versions ("default" takes the declared one)
+    reason, metadata = finish_reason_of(finish_reason)
     if routes is not None:
         covered = len(prompt) + len(output) - 1
         start = min(routes_start, max(covered, 0))  # SGLang clamps the start to seqlen - 1
-        event["routed_experts"] = routes_from_sglang(routes, layout, rows=covered - start)
+        # an aborted call may hold rows for part of its sequence only: counted, not checked here
+        event["routed_experts"] = routes_from_sglang(routes, layout, rows=None if reason == "abort" else covered - start)
         if start:
             event["routed_experts_start"] = start
-    reason, metadata = finish_reason_of(finish_reason)
     if reason is not None:
         event["finish_reason"] = reason
+    if "routed_experts" in event:  # an aborted call's partial rows: left out, said so (_event_dicts)
+        r = event["routed_experts"]
+        partial_routes_of_abort(event, metadata, int(r["shape"][0]) if isinstance(r, dict) else len(r))
     fields = dict(fields)
     given = fields.pop("metadata", None)
     if given:

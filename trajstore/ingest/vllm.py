@@ -56,7 +56,7 @@ import numpy as np
 
 from trajstore.errors import ValidationError
 from trajstore._wire import decode_array
-from trajstore.ingest._event_dicts import to_numpy
+from trajstore.ingest._event_dicts import partial_routes_of_abort, to_numpy
 from trajstore.ingest._openai_stream import OpenAIStreamAccumulator as _OpenAIStreamAccumulator
 
 __all__ = [
@@ -293,6 +293,8 @@ def _complete(
         event["finish_reason"] = finish_reason
     if stop_reason is not None:
         metadata["stop_reason"] = stop_reason if isinstance(stop_reason, (int, str)) else str(stop_reason)
+    if "routed_experts" in event:  # an aborted call's partial rows: left out, said so (_event_dicts)
+        partial_routes_of_abort(event, metadata, len(event["routed_experts"]))
     fields = dict(fields)
     given = fields.pop("metadata", None)
     if given:

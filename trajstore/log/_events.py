@@ -98,10 +98,11 @@ class SqlEventLog(EventLog):
         with self.db.reading("reading sample annotations") as conn:
             return annotation_rows(conn, run, step, trajectory_id)
 
-    def load_ledger(self, group_ids: Collection[str], prompts: Collection[tuple[str, str, int]]
+    def load_ledger(self, group_ids: Collection[str], prompts: Collection[tuple[str, str, int]],
+                    check_plain: Collection[str] = ()
                     ) -> tuple[dict[str, dict[str, Any]], dict[tuple[str, str, int], str], set[str]]:
         with self.db.reading("reading the rollout ledger") as conn:
-            return load_ledger(conn, group_ids, prompts)
+            return load_ledger(conn, group_ids, prompts, check_plain)
 
     def rollout_rows(self, run: str) -> tuple[list[dict[str, Any]], list[tuple[str, str, str, int]]]:
         with self.db.reading("reading the rollout ledger") as conn:  # one read transaction: one snapshot

@@ -33,12 +33,13 @@ def _chunks(items: Sequence[Any]) -> list[Sequence[Any]]:
     return [items[i:i + _CHUNK] for i in range(0, len(items), _CHUNK)]
 
 
-def load_ledger(conn: Connection, group_ids: Collection[str], prompts: Collection[tuple[str, str, int]]
+def load_ledger(conn: Connection, group_ids: Collection[str], prompts: Collection[tuple[str, str, int]],
+                check_plain: Collection[str] = ()
                 ) -> tuple[dict[str, dict[str, Any]], dict[tuple[str, str, int], str], set[str]]:
     """What admitting a batch's ledger events reads, in one read transaction: the rows of
     ``group_ids`` that are ledger groups, the group holding each of ``prompts``
-    (``(run, prompt_id, epoch)``), and which of ``group_ids`` name trajectories
-    outside the ledger (started without its fields)."""
+    (``(run, prompt_id, epoch)``), and which of ``check_plain`` that are not ledger
+    groups name trajectories outside the ledger (started without its fields)."""
     t = ledger_groups
     cols = [t.c[n] for n in GROUP_COLUMNS]
     groups: dict[str, dict[str, Any]] = {}
@@ -51,7 +52,7 @@ def load_ledger(conn: Connection, group_ids: Collection[str], prompts: Collectio
         q = select(t.c.run, t.c.prompt_id, t.c.epoch, t.c.group_id).where(
             tuple_(t.c.run, t.c.prompt_id, t.c.epoch).in_(list(part)))
         held.update({(r.run, r.prompt_id, int(r.epoch)): r.group_id for r in conn.execute(q)})
-    new = [g for g in ids if g not in groups]
+    new = sorted(g for g in check_plain if g not in groups)
     for part in _chunks(new):
         q = select(trajectories.c.group_id).where(trajectories.c.group_id.in_(part)).distinct()
         plain.update(r.group_id for r in conn.execute(q))

@@ -214,12 +214,13 @@ class EventLog(ABC):
         samples) in (step, trajectory_id, sample_index, attempt) order."""
         raise NotImplementedError
 
-    def load_ledger(self, group_ids: Collection[str], prompts: Collection[tuple[str, str, int]]
+    def load_ledger(self, group_ids: Collection[str], prompts: Collection[tuple[str, str, int]],
+                    check_plain: Collection[str] = ()
                     ) -> tuple[dict[str, dict[str, Any]], dict[tuple[str, str, int], str], set[str]]:
         """What admitting rollout ledger events reads (docs/reference.md "Rollout ledger"):
         the ``ledger_groups`` rows of ``group_ids``, the group holding each of
-        ``prompts`` ``(run, prompt_id, epoch)``, and which of ``group_ids`` name
-        trajectories started without the ledger's fields."""
+        ``prompts`` ``(run, prompt_id, epoch)``, and which of ``check_plain`` (not
+        ledger groups) name trajectories started without the ledger's fields."""
         raise NotImplementedError
 
     def rollout_rows(self, run: str) -> tuple[list[dict[str, Any]], list[tuple[str, str, str, int]]]:

@@ -64,6 +64,8 @@ class Proof:
     ref_recorded: collections.Counter = field(default_factory=collections.Counter)
     acked: list[tuple[str, int]] = field(default_factory=list)
     recorded_seqs: set = field(default_factory=set)
+    groups: list = field(default_factory=list)
+    """the killed run's rows of the SQL view rollout_groups: prompt_id, epoch, whole, dropped, dropped_reason"""
 
 
 def _env() -> dict[str, str]:
@@ -232,6 +234,12 @@ def run_proof(store_url: str, workdir: Path, setup: Setup = Setup(), *, timeout_
             proof.recorded, proof.recorded_seqs, _ = recorded_calls(reader_url, "killed")
             proof.ref_engine_calls = engine_calls(str(workdir / "calls-ref.jsonl"))
             proof.ref_recorded, _, _ = recorded_calls(reader_url, "ref")
+            from trajstore.inspect.sql import read_only
+
+            with read_only(reader_url) as query:
+                proof.groups = [tuple(r) for r in query(
+                    "SELECT prompt_id, epoch, whole, dropped, dropped_reason FROM rollout_groups "
+                    "WHERE run = 'killed' ORDER BY prompt_id").rows]
         proof.acked = [(tid, int(seq)) for tid, seq in (line.split() for line in open(procs.ack_log))]
     finally:
         procs.stop_all()

@@ -41,6 +41,10 @@ def test_a_killed_driver_resumes_with_nothing_lost_and_nothing_repeated(store_ur
     assert proof.acked and set(proof.acked) <= proof.recorded_seqs
 
     prompts = {f"p{i:03d}" for i in range(setup.prompts)}
+    # every prompt of the epoch dispatched once: one group each in the SQL view, the skipped one dropped
+    assert [(p, e) for p, e, *_ in proof.groups] == [(p, 0) for p in sorted(prompts)]
+    assert {p: (bool(w), bool(d), r) for p, _, w, d, r in proof.groups} == {
+        p: (False, True, "skipped: listed in --skip") if p == setup.skip else (True, False, None) for p in prompts}
     with trajstore.connect(store_url) as store:
         ref, killed = store.rollout_state("ref"), store.rollout_state("killed")
         # every prompt of the epoch dispatched, once (a second group for one is refused by the store)

@@ -198,3 +198,22 @@ def test_running_members_of_a_group_dropped_elsewhere_are_finished_aborted(store
     assert all(store.trajectory_state(t.trajectory_id).status == "aborted" for t in g.running)
     (dropped,) = [d for d in store.rollout_state("r").dropped if d.group_id == g.group_id]
     assert not dropped.running and dropped.reason == "by hand"
+
+
+def test_the_ledger_can_be_an_ingest_service_url(store):
+    """The driver on a Writer to ``trajstore serve``'s app over loopback HTTP: its dispatches and
+    finishes go through the service, the plan comes back from ``GET /v1/rollout_state``."""
+    from trajstore.demo._agent import _serving
+    from trajstore.ingest.service import make_app
+
+    with _serving(make_app(store, token="t0ken"), "ingest service") as url, \
+            trajstore.Writer(url, token="t0ken") as writer:
+        first = Agent(store, crash_after=3)
+        with pytest.raises(Crash):
+            RolloutDriver(writer, "h", PROMPTS[:2], episode=first, group_size=2, concurrency=1, shuffle=False).run()
+        agent = Agent(store)
+        stats = RolloutDriver(writer, "h", PROMPTS[:2], episode=agent, group_size=2, concurrency=1,
+                              shuffle=False).run()
+    assert stats.continued == 1 and [ep.tail.next_seq for ep in agent.episodes if ep.tail is not None] == [1]
+    plan = store.rollout_state("h")
+    assert len(plan.whole) == 2 and not plan.open

@@ -32,7 +32,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 @dataclass
 class Setup:
-    prompts: int = 12
+    prompts: int = 14
     group_size: int = 4
     concurrency: int = 4
     turns: int = 3
@@ -213,7 +213,7 @@ def run_proof(store_url: str, workdir: Path, setup: Setup = Setup(), *, timeout_
                 while _lines(procs.call_log) <= n0 and procs.driver.poll() is None:  # the driver is at work
                     assert time.monotonic() < deadline, "no engine call after a restart"
                     time.sleep(0.02)
-                time.sleep(rng.uniform(0.0, 0.35))
+                time.sleep(rng.uniform(0.0, 0.25))
                 if procs.driver.poll() is not None:
                     break
                 procs.kill(victim)

@@ -188,7 +188,8 @@ def run_proof(store_url: str, workdir: Path, setup: Setup = Setup(), *, timeout_
     import trajstore
 
     workdir.mkdir(parents=True, exist_ok=True)
-    trajstore.connect(store_url, payload=None).close()  # created and migrated once, before the processes
+    # created and migrated once, before the processes, which find the payload location in the store
+    trajstore.connect(store_url, payload=str(workdir / "payload")).close()
     reader_url = reader_url_for(store_url)
     procs = _Procs(store_url, workdir, setup)
     proof = Proof()

@@ -129,8 +129,8 @@ PUBLIC = sorted(m for m in MODULES if not any(p.startswith("_") for p in m.split
 # ``trajstore.reader.plan_step``, ``trajstore.ingest.service.decode_json``).
 # The API: what a user builds on, documented in docs/reference.md "Python API" and the
 # guides: the root, the errors, the wire format's events, the readers, the writer, the
-# servers (ingest service, recording proxy, replay), the materializer and the trainers'
-# adapters. Every public module is a row, even with nothing of it in the API.
+# servers (ingest service, recording proxy, replay), the materializer, the rollout driver and
+# the trainers' adapters. Every public module is a row, even with nothing of it in the API.
 PUBLIC_API: dict[str, set[str]] = {
     "trajstore": {
         "AppendResult", "ConflictError", "CorruptStoreError", "ReaderConfig", "ResumeStateError", "Sample",
@@ -182,6 +182,7 @@ PUBLIC_API: dict[str, set[str]] = {
     "trajstore.replay": {"ReplayReader", "ReplayStore"},
     "trajstore.replay.client": {"ReplayReader", "ReplayStore"},
     "trajstore.replay.dataset": {"ReplayDataset"},
+    "trajstore.rollout": {"Episode", "Outcome", "RolloutDriver", "RolloutStats"},
     "trajstore.sample": {"Sample"},
     "trajstore.scale": set(),
     "trajstore.scale.ray_actors": set(),

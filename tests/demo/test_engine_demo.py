@@ -23,9 +23,11 @@ def test_demo_engine_records_episodes_with_routes_and_spans(tmp_path, capsys):
     assert main(["demo", "--engine", "--dir", str(tmp_path / "d")]) == 0
     out = capsys.readouterr().out
     assert "recorded 4 episodes x 3 calls; folded 4 samples" in out
+    assert "rollout ledger of run demo: 2 prompts dispatched, 2 groups whole, 0 open" in out
     with trajstore.connect(f"sqlite:///{tmp_path}/d/engine-demo.db") as store:
         samples = {s.trajectory_id: s for s in store.samples()}
         assert sorted(samples) == [f"episode-{i}" for i in range(4)]
+        assert {s.group_id for s in samples.values()} == {"task-0", "task-1"}
         s = samples["episode-0"]
         generated = s.token_model_versions[s.token_model_versions >= 0]
         assert set(generated.tolist()) == {0, 1}  # the engine moved to weights "1" inside a call

@@ -3,8 +3,9 @@
 Starts the simulated engine (``trajstore.demo._engine``, vLLM 0.33's wire
 shapes) and a real ``trajstore proxy`` app in front of it on loopback, runs a
 few multi-turn agent episodes through the proxy with plain HTTP (an OpenAI
-client would send the same requests), finishes them with
-``POST /trajstore/finish``, folds them and prints what was recorded: each
+client would send the same requests) under ``trajstore.rollout``'s driver
+(two prompts, a group of two episodes each, recorded in the rollout ledger),
+folds them and prints what was recorded: each
 call's tokens, version spans and route rows, and the merged sample a trainer
 reads. ``--engine-only`` serves the engine alone for the step-by-step
 version (docs/first-hour.md).
@@ -21,6 +22,7 @@ import time
 from typing import Any, Iterator
 
 from trajstore.errors import TrajstoreError
+from trajstore.rollout import Episode, Outcome, RolloutDriver
 
 __all__: list[str] = []
 
@@ -54,9 +56,9 @@ def _serving(app: Any, name: str) -> Iterator[str]:
 
 
 def run_episode(client: Any, proxy: str, trajectory_id: str, *, group_id: str, turns: int = TURNS,
-                reward: float = 1.0) -> list[dict]:
+                reward: float = 1.0, finish: bool = True) -> list[dict]:
     """One agent episode through the proxy: a chat whose every turn adds the model's answer
-    and a tool's output, then ``/trajstore/finish``. Returns the responses."""
+    and a tool's output, then (``finish``) ``/trajstore/finish``. Returns the responses."""
     messages = [{"role": "system", "content": "You are a coding agent."},
                 {"role": "user", "content": f"Fix the failing test ({trajectory_id})."}]
     headers = {"X-Trajstore-Trajectory": trajectory_id, "X-Trajstore-Group": group_id,
@@ -72,11 +74,33 @@ def run_episode(client: Any, proxy: str, trajectory_id: str, *, group_id: str, t
         responses.append(body)
         messages.append({"role": "assistant", "content": body["choices"][0]["message"]["content"]})
         messages.append({"role": "tool", "content": TOOL_OUTPUTS[turn % len(TOOL_OUTPUTS)]})
+    if not finish:
+        return responses
     r = client.post(f"{proxy}/trajstore/finish", json={"trajectory_id": trajectory_id, "status": "completed",
                                                         "reward": reward})
     if r.status_code != 200:
         raise TrajstoreError(f"demo: finishing {trajectory_id} failed: {r.status_code} {r.text[:200]}")
     return responses
+
+
+class DemoDriver(RolloutDriver):
+    """The demo's rollout: two prompts ("tasks"), a group of two chat episodes each (``episode-0`` ..
+    ``episode-3``), one episode at a time (the engine's weight clock is engine-wide)."""
+
+    def __init__(self, store: Any, client: Any, proxy: str) -> None:
+        def episode(ep: Episode) -> Outcome:
+            run_episode(client, proxy, ep.trajectory_id, group_id=ep.group_id, finish=False)
+            return Outcome("completed", float(int(ep.trajectory_id.split("-")[1]) % 2))
+
+        super().__init__(store, "demo", [(f"task-{k}", None) for k in range(EPISODES // 2)], episode=episode,
+                         group_size=2, shuffle=False, concurrency=1, resume="replace",
+                         started={"num_experts": 16}, retry_for_s=0)
+
+    def group_id(self, prompt_id: str, epoch: int) -> str:
+        return prompt_id
+
+    def trajectory_id(self, group_id: str, index: int) -> str:
+        return f"episode-{int(group_id.split('-')[1]) * 2 + index}"
 
 
 def _show(console: Any, store: Any, trajectory_id: str) -> None:
@@ -134,11 +158,13 @@ def run_engine_demo(args: argparse.Namespace) -> int:
                 httpx.Client(timeout=30) as client:
             console.print(f"[bold]trajstore demo --engine[/bold]: simulated vLLM at {upstream}, "
                           f"trajstore proxy at {proxy}, store {store!r}")
-            for i in range(EPISODES):
-                run_episode(client, proxy, f"episode-{i}", group_id=f"task-{i // 2}", reward=float(i % 2))
+            DemoDriver(store, client, proxy).run()
         stats = store.materialize()
         console.print(f"recorded {EPISODES} episodes x {TURNS} calls; folded {stats.num_samples_after} samples "
                       f"(merge ratio {stats.merge_ratio:.2f}) in {time.monotonic() - started:.1f} s")
+        plan = store.rollout_state("demo")
+        console.print(f"rollout ledger of run demo: {len(plan.dispatched)} prompts dispatched, {len(plan.whole)} "
+                      f"groups whole, {len(plan.open)} open (store.rollout_state; docs/rollout.md)")
         _show(console, store, "episode-0")
     finally:
         store.close()

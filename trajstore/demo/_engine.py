@@ -31,7 +31,7 @@ The "tokenizer" maps a byte b to id b + 10; a chat message renders as
 ``[ROLE, *content, END]`` and the generation prompt is ``[ASSISTANT]``, so a
 conversation's next prompt extends the previous prompt + output exactly.
 Outputs, logprobs and route rows are a deterministic function of the
-prompt; a position recomputed by a later call gets a different route row
+prompt (and of the request's sampling ``seed``, when it sends one); a position recomputed by a later call gets a different route row
 (what "a recorded route is never overwritten" must survive).
 
 ``trajstore demo --engine`` runs it with a real ``trajstore proxy`` in front
@@ -40,6 +40,7 @@ and an agent episode through both (docs/first-hour.md).
 
 # No `from __future__ import annotations`: FastAPI reads handler annotations at runtime.
 
+import asyncio
 import json
 import threading
 from typing import Any, Iterator
@@ -72,10 +73,14 @@ def render_chat(messages: list[dict], add_generation_prompt: bool = True) -> lis
 
 
 def generate(prompt_ids: list[int], max_tokens: int | None, *, chat: bool,
-             limit: int = MAX_OUTPUT_TOKENS) -> tuple[list[int], list[float], str]:
-    """Deterministic output ids (lowercase letters), their logprobs and the finish reason."""
+             limit: int = MAX_OUTPUT_TOKENS, seed: int | None = None) -> tuple[list[int], list[float], str]:
+    """Deterministic output ids (lowercase letters), their logprobs and the finish reason.
+
+    ``seed`` (vLLM's ``SamplingParams.seed``, OpenAI's ``seed``) picks another
+    answer to the same prompt, as sampling with another seed does: a GRPO
+    group's members differ."""
     n = min(max_tokens or limit, limit)
-    seed = sum(prompt_ids) + len(prompt_ids)
+    seed = sum(prompt_ids) + len(prompt_ids) + (0 if seed is None else 7919 * int(seed))
     letters = [10 + ord("a") + (seed + 7 * i) % 26 for i in range(n - 1 if chat else n)]
     logprobs = [-0.05 * ((seed + i) % 10 + 1) for i in range(n)]
     if chat:
@@ -148,7 +153,7 @@ def _max_tokens(body: dict) -> int | None:
 def respond(body: dict, *, chat: bool, limit: int = MAX_OUTPUT_TOKENS) -> dict:
     """The non-streaming response vLLM would send for ``body``."""
     prompt = _prompt_ids(body, chat)
-    out, lps, finish = generate(prompt, _max_tokens(body), chat=chat, limit=limit)
+    out, lps, finish = generate(prompt, _max_tokens(body), chat=chat, limit=limit, seed=body.get("seed"))
     usage = {"prompt_tokens": len(prompt), "completion_tokens": len(out), "total_tokens": len(prompt) + len(out)}
     base = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{sum(prompt)}", "created": 0, "model": body.get("model", "fake"),
             "usage": usage, "system_fingerprint": None, "kv_transfer_params": None}
@@ -162,7 +167,7 @@ def respond(body: dict, *, chat: bool, limit: int = MAX_OUTPUT_TOKENS) -> dict:
 def stream_chunks(body: dict, *, chat: bool, limit: int = MAX_OUTPUT_TOKENS) -> Iterator[dict]:
     """The SSE ``data:`` objects vLLM would stream for ``body`` (routes are never streamed)."""
     prompt = _prompt_ids(body, chat)
-    out, lps, finish = generate(prompt, _max_tokens(body), chat=chat, limit=limit)
+    out, lps, finish = generate(prompt, _max_tokens(body), chat=chat, limit=limit, seed=body.get("seed"))
     want_ids = bool(body.get("return_token_ids"))
     obj = "chat.completion.chunk" if chat else "text_completion"
     if chat:
@@ -212,7 +217,7 @@ def _tito_check(body: dict) -> tuple[list[int], dict]:
 def tito_respond(body: dict, update: tuple | None = None, *, limit: int = MAX_OUTPUT_TOKENS) -> dict:
     """The ``GenerateResponse`` vLLM's ``/inference/v1/generate`` would send for ``body``."""
     prompt, params = _tito_check(body)
-    out, lps, finish = generate(prompt, params.get("max_tokens"), chat=True, limit=limit)
+    out, lps, finish = generate(prompt, params.get("max_tokens"), chat=True, limit=limit, seed=params.get("seed"))
     usage = {"prompt_tokens": len(prompt), "completion_tokens": len(out), "total_tokens": len(prompt) + len(out)}
     return {"request_id": f"gen-{sum(prompt)}", "model": body.get("model"), "created": 0,
             "choices": [_tito_choice(params, prompt, out, lps, finish, update)], "usage": usage,
@@ -222,7 +227,7 @@ def tito_respond(body: dict, update: tuple | None = None, *, limit: int = MAX_OU
 def tito_stream_chunks(body: dict, update: tuple | None = None, *, limit: int = MAX_OUTPUT_TOKENS) -> Iterator[dict]:
     """The ``GenerateStreamResponse`` chunks: one token each; routes and version spans on the final one."""
     prompt, params = _tito_check(body)
-    out, lps, finish = generate(prompt, params.get("max_tokens"), chat=True, limit=limit)
+    out, lps, finish = generate(prompt, params.get("max_tokens"), chat=True, limit=limit, seed=params.get("seed"))
     whole = _tito_choice(params, prompt, out, lps, finish, update)
     for i, (tok, lp) in enumerate(zip(out, lps)):
         choice: dict = {"index": 0, "finish_reason": None, "token_ids": [tok], "logprobs": None}
@@ -280,8 +285,13 @@ class WeightClock:
 
 
 def make_engine(*, weight_update_every: int | None = None, max_output_tokens: int = MAX_OUTPUT_TOKENS,
-                weight_clock: bool = True) -> Any:
+                weight_clock: bool = True, call_log: str | None = None, latency_s: float = 0.0) -> Any:
     """The simulated engine's FastAPI app.
+
+    ``call_log``: a file that gets one JSON line per answer the engine starts
+    generating (``{"seed", "prompt_len", "output_len"}``): what it generated,
+    to count the work done again after a crash. ``latency_s``: each answer
+    takes that long (a generation's time).
 
     ``weight_clock=False``: no spans unless ``app.state.weight_update`` is set (an
     engine that reports no versions, as vLLM before 0.33).
@@ -300,6 +310,15 @@ def make_engine(*, weight_update_every: int | None = None, max_output_tokens: in
     app.state.weights = WeightClock(weight_update_every)
     app.state.paused = False
     limit = max_output_tokens
+
+    async def generating(prompt: list[int], body: dict, max_tokens: int | None, chat: bool) -> None:
+        if call_log is not None:
+            n = len(generate(prompt, max_tokens, chat=chat, limit=limit)[0])
+            line = json.dumps({"seed": body.get("seed"), "prompt_len": len(prompt), "output_len": n}) + "\n"
+            with open(call_log, "a") as f:
+                f.write(line)
+        if latency_s:
+            await asyncio.sleep(latency_s)
 
     def update_for(num_tokens: int) -> tuple | None:
         forced = app.state.weight_update
@@ -324,6 +343,7 @@ def make_engine(*, weight_update_every: int | None = None, max_output_tokens: in
         app.state.headers.append(dict(request.headers))
         if app.state.paused:
             return paused()
+        await generating(_prompt_ids(body, chat), body, _max_tokens(body), chat)
         if body.get("stream"):
             return sse(stream_chunks(body, chat=chat, limit=limit))
         response = respond(body, chat=chat, limit=limit)
@@ -344,6 +364,7 @@ def make_engine(*, weight_update_every: int | None = None, max_output_tokens: in
             return paused()
         try:
             prompt, params = _tito_check(body)
+            await generating(prompt, params, params.get("max_tokens"), True)
             update = update_for(len(generate(prompt, params.get("max_tokens"), chat=True, limit=limit)[0]))
             if body.get("stream"):
                 return sse(list(tito_stream_chunks(body, update, limit=limit)))

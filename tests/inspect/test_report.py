@@ -359,3 +359,48 @@ def test_problems_panel_counts_what_waits_and_what_failed(store_url, tmp_path):
     finished_late = sum(1 for i in range(12, 18) if i not in RUNNING)
     assert panel["figure"]["data"][-1]["y"] == [finished_late, 0, 0]  # waiting, held back, unfoldable
     assert failed == 1 and sum(panel["figure"]["data"][0]["y"]) == failed
+
+
+def test_the_live_data_is_recomputed_when_the_store_changed_and_only_then():
+    """The live page's data is recomputed when the change query's answer moved (an append, a
+    fold), or when it is older than the clock-dependent panels allow; never on a timer when
+    nothing changed. Each viewer is then sent only the panels whose content changed."""
+    import time
+
+    from trajstore.inspect._live import _Snapshot
+
+    token, computed, checks = [0], [], []
+
+    def changed():
+        checks.append(time.monotonic())
+        return token[0]
+
+    def compute():
+        computed.append(token[0])
+        return {"generated_at": 1.0, "panels": [{"name": "a", "figure": token[0] // 2}, {"name": "b", "figure": 7}]}
+
+    snapshot = _Snapshot(compute, min_age_s=0.0, changed=changed, check_s=0.05, max_age_s=3600)
+    first = snapshot.parts()
+    sent: dict = {}
+    assert json.loads(first.delta(sent))["panels"] == {"a": {"name": "a", "figure": 0}, "b": {"name": "b", "figure": 7}}
+    for _ in range(5):
+        time.sleep(0.06)
+        assert snapshot.parts() is first  # asked whether anything changed, and nothing did
+    assert computed == [0] and len(checks) >= 5
+    token[0] = 1  # the store moved, the panels' content did not
+    time.sleep(0.06)
+    same = snapshot.parts()
+    assert computed == [0, 1] and same.version == first.version  # recomputed; nothing new to push
+    token[0] = 2
+    time.sleep(0.06)
+    moved = snapshot.parts()
+    assert computed == [0, 1, 2] and moved.version == first.version + 1
+    message = json.loads(moved.delta(sent))
+    assert message["order"] == ["a", "b"] and message["panels"] == {"a": {"name": "a", "figure": 1}}  # b unchanged
+    assert json.loads(moved.body()) == {"generated_at": 1.0, "panels": [{"name": "a", "figure": 1},
+                                                                          {"name": "b", "figure": 7}]}
+    old = _Snapshot(compute, min_age_s=0.0, changed=changed, check_s=0.05, max_age_s=0.1)
+    old.parts()
+    time.sleep(0.15)
+    old.parts()
+    assert computed[-2:] == [2, 2]  # no change, but older than max_age_s: recomputed (the clock's panels)

@@ -72,7 +72,7 @@ def served(sqlite_run):
     stop(proc)
 
 
-PATHS = ["/", "/plotly.min.js", "/api/data", "/healthz", "/no-such-page", "/trace/traj-0-000000",
+PATHS = ["/", "/plotly.min.js", "/api/data", "/api/stream", "/healthz", "/no-such-page", "/trace/traj-0-000000",
          "/api/trace?id=traj-0-000000"]
 
 
@@ -233,6 +233,52 @@ def test_the_live_page_draws_every_panel_and_refreshes(served, browser, tmp_path
     assert_every_panel_drawn(page)
     assert page.errors == []
     assert all(u.startswith(base) for u in page.requests), [u for u in page.requests if not u.startswith(base)]
+
+
+def _page_state(page: Page) -> dict:
+    """What the page drew: its data version, each panel's redraw count, and the server's data
+    (api/data, fetched by the page with its cookie) at the same moment."""
+    return page.page.evaluate("""async () => {
+        const draws = {};
+        for (const s of document.querySelectorAll('#panels > section')) draws[s.dataset.panel] = Number(s.dataset.draws);
+        const r = await fetch('api/data', {cache: 'no-store', credentials: 'same-origin'});
+        return {version: Number(document.body.dataset.version), generated_at: Number(document.body.dataset.generatedAt),
+                redraws: Number(document.body.dataset.redraws), draws: draws, server: await r.json()};
+    }""")
+
+
+def test_the_live_page_is_pushed_only_what_changed(served, browser):
+    """Nothing changes: nothing is sent and nothing is redrawn. New events: the page is pushed
+    the panels whose content changed, and redraws exactly those."""
+    store, base = served
+    page = Page(browser)
+    stream_requests = []
+    page.page.on("request", lambda r: "api/stream" in r.url and stream_requests.append(r.url))
+    page.page.goto(f"{base}?token={TOKEN}")
+    page.page.wait_for_function("Number(document.body.dataset.refreshes) >= 1", timeout=30_000)
+    assert_every_panel_drawn(page)
+    first = _page_state(page)
+    assert set(first["draws"].values()) == {1}  # each panel drawn once
+    assert first["server"]["generated_at"] == first["generated_at"]  # the page has the server's data
+
+    time.sleep(4)  # four change checks (--refresh-s 1) with nothing new in the store
+    idle = _page_state(page)
+    assert idle["version"] == first["version"] and idle["redraws"] == first["redraws"], (first, idle)
+    assert len(stream_requests) == 1  # one stream, kept open: no polling
+
+    # one engine call of a new trajectory, still running: a few panels change, not all
+    store.append([{"type": "trajectory_started", "trajectory_id": "one-more"},
+                  {"type": "generation", "trajectory_id": "one-more", "seq": 0, "prompt_ids": [1, 2, 3],
+                   "output_ids": [4, 5], "model_version": 3}])
+    page.page.wait_for_function(f"Number(document.body.dataset.version) > {idle['version']}", timeout=30_000)
+    after = _page_state(page)
+    assert after["server"]["generated_at"] == after["generated_at"], "the page shows the server's newest data"
+    before_panels = {p["name"]: p for p in first["server"]["panels"]}
+    changed = {p["name"] for p in after["server"]["panels"] if p != before_panels.get(p["name"])}
+    assert changed and changed != set(before_panels), changed  # some panels changed, not all
+    redrawn = {name for name, n in after["draws"].items() if n > first["draws"][name]}
+    assert redrawn == changed  # exactly the panels whose content changed were redrawn
+    assert page.errors == []
 
 
 def test_the_live_page_without_the_token_is_401(served, browser):

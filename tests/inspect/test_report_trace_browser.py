@@ -179,3 +179,32 @@ def test_markup_in_ids_and_metadata_renders_as_text(tmp_path, browser):
         assert page.page.evaluate("document.querySelectorAll('#panels img, #panels b').length") == 0
     finally:
         stop(proc)
+
+
+def test_hovering_a_token_shows_the_experts_it_was_routed_to(served, browser):
+    """The trace view names, on hover, the experts each token was routed to (the sample's own
+    route rows, MoE layers only); the engine-call table scrolls inside its card, the page
+    never widens."""
+    store, base = served
+    sample = next(s for s in store.samples() if s.routed_experts is not None and len(s.response_ids) > 2)
+    page = Page(browser)
+    page.page.set_viewport_size({"width": 700, "height": 900})  # narrow: the call table is wider than this
+    page.page.goto(f"{base}?token={TOKEN}")
+    page.page.goto(f"{base}trace/{quote(sample.trajectory_id, safe='')}")
+    page.page.wait_for_function("document.body.dataset.rendered === '1'", timeout=60_000)
+    position = len(sample.prompt_ids) + 1  # a generated token
+    span = page.page.locator(f"section.sample[data-sample='{sample.sample_index}'] span.t").nth(position)
+    span.hover()
+    title = span.get_attribute("title")
+    routes = sample.routed_experts
+    moe = [layer for layer in range(routes.shape[1]) if routes[:, layer, :].any()]
+    lines = title.split("routed experts (MoE layers):\n")[1].split("\n")
+    shown = [line.strip() for line in lines if line.strip().startswith("layer ")]
+    assert shown[0] == f"layer {moe[0]}: " + " ".join(str(int(e)) for e in routes[position, moe[0]])
+    assert len(shown) == min(len(moe), 12)
+    span.hover()  # a second hover adds nothing
+    assert span.get_attribute("title") == title
+    # the engine-call table scrolls in its card: the page itself is no wider than the window
+    assert page.page.evaluate("document.documentElement.scrollWidth <= window.innerWidth")
+    assert page.page.evaluate("document.querySelector('#calls').scrollWidth > document.querySelector('#calls').clientWidth")
+    assert page.errors == []

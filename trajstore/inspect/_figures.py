@@ -217,13 +217,65 @@ def _filled(clock: Clock, rows: Sequence[Sequence[Any]], columns: int) -> tuple[
     return xs, cols
 
 
+def _gapped(rows: Sequence[Sequence[Any]]) -> list[Sequence[Any]]:
+    """Rows keyed by bucket (first column), with a row of None for every bucket between the
+    first and the last that has no data: a line breaks there instead of drawing across a gap
+    (a pause in the run has no mean reward, not the mean of its neighbours)."""
+    by_bucket = {int(r[0]): r for r in rows if r[0] is not None}
+    if not by_bucket:
+        return []
+    width = len(next(iter(by_bucket.values())))
+    return [by_bucket.get(b, (b, *[None] * (width - 1))) for b in range(min(by_bucket), max(by_bucket) + 1)]
+
+
 def _time_axis(fig: Any, clock: Clock, **kw: Any) -> None:
     fig.update_xaxes(title_text=f"time (UTC; {clock.width_s} s buckets)", **kw)
 
 
+MANY_VERSIONS = 40
+"""Past this many model versions a per-version axis is a scale (bars would be hairlines)."""
+
+
 def _version_axis(fig: Any, **kw: Any) -> None:
-    """An x axis of model versions: one category each (versions are labels, not a scale)."""
-    fig.update_xaxes(title_text="model version", type="category", **kw)
+    """An x axis of model versions: one category each (versions are labels, not a scale) while
+    they are few; past ``MANY_VERSIONS`` a linear axis on which the subplot's bars become
+    lines (stacked bars stacked areas, markers lines): the run-long trend stays readable at
+    hundreds of versions instead of hairline bars and merged markers."""
+    row, col = kw.get("row"), kw.get("col")
+    if row is None:  # every x axis of the figure
+        axes = sorted({getattr(t, "xaxis", None) or "x" for t in fig.data})
+    else:
+        axes = [fig.get_subplot(row, col).xaxis.plotly_name.replace("axis", "")]
+    for axis in axes:
+        name = "xaxis" + axis[1:]
+        if _as_scale(fig, axis):
+            fig.layout[name].update(title_text="model version", type="linear")
+        else:
+            fig.layout[name].update(title_text="model version", type="category")
+
+
+def _as_scale(fig: Any, axis: str) -> bool:
+    """``_version_axis``'s many versions: the bars and markers on x axis ``axis`` made lines."""
+    mine = [t for t in fig.data if (getattr(t, "xaxis", None) or "x") == axis and t.type in ("bar", "scatter")]
+    versions = {str(x) for t in mine for x in (t.x or ())}
+    if len(versions) <= MANY_VERSIONS or not all(v.lstrip("-").isdigit() for v in versions):
+        return False
+    go, _ = _plotly()
+    stacked = fig.layout.barmode in ("stack", "relative")
+    for t in mine:
+        line: dict[str, Any] = {"width": 1.5}
+        color = t.marker.color if t.marker is not None else None
+        if isinstance(color, str):
+            line["color"] = color
+        elif t.type == "scatter" and t.line is not None and t.line.color is not None:
+            line["color"] = t.line.color
+        keep = {k: getattr(t, k) for k in ("name", "showlegend", "legendgroup", "customdata", "hovertemplate",
+                                           "xaxis", "yaxis") if getattr(t, k) is not None}
+        trace = go.Scatter(x=[int(x) for x in t.x], y=t.y, mode="lines", line=line,
+                           stackgroup=f"stack-{axis}" if stacked and t.type == "bar" else None, **keep)
+        fig.add_trace(trace)
+        fig.data = tuple(d for d in fig.data if d is not t)
+    return True
 
 
 def _with_right_axis(make_subplots: Any) -> Any:

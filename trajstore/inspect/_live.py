@@ -1,8 +1,14 @@
 """``trajstore report --serve``: the report as a live page, read-only, behind a bearer token.
 
-The page polls ``GET api/data`` (the JSON of ``panels.collect``, computed in
-one read-only snapshot as ``trajstore sql`` opens it, at most once per half
-refresh interval whatever the number of viewers) and redraws in place.
+The page keeps one ``GET api/stream`` open (server-sent events). The server
+checks every ``refresh_s`` whether the store changed (``CHANGED_SQL``: a few
+indexed maxima, no count), and only then recomputes the panels (``panels.collect``,
+in one read-only snapshot as ``trajstore sql`` opens it, once whatever the number
+of viewers, never more often than twice its own cost); the clock-dependent panels
+(stuck trajectories) are recomputed at least every ``MAX_AGE_S`` as well. Each
+viewer is sent only the panels whose content changed since what it was sent
+last, and the page redraws only those. ``GET api/data`` answers the whole data
+at once (scripts, and the static export's format).
 
 Access follows the ingest service's rules (``trajstore serve``): it does not
 start without a token (``--token`` or ``$TRAJSTORE_TOKEN``) unless
@@ -16,6 +22,7 @@ redirects to ``/``, out of the address bar and history; scripts may send
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import math
 import hmac
@@ -39,8 +46,24 @@ __all__ = ["DEFAULT_PORT", "DEFAULT_REFRESH_S", "make_app", "serve_report"]
 log = logging.getLogger("trajstore.inspect.live")  # the logger name logging configs already use
 
 DEFAULT_PORT = 8713
-DEFAULT_REFRESH_S = 5.0
+DEFAULT_REFRESH_S = 1.0
+# The clock-dependent panels (a running trajectory becomes stuck after --stuck-after-s with no
+# event) change with no new event: the data is recomputed at least this often while viewed.
+MAX_AGE_S = 30.0
+# A stream with nothing new says so this often (a comment line): proxies keep it open, and a
+# viewer that went away is noticed.
+KEEPALIVE_S = 15.0
 COOKIE = "trajstore_report"
+
+# What the panels show changes only when one of these does: an append (every event, training
+# lineage and labels included, takes the next log position), a fold (a shard's or a
+# projection's checkpoint moves). Maxima over primary keys and two small tables: no count,
+# no scan, whatever the store holds.
+CHANGED_SQL = ("SELECT (SELECT max(position) FROM events), "
+               "(SELECT max(updated_at) FROM materializer_checkpoints), "
+               "(SELECT sum(position) FROM materializer_checkpoints), "
+               "(SELECT max(updated_at) FROM projection_checkpoints), "
+               "(SELECT count(*) FROM materializer_checkpoints)")
 
 
 def _cookie_value(token: str) -> str:
@@ -62,29 +85,103 @@ def _cookie_of(scope: dict, token: str) -> bool:
     return _cookie_ok(header, token)
 
 
-class _Snapshot:
-    """The page's data, recomputed at most every ``min_age_s``, and never more often than
-    twice its own computing time (a big store's views take seconds: the page then refreshes
-    more slowly rather than keep the database busy); one computation at a time."""
+class _Parts:
+    """One computed snapshot, cut for pushing: ``head`` (everything but the panels, as JSON
+    text), each panel's JSON text and digest in page order, and ``version`` (bumped only when
+    some content changed)."""
 
-    def __init__(self, compute: Callable[[], dict[str, Any]], min_age_s: float) -> None:
+    __slots__ = ("version", "head", "order", "panels", "digests", "listed")
+
+    def __init__(self, version: int, head: str, order: list[str], panels: dict[str, str], listed: bool = True) -> None:
+        self.listed = listed  # the data had a "panels" list
+        self.version = version
+        self.head = head
+        self.order = order
+        self.panels = panels
+        self.digests = {name: hashlib.blake2b(text.encode(), digest_size=16).digest() for name, text in panels.items()}
+
+    def body(self) -> bytes:
+        """The whole data (``GET api/data``): ``collect``'s dict, as JSON."""
+        if not self.listed:
+            return self.head.encode()
+        return (self.head[:-1] + (", " if self.head != "{}" else "") + '"panels": ['
+                + ", ".join(self.panels[n] for n in self.order) + "]}").encode()
+
+    def delta(self, sent: dict[str, bytes]) -> str:
+        """The message for a viewer that was sent ``sent`` (panel -> digest; updated): the head,
+        the panels' order, and only the panels whose content changed."""
+        changed = [n for n in self.order if sent.get(n) != self.digests[n]]
+        for name in list(sent):
+            if name not in self.digests:
+                del sent[name]
+        for name in changed:
+            sent[name] = self.digests[name]
+        return ('{"version": %d, "head": %s, "order": %s, "panels": {%s}}'
+                % (self.version, self.head, json.dumps(self.order),
+                   ", ".join(f"{json.dumps(n)}: {self.panels[n]}" for n in changed)))
+
+
+class _Snapshot:
+    """The page's data, shared by every viewer. Recomputed only when ``changed()`` (a cheap
+    query, asked at most every ``check_s``) says the store moved, or the data is older than
+    ``max_age_s``; never more often than ``min_age_s`` and twice its own computing time (a
+    big store's views take seconds: the page then refreshes more slowly rather than keep the
+    database busy); one computation at a time. ``changed=None``: recomputed on age alone."""
+
+    def __init__(self, compute: Callable[[], dict[str, Any]], min_age_s: float, *,
+                 changed: Callable[[], Any] | None = None, check_s: float = 1.0,
+                 max_age_s: float = MAX_AGE_S) -> None:
         self._compute = compute
+        self._changed = changed
         self._min_age_s = min_age_s
+        self._check_s = check_s
+        self._max_age_s = max_age_s
         self._lock = threading.Lock()
         self._at = 0.0
         self._took = 0.0
-        self._body: bytes | None = None
+        self._checked_at = -math.inf
+        self._token: Any = None
+        self._parts: _Parts | None = None
+        self.computed = 0
 
-    def get(self) -> bytes:
+    def _due(self, now: float) -> bool:
+        if self._parts is None:
+            return True
+        age = now - self._at
+        if age < max(self._min_age_s, 2 * self._took):
+            return False
+        if self._changed is None or age >= self._max_age_s:
+            return True
+        if now - self._checked_at < self._check_s:
+            return False
+        self._checked_at = now
+        return self._changed() != self._token
+
+    def parts(self) -> _Parts:
         with self._lock:
-            if self._body is None or time.monotonic() - self._at >= max(self._min_age_s, 2 * self._took):
+            now = time.monotonic()
+            if self._due(now):
                 from plotly.utils import PlotlyJSONEncoder
 
                 start = time.monotonic()
-                self._body = json.dumps(self._compute(), cls=PlotlyJSONEncoder).encode()
-                self._at = time.monotonic()
+                token = self._changed() if self._changed is not None else None
+                data = self._compute()
+                listed = "panels" in data
+                panels = {p["name"]: json.dumps(p, cls=PlotlyJSONEncoder) for p in data.pop("panels", [])}
+                head = json.dumps(data, cls=PlotlyJSONEncoder)
+                before = self._parts
+                version = 1 if before is None else before.version
+                if before is not None and (before.head != head or before.panels != panels):
+                    version += 1
+                self._parts = _Parts(version, head, list(panels), panels, listed)
+                self._token = token
+                self._at = self._checked_at = time.monotonic()
                 self._took = self._at - start
-            return self._body
+                self.computed += 1
+            return self._parts
+
+    def get(self) -> bytes:
+        return self.parts().body()
 
 
 def make_app(url: str | None, *, token: str | None, title: str = "trajstore report",
@@ -95,19 +192,28 @@ def make_app(url: str | None, *, token: str | None, title: str = "trajstore repo
     (or its directory) the trace view decodes tokens with (None: it shows ids)."""
     from starlette.applications import Starlette
     from starlette.concurrency import run_in_threadpool
-    from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
+    from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Response, StreamingResponse
     from starlette.routing import Route
 
-    from trajstore.inspect.sql import read_only
+    from trajstore.inspect.sql import READER_ROLE, read_only
+    from trajstore.log._registry import backend_of
+    from trajstore.store import resolve_url
 
     _check_refresh(refresh_s)
     payload = _report_page.payload_location(url, payload)
+    resolved = resolve_url(url)
+    backend = backend_of(resolved)
 
     def compute() -> dict[str, Any]:
         with read_only(url) as query:
             return collect(query, stuck_after_s=stuck_after_s, payload=payload)
 
-    snapshot = _Snapshot(compute, min_age_s=refresh_s / 2)
+    def changed() -> Any:
+        # the schema was brought up to date when the first snapshot was computed: straight to the backend
+        with backend.read_only(resolved, None, READER_ROLE) as query:
+            return tuple(query(CHANGED_SQL)[1][0])
+
+    snapshot = _Snapshot(compute, min_age_s=min(refresh_s, 0.25), changed=changed, check_s=refresh_s)
     index = _report_page.page(title, _report_page.store_label(url), live=True, refresh_s=refresh_s).encode()
     script = plotly_js().encode()
     script_etag = '"' + hashlib.sha256(script).hexdigest()[:32] + '"'
@@ -121,17 +227,46 @@ def make_app(url: str | None, *, token: str | None, title: str = "trajstore repo
         return Response(script, media_type="application/javascript",
                         headers={"ETag": script_etag, "Cache-Control": "private, max-age=3600"})
 
-    async def get_data(request: Any) -> Any:
+    async def parts() -> tuple[_Parts | None, dict[str, Any] | None, int]:
+        """The snapshot, or the error body and status a viewer is told instead."""
         try:
-            body = await run_in_threadpool(snapshot.get)
+            return await run_in_threadpool(snapshot.parts), None, 200
         except StoreUnavailable as e:
-            return JSONResponse(error_body(str(e), rule="store_unavailable"), status_code=503)
+            return None, error_body(str(e), rule="store_unavailable"), 503
         except TrajstoreError as e:
-            return JSONResponse(error_body(str(e), rule="store_error"), status_code=503)
+            return None, error_body(str(e), rule="store_error"), 503
         except Exception as e:  # noqa: BLE001 - a driver error mid-run: say so, the page keeps its last data
             log.exception("report data failed")
-            return JSONResponse(error_body(f"{type(e).__name__}: {first_line(e)}", rule="internal"), status_code=500)
-        return Response(body, media_type="application/json", headers={"Cache-Control": "no-store"})
+            return None, error_body(f"{type(e).__name__}: {first_line(e)}", rule="internal"), 500
+
+    async def get_data(request: Any) -> Any:
+        got, problem, status = await parts()
+        if got is None:
+            return JSONResponse(problem, status_code=status)
+        return Response(got.body(), media_type="application/json", headers={"Cache-Control": "no-store"})
+
+    async def get_stream(request: Any) -> Any:
+        async def events() -> Any:
+            sent: dict[str, bytes] = {}
+            version, said, quiet_since = None, None, time.monotonic()
+            yield f"retry: {int(refresh_s * 1000)}\n\n"
+            while True:
+                got, problem, _ = await parts()
+                if got is None:
+                    text = json.dumps(problem)
+                    if text != said:  # once per distinct problem; the page keeps its last data
+                        said = text
+                        yield f"event: problem\ndata: {text}\n\n"
+                elif got.version != version:
+                    version, said, quiet_since = got.version, None, time.monotonic()
+                    yield f"data: {got.delta(sent)}\n\n"
+                if time.monotonic() - quiet_since >= KEEPALIVE_S:
+                    quiet_since = time.monotonic()
+                    yield ": nothing new\n\n"
+                await asyncio.sleep(min(refresh_s, 0.25))
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})
 
     async def healthz(request: Any) -> Any:
         return JSONResponse({"status": "ok"})
@@ -139,6 +274,7 @@ def make_app(url: str | None, *, token: str | None, title: str = "trajstore repo
     routes = [Route("/", get_index, methods=["GET", "HEAD"]),
               Route(f"/{_report_page.PLOTLY_JS}", get_script, methods=["GET", "HEAD"]),
               Route("/api/data", get_data, methods=["GET", "HEAD"]),
+              Route("/api/stream", get_stream, methods=["GET"]),
               Route("/healthz", healthz, methods=["GET", "HEAD"]),
               *_trace.live_routes(url, payload, _report_page.store_label(url), tokenizer)]  # the trace view
     # Deny by default, as on every trajstore server; no path is open, not even /healthz (the page is the run's data).
@@ -172,7 +308,9 @@ class _Server:
                     print(announce, file=sys.stderr, flush=True)
 
         self.sock = sock
-        self.server = Server(uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="off"))
+        # open streams (api/stream) never end on their own: a stop closes them after a grace
+        self.server = Server(uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="off",
+                                            timeout_graceful_shutdown=1))
 
     def run(self) -> None:
         self.server.run(sockets=[self.sock])
@@ -208,7 +346,7 @@ def serve_report(url: str | None, *, host: str = "127.0.0.1", port: int = DEFAUL
         raise TrajstoreError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
     bound = sock.getsockname()[1]
     where = f"http://{host}:{bound}/"
-    announce = (f"trajstore report: listening on {where} (store {_report_page.store_label(url)}; refresh {refresh_s:g} s; "
+    announce = (f"trajstore report: listening on {where} (store {_report_page.store_label(url)}; checks for changes every {refresh_s:g} s; "
                 + (f"open {where}?token=TOKEN once, the page keeps a cookie" if token is not None
                    else "WARNING: no token, anyone who can reach the port can read the run")
                 + "; Ctrl-C stops)")

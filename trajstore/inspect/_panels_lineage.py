@@ -16,15 +16,12 @@ MAX_STEPS = 2000
 """The step panels show the newest this many training steps."""
 NO_STEPS = ("no training step recorded yet: a trainer records each step with SampleReader.record_step "
             "(docs/reader.md)")
-TRAINER_METRICS = 6
-"""The step panel draws at most this many of the trainer's metrics (the ones most steps carry)."""
 
 
 def _steps_sql(c: Clock) -> list[str]:
     return [f"SELECT run, step, count(*) AS samples, avg(staleness) AS staleness, max(staleness) AS max_staleness, "
             f"max(policy_version) AS policy_version FROM sample_consumption GROUP BY run, step "
             f"ORDER BY step DESC, run LIMIT {MAX_STEPS}",
-            f"SELECT run, step, rank, metrics FROM train_steps ORDER BY step DESC, run, rank LIMIT {MAX_STEPS * 8}",
             # the samples (agg_samples), less the distinct ones a step consumed (linear in what was consumed)
             "SELECT n AS samples, n - (SELECT count(*) FROM (SELECT DISTINCT c.trajectory_id, c.sample_index "
             "FROM sample_consumption c JOIN samples s ON s.trajectory_id = c.trajectory_id "
@@ -33,43 +30,28 @@ def _steps_sql(c: Clock) -> list[str]:
 
 
 def _steps_draw(c: Clock, r: list[QueryResult]) -> Any:
-    import json
-
+    """What each step consumed and how stale it was. The trainer's own metrics are the "Trainer
+    metrics per step" panel's (one plot each, each on its own axis), not drawn again here."""
     go, make_subplots = _plotly()
     rows = sorted(r[0].rows, key=lambda row: (row[1], row[0]))
     if not rows:
         return NO_STEPS
-    total, never = r[2].rows[0]
-    per_step: dict[int, dict[str, list[float]]] = {}
-    for _, step, _, metrics in r[1].rows:
-        values = json.loads(metrics) if isinstance(metrics, str) else (metrics or {})
-        for name, v in values.items():
-            if isinstance(v, (int, float)) and not isinstance(v, bool):
-                per_step.setdefault(int(step), {}).setdefault(name, []).append(float(v))
-    counts: dict[str, int] = {}
-    for values in per_step.values():
-        for name in values:
-            counts[name] = counts.get(name, 0) + 1
-    names = sorted(counts, key=lambda n: (-counts[n], n))[:TRAINER_METRICS]
-    fig = make_subplots(rows=1, cols=2, column_widths=[0.5, 0.5], specs=[[{"secondary_y": True}, {}]],
-                        subplot_titles=(f"samples consumed and their staleness per step (never trained on: "
-                                        f"{_fmt(_share(never, total), '.1%')} of {total} samples)",
-                                        "the trainer's metrics per step (mean over ranks)"))
+    total, never = r[1].rows[0]
+    fig = make_subplots(specs=[[{"secondary_y": True}]], subplot_titles=(
+        f"samples consumed per step, and their staleness (never trained on: {_fmt(_share(never, total), '.1%')} "
+        f"of {total} samples)",))
     steps = [int(row[1]) for row in rows]
     fig.add_trace(go.Bar(x=steps, y=[int(row[2]) for row in rows], name="samples consumed", opacity=0.6,
                          customdata=[row[0] for row in rows], hovertemplate="run %{customdata}, step %{x}: "
-                         "%{y} samples<extra></extra>"), 1, 1, secondary_y=False)
+                         "%{y} samples<extra></extra>"), secondary_y=False)
     fig.add_trace(go.Scatter(x=steps, y=[_num(row[3]) for row in rows], mode="lines+markers",
-                             name="staleness (policy - oldest token)"), 1, 1, secondary_y=True)
+                             name="mean staleness (policy - oldest token)",
+                             hovertemplate="step %{x}: %{y:.2f} versions<extra></extra>"), secondary_y=True)
     fig.add_trace(go.Scatter(x=steps, y=[_num(row[4]) for row in rows], mode="lines", line=dict(dash="dot"),
-                             name="max staleness"), 1, 1, secondary_y=True)
-    for name in names:
-        xs = sorted(s for s in per_step if name in per_step[s])
-        fig.add_trace(go.Scatter(x=xs, y=[sum(per_step[s][name]) / len(per_step[s][name]) for s in xs],
-                                 mode="lines+markers", name=name), 1, 2)
+                             name="max staleness"), secondary_y=True)
     fig.update_xaxes(title_text="training step")
-    fig.update_yaxes(title_text="samples", row=1, col=1, secondary_y=False)
-    fig.update_yaxes(title_text="versions", row=1, col=1, secondary_y=True, rangemode="tozero", showgrid=False)
+    fig.update_yaxes(title_text="samples", secondary_y=False, rangemode="tozero")
+    fig.update_yaxes(title_text="versions behind", secondary_y=True, rangemode="tozero", showgrid=False)
     return _layout(fig)
 
 

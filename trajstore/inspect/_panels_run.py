@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from trajstore.inspect._figures import (HEIGHT, MAX_STUCK_ROWS, _VERSION_STATS_SQL, Clock, _filled, _layout, _num, 
+from trajstore.inspect._figures import (_gapped, HEIGHT, MAX_STUCK_ROWS, _VERSION_STATS_SQL, Clock, _filled, _layout, _num, 
                                         _plotly, _right_axis, _share, _sql_number, _time_axis, _two_bars,
                                         _version_axis, _wide_left, _with_right_axis)
 from trajstore.inspect import _agg_sql as agg
@@ -54,7 +54,7 @@ def _staleness_time_sql(c: Clock) -> list[str]:
 
 def _staleness_time_draw(c: Clock, r: list[QueryResult]) -> Any:
     go, make_subplots = _plotly()
-    rows = r[0].rows
+    rows = _gapped(r[0].rows)
     if not rows:
         return "no materialized samples yet (trajstore materialize folds finished trajectories)"
     xs = [c.time_of(row[0]) for row in rows]
@@ -80,7 +80,7 @@ def _reward_time_sql(c: Clock) -> list[str]:
 
 def _reward_time_draw(c: Clock, r: list[QueryResult]) -> Any:
     go, _ = _plotly()
-    rows = r[0].rows
+    rows = _gapped(r[0].rows)
     if not rows:
         return "no finished trajectory has a reward yet"
     xs = [c.time_of(row[0]) for row in rows]
@@ -179,8 +179,9 @@ def _versions_draw(c: Clock, r: list[QueryResult]) -> Any:
     fig.add_trace(go.Bar(x=v, y=[row[1] for row in rows], name="generated tokens", showlegend=False), 1, 1)
     fig.add_trace(go.Bar(x=v, y=[row[2] - row[3] for row in rows], name="this version only"), 1, 2)
     fig.add_trace(go.Bar(x=v, y=[row[3] for row in rows], name="also other versions"), 1, 2)
+    _layout(fig, barmode="stack")
     _version_axis(fig)
-    return _layout(fig, barmode="stack")
+    return fig
 
 
 def _reward_version_sql(c: Clock) -> list[str]:
@@ -198,9 +199,10 @@ def _reward_version_draw(c: Clock, r: list[QueryResult]) -> Any:
                          text=[f"n={row[5]}" for row in rows], textposition="outside"), 1, 1)
     fig.add_trace(go.Bar(x=v, y=[_share(row[6], row[2]) for row in rows], name="failed"), 1, 2)
     fig.add_trace(go.Bar(x=v, y=[_share(row[7], row[2]) for row in rows], name="aborted"), 1, 2)
+    _layout(fig, barmode="stack")
     _version_axis(fig)
     fig.update_yaxes(tickformat=".0%", row=1, col=2)
-    return _layout(fig, barmode="stack")
+    return fig
 
 
 def _finish_sql(c: Clock) -> list[str]:
@@ -380,6 +382,6 @@ def _mismatch_draw(c: Clock, r: list[QueryResult]) -> Any:
                     dict(x=[str(row[0]) for row in per_version], y=[_share(row[3], row[1]) for row in per_version],
                          name="share of calls", marker_color="#d62728"))
     fig.update_xaxes(title_text="mismatches", row=1, col=1)
-    fig.update_xaxes(title_text="model version", row=1, col=2)
+    _version_axis(fig, row=1, col=2)
     fig.update_yaxes(tickformat=".0%", row=1, col=2)
     return _layout(fig)

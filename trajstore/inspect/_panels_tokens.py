@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from trajstore._aggregates import LOGPROB_BINS, LOGPROB_RANGE, logprob_bin_edges
-from trajstore.inspect._figures import (RECENT_VERSIONS, Clock, _layout, _num, _plotly, 
+from trajstore.inspect._figures import (_gapped, RECENT_VERSIONS, Clock, _layout, _num, _plotly, 
                                         _right_axis, _share, _time_axis, _two_bars, _version_axis, _wide_left)
 from trajstore.inspect import _agg_sql as agg
 from trajstore.inspect._panels_run import _CALLS_PER_VERSION_SQL
@@ -42,9 +42,10 @@ def _length_draw(c: Clock, r: list[QueryResult]) -> Any:
     fig.add_trace(go.Scatter(x=[str(row[0]) for row in means], y=[row[2] for row in means], name="max",
                              mode="markers", showlegend=False, marker=dict(symbol="diamond", size=9,
                                                                             color="black")), 1, 2)
-    fig.update_xaxes(title_text="output tokens", row=1, col=1)
+    fig.update_xaxes(title_text="output tokens", row=1, col=1, rangemode="tozero")
     _version_axis(fig, row=1, col=2)
     fig.update_yaxes(tickformat=".0%", row=1, col=1)
+    fig.update_yaxes(rangemode="tozero", row=1, col=2)
     return _layout(fig, barmode="overlay")
 
 
@@ -75,11 +76,13 @@ def _drift_draw(c: Clock, r: list[QueryResult]) -> Any:
     fig = _wide_left(make_subplots, (f"re-sent route rows that moved (run: {drifted} of {compared}, "
                                      f"{drifted / compared:.2%})", "drift share per version"),
                      specs=[[{"secondary_y": True}, {}]])
+    per_time = [row for row in _gapped(per_time) if row[1] is None or row[1]]
     xs = [c.time_of(row[0]) for row in per_time]
-    fig.add_trace(go.Bar(x=xs, y=[row[2] or 0 for row in per_time], name="rows drifted", opacity=0.45,
+    fig.add_trace(go.Bar(x=xs, y=[None if row[1] is None else row[2] or 0 for row in per_time], name="rows drifted",
+                         opacity=0.45,
                          marker_color="#8c564b"), 1, 1, secondary_y=True)
-    fig.add_trace(go.Scatter(x=xs, y=[_share(row[2] or 0, row[1]) for row in per_time], name="drift share",
-                             mode="lines+markers", line=dict(color="#d62728"),
+    fig.add_trace(go.Scatter(x=xs, y=[None if row[1] is None else _share(row[2] or 0, row[1]) for row in per_time],
+                             name="drift share", mode="lines+markers", line=dict(color="#d62728"),
                              customdata=[[row[2] or 0, row[1]] for row in per_time],
                              hovertemplate="%{y:.2%}: %{customdata[0]} of %{customdata[1]} rows"), 1, 1)
     fig.add_trace(go.Bar(x=[str(row[0]) for row in per_version], y=[_num(row[3]) for row in per_version],
@@ -116,7 +119,7 @@ def _routes_draw(c: Clock, r: list[QueryResult]) -> Any:
                     dict(x=[str(row[0]) for row in per_version], y=[_share(row[4], row[1]) for row in per_version],
                          name="share of calls", marker_color="#9467bd"))
     fig.update_xaxes(title_text="tokens without a route (1 = the final token only)", row=1, col=1)
-    fig.update_xaxes(title_text="model version", row=1, col=2)
+    _version_axis(fig, row=1, col=2)
     fig.update_yaxes(tickformat=".0%", row=1, col=2)
     return _layout(fig)
 
@@ -229,7 +232,8 @@ def _experts_draw(c: Clock, r: list[QueryResult]) -> Any:
     _version_axis(fig, row=1, col=2)
     if _pending(r):
         _layout(fig, title=dict(text=PENDING_NOTE, font=dict(size=11)))
-    return _layout(fig, height=620, barmode="group")
+    # the legend at the bottom right, below the colorbar (top right): neither covers the other
+    return _layout(fig, height=620, barmode="group", legend=dict(y=0.0, yanchor="bottom", x=1.02))
 
 
 # -- reading samples from the payload read-only (trajstore track reads the newest samples' routes) ---

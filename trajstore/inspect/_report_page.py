@@ -1,9 +1,9 @@
-"""The HTML and JavaScript of the report page, live (polling) or static (data embedded).
+"""The HTML and JavaScript of the report page, live (pushed) or static (data embedded).
 
 One page for both: the static export embeds the data ``collect`` returned in a
-``<script type="application/json">`` element; the live page fetches the same
-data from ``api/data`` every ``refresh_s`` seconds and redraws in place
-(``Plotly.react``). plotly.js is a file beside the page (``plotly.min.js``),
+``<script type="application/json">`` element; the live page keeps ``api/stream``
+open (server-sent events: each message carries the panels that changed, see
+``_live``) and redraws only those in place (``Plotly.react``). plotly.js is a file beside the page (``plotly.min.js``),
 from the plotly package: nothing is loaded from the internet.
 """
 
@@ -84,7 +84,7 @@ _JS = r"""
   const cfg = JSON.parse(document.getElementById("trajstore-config").textContent);
   const plotConfig = {displaylogo: false, responsive: true};
   const $ = (id) => document.getElementById(id);
-  let refreshes = 0;
+  let refreshes = 0, redraws = 0;
 
   function el(tag, attrs, ...children) {
     const e = document.createElement(tag);
@@ -120,7 +120,7 @@ _JS = r"""
     box.replaceChildren(
       el("h2", {text: "No data yet"}),
       el("p", {text: "The store has no trajectories. " + (cfg.live
-        ? "This page checks again every " + cfg.refresh_s + " s and draws the panels when the first events arrive."
+        ? "This page draws the panels as soon as the first events arrive."
         : "Run trajstore report again once rollouts have been recorded.")}),
       sqlDetails(data.summary_sql.slice(0, 1)));
   }
@@ -144,9 +144,11 @@ _JS = r"""
     }
   }
 
-  function renderPanels(data) {
-    if (!samePanels(data)) buildPanels(data);
+  // changed: the names of the panels whose content changed (null: all of them)
+  function renderPanels(data, changed) {
+    if (!samePanels(data)) { buildPanels(data); changed = null; }
     for (const p of data.panels) {
+      if (changed && !changed.has(p.name)) continue;
       const s = document.querySelector('#panels > section[data-panel="' + p.name + '"]');
       const plot = s.querySelector(".plot"), note = s.querySelector(".note");
       if (p.figure) {
@@ -164,6 +166,8 @@ _JS = r"""
         note.textContent = p.note;
         s.dataset.state = "note";
       }
+      s.dataset.draws = String(Number(s.dataset.draws || 0) + 1);
+      redraws += 1;
       s.querySelector(".links").replaceChildren(...traceLinks(p));
       s.querySelector(".sql").replaceChildren(sqlDetails(p.sql));
     }
@@ -232,18 +236,19 @@ _JS = r"""
     });
   }
 
-  function render(data) {
+  function render(data, changed) {
     traceFiles = data.trace_files || {};
     renderEmpty(data);
     renderSummary(data);
-    renderPanels(data);
+    renderPanels(data, changed || null);
     refreshes += 1;
     const when = new Date(data.generated_at * 1000);
     $("status").className = "";
-    $("status").textContent = (cfg.live ? "live, every " + cfg.refresh_s + " s; " : "static export; ") +
+    $("status").textContent = (cfg.live ? "live (redrawn when the store changes); " : "static export; ") +
       "data of " + when.toISOString().replace("T", " ").slice(0, 19) + " UTC";
     document.body.dataset.generatedAt = String(data.generated_at);
     document.body.dataset.refreshes = String(refreshes);
+    document.body.dataset.redraws = String(redraws);
     document.body.dataset.panels = String(data.panels.length);
   }
 
@@ -252,23 +257,44 @@ _JS = r"""
     $("status").textContent = text;
   }
 
-  async function poll() {
-    try {
-      const r = await fetch(cfg.api, {cache: "no-store", credentials: "same-origin"});
-      if (r.status === 401) {
-        showError("not authorized: open this page as /?token=TOKEN");
-        return;  // no point asking again with the same credentials
-      }
-      const body = await r.json();
-      if (!r.ok) showError("store: " + ((body.error && body.error.message) || r.status) + " (showing the last data)");
-      else render(body);
-    } catch (e) {
-      showError("report server unreachable (showing the last data): " + e.message);
-    }
-    setTimeout(poll, cfg.refresh_s * 1000);
+  // -- live: one stream of messages {version, head, order, panels: {name: panel}}, where
+  // panels holds only what changed since the last message this page was sent --
+  const have = {};
+  function apply(msg) {
+    const changed = new Set(Object.keys(msg.panels));
+    Object.assign(have, msg.panels);
+    for (const name of Object.keys(have)) if (!msg.order.includes(name)) delete have[name];
+    const data = Object.assign({}, msg.head, {panels: msg.order.map((n) => have[n])});
+    render(data, changed);
+    document.body.dataset.version = String(msg.version);
   }
 
-  if (cfg.live) poll();
+  function stream() {
+    const source = new EventSource(cfg.stream);
+    source.onmessage = (ev) => apply(JSON.parse(ev.data));
+    source.addEventListener("problem", (ev) => {
+      const body = JSON.parse(ev.data);
+      showError("store: " + ((body.error && body.error.message) || "unavailable") + " (showing the last data)");
+    });
+    source.onerror = async () => {
+      if (source.readyState !== EventSource.CLOSED) {  // the browser reconnects by itself
+        showError("report server unreachable (showing the last data); reconnecting");
+        return;
+      }
+      source.close();  // refused: find out whether the credentials or the server
+      try {
+        const r = await fetch(cfg.health, {cache: "no-store", credentials: "same-origin"});
+        if (r.status === 401) {
+          showError("not authorized: open this page as /?token=TOKEN");
+          return;  // no point asking again with the same credentials
+        }
+      } catch (e) { /* unreachable: say so below */ }
+      showError("report server unreachable (showing the last data); reconnecting");
+      setTimeout(stream, cfg.refresh_s * 1000);
+    };
+  }
+
+  if (cfg.live) stream();
   else render(JSON.parse($("trajstore-data").textContent));
 })();
 """
@@ -282,7 +308,8 @@ def _json_in_html(value: Any, **dumps: Any) -> str:
 def page(title: str, store: str, *, live: bool, refresh_s: float = 5.0, data_json: str | None = None) -> str:
     """The page. ``data_json``: the static page's data (JSON text of ``collect``'s dict)."""
     e = html.escape
-    config = _json_in_html({"live": live, "refresh_s": refresh_s, "api": "api/data"})
+    config = _json_in_html({"live": live, "refresh_s": refresh_s, "api": "api/data", "stream": "api/stream",
+                            "health": "healthz"})
     data = ("" if data_json is None else
             f"<script id='trajstore-data' type='application/json'>{data_json.replace('<', chr(92) + 'u003c')}</script>")
     return (

@@ -72,3 +72,30 @@ def expert_load(samples: Sequence[Any], num_experts: int | None = None) -> Exper
     counts = count_routes(rows, max(int(num_experts or 0), int(rows.max()) + 1), vi, len(versions))
     moe = moe_layers(counts)
     return ExpertLoad([int(v) for v in versions], [int(i) for i in np.flatnonzero(moe)], counts[:, moe, :])
+
+
+ROUTES_MAX_BYTES = 4 << 20
+"""A sample's routes go into the trace's data up to this size (the MoE layers' rows, raw)."""
+
+
+def routes_view(sample: Any, n: int) -> dict[str, Any] | None:
+    """Which experts each token was routed to, for the page's hover: the MoE layers' rows
+    (layers whose every entry is 0 are vLLM's dense layers: left out) as raw little-endian
+    bytes in base64, ``masked`` where the sample has no captured route. None without routes;
+    ``{"too_large": bytes}`` past ``ROUTES_MAX_BYTES``."""
+    import base64
+
+    if sample.routed_experts is None:
+        return None
+    routes = np.asarray(sample.routed_experts)
+    if routes.ndim != 3 or routes.shape[0] != n:
+        return None
+    moe = np.flatnonzero(routes.any(axis=(0, 2)))
+    kept = np.ascontiguousarray(routes[:, moe, :])
+    if kept.nbytes > ROUTES_MAX_BYTES:
+        return {"too_large": int(kept.nbytes)}
+    dtype = "uint8" if kept.dtype.itemsize == 1 else "uint16"
+    mask = np.asarray(sample.routed_experts_mask, bool) if sample.routed_experts_mask is not None \
+        else np.zeros(n, bool)
+    return {"b64": base64.b64encode(kept.astype("<" + ("u1" if dtype == "uint8" else "u2")).tobytes()).decode(),
+            "dtype": dtype, "shape": list(kept.shape), "layers": moe.tolist(), "masked": mask.astype(np.int8).tolist()}

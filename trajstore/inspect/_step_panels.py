@@ -15,7 +15,7 @@ import json
 from typing import Any, Sequence
 
 from trajstore._aggregates import TASK_KEYS  # a trajectory's task: the first of these its metadata has
-from trajstore.inspect._figures import (HEIGHT, Clock, Panel, _layout, _num, _plotly, _right_axis, _share,
+from trajstore.inspect._figures import (HEIGHT, Clock, Panel, _gapped, _layout, _num, _plotly, _right_axis, _share,
                                         _time_axis, _with_right_axis)
 from trajstore.inspect._panels_lineage import MAX_STEPS, NO_STEPS
 from trajstore.inspect import _agg_sql as agg
@@ -182,7 +182,7 @@ def _length_time_sql(c: Clock) -> list[str]:
 
 def _length_time_draw(c: Clock, r: list[QueryResult]) -> Any:
     go, make_subplots = _plotly()
-    rows = r[0].rows
+    rows = _gapped(r[0].rows)
     if not rows:
         return "no engine calls yet"
     xs = [c.time_of(row[0]) for row in rows]

@@ -37,6 +37,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from trajstore.errors import TrajstoreError
+from trajstore.inspect._routes import routes_view
 
 __all__ = ["MAX_TRACE_TOKENS", "load_tokenizer", "trace_data", "trace_page", "trace_file_name", "sql_string"]
 
@@ -241,6 +242,7 @@ def _sample_tokens(sample: Any, calls: list[dict], trainer: np.ndarray | None, t
             "call": np.where(call >= 0, call % len(CATEGORY_COLORS), -1).tolist(),
         },
         "has_trainer": bool(t_ok.any()), "has_drift": bool(d_ok.any()),
+        "routes": routes_view(sample, n),
     }
 
 
@@ -367,6 +369,7 @@ main{max-width:1280px;margin:0 auto;padding:12px 24px}
 .card h2{font-size:16px;margin:0 0 6px}
 .note{padding:16px;color:#6b7280;background:#f9fafb;border-radius:6px}
 table{border-collapse:collapse;font-size:12px}
+#calls{overflow-x:auto}
 td,th{padding:2px 10px 2px 0;border-bottom:1px solid #eee;text-align:left;vertical-align:top}
 #channels label{margin-right:14px;font-size:13px}
 .legend span.sw{display:inline-block;width:14px;height:12px;margin:0 4px 0 10px;border:1px solid #ccc;vertical-align:middle}
@@ -431,6 +434,30 @@ _JS = r"""
     document.body.dataset.channel = channel;
   }
 
+  // -- which experts a token was routed to (decoded once per sample, on the first hover) --
+  const ROUTE_LAYERS_SHOWN = 12;
+  function routesOf(s) {
+    if (s._routes !== undefined) return s._routes;
+    const r = s.routes;
+    if (!r || !r.b64) return (s._routes = null);
+    const bytes = Uint8Array.from(atob(r.b64), (c) => c.charCodeAt(0));
+    const values = r.dtype === "uint8" ? bytes : new Uint16Array(bytes.buffer, 0, bytes.length / 2);
+    return (s._routes = {values: values, layers: r.shape[1], topk: r.shape[2]});
+  }
+
+  function routeText(s, j) {
+    if (!s.routes) return "";
+    if (s.routes.too_large) return "\nrouted experts: not shown (" + s.routes.too_large + " bytes of routes; export the sample)";
+    if (s.routes.masked[j]) return "\nrouted experts: none captured for this position";
+    const r = routesOf(s), parts = [];
+    for (let l = 0; l < Math.min(r.layers, ROUTE_LAYERS_SHOWN); l++) {
+      const at = (j * r.layers + l) * r.topk;
+      parts.push("layer " + s.routes.layers[l] + ": " + Array.from(r.values.subarray(at, at + r.topk)).join(" "));
+    }
+    const more = r.layers > ROUTE_LAYERS_SHOWN ? "\n  ... " + (r.layers - ROUTE_LAYERS_SHOWN) + " more MoE layers" : "";
+    return "\nrouted experts (MoE layers):\n  " + parts.join("\n  ") + more;
+  }
+
   function tokenTitle(s, j) {
     const kind = ["prompt", "observed", "generated"][s.kind[j]];
     return "position " + j + " (" + kind + (s.loss[j] ? ", loss" : "") + "), token id " + s.ids[j] +
@@ -477,9 +504,18 @@ _JS = r"""
         sp.textContent = text ? text : String(s.ids[j]);
         if (s.text && !text) sp.classList.add("id");
         sp.title = tokenTitle(s, j);
+        sp.dataset.j = String(j);
         frag.appendChild(sp);
       }
       box.appendChild(frag);
+      // a token's experts join its figures when the pointer first reaches it
+      box.addEventListener("mouseover", (ev) => {
+        const sp = ev.target;
+        if (sp.classList && sp.classList.contains("t") && !sp.dataset.routes) {
+          sp.dataset.routes = "1";
+          sp.title += routeText(s, Number(sp.dataset.j));
+        }
+      });
       sec.appendChild(box);
       root.appendChild(sec);
     });

@@ -102,7 +102,8 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     live.add_argument("--serve", action="store_true",
                       help="serve the page live over HTTP, redrawn from the store (read-only, token required)")
     live.add_argument("--refresh-s", type=number(float, min=0, min_exclusive=True), default=DEFAULT_REFRESH_S,
-                      help=f"how often the live page re-reads the store (default {DEFAULT_REFRESH_S:g})")
+                      help=f"how often the live page checks whether the store changed (a few indexed maxima); the "
+                           f"panels are recomputed and pushed only when it did (default {DEFAULT_REFRESH_S:g})")
     add_server_arguments(live, port=DEFAULT_PORT, token_help="bearer token viewers must present",
                          open_help="serve the page without a token (anyone reaching the port reads the run)")
 

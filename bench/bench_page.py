@@ -1,0 +1,262 @@
+"""The run view as its user sees it: append -> drawn in a real Chromium, side by side with another tree.
+
+Builds a store (SQLite, or a throwaway PostgreSQL with ``--postgres``) of ``--trajectories``
+simulated trajectories (the demo's rollouts, ``--layers`` x ``--topk`` routes) and a trainer's
+lineage of ``--steps`` steps of ``--batch-size`` samples, then runs what a user runs beside a
+run: a materializer following the log (a process folding every ``--follow-s``) and
+``trajstore report --serve --refresh-s 1`` of this tree and, with ``--old DIR``, of another
+tree on the same store. Both pages are opened in Debian's chromium (playwright with the
+system browser; no browser is downloaded).
+
+Each probe appends one distinctive finished trajectory and one training step of already
+folded samples, then watches both pages (a DOM probe every ~10 ms) until the summary's
+trajectory count shows it: append -> drawn, per page, p50 and max over ``--probes`` probes.
+Probes alternate which page is checked first. Also per page: the renderer's main-thread
+time while idle (``--idle-s`` with nothing appended: Chrome's ``TaskDuration`` through the
+DevTools protocol, as a share of one core) and the bytes received per update
+(``Network.dataReceived``). Results print as one table and as JSON (``--out``).
+
+    python bench/bench_page.py --trajectories 10000 --steps 500 --probes 20 --old /tmp/before
+    python bench/bench_page.py --trajectories 10000 --steps 500 --probes 20 --old /tmp/before --postgres
+
+``--old DIR``: a directory holding another trajstore tree (``git archive <commit> trajstore |
+tar -x -C DIR``); it needs this store's migrations (copy any newer
+``trajstore/migrations/versions/*`` into it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import replace
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+CHROMIUM = os.environ.get("TRAJSTORE_CHROMIUM", "/usr/bin/chromium")
+
+FOLLOW = r"""
+import sys, time, trajstore
+url, every = sys.argv[1], float(sys.argv[2])
+with trajstore.connect(url, create=False) as store:
+    while True:
+        store.materialize()
+        time.sleep(every)
+"""
+
+
+def build(url: str, args: argparse.Namespace) -> None:
+    import numpy as np
+
+    import trajstore
+    from bench_report import config, fill
+
+    cfg = config(args)
+    t = time.perf_counter()
+    with trajstore.connect(url) as store:
+        fill(store, cfg, 0, args.trajectories, 200, args.versions, args.trajectories)
+        store.materialize()
+        reader = trajstore.SampleReader(store, batch_size=args.batch_size)
+        rng = np.random.default_rng(0)
+        steps = 0
+        while steps < args.steps:
+            for batch in reader:
+                notes = {(s.trajectory_id, s.sample_index): {"trainer_logprobs": np.asarray(
+                    s.rollout_logprobs, np.float32) - np.float32(0.01 * rng.random())} for s in batch[:2]}
+                reader.record_step(steps, run="bench", policy_version=max(s.max_model_version for s in batch),
+                                   metrics={"loss": 1.0 / (steps + 1), "kl": 1e-3 * rng.random()},
+                                   annotations=notes)
+                steps += 1
+                if steps >= args.steps:
+                    break
+    print(f"built {args.trajectories} trajectories and {args.steps} training steps in "
+          f"{time.perf_counter() - t:.0f} s", flush=True)
+
+
+def serve(url: str, tree: str) -> tuple[subprocess.Popen, str]:
+    env = dict(os.environ, PYTHONPATH=tree)
+    proc = subprocess.Popen([sys.executable, "-m", "trajstore.cli", "--store", url, "report", "--serve", "--port",
+                             "0", "--insecure-no-auth", "--refresh-s", "1"], stderr=subprocess.PIPE,
+                            stdout=subprocess.DEVNULL, text=True, env=env, cwd=tree)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        line = proc.stderr.readline()
+        if not line:
+            break
+        m = re.search(r"listening on (http://127\.0\.0\.1:\d+/)", line)
+        if m:
+            return proc, m.group(1)
+    proc.kill()
+    raise SystemExit(f"report server of {tree} did not start")
+
+
+class Watched:
+    """One page in the browser, with its DevTools session (main-thread time, bytes received)."""
+
+    def __init__(self, browser, name: str, base: str) -> None:
+        self.name = name
+        self.page = browser.new_page(viewport={"width": 1300, "height": 900})
+        self.cdp = self.page.context.new_cdp_session(self.page)
+        self.cdp.send("Performance.enable")
+        self.cdp.send("Network.enable")
+        self.received = 0
+        self.cdp.on("Network.dataReceived", lambda e: setattr(self, "received", self.received + e["dataLength"]))
+        self.page.goto(base)
+        self.page.wait_for_function("Number(document.body.dataset.refreshes) >= 1", timeout=600_000)
+        self.latencies: list[float] = []
+
+    def task_s(self) -> float:
+        return {m["name"]: m["value"] for m in self.cdp.send("Performance.getMetrics")["metrics"]}["TaskDuration"]
+
+    def refreshes(self) -> int:
+        return int(self.page.evaluate("Number(document.body.dataset.refreshes || 0)"))
+
+    def shows(self, count: int) -> bool:
+        return bool(self.page.evaluate(
+            "(n) => Array.from(document.querySelectorAll('#summary tr')).some(r => r.cells[0].textContent === "
+            "'trajectories' && r.cells[1].textContent.startsWith(n + ' ('))", count))
+
+
+def probe_events(cfg, i: int, version: int) -> list[dict]:
+    from trajstore.demo._simulate import trajectory_events
+
+    return trajectory_events(replace(cfg, seed=900_000 + i), 0, version=version)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--trajectories", type=int, default=10_000)
+    p.add_argument("--steps", type=int, default=500, help="training steps recorded before the probes")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--topk", type=int, default=2)
+    p.add_argument("--experts", type=int, default=16)
+    p.add_argument("--versions", type=int, default=50)
+    p.add_argument("--probes", type=int, default=20)
+    p.add_argument("--idle-s", type=float, default=20.0)
+    p.add_argument("--follow-s", type=float, default=0.25, help="the following materializer's pause between folds")
+    p.add_argument("--old", default=None, help="another trajstore tree, served beside this one")
+    p.add_argument("--postgres", action="store_true", help="a throwaway PostgreSQL store (tests/pg_cluster.py)")
+    p.add_argument("--keep", default=None, help="build the store in this directory and keep it (reused if there)")
+    p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "page.json"))
+    args = p.parse_args()
+    sys.path.insert(0, HERE)
+    import trajstore
+    from bench_report import config
+
+    workdir = args.keep or tempfile.mkdtemp(prefix="bench-page-")
+    os.makedirs(workdir, exist_ok=True)
+    cluster = None
+    if args.postgres:
+        sys.path.insert(0, os.path.join(ROOT, "tests"))
+        from pg_cluster import PgCluster
+
+        cluster = PgCluster()
+        cluster.start()
+        url = cluster.create_database("bench_page")
+        os.environ["TRAJSTORE_PAYLOAD_DIR"] = os.path.join(workdir, "pg-payload")
+        build(url, args)
+    else:
+        url = f"sqlite:///{workdir}/run.db"
+        if not os.path.exists(f"{workdir}/run.db"):
+            build(url, args)
+    procs = []
+    load = [os.getloadavg()[0]]
+    results: dict = {"command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d"), "backend":
+                     "postgresql" if args.postgres else "sqlite", "trajectories": args.trajectories,
+                     "steps": args.steps, "pages": {}}
+    try:
+        follower = subprocess.Popen([sys.executable, "-c", FOLLOW, url, str(args.follow_s)],
+                                    env=dict(os.environ, PYTHONPATH=ROOT))
+        procs.append(follower)
+        trees = {"this tree": ROOT} | ({"old tree": os.path.abspath(args.old)} if args.old else {})
+        bases = {}
+        for name, tree in trees.items():
+            proc, bases[name] = serve(url, tree)
+            procs.append(proc)
+        from playwright.sync_api import sync_playwright
+
+        with sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True,
+                                         args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"])
+            pages = [Watched(browser, name, base) for name, base in bases.items()]
+            # idle: nothing appended; what does an open page cost?
+            time.sleep(2)
+            before = {w.name: (w.task_s(), w.received, w.refreshes()) for w in pages}
+            time.sleep(args.idle_s)
+            for w in pages:
+                task, got, refreshes = before[w.name]
+                results["pages"][w.name] = {
+                    "idle_core_share": (w.task_s() - task) / args.idle_s,
+                    "idle_bytes_per_s": (w.received - got) / args.idle_s,
+                    "idle_updates": w.refreshes() - refreshes}
+            cfg = config(args)
+            with trajstore.connect(url, create=False) as store:
+                reader = trajstore.SampleReader(store, batch_size=args.batch_size)
+                batches = iter(reader)
+                start = {w.name: (w.received, w.refreshes()) for w in pages}
+                for i in range(args.probes):
+                    summary = pages[0].page.evaluate(
+                        "Array.from(document.querySelectorAll('#summary tr')).find(r => r.cells[0].textContent === "
+                        "'trajectories').cells[1].textContent")
+                    expected = int(summary.split(" ")[0]) + 1
+                    batch = next(batches)
+                    t0 = time.perf_counter()
+                    store.append(probe_events(cfg, i, version=args.versions + 1))
+                    reader.record_step(args.steps + i, run="bench", policy_version=args.versions + 1)
+                    t_ack = time.perf_counter()
+                    order = pages if i % 2 == 0 else pages[::-1]
+                    waiting = list(order)
+                    deadline = t0 + 60
+                    while waiting and time.perf_counter() < deadline:
+                        for w in list(waiting):
+                            if w.shows(expected):
+                                w.latencies.append(time.perf_counter() - t0)
+                                waiting.remove(w)
+                        time.sleep(0.01)
+                    for w in waiting:
+                        w.latencies.append(float("inf"))
+                    load.append(os.getloadavg()[0])
+                    print(f"probe {i}: ack {1e3 * (t_ack - t0):.0f} ms; "
+                          + ", ".join(f"{w.name} {w.latencies[-1]:.2f} s" for w in pages), flush=True)
+                    del batch
+                for w in pages:
+                    got, refreshes = start[w.name]
+                    updates = max(w.refreshes() - refreshes, 1)
+                    lat = sorted(w.latencies)
+                    results["pages"][w.name].update({
+                        "p50_s": statistics.median(lat), "max_s": lat[-1],
+                        "bytes_per_update": (w.received - got) / updates, "updates": updates,
+                        "latencies_s": lat})
+            browser.close()
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        if cluster is not None:
+            cluster.stop()
+    results["load_average"] = [min(load), max(load)]
+    print(f"\n{results['backend']}, {args.trajectories} trajectories, {args.steps} steps, {args.probes} probes "
+          f"(load average {min(load):.1f}-{max(load):.1f} on {os.cpu_count()} cores)")
+    print(f"{'page':<10} {'p50 s':>6} {'max s':>6} {'idle core':>9} {'idle B/s':>9} {'KB/update':>9}")
+    for name, r in results["pages"].items():
+        print(f"{name:<10} {r['p50_s']:6.2f} {r['max_s']:6.2f} {r['idle_core_share']:9.1%} "
+              f"{r['idle_bytes_per_s']:9.0f} {r['bytes_per_update'] / 1e3:9.1f}")
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from trajstore.errors import StoreUnavailable, TrajstoreError, first_line
+from trajstore.log._aggregates import COMPACT_ROWS, compact_aggregates
 from trajstore.log._leases import gc_horizon, gc_horizons, release_lease, renew_lease, retired_segments, take_lease
 
 log = logging.getLogger(__name__)
@@ -52,11 +53,27 @@ class GcStats:
     sweeps: int = 0
     failures: int = 0
     last_pass_s: float = 0.0
+    compacted: int = 0  # run-aggregate delta rows folded into their totals
 
 
 def lease_horizon(store: Any, margin_s: float) -> float:
     """Segments retired before this (database time) may be deleted (module doc)."""
     return gc_horizon(store.log.db, margin_s)[0]
+
+
+def compact_run_aggregates(store: Any, *, max_rounds: int | None = None) -> int:
+    """Fold the run aggregates' delta rows (the appends' and the materializer commits') into
+    their totals (``trajstore.log._aggregates.compact_aggregates``), one transaction per round
+    of up to ``COMPACT_ROWS`` rows per table, until a round finds fewer (or ``max_rounds``).
+    Returns the delta rows folded. Exactly once: a round that fails rolls back whole."""
+    db = store.log.db
+    n, rounds = 0, 0
+    while max_rounds is None or rounds < max_rounds:
+        got = db.transaction("compacting the run aggregates", lambda conn, d: compact_aggregates(conn, d))
+        n, rounds = n + got, rounds + 1
+        if got < COMPACT_ROWS:
+            break
+    return n
 
 
 def collect_retired(store: Any, *, margin_s: float = GC_MARGIN_S, max_batches: int | None = None) -> list[str]:
@@ -123,6 +140,7 @@ class GcWorker:
                     self.stats.sweeps += 1
                     self.stats.deleted += len(self.store.collect_garbage(grace_s=self.sweep_grace_s,
                                                                          margin_s=self.margin_s))
+                self.stats.compacted += compact_run_aggregates(self.store, max_rounds=4)
                 removed = collect_retired(self.store, margin_s=self.margin_s)
                 self.stats.deleted += len(removed)
                 if removed:

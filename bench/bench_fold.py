@@ -139,6 +139,40 @@ def _postmaster(cluster) -> int:
     return int((Path(cluster.data_dir) / "postmaster.pid").read_text().split()[0])
 
 
+SECTION = "[The fold with the run aggregates](#the-fold-with-the-run-aggregates--benchbench_foldpy)"
+
+
+def summary_rows(summary: dict[str, dict]) -> list[dict[str, str]]:
+    """docs/benchmarks.md's summary rows of these results (bench/summary.py)."""
+    def rate(key: str) -> str:
+        m = summary.get(key)
+        return "-" if m is None else f"{m['tokens_per_cpu_s'] / 1e6:.2f}"
+
+    rows = []
+    for backend in ("sqlite", "postgresql"):
+        if not any(k.startswith(backend) and "shards" not in k for k in summary):
+            continue
+        cells = [f"{layout} {rate(f'{backend} {layout} v1 after')} / {rate(f'{backend} {layout} v4 after')}"
+                 for layout in LAYOUTS]
+        base = [f"{layout} {rate(f'{backend} {layout} v1 before')} / {rate(f'{backend} {layout} v4 before')}"
+                for layout in LAYOUTS]
+        figure = "M tokens/CPU-s, 1 / 4 versions a step: " + ", ".join(cells)
+        if backend == "postgresql":
+            a, b = summary.get("postgresql 48x8 v1 after"), summary.get("postgresql 48x8 v1 before")
+            if a and b:
+                figure += (f"; server CPU per step (48×8) {1e3 * a['server_cpu_s_per_step']:.0f} ms "
+                           f"(before {1e3 * b['server_cpu_s_per_step']:.0f})")
+        rows.append({"what": f"the fold with the run aggregates, {backend}", "figure": figure,
+                     "baseline": "the tree before: " + ", ".join(base), "section": SECTION})
+    shards = sorted((int(k.split()[-1]), m) for k, m in summary.items() if "shards" in k)
+    if shards:
+        rows.append({"what": "the fold's shards on PostgreSQL, 48×8, aggregates on",
+                     "figure": "CPU (materializers + server) per token: " + ", ".join(
+                         f"{k} shard{'s' if k > 1 else ''} {m['cpu_us_per_token_all']:.2f} µs" for k, m in shards)
+                     + " (2 cores)", "baseline": "1 shard", "section": SECTION})
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--before", type=Path)
@@ -242,7 +276,7 @@ def main() -> None:
         summary[key] = med
     doc = {"bench": "bench_fold", "command": " ".join(["bench/bench_fold.py", *sys.argv[1:]]),
            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "loadavg": os.getloadavg(),
-           "rounds": args.rounds, "results": summary, "runs": results}
+           "rounds": args.rounds, "results": summary, "runs": results, "summary": summary_rows(summary)}
     print(f"{'case':34s} {'M tok/CPU-s':>11s} {'+compact':>9s} {'server CPU ms/step':>18s}")
     for key, med in summary.items():
         print(f"{key:34s} {med['tokens_per_cpu_s'] / 1e6:11.2f} {med['tokens_per_cpu_s_with_compaction'] / 1e6:9.2f} "

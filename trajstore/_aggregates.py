@@ -397,11 +397,14 @@ def logprob_bin_edges() -> np.ndarray:
     return np.linspace(*LOGPROB_RANGE, LOGPROB_BINS + 1)
 
 
-def sample_counts(samples: Iterable[Any], num_experts: Mapping[str, int | None] | None = None) -> Counts:
+def sample_counts(samples: Iterable[Any], num_experts: Mapping[str, int | None] | None = None, *,
+                  experts: bool = True) -> Counts:
     """The aggregates of samples' token columns: expert load of their decode routes and
     their generated loss tokens' rollout logprobs. ``agg_expert_load`` is
     ``{(model_version,): counts[layer, expert]}`` (an int64 array: every expert below
-    ``num_experts[trajectory_id]`` and the highest id routed to), one per version."""
+    ``num_experts[trajectory_id]`` and the highest id routed to), one per version.
+    ``experts`` False: the logprobs only (the materializer's commit: the compaction counts
+    the expert load of its segment, ``trajstore.log._aggregates.count_pending_experts``)."""
     logprobs: dict[tuple, list[float]] = {}
     per_version: dict[int, np.ndarray] = {}  # [layer, expert] counts
     lps: list[np.ndarray] = []  # generated loss tokens' logprobs and versions, per sample
@@ -414,7 +417,7 @@ def sample_counts(samples: Iterable[Any], num_experts: Mapping[str, int | None] 
         if keep.any():
             lps.append(np.asarray(s.rollout_logprobs, np.float64)[keep])
             lvs.append(v[keep])
-        got = decode_routes(s)
+        got = decode_routes(s) if experts else None
         if got is None or not len(got[0]):
             continue
         declared = int((num_experts or {}).get(s.trajectory_id) or 0)

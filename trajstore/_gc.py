@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from trajstore.errors import StoreUnavailable, TrajstoreError, first_line
-from trajstore.log._aggregates import COMPACT_ROWS, compact_aggregates
+from trajstore.log._aggregates import COMPACT_ROWS, EXPERT_SEGMENTS, compact_aggregates, count_pending_experts
 from trajstore.log._leases import gc_horizon, gc_horizons, release_lease, renew_lease, retired_segments, take_lease
 
 log = logging.getLogger(__name__)
@@ -64,14 +64,25 @@ def lease_horizon(store: Any, margin_s: float) -> float:
 def compact_run_aggregates(store: Any, *, max_rounds: int | None = None) -> int:
     """Fold the run aggregates' delta rows (the appends' and the materializer commits') into
     their totals (``trajstore.log._aggregates.compact_aggregates``), one transaction per round
-    of up to ``COMPACT_ROWS`` rows per table, until a round finds fewer (or ``max_rounds``).
-    Returns the delta rows folded. Exactly once: a round that fails rolls back whole."""
+    of up to ``COMPACT_ROWS`` rows per table, until a round finds fewer (or ``max_rounds``);
+    then count the expert load of the committed sample segments noted for it
+    (``count_pending_experts``, up to ``EXPERT_SEGMENTS`` a transaction). Returns the rows
+    folded and segments counted. Exactly once: a round that fails rolls back whole."""
     db = store.log.db
     n, rounds = 0, 0
     while max_rounds is None or rounds < max_rounds:
         got = db.transaction("compacting the run aggregates", lambda conn, d: compact_aggregates(conn, d))
         n, rounds = n + got, rounds + 1
         if got < COMPACT_ROWS:
+            break
+    from trajstore._samples import load_samples
+
+    rounds = 0
+    while max_rounds is None or rounds < max_rounds:  # the expert load of committed segments
+        got = db.transaction("counting the expert load of committed samples", lambda conn, d: count_pending_experts(
+            conn, d, lambda rows: load_samples(store, rows)))
+        n, rounds = n + got, rounds + 1
+        if got < EXPERT_SEGMENTS:
             break
     return n
 

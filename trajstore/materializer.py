@@ -255,7 +255,8 @@ class Materializer:
         # a projection's samples are a second view: the default samples keep the one copy
         repoints = _repoints(seg_name, folded, gen_rows) if self.projection is None else []
         # the run view's counts of the default samples, in the commit that stores them
-        aggregates = sample_counts(samples, self._num_experts) if self.projection is None else None
+        # (the expert load of its routes: counted by the compaction, off this critical path)
+        aggregates = sample_counts(samples, experts=False) if self.projection is None else None
         now = time.time()
         unfoldable_rows = [_unfoldable_row(tid, finished_at[tid], self.shard, err, now)
                            for tid, err in unfoldable.items()]
@@ -405,7 +406,7 @@ class Materializer:
             try:
                 self.store.materialized.commit_refold(error, attempted, sample_rows, seg_row, failed,
                                                       _repoints(seg_name, folded, gen_rows), kind=kind,
-                                                      aggregates=sample_counts(samples, self._num_experts))
+                                                      aggregates=sample_counts(samples, experts=False))
             except StaleState:
                 if seg_row is not None:
                     self.store.payload.delete(seg_name)  # another refold took them: nothing names this file

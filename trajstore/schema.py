@@ -642,6 +642,15 @@ agg_expert_load_delta = Table(
     Column("experts", Integer, nullable=False),
     Column("counts", LargeBinary, nullable=False),
 )
+# The decode-route expert load is counted off the fold's critical path: a materializer commit
+# of the default samples inserts one row naming its sample segment; the compaction counts the
+# segment's samples into agg_expert_load and deletes the row in one transaction (exactly once).
+agg_expert_pending = Table(
+    "agg_expert_pending",
+    metadata,
+    Column("id", BigInteger().with_variant(Integer, "sqlite"), primary_key=True),
+    Column("segment", String(255), nullable=False),
+)
 
 __all__ = ["metadata", "log_head", "trajectories", "events", "segments", "samples", "materializer_checkpoints",
            "unfoldable_trajectories", "version_labels", "unresolved_labels", "store_settings", "projections",
@@ -652,4 +661,4 @@ __all__ = ["metadata", "log_head", "trajectories", "events", "segments", "sample
            "agg_group_variance", "agg_samples", "agg_staleness", "agg_policy_versions",
            "agg_logprobs_delta", "agg_rewards_delta", "agg_trajectory_shapes_delta", "agg_tasks_delta",
            "agg_versions_delta", "agg_groups_delta", "agg_samples_delta", "agg_staleness_delta",
-           "agg_policy_versions_delta", "agg_expert_load_delta"]
+           "agg_policy_versions_delta", "agg_expert_load_delta", "agg_expert_pending"]

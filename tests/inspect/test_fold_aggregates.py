@@ -93,7 +93,7 @@ def test_reads_are_exact_before_and_after_the_compaction_which_runs_once(store):
     assert Materializer(store, max_trajectories=5).run(compact=False).num_trajectories > 0
     assert _pending(store) > 0
     before = tables(store)  # totals and deltas summed
-    assert _expert_load_read(store) == _brute_force_expert_load(store)
+    assert _expert_load_read(store) == {}  # counted by the compaction, off the fold's critical path
     folded = compact_run_aggregates(store)
     assert folded > 0 and _pending(store) == 0
     assert _expert_load_read(store) == _brute_force_expert_load(store)
@@ -108,20 +108,21 @@ def test_reads_are_exact_before_and_after_the_compaction_which_runs_once(store):
     assert tables(store) == after
 
 
-def test_expert_load_of_a_commit_is_one_array_per_version(store):
+def test_a_commit_notes_its_segment_and_the_compaction_counts_its_expert_load_once(store):
     for events in _moe_events(8):
         store.append(events)
-    samples_by_version: dict[int, int] = {}
-    Materializer(store).run(compact=False)
+    Materializer(store, max_trajectories=4).run(compact=False)
     with store.log.read_engine.connect() as conn:
-        rows = conn.execute(text("SELECT model_version, layers, experts FROM agg_expert_load_delta")).all()
-    for v, _, _ in rows:
-        samples_by_version[int(v)] = samples_by_version.get(int(v), 0) + 1
-    # one commit: one row per version, whatever the layouts
-    assert len(samples_by_version) >= 4 and set(samples_by_version.values()) == {1}
-    assert {(int(r[1]), int(r[2])) for r in rows} <= {(6, 16), (4, 16)}
-    counted = sample_counts(list(store.samples()))["agg_expert_load"]
-    assert all(isinstance(c, np.ndarray) and c.dtype == np.int64 for c in counted.values())
+        noted = [r[0] for r in conn.execute(text("SELECT segment FROM agg_expert_pending ORDER BY id")).all()]
+        segments = {r[0] for r in conn.execute(text("SELECT DISTINCT segment FROM samples")).all()}
+    assert len(noted) == 2 and set(noted) == segments  # one row per commit: its sample segment
+    assert _expert_load_read(store) == {}
+    assert compact_run_aggregates(store) > 0
+    assert _expert_load_read(store) == _brute_force_expert_load(store)  # both layouts, every version
+    assert _pending(store) == 0
+    assert compact_run_aggregates(store) == 0 and _expert_load_read(store) == _brute_force_expert_load(store)
+    counted = sample_counts(list(store.samples()))["agg_expert_load"]  # one int64 array per version
+    assert len(counted) >= 4 and all(isinstance(c, np.ndarray) and c.dtype == np.int64 for c in counted.values())
 
 
 @pytest.mark.postgres

@@ -34,7 +34,7 @@ from trajstore._aggregates import (DELTA_ROWS, FOLD_DELTAS, KEYS, MAX_VALUES, MI
                                    sample_counts, sample_summary_counts, task_sql, totals_sql,
                                    trajectory_counts, trajectory_record)
 from trajstore.log._dialect import SqlDialect, chunks, execute
-from trajstore.schema import (agg_calls, agg_expert_load, agg_expert_load_delta, agg_group_variance, agg_groups,
+from trajstore.schema import (agg_calls, agg_expert_load, agg_expert_load_delta, agg_expert_pending, agg_group_variance, agg_groups,
                               agg_groups_delta, agg_logprobs, agg_logprobs_delta, agg_output_lengths,
                               agg_policy_versions, agg_policy_versions_delta, agg_rewards, agg_rewards_delta,
                               agg_route_drift, agg_samples, agg_samples_delta, agg_staleness, agg_staleness_delta,
@@ -43,7 +43,8 @@ from trajstore.schema import (agg_calls, agg_expert_load, agg_expert_load_delta,
                               samples, store_settings, trajectories)
 
 __all__ = ["TABLES", "DELTA_TABLES", "FOLD_DELTA_TABLES", "PENDING", "COMPACT_ROWS", "add_counts", "insert_deltas",
-           "insert_fold_deltas", "compact_aggregates", "pending_deltas",
+           "insert_fold_deltas", "compact_aggregates", "pending_deltas", "note_expert_pending",
+           "count_pending_experts", "EXPERT_SEGMENTS",
            "write_event_aggregates", "compact_event_aggregates", "rebuild_event_aggregates",
            "rebuild_sample_aggregates", "count_commit", "count_trajectories", "count_sample_rows",
            "count_policy_versions", "settle_groups", "rebuild_trajectory_aggregates", "events_of_sql"]
@@ -247,9 +248,51 @@ def compact_aggregates(conn: Any, d: SqlDialect, *, limit: int = COMPACT_ROWS) -
 
 
 def pending_deltas(conn: Any, d: SqlDialect) -> int:
-    """Delta rows of the materializer's tables not compacted yet (every table's)."""
-    parts = [f"SELECT count(*) FROM {d.table(t)}" for t in (*FOLD_DELTA_TABLES.values(), agg_expert_load_delta)]
+    """Delta rows of the materializer's tables not compacted yet (every table's), and
+    commits whose expert load is not counted yet."""
+    parts = [f"SELECT count(*) FROM {d.table(t)}"
+             for t in (*FOLD_DELTA_TABLES.values(), agg_expert_load_delta, agg_expert_pending)]
     return int(execute(conn, "SELECT " + " + ".join(f"({p})" for p in parts), ()).fetchone()[0])
+
+
+EXPERT_SEGMENTS = 16
+"""Commits' sample segments one expert-load count takes at most (one transaction)."""
+
+
+def note_expert_pending(conn: Any, d: SqlDialect, segment: str) -> None:
+    """In a materializer commit: its sample segment's expert load is to be counted (a row of
+    its own in ``agg_expert_pending``; ``count_pending_experts`` counts it)."""
+    execute(conn, d._cached(("note_expert_pending",), lambda: (
+        f"INSERT INTO {d.table(agg_expert_pending)} (segment) VALUES ({d.p})")), (segment,))
+
+
+def count_pending_experts(conn: Any, d: SqlDialect, load: Callable[[list[dict[str, Any]]], list[Any]], *,
+                          limit: int = EXPERT_SEGMENTS) -> int:
+    """Count the decode-route expert load of up to ``limit`` committed sample segments noted in
+    ``agg_expert_pending`` into ``agg_expert_load``, in the caller's write transaction: the
+    rows are deleted (on PostgreSQL only rows no other transaction holds: ``SKIP LOCKED``)
+    and the counts added together, so a segment counts exactly once. ``load(rows)``: the
+    samples of ``samples`` rows (``segment``, ``segment_row``), from the payload. Counted
+    here, off the fold's critical path: numpy's ``bincount`` over every decode route costs
+    about as much as the fold (docs/report.md, "Aggregates"). Returns the segments counted."""
+    got = _take(conn, d, agg_expert_pending, ("segment",), limit)
+    if not got:
+        return 0
+    s, t = d.table(samples), d.table(trajectories)
+    arrays: dict[int, np.ndarray] = {}
+    for (segment,) in got:
+        rows = [dict(zip(("trajectory_id", "segment", "segment_row", "num_experts"), r)) for r in execute(
+            conn, f"SELECT s.trajectory_id, s.segment, s.segment_row, tr.num_experts FROM {s} s "
+                  f"JOIN {t} tr ON tr.trajectory_id = s.trajectory_id WHERE s.segment = {d.p} "
+                  "ORDER BY s.segment_row", (segment,)).fetchall()]
+        if not rows:
+            continue
+        counted = sample_counts(load(rows), {r["trajectory_id"]: r["num_experts"] for r in rows})
+        for (version,), c in counted.get("agg_expert_load", {}).items():
+            _add_array(arrays, int(version), c)  # type: ignore[arg-type]
+    if arrays:
+        add_counts(conn, d, {"agg_expert_load": expert_rows(arrays)})
+    return len(got)
 
 
 def _delete_all(conn: Any, d: SqlDialect, tables: Iterable[Any]) -> None:
@@ -292,7 +335,7 @@ def rebuild_sample_aggregates(conn: Any, d: SqlDialect, read: Callable[[list[tup
     writers do anyway), and drop the ``aggregates_pending`` row. ``read(rows)``: the
     samples of ``(trajectory_id, sample_index, segment, segment_row)`` rows, from the
     payload. Returns the number of samples read."""
-    tables = (agg_expert_load, agg_logprobs, agg_expert_load_delta, agg_logprobs_delta)
+    tables = (agg_expert_load, agg_logprobs, agg_expert_load_delta, agg_logprobs_delta, agg_expert_pending)
     _lock(conn, d, tables)
     _delete_all(conn, d, tables)
     s, t = d.table(samples), d.table(trajectories)

@@ -11,6 +11,8 @@ locks. Each of those tables gets a DELTA table beside it (``<table>_delta``: a s
 key, then the same key and counted columns, no unique key), which the commit inserts
 into; ``agg_expert_load_delta`` holds one row per (commit, model version) with the
 counts as int64 bytes. A background compaction moves the deltas into the totals.
+``agg_expert_pending``: one row per commit naming its sample segment, whose decode
+routes the compaction counts into ``agg_expert_load`` (off the fold's critical path).
 
 The downgrade moves every delta into its totals (sums; minima and maxima kept as such;
 the expert load's bytes decoded) and drops the delta tables. A group's part of
@@ -55,6 +57,9 @@ def upgrade() -> None:
                     sa.Column("layers", sa.Integer(), nullable=False),
                     sa.Column("experts", sa.Integer(), nullable=False),
                     sa.Column("counts", sa.LargeBinary(), nullable=False))
+    op.create_table("agg_expert_pending",
+                    sa.Column("id", sa.BigInteger().with_variant(sa.Integer(), "sqlite"), primary_key=True),
+                    sa.Column("segment", sa.String(255), nullable=False))
 
 
 def downgrade() -> None:
@@ -95,3 +100,4 @@ def downgrade() -> None:
                              "VALUES (:v, :l, :e, :n) ON CONFLICT (model_version, layer, expert) "
                              "DO UPDATE SET routed = agg_expert_load.routed + excluded.routed"), rows)
     op.drop_table("agg_expert_load_delta")
+    op.drop_table("agg_expert_pending")  # commits whose expert load was not counted: --rebuild-aggregates

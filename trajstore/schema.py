@@ -432,7 +432,7 @@ agg_logprobs = Table(
 # rows: each append inserts its own rows (``delta`` true), never updating a row another append may hold, so concurrent
 # appends do not wait on each other's row locks. A key's count is the SUM of its rows
 # (one total row, ``delta`` false, unique per key, plus the deltas not yet folded
-# into it); the materializer's commit folds deltas into the totals
+# into it); the background compaction folds deltas into the totals
 # (``trajstore.log._aggregates.compact_event_aggregates``), as does
 # ``trajstore report --rebuild-aggregates``.
 
@@ -517,8 +517,8 @@ Index("ix_trajectories_status", trajectories.c.status)
 # migration 0020: what the materializer's commit counts of each finished trajectory it takes
 # (from its index rows) and of its default samples, so the run view's per-trajectory and
 # per-sample panels read small tables instead of the inspection views. One row per key (the
-# key is the primary key), added to by upsert as agg_expert_load is; never rewritten, except
-# by ``trajstore report --rebuild-aggregates``.
+# key is the primary key), added to by the compaction (migration 0022: the commit inserts into
+# the ``<table>_delta`` beside each); rewritten only by ``trajstore report --rebuild-aggregates``.
 
 # One row per counted finished trajectory, as trajectory_summary gives it: the "trajectories to
 # look at" panel reads the worst through the two ordered indexes (ORDER BY ... LIMIT), and a

@@ -254,7 +254,7 @@ def main() -> None:
                     wall = time.perf_counter() - t0
                     server = _server_cpu(_postmaster(cluster)) - server0
                     parts = [json.loads(Path(o).read_text()) for o in outs]
-                    tokens = sum(x["tokens"] for x in parts)
+                    tokens = sum(x["trajectories"] for x in parts) * 2400  # one 2,400-token sample each
                     got = {"shards": k, "tokens": tokens, "wall_s": wall, "server_cpu_s": server,
                            "cpu_s": sum(x["cpu_s"] for x in parts),
                            "compact_cpu_s": sum(x["compact_cpu_s"] for x in parts),

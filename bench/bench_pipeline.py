@@ -582,7 +582,10 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--out", default=None, help="also write the JSON here")
     args = p.parse_args(argv)
     args.only = [x for x in args.only.split(",") if x]
-    out: dict = {"machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]}, "rounds": args.rounds}
+    out: dict = {"machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]}, "rounds": args.rounds,
+                 # what bench/summary.py puts beside the figures in docs/benchmarks.md
+                 "command": " ".join(["bench/bench_pipeline.py", *(argv if argv is not None else sys.argv[1:])]),
+                 "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "loadavg": os.getloadavg()}
     if {"append", "materialize", "read"} & set(args.only):
         append_materialize_read(args, out)
     if "http" in args.only:

@@ -263,7 +263,10 @@ EXTENSION_API: dict[str, set[str]] = {
         "unfoldable_trajectories", "unresolved_labels", "version_labels", "agg_expert_load", "agg_logprobs",
         "agg_output_lengths", "agg_route_drift", "agg_calls", "agg_trajectories", "reader_leases",
         "agg_trajectory_stats", "agg_rewards", "agg_trajectory_shapes", "agg_tasks", "agg_versions", "agg_groups",
-        "agg_group_variance", "agg_samples", "agg_staleness", "agg_policy_versions", "run_owners", "ledger_groups"
+        "agg_group_variance", "agg_samples", "agg_staleness", "agg_policy_versions", "agg_logprobs_delta",
+        "agg_rewards_delta", "agg_trajectory_shapes_delta", "agg_tasks_delta", "agg_versions_delta", "agg_groups_delta",
+        "agg_samples_delta", "agg_staleness_delta", "agg_policy_versions_delta", "agg_expert_load_delta",
+        "agg_expert_pending", "run_owners", "ledger_groups"
     },
     "trajstore.store": {"AppendCheck", "DEFAULT_URL", "resolve_url"},
 }

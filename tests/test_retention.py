@@ -75,6 +75,8 @@ def test_archive_drops_folded_events_keeps_samples_and_refolds_the_same(store_ur
     folded = {s.trajectory_id for s in before}
     idx0 = _index(store)
 
+    with store.log.read_engine.connect() as conn:
+        assert folded <= {r[0] for r in conn.exec_driver_sql("SELECT trajectory_id FROM agg_trajectory_stats").all()}
     out = tmp_path / "archive"
     # a dry run counts and changes nothing
     assert main(["--store", store_url, "--payload", payload, "archive", str(out), "--older-than-s", "0",
@@ -94,6 +96,9 @@ def test_archive_drops_folded_events_keeps_samples_and_refolds_the_same(store_ur
     assert idx["archived"] == folded and len(folded) == N
     assert set(idx["events"]) == {_tid(N), _tid(N + 1), _tid(N + 2)}  # only unarchived trajectories keep rows
     assert idx["trajectories"] == idx0["trajectories"]  # trajectory rows stay, marked
+    with store.log.read_engine.connect() as conn:  # the run view's per-trajectory rows are trimmed with them
+        stats = {r[0] for r in conn.exec_driver_sql("SELECT trajectory_id FROM agg_trajectory_stats").all()}
+    assert not stats & folded
     files = sorted(out.glob("part-*.parquet"))
     assert len(files) == 3 and not list(out.glob("*.tmp*"))
     assert sum(pq.read_metadata(f).num_rows for f in files) == sum(idx0["events"][t] for t in folded)

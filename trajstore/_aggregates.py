@@ -38,9 +38,9 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 
 __all__ = ["Counts", "LOGPROB_RANGE", "LOGPROB_BINS", "DRIFT_WIDTHS_S", "KEYS", "VALUES", "MAX_VALUES", "MIN_VALUES",
-           "DELTA_ROWS", "NONE", "TRAJECTORY_TABLES", "SUMMED_REWARD_BOUND", "TASK_KEYS", "task_sql", "trajectory_record", "event_counts", "trajectory_counts", "sample_summary_counts",
+           "DELTA_ROWS", "FOLD_DELTAS", "NONE", "TRAJECTORY_TABLES", "SUMMED_REWARD_BOUND", "TASK_KEYS", "task_sql", "trajectory_record", "event_counts", "trajectory_counts", "sample_summary_counts",
            "group_contribution",
-           "sample_counts", "totals_sql", "logprob_bin_edges", "decode_routes", "count_routes"]
+           "sample_counts", "totals_sql", "expert_load_sql", "expert_arrays", "expert_rows", "logprob_bin_edges", "decode_routes", "count_routes"]
 
 LOGPROB_RANGE = (-12.0, 0.0)
 LOGPROB_BINS = 48
@@ -90,24 +90,78 @@ VALUES = {"agg_expert_load": ("routed",), "agg_logprobs": ("tokens", "logprob_su
 """Each aggregate table's counted columns (a key's count: their sums over its rows; the max for
 those in ``MAX_VALUES``)."""
 DELTA_ROWS = ("agg_output_lengths", "agg_route_drift", "agg_calls", "agg_trajectories")
+FOLD_DELTAS = ("agg_logprobs", "agg_rewards", "agg_trajectory_shapes", "agg_tasks", "agg_versions", "agg_groups",
+               "agg_samples", "agg_staleness", "agg_policy_versions")
+"""The tables the materializer's commit counts into: it inserts rows of its own into
+``<table>_delta`` beside each (no row another shard may hold is updated); the compaction
+moves them into the totals (schema.py, migration 0022)."""
 """The tables the append counts: a total row per key plus the appends' delta rows not folded
 yet. The others (the materializer's) are one row per key (their key is the primary key)."""
 
 
 def totals_sql(table: str, *, where: str = "", order: bool = True) -> str:
     """``SELECT`` of aggregate table ``table`` as one row per key: its key columns, then its
-    counted columns summed over the key's rows (the max for ``MAX_VALUES``; named as the
-    columns), in key order (``order``). ``where``: a condition on the table's rows (its key
-    columns), applied before the sums. Use it as is or as a subquery, ``FROM (...) t``; a
-    read that groups by the key and sums (maxes) is the same. A table of one row per key
-    (not in ``DELTA_ROWS``) is selected as it is, no grouping (its primary key serves the read)."""
+    counted columns summed over the key's rows (the max for ``MAX_VALUES``, the min for
+    ``MIN_VALUES``; named as the columns), in key order (``order``). ``where``: a condition
+    on the table's rows (its key columns), applied before the sums. Use it as is or as a
+    subquery, ``FROM (...) t``; a read that groups by the key and sums (maxes) is the same.
+    The rows summed: the append's tables' (``DELTA_ROWS``) total and delta rows; the
+    materializer's (``FOLD_DELTAS``) total rows and those of its ``<table>_delta`` beside it;
+    a table of one row per key (``agg_group_variance``, written by the compaction only) is
+    selected as it is, no grouping (its primary key serves the read). ``agg_expert_load``
+    holds the compacted totals only: ``expert_load_sql`` reads the commits' arrays besides."""
     keys, values = ", ".join(KEYS[table]), VALUES[table]
     cut, ordered = f" WHERE {where}" if where else "", f" ORDER BY {keys}" if order else ""
-    if table not in DELTA_ROWS:
+    if table not in DELTA_ROWS and table not in FOLD_DELTAS:
         return f"SELECT {keys}, {', '.join(values)} FROM {table}{cut}{ordered}"
-    maxima = MAX_VALUES.get(table, ())
-    sums = ", ".join(f"{'max' if i in maxima else 'sum'}({v}) AS {v}" for i, v in enumerate(values))
-    return f"SELECT {keys}, {sums} FROM {table}{cut} GROUP BY {keys}{ordered}"
+    maxima, minima = MAX_VALUES.get(table, ()), MIN_VALUES.get(table, ())
+    sums = ", ".join(f"{'max' if i in maxima else 'min' if i in minima else 'sum'}({v}) AS {v}"
+                     for i, v in enumerate(values))
+    source = table
+    if table in FOLD_DELTAS:
+        cols = f"{keys}, {', '.join(values)}"
+        source = f"(SELECT {cols} FROM {table}{cut} UNION ALL SELECT {cols} FROM {table}_delta{cut}) {table}"
+        cut = ""
+    return f"SELECT {keys}, {sums} FROM {source}{cut} GROUP BY {keys}{ordered}"
+
+
+def expert_load_sql(where: str = "") -> str:
+    """The commits' expert-load arrays not compacted yet (``agg_expert_load_delta``):
+    ``model_version, layers, experts, counts`` (int64 bytes of [layers, experts]); a key's
+    load is its ``agg_expert_load`` total plus these (``add_expert_rows``)."""
+    return f"SELECT model_version, layers, experts, counts FROM agg_expert_load_delta{f' WHERE {where}' if where else ''}"
+
+
+def expert_arrays(rows: Iterable[Sequence[Any]]) -> dict[int, np.ndarray]:
+    """``{model_version: counts[layer, expert]}``, summed, of ``agg_expert_load_delta`` rows
+    (``model_version, layers, experts, counts``); layouts of one version are summed into
+    the union of their shapes."""
+    out: dict[int, np.ndarray] = {}
+    for version, layers, experts, counts in rows:
+        _add_array(out, int(version), np.frombuffer(bytes(counts), "<i8").reshape(int(layers), int(experts)))
+    return out
+
+
+def _add_array(into: dict[int, np.ndarray], version: int, c: np.ndarray) -> None:
+    have = into.get(version)
+    if have is None:
+        into[version] = c.astype(np.int64, copy=True)
+        return
+    if have.shape != c.shape and not (have.shape[0] >= c.shape[0] and have.shape[1] >= c.shape[1]):
+        grown = np.zeros(np.maximum(have.shape, c.shape), np.int64)
+        grown[:have.shape[0], :have.shape[1]] += have
+        have = into[version] = grown
+    have[:c.shape[0], :c.shape[1]] += c
+
+
+def expert_rows(arrays: Mapping[int, np.ndarray]) -> dict[tuple, list[float]]:
+    """``agg_expert_load`` rows (``{(version, layer, expert): [routed]}``) of counts arrays:
+    for the compaction and a rebuild, never a commit."""
+    out: dict[tuple, list[float]] = {}
+    for version, c in arrays.items():
+        layers, experts = np.indices(c.shape)
+        out.update(((version, int(l_), int(e)), [int(n)]) for l_, e, n in zip(layers.ravel(), experts.ravel(), c.ravel()))
+    return out
 
 
 def _add(into: dict[tuple, list[float]], key: tuple, values: Sequence[float], maxima: Sequence[int] = (),
@@ -117,7 +171,11 @@ def _add(into: dict[tuple, list[float]], key: tuple, values: Sequence[float], ma
         into[key] = list(values)
     else:
         for i, v in enumerate(values):
-            have[i] = max(have[i], v) if i in maxima else min(have[i], v) if i in minima else have[i] + v
+            if i in maxima or i in minima:  # None (SQL NULL): no bound
+                have[i] = v if have[i] is None else have[i] if v is None else \
+                    max(have[i], v) if i in maxima else min(have[i], v)
+            else:
+                have[i] = have[i] + v
 
 
 def merge(a: Counts, b: Mapping[str, Mapping[tuple, Sequence[float]]]) -> Counts:
@@ -339,11 +397,14 @@ def logprob_bin_edges() -> np.ndarray:
     return np.linspace(*LOGPROB_RANGE, LOGPROB_BINS + 1)
 
 
-def sample_counts(samples: Iterable[Any], num_experts: Mapping[str, int | None] | None = None) -> Counts:
-    """The aggregates of samples' token columns: expert load of their decode routes (every
-    expert below ``num_experts[trajectory_id]`` and the highest id routed to gets a row) and
-    their generated loss tokens' rollout logprobs."""
-    experts: dict[tuple, list[float]] = {}
+def sample_counts(samples: Iterable[Any], num_experts: Mapping[str, int | None] | None = None, *,
+                  experts: bool = True) -> Counts:
+    """The aggregates of samples' token columns: expert load of their decode routes and
+    their generated loss tokens' rollout logprobs. ``agg_expert_load`` is
+    ``{(model_version,): counts[layer, expert]}`` (an int64 array: every expert below
+    ``num_experts[trajectory_id]`` and the highest id routed to), one per version.
+    ``experts`` False: the logprobs only (the materializer's commit: the compaction counts
+    the expert load of its segment, ``trajstore.log._aggregates.count_pending_experts``)."""
     logprobs: dict[tuple, list[float]] = {}
     per_version: dict[int, np.ndarray] = {}  # [layer, expert] counts
     lps: list[np.ndarray] = []  # generated loss tokens' logprobs and versions, per sample
@@ -356,7 +417,7 @@ def sample_counts(samples: Iterable[Any], num_experts: Mapping[str, int | None] 
         if keep.any():
             lps.append(np.asarray(s.rollout_logprobs, np.float64)[keep])
             lvs.append(v[keep])
-        got = decode_routes(s)
+        got = decode_routes(s) if experts else None
         if got is None or not len(got[0]):
             continue
         declared = int((num_experts or {}).get(s.trajectory_id) or 0)
@@ -375,24 +436,16 @@ def sample_counts(samples: Iterable[Any], num_experts: Mapping[str, int | None] 
         for k in np.flatnonzero(n):
             _add(logprobs, (int(versions[k // LOGPROB_BINS]), int(k % LOGPROB_BINS)), (int(n[k]), float(total[k])))
     for rows_of, versions_of, (declared,) in routed.values():  # one count per layout, not per sample
-        rows = np.concatenate(rows_of)
+        rows = rows_of[0] if len(rows_of) == 1 else np.concatenate(rows_of)
         versions, vi = np.unique(np.concatenate(versions_of), return_inverse=True)
-        counts = count_routes(rows, max(declared, int(rows.max()) + 1), vi, len(versions))
+        counts = count_routes(rows, max(declared, int(rows.max()) + 1), vi if len(versions) > 1 else None,
+                              len(versions))
         for i, version in enumerate(versions.tolist()):
-            have_v = per_version.get(version)
-            if have_v is not None and have_v.shape != counts[i].shape:  # another layout: the union of both
-                grown = np.zeros(np.maximum(have_v.shape, counts[i].shape), np.int64)
-                grown[:have_v.shape[0], :have_v.shape[1]] += have_v
-                have_v = per_version[version] = grown
-            if have_v is None:
-                per_version[version] = counts[i].astype(np.int64)
-            else:
-                have_v[:counts.shape[1], :counts.shape[2]] += counts[i]
-    for version, c in per_version.items():  # one row per (layer, expert): once per call, not per sample
-        layers, experts_ = np.indices(c.shape)
-        experts.update(((version, int(l_), int(e)), [int(n)])
-                       for l_, e, n in zip(layers.ravel(), experts_.ravel(), c.ravel()))
-    return _nonempty({"agg_expert_load": experts, "agg_logprobs": logprobs})
+            _add_array(per_version, int(version), counts[i])
+    out = _nonempty({"agg_logprobs": logprobs})
+    if per_version:  # one array per version: no row per (layer, expert)
+        out["agg_expert_load"] = {(v,): c for v, c in per_version.items()}  # type: ignore[dict-item]
+    return out
 
 
 def decode_routes(sample: Any) -> tuple[np.ndarray, np.ndarray] | None:

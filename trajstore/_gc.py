@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from trajstore.errors import StoreUnavailable, TrajstoreError, first_line
+from trajstore.log._aggregates import COMPACT_ROWS, EXPERT_SEGMENTS, compact_aggregates, count_pending_experts
 from trajstore.log._leases import (LEASE_MAX_AGE_S, gc_horizon, gc_horizons, release_lease, renew_lease,
                                    retired_segments, take_lease)
 
@@ -56,11 +57,38 @@ class GcStats:
     sweeps: int = 0
     failures: int = 0
     last_pass_s: float = 0.0
+    compacted: int = 0  # run-aggregate delta rows folded into their totals
 
 
 def lease_horizon(store: Any, margin_s: float, lease_max_age_s: float = LEASE_MAX_AGE_S) -> float:
     """Segments retired before this (database time) may be deleted (module doc)."""
     return gc_horizon(store.log.db, margin_s, lease_max_age_s)[0]
+
+
+def compact_run_aggregates(store: Any, *, max_rounds: int | None = None) -> int:
+    """Fold the run aggregates' delta rows (the appends' and the materializer commits') into
+    their totals (``trajstore.log._aggregates.compact_aggregates``), one transaction per round
+    of up to ``COMPACT_ROWS`` rows per table, until a round finds fewer (or ``max_rounds``);
+    then count the expert load of the committed sample segments noted for it
+    (``count_pending_experts``, up to ``EXPERT_SEGMENTS`` a transaction). Returns the rows
+    folded and segments counted. Exactly once: a round that fails rolls back whole."""
+    db = store.log.db
+    n, rounds = 0, 0
+    while max_rounds is None or rounds < max_rounds:
+        got = db.transaction("compacting the run aggregates", lambda conn, d: compact_aggregates(conn, d))
+        n, rounds = n + got, rounds + 1
+        if got < COMPACT_ROWS:
+            break
+    from trajstore._samples import load_samples
+
+    rounds = 0
+    while max_rounds is None or rounds < max_rounds:  # the expert load of committed segments
+        got = db.transaction("counting the expert load of committed samples", lambda conn, d: count_pending_experts(
+            conn, d, lambda rows: load_samples(store, rows)))
+        n, rounds = n + got, rounds + 1
+        if got < EXPERT_SEGMENTS:
+            break
+    return n
 
 
 def collect_retired(store: Any, *, margin_s: float = GC_MARGIN_S, max_batches: int | None = None,
@@ -131,6 +159,7 @@ class GcWorker:
                     self.stats.sweeps += 1
                     self.stats.deleted += len(self.store.collect_garbage(
                         grace_s=self.sweep_grace_s, margin_s=self.margin_s, lease_max_age_s=self.lease_max_age_s))
+                self.stats.compacted += compact_run_aggregates(self.store, max_rounds=4)
                 removed = collect_retired(self.store, margin_s=self.margin_s, lease_max_age_s=self.lease_max_age_s)
                 self.stats.deleted += len(removed)
                 if removed:

@@ -24,7 +24,8 @@ from typing import Any, Iterable, Iterator, Sequence
 import numpy as np
 import pyarrow as pa
 
-from trajstore.payload._columns import binary_chunks, column_chunks, list_column, routes_from_bytes
+from trajstore.payload._columns import (binary_chunks, column_chunks, list_column, routes_from_bytes, scalar_column,
+                                        string_column)
 from trajstore.sample import Sample
 
 __all__ = ["sample_table", "sample_columns", "routes_column", "RoutesPlan", "PlannedRoutes", "DeferredRoutes", "samples_from_table", "read_segment_samples", "load_samples",
@@ -62,16 +63,16 @@ def sample_columns(samples: Sequence[Sample], *, int_type: pa.DataType = pa.int6
     by each user: binary values in a sample segment (``sample_table``), typed
     nested lists in an export."""
     def ints(name: str) -> pa.Array:
-        return pa.array(np.fromiter((getattr(s, name) for s in samples), np.int64, len(samples)), int_type)
+        return scalar_column([getattr(s, name) for s in samples], int_type)
 
     cols: dict[str, pa.Array] = {
-        "trajectory_id": pa.array([s.trajectory_id for s in samples], pa.string()),
-        "group_id": pa.array([s.group_id for s in samples], pa.string()),
+        "trajectory_id": string_column([s.trajectory_id for s in samples]),
+        "group_id": string_column([s.group_id for s in samples]),
         "sample_index": ints("sample_index"),
-        "is_last_step": pa.array([s.is_last_step for s in samples], pa.bool_()),
-        "status": pa.array([s.status for s in samples], pa.string()),
-        "finish_reason": pa.array([s.finish_reason for s in samples], pa.string()),
-        "reward": pa.array([s.reward for s in samples], pa.float64()),
+        "is_last_step": scalar_column([s.is_last_step for s in samples], pa.bool_()),
+        "status": string_column([s.status for s in samples]),
+        "finish_reason": string_column([s.finish_reason for s in samples]),
+        "reward": scalar_column([s.reward for s in samples], pa.float64()),
         "min_model_version": ints("min_model_version"),
         "max_model_version": ints("max_model_version"),
     }
@@ -93,9 +94,9 @@ def sample_table(samples: Sequence[Sample], *, deferred: list | None = None) -> 
     routes = [s.routed_experts for s in samples]
     cols: dict[str, Any] = sample_columns(samples)
     cols["routed_experts"] = routes_column(routes, deferred=deferred)
-    cols["routes_dtype"] = pa.array([None if r is None else r.dtype.name for r in routes], pa.string())
-    cols["route_layers"] = pa.array([None if r is None else r.shape[1] for r in routes], pa.int32())
-    cols["route_topk"] = pa.array([None if r is None else r.shape[2] for r in routes], pa.int32())
+    cols["routes_dtype"] = string_column([None if r is None else r.dtype.name for r in routes])
+    cols["route_layers"] = scalar_column([None if r is None else r.shape[1] for r in routes], pa.int32())
+    cols["route_topk"] = scalar_column([None if r is None else r.shape[2] for r in routes], pa.int32())
     return pa.table(cols)
 
 
@@ -128,7 +129,8 @@ def routes_column(routes: Sequence[Any], *, deferred: list | None = None) -> pa.
         data = pa.py_buffer(np.zeros(0, np.uint8))
     validity, nulls = None, n - len(present)
     if nulls:
-        validity = pa.array(np.fromiter((r is not None for r in routes), np.bool_, n)).buffers()[1]
+        validity = pa.py_buffer(np.packbits(np.fromiter((r is not None for r in routes), np.bool_, n),
+                                            bitorder="little"))
     return pa.Array.from_buffers(pa.large_binary(), n, [validity, pa.py_buffer(offsets), data], null_count=nulls)
 
 

@@ -64,7 +64,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from trajstore._deprecated import renamed
-from trajstore._gc import GC_INTERVAL_S, GC_MARGIN_S, GcWorker
+from trajstore._gc import GC_INTERVAL_S, GC_MARGIN_S, GcWorker, compact_run_aggregates
 from trajstore import _facts as facts
 from trajstore.errors import ConflictError, CorruptStoreError, PayloadMissingError, StoreUnavailable, ValidationError
 from trajstore.events import decimal_label
@@ -188,13 +188,16 @@ class Materializer:
             return self.store.log.count_events(after_position=after, types=["trajectory_finished", "trajectory_released"])
         return sum(1 for tid in self.store.log.finished_ids_after(after) if self.shard.owns(tid))
 
-    def run(self, *, max_steps: int | None = None) -> MaterializeStats:
+    def run(self, *, max_steps: int | None = None, compact: bool = True) -> MaterializeStats:
         """Fold until nothing finished is pending (or ``max_steps`` batches).
 
         The checkpoint is read once and then carried from step to step (each
         commit is guarded by it: a stale one costs a re-read, never a wrong
         commit); a step that found fewer finished trajectories than it could
-        take ends the run without asking again."""
+        take ends the run without asking again. ``compact``: a run that folded
+        something then folds the run aggregates' delta rows into their totals
+        (``trajstore._gc.compact_run_aggregates``, its own transactions, after
+        the commits; ``follow`` leaves it to its GC worker)."""
         position, cumulative = self._checkpoint()
         stats = MaterializeStats(position=position)
         if self.projection is None and time.monotonic() >= self._internal_retry_at:
@@ -218,6 +221,8 @@ class Materializer:
                 position, cumulative = done.position, after[1]
             else:
                 break
+        if compact and self.projection is None and (stats.num_trajectories or stats.num_internal_errors):
+            compact_run_aggregates(self.store)
         return stats
 
     def step(self) -> MaterializeStats | None:
@@ -250,7 +255,8 @@ class Materializer:
         # a projection's samples are a second view: the default samples keep the one copy
         repoints = _repoints(seg_name, folded, gen_rows) if self.projection is None else []
         # the run view's counts of the default samples, in the commit that stores them
-        aggregates = sample_counts(samples, self._num_experts) if self.projection is None else None
+        # (the expert load of its routes: counted by the compaction, off this critical path)
+        aggregates = sample_counts(samples, experts=False) if self.projection is None else None
         now = time.time()
         unfoldable_rows = [_unfoldable_row(tid, finished_at[tid], self.shard, err, now)
                            for tid, err in unfoldable.items()]
@@ -337,7 +343,7 @@ class Materializer:
                     except StoreUnavailable as e:  # retried at the next check; folding goes on
                         log.warning("materializer %s: abandoning idle trajectories failed, retried later: %s",
                                     self.shard, e)
-                stats = self.run(max_steps=1)
+                stats = self.run(max_steps=1, compact=worker is None)
                 if stats.num_trajectories or stats.num_unfoldable or stats.num_internal_errors:
                     if on_step is not None:
                         on_step(stats)
@@ -356,8 +362,11 @@ class Materializer:
         trajectories' finished positions, which are behind the checkpoint: a
         ``SampleReader`` whose cursor passed them does not see them, a new one
         does. Returns what was folded (``position``: this shard's checkpoint,
-        unchanged)."""
-        return self._refold(PayloadMissingError.__name__, DATA_ERROR) + self._refold(None, INTERNAL_ERROR)
+        unchanged). The run aggregates are compacted after (as ``run`` does)."""
+        stats = self._refold(PayloadMissingError.__name__, DATA_ERROR) + self._refold(None, INTERNAL_ERROR)
+        if stats.num_trajectories:
+            compact_run_aggregates(self.store)
+        return stats
 
     def _refold(self, error: str | None, kind: str, position: int | None = None) -> MaterializeStats:
         """Fold again this shard's trajectories recorded with ``kind`` and ``error``
@@ -397,7 +406,7 @@ class Materializer:
             try:
                 self.store.materialized.commit_refold(error, attempted, sample_rows, seg_row, failed,
                                                       _repoints(seg_name, folded, gen_rows), kind=kind,
-                                                      aggregates=sample_counts(samples, self._num_experts))
+                                                      aggregates=sample_counts(samples, experts=False))
             except StaleState:
                 if seg_row is not None:
                     self.store.payload.delete(seg_name)  # another refold took them: nothing names this file

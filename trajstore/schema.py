@@ -435,7 +435,7 @@ agg_logprobs = Table(
 # rows: each append inserts its own rows (``delta`` true), never updating a row another append may hold, so concurrent
 # appends do not wait on each other's row locks. A key's count is the SUM of its rows
 # (one total row, ``delta`` false, unique per key, plus the deltas not yet folded
-# into it); the materializer's commit folds deltas into the totals
+# into it); the background compaction folds deltas into the totals
 # (``trajstore.log._aggregates.compact_event_aggregates``), as does
 # ``trajstore report --rebuild-aggregates``.
 
@@ -520,8 +520,8 @@ Index("ix_trajectories_status", trajectories.c.status)
 # migration 0020: what the materializer's commit counts of each finished trajectory it takes
 # (from its index rows) and of its default samples, so the run view's per-trajectory and
 # per-sample panels read small tables instead of the inspection views. One row per key (the
-# key is the primary key), added to by upsert as agg_expert_load is; never rewritten, except
-# by ``trajstore report --rebuild-aggregates``.
+# key is the primary key), added to by the compaction (migration 0022: the commit inserts into
+# the ``<table>_delta`` beside each); rewritten only by ``trajstore report --rebuild-aggregates``.
 
 # One row per counted finished trajectory, as trajectory_summary gives it: the "trajectories to
 # look at" panel reads the worst through the two ordered indexes (ORDER BY ... LIMIT), and a
@@ -640,10 +640,60 @@ ledger_groups = Table(
     Index("ix_ledger_groups_run_started", "run", "started_position"),
 )
 
+# migration 0022: the materializer's commit adds to none of the tables above. Its counts are
+# rows of its own in a DELTA table beside each (same key and counted columns, any number of rows
+# per key, no unique key: plain INSERTs, so two shards committing at once never wait on each
+# other's rows); a key's count is the sum (min, max) of its rows in both tables
+# (``trajstore._aggregates.totals_sql``). The decode routes' expert load of a commit is ONE row
+# per model version: its [layers, experts] int64 counts as bytes. A background compaction (the
+# materializer's GC worker, and the end of a one-shot ``materialize``) moves the deltas into
+# the totals above, exactly once (``trajstore.log._aggregates.compact_aggregates``), and
+# settles the groups' part of agg_group_variance (written by it only).
+_FOLD_DELTA_TABLES = ("agg_logprobs", "agg_rewards", "agg_trajectory_shapes", "agg_tasks", "agg_versions", "agg_groups",
+                     "agg_samples", "agg_staleness", "agg_policy_versions")
+_COUNTED_GROUP_COLUMNS = ("counted_at", "counted_zero", "counted_variance")
+
+
+def _delta_table(total: Table) -> Table:
+    cols = [Column(c.name, c.type, nullable=c.nullable) for c in total.columns if c.name not in _COUNTED_GROUP_COLUMNS]
+    return Table(f"{total.name}_delta", metadata,
+                 Column("id", BigInteger().with_variant(Integer, "sqlite"), primary_key=True), *cols)
+
+
+_totals = {t.name: t for t in (agg_logprobs, agg_rewards, agg_trajectory_shapes, agg_tasks, agg_versions, agg_groups,
+                               agg_samples, agg_staleness, agg_policy_versions)}
+(agg_logprobs_delta, agg_rewards_delta, agg_trajectory_shapes_delta, agg_tasks_delta, agg_versions_delta,
+ agg_groups_delta, agg_samples_delta, agg_staleness_delta, agg_policy_versions_delta) = \
+    (_delta_table(_totals[name]) for name in _FOLD_DELTA_TABLES)
+Index("ix_agg_groups_delta_group", agg_groups_delta.c.group_id)  # the compaction settles a group from its rows
+# One commit's decode-route expert load of one model version: counts[layer, expert] (int64,
+# little-endian, C order) of a [layers, experts] layout.
+agg_expert_load_delta = Table(
+    "agg_expert_load_delta",
+    metadata,
+    Column("id", BigInteger().with_variant(Integer, "sqlite"), primary_key=True),
+    Column("model_version", Integer, nullable=False),
+    Column("layers", Integer, nullable=False),
+    Column("experts", Integer, nullable=False),
+    Column("counts", LargeBinary, nullable=False),
+)
+# The decode-route expert load is counted off the fold's critical path: a materializer commit
+# of the default samples inserts one row naming its sample segment; the compaction counts the
+# segment's samples into agg_expert_load and deletes the row in one transaction (exactly once).
+agg_expert_pending = Table(
+    "agg_expert_pending",
+    metadata,
+    Column("id", BigInteger().with_variant(Integer, "sqlite"), primary_key=True),
+    Column("segment", String(255), nullable=False),
+)
+
 __all__ = ["metadata", "log_head", "trajectories", "events", "segments", "samples", "materializer_checkpoints",
            "unfoldable_trajectories", "version_labels", "unresolved_labels", "store_settings", "projections",
            "projection_samples", "projection_checkpoints", "projection_unfoldable", "lineage_steps",
            "lineage_step_samples", "lineage_annotations", "lineage_annotation_versions", "agg_expert_load",
            "agg_logprobs", "agg_output_lengths", "agg_route_drift", "agg_calls", "agg_trajectories", "reader_leases",
            "agg_trajectory_stats", "agg_rewards", "agg_trajectory_shapes", "agg_tasks", "agg_versions", "agg_groups",
-           "agg_group_variance", "agg_samples", "agg_staleness", "agg_policy_versions", "run_owners", "ledger_groups"]
+           "agg_group_variance", "agg_samples", "agg_staleness", "agg_policy_versions",
+           "agg_logprobs_delta", "agg_rewards_delta", "agg_trajectory_shapes_delta", "agg_tasks_delta",
+           "agg_versions_delta", "agg_groups_delta", "agg_samples_delta", "agg_staleness_delta",
+           "agg_policy_versions_delta", "agg_expert_load_delta", "agg_expert_pending", "run_owners", "ledger_groups"]

@@ -11,10 +11,10 @@ as is)."""
 
 from __future__ import annotations
 
-__all__ = ["output_lengths", "route_drift", "expert_load", "logprobs", "calls", "trajectories", "base_width",
+__all__ = ["output_lengths", "route_drift", "expert_load", "expert_load_deltas", "logprobs", "calls", "trajectories", "base_width",
            "CALL_WIDTHS_S", "rewards", "group_variance", "staleness", "bucketed"]
 
-from trajstore._aggregates import DRIFT_WIDTHS_S, totals_sql
+from trajstore._aggregates import DRIFT_WIDTHS_S, expert_load_sql, totals_sql
 
 CALL_WIDTHS_S = DRIFT_WIDTHS_S
 """The bucket widths ``agg_calls``, ``agg_trajectories`` and ``agg_route_drift`` are kept at."""
@@ -42,8 +42,16 @@ def route_drift(width_s: int) -> str:
 
 
 def expert_load() -> str:
-    """Decode routes by (model_version, layer, expert): ``routed``."""
+    """Decode routes by (model_version, layer, expert), as compacted: ``routed`` (plus
+    ``expert_load_deltas()``, the commits' arrays not compacted yet)."""
     return _totals("agg_expert_load")
+
+
+def expert_load_deltas() -> str:
+    """A query (not a relation): the materializer commits' expert-load arrays not compacted into
+    ``expert_load()`` yet: ``model_version, layers, experts, counts`` (int64 bytes of
+    [layers, experts]; ``trajstore._aggregates.expert_arrays`` sums them)."""
+    return expert_load_sql()
 
 
 def logprobs() -> str:

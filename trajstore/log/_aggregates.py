@@ -27,16 +27,24 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-from trajstore._aggregates import (DELTA_ROWS, KEYS, MAX_VALUES, MIN_VALUES, TRAJECTORY_TABLES, VALUES, Counts, _add,
-                                   _buckets, event_counts, group_contribution, merge, sample_counts,
-                                   sample_summary_counts, task_sql, trajectory_counts, trajectory_record)
-from trajstore.log._dialect import SqlDialect, chunks, execute
-from trajstore.schema import (agg_calls, agg_expert_load, agg_group_variance, agg_groups, agg_logprobs,
-                              agg_output_lengths, agg_policy_versions, agg_rewards, agg_route_drift, agg_samples,
-                              agg_staleness, agg_tasks, agg_trajectories, agg_trajectory_shapes,
-                              agg_trajectory_stats, agg_versions, samples, store_settings, trajectories)
+import numpy as np
 
-__all__ = ["TABLES", "DELTA_TABLES", "PENDING", "COMPACT_ROWS", "add_counts", "insert_deltas",
+from trajstore._aggregates import (DELTA_ROWS, FOLD_DELTAS, KEYS, MAX_VALUES, MIN_VALUES, TRAJECTORY_TABLES, VALUES,
+                                   Counts, _add, _add_array, _buckets, event_counts, expert_rows, group_contribution,
+                                   sample_counts, sample_summary_counts, task_sql, totals_sql,
+                                   trajectory_counts, trajectory_record)
+from trajstore.log._dialect import SqlDialect, chunks, execute
+from trajstore.schema import (agg_calls, agg_expert_load, agg_expert_load_delta, agg_expert_pending, agg_group_variance, agg_groups,
+                              agg_groups_delta, agg_logprobs, agg_logprobs_delta, agg_output_lengths,
+                              agg_policy_versions, agg_policy_versions_delta, agg_rewards, agg_rewards_delta,
+                              agg_route_drift, agg_samples, agg_samples_delta, agg_staleness, agg_staleness_delta,
+                              agg_tasks, agg_tasks_delta, agg_trajectories, agg_trajectory_shapes,
+                              agg_trajectory_shapes_delta, agg_trajectory_stats, agg_versions, agg_versions_delta,
+                              samples, store_settings, trajectories)
+
+__all__ = ["TABLES", "DELTA_TABLES", "FOLD_DELTA_TABLES", "PENDING", "COMPACT_ROWS", "add_counts", "insert_deltas",
+           "insert_fold_deltas", "compact_aggregates", "pending_deltas", "note_expert_pending",
+           "count_pending_experts", "EXPERT_SEGMENTS",
            "write_event_aggregates", "compact_event_aggregates", "rebuild_event_aggregates",
            "rebuild_sample_aggregates", "count_commit", "count_trajectories", "count_sample_rows",
            "count_policy_versions", "settle_groups", "rebuild_trajectory_aggregates", "events_of_sql"]
@@ -45,12 +53,17 @@ TABLES = {t.name: t for t in (agg_expert_load, agg_logprobs, agg_output_lengths,
                                agg_trajectories, agg_rewards, agg_trajectory_shapes, agg_tasks, agg_versions,
                                agg_groups, agg_group_variance, agg_samples, agg_staleness, agg_policy_versions)}
 DELTA_TABLES = {name: TABLES[name] for name in DELTA_ROWS}
+FOLD_DELTA_TABLES = {t.name[:-len("_delta")]: t for t in (
+    agg_logprobs_delta, agg_rewards_delta, agg_trajectory_shapes_delta, agg_tasks_delta, agg_versions_delta,
+    agg_groups_delta, agg_samples_delta, agg_staleness_delta, agg_policy_versions_delta)}
+"""The materializer's commit's rows of its own, beside each table it counts into (migration 0022)."""
+assert set(FOLD_DELTA_TABLES) == set(FOLD_DELTAS)
 """The tables counted from the log's events, which appends insert delta rows into (a key's
 count: the sum of its rows, the max for ``MAX_VALUES``)."""
 PENDING = "aggregates_pending"
 """The ``store_settings`` row an upgraded store with samples gets until their aggregates are counted."""
 COMPACT_ROWS = 20_000
-"""Deltas one fold takes at most per table (a materializer commit's share of the work)."""
+"""Deltas one compaction takes at most per table."""
 
 
 def _split(table: Any) -> tuple[list[str], list[str]]:
@@ -114,6 +127,38 @@ def insert_deltas(conn: Any, d: SqlDialect, counts: Counts) -> None:
         execute(conn, sql, [(*k, *v) for k, v in sorted(part.items())])
 
 
+def insert_fold_deltas(conn: Any, d: SqlDialect, counts: Mapping[str, Mapping[tuple, Any]]) -> None:
+    """A materializer commit's counts, as rows of its own: ``counts`` of ``FOLD_DELTAS`` tables
+    inserted into their ``<table>_delta``, and ``agg_expert_load`` (``{(version,): counts
+    array}``) as one ``agg_expert_load_delta`` row per version (the array's int64 bytes).
+    Plain INSERTs: no row another transaction may hold is updated or locked."""
+    for name in sorted(counts):
+        part = counts[name]
+        if not part:
+            continue
+        if name == "agg_expert_load":
+            rows = []
+            for (version, *rest), c in sorted(part.items(), key=lambda kv: kv[0]):
+                if rest:  # a (version, layer, expert) row: not how a commit counts
+                    raise ValueError("agg_expert_load counts of a commit are one array per model version")
+                c = np.ascontiguousarray(c, "<i8")
+                rows.append((int(version), int(c.shape[0]), int(c.shape[1]), c.tobytes()))
+            sql = d._cached(("fold_deltas", name), lambda: (
+                f"INSERT INTO {d.table(agg_expert_load_delta)} (model_version, layers, experts, counts) "
+                f"VALUES ({d.marks(4)})"))
+            execute(conn, sql, rows)
+            continue
+        table = FOLD_DELTA_TABLES[name]
+        cols = [*KEYS[name], *VALUES[name]]
+
+        def build() -> str:
+            return (f"INSERT INTO {d.table(table)} ({', '.join(d.col(table.c[c]) for c in cols)}) "
+                    f"VALUES ({d.marks(len(cols))})")
+
+        sql = d._cached(("fold_deltas", name), build)
+        execute(conn, sql, [(*k, *v) for k, v in sorted(part.items())])
+
+
 def write_event_aggregates(conn: Any, d: SqlDialect, rows: Sequence[Mapping[str, Any]]) -> None:
     """The append's hook: insert its events' aggregates (generation, start and finish events)
     as delta rows."""
@@ -150,6 +195,104 @@ def compact_event_aggregates(conn: Any, d: SqlDialect, *, limit: int = COMPACT_R
         add_counts(conn, d, counts)
         n += len(got)
     return n
+
+
+def _take(conn: Any, d: SqlDialect, table: Any, cols: Sequence[str], limit: int) -> list[tuple]:
+    """Delete up to ``limit`` rows of delta table ``table`` (oldest first) and return their
+    ``cols``; on PostgreSQL only rows no other transaction holds (``SKIP LOCKED``)."""
+    t = d.table(table)
+
+    def build() -> str:
+        skip = "" if d.single_writer else " FOR UPDATE SKIP LOCKED"
+        return (f"DELETE FROM {t} WHERE id IN (SELECT id FROM {t} ORDER BY id LIMIT {d.p}{skip}) "
+                f"RETURNING {', '.join(d.col(table.c[c]) for c in cols)}")
+
+    return execute(conn, d._cached(("take", table.name), build), (int(limit),)).fetchall()
+
+
+def compact_aggregates(conn: Any, d: SqlDialect, *, limit: int = COMPACT_ROWS) -> int:
+    """The background compaction, in the caller's write transaction (exactly once: the deltas
+    it deletes and the totals it adds commit together or not at all; run again, it finds
+    nothing to do): the appends' deltas (``compact_event_aggregates``), the materializer
+    commits' ``<table>_delta`` rows and expert-load arrays folded into their totals, up to
+    ``limit`` rows per table, and the groups whose counts moved settled (their part of
+    ``agg_group_variance``). Every key's sum, min and max is unchanged by it (a read of one
+    statement sees the rows before or after it). On PostgreSQL two compactions take
+    different deltas (``SKIP LOCKED``) and queue only on the totals rows both add to; no
+    materializer commit waits for one. Returns the number of delta rows folded."""
+    n = compact_event_aggregates(conn, d, limit=limit)
+    groups: set[str] = set()
+    for name, table in sorted(FOLD_DELTA_TABLES.items()):
+        keys = KEYS[name]
+        got = _take(conn, d, table, (*keys, *VALUES[name]), limit)
+        if not got:
+            continue
+        into: dict[tuple, list[float]] = {}
+        k, maxima, minima = len(keys), MAX_VALUES.get(name, ()), MIN_VALUES.get(name, ())
+        for r in got:
+            _add(into, tuple(r[:k]), list(r[k:]), maxima, minima)
+        if name == "agg_groups":
+            groups.update(key[0] for key in into)
+        add_counts(conn, d, {name: into})
+        n += len(got)
+    got = _take(conn, d, agg_expert_load_delta, ("model_version", "layers", "experts", "counts"), limit)
+    if got:
+        arrays: dict[int, np.ndarray] = {}
+        for version, layers, experts, counts in got:
+            _add_array(arrays, int(version), np.frombuffer(bytes(counts), "<i8").reshape(int(layers), int(experts)))
+        add_counts(conn, d, {"agg_expert_load": expert_rows(arrays)})
+        n += len(got)
+    if groups:
+        settle_groups(conn, d, groups)
+    return n
+
+
+def pending_deltas(conn: Any, d: SqlDialect) -> int:
+    """Delta rows of the materializer's tables not compacted yet (every table's), and
+    commits whose expert load is not counted yet."""
+    parts = [f"SELECT count(*) FROM {d.table(t)}"
+             for t in (*FOLD_DELTA_TABLES.values(), agg_expert_load_delta, agg_expert_pending)]
+    return int(execute(conn, "SELECT " + " + ".join(f"({p})" for p in parts), ()).fetchone()[0])
+
+
+EXPERT_SEGMENTS = 16
+"""Commits' sample segments one expert-load count takes at most (one transaction)."""
+
+
+def note_expert_pending(conn: Any, d: SqlDialect, segment: str) -> None:
+    """In a materializer commit: its sample segment's expert load is to be counted (a row of
+    its own in ``agg_expert_pending``; ``count_pending_experts`` counts it)."""
+    execute(conn, d._cached(("note_expert_pending",), lambda: (
+        f"INSERT INTO {d.table(agg_expert_pending)} (segment) VALUES ({d.p})")), (segment,))
+
+
+def count_pending_experts(conn: Any, d: SqlDialect, load: Callable[[list[dict[str, Any]]], list[Any]], *,
+                          limit: int = EXPERT_SEGMENTS) -> int:
+    """Count the decode-route expert load of up to ``limit`` committed sample segments noted in
+    ``agg_expert_pending`` into ``agg_expert_load``, in the caller's write transaction: the
+    rows are deleted (on PostgreSQL only rows no other transaction holds: ``SKIP LOCKED``)
+    and the counts added together, so a segment counts exactly once. ``load(rows)``: the
+    samples of ``samples`` rows (``segment``, ``segment_row``), from the payload. Counted
+    here, off the fold's critical path: numpy's ``bincount`` over every decode route costs
+    about as much as the fold (docs/report.md, "Aggregates"). Returns the segments counted."""
+    got = _take(conn, d, agg_expert_pending, ("segment",), limit)
+    if not got:
+        return 0
+    s, t = d.table(samples), d.table(trajectories)
+    arrays: dict[int, np.ndarray] = {}
+    for (segment,) in got:
+        rows = [dict(zip(("trajectory_id", "segment", "segment_row", "num_experts"), r)) for r in execute(
+            conn, f"SELECT s.trajectory_id, s.segment, s.segment_row, tr.num_experts FROM {s} s "
+                  f"JOIN {t} tr ON tr.trajectory_id = s.trajectory_id WHERE s.segment = {d.p} "
+                  "ORDER BY s.segment_row", (segment,)).fetchall()]
+        if not rows:
+            continue
+        counted = sample_counts(load(rows), {r["trajectory_id"]: r["num_experts"] for r in rows})
+        for (version,), c in counted.get("agg_expert_load", {}).items():
+            _add_array(arrays, int(version), c)  # type: ignore[arg-type]
+    if arrays:
+        add_counts(conn, d, {"agg_expert_load": expert_rows(arrays)})
+    return len(got)
 
 
 def _delete_all(conn: Any, d: SqlDialect, tables: Iterable[Any]) -> None:
@@ -192,8 +335,9 @@ def rebuild_sample_aggregates(conn: Any, d: SqlDialect, read: Callable[[list[tup
     writers do anyway), and drop the ``aggregates_pending`` row. ``read(rows)``: the
     samples of ``(trajectory_id, sample_index, segment, segment_row)`` rows, from the
     payload. Returns the number of samples read."""
-    _lock(conn, d, (agg_expert_load, agg_logprobs))
-    _delete_all(conn, d, (agg_expert_load, agg_logprobs))
+    tables = (agg_expert_load, agg_logprobs, agg_expert_load_delta, agg_logprobs_delta, agg_expert_pending)
+    _lock(conn, d, tables)
+    _delete_all(conn, d, tables)
     s, t = d.table(samples), d.table(trajectories)
     after: tuple = ("", -1)
     n = 0
@@ -205,8 +349,9 @@ def rebuild_sample_aggregates(conn: Any, d: SqlDialect, read: Callable[[list[tup
                       (after[0], after[0], after[1])).fetchall()
         if not got:
             break
-        counts: Counts = {}
-        merge(counts, sample_counts(read([tuple(r[:4]) for r in got]), {r[0]: r[4] for r in got}))
+        counts = sample_counts(read([tuple(r[:4]) for r in got]), {r[0]: r[4] for r in got})
+        arrays = counts.pop("agg_expert_load", {})
+        counts["agg_expert_load"] = expert_rows({k[0]: c for k, c in arrays.items()})  # type: ignore[misc]
         add_counts(conn, d, counts)
         n += len(got)
         after = (got[-1][0], got[-1][1])
@@ -232,14 +377,16 @@ def events_of_sql(d: SqlDialect, n: int) -> str:
     return f"SELECT type, {', '.join(_CALL_COLUMNS)} FROM events WHERE trajectory_id IN ({d.marks(n)})"
 
 
-def count_trajectories(conn: Any, d: SqlDialect, trajectory_ids: Iterable[str], *, settle: bool = True) -> list[str]:
+def count_trajectories(conn: Any, d: SqlDialect, trajectory_ids: Iterable[str], *,
+                       add: Callable[[Any, SqlDialect, Counts], None] = insert_fold_deltas) -> list[str]:
     """Count the finished trajectories of ``trajectory_ids`` not counted yet into
-    ``agg_trajectory_stats`` and the per-trajectory aggregates, from their index rows (in the
-    caller's write transaction: the materializer's commit that takes them). ``settle``: also
-    update their groups' part of ``agg_group_variance``. Returns the ids counted."""
+    ``agg_trajectory_stats`` (a row of each trajectory's own) and the per-trajectory
+    aggregates, from their index rows (in the caller's write transaction: the materializer's
+    commit that takes them). ``add``: how the counts are added (a commit's rows of its own by
+    default; a rebuild adds to the totals). Their groups' part of ``agg_group_variance`` is
+    settled by the compaction (``settle_groups``). Returns the ids counted."""
     st, tr = d.table(agg_trajectory_stats), d.table(trajectories)
     counted: list[str] = []
-    groups: set[str] = set()
     for part in chunks(sorted(set(trajectory_ids))):
         marks = d.marks(len(part))
         have = {r[0] for r in execute(conn, f"SELECT trajectory_id FROM {st} WHERE trajectory_id IN ({marks})",
@@ -260,11 +407,8 @@ def count_trajectories(conn: Any, d: SqlDialect, trajectory_ids: Iterable[str], 
                 calls.setdefault(r[1], []).append(dict(zip(_CALL_COLUMNS, r[1:])))
         records = [trajectory_record(t, calls.get(t["trajectory_id"], ())) for t in trajs]
         d.insert_rows(conn, agg_trajectory_stats, [{k: r[k] for k in _STATS_COLUMNS} for r in records])
-        add_counts(conn, d, trajectory_counts(records))
+        add(conn, d, trajectory_counts(records))
         counted.extend(r["trajectory_id"] for r in records)
-        groups.update(r["group_id"] for r in records if r["group_id"] is not None)
-    if settle and groups:
-        settle_groups(conn, d, groups)
     return counted
 
 
@@ -276,8 +420,11 @@ def settle_groups(conn: Any, d: SqlDialect, group_ids: Iterable[str]) -> None:
     names = VALUES["agg_groups"]
     for part in chunks(sorted(set(group_ids))):
         marks = d.marks(len(part))
-        rows = execute(conn, f"SELECT group_id, {', '.join(names)}, counted_at, counted_zero, counted_variance "
-                             f"FROM {g} WHERE group_id IN ({marks})", tuple(part)).fetchall()
+        # the group's counts: its total row and the deltas not compacted yet; its part as last settled
+        summed = totals_sql("agg_groups", where=f"group_id IN ({marks})", order=False)
+        rows = execute(conn, f"SELECT s.group_id, {', '.join(f's.{n}' for n in names)}, g.counted_at, "
+                             f"g.counted_zero, g.counted_variance FROM ({summed}) s "
+                             f"LEFT JOIN {g} g ON g.group_id = s.group_id", tuple(part) * 2).fetchall()
         running = dict(execute(conn, f"SELECT group_id, count(*) FROM {tr} WHERE group_id IN ({marks}) "
                                      "AND status = 'running' GROUP BY group_id", tuple(part)).fetchall())
         delta: dict[tuple, list[float]] = {}
@@ -300,7 +447,8 @@ def settle_groups(conn: Any, d: SqlDialect, group_ids: Iterable[str]) -> None:
             add_counts(conn, d, {"agg_group_variance": delta})
 
 
-def count_policy_versions(conn: Any, d: SqlDialect, after: int, upto: int | None = None) -> None:
+def count_policy_versions(conn: Any, d: SqlDialect, after: int, upto: int | None = None, *,
+                          add: Callable[[Any, SqlDialect, Counts], None] = insert_fold_deltas) -> None:
     """Note the first position of each model version generated at after ``after`` (to ``upto``)
     in ``agg_policy_versions`` (the newest version at a position, for a sample's staleness)."""
     cut = "" if upto is None else f" AND position <= {d.p}"
@@ -308,10 +456,11 @@ def count_policy_versions(conn: Any, d: SqlDialect, after: int, upto: int | None
                         f"AND position > {d.p}{cut} AND model_version IS NOT NULL GROUP BY model_version",
                   (int(after),) if upto is None else (int(after), int(upto))).fetchall()
     if got:
-        add_counts(conn, d, {"agg_policy_versions": {(int(v),): [int(p)] for v, p in got}})
+        add(conn, d, {"agg_policy_versions": {(int(v),): [int(p)] for v, p in got}})
 
 
-def count_sample_rows(conn: Any, d: SqlDialect, rows: Sequence[Mapping[str, Any]]) -> None:
+def count_sample_rows(conn: Any, d: SqlDialect, rows: Sequence[Mapping[str, Any]], *,
+                      add: Callable[[Any, SqlDialect, Counts], None] = insert_fold_deltas) -> None:
     """Count default sample rows (``samples`` columns) into ``agg_samples`` and ``agg_staleness``
     (their trajectories counted already: ``agg_trajectory_stats`` gives the finish time)."""
     if not rows:
@@ -321,17 +470,17 @@ def count_sample_rows(conn: Any, d: SqlDialect, rows: Sequence[Mapping[str, Any]
     for part in chunks(sorted({r["trajectory_id"] for r in rows})):
         finished_at.update(execute(conn, f"SELECT trajectory_id, finished_at FROM {st} WHERE trajectory_id IN "
                                          f"({d.marks(len(part))})", tuple(part)).fetchall())
-    policy = [(int(p), int(v)) for p, v in execute(
-        conn, f"SELECT first_position, model_version FROM {d.table(agg_policy_versions)} ORDER BY first_position",
-        ()).fetchall()]
-    add_counts(conn, d, sample_summary_counts(rows, finished_at, policy))
+    policy = sorted((int(p), int(v)) for v, p in execute(conn, totals_sql("agg_policy_versions", order=False),
+                                                          ()).fetchall())
+    add(conn, d, sample_summary_counts(rows, finished_at, policy))
 
 
 def count_commit(conn: Any, d: SqlDialect, trajectory_ids: Sequence[str], sample_rows: Sequence[Mapping[str, Any]],
                  after: int, upto: int) -> None:
-    """The materializer commit's counts of the run view: the trajectories it takes (finished
-    after ``after`` up to ``upto`` in the log), their groups, the model versions first seen in
-    that stretch of the log, and its default samples."""
+    """The materializer commit's counts of the run view, as rows of its own: the trajectories
+    it takes (finished after ``after`` up to ``upto`` in the log), the model versions first
+    seen in that stretch of the log, and its default samples (their groups are settled by
+    the compaction)."""
     count_policy_versions(conn, d, after, upto)
     count_trajectories(conn, d, trajectory_ids)
     count_sample_rows(conn, d, sample_rows)
@@ -341,10 +490,11 @@ def rebuild_trajectory_aggregates(conn: Any, d: SqlDialect, *, page_rows: int = 
     """Recount ``agg_trajectory_stats`` and the per-trajectory and per-sample aggregates
     (``TRAJECTORY_TABLES``) from every finished trajectory and default sample, in the caller's
     write transaction. Returns the number of trajectories counted."""
-    tables = (agg_trajectory_stats, *(TABLES[n] for n in TRAJECTORY_TABLES))
+    tables = (agg_trajectory_stats, *(TABLES[n] for n in TRAJECTORY_TABLES),
+              *(FOLD_DELTA_TABLES[n] for n in TRAJECTORY_TABLES if n in FOLD_DELTA_TABLES))
     _lock(conn, d, tables)
     _delete_all(conn, d, tables)
-    count_policy_versions(conn, d, -1)
+    count_policy_versions(conn, d, -1, add=add_counts)
     tr, s, n, after = d.table(trajectories), d.table(samples), 0, ""
     while True:
         ids = [r[0] for r in execute(conn, f"SELECT trajectory_id FROM {tr} WHERE status <> 'running' AND "
@@ -352,7 +502,7 @@ def rebuild_trajectory_aggregates(conn: Any, d: SqlDialect, *, page_rows: int = 
                                      (after,)).fetchall()]
         if not ids:
             break
-        n += len(count_trajectories(conn, d, ids, settle=False))
+        n += len(count_trajectories(conn, d, ids, add=add_counts))
         after = ids[-1]
     after = ""
     while True:
@@ -369,6 +519,6 @@ def rebuild_trajectory_aggregates(conn: Any, d: SqlDialect, *, page_rows: int = 
                             f"LIMIT {int(page_rows)}", (cursor[0], cursor[0], cursor[1])).fetchall()
         if not got:
             break
-        count_sample_rows(conn, d, [dict(zip(_SAMPLE_COLUMNS, r)) for r in got])
+        count_sample_rows(conn, d, [dict(zip(_SAMPLE_COLUMNS, r)) for r in got], add=add_counts)
         cursor = (got[-1][0], got[-1][-1])
     return n

@@ -5,8 +5,10 @@ fold and by every named projection), and the one transaction that drops
 their ``events`` rows once their archive file is durable: it marks the
 ``trajectories`` rows ``archived_at`` (guarded: a row another run archived
 first makes it store nothing), deletes exactly the archived positions, checks
-no other event of those trajectories is left, and retires the log segments
-left without a row. SQLAlchemy Core: the same statements on every backend.
+no other event of those trajectories is left, deletes their
+``agg_trajectory_stats`` rows (the run view's per-trajectory rows: the
+aggregate totals keep their counts), and retires the log segments left
+without a row. SQLAlchemy Core: the same statements on every backend.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from trajstore.log._dialect import SqlDialect, chunks
 from trajstore.log._segments import retire_emptied
 from trajstore.log._transaction import Database
 from trajstore.log.base import RELEASED, Shard, StaleState
-from trajstore.schema import (events, materializer_checkpoints, projection_checkpoints, projection_unfoldable,
+from trajstore.schema import (agg_trajectory_stats, events, materializer_checkpoints, projection_checkpoints, projection_unfoldable,
                               projections, trajectories, unfoldable_trajectories, unresolved_labels, version_labels)
 
 __all__ = ["ARCHIVED_TYPES", "SqlRetention"]
@@ -119,6 +121,9 @@ class SqlRetention:
                                                                events.c.type.in_(ARCHIVED_TYPES))).scalar_one()
                 if left:
                     raise StaleState(f"{left} events of these trajectories arrived after their archive was written")
+            for part in chunks(ids):  # their row of the run view's "trajectories to look at" (the run's
+                # totals keep counting them): agg_trajectory_stats grows with the live index only
+                conn.execute(delete(agg_trajectory_stats).where(agg_trajectory_stats.c.trajectory_id.in_(part)))
             if segment_names:
                 retire_emptied(conn, d, segment_names)
             return deleted

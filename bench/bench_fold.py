@@ -1,0 +1,290 @@
+"""The materializer's fold with the run aggregates on, beside another source tree, in one run.
+
+    PYTHONPATH=. .venv/bin/python bench/bench_fold.py --before /tmp/before [--rounds 2] [--no-postgres]
+        [--shards 1,2,4] [--out bench_fold.json]
+
+``--before``: a source tree to compare with (e.g. ``git archive 263364a^ | tar -x -C /tmp/before``,
+the tree before the run aggregates entered the materializer's commit); this tree is "after".
+
+Load: 32 trajectories a step (``max_trajectories=32``), 2 steps a measurement after one
+untimed step (first-use costs: imports, statements); each
+trajectory 4 turns, a 100-token first prompt, 500 output and 100 observation tokens a
+turn: 2,400 unique tokens, 76,800 a step (bench_pipeline.py's load). Route layouts: none,
+24x4 and 48x8 (uint8 ids of 128 experts); 1 or 4 model versions among a step's
+trajectories. Stores filled before the clock, each measurement in a fresh process
+(trees and cases interleaved, ``--rounds`` times, median).
+
+Figures per case: tokens per CPU second of the materializer process (``materialize``, every
+step, its commit included; "after" also the compaction of the run aggregates, measured
+apart and included in ``tokens_per_cpu_s_with_compaction``), and on PostgreSQL the server's
+CPU per step (every backend of the cluster, /proc). Shards (``--shards``, PostgreSQL,
+this tree): N materializer processes of N shards at once over 32*N trajectories each... CPU
+per token of the materializers and the server together (this machine has 2 cores: N
+processes share them, so only the CPU per token, not the wall time, says whether shards
+scale).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+LAYOUTS = {"none": None, "24x4": (24, 4), "48x8": (48, 8)}
+PER_STEP = 32
+STEPS = 2
+
+
+# -- the child: one measurement on one tree ----------------------------------------------------
+
+def _load(n: int, layout: tuple[int, int] | None, versions: int, start: int = 0) -> list[list[dict]]:
+    import numpy as np
+
+    from trajstore.demo._simulate import RolloutConfig, trajectory_events
+
+    layers, topk = layout or (1, 1)
+    cfg = RolloutConfig(turns=4, prompt_tokens=100, output_tokens=500, observation_tokens=100, layers=layers,
+                        topk=topk, num_experts=128, mismatch_prob=0.0, abort_prob=0.0, fail_prob=0.0,
+                        route_drift=0.0)
+    out = []
+    for i in range(start, start + n):
+        events = trajectory_events(cfg, i, version=i % versions)
+        if layout is None:
+            events = [{k: v for k, v in e.items() if k not in ("routed_experts", "num_experts")} for e in events]
+        else:
+            rng = np.random.default_rng([99, i])
+            longest = max(len(e["routed_experts"]) for e in events if e["type"] == "generation")
+            table = np.argpartition(rng.random((longest, layers, 128), dtype=np.float32), topk,
+                                    axis=-1)[..., :topk].astype(np.uint8)
+            events = [dict(e, routed_experts=table[:len(e["routed_experts"])]) if e["type"] == "generation" else e
+                      for e in events]
+        out.append(events)
+    return out
+
+
+def _server_cpu(pid: int | None) -> float:
+    """CPU seconds of the postmaster ``pid``, its live children (backends) and the children it reaped."""
+    if pid is None:
+        return 0.0
+    total = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(stat.parent.name) == pid:
+            total += int(fields[11]) + int(fields[12]) + int(fields[13]) + int(fields[14])
+        elif int(fields[1]) == pid:
+            total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def _cpu() -> float:
+    import resource
+
+    u = resource.getrusage(resource.RUSAGE_SELF)
+    return u.ru_utime + u.ru_stime
+
+
+def child(args: argparse.Namespace) -> dict:
+    import trajstore
+    from trajstore.materializer import Materializer
+
+    layout = LAYOUTS[args.layout]
+    store = trajstore.connect(args.url, payload=args.payload)
+    if args.fill:
+        for events in _load(args.fill, layout, args.versions):
+            store.append(events)
+        store.close()
+        return {}
+    m = Materializer(store, max_trajectories=PER_STEP, shard_index=args.shard, num_shards=args.num_shards)
+    after = "compact" in Materializer.run.__code__.co_varnames
+    warm_cpu = _cpu()
+    m.run(max_steps=1, compact=False) if after else m.run(max_steps=1)  # warm: first-use costs (imports, SQL)
+    warm_cpu = _cpu() - warm_cpu
+    counted = {s.trajectory_id for s in store.samples()}
+    server0, cpu0, wall0 = _server_cpu(args.postmaster), _cpu(), time.perf_counter()
+    stats = m.run(compact=False) if after else m.run()
+    cpu1, server1, wall1 = _cpu(), _server_cpu(args.postmaster), time.perf_counter()
+    compact_cpu = compact_server = 0.0
+    if after:
+        from trajstore._gc import compact_run_aggregates
+
+        compact_run_aggregates(store)
+        compact_cpu, compact_server = _cpu() - cpu1, _server_cpu(args.postmaster) - server1
+    tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in store.samples() if s.trajectory_id not in counted)
+    store.close()
+    return {"warm_step_cpu_s": warm_cpu, "cpu_s": cpu1 - cpu0, "server_cpu_s": server1 - server0, "wall_s": wall1 - wall0,
+            "compact_cpu_s": compact_cpu, "compact_server_cpu_s": compact_server, "tokens": tokens,
+            "trajectories": stats.num_trajectories}
+
+
+# -- the parent ---------------------------------------------------------------------------------
+
+def _run_child(tree: Path, extra: list[str]) -> dict:
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        subprocess.run([sys.executable, str(REPO / "bench" / "bench_fold.py"), "--child", "--out", out.name, *extra],
+                       check=True, env={"PYTHONPATH": str(tree), "PATH": "/usr/bin:/bin"}, cwd=tree)
+        return json.loads(Path(out.name).read_text() or "{}")
+
+
+def _postmaster(cluster) -> int:
+    return int((Path(cluster.data_dir) / "postmaster.pid").read_text().split()[0])
+
+
+SECTION = "[The fold with the run aggregates](#the-fold-with-the-run-aggregates--benchbench_foldpy)"
+
+
+def summary_rows(summary: dict[str, dict]) -> list[dict[str, str]]:
+    """docs/benchmarks.md's summary rows of these results (bench/summary.py)."""
+    def rate(key: str) -> str:
+        m = summary.get(key)
+        return "-" if m is None else f"{m['tokens_per_cpu_s'] / 1e6:.2f}"
+
+    rows = []
+    for backend in ("sqlite", "postgresql"):
+        if not any(k.startswith(backend) and "shards" not in k for k in summary):
+            continue
+        cells = [f"{layout} {rate(f'{backend} {layout} v1 after')} / {rate(f'{backend} {layout} v4 after')}"
+                 for layout in LAYOUTS]
+        base = [f"{layout} {rate(f'{backend} {layout} v1 before')} / {rate(f'{backend} {layout} v4 before')}"
+                for layout in LAYOUTS]
+        figure = "M tokens/CPU-s, 1 / 4 versions a step: " + ", ".join(cells)
+        if backend == "postgresql":
+            a, b = summary.get("postgresql 48x8 v1 after"), summary.get("postgresql 48x8 v1 before")
+            if a and b:
+                figure += (f"; server CPU per step (48×8) {1e3 * a['server_cpu_s_per_step']:.0f} ms "
+                           f"(before {1e3 * b['server_cpu_s_per_step']:.0f})")
+        rows.append({"what": f"the fold with the run aggregates, {backend}", "figure": figure,
+                     "baseline": "the tree before: " + ", ".join(base), "section": SECTION})
+    shards = sorted((int(k.split()[-1]), m) for k, m in summary.items() if "shards" in k)
+    if shards:
+        rows.append({"what": "the fold's shards on PostgreSQL, 48×8, aggregates on",
+                     "figure": "CPU (materializers + server) per token: " + ", ".join(
+                         f"{k} shard{'s' if k > 1 else ''} {m['cpu_us_per_token_all']:.2f} µs" for k, m in shards)
+                     + " (2 cores)", "baseline": "1 shard", "section": SECTION})
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--before", type=Path)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--no-postgres", action="store_true")
+    p.add_argument("--layouts", default="none,24x4,48x8")
+    p.add_argument("--versions", default="1,4")
+    p.add_argument("--shards", default="1,2,4", help="shard counts on PostgreSQL (empty: none)")
+    p.add_argument("--out", default=None)
+    # child options
+    p.add_argument("--child", action="store_true")
+    p.add_argument("--url")
+    p.add_argument("--payload")
+    p.add_argument("--layout", default="48x8")
+    p.add_argument("--fill", type=int, default=0)
+    p.add_argument("--postmaster", type=int, default=None)
+    p.add_argument("--shard", type=int, default=0)
+    p.add_argument("--num-shards", type=int, default=1)
+    args = p.parse_args()
+    if args.child:
+        args.versions = int(args.versions)
+        got = child(args)
+        Path(args.out).write_text(json.dumps(got))
+        return
+    trees = {"after": REPO, **({"before": args.before.resolve()} if args.before else {})}
+    cluster = None
+    backends = ["sqlite"]
+    if not args.no_postgres:
+        sys.path.insert(0, str(REPO / "tests"))
+        from pg_cluster import PgCluster
+
+        cluster = PgCluster()
+        cluster.start()
+        backends.append("postgresql")
+    results: dict[str, list[dict]] = {}
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            n = 0
+
+            def fresh(backend: str) -> tuple[str, str, list[str]]:
+                nonlocal n
+                n += 1
+                url = f"sqlite:///{tmp}/s{n}.db" if backend == "sqlite" else cluster.create_database(f"b{n}")
+                pm = [] if backend == "sqlite" else ["--postmaster", str(_postmaster(cluster))]
+                return url, f"{tmp}/p{n}", pm
+
+            for r in range(args.rounds):
+                for backend in backends:
+                    for layout in args.layouts.split(","):
+                        for versions in args.versions.split(","):
+                            for name, tree in trees.items():
+                                url, payload, pm = fresh(backend)
+                                common = ["--url", url, "--payload", payload, "--layout", layout,
+                                          "--versions", versions]
+                                _run_child(tree, [*common, "--fill", str(PER_STEP * (STEPS + 1))])
+                                got = _run_child(tree, [*common, *pm])
+                                key = f"{backend} {layout} v{versions} {name}"
+                                results.setdefault(key, []).append(got)
+                                print(f"round {r + 1} {key}: {got}", file=sys.stderr, flush=True)
+            shards = [int(x) for x in args.shards.split(",") if x] if cluster is not None else []
+            for r in range(args.rounds):
+                for k in shards:
+                    url, payload, pm = fresh("postgresql")
+                    common = ["--url", url, "--payload", payload, "--layout", "48x8", "--versions", "1"]
+                    _run_child(REPO, [*common, "--fill", str(PER_STEP * (STEPS + 1) * k)])
+                    server0 = _server_cpu(_postmaster(cluster))
+                    t0 = time.perf_counter()
+                    outs = []
+                    procs = []
+                    for i in range(k):
+                        f = tempfile.NamedTemporaryFile(suffix=".json", delete=False)
+                        outs.append(f.name)
+                        procs.append(subprocess.Popen(
+                            [sys.executable, str(REPO / "bench" / "bench_fold.py"), "--child", "--out", f.name,
+                             *common, "--shard", str(i), "--num-shards", str(k)],
+                            env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}, cwd=REPO))
+                    for pr in procs:
+                        assert pr.wait() == 0
+                    wall = time.perf_counter() - t0
+                    server = _server_cpu(_postmaster(cluster)) - server0
+                    parts = [json.loads(Path(o).read_text()) for o in outs]
+                    tokens = sum(x["trajectories"] for x in parts) * 2400  # one 2,400-token sample each
+                    got = {"shards": k, "tokens": tokens, "wall_s": wall, "server_cpu_s": server,
+                           "cpu_s": sum(x["cpu_s"] for x in parts),
+                           "compact_cpu_s": sum(x["compact_cpu_s"] for x in parts),
+                           "trajectories": sum(x["trajectories"] for x in parts)}
+                    results.setdefault(f"postgresql shards {k}", []).append(got)
+                    print(f"round {r + 1} shards {k}: {got}", file=sys.stderr, flush=True)
+    finally:
+        if cluster is not None:
+            cluster.stop()
+    summary = {}
+    for key, runs in results.items():
+        med = {f: statistics.median(x[f] for x in runs) for f in runs[0] if isinstance(runs[0][f], (int, float))}
+        tokens = med["tokens"] or PER_STEP * STEPS * 2400
+        med["tokens_per_cpu_s"] = tokens / med["cpu_s"]
+        med["tokens_per_cpu_s_with_compaction"] = tokens / (med["cpu_s"] + med.get("compact_cpu_s", 0.0))
+        med["server_cpu_s_per_step"] = med["server_cpu_s"] / STEPS if "shards" not in key else med["server_cpu_s"]
+        if "shards" in key:
+            med["cpu_us_per_token_all"] = 1e6 * (med["cpu_s"] + med["compact_cpu_s"] + med["server_cpu_s"]) / tokens
+        summary[key] = med
+    doc = {"bench": "bench_fold", "command": " ".join(["bench/bench_fold.py", *sys.argv[1:]]),
+           "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "loadavg": os.getloadavg(),
+           "rounds": args.rounds, "results": summary, "runs": results, "summary": summary_rows(summary)}
+    print(f"{'case':34s} {'M tok/CPU-s':>11s} {'+compact':>9s} {'server CPU ms/step':>18s}")
+    for key, med in summary.items():
+        print(f"{key:34s} {med['tokens_per_cpu_s'] / 1e6:11.2f} {med['tokens_per_cpu_s_with_compaction'] / 1e6:9.2f} "
+              f"{1e3 * med['server_cpu_s_per_step']:18.1f}" + (f"  all CPU {med['cpu_us_per_token_all']:.3f} us/token"
+                                                            if "cpu_us_per_token_all" in med else ""))
+    if args.out:
+        Path(args.out).write_text(json.dumps(doc, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,271 @@
+"""The materializer's run aggregates as rows of each commit's own (migration 0022,
+docs/report.md "Aggregates"): shards committing at once never wait on each other's rows,
+reads sum the totals and the deltas exactly, and the background compaction folds the
+deltas exactly once (a compaction whose backend is killed changes nothing; run again it
+folds, and then finds nothing to do). Expert load equals a brute-force count; the fold
+imports no pandas."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import psycopg
+import pytest
+from sqlalchemy import create_engine, text
+
+import trajstore
+from tests.inspect.test_aggregates import tables
+from tests.inspect.test_report import run_events
+from trajstore._aggregates import expert_arrays, expert_load_sql, sample_counts
+from trajstore._gc import compact_run_aggregates
+from trajstore.demo._simulate import RolloutConfig, trajectory_events
+from trajstore.inspect._rebuild import rebuild_aggregates
+from trajstore.log._aggregates import count_commit, insert_fold_deltas, pending_deltas
+from trajstore.materializer import Materializer
+
+REPO = Path(__file__).resolve().parents[2]
+LAGGING = ("agg_group_variance", "agg_expert_load")
+"""What the compaction writes (the groups' settled part) or folds into totals a read of the
+table alone sees (the expert load's arrays: ``_expert_load_read`` reads both)."""
+
+
+def _pending(store) -> int:
+    return store.log.db.transaction("counting deltas", lambda conn, d: pending_deltas(conn, d))
+
+
+def _brute_force_expert_load(store) -> dict[tuple, int]:
+    """Every generated token's decode route (the row before it), by (version, layer, expert)."""
+    expected: dict[tuple, int] = {}
+    for s in store.samples():
+        if s.routed_experts is None:
+            continue
+        for j in np.nonzero(s.token_model_versions >= 0)[0]:
+            row = len(s.prompt_ids) + j - 1
+            if s.routed_experts_mask is not None and s.routed_experts_mask[row]:
+                continue
+            for layer, experts in enumerate(s.routed_experts[row]):
+                for e in experts:
+                    key = (int(s.token_model_versions[j]), layer, int(e))
+                    expected[key] = expected.get(key, 0) + 1
+    return expected
+
+
+def _expert_load_read(store) -> dict[tuple, int]:
+    """What the run view reads: the compacted totals plus the commits' arrays not compacted yet."""
+    with store.log.read_engine.connect() as conn:
+        totals = conn.execute(text("SELECT model_version, layer, expert, routed FROM agg_expert_load")).all()
+        arrays = expert_arrays(conn.execute(text(expert_load_sql())).all())
+    out: dict[tuple, int] = {}
+    for v, l_, e, n in totals:
+        out[(int(v), int(l_), int(e))] = out.get((int(v), int(l_), int(e)), 0) + int(n)
+    for v, c in arrays.items():
+        for (l_, e), n in np.ndenumerate(c):
+            out[(v, l_, e)] = out.get((v, l_, e), 0) + int(n)
+    return {k: n for k, n in out.items() if n}
+
+
+def _moe_events(n: int) -> list[list[dict]]:
+    """Small MoE rollouts over 4 model versions (two route layouts: 4x2 and 6x3 of 16 experts)."""
+    out = []
+    for i in range(n):
+        cfg = RolloutConfig(turns=3, prompt_tokens=12, output_tokens=10, observation_tokens=4, num_experts=16,
+                            layers=4 if i % 2 else 6, topk=2 if i % 2 else 3, seed=i)
+        out.append(trajectory_events(cfg, 1000 + i, version=i % 4))
+    return out
+
+
+@pytest.fixture
+def store(store_url, tmp_path):
+    s = trajstore.connect(store_url, payload=str(tmp_path / "payload"))
+    yield s
+    s.close()
+
+
+def test_reads_are_exact_before_and_after_the_compaction_which_runs_once(store):
+    for events in run_events(0, 16) + _moe_events(12):
+        store.append(events)
+    assert Materializer(store, max_trajectories=5).run(compact=False).num_trajectories > 0
+    assert _pending(store) > 0
+    before = tables(store)  # totals and deltas summed
+    assert _expert_load_read(store) == {}  # counted by the compaction, off the fold's critical path
+    folded = compact_run_aggregates(store)
+    assert folded > 0 and _pending(store) == 0
+    assert _expert_load_read(store) == _brute_force_expert_load(store)
+    with store.log.read_engine.connect() as conn:  # compacted: one row per key, the arrays folded
+        assert not conn.execute(text("SELECT count(*) FROM agg_expert_load_delta")).scalar_one()
+    after = tables(store)
+    assert {k: v for k, v in after.items() if k not in LAGGING} == \
+        {k: v for k, v in before.items() if k not in LAGGING}
+    assert after["agg_group_variance"]  # the groups are settled by the compaction
+    assert compact_run_aggregates(store) == 0 and tables(store) == after  # idempotent
+    rebuild_aggregates(store)
+    assert tables(store) == after
+
+
+def test_a_commit_notes_its_segment_and_the_compaction_counts_its_expert_load_once(store):
+    for events in _moe_events(8):
+        store.append(events)
+    Materializer(store, max_trajectories=4).run(compact=False)
+    with store.log.read_engine.connect() as conn:
+        noted = [r[0] for r in conn.execute(text("SELECT segment FROM agg_expert_pending ORDER BY id")).all()]
+        segments = {r[0] for r in conn.execute(text("SELECT DISTINCT segment FROM samples")).all()}
+    assert len(noted) == 2 and set(noted) == segments  # one row per commit: its sample segment
+    assert _expert_load_read(store) == {}
+    assert compact_run_aggregates(store) > 0
+    assert _expert_load_read(store) == _brute_force_expert_load(store)  # both layouts, every version
+    assert _pending(store) == 0
+    assert compact_run_aggregates(store) == 0 and _expert_load_read(store) == _brute_force_expert_load(store)
+    counted = sample_counts(list(store.samples()))["agg_expert_load"]  # one int64 array per version
+    assert len(counted) >= 4 and all(isinstance(c, np.ndarray) and c.dtype == np.int64 for c in counted.values())
+
+
+@pytest.mark.postgres
+def test_two_shards_commit_at_once_without_waiting_on_each_others_rows(fresh_pg_url, tmp_path):
+    """A shard's commit transaction is held open after adding its aggregates (the statements the
+    materializer's commit runs, on the same keys the other shard counts: the same time
+    buckets, versions, tasks, experts); the other shard folds and commits meanwhile. With the
+    totals upserted in the commit (before migration 0022) it waited for the held row locks.
+    A compaction held open does not stop a commit either."""
+    store = trajstore.connect(fresh_pg_url, payload=str(tmp_path / "payload"))
+    engine = create_engine(fresh_pg_url)
+    try:
+        for events in run_events(0, 16):
+            store.append(events)
+        ids = [t for t in store.log.finished_ids_after(0)]
+        mine = [t for t in ids if Materializer(store, shard_index=0, num_shards=2).shard.owns(t)]
+        assert mine and len(mine) < len(ids)
+        d = store.log.db.dialect
+        head = max(r["position"] for r in store.log.finished_after(0, 1000))
+        samples_0 = list(store.samples())  # nothing folded yet: counts of no sample
+        assert not samples_0
+        with engine.connect() as held:
+            held.begin()
+            held.exec_driver_sql("SET application_name = 'held-shard-0'")
+            count_commit(held, d, mine, [], 0, head)  # shard 0's commit: its trajectories' counts
+            insert_fold_deltas(held, d, {"agg_expert_load": {(0,): np.ones((8, 64), np.int64)},
+                                         "agg_logprobs": {(0, b): [1, -1.0] for b in range(48)}})
+            done: dict = {}
+
+            def shard_1() -> None:
+                try:
+                    done["stats"] = Materializer(store, shard_index=1, num_shards=2).run(compact=False)
+                except Exception as e:  # noqa: BLE001 - reported below
+                    done["error"] = e
+
+            t = threading.Thread(target=shard_1)
+            t0 = time.monotonic()
+            t.start()
+            t.join(60)
+            assert not t.is_alive(), "shard 1's commit waited on shard 0's open transaction"
+            assert "error" not in done, done
+            assert done["stats"].num_trajectories > 0
+            assert Materializer(store, shard_index=1, num_shards=2).pending() == 0  # all of shard 1's
+            assert time.monotonic() - t0 < 30
+            held.rollback()
+        # a compaction held open (its totals rows locked) while shard 0 commits
+        with engine.connect() as held:
+            held.begin()
+            from trajstore.log._aggregates import compact_aggregates
+
+            assert compact_aggregates(held, d) > 0
+            t = threading.Thread(target=lambda: done.__setitem__("stats0", Materializer(
+                store, shard_index=0, num_shards=2).run(compact=False)))
+            t.start()
+            t.join(60)
+            assert not t.is_alive(), "shard 0's commit waited on an open compaction"
+            assert done["stats0"].num_trajectories > 0
+            held.commit()
+        compact_run_aggregates(store)
+        counted = tables(store)
+        rebuild_aggregates(store)
+        assert tables(store) == counted  # every commit counted once: equal to a recount
+    finally:
+        engine.dispose()
+        store.close()
+
+
+def _kill_when_waiting(url: str, like: str, timeout_s: float = 60) -> None:
+    """Terminate the backend whose query starts with ``like`` once it waits on a lock."""
+    dsn = url.replace("postgresql+psycopg://", "postgresql://")
+    deadline = time.monotonic() + timeout_s
+    with psycopg.connect(dsn, autocommit=True) as admin:
+        while True:
+            got = admin.execute("SELECT pid FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE %s",
+                                (like + "%",)).fetchall()
+            if got:
+                assert admin.execute("SELECT pg_terminate_backend(%s)", (got[0][0],)).fetchone()[0]
+                return
+            assert time.monotonic() < deadline, "the compaction never waited"
+            time.sleep(0.05)
+
+
+@pytest.mark.postgres
+def test_a_compaction_whose_backend_is_killed_changes_nothing_and_the_next_folds_once(fresh_pg_url, tmp_path):
+    store = trajstore.connect(fresh_pg_url, payload=str(tmp_path / "payload"))
+    engine = create_engine(fresh_pg_url)
+    try:
+        for events in run_events(0, 16) + _moe_events(6):
+            store.append(events)
+        Materializer(store, max_trajectories=4).run(compact=False)
+        before, pending = tables(store), _pending(store)
+        assert pending
+        with engine.connect() as holder:  # an uncommitted total row of a key the deltas add to
+            holder.begin()
+            width, start = holder.execute(text("SELECT width_s, bucket_start FROM agg_rewards_delta LIMIT 1")).one()
+            holder.execute(text("INSERT INTO agg_rewards (width_s, bucket_start, rewarded, reward_sum, reward_min, "
+                                "reward_max) VALUES (:w, :b, 0, 0, 0, 0)"), {"w": width, "b": start})
+            out: dict = {}
+
+            def compact() -> None:
+                try:
+                    out["n"] = compact_run_aggregates(store)
+                except Exception as e:  # noqa: BLE001 - the outcome is asserted below
+                    out["error"] = e
+
+            t = threading.Thread(target=compact)
+            t.start()
+            # it has folded agg_groups, agg_logprobs and agg_policy_versions' deltas (deleted,
+            # totals upserted) in its transaction and waits on agg_rewards: killed there
+            _kill_when_waiting(fresh_pg_url, "INSERT INTO agg_rewards")
+            t.join(60)
+            assert not t.is_alive()
+            holder.rollback()
+        err = out.get("error")
+        assert isinstance(err, trajstore.TrajstoreError) and "\n" not in str(err), out
+        assert _pending(store) == pending and tables(store) == before  # rolled back whole
+        assert compact_run_aggregates(store) >= pending and _pending(store) == 0
+        after = tables(store)
+        assert {k: v for k, v in after.items() if k not in LAGGING} == \
+            {k: v for k, v in before.items() if k not in LAGGING}
+        assert compact_run_aggregates(store) == 0 and tables(store) == after
+        rebuild_aggregates(store)
+        assert tables(store) == after  # exactly once: equal to a recount
+    finally:
+        engine.dispose()
+        store.close()
+
+
+def test_the_fold_imports_no_pandas(tmp_path):
+    """A fresh process that appends MoE rollouts and materializes them has not imported pandas
+    (pyarrow's ``pa.array`` imports it on first use: 0.3 s at a process's first fold step)."""
+    code = f"""
+import sys
+import trajstore
+from trajstore.demo._simulate import RolloutConfig, trajectory_events
+s = trajstore.connect("sqlite:///{tmp_path}/s.db", payload="{tmp_path}/p")
+for i in range(4):
+    cfg = RolloutConfig(turns=3, prompt_tokens=12, output_tokens=10, observation_tokens=4, num_experts=16,
+                        layers=4, topk=2, seed=i)
+    s.append(trajectory_events(cfg, i, version=i % 2))
+assert s.materialize().num_trajectories == 4
+assert "pandas" not in sys.modules, "pandas imported"
+print("ok")
+"""
+    got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+    assert got.returncode == 0 and got.stdout.strip() == "ok", got.stderr[-2000:]

@@ -57,13 +57,16 @@ COOKIE = "trajstore_report"
 
 # What the panels show changes only when one of these does: an append (every event, training
 # lineage and labels included, takes the next log position), a fold (a shard's or a
-# projection's checkpoint moves). Maxima over primary keys and two small tables: no count,
-# no scan, whatever the store holds.
+# projection's checkpoint moves), the background compaction (it counts the expert load of the
+# segments noted in agg_expert_pending and settles the groups of agg_groups_delta, deleting
+# what it counted). Maxima over primary keys, and tables as small as the compaction's lag:
+# nothing that grows with the store.
 CHANGED_SQL = ("SELECT (SELECT max(position) FROM events), "
                "(SELECT max(updated_at) FROM materializer_checkpoints), "
                "(SELECT sum(position) FROM materializer_checkpoints), "
                "(SELECT max(updated_at) FROM projection_checkpoints), "
-               "(SELECT count(*) FROM materializer_checkpoints)")
+               "(SELECT count(*) FROM materializer_checkpoints), "
+               "(SELECT count(*) FROM agg_expert_pending), (SELECT count(*) FROM agg_groups_delta)")
 
 
 def _cookie_value(token: str) -> str:

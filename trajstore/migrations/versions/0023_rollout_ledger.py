@@ -1,7 +1,7 @@
 """The rollout ledger's group table
 
 Revision ID: 0023
-Revises: 0021
+Revises: 0022
 Create Date: 2026-11-29
 
 ``ledger_groups``: one row per group that ``trajectory_started`` events carrying
@@ -24,7 +24,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision = "0023"
-down_revision = "0021"
+down_revision = "0022"
 branch_labels = None
 depends_on = None
 

@@ -1,7 +1,7 @@
 """lineage_steps.projection_token; run_owners
 
 Revision ID: 0024
-Revises: 0021
+Revises: 0023
 Create Date: 2026-11-29
 
 * ``lineage_steps.projection_token``: the identity (``projections.token``) of the
@@ -21,7 +21,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision = "0024"
-down_revision = "0021"
+down_revision = "0023"
 branch_labels = None
 depends_on = None
 

@@ -1,7 +1,7 @@
 """log_safe_position: only the transactions of logins that may append hold the tail
 
 Revision ID: 0025
-Revises: 0021
+Revises: 0024
 Create Date: 2026-11-29
 
 0014's ``log_safe_position`` waited on every transaction id running in the
@@ -21,7 +21,7 @@ from __future__ import annotations
 from alembic import op
 
 revision = "0025"
-down_revision = "0021"
+down_revision = "0024"
 branch_labels = None
 depends_on = None
 

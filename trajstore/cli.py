@@ -84,6 +84,13 @@ def _cmd_materialize(args: argparse.Namespace) -> int:
         args.max_trajectories = args.old_batch_size
     m = Materializer(store, shard_index=args.shard, num_shards=args.num_shards,
                      max_trajectories=args.max_trajectories, projection=args.projection)
+    if args.follow:
+        if args.refold_quarantined:
+            raise ValidationError("--follow folds as trajectories finish; run --refold-quarantined on its own",
+                                  rule="cli")
+        from trajstore.scale._worker import follow_from_args
+
+        return follow_from_args(args, m)
     if args.refold_quarantined:
         if args.projection is not None:
             raise ValidationError("--refold-quarantined folds the default samples; leave out --projection",
@@ -352,7 +359,14 @@ def _parser() -> argparse.ArgumentParser:
                    help="fold into this named projection instead of the default samples (docs/projections.md)")
     m.add_argument("--abandon-after-s", type=number(float, min=0, min_exclusive=True), default=None, metavar="SECONDS",
                    help="first finish running trajectories with no event for this long as 'abandoned' "
-                        "(a dead harness's); default: never (docs/materializer.md)")
+                        "(a dead harness's); with --follow: checked every tenth of it; default: never "
+                        "(docs/materializer.md)")
+    m.add_argument("--follow", action="store_true",
+                   help="keep folding as trajectories finish, one log line per step, until SIGTERM/SIGINT (then "
+                        "exit 0 after the step in progress); shard 0 also collects retired payload")
+    from trajstore.scale._worker import add_follow_arguments
+
+    add_follow_arguments(m)
     e = add("export", _cmd_export, "write the samples as a Parquet dataset (appears whole or not at all)")
     e.add_argument("dir", help="directory to create with the part-NNNNN.parquet files")
     e.add_argument("--replace", action="store_true", help="replace an earlier export in DIR (atomically)")
@@ -417,6 +431,9 @@ _EDGES = (
     # store-side figures to TensorBoard, MLflow, W&B (docs/report.md "Trackers")
     ("track", "trajstore.inspect.trackers", "run_from_args",
      "push the run's store-side metrics to TensorBoard, MLflow or Weights & Biases"),
+    # beside a run: fold, collect garbage, push to trackers, serve the page (docs/materializer.md)
+    ("worker", "trajstore.scale._worker", "run_from_args",
+     "run beside a run: fold as trajectories finish, collect garbage, push to trackers, serve the page"),
     # the replay service: trainers elsewhere read samples over Arrow Flight (docs/replay.md)
     ("replay", "trajstore.replay._server", "serve_from_args", "run the Arrow Flight replay service trainers read from"),
 )

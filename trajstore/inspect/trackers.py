@@ -64,7 +64,8 @@ from trajstore.errors import StoreUnavailable, TrajstoreError, first_line
 from trajstore.inspect.sql import Query, QueryResult
 
 __all__ = ["StoreMetrics", "TrackerSink", "TensorBoardSink", "MLflowSink", "WandbSink", "TrackerPusher",
-           "store_metrics", "expert_load_violation", "mlflow_name", "add_cli_arguments", "run_from_args"]
+           "store_metrics", "expert_load_violation", "mlflow_name", "add_cli_arguments", "add_tracker_arguments",
+           "sinks_from_args", "wants_trackers", "run_from_args"]
 
 log = logging.getLogger(__name__)
 

@@ -91,14 +91,16 @@ def test_a_server_on_a_taken_port_prints_one_error_line(command, tmp_path):
         "(another process has it: stop that one or pick another --port)"], proc.stderr
 
 
-def test_serve_insecure_no_auth_warns(tmp_path):
+@pytest.mark.parametrize("host, warned", [("0.0.0.0", True), ("127.0.0.1", False)])
+def test_serve_insecure_no_auth_warns_unless_on_loopback(tmp_path, host, warned):
+    """Running open is worth a warning where other machines reach the port, not on 127.0.0.1."""
     pytest.importorskip("fastapi")
     port = free_port()
-    proc = subprocess.Popen([*CLI, *_server_argv("serve", tmp_path, port), "--insecure-no-auth"],
+    proc = subprocess.Popen([*CLI, *_server_argv("serve", tmp_path, port), "--insecure-no-auth", "--host", host],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
     try:
         lines = _stderr_lines_until(proc, "listening on")
-        assert any("running open (--insecure-no-auth)" in line for line in lines), lines
+        assert any(f"running open (--insecure-no-auth) on {host}" in line for line in lines) == warned, lines
     finally:
         stop_process(proc)
 
@@ -259,3 +261,28 @@ def test_the_docs_examples_use_only_what_trajstore_installs():
         assert "requests.post(" not in text and "requests.get(" not in text and "import requests" not in text, page
     pyproject = (REPO / "pyproject.toml").read_text()
     assert '"httpx>=' in pyproject and "httpx.post(" in (REPO / "docs/ingest.md").read_text()
+
+
+def test_report_serve_prints_a_link_with_the_token_and_answers_a_browser_without_it_with_a_page(tmp_path):
+    """Without the token the page answered raw JSON; the link to open was left to guess."""
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("plotly")
+    import trajstore
+
+    url = f"sqlite:///{tmp_path}/s.db"
+    trajstore.connect(url, payload=str(tmp_path / "payload")).close()
+    port = free_port()
+    proc = subprocess.Popen([*CLI, "--store", url, "report", "--serve", "--port", str(port)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=_env(TRAJSTORE_TOKEN="a b/c"))
+    try:
+        lines = _stderr_lines_until(proc, "open the page: ")
+        link = lines[-1].split("open the page: ", 1)[1].strip()
+        assert link == f"http://127.0.0.1:{port}/?token=a%20b%2Fc"  # clickable: the token quoted
+        locked = httpx.get(f"http://127.0.0.1:{port}/", timeout=10)
+        assert locked.status_code == 401 and locked.headers["content-type"].startswith("text/html")
+        assert "needs its token" in locked.text and "?token=TOKEN" in locked.text
+        assert httpx.get(f"http://127.0.0.1:{port}/api/data", timeout=10).json()["error"]["rule"] == "unauthorized"
+        opened = httpx.get(link, timeout=30, follow_redirects=True)
+        assert opened.status_code == 200 and "trajstore report" in opened.text
+    finally:
+        stop_process(proc)

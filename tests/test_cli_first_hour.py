@@ -286,3 +286,10 @@ def test_report_serve_prints_a_link_with_the_token_and_answers_a_browser_without
         assert opened.status_code == 200 and "trajstore report" in opened.text
     finally:
         stop_process(proc)
+
+
+def test_trajstore_lineage_needs_no_import_of_its_own():
+    """``trajstore.lineage.step_samples`` (docs/lineage.md) raised AttributeError after ``import trajstore``."""
+    proc = subprocess.run([sys.executable, "-c", "import trajstore; print(trajstore.lineage.step_samples.__name__)"],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0 and proc.stdout.strip() == "step_samples", proc.stderr

@@ -153,6 +153,9 @@ def _cmd_export(args: argparse.Namespace) -> int:
         from trajstore.lineage import step_samples
 
         samples = step_samples(store, run=args.run, step=args.step)
+        if not samples:
+            raise TrajstoreError(f"export: run {args.run!r} has no samples recorded for step {args.step}; "
+                                 f"{_recorded_steps(store)} (SampleReader.record_step records them)")
         counts = export_samples(samples, args.dir, replace=args.replace)
         print(f"exported {counts['samples']} samples of step {args.step} of run {args.run!r} to "
               f"{counts['files']} Parquet file(s) in {args.dir}")
@@ -166,6 +169,24 @@ def _cmd_export(args: argparse.Namespace) -> int:
                                 replace=args.replace)
     print(f"exported {counts['samples']} samples to {counts['files']} Parquet file(s) in {args.dir}")
     return 0
+
+
+def _recorded_steps(store: Any, limit: int = 10) -> str:
+    """What training lineage the store has, in words: each run and its steps' range."""
+    from sqlalchemy import func, select
+
+    from trajstore.schema import lineage_steps
+
+    s = lineage_steps.c
+    q = (select(s.run, func.min(s.step), func.max(s.step), func.count(func.distinct(s.step)))
+         .group_by(s.run).order_by(s.run).limit(limit + 1))
+    with store.log.db.reading("reading the recorded training runs") as conn:
+        rows = conn.execute(q).all()
+    if not rows:
+        return "the store has no training steps recorded"
+    runs = [f"{run!r} (steps {lo}..{hi}, {n} recorded)" if lo != hi else f"{run!r} (step {lo})"
+            for run, lo, hi, n in rows[:limit]]
+    return "recorded: " + ", ".join(runs) + (", ..." if len(rows) > limit else "")
 
 
 def _cmd_info(args: argparse.Namespace) -> int:

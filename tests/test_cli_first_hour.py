@@ -175,7 +175,8 @@ def scram_cluster():
         pytest.skip(str(e))
     try:
         hba = cluster.data_dir / "pg_hba.conf"
-        hba.write_text("host all pw_analyst 127.0.0.1/32 scram-sha-256\n" + hba.read_text())
+        # the local socket under peer authentication (the OS user's own name only), as distributions set it up
+        hba.write_text("local all pw_analyst peer\nhost all pw_analyst 127.0.0.1/32 scram-sha-256\n" + hba.read_text())
         cluster.reload()
         yield cluster
     finally:
@@ -293,3 +294,29 @@ def test_trajstore_lineage_needs_no_import_of_its_own():
     proc = subprocess.run([sys.executable, "-c", "import trajstore; print(trajstore.lineage.step_samples.__name__)"],
                           capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert proc.returncode == 0 and proc.stdout.strip() == "step_samples", proc.stderr
+
+
+@pytest.mark.postgres
+def test_init_reader_login_through_a_local_socket_prints_a_command_that_logs_in(scram_cluster, tmp_path):
+    """A store URL through the local socket gave a command that peer authentication refuses
+    (the OS user is not the reader login): the printed one goes over TCP, where the password works."""
+    url = scram_cluster.create_database()
+    dbname = url.rsplit("/", 1)[1]
+    socket_url = f"postgresql+psycopg://postgres@/{dbname}?host={scram_cluster.base_dir}&port={scram_cluster.port}"
+    env = _env(TRAJSTORE_READER_PASSWORD="s3cret", TRAJSTORE_PAYLOAD_DIR=str(tmp_path / "pay"),
+               PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    proc = run("--store", socket_url, "init", "--reader-login", "pw_analyst", env=env)
+    assert proc.returncode == 0, proc.stderr
+    line = proc.stdout.splitlines()[-1]
+    command = line[line.index("): ") + 3:]
+    assert f"pw_analyst@127.0.0.1:{scram_cluster.port}/{dbname}" in command, command
+    pasted = subprocess.run(["bash", "-c", command], capture_output=True, text=True, env=env, timeout=120)
+    assert pasted.returncode == 0, pasted.stderr
+    assert "(1 row)" in pasted.stdout
+    # the socket itself refuses the reader login, as the command printed before would have used it
+    through_socket = subprocess.run(
+        [*CLI, "--store", f"postgresql+psycopg://pw_analyst@/{dbname}?host={scram_cluster.base_dir}"
+                          f"&port={scram_cluster.port}", "sql", "SELECT 1"],
+        capture_output=True, text=True, env=env, timeout=120)
+    assert through_socket.returncode == 1 and "peer authentication failed" in through_socket.stderr.lower(), \
+        through_socket.stderr

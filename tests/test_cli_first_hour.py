@@ -320,3 +320,17 @@ def test_init_reader_login_through_a_local_socket_prints_a_command_that_logs_in(
         capture_output=True, text=True, env=env, timeout=120)
     assert through_socket.returncode == 1 and "peer authentication failed" in through_socket.stderr.lower(), \
         through_socket.stderr
+
+
+def test_demo_engine_keeps_the_first_demos_store(tmp_path):
+    """README's second line (`demo --engine`) deleted the first line's demo store, and the
+    commands the first demo printed failed: each demo has its own directory."""
+    pytest.importorskip("fastapi")
+    first = run("demo", "--trajectories", "4", "--workers", "1", "--no-train", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    engine = run("demo", "--engine", cwd=tmp_path)
+    assert engine.returncode == 0, engine.stderr
+    assert (tmp_path / "trajstore-demo" / "trajstore.db").exists()
+    assert (tmp_path / "trajstore-engine-demo" / "engine-demo.db").exists()
+    info = run("--store", "sqlite:///trajstore-demo/trajstore.db", "info", cwd=tmp_path)  # as the demo prints it
+    assert info.returncode == 0 and '"samples": 0' not in info.stdout, info.stderr

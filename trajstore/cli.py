@@ -419,9 +419,10 @@ def _parser() -> argparse.ArgumentParser:
     d = add("demo", _cmd_demo, "the main job end to end on the embedded store, with simulated rollouts")
     d.add_argument("--trajectories", type=number(int), default=200, help="simulated trajectories (default 200)")
     d.add_argument("--workers", type=number(int), default=4, help="simulated rollout worker processes (default 4)")
-    d.add_argument("--dir", default="trajstore-demo",
-                   help="where the demo store, export and report go (default ./trajstore-demo); "
-                        "files the demo did not make are never touched")
+    d.add_argument("--dir", default=None,
+                   help="where the demo store, export and report go (default ./trajstore-demo; with --engine "
+                        "./trajstore-engine-demo); files the demo did not make are never touched, and --engine "
+                        "never touches the first demo's store")
     d.add_argument("--no-train", action="store_true", help="skip the megatron replay stage")
     d.add_argument("--engine", action="store_true",
                    help="instead: agent episodes through a real `trajstore proxy` in front of a simulated vLLM "

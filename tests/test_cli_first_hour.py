@@ -6,6 +6,7 @@ what and where. Real subprocesses and servers on loopback."""
 from __future__ import annotations
 
 import os
+import re
 import select
 import socket
 import subprocess
@@ -334,3 +335,14 @@ def test_demo_engine_keeps_the_first_demos_store(tmp_path):
     assert (tmp_path / "trajstore-engine-demo" / "engine-demo.db").exists()
     info = run("--store", "sqlite:///trajstore-demo/trajstore.db", "info", cwd=tmp_path)  # as the demo prints it
     assert info.returncode == 0 and '"samples": 0' not in info.stdout, info.stderr
+
+
+def test_readme_lists_every_extra_with_what_it_enables():
+    import tomllib
+
+    extras = set(tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"])
+    readme = (REPO / "README.md").read_text()
+    section = readme[readme.index("## Extras"):]
+    rows = {m.group(1): m.group(2) for m in re.finditer(r"^\| `([a-z0-9-]+)` \| [^|]+ \| ([^|]+) \|$", section, re.M)}
+    assert set(rows) == extras, (sorted(extras - set(rows)), sorted(set(rows) - extras))
+    assert all(len(what.strip()) > 5 for what in rows.values())

@@ -31,19 +31,19 @@ __all__ = ["add_cli_arguments", "add_follow_arguments", "follow_from_args", "run
 log = logging.getLogger("trajstore.worker")
 
 
-def add_follow_arguments(p: argparse.ArgumentParser) -> None:
+def add_follow_arguments(p: Any, *, when: str = "with --follow: ") -> None:
     """The long-running loop's flags (``materialize --follow`` and ``worker``)."""
     from trajstore._argtypes import number
 
     p.add_argument("--poll-s", type=number(float, min=0, min_exclusive=True), default=1.0,
-                   help="with --follow: seconds between looks at the log when nothing is pending (default 1)")
+                   help=f"{when}seconds between looks at the log when nothing is pending (default 1)")
     p.add_argument("--gc-grace-s", type=number(float), default=GC_MARGIN_S, metavar="SECONDS",
-                   help="with --follow: delete retired payload files this long after retirement, or after the oldest "
+                   help=f"{when}delete retired payload files this long after retirement, or after the oldest "
                         f"live reader lease; only shard 0 collects (default {GC_MARGIN_S:g}; negative: never)")
     p.add_argument("--gc-interval-s", type=number(float, min=0, min_exclusive=True), default=GC_INTERVAL_S,
-                   help=f"with --follow: how often the GC looks at the retired list (default {GC_INTERVAL_S:g})")
+                   help=f"{when}how often the GC looks at the retired list (default {GC_INTERVAL_S:g})")
     p.add_argument("--unavailable-timeout-s", type=number(float, min=0, min_exclusive=True), default=None,
-                   metavar="SECONDS", help="with --follow: give up (exit 1) when one database outage lasts this long "
+                   metavar="SECONDS", help=f"{when}give up (exit 1) when one database outage lasts this long "
                                            "(default: wait as long as it takes, one log line per wait)")
 
 
@@ -122,7 +122,7 @@ def add_cli_arguments(p: argparse.ArgumentParser) -> None:
     fold.add_argument("--abandon-after-s", type=number(float, min=0, min_exclusive=True), default=None,
                       metavar="SECONDS", help="finish running trajectories with no event for this long as "
                                               "'abandoned' (default: never)")
-    add_follow_arguments(fold)
+    add_follow_arguments(fold, when="")
     fold.add_argument("--no-gc", action="store_true", help="do not collect retired payload (shard 0 does by default)")
     p.add_argument("--reader-store", default=None, metavar="URL",
                    help="the store URL the trackers and the page read with: on PostgreSQL a login holding only the "

@@ -48,7 +48,6 @@ def test_the_pages_commands_exist():
     assert named and named <= commands, sorted(named - commands)
 
 
-@pytest.mark.slow  # about a minute: a dozen CLI processes
 @pytest.mark.timeout(300)
 def test_step_by_step_and_the_named_label_as_written(tmp_path):
     pytest.importorskip("fastapi")

@@ -6,6 +6,7 @@ what and where. Real subprocesses and servers on loopback."""
 from __future__ import annotations
 
 import os
+import re
 import select
 import socket
 import subprocess
@@ -91,14 +92,16 @@ def test_a_server_on_a_taken_port_prints_one_error_line(command, tmp_path):
         "(another process has it: stop that one or pick another --port)"], proc.stderr
 
 
-def test_serve_insecure_no_auth_warns(tmp_path):
+@pytest.mark.parametrize("host, warned", [("0.0.0.0", True), ("127.0.0.1", False)])
+def test_serve_insecure_no_auth_warns_unless_on_loopback(tmp_path, host, warned):
+    """Running open is worth a warning where other machines reach the port, not on 127.0.0.1."""
     pytest.importorskip("fastapi")
     port = free_port()
-    proc = subprocess.Popen([*CLI, *_server_argv("serve", tmp_path, port), "--insecure-no-auth"],
+    proc = subprocess.Popen([*CLI, *_server_argv("serve", tmp_path, port), "--insecure-no-auth", "--host", host],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
     try:
         lines = _stderr_lines_until(proc, "listening on")
-        assert any("running open (--insecure-no-auth)" in line for line in lines), lines
+        assert any(f"running open (--insecure-no-auth) on {host}" in line for line in lines) == warned, lines
     finally:
         stop_process(proc)
 
@@ -173,7 +176,8 @@ def scram_cluster():
         pytest.skip(str(e))
     try:
         hba = cluster.data_dir / "pg_hba.conf"
-        hba.write_text("host all pw_analyst 127.0.0.1/32 scram-sha-256\n" + hba.read_text())
+        # the local socket under peer authentication (the OS user's own name only), as distributions set it up
+        hba.write_text("local all pw_analyst peer\nhost all pw_analyst 127.0.0.1/32 scram-sha-256\n" + hba.read_text())
         cluster.reload()
         yield cluster
     finally:
@@ -259,3 +263,86 @@ def test_the_docs_examples_use_only_what_trajstore_installs():
         assert "requests.post(" not in text and "requests.get(" not in text and "import requests" not in text, page
     pyproject = (REPO / "pyproject.toml").read_text()
     assert '"httpx>=' in pyproject and "httpx.post(" in (REPO / "docs/ingest.md").read_text()
+
+
+def test_report_serve_prints_a_link_with_the_token_and_answers_a_browser_without_it_with_a_page(tmp_path):
+    """Without the token the page answered raw JSON; the link to open was left to guess."""
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("plotly")
+    import trajstore
+
+    url = f"sqlite:///{tmp_path}/s.db"
+    trajstore.connect(url, payload=str(tmp_path / "payload")).close()
+    port = free_port()
+    proc = subprocess.Popen([*CLI, "--store", url, "report", "--serve", "--port", str(port)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=_env(TRAJSTORE_TOKEN="a b/c"))
+    try:
+        lines = _stderr_lines_until(proc, "open the page: ")
+        link = lines[-1].split("open the page: ", 1)[1].strip()
+        assert link == f"http://127.0.0.1:{port}/?token=a%20b%2Fc"  # clickable: the token quoted
+        locked = httpx.get(f"http://127.0.0.1:{port}/", timeout=10)
+        assert locked.status_code == 401 and locked.headers["content-type"].startswith("text/html")
+        assert "needs its token" in locked.text and "?token=TOKEN" in locked.text
+        assert httpx.get(f"http://127.0.0.1:{port}/api/data", timeout=10).json()["error"]["rule"] == "unauthorized"
+        opened = httpx.get(link, timeout=30, follow_redirects=True)
+        assert opened.status_code == 200 and "trajstore report" in opened.text
+    finally:
+        stop_process(proc)
+
+
+def test_trajstore_lineage_needs_no_import_of_its_own():
+    """``trajstore.lineage.step_samples`` (docs/lineage.md) raised AttributeError after ``import trajstore``."""
+    proc = subprocess.run([sys.executable, "-c", "import trajstore; print(trajstore.lineage.step_samples.__name__)"],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0 and proc.stdout.strip() == "step_samples", proc.stderr
+
+
+@pytest.mark.postgres
+def test_init_reader_login_through_a_local_socket_prints_a_command_that_logs_in(scram_cluster, tmp_path):
+    """A store URL through the local socket gave a command that peer authentication refuses
+    (the OS user is not the reader login): the printed one goes over TCP, where the password works."""
+    url = scram_cluster.create_database()
+    dbname = url.rsplit("/", 1)[1]
+    socket_url = f"postgresql+psycopg://postgres@/{dbname}?host={scram_cluster.base_dir}&port={scram_cluster.port}"
+    env = _env(TRAJSTORE_READER_PASSWORD="s3cret", TRAJSTORE_PAYLOAD_DIR=str(tmp_path / "pay"),
+               PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    proc = run("--store", socket_url, "init", "--reader-login", "pw_analyst", env=env)
+    assert proc.returncode == 0, proc.stderr
+    line = proc.stdout.splitlines()[-1]
+    command = line[line.index("): ") + 3:]
+    assert f"pw_analyst@127.0.0.1:{scram_cluster.port}/{dbname}" in command, command
+    pasted = subprocess.run(["bash", "-c", command], capture_output=True, text=True, env=env, timeout=120)
+    assert pasted.returncode == 0, pasted.stderr
+    assert "(1 row)" in pasted.stdout
+    # the socket itself refuses the reader login, as the command printed before would have used it
+    through_socket = subprocess.run(
+        [*CLI, "--store", f"postgresql+psycopg://pw_analyst@/{dbname}?host={scram_cluster.base_dir}"
+                          f"&port={scram_cluster.port}", "sql", "SELECT 1"],
+        capture_output=True, text=True, env=env, timeout=120)
+    assert through_socket.returncode == 1 and "peer authentication failed" in through_socket.stderr.lower(), \
+        through_socket.stderr
+
+
+def test_demo_engine_keeps_the_first_demos_store(tmp_path):
+    """README's second line (`demo --engine`) deleted the first line's demo store, and the
+    commands the first demo printed failed: each demo has its own directory."""
+    pytest.importorskip("fastapi")
+    first = run("demo", "--trajectories", "4", "--workers", "1", "--no-train", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    engine = run("demo", "--engine", cwd=tmp_path)
+    assert engine.returncode == 0, engine.stderr
+    assert (tmp_path / "trajstore-demo" / "trajstore.db").exists()
+    assert (tmp_path / "trajstore-engine-demo" / "engine-demo.db").exists()
+    info = run("--store", "sqlite:///trajstore-demo/trajstore.db", "info", cwd=tmp_path)  # as the demo prints it
+    assert info.returncode == 0 and '"samples": 0' not in info.stdout, info.stderr
+
+
+def test_readme_lists_every_extra_with_what_it_enables():
+    import tomllib
+
+    extras = set(tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"])
+    readme = (REPO / "README.md").read_text()
+    section = readme[readme.index("## Extras"):]
+    rows = {m.group(1): m.group(2) for m in re.finditer(r"^\| `([a-z0-9-]+)` \| [^|]+ \| ([^|]+) \|$", section, re.M)}
+    assert set(rows) == extras, (sorted(extras - set(rows)), sorted(set(rows) - extras))
+    assert all(len(what.strip()) > 5 for what in rows.values())

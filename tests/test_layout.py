@@ -235,7 +235,8 @@ EXTENSION_API: dict[str, set[str]] = {
     },
     "trajstore.inspect.trackers": {
         "MLflowSink", "StoreMetrics", "TensorBoardSink", "TrackerPusher", "TrackerSink", "WandbSink",
-        "add_cli_arguments", "expert_load_violation", "run_from_args", "store_metrics"
+        "add_cli_arguments", "add_tracker_arguments", "expert_load_violation", "mlflow_name", "run_from_args",
+        "sinks_from_args", "store_metrics", "wants_trackers"
     },
     "trajstore.inspect.views": {
         "READER_ROLE", "VIEW_NAMES", "create_views", "drop_reader_grants_sql", "drop_views", "reader_role_sql",

@@ -848,6 +848,12 @@ def test_export_step_writes_the_samples_of_one_training_step(store, store_url, t
     assert table.column("response_ids").to_pylist()[0] == [10, 11, 12, 13, 14]
     assert main(["--store", store_url, "export", str(tmp_path / "x"), "--run", "g"]) != 0
     assert "--run and --step go together" in capsys.readouterr().err
+    # a run or step that does not exist: exit 1 naming what does, nothing written (it exited 0 with 0 samples)
+    assert main(["--store", store_url, "export", str(tmp_path / "nope"), "--run", "nope", "--step", "0"]) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        "error: export: run 'nope' has no samples recorded for step 0; recorded: 'g' (steps 3..4, 2 recorded) "
+        "(SampleReader.record_step records them)"]
+    assert not (tmp_path / "nope").exists()
 
 
 def test_mlflow_logs_the_consumed_samples_as_a_dataset_input(store, tmp_path):

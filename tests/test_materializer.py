@@ -599,7 +599,7 @@ def test_worker_follows_the_log_and_stops_on_sigterm(store_url, tmp_path):
     proc = subprocess.Popen(
         [sys.executable, os.path.join(ROOT, "workers", "materializer.py"), "--store", store_url,
          "--payload", payload, "--poll-s", "0.1"],
-        stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=ROOT))
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=ROOT))
     try:
         for i in range(5):
             store.append(trajectory_events(CFG, i))
@@ -610,8 +610,10 @@ def test_worker_follows_the_log_and_stops_on_sigterm(store_url, tmp_path):
         assert _wait_for(lambda: store.materialized.load_checkpoint(Shard(0, 1))["position"] == store.log.head_position())
     finally:
         proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=60)
-    assert proc.returncode == 0
+        out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    # the documented path still works, and says where the command moved
+    assert "DeprecationWarning: workers/materializer.py is deprecated; run `trajstore materialize --follow`" in err
     folded = sum(json.loads(line)["num_trajectories"] for line in out.splitlines())
     assert folded == 8
     assert sorted({s.trajectory_id for s in store.samples()}) == sorted(trajectory_events(CFG, i)[0]["trajectory_id"] for i in range(8))

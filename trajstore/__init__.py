@@ -23,6 +23,7 @@ from trajstore.reader import ReaderConfig, SampleReader
 from trajstore.sample import Sample
 from trajstore.store import AppendResult, Store, connect
 from trajstore.ingest.client import Writer
+from trajstore import lineage  # noqa: F401 - trajstore.lineage.step_samples without importing it by name
 
 _moved.install()
 

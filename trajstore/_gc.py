@@ -148,6 +148,7 @@ class GcWorker:
 
     def _run(self) -> None:
         last_retire = last_sweep = time.monotonic()
+        failing_since: float | None = None  # the store has been unavailable since (monotonic)
         while not self._stop.is_set():
             t0 = time.monotonic()
             try:
@@ -164,6 +165,15 @@ class GcWorker:
                 self.stats.deleted += len(removed)
                 if removed:
                     log.info("gc: deleted %d retired payload segment(s)", len(removed))
+                if failing_since is not None:
+                    log.info("gc: store available again after %.1f s", time.monotonic() - failing_since)
+                    failing_since = None
+            except StoreUnavailable as e:  # one line per outage, not one per pass
+                self.stats.failures += 1
+                if failing_since is None:
+                    failing_since = t0
+                    log.warning("gc pass failed, retried every %gs until the store answers: %s", self.interval_s,
+                                first_line(e))
             except TrajstoreError as e:
                 self.stats.failures += 1
                 log.warning("gc pass failed, retried in %gs: %s", self.interval_s, first_line(e))

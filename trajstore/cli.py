@@ -84,6 +84,13 @@ def _cmd_materialize(args: argparse.Namespace) -> int:
         args.max_trajectories = args.old_batch_size
     m = Materializer(store, shard_index=args.shard, num_shards=args.num_shards,
                      max_trajectories=args.max_trajectories, projection=args.projection)
+    if args.follow:
+        if args.refold_quarantined:
+            raise ValidationError("--follow folds as trajectories finish; run --refold-quarantined on its own",
+                                  rule="cli")
+        from trajstore.scale._worker import follow_from_args
+
+        return follow_from_args(args, m)
     if args.refold_quarantined:
         if args.projection is not None:
             raise ValidationError("--refold-quarantined folds the default samples; leave out --projection",
@@ -146,6 +153,9 @@ def _cmd_export(args: argparse.Namespace) -> int:
         from trajstore.lineage import step_samples
 
         samples = step_samples(store, run=args.run, step=args.step)
+        if not samples:
+            raise TrajstoreError(f"export: run {args.run!r} has no samples recorded for step {args.step}; "
+                                 f"{_recorded_steps(store)} (SampleReader.record_step records them)")
         counts = export_samples(samples, args.dir, replace=args.replace)
         print(f"exported {counts['samples']} samples of step {args.step} of run {args.run!r} to "
               f"{counts['files']} Parquet file(s) in {args.dir}")
@@ -159,6 +169,24 @@ def _cmd_export(args: argparse.Namespace) -> int:
                                 replace=args.replace)
     print(f"exported {counts['samples']} samples to {counts['files']} Parquet file(s) in {args.dir}")
     return 0
+
+
+def _recorded_steps(store: Any, limit: int = 10) -> str:
+    """What training lineage the store has, in words: each run and its steps' range."""
+    from sqlalchemy import func, select
+
+    from trajstore.schema import lineage_steps
+
+    s = lineage_steps.c
+    q = (select(s.run, func.min(s.step), func.max(s.step), func.count(func.distinct(s.step)))
+         .group_by(s.run).order_by(s.run).limit(limit + 1))
+    with store.log.db.reading("reading the recorded training runs") as conn:
+        rows = conn.execute(q).all()
+    if not rows:
+        return "the store has no training steps recorded"
+    runs = [f"{run!r} (steps {lo}..{hi}, {n} recorded)" if lo != hi else f"{run!r} (step {lo})"
+            for run, lo, hi, n in rows[:limit]]
+    return "recorded: " + ", ".join(runs) + (", ..." if len(rows) > limit else "")
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
@@ -352,7 +380,14 @@ def _parser() -> argparse.ArgumentParser:
                    help="fold into this named projection instead of the default samples (docs/projections.md)")
     m.add_argument("--abandon-after-s", type=number(float, min=0, min_exclusive=True), default=None, metavar="SECONDS",
                    help="first finish running trajectories with no event for this long as 'abandoned' "
-                        "(a dead harness's); default: never (docs/materializer.md)")
+                        "(a dead harness's); with --follow: checked every tenth of it; default: never "
+                        "(docs/materializer.md)")
+    m.add_argument("--follow", action="store_true",
+                   help="keep folding as trajectories finish, one log line per step, until SIGTERM/SIGINT (then "
+                        "exit 0 after the step in progress); shard 0 also collects retired payload")
+    from trajstore.scale._worker import add_follow_arguments
+
+    add_follow_arguments(m)
     e = add("export", _cmd_export, "write the samples as a Parquet dataset (appears whole or not at all)")
     e.add_argument("dir", help="directory to create with the part-NNNNN.parquet files")
     e.add_argument("--replace", action="store_true", help="replace an earlier export in DIR (atomically)")
@@ -386,9 +421,10 @@ def _parser() -> argparse.ArgumentParser:
     d = add("demo", _cmd_demo, "the main job end to end on the embedded store, with simulated rollouts")
     d.add_argument("--trajectories", type=number(int), default=200, help="simulated trajectories (default 200)")
     d.add_argument("--workers", type=number(int), default=4, help="simulated rollout worker processes (default 4)")
-    d.add_argument("--dir", default="trajstore-demo",
-                   help="where the demo store, export and report go (default ./trajstore-demo); "
-                        "files the demo did not make are never touched")
+    d.add_argument("--dir", default=None,
+                   help="where the demo store, export and report go (default ./trajstore-demo; with --engine "
+                        "./trajstore-engine-demo); files the demo did not make are never touched, and --engine "
+                        "never touches the first demo's store")
     d.add_argument("--no-train", action="store_true", help="skip the megatron replay stage")
     d.add_argument("--engine", action="store_true",
                    help="instead: agent episodes through a real `trajstore proxy` in front of a simulated vLLM "
@@ -419,6 +455,9 @@ _EDGES = (
     # store-side figures to TensorBoard, MLflow, W&B (docs/report.md "Trackers")
     ("track", "trajstore.inspect.trackers", "run_from_args",
      "push the run's store-side metrics to TensorBoard, MLflow or Weights & Biases"),
+    # beside a run: fold, collect garbage, push to trackers, serve the page (docs/materializer.md)
+    ("worker", "trajstore.scale._worker", "run_from_args",
+     "run beside a run: fold as trajectories finish, collect garbage, push to trackers, serve the page"),
     # the replay service: trainers elsewhere read samples over Arrow Flight (docs/replay.md)
     ("replay", "trajstore.replay._server", "serve_from_args", "run the Arrow Flight replay service trainers read from"),
 )

@@ -64,7 +64,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from trajstore._deprecated import renamed
-from trajstore._gc import GC_INTERVAL_S, GC_MARGIN_S, GcWorker, compact_run_aggregates
+from trajstore._gc import GC_INTERVAL_S, GC_MARGIN_S, compact_run_aggregates
 from trajstore import _facts as facts
 from trajstore.errors import ConflictError, CorruptStoreError, PayloadMissingError, StoreUnavailable, ValidationError
 from trajstore.events import decimal_label
@@ -312,7 +312,7 @@ class Materializer:
 
     def follow(self, stop: threading.Event, *, poll_s: float = 1.0, gc_grace_s: float | None = GC_MARGIN_S,
                gc_interval_s: float = GC_INTERVAL_S, on_step: Callable[[MaterializeStats], None] | None = None,
-               abandon_after_s: float | None = None) -> None:
+               abandon_after_s: float | None = None, unavailable_timeout_s: float | None = None) -> None:
         """Fold as trajectories finish until ``stop`` is set (a step is one
         transaction: stopping between steps loses nothing), and collect garbage.
 
@@ -328,30 +328,14 @@ class Materializer:
         enough). ``on_step``: called with the stats of each step that folded or
         recorded something. ``abandon_after_s``: finish running trajectories
         idle that long as ``abandoned`` (:meth:`abandon_idle`), checked every
-        tenth of it (1 to 60 s); None (the default): never."""
-        last_abandon = time.monotonic()
-        worker = None if gc_grace_s is None else GcWorker(
-            self.store, margin_s=gc_grace_s, interval_s=gc_interval_s, name=f"trajstore-gc-{self.shard}").start()
-        self.gc = worker
-        abandon_every = None if abandon_after_s is None else max(1.0, min(60.0, abandon_after_s / 10))
-        try:
-            while not stop.is_set():
-                if abandon_every is not None and time.monotonic() - last_abandon >= abandon_every:
-                    last_abandon = time.monotonic()
-                    try:
-                        self.abandon_idle(abandon_after_s)  # type: ignore[arg-type]
-                    except StoreUnavailable as e:  # retried at the next check; folding goes on
-                        log.warning("materializer %s: abandoning idle trajectories failed, retried later: %s",
-                                    self.shard, e)
-                stats = self.run(max_steps=1, compact=worker is None)
-                if stats.num_trajectories or stats.num_unfoldable or stats.num_internal_errors:
-                    if on_step is not None:
-                        on_step(stats)
-                elif self.pending(all_shards=True) == 0:
-                    stop.wait(poll_s)  # nothing to do: sleep, but wake at once when stopped
-        finally:
-            if worker is not None:
-                worker.stop(timeout=0)  # a pass stuck on the object store ends with the process (daemon)
+        tenth of it (1 to 60 s); None (the default): never. An unreachable store
+        (a database restart) is waited out, one log line per wait, for up to
+        ``unavailable_timeout_s`` per outage (None: as long as it takes;
+        ``trajstore._follow``)."""
+        from trajstore._follow import follow
+
+        follow(self, stop, poll_s=poll_s, gc_grace_s=gc_grace_s, gc_interval_s=gc_interval_s, on_step=on_step,
+               abandon_after_s=abandon_after_s, unavailable_timeout_s=unavailable_timeout_s)
 
     def refold_quarantined(self) -> MaterializeStats:
         """Fold this shard's quarantined trajectories (recorded with

@@ -84,3 +84,16 @@ def test_first_hour_page_works_as_written(tmp_path):
     assert set(s.token_model_versions[s.token_model_versions >= 0].tolist()) == {0, 1}
     assert s.routed_experts is not None and not s.routed_experts_mask[:-1].any()
     assert np.asarray(s.loss_mask).sum() == 12
+
+
+def test_a_named_label_stays_until_set_again():
+    """After `update_weight_version step-42` the clock moved on to "1": a trajectory's versions
+    went back from 42 to 1 and it never folded (docs/first-hour.md's label recipe)."""
+    from trajstore.demo._engine import WeightClock
+
+    clock = WeightClock(update_every=10)
+    assert [s["version"] for s in clock.spans(12)] == ["default", "1"]
+    clock.set("step-42")
+    assert {s["version"] for s in clock.spans(35)} == {"step-42"}
+    clock.set("7")
+    assert [s["version"] for s in clock.spans(10)] == ["7", "8"]

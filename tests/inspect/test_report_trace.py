@@ -222,8 +222,13 @@ def test_response_length_over_time_and_the_buckets(run_store):
                                        "'length') FROM generation_events").rows[0]
     assert sum(mean["customdata"]) == calls and max(biggest["y"]) == longest
     assert sum(s * n for s, n in zip(cut["y"], mean["customdata"])) == pytest.approx(length)
-    # the test run appends within seconds: one bucket of at least MIN_BUCKET_S
-    assert fig["layout"]["xaxis"]["title"]["text"] == f"time (UTC; {MIN_BUCKET_S} s buckets)"
+    # the test run appends within seconds: the width the run's span and calls give
+    from trajstore.inspect._figures import _clock
+
+    with read_only(url) as query:
+        page = _clock(query, 300.0, None)
+    assert fig["layout"]["xaxis"]["title"]["text"] == f"time (UTC; {page.width_s} s buckets)"
+    assert fig["layout"]["xaxis"]["range"] == [page.time_of(0), page.time_of(page.num_buckets)]
 
 
 def test_trajectories_to_look_at_link_to_the_trace_view(run_store):
@@ -264,6 +269,12 @@ def test_bucket_width_of_an_idle_or_empty_run():
     assert bucket_width(0.0, 0) == MIN_BUCKET_S
     assert bucket_width(5.0, 1) == 30  # one call: four calls' worth of its gap (20 s), rounded up the ladder
     assert bucket_width(1e9, 10) == BUCKET_WIDTHS_S[-1]
+
+
+@pytest.mark.parametrize("span_s, width", [(5.0, 1), (9.9, 1), (12.0, 2), (19.0, 2), (0.4, MIN_BUCKET_S)])
+def test_a_short_run_gets_several_buckets(span_s, width):
+    """The demo's 5-second run was one 10-s bucket: lines of one point, millisecond ticks."""
+    assert bucket_width(span_s, 200) == width
 
 
 def test_a_time_panels_bucket_floors_like_the_aggregates(run_store):

@@ -152,7 +152,8 @@ def test_track_command_once(run_store, tmp_path, capsys):
 
 
 def test_worker_pushes_until_sigterm(run_store, tmp_path):
-    """workers/trackers.py as a real process: pushes on its interval, closes its runs on SIGTERM."""
+    """workers/trackers.py as a real process: pushes on its interval when the store moved,
+    never the same reading again, and closes its runs on SIGTERM (exit 0)."""
     import os
     import signal
     import subprocess
@@ -162,21 +163,31 @@ def test_worker_pushes_until_sigterm(run_store, tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     proc = subprocess.Popen([sys.executable, os.path.join(root, "workers", "trackers.py"),
                              "--store", reader_url_for(run_store.url), "--payload", run_store.payload.location,
-                             "--tensorboard", str(tmp_path / "tb"), "--interval-s", "0.5"],
+                             "--tensorboard", str(tmp_path / "tb"), "--interval-s", "0.3"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    try:
-        deadline = time.monotonic() + 120
+
+    def pushes(n: int) -> int:
+        deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            if (tmp_path / "tb").is_dir() and \
-                    len(_tensorboard_scalars(str(tmp_path / "tb")).get("trajstore/samples", [])) >= 2:
-                break
+            got = len(_tensorboard_scalars(str(tmp_path / "tb")).get("trajstore/samples", [])) \
+                if (tmp_path / "tb").is_dir() else 0
+            if got >= n:
+                return got
             assert proc.poll() is None, proc.communicate()
-            time.sleep(0.5)
+            time.sleep(0.2)
+        return got
+
+    try:
+        assert pushes(1) == 1
+        time.sleep(1.5)  # five intervals with nothing new
+        assert pushes(1) == 1
+        fill(run_store, 100, 8, version_base=10)
+        assert pushes(2) == 2
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0, proc.communicate()
     finally:
         proc.kill()
-    assert len(_tensorboard_scalars(str(tmp_path / "tb"))["trajstore/samples"]) >= 2
+    assert len(_tensorboard_scalars(str(tmp_path / "tb"))["trajstore/samples"]) == 2
 
 
 def test_pushes_are_keyed_by_the_training_step_with_the_trainers_metrics(run_store, tmp_path):

@@ -140,11 +140,12 @@ def run_engine_demo(args: argparse.Namespace) -> int:
 
     console = Console(width=None if __import__("sys").stdout.isatty() else 160)
     url = args.store
-    if url is None:
-        from trajstore.demo._run import _prepare_dir
+    if url is None:  # a directory of its own by default, and only its own files: `demo`'s store stays
+        from trajstore.demo._run import _ENGINE_MADE, ENGINE_DB, ENGINE_DIR, _prepare_dir
 
-        _prepare_dir(args.dir)
-        url = f"sqlite:///{os.path.abspath(os.path.join(args.dir, 'engine-demo.db'))}"
+        args.dir = args.dir or ENGINE_DIR
+        _prepare_dir(args.dir, _ENGINE_MADE)
+        url = f"sqlite:///{os.path.abspath(os.path.join(args.dir, ENGINE_DB))}"
     store = connect(url, payload=args.payload)
     try:
         if sum(store.info()["trajectories_by_status"].values()):

@@ -25,7 +25,8 @@ Weights are labelled as vLLM labels them: ``"default"`` until someone sets a
 label. ``weight_update_every=N`` simulates a trainer publishing new weights
 in the middle of calls: after every N generated tokens (engine-wide) the
 label becomes the next integer (``"1"``, ``"2"``, ...), so calls come back
-with spans from two versions, as in an async RL run.
+with spans from two versions, as in an async RL run; a named label set with
+``/update_weight_version`` (``"step-42"``) stays until set again.
 
 The "tokenizer" maps a byte b to id b + 10; a chat message renders as
 ``[ROLE, *content, END]`` and the generation prompt is ``[ASSISTANT]``, so a
@@ -255,7 +256,12 @@ class WeightClock:
             self.label = str(label)
 
     def _next(self, label: str) -> str:
-        return str(int(label) + 1) if label.isdigit() else "1"
+        """The label after ``label``: the next integer; a named label (``"step-42"``, set by
+        ``/update_weight_version``) stays until set again (a trainer that names its weights names
+        each one): moving on to ``"1"`` would take a trajectory's versions back from 42 to 1."""
+        if label.isdigit():
+            return str(int(label) + 1)
+        return "1" if label == "default" else label
 
     def spans(self, num_tokens: int) -> list[dict]:
         """The spans of a call generating ``num_tokens`` now: ``[{version, start, end}, ...]``."""

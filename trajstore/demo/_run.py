@@ -85,13 +85,18 @@ def _rollout(url: str, payload: str | None, cfg: RolloutConfig, n: int, workers:
 _MARKER = ".trajstore-demo"
 _DB = "trajstore.db"
 _MADE = (_DB, _DB + "-wal", _DB + "-shm", _DB + "-journal", _DB + ".payload", "export", _MARKER)
+ENGINE_DB = "engine-demo.db"
+_ENGINE_MADE = (ENGINE_DB, ENGINE_DB + "-wal", ENGINE_DB + "-shm", ENGINE_DB + "-journal", ENGINE_DB + ".payload")
+DEFAULT_DIR, ENGINE_DIR = "trajstore-demo", "trajstore-engine-demo"
 
 
-def _prepare_dir(path: str) -> None:
-    """Make ``path`` ready for a fresh demo store without deleting anything the demo did not make."""
+def _prepare_dir(path: str, made: tuple[str, ...] = _MADE) -> None:
+    """Make ``path`` ready for a fresh demo store without deleting anything the demo did not make:
+    only ``made`` (this demo's own files; ``demo --engine`` has its own, so it never deletes
+    the first demo's store)."""
     os.makedirs(path, exist_ok=True)
     made_by_demo = os.path.isfile(os.path.join(path, _MARKER))
-    present = [n for n in _MADE if n != _MARKER and os.path.lexists(os.path.join(path, n))]
+    present = [n for n in made if n != _MARKER and os.path.lexists(os.path.join(path, n))]
     if present and not made_by_demo:
         raise TrajstoreError(f"{os.path.join(path, present[0])} exists and was not made by trajstore demo; "
                              "choose another --dir")
@@ -102,7 +107,8 @@ def _prepare_dir(path: str) -> None:
         else:
             os.unlink(target)
     with open(os.path.join(path, _MARKER), "w") as f:
-        f.write("made by trajstore demo: it may replace " + ", ".join(_MADE[:-1]) + " in this directory\n")
+        f.write("made by trajstore demo: it may replace " + ", ".join(_MADE[:-1] + _ENGINE_MADE)
+                + " in this directory\n")
 
 
 def run_demo(args: argparse.Namespace) -> int:
@@ -113,6 +119,7 @@ def run_demo(args: argparse.Namespace) -> int:
     # Off a terminal rich would wrap at 80 columns and cut the tables' cells.
     console = Console(width=None if sys.stdout.isatty() else 160)
     url = args.store
+    args.dir = args.dir or DEFAULT_DIR
     if url is None:
         _prepare_dir(args.dir)
         url = f"sqlite:///{os.path.abspath(os.path.join(args.dir, _DB))}"

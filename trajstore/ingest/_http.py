@@ -139,16 +139,31 @@ class BearerAuth:
         await send({"type": "http.response.body", "body": body})
 
 
-def server_token(token: str | None, *, insecure_no_auth: bool) -> str | None:
+def server_token(token: str | None, *, insecure_no_auth: bool, host: str | None = None) -> str | None:
     """The token a server requires: ``token``, else ``$TRAJSTORE_TOKEN``; ValueError when there is
-    none, unless the operator chose to run open (``insecure_no_auth``: then None)."""
+    none, unless the operator chose to run open (``insecure_no_auth``: then None). Running open is
+    warned about unless ``host`` is a loopback address (only this machine reaches the port)."""
     token = token or os.environ.get("TRAJSTORE_TOKEN") or None
     if token is None and not insecure_no_auth:
         raise ValueError("no token: pass --token or set $TRAJSTORE_TOKEN (or --insecure-no-auth to run open)")
-    if token is None:
-        log.warning("warning: running open (--insecure-no-auth): anyone who can reach the port can write "
-                    "to the store; bind to 127.0.0.1 or set a token")
+    if token is None and not is_loopback(host):
+        log.warning("warning: running open (--insecure-no-auth) on %s: anyone who can reach the port can use it; "
+                    "bind to 127.0.0.1 or set a token", host or "an unnamed address")
     return token
+
+
+def is_loopback(host: str | None) -> bool:
+    """Whether ``host`` names only this machine (127.0.0.0/8, ::1, localhost)."""
+    import ipaddress
+
+    if host is None:
+        return False
+    if host.strip("[]").lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def add_server_arguments(parser: argparse.ArgumentParser, *, port: int, token_help: str, open_help: str) -> None:

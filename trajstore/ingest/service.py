@@ -390,7 +390,8 @@ def serve(config: ServeConfig | str | None = None, *args: Any, **settings: Any) 
     and group committer: one process is bound by its GIL to about one core.
     """
     config = _serve_config(config, args, settings)
-    config = dataclasses.replace(config, token=server_token(config.token, insecure_no_auth=config.insecure_no_auth))
+    config = dataclasses.replace(config, token=server_token(config.token, insecure_no_auth=config.insecure_no_auth,
+                                                                       host=config.host))
     import trajstore
 
     # Connect once here: a bad URL fails before the server starts, and a new

@@ -229,7 +229,10 @@ def _gapped(rows: Sequence[Sequence[Any]]) -> list[Sequence[Any]]:
 
 
 def _time_axis(fig: Any, clock: Clock, **kw: Any) -> None:
-    fig.update_xaxes(title_text=f"time (UTC; {clock.width_s} s buckets)", **kw)
+    # the run's buckets as the range: a run of one or two buckets is not zoomed to milliseconds
+    # around a point (ticks like 04:01:59.9996), and it is drawn where the run was
+    fig.update_xaxes(title_text=f"time (UTC; {clock.width_s} s buckets)", type="date",
+                     range=[clock.time_of(0), clock.time_of(max(clock.num_buckets, 1))], **kw)
 
 
 MANY_VERSIONS = 40

@@ -37,7 +37,7 @@ from urllib.parse import parse_qs
 
 from trajstore.errors import StoreUnavailable, TrajstoreError, first_line
 from trajstore._auth import same_token
-from trajstore.ingest._http import BearerAuth, error_body
+from trajstore.ingest._http import BearerAuth, bearer_ok, error_body
 from trajstore.inspect import _report_page, _trace
 from trajstore.inspect._panels import DEFAULT_STUCK_AFTER_S, collect, plotly_js
 
@@ -80,6 +80,18 @@ def _cookie_ok(header: str | None, token: str) -> bool:
         if name == COOKIE and same_token(value, want):
             return True
     return False
+
+
+_LOCKED_PAGE = """<!doctype html><html><head><meta charset="utf-8"><title>trajstore report: token needed</title></head>
+<body style="font-family: sans-serif; max-width: 40em; margin: 3em auto">
+<h1>This page needs its token</h1>
+<p>The live report reads the run's data, so it asks for the token it was started with
+(<code>--token</code> or <code>$TRAJSTORE_TOKEN</code>).</p>
+<p>Open the link <code>trajstore report --serve</code> printed when it started
+(<code>http://HOST:PORT/?token=TOKEN</code>) once: the page then keeps a cookie and this address works
+on its own. A wrong token shows this page again.</p>
+</body></html>
+"""
 
 
 def _cookie_of(scope: dict, token: str) -> bool:
@@ -285,12 +297,18 @@ def make_app(url: str | None, *, token: str | None, title: str = "trajstore repo
                        also_accept=None if token is None else lambda scope: _cookie_of(scope, token))
 
     async def app(scope: dict, receive: Any, send: Any) -> None:
-        if token is not None and scope["type"] == "http":
+        if token is not None and scope["type"] == "http" and scope["path"] == "/" and scope["method"] in ("GET", "HEAD"):
             given = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("token")
-            if given and scope["path"] == "/" and scope["method"] in ("GET", "HEAD") and same_token(given[-1], token):
+            if given and same_token(given[-1], token):
                 response: Any = RedirectResponse("./", status_code=303)
                 response.set_cookie(COOKIE, _cookie_value(token), httponly=True, samesite="strict", path="/")
                 await response(scope, receive, send)
+                return
+            header = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"), None)
+            if not (bearer_ok(header, token) or _cookie_of(scope, token)):
+                # a browser without the token: a page that says how to open it (the API answers JSON)
+                await HTMLResponse(_LOCKED_PAGE, status_code=401, headers={"WWW-Authenticate": "Bearer"})(
+                    scope, receive, send)
                 return
         await inner(scope, receive, send)
 
@@ -331,6 +349,29 @@ def serve_report(url: str | None, *, host: str = "127.0.0.1", port: int = DEFAUL
                  payload: str | None = None, tokenizer: str | None = None) -> None:
     """Serve the live page until SIGINT/SIGTERM. ``token=None`` serves it open (the caller decided).
     ``tokenizer``: what the trace view decodes tokens with (``make_app``)."""
+    server = report_server(url, host=host, port=port, token=token, title=title, refresh_s=refresh_s,
+                           stuck_after_s=stuck_after_s, log_level=log_level, payload=payload, tokenizer=tokenizer)
+    try:
+        server.run()
+    finally:
+        server.sock.close()
+
+
+def page_url(host: str, port: int, token: str | None) -> str:
+    """The page's address, with the token when there is one (a link that opens it, as Jupyter prints)."""
+    from urllib.parse import quote
+
+    shown = f"[{host}]" if ":" in host else host
+    shown = "127.0.0.1" if host in ("0.0.0.0", "") else ("[::1]" if host == "::" else shown)
+    return f"http://{shown}:{port}/" + ("" if token is None else f"?token={quote(token, safe='')}")
+
+
+def report_server(url: str | None, *, host: str = "127.0.0.1", port: int = DEFAULT_PORT, token: str | None,
+                  title: str = "trajstore report", refresh_s: float = DEFAULT_REFRESH_S,
+                  stuck_after_s: float = DEFAULT_STUCK_AFTER_S, log_level: str = "warning",
+                  payload: str | None = None, tokenizer: str | None = None) -> "_Server":
+    """The live page's server, its port bound, not yet serving: ``.run()`` serves (in any thread;
+    signals are handled only in the main one), ``.server.should_exit = True`` stops it."""
     from trajstore.inspect.sql import read_only
 
     _check_refresh(refresh_s)
@@ -350,11 +391,8 @@ def serve_report(url: str | None, *, host: str = "127.0.0.1", port: int = DEFAUL
     bound = sock.getsockname()[1]
     where = f"http://{host}:{bound}/"
     announce = (f"trajstore report: listening on {where} (store {_report_page.store_label(url)}; checks for changes every {refresh_s:g} s; "
-                + (f"open {where}?token=TOKEN once, the page keeps a cookie" if token is not None
-                   else "WARNING: no token, anyone who can reach the port can read the run")
-                + "; Ctrl-C stops)")
-    try:
-        _Server(app, sock, log_level, announce).run()
-    finally:
-        sock.close()
-
+                + ("" if token is not None else "WARNING: no token, anyone who can reach the port can read the run; ")
+                + "Ctrl-C stops)"
+                # the link with the token, as Jupyter prints it: once opened, the page keeps a cookie
+                + (f"; open the page: {page_url(host, bound, token)}" if token is not None else ""))
+    return _Server(app, sock, log_level, announce)

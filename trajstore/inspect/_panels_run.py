@@ -228,7 +228,8 @@ def _finish_draw(c: Clock, r: list[QueryResult]) -> Any:
     for reason in reasons:
         pts = [(b, n) for b, rr, n in per_time if rr == reason]
         fig.add_trace(go.Scatter(x=[c.time_of(b) for b, _ in pts], y=[n / totals[b] for b, n in pts], name=reason,
-                                 stackgroup="reasons", mode="lines"), 1, 1)
+                                 stackgroup="reasons", mode="lines" if len(totals) > 1 else "lines+markers"),
+                      1, 1)  # one bucket: a stacked area of one point draws nothing, its marker shows
     fig.add_trace(go.Bar(x=[str(row[0]) for row in per_version], y=[_share(row[2], row[1]) for row in per_version],
                          name="length", marker_color="#d62728", showlegend=False,
                          customdata=[[row[2], row[1]] for row in per_version],

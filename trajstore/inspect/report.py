@@ -129,7 +129,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         from trajstore.ingest._http import server_token
         from trajstore.inspect._live import serve_report
 
-        token = server_token(args.token, insecure_no_auth=args.insecure_no_auth)
+        token = server_token(args.token, insecure_no_auth=args.insecure_no_auth, host=args.host)
         serve_report(args.store, host=args.host, port=args.port, token=token, title=args.title or "trajstore report",
                      refresh_s=args.refresh_s, stuck_after_s=args.stuck_after_s, log_level=args.log_level,
                      payload=getattr(args, "payload", None), tokenizer=args.tokenizer)

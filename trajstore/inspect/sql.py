@@ -115,6 +115,20 @@ def _at_head(engine: Any) -> bool:
 
 # -- PostgreSQL reader logins --------------------------------------------------
 
+def _reader_url(store_url: str, login: str) -> Any:
+    """The store URL as ``login`` connects: over TCP to 127.0.0.1 when the store's URL goes through
+    a local socket (no host, or a socket directory), where the usual ``peer`` authentication takes
+    only the OS user's own name and would refuse the reader login; on TCP its password applies."""
+    url = make_url(store_url).set(username=login, password=None)
+    socket_host = url.query.get("host")
+    if isinstance(socket_host, tuple):
+        socket_host = socket_host[0] if socket_host else None
+    if url.host is None and (socket_host is None or str(socket_host).startswith("/")):
+        port = url.port or url.query.get("port") or 5432
+        url = url.difference_update_query(["host", "port"]).set(host="127.0.0.1", port=int(str(port)))
+    return url
+
+
 def create_reader_login(store: Any, login: str, password: str | None = None) -> str:
     """Make ``login`` a PostgreSQL LOGIN role holding only ``trajstore_reader``; return a line saying so.
 
@@ -135,7 +149,7 @@ def create_reader_login(store: Any, login: str, password: str | None = None) -> 
     # The URL carries no password (a masked one would be sent as the password itself): libpq
     # takes it from $PGPASSWORD, set here from the variable it was read from, so the line
     # works as pasted into the shell that ran init and never prints the secret.
-    url = shlex.quote(make_url(store.url).set(username=login, password=None).render_as_string(hide_password=False))
+    url = shlex.quote(_reader_url(store.url, login).render_as_string(hide_password=False))
     query = shlex.quote("SELECT count(*) FROM samples")
     if not password:
         return (f"reader login {login!r} ready (only {READER_ROLE}'s rights; no password set: it logs in "

@@ -2,10 +2,11 @@
 
 ``trajstore track`` (and ``workers/trackers.py``) reads a few read-only
 queries over the inspection views (docs/sql.md) plus the newest samples'
-routes, and logs the figures to TensorBoard (event files through
-``torch.utils.tensorboard``), MLflow (its tracking client) and Weights &
-Biases (its own library, online or offline) with each library's own API: the
-figures land beside the trainer's own curves, under ``trajstore/``.
+routes, and logs the figures to TensorBoard (event files written with the
+``tensorboard`` package's own event writer: no torch), MLflow (its tracking
+client) and Weights & Biases (its own library, online or offline) with each
+library's own API: the figures land beside the trainer's own curves, under
+``trajstore/``.
 
 Each push is keyed by a step: the newest training step the store recorded
 (``train_steps``, when the trainer records lineage), else the newest model
@@ -30,8 +31,23 @@ The figures, by name (all floats):
   (``verl/trainer/ppo/metric_utils.py``: a layer's ``max_e(load_e / total *
   num_experts) - 1``); layers whose every entry is 0 (vLLM's dense layers)
   are left out;
-* with lineage: ``train/<metric>`` of the newest step (its ranks' mean), and
+* with lineage: ``train/<metric>`` of the newest step (its ranks' mean,
+  computed without overflow; non-finite values are left out), and
   ``mismatch/k3_mean`` over its annotated tokens.
+
+Distributions, where the tracker has them (TensorBoard and W&B histograms;
+MLflow has none): ``hist/staleness`` and ``hist/response_len`` of the newest
+``RECENT_SAMPLES`` samples, and ``hist/k3`` (each annotated sample's k3
+mean) of the newest step.
+
+MLflow accepts only letters, digits and ``_ - . / : space`` in a metric name;
+a trainer's metric named otherwise is renamed for MLflow (``mlflow_name``):
+``@`` becomes ``_at_``, ``%`` ``_pct``, ``(`` ``_``, ``)`` nothing, any other
+refused character ``_`` (``acc@1`` -> ``acc_at_1``, ``kl(avg)`` -> ``kl_avg``,
+``reward%`` -> ``reward_pct``). No tracker is ever sent a non-finite value.
+
+A reading equal to the last one pushed (same step, same figures: the trainer
+and the rollouts have stopped) is not pushed again.
 """
 
 from __future__ import annotations
@@ -39,15 +55,17 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Protocol, Sequence
 
-from trajstore.errors import TrajstoreError
+from trajstore.errors import StoreUnavailable, TrajstoreError, first_line
 from trajstore.inspect.sql import Query, QueryResult
 
 __all__ = ["StoreMetrics", "TrackerSink", "TensorBoardSink", "MLflowSink", "WandbSink", "TrackerPusher",
-           "store_metrics", "expert_load_violation", "add_cli_arguments", "run_from_args"]
+           "store_metrics", "expert_load_violation", "mlflow_name", "add_cli_arguments", "add_tracker_arguments",
+           "sinks_from_args", "wants_trackers", "run_from_args"]
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +97,11 @@ _ROUTES_SQL = (
     f"ORDER BY s.finished_position DESC, s.sample_index DESC LIMIT {ROUTE_SAMPLES}")
 _HAS_LINEAGE_SQL = "SELECT count(*) FROM train_steps"
 _STEP_SQL = "SELECT run, step, metrics FROM train_steps WHERE step = (SELECT max(step) FROM train_steps)"
+_RECENT_DIST_SQL = (
+    "SELECT staleness, response_len FROM sample_summary "
+    f"ORDER BY finished_position DESC, sample_index DESC LIMIT {RECENT_SAMPLES}")
+_K3_SQL = ("SELECT k3_mean FROM train_rollout_mismatch WHERE step = (SELECT max(step) FROM train_steps) "
+           "AND k3_mean IS NOT NULL")
 _MISMATCH_SQL = (
     "SELECT sum(k3_mean * tokens_compared), sum(tokens_compared) FROM train_rollout_mismatch "
     "WHERE step = (SELECT max(step) FROM train_steps)")
@@ -93,6 +116,8 @@ class StoreMetrics:
     counters: dict[str, float] = field(default_factory=dict)
     """Cumulative counts the pusher turns into rates (calls, generated tokens)."""
     at: float = field(default_factory=time.time)
+    distributions: dict[str, list[float]] = field(default_factory=dict)
+    """Per-sample values (finite) the trackers that have histograms draw."""
 
 
 def _num(x: Any) -> float | None:
@@ -176,7 +201,8 @@ def _lineage(query: Query) -> tuple[int | None, dict[str, float]]:
             v = _num(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
             if v is not None:
                 sums.setdefault(k, []).append(v)
-    values = {f"train/{k}": sum(v) / len(v) for k, v in sums.items()}
+    # the mean as a sum of x/n: finite whatever the values (sum(v) / len(v) overflows to inf near the float limit)
+    values = {f"train/{k}": math.fsum(x / len(v) for x in v) for k, v in sums.items()}
     k3_sum, tokens = query(_MISMATCH_SQL).rows[0]
     if _num(tokens):
         values["mismatch/k3_mean"] = float(k3_sum) / float(tokens)
@@ -201,8 +227,18 @@ def store_metrics(query: Query, *, payload: str | None = None) -> StoreMetrics:
     values.update(train)
     if step is None:
         step = int(newest_version) if newest_version is not None else 0
-    return StoreMetrics(step=step, values={k: float(v) for k, v in values.items() if v is not None},
-                        counters={"calls": float(calls or 0), "tokens": float(tokens or 0)})
+    return StoreMetrics(step=step, values={k: float(v) for k, v in values.items() if v is not None and math.isfinite(v)},
+                        counters={"calls": float(calls or 0), "tokens": float(tokens or 0)},
+                        distributions=_distributions(query, with_k3=step is not None and "mismatch/k3_mean" in train))
+
+
+def _distributions(query: Query, *, with_k3: bool) -> dict[str, list[float]]:
+    rows = query(_RECENT_DIST_SQL).rows
+    out = {"hist/staleness": [v for v in (_num(r[0]) for r in rows) if v is not None],
+           "hist/response_len": [v for v in (_num(r[1]) for r in rows) if v is not None]}
+    if with_k3:
+        out["hist/k3"] = [v for v in (_num(r[0]) for r in query(_K3_SQL).rows) if v is not None]
+    return {k: v for k, v in out.items() if v}
 
 
 class TrackerSink(Protocol):
@@ -222,20 +258,67 @@ def _need(module: str, extra: str = "trackers") -> Any:
         raise TrajstoreError(f"{module.split('.')[0]} is not installed: pip install 'trajstore[{extra}]'") from None
 
 
+_FLOAT32_MAX = 3.4028234663852886e38
+
+
 class TensorBoardSink:
-    """TensorBoard event files in ``logdir`` (``torch.utils.tensorboard.SummaryWriter``)."""
+    """TensorBoard event files in ``logdir``, written with the ``tensorboard`` package's own
+    event writer (``tensorboard.summary.writer``; no torch, no TensorFlow): scalars and histograms."""
 
     def __init__(self, logdir: str) -> None:
         _need("tensorboard")
-        self._writer = _need("torch.utils.tensorboard").SummaryWriter(log_dir=logdir)
+        from tensorboard.compat.proto import event_pb2, summary_pb2
+        from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+        self._event, self._summary, self._histo = event_pb2.Event, summary_pb2.Summary, summary_pb2.HistogramProto
+        self._too_large: set[str] = set()
+        try:
+            self._writer = EventFileWriter(logdir)
+        except OSError as e:
+            raise TrajstoreError(f"trackers: cannot write TensorBoard files in {logdir}: {e.strerror or e}") from None
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
+        values = []
         for name, value in metrics.items():
-            self._writer.add_scalar(name, value, global_step=step)
+            if abs(value) > _FLOAT32_MAX:  # a scalar event holds a float32: it would read back as inf
+                if name not in self._too_large:
+                    self._too_large.add(name)
+                    log.warning("trackers: %s = %g is beyond a TensorBoard scalar's float32 range; left out", name,
+                                value)
+                continue
+            values.append(self._summary.Value(tag=name, simple_value=float(value)))
+        self._writer.add_event(self._event(wall_time=time.time(), step=int(step),
+                                           summary=self._summary(value=values)))
         self._writer.flush()
+
+    def log_distributions(self, distributions: Mapping[str, Sequence[float]], step: int) -> None:
+        values = [self._summary.Value(tag=name, histo=self._histogram(xs)) for name, xs in distributions.items() if xs]
+        if values:
+            self._writer.add_event(self._event(wall_time=time.time(), step=int(step),
+                                               summary=self._summary(value=values)))
+            self._writer.flush()
+
+    def _histogram(self, xs: Sequence[float]) -> Any:
+        import numpy as np
+
+        a = np.asarray(xs, dtype=np.float64)
+        counts, edges = np.histogram(a, bins=min(30, max(1, len(np.unique(a)))))
+        return self._histo(min=float(a.min()), max=float(a.max()), num=float(a.size), sum=float(a.sum()),
+                           sum_squares=float(np.dot(a, a)), bucket_limit=[float(e) for e in edges[1:]],
+                           bucket=[float(c) for c in counts])
 
     def close(self) -> None:
         self._writer.close()
+
+
+_MLFLOW_REFUSED = re.compile(r"[^A-Za-z0-9_\-./: ]")
+_MLFLOW_SPELLED = {"@": "_at_", "%": "_pct", "(": "_", ")": ""}
+
+
+def mlflow_name(name: str) -> str:
+    """``name`` as MLflow accepts it (letters, digits, ``_ - . / : space``): ``@`` -> ``_at_``,
+    ``%`` -> ``_pct``, ``(`` -> ``_``, ``)`` dropped, any other refused character -> ``_``."""
+    return _MLFLOW_REFUSED.sub(lambda m: _MLFLOW_SPELLED.get(m.group(0), "_"), name)
 
 
 class MLflowSink:
@@ -247,19 +330,29 @@ class MLflowSink:
         mlflow = _need("mlflow")
         self._client = mlflow.MlflowClient(tracking_uri=tracking_uri)
         self._metric = _need("mlflow.entities").Metric
+        self.created = run_id is None  # a run given (the trainer's) is never ended here
         if run_id is None:
             found = self._client.get_experiment_by_name(experiment)
             experiment_id = found.experiment_id if found else self._client.create_experiment(experiment)
             run_id = self._client.create_run(experiment_id, run_name=run_name).info.run_id
         self.run_id = run_id
+        self._renamed: dict[str, str] = {}
+
+    def _name(self, name: str) -> str:
+        renamed = mlflow_name(name)
+        if renamed != name and self._renamed.get(name) != renamed:
+            self._renamed[name] = renamed
+            log.info("trackers: MLflow metric %r is logged as %r (MLflow refuses the name)", name, renamed)
+        return renamed
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         now = int(time.time() * 1000)
-        self._client.log_batch(self.run_id, metrics=[self._metric(k, float(v), now, int(step))
-                                                     for k, v in metrics.items()])
+        self._client.log_batch(self.run_id, metrics=[self._metric(self._name(k), float(v), now, int(step))
+                                                     for k, v in metrics.items() if math.isfinite(v)])
 
     def close(self) -> None:
-        self._client.set_terminated(self.run_id)
+        if self.created:
+            self._client.set_terminated(self.run_id)
 
 
 class WandbSink:
@@ -276,6 +369,13 @@ class WandbSink:
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         self._run.log({**metrics, f"{PREFIX}step": step})
+
+    def log_distributions(self, distributions: Mapping[str, Sequence[float]], step: int) -> None:
+        import wandb
+
+        hists = {name: wandb.Histogram(list(xs)) for name, xs in distributions.items() if xs}
+        if hists:  # into the row the next log() commits
+            self._run.log(hists, commit=False)
 
     def close(self) -> None:
         self._run.finish()
@@ -304,16 +404,24 @@ class TrackerPusher:
             return store_metrics(query, payload=self.payload)
 
     def push(self) -> dict[str, float]:
-        """One reading, logged to every sink; returns what was logged (with the prefix)."""
+        """One reading, logged to every sink; returns what was logged (with the prefix), ``{}``
+        when the reading equals the last one pushed (nothing moved: it is not pushed again)."""
         now = self.read()
+        if self._last is not None and now.step == self._last.step and now.values == self._last.values \
+                and now.counters == self._last.counters:
+            log.debug("trackers: nothing changed since the push at step %d; not pushed again", now.step)
+            return {}
         values = dict(now.values)
         if self._last is not None and now.at > self._last.at:
             dt = now.at - self._last.at
             values["ingest/calls_per_s"] = max(0.0, now.counters["calls"] - self._last.counters["calls"]) / dt
             values["ingest/tokens_per_s"] = max(0.0, now.counters["tokens"] - self._last.counters["tokens"]) / dt
         self._last = now
-        logged = {PREFIX + k: v for k, v in sorted(values.items())}
+        logged = {PREFIX + k: v for k, v in sorted(values.items()) if math.isfinite(v)}  # never a NaN or an inf
+        distributions = {PREFIX + k: xs for k, xs in sorted(now.distributions.items())}
         for sink in self.sinks:
+            if distributions and hasattr(sink, "log_distributions"):  # first: W&B makes one row of both
+                sink.log_distributions(distributions, now.step)
             sink.log(logged, now.step)
         log.info("trackers: pushed %d figures at step %d to %d tracker(s)", len(logged), now.step, len(self.sinks))
         return logged
@@ -321,8 +429,19 @@ class TrackerPusher:
     def run(self, interval_s: float, *, pushes: int | None = None, stop: Any = None) -> int:
         """Push every ``interval_s`` until ``pushes`` were made or ``stop`` (a threading.Event) is set."""
         done = 0
+        failing = False
         while pushes is None or done < pushes:
-            self.push()
+            try:
+                self.push()
+                if failing:
+                    log.info("trackers: the store answers again; pushing")
+                failing = False
+            except StoreUnavailable as e:  # a database restart: the next push reads again (one line per outage)
+                if pushes is not None:
+                    raise
+                if not failing:
+                    log.warning("trackers: store unavailable (%s); pushing again when it answers", first_line(e))
+                failing = True
             done += 1
             if pushes is not None and done >= pushes:
                 break
@@ -338,33 +457,57 @@ class TrackerPusher:
             sink.close()
 
 
-def add_cli_arguments(parser: Any) -> None:
+def add_tracker_arguments(parser: Any) -> None:
+    """The trackers' flags (``track`` and ``worker`` take them)."""
     parser.add_argument("--tensorboard", metavar="LOGDIR", help="write TensorBoard event files into LOGDIR")
     parser.add_argument("--mlflow", metavar="TRACKING_URI", nargs="?", const="",
                         help="log to MLflow (its tracking URI; bare flag: MLflow's own default)")
     parser.add_argument("--mlflow-experiment", default="trajstore", help="MLflow experiment name")
-    parser.add_argument("--mlflow-run-id", help="log into this existing MLflow run (e.g. the trainer's)")
+    parser.add_argument("--mlflow-run-id", help="log into this existing MLflow run (e.g. the trainer's); "
+                                                "it is never ended here")
     parser.add_argument("--wandb-project", help="log to this Weights & Biases project")
     parser.add_argument("--wandb-mode", default="online", choices=("online", "offline"),
                         help="offline: write the run under --wandb-dir for `wandb sync` later")
     parser.add_argument("--wandb-dir", help="where W&B keeps its files")
+
+
+def wants_trackers(args: Any) -> bool:
+    return bool(args.tensorboard or args.mlflow is not None or args.wandb_project)
+
+
+def sinks_from_args(args: Any) -> list[TrackerSink]:
+    """The sinks the flags of ``add_tracker_arguments`` name (each made once, in flag order)."""
+    sinks: list[TrackerSink] = []
+    try:
+        if args.tensorboard:
+            sinks.append(TensorBoardSink(args.tensorboard))
+        if args.mlflow is not None:
+            sinks.append(MLflowSink(args.mlflow or None, experiment=args.mlflow_experiment,
+                                    run_id=args.mlflow_run_id))
+        if args.wandb_project:
+            sinks.append(WandbSink(args.wandb_project, mode=args.wandb_mode, dir=args.wandb_dir))
+    except BaseException:
+        for sink in sinks:
+            sink.close()
+        raise
+    return sinks
+
+
+def add_cli_arguments(parser: Any) -> None:
+    add_tracker_arguments(parser)
     from trajstore._argtypes import number
 
-    parser.add_argument("--interval-s", type=number(float, min=0, min_exclusive=True), default=30.0, help="seconds between pushes (default 30)")
+    parser.add_argument("--interval-s", type=number(float, min=0, min_exclusive=True), default=30.0,
+                        help="seconds between pushes (default 30)")
     parser.add_argument("--once", action="store_true", help="push once and exit")
 
 
 def run_from_args(args: Any) -> int:
     if not (math.isfinite(args.interval_s) and args.interval_s > 0):
         raise TrajstoreError(f"--interval-s must be a finite number > 0, not {args.interval_s}")
-    sinks: list[TrackerSink] = []
-    if args.tensorboard:
-        sinks.append(TensorBoardSink(args.tensorboard))
-    if args.mlflow is not None:
-        sinks.append(MLflowSink(args.mlflow or None, experiment=args.mlflow_experiment, run_id=args.mlflow_run_id))
-    if args.wandb_project:
-        sinks.append(WandbSink(args.wandb_project, mode=args.wandb_mode, dir=args.wandb_dir))
-    pusher = TrackerPusher(args.store, sinks, payload=getattr(args, "payload", None))
+    if not wants_trackers(args):
+        raise TrajstoreError("trackers: name at least one tracker (--tensorboard, --mlflow, --wandb-project)")
+    pusher = TrackerPusher(args.store, sinks_from_args(args), payload=getattr(args, "payload", None))
     try:
         pusher.run(args.interval_s, pushes=1 if args.once else None)
     except KeyboardInterrupt:

@@ -137,7 +137,7 @@ def serve(config: ProxyConfig) -> None:
     Refuses to start without a token (``config.token`` or ``$TRAJSTORE_TOKEN``)
     unless ``insecure_no_auth``, as ``trajstore serve`` does; a bad upstream URL
     is refused before anything starts."""
-    token = server_token(config.token, insecure_no_auth=config.insecure_no_auth)
+    token = server_token(config.token, insecure_no_auth=config.insecure_no_auth, host=config.host)
     config = replace(config, upstream=normalize_upstream(config.upstream))
     upstream_api_key = config.upstream_api_key or os.environ.get(UPSTREAM_API_KEY_ENV) or None
     import trajstore

@@ -202,7 +202,7 @@ class Store:
         kept = [(i, a) for i, a in zip(fresh, admitted) if not a.noop]
         if not kept:
             return AppendResult(0, len(parsed), None, tuple(range(len(parsed))))
-        ledger = _ledger_changes(self.log, kept)
+        ledger = _ledger_changes(self.log, kept, plain=read_first)
         named = [(i, a.event, parsed[i][1]) for i, a in kept if _lineage.is_lineage(a.event)]
         lineage = ({i: f for (i, _, _), f in zip(named, _lineage.unread_step_facts(named))}  # type: ignore[arg-type]
                    if unread else self._admit_lineage(named, plan))
@@ -625,13 +625,14 @@ class AppendCheck:
         return self.store._current_sequence(trajectory_id)
 
 
-def _ledger_changes(log: EventLog, kept: Sequence[tuple[int, Admitted]], before: list | None = None
-                    ) -> dict[int, "_ledger.LedgerChange"]:
+def _ledger_changes(log: EventLog, kept: Sequence[tuple[int, Admitted]], before: list | None = None, *,
+                    plain: bool = True) -> dict[int, "_ledger.LedgerChange"]:
     """The rollout ledger's changes of an append's stored events by index (``trajstore._ledger``).
-    ``before``: the ledger events of earlier checked batches, admitted first (index -1), then extended."""
+    ``before``: the ledger events of earlier checked batches, admitted first (index -1), then extended.
+    ``plain``: read the groups of starts without the ledger's fields (else the commit guards them)."""
     events = [(i, a.event, a.state.group_id if a.state is not None else None) for i, a in kept]
     prior = before if before is not None else []
-    reads = _ledger.ledger_reads([ev for _, ev, _ in prior + events])
+    reads = _ledger.ledger_reads([ev for _, ev, _ in prior + events], plain)
     changes = _ledger.ledger_changes(prior + events, ({}, {}, set()) if reads is None else log.load_ledger(*reads))
     changes.pop(-1, None)
     if before is not None:

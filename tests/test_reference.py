@@ -54,7 +54,7 @@ def test_the_sample_fields_table_is_the_sample_record():
 def _source_rules() -> set[str]:
     src = "".join((ROOT / "trajstore" / f).read_text() for f in (
         "events.py", "_event_fields.py", "_event_parse.py", "_event_lineage.py", "_wire.py", "_admission.py",
-        "fold.py", "errors.py", "_lineage.py"))
+        "fold.py", "errors.py", "_lineage.py", "_event_ledger.py", "_ledger.py"))
     literal = set(re.findall(r'rule="([a-z_0-9]+)"', src)) | set(re.findall(r'"(seq_gap|seq_taken)"', src))
     return literal | {"conflict"}
 
@@ -65,7 +65,7 @@ def test_every_refusal_rule_is_documented_and_raised():
     # rules named after a field (rule=key) are raised by the typed-field checks
     by_field = {"seq", "num_experts", "reward", "label", "token_model_versions", "model_version", "group_id",
                 "event_id", "finish_reason", "trajectory_id", "step", "world_size", "policy_version", "attempt",
-                "sample_index", "projection", "run"}
+                "sample_index", "projection", "run", "prompt_id", "epoch", "reason"}
     assert documented - raised - by_field == set()
     # fold_policy refuses a projection's definition (docs/projections.md), never an appended event
     assert raised - documented - {"url", "conflict", "fold_policy"} == set()

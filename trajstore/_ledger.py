@@ -42,7 +42,7 @@ __all__ = ["Group", "LedgerChange", "RolloutPlan", "Tail", "ledger_changes", "le
 class LedgerChange:
     """What one accepted event changes in ``ledger_groups``."""
 
-    kind: str  # "start" | "finish" | "drop"
+    kind: str  # "start" | "finish" | "drop" | "plain" (a start without the ledger's fields: guarded)
     group_id: str
     fields: tuple[str, str, int, int] | None = None  # a start's (run, prompt_id, epoch, group_size)
     whole: bool = False  # a finish: completed/truncated (counts toward group_size)
@@ -110,20 +110,27 @@ class RolloutPlan:
 
 # -- admission -------------------------------------------------------------------------
 
-def ledger_reads(events: Sequence[Event]) -> tuple[set[str], set[tuple[str, str, int]], set[str]] | None:
+def ledger_reads(events: Sequence[Event], plain: bool = True
+                 ) -> tuple[set[str], set[tuple[str, str, int]], set[str]] | None:
     """What admitting ``events`` reads (``EventLog.load_ledger``): the group ids they
     name, the ``(run, prompt_id, epoch)`` keys their ledger starts answer, and the
     group ids of those starts (checked for trajectories outside the ledger). None: the
-    batch has no ledger event and no grouped trajectory_started."""
+    batch has no ledger event (and, with ``plain``, no grouped trajectory_started).
+
+    ``plain=False``: the groups of trajectory_started events without the ledger's
+    fields are not read; the append's transaction guards them instead (a ledger
+    group of that id fails it: ``LedgerChange("plain")``), and the retry reads them."""
     ids: set[str] = set()
     prompts: set[tuple[str, str, int]] = set()
     ledger_ids: set[str] = set()
     for ev in events:
         if isinstance(ev, TrajectoryStarted) and ev.group_id is not None:
-            ids.add(ev.group_id)
             if ev.run is not None:
+                ids.add(ev.group_id)
                 prompts.add((ev.run, ev.prompt_id, ev.epoch))  # type: ignore[arg-type]
                 ledger_ids.add(ev.group_id)
+            elif plain:
+                ids.add(ev.group_id)
         elif isinstance(ev, GroupDropped):
             ids.add(ev.group_id)
     return (ids, prompts, ledger_ids) if ids else None
@@ -172,7 +179,7 @@ def _change(ev: Event, group_id: str | None, groups: dict[str, list[Any]],
                 raise ValidationError(f"group {gid!r} is a rollout ledger group ({_describe(known[0])}): each of its "
                                       f"trajectories carries run, prompt_id, epoch and group_size", rule="group_mismatch")
             plain.add(gid)
-            return None
+            return LedgerChange("plain", gid)
         if known is not None:
             if tuple(known[0]) != fields:
                 raise ValidationError(f"group {gid!r} is {_describe(known[0])}, not {_describe(fields)}",
@@ -327,12 +334,14 @@ def reader_lookup(log: Any) -> Callable[[set[str]], dict[str, tuple[int, bool]]]
     return lookup
 
 
-def changes_of(log: Any, kept: Sequence[tuple[int, Any]], before: list | None = None) -> dict[int, "LedgerChange"]:
+def changes_of(log: Any, kept: Sequence[tuple[int, Any]], before: list | None = None, *,
+               plain: bool = True) -> dict[int, "LedgerChange"]:
     """The rollout ledger's changes of an append's stored events by index (``trajstore._ledger``).
-    ``before``: the ledger events of earlier checked batches, admitted first (index -1), then extended."""
+    ``before``: the ledger events of earlier checked batches, admitted first (index -1), then extended.
+    ``plain``: read the groups of starts without the ledger's fields (else the commit guards them)."""
     events = [(i, a.event, a.state.group_id if a.state is not None else None) for i, a in kept]
     prior = before if before is not None else []
-    reads = ledger_reads([ev for _, ev, _ in prior + events])
+    reads = ledger_reads([ev for _, ev, _ in prior + events], plain)
     changes = ledger_changes(prior + events, ({}, {}, set()) if reads is None else log.load_ledger(*reads))
     changes.pop(-1, None)
     if before is not None:

@@ -207,7 +207,7 @@ class Store:
         kept = [(i, a) for i, a in zip(fresh, admitted) if not a.noop]
         if not kept:
             return AppendResult(0, len(parsed), None, tuple(range(len(parsed))))
-        ledger = _ledger.changes_of(self.log, kept)
+        ledger = _ledger.changes_of(self.log, kept, plain=read_first)
         named = [(i, a.event, parsed[i][1]) for i, a in kept if _lineage.is_lineage(a.event)]
         lineage = ({i: f for (i, _, _), f in zip(named, _lineage.unread_step_facts(named))}  # type: ignore[arg-type]
                    if unread else self._admit_lineage(named, plan))

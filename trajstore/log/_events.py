@@ -448,9 +448,10 @@ def _write_labels(conn: Any, d: SqlDialect, rows: list[dict[str, Any]]) -> list[
 
 
 def _ledger_reads_positions(row: Mapping[str, Any]) -> bool:
-    """Does the row's ledger change need its position (a group started or dropped; a finish does not)?"""
+    """Does the row's ledger change need its position (a group started or dropped; a finish or a
+    guard does not)?"""
     change = row.get("ledger")
-    return change is not None and change.kind != "finish"
+    return change is not None and change.kind not in ("finish", "plain")
 
 
 def _positions_taken(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -62,15 +62,19 @@ def load_ledger(conn: Connection, group_ids: Collection[str], prompts: Collectio
 def write_ledger(conn: Any, d: SqlDialect, rows: Sequence[Mapping[str, Any]], now: float) -> None:
     """The ``ledger_groups`` changes of an append's events (their ``ledger`` change,
     ``trajstore._ledger.LedgerChange``), at the events' positions, in group id order:
-    groups started, then trajectories finished, then groups dropped."""
+    groups started, the guard of starts outside the ledger, trajectories finished,
+    then groups dropped. Finishes and guards need no position (the pipelined append)."""
     starts: dict[str, list[Any]] = {}
     finishes: dict[str, list[int]] = {}
     drops: dict[str, tuple[int, str | None]] = {}
+    plain: set[str] = set()
     for r in rows:
         change = r.get("ledger")
         if change is None:
             continue
-        if change.kind == "start":
+        if change.kind == "plain":
+            plain.add(change.group_id)
+        elif change.kind == "start":
             got = starts.get(change.group_id)
             if got is None:
                 starts[change.group_id] = [change, r["position"], 1]
@@ -100,6 +104,12 @@ def write_ledger(conn: Any, d: SqlDialect, rows: Sequence[Mapping[str, Any]], no
         execute(conn, upsert, [(gid, *starts[gid][0].fields, starts[gid][2], 0, 0, starts[gid][1], now)
                                for gid in ordered])
         execute(conn, guard, [(gid, *starts[gid][0].fields) for gid in ordered])
+    if plain:
+        # trajectories started without the ledger's fields, admitted without reading the
+        # ledger: a ledger group of their group id fails this guard (the retry reads it)
+        guard = d._cached(("ledger plain guard",), lambda: (
+            f"INSERT INTO {table} SELECT * FROM {table} WHERE {d.col(t.c.group_id)} = {d.p}"))
+        execute(conn, guard, [(gid,) for gid in sorted(plain)])
     if finishes:
         sql = d._cached(("ledger finish",), lambda: (
             f"UPDATE {table} SET {d.col(t.c.num_finished)} = {d.col(t.c.num_finished)} + {d.p}, "

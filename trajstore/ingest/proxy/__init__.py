@@ -22,8 +22,10 @@ engine then returns rows for the new positions only and the event carries
 ``routed_experts_start``. The sample is the same as with every row sent.
 
 Other headers: ``X-Trajstore-Model-Version`` (else ``--model-version``),
-``X-Trajstore-Group`` and ``X-Trajstore-Num-Experts`` (used when the call
-starts the trajectory). Calls without a trajectory are forwarded unrecorded
+``X-Trajstore-Group`` and ``X-Trajstore-Num-Experts``, and a rollout driver's
+``X-Trajstore-Run``, ``X-Trajstore-Prompt``, ``X-Trajstore-Epoch`` and
+``X-Trajstore-Group-Size`` (used when the call starts the trajectory; the
+rollout ledger, docs/reference.md). Calls without a trajectory are forwarded unrecorded
 (``X-Trajstore-Unrecorded``, one log line per client). ``POST
 /trajstore/finish`` ``{"trajectory_id", "status", "reward"?}`` ends a
 trajectory. The response carries ``X-Trajstore-Seq`` when recorded. A

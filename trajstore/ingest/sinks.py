@@ -87,6 +87,10 @@ class StoreSink:
         if owned:
             _release_store(self.store)
 
+    def rollout_state(self, run: str) -> Any:
+        """The store's resume plan of ``run`` (docs/reference.md "Rollout ledger")."""
+        return self.store.rollout_state(run)
+
 
 # The stores that Writers made from a URL, one per URL in this process: (store, users).
 _STORES: dict[str, tuple[Any, int]] = {}
@@ -132,9 +136,6 @@ def _release_store(store: Any) -> None:
             del _STORES[key]
     store.close()
 
-    def rollout_state(self, run: str) -> Any:
-        """The store's resume plan of ``run`` (docs/reference.md "Rollout ledger")."""
-        return self.store.rollout_state(run)
 
 
 def encode_events(events: list[dict]) -> bytes:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 import re
-import select
+import selectors
 import socket
 import subprocess
 import sys
@@ -39,9 +39,12 @@ def _server_argv(command: str, tmp_path: Path, port: int) -> list[str]:
 def _stderr_lines_until(proc: subprocess.Popen, needle: str, timeout_s: float = 60) -> list[str]:
     lines: list[str] = []
     deadline = time.monotonic() + timeout_s
+    # a selector, not select.select: select() refuses descriptors past 1023, which a test
+    # process that opened many files and sockets before this one reaches
+    watch = selectors.DefaultSelector()
+    watch.register(proc.stderr, selectors.EVENT_READ)
     while time.monotonic() < deadline:
-        ready, _, _ = select.select([proc.stderr], [], [], 0.2)
-        if ready:
+        if watch.select(0.2):
             line = proc.stderr.readline()
             if not line:
                 break

@@ -53,11 +53,14 @@ def _log_to_stderr(debug: bool) -> None:
     ours = logging.getLogger("trajstore")
     if root.handlers or ours.handlers:
         return
+    # on the root logger, for trajstore's records only: they still propagate (a program or a
+    # test that runs the command in its own process keeps seeing them), other libraries'
+    # INFO lines stay out
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%Y-%m-%d %H:%M:%S"))
-    ours.addHandler(handler)
+    handler.addFilter(logging.Filter("trajstore"))
+    root.addHandler(handler)
     ours.setLevel(logging.DEBUG if debug else logging.INFO)
-    ours.propagate = False
 
 
 def _stop_on_signals() -> threading.Event:

@@ -136,6 +136,9 @@ class _Parts:
                    ", ".join(f"{json.dumps(n)}: {self.panels[n]}" for n in changed)))
 
 
+_UNASKED = object()
+
+
 class _Snapshot:
     """The page's data, shared by every viewer. Recomputed only when ``changed()`` (a cheap
     query, asked at most every ``check_s``) says the store moved, or the data is older than
@@ -159,27 +162,32 @@ class _Snapshot:
         self._parts: _Parts | None = None
         self.computed = 0
 
-    def _due(self, now: float) -> bool:
+    def _due(self, now: float) -> tuple[bool, Any]:
+        """Whether to recompute now, and the change query's answer when this asked it
+        (``_UNASKED`` otherwise: the recomputation asks it then, once)."""
         if self._parts is None:
-            return True
+            return True, _UNASKED
         age = now - self._at
         if age < max(self._min_age_s, 2 * self._took):
-            return False
+            return False, _UNASKED
         if self._changed is None or age >= self._max_age_s:
-            return True
+            return True, _UNASKED
         if now - self._checked_at < self._check_s:
-            return False
+            return False, _UNASKED
         self._checked_at = now
-        return self._changed() != self._token
+        token = self._changed()
+        return token != self._token, token
 
     def parts(self) -> _Parts:
         with self._lock:
             now = time.monotonic()
-            if self._due(now):
+            due, token = self._due(now)
+            if due:
                 from plotly.utils import PlotlyJSONEncoder
 
                 start = time.monotonic()
-                token = self._changed() if self._changed is not None else None
+                if token is _UNASKED:
+                    token = self._changed() if self._changed is not None else None
                 data = self._compute()
                 listed = "panels" in data
                 panels = {p["name"]: json.dumps(p, cls=PlotlyJSONEncoder) for p in data.pop("panels", [])}

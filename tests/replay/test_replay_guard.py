@@ -30,6 +30,14 @@ def folded(store):
     return store
 
 
+@pytest.fixture
+def folded_steps(folded):
+    """``folded``, and the same trajectories folded step-wise (projection ``steps``)."""
+    folded.create_projection("steps", merge="none")
+    folded.materialize(projection="steps")
+    return folded
+
+
 def _keys(store, n: int) -> list[list]:
     rows = next(store.materialized.iter_sample_rows(where={}, after=None, page_rows=n))
     return [[r["trajectory_id"], r["sample_index"]] for r in rows]
@@ -121,7 +129,7 @@ def test_a_read_tokens_put_is_bounded_before_its_body_is_read(folded, replay_ser
 
 
 def test_a_steps_export_is_what_it_trained_on_or_refused_after_its_projection_was_created_again(
-        store, replay_servers, tmp_path, capsys):
+        store, folded_steps, replay_servers, tmp_path, capsys):
     """Steps recorded through a replay server from a projection (one without annotations:
     the one-round-trip path; one with: the checked path) keep the projection's identity;
     exported, they are exactly the samples trained on. Once the projection was dropped and
@@ -133,11 +141,6 @@ def test_a_steps_export_is_what_it_trained_on_or_refused_after_its_projection_wa
     from trajstore.cli import main
     from trajstore.schema import lineage_steps
 
-    for i in range(8):
-        store.append(trajectory_events(CFG, i))
-    store.materialize()
-    store.create_projection("steps", merge="none")
-    store.materialize(projection="steps")
     server = replay_servers(store)
     reader = ReplayReader(server.location, token=READ_TOKEN, batch_size=3, projection="steps")
     trained = []
@@ -223,7 +226,8 @@ def test_a_read_token_records_only_its_own_runs_and_takes_attempts_in_order(fold
     victim.close()
 
 
-def test_a_replay_reader_of_a_projection_created_again_raises_through_a_real_server(store, replay_servers):
+def test_a_replay_reader_of_a_projection_created_again_raises_through_a_real_server(store, folded_steps,
+                                                                                 replay_servers):
     """Through a `trajstore replay` process: a reader mid-epoch on a projection dropped and
     created again raises ``ProjectionChangedError`` (never the old fold's and the new one's
     samples mixed); a request carrying the old token is refused by the server itself; a new reader
@@ -231,11 +235,6 @@ def test_a_replay_reader_of_a_projection_created_again_raises_through_a_real_ser
     from trajstore.errors import ProjectionChangedError
     from trajstore.replay import _protocol as proto
 
-    for i in range(8):
-        store.append(trajectory_events(CFG, i))
-    store.materialize()
-    store.create_projection("steps", merge="none")
-    store.materialize(projection="steps")
     server = replay_servers(store)
     reader = ReplayReader(server.location, token=READ_TOKEN, batch_size=2, page_rows=2, prefetch=False,
                           projection="steps")

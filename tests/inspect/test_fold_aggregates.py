@@ -79,13 +79,6 @@ def _moe_events(n: int) -> list[list[dict]]:
     return out
 
 
-@pytest.fixture
-def store(store_url, tmp_path):
-    s = trajstore.connect(store_url, payload=str(tmp_path / "payload"))
-    yield s
-    s.close()
-
-
 def test_reads_are_exact_before_and_after_the_compaction_which_runs_once(store):
     for events in run_events(0, 16) + _moe_events(12):
         store.append(events)

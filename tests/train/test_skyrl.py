@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import ast
 import importlib
-import importlib.util
 import logging
 import os
 import sys
@@ -32,33 +31,21 @@ pytest.importorskip("skyrl", reason="pip install --no-deps --ignore-requires-pyt
 
 import torch
 from rollout_store import LAYERS, MOE_LAYERS, REWARDS, TOPK, build_store
+from skyrl_wheel import skyrl_modules
 
 from trajstore.errors import ValidationError
 from trajstore.reader import SampleReader
 from trajstore.train.skyrl import generator_output, skyrl_batches
 
-# Package __init__ files that pull in what Python 3.11 cannot build (or Ray/vLLM workers).
-BARE_PACKAGES = ["skyrl.backends", "skyrl.train.generators", "skyrl.train.dataset"]
-
 
 @pytest.fixture(scope="module")
 def skyrl():
     """SkyRL's own modules, loaded from the installed wheel."""
-    before = set(sys.modules)
-    root = os.path.dirname(importlib.util.find_spec("skyrl").origin)
-    for name in BARE_PACKAGES:
-        importlib.import_module(name.rsplit(".", 1)[0])
-        package = types.ModuleType(name)
-        package.__path__ = [os.path.join(root, *name.split(".")[1:])]
-        package.__package__ = name
-        sys.modules[name] = package
-    base = importlib.import_module("skyrl.train.generators.base")
-    preprocess = importlib.import_module("skyrl.train.dataset.preprocess")
-    routed = importlib.import_module("skyrl.backends.skyrl_train.utils.routed_experts")
-    yield types.SimpleNamespace(base=base, preprocess=preprocess, routed=routed, validate=_trainer_validation(root))
-    for name in set(sys.modules) - before:
-        if name == "skyrl" or name.startswith("skyrl."):
-            del sys.modules[name]
+    with skyrl_modules() as root:
+        base = importlib.import_module("skyrl.train.generators.base")
+        preprocess = importlib.import_module("skyrl.train.dataset.preprocess")
+        routed = importlib.import_module("skyrl.backends.skyrl_train.utils.routed_experts")
+        yield types.SimpleNamespace(base=base, preprocess=preprocess, routed=routed, validate=_trainer_validation(root))
 
 
 def _trainer_validation(root: str):

@@ -16,10 +16,8 @@ from __future__ import annotations
 import ast
 import asyncio
 import importlib
-import importlib.util
 import os
 import re
-import sys
 import types
 from pathlib import Path
 
@@ -30,6 +28,7 @@ pytest.importorskip("skyrl", reason="pip install --no-deps --ignore-requires-pyt
 pytest.importorskip("skyrl_gym", reason="pip install --no-deps skyrl-gym==0.4.0 (.ci/run does)")
 
 from helpers import serve_process
+from skyrl_wheel import skyrl_modules
 
 import trajstore
 from trajstore.demo._agent import _serving
@@ -39,33 +38,22 @@ from trajstore.train.skyrl import generator_output
 
 TOKEN = "skyrl-rollouts-token"
 DOC = Path(__file__).resolve().parents[2] / "docs" / "skyrl.md"
-BARE_PACKAGES = ["skyrl.backends", "skyrl.train.generators", "skyrl.train.dataset"]
 WEIGHT_SYNCS, N_SAMPLES = 2, 2
 
 
 @pytest.fixture(scope="module")
 def skyrl():
     """SkyRL's modules, loaded from the installed wheel without the 3.12-only package ``__init__`` files."""
-    before = set(sys.modules)
-    root = os.path.dirname(importlib.util.find_spec("skyrl").origin)
-    for name in BARE_PACKAGES:
-        importlib.import_module(name.rsplit(".", 1)[0])
-        package = types.ModuleType(name)
-        package.__path__ = [os.path.join(root, *name.split(".")[1:])]
-        package.__package__ = name
-        sys.modules[name] = package
-    ns = types.SimpleNamespace(
-        root=root,
-        config=importlib.import_module("skyrl.train.config"),
-        utils=importlib.import_module("skyrl.train.generators.utils"),
-        engine_utils=importlib.import_module("skyrl.backends.skyrl_train.inference_servers.engine_utils"),
-        remote=importlib.import_module("skyrl.backends.skyrl_train.inference_servers.remote_inference_client"),
-        servers_utils=importlib.import_module("skyrl.backends.skyrl_train.inference_servers.utils"),
-    )
-    yield ns
-    for name in set(sys.modules) - before:
-        if name == "skyrl" or name.startswith("skyrl."):
-            del sys.modules[name]
+    with skyrl_modules() as root:
+        ns = types.SimpleNamespace(
+            root=root,
+            config=importlib.import_module("skyrl.train.config"),
+            utils=importlib.import_module("skyrl.train.generators.utils"),
+            engine_utils=importlib.import_module("skyrl.backends.skyrl_train.inference_servers.engine_utils"),
+            remote=importlib.import_module("skyrl.backends.skyrl_train.inference_servers.remote_inference_client"),
+            servers_utils=importlib.import_module("skyrl.backends.skyrl_train.inference_servers.utils"),
+        )
+        yield ns
 
 
 def base_ppo_exp(skyrl):

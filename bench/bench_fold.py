@@ -115,7 +115,7 @@ def child(args: argparse.Namespace) -> dict:
     cpu1, server1, wall1 = _cpu(), _server_cpu(args.postmaster), time.perf_counter()
     compact_cpu = compact_server = 0.0
     if after:
-        from trajstore._gc import compact_run_aggregates
+        from trajstore._upkeep.gc import compact_run_aggregates
 
         compact_run_aggregates(store)
         compact_cpu, compact_server = _cpu() - cpu1, _server_cpu(args.postmaster) - server1

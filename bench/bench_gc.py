@@ -15,7 +15,7 @@ reruns it as the old default (one hour before any delete).
 S3: ``moto_server`` on loopback; ``--objects`` retired log segments (small
 objects, their ``segments`` rows retired); deleted by ``Store.collect_garbage``
 (the full sweep: listing, then HEAD + DELETE per object, 32 in flight) and by
-``trajstore._gc.collect_retired``; requests counted from the server's log by S3 operation
+``trajstore._upkeep.gc.collect_retired``; requests counted from the server's log by S3 operation
 (bench/_moto.py).
 """
 
@@ -34,7 +34,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import trajstore  # noqa: E402
-from trajstore._gc import collect_retired  # noqa: E402
+from trajstore._upkeep.gc import collect_retired  # noqa: E402
 from trajstore.materializer import Materializer  # noqa: E402
 from trajstore.schema import segments  # noqa: E402
 from _moto import MotoS3, s3_requests  # noqa: E402  (bench/ is on sys.path when run as a script)

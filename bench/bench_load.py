@@ -18,7 +18,7 @@ What runs (each a process of its own, on loopback):
   CPU without the trace's writes);
 * the materializer as users run it, ``workers/materializer.py`` with its
   defaults: it folds as trajectories finish, and its GC worker
-  (``trajstore._gc.GcWorker``) deletes the retired log segments;
+  (``trajstore._upkeep.gc.GcWorker``) deletes the retired log segments;
 * N client processes (the "proxies"), each offering M engine calls per
   second: call i is due at start + i/M, taken by the first of
   ``--concurrency`` threads free (a proxy serves many engine calls at once).

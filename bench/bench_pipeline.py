@@ -62,7 +62,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import trajstore  # noqa: E402
-from trajstore._wire import encode_b64, encode_npy_b64  # noqa: E402
+from trajstore.events._wire import encode_b64, encode_npy_b64  # noqa: E402
 from trajstore.demo._simulate import RolloutConfig, trajectory_events  # noqa: E402
 from trajstore.payload._columns import binary_column, list_column  # noqa: E402
 from _proc import cpu_s, reset_peak_rss  # noqa: E402  (bench/ is on sys.path when run as a script)

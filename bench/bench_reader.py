@@ -75,7 +75,7 @@ def build(directory: str, num_trajectories: int) -> tuple[str, str]:
 
 def raw_file(url: str, payload: str, path: str) -> str:
     """The store's samples' arrays as one uncompressed Parquet file (the raw baseline)."""
-    from trajstore._samples import sample_table
+    from trajstore.sample._codec import sample_table
 
     store = trajstore.connect(url, payload=payload, migrate=False)
     pq.write_table(sample_table(list(store.samples())), path, compression="none")

@@ -76,7 +76,7 @@ def main() -> None:
             # GC: files nothing references, written before the grace (0 s); one request at a
             # time (as before), then the parallel collection
             import trajstore.payload._store as payload_mod
-            from trajstore._pools import LazyPool
+            from trajstore._util.pools import LazyPool
 
             for threads in (1, payload_mod._GC_THREADS):
                 payload_mod._GC_POOL = LazyPool(threads, "bench-gc")

@@ -27,7 +27,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import trajstore  # noqa: E402
-from trajstore._wire import encode_npy_b64  # noqa: E402
+from trajstore.events._wire import encode_npy_b64  # noqa: E402
 from trajstore.ingest.sglang import generation_from_generate  # noqa: E402
 from trajstore.ingest.vllm import generations_from_tito  # noqa: E402
 

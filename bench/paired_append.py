@@ -176,7 +176,7 @@ def steps(tree: str, rounds: int, batch: int = 0) -> None:
     bp, trajstore, _, wire = _load(tree)
     if batch:
         wire = turn_major(wire, batch)
-    import trajstore._facts as facts
+    import trajstore._append.facts as facts
     try:
         import trajstore.log._events as lsql
     except ImportError:  # a tree from before the SQL index was split by job

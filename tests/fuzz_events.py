@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from trajstore._wire import encode_b64, encode_npy_b64
+from trajstore.events._wire import encode_b64, encode_npy_b64
 from trajstore.demo._simulate import RolloutConfig, trajectory_events
 
 CONFIG = RolloutConfig(turns=2, prompt_tokens=6, output_tokens=4, observation_tokens=2, layers=2, topk=2,

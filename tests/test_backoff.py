@@ -1,8 +1,8 @@
-"""``trajstore._backoff.Backoff``: the pauses double up to a cap, and a loop stops before its budget."""
+"""``trajstore._util.backoff.Backoff``: the pauses double up to a cap, and a loop stops before its budget."""
 
 from __future__ import annotations
 
-from trajstore._backoff import Backoff
+from trajstore._util.backoff import Backoff
 
 
 def test_pauses_double_up_to_the_cap_and_take_at_least_that_long():

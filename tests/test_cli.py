@@ -15,7 +15,7 @@ import pytest
 import trajstore
 from trajstore.cli import main
 from trajstore.demo._simulate import RolloutConfig, trajectory_events
-from trajstore._wire import encode_b64, encode_npy_b64
+from trajstore.events._wire import encode_b64, encode_npy_b64
 from tests.helpers import OLD_NAMES_CFG, snapshot
 
 CFG = RolloutConfig(turns=3, prompt_tokens=12, output_tokens=6, observation_tokens=3, layers=3, topk=2,

@@ -1,4 +1,4 @@
-"""Every numeric flag is one argparse type (``trajstore._argtypes.number``): NaN and
+"""Every numeric flag is one argparse type (``trajstore._util.argtypes.number``): NaN and
 infinities are refused in one line naming the flag (exit 2), as are values out of
 range; the report's library entry points refuse them too (never into SQL or a page)."""
 

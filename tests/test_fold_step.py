@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from sqlalchemy import create_engine, text
 
 from helpers import finished, started
-from trajstore._admission import admit_batch
+from trajstore._append.admission import admit_batch
 from trajstore.demo._simulate import RolloutConfig, trajectory_events
 from trajstore.errors import ValidationError
 from trajstore.events import Generation, TrajectoryStarted, parse_event

@@ -22,7 +22,7 @@ import pytest
 from sqlalchemy import func, select
 
 import trajstore
-from trajstore._gc import GcWorker, ReaderLease, collect_retired
+from trajstore._upkeep.gc import GcWorker, ReaderLease, collect_retired
 from trajstore.materializer import Materializer
 from trajstore.schema import reader_leases, segments
 from tests.helpers import finished, gen, moto_s3, started
@@ -104,7 +104,7 @@ def test_a_readers_lease_keeps_its_segments_while_the_gc_deletes_everything_else
 _LEASE_HOLDER = r"""
 import sys, time
 import trajstore
-from trajstore._gc import ReaderLease
+from trajstore._upkeep.gc import ReaderLease
 store = trajstore.connect(sys.argv[1])
 lease = ReaderLease(store, "doomed", ttl_s=float(sys.argv[2]))
 print(lease.held_since, flush=True)

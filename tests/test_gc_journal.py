@@ -16,7 +16,7 @@ import pytest
 from helpers import finished, gen, started
 
 import trajstore
-from trajstore._wire import encode_b64, encode_npy_b64
+from trajstore.events._wire import encode_b64, encode_npy_b64
 from trajstore.demo._simulate import RolloutConfig, trajectory_events
 
 # bench/bench_pipeline.py's load: 4 turns, 2,400 unique tokens per trajectory, 48 x 8 routes of 128 experts

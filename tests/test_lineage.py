@@ -796,7 +796,7 @@ def test_the_batched_mismatch_equals_the_per_token_definition(with_unsorted):
     runs path, per-sample figures from the groups), and samples with nothing to compare."""
     from types import SimpleNamespace
 
-    from trajstore._lineage import rollout_mismatches
+    from trajstore.lineage._admission import rollout_mismatches
 
     rng = np.random.default_rng(3)
     samples, trainer = [], []
@@ -959,7 +959,7 @@ def test_huge_trainer_logprobs_leave_the_views_the_tracker_and_the_report_readab
     PostgreSQL's ``SUM`` in ``train_rollout_mismatch_by_version``, the tracker's and the
     report's queries failed (``value out of range: overflow``). k3 and its stored sums
     are clamped to ``SUMMED_K3_BOUND``; |r| keeps its value."""
-    from trajstore._lineage import MAX_LOG_RATIO, SUMMED_K3_BOUND
+    from trajstore.lineage._admission import MAX_LOG_RATIO, SUMMED_K3_BOUND
     from trajstore.inspect._panels import collect
     from trajstore.inspect.sql import read_only
     from trajstore.inspect.trackers import store_metrics

@@ -142,7 +142,7 @@ def test_a_bug_recorded_before_migration_0012_folds_after_the_upgrade(store_url,
     from sqlalchemy import create_engine
 
     import trajstore
-    from trajstore._migrate import alembic_config
+    from trajstore.log._migrate import alembic_config
 
     def migrate(engine, target, down=False):
         with engine.begin() as conn:

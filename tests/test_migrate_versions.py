@@ -16,7 +16,7 @@ from alembic.script import ScriptDirectory
 from sqlalchemy import create_engine, inspect, text
 
 import trajstore
-from trajstore._migrate import alembic_config
+from trajstore.log._migrate import alembic_config
 from trajstore.inspect import views as views_module
 from trajstore.inspect.views import READER_ROLE, VIEW_NAMES
 from tests.helpers import finished, gen, started
@@ -110,7 +110,7 @@ def test_sample_segments_written_before_0004_still_read():
     """Segments have no migration: old ones lack logprobs_mask and finish_reason."""
     import numpy as np
 
-    from trajstore._samples import sample_table, samples_from_table
+    from trajstore.sample._codec import sample_table, samples_from_table
     from trajstore.events import parse_event
     from trajstore.fold import fold
 
@@ -127,8 +127,8 @@ def test_sample_segments_written_before_0004_still_read():
 
 def test_log_segments_written_before_0004_still_read():
     """Old log segments have no token_model_versions column: every token has model_version."""
-    from trajstore._admission import StoredGeneration
-    from trajstore._facts import generations_from_log, segment_table
+    from trajstore._append.admission import StoredGeneration
+    from trajstore._append.facts import generations_from_log, segment_table
     from trajstore.events import parse_event
     from trajstore.payload import SegmentRows
 

@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import trajstore
-from trajstore._moved import MOVED
+from trajstore._util.moved import MOVED
 from trajstore.demo._simulate import RolloutConfig, trajectory_events
 
 

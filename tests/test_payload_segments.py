@@ -25,7 +25,7 @@ from trajstore.fold import fold
 from trajstore.log.base import EventLog
 from trajstore.payload import PayloadStore
 from trajstore.payload._columns import binary_chunks, column_chunks, list_column
-from trajstore._samples import (PlannedRoutes, RoutesPlan, read_segment_samples, routes_column, sample_table,
+from trajstore.sample._codec import (PlannedRoutes, RoutesPlan, read_segment_samples, routes_column, sample_table,
                                 samples_from_table)
 from test_fold_step import EXPERTS, TID, trajectories
 

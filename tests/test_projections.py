@@ -431,7 +431,7 @@ def test_migration_0011_down_and_up_keeps_the_default_and_frees_the_projection_f
     from alembic import command
     from sqlalchemy import create_engine, inspect
 
-    from trajstore._migrate import alembic_config
+    from trajstore.log._migrate import alembic_config
 
     def migrate(engine, target, down=False):
         with engine.begin() as conn:

@@ -19,7 +19,7 @@ import pytest
 from sqlalchemy import func, select
 
 import trajstore
-from trajstore._gc import collect_retired
+from trajstore._upkeep.gc import collect_retired
 from trajstore.reader import SampleReader
 from trajstore.schema import projection_samples, reader_leases
 from tests.helpers import finished, gen, started
@@ -143,7 +143,7 @@ def test_a_readers_lease_holds_back_sample_segments_only(store):
 _KILLED_READER = r"""
 import sys, time
 try:
-    import trajstore._reader_lease as rl
+    import trajstore.reader._lease as rl
     rl.LEASE_TTL_S, rl.RENEW_S = float(sys.argv[2]), 0.5
 except ImportError:
     pass
@@ -198,7 +198,7 @@ def test_a_reader_that_cannot_write_its_lease_reads_on_and_says_so_once(store, c
     with store.log.write_engine.begin() as conn:
         conn.exec_driver_sql("DROP TABLE reader_leases")
     want = list(store.samples(projection="p"))
-    with caplog.at_level("WARNING", logger="trajstore._reader_lease"):
+    with caplog.at_level("WARNING", logger="trajstore.reader._lease"):
         with SampleReader(store, projection="p", batch_size=1, page_rows=2, prefetch=False) as reader:
             got = [s for batch in reader for s in batch]
     _same(got, want)

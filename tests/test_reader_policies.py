@@ -251,7 +251,7 @@ def test_a_follow_reader_takes_every_sample_its_uses_while_another_process_write
 # -- the pooled planner alone (pure: no store) ----------------------------------------------------
 
 def _units(versions: list[int], sizes: list[int]):
-    from trajstore._batch_plan import Unit
+    from trajstore.reader._plan import Unit
 
     out = []
     for i, (v, n) in enumerate(zip(versions, sizes)):
@@ -261,7 +261,7 @@ def _units(versions: list[int], sizes: list[int]):
 
 
 def _plan(policy, units, *, world_size, capacity, state=None, current=None):
-    from trajstore._policies import pooled_steps
+    from trajstore.reader._policies import pooled_steps
 
     counts = {"steps": 0, "stale_units": 0, "stale_samples": 0, "filtered_samples": 0}
     cursor, restored = None, {}

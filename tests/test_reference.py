@@ -53,8 +53,9 @@ def test_the_sample_fields_table_is_the_sample_record():
 
 def _source_rules() -> set[str]:
     src = "".join((ROOT / "trajstore" / f).read_text() for f in (
-        "events.py", "_event_fields.py", "_event_parse.py", "_event_lineage.py", "_wire.py", "_admission.py",
-        "fold.py", "errors.py", "_lineage.py", "_event_ledger.py", "_ledger.py"))
+        "events/__init__.py", "events/_fields.py", "events/_parse.py", "events/_lineage.py", "events/_wire.py",
+        "_append/admission.py", "fold.py", "errors.py", "lineage/_admission.py", "events/_ledger.py",
+        "rollout/_ledger.py"))
     literal = set(re.findall(r'rule="([a-z_0-9]+)"', src)) | set(re.findall(r'"(seq_gap|seq_taken)"', src))
     return literal | {"conflict"}
 

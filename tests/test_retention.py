@@ -202,7 +202,7 @@ def test_kill_9_between_the_archive_file_and_the_drop_loses_nothing(store_url, t
 def test_two_archive_runs_racing_archive_each_trajectory_once(store_url, tmp_path, monkeypatch):
     """A second run archives the same batch between the first run's file and its drop: the first
     run's transaction stores nothing (its rows were archived), it picks again and finds nothing."""
-    from trajstore import _retention
+    from trajstore._upkeep import retention as _retention
     from trajstore.log._retention import SqlRetention
 
     payload = str(tmp_path / "payload")
@@ -249,7 +249,7 @@ def test_labelled_weight_versions_refold_from_the_archive(store_url, tmp_path):
     store.materialize()
     before = _samples(store)
     assert len(before) == 1 and before[0].max_model_version == 5
-    from trajstore._retention import archive_events
+    from trajstore._upkeep.retention import archive_events
 
     done = archive_events(store, str(tmp_path / "a"), older_than_s=0)
     # the label rows come first in the file
@@ -264,8 +264,8 @@ def test_downgrade_below_0016_is_refused_while_trajectories_are_archived(store_u
     from alembic import command
     from sqlalchemy import create_engine
 
-    from trajstore._migrate import alembic_config
-    from trajstore._retention import archive_events
+    from trajstore.log._migrate import alembic_config
+    from trajstore._upkeep.retention import archive_events
 
     payload = str(tmp_path / "payload")
     store = trajstore.connect(store_url, payload=payload)
@@ -290,7 +290,7 @@ def test_a_shard_without_a_checkpoint_yet_keeps_its_trajectories(store_url, tmp_
     shard counts as position 0, as the readers' watermark counts it); once it has
     folded, archive takes them all and every one has its samples. Same for a
     projection folded by one shard of two."""
-    from trajstore._retention import LaggingProjections
+    from trajstore._upkeep.retention import LaggingProjections
     from trajstore.log._retention import SqlRetention
 
     payload = str(tmp_path / "payload")

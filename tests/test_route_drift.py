@@ -143,7 +143,7 @@ def test_drift_equals_a_row_by_row_comparison_with_the_fold():
     from hypothesis import HealthCheck, given, settings
 
     from test_fold_step import EXPERTS, TID, trajectories
-    from trajstore._admission import RecordedRoutes, admit_batch
+    from trajstore._append.admission import RecordedRoutes, admit_batch
     from trajstore.errors import ValidationError
     from trajstore.events import TrajectoryStarted
     from trajstore.fold import fold

@@ -10,7 +10,7 @@ import pytest
 from helpers import gen, started
 from sqlalchemy import text
 
-from trajstore._wire import encode_npy_b64
+from trajstore.events._wire import encode_npy_b64
 from trajstore.errors import ValidationError
 
 

@@ -12,7 +12,7 @@ import pytest
 from sqlalchemy import update
 
 import trajstore
-from trajstore._samples import sample_table, samples_from_table
+from trajstore.sample._codec import sample_table, samples_from_table
 from trajstore.demo._simulate import RolloutConfig, trajectory_events
 from trajstore.payload._columns import binary_chunks, binary_column, column_chunks, list_column, routes_from_bytes
 from trajstore.payload._format import rows_per_batch

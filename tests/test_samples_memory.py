@@ -7,8 +7,8 @@ import numpy as np
 import pyarrow as pa
 
 import trajstore
-from trajstore import _samples
-from trajstore._samples import token_chunks
+from trajstore.sample import _codec as _samples
+from trajstore.sample._codec import token_chunks
 
 
 def _events(i: int, rng) -> list[dict]:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from trajstore.errors import ConflictError, ContentionError, StoreUnavailable, ValidationError
-from trajstore._wire import encode_b64, encode_npy_b64
+from trajstore.events._wire import encode_b64, encode_npy_b64
 from tests.helpers import finished, gen, reward, routes, snapshot, started
 
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import trajstore
-from trajstore._digests import INLINE_DIGEST_BYTES
+from trajstore._append.digests import INLINE_DIGEST_BYTES
 from trajstore.errors import ConflictError
 
 

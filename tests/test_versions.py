@@ -198,7 +198,7 @@ def test_the_dry_run_threads_the_label_map_across_batches(store):
 
 
 def test_spans_are_validated_per_token_shape():
-    from trajstore._admission import resolve_weight_versions
+    from trajstore._append.admission import resolve_weight_versions
     from trajstore.events import parse_event
 
     g = parse_event(call("a", 0, [1], [2, 3, 4, 5], model_version=1,

@@ -14,7 +14,7 @@ from hypothesis.extra import numpy as hnp
 
 from trajstore.errors import ValidationError
 from trajstore.events import parse_event
-from trajstore._wire import decode_array, encode_b64, encode_npy_b64
+from trajstore.events._wire import decode_array, encode_b64, encode_npy_b64
 
 route_arrays = hnp.arrays(
     dtype=st.sampled_from([np.uint8, np.uint16, np.int32, np.int64]),
@@ -107,7 +107,7 @@ def test_npy_fast_header_agrees_with_numpy(version, shape, dtype):
 
     import numpy.lib.format as npf
 
-    from trajstore._wire import _npy_header
+    from trajstore.events._wire import _npy_header
 
     for fortran in (False, True):
         arr = (np.arange(int(np.prod(shape))) % 2).astype(dtype).reshape(shape)

@@ -11,8 +11,8 @@ import pybase64
 import pytest
 from hypothesis import example, given, settings, strategies as st
 
-from trajstore import _wire
-from trajstore._wire import decode_array, encode_b64, encode_npy_b64
+from trajstore.events import _wire
+from trajstore.events._wire import decode_array, encode_b64, encode_npy_b64
 from trajstore.errors import ValidationError
 
 B64_CHARS = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/="

@@ -10,7 +10,7 @@
     with trajstore.Writer(url) as writer: ...   # batched, retrying: to a store URL or an ingest service
 """
 
-from trajstore import _moved
+from trajstore._util import moved as _moved
 from trajstore.errors import (
     ConflictError,
     CorruptStoreError,

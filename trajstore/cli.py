@@ -18,7 +18,7 @@ import os
 import sys
 from typing import Any, Callable, Iterator
 
-from trajstore._argtypes import number
+from trajstore._util.argtypes import number
 from trajstore.errors import TrajstoreError, ValidationError
 
 __all__ = ["main"]
@@ -51,7 +51,7 @@ def _cmd_init(args: argparse.Namespace) -> int:
 
 def _cmd_ingest(args: argparse.Namespace) -> int:
     """Validate the whole file (nothing stored on any bad event), then append it in bounded batches."""
-    from trajstore._progress import progress_bar
+    from trajstore._util.progress import progress_bar
     from trajstore.ingest.jsonl import ingest_file
 
     if args.file != "-" and os.path.isdir(args.file):
@@ -76,7 +76,7 @@ def _cmd_ingest(args: argparse.Namespace) -> int:
 
 def _cmd_materialize(args: argparse.Namespace) -> int:
     from trajstore.materializer import Materializer
-    from trajstore._progress import progress_bar
+    from trajstore._util.progress import progress_bar
 
     store = _store(args)
     if args.old_batch_size is not None:
@@ -141,7 +141,7 @@ def _trajectories(n: int) -> str:
 
 def _cmd_export(args: argparse.Namespace) -> int:
     from trajstore.inspect.export import export_samples
-    from trajstore._progress import progress_bar
+    from trajstore._util.progress import progress_bar
 
     from trajstore.errors import ValidationError
 
@@ -225,7 +225,7 @@ def _cmd_gc(args: argparse.Namespace) -> int:
 # -- trajstore payload: where the store's payload lives (docs/deploy.md) ------------
 def _index_engines(args: argparse.Namespace):
     """The engines of an existing store's index, migrated, without opening its payload."""
-    from trajstore._migrate import upgrade
+    from trajstore.log._migrate import upgrade
     from trajstore.log._registry import backend_of
     from trajstore.store import resolve_url
 
@@ -250,7 +250,7 @@ def _cmd_payload(args: argparse.Namespace) -> int:
         url, write_engine, _ = _index_engines(args)
         print(f"recorded payload location {home.set_location(url, write_engine, args.location, force=args.force)}")
         return 0
-    from trajstore._progress import progress_bar
+    from trajstore._util.progress import progress_bar
 
     store = _store(args)
     with progress_bar(f"copying payload to {args.location}", total=len(store.payload.list_names())) as advance:
@@ -437,7 +437,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="with --engine-only: the engine moves to the next weight label every this many "
                         "generated tokens (0: never; default 10)")
     _add_projection_command(add)
-    from trajstore._retention_cli import add_partition_command, add_retention_commands
+    from trajstore._upkeep.retention_cli import add_partition_command, add_retention_commands
 
     add_retention_commands(add, _store)
     add_partition_command(add, _index_engines)

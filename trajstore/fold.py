@@ -15,7 +15,7 @@ The fold is a reduction of one pure step over a trajectory's events:
   sample, the sample index, ``prefix_len``, the route rows kept) and the new
   tail. It raises every refusal these rules make: ``reward_mode``,
   ``routes_shape``, ``missing_route_rows``.
-  Admission (``trajstore._admission``) applies it once per appended event and
+  Admission (``trajstore._append.admission``) applies it once per appended event and
   stores the outcome (``events.sample_index``, ``is_merged``, ``prefix_len``,
   the rows kept) and the tail (the ``trajectories`` row); the SQL views read
   the stored outcome.

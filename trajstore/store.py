@@ -24,13 +24,14 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 import numpy as np
 import pyarrow as pa
 
-from trajstore import _facts as facts
+from trajstore._append import facts
 from trajstore.payload import _home as _payload_home
-from trajstore._digests import DIGEST_POOL as _DIGEST_POOL, Digests as _Digests
-from trajstore._admission import Admitted, RecordedRoutes, TrajectoryState, admit_batch
-from trajstore._retries import split_retries as _split_retries
-from trajstore._routes_cache import ROUTES_CACHE_BYTES, RoutesCache as _RoutesCache
-from trajstore import _ledger, _lineage
+from trajstore._append.digests import DIGEST_POOL as _DIGEST_POOL, Digests as _Digests
+from trajstore._append.admission import Admitted, RecordedRoutes, TrajectoryState, admit_batch
+from trajstore._append.retries import split_retries as _split_retries
+from trajstore._append.routes_cache import ROUTES_CACHE_BYTES, RoutesCache as _RoutesCache
+from trajstore.rollout import _ledger
+from trajstore.lineage import _admission as _lineage
 from trajstore.errors import CommitUnknownError, ContentionError, TrajstoreError, ValidationError, first_line
 from trajstore.events import (Event, Generation, TrajectoryFinished, TrajectoryStarted, VersionLabel,
                               decimal_label, identity_of, parse_events)
@@ -114,7 +115,7 @@ class Store:
         if not create:
             backend.require_schema(url, read_engine)
         if migrate:
-            from trajstore._migrate import upgrade
+            from trajstore.log._migrate import upgrade
 
             with driver_errors(f"cannot open store {_safe(url)}", mode="opening"):  # first contact: one line
                 upgrade(write_engine)
@@ -286,7 +287,7 @@ class Store:
 
     def _admit_lineage(self, events: Sequence[tuple[int, Event, str | None]],
                        plan: "_lineage.LineagePlan | None" = None) -> dict[int, "_lineage.LineageFact"]:
-        """The facts of an append's lineage events (``trajstore._lineage``) by their index."""
+        """The facts of an append's lineage events (``trajstore.lineage._admission``) by their index."""
         if not events:
             return {}
         made = _lineage.admit_lineage(events, self._sample_source(plan))  # type: ignore[arg-type]
@@ -295,7 +296,7 @@ class Store:
     def _sample_source(self, plan: "_lineage.LineagePlan | None" = None) -> "_lineage.SampleSource":
         """The log and the sample index as lineage admission reads them (one read, or
         none when ``plan`` was read with the append's state)."""
-        from trajstore._samples import load_samples
+        from trajstore.sample._codec import load_samples
 
         return _lineage.SampleSource(self.log.lineage_state, lambda sample_rows: load_samples(self, sample_rows),
                                      plan=plan)
@@ -385,7 +386,7 @@ class Store:
         """Delete payload files nothing needs any more; return their names: the
         full sweep, which lists the payload (``trajstore gc``; the steady path,
         driven by the index's retired list without listing, is
-        ``trajstore._gc.collect_retired``, run by the materializer's GC worker).
+        ``trajstore._upkeep.gc.collect_retired``, run by the materializer's GC worker).
 
         Two kinds: log segments retired (every event re-pointed into a sample
         segment by the materializer, or moved by ``compact``) more than
@@ -397,7 +398,7 @@ class Store:
         retired more than ``lease_max_age_s`` ago (default ``LEASE_MAX_AGE_S``,
         6 h). The grace protects readers that resolved a locator just before it
         was re-pointed and hold no lease (docs/log.md, "One copy")."""
-        from trajstore._gc import GC_MARGIN_S, LEASE_MAX_AGE_S, lease_horizon
+        from trajstore._upkeep.gc import GC_MARGIN_S, LEASE_MAX_AGE_S, lease_horizon
 
         # Retirement times are the database's, and so is "now" here: the grace does not
         # depend on this machine's clock agreeing with the retiring one's.
@@ -544,8 +545,8 @@ class Store:
         ``trajectory_ids`` select by id; ``page_rows``: index rows per query
         (``batch_size`` is its old, deprecated name); ``projection``: the samples
         of that named projection (docs/projections.md). Memory stays bounded."""
-        from trajstore._deprecated import renamed
-        from trajstore._samples import iter_samples
+        from trajstore._util.deprecated import renamed
+        from trajstore.sample._codec import iter_samples
 
         page_rows = renamed("batch_size", "page_rows", batch_size, page_rows, 256)
         return iter_samples(self, status=status, min_model_version=min_model_version,

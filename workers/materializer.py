@@ -14,7 +14,7 @@ import sys
 import threading
 import warnings
 
-from trajstore._gc import GC_INTERVAL_S, GC_MARGIN_S
+from trajstore._upkeep.gc import GC_INTERVAL_S, GC_MARGIN_S
 from trajstore.cli import main as trajstore_main
 
 MOVED = "workers/materializer.py is deprecated; run `trajstore materialize --follow` (same flags)"

@@ -10,7 +10,7 @@ import pytest
 
 from openai_upstream import ASSISTANT, END, NUM_LAYERS, SYSTEM, TOPK, USER, encode, generate, route_rows
 from sglang_upstream import native_response, native_stream, openai_response, openai_stream
-from trajstore._wire import decode_array
+from trajstore.events._wire import decode_array
 from trajstore.errors import ValidationError
 from trajstore.ingest.sglang import (
     GenerateStreamAccumulator,

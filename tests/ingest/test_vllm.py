@@ -20,7 +20,7 @@ from trajstore.ingest.vllm import (
     request_params_for_tito,
     routed_experts_prompt_start_of,
 )
-from trajstore._wire import encode_npy_b64
+from trajstore.events._wire import encode_npy_b64
 
 PROMPT = [11, 12, 13]
 OUTPUT = [21, 22]

@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("fastapi", reason="needs the extra: pip install 'trajstore[server]'")
 
 from openai_upstream import serve_in_thread  # noqa: E402
-from trajstore._wire import encode_b64, encode_npy_b64  # noqa: E402
+from trajstore.events._wire import encode_b64, encode_npy_b64  # noqa: E402
 from trajstore.errors import ConflictError, ValidationError  # noqa: E402
 from trajstore.ingest.arrow_body import ARROW_CONTENT_TYPE  # noqa: E402
 from trajstore.ingest.client import HttpSink, Writer  # noqa: E402

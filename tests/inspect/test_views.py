@@ -380,7 +380,7 @@ def test_the_store_covers_the_cases(built):
 def test_views_go_away_on_downgrade_and_come_back(store_url, tmp_path):
     from alembic import command
 
-    from trajstore._migrate import alembic_config
+    from trajstore.log._migrate import alembic_config
 
     store = trajstore.connect(store_url, payload=str(tmp_path / "payload"))
     engine = store.log.write_engine

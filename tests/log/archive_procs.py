@@ -20,7 +20,7 @@ def _pause(marker: str) -> None:
 
 
 def main(url: str, payload: str, out_dir: str, where: str, marker: str) -> None:
-    from trajstore import _retention
+    from trajstore._upkeep import retention as _retention
     from trajstore.cli import main as cli
     from trajstore.log._transaction import Database
 

@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 
-from trajstore._gc import collect_retired
+from trajstore._upkeep.gc import collect_retired
 from trajstore.replay import ReplayReader
 
 from replay_procs import READ_TOKEN, ROOT
@@ -44,7 +44,7 @@ def test_a_replay_reader_keeps_reading_segments_retired_and_collected_after_it_r
 _KILLED_TRAINER = r"""
 import sys
 try:
-    import trajstore._reader_lease as rl
+    import trajstore.reader._lease as rl
     rl.LEASE_TTL_S, rl.RENEW_S = 3.0, 0.5
 except ImportError:
     pass
@@ -87,7 +87,7 @@ def test_a_server_that_cannot_write_leases_still_serves_and_the_trainer_says_so_
         conn.exec_driver_sql("DROP TABLE reader_leases")  # as a store before its lease table
     want = list(store.samples(projection="p"))
     server = replay_servers(store)
-    with caplog.at_level("WARNING", logger="trajstore._reader_lease"):
+    with caplog.at_level("WARNING", logger="trajstore.reader._lease"):
         with ReplayReader(server.location, token=READ_TOKEN, projection="p", batch_size=1, page_rows=2) as reader:
             got = [s for _ in range(len(want)) for s in next(reader)]
     _same(got, want)

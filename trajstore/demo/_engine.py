@@ -48,7 +48,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from trajstore._wire import encode_npy_b64
+from trajstore.events._wire import encode_npy_b64
 
 __all__: list[str] = []
 

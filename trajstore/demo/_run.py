@@ -21,7 +21,7 @@ import sys
 
 import numpy as np
 
-from trajstore._progress import progress_bar
+from trajstore._util.progress import progress_bar
 from trajstore.demo._simulate import DEMO_CONFIG, RolloutConfig, trajectory_events
 from trajstore.errors import TrajstoreError, first_line
 

@@ -13,7 +13,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from trajstore._wire import encode_b64
+from trajstore.events._wire import encode_b64
 
 __all__ = ["ABORT_ROUTES_NOTE", "json_default", "partial_routes_of_abort", "to_numpy", "trajectory_started"]
 

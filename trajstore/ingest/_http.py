@@ -21,7 +21,7 @@ import time
 import urllib.request
 from typing import Any, Callable
 
-from trajstore._auth import bearer_token, same_token
+from trajstore._util.auth import bearer_token, same_token
 from trajstore.errors import ConflictError, StoreUnavailable, TrajstoreError, ValidationError
 
 __all__ = ["ERROR_STATUS", "OPEN_PATHS", "BearerAuth", "HTTPError", "UNAUTHORIZED", "add_server_arguments",
@@ -99,7 +99,7 @@ def error_response(status: int, message: str, *, rule: str) -> Any:
 
 def bearer_ok(header: str | None, token: str | None) -> bool:
     """Whether an ``Authorization`` header carries ``Bearer <token>`` (always true without a token;
-    the rule is ``trajstore._auth``'s, the replay server's too)."""
+    the rule is ``trajstore._util.auth``'s, the replay server's too)."""
     return token is None or same_token(bearer_token(header), token)
 
 
@@ -168,7 +168,7 @@ def is_loopback(host: str | None) -> bool:
 
 def add_server_arguments(parser: argparse.ArgumentParser, *, port: int, token_help: str, open_help: str) -> None:
     """``--host``, ``--port``, ``--token``, ``--insecure-no-auth``, ``--log-level``."""
-    from trajstore._argtypes import number
+    from trajstore._util.argtypes import number
 
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=number(int, min=0, max=65535), default=port, help=f"port (default {port})")

@@ -35,7 +35,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.ipc as ipc
 
-from trajstore._wire import _ALLOWED_DTYPES, _LITTLE_ENDIAN
+from trajstore.events._wire import _ALLOWED_DTYPES, _LITTLE_ENDIAN
 from trajstore.errors import ValidationError
 from trajstore.events import _FIELDS
 from trajstore.ingest._event_dicts import json_default

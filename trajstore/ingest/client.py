@@ -45,8 +45,8 @@ from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 
-from trajstore._backoff import Backoff
-from trajstore._deprecated import renamed
+from trajstore._util.backoff import Backoff
+from trajstore._util.deprecated import renamed
 from trajstore.errors import StoreUnavailable, TrajstoreError, ValidationError, first_line
 from trajstore.events import LINEAGE_TYPES, TOKEN_FIELDS
 from trajstore.ingest._event_dicts import to_numpy, trajectory_started

@@ -288,8 +288,8 @@ def make_app(store: Any, config: ServeConfig | None = None, *, token: str | None
         """A rollout run's resume plan (docs/reference.md "Rollout ledger"), as ``_ledger.plan_to_json``."""
         from fastapi.responses import JSONResponse
 
-        from trajstore import _ledger
-        from trajstore._event_fields import _id
+        from trajstore.rollout import _ledger
+        from trajstore.events._fields import _id
 
         try:
             plan = await run_in_threadpool(lambda: store.rollout_state(_id(run, "run")))
@@ -349,7 +349,7 @@ def _ack_body(num_events: int, result: Any) -> dict:
 
 def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of ``trajstore serve`` (``--store`` is the CLI's global flag); ``ServeConfig.from_args`` reads them."""
-    from trajstore._argtypes import number
+    from trajstore._util.argtypes import number
     add_server_arguments(parser, port=DEFAULT_PORT, token_help="bearer token clients must send",
                          open_help="accept requests without a token")
     parser.add_argument("--max-body-mb", type=number(float, min=0, min_exclusive=True), default=DEFAULT_MAX_BODY_BYTES / (1 << 20),

@@ -214,7 +214,7 @@ class HttpSink:
         """``GET /v1/rollout_state?run=``: the run's resume plan (docs/reference.md "Rollout ledger")."""
         from urllib.parse import quote
 
-        from trajstore._ledger import plan_from_json
+        from trajstore.rollout._ledger import plan_from_json
 
         path = self._parts.path.rstrip("/") + "/v1/rollout_state?run=" + quote(run, safe="")
         headers = {k: v for k, v in self._headers.items() if k != "Content-Type"}

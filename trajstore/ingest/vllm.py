@@ -44,7 +44,7 @@ What every path also carries:
   when it has something to say.
 
 Routes stay numpy arrays from end to end: decoding goes through
-``trajstore._wire.decode_array`` (``np.load`` of the ``.npy`` bytes).
+``trajstore.events._wire.decode_array`` (``np.load`` of the ``.npy`` bytes).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ from typing import Any, Callable, Mapping, Sequence, Union
 import numpy as np
 
 from trajstore.errors import ValidationError
-from trajstore._wire import decode_array
+from trajstore.events._wire import decode_array
 from trajstore.ingest._event_dicts import partial_routes_of_abort, to_numpy
 from trajstore.ingest._openai_stream import OpenAIStreamAccumulator as _OpenAIStreamAccumulator
 

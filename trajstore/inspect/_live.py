@@ -36,7 +36,7 @@ from typing import Any, Callable
 from urllib.parse import parse_qs
 
 from trajstore.errors import StoreUnavailable, TrajstoreError, first_line
-from trajstore._auth import same_token
+from trajstore._util.auth import same_token
 from trajstore.ingest._http import BearerAuth, bearer_ok, error_body
 from trajstore.inspect import _report_page, _trace
 from trajstore.inspect._panels import DEFAULT_STUCK_AFTER_S, collect, plotly_js

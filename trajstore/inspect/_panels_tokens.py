@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from trajstore._aggregates import LOGPROB_BINS, LOGPROB_RANGE, expert_arrays, expert_rows, logprob_bin_edges
+from trajstore._append.aggregates import LOGPROB_BINS, LOGPROB_RANGE, expert_arrays, expert_rows, logprob_bin_edges
 from trajstore.inspect._figures import (_gapped, RECENT_VERSIONS, Clock, _layout, _num, _plotly, 
                                         _right_axis, _share, _time_axis, _two_bars, _version_axis, _wide_left)
 from trajstore.inspect import _agg_sql as agg
@@ -254,7 +254,7 @@ def _read_samples(payload: str, rows: Sequence[Sequence[Any]]) -> list[Any]:
     import pyarrow.ipc as ipc
     import pyarrow.parquet as pq
 
-    from trajstore._samples import samples_from_table
+    from trajstore.sample._codec import samples_from_table
     from trajstore.payload._format import SegmentKind
 
     parsed = urlparse(payload)

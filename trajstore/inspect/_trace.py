@@ -320,7 +320,7 @@ def trace_data(query: Any, trajectory_id: str, *, payload: str | None, tokenizer
     if "://" not in payload and not os.path.isdir(payload):
         data["note"] = f"no payload at {payload} (pass --payload PATH_OR_URI)"
         return data
-    from trajstore._samples import samples_from_table
+    from trajstore.sample._codec import samples_from_table
 
     try:
         by_segment: dict[str, list[tuple[int, int]]] = {}

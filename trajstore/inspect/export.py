@@ -27,7 +27,7 @@ import pyarrow.parquet as pq
 from trajstore.errors import TrajstoreError
 from trajstore.payload._durable import fsync_path
 from trajstore.sample import Sample
-from trajstore._samples import sample_columns
+from trajstore.sample._codec import sample_columns
 
 __all__ = ["export_samples", "export_table", "routes_from_export"]
 

@@ -77,7 +77,7 @@ def render_report(url: str | None, out_dir: str, *, title: str | None = None,
 # -- CLI ---------------------------------------------------------------------------------
 
 def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
-    from trajstore._argtypes import number
+    from trajstore._util.argtypes import number
 
     from trajstore.ingest._http import add_server_arguments
     from trajstore.inspect._live import DEFAULT_PORT, DEFAULT_REFRESH_S
@@ -143,7 +143,7 @@ def run_from_args(args: argparse.Namespace) -> int:
                            tokenizer=args.tokenizer)
         print(f"wrote {path}")
         return 0
-    from trajstore._progress import progress_bar
+    from trajstore._util.progress import progress_bar
     from trajstore.inspect._panels import PANELS
 
     with progress_bar("drawing the report's panels", total=len(PANELS), unit="panels") as advance:

@@ -87,7 +87,7 @@ def _upgrade(url: str, backend: Any) -> None:
                 raise StoreUnavailable(f"no store at {make_url(url).render_as_string(hide_password=True)} "
                                        "(trajstore init, ingest or demo makes one)")
             if not _at_head(read_engine):
-                from trajstore._migrate import upgrade
+                from trajstore.log._migrate import upgrade
 
                 upgrade(write_engine)
     finally:
@@ -107,7 +107,7 @@ def _at_head(engine: Any) -> bool:
     BEGIN IMMEDIATE would wait behind a busy writer for nothing."""
     from alembic.runtime.migration import MigrationContext
 
-    from trajstore._migrate import head_revision
+    from trajstore.log._migrate import head_revision
 
     with engine.connect() as conn:
         return MigrationContext.configure(conn).get_current_revision() == head_revision()
@@ -249,7 +249,7 @@ def _print_table(result: QueryResult, out: TextIO) -> None:
 # -- CLI ---------------------------------------------------------------------
 
 def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
-    from trajstore._argtypes import number
+    from trajstore._util.argtypes import number
 
     parser.add_argument("query", help="one SQL statement, e.g. \"SELECT * FROM trajectory_summary LIMIT 5\" "
                                       "(views: see docs/sql.md)")

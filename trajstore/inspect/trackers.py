@@ -495,7 +495,7 @@ def sinks_from_args(args: Any) -> list[TrackerSink]:
 
 def add_cli_arguments(parser: Any) -> None:
     add_tracker_arguments(parser)
-    from trajstore._argtypes import number
+    from trajstore._util.argtypes import number
 
     parser.add_argument("--interval-s", type=number(float, min=0, min_exclusive=True), default=30.0,
                         help="seconds between pushes (default 30)")

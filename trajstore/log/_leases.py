@@ -1,5 +1,5 @@
 """Readers' leases and the retired-segment list: what the payload GC reads from
-the index (``trajstore._gc``; docs/log.md, "One copy").
+the index (``trajstore._upkeep.gc``; docs/log.md, "One copy").
 
 A lease (``reader_leases`` row) says: the reader may still open any segment
 retired after ``held_since`` (the database time before its oldest index read

@@ -1,5 +1,5 @@
 """The rollout ledger's table (docs/reference.md "Rollout ledger"): written in the
-append's transaction from the changes admission made (``trajstore._ledger``),
+append's transaction from the changes admission made (``trajstore.rollout._ledger``),
 and the reads admission and a driver's resume plan need.
 
 ``ledger_groups`` holds one row per group with its counts; the writes change
@@ -61,7 +61,7 @@ def load_ledger(conn: Connection, group_ids: Collection[str], prompts: Collectio
 
 def write_ledger(conn: Any, d: SqlDialect, rows: Sequence[Mapping[str, Any]], now: float) -> None:
     """The ``ledger_groups`` changes of an append's events (their ``ledger`` change,
-    ``trajstore._ledger.LedgerChange``), at the events' positions, in group id order:
+    ``trajstore.rollout._ledger.LedgerChange``), at the events' positions, in group id order:
     groups started, the guard of starts outside the ledger, trajectories finished,
     then groups dropped. Finishes and guards need no position (the pipelined append)."""
     starts: dict[str, list[Any]] = {}

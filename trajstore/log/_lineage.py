@@ -1,5 +1,5 @@
 """The lineage tables of the log index (docs/reference.md "Training lineage"): written in the
-append's transaction from the facts admission made (``trajstore._lineage``),
+append's transaction from the facts admission made (``trajstore.lineage._admission``),
 and the reads admission and the lineage readers need."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """One database's SQL index: the log index and the sample index over its engines.
 
 The names ``trajstore.log.sql`` (the module this index was before it was split
-by job) exported are all here, for its deprecated path (``trajstore._moved``).
+by job) exported are all here, for its deprecated path (``trajstore._util.moved``).
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ the send that finds it, never a round trip for every live one.
 
 A connection lost *during* COMMIT is different: the commit may have landed.
 Then the transaction's ``landed`` check runs on a fresh connection (retrying
-with ``trajstore._backoff.Backoff`` while the server recovers); if the
+with ``trajstore._util.backoff.Backoff`` while the server recovers); if the
 transaction is there the call succeeds, otherwise ``CommitUnknownError``
 tells the caller to keep the payload and retry.
 """
@@ -53,7 +53,7 @@ from typing import Any, Callable, Iterator, TypeVar
 from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import DataError, IntegrityError
 
-from trajstore._backoff import Backoff
+from trajstore._util.backoff import Backoff
 from trajstore.errors import CommitUnknownError, first_line
 from trajstore.log._dialect import RESENT_IF_LOST, SqlDialect
 from trajstore.log._registry import sql_dialect

@@ -184,7 +184,7 @@ class EventLog(ABC):
         ``weight_versions`` labels did not all resolve when they were appended (the
         calls the fold resolves; the others' versions were decided at admission)."""
     def lineage_keys(self, keys: Collection[tuple]) -> dict[tuple, str]:
-        """For each lineage key (``trajstore._lineage.lineage_key``) already recorded,
+        """For each lineage key (``trajstore.lineage._admission.lineage_key``) already recorded,
         the identity of the event that recorded it (docs/reference.md "Training lineage")."""
         raise NotImplementedError
 
@@ -233,7 +233,7 @@ class EventLog(ABC):
                           lineage: Any = None) -> tuple[dict[str, bytes], dict[str, dict[str, Any]]]:
         """``lookup_identities`` and ``load_trajectories`` together (backends may
         answer both in one round trip: an append needs both before it admits).
-        ``lineage``: a ``trajstore._lineage.LineagePlan`` of the batch's lineage
+        ``lineage``: a ``trajstore.lineage._admission.LineagePlan`` of the batch's lineage
         events, whose ``result`` is set to ``lineage_state(plan.keys, plan.wanted)``
         (backends read it in the same transaction)."""
         if lineage is not None:
@@ -268,7 +268,7 @@ class EventLog(ABC):
 
     def commit_unread_steps(self, event_rows: Sequence[dict[str, Any]]) -> list[int]:
         """Atomically store ``train_step`` events admitted without reading the store
-        (their ``lineage`` facts from ``trajstore._lineage.unread_step_facts``; no
+        (their ``lineage`` facts from ``trajstore.lineage._admission.unread_step_facts``; no
         trajectory rows, no payload); return their positions. The checks admission
         would have read for are the statements': every sample must exist in the
         sample index of its projection, and no step key or identity may be

@@ -113,7 +113,7 @@ from sqlalchemy.exc import DisconnectionError
 from sqlalchemy.engine import make_url
 from sqlalchemy.pool import NullPool, PoolResetState
 
-from trajstore._backoff import Backoff
+from trajstore._util.backoff import Backoff
 from trajstore.errors import IndexInvariantError, TrajstoreError, ValidationError, first_line
 from trajstore.log._backend import Backend, ReadQuery
 from trajstore.log._dialect import CHUNK, RESENT_IF_LOST, SERVER_MARK, chunks, execute

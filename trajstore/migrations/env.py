@@ -1,6 +1,6 @@
 """Alembic environment: target metadata is trajstore.schema.metadata.
 
-The connection is passed in by ``trajstore._migrate`` (config attribute
+The connection is passed in by ``trajstore.log._migrate`` (config attribute
 ``connection``); from the command line, give ``-x url=...``.
 """
 

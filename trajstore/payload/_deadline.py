@@ -22,7 +22,7 @@ import time
 from concurrent.futures import Future, TimeoutError as FutureTimeout, wait
 from typing import Callable, Iterator, TypeVar
 
-from trajstore._pools import LazyPool
+from trajstore._util.pools import LazyPool
 from trajstore.errors import StoreUnavailable
 
 __all__ = ["DEFAULT_DEADLINE_S", "Remote", "deadline"]

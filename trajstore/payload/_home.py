@@ -50,7 +50,7 @@ from urllib.parse import parse_qsl, urlencode, urlparse
 import pyarrow.fs as pafs
 from sqlalchemy import Engine, func, inspect, select, update
 
-from trajstore._backoff import Backoff
+from trajstore._util.backoff import Backoff
 from trajstore.errors import PayloadLocationError, StoreUnavailable, first_line
 from trajstore.log._errors import ServerRecovering, driver_errors
 from trajstore.log._registry import backend_of

@@ -9,7 +9,7 @@ import threading
 import time
 import weakref
 
-from trajstore._pools import LazyPool
+from trajstore._util.pools import LazyPool
 from trajstore.payload._durable import fdatasync, fsync_path, unlink_quietly
 from trajstore.payload._filesystem import join
 from trajstore.payload._format import SegmentKind

@@ -31,7 +31,7 @@ import pyarrow.fs as pafs
 import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 
-from trajstore._pools import LazyPool
+from trajstore._util.pools import LazyPool
 from trajstore.errors import CorruptStoreError, PayloadMissingError, StoreUnavailable, first_line
 from trajstore.payload._columns import SegmentRows, shared_rows
 from trajstore.payload._direct import write_arrow_segment

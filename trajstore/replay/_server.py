@@ -11,7 +11,7 @@ request, and a restarted one answers the same):
   batches sliced out of the memory-mapped segment (nothing is decoded here:
   the trainer makes its ``Sample`` views of the received buffers);
 * DoAction ``watermark`` / ``count_events`` / ``hello``;
-* DoAction ``lease``: a trainer's GC lease (``trajstore._reader_lease``),
+* DoAction ``lease``: a trainer's GC lease (``trajstore.reader._lease``),
   written here in the store's ``reader_leases`` (trainers hold no database
   login): while the trainer renews it, the payload GC keeps the sample
   segments of the rows pages it read and has not loaded yet; it lapses by
@@ -54,7 +54,7 @@ import pyarrow as pa
 import pyarrow.flight as fl
 import pyarrow.ipc as ipc
 
-from trajstore._auth import bearer_token, same_token
+from trajstore._util.auth import bearer_token, same_token
 from trajstore.errors import (ConflictError, CorruptStoreError, ProjectionChangedError, StoreUnavailable,
                               TrajstoreError, ValidationError)
 from trajstore.log._run_owners import owner_of
@@ -513,7 +513,7 @@ class ReplayServer(fl.FlightServerBase):
 
 def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of ``trajstore replay`` (``--store``/``--payload`` are the CLI's global flags)."""
-    from trajstore._argtypes import number
+    from trajstore._util.argtypes import number
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=number(int, min=0, max=65535), default=DEFAULT_PORT,
                         help=f"port (default {DEFAULT_PORT}; 0: any free)")

@@ -38,9 +38,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.flight as fl
 
-from trajstore._backoff import Backoff
-from trajstore._reader_seam import ReaderEventLog, ReaderPayload, ReaderSampleIndex
-from trajstore._wire import encode_b64
+from trajstore._util.backoff import Backoff
+from trajstore.reader._seam import ReaderEventLog, ReaderPayload, ReaderSampleIndex
+from trajstore.events._wire import encode_b64
 from trajstore.errors import (ConflictError, CorruptStoreError, ProjectionChangedError, StoreUnavailable,
                               TrajstoreError, ValidationError)
 from trajstore.payload import SegmentRows
@@ -463,7 +463,7 @@ class _RemotePayload(ReaderPayload):
 
 
 class _RemoteLeases:
-    """A reader's GC lease (``trajstore._reader_lease``), written by the replay
+    """A reader's GC lease (``trajstore.reader._lease``), written by the replay
     server in the store's database (the ``lease`` action)."""
 
     def __init__(self, conn: _Connection) -> None:

@@ -1,7 +1,7 @@
 """The processes a user runs beside a run: ``trajstore materialize --follow`` and
 ``trajstore worker`` (docs/materializer.md, "One worker beside the run").
 
-``materialize --follow`` folds as trajectories finish (``trajstore._follow``:
+``materialize --follow`` folds as trajectories finish (``trajstore.materializer._follow``:
 one transaction a step, a database outage waited out with one log line per
 wait) and, on shard 0, collects retired payload. ``worker`` runs that and,
 each switchable, the tracker pusher (``trajstore.inspect.trackers``) and the
@@ -23,7 +23,7 @@ import sys
 import threading
 from typing import Any, Callable
 
-from trajstore._gc import GC_INTERVAL_S, GC_MARGIN_S
+from trajstore._upkeep.gc import GC_INTERVAL_S, GC_MARGIN_S
 from trajstore.errors import TrajstoreError, first_line
 
 __all__ = ["add_cli_arguments", "add_follow_arguments", "follow_from_args", "run_from_args"]
@@ -33,7 +33,7 @@ log = logging.getLogger("trajstore.worker")
 
 def add_follow_arguments(p: Any, *, when: str = "with --follow: ") -> None:
     """The long-running loop's flags (``materialize --follow`` and ``worker``)."""
-    from trajstore._argtypes import number
+    from trajstore._util.argtypes import number
 
     p.add_argument("--poll-s", type=number(float, min=0, min_exclusive=True), default=1.0,
                    help=f"{when}seconds between looks at the log when nothing is pending (default 1)")
@@ -89,7 +89,7 @@ def _print_step(stats: Any) -> None:
 
 
 def _fold(m: Any, args: argparse.Namespace, stop: threading.Event, on_step: Callable[[Any], None]) -> None:
-    from trajstore._follow import follow
+    from trajstore.materializer._follow import follow
 
     pending = m.pending()
     log.info("materializer shard %s: following the log of %r (%d finished trajector%s pending)%s", m.shard,
@@ -113,7 +113,7 @@ def follow_from_args(args: argparse.Namespace, m: Any) -> int:
 # -- trajstore worker -------------------------------------------------------------------
 
 def add_cli_arguments(p: argparse.ArgumentParser) -> None:
-    from trajstore._argtypes import number
+    from trajstore._util.argtypes import number
     from trajstore.inspect.trackers import add_tracker_arguments
 
     fold = p.add_argument_group("folding (on unless --no-fold; the Ray shards' options)")
@@ -221,7 +221,7 @@ def _fold_part(args: argparse.Namespace, stop: threading.Event, closers: list) -
 
 
 def _gc_part(args: argparse.Namespace, stop: threading.Event, closers: list) -> _Part:
-    from trajstore._gc import GcWorker
+    from trajstore._upkeep.gc import GcWorker
     from trajstore.store import connect
 
     store = connect(args.store, payload=getattr(args, "payload", None))

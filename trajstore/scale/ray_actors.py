@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from trajstore._gc import GC_MARGIN_S
+from trajstore._upkeep.gc import GC_MARGIN_S
 from trajstore.fold import FoldMetrics
 from trajstore.materializer import MaterializeStats
 
@@ -48,7 +48,7 @@ class MaterializerShard:
                  poll_s: float = 1.0, gc_grace_s: float | None = GC_MARGIN_S) -> None:
         import threading
 
-        from trajstore._deprecated import renamed
+        from trajstore._util.deprecated import renamed
         from trajstore.materializer import Materializer
         from trajstore.store import connect
 

@@ -206,7 +206,7 @@ class SampleDataset(torch.utils.data.IterableDataset):
                  payload: str | None = None, current_model_version: int | None = None, layout: Layout = "padded",
                  padding_side: str = "right", pad_to_multiple_of: int = 1, current_version: int | None = None,
                  **fields: Any) -> None:
-        from trajstore._deprecated import renamed
+        from trajstore._util.deprecated import renamed
         from trajstore.reader import ReaderConfig, _settings
 
         current_model_version = renamed("current_version", "current_model_version", current_version,

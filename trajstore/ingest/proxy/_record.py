@@ -8,7 +8,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from trajstore._admission import sequence_hash
+from trajstore._append.admission import sequence_hash
 from trajstore.errors import ValidationError
 from trajstore.ingest._event_dicts import trajectory_started
 

@@ -177,7 +177,7 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--route-layout", default=None, metavar="LAYERSxTOPK",
                         help="SGLang: the model's num_hidden_layers x num_experts_per_tok, e.g. 48x8; SGLang's "
                              "routes carry no shape (default: only calls sending X-Trajstore-Route-Layout get routes)")
-    from trajstore._argtypes import number
+    from trajstore._util.argtypes import number
     parser.add_argument("--linger-ms", type=number(float, min=0), default=DEFAULT_LINGER_S * 1e3,
                         help="how long a call's record waits for other calls to share its payload object and index "
                              f"transaction (default {DEFAULT_LINGER_S * 1e3:g}; 0: append at once)")

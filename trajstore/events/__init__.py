@@ -4,7 +4,7 @@
 into a typed, immutable event with numpy arrays, or raises ValidationError.
 Rules that need the trajectory's history (seq order, known/finished
 trajectory, expert range, route shape, reward mode, route rows below
-``routed_experts_start``) live in ``trajstore._admission``.
+``routed_experts_start``) live in ``trajstore._append.admission``.
 
 Array dtypes after parsing: token ids int32, logprobs / token rewards float32,
 loss mask uint8, routes uint8 when every id < 256 else uint16.
@@ -21,13 +21,15 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping  # isinstance against typing.Mapping is ~10x slower
 from typing import Any
 
-from trajstore import _event_ledger, _event_lineage, _event_parse
+from trajstore.events import _ledger as _event_ledger
+from trajstore.events import _lineage as _event_lineage
+from trajstore.events import _parse as _event_parse
 # _legacy_content_hash: still importable from here (the digest tests compare both formats)
-from trajstore._event_digest import _legacy_content_hash, content_hash, identity_of, same_content  # noqa: F401
-from trajstore._event_fields import _id, _printable_id, _short, validate_metadata
-from trajstore._event_lineage import lineage_identity
-from trajstore._event_parse import decimal_label
-from trajstore._event_types import (
+from trajstore.events._digest import _legacy_content_hash, content_hash, identity_of, same_content  # noqa: F401
+from trajstore.events._fields import _id, _printable_id, _short, validate_metadata
+from trajstore.events._lineage import lineage_identity
+from trajstore.events._parse import decimal_label
+from trajstore.events._types import (
     _FIELDS,
     ANNOTATION_ARRAYS,
     ARRAY_FIELDS,

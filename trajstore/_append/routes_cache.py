@@ -12,7 +12,7 @@ import threading
 from collections import OrderedDict
 from typing import Mapping, Sequence
 
-from trajstore._admission import Admitted, RecordedRoutes, TrajectoryState
+from trajstore._append.admission import Admitted, RecordedRoutes, TrajectoryState
 
 __all__ = ["ROUTES_CACHE_BYTES", "RoutesCache"]
 

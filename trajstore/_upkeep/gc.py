@@ -13,7 +13,7 @@ reader stops holding anything back; and a live one holds back nothing retired
 more than ``lease_max_age_s`` ago (``LEASE_MAX_AGE_S``, 6 h, by default; logged
 once per lease when it loses its protection), so disk use stays bounded
 whatever a reader does. ``SampleReader`` and the replay server's
-trainers hold leases of their own (``trajstore._reader_lease``) over sample
+trainers hold leases of their own (``trajstore.reader._lease``) over sample
 segments only: a log segment's horizon ignores them.
 
 Crash leftovers (files no ``segments`` row knows) are found only by listing:
@@ -79,7 +79,7 @@ def compact_run_aggregates(store: Any, *, max_rounds: int | None = None) -> int:
         n, rounds = n + got, rounds + 1
         if got < COMPACT_ROWS:
             break
-    from trajstore._samples import load_samples
+    from trajstore.sample._codec import load_samples
 
     rounds = 0
     while max_rounds is None or rounds < max_rounds:  # the expert load of committed segments

@@ -54,19 +54,19 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from trajstore import _reader_state
-from trajstore._batch_plan import Key, Step, Unit, UnitBuilder, plan_step, row_key
-from trajstore._deprecated import renamed
-from trajstore._reader_patience import Patient
-from trajstore._ledger import reader_lookup
-from trajstore._reader_lease import ReadLease, holder as _lease_holder
-from trajstore._read_ahead import ReadAhead as _ReadAhead, read_ahead as _read_ahead
-from trajstore._policies import (IDLE, FifoPolicy, FreshnessPolicy, ReadyFirstPolicy, ReusePolicy, SamplingPolicy,
+from trajstore.reader import _state as _reader_state
+from trajstore.reader._plan import Key, Step, Unit, UnitBuilder, plan_step, row_key
+from trajstore._util.deprecated import renamed
+from trajstore.reader._patience import Patient
+from trajstore.rollout._ledger import reader_lookup
+from trajstore.reader._lease import ReadLease, holder as _lease_holder
+from trajstore.reader._read_ahead import ReadAhead as _ReadAhead, read_ahead as _read_ahead
+from trajstore.reader._policies import (IDLE, FifoPolicy, FreshnessPolicy, ReadyFirstPolicy, ReusePolicy, SamplingPolicy,
                                  pooled_steps)
-from trajstore._reader_config import ReaderConfig, ReaderStats, _settings
-from trajstore._reader_seam import ReaderEventLog, ReaderPayload, ReaderSampleIndex, ReaderStore
-from trajstore._reader_state import STATE_FORMAT, STATE_FORMAT_VERSION
-from trajstore._samples import read_segment_samples
+from trajstore.reader._config import ReaderConfig, ReaderStats, _settings
+from trajstore.reader._seam import ReaderEventLog, ReaderPayload, ReaderSampleIndex, ReaderStore
+from trajstore.reader._state import STATE_FORMAT, STATE_FORMAT_VERSION
+from trajstore.sample._codec import read_segment_samples
 from trajstore.errors import ProjectionChangedError, TrajstoreError, ValidationError
 from trajstore.sample import Sample
 

@@ -10,7 +10,7 @@ import time
 from concurrent.futures import Future
 from typing import Any, Callable, Iterator, TypeVar
 
-from trajstore._batch_plan import Step
+from trajstore.reader._plan import Step
 from trajstore.sample import Sample
 
 T = TypeVar("T")

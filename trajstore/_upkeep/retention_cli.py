@@ -6,13 +6,13 @@ import argparse
 import sys
 from typing import Any, Callable
 
-from trajstore._argtypes import number
+from trajstore._util.argtypes import number
 
 __all__ = ["add_partition_command", "add_retention_commands"]
 
 
 def _cmd_archive(args: argparse.Namespace, store: Any) -> int:
-    from trajstore._retention import ArchiveBatch, archive_events
+    from trajstore._upkeep.retention import ArchiveBatch, archive_events
 
     verb = "would archive" if args.dry_run else "archived"
 
@@ -33,7 +33,7 @@ def _cmd_archive(args: argparse.Namespace, store: Any) -> int:
 
 
 def _cmd_restore(args: argparse.Namespace, store: Any) -> int:
-    from trajstore._retention import restore_archive
+    from trajstore._upkeep.retention import restore_archive
 
     done = restore_archive(store, args.dir,
                            on_batch=lambda n: print(f"appended {n} events", file=sys.stderr, flush=True))

@@ -19,8 +19,8 @@ import threading
 import time
 from typing import Any, Callable
 
-from trajstore._backoff import Backoff
-from trajstore._gc import GC_INTERVAL_S, GC_MARGIN_S, GcWorker
+from trajstore._util.backoff import Backoff
+from trajstore._upkeep.gc import GC_INTERVAL_S, GC_MARGIN_S, GcWorker
 from trajstore.errors import StoreUnavailable, first_line
 
 __all__ = ["follow", "step_line"]

@@ -362,9 +362,9 @@ def admit(
     without it the drift is not measured (``route_rows_drifted`` None).
     """
     if isinstance(event, (TrainStep, SampleAnnotation)):
-        return Admitted(event, None, None)  # store-wide; checked against the samples by trajstore._lineage
+        return Admitted(event, None, None)  # store-wide; checked against the samples by trajstore.lineage._admission
     if isinstance(event, GroupDropped):
-        return Admitted(event, None, None)  # store-wide; checked against the groups by trajstore._ledger
+        return Admitted(event, None, None)  # store-wide; checked against the groups by trajstore.rollout._ledger
     if isinstance(event, VersionLabel):
         known = (stored_labels or {}).get(event.label)
         if known is not None and known != event.model_version:

@@ -63,9 +63,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from trajstore._deprecated import renamed
-from trajstore._gc import GC_INTERVAL_S, GC_MARGIN_S, compact_run_aggregates
-from trajstore import _facts as facts
+from trajstore._util.deprecated import renamed
+from trajstore._upkeep.gc import GC_INTERVAL_S, GC_MARGIN_S, compact_run_aggregates
+from trajstore._append import facts
 from trajstore.errors import ConflictError, CorruptStoreError, PayloadMissingError, StoreUnavailable, ValidationError
 from trajstore.events import decimal_label
 from trajstore.fold import DEFAULT_POLICY, FoldMetrics, FoldPolicy, FoldResult, fold
@@ -73,8 +73,8 @@ from trajstore.log.base import DATA_ERROR, INTERNAL_ERROR, SAMPLES_KIND, Repoint
 from trajstore.payload import SegmentRows
 from trajstore.payload._format import SegmentKind, rows_per_batch
 from trajstore.sample import Sample
-from trajstore._samples import SAMPLE_BATCH_BYTES, RoutesPlan, sample_table
-from trajstore._aggregates import sample_counts
+from trajstore.sample._codec import SAMPLE_BATCH_BYTES, RoutesPlan, sample_table
+from trajstore._append.aggregates import sample_counts
 
 __all__ = ["Materializer", "MaterializeStats", "shard_of"]
 
@@ -196,7 +196,7 @@ class Materializer:
         commit); a step that found fewer finished trajectories than it could
         take ends the run without asking again. ``compact``: a run that folded
         something then folds the run aggregates' delta rows into their totals
-        (``trajstore._gc.compact_run_aggregates``, its own transactions, after
+        (``trajstore._upkeep.gc.compact_run_aggregates``, its own transactions, after
         the commits; ``follow`` leaves it to its GC worker)."""
         position, cumulative = self._checkpoint()
         stats = MaterializeStats(position=position)
@@ -316,7 +316,7 @@ class Materializer:
         """Fold as trajectories finish until ``stop`` is set (a step is one
         transaction: stopping between steps loses nothing), and collect garbage.
 
-        Garbage is collected by a ``trajstore._gc.GcWorker`` in its own thread,
+        Garbage is collected by a ``trajstore._upkeep.gc.GcWorker`` in its own thread,
         started here and stopped on return: never inside this fold loop (a slow
         or stalled object store does not stop folding). Every ``gc_interval_s``
         it deletes the segments the index lists as retired before the GC
@@ -331,8 +331,8 @@ class Materializer:
         tenth of it (1 to 60 s); None (the default): never. An unreachable store
         (a database restart) is waited out, one log line per wait, for up to
         ``unavailable_timeout_s`` per outage (None: as long as it takes;
-        ``trajstore._follow``)."""
-        from trajstore._follow import follow
+        ``trajstore.materializer._follow``)."""
+        from trajstore.materializer._follow import follow
 
         follow(self, stop, poll_s=poll_s, gc_grace_s=gc_grace_s, gc_interval_s=gc_interval_s, on_step=on_step,
                abandon_after_s=abandon_after_s, unavailable_timeout_s=unavailable_timeout_s)

@@ -24,14 +24,14 @@ from typing import Any, Collection, Mapping, Sequence
 import numpy as np
 import pyarrow as pa
 
-from trajstore._admission import Admitted, StoredGeneration, TrajectoryState, resolve_weight_versions
+from trajstore._append.admission import Admitted, StoredGeneration, TrajectoryState, resolve_weight_versions
 from trajstore.errors import CorruptStoreError, IndexInvariantError
 from trajstore.events import (LOGPROB_PLACEHOLDER, Generation, GroupDropped, Reward, TrajectoryFinished, TrajectoryStarted,
                               VersionLabel)
 from trajstore.fold import first_model_version
 from trajstore.log.base import SAMPLES_KIND
 from trajstore.schema import events as events_table
-from trajstore._samples import SAMPLE_LIST_COLUMNS
+from trajstore.sample._codec import SAMPLE_LIST_COLUMNS
 from trajstore.payload import SegmentRows
 from trajstore.payload._columns import binary_column, list_column, routes_from_bytes
 

@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from trajstore._event_lineage import lineage_identity
-from trajstore._event_types import (Event, Generation, GroupDropped, SampleAnnotation, TrainStep, TrajectoryFinished,
+from trajstore.events._lineage import lineage_identity
+from trajstore.events._types import (Event, Generation, GroupDropped, SampleAnnotation, TrainStep, TrajectoryFinished,
                                     TrajectoryStarted, VersionLabel)
 
 __all__ = ["content_hash", "identity_of", "same_content"]

@@ -16,7 +16,7 @@ import threading
 import time
 from typing import Any, Callable, TypeVar
 
-from trajstore._backoff import Backoff
+from trajstore._util.backoff import Backoff
 from trajstore.errors import StoreUnavailable, first_line
 
 __all__ = ["Patient"]

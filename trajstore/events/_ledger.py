@@ -4,15 +4,15 @@ The four fields a ``trajectory_started`` may carry (``run``, ``prompt_id``,
 ``epoch``, ``group_size``: all or none) and the store-wide ``group_dropped``
 event. Rules that need the store (a group's fields agree, a prompt answered
 once per epoch, a dropped group takes nothing) are admission's
-(``trajstore._ledger``).
+(``trajstore.rollout._ledger``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping  # isinstance against typing.Mapping is ~10x slower
 
-from trajstore._event_fields import _MAX_ID_CHARS, _id, _int, _optional_id, _text
-from trajstore._event_types import LEDGER_FIELDS, GroupDropped
+from trajstore.events._fields import _MAX_ID_CHARS, _id, _int, _optional_id, _text
+from trajstore.events._types import LEDGER_FIELDS, GroupDropped
 from trajstore.errors import ValidationError
 
 __all__ = ["MAX_GROUP_SIZE", "PARSERS", "ledger_fields"]

@@ -1,4 +1,4 @@
-"""A sample reader's GC lease: what keeps the payload GC (``trajstore._gc``) from
+"""A sample reader's GC lease: what keeps the payload GC (``trajstore._upkeep.gc``) from
 deleting a sample segment between the reader resolving its locators (a page of
 sample index rows) and loading its rows (docs/reader.md, "The payload GC").
 

@@ -2,7 +2,7 @@
 
 ``train_step`` and ``sample_annotation``: one parser each, in ``PARSERS``, and
 their identity (``lineage_identity``). Rules that need the store are
-admission's (``trajstore._lineage``).
+admission's (``trajstore.lineage._admission``).
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from typing import Any
 
 import numpy as np
 
-from trajstore._event_fields import _F32_MAX, _INT32_MAX, _MAX_ID_CHARS, _finite, _id, _int, _optional_id, _short, _text
-from trajstore._event_types import SampleAnnotation, TrainStep
-from trajstore._wire import decode_array
+from trajstore.events._fields import _F32_MAX, _INT32_MAX, _MAX_ID_CHARS, _finite, _id, _int, _optional_id, _short, _text
+from trajstore.events._types import SampleAnnotation, TrainStep
+from trajstore.events._wire import decode_array
 from trajstore.errors import ValidationError
 
 __all__ = ["PARSERS", "lineage_identity"]

@@ -40,7 +40,7 @@ from typing import Any, Callable, ClassVar, Iterator, Mapping
 
 import numpy as np
 
-from trajstore._batch_plan import Key, Step, Unit, plan_step
+from trajstore.reader._plan import Key, Step, Unit, plan_step
 from trajstore.errors import ResumeStateError, ValidationError
 
 __all__ = ["FifoPolicy", "FreshnessPolicy", "IDLE", "POLICIES", "ReadyFirstPolicy", "ReusePolicy", "SamplingPolicy",

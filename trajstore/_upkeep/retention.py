@@ -40,7 +40,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from trajstore import _facts as facts
+from trajstore._append import facts
 from trajstore.errors import ContentionError, TrajstoreError, ValidationError
 from trajstore.events import decimal_label
 from trajstore.log._retention import ARCHIVED_TYPES, SqlRetention

@@ -13,7 +13,7 @@ import os
 from concurrent.futures import Future
 from typing import Sequence
 
-from trajstore._pools import LazyPool
+from trajstore._util.pools import LazyPool
 from trajstore.events import ARRAY_FIELDS, Event, Generation, content_hash
 
 __all__ = ["DIGEST_POOL", "Digests"]

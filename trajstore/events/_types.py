@@ -59,7 +59,7 @@ assert set(ARRAY_FIELDS) <= _FIELDS["generation"] and set(TOKEN_FIELDS) <= set(A
 # metrics; ``sample_annotation``: what the trainer computed on one sample in a step
 # (its recomputed logprobs, advantages, entropy, metrics). Rules that need the store
 # (the samples exist, arrays have one entry per response token) are admission's
-# (``trajstore._lineage``).
+# (``trajstore.lineage._admission``).
 
 LINEAGE_TYPES = ("train_step", "sample_annotation")
 ANNOTATION_ARRAYS = ("trainer_logprobs", "advantages", "entropy")

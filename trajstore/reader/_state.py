@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from trajstore._batch_plan import Key
-from trajstore._reader_config import ReaderConfig, ReaderStats
+from trajstore.reader._plan import Key
+from trajstore.reader._config import ReaderConfig, ReaderStats
 from trajstore.errors import ResumeStateError
 
 __all__ = ["STATE_FORMAT", "STATE_FORMAT_VERSION", "get", "key_or_none", "pool_of", "validate"]

@@ -20,7 +20,7 @@ from trajstore.log._registry import sql_dialect
 
 log = logging.getLogger(__name__)
 
-MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
+MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
 
 
 def alembic_config() -> Config:

@@ -31,7 +31,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from trajstore import _facts as facts
+from trajstore._append import facts
 from trajstore.errors import ValidationError
 from trajstore.events import WHOLE_STATUSES, Event, Generation, GroupDropped, TrajectoryFinished, TrajectoryStarted
 
@@ -284,7 +284,7 @@ def tails(store: Any, running: Sequence[tuple[str, int]]) -> dict[str, tuple[np.
 
 def plan_to_json(plan: RolloutPlan) -> dict[str, Any]:
     """The plan as a JSON object; each tail's tokens as ``{b64, dtype, shape}`` (``_wire``)."""
-    from trajstore._wire import encode_b64
+    from trajstore.events._wire import encode_b64
 
     def group(g: Group) -> dict[str, Any]:
         return {"group_id": g.group_id, "prompt_id": g.prompt_id, "epoch": g.epoch, "group_size": g.group_size,
@@ -300,7 +300,7 @@ def plan_to_json(plan: RolloutPlan) -> dict[str, Any]:
 
 def plan_from_json(obj: Mapping[str, Any]) -> RolloutPlan:
     """``plan_to_json``'s inverse."""
-    from trajstore._wire import decode_array
+    from trajstore.events._wire import decode_array
 
     def group(g: Mapping[str, Any]) -> Group:
         return Group(g["group_id"], g["prompt_id"], int(g["epoch"]), int(g["group_size"]), tuple(g["finished"]),
@@ -336,7 +336,7 @@ def reader_lookup(log: Any) -> Callable[[set[str]], dict[str, tuple[int, bool]]]
 
 def changes_of(log: Any, kept: Sequence[tuple[int, Any]], before: list | None = None, *,
                plain: bool = True) -> dict[int, "LedgerChange"]:
-    """The rollout ledger's changes of an append's stored events by index (``trajstore._ledger``).
+    """The rollout ledger's changes of an append's stored events by index (``trajstore.rollout._ledger``).
     ``before``: the ledger events of earlier checked batches, admitted first (index -1), then extended.
     ``plain``: read the groups of starts without the ledger's fields (else the commit guards them)."""
     events = [(i, a.event, a.state.group_id if a.state is not None else None) for i, a in kept]

@@ -11,7 +11,7 @@ import warnings
 from dataclasses import asdict, dataclass
 from typing import Any, Mapping
 
-from trajstore._policies import SamplingPolicy, policy_from
+from trajstore.reader._policies import SamplingPolicy, policy_from
 from trajstore.errors import ValidationError
 
 __all__ = ["ReaderConfig", "ReaderStats"]

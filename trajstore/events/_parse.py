@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from trajstore._event_fields import (
+from trajstore.events._fields import (
     _F32_MAX,
     _INT32_MAX,
     _MAX_ID_CHARS,
@@ -25,8 +25,8 @@ from trajstore._event_fields import (
     _text,
     validate_metadata,
 )
-from trajstore._event_ledger import ledger_fields
-from trajstore._event_types import (
+from trajstore.events._ledger import ledger_fields
+from trajstore.events._types import (
     FINISH_STATUSES,
     Generation,
     Reward,
@@ -35,7 +35,7 @@ from trajstore._event_types import (
     VersionLabel,
     routes_dtype,
 )
-from trajstore._wire import decode_array
+from trajstore.events._wire import decode_array
 from trajstore.errors import ValidationError
 
 __all__ = ["PARSERS", "decimal_label"]

@@ -1,0 +1,1 @@
+"""Upkeep: payload GC, aggregate compaction, retention."""

@@ -1,0 +1,1 @@
+"""Utilities every layer may use: pools, backoff, progress, argparse types, deprecations, auth."""

@@ -79,7 +79,7 @@ def _imports(name: str, path: Path) -> set[str]:
         for t in targets:
             while t and t not in MODULES:
                 t = t.rpartition(".")[0]
-            if t and t != name and t != "trajstore":
+            if t and t != name:
                 found.add(t)
     return found
 
@@ -89,6 +89,23 @@ GRAPH = {name: _imports(name, path) for name, path in MODULES.items()}
 
 def _is_edge(name: str) -> bool:
     return any(name == e or name.startswith(e + ".") for e in EDGES)
+
+
+def test_nothing_imports_the_root_package():
+    # The root (``trajstore/__init__``) is the public facade: it imports the layers, and
+    # re-exports an edge's ``Writer``; a module that imported the root back would close
+    # a loop through every layer. A module names what it uses by its own path.
+    assert sorted(m for m, ts in GRAPH.items() if "trajstore" in ts) == []
+
+
+def test_the_root_check_sees_an_import_of_the_root(tmp_path):
+    # The rule above would be vacuous if the graph dropped the root package.
+    path = tmp_path / "m.py"
+    path.write_text("def f():\n    import trajstore\n    return trajstore.connect()\n"
+                    "from trajstore import lineage, connect\n")
+    assert _imports("trajstore.m", path) == {"trajstore", "trajstore.lineage"}
+    path.write_text("from trajstore.store import connect\nfrom trajstore import lineage\n")
+    assert _imports("trajstore.m", path) == {"trajstore.store", "trajstore.lineage"}
 
 
 def test_core_never_imports_edges():

@@ -392,11 +392,11 @@ def serve(config: ServeConfig | str | None = None, *args: Any, **settings: Any) 
     config = _serve_config(config, args, settings)
     config = dataclasses.replace(config, token=server_token(config.token, insecure_no_auth=config.insecure_no_auth,
                                                                        host=config.host))
-    import trajstore
+    from trajstore.store import connect
 
     # Connect once here: a bad URL fails before the server starts, and a new
     # database is migrated by one process, not raced by every worker.
-    trajstore.connect(config.store_url, payload=config.payload).close()
+    connect(config.store_url, payload=config.payload).close()
     # uvicorn builds each worker's app from the import string; the settings
     # reach it through the environment the workers inherit.
     os.environ[_CONFIG_ENV] = config.to_env()
@@ -433,11 +433,11 @@ _CONFIG_ENV = "TRAJSTORE_SERVE_CONFIG"
 
 def app_from_env() -> Any:
     """The app ``serve`` described in ``$TRAJSTORE_SERVE_CONFIG``; it owns (and closes) its store."""
-    import trajstore
+    from trajstore.store import connect
 
     config = ServeConfig.from_env(os.environ[_CONFIG_ENV])
     _return_big_buffers_to_the_os()
-    store = trajstore.connect(config.store_url, payload=config.payload)
+    store = connect(config.store_url, payload=config.payload)
     return make_app(store, config, close_store=True)
 
 

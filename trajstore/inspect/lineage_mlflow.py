@@ -74,9 +74,9 @@ def _source_class() -> type:
             return "trajstore"
 
         def load(self, **kwargs: Any) -> Any:
-            import trajstore
+            from trajstore.store import connect
 
-            return trajstore.connect(self.url, create=False)
+            return connect(self.url, create=False)
 
         @staticmethod
         def _can_resolve(raw_source: Any) -> bool:

@@ -112,10 +112,10 @@ def run_from_args(args: argparse.Namespace) -> int:
     if getattr(args, "rebuild_aggregates", False):
         if args.serve or args.out_dir is not None or getattr(args, "trace", None) is not None:
             raise TrajstoreError("report --rebuild-aggregates only recounts the aggregates; run it on its own")
-        import trajstore
+        from trajstore.store import connect
         from trajstore.inspect._rebuild import rebuild_aggregates
 
-        with trajstore.connect(args.store, payload=getattr(args, "payload", None), create=False) as store:
+        with connect(args.store, payload=getattr(args, "payload", None), create=False) as store:
             counted = rebuild_aggregates(store)
         print(f"recounted the run aggregates from {counted['events']} engine calls, {counted['samples']} samples and "
               f"{counted['trajectories']} finished trajectories")

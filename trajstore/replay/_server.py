@@ -547,7 +547,7 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
 
 def serve_from_args(args: argparse.Namespace) -> int:
     """Run the replay server until SIGINT/SIGTERM."""
-    import trajstore
+    from trajstore.store import connect
 
     if not logging.getLogger().handlers:  # one line per event on stderr, e.g. each rate-limit wait
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -563,7 +563,7 @@ def serve_from_args(args: argparse.Namespace) -> int:
         tokens = {**{t: READ for t in read_tokens}, **({args.write_token: WRITE} if args.write_token else {})}
     if (args.tls_cert is None) != (args.tls_key is None):
         raise ValueError("--tls-cert and --tls-key go together")
-    store = trajstore.connect(args.store, payload=args.payload, migrate=False, create=False)
+    store = connect(args.store, payload=args.payload, migrate=False, create=False)
     scheme = "grpc+tls" if args.tls_cert else "grpc+tcp"
     kwargs: dict[str, Any] = {}
     if args.tls_cert:

@@ -140,9 +140,9 @@ def serve(config: ProxyConfig) -> None:
     token = server_token(config.token, insecure_no_auth=config.insecure_no_auth, host=config.host)
     config = replace(config, upstream=normalize_upstream(config.upstream))
     upstream_api_key = config.upstream_api_key or os.environ.get(UPSTREAM_API_KEY_ENV) or None
-    import trajstore
+    from trajstore.store import connect
 
-    store = trajstore.connect(config.store_url, payload=config.payload)
+    store = connect(config.store_url, payload=config.payload)
     try:
         app = _APPS[config.engine](store, config, token, upstream_api_key)
         run_server(app, name="proxy", host=config.host, port=config.port, store_url=config.store_url,

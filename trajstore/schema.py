@@ -419,7 +419,7 @@ agg_expert_load = Table(
 )
 
 # Rollout logprobs of the default samples' generated loss tokens, per model version: a
-# histogram of fixed bins (trajstore._append.aggregates.LOGPROB_RANGE / LOGPROB_BINS, the value
+# histogram of fixed bins (trajstore.log._aggregate_counts.LOGPROB_RANGE / LOGPROB_BINS, the value
 # clipped into the range) and the sum of the values in each bin (for the mean).
 agg_logprobs = Table(
     "agg_logprobs",
@@ -564,7 +564,7 @@ agg_trajectory_shapes = Table(
     Column("num_generations", Integer, primary_key=True), Column("num_samples", Integer, primary_key=True),
     Column("num_prefix_mismatches", Integer, primary_key=True),
     Column("trajectories", BigInteger, nullable=False), Column("placeholder_logprobs", BigInteger, nullable=False))
-# Finished trajectories per task (trajstore._append.aggregates.TASK_KEYS of their metadata).
+# Finished trajectories per task (trajstore.log._aggregate_counts.TASK_KEYS of their metadata).
 agg_tasks = Table(
     "agg_tasks", metadata, Column("task", String(255), primary_key=True),
     Column("trajectories", BigInteger, nullable=False), Column("rewarded", BigInteger, nullable=False),
@@ -644,7 +644,7 @@ ledger_groups = Table(
 # rows of its own in a DELTA table beside each (same key and counted columns, any number of rows
 # per key, no unique key: plain INSERTs, so two shards committing at once never wait on each
 # other's rows); a key's count is the sum (min, max) of its rows in both tables
-# (``trajstore._append.aggregates.totals_sql``). The decode routes' expert load of a commit is ONE row
+# (``trajstore.log._aggregate_counts.totals_sql``). The decode routes' expert load of a commit is ONE row
 # per model version: its [layers, experts] int64 counts as bytes. A background compaction (the
 # materializer's GC worker, and the end of a one-shot ``materialize``) moves the deltas into
 # the totals above, exactly once (``trajstore.log._aggregates.compact_aggregates``), and

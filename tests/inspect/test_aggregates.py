@@ -14,7 +14,7 @@ from sqlalchemy import create_engine, text
 import trajstore
 from tests.helpers import reader_url_for
 from tests.inspect.test_report import fill, run_events
-from trajstore._append.aggregates import KEYS, TRAJECTORY_TABLES, totals_sql
+from trajstore.log._aggregate_counts import KEYS, TRAJECTORY_TABLES, totals_sql
 from trajstore.log._migrate import alembic_config
 from trajstore.cli import main
 from trajstore.inspect._panels import collect
@@ -226,7 +226,7 @@ def test_rewards_near_the_float_limit_are_counted_and_the_page_draws(store_url, 
     overflowed PostgreSQL's upsert: the materializer's commit failed, and with it
     every other trajectory of the step). Minimums and maximums keep the values."""
     from tests.helpers import finished, gen, reward, started
-    from trajstore._append.aggregates import SUMMED_REWARD_BOUND
+    from trajstore.log._aggregate_counts import SUMMED_REWARD_BOUND
 
     values = {"big": 1.7e308, "bigger": 1.7e308, "low": -1.7e308, "plain": 0.5}
     for tid, r in values.items():

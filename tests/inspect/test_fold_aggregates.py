@@ -21,7 +21,7 @@ from sqlalchemy import create_engine, text
 import trajstore
 from tests.inspect.test_aggregates import tables
 from tests.inspect.test_report import run_events
-from trajstore._append.aggregates import expert_arrays, expert_load_sql, sample_counts
+from trajstore.log._aggregate_counts import expert_arrays, expert_load_sql, sample_counts
 from trajstore._upkeep.gc import compact_run_aggregates
 from trajstore.demo._simulate import RolloutConfig, trajectory_events
 from trajstore.inspect._rebuild import rebuild_aggregates

@@ -13,7 +13,7 @@ from sqlalchemy import text
 import trajstore
 from tests.helpers import reader_url_for
 from tests.inspect.test_report import RUNNING, fill, run_events
-from trajstore._append.aggregates import TASK_KEYS
+from trajstore.log._aggregate_counts import TASK_KEYS
 from trajstore.inspect._figures import CLOCK_SQL, _clock
 from trajstore.inspect._panels import PANELS, SUMMARY_SQL, collect
 from trajstore.inspect._rebuild import rebuild_aggregates

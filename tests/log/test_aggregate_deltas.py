@@ -16,7 +16,7 @@ import trajstore
 import trajstore.log._events as logsql
 from tests.helpers import finished, gen, started
 from tests.log.procs import aggregate_writer
-from trajstore._append.aggregates import KEYS, totals_sql
+from trajstore.log._aggregate_counts import KEYS, totals_sql
 from trajstore.log._migrate import alembic_config
 from trajstore.inspect._rebuild import rebuild_aggregates
 from trajstore.log._aggregates import compact_event_aggregates

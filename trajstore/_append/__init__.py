@@ -1,1 +1,1 @@
-"""The write path of ``Store.append``: admission, facts, the duplicate rule, digests, route cache, aggregates."""
+"""The write path of ``Store.append``: admission, facts, the duplicate rule, digests, the route cache."""

@@ -1,7 +1,7 @@
 """How the run view reads each aggregate table (docs/report.md, "Aggregates"): one small
 function per table giving the relation a panel's SQL selects from, so how a table is
 written is known here only. Each is the table as ONE ROW PER KEY
-(``trajstore._append.aggregates.totals_sql``): the append's tables hold a total row per key and
+(``trajstore.log._aggregate_counts.totals_sql``): the append's tables hold a total row per key and
 the delta rows not folded into it yet (docs/log.md, "Run aggregates"), summed here
 (``agg_calls.max_output_len``: their max), so a read is exact before and after a fold.
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 __all__ = ["output_lengths", "route_drift", "expert_load", "expert_load_deltas", "logprobs", "calls", "trajectories", "base_width",
            "CALL_WIDTHS_S", "rewards", "group_variance", "staleness", "bucketed"]
 
-from trajstore._append.aggregates import DRIFT_WIDTHS_S, expert_load_sql, totals_sql
+from trajstore.log._aggregate_counts import DRIFT_WIDTHS_S, expert_load_sql, totals_sql
 
 CALL_WIDTHS_S = DRIFT_WIDTHS_S
 """The bucket widths ``agg_calls``, ``agg_trajectories`` and ``agg_route_drift`` are kept at."""
@@ -50,7 +50,7 @@ def expert_load() -> str:
 def expert_load_deltas() -> str:
     """A query (not a relation): the materializer commits' expert-load arrays not compacted into
     ``expert_load()`` yet: ``model_version, layers, experts, counts`` (int64 bytes of
-    [layers, experts]; ``trajstore._append.aggregates.expert_arrays`` sums them)."""
+    [layers, experts]; ``trajstore.log._aggregate_counts.expert_arrays`` sums them)."""
     return expert_load_sql()
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from trajstore._append.aggregates import LOGPROB_BINS, LOGPROB_RANGE, expert_arrays, expert_rows, logprob_bin_edges
+from trajstore.log._aggregate_counts import LOGPROB_BINS, LOGPROB_RANGE, expert_arrays, expert_rows, logprob_bin_edges
 from trajstore.inspect._figures import (_gapped, RECENT_VERSIONS, Clock, _layout, _num, _plotly, 
                                         _right_axis, _share, _time_axis, _two_bars, _version_axis, _wide_left)
 from trajstore.inspect import _agg_sql as agg

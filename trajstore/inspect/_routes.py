@@ -14,9 +14,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from trajstore._append.aggregates import count_routes, decode_routes
+from trajstore.log._aggregate_counts import count_routes, decode_routes
 
-__all__: list[str] = []  # decode_routes and count_routes are trajstore._append.aggregates'
+__all__: list[str] = []  # decode_routes and count_routes are trajstore.log._aggregate_counts'
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from typing import Any, Sequence
 
-from trajstore._append.aggregates import TASK_KEYS  # a trajectory's task: the first of these its metadata has
+from trajstore.log._aggregate_counts import TASK_KEYS  # a trajectory's task: the first of these its metadata has
 from trajstore.inspect._figures import (HEIGHT, Clock, Panel, _gapped, _layout, _num, _plotly, _right_axis, _share,
                                         _time_axis, _with_right_axis)
 from trajstore.inspect._panels_lineage import MAX_STEPS, NO_STEPS

@@ -1,4 +1,4 @@
-"""The run view's aggregate tables (``trajstore._append.aggregates``): added to in the
+"""The run view's aggregate tables (``trajstore.log._aggregate_counts``): added to in the
 transaction that stores what they count, and rebuilt from the log and the samples.
 
 Two ways of adding, by who adds:
@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from trajstore._append.aggregates import (DELTA_ROWS, FOLD_DELTAS, KEYS, MAX_VALUES, MIN_VALUES, TRAJECTORY_TABLES, VALUES,
+from trajstore.log._aggregate_counts import (DELTA_ROWS, FOLD_DELTAS, KEYS, MAX_VALUES, MIN_VALUES, TRAJECTORY_TABLES, VALUES,
                                    Counts, _add, _add_array, _buckets, event_counts, expert_rows, group_contribution,
                                    sample_counts, sample_summary_counts, task_sql, totals_sql,
                                    trajectory_counts, trajectory_record)

@@ -74,7 +74,7 @@ from trajstore.payload import SegmentRows
 from trajstore.payload._format import SegmentKind, rows_per_batch
 from trajstore.sample import Sample
 from trajstore.sample._codec import SAMPLE_BATCH_BYTES, RoutesPlan, sample_table
-from trajstore._append.aggregates import sample_counts
+from trajstore.log._aggregate_counts import sample_counts
 
 __all__ = ["Materializer", "MaterializeStats", "shard_of"]
 

@@ -182,7 +182,10 @@ def steps(tree: str, rounds: int, batch: int = 0) -> None:
     except ImportError:  # a tree from before the SQL index was split by job
         import trajstore.log.sql as lsql
     import trajstore.payload as pl
-    import trajstore.store as st
+    try:
+        import trajstore._append.pipeline as st  # the append's one pass
+    except ImportError:  # a tree from before it left store.py
+        import trajstore.store as st
 
     totals: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0.0])
 
@@ -199,7 +202,7 @@ def steps(tree: str, rounds: int, batch: int = 0) -> None:
 
         setattr(owner, name, wrapper)
 
-    timed(st, "_parse_all", "parse")
+    timed(st, "parse_all" if hasattr(st, "parse_all") else "_parse_all", "parse")
     timed(lsql.SqlEventLog, "load_append_state", "identities + trajectory rows")
     timed(st, "admit_batch", "admission")
     timed(facts, "segment_table", "segment table")

@@ -1,13 +1,12 @@
 """The Store: the public entry point (``trajstore.connect``).
 
-It wires the layers together and owns no rule of its own:
-wire dicts → ``events.parse_events`` → identities / idempotency
-(``_retries.split_retries``) → ``_admission.admit_batch`` (the drift figures'
-recorded routes cached by ``_routes_cache``) → one payload segment
-(``payload``) → one index transaction (``log``). Which database a URL opens,
-and what must exist before it is opened, is the backend's
-(``log._registry.backend_of``). Folding is ``materializer``'s, reading
-``reader``'s.
+It wires the layers together and owns no rule of its own: opening a URL is the
+backend's (``log._registry.backend_of``), the payload's location is
+``payload._home``'s; an append is ``_append.pipeline``'s one pass (parse,
+duplicates, admission, payload segment, index transaction) and its dry run
+``_append.check``'s; the GC's full sweep and the log's compaction are
+``_upkeep``'s; folding is ``materializer``'s, reading ``reader``'s and
+``sample._codec``'s.
 """
 
 from __future__ import annotations
@@ -16,32 +15,22 @@ import logging
 import os
 import time
 import warnings
-from collections import ChainMap
-from concurrent.futures import wait
-from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
-import numpy as np
-import pyarrow as pa
-
-from trajstore._append import facts
-from trajstore.payload import _home as _payload_home
-from trajstore._append.digests import DIGEST_POOL as _DIGEST_POOL, Digests as _Digests
-from trajstore._append.admission import Admitted, RecordedRoutes, TrajectoryState, admit_batch
-from trajstore._append.retries import split_retries as _split_retries
-from trajstore._append.routes_cache import ROUTES_CACHE_BYTES, RoutesCache as _RoutesCache
-from trajstore.rollout import _ledger
-from trajstore.lineage import _admission as _lineage
-from trajstore.errors import CommitUnknownError, ContentionError, TrajstoreError, ValidationError, first_line
-from trajstore.events import (Event, Generation, TrajectoryFinished, TrajectoryStarted, VersionLabel,
-                              decimal_label, identity_of, parse_events)
-from trajstore.log.base import ChecksFailed, EventLog, Repoint, SampleIndex, StaleState, TrajectoryWrite
+from trajstore._append import facts, pipeline
+from trajstore._append.admission import TrajectoryState
+from trajstore._append.check import AppendCheck
+from trajstore._append.pipeline import ROUTES_CACHE_BYTES, AppendResult, RoutesCache as _RoutesCache
+from trajstore.errors import ValidationError
+from trajstore.events import Event, Generation
+from trajstore.log.base import EventLog, SampleIndex
 from trajstore.log._backend import safe_url as _safe
 from trajstore.log._errors import driver_errors
 from trajstore.log._registry import backend_of
 from trajstore.log._open import open_sql
-from trajstore.payload import PayloadStore, SegmentRows
-from trajstore.payload._format import SegmentKind
+from trajstore.payload import PayloadStore
+from trajstore.payload import _home as _payload_home
+from trajstore.rollout import _ledger
 from trajstore.sample import Sample
 
 __all__ = ["Store", "AppendCheck", "AppendResult", "connect", "DEFAULT_URL", "resolve_url"]
@@ -49,22 +38,6 @@ __all__ = ["Store", "AppendCheck", "AppendResult", "connect", "DEFAULT_URL", "re
 log = logging.getLogger(__name__)
 
 DEFAULT_URL = "sqlite:///trajstore-data/trajstore.db"
-_MAX_ATTEMPTS = 20  # re-admissions after losing an optimistic-concurrency race
-
-
-@dataclass(frozen=True)
-class AppendResult:
-    num_appended: int
-    num_duplicates: int
-    last_position: int | None
-    duplicate_indices: tuple[int, ...] = ()
-    """Indices (in the append call) of the events that were already stored
-    (identical retries): a caller that coalesced several requests into one
-    append can tell each its own counts."""
-    route_rows_resent: int = 0
-    """Route drift of the stored calls (docs/reference.md R3 health): rows re-sent for recorded positions..."""
-    route_rows_drifted: int = 0
-    """...and how many of those differed from the recorded rows (what a metrics counter adds up)."""
 
 
 def resolve_url(url: str | None) -> str:
@@ -139,36 +112,8 @@ class Store:
         when the append may not have been stored. Retrying an append is safe. Its
         object-store requests share one deadline (``payload/_deadline.py``)."""
         with self.payload.deadline():
-            return self._append(events)
+            return pipeline.append(self, events)
 
-    def _append(self, events: Iterable[Mapping[str, Any] | Event]) -> AppendResult:
-        parsed = _parse_all(events)
-        digests = _Digests([ev for ev, _ in parsed])
-        # A batch that starts every trajectory it touches expects none of them, nor
-        # any of its identities, in the log: it is admitted without reading the index
-        # first. The unique keys it inserts (trajectory ids, identities) check that
-        # expectation at commit; a violation is a lost race (StaleState), and every
-        # later attempt reads first (an identical retry is then found a duplicate).
-        read_first = not _starts_every_trajectory(parsed)
-        if self.log.checks_steps and _lineage.checkable_in_sql([ev for ev, _ in parsed]):
-            # A batch of train_steps (a trainer's record) is admitted without reading the
-            # store: the statements that write it check its samples and keys
-            # (``EventLog.commit_unread_steps``). When a check fails nothing is stored and
-            # the batch is read and admitted as any other, which finds the precise error,
-            # no-op or conflict.
-            try:
-                return self._append_once(parsed, digests, unread=True)
-            except (ChecksFailed, StaleState):
-                pass
-        last = ""
-        for _ in range(_MAX_ATTEMPTS):
-            try:
-                return self._append_once(parsed, digests, read_first=read_first)
-            except StaleState as e:
-                last = first_line(e)
-                read_first = True
-                continue  # another writer moved a trajectory first: re-read, re-admit
-        raise ContentionError(f"gave up after {_MAX_ATTEMPTS} concurrent-write conflicts (last: {last}); retry later")
 
     def check(self, events: Iterable[Mapping[str, Any] | Event]) -> AppendResult:
         """What ``append(events)`` would do now, without writing anything.
@@ -183,172 +128,6 @@ class Store:
         """A dry run over successive batches (see ``AppendCheck``)."""
         return AppendCheck(self)
 
-    def _append_once(self, parsed: list[tuple[Event, str | None]], digests: "_Digests", *,
-                     read_first: bool = True, unread: bool = False) -> AppendResult:
-        # identities and trajectory rows in one read (rows of duplicates are unused);
-        # not read_first: expected absent, checked by the unique keys at commit
-        stored: Mapping[str, bytes] = {}
-        loaded: Mapping[str, Any] = {}
-        # the lineage admission reads, read with the state: no read of its own (unread: none at all)
-        plan = None if unread else _lineage.LineagePlan.of([ev for ev, _ in parsed])
-        if read_first and not unread:
-            stored, loaded = self.log.load_append_state({ident for _, ident in parsed if ident},
-                                                        {ev.trajectory_id for ev, _ in parsed}, lineage=plan)
-        fresh = self._drop_duplicates(parsed, digests, stored)
-        rows = {tid: loaded[tid] for tid in {parsed[i][0].trajectory_id for i in fresh} if tid in loaded}
-        states = {tid: facts.state_from_row(r) for tid, r in rows.items()}
-        labels = self.log.load_labels(_labels_named([parsed[i][0] for i in fresh]))
-        routes_after: dict[str, RecordedRoutes | None] = {}
-        recorded = (lambda tid: self._recorded_routes(tid, states.get(tid))) if self._route_drift else None
-        try:
-            admitted = admit_batch([parsed[i][0] for i in fresh], states, self._current_sequence, labels,
-                                   recorded, routes_after)
-        except ValidationError as e:
-            raise e.at(fresh[e.index] if e.index is not None else 0) from None
-        kept = [(i, a) for i, a in zip(fresh, admitted) if not a.noop]
-        if not kept:
-            return AppendResult(0, len(parsed), None, tuple(range(len(parsed))))
-        ledger = _ledger.changes_of(self.log, kept, plain=read_first)
-        named = [(i, a.event, parsed[i][1]) for i, a in kept if _lineage.is_lineage(a.event)]
-        lineage = ({i: f for (i, _, _), f in zip(named, _lineage.unread_step_facts(named))}  # type: ignore[arg-type]
-                   if unread else self._admit_lineage(named, plan))
-        segment, seg_row, gen_rows = self._write_segment([a for _, a in kept])
-        written = [segment] if segment is not None else []
-        try:
-            notes, note_seg_row, note_rows = self._write_annotations(lineage)
-        except BaseException:
-            if segment is not None:
-                self.payload.delete(segment)
-            raise
-        if notes is not None:
-            written.append(notes)
-        # The segments' fsync runs on the pool while this thread hashes the content
-        # digests (needed only at commit), builds the rows and runs the index
-        # statements; the transaction waits for it before COMMIT, so the payload is
-        # durable before any committed row references it.
-        synced = None if not written else _DIGEST_POOL.get().submit(
-            lambda: [self.payload.make_durable(name) for name in written])
-        try:
-            digest = digests.start([i for i, _ in kept]).result()
-            event_rows = []
-            for i, adm in kept:
-                row = facts.event_row(adm, parsed[i][1], digest[i], gen_rows.get(id(adm)))
-                row["segment"] = segment if id(adm) in gen_rows else None
-                if i in ledger:
-                    row["ledger"] = ledger[i]  # not a column: the log changes its ledger_groups row
-                if i in lineage:
-                    row.update(_lineage.event_columns(lineage[i]))
-                    if i in note_rows:
-                        row.update(segment=notes, segment_row=note_rows[i])
-                event_rows.append(row)
-            seg_rows = [r for r in (seg_row, note_seg_row) if r is not None]
-            if unread:  # checked by the statements that write it (ChecksFailed: nothing stored)
-                positions = self.log.commit_unread_steps(event_rows)
-            else:
-                positions = self.log.commit_append(event_rows, _trajectory_writes([a for _, a in kept], rows),
-                                                   seg_rows[0] if seg_rows else None, more_segments=seg_rows[1:],
-                                                   before_commit=None if synced is None else synced.result)
-        except CommitUnknownError:
-            raise  # the commit may have landed: the segments stay (GC removes them if unreferenced)
-        except BaseException as e:
-            if synced is not None:
-                wait([synced])  # its fsync must not outlive the file
-            for name in written:
-                self.payload.discard(name, after=e)  # certainly not committed (never masks ``e``)
-            raise
-        self._routes.after_append(admitted, states, routes_after)
-        stored_now = {i for i, _ in kept}
-        stored_gens = [a.stored for _, a in kept if a.stored is not None]
-        return AppendResult(len(kept), len(parsed) - len(kept), positions[-1],
-                            tuple(i for i in range(len(parsed)) if i not in stored_now),
-                            sum(g.route_rows_resent or 0 for g in stored_gens),
-                            sum(g.route_rows_drifted or 0 for g in stored_gens))
-
-    def _drop_duplicates(self, parsed: list[tuple[Event, str | None]], digests: "_Digests",
-                         stored: Mapping[str, bytes]) -> list[int]:
-        """Indices of events not stored yet; identical retries dropped, conflicting ones refused.
-        ``stored``: content hash of each of the batch's identities already in the log."""
-        return _split_retries(parsed, stored, digests.get, lambda label: self.log.load_labels([label]).get(label))[0]
-
-    def _write_segment(self, admitted: list[Admitted]) -> tuple[str | None, dict | None, dict[int, int]]:
-        gens = [a for a in admitted if a.stored is not None]
-        if not gens:
-            return None, None, {}
-        table = facts.segment_table([a.stored for a in gens])
-        name = self.payload.new_log_segment()
-        # one event per record batch; not synced yet (the caller's make_durable)
-        try:
-            size = self.payload.write(name, table, rows_per_batch=1, durable=False)
-        except BaseException as e:
-            self.payload.discard(name, after=e)  # nothing references it: a partial file is garbage
-            raise
-        seg_row = {"name": name, "kind": "events", "num_rows": len(gens), "num_bytes": size, "created_at": time.time()}
-        return name, seg_row, {id(a): i for i, a in enumerate(gens)}
-
-    def _admit_lineage(self, events: Sequence[tuple[int, Event, str | None]],
-                       plan: "_lineage.LineagePlan | None" = None) -> dict[int, "_lineage.LineageFact"]:
-        """The facts of an append's lineage events (``trajstore.lineage._admission``) by their index."""
-        if not events:
-            return {}
-        made = _lineage.admit_lineage(events, self._sample_source(plan))  # type: ignore[arg-type]
-        return {i: fact for (i, _, _), fact in zip(events, made)}
-
-    def _sample_source(self, plan: "_lineage.LineagePlan | None" = None) -> "_lineage.SampleSource":
-        """The log and the sample index as lineage admission reads them (one read, or
-        none when ``plan`` was read with the append's state)."""
-        from trajstore.sample._codec import load_samples
-
-        return _lineage.SampleSource(self.log.lineage_state, lambda sample_rows: load_samples(self, sample_rows),
-                                     plan=plan)
-
-    def _write_annotations(self, lineage: Mapping[int, "_lineage.LineageFact"]
-                           ) -> tuple[str | None, dict | None, dict[int, int]]:
-        """The payload segment of an append's annotation arrays (not synced yet)."""
-        with_arrays = [(i, f) for i, f in sorted(lineage.items()) if f.has_arrays]
-        if not with_arrays:
-            return None, None, {}
-        table = _lineage.annotation_table([f for _, f in with_arrays])
-        name = self.payload.new_name("lineage")
-        try:
-            size = self.payload.write(name, table, rows_per_batch=len(with_arrays), durable=False)
-        except BaseException:
-            self.payload.delete(name)
-            raise
-        seg_row = {"name": name, "kind": "lineage", "num_rows": len(with_arrays), "num_bytes": size,
-                   "created_at": time.time()}
-        return name, seg_row, {i: k for k, (i, _) in enumerate(with_arrays)}
-
-    def _recorded_routes(self, trajectory_id: str, state: TrajectoryState | None) -> RecordedRoutes | None:
-        """The current sample's recorded route rows (the drift figures compare re-sent
-        rows with them): this process's cache when it saw the trajectory's last
-        append, else rebuilt from the log (a payload read; docs/log.md, "Route drift")."""
-        if state is None:
-            return None
-        hit = self._routes.get(trajectory_id, state.revision)
-        if hit is not None:
-            return hit
-        try:
-            gens = self.load_generations(trajectory_id)
-            if not gens:
-                return RecordedRoutes(0)
-            from trajstore.fold import fold
-
-            last = fold(gens, trajectory_id=trajectory_id, num_experts=state.num_experts).samples[-1]
-        except (TrajstoreError, ArithmeticError, ValueError, TypeError, IndexError, KeyError) as e:
-            # e.g. a call still waiting on a version label does not fold yet: the drift is not measured
-            log.debug("route drift of %r not measured: %s", trajectory_id, first_line(e))
-            return None
-        if last.routed_experts is None:
-            return RecordedRoutes(last.sample_index)
-        n = state.route_len
-        return RecordedRoutes(last.sample_index, [(0, last.routed_experts[:n], ~last.routed_experts_mask[:n])])
-
-    def _current_sequence(self, trajectory_id: str) -> np.ndarray:
-        """The trajectory's current token sequence, rebuilt from the log (rare path)."""
-        gens = self.load_generations(trajectory_id)
-        if not gens:
-            return np.zeros(0, dtype=np.int32)
-        return np.concatenate([gens[-1].prompt_ids, gens[-1].output_ids])
 
     # -- reading the log ---------------------------------------------------
     def load_generations(self, trajectory_id: str) -> list[Generation]:
@@ -384,89 +163,26 @@ class Store:
     def collect_garbage(self, *, grace_s: float = 3600.0, margin_s: float | None = None,
                         lease_max_age_s: float | None = None) -> list[str]:
         """Delete payload files nothing needs any more; return their names: the
-        full sweep, which lists the payload (``trajstore gc``; the steady path,
-        driven by the index's retired list without listing, is
-        ``trajstore._upkeep.gc.collect_retired``, run by the materializer's GC worker).
+        full sweep, which lists the payload (``trajstore gc``; ``trajstore._upkeep.gc.sweep``
+        says what it keeps, and the ``grace_s``, ``margin_s`` and ``lease_max_age_s``
+        policy). The steady path, driven by the index's retired list without
+        listing, is the materializer's GC worker."""
+        from trajstore._upkeep.gc import sweep
 
-        Two kinds: log segments retired (every event re-pointed into a sample
-        segment by the materializer, or moved by ``compact``) more than
-        ``grace_s`` ago, and files no ``segments`` row knows (left by a crashed
-        append, materialization or compaction) older than ``grace_s``. A file
-        an ``events`` or ``samples`` row names is never deleted, nor one retired
-        after the oldest live reader lease's ``held_since`` minus ``margin_s``
-        (default: ``grace_s``'s smaller of it and 2 s); a lease protects nothing
-        retired more than ``lease_max_age_s`` ago (default ``LEASE_MAX_AGE_S``,
-        6 h). The grace protects readers that resolved a locator just before it
-        was re-pointed and hold no lease (docs/log.md, "One copy")."""
-        from trajstore._upkeep.gc import GC_MARGIN_S, LEASE_MAX_AGE_S, lease_horizon
-
-        # Retirement times are the database's, and so is "now" here: the grace does not
-        # depend on this machine's clock agreeing with the retiring one's.
-        self.log.retire_unreferenced(time.time())  # ones two concurrent re-pointings each left to the other
-        horizon = lease_horizon(self, min(grace_s, GC_MARGIN_S) if margin_s is None else margin_s,
-                                LEASE_MAX_AGE_S if lease_max_age_s is None else lease_max_age_s)
-        keep = self.log.segments_in_use(retired_before=min(self.log.database_time() - grace_s, horizon))
-        removed = self.payload.collect_garbage(keep, grace_s=grace_s)
-        self.log.forget_segments(removed)
-        self.log.shrink_journal()  # SQLite: the WAL's ~4 MB between checkpoints, given back
-        return removed
+        return sweep(self, grace_s=grace_s, margin_s=margin_s, lease_max_age_s=lease_max_age_s)
 
     def compact(self, *, target_bytes: int = 64 << 20, max_rounds: int | None = None) -> dict[str, int]:
-        """Rewrite many small log segments into few: the live rows (events not
-        re-pointed yet, i.e. of trajectories the materializer has not folded)
-        of the oldest log segments smaller than ``target_bytes / 2`` go into one
-        new segment of about ``target_bytes``, re-pointed in one transaction
-        guarded by every moved event's current locator; the old segments are
-        retired (``collect_garbage`` deletes them after its grace). A crash
-        before that commit leaves only an unreferenced new file. Memory is
-        bounded by one round (``target_bytes`` of payload).
+        """Rewrite many small log segments into few (``trajstore._upkeep.compaction``):
+        the live rows of the oldest log segments smaller than ``target_bytes / 2``
+        go into one new segment of about ``target_bytes``, re-pointed in one
+        transaction; the old ones are retired (``collect_garbage`` deletes them after
+        its grace). Memory is bounded by one round (``target_bytes`` of payload).
 
         Returns ``{"rounds", "segments_retired", "events_moved", "segments_written"}``."""
-        stats = {"rounds": 0, "segments_retired": 0, "events_moved": 0, "segments_written": 0}
-        while max_rounds is None or stats["rounds"] < max_rounds:
-            done = self._compact_round(target_bytes)
-            if done is None:
-                break
-            stats["rounds"] += 1
-            stats["segments_retired"] += done[0]
-            stats["events_moved"] += done[1]
-            stats["segments_written"] += 1 if done[1] else 0
-        return stats
+        from trajstore._upkeep.compaction import compact
 
-    def _compact_round(self, target_bytes: int) -> tuple[int, int] | None:
-        """One compaction; (segments emptied, events moved), None when nothing is worth it."""
-        cands = self.log.compaction_candidates(max_bytes=max(1, target_bytes // 2), limit_bytes=target_bytes)
-        if len(cands) < 2:
-            return None
-        names = [c["name"] for c in cands]
-        live = self.log.live_locators(names)
-        holding = {r["segment"] for r in live}
-        # Candidates without live rows (emptied by re-pointings that raced each other's
-        # retiring) are retired here; left alone they would be picked again every round.
-        retired = len(self.log.retire_unreferenced(time.time())) if len(holding) < len(names) else 0
-        if len(holding) < 2:
-            # Rewriting one segment's rows into another gains nothing (and would go on
-            # forever: the copy is small enough to be a candidate again).
-            return (retired, 0) if retired else None
-        names = sorted(holding)
-        tables = self.payload.read_locators(live)
-        parts = [tables[r["segment"]].row(int(r["segment_row"])) for r in live]
-        table = pa.concat_tables(parts, promote_options="default").combine_chunks()
-        name = SegmentKind.EVENTS.new_name()
-        size = self.payload.write(name, table, rows_per_batch=1)
-        seg_row = {"name": name, "kind": "events", "num_rows": len(live), "num_bytes": size,
-                   "created_at": time.time()}
-        moves = [Repoint(int(r["position"]), name, k, None, r["segment"], int(r["segment_row"]))
-                 for k, r in enumerate(live)]
-        try:
-            self.log.commit_compaction(seg_row, moves)
-        except StaleState:
-            # the materializer re-pointed some of them meanwhile and nothing was stored:
-            # the new file is garbage no row names; the next round starts from fresh locators
-            self.payload.delete(name)
-            log.info("compaction of %d segments lost a race with the materializer; retrying", len(names))
-            return 0, 0
-        return len(names) + retired, len(moves)
+        return compact(self, target_bytes=target_bytes, max_rounds=max_rounds)
+
 
     # -- materialized samples ------------------------------------------------
     def materialize(
@@ -566,119 +282,6 @@ class Store:
     def __repr__(self) -> str:
         return f"Store({_safe(self.url)!r}, payload={self.payload.location!r})"
 
-
-class AppendCheck:
-    """Admission without writing, batch after batch, as if each were appended
-    after the ones before (``Store.checker()``): how ``trajstore ingest``
-    validates a whole file before storing any of it.
-
-    Keeps only each touched trajectory's small tail state, the last token
-    sequence of running ones, and a 16-byte digest per event identity seen;
-    no token arrays of past batches. Events already stored (or seen in an
-    earlier batch) with the same content count as duplicates, as ``append``
-    would skip them. After an error the checker is spent (its state has
-    taken the batch's events before the refused one)."""
-
-    def __init__(self, store: Store) -> None:
-        self.store = store
-        self._states: dict[str, TrajectoryState | None] = {}
-        self._sequences: dict[str, np.ndarray] = {}  # running trajectories' last sequence (rare path only)
-        self._seen: dict[str, bytes] = {}  # identity -> content digest
-        self._labels: dict[str, int] = {}  # the label map, as far as the batches named it
-        self._lineage: dict[tuple, str] = {}  # lineage keys the batches recorded -> identity
-        self._ledger: list = []  # the batches' ledger events so far (admitted with each next batch's)
-
-    def check(self, events: Iterable[Mapping[str, Any] | Event]) -> AppendResult:
-        """The next batch; raises as ``Store.append`` would (indices within this batch)."""
-        parsed = _parse_all(events)
-        log = self.store.log
-        named = _labels_named([ev for ev, _ in parsed])
-        self._labels.update(log.load_labels(named - self._labels.keys()))
-        stored = log.lookup_identities({ident for _, ident in parsed if ident and ident not in self._seen})
-        unknown = {ev.trajectory_id for ev, _ in parsed if ev.trajectory_id not in self._states}
-        if unknown:
-            rows = log.load_trajectories(unknown)
-            self._states.update({tid: facts.state_from_row(rows[tid]) if tid in rows else None for tid in unknown})
-        digests = _Digests([ev for ev, _ in parsed])
-        # a retry of a stored event, or a repeat: append skips it
-        fresh, duplicates, first = _split_retries(parsed, ChainMap(self._seen, stored), digests.get, self._labels.get)
-        self._seen.update((ident, digests.get(i)) for ident, i in first.items())
-        try:
-            admitted = admit_batch([parsed[i][0] for i in fresh], self._states, self._sequence, self._labels)
-        except ValidationError as e:
-            raise e.at(fresh[e.index] if e.index is not None else 0) from None
-        _ledger.changes_of(log, [(i, adm) for i, adm in zip(fresh, admitted) if not adm.noop], self._ledger)
-        lineage = [(i, adm.event, parsed[i][1]) for i, adm in zip(fresh, admitted) if _lineage.is_lineage(adm.event)]
-        if lineage:
-            _lineage.admit_lineage(lineage, self.store._sample_source(), self._lineage)  # type: ignore[arg-type]
-            self._lineage.update((_lineage.lineage_key(ev), ident) for _, ev, ident in lineage)  # type: ignore
-        for i, adm in zip(fresh, admitted):
-            ev = adm.event
-            if adm.noop:
-                duplicates.append(i)
-            if isinstance(ev, VersionLabel):
-                self._labels.setdefault(ev.label, ev.model_version)
-                continue
-            if adm.state is None:  # a lineage event: store-wide
-                continue
-            self._states[ev.trajectory_id] = adm.state
-            if isinstance(ev, Generation):
-                self._sequences[ev.trajectory_id] = np.concatenate([ev.prompt_ids, ev.output_ids])
-            elif isinstance(ev, TrajectoryFinished):
-                self._sequences.pop(ev.trajectory_id, None)
-        duplicates.sort()
-        return AppendResult(len(parsed) - len(duplicates), len(duplicates), None, tuple(duplicates))
-
-    def _sequence(self, trajectory_id: str) -> np.ndarray:
-        if trajectory_id in self._sequences:
-            return self._sequences[trajectory_id]
-        return self.store._current_sequence(trajectory_id)
-
-
-def _parse_all(events: Iterable[Mapping[str, Any] | Event]) -> list[tuple[Event, str | None]]:
-    return [(ev, identity_of(ev)) for ev in parse_events(events)]
-
-
-def _labels_named(events: Sequence[Event]) -> set[str]:
-    """The labels an append must look up in the label map: its version_label events'
-    and its generations' span labels that are neither decimal nor ``"default"``."""
-    out: set[str] = set()
-    for ev in events:
-        if isinstance(ev, VersionLabel):
-            out.add(ev.label)
-        elif isinstance(ev, Generation) and ev.weight_versions is not None:
-            out.update(label for label, _, _ in ev.weight_versions
-                       if isinstance(label, str) and label != "default" and decimal_label(label) is None)
-    return out
-
-
-def _starts_every_trajectory(parsed: Sequence[tuple[Event, str | None]]) -> bool:
-    """Is each trajectory's first event in the batch its trajectory_started?"""
-    seen: set[str] = set()
-    for ev, _ in parsed:
-        if ev.trajectory_id not in seen:
-            if not isinstance(ev, TrajectoryStarted):
-                return False
-            seen.add(ev.trajectory_id)
-    return bool(seen)
-
-
-def _trajectory_writes(admitted: Sequence[Admitted], rows: Mapping[str, Any]) -> list[TrajectoryWrite]:
-    """The final state of each trajectory the batch touched."""
-    last: dict[str, Admitted] = {}
-    started: dict[str, TrajectoryStarted] = {}
-    for a in admitted:
-        if a.state is None:  # a version_label: store-wide
-            continue
-        last[a.event.trajectory_id] = a
-        if isinstance(a.event, TrajectoryStarted):
-            started[a.event.trajectory_id] = a.event
-    writes = []
-    for tid, a in last.items():
-        existing = rows.get(tid)
-        row = facts.trajectory_row(a.state, started.get(tid))
-        writes.append(TrajectoryWrite(row, existing["revision"] if existing else None))
-    return writes
 
 
 def __getattr__(name: str):

@@ -30,17 +30,26 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from trajstore.errors import StoreUnavailable, TrajstoreError, first_line
 from trajstore.log._aggregates import COMPACT_ROWS, EXPERT_SEGMENTS, compact_aggregates, count_pending_experts
+from trajstore.log.base import EventLog
+from trajstore.payload import PayloadStore
 from trajstore.log._leases import (LEASE_MAX_AGE_S, gc_horizon, gc_horizons, release_lease, renew_lease,
                                    retired_segments, take_lease)
+
+
+class _Parts(Protocol):
+    """What this module uses of a ``Store``."""
+
+    log: EventLog
+    payload: PayloadStore
 
 log = logging.getLogger(__name__)
 
 __all__ = ["GC_MARGIN_S", "GC_INTERVAL_S", "LEASE_MAX_AGE_S", "LEASE_TTL_S", "SWEEP_GRACE_S", "GcStats", "GcWorker",
-           "ReaderLease", "collect_retired", "lease_horizon"]
+           "ReaderLease", "collect_retired", "lease_horizon", "sweep"]
 
 GC_MARGIN_S = 1.0  # deleted this long after retirement (or after the oldest live lease's held_since)
 GC_INTERVAL_S = 0.5  # one pass of the steady path every so often: one indexed query when nothing is retired
@@ -255,3 +264,32 @@ class ReaderLease:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def sweep(store: _Parts, *, grace_s: float = 3600.0, margin_s: float | None = None,
+                    lease_max_age_s: float | None = None) -> list[str]:
+    """Delete payload files nothing needs any more; return their names: the
+    full sweep, which lists the payload (``trajstore gc``; the steady path,
+    driven by the index's retired list without listing, is
+    ``collect_retired``, run by the materializer's GC worker).
+
+    Two kinds: log segments retired (every event re-pointed into a sample
+    segment by the materializer, or moved by ``compact``) more than
+    ``grace_s`` ago, and files no ``segments`` row knows (left by a crashed
+    append, materialization or compaction) older than ``grace_s``. A file
+    an ``events`` or ``samples`` row names is never deleted, nor one retired
+    after the oldest live reader lease's ``held_since`` minus ``margin_s``
+    (default: ``grace_s``'s smaller of it and 2 s); a lease protects nothing
+    retired more than ``lease_max_age_s`` ago (default ``LEASE_MAX_AGE_S``,
+    6 h). The grace protects readers that resolved a locator just before it
+    was re-pointed and hold no lease (docs/log.md, "One copy")."""
+    # Retirement times are the database's, and so is "now" here: the grace does not
+    # depend on this machine's clock agreeing with the retiring one's.
+    store.log.retire_unreferenced(time.time())  # ones two concurrent re-pointings each left to the other
+    horizon = lease_horizon(store, min(grace_s, GC_MARGIN_S) if margin_s is None else margin_s,
+                            LEASE_MAX_AGE_S if lease_max_age_s is None else lease_max_age_s)
+    keep = store.log.segments_in_use(retired_before=min(store.log.database_time() - grace_s, horizon))
+    removed = store.payload.collect_garbage(keep, grace_s=grace_s)
+    store.log.forget_segments(removed)
+    store.log.shrink_journal()  # SQLite: the WAL's ~4 MB between checkpoints, given back
+    return removed

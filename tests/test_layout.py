@@ -3,7 +3,9 @@
 * Imports point one way: the core (``trajstore/*.py`` and ``trajstore/log/``)
   never imports the edges (``ingest/``, ``train/``, ``inspect/``, ``demo/``,
   ``scale/``, ``replay/``, ``cli``), not even inside a function.
-* No import cycles between trajstore modules, function-level imports included.
+* No import cycles between trajstore modules, function-level imports included,
+  nor between the folders (concerns): they stack into layers.
+* Nothing inside the package imports the root facade (``trajstore/__init__``).
 * The public modules are exactly the ones the README and docs/ document
   (``PUBLIC_API`` below); every other module's name starts with ``_``.
 * Every public module declares ``__all__``, it lists every public name the
@@ -113,15 +115,13 @@ def test_core_never_imports_edges():
     assert {m: t for m, t in bad.items() if t} == {}
 
 
-def test_no_import_cycles():
-    # A package __init__ that re-exports its own submodule is not a cycle.
-    graph = {m: {t for t in ts if not t.startswith(m + ".")} for m, ts in GRAPH.items()}
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     state: dict[str, int] = {}
     cycles: list[list[str]] = []
 
     def visit(m: str, stack: list[str]) -> None:
         state[m] = 1
-        for t in sorted(graph[m]):
+        for t in sorted(graph.get(m, ())):
             if state.get(t) == 1:
                 cycles.append(stack[stack.index(t):] + [t])
             elif t not in state:
@@ -131,7 +131,36 @@ def test_no_import_cycles():
     for m in sorted(graph):
         if m not in state:
             visit(m, [m])
-    assert cycles == []
+    return cycles
+
+
+def test_no_import_cycles():
+    # A package __init__ that re-exports its own submodule is not a cycle.
+    graph = {m: {t for t in ts if not t.startswith(m + ".")} for m, ts in GRAPH.items()}
+    assert _cycles(graph) == []
+
+
+def _concern(name: str) -> str:
+    """The folder a module belongs to (``trajstore.reader._plan`` -> ``reader``); a
+    module at the root is a concern of its own."""
+    parts = name.split(".")
+    return parts[1] if len(parts) > 1 else name
+
+
+def test_no_two_concerns_import_each_other():
+    # The folders are the architecture (docs/design.md, "The tree is the map"): between
+    # concerns, too, imports point one way, so the folders stack into layers.
+    graph: dict[str, set[str]] = {}
+    for m, ts in GRAPH.items():
+        graph.setdefault(_concern(m), set()).update(_concern(t) for t in ts if _concern(t) != _concern(m))
+    assert _cycles(graph) == []
+
+
+def test_the_cycle_check_sees_a_loop_between_concerns():
+    # The rules above would be vacuous if the check missed a loop through several nodes.
+    assert _cycles({"_append": {"rollout"}, "rollout": {"log"}, "log": {"_append"}}) == [
+        ["_append", "rollout", "log", "_append"]]
+    assert _concern("trajstore.reader._plan") == "reader" and _concern("trajstore.store") == "store"
 
 
 def test_the_check_sees_function_level_imports():

@@ -154,7 +154,7 @@ class Store:
         tail) and ``dropped``, from one read of the ledger's index (never a scan of
         the log) and the last call of each running trajectory. An unknown run: an
         empty plan."""
-        return _ledger.rollout_plan(run, *self.log.rollout_rows(run), lambda running: _ledger.tails(self, running))
+        return _ledger.rollout_plan(run, *self.log.rollout_rows(run), lambda running: facts.last_calls(self, running))
 
     def info(self) -> dict[str, Any]:
         """Counts per status, event type and model version, and the number of samples."""

@@ -35,8 +35,8 @@ from trajstore.sample._codec import SAMPLE_LIST_COLUMNS
 from trajstore.payload import SegmentRows
 from trajstore.payload._columns import binary_column, list_column, routes_from_bytes
 
-__all__ = ["segment_table", "event_row", "trajectory_row", "state_from_row", "generations_from_log", "version_spans",
-           "weight_versions_json", "weight_versions_from_json"]
+__all__ = ["last_calls", "segment_table", "event_row", "trajectory_row", "state_from_row", "generations_from_log",
+           "version_spans", "weight_versions_json", "weight_versions_from_json"]
 
 
 def segment_table(stored: Sequence[StoredGeneration]) -> pa.Table:
@@ -377,3 +377,25 @@ def _routes(raw: Any, row: Mapping[str, Any], shape: tuple[int, int] | None) -> 
     if shape is None:
         raise CorruptStoreError(f"trajectory {row['trajectory_id']!r} has routes but no [layers, topk]")
     return routes_from_bytes(raw, row["routes_dtype"], *shape, rows=row["num_route_rows"])
+
+
+def last_calls(store: Any, running: Sequence[tuple[str, int]]) -> dict[str, tuple[np.ndarray, Generation | None]]:
+    """The last recorded call of each running ``(trajectory_id, last_seq)`` of ``store``
+    (a ``Store``: the rollout ledger's tails), rebuilt from the log: its prompt and output as one int32 array, and
+    the call. One read of their events, one read of the payload they name."""
+    ids = [tid for tid, _ in running]
+    by_tid = store.log.trajectory_events(ids)
+    rows = {tid: [r for r in by_tid.get(tid, ()) if r["type"] == "generation"] for tid in ids}
+    wanted = [r for tid in ids for r in rows[tid]]
+    tables = store.payload.read_locators(wanted) if wanted else {}
+    trajs = store.log.load_trajectories([tid for tid in ids if rows[tid]])
+    out: dict[str, tuple[np.ndarray, Generation | None]] = {}
+    for tid in ids:
+        if not rows[tid]:
+            continue
+        traj = trajs[tid]
+        shape = (traj["route_layers"], traj["route_topk"]) if traj["route_layers"] else None
+        last = generations_from_log(rows[tid], tables, shape)[-1]
+        tokens = np.concatenate([last.prompt_ids, last.output_ids]).astype(np.int32, copy=False)
+        out[tid] = (tokens, last)
+    return out

@@ -31,11 +31,10 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from trajstore._append import facts
 from trajstore.errors import ValidationError
 from trajstore.events import WHOLE_STATUSES, Event, Generation, GroupDropped, TrajectoryFinished, TrajectoryStarted
 
-__all__ = ["Group", "LedgerChange", "RolloutPlan", "Tail", "ledger_changes", "ledger_reads", "rollout_plan", "tails"]
+__all__ = ["Group", "LedgerChange", "RolloutPlan", "Tail", "ledger_changes", "ledger_reads", "rollout_plan"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -256,28 +255,6 @@ def _tail(tid: str, last_seq: int, rebuilt: tuple[np.ndarray, Generation | None]
     tokens, last = rebuilt if rebuilt is not None else (_NO_TOKENS, None)
     return Tail(tid, last_seq + 1, tokens, None if last is None else last.model_version,
                 None if last is None else last.finish_reason)
-
-
-def tails(store: Any, running: Sequence[tuple[str, int]]) -> dict[str, tuple[np.ndarray, Generation | None]]:
-    """The last recorded call of each running ``(trajectory_id, last_seq)`` of ``store``
-    (a ``Store``), rebuilt from the log: its prompt and output as one int32 array, and
-    the call. One read of their events, one read of the payload they name."""
-    ids = [tid for tid, _ in running]
-    by_tid = store.log.trajectory_events(ids)
-    rows = {tid: [r for r in by_tid.get(tid, ()) if r["type"] == "generation"] for tid in ids}
-    wanted = [r for tid in ids for r in rows[tid]]
-    tables = store.payload.read_locators(wanted) if wanted else {}
-    trajs = store.log.load_trajectories([tid for tid in ids if rows[tid]])
-    out: dict[str, tuple[np.ndarray, Generation | None]] = {}
-    for tid in ids:
-        if not rows[tid]:
-            continue
-        traj = trajs[tid]
-        shape = (traj["route_layers"], traj["route_topk"]) if traj["route_layers"] else None
-        last = facts.generations_from_log(rows[tid], tables, shape)[-1]
-        tokens = np.concatenate([last.prompt_ids, last.output_ids]).astype(np.int32, copy=False)
-        out[tid] = (tokens, last)
-    return out
 
 
 # -- the plan as JSON (the ingest service's GET /v1/rollout_state) --------------------

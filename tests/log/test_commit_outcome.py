@@ -95,17 +95,19 @@ def _trajectory(tid: str) -> list[dict]:
             gen(tid, 1, [1, 2, 3, 4, 5, 6], [7], logprobs=[-0.3]), finished(tid)]
 
 
-def _kill_backend_when(c: PgCluster, condition: str) -> int:
+def _kill_backend_when(c: PgCluster, condition: str, killed: tuple[int, ...] = ()) -> int:
     """SIGKILL the appender's backend once it shows ``condition`` in pg_stat_activity
-    (watching from a new connection when the one watching is cut: in crash recovery)."""
+    (watching from a new connection when the one watching is cut: in crash recovery).
+    ``killed``: backends killed before, never picked again (a killed backend stays in
+    pg_stat_activity, still showing ``condition``, until the postmaster has seen it die)."""
     deadline = time.monotonic() + 60
     seen: list = []
     while time.monotonic() < deadline:
         try:
             with _admin(c) as conn:
                 while time.monotonic() < deadline:
-                    row = conn.execute(f"SELECT pid FROM pg_stat_activity WHERE usename = %s AND {condition}",
-                                       (APPENDER,)).fetchone()
+                    row = conn.execute(f"SELECT pid FROM pg_stat_activity WHERE usename = %s AND {condition} "
+                                       "AND NOT pid = ANY(%s)", (APPENDER, list(killed))).fetchone()
                     if row:
                         os.kill(row[0], signal.SIGKILL)
                         return row[0]
@@ -158,8 +160,9 @@ def _killed_while_waiting(store, cluster: PgCluster, events, condition: str, hol
     restarted every session). The thread's outcome: ``{"result": ...}`` or ``{"error": ...}``."""
     try:
         t, out = _append_in_thread(store, events)
+        killed: tuple[int, ...] = ()
         for _ in range(kills):
-            _kill_backend_when(cluster, condition)
+            killed += (_kill_backend_when(cluster, condition, killed),)
         t.join(timeout=120)
         assert not t.is_alive()
     finally:

@@ -46,6 +46,7 @@ BAD_GENERATIONS = [
     ("routes_shape", dict(routed_experts=routes(6, 2, 3))),
     ("routes_shape", dict(routed_experts=routes(6, 3, 2))),
     ("too_many_route_rows", dict(routed_experts=routes(8, 2, 2))),
+    ("too_many_route_rows", dict(routed_experts=routes(7, 2, 2))),  # a row for the last token too (v5: exactly)
     ("too_many_route_rows", dict(routed_experts=routes(6, 2, 2), routed_experts_start=2)),
     # v5: rows must reach position len(prompt)+len(output)-2 (here 5)
     ("too_few_route_rows", dict(routed_experts=routes(5, 2, 2))),
@@ -90,13 +91,13 @@ def test_mixing_scalar_and_token_rewards_refused(store):
 def test_missing_skipped_route_rows_refused(store):
     store.append([started("t1"), gen("t1", 0, [1, 2, 3], [4], routed_experts=routes(3))])
     # mismatch (new prompt) that claims rows below position 2 exist: they do not agree
-    refused(store, [gen("t1", 1, [9, 9, 9], [4], routed_experts=routes(2), routed_experts_start=2)],
+    refused(store, [gen("t1", 1, [9, 9, 9], [4], routed_experts=routes(1), routed_experts_start=2)],
             "missing_route_rows", index=0)
     # first event cannot skip rows at all
-    refused(store, [started("t2"), gen("t2", 0, [1, 2, 3], [4], routed_experts=routes(2), routed_experts_start=2)],
+    refused(store, [started("t2"), gen("t2", 0, [1, 2, 3], [4], routed_experts=routes(1), routed_experts_start=2)],
             "missing_route_rows", index=1)
     # a mismatch whose prompt agrees on the skipped positions is accepted
-    store.append([gen("t1", 1, [1, 2, 7], [8], routed_experts=routes(2), routed_experts_start=2)])
+    store.append([gen("t1", 1, [1, 2, 7], [8], routed_experts=routes(1), routed_experts_start=2)])
 
 
 def test_wire_level_errors_name_the_event(store):
@@ -266,7 +267,7 @@ def reads(store):
 def _batch(tid: str, **started_kw) -> list[dict]:
     return [started(tid, **started_kw),
             gen(tid, 0, [1, 2, 3], [4, 5], routed_experts=routes(4, 2, 2).tolist()),
-            gen(tid, 1, [1, 2, 3, 4, 5, 6], [7], routed_experts=routes(7, 2, 2).tolist())]
+            gen(tid, 1, [1, 2, 3, 4, 5, 6], [7], routed_experts=routes(6, 2, 2).tolist())]
 
 
 def _referenced_files_only(store) -> None:
@@ -278,7 +279,7 @@ def test_a_batch_starting_its_trajectories_does_not_read_the_index(store, reads)
     assert (r.num_appended, r.num_duplicates) == (6, 0)
     assert reads == []
     # a batch continuing a trajectory reads its state as before
-    r = store.append([gen("a", 2, [1, 2, 3, 4, 5, 6, 7, 8], [9], routed_experts=routes(9, 2, 2).tolist())])
+    r = store.append([gen("a", 2, [1, 2, 3, 4, 5, 6, 7, 8], [9], routed_experts=routes(8, 2, 2).tolist())])
     assert r.num_appended == 1 and len(reads) == 1
     assert store.trajectory_state("a").last_seq == 2 and store.trajectory_state("b").last_seq == 1
     assert [g.seq for g in store.load_generations("b")] == [0, 1]

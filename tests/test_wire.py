@@ -35,11 +35,16 @@ def test_three_encodings_decode_equal(arr):
 @settings(max_examples=150, deadline=None)
 @given(route_arrays, st.integers(0, 1))
 def test_generation_with_any_encoding_parses_to_compact_routes(arr, last_row):
-    # the rows cover positions 0 .. n-2 exactly, plus (tolerated) one for the last token
+    # the rows cover positions 0 .. n-2 exactly; one for the last token too is refused (SPEC v5)
     n = len(arr) + 1 - last_row
     ev = {"type": "generation", "trajectory_id": "t", "seq": 0, "prompt_ids": list(range(n - 1)),
           "output_ids": [1], "model_version": 0}
     for encoded in (arr.tolist(), encode_b64(arr), encode_npy_b64(arr)):
+        if last_row:
+            with pytest.raises(ValidationError) as e:
+                parse_event(dict(ev, routed_experts=encoded))
+            assert e.value.rule == "too_many_route_rows"
+            continue
         g = parse_event(dict(ev, routed_experts=encoded))
         assert g.routed_experts.dtype == (np.uint8 if arr.max() < 256 else np.uint16)
         np.testing.assert_array_equal(g.routed_experts, arr)

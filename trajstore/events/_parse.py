@@ -42,8 +42,6 @@ __all__ = ["PARSERS", "decimal_label"]
 
 _ROUTE_ID_LIMIT = 1 << 16  # stored as uint16 at most
 _MAX_FINISH_REASON_CHARS = 64
-_LAST_ROW_TOLERATED = 1
-"""Route rows a call may send beyond position len(prompt)+len(output)-2: a row for its last token."""
 
 
 def _parse_started(obj: Mapping, tid: str) -> TrajectoryStarted:
@@ -122,15 +120,15 @@ def _routes(obj: Mapping, num_tokens: int, start: int) -> np.ndarray | None:
         raise ValidationError(f"routed_experts must hold integers, got {arr.dtype}", rule="non_integer_expert")
     if len(arr) == 0:
         return None  # no rows is no routes: nothing to record, the recorded length stays
-    # rows for exactly positions start .. num_tokens-2: the last sampled token was never
-    # forwarded, so it has none (docs/reference.md "Routed experts"). A row for it too is
-    # tolerated (``_LAST_ROW_TOLERATED``), as it always was; fewer rows are refused (v5):
-    # rows for only part of the sequence would be misaligned without a word.
+    # rows for exactly positions start .. num_tokens-2 (SPEC v5): the last sampled token
+    # was never forwarded, so it has none (docs/reference.md "Routed experts"); more rows,
+    # or fewer, would be misaligned without a word.
     want_rows = num_tokens - 1 - start
-    if len(arr) > want_rows + _LAST_ROW_TOLERATED:
+    if len(arr) > want_rows:
         raise ValidationError(
-            f"routed_experts has {len(arr)} rows but prompt+output-routed_experts_start allows "
-            f"{max(want_rows + _LAST_ROW_TOLERATED, 0)}", rule="too_many_route_rows")
+            f"routed_experts has {len(arr)} rows but positions routed_experts_start ({start}) .. "
+            f"len(prompt_ids)+len(output_ids)-2 ({num_tokens - 2}) are {max(want_rows, 0)}: the last token "
+            f"has no route", rule="too_many_route_rows")
     if len(arr) < want_rows:
         raise ValidationError(
             f"routed_experts has {len(arr)} rows but positions routed_experts_start ({start}) .. "

@@ -18,7 +18,10 @@ was being done and where (``"<what> <where!r>: <reason>"``):
   errors; with ``corrupt=`` also the ``KeyError``/``TypeError``/``ValueError``
   of a segment's missing or malformed metadata) -> with ``corrupt="<noun>"``,
   ``CorruptStoreError("<noun> <where!r> is unreadable: <reason>")``; else
-  ``StoreUnavailable`` as above;
+  ``StoreUnavailable`` as above. pyarrow reports a malformed IPC stream as an
+  ``OSError`` too ("Invalid IPC stream"): where the body only decodes bytes
+  already in memory (``in_memory=True``: a memory map, an object read whole),
+  no I/O can fail, and an ``OSError`` there is such bytes (``CorruptStoreError``);
 * botocore's errors (the payload GC's batch deletes through boto3,
   ``_bulk_delete.py``) -> ``StoreUnavailable``.
 
@@ -69,16 +72,16 @@ def _reason(e: BaseException) -> str:
 
 
 def payload_error(e: BaseException, what: str, where: str, *, missing: str | None = None,
-                  corrupt: str | None = None) -> BaseException:
+                  corrupt: str | None = None, in_memory: bool = False) -> BaseException:
     """The trajstore error for ``e``, raised while ``what`` ran on ``where`` (module
     doc); ``e`` itself when it is no error of the payload seam."""
     if isinstance(e, TrajstoreError):
         return e
     if missing is not None and isinstance(e, FileNotFoundError):
         return PayloadMissingError(f"{missing} {where!r} is missing")
-    if isinstance(e, OSError):  # the disk's, pyarrow's ArrowIOError, S3's through pyarrow
-        return StoreUnavailable(f"{what} {where!r}: {_reason(e)}")
-    decoding = isinstance(e, pa.ArrowException) or (corrupt is not None and isinstance(e, _DECODING))
+    if isinstance(e, OSError) and not (in_memory and corrupt is not None):
+        return StoreUnavailable(f"{what} {where!r}: {_reason(e)}")  # the disk's, pyarrow's, S3's through pyarrow
+    decoding = isinstance(e, (OSError, pa.ArrowException)) or (corrupt is not None and isinstance(e, _DECODING))
     if decoding:
         if corrupt is not None:
             return CorruptStoreError(f"{corrupt} {where!r} is unreadable: {first_line(e) or type(e).__name__}")
@@ -90,11 +93,13 @@ def payload_error(e: BaseException, what: str, where: str, *, missing: str | Non
 
 @contextlib.contextmanager
 def payload_errors(what: str, where: str, *, missing: str | None = None, corrupt: str | None = None,
-                   absent_ok: bool = False) -> Iterator[None]:
+                   in_memory: bool = False, absent_ok: bool = False) -> Iterator[None]:
     """Run the body with what the filesystem, pyarrow or botocore raise in it
     mapped to a trajstore error naming ``what`` and ``where`` (module doc).
     ``missing``/``corrupt``: the noun of a file the index names ("payload
-    segment"), for ``PayloadMissingError``/``CorruptStoreError``; ``absent_ok``:
+    segment"), for ``PayloadMissingError``/``CorruptStoreError``; ``in_memory``: the
+    body only decodes bytes already read (an ``OSError`` is pyarrow's refusal of
+    them, with ``corrupt``: ``CorruptStoreError``); ``absent_ok``:
     a file not there ends the block quietly (a delete of one already gone).
     Anything else passes through as it is."""
     try:
@@ -104,7 +109,7 @@ def payload_errors(what: str, where: str, *, missing: str | None = None, corrupt
     except Exception as e:
         if absent_ok and isinstance(e, FileNotFoundError):
             return
-        error = payload_error(e, what, where, missing=missing, corrupt=corrupt)
+        error = payload_error(e, what, where, missing=missing, corrupt=corrupt, in_memory=in_memory)
         if error is e:
             raise
         raise error from None

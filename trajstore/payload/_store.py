@@ -456,7 +456,7 @@ def _arrow_batches(data: pa.Buffer, wanted: list[int], where: str
     wanted when they are dense (a log segment: one row per batch, all of them
     wanted), else through the footer's index (a large compacted segment)."""
     try:
-        with payload_errors("cannot read payload segment", where, corrupt="payload segment"):
+        with payload_errors("cannot read payload segment", where, corrupt="payload segment", in_memory=True):
             stream = ipc.open_stream(data.slice(8), options=READ_OPTIONS)
             schema = stream.schema
             per = int(schema.metadata[ROWS_PER_BATCH.encode()])

@@ -401,7 +401,16 @@ def test_the_size_check_counts_the_whole_tree():
 
 # -- one driver-error boundary -------------------------------------------------
 
-DRIVERS = ("sqlalchemy", "psycopg", "sqlite3")
+def _drivers() -> tuple[str, ...]:
+    """SQLAlchemy and every registered backend's driver (``Backend.driver``): a new
+    backend's driver is policed by its registry entry, no edit here."""
+    from trajstore.log._registry import BACKENDS
+
+    return ("sqlalchemy", *sorted({backend.driver for backend in BACKENDS.values()}))
+
+
+DRIVERS = _drivers()
+_ERROR_MODULES = ("sqlalchemy.exc", *(f"{d}.errors" for d in DRIVERS[1:]))
 # sqlalchemy.exc names that are no driver's error: a URL SQLAlchemy cannot parse
 NOT_DRIVER_ERRORS = {"ArgumentError"}
 
@@ -424,11 +433,11 @@ def _driver_error_uses(source: str) -> list[str]:
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
             found += [f"line {node.lineno}: import {a.name}" for a in node.names
-                      if a.name.startswith(("sqlalchemy.exc", "psycopg.errors"))]
+                      if a.name.startswith(_ERROR_MODULES)]
         elif isinstance(node, ast.ImportFrom) and not node.level:
             mod = node.module or ""
             root = mod.split(".")[0]
-            if mod.startswith(("sqlalchemy.exc", "psycopg.errors")):
+            if mod.startswith(_ERROR_MODULES):
                 names = [a.name for a in node.names if a.name not in NOT_DRIVER_ERRORS]
             elif root in DRIVERS:
                 names = [a.name for a in node.names if a.name.endswith(("Error", "Warning", "Exception"))
@@ -652,8 +661,15 @@ def f(e):
 
 # -- one backend per module, one registry ------------------------------------------
 
-DATABASE_NAMES = ("sqlite", "postgresql", "postgres")
-BACKEND_MODULES = ("trajstore.log._sqlite", "trajstore.log.postgres", "sqlite3", "psycopg")
+def _registered() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(the database names, the backends' modules and drivers), from the registry."""
+    from trajstore.log._registry import BACKENDS
+
+    return ((*BACKENDS, "postgres"),  # (and the URL scheme alias SQLAlchemy also reads)
+            (*(b.__module__ for b in BACKENDS.values()), *DRIVERS[1:]))
+
+
+DATABASE_NAMES, BACKEND_MODULES = _registered()
 
 
 def _names_a_database(node: ast.AST) -> bool:
@@ -682,11 +698,11 @@ def _dialect_branches(source: str) -> list[str]:
             found.append(f"line {line}: {ast.unparse(node)}")
         elif isinstance(node, ast.Import):
             found += [f"line {line}: import {a.name}" for a in node.names
-                      if a.name.split(".")[0] in ("sqlite3", "psycopg") or a.name in BACKEND_MODULES]
+                      if a.name.split(".")[0] in DRIVERS[1:] or a.name in BACKEND_MODULES]
         elif isinstance(node, ast.ImportFrom) and not node.level:
             mod = node.module or ""
             targets = [mod] + [f"{mod}.{a.name}" for a in node.names]
-            if mod.split(".")[0] in ("sqlite3", "psycopg") or any(t in BACKEND_MODULES for t in targets):
+            if mod.split(".")[0] in DRIVERS[1:] or any(t in BACKEND_MODULES for t in targets):
                 found.append(f"line {line}: from {mod} import {', '.join(a.name for a in node.names)}")
     return found
 

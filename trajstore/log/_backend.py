@@ -19,8 +19,9 @@ A backend has two levels:
   SQL differs (``join_sorted``, ``version_spans``, ``span_int``);
 * what its driver's errors mean (class methods of ``_errors.DriverErrorRules``,
   asked by the one driver-error boundary ``_errors.py`` for an error whose
-  driver exception is one of ``driver_errors()``): a lost race (``lost_race``), a value the database cannot
-  hold (``unstorable``), the server having answered (``answered``, ``refused``),
+  driver exception is one of ``driver_errors()``, the ``driver`` module's): a
+  lost race (``lost_race``), a value the database cannot hold
+  (``unstorable``), the server having answered (``answered``, ``refused``),
   the unique key a write hit (``constraint``), a server restarting
   (``recovering``) or not reached (``unreached``), and a user query's reason
   (``query_reason``); the defaults say nothing, so SQLAlchemy's classes alone

@@ -16,12 +16,12 @@ or ``StaleState``, which ``Store`` and the materializer handle.
 What a driver's error *means* is its backend's to say: each backend class
 (``_backend.Backend``, a ``DriverErrorRules``: ``lost_race``, ``unstorable``,
 ``answered``, ``refused``, ``constraint``, ``recovering``, ``unreached``,
-``query_reason``), in its own module, classifies the exceptions of its driver (``driver_errors()``: sqlite3's
-for ``SQLite``, psycopg's for ``PostgreSQL``). This module asks the backend of
-the registry (``_registry.BACKENDS``, which hands itself over with
-``classify_by``: the registry imports the backends, which import this module)
-whose driver raised it, so a new backend is its module and its registry entry,
-nothing here.
+``query_reason``), in its own module, classifies the exceptions of its
+driver (``driver_errors()``: sqlite3's for ``SQLite``, psycopg's for
+``PostgreSQL``). This module asks the backend of the registry
+(``_registry.BACKENDS``, which hands itself over with ``classify_by``: the
+registry imports the backends, which import this module) whose driver raised
+it, so a new backend is its module and its registry entry, nothing here.
 
 ``driver_errors(what)`` (mode ``"index"``) is ``translate``:
 
@@ -60,9 +60,9 @@ from sqlalchemy.exc import (DataError, DBAPIError, IntegrityError, InterfaceErro
 from trajstore.errors import IndexInvariantError, StoreUnavailable, TrajstoreError, ValidationError, first_line
 from trajstore.log.base import StaleState
 
-__all__ = ["DriverErrorRules", "RACE_KEYS", "ServerRecovering", "ServerUnreachable", "backend_of_error", "classify_by",
-           "database_error_line", "driver_errors", "lost_connection", "refused", "retriable_error", "transient_opening", "translate",
-           "unreachable", "wrapped"]
+__all__ = ["DriverErrorRules", "RACE_KEYS", "ServerRecovering", "ServerUnreachable", "backend_of_error",
+           "classify_by", "database_error_line", "driver_errors", "lost_connection", "refused", "retriable_error",
+           "transient_opening", "translate", "unreachable", "wrapped"]
 
 # Unique keys whose violation means "another writer got there first" (-> StaleState);
 # PostgreSQL reports the constraint name, SQLite "table.column".

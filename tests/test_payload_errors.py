@@ -95,3 +95,17 @@ def test_botocore_errors_of_the_batch_deletes_are_store_unavailable():
     assert delete is not None
     with pytest.raises(StoreUnavailable, match=r"^cannot delete 2 payload object\(s\) in 's3://bucket/prefix': "):
         delete(["a.arrow", "b.arrow"])
+
+
+def test_the_inspection_reads_of_segments_go_through_the_boundary(tmp_path):
+    # trajstore trace / track / rebuild read segments without a PayloadStore: the same errors
+    from trajstore.inspect._panels_tokens import _read_samples
+    from trajstore.inspect._trace import read_segment_rows
+
+    with pytest.raises(PayloadMissingError, match=r"^payload segment '.*samples-gone\.arrow' is missing$"):
+        read_segment_rows(str(tmp_path), "samples-gone.arrow", [0])
+    (tmp_path / "samples-bad.arrow").write_bytes(os.urandom(300))
+    with pytest.raises(CorruptStoreError, match=r"^payload segment '.*samples-bad\.arrow' is unreadable: "):
+        read_segment_rows(str(tmp_path), "samples-bad.arrow", [0])
+    with pytest.raises(CorruptStoreError, match=r"^payload segment '.*samples-bad\.arrow' is unreadable: "):
+        _read_samples(str(tmp_path), [(0, 0, "samples-bad.arrow", 0)])

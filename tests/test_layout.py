@@ -19,6 +19,15 @@
   driver's exception classes (``sqlalchemy.exc``, psycopg's or sqlite3's) or
   names one in an ``except``; it runs its database calls inside
   ``trajstore.log._errors.driver_errors`` instead.
+* One error boundary per seam for what the storage libraries raise: outside
+  ``trajstore/payload/`` no module catches an ``OSError`` (``IOError``,
+  ``EnvironmentError``, ``FileNotFoundError`` and every other subclass, by any
+  alias), one of pyarrow's errors or botocore's (in an ``except``, a
+  ``contextlib.suppress`` or an ``isinstance``), or imports botocore; it runs
+  its payload I/O inside ``trajstore.payload._errors.payload_errors``. The
+  local edges that do (a socket, the terminal, a client's request body) are
+  listed in ``IO_EDGES`` with the reason, and an entry leaves once its module
+  no longer catches what it names.
 * One backend per module, one registry: outside ``trajstore/log/`` (and the
   frozen migrations) no module branches on a database's name (compares a
   string with ``"sqlite"``/``"postgresql"``, tests a URL's prefix, reads
@@ -34,6 +43,7 @@ import ast
 import importlib
 import inspect
 import pkgutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -420,7 +430,16 @@ def test_the_size_check_counts_the_whole_tree():
 
 # -- one driver-error boundary -------------------------------------------------
 
-DRIVERS = ("sqlalchemy", "psycopg", "sqlite3")
+def _drivers() -> tuple[str, ...]:
+    """SQLAlchemy and every registered backend's driver (``Backend.driver``): a new
+    backend's driver is policed by its registry entry, no edit here."""
+    from trajstore.log._registry import BACKENDS
+
+    return ("sqlalchemy", *sorted({backend.driver for backend in BACKENDS.values()}))
+
+
+DRIVERS = _drivers()
+_ERROR_MODULES = ("sqlalchemy.exc", *(f"{d}.errors" for d in DRIVERS[1:]))
 # sqlalchemy.exc names that are no driver's error: a URL SQLAlchemy cannot parse
 NOT_DRIVER_ERRORS = {"ArgumentError"}
 
@@ -443,11 +462,11 @@ def _driver_error_uses(source: str) -> list[str]:
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
             found += [f"line {node.lineno}: import {a.name}" for a in node.names
-                      if a.name.startswith(("sqlalchemy.exc", "psycopg.errors"))]
+                      if a.name.startswith(_ERROR_MODULES)]
         elif isinstance(node, ast.ImportFrom) and not node.level:
             mod = node.module or ""
             root = mod.split(".")[0]
-            if mod.startswith(("sqlalchemy.exc", "psycopg.errors")):
+            if mod.startswith(_ERROR_MODULES):
                 names = [a.name for a in node.names if a.name not in NOT_DRIVER_ERRORS]
             elif root in DRIVERS:
                 names = [a.name for a in node.names if a.name.endswith(("Error", "Warning", "Exception"))
@@ -496,10 +515,190 @@ def f():
         "except sqlite3.Error", "except sqlite3.Warning", "except psycopg.Error", "except DBAPIError"])
 
 
+# -- one error boundary per seam: the OS, pyarrow, botocore -------------------------
+
+IO_BOUNDARY = PKG / "payload"  # payload/_errors.py: payload_errors
+STORAGE_LIBRARIES = ("pyarrow", "botocore", "boto3", "s3transfer")
+
+# The local edges outside payload/ that catch such an error themselves, because it is
+# no payload storage's: module -> (what it catches, as _io_error_uses reports it; why).
+_NETWORK = "a socket or connection of its own server or client"
+IO_EDGES: dict[str, tuple[set[str], str]] = {
+    "trajstore.cli": ({"except BrokenPipeError", "except OSError", "isinstance OSError"},
+                      "the terminal: stdout's reader went away (| head); the last-resort line for a user's own file"),
+    "trajstore.ingest._body": ({"except ConnectionError"}, _NETWORK + ": the HTTP client went away mid-body"),
+    "trajstore.ingest._http": ({"except OSError", "except socket.gaierror"},
+                               _NETWORK + ": binding the listening socket, probing it is up"),
+    "trajstore.ingest._nodelay": ({"except OSError"}, _NETWORK + ": TCP_NODELAY on a socket the peer closed"),
+    "trajstore.ingest.client": ({"except OSError"}, _NETWORK + ": the writer retries a service it cannot reach"),
+    "trajstore.ingest.sinks": ({"except OSError"}, _NETWORK + ": the HTTP sink's connection to the ingest service"),
+    "trajstore.inspect._live": ({"except OSError"}, _NETWORK + ": the live page's listening socket"),
+    "trajstore.replay._server": ({"except fl.FlightError", "except fl.FlightUnauthorizedError",
+                                  "except pa.ArrowException", "isinstance fl.FlightUnavailableError"},
+                                 _NETWORK + ": Arrow Flight is the replay server's RPC (its errors are pyarrow's)"),
+    "trajstore.replay.client": ({"except OSError", "except fl.FlightError", "except fl.FlightServerError",
+                                 "except fl.FlightUnauthenticatedError", "except fl.FlightUnauthorizedError",
+                                 "isinstance fl.FlightError"},
+                                _NETWORK + ": the replay client's Flight calls, retried across servers"),
+    "trajstore.ingest.arrow_body": ({"except OSError", "except pa.ArrowException"},
+                                    "a client's request body pyarrow refuses: the client's error, not the store's"),
+    "trajstore.ingest._metrics": ({"except OSError", "except ProcessLookupError"},
+                                  "other processes (kill 0) and their metrics files in the temp dir, not payload"),
+    "trajstore.ingest.service": ({"except OSError"}, "ctypes finding glibc's mallopt: no I/O"),
+    "trajstore.inspect.sql": ({"except OSError"}, "datetime.fromtimestamp's OSError for a number out of its range"),
+    "trajstore.inspect.trackers": ({"except OSError"}, "TensorBoard's writer in the user's own log directory"),
+}
+
+
+def _io_error_family(value: object) -> str | None:
+    """Which family an exception class belongs to (None: no storage library's)."""
+    if not (inspect.isclass(value) and issubclass(value, BaseException)):
+        return None
+    root = (value.__module__ or "").split(".")[0]
+    if root in STORAGE_LIBRARIES:
+        return root
+    if issubclass(value, OSError) and (root == "builtins" or root in sys.stdlib_module_names):
+        return "OSError"
+    return None
+
+
+def _resolve(dotted: str, imports: dict[str, str]) -> object:
+    """The object ``dotted`` names in a module whose imports are ``imports`` (a
+    local name -> "module" or "module:name"); only the standard library's and
+    the storage libraries' modules are imported to find it (None: another's)."""
+    import builtins
+
+    head, *rest = dotted.split(".")
+    if head in imports:
+        module, _, attr = imports[head].partition(":")
+        path = ([attr] if attr else []) + rest
+    elif hasattr(builtins, head):
+        module, path = "builtins", [head, *rest]
+    else:
+        return None
+    root = module.split(".")[0]
+    if root not in STORAGE_LIBRARIES and root not in sys.stdlib_module_names:
+        return None
+    try:
+        obj: object = importlib.import_module(module)
+        for part in path:
+            nxt = getattr(obj, part, None)
+            if nxt is None and inspect.ismodule(obj):
+                nxt = importlib.import_module(f"{obj.__name__}.{part}")
+            obj = nxt
+    except ImportError:  # an optional library not installed here: the import itself is still seen
+        return None
+    return obj
+
+
+def _io_error_uses(source: str) -> list[str]:
+    """Where ``source`` catches (``except``, ``suppress``, ``isinstance``) an OSError,
+    a pyarrow or a botocore error, or imports botocore."""
+    tree = ast.parse(source)
+    imports: dict[str, str] = {}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                imports[a.asname or a.name.split(".")[0]] = a.name if a.asname else a.name.split(".")[0]
+                if a.name.split(".")[0] == "botocore":
+                    found.append(f"line {node.lineno}: import {a.name}")
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            imports.update({a.asname or a.name: f"{node.module}:{a.name}" for a in node.names})
+            if node.module.split(".")[0] == "botocore":
+                found.append(f"line {node.lineno}: from {node.module} import {', '.join(a.name for a in node.names)}")
+    for node in ast.walk(tree):
+        caught: list[ast.AST] = []
+        if isinstance(node, ast.ExceptHandler) and node.type is not None:
+            how, caught = "except", [node.type]
+        elif isinstance(node, ast.Call) and _dotted(node.func).split(".")[-1] in ("suppress", "isinstance", "issubclass"):
+            how = _dotted(node.func).split(".")[-1]
+            caught = list(node.args) if how == "suppress" else node.args[1:2]
+        for expr in caught:
+            for t in (expr.elts if isinstance(expr, (ast.Tuple, ast.List, ast.Set)) else [expr]):
+                name = _dotted(t)
+                if name and _io_error_family(_resolve(name, imports)):
+                    found.append(f"line {t.lineno}: {how} {name}")
+    return found
+
+
+def _outside_io_boundary() -> dict[str, set[str]]:
+    uses = {name: _io_error_uses(path.read_text()) for name, path in MODULES.items()
+            if IO_BOUNDARY not in path.parents}
+    return {m: {u.split(": ", 1)[1] for u in found} for m, found in uses.items() if found}
+
+
+def test_no_os_pyarrow_or_botocore_error_is_caught_outside_its_boundary():
+    found = _outside_io_boundary()
+    unlisted = {m: sorted(uses - IO_EDGES.get(m, (set(), ""))[0]) for m, uses in found.items()}
+    assert {m: uses for m, uses in unlisted.items() if uses} == {}, "route it through payload_errors (or list the edge)"
+    stale = {m: sorted(caught - found.get(m, set())) for m, (caught, _) in IO_EDGES.items()}
+    assert {m: c for m, c in stale.items() if c} == {}, "IO_EDGES names a catch that is gone: remove it"
+    assert all(reason for _, reason in IO_EDGES.values())
+
+
+def test_the_io_boundary_check_sees_every_form():
+    # The rule above would be vacuous if it missed the ways code catches these errors.
+    source = """
+import contextlib, errno, os, shutil, socket
+import pyarrow as pa
+import pyarrow.lib
+from pyarrow import ArrowInvalid as BadArrow
+from contextlib import suppress
+import botocore.exceptions
+from botocore.exceptions import ClientError
+class Mine(Exception):
+    pass
+def f(e):
+    try:
+        pass
+    except IOError:
+        pass
+    except (ValueError, EnvironmentError):
+        pass
+    except FileNotFoundError:
+        pass
+    except socket.timeout:
+        pass
+    except shutil.Error:
+        pass
+    except pa.lib.ArrowIOError:
+        pass
+    except BadArrow:
+        pass
+    except botocore.exceptions.BotoCoreError:
+        pass
+    except (Mine, KeyError, ValueError, ZeroDivisionError):
+        pass
+    try:
+        pass
+    except* pa.ArrowException:
+        pass
+    with contextlib.suppress(PermissionError), suppress(KeyError):
+        pass
+    if isinstance(e, (TypeError, ConnectionResetError)):
+        pass
+    return errno.ENOENT, os.sep
+"""
+    lines = sorted(u.split(": ", 1)[1] for u in _io_error_uses(source))
+    assert lines == sorted([
+        "import botocore.exceptions", "from botocore.exceptions import ClientError",
+        "except IOError", "except EnvironmentError", "except FileNotFoundError", "except socket.timeout",
+        "except shutil.Error", "except pa.lib.ArrowIOError", "except BadArrow", "except pa.ArrowException",
+        "except botocore.exceptions.BotoCoreError", "suppress PermissionError", "isinstance ConnectionResetError"])
+
+
 # -- one backend per module, one registry ------------------------------------------
 
-DATABASE_NAMES = ("sqlite", "postgresql", "postgres")
-BACKEND_MODULES = ("trajstore.log._sqlite", "trajstore.log.postgres", "sqlite3", "psycopg")
+def _registered() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(the database names, the backends' modules and drivers), from the registry."""
+    from trajstore.log._registry import BACKENDS
+
+    return ((*BACKENDS, "postgres"),  # (and the URL scheme alias SQLAlchemy also reads)
+            (*(b.__module__ for b in BACKENDS.values()), *DRIVERS[1:]))
+
+
+DATABASE_NAMES, BACKEND_MODULES = _registered()
 
 
 def _names_a_database(node: ast.AST) -> bool:
@@ -528,11 +727,11 @@ def _dialect_branches(source: str) -> list[str]:
             found.append(f"line {line}: {ast.unparse(node)}")
         elif isinstance(node, ast.Import):
             found += [f"line {line}: import {a.name}" for a in node.names
-                      if a.name.split(".")[0] in ("sqlite3", "psycopg") or a.name in BACKEND_MODULES]
+                      if a.name.split(".")[0] in DRIVERS[1:] or a.name in BACKEND_MODULES]
         elif isinstance(node, ast.ImportFrom) and not node.level:
             mod = node.module or ""
             targets = [mod] + [f"{mod}.{a.name}" for a in node.names]
-            if mod.split(".")[0] in ("sqlite3", "psycopg") or any(t in BACKEND_MODULES for t in targets):
+            if mod.split(".")[0] in DRIVERS[1:] or any(t in BACKEND_MODULES for t in targets):
                 found.append(f"line {line}: from {mod} import {', '.join(a.name for a in node.names)}")
     return found
 

@@ -12,6 +12,7 @@ import pytest
 from sqlalchemy import text
 
 from trajstore.errors import IndexInvariantError, StoreUnavailable, TrajstoreError
+from trajstore.log._backend import Backend
 from trajstore.log._errors import driver_errors
 from trajstore.log.base import StaleState
 from trajstore.schema import store_settings
@@ -90,3 +91,71 @@ def test_a_server_starting_up_is_one_to_wait_out():
         with driver_errors("reading", mode="opening"):
             raise psycopg_errors.UndefinedTable("relation \"x\" does not exist")
     assert not isinstance(caught.value, ServerRecovering)
+
+
+# -- a third backend: its module and its registry entry, nothing in _errors.py ----------
+
+class ToyDriverError(Exception):
+    """The DB-API base error of a third database's driver."""
+
+
+class Toy(Backend):
+    """A throwaway third backend: what its driver's errors mean is its own to say."""
+
+    name = "toydb"
+
+    @classmethod
+    def driver_errors(cls) -> tuple[type[BaseException], ...]:
+        return (ToyDriverError,)
+
+    @classmethod
+    def lost_race(cls, e: BaseException) -> bool:
+        return str(e).startswith("busy:")
+
+    @classmethod
+    def recovering(cls, e: BaseException) -> bool:
+        return "warming up" in str(e)
+
+    @classmethod
+    def query_reason(cls, e: BaseException, timeout_s: float | None) -> str:
+        return f"toydb says {e}"
+
+
+def test_a_third_backend_is_one_module_and_one_registry_entry(monkeypatch):
+    from sqlalchemy.exc import DBAPIError
+
+    from trajstore.log import _registry
+    from trajstore.log._errors import ServerRecovering
+
+    monkeypatch.setattr(_registry, "BACKENDS", {**_registry.BACKENDS, Toy.name: Toy})  # a copy plus one entry
+    with pytest.raises(ServerRecovering, match="^opening: toydb warming up$"):
+        with driver_errors("opening", mode="opening"):
+            raise ToyDriverError("toydb warming up")
+    with pytest.raises(TrajstoreError, match="^SQL error: toydb says no such column x$"):
+        with driver_errors("SQL error", mode="user_query"):
+            raise ToyDriverError("no such column x")
+    # as SQLAlchemy wraps its driver's error in an index transaction: the backend says "lost a race"
+    with pytest.raises(StaleState, match="^appending: "):
+        with driver_errors("appending"):
+            raise DBAPIError.instance("COMMIT", None, ToyDriverError("busy: another writer"), ToyDriverError)
+    with pytest.raises(IndexInvariantError, match="^appending: unexpected database error"):
+        with driver_errors("appending"):
+            raise DBAPIError.instance("COMMIT", None, ToyDriverError("no such column x"), ToyDriverError)
+    monkeypatch.undo()  # not registered: its driver's errors are no driver's the boundary knows
+    with pytest.raises(ToyDriverError):
+        with driver_errors("opening", mode="opening"):
+            raise ToyDriverError("toydb warming up")
+
+
+@pytest.mark.parametrize("name", ["sqlite", "postgresql"])
+def test_each_backend_classifies_its_own_driver_errors(name):
+    from trajstore.log._errors import DriverErrorRules, backend_of_error
+    from trajstore.log._registry import BACKENDS
+
+    backend = BACKENDS[name]
+    classes = backend.driver_errors()
+    if not classes:
+        pytest.skip(f"{backend.driver} is not installed")
+    assert backend.driver and backend.__module__.startswith("trajstore.log.")
+    assert backend_of_error(classes[0]("x")) is backend
+    assert backend_of_error(KeyError("x")) is DriverErrorRules  # nobody's: the rules that say nothing

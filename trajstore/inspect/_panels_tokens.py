@@ -254,12 +254,14 @@ def _read_samples(payload: str, rows: Sequence[Sequence[Any]]) -> list[Any]:
     import pyarrow.ipc as ipc
     import pyarrow.parquet as pq
 
-    from trajstore.sample._codec import samples_from_table
+    from trajstore.payload._errors import payload_errors
     from trajstore.payload._format import SegmentKind
+    from trajstore.sample._codec import samples_from_table
 
     parsed = urlparse(payload)
     if parsed.scheme and len(parsed.scheme) > 1 and parsed.scheme != "file":
-        fs, root = pafs.FileSystem.from_uri(payload)
+        with payload_errors("payload location", payload):
+            fs, root = pafs.FileSystem.from_uri(payload)
     else:
         fs, root = pafs.LocalFileSystem(), (parsed.path if parsed.scheme == "file" else payload)
     by_segment: dict[str, list[int]] = {}
@@ -268,23 +270,24 @@ def _read_samples(payload: str, rows: Sequence[Sequence[Any]]) -> list[Any]:
     out = []
     for segment, wanted in by_segment.items():
         path = f"{root.rstrip('/')}/{segment}"
-        if SegmentKind.of(segment) is SegmentKind.SAMPLES_PARQUET:
-            with fs.open_input_file(path) as f:
-                table = pq.read_table(f)
-            out.extend(samples_from_table(table, wanted))
-            continue
-        with fs.open_input_file(path) as f:
-            reader = ipc.open_file(f)
-            per = int((reader.schema.metadata or {}).get(b"trajstore.rows_per_batch", 0)) or None
-            if per is None:  # one batch layout unknown: read it whole
-                table = reader.read_all()
+        with payload_errors("cannot read payload segment", path, missing="payload segment", corrupt="payload segment"):
+            if SegmentKind.of(segment) is SegmentKind.SAMPLES_PARQUET:
+                with fs.open_input_file(path) as f:
+                    table = pq.read_table(f)
                 out.extend(samples_from_table(table, wanted))
                 continue
-            numbers = sorted({w // per for w in wanted})
-            batches = [reader.get_batch(b) for b in numbers]
-            starts, at = {}, 0
-            for b, batch in zip(numbers, batches):
-                starts[b], at = at, at + batch.num_rows
-            table = pa.Table.from_batches(batches, schema=reader.schema)
-            out.extend(samples_from_table(table, [starts[w // per] + w % per for w in wanted]))
+            with fs.open_input_file(path) as f:
+                reader = ipc.open_file(f)
+                per = int((reader.schema.metadata or {}).get(b"trajstore.rows_per_batch", 0)) or None
+                if per is None:  # one batch layout unknown: read it whole
+                    table = reader.read_all()
+                    out.extend(samples_from_table(table, wanted))
+                    continue
+                numbers = sorted({w // per for w in wanted})
+                batches = [reader.get_batch(b) for b in numbers]
+                starts, at = {}, 0
+                for b, batch in zip(numbers, batches):
+                    starts[b], at = at, at + batch.num_rows
+                table = pa.Table.from_batches(batches, schema=reader.schema)
+                out.extend(samples_from_table(table, [starts[w // per] + w % per for w in wanted]))
     return out

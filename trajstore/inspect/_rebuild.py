@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from trajstore.errors import TrajstoreError, first_line
+from trajstore.errors import CorruptStoreError, StoreUnavailable, TrajstoreError, first_line
 
 __all__: list[str] = []
 
@@ -36,7 +36,7 @@ def rebuild_aggregates(store: Any, *, progress: Callable[[int], None] | None = N
     def read(rows: list[tuple]) -> list[Any]:
         try:
             got = _read_samples(location, rows)
-        except (OSError, ValueError) as e:  # nothing is recounted: the transaction rolls back
+        except (StoreUnavailable, CorruptStoreError, ValueError) as e:  # nothing is recounted: it rolls back
             raise TrajstoreError(f"cannot read the sample segments under {location} to recount the aggregates: "
                                  f"{first_line(e) or type(e).__name__}") from None
         if progress:

@@ -36,7 +36,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from trajstore.errors import TrajstoreError
+from trajstore.errors import CorruptStoreError, StoreUnavailable, TrajstoreError
 from trajstore.inspect._routes import routes_view
 
 __all__ = ["MAX_TRACE_TOKENS", "load_tokenizer", "trace_data", "trace_page", "trace_file_name", "sql_string"]
@@ -130,25 +130,27 @@ def read_segment_rows(payload: str, segment: str, rows: Sequence[int]) -> tuple[
     import pyarrow.ipc as ipc
     import pyarrow.parquet as pq
 
+    from trajstore.payload._errors import payload_errors
     from trajstore.payload._format import SegmentKind
 
-    fs, root = _filesystem(payload)
-    path = f"{root.rstrip('/')}/{segment}"
     wanted = sorted({int(r) for r in rows})
-    with fs.open_input_file(path) as f:
-        if SegmentKind.of(segment) is SegmentKind.SAMPLES_PARQUET:
-            table = pq.read_table(f)
-            return table, {w: w for w in wanted}
-        reader = ipc.open_file(f)
-        per = int((reader.schema.metadata or {}).get(b"trajstore.rows_per_batch", 0)) or None
-        if per is None:
-            return reader.read_all(), {w: w for w in wanted}
-        numbers = sorted({w // per for w in wanted})
-        batches = [reader.get_batch(b) for b in numbers]
-        starts, at = {}, 0
-        for b, batch in zip(numbers, batches):
-            starts[b], at = at, at + batch.num_rows
-        return pa.Table.from_batches(batches, schema=reader.schema), {w: starts[w // per] + w % per for w in wanted}
+    with payload_errors("cannot read payload segment", f"{payload.rstrip('/')}/{segment}",
+                        missing="payload segment", corrupt="payload segment"):
+        fs, root = _filesystem(payload)
+        with fs.open_input_file(f"{root.rstrip('/')}/{segment}") as f:
+            if SegmentKind.of(segment) is SegmentKind.SAMPLES_PARQUET:
+                table = pq.read_table(f)
+                return table, {w: w for w in wanted}
+            reader = ipc.open_file(f)
+            per = int((reader.schema.metadata or {}).get(b"trajstore.rows_per_batch", 0)) or None
+            if per is None:
+                return reader.read_all(), {w: w for w in wanted}
+            numbers = sorted({w // per for w in wanted})
+            batches = [reader.get_batch(b) for b in numbers]
+            starts, at = {}, 0
+            for b, batch in zip(numbers, batches):
+                starts[b], at = at, at + batch.num_rows
+            return pa.Table.from_batches(batches, schema=reader.schema), {w: starts[w // per] + w % per for w in wanted}
 
 
 # -- per-token channels ---------------------------------------------------------------------
@@ -339,7 +341,7 @@ def trace_data(query: Any, trajectory_id: str, *, payload: str | None, tokenizer
             cell = table.column("trainer_logprobs")[index[int(segment_row)]]
             if cell.is_valid:
                 trainer[int(sample_index)] = np.asarray(cell.values.to_numpy(zero_copy_only=False), np.float64)
-    except (OSError, ValueError, KeyError) as e:
+    except (StoreUnavailable, CorruptStoreError, ValueError, KeyError) as e:
         data["note"] = f"cannot read the sample segments under {payload}: {str(e).splitlines()[0]}"
         return data
     drawn = 0

@@ -60,7 +60,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Protocol, Sequence
 
-from trajstore.errors import StoreUnavailable, TrajstoreError, first_line
+from trajstore.errors import CorruptStoreError, StoreUnavailable, TrajstoreError, first_line
 from trajstore.inspect.sql import Query, QueryResult
 
 __all__ = ["StoreMetrics", "TrackerSink", "TensorBoardSink", "MLflowSink", "WandbSink", "TrackerPusher",
@@ -176,7 +176,7 @@ def _expert_load(query: Query, payload: str | None) -> dict[str, float]:
         return {}
     try:
         samples = _read_samples(payload, rows)
-    except (OSError, ValueError) as e:
+    except (StoreUnavailable, CorruptStoreError, ValueError) as e:
         log.warning("trackers: cannot read the newest sample segments under %s: %s", payload,
                     str(e).splitlines()[0] if str(e) else type(e).__name__)
         return {}

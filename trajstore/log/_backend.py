@@ -17,6 +17,15 @@ A backend has two levels:
   (``reader_logins``, ``make_reader_login``), how concurrent first migrations are serialized
   (``serialize_migrations``), and the fragments in which the inspection views'
   SQL differs (``join_sorted``, ``version_spans``, ``span_int``);
+* what its driver's errors mean (class methods of ``_errors.DriverErrorRules``,
+  asked by the one driver-error boundary ``_errors.py`` for an error whose
+  driver exception is one of ``driver_errors()``, the ``driver`` module's): a
+  lost race (``lost_race``), a value the database cannot hold
+  (``unstorable``), the server having answered (``answered``, ``refused``),
+  the unique key a write hit (``constraint``), a server restarting
+  (``recovering``) or not reached (``unreached``), and a user query's reason
+  (``query_reason``); the defaults say nothing, so SQLAlchemy's classes alone
+  decide (a lost connection is ``OperationalError``/``InterfaceError``);
 * the engine's (an instance per SQLAlchemy dialect, ``_registry.sql_dialect``):
   the driver statements of the index's hot paths (``_dialect.SqlDialect``) and
   what differs in them: how a transaction begins, how an append takes
@@ -34,7 +43,7 @@ from sqlalchemy.exc import ArgumentError
 
 from trajstore.errors import StoreUnavailable
 from trajstore.log._dialect import SqlDialect
-from trajstore.log._errors import driver_errors
+from trajstore.log._errors import DriverErrorRules, driver_errors
 
 __all__ = ["Backend", "ReadQuery", "safe_url"]
 
@@ -50,7 +59,7 @@ def safe_url(url: str) -> str:
         return url
 
 
-class Backend(SqlDialect):
+class Backend(SqlDialect, DriverErrorRules):
     """One database backend (module doc). The class methods are its URL-level
     operations; an instance is its driver statements for one engine's dialect."""
 

@@ -13,6 +13,16 @@ exceptions (``tests/test_layout.py`` checks that no module outside ``log/``
 imports them), and callers only ever see trajstore errors (``trajstore.errors``)
 or ``StaleState``, which ``Store`` and the materializer handle.
 
+What a driver's error *means* is its backend's to say: each backend class
+(``_backend.Backend``, a ``DriverErrorRules``: ``lost_race``, ``unstorable``,
+``answered``, ``refused``, ``constraint``, ``recovering``, ``unreached``,
+``query_reason``), in its own module, classifies the exceptions of its
+driver (``driver_errors()``: sqlite3's for ``SQLite``, psycopg's for
+``PostgreSQL``). This module asks the backend of the registry
+(``_registry.BACKENDS``, which hands itself over with ``classify_by``: the
+registry imports the backends, which import this module) whose driver raised
+it, so a new backend is its module and its registry entry, nothing here.
+
 ``driver_errors(what)`` (mode ``"index"``) is ``translate``:
 
 * a lost race (a unique key another writer took first, SQLSTATE 40:
@@ -40,7 +50,8 @@ reason>")`` in one line (``{reason}`` in ``what`` places it there instead).
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Literal
+import importlib
+from typing import Any, Callable, Iterable, Iterator, Literal
 
 from sqlalchemy import Engine
 from sqlalchemy.exc import (DataError, DBAPIError, IntegrityError, InterfaceError, OperationalError, SQLAlchemyError,
@@ -49,8 +60,9 @@ from sqlalchemy.exc import (DataError, DBAPIError, IntegrityError, InterfaceErro
 from trajstore.errors import IndexInvariantError, StoreUnavailable, TrajstoreError, ValidationError, first_line
 from trajstore.log.base import StaleState
 
-__all__ = ["RACE_KEYS", "ServerRecovering", "ServerUnreachable", "database_error_line", "driver_errors",
-           "lost_connection", "retriable_error", "transient_opening", "translate", "unreachable", "wrapped"]
+__all__ = ["DriverErrorRules", "RACE_KEYS", "ServerRecovering", "ServerUnreachable", "backend_of_error",
+           "classify_by", "database_error_line", "driver_errors", "lost_connection", "refused", "retriable_error",
+           "transient_opening", "translate", "unreachable", "wrapped"]
 
 # Unique keys whose violation means "another writer got there first" (-> StaleState);
 # PostgreSQL reports the constraint name, SQLite "table.column".
@@ -68,13 +80,96 @@ RACE_KEYS = {
     "ux_ledger_groups_prompt": "ledger_groups.run",  # (run, prompt_id, epoch) another group took
 }
 
-# SQLSTATE classes the server answers with (the transaction is rolled back, the connection fine):
-# 22 data exception, 23 integrity constraint, 40 transaction rollback, 54 program limit exceeded
-_ANSWERED = ("22", "23", "40", "54")
+
+def _driver_error(e: BaseException) -> BaseException:
+    """The driver's own exception of ``e`` (SQLAlchemy wraps it as ``.orig``)."""
+    return getattr(e, "orig", None) or e
 
 
-def _sqlstate(e: DBAPIError) -> str:
-    return str(getattr(e.orig, "sqlstate", None) or "")
+class DriverErrorRules:
+    """What a driver's errors mean: the class methods each backend (``_backend.Backend``
+    subclasses this) overrides in its own module for its driver's exceptions
+    (``e``: the driver's own exception, SQLAlchemy's ``.orig`` or a raw one).
+    These defaults say nothing: SQLAlchemy's classes alone decide (a lost
+    connection is ``OperationalError``/``InterfaceError``)."""
+
+    driver = ""
+    """The DB-API module of its driver (``sqlite3``, ``psycopg``): its errors are this backend's to classify."""
+
+    @classmethod
+    def driver_errors(cls) -> tuple[type[BaseException], ...]:
+        """The DB-API base classes of its driver (``Error``, ``Warning``); () where it is not installed."""
+        if not cls.driver:
+            return ()
+        try:
+            module = importlib.import_module(cls.driver)
+        except ImportError:  # an install without this backend's driver
+            return ()
+        return (module.Error, module.Warning)
+
+    @classmethod
+    def lost_race(cls, e: BaseException) -> bool:
+        """Did the transaction lose a race to another (serialization failure, deadlock)?"""
+        return False
+
+    @classmethod
+    def unstorable(cls, e: BaseException) -> bool:
+        """Was a value refused that the database cannot hold (out of range, too long)?"""
+        return False
+
+    @classmethod
+    def answered(cls, e: BaseException) -> bool:
+        """Did the server answer with an error (the transaction rolled back, the connection fine)?"""
+        return False
+
+    @classmethod
+    def refused(cls, e: BaseException) -> bool:
+        """Did the database refuse a statement (a value, a check, a key), the connection fine?"""
+        return False
+
+    @classmethod
+    def constraint(cls, e: BaseException) -> str | None:
+        """The unique key a write violated, as ``table.column`` (``_errors.RACE_KEYS``' values), if it says."""
+        return None
+
+    @classmethod
+    def recovering(cls, e: BaseException) -> bool:
+        """Is the server starting up, in recovery or shutting down (a restart to wait out)?"""
+        return False
+
+    @classmethod
+    def unreached(cls, e: BaseException) -> bool:
+        """Did no server answer the connection (refused, timed out, no slot free), as
+        opposed to a refused login or a missing database?"""
+        return False
+
+    @classmethod
+    def query_reason(cls, e: BaseException, timeout_s: float | None) -> str:
+        """Why the database refused a query a user wrote, in one line."""
+        return first_line(str(e))
+
+
+class _Registry:
+    """Where the boundary finds the backends: ``classify_by`` sets it (once, ``_registry``)."""
+
+    backends: Callable[[], Iterable[type[DriverErrorRules]]] = staticmethod(lambda: ())
+
+
+def classify_by(backends: Callable[[], Iterable[type[DriverErrorRules]]]) -> None:
+    """Let the boundary ask ``backends()`` (the registry's backend classes, read at
+    each call) what a driver's error means."""
+    _Registry.backends = staticmethod(backends)
+
+
+def backend_of_error(e: BaseException) -> type[DriverErrorRules]:
+    """The backend class whose driver raised ``e`` (SQLAlchemy's wrapped error or
+    the driver's own); ``DriverErrorRules``, which says nothing, for any other."""
+    raw = _driver_error(e)
+    for backend in _Registry.backends():
+        classes = backend.driver_errors()
+        if classes and isinstance(raw, classes):
+            return backend
+    return DriverErrorRules
 
 
 def unreachable(e: BaseException) -> bool:
@@ -91,15 +186,15 @@ def translate(e: BaseException, what: str) -> BaseException:
         return e
     line = first_line(e)
     if isinstance(e, DBAPIError):
-        sqlstate = _sqlstate(e)
+        backend, raw = backend_of_error(e), _driver_error(e)
         if isinstance(e, IntegrityError):
-            key = _constraint(e)
+            key = backend.constraint(raw)
             if key in RACE_KEYS.values():
                 return StaleState(f"{key} taken concurrently ({line})")
             return IndexInvariantError(f"{what}: the index refused the write, a trajstore bug ({line})")
-        if sqlstate.startswith("40"):  # serialization failure, deadlock: lost a race
+        if backend.lost_race(raw):  # serialization failure, deadlock
             return StaleState(f"{what}: {line}")
-        if isinstance(e, DataError) or sqlstate[:2] in ("22", "54"):
+        if isinstance(e, DataError) or backend.unstorable(raw):
             return ValidationError(f"{what}: the database cannot store a value ({line})", rule="storable_value")
         if unreachable(e):
             return StoreUnavailable(f"{what}: database unavailable ({line})")
@@ -110,23 +205,19 @@ def translate(e: BaseException, what: str) -> BaseException:
     return e
 
 
-def _constraint(e: IntegrityError) -> str | None:
-    diag = getattr(e.orig, "diag", None)
-    name = getattr(diag, "constraint_name", None)
-    if name:
-        return RACE_KEYS.get(name, name)
-    msg = str(e.orig)
-    if msg.startswith("UNIQUE constraint failed: "):
-        return msg.split(": ", 1)[1].split(",")[0].strip()
-    return None
-
-
 def lost_connection(e: BaseException) -> bool:
     """Did the COMMIT fail because the connection broke (outcome unknown), rather
     than because the server answered with an error (rolled back)?"""
-    if not isinstance(e, DBAPIError) or _sqlstate(e)[:2] in _ANSWERED:
+    if not isinstance(e, DBAPIError) or backend_of_error(e).answered(_driver_error(e)):
         return False
     return unreachable(e)
+
+
+def refused(e: BaseException) -> bool:
+    """Did the database refuse a statement (a value, a check, a key), the
+    transaction rolled back and the connection fine?"""
+    return isinstance(e, (IntegrityError, DataError)) or (
+        isinstance(e, DBAPIError) and backend_of_error(e).refused(_driver_error(e)))
 
 
 def retriable_error(e: BaseException, what: str) -> StoreUnavailable | None:
@@ -163,14 +254,8 @@ class ServerRecovering(StoreUnavailable):
     a caller may wait out as an append's commit outcome is."""
 
 
-_RECOVERING_TEXT = ("in recovery mode", "starting up", "shutting down", "terminating connection")
-
-
 def _recovering(e: BaseException) -> bool:
-    orig = getattr(e, "orig", None)
-    state = str(getattr(orig, "sqlstate", None) or getattr(e, "sqlstate", None) or "")
-    text = str(orig or e)
-    return state.startswith("57P") or any(t in text for t in _RECOVERING_TEXT)
+    return backend_of_error(e).recovering(_driver_error(e))
 
 
 class ServerUnreachable(StoreUnavailable):
@@ -179,14 +264,8 @@ class ServerUnreachable(StoreUnavailable):
     refused login or a missing database is not this."""
 
 
-_UNREACHABLE_TEXT = ("connection refused", "could not connect", "timeout expired", "timed out",
-                     "server closed the connection", "connection reset", "no route to host",
-                     "not yet accepting connections", "too many clients", "no such file or directory")
-
-
 def _unreachable_server(e: BaseException) -> bool:
-    text = str(getattr(e, "orig", None) or e).lower()
-    return unreachable(e) and any(t in text for t in _UNREACHABLE_TEXT)
+    return unreachable(e) and backend_of_error(e).unreached(_driver_error(e))
 
 
 def transient_opening(e: BaseException) -> bool:
@@ -196,40 +275,17 @@ def transient_opening(e: BaseException) -> bool:
 
 
 def _raw_driver_errors() -> tuple[type[BaseException], ...]:
-    """The DB-API base classes of the drivers trajstore uses, for a connection
+    """The DB-API base classes of every backend's driver (installed), for a connection
     opened on the driver itself (``trajstore sql``), which SQLAlchemy does not wrap."""
-    import sqlite3
-
-    classes: list[type[BaseException]] = [sqlite3.Error, sqlite3.Warning]
-    try:
-        import psycopg
-    except ImportError:  # a SQLite-only install
-        pass
-    else:
-        classes += [psycopg.Error, psycopg.Warning]
-    return tuple(classes)
+    return tuple(c for backend in _Registry.backends() for c in backend.driver_errors())
 
 
 def _is_driver_error(e: BaseException) -> bool:
     return isinstance(e, SQLAlchemyError) or isinstance(e, _raw_driver_errors())
 
 
-def _reason(e: BaseException) -> str:
-    """The database's reason for refusing a statement, in one line (PostgreSQL's
-    primary message and the character it points at)."""
-    orig = getattr(e, "orig", None) or e
-    diag = getattr(orig, "diag", None)
-    primary = getattr(diag, "message_primary", None) or str(orig)
-    position = getattr(diag, "statement_position", None)
-    return first_line(primary) + (f" (at character {position})" if position else "")
-
-
 def _user_query_error(e: BaseException, what: str, timeout_s: float | None) -> TrajstoreError:
-    reason = _reason(e)
-    if reason == "interrupted" and timeout_s:  # SQLite's progress handler stopped it
-        reason = f"query exceeded the {timeout_s:g} s timeout"
-    elif reason == "not authorized":  # SQLite's authorizer refused it
-        reason = "not authorized (trajstore sql is read-only)"
+    reason = backend_of_error(e).query_reason(_driver_error(e), timeout_s)  # in one line
     if "{reason}" in what:
         return TrajstoreError(what.replace("{reason}", reason))
     return TrajstoreError(f"{what}: {reason}")

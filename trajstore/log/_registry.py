@@ -5,7 +5,9 @@
 trajstore does on that database (``trajstore.log._backend`` says what a backend
 is). ``backend_of(url)`` picks it for a store URL (``BACKENDS[name]`` for a
 database's name), ``sql_dialect(engine)`` is its driver statements for an engine.
-A new backend is one module under ``log/`` and one entry here.
+A new backend is one module under ``log/`` and one entry here (the driver-error
+boundary, ``_errors.py``, asks the backends of this table what their driver's
+errors mean).
 """
 
 from __future__ import annotations
@@ -19,12 +21,14 @@ from sqlalchemy.exc import ArgumentError
 
 from trajstore.errors import IndexInvariantError, ValidationError
 from trajstore.log._backend import Backend, safe_url
+from trajstore.log._errors import classify_by
 from trajstore.log._sqlite import SQLite
 from trajstore.log.postgres import PostgreSQL
 
 __all__ = ["BACKENDS", "backend_of", "sql_dialect"]
 
 BACKENDS: dict[str, type[Backend]] = {backend.name: backend for backend in (SQLite, PostgreSQL)}
+classify_by(lambda: BACKENDS.values())  # the driver-error boundary asks the backends of this table
 
 
 def backend_of(url: str) -> type[Backend]:

@@ -116,6 +116,7 @@ class SQLite(Backend):
     is one file, its payload beside it (module doc)."""
 
     name = "sqlite"
+    driver = "sqlite3"
     single_writer = True
     begin_read = "BEGIN"  # one snapshot (the connection is in autocommit mode)
     begin_write = "BEGIN IMMEDIATE"  # as the write engine's "begin" hook does
@@ -227,6 +228,24 @@ class SQLite(Backend):
         finally:
             conn.set_authorizer(None)
             conn.close()
+
+    # -- what sqlite3's errors mean: it has no SQLSTATE; a busy or locked database,
+    # a full disk, a read-only file are OperationalError (SQLAlchemy: unavailable) --
+    @classmethod
+    def constraint(cls, e: BaseException) -> str | None:
+        msg = str(e)  # "UNIQUE constraint failed: table.column[, table.column]"
+        if msg.startswith("UNIQUE constraint failed: "):
+            return msg.split(": ", 1)[1].split(",")[0].strip()
+        return None
+
+    @classmethod
+    def query_reason(cls, e: BaseException, timeout_s: float | None) -> str:
+        reason = super().query_reason(e, timeout_s)
+        if reason == "interrupted" and timeout_s:  # the progress handler stopped it (read_only)
+            return f"query exceeded the {timeout_s:g} s timeout"
+        if reason == "not authorized":  # the authorizer refused it (read_only)
+            return "not authorized (trajstore sql is read-only)"
+        return reason
 
     # -- the inspection views' fragments --------------------------------------------
     @classmethod

@@ -51,13 +51,12 @@ from contextlib import contextmanager
 from typing import Any, Callable, Iterator, TypeVar
 
 from sqlalchemy import Connection, Engine
-from sqlalchemy.exc import DataError, IntegrityError
 
 from trajstore._util.backoff import Backoff
 from trajstore.errors import CommitUnknownError, first_line
 from trajstore.log._dialect import RESENT_IF_LOST, SqlDialect
 from trajstore.log._registry import sql_dialect
-from trajstore.log._errors import lost_connection, translate, wrapped
+from trajstore.log._errors import lost_connection, refused, translate, wrapped
 from trajstore.log.base import ChecksFailed
 
 __all__ = ["Database", "Later", "RESOLVE_S"]
@@ -73,13 +72,6 @@ def _quietly(fn: Callable[[], Any]) -> None:
         fn()
     except Exception:  # the connection is already broken: nothing more to learn from it
         pass
-
-
-def _refused(e: BaseException) -> bool:
-    """Did the database refuse a statement (a value, a check, a key: SQLSTATE classes 22 and
-    23), the transaction rolled back and the connection fine?"""
-    return isinstance(e, (IntegrityError, DataError)) or str(getattr(getattr(e, "orig", None), "sqlstate", "")
-                                                            or "")[:2] in ("22", "23")
 
 
 class _LostPooledConnection(Exception):
@@ -316,7 +308,7 @@ class Database:
                         self._after_failed_commit(what, error, is_landed, None, resend=resend)
                         return found[0]
                     _quietly(conn.rollback)
-                    if _refused(error):
+                    if refused(error):
                         raise ChecksFailed(f"{what}: {first_line(error)}") from None
                     raise translate(error, what) from None
                 if not pipelined:

@@ -289,6 +289,7 @@ class PostgreSQL(Backend):
     queries under a role the server enforces (module doc)."""
 
     name = "postgresql"
+    driver = "psycopg"
     autocommit_reads = True
     pipelined_writes = True
     payload_dir_from_env = True
@@ -537,6 +538,46 @@ class PostgreSQL(Backend):
             for name, value in _READER_LOGIN_TIMEOUTS.items():
                 conn.exec_driver_sql(f"ALTER ROLE {login} SET {name} = '{value}'")
 
+    # -- what psycopg's errors mean: by SQLSTATE, and the server's words where it has none --
+    @classmethod
+    def lost_race(cls, e: BaseException) -> bool:
+        return _sqlstate(e).startswith("40")  # serialization failure, deadlock
+
+    @classmethod
+    def unstorable(cls, e: BaseException) -> bool:
+        return _sqlstate(e)[:2] in ("22", "54")  # data exception, program limit exceeded
+
+    @classmethod
+    def answered(cls, e: BaseException) -> bool:
+        return _sqlstate(e)[:2] in _ANSWERED
+
+    @classmethod
+    def refused(cls, e: BaseException) -> bool:
+        return _sqlstate(e)[:2] in ("22", "23")  # a value, a check, a key
+
+    @classmethod
+    def constraint(cls, e: BaseException) -> str | None:
+        from trajstore.log._errors import RACE_KEYS
+
+        name = getattr(getattr(e, "diag", None), "constraint_name", None)
+        return RACE_KEYS.get(name, name) if name else None
+
+    @classmethod
+    def recovering(cls, e: BaseException) -> bool:
+        return _sqlstate(e).startswith("57P") or any(t in str(e) for t in _RECOVERING_TEXT)
+
+    @classmethod
+    def unreached(cls, e: BaseException) -> bool:
+        text = str(e).lower()
+        return any(t in text for t in _UNREACHED_TEXT)
+
+    @classmethod
+    def query_reason(cls, e: BaseException, timeout_s: float | None) -> str:
+        diag = getattr(e, "diag", None)  # the server's primary message and the character it points at
+        position = getattr(diag, "statement_position", None)
+        return first_line(getattr(diag, "message_primary", None) or str(e)) + (
+            f" (at character {position})" if position else "")
+
     # -- the inspection views' fragments --------------------------------------------
     @classmethod
     def join_sorted(cls, column: str) -> str:
@@ -549,6 +590,22 @@ class PostgreSQL(Backend):
     @classmethod
     def span_int(cls, key: str) -> str:
         return f"CAST(j.value ->> '{key}' AS INTEGER)"
+
+
+def _sqlstate(e: BaseException) -> str:
+    return str(getattr(e, "sqlstate", None) or "")
+
+
+# SQLSTATE classes the server answers with (the transaction is rolled back, the connection fine):
+# 22 data exception, 23 integrity constraint, 40 transaction rollback, 54 program limit exceeded
+_ANSWERED = ("22", "23", "40", "54")
+# a restart: starting up, in recovery, shutting down (SQLSTATE class 57P, or only the words
+# when the server dropped the connection while terminating it)
+_RECOVERING_TEXT = ("in recovery mode", "starting up", "shutting down", "terminating connection")
+# no server answered: refused, timed out, dropped, no connection slot free (a Unix socket not there)
+_UNREACHED_TEXT = ("connection refused", "could not connect", "timeout expired", "timed out",
+                   "server closed the connection", "connection reset", "no route to host",
+                   "not yet accepting connections", "too many clients", "no such file or directory")
 
 
 # Rights a login must not hold to run inspection queries: with any of them a

@@ -16,6 +16,7 @@ from typing import Any, Callable, Sequence
 from urllib.parse import parse_qsl, unquote, urlparse
 
 from trajstore.errors import StoreUnavailable, first_line
+from trajstore.payload._errors import payload_errors
 from trajstore.payload._filesystem import S3_DEFAULTS
 
 log = logging.getLogger(__name__)
@@ -61,8 +62,9 @@ def s3_batch_deleter(location: str, root: str) -> Callable[[Sequence[str]], list
                     retries={"max_attempts": max(1, retries), "mode": "standard"},
                     s3={"addressing_style": addressing})
     try:
-        client = boto3.session.Session().client("s3", region_name=region, config=config, **kw)
-    except Exception as e:  # noqa: BLE001 - botocore's configuration errors have no common base
+        with payload_errors("cannot make an S3 client for", str(parsed.hostname)):
+            client = boto3.session.Session().client("s3", region_name=region, config=config, **kw)
+    except ValueError as e:  # an endpoint URL botocore refuses
         raise StoreUnavailable(f"cannot make an S3 client for {parsed.hostname!r}: {first_line(e)}") from None
     bucket, _, prefix = root.partition("/")
 
@@ -71,12 +73,10 @@ def s3_batch_deleter(location: str, root: str) -> Callable[[Sequence[str]], list
         for i in range(0, len(names), MAX_KEYS):
             part = names[i:i + MAX_KEYS]
             keys = {f"{prefix}/{n}" if prefix else n: n for n in part}
-            try:
+            # (botocore wraps urllib3's errors in its own: all mean "not deleted now")
+            with payload_errors(f"cannot delete {len(part)} payload object(s) in", f"s3://{bucket}/{prefix}"):
                 reply = client.delete_objects(Bucket=bucket, Delete={"Objects": [{"Key": k} for k in keys],
                                                                      "Quiet": True})
-            except Exception as e:  # noqa: BLE001 - botocore/urllib3 errors: all mean "not deleted now"
-                raise StoreUnavailable(f"cannot delete {len(part)} payload object(s) in s3://{bucket}/{prefix}: "
-                                       f"{first_line(e)}") from None
             failed = {err.get("Key") for err in reply.get("Errors", ()) if err.get("Code") != "NoSuchKey"}
             for err in reply.get("Errors", ())[:3]:
                 if err.get("Code") != "NoSuchKey":

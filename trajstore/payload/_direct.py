@@ -15,8 +15,8 @@ from typing import Any, Sequence
 import numpy as np
 import pyarrow as pa
 
-from trajstore.errors import StoreUnavailable
 from trajstore.payload._durable import replace_durably
+from trajstore.payload._errors import payload_errors
 from trajstore.payload._format import ROWS_PER_BATCH, SegmentKind, write_table
 
 log = logging.getLogger(__name__)
@@ -55,18 +55,13 @@ def write_arrow_segment(store: Any, name: str, table: pa.Table, rows_per_batch: 
         write_table(name, _filled_table(table, deferred), image, rows_per_batch, store.log_compression)
     data, size = image.buf, image.pos
     path = store.path(name)
-    if not store.local:
-        try:
+    with payload_errors("cannot write payload segment", path):
+        if not store.local:
             with store.fs.open_output_stream(path) as out:
                 out.write(pa.py_buffer(data[:size]))
             return size
-        except OSError as e:
-            raise StoreUnavailable(f"cannot write payload segment {path!r}: {e}") from None
-    try:
         replace_durably(path, store.root, lambda target: _write_file(target, data, size))
         return size
-    except OSError as e:
-        raise StoreUnavailable(f"cannot write payload segment {path!r}: {e}") from None
 
 
 _BLOCK = 4096  # alignment of an O_DIRECT write's memory, offset and length (a multiple of any disk's block)

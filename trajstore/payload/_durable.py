@@ -48,5 +48,8 @@ def replace_durably(path: str, directory: str, write: Callable[[str], T]) -> T:
 
 
 def unlink_quietly(path: str) -> None:
+    """Remove ``path`` if it can be: a temporary or reserved file nothing names,
+    whose removal is best effort (what stays is the GC's), so an error removing
+    it is control flow here, never the caller's error."""
     with contextlib.suppress(OSError):
         os.unlink(path)

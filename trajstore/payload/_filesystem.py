@@ -11,11 +11,11 @@ import os
 from typing import Any
 from urllib.parse import urlparse
 
-import pyarrow as pa
 import pyarrow.fs as pafs
 
 from trajstore.errors import StoreUnavailable, first_line
 from trajstore.payload._deadline import DEFAULT_DEADLINE_S
+from trajstore.payload._errors import payload_errors
 
 __all__ = ["is_uri", "deadline_of", "filesystem_of", "join", "S3_DEFAULTS"]
 
@@ -102,11 +102,12 @@ def filesystem_of(location: str) -> tuple[pafs.FileSystem, str, bool]:
     """``(filesystem, root path in it, is local)`` of a payload location; creates nothing."""
     if is_uri(location):
         try:
-            if urlparse(location).scheme == "s3":
-                fs, root = _s3_filesystem(location)
-            else:
-                fs, root = pafs.FileSystem.from_uri(location)
-        except (pa.ArrowInvalid, ValueError, OSError) as e:
+            with payload_errors("payload location", _no_secret(location)):
+                if urlparse(location).scheme == "s3":
+                    fs, root = _s3_filesystem(location)
+                else:
+                    fs, root = pafs.FileSystem.from_uri(location)
+        except ValueError as e:  # a URI pyarrow cannot parse
             raise StoreUnavailable(f"payload location {_no_secret(location)!r}: {first_line(e)}") from None
         return fs, root, False
     parsed = urlparse(location)

@@ -56,6 +56,7 @@ from trajstore.log._errors import ServerRecovering, driver_errors
 from trajstore.log._registry import backend_of
 from trajstore.log.base import StaleState
 from trajstore.payload._durable import fsync_path, replace_durably
+from trajstore.payload._errors import payload_errors
 from trajstore.payload._filesystem import _no_secret, filesystem_of, is_uri, join
 from trajstore.payload._format import SegmentKind
 from trajstore.schema import segments, store_settings
@@ -186,10 +187,8 @@ def ephemeral(location: str) -> bool:
 
 def _make_root(location: str) -> None:
     fs, root, _ = filesystem_of(location)
-    try:
+    with payload_errors("cannot create payload directory", _no_secret(location)):
         fs.create_dir(root, recursive=True)
-    except OSError as e:
-        raise StoreUnavailable(f"cannot create payload directory {_no_secret(location)!r}: {first_line(e)}") from None
 
 
 def _index_name(url: str) -> str:
@@ -203,14 +202,12 @@ def read_marker(location: str) -> dict[str, Any] | None:
     """The marker of ``location`` (None: there is none). Raises StoreUnavailable."""
     fs, root, _ = filesystem_of(location)
     path = join(root, MARKER)
-    try:
+    data = None
+    with payload_errors("cannot read the marker of payload location", _no_secret(location), absent_ok=True):
         with fs.open_input_stream(path) as f:
             data = f.read()
-    except FileNotFoundError:
+    if data is None:  # no marker there
         return None
-    except OSError as e:
-        raise StoreUnavailable(f"cannot read the marker of payload location {_no_secret(location)!r}: "
-                               f"{first_line(e)}") from None
     try:
         marker = json.loads(data)
         if not isinstance(marker, dict):
@@ -228,7 +225,7 @@ def write_marker(location: str, ident: str, recorded: str, url: str) -> None:
                        "written_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, indent=1).encode()
     fs, root, local = filesystem_of(location)
     path = join(root, MARKER)
-    try:
+    with payload_errors("cannot write the marker of payload location", _no_secret(location)):
         fs.create_dir(root, recursive=True)
         if local:
             def write(target: str) -> None:
@@ -240,9 +237,6 @@ def write_marker(location: str, ident: str, recorded: str, url: str) -> None:
         else:
             with fs.open_output_stream(path) as out:
                 out.write(body)
-    except OSError as e:
-        raise StoreUnavailable(f"cannot write the marker of payload location {_no_secret(location)!r}: "
-                               f"{first_line(e)}") from None
     log.info("marked payload location %s as store %s's", recorded, ident)
 
 
@@ -298,10 +292,8 @@ def _check_marker(url: str, write_engine: Engine, read_engine: Engine, location:
             _store_id(write_engine, read_engine, make=str(marker.get("store_id")))
         return
     fs, root, _ = filesystem_of(location)
-    try:
+    with payload_errors("payload location", shown):
         exists = fs.get_file_info(root).type == pafs.FileType.Directory
-    except OSError as e:
-        raise StoreUnavailable(f"payload location {shown!r}: {first_line(e)}") from None
     newest = _newest_segment(read_engine)
     if not exists or (newest is not None and not holds(location, newest)):
         what = "does not exist here" if not exists else f"does not hold its newest segment {newest!r}"
@@ -322,10 +314,8 @@ def _newest_segment(engine: Engine) -> str | None:
 
 def holds(location: str, name: str) -> bool:
     fs, root, _ = filesystem_of(location)
-    try:
+    with payload_errors("payload location", location):
         return fs.get_file_info(f"{root.rstrip('/')}/{name}").type != pafs.FileType.NotFound
-    except OSError as e:
-        raise StoreUnavailable(f"payload location {location!r}: {first_line(e)}") from None
 
 
 def _check_holds_segments(engine: Engine, location: str, given: bool, source: str) -> str | None:
@@ -378,10 +368,8 @@ def move(store: Any, target: str, *, delete_old: bool = False,
     if same_place(old, target, url):
         raise PayloadLocationError(f"the payload is already at {target!r}")
     dst_fs, dst_root, _ = filesystem_of(target)
-    try:
+    with payload_errors("cannot create payload directory", target):
         dst_fs.create_dir(dst_root, recursive=True)
-    except OSError as e:
-        raise StoreUnavailable(f"cannot create payload directory {target!r}: {first_line(e)}") from None
     copied: dict[str, int] = {}
 
     def copy_pass() -> int:
@@ -391,14 +379,13 @@ def move(store: Any, target: str, *, delete_old: bool = False,
                 continue
             src = store.payload.path(name)
             dst = f"{dst_root.rstrip('/')}/{name}"
-            try:
+            size_src = size_dst = None
+            with payload_errors(f"copying payload file {name!r} to", target, absent_ok=True):
                 pafs.copy_files(src, dst, source_filesystem=store.payload.fs, destination_filesystem=dst_fs)
                 size_src = store.payload.fs.get_file_info(src).size
                 size_dst = dst_fs.get_file_info(dst).size
-            except FileNotFoundError:
+            if size_src is None:
                 continue  # collected meanwhile: nothing names it
-            except OSError as e:
-                raise StoreUnavailable(f"copying payload file {name!r} to {target!r}: {first_line(e)}") from None
             if size_src != size_dst:
                 raise StoreUnavailable(f"copy of payload file {name!r} to {target!r} has {size_dst} bytes, "
                                        f"not {size_src}; nothing recorded")
@@ -428,11 +415,10 @@ def move(store: Any, target: str, *, delete_old: bool = False,
         for name in copied:
             store.payload.delete(name)
             removed += 1
-        try:
-            store.payload.fs.delete_file(store.payload.path(MARKER))  # the old place is nobody's payload now
-        except FileNotFoundError:
-            pass
-        except OSError as e:
+        try:  # the old place is nobody's payload now
+            with payload_errors(f"cannot delete the {MARKER} of", old, absent_ok=True):
+                store.payload.fs.delete_file(store.payload.path(MARKER))
+        except StoreUnavailable as e:  # the payload moved all the same
             log.warning("the old payload location's %s was not deleted: %s", MARKER, first_line(e))
     return {"from": old, "to": target, "recorded": value, "files": len(copied),
             "bytes": sum(copied.values()), "late_files": late, "missing": missing, "deleted_old": removed}

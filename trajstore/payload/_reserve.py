@@ -92,7 +92,7 @@ class Reserve:
                 continue
             try:
                 fd = os.open(self._path(candidate), os.O_WRONLY)
-            except OSError:  # removed meanwhile (a GC with a short grace): not a reserved file any more
+            except OSError:  # control flow: removed meanwhile (a GC with a short grace), not a reserved file any more
                 continue
             with self._lock:
                 self._taken[candidate] = fd
@@ -126,7 +126,7 @@ class Reserve:
                     os.close(os.open(self._path(name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
                     made.append(name)
                 fsync_path(self.root)
-            except OSError as e:
+            except OSError as e:  # control flow: no reserve, appends create their own files (and meet the error)
                 log.info("cannot reserve log segment files in %s (%s); appends create their own", self.root, e)
                 for name in made:
                     unlink_quietly(self._path(name))

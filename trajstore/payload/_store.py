@@ -32,10 +32,11 @@ import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 
 from trajstore._util.pools import LazyPool
-from trajstore.errors import CorruptStoreError, PayloadMissingError, StoreUnavailable, first_line
+from trajstore.errors import CorruptStoreError, StoreUnavailable, first_line
 from trajstore.payload._columns import SegmentRows, shared_rows
 from trajstore.payload._direct import write_arrow_segment
 from trajstore.payload._durable import fsync_path, replace_durably
+from trajstore.payload._errors import payload_errors
 from trajstore.payload._deadline import Remote, deadline
 from trajstore.payload._filesystem import _no_secret, deadline_of, filesystem_of, join
 from trajstore.payload._format import CODECS, READ_OPTIONS, ROWS_PER_BATCH, SegmentKind, dated_name, write_table
@@ -83,10 +84,8 @@ class PayloadStore:
         if not self.local:
             self._remote = Remote(deadline_of(self.location), _no_secret(self.location))
         if self.create:
-            try:
+            with payload_errors("cannot create payload directory", self.location):
                 self.fs.create_dir(self.root, recursive=True)
-            except OSError as e:
-                raise StoreUnavailable(f"cannot create payload directory {self.location!r}: {e}") from None
         if self.local:
             self._reserve = Reserve(self.root)
 
@@ -137,7 +136,7 @@ class PayloadStore:
         table = table.replace_schema_metadata({ROWS_PER_BATCH: str(rows_per_batch)})
         if atomic and not durable:
             raise ValueError("an atomic write is durable")
-        try:
+        with payload_errors("cannot write payload segment", path):
             if not self.local:
                 # one object in one request where it fits: built in memory, then written whole
                 # (the IPC writer's many small writes made an object store start a multipart upload)
@@ -170,8 +169,6 @@ class PayloadStore:
             if durable:
                 fsync_path(self.root)  # its directory entry
             return size
-        except OSError as e:
-            raise StoreUnavailable(f"cannot write payload segment {path!r}: {e}") from None
 
     def make_durable(self, name: str) -> None:
         """Finish a ``write(..., durable=False)``: fsync the file, then its
@@ -180,13 +177,11 @@ class PayloadStore:
         if not self.local:
             return
         path = self.path(name)
-        try:
+        with payload_errors("cannot sync payload segment", path):
             if self._reserve is not None and self._reserve.sync_taken(name):
                 return
             fsync_path(path)
             fsync_path(self.root)  # its directory entry
-        except OSError as e:
-            raise StoreUnavailable(f"cannot sync payload segment {path!r}: {e}") from None
 
     def read_rows(self, name: str, rows: Iterable[int]) -> SegmentRows:
         """The given rows of a segment, decompressing only the batches that hold them."""
@@ -227,23 +222,18 @@ class PayloadStore:
     def _map(self, name: str) -> pa.Buffer:
         """A local segment's bytes, memory-mapped (read-only; unmapped when no buffer uses it)."""
         path = self.path(name)
-        try:
+        with payload_errors("cannot open payload segment", path, missing="payload segment"):
             fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
-            raise PayloadMissingError(f"payload segment {path!r} is missing") from None
-        except OSError as e:
-            raise StoreUnavailable(f"cannot open payload segment {path!r}: {e}") from None
         try:
-            m = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
-            if SegmentKind.of(name) is SegmentKind.SAMPLES:
-                _huge(m)
-            return pa.py_buffer(m)
-        except ValueError:  # an empty file
+            with payload_errors("cannot map payload segment", path):
+                m = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+        except ValueError:  # an empty file (mmap's own refusal, no I/O error)
             raise CorruptStoreError(f"payload segment {path!r} is empty") from None
-        except OSError as e:
-            raise StoreUnavailable(f"cannot map payload segment {path!r}: {e}") from None
         finally:
             os.close(fd)
+        if SegmentKind.of(name) is SegmentKind.SAMPLES:
+            _huge(m)
+        return pa.py_buffer(m)
 
     def read_many(self, wanted: Mapping[str, Iterable[int]]
                   ) -> tuple[dict[str, SegmentRows], dict[str, BaseException]]:
@@ -287,28 +277,18 @@ class PayloadStore:
     @contextlib.contextmanager
     def _open(self, name: str):
         path = self.path(name)
-        try:
+        with payload_errors("cannot open payload segment", path, missing="payload segment"):
             src = pa.memory_map(path) if self.local else self.fs.open_input_file(path)
-        except FileNotFoundError:
-            raise PayloadMissingError(f"payload segment {path!r} is missing") from None
-        except OSError as e:
-            raise StoreUnavailable(f"cannot open payload segment {path!r}: {e}") from None
-        try:
-            with src:
-                yield src
-        except (pa.ArrowInvalid, KeyError, TypeError, ValueError) as e:
-            raise CorruptStoreError(f"payload segment {path!r} is unreadable: {e}") from None
+        with payload_errors("cannot read payload segment", path, corrupt="payload segment"), src:
+            yield src
 
     def delete(self, name: str) -> None:
         """Delete segment ``name`` (gone already: nothing to do). Raises StoreUnavailable."""
         if self._reserve is not None:
             self._reserve.forget(name)
-        try:
-            self._call(f"cannot delete payload segment {self.path(name)!r}", lambda: self.fs.delete_file(self.path(name)))
-        except FileNotFoundError:
-            pass
-        except OSError as e:
-            raise StoreUnavailable(f"cannot delete payload segment {self.path(name)!r}: {first_line(e)}") from None
+        path = self.path(name)
+        with payload_errors("cannot delete payload segment", path, absent_ok=True):  # gone already: done
+            self._call(f"cannot delete payload segment {path!r}", lambda: self.fs.delete_file(path))
 
     def discard(self, name: str, *, after: BaseException | None = None) -> None:
         """Best-effort delete of a segment nothing references (an append or a
@@ -331,10 +311,8 @@ class PayloadStore:
 
     def holds_any(self) -> bool:
         """Does the location hold any segment file (False: unmounted, emptied, or the wrong place)?"""
-        try:
+        with payload_errors("cannot list payload location", self.location):
             infos = self.fs.get_file_info(pafs.FileSelector(self.root, allow_not_found=True, recursive=False))
-        except OSError as e:
-            raise StoreUnavailable(f"cannot list payload location {self.location!r}: {first_line(e)}") from None
         # (non-empty: the reserve's files are empty)
         return any(i.type == pafs.FileType.File and SegmentKind.of(i.base_name).is_segment and i.size
                    for i in infos)
@@ -342,10 +320,8 @@ class PayloadStore:
     def list_names(self) -> list[tuple[str, float]]:
         """(name, modification time) of every segment file, temporary ones
         included; not the empty files this store holds in its reserve."""
-        try:
+        with payload_errors("cannot list payload location", self.location):
             infos = self.fs.get_file_info(pafs.FileSelector(self.root, allow_not_found=True))
-        except OSError as e:
-            raise StoreUnavailable(f"cannot list payload location {self.location!r}: {first_line(e)}") from None
         held = self._reserve.held() if self._reserve is not None else frozenset()
         return [
             (i.base_name, i.mtime.timestamp() if i.mtime else 0.0)
@@ -410,21 +386,21 @@ class PayloadStore:
         name = f"clock-{uuid.uuid4().hex}.probe"
         path = self.path(name)
         try:
-            with self.fs.open_output_stream(path) as out:
-                out.write(b"")
-            info = self.fs.get_file_info(path)
-        except OSError as e:
-            raise StoreUnavailable(f"cannot write to payload location {self.location!r}: {first_line(e)}") from None
+            with payload_errors("cannot write to payload location", self.location):
+                with self.fs.open_output_stream(path) as out:
+                    out.write(b"")
+                info = self.fs.get_file_info(path)
         finally:
-            with contextlib.suppress(OSError):
-                self.fs.delete_file(path)
+            try:
+                with payload_errors("cannot delete the clock probe", path, absent_ok=True):
+                    self.fs.delete_file(path)
+            except StoreUnavailable as e:  # best effort: an unnamed probe object is the GC's
+                log.info("%s", e)
         return info.mtime.timestamp() if info.mtime else time.time()
 
     def _mtime(self, name: str) -> float:
-        try:
+        with payload_errors("cannot stat payload segment", self.path(name)):
             info = self.fs.get_file_info(self.path(name))
-        except OSError as e:
-            raise StoreUnavailable(f"cannot stat payload segment {self.path(name)!r}: {first_line(e)}") from None
         if info.type == pafs.FileType.NotFound:
             return 0.0
         return info.mtime.timestamp() if info.mtime else 0.0
@@ -449,7 +425,7 @@ def _huge(m: mmap.mmap) -> None:
     if advice is not None:
         try:
             m.madvise(advice)
-        except OSError:
+        except OSError:  # control flow, not an error: no huge pages here, the map works without them
             pass
 
 
@@ -480,19 +456,18 @@ def _arrow_batches(data: pa.Buffer, wanted: list[int], where: str
     wanted when they are dense (a log segment: one row per batch, all of them
     wanted), else through the footer's index (a large compacted segment)."""
     try:
-        stream = ipc.open_stream(data.slice(8), options=READ_OPTIONS)
-        schema = stream.schema
-        per = int(schema.metadata[ROWS_PER_BATCH.encode()])
-        numbers = sorted({r // per for r in wanted})
-        if numbers and numbers[-1] + 1 <= 2 * len(numbers) + 4:
-            batches = [stream.read_next_batch() for _ in range(numbers[-1] + 1)]
-            if len(numbers) < len(batches):
-                batches = [batches[k] for k in numbers]
-        else:
-            reader = ipc.open_file(data, options=READ_OPTIONS)
-            batches = [reader.get_batch(b) for b in numbers]
+        with payload_errors("cannot read payload segment", where, corrupt="payload segment", in_memory=True):
+            stream = ipc.open_stream(data.slice(8), options=READ_OPTIONS)
+            schema = stream.schema
+            per = int(schema.metadata[ROWS_PER_BATCH.encode()])
+            numbers = sorted({r // per for r in wanted})
+            if numbers and numbers[-1] + 1 <= 2 * len(numbers) + 4:
+                batches = [stream.read_next_batch() for _ in range(numbers[-1] + 1)]
+                if len(numbers) < len(batches):
+                    batches = [batches[k] for k in numbers]
+            else:
+                reader = ipc.open_file(data, options=READ_OPTIONS)
+                batches = [reader.get_batch(b) for b in numbers]
     except StopIteration:
         raise CorruptStoreError(f"payload segment {where!r} has no row {wanted[-1]}") from None
-    except (pa.ArrowInvalid, KeyError, TypeError, ValueError) as e:
-        raise CorruptStoreError(f"payload segment {where!r} is unreadable: {e}") from None
     return batches, schema, per, numbers

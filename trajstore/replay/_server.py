@@ -59,6 +59,7 @@ from trajstore.errors import (ConflictError, CorruptStoreError, ProjectionChange
                               TrajstoreError, ValidationError)
 from trajstore.log._run_owners import owner_of
 from trajstore.payload import SegmentRows
+from trajstore.payload._errors import payload_errors
 from trajstore.payload._format import READ_OPTIONS, ROWS_PER_BATCH, SegmentKind
 from trajstore.replay import _protocol as proto
 from trajstore.replay import _puts as puts
@@ -107,14 +108,15 @@ class _OpenSegments:
             return self.payload.read_rows(name, wanted)
         reader, schema, per, batches = self._segment(name)
         numbers = sorted({r // per for r in wanted})
-        try:
-            with self._lock:
-                for b in numbers:
-                    if b not in batches:
-                        batches[b] = reader.get_batch(b)
-                got = [batches[b] for b in numbers]
-        except (pa.ArrowInvalid, IndexError, ValueError):
-            raise CorruptStoreError(f"payload segment {self.payload.path(name)!r} has no row {wanted[-1]}") from None
+        path = self.payload.path(name)
+        if numbers and numbers[-1] >= reader.num_record_batches:
+            raise CorruptStoreError(f"payload segment {path!r} has no row {wanted[-1]}")
+        with payload_errors("cannot read payload segment", path, corrupt="payload segment",
+                            in_memory=True), self._lock:
+            for b in numbers:
+                if b not in batches:
+                    batches[b] = reader.get_batch(b)
+            got = [batches[b] for b in numbers]
         first = {b: i * per for i, b in enumerate(numbers)}
         return SegmentRows(pa.Table.from_batches(got, schema=schema), {r: first[r // per] + r % per for r in wanted})
 
@@ -125,11 +127,10 @@ class _OpenSegments:
                 self._open.move_to_end(name)
                 return segment
         data = self.payload._map(name)  # noqa: SLF001 - the payload store's own mapping (huge pages, its errors)
-        try:
+        with payload_errors("cannot read payload segment", self.payload.path(name), corrupt="payload segment",
+                            in_memory=True):
             reader = ipc.open_file(data, options=READ_OPTIONS)
             per = int(reader.schema.metadata[ROWS_PER_BATCH.encode()])
-        except (pa.ArrowInvalid, KeyError, TypeError, ValueError) as e:
-            raise CorruptStoreError(f"payload segment {self.payload.path(name)!r} is unreadable: {e}") from None
         segment = (reader, reader.schema, per, {})
         with self._lock:
             segment = self._open.setdefault(name, segment)

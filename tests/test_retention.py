@@ -314,3 +314,56 @@ def test_a_shard_without_a_checkpoint_yet_keeps_its_trajectories(store_url, tmp_
     assert f"archived {N} trajectories" in capsys.readouterr().out
     assert _index(store)["archived"] == {_tid(i) for i in range(N)} == {s.trajectory_id for s in _samples(store)}
     store.close()
+
+
+def test_an_unreadable_archive_file_is_a_one_line_error_naming_it(tmp_path):
+    # A part file that is not Parquet (a truncated copy, a stray file) stops the
+    # restore with a trajstore error naming the file, never pyarrow's exception.
+    from trajstore._upkeep.retention import restore_archive
+    from trajstore.errors import CorruptStoreError
+
+    archive = tmp_path / "archive"
+    archive.mkdir()
+    bad = archive / "part-0.parquet"
+    bad.write_bytes(b"PAR1 this is not a parquet file")
+    store = trajstore.connect(f"sqlite:///{tmp_path / 'to.db'}")
+    with pytest.raises(CorruptStoreError) as e:
+        restore_archive(store, str(archive))
+    assert str(bad) in str(e.value) and "\n" not in str(e.value)
+    store.close()
+
+
+def test_an_archive_into_a_full_disk_is_a_one_line_error_and_drops_nothing(tmp_path, monkeypatch):
+    # The archive's file is written before any index row is dropped: a write that
+    # fails (here a real ENOSPC: the archive's temporary file written through a link
+    # to /dev/full; pyarrow removes a file it failed to write, so never the device
+    # itself) is a trajstore error naming the file, and every event stays in the index.
+    import os
+
+    from trajstore.errors import StoreUnavailable
+
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full here")
+    url = f"sqlite:///{tmp_path / 'full.db'}"
+    store = trajstore.connect(url)
+    _append(store, range(3))
+    store.materialize()
+    before = _index(store)
+    out = tmp_path / "archive"
+    out.mkdir()
+    import trajstore._upkeep.retention as retention
+
+    real = retention.replace_durably
+
+    full = tmp_path / "full"
+    os.symlink("/dev/full", full)
+
+    def onto_a_full_disk(path, directory, write):
+        return real(path, directory, lambda tmp: write(str(full)))
+
+    monkeypatch.setattr(retention, "replace_durably", onto_a_full_disk)
+    with pytest.raises(StoreUnavailable) as e:
+        retention.archive_events(store, str(out), older_than_s=None)
+    assert "disk full" in str(e.value) and "\n" not in str(e.value)
+    assert _index(store) == before
+    store.close()

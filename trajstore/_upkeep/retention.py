@@ -46,6 +46,7 @@ from trajstore.events import decimal_label
 from trajstore.log._retention import ARCHIVED_TYPES, SqlRetention
 from trajstore.log.base import StaleState
 from trajstore.payload._durable import fsync_path, replace_durably
+from trajstore.payload._errors import payload_errors
 
 __all__ = ["ARCHIVE_SCHEMA", "ArchiveBatch", "LaggingProjections", "archive_events", "archive_files", "restore_archive"]
 
@@ -174,8 +175,9 @@ def _write_part(out_dir: str, rows: list[dict[str, Any]], positions: Sequence[in
         pq.write_table(table, tmp, compression="zstd", use_dictionary=["trajectory_id", "type"])
         fsync_path(tmp)
 
-    replace_durably(path, out_dir, write)
-    back = pq.read_table(path, columns=["position"]).column("position").drop_null().to_numpy()
+    with payload_errors("cannot write archive file", path, corrupt="archive file"):
+        replace_durably(path, out_dir, write)
+        back = pq.read_table(path, columns=["position"]).column("position").drop_null().to_numpy()
     if sorted(back.tolist()) != sorted(positions):  # what the index loses must be in the file
         raise TrajstoreError(f"archive file {path} does not read back the {len(positions)} events written")
     return path
@@ -218,8 +220,9 @@ def archive_events(store: Any, out_dir: str, *, before_position: int | None = No
     horizon = lowest
     total = {"trajectories": 0, "events": 0, "files": [], "skipped_for": skipped}
     if not dry_run:
-        os.makedirs(out_dir, exist_ok=True)
-        fsync_path(os.path.dirname(os.path.abspath(out_dir)))
+        with payload_errors("cannot make archive directory", out_dir):
+            os.makedirs(out_dir, exist_ok=True)
+            fsync_path(os.path.dirname(os.path.abspath(out_dir)))
     seen: set[str] = set()
     stale = 0
     while True:
@@ -256,11 +259,18 @@ def archive_events(store: Any, out_dir: str, *, before_position: int | None = No
     return total
 
 
-def _archive_rows(path: str) -> list[dict[str, Any]]:
-    f = pq.ParquetFile(path)
+def _archive_file(path: str) -> pq.ParquetFile:
+    with payload_errors("cannot read archive file", path, corrupt="archive file"):
+        f = pq.ParquetFile(path)
     if (f.schema_arrow.metadata or {}).get(b"format") != FORMAT.encode():
         raise ValidationError(f"{path} is not a trajstore event archive (format {FORMAT})", rule="archive")
-    return f.read().to_pylist()
+    return f
+
+
+def _archive_rows(path: str) -> list[dict[str, Any]]:
+    f = _archive_file(path)
+    with payload_errors("cannot read archive file", path, corrupt="archive file"):
+        return f.read().to_pylist()
 
 
 def _event_of(row: Mapping[str, Any]) -> dict[str, Any]:
@@ -296,10 +306,9 @@ def restore_archive(store: Any, archive_dir: str, *, batch_events: int = 512,
     last: dict[str, tuple[int, str]] = {}  # trajectory -> (its last position, a file holding it)
     labels: dict[str, str] = {}
     for path in paths:
-        f = pq.ParquetFile(path)
-        if (f.schema_arrow.metadata or {}).get(b"format") != FORMAT.encode():
-            raise ValidationError(f"{path} is not a trajstore event archive (format {FORMAT})", rule="archive")
-        cols = f.read(columns=["position", "trajectory_id", "type", "event"]).to_pydict()
+        f = _archive_file(path)
+        with payload_errors("cannot read archive file", path, corrupt="archive file"):
+            cols = f.read(columns=["position", "trajectory_id", "type", "event"]).to_pydict()
         for pos, tid, kind, ev in zip(cols["position"], cols["trajectory_id"], cols["type"], cols["event"]):
             if kind == "version_label":
                 labels[json.loads(ev)["label"]] = ev

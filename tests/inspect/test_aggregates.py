@@ -14,7 +14,7 @@ from sqlalchemy import create_engine, text
 import trajstore
 from tests.helpers import reader_url_for
 from tests.inspect.test_report import fill, run_events
-from trajstore._append.aggregates import KEYS, TRAJECTORY_TABLES, totals_sql
+from trajstore._append.aggregates import KEYS, TRAJECTORY_TABLES, expert_arrays, expert_load_sql, totals_sql
 from trajstore.log._migrate import alembic_config
 from trajstore.cli import main
 from trajstore.inspect._panels import collect
@@ -31,10 +31,16 @@ APPENDED = ("agg_output_lengths", "agg_route_drift", "agg_calls", "agg_trajector
 
 def tables(store) -> dict[str, dict[tuple, tuple]]:
     """Every aggregate key: key -> values, summed over its rows (floats rounded: sums may add
-    in another order), and every row of ``agg_trajectory_stats``."""
+    in another order), the expert load's arrays as (version, layer, expert) -> routed, and
+    every row of ``agg_trajectory_stats``."""
     out = {}
     with store.log.read_engine.connect() as conn:
         for name in TABLES:
+            if name == "agg_expert_load":  # one counts array per version (and commits' arrays)
+                arrays = expert_arrays(conn.execute(text(expert_load_sql())).all())
+                out[name] = {(v, int(l_), int(e)): (float(n),) for v, c in arrays.items()
+                             for (l_, e), n in np.ndenumerate(c)}
+                continue
             rows = conn.execute(text(totals_sql(name))).all()
             keys = len(KEYS[name])
             out[name] = {tuple(r[:keys]): tuple(None if v is None else round(float(v), 6) + 0.0 for v in r[keys:])
@@ -127,7 +133,7 @@ def test_a_materializer_commit_that_loses_its_race_counts_nothing(store):
     fill(store)
     before = tables(store)
     (shard, cp), = store.materialized.checkpoints().items()
-    extra = {"agg_expert_load": {(0, 0, 0): [5]}, "agg_logprobs": {(0, 0): [1, -13.0]}}
+    extra = {"agg_expert_load": {(0,): np.full((2, 4), 5, np.int64)}, "agg_logprobs": {(0, 0): [1, -13.0]}}
     with pytest.raises(StaleState):  # a second materializer of the batch: its checkpoint moved on
         store.materialized.commit_samples(shard, [], None, {k: cp[k] for k in
                                           ("position", "num_steps_before", "num_samples_after",

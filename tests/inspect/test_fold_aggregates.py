@@ -58,11 +58,8 @@ def _brute_force_expert_load(store) -> dict[tuple, int]:
 def _expert_load_read(store) -> dict[tuple, int]:
     """What the run view reads: the compacted totals plus the commits' arrays not compacted yet."""
     with store.log.read_engine.connect() as conn:
-        totals = conn.execute(text("SELECT model_version, layer, expert, routed FROM agg_expert_load")).all()
         arrays = expert_arrays(conn.execute(text(expert_load_sql())).all())
     out: dict[tuple, int] = {}
-    for v, l_, e, n in totals:
-        out[(int(v), int(l_), int(e))] = out.get((int(v), int(l_), int(e)), 0) + int(n)
     for v, c in arrays.items():
         for (l_, e), n in np.ndenumerate(c):
             out[(v, l_, e)] = out.get((v, l_, e), 0) + int(n)
@@ -113,6 +110,11 @@ def test_a_commit_notes_its_segment_and_the_compaction_counts_its_expert_load_on
     assert _expert_load_read(store) == _brute_force_expert_load(store)  # both layouts, every version
     assert _pending(store) == 0
     assert compact_run_aggregates(store) == 0 and _expert_load_read(store) == _brute_force_expert_load(store)
+    with store.log.read_engine.connect() as conn:  # ONE row per model version, both layouts summed in
+        rows = conn.execute(text("SELECT model_version, layers, experts FROM agg_expert_load")).all()
+    versions = sorted({k[0] for k in _brute_force_expert_load(store)})
+    assert sorted(int(r[0]) for r in rows) == versions and len(versions) >= 4
+    assert {(r[1], r[2]) for r in rows} <= {(4, 16), (6, 16)}  # a version's layouts: their union
     counted = sample_counts(list(store.samples()))["agg_expert_load"]  # one int64 array per version
     assert len(counted) >= 4 and all(isinstance(c, np.ndarray) and c.dtype == np.int64 for c in counted.values())
 
@@ -262,3 +264,47 @@ print("ok")
     got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
     assert got.returncode == 0 and got.stdout.strip() == "ok", got.stderr[-2000:]
+
+
+@pytest.mark.postgres
+def test_two_compactions_adding_to_one_version_at_once_lose_nothing(fresh_pg_url, tmp_path):
+    """The expert load is one row per model version, read, summed and written back: a
+    compaction adding to a version another holds (its transaction open) waits for it and then
+    adds to what it wrote, for a version both create as well as for one that exists."""
+    from trajstore.log._aggregates import add_expert_arrays
+
+    store = trajstore.connect(fresh_pg_url, payload=str(tmp_path / "payload"))
+    engine = create_engine(fresh_pg_url)
+    d = store.log.db.dialect
+    try:
+        add_once = {5: np.arange(12, dtype=np.int64).reshape(3, 4)}
+        with engine.begin() as conn:
+            add_expert_arrays(conn, d, {4: np.ones((3, 4), np.int64)})  # an existing version
+        done: dict = {}
+        with engine.connect() as held:
+            held.begin()
+            add_expert_arrays(held, d, {4: np.ones((3, 4), np.int64), **add_once})
+
+            def other() -> None:
+                with engine.begin() as conn:
+                    add_expert_arrays(conn, d, {4: np.full((2, 6), 2, np.int64), 5: np.ones((3, 4), np.int64)})
+                done["ok"] = True
+
+            t = threading.Thread(target=other)
+            t.start()
+            t.join(1.0)
+            assert t.is_alive() and "ok" not in done  # waits for the held compaction's rows
+            held.commit()
+        t.join(30)
+        assert done.get("ok")
+        with engine.connect() as conn:
+            got = expert_arrays(conn.execute(text(expert_load_sql())).all())
+            assert conn.execute(text("SELECT count(*) FROM agg_expert_load")).scalar_one() == 2
+        four = np.zeros((3, 6), np.int64)
+        four[:, :4] += 2
+        four[:2, :] += 2
+        assert got[4].tolist() == four.tolist()
+        assert got[5].tolist() == (add_once[5] + 1).tolist()
+    finally:
+        engine.dispose()
+        store.close()

@@ -15,11 +15,11 @@ checkpoint) never count twice:
   ``agg_trajectories``);
 * ``sample_counts(samples)``: a materializer commit's default samples (their
   token columns, decoded for the sample segment): decode-route expert load per
-  (model version, layer, expert) and rollout-logprob histograms per model
-  version (``agg_expert_load``, ``agg_logprobs``).
+  model version (one [layer, expert] counts array each) and rollout-logprob
+  histograms per model version (``agg_expert_load``, ``agg_logprobs``).
 
-``Counts`` maps each table to ``{key: [values]}``; ``trajstore.log._aggregates``
-adds them to the tables.
+``Counts`` maps each table to ``{key: [values]}`` (``agg_expert_load``: ``{(version,):
+counts array}``); ``trajstore.log._aggregates`` adds them to the tables.
 
 Reading: a key's count is the SUM of its rows (the MAX for ``MAX_VALUES``). The tables
 the append counts (``agg_output_lengths``, ``agg_route_drift``, ``agg_calls``,
@@ -40,7 +40,7 @@ import numpy as np
 __all__ = ["Counts", "LOGPROB_RANGE", "LOGPROB_BINS", "DRIFT_WIDTHS_S", "KEYS", "VALUES", "MAX_VALUES", "MIN_VALUES",
            "DELTA_ROWS", "FOLD_DELTAS", "NONE", "TRAJECTORY_TABLES", "SUMMED_REWARD_BOUND", "TASK_KEYS", "task_sql", "trajectory_record", "event_counts", "trajectory_counts", "sample_summary_counts",
            "group_contribution",
-           "sample_counts", "totals_sql", "expert_load_sql", "expert_arrays", "expert_rows", "logprob_bin_edges", "decode_routes", "count_routes"]
+           "sample_counts", "totals_sql", "expert_load_sql", "expert_arrays", "expert_array_rows", "logprob_bin_edges", "decode_routes", "count_routes"]
 
 LOGPROB_RANGE = (-12.0, 0.0)
 LOGPROB_BINS = 48
@@ -61,7 +61,7 @@ sample without a model version, a sample without a staleness (read back with ``N
 CALL_NO_VERSION, CALL_NO_REASON = -1, ""
 """``agg_calls``' key for a call without a model version, without a finish reason."""
 
-KEYS = {"agg_expert_load": ("model_version", "layer", "expert"), "agg_logprobs": ("model_version", "bin"),
+KEYS = {"agg_logprobs": ("model_version", "bin"),
         "agg_output_lengths": ("model_version", "output_len"), "agg_route_drift": ("width_s", "bucket_start"),
         "agg_calls": ("width_s", "bucket_start", "model_version", "finish_reason"),
         "agg_trajectories": ("width_s", "bucket_start", "status"),
@@ -70,8 +70,9 @@ KEYS = {"agg_expert_load": ("model_version", "layer", "expert"), "agg_logprobs":
         "agg_tasks": ("task",), "agg_versions": ("model_version",), "agg_groups": ("group_id",),
         "agg_group_variance": ("width_s", "bucket_start"), "agg_samples": ("kind", "value"),
         "agg_staleness": ("width_s", "bucket_start"), "agg_policy_versions": ("model_version",)}
-"""Each aggregate table's key columns."""
-VALUES = {"agg_expert_load": ("routed",), "agg_logprobs": ("tokens", "logprob_sum"),
+"""Each aggregate table's key columns (``agg_expert_load``, one counts array per model
+version, is not keyed by columns: ``expert_load_sql``)."""
+VALUES = {"agg_logprobs": ("tokens", "logprob_sum"),
           "agg_output_lengths": ("calls",), "agg_route_drift": ("rows_resent", "rows_compared", "rows_drifted"),
           "agg_calls": ("calls", "output_tokens", "observed_tokens", "prefix_mismatches", "calls_with_routes",
                         "max_output_len", "route_rows_resent", "route_rows_compared", "route_rows_drifted"),
@@ -109,7 +110,7 @@ def totals_sql(table: str, *, where: str = "", order: bool = True) -> str:
     materializer's (``FOLD_DELTAS``) total rows and those of its ``<table>_delta`` beside it;
     a table of one row per key (``agg_group_variance``, written by the compaction only) is
     selected as it is, no grouping (its primary key serves the read). ``agg_expert_load``
-    holds the compacted totals only: ``expert_load_sql`` reads the commits' arrays besides."""
+    holds arrays, not keyed counts: ``expert_load_sql`` reads it."""
     keys, values = ", ".join(KEYS[table]), VALUES[table]
     cut, ordered = f" WHERE {where}" if where else "", f" ORDER BY {keys}" if order else ""
     if table not in DELTA_ROWS and table not in FOLD_DELTAS:
@@ -126,16 +127,20 @@ def totals_sql(table: str, *, where: str = "", order: bool = True) -> str:
 
 
 def expert_load_sql(where: str = "") -> str:
-    """The commits' expert-load arrays not compacted yet (``agg_expert_load_delta``):
-    ``model_version, layers, experts, counts`` (int64 bytes of [layers, experts]); a key's
-    load is its ``agg_expert_load`` total plus these (``add_expert_rows``)."""
-    return f"SELECT model_version, layers, experts, counts FROM agg_expert_load_delta{f' WHERE {where}' if where else ''}"
+    """The expert-load arrays: each model version's compacted total (``agg_expert_load``, one
+    row per version) and the commits' arrays not compacted yet (``agg_expert_load_delta``),
+    as ``model_version, layers, experts, counts`` rows (int64 bytes of [layers, experts]);
+    a version's load is the sum of its rows (``expert_arrays``). ``where``: a condition on
+    ``model_version``, applied to both tables."""
+    cut = f" WHERE {where}" if where else ""
+    return (f"SELECT model_version, layers, experts, counts FROM agg_expert_load{cut} UNION ALL "
+            f"SELECT model_version, layers, experts, counts FROM agg_expert_load_delta{cut}")
 
 
 def expert_arrays(rows: Iterable[Sequence[Any]]) -> dict[int, np.ndarray]:
-    """``{model_version: counts[layer, expert]}``, summed, of ``agg_expert_load_delta`` rows
-    (``model_version, layers, experts, counts``); layouts of one version are summed into
-    the union of their shapes."""
+    """``{model_version: counts[layer, expert]}``, summed, of ``agg_expert_load`` or
+    ``agg_expert_load_delta`` rows (``model_version, layers, experts, counts``); layouts of
+    one version are summed into the union of their shapes."""
     out: dict[int, np.ndarray] = {}
     for version, layers, experts, counts in rows:
         _add_array(out, int(version), np.frombuffer(bytes(counts), "<i8").reshape(int(layers), int(experts)))
@@ -154,14 +159,15 @@ def _add_array(into: dict[int, np.ndarray], version: int, c: np.ndarray) -> None
     have[:c.shape[0], :c.shape[1]] += c
 
 
-def expert_rows(arrays: Mapping[int, np.ndarray]) -> dict[tuple, list[float]]:
-    """``agg_expert_load`` rows (``{(version, layer, expert): [routed]}``) of counts arrays:
-    for the compaction and a rebuild, never a commit."""
-    out: dict[tuple, list[float]] = {}
-    for version, c in arrays.items():
-        layers, experts = np.indices(c.shape)
-        out.update(((version, int(l_), int(e)), [int(n)]) for l_, e, n in zip(layers.ravel(), experts.ravel(), c.ravel()))
-    return out
+def expert_array_rows(arrays: Mapping[int, np.ndarray]) -> list[tuple[int, int, int, bytes]]:
+    """``(model_version, layers, experts, counts)`` rows of counts arrays (``{version:
+    counts[layer, expert]}``), in version order: the columns of ``agg_expert_load`` and
+    ``agg_expert_load_delta``."""
+    rows = []
+    for version, c in sorted(arrays.items()):
+        c = np.ascontiguousarray(c, "<i8")
+        rows.append((int(version), int(c.shape[0]), int(c.shape[1]), c.tobytes()))
+    return rows
 
 
 def _add(into: dict[tuple, list[float]], key: tuple, values: Sequence[float], maxima: Sequence[int] = (),

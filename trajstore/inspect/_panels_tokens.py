@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from trajstore._append.aggregates import LOGPROB_BINS, LOGPROB_RANGE, expert_arrays, expert_rows, logprob_bin_edges
+from trajstore._append.aggregates import LOGPROB_BINS, LOGPROB_RANGE, expert_arrays, logprob_bin_edges
 from trajstore.inspect._figures import (_gapped, RECENT_VERSIONS, Clock, _layout, _num, _plotly, 
                                         _right_axis, _share, _time_axis, _two_bars, _version_axis, _wide_left)
 from trajstore.inspect import _agg_sql as agg
@@ -138,12 +138,12 @@ def _logprob_sql(c: Clock) -> list[str]:
 
 
 def _experts_sql(c: Clock) -> list[str]:
-    # the compacted totals of the newest versions, and the commits' arrays not compacted yet
-    # (a few per commit since the last compaction, summed in; agg_expert_load_delta)
-    return [f"SELECT model_version, layer, expert, routed FROM {agg.expert_load()} "
+    # the newest versions' arrays: each one's compacted total and the commits' arrays not
+    # compacted yet (a few per commit since the last compaction), summed by numpy
+    return [f"SELECT model_version, layers, experts, counts FROM {agg.expert_load()} "
             f"WHERE model_version >= (SELECT max(model_version) FROM {agg.expert_load()}) - {RECENT_VERSIONS - 1} "
-            "ORDER BY model_version, layer, expert",
-            PENDING_SQL, agg.expert_load_deltas()]
+            "ORDER BY model_version",
+            PENDING_SQL]
 
 
 def _pending(r: list[QueryResult]) -> str | None:
@@ -190,17 +190,14 @@ def _experts_draw(c: Clock, r: list[QueryResult]) -> Any:
     from trajstore.inspect._routes import max_violation, moe_layers
 
     go, make_subplots = _plotly()
-    rows = list(r[0].rows)
-    if len(r) > 2 and r[2].rows:  # the arrays not compacted yet, as rows
-        rows.extend(k + tuple(v) for k, v in expert_rows(expert_arrays(r[2].rows)).items())
-        newest = max(int(row[0]) for row in rows)
-        rows = [row for row in rows if int(row[0]) > newest - RECENT_VERSIONS]
-    if not rows:
+    arrays = expert_arrays(r[0].rows)  # {version: counts[layer, expert]}, summed
+    if not arrays:
         return _pending(r) or "no materialized sample carries routes yet"
-    got = np.asarray(rows, np.int64)  # [model_version, layer, expert, routed]
-    versions, vi = np.unique(got[:, 0], return_inverse=True)
-    counts = np.zeros((len(versions), int(got[:, 1].max()) + 1, int(got[:, 2].max()) + 1))
-    np.add.at(counts, (vi, got[:, 1], got[:, 2]), got[:, 3])  # [version, layer, expert]
+    versions = sorted(arrays)
+    shape = np.max([arrays[v].shape for v in versions], axis=0)
+    counts = np.zeros((len(versions), int(shape[0]), int(shape[1])))  # [version, layer, expert]
+    for i, v in enumerate(versions):
+        counts[i, :arrays[v].shape[0], :arrays[v].shape[1]] = arrays[v]
     moe = moe_layers(counts)
     if not moe.any():
         return "the samples' routes name expert 0 only (dense layers): no MoE layer to show"

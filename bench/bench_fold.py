@@ -3,7 +3,8 @@
     PYTHONPATH=. .venv/bin/python bench/bench_fold.py --before /tmp/before [--rounds 2] [--no-postgres]
         [--shards 1,2,4] [--out bench_fold.json]
 
-``--before``: a source tree to compare with (e.g. ``git archive 263364a^ | tar -x -C /tmp/before``,
+``--tree NAME=PATH`` (repeatable): more trees measured in the same run (e.g. the tree before a
+change). ``--before``: a source tree to compare with (e.g. ``git archive 263364a^ | tar -x -C /tmp/before``,
 the tree before the run aggregates entered the materializer's commit); this tree is "after".
 
 Load: 32 trajectories a step (``max_trajectories=32``), 2 steps a measurement after one
@@ -104,6 +105,13 @@ def child(args: argparse.Namespace) -> dict:
             store.append(events)
         store.close()
         return {}
+    if args.expert_every is not None:  # this tree's store setting (docs/report.md "Aggregates")
+        from trajstore._append.aggregates import EXPERT_SAMPLE_SETTING
+        from trajstore.log._dialect import execute
+
+        store.log.db.transaction("setting the expert-load sampling", lambda conn, d: execute(
+            conn, f"INSERT INTO store_settings (name, value, updated_at) VALUES ({d.marks(3)})",
+            (EXPERT_SAMPLE_SETTING, str(args.expert_every), time.time())))
     m = Materializer(store, max_trajectories=PER_STEP, shard_index=args.shard, num_shards=args.num_shards)
     after = "compact" in Materializer.run.__code__.co_varnames
     warm_cpu = _cpu()
@@ -176,6 +184,12 @@ def summary_rows(summary: dict[str, dict]) -> list[dict[str, str]]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--before", type=Path)
+    p.add_argument("--exact", action="store_true",
+                   help="also this tree counting every decode route (case 'exact': store_settings "
+                        "expert_load_sample_every = 1) beside its default sampling")
+    p.add_argument("--expert-every", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--tree", action="append", default=[], metavar="NAME=PATH",
+                   help="another source tree measured in the same run (e.g. main=/tmp/main), beside before and after")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--no-postgres", action="store_true")
     p.add_argument("--layouts", default="none,24x4,48x8")
@@ -197,7 +211,10 @@ def main() -> None:
         got = child(args)
         Path(args.out).write_text(json.dumps(got))
         return
-    trees = {"after": REPO, **({"before": args.before.resolve()} if args.before else {})}
+    trees = {"after": REPO, **({"before": args.before.resolve()} if args.before else {}),
+             **{t.split("=", 1)[0]: Path(t.split("=", 1)[1]).resolve() for t in args.tree}}
+    if args.exact:
+        trees["exact"] = REPO
     cluster = None
     backends = ["sqlite"]
     if not args.no_postgres:
@@ -228,7 +245,8 @@ def main() -> None:
                                 common = ["--url", url, "--payload", payload, "--layout", layout,
                                           "--versions", versions]
                                 _run_child(tree, [*common, "--fill", str(PER_STEP * (STEPS + 1))])
-                                got = _run_child(tree, [*common, *pm])
+                                every = ["--expert-every", "1"] if name == "exact" else []
+                                got = _run_child(tree, [*common, *pm, *every])
                                 key = f"{backend} {layout} v{versions} {name}"
                                 results.setdefault(key, []).append(got)
                                 print(f"round {r + 1} {key}: {got}", file=sys.stderr, flush=True)

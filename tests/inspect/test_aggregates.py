@@ -12,9 +12,9 @@ from alembic import command
 from sqlalchemy import create_engine, text
 
 import trajstore
-from tests.helpers import reader_url_for
+from tests.helpers import brute_force_expert_load, reader_url_for
 from tests.inspect.test_report import fill, run_events
-from trajstore._append.aggregates import KEYS, TRAJECTORY_TABLES, expert_arrays, expert_load_sql, totals_sql
+from trajstore._append.aggregates import EXPERT_SAMPLE_EVERY, KEYS, TRAJECTORY_TABLES, expert_arrays, expert_load_sql, totals_sql
 from trajstore.log._migrate import alembic_config
 from trajstore.cli import main
 from trajstore.inspect._panels import collect
@@ -68,17 +68,8 @@ def test_the_aggregates_equal_a_recount_of_the_store(store):
         lengths = conn.execute(text("SELECT model_version, output_len, count(*) FROM generation_events "
                                     "GROUP BY model_version, output_len")).all()
     assert counted["agg_output_lengths"] == {(v, n): (float(c),) for v, n, c in lengths}
-    # the samples' part: every generated token's decode route (the row before it), by version
-    expected: dict[tuple, int] = {}
-    for s in store.samples():
-        for j in np.nonzero(s.token_model_versions >= 0)[0]:
-            row = len(s.prompt_ids) + j - 1
-            if s.routed_experts is None or s.routed_experts_mask[row]:
-                continue
-            for layer, experts in enumerate(s.routed_experts[row]):
-                for e in experts:
-                    key = (int(s.token_model_versions[j]), layer, int(e))
-                    expected[key] = expected.get(key, 0) + 1
+    # the samples' part: the counted generated tokens' decode routes (the row before each), by version
+    expected = brute_force_expert_load(store.samples(), EXPERT_SAMPLE_EVERY)
     assert {k: v[0] for k, v in counted["agg_expert_load"].items() if v[0]} == expected
     assert rebuild_aggregates(store)["samples"] == store.materialized.count_samples()
     assert tables(store) == counted

@@ -21,7 +21,8 @@ from sqlalchemy import create_engine, text
 import trajstore
 from tests.inspect.test_aggregates import tables
 from tests.inspect.test_report import run_events
-from trajstore._append.aggregates import expert_arrays, expert_load_sql, sample_counts
+from tests.helpers import brute_force_expert_load, count_expert_load_every
+from trajstore._append.aggregates import EXPERT_SAMPLE_EVERY, expert_arrays, expert_load_sql, sample_counts
 from trajstore._upkeep.gc import compact_run_aggregates
 from trajstore.demo._simulate import RolloutConfig, trajectory_events
 from trajstore.inspect._rebuild import rebuild_aggregates
@@ -38,21 +39,9 @@ def _pending(store) -> int:
     return store.log.db.transaction("counting deltas", lambda conn, d: pending_deltas(conn, d))
 
 
-def _brute_force_expert_load(store) -> dict[tuple, int]:
-    """Every generated token's decode route (the row before it), by (version, layer, expert)."""
-    expected: dict[tuple, int] = {}
-    for s in store.samples():
-        if s.routed_experts is None:
-            continue
-        for j in np.nonzero(s.token_model_versions >= 0)[0]:
-            row = len(s.prompt_ids) + j - 1
-            if s.routed_experts_mask is not None and s.routed_experts_mask[row]:
-                continue
-            for layer, experts in enumerate(s.routed_experts[row]):
-                for e in experts:
-                    key = (int(s.token_model_versions[j]), layer, int(e))
-                    expected[key] = expected.get(key, 0) + 1
-    return expected
+def _brute_force_expert_load(store, every: int = EXPERT_SAMPLE_EVERY) -> dict[tuple, int]:
+    """Every counted generated token's decode route (the row before it), by (version, layer, expert)."""
+    return brute_force_expert_load(store.samples(), every)
 
 
 def _expert_load_read(store) -> dict[tuple, int]:
@@ -308,3 +297,35 @@ def test_two_compactions_adding_to_one_version_at_once_lose_nothing(fresh_pg_url
     finally:
         engine.dispose()
         store.close()
+
+
+def test_the_expert_load_counts_one_route_in_every_within_its_stated_error(store):
+    """By default one decode route in ``EXPERT_SAMPLE_EVERY`` is counted (each that many times):
+    the same routes at every count (a recount gives the same arrays), an estimate of the exact
+    load within the error the page states; a store set to 1 counts every route, exactly."""
+    from trajstore._append.aggregates import expert_sample_error
+
+    for i in range(6):
+        cfg = RolloutConfig(turns=2, prompt_tokens=8, output_tokens=400, observation_tokens=4, num_experts=8,
+                            layers=2, topk=2, seed=i)
+        store.append(trajectory_events(cfg, 2000 + i, version=0))
+    store.materialize()
+    compact_run_aggregates(store)
+    sampled = _expert_load_read(store)
+    assert sampled == _brute_force_expert_load(store, EXPERT_SAMPLE_EVERY) and EXPERT_SAMPLE_EVERY > 1
+    exact = _brute_force_expert_load(store, 1)
+    assert sampled != exact and set(sampled) <= set(exact)
+    got, want = np.zeros((2, 8)), np.zeros((2, 8))
+    for (v, l_, e), n in sampled.items():
+        got[l_, e] += n
+    for (v, l_, e), n in exact.items():
+        want[l_, e] += n
+    stated = expert_sample_error(got, EXPERT_SAMPLE_EVERY)  # what the page says (2 σ), at the (layer, expert) grain
+    off = got / want - 1  # 16 cells: their spread is about σ, none beyond 4 σ
+    assert 0 < stated < 0.5 and np.sqrt((off ** 2).mean()) <= stated * 0.75 and np.abs(off).max() <= 2 * stated
+    assert abs(got.sum() / want.sum() - 1) < stated / 4  # the total: far closer
+    rebuild_aggregates(store)
+    assert _expert_load_read(store) == sampled  # a recount samples the same routes
+    count_expert_load_every(store, 1)
+    rebuild_aggregates(store)
+    assert _expert_load_read(store) == exact

@@ -34,6 +34,7 @@ import numpy as np
 
 from trajstore._append.aggregates import (DELTA_ROWS, FOLD_DELTAS, KEYS, MAX_VALUES, MIN_VALUES, TRAJECTORY_TABLES, VALUES,
                                    Counts, _add, _add_array, _buckets, event_counts, expert_array_rows, expert_arrays,
+                                   expert_sample_every, expert_sample_every_sql,
                                    group_contribution,
                                    sample_counts, sample_summary_counts, task_sql, totals_sql,
                                    trajectory_counts, trajectory_record)
@@ -48,7 +49,7 @@ from trajstore.schema import (agg_calls, agg_expert_load, agg_expert_load_delta,
 
 __all__ = ["TABLES", "DELTA_TABLES", "FOLD_DELTA_TABLES", "PENDING", "COMPACT_ROWS", "add_counts", "insert_deltas",
            "insert_fold_deltas", "add_expert_arrays", "compact_aggregates", "pending_deltas", "note_expert_pending",
-           "count_pending_experts", "EXPERT_SEGMENTS",
+           "count_pending_experts", "sample_every", "EXPERT_SEGMENTS",
            "write_event_aggregates", "compact_event_aggregates", "rebuild_event_aggregates",
            "rebuild_sample_aggregates", "count_commit", "count_trajectories", "count_sample_rows",
            "count_policy_versions", "settle_groups", "rebuild_trajectory_aggregates", "events_of_sql"]
@@ -295,6 +296,13 @@ def note_expert_pending(conn: Any, d: SqlDialect, segment: str) -> None:
         f"INSERT INTO {d.table(agg_expert_pending)} (segment) VALUES ({d.p})")), (segment,))
 
 
+def sample_every(conn: Any) -> int:
+    """The store's expert-load sampling stride (``trajstore._append.aggregates.EXPERT_SAMPLE_EVERY``,
+    or its ``store_settings`` row); a bad row is a one-line ``ValueError`` naming it."""
+    got = execute(conn, expert_sample_every_sql(), ()).fetchone()
+    return expert_sample_every(None if got is None else got[0])
+
+
 def count_pending_experts(conn: Any, d: SqlDialect, load: Callable[[list[dict[str, Any]]], list[Any]], *,
                           limit: int = EXPERT_SEGMENTS) -> int:
     """Count the decode-route expert load of up to ``limit`` committed sample segments noted in
@@ -309,6 +317,7 @@ def count_pending_experts(conn: Any, d: SqlDialect, load: Callable[[list[dict[st
         return 0
     s, t = d.table(samples), d.table(trajectories)
     arrays: dict[int, np.ndarray] = {}
+    every = sample_every(conn)
     for (segment,) in got:
         rows = [dict(zip(("trajectory_id", "segment", "segment_row", "num_experts"), r)) for r in execute(
             conn, f"SELECT s.trajectory_id, s.segment, s.segment_row, tr.num_experts FROM {s} s "
@@ -316,7 +325,7 @@ def count_pending_experts(conn: Any, d: SqlDialect, load: Callable[[list[dict[st
                   "ORDER BY s.segment_row", (segment,)).fetchall()]
         if not rows:
             continue
-        counted = sample_counts(load(rows), {r["trajectory_id"]: r["num_experts"] for r in rows})
+        counted = sample_counts(load(rows), {r["trajectory_id"]: r["num_experts"] for r in rows}, every=every)
         for (version,), c in counted.get("agg_expert_load", {}).items():
             _add_array(arrays, int(version), c)  # type: ignore[arg-type]
     add_expert_arrays(conn, d, arrays)
@@ -369,6 +378,7 @@ def rebuild_sample_aggregates(conn: Any, d: SqlDialect, read: Callable[[list[tup
     s, t = d.table(samples), d.table(trajectories)
     after: tuple = ("", -1)
     n = 0
+    every = sample_every(conn)
     while True:
         got = execute(conn, f"SELECT s.trajectory_id, s.sample_index, s.segment, s.segment_row, tr.num_experts "
                       f"FROM {s} s JOIN {t} tr ON tr.trajectory_id = s.trajectory_id "
@@ -377,7 +387,7 @@ def rebuild_sample_aggregates(conn: Any, d: SqlDialect, read: Callable[[list[tup
                       (after[0], after[0], after[1])).fetchall()
         if not got:
             break
-        counts = sample_counts(read([tuple(r[:4]) for r in got]), {r[0]: r[4] for r in got})
+        counts = sample_counts(read([tuple(r[:4]) for r in got]), {r[0]: r[4] for r in got}, every=every)
         arrays = counts.pop("agg_expert_load", {})
         add_expert_arrays(conn, d, {k[0]: c for k, c in arrays.items()})  # type: ignore[misc]
         add_counts(conn, d, counts)

@@ -152,26 +152,36 @@ SECTION = "[The fold with the run aggregates](#the-fold-with-the-run-aggregates-
 
 def summary_rows(summary: dict[str, dict]) -> list[dict[str, str]]:
     """docs/benchmarks.md's summary rows of these results (bench/summary.py)."""
-    def rate(key: str) -> str:
+    def rate(key: str, with_compaction: bool = False) -> str:
         m = summary.get(key)
-        return "-" if m is None else f"{m['tokens_per_cpu_s'] / 1e6:.2f}"
+        if m is None:
+            return "-"
+        fold = f"{m['tokens_per_cpu_s'] / 1e6:.2f}"
+        return f"{fold} ({m['tokens_per_cpu_s_with_compaction'] / 1e6:.2f})" if with_compaction else fold
 
+    trees = sorted({k.rsplit(" ", 1)[1] for k in summary if "shards" not in k} - {"after", "before"})
     rows = []
     for backend in ("sqlite", "postgresql"):
         if not any(k.startswith(backend) and "shards" not in k for k in summary):
             continue
-        cells = [f"{layout} {rate(f'{backend} {layout} v1 after')} / {rate(f'{backend} {layout} v4 after')}"
-                 for layout in LAYOUTS]
+        layouts = [x for x in LAYOUTS if any(k.startswith(f"{backend} {x} ") for k in summary)]
+        cells = [f"{layout} {rate(f'{backend} {layout} v1 after', True)} / {rate(f'{backend} {layout} v4 after', True)}"
+                 for layout in layouts]
         base = [f"{layout} {rate(f'{backend} {layout} v1 before')} / {rate(f'{backend} {layout} v4 before')}"
-                for layout in LAYOUTS]
-        figure = "M tokens/CPU-s, 1 / 4 versions a step: " + ", ".join(cells)
+                for layout in layouts]
+        others = []
+        for tree in trees:
+            others.append(f"{tree}: " + ", ".join(
+                f"{layout} {rate(f'{backend} {layout} v1 {tree}', True)} / {rate(f'{backend} {layout} v4 {tree}', True)}"
+                for layout in layouts))
+        figure = "M tokens/CPU-s, 1 / 4 versions a step, fold (with the compaction): " + ", ".join(cells)
         if backend == "postgresql":
             a, b = summary.get("postgresql 48x8 v1 after"), summary.get("postgresql 48x8 v1 before")
             if a and b:
                 figure += (f"; server CPU per step (48×8) {1e3 * a['server_cpu_s_per_step']:.0f} ms "
                            f"(before {1e3 * b['server_cpu_s_per_step']:.0f})")
         rows.append({"what": f"the fold with the run aggregates, {backend}", "figure": figure,
-                     "baseline": "the tree before: " + ", ".join(base), "section": SECTION})
+                     "baseline": "; ".join(["the tree before: " + ", ".join(base), *others]), "section": SECTION})
     shards = sorted((int(k.split()[-1]), m) for k, m in summary.items() if "shards" in k)
     if shards:
         rows.append({"what": "the fold's shards on PostgreSQL, 48×8, aggregates on",

@@ -448,26 +448,28 @@ def logprob_bin_edges() -> np.ndarray:
 
 
 def sample_counts(samples: Iterable[Any], num_experts: Mapping[str, int | None] | None = None, *,
-                  experts: bool = True, every: int = 1) -> Counts:
+                  experts: bool = True, every: int = 1, logprobs: bool = True) -> Counts:
     """The aggregates of samples' token columns: expert load of their decode routes and
     their generated loss tokens' rollout logprobs. ``agg_expert_load`` is
     ``{(model_version,): counts[layer, expert]}`` (an int64 array: every expert below
     ``num_experts[trajectory_id]`` and the highest id routed to), one per version.
     ``experts`` False: the logprobs only (the materializer's commit: the compaction counts
     the expert load of its segment, ``trajstore.log._aggregates.count_pending_experts``).
-    ``every``: count one decode route in ``every`` (``decode_routes``), each ``every`` times."""
-    logprobs: dict[tuple, list[float]] = {}
+    ``every``: count one decode route in ``every`` (``decode_routes``), each ``every`` times.
+    ``logprobs`` False: the expert load only (the compaction's count of a committed segment)."""
+    histogram: dict[tuple, list[float]] = {}
     per_version: dict[int, np.ndarray] = {}  # [layer, expert] counts
     lps: list[np.ndarray] = []  # generated loss tokens' logprobs and versions, per sample
     lvs: list[np.ndarray] = []
     routed: dict[tuple, tuple[list, list, list]] = {}  # layout -> decode rows, their versions, num_experts
     edges = logprob_bin_edges()
     for s in samples:
-        v = np.asarray(s.token_model_versions)
-        keep = (v >= 0) & np.asarray(s.logprobs_mask, bool) & np.asarray(s.loss_mask, bool)
-        if keep.any():
-            lps.append(np.asarray(s.rollout_logprobs, np.float64)[keep])
-            lvs.append(v[keep])
+        if logprobs:
+            v = np.asarray(s.token_model_versions)
+            keep = (v >= 0) & np.asarray(s.logprobs_mask, bool) & np.asarray(s.loss_mask, bool)
+            if keep.any():
+                lps.append(np.asarray(s.rollout_logprobs, np.float64)[keep])
+                lvs.append(v[keep])
         got = decode_routes(s, every) if experts else None
         if got is None or not len(got[0]):
             continue
@@ -485,7 +487,7 @@ def sample_counts(samples: Iterable[Any], num_experts: Mapping[str, int | None] 
         n = np.bincount(key, minlength=len(versions) * LOGPROB_BINS)
         total = np.bincount(key, weights=lp, minlength=len(versions) * LOGPROB_BINS)
         for k in np.flatnonzero(n):
-            _add(logprobs, (int(versions[k // LOGPROB_BINS]), int(k % LOGPROB_BINS)), (int(n[k]), float(total[k])))
+            _add(histogram, (int(versions[k // LOGPROB_BINS]), int(k % LOGPROB_BINS)), (int(n[k]), float(total[k])))
     for rows_of, versions_of, (declared,) in routed.values():  # one count per layout, not per sample
         rows = rows_of[0] if len(rows_of) == 1 else np.concatenate(rows_of)
         versions, vi = np.unique(np.concatenate(versions_of), return_inverse=True)
@@ -495,7 +497,7 @@ def sample_counts(samples: Iterable[Any], num_experts: Mapping[str, int | None] 
             counts *= every
         for i, version in enumerate(versions.tolist()):
             _add_array(per_version, int(version), counts[i])
-    out = _nonempty({"agg_logprobs": logprobs})
+    out = _nonempty({"agg_logprobs": histogram})
     if per_version:  # one array per version: no row per (layer, expert)
         out["agg_expert_load"] = {(v,): c for v, c in per_version.items()}  # type: ignore[dict-item]
     return out

@@ -325,7 +325,8 @@ def count_pending_experts(conn: Any, d: SqlDialect, load: Callable[[list[dict[st
                   "ORDER BY s.segment_row", (segment,)).fetchall()]
         if not rows:
             continue
-        counted = sample_counts(load(rows), {r["trajectory_id"]: r["num_experts"] for r in rows}, every=every)
+        counted = sample_counts(load(rows), {r["trajectory_id"]: r["num_experts"] for r in rows}, every=every,
+                                logprobs=False)
         for (version,), c in counted.get("agg_expert_load", {}).items():
             _add_array(arrays, int(version), c)  # type: ignore[arg-type]
     add_expert_arrays(conn, d, arrays)

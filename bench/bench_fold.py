@@ -150,8 +150,9 @@ def _postmaster(cluster) -> int:
 SECTION = "[The fold with the run aggregates](#the-fold-with-the-run-aggregates--benchbench_foldpy)"
 
 
-def summary_rows(summary: dict[str, dict]) -> list[dict[str, str]]:
-    """docs/benchmarks.md's summary rows of these results (bench/summary.py)."""
+def summary_rows(summary: dict[str, dict], label: str = "") -> list[dict[str, str]]:
+    """docs/benchmarks.md's summary rows of these results (bench/summary.py); ``label``: added to
+    each row's "what" (a run of a few cases beside the full one's rows)."""
     def rate(key: str, with_compaction: bool = False) -> str:
         m = summary.get(key)
         if m is None:
@@ -180,11 +181,11 @@ def summary_rows(summary: dict[str, dict]) -> list[dict[str, str]]:
             if a and b:
                 figure += (f"; server CPU per step (48×8) {1e3 * a['server_cpu_s_per_step']:.0f} ms "
                            f"(before {1e3 * b['server_cpu_s_per_step']:.0f})")
-        rows.append({"what": f"the fold with the run aggregates, {backend}", "figure": figure,
+        rows.append({"what": f"the fold with the run aggregates, {backend}{label}", "figure": figure,
                      "baseline": "; ".join(["the tree before: " + ", ".join(base), *others]), "section": SECTION})
     shards = sorted((int(k.split()[-1]), m) for k, m in summary.items() if "shards" in k)
     if shards:
-        rows.append({"what": "the fold's shards on PostgreSQL, 48×8, aggregates on",
+        rows.append({"what": f"the fold's shards on PostgreSQL, 48×8, aggregates on{label}",
                      "figure": "CPU (materializers + server) per token: " + ", ".join(
                          f"{k} shard{'s' if k > 1 else ''} {m['cpu_us_per_token_all']:.2f} µs" for k, m in shards)
                      + " (2 cores)", "baseline": "1 shard", "section": SECTION})
@@ -194,6 +195,7 @@ def summary_rows(summary: dict[str, dict]) -> list[dict[str, str]]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--before", type=Path)
+    p.add_argument("--label", default="", help="added to the summary rows' \"what\" (e.g. ', 48x8 only')")
     p.add_argument("--exact", action="store_true",
                    help="also this tree counting every decode route (case 'exact': store_settings "
                         "expert_load_sample_every = 1) beside its default sampling")
@@ -304,7 +306,7 @@ def main() -> None:
         summary[key] = med
     doc = {"bench": "bench_fold", "command": " ".join(["bench/bench_fold.py", *sys.argv[1:]]),
            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "loadavg": os.getloadavg(),
-           "rounds": args.rounds, "results": summary, "runs": results, "summary": summary_rows(summary)}
+           "rounds": args.rounds, "results": summary, "runs": results, "summary": summary_rows(summary, args.label)}
     print(f"{'case':34s} {'M tok/CPU-s':>11s} {'+compact':>9s} {'server CPU ms/step':>18s}")
     for key, med in summary.items():
         print(f"{key:34s} {med['tokens_per_cpu_s'] / 1e6:11.2f} {med['tokens_per_cpu_s_with_compaction'] / 1e6:9.2f} "

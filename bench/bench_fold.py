@@ -3,7 +3,8 @@
     PYTHONPATH=. .venv/bin/python bench/bench_fold.py --before /tmp/before [--rounds 2] [--no-postgres]
         [--shards 1,2,4] [--out bench_fold.json]
 
-``--before``: a source tree to compare with (e.g. ``git archive 263364a^ | tar -x -C /tmp/before``,
+``--tree NAME=PATH`` (repeatable): more trees measured in the same run (e.g. the tree before a
+change). ``--before``: a source tree to compare with (e.g. ``git archive 263364a^ | tar -x -C /tmp/before``,
 the tree before the run aggregates entered the materializer's commit); this tree is "after".
 
 Load: 32 trajectories a step (``max_trajectories=32``), 2 steps a measurement after one
@@ -104,6 +105,13 @@ def child(args: argparse.Namespace) -> dict:
             store.append(events)
         store.close()
         return {}
+    if args.expert_every is not None:  # this tree's store setting (docs/report.md "Aggregates")
+        from trajstore.log._aggregate_counts import EXPERT_SAMPLE_SETTING
+        from trajstore.log._dialect import execute
+
+        store.log.db.transaction("setting the expert-load sampling", lambda conn, d: execute(
+            conn, f"INSERT INTO store_settings (name, value, updated_at) VALUES ({d.marks(3)})",
+            (EXPERT_SAMPLE_SETTING, str(args.expert_every), time.time())))
     m = Materializer(store, max_trajectories=PER_STEP, shard_index=args.shard, num_shards=args.num_shards)
     after = "compact" in Materializer.run.__code__.co_varnames
     warm_cpu = _cpu()
@@ -142,31 +150,42 @@ def _postmaster(cluster) -> int:
 SECTION = "[The fold with the run aggregates](#the-fold-with-the-run-aggregates--benchbench_foldpy)"
 
 
-def summary_rows(summary: dict[str, dict]) -> list[dict[str, str]]:
-    """docs/benchmarks.md's summary rows of these results (bench/summary.py)."""
-    def rate(key: str) -> str:
+def summary_rows(summary: dict[str, dict], label: str = "") -> list[dict[str, str]]:
+    """docs/benchmarks.md's summary rows of these results (bench/summary.py); ``label``: added to
+    each row's "what" (a run of a few cases beside the full one's rows)."""
+    def rate(key: str, with_compaction: bool = False) -> str:
         m = summary.get(key)
-        return "-" if m is None else f"{m['tokens_per_cpu_s'] / 1e6:.2f}"
+        if m is None:
+            return "-"
+        fold = f"{m['tokens_per_cpu_s'] / 1e6:.2f}"
+        return f"{fold} ({m['tokens_per_cpu_s_with_compaction'] / 1e6:.2f})" if with_compaction else fold
 
+    trees = sorted({k.rsplit(" ", 1)[1] for k in summary if "shards" not in k} - {"after", "before"})
     rows = []
     for backend in ("sqlite", "postgresql"):
         if not any(k.startswith(backend) and "shards" not in k for k in summary):
             continue
-        cells = [f"{layout} {rate(f'{backend} {layout} v1 after')} / {rate(f'{backend} {layout} v4 after')}"
-                 for layout in LAYOUTS]
+        layouts = [x for x in LAYOUTS if any(k.startswith(f"{backend} {x} ") for k in summary)]
+        cells = [f"{layout} {rate(f'{backend} {layout} v1 after', True)} / {rate(f'{backend} {layout} v4 after', True)}"
+                 for layout in layouts]
         base = [f"{layout} {rate(f'{backend} {layout} v1 before')} / {rate(f'{backend} {layout} v4 before')}"
-                for layout in LAYOUTS]
-        figure = "M tokens/CPU-s, 1 / 4 versions a step: " + ", ".join(cells)
+                for layout in layouts]
+        others = []
+        for tree in trees:
+            others.append(f"{tree}: " + ", ".join(
+                f"{layout} {rate(f'{backend} {layout} v1 {tree}', True)} / {rate(f'{backend} {layout} v4 {tree}', True)}"
+                for layout in layouts))
+        figure = "M tokens/CPU-s, 1 / 4 versions a step, fold (with the compaction): " + ", ".join(cells)
         if backend == "postgresql":
             a, b = summary.get("postgresql 48x8 v1 after"), summary.get("postgresql 48x8 v1 before")
             if a and b:
                 figure += (f"; server CPU per step (48×8) {1e3 * a['server_cpu_s_per_step']:.0f} ms "
                            f"(before {1e3 * b['server_cpu_s_per_step']:.0f})")
-        rows.append({"what": f"the fold with the run aggregates, {backend}", "figure": figure,
-                     "baseline": "the tree before: " + ", ".join(base), "section": SECTION})
+        rows.append({"what": f"the fold with the run aggregates, {backend}{label}", "figure": figure,
+                     "baseline": "; ".join(["the tree before: " + ", ".join(base), *others]), "section": SECTION})
     shards = sorted((int(k.split()[-1]), m) for k, m in summary.items() if "shards" in k)
     if shards:
-        rows.append({"what": "the fold's shards on PostgreSQL, 48×8, aggregates on",
+        rows.append({"what": f"the fold's shards on PostgreSQL, 48×8, aggregates on{label}",
                      "figure": "CPU (materializers + server) per token: " + ", ".join(
                          f"{k} shard{'s' if k > 1 else ''} {m['cpu_us_per_token_all']:.2f} µs" for k, m in shards)
                      + " (2 cores)", "baseline": "1 shard", "section": SECTION})
@@ -176,6 +195,13 @@ def summary_rows(summary: dict[str, dict]) -> list[dict[str, str]]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--before", type=Path)
+    p.add_argument("--label", default="", help="added to the summary rows' \"what\" (e.g. ', 48x8 only')")
+    p.add_argument("--exact", action="store_true",
+                   help="also this tree counting every decode route (case 'exact': store_settings "
+                        "expert_load_sample_every = 1) beside its default sampling")
+    p.add_argument("--expert-every", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--tree", action="append", default=[], metavar="NAME=PATH",
+                   help="another source tree measured in the same run (e.g. main=/tmp/main), beside before and after")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--no-postgres", action="store_true")
     p.add_argument("--layouts", default="none,24x4,48x8")
@@ -197,7 +223,10 @@ def main() -> None:
         got = child(args)
         Path(args.out).write_text(json.dumps(got))
         return
-    trees = {"after": REPO, **({"before": args.before.resolve()} if args.before else {})}
+    trees = {"after": REPO, **({"before": args.before.resolve()} if args.before else {}),
+             **{t.split("=", 1)[0]: Path(t.split("=", 1)[1]).resolve() for t in args.tree}}
+    if args.exact:
+        trees["exact"] = REPO
     cluster = None
     backends = ["sqlite"]
     if not args.no_postgres:
@@ -228,7 +257,8 @@ def main() -> None:
                                 common = ["--url", url, "--payload", payload, "--layout", layout,
                                           "--versions", versions]
                                 _run_child(tree, [*common, "--fill", str(PER_STEP * (STEPS + 1))])
-                                got = _run_child(tree, [*common, *pm])
+                                every = ["--expert-every", "1"] if name == "exact" else []
+                                got = _run_child(tree, [*common, *pm, *every])
                                 key = f"{backend} {layout} v{versions} {name}"
                                 results.setdefault(key, []).append(got)
                                 print(f"round {r + 1} {key}: {got}", file=sys.stderr, flush=True)
@@ -276,7 +306,7 @@ def main() -> None:
         summary[key] = med
     doc = {"bench": "bench_fold", "command": " ".join(["bench/bench_fold.py", *sys.argv[1:]]),
            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "loadavg": os.getloadavg(),
-           "rounds": args.rounds, "results": summary, "runs": results, "summary": summary_rows(summary)}
+           "rounds": args.rounds, "results": summary, "runs": results, "summary": summary_rows(summary, args.label)}
     print(f"{'case':34s} {'M tok/CPU-s':>11s} {'+compact':>9s} {'server CPU ms/step':>18s}")
     for key, med in summary.items():
         print(f"{key:34s} {med['tokens_per_cpu_s'] / 1e6:11.2f} {med['tokens_per_cpu_s_with_compaction'] / 1e6:9.2f} "

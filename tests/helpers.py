@@ -229,3 +229,45 @@ def proxy_process(*argv: str, env: dict[str, str] | None = None, tries: int = 30
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def brute_force_expert_load(samples, every: int = 1) -> dict[tuple, int]:
+    """Decode-route expert load by (version, layer, expert), one generated token at a time:
+    the route row of the position before it, left out when masked; ``every`` > 1 counts the
+    tokens at response positions ``p`` with ``(p + phase) % every == 0`` only (``phase``:
+    crc32 of ``"<trajectory_id>/<sample_index>"`` mod ``every``), each ``every`` times
+    (docs/report.md "Aggregates": the expert load's sampling)."""
+    import zlib
+
+    import numpy as np
+
+    expected: dict[tuple, int] = {}
+    for s in samples:
+        if s.routed_experts is None:
+            continue
+        phase = zlib.crc32(f"{s.trajectory_id}/{s.sample_index}".encode()) % every
+        for j in np.nonzero(s.token_model_versions >= 0)[0]:
+            if (int(j) + phase) % every:
+                continue
+            row = len(s.prompt_ids) + j - 1
+            if row < 0 or (s.routed_experts_mask is not None and s.routed_experts_mask[row]):
+                continue
+            for layer, experts in enumerate(s.routed_experts[row]):
+                for e in experts:
+                    key = (int(s.token_model_versions[j]), layer, int(e))
+                    expected[key] = expected.get(key, 0) + every
+    return expected
+
+
+def count_expert_load_every(store, every: int) -> None:
+    """Set the store's expert-load sampling stride (its ``store_settings`` row; 1: exact)."""
+    import time
+
+    from trajstore.log._dialect import execute
+
+    def put(conn, d) -> None:
+        execute(conn, f"DELETE FROM store_settings WHERE name = {d.p}", ("expert_load_sample_every",))
+        execute(conn, f"INSERT INTO store_settings (name, value, updated_at) VALUES ({d.marks(3)})",
+                ("expert_load_sample_every", str(every), time.time()))
+
+    store.log.db.transaction("setting the expert-load sampling", put)

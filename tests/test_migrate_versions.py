@@ -445,3 +445,33 @@ def test_0021_drops_the_per_sample_lineage_index_on_sqlite_only(store_url):
         assert indexed()
     finally:
         engine.dispose()
+
+
+def test_0026_turns_the_expert_load_rows_into_one_array_per_version_and_back(store_url):
+    """0026: ``agg_expert_load``'s (version, layer, expert) rows become one counts array per
+    version (a missing cell counts 0); the downgrade gives the rows back."""
+    import numpy as np
+
+    engine = create_engine(store_url)
+    try:
+        _migrate(engine, "0025")
+        cells = {(3, 0, 0): 5, (3, 0, 1): 2, (3, 1, 3): 7, (4, 2, 1): 1}
+        with engine.begin() as conn:
+            conn.execute(text("INSERT INTO agg_expert_load (model_version, layer, expert, routed) "
+                              "VALUES (:v, :l, :e, :n)"),
+                         [{"v": v, "l": l_, "e": e, "n": n} for (v, l_, e), n in cells.items()])
+        _migrate(engine, "0026")
+        assert _columns(engine, "agg_expert_load") == {"model_version", "layers", "experts", "counts"}
+        with engine.connect() as conn:
+            got = {int(v): np.frombuffer(bytes(c), "<i8").reshape(int(layers), int(experts)) for v, layers, experts, c
+                   in conn.execute(text("SELECT model_version, layers, experts, counts FROM agg_expert_load")).all()}
+        assert sorted(got) == [3, 4] and got[3].shape == (2, 4) and got[4].shape == (3, 2)
+        assert got[3].tolist() == [[5, 2, 0, 0], [0, 0, 0, 7]] and int(got[4].sum()) == 1 and got[4][2, 1] == 1
+        _migrate(engine, "0025", down=True)
+        with engine.connect() as conn:
+            back = {(int(v), int(l_), int(e)): int(n) for v, l_, e, n in conn.execute(text(
+                "SELECT model_version, layer, expert, routed FROM agg_expert_load")).all()}
+        assert {k: n for k, n in back.items() if n} == cells and len(back) == 2 * 4 + 3 * 2
+        _migrate(engine, "head")
+    finally:
+        engine.dispose()

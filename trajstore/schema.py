@@ -406,16 +406,16 @@ lineage_annotation_versions = Table(
 # those two is added to (INSERT ... ON CONFLICT DO UPDATE), never rewritten, except by
 # ``trajstore report --rebuild-aggregates``, which recounts them from the log and samples.
 
-# Decode routes of the default samples' generated tokens: how often each expert of each
-# layer was routed to, per model version of the token (every expert of the layout has a
-# row, routed to or not, so max(expert) + 1 is the number of experts).
+# Decode routes of the default samples' generated tokens per layer and expert, ONE row per model
+# version of the token (0026): counts[layer, expert] as int64 bytes (little-endian, C order) of a
+# [layers, experts] layout, summed by numpy at read time with agg_expert_load_delta's arrays.
 agg_expert_load = Table(
     "agg_expert_load",
     metadata,
     Column("model_version", Integer, primary_key=True),
-    Column("layer", Integer, primary_key=True),
-    Column("expert", Integer, primary_key=True),
-    Column("routed", BigInteger, nullable=False),
+    Column("layers", Integer, nullable=False),
+    Column("experts", Integer, nullable=False),
+    Column("counts", LargeBinary, nullable=False),
 )
 
 # Rollout logprobs of the default samples' generated loss tokens, per model version: a

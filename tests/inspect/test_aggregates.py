@@ -12,9 +12,9 @@ from alembic import command
 from sqlalchemy import create_engine, text
 
 import trajstore
-from tests.helpers import reader_url_for
+from tests.helpers import brute_force_expert_load, reader_url_for
 from tests.inspect.test_report import fill, run_events
-from trajstore.log._aggregate_counts import KEYS, TRAJECTORY_TABLES, totals_sql
+from trajstore.log._aggregate_counts import EXPERT_SAMPLE_EVERY, KEYS, TRAJECTORY_TABLES, expert_arrays, expert_load_sql, totals_sql
 from trajstore.log._migrate import alembic_config
 from trajstore.cli import main
 from trajstore.inspect._panels import collect
@@ -31,10 +31,16 @@ APPENDED = ("agg_output_lengths", "agg_route_drift", "agg_calls", "agg_trajector
 
 def tables(store) -> dict[str, dict[tuple, tuple]]:
     """Every aggregate key: key -> values, summed over its rows (floats rounded: sums may add
-    in another order), and every row of ``agg_trajectory_stats``."""
+    in another order), the expert load's arrays as (version, layer, expert) -> routed, and
+    every row of ``agg_trajectory_stats``."""
     out = {}
     with store.log.read_engine.connect() as conn:
         for name in TABLES:
+            if name == "agg_expert_load":  # one counts array per version (and commits' arrays)
+                arrays = expert_arrays(conn.execute(text(expert_load_sql())).all())
+                out[name] = {(v, int(l_), int(e)): (float(n),) for v, c in arrays.items()
+                             for (l_, e), n in np.ndenumerate(c)}
+                continue
             rows = conn.execute(text(totals_sql(name))).all()
             keys = len(KEYS[name])
             out[name] = {tuple(r[:keys]): tuple(None if v is None else round(float(v), 6) + 0.0 for v in r[keys:])
@@ -62,17 +68,8 @@ def test_the_aggregates_equal_a_recount_of_the_store(store):
         lengths = conn.execute(text("SELECT model_version, output_len, count(*) FROM generation_events "
                                     "GROUP BY model_version, output_len")).all()
     assert counted["agg_output_lengths"] == {(v, n): (float(c),) for v, n, c in lengths}
-    # the samples' part: every generated token's decode route (the row before it), by version
-    expected: dict[tuple, int] = {}
-    for s in store.samples():
-        for j in np.nonzero(s.token_model_versions >= 0)[0]:
-            row = len(s.prompt_ids) + j - 1
-            if s.routed_experts is None or s.routed_experts_mask[row]:
-                continue
-            for layer, experts in enumerate(s.routed_experts[row]):
-                for e in experts:
-                    key = (int(s.token_model_versions[j]), layer, int(e))
-                    expected[key] = expected.get(key, 0) + 1
+    # the samples' part: the counted generated tokens' decode routes (the row before each), by version
+    expected = brute_force_expert_load(store.samples(), EXPERT_SAMPLE_EVERY)
     assert {k: v[0] for k, v in counted["agg_expert_load"].items() if v[0]} == expected
     assert rebuild_aggregates(store)["samples"] == store.materialized.count_samples()
     assert tables(store) == counted
@@ -127,7 +124,7 @@ def test_a_materializer_commit_that_loses_its_race_counts_nothing(store):
     fill(store)
     before = tables(store)
     (shard, cp), = store.materialized.checkpoints().items()
-    extra = {"agg_expert_load": {(0, 0, 0): [5]}, "agg_logprobs": {(0, 0): [1, -13.0]}}
+    extra = {"agg_expert_load": {(0,): np.full((2, 4), 5, np.int64)}, "agg_logprobs": {(0, 0): [1, -13.0]}}
     with pytest.raises(StaleState):  # a second materializer of the batch: its checkpoint moved on
         store.materialized.commit_samples(shard, [], None, {k: cp[k] for k in
                                           ("position", "num_steps_before", "num_samples_after",

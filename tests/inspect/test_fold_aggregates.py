@@ -21,7 +21,8 @@ from sqlalchemy import create_engine, text
 import trajstore
 from tests.inspect.test_aggregates import tables
 from tests.inspect.test_report import run_events
-from trajstore.log._aggregate_counts import expert_arrays, expert_load_sql, sample_counts
+from tests.helpers import brute_force_expert_load, count_expert_load_every
+from trajstore.log._aggregate_counts import EXPERT_SAMPLE_EVERY, expert_arrays, expert_load_sql, sample_counts
 from trajstore._upkeep.gc import compact_run_aggregates
 from trajstore.demo._simulate import RolloutConfig, trajectory_events
 from trajstore.inspect._rebuild import rebuild_aggregates
@@ -38,31 +39,16 @@ def _pending(store) -> int:
     return store.log.db.transaction("counting deltas", lambda conn, d: pending_deltas(conn, d))
 
 
-def _brute_force_expert_load(store) -> dict[tuple, int]:
-    """Every generated token's decode route (the row before it), by (version, layer, expert)."""
-    expected: dict[tuple, int] = {}
-    for s in store.samples():
-        if s.routed_experts is None:
-            continue
-        for j in np.nonzero(s.token_model_versions >= 0)[0]:
-            row = len(s.prompt_ids) + j - 1
-            if s.routed_experts_mask is not None and s.routed_experts_mask[row]:
-                continue
-            for layer, experts in enumerate(s.routed_experts[row]):
-                for e in experts:
-                    key = (int(s.token_model_versions[j]), layer, int(e))
-                    expected[key] = expected.get(key, 0) + 1
-    return expected
+def _brute_force_expert_load(store, every: int = EXPERT_SAMPLE_EVERY) -> dict[tuple, int]:
+    """Every counted generated token's decode route (the row before it), by (version, layer, expert)."""
+    return brute_force_expert_load(store.samples(), every)
 
 
 def _expert_load_read(store) -> dict[tuple, int]:
     """What the run view reads: the compacted totals plus the commits' arrays not compacted yet."""
     with store.log.read_engine.connect() as conn:
-        totals = conn.execute(text("SELECT model_version, layer, expert, routed FROM agg_expert_load")).all()
         arrays = expert_arrays(conn.execute(text(expert_load_sql())).all())
     out: dict[tuple, int] = {}
-    for v, l_, e, n in totals:
-        out[(int(v), int(l_), int(e))] = out.get((int(v), int(l_), int(e)), 0) + int(n)
     for v, c in arrays.items():
         for (l_, e), n in np.ndenumerate(c):
             out[(v, l_, e)] = out.get((v, l_, e), 0) + int(n)
@@ -113,6 +99,11 @@ def test_a_commit_notes_its_segment_and_the_compaction_counts_its_expert_load_on
     assert _expert_load_read(store) == _brute_force_expert_load(store)  # both layouts, every version
     assert _pending(store) == 0
     assert compact_run_aggregates(store) == 0 and _expert_load_read(store) == _brute_force_expert_load(store)
+    with store.log.read_engine.connect() as conn:  # ONE row per model version, both layouts summed in
+        rows = conn.execute(text("SELECT model_version, layers, experts FROM agg_expert_load")).all()
+    versions = sorted({k[0] for k in _brute_force_expert_load(store)})
+    assert sorted(int(r[0]) for r in rows) == versions and len(versions) >= 4
+    assert {(r[1], r[2]) for r in rows} <= {(4, 16), (6, 16)}  # a version's layouts: their union
     counted = sample_counts(list(store.samples()))["agg_expert_load"]  # one int64 array per version
     assert len(counted) >= 4 and all(isinstance(c, np.ndarray) and c.dtype == np.int64 for c in counted.values())
 
@@ -262,3 +253,90 @@ print("ok")
     got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
     assert got.returncode == 0 and got.stdout.strip() == "ok", got.stderr[-2000:]
+
+
+@pytest.mark.postgres
+def test_two_compactions_adding_to_one_version_at_once_lose_nothing(fresh_pg_url, tmp_path):
+    """The expert load is one row per model version, read, summed and written back: a
+    compaction adding to a version another holds (its transaction open) waits for it and then
+    adds to what it wrote, for a version both create as well as for one that exists."""
+    from trajstore.log._aggregates import add_expert_arrays
+
+    store = trajstore.connect(fresh_pg_url, payload=str(tmp_path / "payload"))
+    engine = create_engine(fresh_pg_url)
+    d = store.log.db.dialect
+    try:
+        add_once = {5: np.arange(12, dtype=np.int64).reshape(3, 4)}
+        with engine.begin() as conn:
+            add_expert_arrays(conn, d, {4: np.ones((3, 4), np.int64)})  # an existing version
+        done: dict = {}
+        with engine.connect() as held:
+            held.begin()
+            add_expert_arrays(held, d, {4: np.ones((3, 4), np.int64), **add_once})
+
+            def other() -> None:
+                with engine.begin() as conn:
+                    add_expert_arrays(conn, d, {4: np.full((2, 6), 2, np.int64), 5: np.ones((3, 4), np.int64)})
+                done["ok"] = True
+
+            t = threading.Thread(target=other)
+            t.start()
+            t.join(1.0)
+            assert t.is_alive() and "ok" not in done  # waits for the held compaction's rows
+            held.commit()
+        t.join(30)
+        assert done.get("ok")
+        with engine.connect() as conn:
+            got = expert_arrays(conn.execute(text(expert_load_sql())).all())
+            assert conn.execute(text("SELECT count(*) FROM agg_expert_load")).scalar_one() == 2
+        four = np.zeros((3, 6), np.int64)
+        four[:, :4] += 2
+        four[:2, :] += 2
+        assert got[4].tolist() == four.tolist()
+        assert got[5].tolist() == (add_once[5] + 1).tolist()
+    finally:
+        engine.dispose()
+        store.close()
+
+
+def test_the_expert_load_counts_one_route_in_every_within_its_stated_error(store):
+    """By default one decode route in ``EXPERT_SAMPLE_EVERY`` is counted (each that many times):
+    the same routes at every count (a recount gives the same arrays), an estimate of the exact
+    load within the error the page states; a store set to 1 counts every route, exactly."""
+    from trajstore.log._aggregate_counts import expert_sample_error
+
+    for i in range(6):
+        cfg = RolloutConfig(turns=2, prompt_tokens=8, output_tokens=400, observation_tokens=4, num_experts=8,
+                            layers=2, topk=2, seed=i)
+        store.append(trajectory_events(cfg, 2000 + i, version=0))
+    store.materialize()
+    compact_run_aggregates(store)
+    sampled = _expert_load_read(store)
+    assert sampled == _brute_force_expert_load(store, EXPERT_SAMPLE_EVERY) and EXPERT_SAMPLE_EVERY > 1
+    exact = _brute_force_expert_load(store, 1)
+    assert sampled != exact and set(sampled) <= set(exact)
+    got, want = np.zeros((2, 8)), np.zeros((2, 8))
+    for (v, l_, e), n in sampled.items():
+        got[l_, e] += n
+    for (v, l_, e), n in exact.items():
+        want[l_, e] += n
+    stated = expert_sample_error(got, EXPERT_SAMPLE_EVERY)  # what the page says (2 σ), at the (layer, expert) grain
+    off = got / want - 1  # 16 cells: their spread is about σ, none beyond 4 σ
+    assert 0 < stated < 0.5 and np.sqrt((off ** 2).mean()) <= stated * 0.75 and np.abs(off).max() <= 2 * stated
+    assert abs(got.sum() / want.sum() - 1) < stated / 4  # the total: far closer
+    rebuild_aggregates(store)
+    assert _expert_load_read(store) == sampled  # a recount samples the same routes
+    count_expert_load_every(store, 1)
+    rebuild_aggregates(store)
+    assert _expert_load_read(store) == exact
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "eight", "2.5"])
+def test_a_bad_expert_load_sampling_setting_is_a_validation_error_naming_it(value):
+    from trajstore.errors import ValidationError
+    from trajstore.log._aggregate_counts import EXPERT_SAMPLE_SETTING, expert_sample_every
+
+    with pytest.raises(ValidationError) as e:
+        expert_sample_every(value)
+    assert e.value.rule == "store_settings" and EXPERT_SAMPLE_SETTING in str(e.value) and repr(value) in str(e.value)
+    assert expert_sample_every(None) == EXPERT_SAMPLE_EVERY and expert_sample_every(" 4 ") == 4

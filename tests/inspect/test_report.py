@@ -14,7 +14,8 @@ from dataclasses import replace
 import pytest
 
 import trajstore
-from tests.helpers import reader_url_for
+from tests.helpers import brute_force_expert_load, reader_url_for
+from trajstore.log._aggregate_counts import EXPERT_SAMPLE_EVERY
 from trajstore.cli import main
 from trajstore.demo._run import DEMO_CONFIG
 from trajstore.demo._simulate import trajectory_events
@@ -251,17 +252,12 @@ def test_token_panels_agree_with_the_samples(run_store):
     for v, got, n in zip(mean["x"], mean["y"], mean["customdata"]):
         sel = keep & (versions == int(v))
         assert n == sel.sum() and got == pytest.approx(logprobs[sel].mean())
-    # Expert loads: every generated token's route row (the row of the position before it), by version.
+    # Expert loads: the counted generated tokens' route rows (the row of the position before it), by version.
     heat = panels["expert_load"]["figure"]["data"][0]
     expected: dict[int, np.ndarray] = {}
-    for s in samples:
-        for j in np.nonzero(s.token_model_versions >= 0)[0]:
-            row = len(s.prompt_ids) + j - 1
-            if s.routed_experts is None or s.routed_experts_mask[row]:
-                continue
-            v = int(s.token_model_versions[j])
-            expected.setdefault(v, np.zeros(DEMO_CONFIG.num_experts))
-            np.add.at(expected[v], s.routed_experts[row].ravel().astype(int), 1)
+    for (v, _, e), n in brute_force_expert_load(samples, EXPERT_SAMPLE_EVERY).items():
+        expected.setdefault(v, np.zeros(DEMO_CONFIG.num_experts))[e] += n
+    assert f"1 decode route in {EXPERT_SAMPLE_EVERY} counted" in panels["expert_load"]["figure"]["layout"]["title"]["text"]
     assert [int(v) for v in heat["y"]] == sorted(expected)
     for v, row in zip(heat["y"], heat["z"]):
         want = expected[int(v)]

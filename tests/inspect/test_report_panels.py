@@ -95,7 +95,10 @@ def test_the_response_length_axis_starts_at_zero():
 
 
 def test_the_expert_load_colorbar_and_legend_keep_apart():
-    rows = [(v, layer, e, 10 + (e * 7 + layer + v) % 5) for v in (1, 2) for layer in range(4) for e in range(16)]
+    import numpy as np
+
+    layer, e = np.indices((4, 16))
+    rows = [(v, 4, 16, (10 + (e * 7 + layer + v) % 5).astype("<i8").tobytes()) for v in (1, 2)]  # one array a version
     with drawing():
         fig = _panels_tokens._experts_draw(CLOCK, [_result(*rows), _result()])
     bar = next(t.colorbar for t in fig.data if t.type == "heatmap" and t.showscale is not False)

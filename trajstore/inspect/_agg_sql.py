@@ -11,7 +11,7 @@ as is)."""
 
 from __future__ import annotations
 
-__all__ = ["output_lengths", "route_drift", "expert_load", "expert_load_deltas", "logprobs", "calls", "trajectories", "base_width",
+__all__ = ["output_lengths", "route_drift", "expert_load", "logprobs", "calls", "trajectories", "base_width",
            "CALL_WIDTHS_S", "rewards", "group_variance", "staleness", "bucketed"]
 
 from trajstore.log._aggregate_counts import DRIFT_WIDTHS_S, expert_load_sql, totals_sql
@@ -42,16 +42,11 @@ def route_drift(width_s: int) -> str:
 
 
 def expert_load() -> str:
-    """Decode routes by (model_version, layer, expert), as compacted: ``routed`` (plus
-    ``expert_load_deltas()``, the commits' arrays not compacted yet)."""
-    return _totals("agg_expert_load")
-
-
-def expert_load_deltas() -> str:
-    """A query (not a relation): the materializer commits' expert-load arrays not compacted into
-    ``expert_load()`` yet: ``model_version, layers, experts, counts`` (int64 bytes of
-    [layers, experts]; ``trajstore.log._aggregate_counts.expert_arrays`` sums them)."""
-    return expert_load_sql()
+    """Decode routes per model version as counts arrays: ``model_version``, ``layers``,
+    ``experts``, ``counts`` (int64 bytes of [layers, experts]), the compacted total and the
+    commits' arrays not compacted yet, several rows per version
+    (``trajstore.log._aggregate_counts.expert_arrays`` sums them with numpy)."""
+    return f"({expert_load_sql()}) agg_expert_load"
 
 
 def logprobs() -> str:

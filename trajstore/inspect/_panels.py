@@ -87,7 +87,8 @@ PANELS: tuple[Panel, ...] = (
     Panel("expert_load", "Expert load balance (MoE routes)",
           "How often each expert was routed to when generating, relative to an even split, per model version (the "
           "MoE layers and top-k slots of every materialized sample's recorded decode routes, counted into "
-          "agg_expert_load as the materializer writes them; the newest versions) and per layer for the newest "
+          "agg_expert_load as the materializer writes them, one decode route in 8 by default with its error stated; "
+          "the newest versions) and per layer for the newest "
           "version, and the busiest expert's load over the mean (verl's max_vio + 1): the router's balance as the "
           "policy moves. Layers whose every entry is 0 (vLLM's dense layers) are left out.",
           _experts_sql, _experts_draw),

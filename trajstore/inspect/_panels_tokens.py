@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from trajstore.log._aggregate_counts import LOGPROB_BINS, LOGPROB_RANGE, expert_arrays, expert_rows, logprob_bin_edges
+from trajstore.log._aggregate_counts import (LOGPROB_BINS, LOGPROB_RANGE, expert_arrays, expert_sample_error,
+                                          expert_sample_every, expert_sample_every_sql, logprob_bin_edges)
 from trajstore.inspect._figures import (_gapped, RECENT_VERSIONS, Clock, _layout, _num, _plotly, 
                                         _right_axis, _share, _time_axis, _two_bars, _version_axis, _wide_left)
 from trajstore.inspect import _agg_sql as agg
@@ -138,12 +139,12 @@ def _logprob_sql(c: Clock) -> list[str]:
 
 
 def _experts_sql(c: Clock) -> list[str]:
-    # the compacted totals of the newest versions, and the commits' arrays not compacted yet
-    # (a few per commit since the last compaction, summed in; agg_expert_load_delta)
-    return [f"SELECT model_version, layer, expert, routed FROM {agg.expert_load()} "
+    # the newest versions' arrays: each one's compacted total and the commits' arrays not
+    # compacted yet (a few per commit since the last compaction), summed by numpy
+    return [f"SELECT model_version, layers, experts, counts FROM {agg.expert_load()} "
             f"WHERE model_version >= (SELECT max(model_version) FROM {agg.expert_load()}) - {RECENT_VERSIONS - 1} "
-            "ORDER BY model_version, layer, expert",
-            PENDING_SQL, agg.expert_load_deltas()]
+            "ORDER BY model_version",
+            PENDING_SQL, expert_sample_every_sql()]
 
 
 def _pending(r: list[QueryResult]) -> str | None:
@@ -190,17 +191,14 @@ def _experts_draw(c: Clock, r: list[QueryResult]) -> Any:
     from trajstore.inspect._routes import max_violation, moe_layers
 
     go, make_subplots = _plotly()
-    rows = list(r[0].rows)
-    if len(r) > 2 and r[2].rows:  # the arrays not compacted yet, as rows
-        rows.extend(k + tuple(v) for k, v in expert_rows(expert_arrays(r[2].rows)).items())
-        newest = max(int(row[0]) for row in rows)
-        rows = [row for row in rows if int(row[0]) > newest - RECENT_VERSIONS]
-    if not rows:
+    arrays = expert_arrays(r[0].rows)  # {version: counts[layer, expert]}, summed
+    if not arrays:
         return _pending(r) or "no materialized sample carries routes yet"
-    got = np.asarray(rows, np.int64)  # [model_version, layer, expert, routed]
-    versions, vi = np.unique(got[:, 0], return_inverse=True)
-    counts = np.zeros((len(versions), int(got[:, 1].max()) + 1, int(got[:, 2].max()) + 1))
-    np.add.at(counts, (vi, got[:, 1], got[:, 2]), got[:, 3])  # [version, layer, expert]
+    versions = sorted(arrays)
+    shape = np.max([arrays[v].shape for v in versions], axis=0)
+    counts = np.zeros((len(versions), int(shape[0]), int(shape[1])))  # [version, layer, expert]
+    for i, v in enumerate(versions):
+        counts[i, :arrays[v].shape[0], :arrays[v].shape[1]] = arrays[v]
     moe = moe_layers(counts)
     if not moe.any():
         return "the samples' routes name expert 0 only (dense layers): no MoE layer to show"
@@ -213,8 +211,10 @@ def _experts_draw(c: Clock, r: list[QueryResult]) -> Any:
     layer_share = newest / np.maximum(newest.mean(axis=1, keepdims=True), 1e-12)
     vio = max_violation(counts) + 1.0  # [version, layer]: busiest expert over the mean
     names = [str(int(v)) for v in versions]
+    every = expert_sample_every(r[2].rows[0][0] if len(r) > 2 and r[2].rows else None)
+    routes = "decode routes" if every == 1 else f"1 decode route in {every}"
     fig = make_subplots(rows=2, cols=2, column_widths=[0.68, 0.32], vertical_spacing=0.14, subplot_titles=(
-        f"load per expert relative to an even split, per version (every sample, decode routes, "
+        f"load per expert relative to an even split, per version (every sample, {routes}, "
         f"{len(layers)} MoE layers)",
         "busiest expert / mean, per version (1 = balanced)",
         f"load per expert and layer, version {names[-1]}", f"busiest expert / mean per layer, version {names[-1]}"))
@@ -236,8 +236,13 @@ def _experts_draw(c: Clock, r: list[QueryResult]) -> Any:
     fig.update_yaxes(title_text="layer", type="category", row=2, col=1)
     fig.update_xaxes(title_text="layer", type="category", row=2, col=2)
     _version_axis(fig, row=1, col=2)
-    if _pending(r):
-        _layout(fig, title=dict(text=PENDING_NOTE, font=dict(size=11)))
+    notes = [PENDING_NOTE] if _pending(r) else []
+    if every > 1:  # sampled counting: its error at the finest grain shown (a layer's expert, newest version)
+        notes.append(f"sampled: 1 decode route in {every} counted (x{every}); a (layer, expert) load of version "
+                     f"{names[-1]} within ±{100 * expert_sample_error(newest, every):.1g}% (2 σ), "
+                     f"an expert's over all layers ±{100 * expert_sample_error(per_version[-1], every):.1g}%")
+    if notes:
+        _layout(fig, title=dict(text="<br>".join(notes), font=dict(size=11)))
     # the legend at the bottom right, below the colorbar (top right): neither covers the other
     return _layout(fig, height=620, barmode="group", legend=dict(y=0.0, yanchor="bottom", x=1.02))
 

@@ -15,11 +15,11 @@ checkpoint) never count twice:
   ``agg_trajectories``);
 * ``sample_counts(samples)``: a materializer commit's default samples (their
   token columns, decoded for the sample segment): decode-route expert load per
-  (model version, layer, expert) and rollout-logprob histograms per model
-  version (``agg_expert_load``, ``agg_logprobs``).
+  model version (one [layer, expert] counts array each) and rollout-logprob
+  histograms per model version (``agg_expert_load``, ``agg_logprobs``).
 
-``Counts`` maps each table to ``{key: [values]}``; ``trajstore.log._aggregates``
-adds them to the tables.
+``Counts`` maps each table to ``{key: [values]}`` (``agg_expert_load``: ``{(version,):
+counts array}``); ``trajstore.log._aggregates`` adds them to the tables.
 
 Reading: a key's count is the SUM of its rows (the MAX for ``MAX_VALUES``). The tables
 the append counts (``agg_output_lengths``, ``agg_route_drift``, ``agg_calls``,
@@ -33,14 +33,18 @@ from __future__ import annotations
 
 import json
 import math
+import zlib
 from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from trajstore.errors import ValidationError
+
 __all__ = ["Counts", "LOGPROB_RANGE", "LOGPROB_BINS", "DRIFT_WIDTHS_S", "KEYS", "VALUES", "MAX_VALUES", "MIN_VALUES",
            "DELTA_ROWS", "FOLD_DELTAS", "NONE", "TRAJECTORY_TABLES", "SUMMED_REWARD_BOUND", "TASK_KEYS", "task_sql", "trajectory_record", "event_counts", "trajectory_counts", "sample_summary_counts",
            "group_contribution",
-           "sample_counts", "totals_sql", "expert_load_sql", "expert_arrays", "expert_rows", "logprob_bin_edges", "decode_routes", "count_routes"]
+           "sample_counts", "totals_sql", "expert_load_sql", "expert_arrays", "expert_array_rows", "logprob_bin_edges", "decode_routes", "count_routes",
+           "EXPERT_SAMPLE_EVERY", "EXPERT_SAMPLE_SETTING", "expert_sample_every_sql", "expert_sample_error"]
 
 LOGPROB_RANGE = (-12.0, 0.0)
 LOGPROB_BINS = 48
@@ -48,6 +52,49 @@ LOGPROB_BINS = 48
 (a change of either needs ``trajstore report --rebuild-aggregates``)."""
 DRIFT_WIDTHS_S = (1, 60, 3600)
 """Bucket widths the route drift is kept at: every width of the page's ladder is a multiple of one."""
+
+EXPERT_SAMPLE_EVERY = 8
+"""The expert load counts one decode route in this many (every 8th generated token of a
+sample, from a phase of its own), each counted this many times: an estimate of the exact
+count with no bias. Counting every route costs about as much CPU as the fold itself
+(numpy's ``bincount`` over [tokens, layers, top-k] keys, ~0.8 us a token at 48x8); one in
+8 costs an eighth. The error is stated on the page (``expert_sample_error``). A store's
+``store_settings`` row ``EXPERT_SAMPLE_SETTING`` overrides it (``1``: every route, exact);
+a change applies to what is counted after it (``trajstore report --rebuild-aggregates``
+recounts all)."""
+EXPERT_SAMPLE_SETTING = "expert_load_sample_every"
+
+
+def expert_sample_every_sql() -> str:
+    """The store's ``EXPERT_SAMPLE_SETTING`` row (none: ``EXPERT_SAMPLE_EVERY``)."""
+    return f"SELECT value FROM store_settings WHERE name = '{EXPERT_SAMPLE_SETTING}'"
+
+
+def expert_sample_every(value: Any) -> int:
+    """The sampling stride of a ``store_settings`` value (None: the default)."""
+    if value is None:
+        return EXPERT_SAMPLE_EVERY
+    try:
+        every = int(str(value).strip())
+    except ValueError:
+        every = 0
+    if every < 1:
+        raise ValidationError(f"store_settings {EXPERT_SAMPLE_SETTING} = {value!r}: expected a whole number >= 1",
+                              rule="store_settings")
+    return every
+
+
+def expert_sample_error(counts: np.ndarray, every: int) -> float:
+    """The relative error (two standard errors) of a per-expert load estimated from one decode
+    route in ``every``, at the mean per-expert count of ``counts[..., expert]`` (estimates,
+    each sampled route counted ``every`` times): ``2 sqrt((every - 1) / mean)``, the
+    binomial error of a count of ``mean / every`` sampled routes scaled by ``every``. 0
+    when every route is counted."""
+    if every <= 1:
+        return 0.0
+    mean = float(np.asarray(counts, np.float64).mean()) if np.size(counts) else 0.0
+    return math.inf if mean <= 0 else 2.0 * math.sqrt((every - 1) / mean)
+
 
 Counts = dict[str, dict[tuple, list[float]]]
 MAX_VALUES = {"agg_calls": (5,), "agg_rewards": (3,), "agg_groups": (5, 6), "agg_staleness": (3, 4)}
@@ -61,7 +108,7 @@ sample without a model version, a sample without a staleness (read back with ``N
 CALL_NO_VERSION, CALL_NO_REASON = -1, ""
 """``agg_calls``' key for a call without a model version, without a finish reason."""
 
-KEYS = {"agg_expert_load": ("model_version", "layer", "expert"), "agg_logprobs": ("model_version", "bin"),
+KEYS = {"agg_logprobs": ("model_version", "bin"),
         "agg_output_lengths": ("model_version", "output_len"), "agg_route_drift": ("width_s", "bucket_start"),
         "agg_calls": ("width_s", "bucket_start", "model_version", "finish_reason"),
         "agg_trajectories": ("width_s", "bucket_start", "status"),
@@ -70,8 +117,9 @@ KEYS = {"agg_expert_load": ("model_version", "layer", "expert"), "agg_logprobs":
         "agg_tasks": ("task",), "agg_versions": ("model_version",), "agg_groups": ("group_id",),
         "agg_group_variance": ("width_s", "bucket_start"), "agg_samples": ("kind", "value"),
         "agg_staleness": ("width_s", "bucket_start"), "agg_policy_versions": ("model_version",)}
-"""Each aggregate table's key columns."""
-VALUES = {"agg_expert_load": ("routed",), "agg_logprobs": ("tokens", "logprob_sum"),
+"""Each aggregate table's key columns (``agg_expert_load``, one counts array per model
+version, is not keyed by columns: ``expert_load_sql``)."""
+VALUES = {"agg_logprobs": ("tokens", "logprob_sum"),
           "agg_output_lengths": ("calls",), "agg_route_drift": ("rows_resent", "rows_compared", "rows_drifted"),
           "agg_calls": ("calls", "output_tokens", "observed_tokens", "prefix_mismatches", "calls_with_routes",
                         "max_output_len", "route_rows_resent", "route_rows_compared", "route_rows_drifted"),
@@ -109,7 +157,7 @@ def totals_sql(table: str, *, where: str = "", order: bool = True) -> str:
     materializer's (``FOLD_DELTAS``) total rows and those of its ``<table>_delta`` beside it;
     a table of one row per key (``agg_group_variance``, written by the compaction only) is
     selected as it is, no grouping (its primary key serves the read). ``agg_expert_load``
-    holds the compacted totals only: ``expert_load_sql`` reads the commits' arrays besides."""
+    holds arrays, not keyed counts: ``expert_load_sql`` reads it."""
     keys, values = ", ".join(KEYS[table]), VALUES[table]
     cut, ordered = f" WHERE {where}" if where else "", f" ORDER BY {keys}" if order else ""
     if table not in DELTA_ROWS and table not in FOLD_DELTAS:
@@ -126,16 +174,20 @@ def totals_sql(table: str, *, where: str = "", order: bool = True) -> str:
 
 
 def expert_load_sql(where: str = "") -> str:
-    """The commits' expert-load arrays not compacted yet (``agg_expert_load_delta``):
-    ``model_version, layers, experts, counts`` (int64 bytes of [layers, experts]); a key's
-    load is its ``agg_expert_load`` total plus these (``add_expert_rows``)."""
-    return f"SELECT model_version, layers, experts, counts FROM agg_expert_load_delta{f' WHERE {where}' if where else ''}"
+    """The expert-load arrays: each model version's compacted total (``agg_expert_load``, one
+    row per version) and the commits' arrays not compacted yet (``agg_expert_load_delta``),
+    as ``model_version, layers, experts, counts`` rows (int64 bytes of [layers, experts]);
+    a version's load is the sum of its rows (``expert_arrays``). ``where``: a condition on
+    ``model_version``, applied to both tables."""
+    cut = f" WHERE {where}" if where else ""
+    return (f"SELECT model_version, layers, experts, counts FROM agg_expert_load{cut} UNION ALL "
+            f"SELECT model_version, layers, experts, counts FROM agg_expert_load_delta{cut}")
 
 
 def expert_arrays(rows: Iterable[Sequence[Any]]) -> dict[int, np.ndarray]:
-    """``{model_version: counts[layer, expert]}``, summed, of ``agg_expert_load_delta`` rows
-    (``model_version, layers, experts, counts``); layouts of one version are summed into
-    the union of their shapes."""
+    """``{model_version: counts[layer, expert]}``, summed, of ``agg_expert_load`` or
+    ``agg_expert_load_delta`` rows (``model_version, layers, experts, counts``); layouts of
+    one version are summed into the union of their shapes."""
     out: dict[int, np.ndarray] = {}
     for version, layers, experts, counts in rows:
         _add_array(out, int(version), np.frombuffer(bytes(counts), "<i8").reshape(int(layers), int(experts)))
@@ -154,14 +206,15 @@ def _add_array(into: dict[int, np.ndarray], version: int, c: np.ndarray) -> None
     have[:c.shape[0], :c.shape[1]] += c
 
 
-def expert_rows(arrays: Mapping[int, np.ndarray]) -> dict[tuple, list[float]]:
-    """``agg_expert_load`` rows (``{(version, layer, expert): [routed]}``) of counts arrays:
-    for the compaction and a rebuild, never a commit."""
-    out: dict[tuple, list[float]] = {}
-    for version, c in arrays.items():
-        layers, experts = np.indices(c.shape)
-        out.update(((version, int(l_), int(e)), [int(n)]) for l_, e, n in zip(layers.ravel(), experts.ravel(), c.ravel()))
-    return out
+def expert_array_rows(arrays: Mapping[int, np.ndarray]) -> list[tuple[int, int, int, bytes]]:
+    """``(model_version, layers, experts, counts)`` rows of counts arrays (``{version:
+    counts[layer, expert]}``), in version order: the columns of ``agg_expert_load`` and
+    ``agg_expert_load_delta``."""
+    rows = []
+    for version, c in sorted(arrays.items()):
+        c = np.ascontiguousarray(c, "<i8")
+        rows.append((int(version), int(c.shape[0]), int(c.shape[1]), c.tobytes()))
+    return rows
 
 
 def _add(into: dict[tuple, list[float]], key: tuple, values: Sequence[float], maxima: Sequence[int] = (),
@@ -398,26 +451,29 @@ def logprob_bin_edges() -> np.ndarray:
 
 
 def sample_counts(samples: Iterable[Any], num_experts: Mapping[str, int | None] | None = None, *,
-                  experts: bool = True) -> Counts:
+                  experts: bool = True, every: int = 1, logprobs: bool = True) -> Counts:
     """The aggregates of samples' token columns: expert load of their decode routes and
     their generated loss tokens' rollout logprobs. ``agg_expert_load`` is
     ``{(model_version,): counts[layer, expert]}`` (an int64 array: every expert below
     ``num_experts[trajectory_id]`` and the highest id routed to), one per version.
     ``experts`` False: the logprobs only (the materializer's commit: the compaction counts
-    the expert load of its segment, ``trajstore.log._aggregates.count_pending_experts``)."""
-    logprobs: dict[tuple, list[float]] = {}
+    the expert load of its segment, ``trajstore.log._aggregates.count_pending_experts``).
+    ``every``: count one decode route in ``every`` (``decode_routes``), each ``every`` times.
+    ``logprobs`` False: the expert load only (the compaction's count of a committed segment)."""
+    histogram: dict[tuple, list[float]] = {}
     per_version: dict[int, np.ndarray] = {}  # [layer, expert] counts
     lps: list[np.ndarray] = []  # generated loss tokens' logprobs and versions, per sample
     lvs: list[np.ndarray] = []
     routed: dict[tuple, tuple[list, list, list]] = {}  # layout -> decode rows, their versions, num_experts
     edges = logprob_bin_edges()
     for s in samples:
-        v = np.asarray(s.token_model_versions)
-        keep = (v >= 0) & np.asarray(s.logprobs_mask, bool) & np.asarray(s.loss_mask, bool)
-        if keep.any():
-            lps.append(np.asarray(s.rollout_logprobs, np.float64)[keep])
-            lvs.append(v[keep])
-        got = decode_routes(s) if experts else None
+        if logprobs:
+            v = np.asarray(s.token_model_versions)
+            keep = (v >= 0) & np.asarray(s.logprobs_mask, bool) & np.asarray(s.loss_mask, bool)
+            if keep.any():
+                lps.append(np.asarray(s.rollout_logprobs, np.float64)[keep])
+                lvs.append(v[keep])
+        got = decode_routes(s, every) if experts else None
         if got is None or not len(got[0]):
             continue
         declared = int((num_experts or {}).get(s.trajectory_id) or 0)
@@ -434,27 +490,37 @@ def sample_counts(samples: Iterable[Any], num_experts: Mapping[str, int | None] 
         n = np.bincount(key, minlength=len(versions) * LOGPROB_BINS)
         total = np.bincount(key, weights=lp, minlength=len(versions) * LOGPROB_BINS)
         for k in np.flatnonzero(n):
-            _add(logprobs, (int(versions[k // LOGPROB_BINS]), int(k % LOGPROB_BINS)), (int(n[k]), float(total[k])))
+            _add(histogram, (int(versions[k // LOGPROB_BINS]), int(k % LOGPROB_BINS)), (int(n[k]), float(total[k])))
     for rows_of, versions_of, (declared,) in routed.values():  # one count per layout, not per sample
         rows = rows_of[0] if len(rows_of) == 1 else np.concatenate(rows_of)
         versions, vi = np.unique(np.concatenate(versions_of), return_inverse=True)
         counts = count_routes(rows, max(declared, int(rows.max()) + 1), vi if len(versions) > 1 else None,
                               len(versions))
+        if every > 1:
+            counts *= every
         for i, version in enumerate(versions.tolist()):
             _add_array(per_version, int(version), counts[i])
-    out = _nonempty({"agg_logprobs": logprobs})
+    out = _nonempty({"agg_logprobs": histogram})
     if per_version:  # one array per version: no row per (layer, expert)
         out["agg_expert_load"] = {(v,): c for v, c in per_version.items()}  # type: ignore[dict-item]
     return out
 
 
-def decode_routes(sample: Any) -> tuple[np.ndarray, np.ndarray] | None:
+def decode_routes(sample: Any, every: int = 1) -> tuple[np.ndarray, np.ndarray] | None:
     """``(rows [n, layers, topk], versions [n])``: the routes that generated the sample's
-    tokens and those tokens' model versions; None when the sample has no routes."""
+    tokens and those tokens' model versions; None when the sample has no routes. ``every``
+    > 1: only the generated tokens at a response position ``p`` with ``(p + phase) % every
+    == 0``, ``phase`` fixed by the sample's trajectory and index (the same rows at every
+    count of the sample, a recount included; phases of samples spread evenly)."""
     if sample.routed_experts is None:
         return None
     versions = np.asarray(sample.token_model_versions)
-    gen = np.flatnonzero(versions >= 0)
+    if every > 1:
+        phase = zlib.crc32(f"{sample.trajectory_id}/{sample.sample_index}".encode()) % every
+        gen = np.arange((-phase) % every, len(versions), every)
+        gen = gen[versions[gen] >= 0]
+    else:
+        gen = np.flatnonzero(versions >= 0)
     rows = len(sample.prompt_ids) + gen - 1
     ok = (rows >= 0) & (rows < len(sample.routed_experts))
     if sample.routed_experts_mask is not None:

@@ -3,10 +3,13 @@ transaction that stores what they count, and rebuilt from the log and the sample
 
 Two ways of adding, by who adds:
 
-* the materializer's commit (``agg_expert_load``, ``agg_logprobs``): ``add_counts``,
-  one ``INSERT ... ON CONFLICT DO UPDATE`` executemany per table (SQLite and
-  PostgreSQL spell it alike), keys sorted so two transactions adding to the same
-  keys take their row locks in one order (no deadlock between materializer shards);
+* the compaction and a rebuild (the totals): ``add_counts``, one ``INSERT ... ON
+  CONFLICT DO UPDATE`` executemany per table (SQLite and PostgreSQL spell it alike),
+  keys sorted so two transactions adding to the same keys take their row locks in one
+  order; the expert load, one counts array per model version, by ``add_expert_arrays``
+  (the version's row read, summed by numpy, written back: one row per version, not one
+  per (layer, expert)). The materializer's commit inserts rows of its own
+  (``insert_fold_deltas``);
 * the append (``agg_output_lengths``, ``agg_route_drift``, ``agg_calls``,
   ``agg_trajectories``): ``insert_deltas``,
   plain INSERTs of the append's own rows (``delta`` true). Appends are many and
@@ -29,10 +32,10 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from trajstore.log._aggregate_counts import (DELTA_ROWS, FOLD_DELTAS, KEYS, MAX_VALUES, MIN_VALUES, TRAJECTORY_TABLES, VALUES,
-                                   Counts, _add, _add_array, _buckets, event_counts, expert_rows, group_contribution,
-                                   sample_counts, sample_summary_counts, task_sql, totals_sql,
-                                   trajectory_counts, trajectory_record)
+from trajstore.log._aggregate_counts import (
+    DELTA_ROWS, FOLD_DELTAS, KEYS, MAX_VALUES, MIN_VALUES, TRAJECTORY_TABLES, VALUES, Counts, _add, _add_array, _buckets,
+    event_counts, expert_array_rows, expert_arrays, expert_sample_every, expert_sample_every_sql, group_contribution,
+    sample_counts, sample_summary_counts, task_sql, totals_sql, trajectory_counts, trajectory_record)
 from trajstore.log._dialect import SqlDialect, chunks, execute
 from trajstore.schema import (agg_calls, agg_expert_load, agg_expert_load_delta, agg_expert_pending, agg_group_variance, agg_groups,
                               agg_groups_delta, agg_logprobs, agg_logprobs_delta, agg_output_lengths,
@@ -43,13 +46,13 @@ from trajstore.schema import (agg_calls, agg_expert_load, agg_expert_load_delta,
                               samples, store_settings, trajectories)
 
 __all__ = ["TABLES", "DELTA_TABLES", "FOLD_DELTA_TABLES", "PENDING", "COMPACT_ROWS", "add_counts", "insert_deltas",
-           "insert_fold_deltas", "compact_aggregates", "pending_deltas", "note_expert_pending",
-           "count_pending_experts", "EXPERT_SEGMENTS",
+           "insert_fold_deltas", "add_expert_arrays", "compact_aggregates", "pending_deltas", "note_expert_pending",
+           "count_pending_experts", "sample_every", "EXPERT_SEGMENTS",
            "write_event_aggregates", "compact_event_aggregates", "rebuild_event_aggregates",
            "rebuild_sample_aggregates", "count_commit", "count_trajectories", "count_sample_rows",
            "count_policy_versions", "settle_groups", "rebuild_trajectory_aggregates", "events_of_sql"]
 
-TABLES = {t.name: t for t in (agg_expert_load, agg_logprobs, agg_output_lengths, agg_route_drift, agg_calls,
+TABLES = {t.name: t for t in (agg_logprobs, agg_output_lengths, agg_route_drift, agg_calls,
                                agg_trajectories, agg_rewards, agg_trajectory_shapes, agg_tasks, agg_versions,
                                agg_groups, agg_group_variance, agg_samples, agg_staleness, agg_policy_versions)}
 DELTA_TABLES = {name: TABLES[name] for name in DELTA_ROWS}
@@ -137,12 +140,12 @@ def insert_fold_deltas(conn: Any, d: SqlDialect, counts: Mapping[str, Mapping[tu
         if not part:
             continue
         if name == "agg_expert_load":
-            rows = []
-            for (version, *rest), c in sorted(part.items(), key=lambda kv: kv[0]):
+            arrays = {}
+            for (version, *rest), c in part.items():
                 if rest:  # a (version, layer, expert) row: not how a commit counts
                     raise ValueError("agg_expert_load counts of a commit are one array per model version")
-                c = np.ascontiguousarray(c, "<i8")
-                rows.append((int(version), int(c.shape[0]), int(c.shape[1]), c.tobytes()))
+                _add_array(arrays, int(version), np.asarray(c, np.int64))
+            rows = expert_array_rows(arrays)
             sql = d._cached(("fold_deltas", name), lambda: (
                 f"INSERT INTO {d.table(agg_expert_load_delta)} (model_version, layers, experts, counts) "
                 f"VALUES ({d.marks(4)})"))
@@ -157,6 +160,34 @@ def insert_fold_deltas(conn: Any, d: SqlDialect, counts: Mapping[str, Mapping[tu
 
         sql = d._cached(("fold_deltas", name), build)
         execute(conn, sql, [(*k, *v) for k, v in sorted(part.items())])
+
+
+def add_expert_arrays(conn: Any, d: SqlDialect, arrays: Mapping[int, np.ndarray]) -> None:
+    """Add expert-load arrays (``{model_version: counts[layer, expert]}``) to their versions'
+    ``agg_expert_load`` rows, in the caller's write transaction: one row per version is
+    read, summed by numpy (layouts of one version summed into the union of their shapes)
+    and written back. On PostgreSQL a missing row is first inserted empty (``ON CONFLICT DO
+    NOTHING``: two compactions adding a new version at once both find it) and the rows are
+    locked in version order (``FOR UPDATE``) before the read, so two compactions adding to
+    one version take turns and neither loses the other's counts."""
+    if not arrays:
+        return
+    t = d.table(agg_expert_load)
+    versions = sorted(int(v) for v in arrays)
+    execute(conn, d._cached(("expert_load_seed",), lambda: (
+        f"INSERT INTO {t} (model_version, layers, experts, counts) VALUES ({d.marks(4)}) "
+        "ON CONFLICT (model_version) DO NOTHING")), [(v, 0, 0, b"") for v in versions])
+    summed: dict[int, np.ndarray] = {}
+    lock = "" if d.single_writer else " FOR UPDATE"
+    for part in chunks(versions):
+        have = execute(conn, f"SELECT model_version, layers, experts, counts FROM {t} WHERE model_version IN "
+                             f"({d.marks(len(part))}) ORDER BY model_version{lock}", tuple(part)).fetchall()
+        summed.update(expert_arrays(r for r in have if int(r[1]) and int(r[2])))
+    for v in versions:
+        _add_array(summed, v, np.asarray(arrays[v], np.int64))
+    execute(conn, d._cached(("expert_load_set",), lambda: (
+        f"UPDATE {t} SET layers = {d.p}, experts = {d.p}, counts = {d.p} WHERE model_version = {d.p}")),
+        [(layers, experts, counts, v) for v, layers, experts, counts in expert_array_rows(summed)])
 
 
 def write_event_aggregates(conn: Any, d: SqlDialect, rows: Sequence[Mapping[str, Any]]) -> None:
@@ -237,10 +268,7 @@ def compact_aggregates(conn: Any, d: SqlDialect, *, limit: int = COMPACT_ROWS) -
         n += len(got)
     got = _take(conn, d, agg_expert_load_delta, ("model_version", "layers", "experts", "counts"), limit)
     if got:
-        arrays: dict[int, np.ndarray] = {}
-        for version, layers, experts, counts in got:
-            _add_array(arrays, int(version), np.frombuffer(bytes(counts), "<i8").reshape(int(layers), int(experts)))
-        add_counts(conn, d, {"agg_expert_load": expert_rows(arrays)})
+        add_expert_arrays(conn, d, expert_arrays(got))
         n += len(got)
     if groups:
         settle_groups(conn, d, groups)
@@ -266,6 +294,13 @@ def note_expert_pending(conn: Any, d: SqlDialect, segment: str) -> None:
         f"INSERT INTO {d.table(agg_expert_pending)} (segment) VALUES ({d.p})")), (segment,))
 
 
+def sample_every(conn: Any) -> int:
+    """The store's expert-load sampling stride (``trajstore.log._aggregate_counts.EXPERT_SAMPLE_EVERY``,
+    or its ``store_settings`` row); a bad row is a one-line ``ValueError`` naming it."""
+    got = execute(conn, expert_sample_every_sql(), ()).fetchone()
+    return expert_sample_every(None if got is None else got[0])
+
+
 def count_pending_experts(conn: Any, d: SqlDialect, load: Callable[[list[dict[str, Any]]], list[Any]], *,
                           limit: int = EXPERT_SEGMENTS) -> int:
     """Count the decode-route expert load of up to ``limit`` committed sample segments noted in
@@ -280,6 +315,7 @@ def count_pending_experts(conn: Any, d: SqlDialect, load: Callable[[list[dict[st
         return 0
     s, t = d.table(samples), d.table(trajectories)
     arrays: dict[int, np.ndarray] = {}
+    every = sample_every(conn)
     for (segment,) in got:
         rows = [dict(zip(("trajectory_id", "segment", "segment_row", "num_experts"), r)) for r in execute(
             conn, f"SELECT s.trajectory_id, s.segment, s.segment_row, tr.num_experts FROM {s} s "
@@ -287,11 +323,11 @@ def count_pending_experts(conn: Any, d: SqlDialect, load: Callable[[list[dict[st
                   "ORDER BY s.segment_row", (segment,)).fetchall()]
         if not rows:
             continue
-        counted = sample_counts(load(rows), {r["trajectory_id"]: r["num_experts"] for r in rows})
+        counted = sample_counts(load(rows), {r["trajectory_id"]: r["num_experts"] for r in rows}, every=every,
+                                logprobs=False)
         for (version,), c in counted.get("agg_expert_load", {}).items():
             _add_array(arrays, int(version), c)  # type: ignore[arg-type]
-    if arrays:
-        add_counts(conn, d, {"agg_expert_load": expert_rows(arrays)})
+    add_expert_arrays(conn, d, arrays)
     return len(got)
 
 
@@ -341,6 +377,7 @@ def rebuild_sample_aggregates(conn: Any, d: SqlDialect, read: Callable[[list[tup
     s, t = d.table(samples), d.table(trajectories)
     after: tuple = ("", -1)
     n = 0
+    every = sample_every(conn)
     while True:
         got = execute(conn, f"SELECT s.trajectory_id, s.sample_index, s.segment, s.segment_row, tr.num_experts "
                       f"FROM {s} s JOIN {t} tr ON tr.trajectory_id = s.trajectory_id "
@@ -349,9 +386,9 @@ def rebuild_sample_aggregates(conn: Any, d: SqlDialect, read: Callable[[list[tup
                       (after[0], after[0], after[1])).fetchall()
         if not got:
             break
-        counts = sample_counts(read([tuple(r[:4]) for r in got]), {r[0]: r[4] for r in got})
+        counts = sample_counts(read([tuple(r[:4]) for r in got]), {r[0]: r[4] for r in got}, every=every)
         arrays = counts.pop("agg_expert_load", {})
-        counts["agg_expert_load"] = expert_rows({k[0]: c for k, c in arrays.items()})  # type: ignore[misc]
+        add_expert_arrays(conn, d, {k[0]: c for k, c in arrays.items()})  # type: ignore[misc]
         add_counts(conn, d, counts)
         n += len(got)
         after = (got[-1][0], got[-1][1])

@@ -67,6 +67,15 @@ def test_every_link_finds_its_file_and_heading():
     assert not bad, "\n".join(bad)
 
 
+def test_the_map_names_every_page_in_guide_or_internals():
+    """docs/README.md is the map: each page of docs/ is linked from its Guide or its Internals part."""
+    text = (REPO / "docs" / "README.md").read_text()
+    guide, internals = text.split("\n## Guide\n")[1].split("\n## Internals\n")
+    linked = set(re.findall(r"\]\(([a-z0-9-]+\.md)\)", guide)) | set(re.findall(r"\]\(([a-z0-9-]+\.md)\)", internals))
+    pages = {p.name for p in (REPO / "docs").glob("*.md")} - {"README.md"}
+    assert pages <= linked, sorted(pages - linked)
+
+
 def commands(path: Path):
     """(line, command) for every ``trajstore ...`` a page shows: in shell blocks (continued
     lines joined) and in inline code, each segment of ``&&``, ``;``, ``|`` on its own."""

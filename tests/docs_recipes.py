@@ -16,8 +16,8 @@ The comment is a list of ``keyword [argument]`` pairs, quoted as a shell quotes:
 block, e.g. the ``python agent.py`` the prose asks for after ``save``, or the
 command of a block whose first line installs the package the test already runs
 from), ``background`` (started and left running until the page's walk ends, then
-stopped as a terminal's Ctrl-C does, SIGINT, or with ``stop TERM`` by SIGTERM: it
-must exit 0), ``ready TEXT`` (with ``background``: wait for TEXT in its output),
+stopped as a terminal's Ctrl-C does, SIGINT (it must exit 0, or 130 as the CLI does on
+Ctrl-C), or with ``stop TERM`` by SIGTERM (it must exit 0)), ``ready TEXT`` (with ``background``: wait for TEXT in its output),
 ``expect TEXT`` (the output holds TEXT), ``match REGEX`` (the
 output matches). Untyped blocks (synopses, output) and other languages (``sql``,
 ``yaml``) are not recipes.

@@ -35,6 +35,9 @@ WALKED = {
         "README.md:84": "continues the block above (its routes array)",
     },
     "docs/first-hour.md": {},
+    "docs/sql.md": {
+        "docs/sql.md:11": "a synopsis (its query is ...); the cookbook below runs these commands on the demo's store",
+    },
 }
 
 _PORT = re.compile(r"(?:--port[ =]|--report-port[ =]|localhost:|127\.0\.0\.1:)(\d{4,5})\b")
@@ -57,6 +60,17 @@ def _env(tmp: Path) -> dict[str, str]:
     env.update(PYTHONPATH=str(REPO), PATH=f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}", HOME=str(tmp),
                PYTHONUNBUFFERED="1", NO_COLOR="1")
     return env
+
+
+def _exported(cwd: Path, env: dict[str, str]) -> dict[str, str]:
+    """The environment a shell block left (its ``export``s), for the blocks after it: the
+    page's blocks run as in one terminal."""
+    dump = cwd / ".recipe-env"
+    if not dump.exists():
+        return env
+    pairs = [item.split("=", 1) for item in dump.read_text().split("\0") if "=" in item]
+    dump.unlink()
+    return {k: v for k, v in pairs if k not in ("SHLVL", "_", "PWD", "OLDPWD")}
 
 
 def _check_output(r: Recipe, out: str) -> None:
@@ -96,8 +110,9 @@ def _command(r: Recipe, ports: dict[str, str], cwd: Path, n: int) -> list[str]:
         lines = [line for line in r.text.replace("\\\n", " ").splitlines()
                  if line.strip() and not line.lstrip().startswith("#")]
         assert len(lines) == 1, f"{r.where}: a background block holds one command, not {lines}"
-        return ["bash", "-c", "exec " + _swap(lines[0].strip(), ports)]
-    return ["bash", "-c", shell_script(_swap(r.text, ports))]
+        line = _swap(lines[0].strip(), ports)
+        return ["bash", "-c", ("exec env " if re.match(r"^[A-Z_]+=", line) else "exec ") + line]
+    return ["bash", "-c", shell_script(_swap(r.text, ports)) + "env -0 > .recipe-env\n"]
 
 
 def walk(page: str, cwd: Path) -> list[str]:
@@ -125,6 +140,7 @@ def walk(page: str, cwd: Path) -> list[str]:
                 out = proc.stdout + proc.stderr
                 assert proc.returncode == 0, f"{r.where}: exit {proc.returncode}:\n{r.text}\n{out}"
                 _check_output(r, out)
+                env = _exported(cwd, env)
             ran.append(r.where)
     finally:
         stopped = []
@@ -139,7 +155,9 @@ def walk(page: str, cwd: Path) -> list[str]:
             stopped.append((r, proc.returncode, log))
     for r, rc, log in stopped:
         out = log.read_text()
-        assert rc == 0, f"{r.where}: a background recipe stopped by SIG{r.stop} exited {rc}:\n{out}"
+        # Ctrl-C: 0, or 130 (128 + SIGINT) with the CLI's one-line "interrupted"; SIGTERM: 0
+        clean = {0, 130} if r.stop == "INT" else {0}
+        assert rc in clean, f"{r.where}: a background recipe stopped by SIG{r.stop} exited {rc}:\n{out}"
         _check_output(r, out)
     return ran
 

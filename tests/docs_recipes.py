@@ -11,7 +11,9 @@ otherwise (invisible on the rendered page)::
     <!-- recipe: expect '"num_held_back": 1' match 'label-try\\W+42\\W+42' -->
 
 The comment is a list of ``keyword [argument]`` pairs, quoted as a shell quotes:
-``skip REASON`` (not run; the walk lists it by page, line and reason), ``save FILE``
+``skip REASON`` (not run; the walk lists it by page, line and reason), ``before COMMAND``
+(run first, in the same shell: the state the prose assumes, e.g. a store to work on,
+shown in the comment so the setup is as visible as the recipe), ``save FILE``
 (the block's text is written to FILE), ``run COMMAND`` (run this instead of the
 block, e.g. the ``python agent.py`` the prose asks for after ``save``, or the
 command of a block whose first line installs the package the test already runs
@@ -34,7 +36,7 @@ from pathlib import Path
 RUNNABLE = {"bash", "sh", "shell", "python"}
 _FENCE = re.compile(r"^(?P<indent>[ \t]*)```(?P<lang>[A-Za-z0-9_+-]*)[ \t]*$")
 _MARK = re.compile(r"^[ \t]*<!-- recipe: (?P<spec>.*?) -->[ \t]*$")
-_KEYWORDS_WITH_ARG = {"skip", "save", "run", "ready", "stop", "expect", "match"}
+_KEYWORDS_WITH_ARG = {"skip", "before", "save", "run", "ready", "stop", "expect", "match"}
 _FLAGS = {"background"}
 
 
@@ -45,6 +47,7 @@ class Recipe:
     lang: str
     text: str
     skip: str | None = None
+    before: str | None = None
     save: str | None = None
     run: str | None = None
     background: bool = False
@@ -110,4 +113,4 @@ def recipes(path: Path, root: Path) -> list[Recipe]:
 
 def shell_script(text: str) -> str:
     """A shell block as one script that stops at the first failing command."""
-    return "set -e -o pipefail\n" + text
+    return "set -e -o pipefail\n" + text.rstrip("\n") + "\n"

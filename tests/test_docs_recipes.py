@@ -27,16 +27,84 @@ from tests.helpers import free_port
 REPO = Path(__file__).resolve().parent.parent
 VENV_BIN = Path(sys.executable).parent
 
-# The pages walked, and the blocks each leaves out (page:line of the fence -> the reason
-# its comment gives). A block marked skip in a page but missing here, or listed here but
-# run, fails test_the_skipped_blocks_are_the_listed_ones.
+# The pages walked (README and every page of docs/README.md's guide), and the blocks each
+# leaves out (page:line of the fence -> the reason its comment gives). A block marked skip
+# in a page but missing here, or listed here but run, fails
+# test_the_skipped_blocks_are_the_listed_ones.
 WALKED = {
     "README.md": {
         "README.md:84": "continues the block above (its routes array)",
     },
+    "docs/deploy.md": {
+        "docs/deploy.md:311": "needs a Ray cluster and PostgreSQL (tests/test_ray_actors.py runs the shards)",
+    },
     "docs/first-hour.md": {},
+    "docs/ingest.md": {
+        "docs/ingest.md:33": "names a cluster's hosts (PostgreSQL at db, an ingest service, S3)",
+        "docs/ingest.md:55": "needs a vLLM engine on a GPU (first-hour.md walks the same with the simulated one)",
+        "docs/ingest.md:164": "names a cluster's hosts (PostgreSQL at db, an ingest service, S3)",
+        "docs/ingest.md:244": "a fragment: names objects of the text around it",
+        "docs/ingest.md:465": "a benchmark (docs/benchmarks.md)",
+        "docs/ingest.md:484": "needs a vLLM engine on a GPU (first-hour.md walks the same with the simulated one)",
+        "docs/ingest.md:493": "a template: continues the block above (a proxy in front of vLLM)",
+        "docs/ingest.md:677": "a benchmark (docs/benchmarks.md)",
+        "docs/ingest.md:746": "a benchmark (docs/benchmarks.md)",
+    },
+    "docs/lineage.md": {
+        "docs/lineage.md:25": "run as written by tests/test_lineage.py, on SQLite and PostgreSQL",
+        "docs/lineage.md:205": "a fragment: names objects of the text around it (store) and an OpenLineage server",
+    },
+    "docs/materializer.md": {},
+    "docs/projections.md": {
+        "docs/projections.md:21": "a fragment: names objects of the text around it (store, SampleReader)",
+    },
+    "docs/reader.md": {
+        "docs/reader.md:17": "a template: names the trainer's own objects (model, loss, checkpoint)",
+        "docs/reader.md:56": "a template: names the trainer's own objects (model, loss, checkpoint)",
+        "docs/reader.md:153": "a template: names the trainer's own objects (model, loss, checkpoint)",
+        "docs/reader.md:226": "a template: names the trainer's own objects (model, loss, checkpoint)",
+        "docs/reader.md:279": "a template: names the trainer's own objects (model, loss, checkpoint)",
+        "docs/reader.md:312": "a fragment: names objects of the text around it",
+    },
+    "docs/reference.md": {
+        "docs/reference.md:484": "a template: names the trainer's own objects (model, loss, checkpoint)",
+        "docs/reference.md:567": "a fragment: names objects of the text around it",
+    },
+    "docs/replay.md": {
+        "docs/replay.md:27": "names a cluster's hosts (PostgreSQL at db, an ingest service, S3)",
+        "docs/replay.md:54": "a template: names the trainer's own objects (model, loss, checkpoint)",
+    },
+    "docs/report.md": {
+        "docs/report.md:16": "a synopsis (URL, TOKEN); sql.md's cookbook runs the static and the live page",
+        "docs/report.md:70": "needs the live page of the block above and jq",
+        "docs/report.md:313": "a synopsis (URL)",
+        "docs/report.md:391": "a benchmark (docs/benchmarks.md)",
+    },
+    "docs/rollout.md": {
+        "docs/rollout.md:17":
+            "a template for a framework's rollout loop; python -m trajstore.demo._rollout is the runnable one (tests/test_rollout_kill.py)",
+    },
+    "docs/sglang.md": {
+        "docs/sglang.md:28": "needs an SGLang engine on a GPU",
+        "docs/sglang.md:120": "needs an SGLang engine on a GPU",
+        "docs/sglang.md:146": "needs an SGLang engine on a GPU",
+    },
+    "docs/skyrl.md": {
+        "docs/skyrl.md:15": "needs SkyRL 0.4.0 (tests/train/test_skyrl.py runs it with the framework's wheel)",
+        "docs/skyrl.md:68": "needs SkyRL 0.4.0 (tests/train/test_skyrl.py runs it with the framework's wheel)",
+    },
     "docs/sql.md": {
         "docs/sql.md:11": "a synopsis (its query is ...); the cookbook below runs these commands on the demo's store",
+    },
+    "docs/verl.md": {
+        "docs/verl.md:22": "needs verl 0.9.1 (tests/train/test_verl.py runs it with the framework's wheel)",
+        "docs/verl.md:60": "needs verl 0.9.1 (tests/train/test_verl.py runs it with the framework's wheel)",
+        "docs/verl.md:84": "needs verl 0.9.1 and a GPU",
+    },
+    "docs/vllm.md": {
+        "docs/vllm.md:14": "needs a vLLM engine on a GPU (first-hour.md walks the same with the simulated one)",
+        "docs/vllm.md:174": "a test run (tests/ingest/test_proxy_fuzz.py)",
+        "docs/vllm.md:195": "a benchmark (docs/benchmarks.md)",
     },
 }
 
@@ -127,6 +195,11 @@ def walk(page: str, cwd: Path) -> list[str]:
         for n, r in enumerate(page_recipes):
             if r.skip:
                 continue
+            if r.before:  # the state the prose assumes, as the comment shows it
+                setup = subprocess.run(["bash", "-c", shell_script(_swap(r.before, ports)) + "env -0 > .recipe-env\n"],
+                                       cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+                assert setup.returncode == 0, f"{r.where}: its 'before' exited {setup.returncode}:\n{setup.stderr}"
+                env = _exported(cwd, env)
             cmd = _command(r, ports, cwd, n)
             if not cmd:
                 ran.append(r.where)
@@ -160,6 +233,14 @@ def walk(page: str, cwd: Path) -> list[str]:
         assert rc in clean, f"{r.where}: a background recipe stopped by SIG{r.stop} exited {rc}:\n{out}"
         _check_output(r, out)
     return ran
+
+
+def test_the_walk_covers_the_guide():
+    """Every page docs/README.md puts in the guide is walked (with README.md)."""
+    text = (REPO / "docs" / "README.md").read_text()
+    guide = text.split("\n## Guide\n")[1].split("\n## Internals\n")[0]
+    pages = {"README.md"} | {"docs/" + m for m in re.findall(r"\]\(([a-z0-9-]+\.md)\)", guide)}
+    assert set(WALKED) == pages
 
 
 def test_the_skipped_blocks_are_the_listed_ones():

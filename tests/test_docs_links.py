@@ -1,8 +1,8 @@
 """The docs point at things that exist: every relative link of README.md and docs/*.md at a
 file (and, with a ``#fragment``, at a heading of it), every ``trajstore ...`` command they
 show at a command of the real CLI parser with options it has, every extra they name at
-one of pyproject.toml's, spelled one way (``pip install -e '.[EXTRA]'``), and README's
-extras table at every extra."""
+one of pyproject.toml's, spelled one way (``pip install -e '.[EXTRA]'``); README's extras
+table is checked against pyproject.toml by tests/test_cli_first_hour.py."""
 
 from __future__ import annotations
 
@@ -168,13 +168,6 @@ def test_every_command_the_docs_show_exists_with_its_options():
     bad = [f"{page.relative_to(REPO)}:{n}: {err}   [{cmd}]"
            for page in PAGES for n, cmd in commands(page) for err in command_errors(cmd)]
     assert not bad, "\n".join(bad)
-
-
-def test_readme_lists_every_extra():
-    text = (REPO / "README.md").read_text()
-    section = text[text.index("## Extras"):]
-    rows = re.findall(r"^\| `([a-z0-9-]+)` \|", section, re.M)
-    assert sorted(rows) == sorted(EXTRAS), (sorted(set(EXTRAS) - set(rows)), sorted(set(rows) - set(EXTRAS)))
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)

@@ -119,6 +119,29 @@ def run(url: str, payload: str, groups: int, open_: int, rounds: int, appends: i
     return out
 
 
+SECTION = "[Rollout ledger](#rollout-ledger--benchbench_ledgerpy)"
+
+
+def summary_rows(results: dict) -> list[dict[str, str]]:
+    """docs/benchmarks.md's summary rows of these results (bench/summary.py): per backend, the long
+    run's plan, a short run's plan in the same store, and the append with the ledger's fields beside
+    the plain one, measured in the same window (medians, process CPU)."""
+    rows = []
+    for b in results["backends"]:
+        name = "SQLite" if b["url"] == "sqlite" else "PostgreSQL"
+        long_, short = b["rollout_state_long"], b["rollout_state_short"]
+        app = b["append_one_trajectory"]
+        rows.append({
+            "what": f"rollout ledger, {name}: resume plan and append",
+            "figure": (f"plan of {b['groups']:,} whole + {b['open']} open groups {long_['cpu_ms_median']:.0f} ms CPU; "
+                       f"a run of 108 groups in the same store {short['cpu_ms_median']:.1f} ms; append of one "
+                       f"trajectory with the ledger's fields {app['ledger']['cpu_ms_median']:.1f} ms CPU"),
+            "baseline": (f"the same append with a plain group_id {app['group_id']['cpu_ms_median']:.1f} ms, "
+                         f"without a group {app['plain']['cpu_ms_median']:.1f} ms, same window"),
+            "section": SECTION})
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--groups", type=int, default=100_000)
@@ -130,7 +153,9 @@ def main() -> None:
     parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "bench_ledger.json"))
     args = parser.parse_args()
     tmp = tempfile.mkdtemp()
-    results = {"load_average": os.getloadavg()[0], "backends": []}
+    results = {"command": " ".join(["bench/bench_ledger.py", *sys.argv[1:]]),
+               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+               "load_average": os.getloadavg()[0], "backends": []}
     results["backends"].append(run(f"sqlite:///{tmp}/store.db", os.path.join(tmp, "payload"), args.groups, args.open,
                                    args.rounds, args.appends))
     cluster, pg_url = None, args.url
@@ -149,6 +174,7 @@ def main() -> None:
         if cluster is not None:
             cluster.stop()
     results["load_average_after"] = os.getloadavg()[0]
+    results["summary"] = summary_rows(results)
     print(json.dumps(results, indent=1))
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:

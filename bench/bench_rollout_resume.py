@@ -16,17 +16,23 @@ engine) at random moments of its work. Reports, over all the kills:
 
     python bench/bench_rollout_resume.py --backend sqlite
     python bench/bench_rollout_resume.py --backend postgres --prompts 24 --kills 12
+
+``--out FILE`` also writes the JSON (with the ``summary`` row bench/summary.py puts in
+docs/benchmarks.md's table); default ``bench/results/bench_rollout_resume_<backend>.json``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
 
 from rollout_kill import Setup, run_proof  # noqa: E402
 
@@ -38,7 +44,10 @@ def main() -> None:
     p.add_argument("--group-size", type=int, default=Setup.group_size)
     p.add_argument("--turns", type=int, default=Setup.turns)
     p.add_argument("--kills", type=int, default=len(Setup.kills), help="driver kills, plus one proxy and one engine kill")
+    p.add_argument("--out", type=Path, default=None,
+                   help="where to write the JSON (default bench/results/bench_rollout_resume_<backend>.json)")
     args = p.parse_args()
+    date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     kills = ["driver"] * max(args.kills - 2, 1)
     kills[1:1] = ["proxy"]
     kills[3:3] = ["engine"]
@@ -53,6 +62,8 @@ def main() -> None:
             proof = run_proof(f"sqlite:///{tmp}/store.db", Path(tmp) / "work", setup, timeout_s=300)
     again = proof.engine_calls - proof.recorded
     out = {
+        "command": " ".join(["bench/bench_rollout_resume.py", *sys.argv[1:]]), "date": date,
+        "load_average": os.getloadavg()[0],
         "backend": args.backend, "prompts": setup.prompts, "group_size": setup.group_size, "turns": setup.turns,
         "kills": [k.victim for k in proof.kills],
         "calls_uninterrupted": sum(proof.ref_recorded.values()),
@@ -63,7 +74,25 @@ def main() -> None:
         "continued_trajectories": sum(k.continued for k in proof.kills),
         "same_calls_as_uninterrupted": proof.recorded == proof.ref_recorded,
     }
+    out["summary"] = summary_rows(out)
     print(json.dumps(out, indent=1))
+    path = args.out or ROOT / "bench" / "results" / f"bench_rollout_resume_{args.backend}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=1))
+
+
+def summary_rows(out: dict) -> list[dict[str, str]]:
+    """docs/benchmarks.md's summary row of one run (bench/summary.py)."""
+    kills = out["kills"]
+    counts = " / ".join(str(kills.count(v)) for v in ("driver", "proxy", "engine"))
+    name = "SQLite" if out["backend"] == "sqlite" else "PostgreSQL"
+    return [{"what": f"rollout driver killed {len(kills)} times ({counts} driver / proxy / engine), {name}",
+             "figure": (f"generated again: {out['again_calls']} calls, {out['again_tokens']} output tokens of "
+                        f"{out['output_tokens_uninterrupted']:,} ({out['prompts']} prompts × {out['group_size']} "
+                        f"episodes × {out['turns']} calls); same calls as uninterrupted: "
+                        f"{'yes' if out['same_calls_as_uninterrupted'] else 'NO'}"),
+             "baseline": f"restarting the open groups from scratch: {out['scratch_tokens']:,} tokens",
+             "section": "[Rollout driver resume](#rollout-driver-resume-after-kill--9--benchbench_rollout_resumepy)"}]
 
 
 if __name__ == "__main__":

@@ -2,16 +2,19 @@
 
     PYTHONPATH=. .venv/bin/python bench/summary.py [bench/results/*.json] [--write docs/benchmarks.md]
 
-Each JSON file is a bench's ``--out`` (default: every ``bench/results/*.json``). A bench
-names its own rows: a top-level ``"summary"`` list of ``{"what", "figure", "baseline",
-"section"}`` beside its ``"command"`` and ``"date"`` (bench_fold.py writes them);
-bench_pipeline.py's output is read by ``_pipeline_rows`` below. Each row's command
-cell carries the command and the date of the run that measured it, so a figure is as
-fresh as the last run of its bench and a regression shows in the next one.
+Each JSON file is a bench's ``--out`` (default: every ``bench/results/*.json``, committed).
+A bench names its own rows: a top-level ``"summary"`` list of ``{"what", "figure",
+"baseline", "section"}`` beside its ``"command"``, ``"date"`` and load average
+(``"loadavg"`` or ``"load_average"``): bench_fold.py, bench_ledger.py and
+bench_rollout_resume.py write them; bench_pipeline.py's output is read by
+``_pipeline_rows`` below. Each row's command cell carries the command, the date and the
+load average of the run that measured it, so a figure is as fresh as the last run of
+its bench and a regression shows in the next one.
 
-Without ``--write`` the rows are printed. With it, the rows of the table in the
-"Current figures" section whose "what" cell is one of them are replaced (new ones are
-appended to the table); the hand-kept rows of benches that write no JSON stay as they are.
+Without ``--write`` the rows are printed. With it, the table of the "Current figures"
+section becomes exactly these rows, files in name order, each file's rows in its order
+(nothing in it is kept by hand: benches without JSON have their rows in the section
+after it). ``--check`` exits 1 when the file's table is not that.
 """
 
 from __future__ import annotations
@@ -27,26 +30,46 @@ HEADING = "## Current figures"
 
 
 def _pipeline_rows(doc: dict[str, Any]) -> list[dict[str, str]]:
-    """bench_pipeline.py's materialize figure (the store's fold end to end, SQLite)."""
+    """bench_pipeline.py's figures on SQLite: the append and the materializer against a raw
+    Arrow write of the same arrays, and the bytes per unique token at rest."""
     res = doc.get("pipeline", {})
+    section = "[Every bar beside the original code](benchmarks-history.md#every-bar-beside-the-original-code)"
+    rounds = doc.get("rounds")
+    rows = []
+    app = res.get("append", {}).get("append, one call per trajectory")
+    if app:
+        rows.append({"what": "append, one call per trajectory, vs raw Arrow + SQLite", "section": section,
+                     "figure": f"{app['vs_raw']:.3f}× wall, {app['cpu_vs_raw']:.3f}× CPU (median of {rounds} rounds)",
+                     "baseline": "a raw Arrow write of the same unique arrays, same rounds"})
     mat = res.get("materialize")
-    if not mat:
-        return []
-    rate = mat["materialize"]["tokens_per_cpu_s"] / 1e6
-    raw = mat["raw write sample arrays"]["tokens_per_cpu_s"] / 1e6
-    return [{"what": "materialize", "section": "[Every bar beside the original code](#every-bar-beside-the-original-code)",
-             "figure": f"{rate:.2f} M tokens/CPU-s (median of {doc.get('rounds')} rounds, 48×8 routes, aggregates on)",
-             "baseline": f"raw write of the same sample arrays {raw:.2f} M, same rounds"}]
+    if mat:
+        rate = mat["materialize"]["tokens_per_cpu_s"] / 1e6
+        raw = mat["raw write sample arrays"]["tokens_per_cpu_s"] / 1e6
+        rows.append({"what": "materialize", "section": section,
+                     "figure": f"{rate:.2f} M tokens/CPU-s (median of {rounds} rounds, 48×8 routes, aggregates on)",
+                     "baseline": f"raw write of the same sample arrays {raw:.2f} M, same rounds"})
+    rest = res.get("bytes_per_unique_token_after_gc_at_rest")
+    if rest:
+        before = res.get("bytes_per_unique_token", {}).get("total")
+        rows.append({"what": "bytes per unique token at rest (after GC)", "section": section,
+                     "figure": f"{rest['total']:.1f} (samples {rest['samples']:.1f}, SQL {rest['sql']:.1f}, "
+                               f"log {rest['log']:.1f})",
+                     "baseline": f"before the GC {before:.1f} (the log's copy and the samples')" if before else "-"})
+    return rows
 
 
 def rows_of(doc: dict[str, Any]) -> list[dict[str, str]]:
     rows = doc.get("summary") or (_pipeline_rows(doc) if "pipeline" in doc else [])
     command, date = doc.get("command"), doc.get("date")
-    out = []
-    for r in rows:
-        cmd = f"`{command}`" if command else "(command not recorded)"
-        out.append(dict(r, command=f"{cmd}, {date}" if date else cmd))
-    return out
+    load = doc.get("loadavg", doc.get("load_average"))
+    if isinstance(load, list):
+        load = load[0]
+    cell = f"`{command}`" if command else "(command not recorded)"
+    if date:
+        cell += f", {date}"
+    if load is not None:
+        cell += f", load average {load:.1f}"
+    return [dict(r, command=cell) for r in rows]
 
 
 def _cells(line: str) -> list[str]:
@@ -57,39 +80,59 @@ def _line(r: dict[str, str]) -> str:
     return f"| {r['what']} | {r['figure']} | {r['baseline']} | {r['command']} | {r['section']} |"
 
 
-def rewrite(text: str, rows: list[dict[str, str]]) -> str:
-    """``text`` (docs/benchmarks.md) with the summary table's rows of ``rows`` replaced or added."""
-    lines = text.split("\n")
+def _table(lines: list[str]) -> tuple[int, int]:
+    """The first and past-the-last line of the summary table's rows (after its header)."""
     start = lines.index(HEADING)
-    first = next(i for i in range(start, len(lines)) if lines[i].startswith("| what |"))
+    first = next(i for i in range(start, len(lines)) if lines[i].startswith("| what |")) + 2
     end = first
     while end < len(lines) and lines[end].startswith("|"):
         end += 1
-    by_what = {r["what"]: r for r in rows}
-    body = []
-    for line in lines[first + 2:end]:
-        what = _cells(line)[0]
-        body.append(_line(by_what.pop(what)) if what in by_what else line)
-    body.extend(_line(r) for r in by_what.values())
-    return "\n".join(lines[:first + 2] + body + lines[end:])
+    return first, end
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("files", nargs="*", type=Path)
-    p.add_argument("--write", type=Path, default=None, help="the docs file whose summary table to update")
-    args = p.parse_args(argv)
-    files = args.files or sorted((REPO / "bench" / "results").glob("*.json"))
+def table_rows(text: str) -> list[str]:
+    """The summary table's row lines of ``text`` (docs/benchmarks.md) as they stand."""
+    lines = text.split("\n")
+    first, end = _table(lines)
+    return lines[first:end]
+
+
+def rewrite(text: str, rows: list[dict[str, str]]) -> str:
+    """``text`` (docs/benchmarks.md) with the summary table's rows exactly ``rows``."""
+    lines = text.split("\n")
+    first, end = _table(lines)
+    return "\n".join(lines[:first] + [_line(r) for r in rows] + lines[end:])
+
+
+def rows_of_files(files: list[Path]) -> list[dict[str, str]]:
     rows: list[dict[str, str]] = []
-    for f in files:
+    for f in sorted(files, key=lambda f: f.name):
         try:
             doc = json.loads(f.read_text())
         except (OSError, ValueError) as e:
             sys.exit(f"bench/summary.py: cannot read {f}: {e}")
         if isinstance(doc, dict):
             rows.extend(rows_of(doc))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("files", nargs="*", type=Path)
+    p.add_argument("--write", type=Path, default=None, help="the docs file whose summary table to update")
+    p.add_argument("--check", type=Path, default=None, help="exit 1 if this docs file's summary table is not the rows")
+    args = p.parse_args(argv)
+    files = args.files or sorted((REPO / "bench" / "results").glob("*.json"))
+    rows = rows_of_files(files)
     if not rows:
         sys.exit("bench/summary.py: no summary rows in " + ", ".join(map(str, files)))
+    if args.check is not None:
+        text = args.check.read_text()
+        if rewrite(text, rows) != text:
+            sys.exit(f"{args.check}: its summary table is not what bench/summary.py makes of {len(files)} file(s): "
+                     f"run bench/summary.py --write {args.check}")
+        print(f"{args.check}: summary table up to date ({len(rows)} row(s))")
+        return
     if args.write is None:
         for r in rows:
             print(_line(r))

@@ -13,6 +13,14 @@
 - `store` (function): `trajstore.connect(store_url)` with the payload in the
   test's temp dir.
 
+Migrated templates: a test whose fixtures include `store` gets a `store_url` that is
+already migrated to head (the store connects and migrates it before the test runs anyway):
+a copy of a SQLite file migrated once per worker, or a PostgreSQL database made with
+`CREATE DATABASE ... TEMPLATE` from one migrated once per worker (`migrated_template`).
+The copy holds only what the migrations made (no store id, no payload location: the
+first connect records those, as on a new store). Every other `store_url` and
+`fresh_pg_url` is empty, so the tests of creating and migrating a store run every migration.
+
 Without PostgreSQL binaries every PostgreSQL test errors with how to get them;
 TRAJSTORE_SKIP_POSTGRES=1 turns those tests into skips instead.
 """
@@ -21,6 +29,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -99,18 +108,97 @@ def fresh_pg_url(pg_cluster: PgCluster) -> Iterator[str]:
     pg_cluster.drop_database(url.rsplit("/", 1)[1])
 
 
+@pytest.fixture
+def migrated_pg_url(pg_cluster: PgCluster, migrated_template: "MigratedTemplate") -> Iterator[str]:
+    """A new database (t_<random>) in the session cluster, migrated to head: a copy of the
+    worker's migrated template (``CREATE DATABASE ... TEMPLATE``)."""
+    url = pg_cluster.create_database(template=migrated_template.pg_database())
+    yield url
+    pg_cluster.drop_database(url.rsplit("/", 1)[1])
+
+
+def migrate_new_store(url: str) -> None:
+    """Run every migration on ``url`` as a store's first connect does (``trajstore.log._migrate.upgrade``
+    on the backend's own engines), and nothing else: no store id, no payload location."""
+    from trajstore.log._migrate import upgrade
+    from trajstore.log._registry import backend_of
+
+    backend = backend_of(url)
+    backend.require_database(url, missing_ok=True)
+    write_engine, read_engine = backend.make_engines(url)
+    try:
+        assert upgrade(write_engine), f"{url} was already migrated"
+    finally:
+        write_engine.dispose()
+        read_engine.dispose()
+
+
+class MigratedTemplate:
+    """The worker's migrated stores, made the first time a test asks (one per backend)."""
+
+    PG_NAME = "trajstore_migrated_template"
+
+    def __init__(self, request: pytest.FixtureRequest, directory: Path) -> None:
+        self._request = request
+        self._directory = directory
+        self._sqlite: Path | None = None
+        self._pg: str | None = None
+
+    def sqlite_copy(self, path: Path) -> str:
+        """A copy of the migrated SQLite file at ``path`` (which must not exist); its URL."""
+        if self._sqlite is None:
+            template = self._directory / "template.db"
+            migrate_new_store(f"sqlite:///{template}")
+            # every connection closed: the WAL was checkpointed into the file and removed
+            assert not Path(f"{template}-wal").exists() and not Path(f"{template}-shm").exists()
+            self._sqlite = template
+        assert not path.exists(), path
+        shutil.copyfile(self._sqlite, path)
+        return f"sqlite:///{path}"
+
+    def pg_database(self) -> str:
+        """The name of the migrated PostgreSQL template database (no connection left open to it)."""
+        if self._pg is None:
+            cluster: PgCluster = self._request.getfixturevalue("pg_cluster")
+            migrate_new_store(cluster.create_database(self.PG_NAME))
+            self._pg = self.PG_NAME
+        return self._pg
+
+
+@pytest.fixture(scope="session")
+def migrated_template(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> MigratedTemplate:
+    return MigratedTemplate(request, tmp_path_factory.mktemp("migrated-template"))
+
+
+def _wants_migrated(request: pytest.FixtureRequest) -> bool:
+    """The test's fixtures connect the store (and so migrate it) before it runs."""
+    return "store" in request.fixturenames
+
+
+def _sqlite_case(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    path = tmp_path / "store.db"
+    if _wants_migrated(request):
+        return request.getfixturevalue("migrated_template").sqlite_copy(path)
+    return f"sqlite:///{path}"
+
+
+def _postgres_case(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    return request.getfixturevalue("migrated_pg_url" if _wants_migrated(request) else "fresh_pg_url")
+
+
 # How the suite makes a database for each registered backend (trajstore.log._registry.BACKENDS),
 # the test id and the marks of its cases: a backend added to the registry fails collection here
 # until the suite knows how to run the backend tests (the log conformance suite first) on it.
 BACKEND_CASES = {
-    "sqlite": ("sqlite", (), lambda request, tmp_path: f"sqlite:///{tmp_path / 'store.db'}"),
-    "postgresql": ("postgres", (pytest.mark.postgres,), lambda request, tmp_path: request.getfixturevalue("fresh_pg_url")),
+    "sqlite": ("sqlite", (), _sqlite_case),
+    "postgresql": ("postgres", (pytest.mark.postgres,), _postgres_case),
 }
 
 
 @pytest.fixture(params=[pytest.param(name, id=BACKEND_CASES[name][0], marks=BACKEND_CASES[name][1])
                         for name in BACKENDS])
 def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """Empty, unless the test's fixtures include ``store`` (then migrated: see the module docstring)."""
     # a test may pick one case indirectly, by the backend's name or by its test id ("postgres")
     name = next((n for n, case in BACKEND_CASES.items() if request.param in (n, case[0])), request.param)
     return BACKEND_CASES[name][2](request, tmp_path)
@@ -149,5 +237,5 @@ def five_folded(five_trajectories: "trajstore.Store") -> "trajstore.Store":
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     # So `-m "not postgres"` also deselects tests that ask for the cluster directly.
     for item in items:
-        if {"pg_cluster", "postgres_url", "fresh_pg_url", "fault_cluster"} & set(item.fixturenames):
+        if {"pg_cluster", "postgres_url", "fresh_pg_url", "migrated_pg_url", "fault_cluster"} & set(item.fixturenames):
             item.add_marker(pytest.mark.postgres)

@@ -12,6 +12,8 @@
   only when selected.
 - `store` (function): `trajstore.connect(store_url)` with the payload in the
   test's temp dir.
+- `module_store_url` (module, one case per backend): a migrated store's URL for data a
+  module's tests share and only read (see test_reader.py's `filled`).
 
 Migrated templates: a test whose fixtures include `store` gets a `store_url` that is
 already migrated to head (the store connects and migrates it before the test runs anyway):
@@ -195,13 +197,31 @@ BACKEND_CASES = {
 }
 
 
-@pytest.fixture(params=[pytest.param(name, id=BACKEND_CASES[name][0], marks=BACKEND_CASES[name][1])
-                        for name in BACKENDS])
+BACKEND_PARAMS = [pytest.param(name, id=BACKEND_CASES[name][0], marks=BACKEND_CASES[name][1]) for name in BACKENDS]
+
+
+@pytest.fixture(params=BACKEND_PARAMS)
 def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     """Empty, unless the test's fixtures include ``store`` (then migrated: see the module docstring)."""
     # a test may pick one case indirectly, by the backend's name or by its test id ("postgres")
     name = next((n for n, case in BACKEND_CASES.items() if request.param in (n, case[0])), request.param)
     return BACKEND_CASES[name][2](request, tmp_path)
+
+
+@pytest.fixture(scope="module", params=BACKEND_PARAMS)
+def module_store_url(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+                     migrated_template: MigratedTemplate) -> Iterator[str]:
+    """A migrated store's URL on each backend, one per test module: for a module's fixture of
+    data its tests only read (built once, not once per test). A test that writes takes a
+    store of its own (``store``)."""
+    if request.param == "sqlite":
+        yield migrated_template.sqlite_copy(tmp_path_factory.mktemp("module-store") / "store.db")
+        return
+    assert request.param == "postgresql", f"module_store_url does not know backend {request.param!r}"
+    cluster: PgCluster = request.getfixturevalue("pg_cluster")
+    url = cluster.create_database(template=migrated_template.pg_database())
+    yield url
+    cluster.drop_database(url.rsplit("/", 1)[1])
 
 
 @pytest.fixture

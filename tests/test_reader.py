@@ -62,8 +62,20 @@ def shuffled(n: int = NUM_TRAJECTORIES, seed: int = 0) -> list[int]:
     return sorted(range(n), key=lambda i: i // GROUP_SIZE + rng.uniform(0, 2.5))
 
 
+@pytest.fixture(scope="module")
+def filled(module_store_url, tmp_path_factory):
+    """The shuffled 48 trajectories appended and folded, on each backend: built once per module
+    and shared by its tests, which only read it (readers' leases aside). A test that writes
+    (``record_step``, appends) takes ``filled_own``."""
+    store = trajstore.connect(module_store_url, payload=str(tmp_path_factory.mktemp("filled") / "payload"))
+    fill(store, shuffled())
+    yield store
+    store.close()
+
+
 @pytest.fixture
-def filled(store):
+def filled_own(store):
+    """``filled`` for a test that writes to it: a store of the test's own."""
     fill(store, shuffled())
     return store
 
@@ -184,7 +196,7 @@ SCHEDULE = {"base": 2, "every": 3}
 
 
 @pytest.mark.parametrize("config_name", list(RESUME_CONFIGS))
-def test_resume_in_a_new_process_same_and_other_world_size(filled, config_name):
+def test_resume_in_a_new_process_same_and_other_world_size(filled, config_name, tmp_path):
     config = RESUME_CONFIGS[config_name]
     store = filled
     reference = flat(drive(make_readers(store, 1, config)))
@@ -197,7 +209,7 @@ def test_resume_in_a_new_process_same_and_other_world_size(filled, config_name):
         states = [json.loads(json.dumps(r.state_dict())) for r in readers]
         assert all(s == states[0] for s in states), "ranks disagree on the state"
         jobs.append({"world_size": w_after, "state": states[0], "schedule": schedule})
-    results = resume_in_new_process(store, config, jobs)
+    results = resume_in_new_process(store, config, jobs, tmp_path)
     for (w_before, k, w_after), before, result, job in zip(RESUMES + [(2, 3, 2)], befores, results, jobs):
         after = result["steps"]
         readers = make_readers(store, w_after, config)
@@ -214,9 +226,9 @@ def test_resume_in_a_new_process_same_and_other_world_size(filled, config_name):
             assert_resumed(before, after, reference)
 
 
-def resume_in_new_process(store, config: dict, jobs: list[dict]) -> list[Any]:
+def resume_in_new_process(store, config: dict, jobs: list[dict], directory) -> list[Any]:
     job = {"url": store.url, "payload": store.payload.location, "config": config, "jobs": jobs}
-    path = os.path.join(store.payload.location, "resume-job.json")
+    path = os.path.join(directory, "resume-job.json")
     with open(path, "w") as f:
         json.dump(job, f)
     out = subprocess.run([sys.executable, HERE, "resume", path], capture_output=True, text=True, timeout=240, cwd=ROOT)

@@ -14,6 +14,8 @@
   test's temp dir.
 - `module_store_url` (module, one case per backend): a migrated store's URL for data a
   module's tests share and only read (see test_reader.py's `filled`).
+- `five_trajectories` / `five_folded` (function): a SQLite store (a migrated copy) with
+  five demo trajectories of the old names, not folded / folded.
 
 Migrated templates: a test whose fixtures include `store` gets a `store_url` that is
 already migrated to head (the store connects and migrates it before the test runs anyway):
@@ -233,14 +235,14 @@ def store(store_url: str, tmp_path: Path) -> Iterator["trajstore.Store"]:
 
 
 @pytest.fixture
-def five_trajectories(tmp_path: Path) -> Iterator["trajstore.Store"]:
+def five_trajectories(tmp_path: Path, migrated_template: MigratedTemplate) -> Iterator["trajstore.Store"]:
     """A SQLite store holding five demo trajectories (``OLD_NAMES_CFG``), not folded yet:
     the store of the tests that old (deprecated) names still work."""
     from trajstore.demo._simulate import trajectory_events
 
     from helpers import OLD_NAMES_CFG
 
-    store = trajstore.connect(f"sqlite:///{tmp_path}/s.db")
+    store = trajstore.connect(migrated_template.sqlite_copy(tmp_path / "s.db"))
     for i in range(5):
         store.append(trajectory_events(OLD_NAMES_CFG, i))
     yield store

@@ -261,3 +261,26 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if {"pg_cluster", "postgres_url", "fresh_pg_url", "migrated_pg_url", "fault_cluster"} & set(item.fixturenames):
             item.add_marker(pytest.mark.postgres)
+
+
+# The slowest files, at the end of a run of many: under `--dist loadfile` a file runs on one
+# worker, so the slowest file bounds the run (split one that approaches the run's time / workers).
+_FILE_SECONDS: dict[str, list[float]] = {}
+SLOWEST_FILES_SHOWN = 10
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    phases = _FILE_SECONDS.setdefault(report.nodeid.split("::", 1)[0], [0.0, 0.0, 0.0])
+    phases[("setup", "call", "teardown").index(report.when)] += report.duration
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    if hasattr(config, "workerinput") or len(_FILE_SECONDS) < 2 * SLOWEST_FILES_SHOWN:
+        return  # a worker (the controller reports), or a run of a few files
+    terminalreporter.write_sep("=", f"slowest {SLOWEST_FILES_SHOWN} files (wall s: setup + call + teardown)")
+    ranked = sorted(_FILE_SECONDS.items(), key=lambda kv: -sum(kv[1]))
+    for path, (setup, call, teardown) in ranked[:SLOWEST_FILES_SHOWN]:
+        terminalreporter.write_line(f"{setup + call + teardown:8.1f} s  {path}  "
+                                    f"(setup {setup:.1f}, call {call:.1f}, teardown {teardown:.1f})")
+    total = sum(sum(v) for v in _FILE_SECONDS.values())
+    terminalreporter.write_line(f"{total:8.1f} s  in all {len(_FILE_SECONDS)} files")

@@ -25,6 +25,11 @@ PG_SCHEMA = {
     "sequences": "SELECT sequencename, start_value, last_value FROM pg_sequences WHERE schemaname = 'public' "
                  "ORDER BY 1",
     "default_acl": "SELECT defaclrole::regrole::text, defaclobjtype, defaclacl::text FROM pg_default_acl ORDER BY 1, 2",
+    "schema_acl": "SELECT nspname, nspacl::text FROM pg_namespace WHERE nspname NOT LIKE 'pg\\_%' ORDER BY 1",
+    # what CREATE DATABASE ... TEMPLATE does not copy: the database's own grants and settings
+    "database_acl": "SELECT datacl::text FROM pg_database WHERE datname = current_database()",
+    "database_settings": "SELECT setrole, setconfig::text FROM pg_db_role_setting s JOIN pg_database d "
+                         "ON d.oid = s.setdatabase WHERE d.datname = current_database() ORDER BY 1",
 }
 
 

@@ -1,5 +1,5 @@
 """The reader against an unavailable or faulty PostgreSQL store (split from test_reader.py,
-whose helpers and ``open_reader`` fixture these tests share): a follow reader rides out a
+whose functions and ``open_reader`` fixture these tests share): a follow reader rides out a
 server restart, a reader that gave up resumes, opening waits out a server down, record_step
 records once across a restart, killed backends are retried, SampleDataset workers ride out
 a restart, and a whole run under backend kills and restarts reads every sample once."""

@@ -178,11 +178,12 @@ class PgCluster:
                 shutil.rmtree(self.base_dir, ignore_errors=True)
                 self.base_dir = None
 
-    def create_database(self, name: str | None = None) -> str:
-        """CREATE DATABASE (default name t_<random>) and return its SQLAlchemy URL."""
+    def create_database(self, name: str | None = None, *, template: str | None = None) -> str:
+        """CREATE DATABASE (default name t_<random>), a copy of database ``template`` when
+        given (nobody may be connected to it), and return its SQLAlchemy URL."""
         name = name or f"t_{uuid.uuid4().hex[:16]}"
         with self._admin() as conn:
-            conn.execute(f'CREATE DATABASE "{name}"')
+            conn.execute(f'CREATE DATABASE "{name}"' + (f' TEMPLATE "{template}"' if template else ""))
         return self.url(name)
 
     def drop_database(self, name: str) -> None:

@@ -33,7 +33,8 @@ from trajstore.reader import (FifoPolicy, FreshnessPolicy, ReadyFirstPolicy, Rea
                               SampleReader)
 
 from test_reader import (FOLLOW_TIMEOUT_S, GROUP_SIZE, NO_TIMEOUT_WAIT_S, append_samples, drive,  # noqa: F401
-                         filled, follow_while_another_process_writes, keys, make_readers, open_reader, two_full_steps)
+                         filled, filled_own, follow_while_another_process_writes, keys, make_readers, open_reader,
+                         two_full_steps)
 
 POLICIES = {
     "fifo": "fifo",
@@ -84,9 +85,10 @@ def test_a_policy_changes_the_order_but_not_the_epoch(filled, open_reader):
     assert fifo != fresh
 
 
-def test_bounded_reuse_never_exceeds_k_in_sample_consumption(filled, open_reader):
+def test_bounded_reuse_never_exceeds_k_in_sample_consumption(filled_own, open_reader):
     """What ``record_step`` records is what the policy handed out, and no sample is
     consumed more than ``max_uses`` times (the ``sample_consumption`` view)."""
+    filled = filled_own  # it records steps: a store of its own
     k = 2
     reader = open_reader(filled, batch_size=4, policy={"name": "reuse", "max_uses": k, "window": 10, "seed": 3})
     handed = []

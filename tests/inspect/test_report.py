@@ -23,6 +23,9 @@ from trajstore.inspect._panels import PANELS, collect
 from trajstore.inspect.report import render_report
 from trajstore.inspect.sql import read_only
 
+# conftest: these fixtures connect store_url first thing, so it starts as a migrated copy
+STORE_URL_CONNECTED_BY = ("run_store",)
+
 NUM_TRAJECTORIES = 40
 RUNNING = {5, 17, 33}
 """Trajectories left without trajectory_finished (running; the stuck panel lists them)."""

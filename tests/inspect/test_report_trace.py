@@ -20,6 +20,9 @@ from trajstore.inspect._panels import collect
 from trajstore.inspect._timeaxis import BUCKET_WIDTHS_S, MAX_BUCKETS, MIN_BUCKET_S, bucket_width
 from trajstore.inspect.sql import read_only
 
+# conftest: these fixtures connect store_url first thing, so it starts as a migrated copy
+STORE_URL_CONNECTED_BY = ("run_store",)
+
 HOSTILE_ID = "t'1<img src=x onerror=\"window.__pwned=1\">/a?b#c"
 HOSTILE_TEXT = "</script><script>window.__pwned=2</script><b>bold</b>"
 

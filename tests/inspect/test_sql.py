@@ -13,6 +13,7 @@ import io
 import json
 import os
 import uuid
+from pathlib import Path
 
 import psycopg
 import pytest
@@ -31,9 +32,8 @@ CFG = RolloutConfig(turns=3, prompt_tokens=6, output_tokens=5, observation_token
 TABLES = ("log_head", "trajectories", "events", "segments", "samples", "materializer_checkpoints", "alembic_version")
 
 
-@pytest.fixture
-def store(store_url, tmp_path):
-    s = trajstore.connect(store_url, payload=str(tmp_path / "payload"))
+def filled_store(url: str, payload: str) -> trajstore.Store:
+    s = trajstore.connect(url, payload=payload)
     for i in range(6):
         s.append(trajectory_events(CFG, i, version=i // 2))
     s.materialize()
@@ -43,7 +43,24 @@ def store(store_url, tmp_path):
             # Readable by the reader, so nextval is refused by the read-only
             # transaction itself, not only for lack of privilege.
             conn.execute(text(f"GRANT SELECT, USAGE ON SEQUENCE test_seq TO {READER_ROLE}"))
+    return s
+
+
+@pytest.fixture
+def store(store_url, tmp_path):
+    s = filled_store(store_url, str(tmp_path / "payload"))
     yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def refusing_store(module_store_url, tmp_path_factory):
+    """``store`` and its directory (the SQLite file's, the payload's) for the tests of writes
+    that are refused and change nothing: built once per module and backend."""
+    database = make_url(module_store_url).database
+    directory = Path(database).parent if module_store_url.startswith("sqlite") else tmp_path_factory.mktemp("sql")
+    s = filled_store(module_store_url, str(directory / "payload"))
+    yield s, directory
     s.close()
 
 
@@ -127,7 +144,8 @@ WRITES = ([pytest.param("both", q, id=q) for q in WRITES_BOTH]
 
 
 @pytest.mark.parametrize("backend, query", WRITES)
-def test_writes_are_refused_and_change_nothing(store, tmp_path, capsys, backend, query):
+def test_writes_are_refused_and_change_nothing(refusing_store, capsys, backend, query):
+    store, tmp_path = refusing_store  # the module's store (a refused write changes nothing) and its directory
     if backend not in ("both", store.log.write_engine.dialect.name):
         pytest.skip(f"a {backend} statement")
     query = query.format(tmp=tmp_path)

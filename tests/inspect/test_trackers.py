@@ -18,6 +18,9 @@ from trajstore.inspect.sql import read_only
 from trajstore.inspect.trackers import (MLflowSink, TensorBoardSink, TrackerPusher, WandbSink,
                                         expert_load_violation, store_metrics)
 
+# conftest: these fixtures connect store_url first thing, so it starts as a migrated copy
+STORE_URL_CONNECTED_BY = ("run_store",)
+
 
 @pytest.fixture
 def run_store(store_url, tmp_path):

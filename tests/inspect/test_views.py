@@ -26,6 +26,9 @@ import trajstore
 from trajstore.demo._simulate import RolloutConfig, trajectory_events
 from trajstore.inspect.views import VIEW_NAMES
 
+# conftest: these fixtures connect store_url first thing, so it starts as a migrated copy
+STORE_URL_CONNECTED_BY = ("built",)
+
 CFG = RolloutConfig(turns=4, prompt_tokens=6, output_tokens=5, observation_tokens=3, layers=2, topk=1,
                     num_experts=8, mismatch_prob=0.3, abort_prob=0.3, fail_prob=0.1, seed=7)
 NUM_TRAJECTORIES = 30

@@ -61,9 +61,21 @@ def filled(store):
     return store
 
 
+@pytest.fixture(scope="module")
+def filled_sqlite(tmp_path_factory, migrated_template):
+    """A filled SQLite store (for what only the server's front matters to): built once per
+    module and shared by the tests that only read it. A test that writes takes
+    ``filled_sqlite_own``."""
+    tmp_path = tmp_path_factory.mktemp("filled-sqlite")
+    s = trajstore.connect(migrated_template.sqlite_copy(tmp_path / "store.db"), payload=str(tmp_path / "payload"))
+    fill(s, shuffled())
+    yield s
+    s.close()
+
+
 @pytest.fixture
-def filled_sqlite(tmp_path):
-    """A filled SQLite store (for what only the server's front matters to)."""
+def filled_sqlite_own(tmp_path):
+    """``filled_sqlite`` for a test that writes to it: a store of the test's own."""
     s = trajstore.connect(f"sqlite:///{tmp_path / 'store.db'}", payload=str(tmp_path / "payload"))
     fill(s, shuffled())
     yield s
@@ -269,7 +281,8 @@ def _events_table(events) -> pa.Table:
     return pa.table({"event": pa.array([json.dumps(e, default=lambda a: a.tolist()) for e in events], pa.string())})
 
 
-def test_a_read_only_token_cannot_write_and_the_write_token_can(filled_sqlite, replay_servers):
+def test_a_read_only_token_cannot_write_and_the_write_token_can(filled_sqlite_own, replay_servers):
+    filled_sqlite = filled_sqlite_own  # it writes: a store of its own
     server = replay_servers(filled_sqlite)
     before = filled_sqlite.log.count_events(after_position=0)
     table = _events_table(trajectory_events(CFG, 1000))
@@ -400,7 +413,8 @@ def test_follow_mode_reads_every_sample_once_while_a_process_writes(store, repla
     assert_resumed(steps, [], reference)
 
 
-def test_samples_per_insert_holds_a_second_epoch_until_rollouts_insert_more(filled_sqlite, replay_servers):
+def test_samples_per_insert_holds_a_second_epoch_until_rollouts_insert_more(filled_sqlite_own, replay_servers):
+    filled_sqlite = filled_sqlite_own  # it writes: a store of its own
     server = replay_servers(filled_sqlite, "--samples-per-insert", "1", "--hold-s", "0.5", metrics=True)
     config = {"batch_size": 4}
     first = [s for b in ReplayReader(server.location, token=READ_TOKEN, **config) for s in b]
@@ -427,7 +441,8 @@ def test_samples_per_insert_holds_a_second_epoch_until_rollouts_insert_more(fill
     assert "process_cpu_seconds_total" in text
 
 
-def test_max_staleness_holds_a_learner_ahead_of_the_rollouts(filled_sqlite, replay_servers):
+def test_max_staleness_holds_a_learner_ahead_of_the_rollouts(filled_sqlite_own, replay_servers):
+    filled_sqlite = filled_sqlite_own  # it writes: a store of its own
     server = replay_servers(filled_sqlite, "--max-staleness", "2", "--hold-s", "0.3", metrics=True)
     newest = max(s.max_model_version for b in SampleReader(filled_sqlite, batch_size=100) for s in b)
     # within the bound: served
@@ -680,7 +695,8 @@ def test_a_denied_get_schema_is_one_trajstore_error_not_an_os_error(filled_sqlit
             store.close()
 
 
-def test_a_wait_is_logged_once_not_once_per_parallel_stream(filled_sqlite, replay_servers, caplog):
+def test_a_wait_is_logged_once_not_once_per_parallel_stream(filled_sqlite_own, replay_servers, caplog):
+    filled_sqlite = filled_sqlite_own  # it writes: a store of its own
     server = replay_servers(filled_sqlite, "--max-staleness", "0", "--hold-s", "0.2")
     newest = max(s.max_model_version for b in SampleReader(filled_sqlite, batch_size=100) for s in b)
     got: list = []

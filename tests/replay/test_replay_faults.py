@@ -12,7 +12,8 @@ import trajstore
 from trajstore.replay import ReplayReader
 
 from replay_procs import READ_TOKEN
-from test_reader import FOLLOW_TIMEOUT_S, append_samples, keys, three_steps_across_a_restart
+from test_reader import FOLLOW_TIMEOUT_S, append_samples, keys
+from test_reader_faults import three_steps_across_a_restart
 
 
 @pytest.mark.timeout(240)

@@ -25,7 +25,8 @@ from trajstore._util.auth import bearer_token, same_token
 from trajstore.errors import ConflictError, StoreUnavailable, TrajstoreError, ValidationError
 
 __all__ = ["ERROR_STATUS", "OPEN_PATHS", "BearerAuth", "HTTPError", "UNAUTHORIZED", "add_server_arguments",
-           "bearer_ok", "error_body", "error_class", "error_response", "error_status", "run_server", "server_token"]
+           "bearer_ok", "error_body", "error_class", "error_response", "error_status", "run_server", "server_options",
+           "server_token"]
 
 log = logging.getLogger(__name__)
 
@@ -166,15 +167,33 @@ def is_loopback(host: str | None) -> bool:
         return False
 
 
-def add_server_arguments(parser: argparse.ArgumentParser, *, port: int, token_help: str, open_help: str) -> None:
-    """``--host``, ``--port``, ``--token``, ``--insecure-no-auth``, ``--log-level``."""
-    from trajstore._util.argtypes import number
+def server_options(*, port: int, token_help: str, open_help: str) -> dict[str, Any]:
+    """The fields every server's settings hold, each its flag (``trajstore._util.config.option``):
+    ``host``, ``port``, ``token``, ``insecure_no_auth``, ``log_level``, by name. A settings class
+    declares each (``host: str = options["host"]``); :func:`add_server_arguments` adds them as flags alone."""
+    from trajstore._util.config import option
 
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    parser.add_argument("--port", type=number(int, min=0, max=65535), default=port, help=f"port (default {port})")
-    parser.add_argument("--token", default=None, help=f"{token_help} (default $TRAJSTORE_TOKEN)")
-    parser.add_argument("--insecure-no-auth", action="store_true", help=open_help)
-    parser.add_argument("--log-level", default="warning", help="uvicorn log level (default warning)")
+    return {
+        "host": option("127.0.0.1", help="address to bind (default 127.0.0.1)"),
+        "port": option(port, help=f"port (default {port})", min=0, max=65535),
+        "token": option(None, help=f"{token_help} (default $TRAJSTORE_TOKEN)"),
+        "insecure_no_auth": option(False, help=open_help),
+        "log_level": option("warning", help="uvicorn log level (default warning)"),
+    }
+
+
+_SERVER_TYPES = {"host": str, "port": int, "token": str | None, "insecure_no_auth": bool, "log_level": str}
+
+
+def add_server_arguments(parser: argparse.ArgumentParser, *, port: int, token_help: str, open_help: str) -> None:
+    """``--host``, ``--port``, ``--token``, ``--insecure-no-auth``, ``--log-level`` (:func:`server_options`' flags)."""
+    import dataclasses
+
+    from trajstore._util.config import add_flags
+
+    options = server_options(port=port, token_help=token_help, open_help=open_help)
+    add_flags(parser, dataclasses.make_dataclass("ServerSettings", [
+        (name, _SERVER_TYPES[name], f) for name, f in options.items()]))
 
 
 def run_server(app: Any, *, name: str, host: str, port: int, store_url: str | None = None,

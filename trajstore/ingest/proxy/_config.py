@@ -8,6 +8,7 @@ from typing import Any, Literal, Mapping, get_args
 from trajstore._util.config import config_from_args, option
 from trajstore.errors import ValidationError
 from trajstore.ingest._group_commit import DEFAULT_LINGER_S, DEFAULT_MAX_GROUP_BYTES
+from trajstore.ingest._http import server_options
 from trajstore.ingest.sglang import route_layout as _route_layout
 from trajstore.ingest.vllm import VersionMap
 
@@ -22,6 +23,10 @@ def _version_map_arg(text: str) -> dict:
     if not isinstance(value, dict) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value.values()):
         raise ValueError("--version-map must be a JSON object of integers, e.g. '{\"ckpt-a\": 3}'")
     return value
+
+
+_SERVER = server_options(port=DEFAULT_PORT, open_help="accept calls without a token",
+                         token_help="bearer token every call but /healthz and the API docs must send")
 
 
 @dataclass(frozen=True)
@@ -40,15 +45,14 @@ class ProxyConfig:
     """Store URL (None: ``$TRAJSTORE_URL`` or the embedded default)."""
     payload: str | None = option(None, flag=None, help="payload location (the CLI's global --payload)")
     """Where payload segments go when the store does not say (``connect(payload=)``)."""
-    host: str = option("127.0.0.1", help="address to bind (default 127.0.0.1)")
+    host: str = _SERVER["host"]
     """Address to bind."""
-    port: int = option(DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})", min=0, max=65535)
+    port: int = _SERVER["port"]
     """Port to bind (0: any free port)."""
-    token: str | None = option(None, help="bearer token every call but /healthz and the API docs must send "
-                                          "(default $TRAJSTORE_TOKEN)")
+    token: str | None = _SERVER["token"]
     """Bearer token callers must send; ``serve`` falls back to ``$TRAJSTORE_TOKEN`` and refuses to
     start without one unless ``insecure_no_auth``."""
-    insecure_no_auth: bool = option(False, help="accept calls without a token")
+    insecure_no_auth: bool = _SERVER["insecure_no_auth"]
     """Let ``serve`` run without a token."""
     upstream_api_key: str | None = option(
         None, help="bearer token sent to the upstream (default $TRAJSTORE_UPSTREAM_API_KEY; none)")
@@ -90,7 +94,7 @@ class ProxyConfig:
         help="a group of records' bound in MiB: a full group is appended without waiting out the "
              f"linger (default {DEFAULT_MAX_GROUP_BYTES / (1 << 20):g})")
     """A group of records' bound in bytes (Kafka's ``batch.size``): a full group is appended at once."""
-    log_level: str = option("warning", help="uvicorn log level (default warning)")
+    log_level: str = _SERVER["log_level"]
     """uvicorn's log level."""
 
     def __post_init__(self) -> None:

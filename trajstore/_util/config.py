@@ -153,21 +153,24 @@ class _DeprecatedSpelling(argparse.Action):
         setattr(namespace, self.dest, self.const if self.nargs == 0 else values)
 
 
-def add_flags(parser: Any, cls: type, *, skip: Sequence[str] = (), groups: Mapping[str, Any] | None = None) -> None:
+def add_flags(parser: Any, cls: type, *, only: Sequence[str] | None = None, skip: Sequence[str] = (),
+              help_prefix: str = "", groups: Mapping[str, Any] | None = None) -> None:
     """Add the flags of ``cls``'s fields to ``parser`` (an ArgumentParser or group), in field order.
 
-    ``skip``: field names left out (a flag the command already has). A field's ``group``
-    (a title) puts its flag in that argument group of ``parser``, made once (or taken from ``groups``)."""
+    ``only`` / ``skip``: the field names taken / left out (a command that has some of the flags
+    already, or needs only some). ``help_prefix`` goes before each help text (``"with --follow: "``).
+    A field's ``group`` (a title) puts its flag in that argument group of ``parser``, made once (or
+    taken from ``groups``)."""
     made: dict[str, Any] = dict(groups or {})
     for r in flags_of(cls):
-        if r.name is None or r.field.name in skip:
+        if r.name is None or r.field.name in skip or (only is not None and r.field.name not in only):
             continue
         target = parser
         if r.spec.group is not None:
             if r.spec.group not in made:
                 made[r.spec.group] = parser.add_argument_group(r.spec.group)
             target = made[r.spec.group]
-        kwargs: dict[str, Any] = {"dest": r.dest, "help": r.spec.help}
+        kwargs: dict[str, Any] = {"dest": r.dest, "help": help_prefix + r.spec.help}
         if _is_switch(r):
             kwargs.update(action="store_true")
         else:

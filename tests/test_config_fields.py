@@ -12,9 +12,10 @@ from trajstore._util.config import flags_of
 from trajstore.cli import _parser
 from trajstore.ingest.proxy._config import ProxyConfig
 from trajstore.ingest.service import ServeConfig
+from trajstore.replay._config import ReplayConfig
 from trajstore.scale._config import ShardConfig
 
-COMMANDS = [("serve", ServeConfig), ("proxy", ProxyConfig), ("worker", ShardConfig)]
+COMMANDS = [("serve", ServeConfig), ("proxy", ProxyConfig), ("worker", ShardConfig), ("replay", ReplayConfig)]
 GLOBAL = {"store", "payload"}  # the CLI's global flags (trajstore --store URL COMMAND ...)
 
 
@@ -42,6 +43,12 @@ def test_the_command_s_defaults_are_the_settings_defaults(command, cls):
     argv = [command] + (["--upstream", "http://127.0.0.1:9"] if cls is ProxyConfig else [])
     built = cls.from_args(_parser().parse_args(argv))
     assert built == cls(**({"upstream": "http://127.0.0.1:9"} if cls is ProxyConfig else {}))
+
+
+def test_the_replay_server_s_tokens_repeat():
+    args = _parser().parse_args(["replay", "--token", "a", "--token", "b", "--write-token", "w", "--hold-s", "0"])
+    config = ReplayConfig.from_args(args)
+    assert (config.token, config.write_token, config.hold_s) == (("a", "b"), "w", 0.0)
 
 
 def test_the_worker_s_flags_build_its_shard_config():

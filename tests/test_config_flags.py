@@ -41,6 +41,7 @@ class _Settings:
     store_url: str | None = option(None, flag=None, dest="store", help="the program's global --store")
     old_style: int = option(7, deprecated=("--oldstyle",), help="renamed from --oldstyle")
     quiet: bool = option(False, deprecated=("--silent",), help="renamed from --silent")
+    tag: tuple[str, ...] | None = option(None, env="TRAJSTORE_TEST_TAG", help="repeat it for more than one")
     internal: int = 0  # not an option: no flag
 
 
@@ -87,6 +88,14 @@ def test_a_required_field_is_a_required_flag(capsys):
     with pytest.raises(SystemExit):
         _parser().parse_args([])
     assert "the following arguments are required: --name" in capsys.readouterr().err
+
+
+def test_a_repeated_flag_collects_its_values(monkeypatch):
+    monkeypatch.delenv("TRAJSTORE_TEST_TAG", raising=False)
+    assert _parse().tag is None
+    assert _parse("--tag", "a", "--tag", "b").tag == ("a", "b")
+    monkeypatch.setenv("TRAJSTORE_TEST_TAG", "from-env")
+    assert _parse().tag == ("from-env",) and _parse("--tag", "a").tag == ("a",)
 
 
 def test_parse_runs_when_the_settings_are_built_and_its_error_is_one_line():
@@ -146,4 +155,4 @@ def test_the_settings_survive_json():
 
 
 def test_flags_of_lists_only_options():
-    assert [r.field.name for r in flags_of(_Settings)][-1] == "quiet"
+    assert [r.field.name for r in flags_of(_Settings)][-1] == "tag"

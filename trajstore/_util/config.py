@@ -22,6 +22,7 @@ What the annotation says:
 - ``int`` / ``float``: parsed by ``trajstore._util.argtypes.number`` (finite, in
   ``min``/``max``), so ``nan`` and ``inf`` are refused in one line.
 - ``Literal[...]``: the flag's ``choices``.
+- ``tuple[str, ...]``: a flag given once per value (``action="append"``).
 - ``X | None``: as ``X``; the flag's default is None.
 - anything else: the flag's text, turned into the field's value by ``parse``
   when the settings are built (its ValueError is the command's one-line error).
@@ -129,6 +130,11 @@ def _is_switch(r: _Resolved) -> bool:
     return r.kind is bool and r.spec.parse is None
 
 
+def _is_repeated(r: _Resolved) -> bool:
+    """A ``tuple[str, ...]`` field: a flag given once per value (``action="append"``)."""
+    return typing.get_origin(r.kind) is tuple and typing.get_args(r.kind)[1:] == (Ellipsis,)
+
+
 def _negated(r: _Resolved) -> bool:
     return _is_switch(r) and r.field.default is True
 
@@ -173,6 +179,10 @@ def add_flags(parser: Any, cls: type, *, only: Sequence[str] | None = None, skip
         kwargs: dict[str, Any] = {"dest": r.dest, "help": help_prefix + r.spec.help}
         if _is_switch(r):
             kwargs.update(action="store_true")
+        elif _is_repeated(r):
+            kwargs.update(action="append", default=None)
+            if r.spec.metavar is not None:
+                kwargs.update(metavar=r.spec.metavar)
         else:
             kwargs.update(default=_flag_default(r), type=_argtype(r))
             if r.spec.required:
@@ -226,6 +236,10 @@ def config_from_args(cls: type[C], args: Any, **overrides: Any) -> C:
             value = not value
         if value is None and r.spec.env is not None:
             value = os.environ.get(r.spec.env) or None
+            if value is not None and _is_repeated(r):
+                value = [value]
+        if value is not None and _is_repeated(r):
+            value = tuple(value)
         if value is not None:
             if r.spec.scale is not None:
                 value = value / r.spec.scale

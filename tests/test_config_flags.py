@@ -135,6 +135,17 @@ def test_help_metavar_and_defaults_reach_the_parser():
     assert "internal" not in by_dest and "store_url" not in by_dest
 
 
+def test_a_positional_argument():
+    @dataclass
+    class Archive:
+        dir: str = option(flag="dir", help="where")
+        dry_run: bool = option(False, help="count only")
+
+    parser = argparse.ArgumentParser()
+    add_flags(parser, Archive)
+    assert config_from_args(Archive, parser.parse_args(["/x", "--dry-run"])) == Archive(dir="/x", dry_run=True)
+
+
 def test_groups_and_skip():
     parser = argparse.ArgumentParser()
 

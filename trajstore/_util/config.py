@@ -32,7 +32,8 @@ What the annotation says:
 ``env``: the variable read when the flag is not given. ``deprecated``: old
 spellings that still work, with a ``DeprecationWarning`` naming the new one.
 ``flag=None``: a field with no flag of its own (set by the program, or by a
-global flag named in ``dest``, e.g. the CLI's ``--store``).
+global flag named in ``dest``, e.g. the CLI's ``--store``); a name without
+dashes (``flag="dir"``): a positional argument (a field without a default).
 """
 
 from __future__ import annotations
@@ -188,6 +189,9 @@ def add_flags(parser: Any, cls: type, *, only: Sequence[str] | None = None, skip
             if r.spec.required:
                 kwargs.update(required=True)
                 del kwargs["default"]
+            if not r.name.startswith("-"):  # a positional argument: argparse names it, and it is required
+                del kwargs["dest"]
+                kwargs.pop("required", None)
             choices = r.spec.choices
             if choices is None and typing.get_origin(r.kind) is Literal:
                 choices = typing.get_args(r.kind)

@@ -42,6 +42,7 @@ class _Settings:
     old_style: int = option(7, deprecated=("--oldstyle",), help="renamed from --oldstyle")
     quiet: bool = option(False, deprecated=("--silent",), help="renamed from --silent")
     tag: tuple[str, ...] | None = option(None, env="TRAJSTORE_TEST_TAG", help="repeat it for more than one")
+    uri: str | None = option(None, bare="", metavar="URI", help="a value, or the flag alone for the default")
     internal: int = 0  # not an option: no flag
 
 
@@ -96,6 +97,10 @@ def test_a_repeated_flag_collects_its_values(monkeypatch):
     assert _parse("--tag", "a", "--tag", "b").tag == ("a", "b")
     monkeypatch.setenv("TRAJSTORE_TEST_TAG", "from-env")
     assert _parse().tag == ("from-env",) and _parse("--tag", "a").tag == ("a",)
+
+
+def test_a_flag_given_bare_takes_its_bare_value():
+    assert (_parse().uri, _parse("--uri").uri, _parse("--uri", "http://x").uri) == (None, "", "http://x")
 
 
 def test_parse_runs_when_the_settings_are_built_and_its_error_is_one_line():
@@ -166,4 +171,4 @@ def test_the_settings_survive_json():
 
 
 def test_flags_of_lists_only_options():
-    assert [r.field.name for r in flags_of(_Settings)][-1] == "tag"
+    assert [r.field.name for r in flags_of(_Settings)][-1] == "uri"

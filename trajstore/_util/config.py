@@ -29,7 +29,8 @@ What the annotation says:
 
 ``scale``: the flag speaks another unit than the field (``--linger-ms`` for
 ``linger_s``: ``scale=1e3``, the field is the flag's value / ``scale``).
-``env``: the variable read when the flag is not given. ``deprecated``: old
+``env``: the variable read when the flag is not given. ``bare``: the value of
+the flag given without one (``--mlflow`` alone: MLflow's default URI). ``deprecated``: old
 spellings that still work, with a ``DeprecationWarning`` naming the new one.
 ``flag=None``: a field with no flag of its own (set by the program, or by a
 global flag named in ``dest``, e.g. the CLI's ``--store``); a name without
@@ -72,6 +73,7 @@ class Flag:
     required: bool = False
     deprecated: tuple[str, ...] = ()
     group: str | None = None
+    bare: Any = dataclasses.field(default_factory=lambda: MISSING)  # MISSING: the flag needs its value
 
 
 def option(default: Any = MISSING, *, help: str, flag: str | None = "", dest: str | None = None,
@@ -79,7 +81,7 @@ def option(default: Any = MISSING, *, help: str, flag: str | None = "", dest: st
            choices: Sequence[Any] | None = None, min: float | None = None, max: float | None = None,
            min_exclusive: bool = False, scale: float | None = None, env: str | None = None,
            parse: Callable[[Any], Any] | None = None, deprecated: Sequence[str] = (), group: str | None = None,
-           **field_kwargs: Any) -> Any:
+           bare: Any = MISSING, **field_kwargs: Any) -> Any:
     """A dataclass field that is also a flag (see the module's docstring for each keyword).
 
     ``default`` MISSING makes the flag required. ``flag``: the flag's name ("" derives
@@ -87,7 +89,7 @@ def option(default: Any = MISSING, *, help: str, flag: str | None = "", dest: st
     flag). ``dest``: the parsed attribute (default: from the flag's name)."""
     spec = Flag(help=help, name=flag, dest=dest, metavar=metavar, type=type, choices=choices, min=min, max=max,
                 min_exclusive=min_exclusive, scale=scale, env=env, parse=parse, required=default is MISSING,
-                deprecated=tuple(deprecated), group=group)
+                deprecated=tuple(deprecated), group=group, bare=bare)
     metadata = {**field_kwargs.pop("metadata", {}), _META: spec}
     return dataclasses.field(default=default, metadata=metadata, **field_kwargs)
 
@@ -199,6 +201,8 @@ def add_flags(parser: Any, cls: type, *, only: Sequence[str] | None = None, skip
                 kwargs.update(choices=choices)
             if r.spec.metavar is not None:
                 kwargs.update(metavar=r.spec.metavar)
+            if r.spec.bare is not MISSING:
+                kwargs.update(nargs="?", const=r.spec.bare)
         if kwargs.get("type") is None:
             kwargs.pop("type", None)
         target.add_argument(r.name, **kwargs)

@@ -13,9 +13,10 @@ from trajstore.cli import _parser
 from trajstore.ingest.proxy._config import ProxyConfig
 from trajstore.ingest.service import ServeConfig
 from trajstore.replay._config import ReplayConfig
-from trajstore.scale._config import ShardConfig
+from trajstore.scale._config import ShardConfig, WorkerConfig
 
-COMMANDS = [("serve", ServeConfig), ("proxy", ProxyConfig), ("worker", ShardConfig), ("replay", ReplayConfig)]
+COMMANDS = [("serve", ServeConfig), ("proxy", ProxyConfig), ("worker", ShardConfig), ("worker", WorkerConfig),
+            ("replay", ReplayConfig)]
 GLOBAL = {"store", "payload"}  # the CLI's global flags (trajstore --store URL COMMAND ...)
 
 

@@ -67,3 +67,39 @@ class ShardConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+# the live run page's fields (``worker --serve-report``)
+PAGE_FIELDS = ("serve_report", "report_host", "report_port", "token", "insecure_no_auth", "refresh_s")
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """``trajstore worker``'s own options beside its shard's (``ShardConfig``) and its trackers'
+    (``trajstore.inspect.trackers``): which parts run, where they read, the live page's settings."""
+
+    store_url: str | None = option(None, flag=None, dest="store", help="store URL (the CLI's global --store)")
+    payload: str | None = option(None, flag=None, help="payload location (the CLI's global --payload)")
+    fold: bool = option(True, help="do not fold (another process does)")
+    reader_store: str | None = option(
+        None, metavar="URL",
+        help="the store URL the trackers and the page read with: on PostgreSQL a login holding only the "
+             "read-only role (trajstore init --reader-login; docs/sql.md), while --store folds "
+             "(default: --store, enough on SQLite)")
+    track_interval_s: float = option(30.0, min=0, min_exclusive=True, help="seconds between pushes (default 30)")
+    serve_report: bool = option(False, help="serve `trajstore report --serve`'s page too")
+    report_host: str = option("127.0.0.1", help="the page's address (default 127.0.0.1)")
+    report_port: int | None = option(None, min=0, max=65535, help="the page's port (default: report --serve's)")
+    token: str | None = option(None, help="bearer token the page asks for (default $TRAJSTORE_TOKEN)")
+    insecure_no_auth: bool = option(False, help="serve the page without a token")
+    refresh_s: float | None = option(None, min=0, min_exclusive=True,
+                                     help="how often the page re-reads the store (default: report --serve's)")
+
+    @property
+    def reading(self) -> str | None:
+        """The store URL the trackers and the page read with."""
+        return self.reader_store or self.store_url
+
+    @classmethod
+    def from_args(cls, args: Any) -> "WorkerConfig":
+        return config_from_args(cls, args)

@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 from trajstore._util.config import add_flags
 from trajstore.errors import TrajstoreError, first_line
-from trajstore.scale._config import LOOP_FIELDS, ShardConfig
+from trajstore.scale._config import LOOP_FIELDS, PAGE_FIELDS, ShardConfig, WorkerConfig
 
 __all__ = ["add_cli_arguments", "add_follow_arguments", "follow_from_args", "run_from_args"]
 
@@ -98,29 +98,17 @@ def follow_from_args(args: argparse.Namespace, m: Any) -> int:
 # -- trajstore worker -------------------------------------------------------------------
 
 def add_cli_arguments(p: argparse.ArgumentParser) -> None:
-    from trajstore._util.argtypes import number
+    """The flags of ``trajstore worker``: one per field of ``WorkerConfig``, ``ShardConfig`` and the trackers'."""
     from trajstore.inspect.trackers import add_tracker_arguments
 
     fold = p.add_argument_group("folding (on unless --no-fold; the Ray shards' options)")
-    fold.add_argument("--no-fold", action="store_true", help="do not fold (another process does)")
+    add_flags(fold, WorkerConfig, only=("fold",))
     add_flags(fold, ShardConfig)
-    p.add_argument("--reader-store", default=None, metavar="URL",
-                   help="the store URL the trackers and the page read with: on PostgreSQL a login holding only the "
-                        "read-only role (trajstore init --reader-login; docs/sql.md), while --store folds "
-                        "(default: --store, enough on SQLite)")
+    add_flags(p, WorkerConfig, only=("reader_store",))
     track = p.add_argument_group("trackers (on when one is named)")
     add_tracker_arguments(track)
-    track.add_argument("--track-interval-s", type=number(float, min=0, min_exclusive=True), default=30.0,
-                       help="seconds between pushes (default 30)")
-    page = p.add_argument_group("the live run page (on with --serve-report)")
-    page.add_argument("--serve-report", action="store_true", help="serve `trajstore report --serve`'s page too")
-    page.add_argument("--report-host", default="127.0.0.1", help="the page's address (default 127.0.0.1)")
-    page.add_argument("--report-port", type=number(int, min=0, max=65535), default=None,
-                      help="the page's port (default: report --serve's)")
-    page.add_argument("--token", default=None, help="bearer token the page asks for (default $TRAJSTORE_TOKEN)")
-    page.add_argument("--insecure-no-auth", action="store_true", help="serve the page without a token")
-    page.add_argument("--refresh-s", type=number(float, min=0, min_exclusive=True), default=None,
-                      help="how often the page re-reads the store (default: report --serve's)")
+    add_flags(track, WorkerConfig, only=("track_interval_s",))
+    add_flags(p.add_argument_group("the live run page (on with --serve-report)"), WorkerConfig, only=PAGE_FIELDS)
 
 
 class _Part:
@@ -144,7 +132,8 @@ def run_from_args(args: argparse.Namespace) -> int:
     from trajstore.inspect.trackers import TrackerPusher, sinks_from_args, wants_trackers
 
     _log_to_stderr(getattr(args, "debug", False))
-    if args.no_fold and not wants_trackers(args) and not args.serve_report:
+    worker = WorkerConfig.from_args(args)
+    if not worker.fold and not wants_trackers(args) and not worker.serve_report:
         raise TrajstoreError("worker: nothing to do (--no-fold, no tracker, no --serve-report)")
     shard = ShardConfig.from_args(args)
     if shard.shard >= shard.num_shards:
@@ -153,17 +142,17 @@ def run_from_args(args: argparse.Namespace) -> int:
     parts: list[_Part] = []
     closers: list[Callable[[], None]] = []
     try:
-        if not args.no_fold:
-            parts.append(_fold_part(args, shard, stop, closers))
+        if worker.fold:
+            parts.append(_fold_part(worker, shard, stop, closers))
         elif shard.collects() is not None:
-            parts.append(_gc_part(args, shard, stop, closers))
+            parts.append(_gc_part(worker, shard, stop, closers))
         if wants_trackers(args):
-            pusher = TrackerPusher(_reading(args), sinks_from_args(args), payload=getattr(args, "payload", None))
+            pusher = TrackerPusher(worker.reading, sinks_from_args(args), payload=worker.payload)
             closers.append(pusher.close)
-            log.info("trackers: pushing every %g s to %d tracker(s)", args.track_interval_s, len(pusher.sinks))
-            parts.append(_Part("trackers", lambda: pusher.run(args.track_interval_s, stop=stop), stop))
-        if args.serve_report:
-            parts.append(_page_part(args, stop))
+            log.info("trackers: pushing every %g s to %d tracker(s)", worker.track_interval_s, len(pusher.sinks))
+            parts.append(_Part("trackers", lambda: pusher.run(worker.track_interval_s, stop=stop), stop))
+        if worker.serve_report:
+            parts.append(_page_part(worker, stop))
         for part in parts:
             part.thread.start()
         while not stop.wait(0.5):
@@ -184,26 +173,22 @@ def run_from_args(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def _reading(args: argparse.Namespace) -> str | None:
-    return args.reader_store or args.store
-
-
-def _fold_part(args: argparse.Namespace, shard: ShardConfig, stop: threading.Event, closers: list) -> _Part:
+def _fold_part(worker: WorkerConfig, shard: ShardConfig, stop: threading.Event, closers: list) -> _Part:
     from trajstore.materializer import Materializer
     from trajstore.store import connect
 
-    store = connect(args.store, payload=getattr(args, "payload", None))
+    store = connect(worker.store_url, payload=worker.payload)
     closers.append(store.close)
     m = Materializer(store, shard_index=shard.shard, num_shards=shard.num_shards,
                      max_trajectories=shard.max_trajectories)
     return _Part("fold", lambda: _fold(m, shard, stop, _print_step), stop)
 
 
-def _gc_part(args: argparse.Namespace, shard: ShardConfig, stop: threading.Event, closers: list) -> _Part:
+def _gc_part(worker: WorkerConfig, shard: ShardConfig, stop: threading.Event, closers: list) -> _Part:
     from trajstore._upkeep.gc import GcWorker
     from trajstore.store import connect
 
-    store = connect(args.store, payload=getattr(args, "payload", None))
+    store = connect(worker.store_url, payload=worker.payload)
     closers.append(store.close)
 
     def run() -> None:
@@ -214,19 +199,19 @@ def _gc_part(args: argparse.Namespace, shard: ShardConfig, stop: threading.Event
     return _Part("gc", run, stop)
 
 
-def _page_part(args: argparse.Namespace, stop: threading.Event) -> _Part:
+def _page_part(worker: WorkerConfig, stop: threading.Event) -> _Part:
     from trajstore.ingest._http import server_token
     from trajstore.inspect._live import DEFAULT_PORT, DEFAULT_REFRESH_S, report_server
     from trajstore.inspect._panels import DEFAULT_STUCK_AFTER_S
 
     try:
-        token = server_token(args.token, insecure_no_auth=args.insecure_no_auth, host=args.report_host)
+        token = server_token(worker.token, insecure_no_auth=worker.insecure_no_auth, host=worker.report_host)
     except ValueError as e:
         raise TrajstoreError(f"worker --serve-report: {e}") from None
-    server = report_server(_reading(args), host=args.report_host,
-                           port=DEFAULT_PORT if args.report_port is None else args.report_port, token=token,
-                           refresh_s=DEFAULT_REFRESH_S if args.refresh_s is None else args.refresh_s,
-                           stuck_after_s=DEFAULT_STUCK_AFTER_S, payload=getattr(args, "payload", None))
+    server = report_server(worker.reading, host=worker.report_host,
+                           port=DEFAULT_PORT if worker.report_port is None else worker.report_port, token=token,
+                           refresh_s=DEFAULT_REFRESH_S if worker.refresh_s is None else worker.refresh_s,
+                           stuck_after_s=DEFAULT_STUCK_AFTER_S, payload=worker.payload)
 
     def run() -> None:
         def stopper() -> None:

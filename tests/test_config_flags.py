@@ -150,6 +150,15 @@ def test_a_positional_argument():
     add_flags(parser, Archive)
     assert config_from_args(Archive, parser.parse_args(["/x", "--dry-run"])) == Archive(dir="/x", dry_run=True)
 
+    @dataclass
+    class Report:
+        out_dir: str | None = option(None, flag="out_dir", help="optional")
+
+    parser = argparse.ArgumentParser()
+    add_flags(parser, Report)
+    assert config_from_args(Report, parser.parse_args([])) == Report()
+    assert config_from_args(Report, parser.parse_args(["/y"])) == Report(out_dir="/y")
+
 
 def test_groups_and_skip():
     parser = argparse.ArgumentParser()

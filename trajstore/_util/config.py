@@ -34,7 +34,7 @@ the flag given without one (``--mlflow`` alone: MLflow's default URI). ``depreca
 spellings that still work, with a ``DeprecationWarning`` naming the new one.
 ``flag=None``: a field with no flag of its own (set by the program, or by a
 global flag named in ``dest``, e.g. the CLI's ``--store``); a name without
-dashes (``flag="dir"``): a positional argument (a field without a default).
+dashes (``flag="dir"``): a positional argument (optional when the field has a default).
 """
 
 from __future__ import annotations
@@ -191,9 +191,10 @@ def add_flags(parser: Any, cls: type, *, only: Sequence[str] | None = None, skip
             if r.spec.required:
                 kwargs.update(required=True)
                 del kwargs["default"]
-            if not r.name.startswith("-"):  # a positional argument: argparse names it, and it is required
+            if not r.name.startswith("-"):  # a positional argument: argparse names it; with a default, optional
                 del kwargs["dest"]
-                kwargs.pop("required", None)
+                if kwargs.pop("required", None) is None:
+                    kwargs.update(nargs="?")
             choices = r.spec.choices
             if choices is None and typing.get_origin(r.kind) is Literal:
                 choices = typing.get_args(r.kind)

@@ -8,15 +8,19 @@ import inspect
 
 import pytest
 
-from trajstore._util.config import flags_of
+from trajstore._util.config import config_from_args, flags_of
+from trajstore._upkeep.retention_cli import ArchiveOptions, PartitionOptions
 from trajstore.cli import _parser
 from trajstore.ingest.proxy._config import ProxyConfig
 from trajstore.ingest.service import ServeConfig
+from trajstore.inspect.report import _ReportOptions
+from trajstore.inspect.trackers import _Trackers
 from trajstore.replay._config import ReplayConfig
 from trajstore.scale._config import ShardConfig, WorkerConfig
 
 COMMANDS = [("serve", ServeConfig), ("proxy", ProxyConfig), ("worker", ShardConfig), ("worker", WorkerConfig),
-            ("replay", ReplayConfig)]
+            ("worker", _Trackers), ("track", _Trackers), ("replay", ReplayConfig), ("report", _ReportOptions),
+            ("archive", ArchiveOptions), ("partition", PartitionOptions)]
 GLOBAL = {"store", "payload"}  # the CLI's global flags (trajstore --store URL COMMAND ...)
 
 
@@ -34,16 +38,18 @@ def test_every_field_is_a_flag_of_its_command_with_help(command, cls):
         assert r.spec.help.strip(), f"{cls.__name__}.{r.field.name} has no help"
         assert r.dest in actions, f"{cls.__name__}.{r.field.name}: trajstore {command} has no flag for it"
         if r.name is not None:
-            assert r.name in actions[r.dest].option_strings and actions[r.dest].help.endswith(r.spec.help)
+            names = actions[r.dest].option_strings or [r.dest]  # a positional is named by its dest
+            assert r.name in names and actions[r.dest].help.endswith(r.spec.help)
         else:
             assert r.dest in GLOBAL
 
 
 @pytest.mark.parametrize("command,cls", COMMANDS)
 def test_the_command_s_defaults_are_the_settings_defaults(command, cls):
-    argv = [command] + (["--upstream", "http://127.0.0.1:9"] if cls is ProxyConfig else [])
-    built = cls.from_args(_parser().parse_args(argv))
-    assert built == cls(**({"upstream": "http://127.0.0.1:9"} if cls is ProxyConfig else {}))
+    required = {ProxyConfig: (["--upstream", "http://127.0.0.1:9"], {"upstream": "http://127.0.0.1:9"}),
+                ArchiveOptions: (["/a"], {"out_dir": "/a"})}
+    argv, values = required.get(cls, ([], {}))
+    assert config_from_args(cls, _parser().parse_args([command, *argv])) == cls(**values)
 
 
 def test_the_replay_server_s_tokens_repeat():

@@ -508,23 +508,32 @@ def sinks_from_args(args: Any) -> list[TrackerSink]:
     return config_from_args(_Trackers, args).sinks()
 
 
-def add_cli_arguments(parser: Any) -> None:
-    add_tracker_arguments(parser)
-    from trajstore._util.argtypes import number
+@dataclass(frozen=True)
+class _Track:
+    """``trajstore track``'s own settings beside the trackers' (``_Trackers``): each field is also its flag."""
 
-    parser.add_argument("--interval-s", type=number(float, min=0, min_exclusive=True), default=30.0,
-                        help="seconds between pushes (default 30)")
-    parser.add_argument("--once", action="store_true", help="push once and exit")
+    store_url: str | None = option(None, flag=None, dest="store", help="store URL (the CLI's global --store)")
+    payload: str | None = option(None, flag=None, help="payload location (the CLI's global --payload)")
+    interval_s: float = option(30.0, min=0, min_exclusive=True, help="seconds between pushes (default 30)")
+    once: bool = option(False, help="push once and exit")
+
+
+def add_cli_arguments(parser: Any) -> None:
+    """The flags of ``trajstore track``: the trackers' and its own, one per settings field."""
+    add_tracker_arguments(parser)
+    add_flags(parser, _Track)
 
 
 def run_from_args(args: Any) -> int:
-    if not (math.isfinite(args.interval_s) and args.interval_s > 0):
-        raise TrajstoreError(f"--interval-s must be a finite number > 0, not {args.interval_s}")
-    if not wants_trackers(args):
+    options = config_from_args(_Track, args)
+    if not (math.isfinite(options.interval_s) and options.interval_s > 0):  # a Namespace built by hand
+        raise TrajstoreError(f"--interval-s must be a finite number > 0, not {options.interval_s}")
+    trackers = config_from_args(_Trackers, args)
+    if not trackers.wanted():
         raise TrajstoreError("trackers: name at least one tracker (--tensorboard, --mlflow, --wandb-project)")
-    pusher = TrackerPusher(args.store, sinks_from_args(args), payload=getattr(args, "payload", None))
+    pusher = TrackerPusher(options.store_url, trackers.sinks(), payload=options.payload)
     try:
-        pusher.run(args.interval_s, pushes=1 if args.once else None)
+        pusher.run(options.interval_s, pushes=1 if options.once else None)
     except KeyboardInterrupt:
         pass
     finally:

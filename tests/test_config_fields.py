@@ -14,13 +14,14 @@ from trajstore.cli import _parser
 from trajstore.ingest.proxy._config import ProxyConfig
 from trajstore.ingest.service import ServeConfig
 from trajstore.inspect.report import _ReportOptions
-from trajstore.inspect.trackers import _Trackers
+from trajstore.inspect.sql import _SqlOptions
+from trajstore.inspect.trackers import _Track, _Trackers
 from trajstore.replay._config import ReplayConfig
 from trajstore.scale._config import ShardConfig, WorkerConfig
 
 COMMANDS = [("serve", ServeConfig), ("proxy", ProxyConfig), ("worker", ShardConfig), ("worker", WorkerConfig),
             ("worker", _Trackers), ("track", _Trackers), ("replay", ReplayConfig), ("report", _ReportOptions),
-            ("archive", ArchiveOptions), ("partition", PartitionOptions)]
+            ("archive", ArchiveOptions), ("partition", PartitionOptions), ("sql", _SqlOptions), ("track", _Track)]
 GLOBAL = {"store", "payload"}  # the CLI's global flags (trajstore --store URL COMMAND ...)
 
 
@@ -47,7 +48,7 @@ def test_every_field_is_a_flag_of_its_command_with_help(command, cls):
 @pytest.mark.parametrize("command,cls", COMMANDS)
 def test_the_command_s_defaults_are_the_settings_defaults(command, cls):
     required = {ProxyConfig: (["--upstream", "http://127.0.0.1:9"], {"upstream": "http://127.0.0.1:9"}),
-                ArchiveOptions: (["/a"], {"out_dir": "/a"})}
+                ArchiveOptions: (["/a"], {"out_dir": "/a"}), _SqlOptions: (["SELECT 1"], {"query": "SELECT 1"})}
     argv, values = required.get(cls, ([], {}))
     assert config_from_args(cls, _parser().parse_args([command, *argv])) == cls(**values)
 

@@ -48,7 +48,7 @@ import warnings
 from dataclasses import MISSING, dataclass
 from typing import Any, Callable, Literal, Mapping, Sequence, TypeVar, Union
 
-__all__ = ["Flag", "add_flags", "config_from_args", "flags_of", "option"]
+__all__ = ["FieldFlag", "Flag", "add_flags", "config_from_args", "flags_of", "option"]
 
 C = TypeVar("C")
 _META = "trajstore.flag"
@@ -95,7 +95,9 @@ def option(default: Any = MISSING, *, help: str, flag: str | None = "", dest: st
 
 
 @dataclass(frozen=True)
-class _Resolved:
+class FieldFlag:
+    """A field of a settings class with its flag: the name argparse knows it by and the parsed attribute."""
+
     field: dataclasses.Field
     spec: Flag
     kind: Any  # the annotation, Optional removed
@@ -111,7 +113,7 @@ def _strip_optional(hint: Any) -> Any:
     return hint
 
 
-def flags_of(cls: type) -> list[_Resolved]:
+def flags_of(cls: type) -> list[FieldFlag]:
     """The fields of ``cls`` made by :func:`option`, with their flag's name and parsed attribute."""
     hints = typing.get_type_hints(cls)
     out = []
@@ -125,24 +127,24 @@ def flags_of(cls: type) -> list[_Resolved]:
             negated = kind is bool and f.default is True
             name = "--" + ("no-" if negated else "") + f.name.replace("_", "-")
         dest = spec.dest or (name.lstrip("-").replace("-", "_") if name else f.name)
-        out.append(_Resolved(f, spec, kind, name, dest))
+        out.append(FieldFlag(f, spec, kind, name, dest))
     return out
 
 
-def _is_switch(r: _Resolved) -> bool:
+def _is_switch(r: FieldFlag) -> bool:
     return r.kind is bool and r.spec.parse is None
 
 
-def _is_repeated(r: _Resolved) -> bool:
+def _is_repeated(r: FieldFlag) -> bool:
     """A ``tuple[str, ...]`` field: a flag given once per value (``action="append"``)."""
     return typing.get_origin(r.kind) is tuple and typing.get_args(r.kind)[1:] == (Ellipsis,)
 
 
-def _negated(r: _Resolved) -> bool:
+def _negated(r: FieldFlag) -> bool:
     return _is_switch(r) and r.field.default is True
 
 
-def _flag_default(r: _Resolved) -> Any:
+def _flag_default(r: FieldFlag) -> Any:
     default = r.field.default
     if default is MISSING or default is None or r.spec.scale is None:
         return default
@@ -215,7 +217,7 @@ def add_flags(parser: Any, cls: type, *, only: Sequence[str] | None = None, skip
                                 default=argparse.SUPPRESS, help=argparse.SUPPRESS, **alias)
 
 
-def _argtype(r: _Resolved) -> Callable[[str], Any] | None:
+def _argtype(r: FieldFlag) -> Callable[[str], Any] | None:
     if r.spec.type is not None or r.spec.parse is not None:
         return r.spec.type
     kind = r.kind

@@ -9,7 +9,6 @@ when a response is built, so importing this module needs no extra.
 
 from __future__ import annotations
 
-import argparse
 import errno
 import json
 import logging
@@ -24,8 +23,9 @@ from typing import Any, Callable
 from trajstore._util.auth import bearer_token, same_token
 from trajstore.errors import ConflictError, StoreUnavailable, TrajstoreError, ValidationError
 
-__all__ = ["ERROR_STATUS", "OPEN_PATHS", "BearerAuth", "HTTPError", "UNAUTHORIZED", "add_server_arguments",
-           "bearer_ok", "error_body", "error_class", "error_response", "error_status", "run_server", "server_token"]
+__all__ = ["ERROR_STATUS", "OPEN_PATHS", "BearerAuth", "HTTPError", "UNAUTHORIZED", "bearer_ok",
+           "error_body", "error_class", "error_response", "error_status", "run_server", "server_options",
+           "server_token"]
 
 log = logging.getLogger(__name__)
 
@@ -166,15 +166,20 @@ def is_loopback(host: str | None) -> bool:
         return False
 
 
-def add_server_arguments(parser: argparse.ArgumentParser, *, port: int, token_help: str, open_help: str) -> None:
-    """``--host``, ``--port``, ``--token``, ``--insecure-no-auth``, ``--log-level``."""
-    from trajstore._util.argtypes import number
+def server_options(*, port: int, token_help: str, open_help: str, group: str | None = None) -> dict[str, Any]:
+    """The fields every server's settings hold, each its flag (``trajstore._util.config.option``):
+    ``host``, ``port``, ``token``, ``insecure_no_auth``, ``log_level``, by name. A settings class
+    declares each (``host: str = options["host"]``).
+    ``group``: the title of the argument group their flags go in."""
+    from trajstore._util.config import option
 
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    parser.add_argument("--port", type=number(int, min=0, max=65535), default=port, help=f"port (default {port})")
-    parser.add_argument("--token", default=None, help=f"{token_help} (default $TRAJSTORE_TOKEN)")
-    parser.add_argument("--insecure-no-auth", action="store_true", help=open_help)
-    parser.add_argument("--log-level", default="warning", help="uvicorn log level (default warning)")
+    return {
+        "host": option("127.0.0.1", group=group, help="address to bind (default 127.0.0.1)"),
+        "port": option(port, group=group, help=f"port (default {port})", min=0, max=65535),
+        "token": option(None, group=group, help=f"{token_help} (default $TRAJSTORE_TOKEN)"),
+        "insecure_no_auth": option(False, group=group, help=open_help),
+        "log_level": option("warning", group=group, help="uvicorn log level (default warning)"),
+    }
 
 
 def run_server(app: Any, *, name: str, host: str, port: int, store_url: str | None = None,

@@ -35,12 +35,13 @@ import time
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from trajstore._util.config import add_flags, config_from_args, option
 from trajstore.errors import TrajstoreError
 from trajstore.ingest._body import (DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_BYTES_IN_FLIGHT, ByteBudget, ClientGone,
                                     declared_length, header, is_arrow, parse_arrow_body, read_body, send_json)
 from trajstore.ingest._group_commit import (DEFAULT_COMMITTERS, DEFAULT_GROUP_WAIT_S, DEFAULT_LINGER_S,
                                             DEFAULT_MAX_GROUP_BYTES, GroupCommitter)
-from trajstore.ingest._http import OPEN_PATHS, BearerAuth, add_server_arguments, run_server, server_token
+from trajstore.ingest._http import OPEN_PATHS, BearerAuth, run_server, server_options, server_token
 from trajstore.ingest._http import HTTPError as _HTTPError
 from trajstore.ingest._json_body import decode_json, parse_body
 from trajstore.ingest._metrics import MULTIPROC_ENV, Metrics, make_multiproc_dir
@@ -56,51 +57,69 @@ log = logging.getLogger(__name__)
 DEFAULT_PORT = 8700
 
 
+_SERVER = server_options(port=DEFAULT_PORT, token_help="bearer token clients must send",
+                         open_help="accept requests without a token")
+
+
 @dataclass(frozen=True)
 class ServeConfig:
-    """Every setting of the ingest service: what ``trajstore serve`` builds from its flags,
-    ``serve`` runs, and each worker process receives (``to_env`` / ``from_env``).
+    """Every setting of the ingest service: what ``trajstore serve`` builds from its flags (each
+    field is one flag: :func:`add_cli_arguments`), ``serve`` runs, and each worker process receives
+    (``to_env`` / ``from_env``).
 
     ``make_app`` reads the app's part (``token`` and the request settings);
     ``serve`` the rest (where the store is, where to listen, how many processes)."""
 
-    store_url: str | None = None
+    store_url: str | None = option(None, flag=None, dest="store", help="store URL (the CLI's global --store)")
     """Store URL (None: ``$TRAJSTORE_URL`` or the embedded default)."""
-    payload: str | None = None
+    payload: str | None = option(None, flag=None, help="payload location (the CLI's global --payload)")
     """Where payload segments go when the store does not say (``connect(payload=)``)."""
-    host: str = "127.0.0.1"
+    host: str = _SERVER["host"]
     """Address to bind."""
-    port: int = DEFAULT_PORT
+    port: int = _SERVER["port"]
     """Port to bind (0: any free port)."""
-    token: str | None = None
+    token: str | None = _SERVER["token"]
     """Bearer token clients must send. ``serve`` falls back to ``$TRAJSTORE_TOKEN`` and refuses
     to start without one unless ``insecure_no_auth``; for ``make_app``, None means no auth."""
-    insecure_no_auth: bool = False
+    insecure_no_auth: bool = _SERVER["insecure_no_auth"]
     """Let ``serve`` run without a token (anyone who can reach the port can write)."""
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_body_bytes: int = option(DEFAULT_MAX_BODY_BYTES, flag="--max-body-mb", scale=1 / (1 << 20), min=0,
+                                 min_exclusive=True, help="largest request body in MiB (default 64); larger ones get 413")
     """Largest request body; a larger one gets 413, refused before it is read when it declares its length."""
-    max_bytes_in_flight: int = DEFAULT_MAX_BYTES_IN_FLIGHT
+    max_bytes_in_flight: int = option(
+        DEFAULT_MAX_BYTES_IN_FLIGHT, flag="--max-in-flight-mb", scale=1 / (1 << 20), min=0, min_exclusive=True,
+        help="request bodies read, parsed or committing at once, in MiB (default 128); "
+             "more requests wait (bounds the service's memory)")
     """Request bodies read, parsed or committing at once, in bytes (``ByteBudget``); more requests
     wait. Bounds the service's memory (docs/ingest.md "Memory")."""
-    group_commit: bool = True
+    group_commit: bool = option(True, help="append each request on its own instead of coalescing concurrent ones")
     """Coalesce concurrent requests into one ``store.append`` (``GroupCommitter``); False appends
     each request on its own."""
-    group_wait_s: float = DEFAULT_GROUP_WAIT_S
+    group_wait_s: float = option(DEFAULT_GROUP_WAIT_S, flag="--group-wait-ms", scale=1e3, min=0,
+                                 help="how long a group commit waits for requests still being read or parsed "
+                                      f"(default {DEFAULT_GROUP_WAIT_S * 1e3:g}; 0: never)")
     """How long a group about to be committed waits for requests still being read or parsed
     (``GroupCommitter.max_wait_s``; 0: never)."""
-    committers: int = DEFAULT_COMMITTERS
+    committers: int = option(DEFAULT_COMMITTERS,
+                             help="group appends in flight at once per process: one writes while another waits "
+                                  f"for its fsyncs (default {DEFAULT_COMMITTERS})")
     """Group appends in flight at once per process: one writes while another waits for its fsyncs
     (``GroupCommitter``'s ``committers``)."""
-    linger_s: float = DEFAULT_LINGER_S
+    linger_s: float = option(DEFAULT_LINGER_S, flag="--linger-ms", scale=1e3, min=0,
+                             help="how long a request waits for others to share its payload object and index "
+                                  f"transaction (default {DEFAULT_LINGER_S * 1e3:g}; 0: commit at once)")
     """How long a request waits for others to share its payload object and index transaction
     (``GroupCommitter.linger_s``, Kafka's ``linger.ms``; 0: commit as soon as a committer is free)."""
-    max_batch_bytes: int = DEFAULT_MAX_GROUP_BYTES
+    max_batch_bytes: int = option(DEFAULT_MAX_GROUP_BYTES, flag="--max-batch-mb", scale=1 / (1 << 20), min=0,
+                                  min_exclusive=True,
+                                  help="a group's bound in request body MiB: a full group commits without waiting "
+                                       f"out the linger (default {DEFAULT_MAX_GROUP_BYTES / (1 << 20):g})")
     """A group's bound in request body bytes (``GroupCommitter.max_group_bytes``, Kafka's
     ``batch.size``): a full group is committed without waiting out the linger."""
-    workers: int = 1
+    workers: int = option(1, help="server processes on the port, each with its own store connection (default 1)")
     """Server processes on the port, each with its own store connection and group committer
     (one process is bound by its GIL to about one core)."""
-    log_level: str = "warning"
+    log_level: str = _SERVER["log_level"]
     """uvicorn's log level."""
 
     def __post_init__(self) -> None:
@@ -116,17 +135,8 @@ class ServeConfig:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "ServeConfig":
-        """The settings ``add_cli_arguments``' flags parsed into ``args`` stand for."""
-        return cls(store_url=getattr(args, "store", None), payload=getattr(args, "payload", None), host=args.host,
-                   port=args.port, token=args.token, insecure_no_auth=args.insecure_no_auth,
-                   max_body_bytes=int(args.max_body_mb * (1 << 20)),
-                   max_bytes_in_flight=int(args.max_in_flight_mb * (1 << 20)), group_commit=not args.no_group_commit,
-                   group_wait_s=getattr(args, "group_wait_ms", DEFAULT_GROUP_WAIT_S * 1e3) / 1e3,
-                   committers=getattr(args, "committers", DEFAULT_COMMITTERS),
-                   linger_s=getattr(args, "linger_ms", DEFAULT_LINGER_S * 1e3) / 1e3,
-                   max_batch_bytes=int(getattr(args, "max_batch_mb", DEFAULT_MAX_GROUP_BYTES / (1 << 20)) * (1 << 20)),
-                   workers=args.workers,
-                   log_level=args.log_level)
+        """The settings the flags of ``add_cli_arguments`` (one per field) parsed into ``args`` stand for."""
+        return config_from_args(cls, args)
 
     def to_env(self) -> str:
         """These settings as the JSON text ``serve`` hands its workers in ``$TRAJSTORE_SERVE_CONFIG``."""
@@ -348,32 +358,9 @@ def _ack_body(num_events: int, result: Any) -> dict:
 
 
 def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags of ``trajstore serve`` (``--store`` is the CLI's global flag); ``ServeConfig.from_args`` reads them."""
-    from trajstore._util.argtypes import number
-    add_server_arguments(parser, port=DEFAULT_PORT, token_help="bearer token clients must send",
-                         open_help="accept requests without a token")
-    parser.add_argument("--max-body-mb", type=number(float, min=0, min_exclusive=True), default=DEFAULT_MAX_BODY_BYTES / (1 << 20),
-                        help="largest request body in MiB (default 64); larger ones get 413")
-    parser.add_argument("--max-in-flight-mb", type=number(float, min=0, min_exclusive=True), default=DEFAULT_MAX_BYTES_IN_FLIGHT / (1 << 20),
-                        help="request bodies read, parsed or committing at once, in MiB (default 128); "
-                             "more requests wait (bounds the service's memory)")
-    parser.add_argument("--no-group-commit", action="store_true",
-                        help="append each request on its own instead of coalescing concurrent ones")
-    parser.add_argument("--group-wait-ms", type=number(float, min=0), default=DEFAULT_GROUP_WAIT_S * 1e3,
-                        help="how long a group commit waits for requests still being read or parsed "
-                             f"(default {DEFAULT_GROUP_WAIT_S * 1e3:g}; 0: never)")
-    parser.add_argument("--committers", type=number(int), default=DEFAULT_COMMITTERS,
-                        help="group appends in flight at once per process: one writes while another waits "
-                             f"for its fsyncs (default {DEFAULT_COMMITTERS})")
-    parser.add_argument("--linger-ms", type=number(float, min=0), default=DEFAULT_LINGER_S * 1e3,
-                        help="how long a request waits for others to share its payload object and index "
-                             f"transaction (default {DEFAULT_LINGER_S * 1e3:g}; 0: commit at once)")
-    parser.add_argument("--max-batch-mb", type=number(float, min=0, min_exclusive=True),
-                        default=DEFAULT_MAX_GROUP_BYTES / (1 << 20),
-                        help="a group's bound in request body MiB: a full group commits without waiting "
-                             f"out the linger (default {DEFAULT_MAX_GROUP_BYTES / (1 << 20):g})")
-    parser.add_argument("--workers", type=number(int), default=1,
-                        help="server processes on the port, each with its own store connection (default 1)")
+    """The flags of ``trajstore serve``: one per ``ServeConfig`` field (``--store`` and ``--payload`` are
+    the CLI's global flags); ``ServeConfig.from_args`` reads them."""
+    add_flags(parser, ServeConfig)
 
 
 _POSITIONAL = ("host", "port", "token")  # serve(store_url, host, port, token): the call docs/ingest.md shows

@@ -17,9 +17,14 @@ import argparse
 import json
 import os
 import sys
+from dataclasses import dataclass
 from typing import Any, Callable
 
+from trajstore._util.config import add_flags, config_from_args, option
 from trajstore.errors import TrajstoreError
+from trajstore.ingest._http import server_options
+from trajstore.inspect._live import DEFAULT_PORT, DEFAULT_REFRESH_S
+from trajstore.inspect._panels import DEFAULT_STUCK_AFTER_S
 
 __all__ = ["render_report", "add_cli_arguments", "run_from_args"]
 
@@ -76,79 +81,93 @@ def render_report(url: str | None, out_dir: str, *, title: str | None = None,
 
 # -- CLI ---------------------------------------------------------------------------------
 
+_LIVE = "live page (--serve)"
+_SERVER = server_options(port=DEFAULT_PORT, token_help="bearer token viewers must present",
+                         open_help="serve the page without a token (anyone reaching the port reads the run)",
+                         group=_LIVE)
+
+
+@dataclass(frozen=True)
+class _ReportOptions:
+    """``trajstore report``'s settings: each field is also its flag."""
+
+    store_url: str | None = option(None, flag=None, dest="store", help="store URL (the CLI's global --store)")
+    payload: str | None = option(None, flag=None, help="payload location (the CLI's global --payload)")
+    out_dir: str | None = option(None, flag="out_dir",
+                                 help="directory for the static page (index.html, plotly.min.js); not with --serve")
+    title: str | None = option(None, help="page title (default: trajstore report)")
+    stuck_after_s: float = option(DEFAULT_STUCK_AFTER_S, min=0,
+                                  help="a running trajectory idle this long while the log goes on counts as stuck "
+                                       f"(default {DEFAULT_STUCK_AFTER_S:g})")
+    rebuild_aggregates: bool = option(
+        False, help="count the run aggregates the panels read again from the log and every sample, then "
+                    "exit (once after upgrading a store that has samples; docs/report.md)")
+    trace: str | None = option(None, metavar="TRAJECTORY_ID",
+                               help="write the trace view of one trajectory (its calls and samples token by token) "
+                                    "into OUT_DIR instead of the run's page")
+    tokenizer: str | None = option(None, metavar="PATH",
+                                   help="a Hugging Face tokenizer.json (or the model directory holding it): the "
+                                        "trace view shows decoded tokens instead of token ids")
+    serve: bool = option(False, group=_LIVE,
+                         help="serve the page live over HTTP, redrawn from the store (read-only, token required)")
+    refresh_s: float = option(DEFAULT_REFRESH_S, min=0, min_exclusive=True, group=_LIVE,
+                              help="how often the live page checks whether the store changed (a few indexed maxima); "
+                                   "the panels are recomputed and pushed only when it did "
+                                   f"(default {DEFAULT_REFRESH_S:g})")
+    host: str = _SERVER["host"]
+    port: int = _SERVER["port"]
+    token: str | None = _SERVER["token"]
+    insecure_no_auth: bool = _SERVER["insecure_no_auth"]
+    log_level: str = _SERVER["log_level"]
+
+
 def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
-    from trajstore._util.argtypes import number
-
-    from trajstore.ingest._http import add_server_arguments
-    from trajstore.inspect._live import DEFAULT_PORT, DEFAULT_REFRESH_S
-    from trajstore.inspect._panels import DEFAULT_STUCK_AFTER_S
-
-    parser.add_argument("out_dir", nargs="?", default=None,
-                        help="directory for the static page (index.html, plotly.min.js); not with --serve")
-    parser.add_argument("--title", default=None, help="page title (default: trajstore report)")
-    parser.add_argument("--stuck-after-s", type=number(float, min=0), default=DEFAULT_STUCK_AFTER_S,
-                        help="a running trajectory idle this long while the log goes on counts as stuck "
-                             f"(default {DEFAULT_STUCK_AFTER_S:g})")
-    parser.add_argument("--rebuild-aggregates", action="store_true",
-                        help="count the run aggregates the panels read again from the log and every sample, then "
-                             "exit (once after upgrading a store that has samples; docs/report.md)")
-    parser.add_argument("--trace", metavar="TRAJECTORY_ID", default=None,
-                        help="write the trace view of one trajectory (its calls and samples token by token) "
-                             "into OUT_DIR instead of the run's page")
-    parser.add_argument("--tokenizer", metavar="PATH", default=None,
-                        help="a Hugging Face tokenizer.json (or the model directory holding it): the trace view "
-                             "shows decoded tokens instead of token ids")
-    live = parser.add_argument_group("live page (--serve)")
-    live.add_argument("--serve", action="store_true",
-                      help="serve the page live over HTTP, redrawn from the store (read-only, token required)")
-    live.add_argument("--refresh-s", type=number(float, min=0, min_exclusive=True), default=DEFAULT_REFRESH_S,
-                      help=f"how often the live page checks whether the store changed (a few indexed maxima); the "
-                           f"panels are recomputed and pushed only when it did (default {DEFAULT_REFRESH_S:g})")
-    add_server_arguments(live, port=DEFAULT_PORT, token_help="bearer token viewers must present",
-                         open_help="serve the page without a token (anyone reaching the port reads the run)")
+    """The flags of ``trajstore report``: one per field of its settings."""
+    add_flags(parser, _ReportOptions)
 
 
 def run_from_args(args: argparse.Namespace) -> int:
-    if getattr(args, "rebuild_aggregates", False):
-        if args.serve or args.out_dir is not None or getattr(args, "trace", None) is not None:
+    options = config_from_args(_ReportOptions, args)
+    if options.rebuild_aggregates:
+        if options.serve or options.out_dir is not None or options.trace is not None:
             raise TrajstoreError("report --rebuild-aggregates only recounts the aggregates; run it on its own")
         from trajstore.store import connect
         from trajstore.inspect._rebuild import rebuild_aggregates
 
-        with connect(args.store, payload=getattr(args, "payload", None), create=False) as store:
+        with connect(options.store_url, payload=options.payload, create=False) as store:
             counted = rebuild_aggregates(store)
         print(f"recounted the run aggregates from {counted['events']} engine calls, {counted['samples']} samples and "
               f"{counted['trajectories']} finished trajectories")
         sys.stdout.flush()
         return 0
-    if args.serve:
-        if args.trace is not None:
+    if options.serve:
+        if options.trace is not None:
             raise TrajstoreError("report --serve serves every trace at /trace/ID; --trace writes one into OUT_DIR")
-        if args.out_dir is not None:
+        if options.out_dir is not None:
             raise TrajstoreError("report --serve serves the page; it takes no OUT_DIR (run without --serve to export)")
         from trajstore.ingest._http import server_token
         from trajstore.inspect._live import serve_report
 
-        token = server_token(args.token, insecure_no_auth=args.insecure_no_auth, host=args.host)
-        serve_report(args.store, host=args.host, port=args.port, token=token, title=args.title or "trajstore report",
-                     refresh_s=args.refresh_s, stuck_after_s=args.stuck_after_s, log_level=args.log_level,
-                     payload=getattr(args, "payload", None), tokenizer=args.tokenizer)
+        token = server_token(options.token, insecure_no_auth=options.insecure_no_auth, host=options.host)
+        serve_report(options.store_url, host=options.host, port=options.port, token=token,
+                     title=options.title or "trajstore report", refresh_s=options.refresh_s, stuck_after_s=options.stuck_after_s, log_level=options.log_level,
+                     payload=options.payload, tokenizer=options.tokenizer)
         return 0
-    if args.out_dir is None:
+    if options.out_dir is None:
         raise TrajstoreError("report needs OUT_DIR (the static page) or --serve (the live page)")
-    if args.trace is not None:
+    if options.trace is not None:
         from trajstore.inspect._trace import write_trace
 
-        path = write_trace(args.store, args.trace, args.out_dir, payload=getattr(args, "payload", None),
-                           tokenizer=args.tokenizer)
+        path = write_trace(options.store_url, options.trace, options.out_dir, payload=options.payload,
+                           tokenizer=options.tokenizer)
         print(f"wrote {path}")
         return 0
     from trajstore._util.progress import progress_bar
     from trajstore.inspect._panels import PANELS
 
     with progress_bar("drawing the report's panels", total=len(PANELS), unit="panels") as advance:
-        written = render_report(args.store, args.out_dir, title=args.title, stuck_after_s=args.stuck_after_s,
-                                payload=getattr(args, "payload", None), progress=advance, tokenizer=args.tokenizer)
+        written = render_report(options.store_url, options.out_dir, title=options.title, stuck_after_s=options.stuck_after_s,
+                                payload=options.payload, progress=advance, tokenizer=options.tokenizer)
     if written["empty"]:
         print(f"wrote {written['index']}: no data yet (the store has no trajectories), 0 panels")
     else:

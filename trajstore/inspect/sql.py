@@ -32,6 +32,7 @@ from typing import Any, Callable, Iterator, TextIO
 
 from sqlalchemy.engine import make_url
 
+from trajstore._util.config import add_flags, config_from_args, option
 from trajstore.errors import StoreUnavailable, TrajstoreError
 from trajstore.inspect.views import READER_ROLE
 from trajstore.log._errors import driver_errors
@@ -248,20 +249,26 @@ def _print_table(result: QueryResult, out: TextIO) -> None:
 
 # -- CLI ---------------------------------------------------------------------
 
-def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
-    from trajstore._util.argtypes import number
+@dataclass(frozen=True)
+class _SqlOptions:
+    """``trajstore sql``'s settings: each field is also its flag."""
 
-    parser.add_argument("query", help="one SQL statement, e.g. \"SELECT * FROM trajectory_summary LIMIT 5\" "
-                                      "(views: see docs/sql.md)")
-    parser.add_argument("--format", choices=FORMATS, default="table", help="output format (default: table)")
-    parser.add_argument("--timeout-s", type=number(float, min=0, min_exclusive=True), default=None,
-                        help="cancel the query after this many seconds")
-    parser.add_argument("--unix-times", action="store_true",
-                        help="print time columns (*_at) as the unix seconds the views hold "
-                             "(default: ISO 8601 UTC, e.g. 2026-01-02T03:04:05.678+00:00)")
+    query: str = option(flag="query", help="one SQL statement, e.g. \"SELECT * FROM trajectory_summary LIMIT 5\" "
+                                           "(views: see docs/sql.md)")
+    store_url: str | None = option(None, flag=None, dest="store", help="store URL (the CLI's global --store)")
+    format: str = option("table", choices=FORMATS, help="output format (default: table)")
+    timeout_s: float | None = option(None, min=0, min_exclusive=True, help="cancel the query after this many seconds")
+    unix_times: bool = option(False, help="print time columns (*_at) as the unix seconds the views hold "
+                                          "(default: ISO 8601 UTC, e.g. 2026-01-02T03:04:05.678+00:00)")
+
+
+def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of ``trajstore sql``: one per field of its settings."""
+    add_flags(parser, _SqlOptions)
 
 
 def run_from_args(args: argparse.Namespace) -> int:
-    result = run_query(args.store, args.query, timeout_s=args.timeout_s)
-    print_result(result, args.format, iso_times=not getattr(args, "unix_times", False))
+    options = config_from_args(_SqlOptions, args)
+    result = run_query(options.store_url, options.query, timeout_s=options.timeout_s)
+    print_result(result, options.format, iso_times=not options.unix_times)
     return 0

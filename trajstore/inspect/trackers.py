@@ -58,8 +58,9 @@ import math
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Protocol, Sequence
+from typing import Any, Iterable, Literal, Mapping, Protocol, Sequence
 
+from trajstore._util.config import add_flags, config_from_args, option
 from trajstore.errors import CorruptStoreError, StoreUnavailable, TrajstoreError, first_line
 from trajstore.inspect.sql import Query, QueryResult
 
@@ -457,59 +458,82 @@ class TrackerPusher:
             sink.close()
 
 
+@dataclass(frozen=True)
+class _Trackers:
+    """The trackers a command pushes to (``track`` and ``worker``): each field is also its flag."""
+
+    tensorboard: str | None = option(None, metavar="LOGDIR", help="write TensorBoard event files into LOGDIR")
+    mlflow: str | None = option(None, metavar="TRACKING_URI", bare="",
+                                help="log to MLflow (its tracking URI; bare flag: MLflow's own default)")
+    mlflow_experiment: str = option("trajstore", help="MLflow experiment name")
+    mlflow_run_id: str | None = option(None, help="log into this existing MLflow run (e.g. the trainer's); "
+                                                  "it is never ended here")
+    wandb_project: str | None = option(None, help="log to this Weights & Biases project")
+    wandb_mode: Literal["online", "offline"] = option(
+        "online", help="offline: write the run under --wandb-dir for `wandb sync` later")
+    wandb_dir: str | None = option(None, help="where W&B keeps its files")
+
+    def wanted(self) -> bool:
+        return bool(self.tensorboard or self.mlflow is not None or self.wandb_project)
+
+    def sinks(self) -> list[TrackerSink]:
+        """The sinks named (each made once, in flag order)."""
+        sinks: list[TrackerSink] = []
+        try:
+            if self.tensorboard:
+                sinks.append(TensorBoardSink(self.tensorboard))
+            if self.mlflow is not None:
+                sinks.append(MLflowSink(self.mlflow or None, experiment=self.mlflow_experiment,
+                                        run_id=self.mlflow_run_id))
+            if self.wandb_project:
+                sinks.append(WandbSink(self.wandb_project, mode=self.wandb_mode, dir=self.wandb_dir))
+        except BaseException:
+            for sink in sinks:
+                sink.close()
+            raise
+        return sinks
+
+
 def add_tracker_arguments(parser: Any) -> None:
-    """The trackers' flags (``track`` and ``worker`` take them)."""
-    parser.add_argument("--tensorboard", metavar="LOGDIR", help="write TensorBoard event files into LOGDIR")
-    parser.add_argument("--mlflow", metavar="TRACKING_URI", nargs="?", const="",
-                        help="log to MLflow (its tracking URI; bare flag: MLflow's own default)")
-    parser.add_argument("--mlflow-experiment", default="trajstore", help="MLflow experiment name")
-    parser.add_argument("--mlflow-run-id", help="log into this existing MLflow run (e.g. the trainer's); "
-                                                "it is never ended here")
-    parser.add_argument("--wandb-project", help="log to this Weights & Biases project")
-    parser.add_argument("--wandb-mode", default="online", choices=("online", "offline"),
-                        help="offline: write the run under --wandb-dir for `wandb sync` later")
-    parser.add_argument("--wandb-dir", help="where W&B keeps its files")
+    """The trackers' flags (``track`` and ``worker`` take them): one per field of ``_Trackers``."""
+    add_flags(parser, _Trackers)
 
 
 def wants_trackers(args: Any) -> bool:
-    return bool(args.tensorboard or args.mlflow is not None or args.wandb_project)
+    return config_from_args(_Trackers, args).wanted()
 
 
 def sinks_from_args(args: Any) -> list[TrackerSink]:
     """The sinks the flags of ``add_tracker_arguments`` name (each made once, in flag order)."""
-    sinks: list[TrackerSink] = []
-    try:
-        if args.tensorboard:
-            sinks.append(TensorBoardSink(args.tensorboard))
-        if args.mlflow is not None:
-            sinks.append(MLflowSink(args.mlflow or None, experiment=args.mlflow_experiment,
-                                    run_id=args.mlflow_run_id))
-        if args.wandb_project:
-            sinks.append(WandbSink(args.wandb_project, mode=args.wandb_mode, dir=args.wandb_dir))
-    except BaseException:
-        for sink in sinks:
-            sink.close()
-        raise
-    return sinks
+    return config_from_args(_Trackers, args).sinks()
+
+
+@dataclass(frozen=True)
+class _Track:
+    """``trajstore track``'s own settings beside the trackers' (``_Trackers``): each field is also its flag."""
+
+    store_url: str | None = option(None, flag=None, dest="store", help="store URL (the CLI's global --store)")
+    payload: str | None = option(None, flag=None, help="payload location (the CLI's global --payload)")
+    interval_s: float = option(30.0, min=0, min_exclusive=True, help="seconds between pushes (default 30)")
+    once: bool = option(False, help="push once and exit")
 
 
 def add_cli_arguments(parser: Any) -> None:
+    """The flags of ``trajstore track``: the trackers' and its own, one per settings field."""
     add_tracker_arguments(parser)
-    from trajstore._util.argtypes import number
-
-    parser.add_argument("--interval-s", type=number(float, min=0, min_exclusive=True), default=30.0,
-                        help="seconds between pushes (default 30)")
-    parser.add_argument("--once", action="store_true", help="push once and exit")
+    add_flags(parser, _Track)
 
 
 def run_from_args(args: Any) -> int:
-    if not (math.isfinite(args.interval_s) and args.interval_s > 0):
-        raise TrajstoreError(f"--interval-s must be a finite number > 0, not {args.interval_s}")
-    if not wants_trackers(args):
+    options = config_from_args(_Track, args)
+    if not (math.isfinite(options.interval_s) and options.interval_s > 0):  # a Namespace built by hand
+        raise TrajstoreError(f"--interval-s must be a finite number > 0, not {options.interval_s}")
+    trackers = config_from_args(_Trackers, args)
+    if not trackers.wanted():
         raise TrajstoreError("trackers: name at least one tracker (--tensorboard, --mlflow, --wandb-project)")
-    pusher = TrackerPusher(args.store, sinks_from_args(args), payload=getattr(args, "payload", None))
+    pusher = TrackerPusher(options.store_url, trackers.sinks(), payload=options.payload)
     try:
-        pusher.run(args.interval_s, pushes=1 if args.once else None)
+        pusher.run(options.interval_s, pushes=1 if options.once else None)
     except KeyboardInterrupt:
         pass
     finally:

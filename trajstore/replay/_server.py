@@ -55,6 +55,7 @@ import pyarrow.flight as fl
 import pyarrow.ipc as ipc
 
 from trajstore._util.auth import bearer_token, same_token
+from trajstore._util.config import add_flags
 from trajstore.errors import (ConflictError, CorruptStoreError, ProjectionChangedError, StoreUnavailable,
                               TrajstoreError, ValidationError)
 from trajstore.log._run_owners import owner_of
@@ -63,12 +64,12 @@ from trajstore.payload._errors import payload_errors
 from trajstore.payload._format import READ_OPTIONS, ROWS_PER_BATCH, SegmentKind
 from trajstore.replay import _protocol as proto
 from trajstore.replay import _puts as puts
+from trajstore.replay._config import DEFAULT_PORT, ReplayConfig
 
 __all__ = ["ReplayServer", "add_cli_arguments", "serve_from_args", "DEFAULT_PORT"]
 
 _log = logging.getLogger("trajstore.replay.server")
 
-DEFAULT_PORT = 8815
 READ, WRITE = "read", "write"
 _M = fl.FlightMethod
 # What each role may call; anything else is refused (deny by default).
@@ -513,76 +514,48 @@ class ReplayServer(fl.FlightServerBase):
 
 
 def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags of ``trajstore replay`` (``--store``/``--payload`` are the CLI's global flags)."""
-    from trajstore._util.argtypes import number
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    parser.add_argument("--port", type=number(int, min=0, max=65535), default=DEFAULT_PORT,
-                        help=f"port (default {DEFAULT_PORT}; 0: any free)")
-    parser.add_argument("--token", default=None, action="append",
-                        help="read-only bearer token trainers send (default $TRAJSTORE_REPLAY_TOKEN); repeat it for "
-                             "one token per team: each records the lineage of the runs it began only")
-    parser.add_argument("--write-token", default=None,
-                        help="bearer token that may also append events with DoPut (default: none, no writes)")
-    parser.add_argument("--insecure-no-auth", action="store_true", help="accept calls without a token (reads and writes)")
-    parser.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve grpc+tls")
-    parser.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
-    parser.add_argument("--metrics-port", type=number(int, min=0, max=65535), default=None,
-                        help="serve Prometheus metrics on this port (default: off)")
-    parser.add_argument("--samples-per-insert", type=number(float, min=0, min_exclusive=True), default=None,
-                        help="hold sample requests while this server has served more than this many times the "
-                             "samples in the store (plus --spi-tolerance); default off")
-    parser.add_argument("--spi-tolerance", type=number(int, min=0), default=0,
-                        help="samples the limiter lets learners run ahead of --samples-per-insert (default 0)")
-    parser.add_argument("--max-staleness", type=number(int, min=0), default=None,
-                        help="hold sample requests while the newest sample is more than this many policy versions "
-                             "behind the trainer's current_model_version; default off")
-    parser.add_argument("--max-lineage-put-bytes", type=number(int, min=1), default=puts.DEFAULT_MAX_PUT_BYTES,
-                        help="largest training-lineage put a read token may send, in bytes of events (refused "
-                             f"before its body is read; default {puts.DEFAULT_MAX_PUT_BYTES})")
-    parser.add_argument("--max-lineage-put-rows", type=number(int, min=1), default=puts.DEFAULT_MAX_PUT_ROWS,
-                        help="most events in a read token's put, and samples in one train_step "
-                             f"(default {puts.DEFAULT_MAX_PUT_ROWS})")
-    parser.add_argument("--hold-s", type=number(float, min=0), default=5.0,
-                        help="longest a request is held by the rate limiter before the client asks again (default 5)")
+    """The flags of ``trajstore replay``: one per ``ReplayConfig`` field (``--store``/``--payload`` are the
+    CLI's global flags)."""
+    add_flags(parser, ReplayConfig)
 
 
 def serve_from_args(args: argparse.Namespace) -> int:
-    """Run the replay server until SIGINT/SIGTERM."""
+    """Run the replay server the flags describe (``ReplayConfig``) until SIGINT/SIGTERM."""
     from trajstore.store import connect
 
+    config = ReplayConfig.from_args(args)  # the settings, whole: each flag is one field
     if not logging.getLogger().handlers:  # one line per event on stderr, e.g. each rate-limit wait
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    given = args.token if isinstance(args.token, list) else [args.token]
-    read_tokens = [t for t in given if t] or [t for t in [os.environ.get("TRAJSTORE_REPLAY_TOKEN")] if t]
-    if args.insecure_no_auth:
+    read_tokens = [t for t in config.token or () if t] or [t for t in [os.environ.get("TRAJSTORE_REPLAY_TOKEN")] if t]
+    if config.insecure_no_auth:
         tokens = None
     else:
-        if not read_tokens and args.write_token is None:
+        if not read_tokens and config.write_token is None:
             raise ValueError("no token: pass --token or set $TRAJSTORE_REPLAY_TOKEN (or --insecure-no-auth to run open)")
-        if args.write_token is not None and args.write_token in read_tokens:
+        if config.write_token is not None and config.write_token in read_tokens:
             raise ValueError("--token and --write-token must differ (a read-only token must not be able to write)")
-        tokens = {**{t: READ for t in read_tokens}, **({args.write_token: WRITE} if args.write_token else {})}
-    if (args.tls_cert is None) != (args.tls_key is None):
+        tokens = {**{t: READ for t in read_tokens}, **({config.write_token: WRITE} if config.write_token else {})}
+    if (config.tls_cert is None) != (config.tls_key is None):
         raise ValueError("--tls-cert and --tls-key go together")
-    store = connect(args.store, payload=args.payload, migrate=False, create=False)
-    scheme = "grpc+tls" if args.tls_cert else "grpc+tcp"
+    store = connect(config.store_url, payload=config.payload, migrate=False, create=False)
+    scheme = "grpc+tls" if config.tls_cert else "grpc+tcp"
     kwargs: dict[str, Any] = {}
-    if args.tls_cert:
-        with open(args.tls_cert, "rb") as c, open(args.tls_key, "rb") as k:
+    if config.tls_cert:
+        with open(config.tls_cert, "rb") as c, open(config.tls_key, "rb") as k:
             kwargs["tls_certificates"] = [(c.read(), k.read())]
     prometheus = _prometheus()
     registry = prometheus.CollectorRegistry()
     prometheus.ProcessCollector(registry=registry)  # process_cpu_seconds_total: the server's CPU per token served
-    server = ReplayServer(store, f"{scheme}://{args.host}:{args.port}", tokens=tokens,
-                     samples_per_insert=args.samples_per_insert, spi_tolerance=args.spi_tolerance,
-                     max_staleness=args.max_staleness, hold_s=args.hold_s, registry=registry, close_store=True,
-                     put_limits=puts.PutLimits(args.max_lineage_put_bytes, args.max_lineage_put_rows), **kwargs)
-    if args.metrics_port is not None:
-        prometheus.start_http_server(args.metrics_port, addr=args.host, registry=registry)
+    server = ReplayServer(store, f"{scheme}://{config.host}:{config.port}", tokens=tokens,
+                     samples_per_insert=config.samples_per_insert, spi_tolerance=config.spi_tolerance,
+                     max_staleness=config.max_staleness, hold_s=config.hold_s, registry=registry, close_store=True,
+                     put_limits=puts.PutLimits(config.max_lineage_put_bytes, config.max_lineage_put_rows), **kwargs)
+    if config.metrics_port is not None:
+        prometheus.start_http_server(config.metrics_port, addr=config.host, registry=registry)
     from trajstore.log._backend import safe_url
 
-    print(f"trajstore replay: listening on {scheme}://{args.host}:{server.port} (store {safe_url(store.url)}"
-          f"{'' if args.metrics_port is None else f'; metrics on http://{args.host}:{args.metrics_port}/metrics'}"
+    print(f"trajstore replay: listening on {scheme}://{config.host}:{server.port} (store {safe_url(store.url)}"
+          f"{'' if config.metrics_port is None else f'; metrics on http://{config.host}:{config.metrics_port}/metrics'}"
           f"; Ctrl-C stops)", file=sys.stderr, flush=True)
 
     def stop(signum: int, frame: Any) -> None:

@@ -6,9 +6,11 @@ one transaction a step, a database outage waited out with one log line per
 wait) and, on shard 0, collects retired payload. ``worker`` runs that and,
 each switchable, the tracker pusher (``trajstore.inspect.trackers``) and the
 live run page (``trajstore report --serve``) in one process, each part in a
-thread of its own. Both take the Ray shards' options (``--shard``,
-``--num-shards``, ``--max-trajectories``, ``--poll-s``, ``--gc-grace-s``;
-``trajstore.scale.ray_actors``), log one line per step that folded something
+thread of its own. ``worker`` takes the Ray shards' options as flags, one per
+``ShardConfig`` field (``trajstore.scale._config``: ``--shard``, ``--num-shards``,
+``--max-trajectories``, ``--abandon-after-s``, ``--poll-s``, ``--gc-grace-s``,
+``--gc-interval-s``, ``--unavailable-timeout-s``, ``--no-gc``; the keywords of
+``trajstore.scale.ray_actors``), ``materialize --follow`` the loop's part. Both log one line per step that folded something
 on stderr and one JSON line of its stats on stdout, and stop on SIGTERM or
 SIGINT after the step in progress commits, exiting 0.
 """
@@ -23,8 +25,9 @@ import sys
 import threading
 from typing import Any, Callable
 
-from trajstore._upkeep.gc import GC_INTERVAL_S, GC_MARGIN_S
+from trajstore._util.config import add_flags
 from trajstore.errors import TrajstoreError, first_line
+from trajstore.scale._config import LOOP_FIELDS, PAGE_FIELDS, ShardConfig, WorkerConfig
 
 __all__ = ["add_cli_arguments", "add_follow_arguments", "follow_from_args", "run_from_args"]
 
@@ -32,19 +35,8 @@ log = logging.getLogger("trajstore.worker")
 
 
 def add_follow_arguments(p: Any, *, when: str = "with --follow: ") -> None:
-    """The long-running loop's flags (``materialize --follow`` and ``worker``)."""
-    from trajstore._util.argtypes import number
-
-    p.add_argument("--poll-s", type=number(float, min=0, min_exclusive=True), default=1.0,
-                   help=f"{when}seconds between looks at the log when nothing is pending (default 1)")
-    p.add_argument("--gc-grace-s", type=number(float), default=GC_MARGIN_S, metavar="SECONDS",
-                   help=f"{when}delete retired payload files this long after retirement, or after the oldest "
-                        f"live reader lease; only shard 0 collects (default {GC_MARGIN_S:g}; negative: never)")
-    p.add_argument("--gc-interval-s", type=number(float, min=0, min_exclusive=True), default=GC_INTERVAL_S,
-                   help=f"{when}how often the GC looks at the retired list (default {GC_INTERVAL_S:g})")
-    p.add_argument("--unavailable-timeout-s", type=number(float, min=0, min_exclusive=True), default=None,
-                   metavar="SECONDS", help=f"{when}give up (exit 1) when one database outage lasts this long "
-                                           "(default: wait as long as it takes, one log line per wait)")
+    """The long-running loop's flags (``materialize --follow`` and ``worker``): ``ShardConfig``'s loop fields."""
+    add_flags(p, ShardConfig, only=LOOP_FIELDS, help_prefix=when)
 
 
 def _log_to_stderr(debug: bool) -> None:
@@ -78,34 +70,27 @@ def _stop_on_signals() -> threading.Event:
     return stop
 
 
-def _gc_grace(args: argparse.Namespace, shard: int) -> float | None:
-    if getattr(args, "no_gc", False) or args.gc_grace_s < 0 or shard != 0:
-        return None
-    return args.gc_grace_s
-
-
 def _print_step(stats: Any) -> None:
     print(json.dumps(stats.to_dict()), flush=True)
 
 
-def _fold(m: Any, args: argparse.Namespace, stop: threading.Event, on_step: Callable[[Any], None]) -> None:
+def _fold(m: Any, config: ShardConfig, stop: threading.Event, on_step: Callable[[Any], None]) -> None:
     from trajstore.materializer._follow import follow
 
     pending = m.pending()
+    kwargs = config.follow_kwargs()
     log.info("materializer shard %s: following the log of %r (%d finished trajector%s pending)%s", m.shard,
              m.store, pending, "y" if pending == 1 else "ies",
-             "" if _gc_grace(args, m.shard.index) is None else
-             f"; collecting retired payload {args.gc_grace_s:g} s after retirement")
-    follow(m, stop, poll_s=args.poll_s, gc_grace_s=_gc_grace(args, m.shard.index), gc_interval_s=args.gc_interval_s,
-           on_step=on_step, abandon_after_s=args.abandon_after_s, unavailable_timeout_s=args.unavailable_timeout_s,
-           pending_in_line=m.num_shards == 1)
+             "" if kwargs["gc_grace_s"] is None else
+             f"; collecting retired payload {config.gc_grace_s:g} s after retirement")
+    follow(m, stop, on_step=on_step, pending_in_line=m.num_shards == 1, **kwargs)
 
 
 def follow_from_args(args: argparse.Namespace, m: Any) -> int:
     """``trajstore materialize --follow`` with materializer ``m``: until SIGTERM/SIGINT, exit 0."""
     _log_to_stderr(args.debug)
     stop = _stop_on_signals()
-    _fold(m, args, stop, _print_step)
+    _fold(m, ShardConfig.from_args(args), stop, _print_step)
     log.info("materializer shard %s: stopped", m.shard)
     return 0
 
@@ -113,37 +98,17 @@ def follow_from_args(args: argparse.Namespace, m: Any) -> int:
 # -- trajstore worker -------------------------------------------------------------------
 
 def add_cli_arguments(p: argparse.ArgumentParser) -> None:
-    from trajstore._util.argtypes import number
+    """The flags of ``trajstore worker``: one per field of ``WorkerConfig``, ``ShardConfig`` and the trackers'."""
     from trajstore.inspect.trackers import add_tracker_arguments
 
     fold = p.add_argument_group("folding (on unless --no-fold; the Ray shards' options)")
-    fold.add_argument("--no-fold", action="store_true", help="do not fold (another process does)")
-    fold.add_argument("--shard", type=number(int, min=0), default=0, help="this worker's shard index (default 0)")
-    fold.add_argument("--num-shards", type=number(int, min=1), default=1, help="number of shards (default 1)")
-    fold.add_argument("--max-trajectories", type=number(int, min=1), default=256,
-                      help="finished trajectories folded per transaction (default 256)")
-    fold.add_argument("--abandon-after-s", type=number(float, min=0, min_exclusive=True), default=None,
-                      metavar="SECONDS", help="finish running trajectories with no event for this long as "
-                                              "'abandoned' (default: never)")
-    add_follow_arguments(fold, when="")
-    fold.add_argument("--no-gc", action="store_true", help="do not collect retired payload (shard 0 does by default)")
-    p.add_argument("--reader-store", default=None, metavar="URL",
-                   help="the store URL the trackers and the page read with: on PostgreSQL a login holding only the "
-                        "read-only role (trajstore init --reader-login; docs/sql.md), while --store folds "
-                        "(default: --store, enough on SQLite)")
+    add_flags(fold, WorkerConfig, only=("fold",))
+    add_flags(fold, ShardConfig)
+    add_flags(p, WorkerConfig, only=("reader_store",))
     track = p.add_argument_group("trackers (on when one is named)")
     add_tracker_arguments(track)
-    track.add_argument("--track-interval-s", type=number(float, min=0, min_exclusive=True), default=30.0,
-                       help="seconds between pushes (default 30)")
-    page = p.add_argument_group("the live run page (on with --serve-report)")
-    page.add_argument("--serve-report", action="store_true", help="serve `trajstore report --serve`'s page too")
-    page.add_argument("--report-host", default="127.0.0.1", help="the page's address (default 127.0.0.1)")
-    page.add_argument("--report-port", type=number(int, min=0, max=65535), default=None,
-                      help="the page's port (default: report --serve's)")
-    page.add_argument("--token", default=None, help="bearer token the page asks for (default $TRAJSTORE_TOKEN)")
-    page.add_argument("--insecure-no-auth", action="store_true", help="serve the page without a token")
-    page.add_argument("--refresh-s", type=number(float, min=0, min_exclusive=True), default=None,
-                      help="how often the page re-reads the store (default: report --serve's)")
+    add_flags(track, WorkerConfig, only=("track_interval_s",))
+    add_flags(p.add_argument_group("the live run page (on with --serve-report)"), WorkerConfig, only=PAGE_FIELDS)
 
 
 class _Part:
@@ -167,25 +132,27 @@ def run_from_args(args: argparse.Namespace) -> int:
     from trajstore.inspect.trackers import TrackerPusher, sinks_from_args, wants_trackers
 
     _log_to_stderr(getattr(args, "debug", False))
-    if args.no_fold and not wants_trackers(args) and not args.serve_report:
+    worker = WorkerConfig.from_args(args)
+    if not worker.fold and not wants_trackers(args) and not worker.serve_report:
         raise TrajstoreError("worker: nothing to do (--no-fold, no tracker, no --serve-report)")
-    if args.shard >= args.num_shards:
-        raise TrajstoreError(f"worker: --shard {args.shard} is not below --num-shards {args.num_shards}")
+    shard = ShardConfig.from_args(args)
+    if shard.shard >= shard.num_shards:
+        raise TrajstoreError(f"worker: --shard {shard.shard} is not below --num-shards {shard.num_shards}")
     stop = _stop_on_signals()
     parts: list[_Part] = []
     closers: list[Callable[[], None]] = []
     try:
-        if not args.no_fold:
-            parts.append(_fold_part(args, stop, closers))
-        elif not args.no_gc and args.gc_grace_s >= 0 and args.shard == 0:
-            parts.append(_gc_part(args, stop, closers))
+        if worker.fold:
+            parts.append(_fold_part(worker, shard, stop, closers))
+        elif shard.collects() is not None:
+            parts.append(_gc_part(worker, shard, stop, closers))
         if wants_trackers(args):
-            pusher = TrackerPusher(_reading(args), sinks_from_args(args), payload=getattr(args, "payload", None))
+            pusher = TrackerPusher(worker.reading, sinks_from_args(args), payload=worker.payload)
             closers.append(pusher.close)
-            log.info("trackers: pushing every %g s to %d tracker(s)", args.track_interval_s, len(pusher.sinks))
-            parts.append(_Part("trackers", lambda: pusher.run(args.track_interval_s, stop=stop), stop))
-        if args.serve_report:
-            parts.append(_page_part(args, stop))
+            log.info("trackers: pushing every %g s to %d tracker(s)", worker.track_interval_s, len(pusher.sinks))
+            parts.append(_Part("trackers", lambda: pusher.run(worker.track_interval_s, stop=stop), stop))
+        if worker.serve_report:
+            parts.append(_page_part(worker, stop))
         for part in parts:
             part.thread.start()
         while not stop.wait(0.5):
@@ -206,48 +173,45 @@ def run_from_args(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def _reading(args: argparse.Namespace) -> str | None:
-    return args.reader_store or args.store
-
-
-def _fold_part(args: argparse.Namespace, stop: threading.Event, closers: list) -> _Part:
+def _fold_part(worker: WorkerConfig, shard: ShardConfig, stop: threading.Event, closers: list) -> _Part:
     from trajstore.materializer import Materializer
     from trajstore.store import connect
 
-    store = connect(args.store, payload=getattr(args, "payload", None))
+    store = connect(worker.store_url, payload=worker.payload)
     closers.append(store.close)
-    m = Materializer(store, shard_index=args.shard, num_shards=args.num_shards, max_trajectories=args.max_trajectories)
-    return _Part("fold", lambda: _fold(m, args, stop, _print_step), stop)
+    m = Materializer(store, shard_index=shard.shard, num_shards=shard.num_shards,
+                     max_trajectories=shard.max_trajectories)
+    return _Part("fold", lambda: _fold(m, shard, stop, _print_step), stop)
 
 
-def _gc_part(args: argparse.Namespace, stop: threading.Event, closers: list) -> _Part:
+def _gc_part(worker: WorkerConfig, shard: ShardConfig, stop: threading.Event, closers: list) -> _Part:
     from trajstore._upkeep.gc import GcWorker
     from trajstore.store import connect
 
-    store = connect(args.store, payload=getattr(args, "payload", None))
+    store = connect(worker.store_url, payload=worker.payload)
     closers.append(store.close)
 
     def run() -> None:
-        log.info("gc: collecting retired payload %g s after retirement", args.gc_grace_s)
-        with GcWorker(store, margin_s=args.gc_grace_s, interval_s=args.gc_interval_s):
+        log.info("gc: collecting retired payload %g s after retirement", shard.gc_grace_s)
+        with GcWorker(store, margin_s=shard.gc_grace_s, interval_s=shard.gc_interval_s):
             stop.wait()
 
     return _Part("gc", run, stop)
 
 
-def _page_part(args: argparse.Namespace, stop: threading.Event) -> _Part:
+def _page_part(worker: WorkerConfig, stop: threading.Event) -> _Part:
     from trajstore.ingest._http import server_token
     from trajstore.inspect._live import DEFAULT_PORT, DEFAULT_REFRESH_S, report_server
     from trajstore.inspect._panels import DEFAULT_STUCK_AFTER_S
 
     try:
-        token = server_token(args.token, insecure_no_auth=args.insecure_no_auth, host=args.report_host)
+        token = server_token(worker.token, insecure_no_auth=worker.insecure_no_auth, host=worker.report_host)
     except ValueError as e:
         raise TrajstoreError(f"worker --serve-report: {e}") from None
-    server = report_server(_reading(args), host=args.report_host,
-                           port=DEFAULT_PORT if args.report_port is None else args.report_port, token=token,
-                           refresh_s=DEFAULT_REFRESH_S if args.refresh_s is None else args.refresh_s,
-                           stuck_after_s=DEFAULT_STUCK_AFTER_S, payload=getattr(args, "payload", None))
+    server = report_server(worker.reading, host=worker.report_host,
+                           port=DEFAULT_PORT if worker.report_port is None else worker.report_port, token=token,
+                           refresh_s=DEFAULT_REFRESH_S if worker.refresh_s is None else worker.refresh_s,
+                           stuck_after_s=DEFAULT_STUCK_AFTER_S, payload=worker.payload)
 
     def run() -> None:
         def stopper() -> None:

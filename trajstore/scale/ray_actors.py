@@ -24,9 +24,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from trajstore._upkeep.gc import GC_MARGIN_S
+from trajstore._upkeep.gc import GC_INTERVAL_S, GC_MARGIN_S
 from trajstore.fold import FoldMetrics
 from trajstore.materializer import MaterializeStats
+from trajstore.scale._config import ShardConfig
 
 __all__ = ["MaterializerShard", "materialize_with_ray", "start_shards"]
 
@@ -45,7 +46,8 @@ class MaterializerShard:
 
     def __init__(self, store_url: str, shard_index: int, num_shards: int, payload: str | None = None,
                  max_trajectories: int = 256, batch_size: int | None = None, *, follow: bool = False,
-                 poll_s: float = 1.0, gc_grace_s: float | None = GC_MARGIN_S) -> None:
+                 poll_s: float = 1.0, gc_grace_s: float | None = GC_MARGIN_S, gc_interval_s: float = GC_INTERVAL_S,
+                 abandon_after_s: float | None = None, unavailable_timeout_s: float | None = None) -> None:
         import threading
 
         from trajstore._util.deprecated import renamed
@@ -53,6 +55,10 @@ class MaterializerShard:
         from trajstore.store import connect
 
         max_trajectories = renamed("batch_size", "max_trajectories", batch_size, max_trajectories, 256)
+        # the options of `trajstore worker` (one ShardConfig): the same fold, loop and GC either way
+        self.config = ShardConfig(shard=shard_index, num_shards=num_shards, max_trajectories=max_trajectories,
+                                  abandon_after_s=abandon_after_s, poll_s=poll_s, gc_grace_s=gc_grace_s,
+                                  gc_interval_s=gc_interval_s, unavailable_timeout_s=unavailable_timeout_s)
         self.store = connect(store_url, payload=payload)
         self.materializer = Materializer(self.store, shard_index=shard_index, num_shards=num_shards,
                                          max_trajectories=max_trajectories)
@@ -61,11 +67,10 @@ class MaterializerShard:
         self._error: str | None = None
         self._thread = None
         if follow:
-            self._thread = threading.Thread(target=self._follow, args=(poll_s, gc_grace_s if shard_index == 0
-                                                                       else None), daemon=True)
+            self._thread = threading.Thread(target=self._follow, daemon=True)
             self._thread.start()
 
-    def _follow(self, poll_s: float, gc_grace_s: float | None) -> None:
+    def _follow(self) -> None:
         def count(stats) -> None:
             self._folded["num_trajectories"] += stats.num_trajectories
             self._folded["num_unfoldable"] += stats.num_unfoldable
@@ -73,10 +78,10 @@ class MaterializerShard:
 
         while not self._stop.is_set():
             try:
-                self.materializer.follow(self._stop, poll_s=poll_s, gc_grace_s=gc_grace_s, on_step=count)
+                self.materializer.follow(self._stop, on_step=count, **self.config.follow_kwargs())
             except Exception as e:  # the store unreachable for a while: say so, retry
                 self._error = f"{type(e).__name__}: {e}"
-                self._stop.wait(poll_s)
+                self._stop.wait(self.config.poll_s)
 
     def run(self) -> dict[str, Any]:
         """Fold everything pending for this shard; return ``MaterializeStats.to_dict()``."""
@@ -114,13 +119,16 @@ class MaterializerShard:
 def start_shards(store_url: str, num_shards: int, *, payload: str | None = None, name: str = "trajstore",
                  namespace: str = "trajstore", num_cpus_per_shard: float = 1.0, poll_s: float = 1.0,
                  gc_grace_s: float | None = GC_MARGIN_S, max_restarts: int = -1, max_trajectories: int = 256,
-                 actor_options: dict[str, Any] | None = None) -> list[Any]:
+                 actor_options: dict[str, Any] | None = None, gc_interval_s: float = GC_INTERVAL_S,
+                 abandon_after_s: float | None = None, unavailable_timeout_s: float | None = None) -> list[Any]:
     """Start (or find, by name) ``num_shards`` long-running shard actors that follow
     the log: detached named actors ``{name}-{k}of{num_shards}`` in ``namespace``,
     restarted by Ray when they die (``max_restarts``; -1: always). Call after
     ``ray.init(address=...)``; returns the actor handles (``status``, ``pending``,
     ``stop``). ``max_trajectories``: trajectories folded per commit
-    (``Materializer``). ``actor_options``: more Ray actor options (``resources``,
+    (``Materializer``); it, ``poll_s``, ``gc_grace_s``, ``gc_interval_s``,
+    ``abandon_after_s`` and ``unavailable_timeout_s`` are ``trajstore worker``'s
+    options of the same names (``--poll-s`` ...). ``actor_options``: more Ray actor options (``resources``,
     ``scheduling_strategy``, ...), for placement. Each shard holds
     ``num_cpus_per_shard`` while it lives, and a restarted one is placed only
     where that much is free: leave spare capacity (docs/deploy.md,
@@ -131,7 +139,8 @@ def start_shards(store_url: str, num_shards: int, *, payload: str | None = None,
     return [actor.options(name=f"{name}-{k}of{num_shards}", namespace=namespace, get_if_exists=True,
                           num_cpus=num_cpus_per_shard, max_restarts=max_restarts, max_task_retries=-1,
                           lifetime="detached", **(actor_options or {})).remote(
-        store_url, k, num_shards, payload, max_trajectories, follow=True, poll_s=poll_s, gc_grace_s=gc_grace_s)
+        store_url, k, num_shards, payload, max_trajectories, follow=True, poll_s=poll_s, gc_grace_s=gc_grace_s,
+        gc_interval_s=gc_interval_s, abandon_after_s=abandon_after_s, unavailable_timeout_s=unavailable_timeout_s)
         for k in range(num_shards)]
 
 

@@ -63,9 +63,10 @@ The package: ``_record`` (``Tag``, ``Recorder``), ``_sse`` (SSE on the way
 through), ``_forward`` (``_UpstreamForwarder``, what every engine's proxy does
 alike), ``_metrics`` (``GET /metrics``), ``_app`` (the FastAPI app), one
 module per engine (``_vllm``, ``_sglang``: what they record and relay, and
-how they ask for it), ``_serve`` (``ProxyConfig``, built from the flags in
-one place, and ``serve``, the one start path for every engine, whose faces
-``serve_proxy`` and ``main`` are).
+how they ask for it, and their app of a ``ProxyConfig``), ``_config``
+(``ProxyConfig``: each setting one field, which is also its flag), ``_serve``
+(``serve``, the one start path for every engine, whose faces ``serve_proxy``
+and ``main`` are).
 """
 
 import importlib

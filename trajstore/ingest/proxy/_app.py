@@ -120,16 +120,25 @@ def _recorder_and_metrics(store: Any, group_commit: bool, linger_s: float = DEFA
             None if committer is None else committer.close)
 
 
-def _engine_app(forwarder: type, store: Any, upstream: str, *, title: str, forwarded: Any, token: str | None,
-                group_commit: bool, linger_s: float = DEFAULT_LINGER_S,
-                max_batch_bytes: int = DEFAULT_MAX_GROUP_BYTES, **settings: Any) -> Any:
-    """An engine's proxy app: a ``forwarder`` (an ``_UpstreamForwarder`` class, given ``settings``) for the
-    normalized ``upstream``, its recorded paths and the ``forwarded`` (method, path) pairs as routes,
-    the recorder and metrics of :func:`_recorder_and_metrics`. ``app.state.forwarder`` and
-    ``app.state.commit_metrics`` hold them."""
-    recorder, metrics, proxy_metrics, on_close = _recorder_and_metrics(store, group_commit, linger_s, max_batch_bytes)
-    fwd = forwarder(recorder, normalize_upstream(upstream), authenticated=token is not None, metrics=proxy_metrics,
-                    **settings)
+def _engine_app(forwarder: type, store: Any, config: Any, *, title: str, forwarded: Any, token: str | None,
+                upstream_api_key: str | None, group_commit: bool = True, timeout_s: float = 600.0,
+                **engine: Any) -> Any:
+    """An engine's proxy app, set up by ``config`` (a ``ProxyConfig``, read here and only here): the
+    ``version_map`` labels appended to the store, a ``forwarder`` (an ``_UpstreamForwarder`` class,
+    also given the ``engine``'s own settings) for the normalized upstream, its recorded paths and the
+    ``forwarded`` (method, path) pairs as routes, the recorder and metrics of
+    :func:`_recorder_and_metrics`. ``app.state.forwarder`` and ``app.state.commit_metrics`` hold them."""
+    if isinstance(config.version_map, Mapping):
+        # The labels go into the store's label map: every process resolves them, and a
+        # trajectory held back on one of them is released.
+        store.append(version_label_events(config.version_map))
+    recorder, metrics, proxy_metrics, on_close = _recorder_and_metrics(store, group_commit, config.linger_s,
+                                                                       config.max_batch_bytes)
+    fwd = forwarder(recorder, normalize_upstream(config.upstream), authenticated=token is not None,
+                    metrics=proxy_metrics, model_version=config.model_version, num_experts=config.num_experts,
+                    timeout_s=timeout_s, upstream_api_key=upstream_api_key,
+                    skip_recorded_routes=config.skip_recorded_routes, pass_through=config.pass_through_unrecorded,
+                    **engine)
 
     def recorded(path: str) -> Callable:
         return lambda request: fwd.forward(request, path)

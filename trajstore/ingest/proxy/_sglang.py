@@ -41,6 +41,7 @@ from typing import Any, Callable
 
 from trajstore.ingest._group_commit import DEFAULT_LINGER_S, DEFAULT_MAX_GROUP_BYTES
 from trajstore.ingest.proxy._app import _engine_app
+from trajstore.ingest.proxy._config import ProxyConfig
 from trajstore.ingest.proxy._forward import _BadCall, _UpstreamForwarder
 from trajstore.ingest.proxy._record import Recorder, Tag, tag_of
 from trajstore.ingest.sglang import (
@@ -177,9 +178,17 @@ def make_sglang_proxy_app(store: Any, upstream: str, *, token: str | None = None
     are asked for only by calls that name their layout. The rest as for the
     vLLM proxy (:func:`trajstore.ingest.proxy.make_proxy_app`).
     """
-    return _engine_app(SGLangForwarder, store, upstream, title="trajstore recording proxy (SGLang)",
-                       forwarded=FORWARDED, token=token, group_commit=group_commit, linger_s=linger_s,
-                       max_batch_bytes=max_batch_bytes, model_version=model_version,
-                       num_experts=num_experts, timeout_s=timeout_s, upstream_api_key=upstream_api_key,
-                       layout=route_layout, skip_recorded_routes=skip_recorded_routes,
-                       pass_through=pass_through_unrecorded)
+    config = ProxyConfig(upstream=upstream, engine="sglang", model_version=model_version, num_experts=num_experts,
+                         route_layout=route_layout, skip_recorded_routes=skip_recorded_routes,
+                         pass_through_unrecorded=pass_through_unrecorded, linger_s=linger_s,
+                         max_batch_bytes=max_batch_bytes)
+    return sglang_app(store, config, token, upstream_api_key, group_commit=group_commit, timeout_s=timeout_s)
+
+
+def sglang_app(store: Any, config: ProxyConfig, token: str | None, upstream_api_key: str | None, *,
+               group_commit: bool = True, timeout_s: float = 600.0) -> Any:
+    """The SGLang proxy's app for ``config`` (its engine's part; ``token``/``upstream_api_key`` as resolved
+    by ``serve``); :func:`make_sglang_proxy_app` is its keyword face."""
+    return _engine_app(SGLangForwarder, store, config, title="trajstore recording proxy (SGLang)",
+                       forwarded=FORWARDED, token=token, upstream_api_key=upstream_api_key,
+                       group_commit=group_commit, timeout_s=timeout_s, layout=config.route_layout)

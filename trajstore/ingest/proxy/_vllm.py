@@ -7,7 +7,8 @@ from typing import Any, Callable, Mapping
 
 from trajstore.errors import ValidationError
 from trajstore.ingest._group_commit import DEFAULT_LINGER_S, DEFAULT_MAX_GROUP_BYTES
-from trajstore.ingest.proxy._app import _engine_app, version_label_events
+from trajstore.ingest.proxy._app import _engine_app
+from trajstore.ingest.proxy._config import ProxyConfig
 from trajstore.ingest.proxy._forward import _BadCall, _UpstreamForwarder
 from trajstore.ingest.proxy._record import Recorder, Tag, tag_of
 from trajstore.ingest.vllm import (
@@ -126,13 +127,19 @@ def make_proxy_app(store: Any, upstream: str, *, token: str | None = None, model
     ``GET /metrics``); by default the harness gets an error status with the
     reason in the OpenAI error shape.
     """
-    if isinstance(version_map, Mapping):
-        # The labels go into the store's label map: every process resolves them, and a
-        # trajectory held back on one of them is released.
-        store.append(version_label_events(version_map))
-        version_map = None
-    return _engine_app(VLLMForwarder, store, upstream, title="trajstore recording proxy", forwarded=FORWARDED,
-                       token=token, group_commit=group_commit, linger_s=linger_s, max_batch_bytes=max_batch_bytes,
-                       model_version=model_version, num_experts=num_experts,
-                       timeout_s=timeout_s, upstream_api_key=upstream_api_key, version_map=version_map,
-                       skip_recorded_routes=skip_recorded_routes, pass_through=pass_through_unrecorded)
+    config = ProxyConfig(upstream=upstream, engine="vllm", model_version=model_version, num_experts=num_experts,
+                         version_map=version_map, skip_recorded_routes=skip_recorded_routes,
+                         pass_through_unrecorded=pass_through_unrecorded, linger_s=linger_s,
+                         max_batch_bytes=max_batch_bytes)
+    return vllm_app(store, config, token, upstream_api_key, group_commit=group_commit, timeout_s=timeout_s)
+
+
+def vllm_app(store: Any, config: ProxyConfig, token: str | None, upstream_api_key: str | None, *,
+             group_commit: bool = True, timeout_s: float = 600.0) -> Any:
+    """The vLLM proxy's app for ``config`` (its engine's part; ``token``/``upstream_api_key`` as resolved
+    by ``serve``); :func:`make_proxy_app` is its keyword face."""
+    # a callable map resolves the spans the forwarder records; a mapping went to the store's label map
+    callable_map = None if isinstance(config.version_map, Mapping) else config.version_map
+    return _engine_app(VLLMForwarder, store, config, title="trajstore recording proxy", forwarded=FORWARDED,
+                       token=token, upstream_api_key=upstream_api_key, group_commit=group_commit,
+                       timeout_s=timeout_s, version_map=callable_map)

@@ -61,7 +61,7 @@ def build(url: str, args: argparse.Namespace) -> None:
     cfg = config(args)
     t = time.perf_counter()
     with trajstore.connect(url) as store:
-        fill(store, cfg, 0, args.trajectories, 200, args.versions, args.trajectories)
+        fill(store, cfg, 0, args.trajectories, args.fill_batch, args.versions, args.trajectories)
         store.materialize()
         reader = trajstore.SampleReader(store, batch_size=args.batch_size)
         rng = np.random.default_rng(0)
@@ -145,6 +145,8 @@ def main() -> None:
     p.add_argument("--old", default=None, help="another trajstore tree, served beside this one")
     p.add_argument("--postgres", action="store_true", help="a throwaway PostgreSQL store (tests/pg_cluster.py)")
     p.add_argument("--keep", default=None, help="build the store in this directory and keep it (reused if there)")
+    p.add_argument("--fill-batch", type=int, default=1000, help="trajectories per append while building the store")
+    p.add_argument("--build-only", action="store_true", help="build the store (with --keep) and stop")
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "page.json"))
     args = p.parse_args()
     sys.path.insert(0, HERE)
@@ -167,6 +169,10 @@ def main() -> None:
         url = f"sqlite:///{workdir}/run.db"
         if not os.path.exists(f"{workdir}/run.db"):
             build(url, args)
+    if args.build_only:
+        if cluster is not None:
+            cluster.stop()
+        return
     procs = []
     load = [os.getloadavg()[0]]
     results: dict = {"command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d"), "backend":

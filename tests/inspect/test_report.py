@@ -250,7 +250,8 @@ def test_token_panels_agree_with_the_samples(run_store):
     mean = panels["logprobs"]["figure"]["data"][-1]
     for v, got, n in zip(mean["x"], mean["y"], mean["customdata"]):
         sel = keep & (versions == int(v))
-        assert n == sel.sum() and got == pytest.approx(logprobs[sel].mean())
+        # the page shows 3 significant digits (_figures.rounded)
+        assert n == sel.sum() and got == pytest.approx(logprobs[sel].mean(), rel=5e-3)
     # Expert loads: every generated token's route row (the row of the position before it), by version.
     heat = panels["expert_load"]["figure"]["data"][0]
     expected: dict[int, np.ndarray] = {}
@@ -265,7 +266,7 @@ def test_token_panels_agree_with_the_samples(run_store):
     assert [int(v) for v in heat["y"]] == sorted(expected)
     for v, row in zip(heat["y"], heat["z"]):
         want = expected[int(v)]
-        assert np.allclose(row, want / want.mean())
+        assert np.allclose(row, want / want.mean(), rtol=5e-3, atol=0)
 
 
 def test_token_panels_need_no_payload(run_store, tmp_path):

@@ -102,3 +102,25 @@ def test_the_expert_load_colorbar_and_legend_keep_apart():
     bottom_of_colorbar = bar.y - bar.len / 2  # its y is its middle (yanchor "middle")
     assert fig.layout.legend.yanchor == "bottom" and fig.layout.legend.y == 0.0
     assert bottom_of_colorbar > 0.4  # the legend's few entries sit well below it
+
+
+def test_fractional_numbers_reach_the_page_with_three_significant_digits():
+    """Hovers show the values the figure carries: fractional ones are rounded (integer digits
+    kept), integers, labels and gaps untouched; a histogram's raw values are plotly's to bin."""
+    import numpy as np
+    import plotly.graph_objects as go
+
+    from trajstore.inspect._figures import figure_json, rounded
+
+    assert rounded([0.0123456, 12.345, 1234.56, 3, None, "v1", [2 / 3]]) == [0.0123, 12.3, 1235.0, 3, None, "v1",
+                                                                              [0.667]]
+    arr = rounded(np.array([1 / 3, -5.55555, 0.0, np.nan, 123456.789]))
+    assert arr[:3].tolist() == [0.333, -5.56, 0.0] and np.isnan(arr[3]) and arr[4] == 123457.0
+    assert rounded(np.arange(3)).tolist() == [0, 1, 2]
+    with drawing():
+        fig = go.Figure([go.Scatter(x=[1, 2], y=[0.123456789, np.nan], customdata=[[7, 0.98765]]),
+                         go.Histogram(x=[0.123456789])])
+        data = figure_json(fig)["data"]
+    assert list(data[0]["y"][:1]) == [0.123] and list(data[0]["x"]) == [1, 2]
+    assert [list(r) for r in data[0]["customdata"]] == [[7, 0.988]]
+    assert list(data[1]["x"]) == [0.123456789]

@@ -22,10 +22,11 @@ def _steps_sql(c: Clock) -> list[str]:
     return [f"SELECT run, step, count(*) AS samples, avg(staleness) AS staleness, max(staleness) AS max_staleness, "
             f"max(policy_version) AS policy_version FROM sample_consumption GROUP BY run, step "
             f"ORDER BY step DESC, run LIMIT {MAX_STEPS}",
-            # the samples (agg_samples), less the distinct ones a step consumed (linear in what was consumed)
-            "SELECT n AS samples, n - (SELECT count(*) FROM (SELECT DISTINCT c.trajectory_id, c.sample_index "
-            "FROM sample_consumption c JOIN samples s ON s.trajectory_id = c.trajectory_id "
-            "AND s.sample_index = c.sample_index) x) AS never_trained FROM (SELECT COALESCE(CAST(sum(samples) "
+            # the samples (agg_samples), less the distinct ones a step consumed that are samples of the store: one
+            # primary-key probe of samples per consumed sample (linear in what was consumed, not in the store)
+            "SELECT n AS samples, n - (SELECT count(*) FROM (SELECT DISTINCT trajectory_id, sample_index "
+            "FROM sample_consumption) c WHERE EXISTS (SELECT 1 FROM samples s WHERE s.trajectory_id = c.trajectory_id "
+            "AND s.sample_index = c.sample_index)) AS never_trained FROM (SELECT COALESCE(CAST(sum(samples) "
             "AS BIGINT), 0) AS n FROM agg_samples WHERE kind = 'merged_calls') a"]
 
 

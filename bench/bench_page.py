@@ -51,6 +51,34 @@ with trajstore.connect(url, create=False) as store:
         time.sleep(every)
 """
 
+# The training panels' SQL by one tree (PYTHONPATH), each statement's best of 5 in wall and CPU seconds
+# (the database's own CPU, PostgreSQL's server, is in the wall time only)
+TRAINING_SQL = r"""
+import json, sys, time
+from trajstore.inspect._panels import PANELS
+from trajstore.inspect.sql import read_only
+url = sys.argv[1]
+out = {}
+with read_only(url) as query:
+    for panel in PANELS:
+        if panel.name not in ("training_steps", "never_trained"):
+            continue
+        for i, sql in enumerate(panel.queries(None)):
+            best = [float("inf"), float("inf")]
+            for _ in range(5):
+                t, c = time.perf_counter(), time.process_time()
+                query(sql)
+                best = [min(best[0], time.perf_counter() - t), min(best[1], time.process_time() - c)]
+            out[f"{panel.name}[{i}]"] = best
+print(json.dumps(out))
+"""
+
+
+def training_sql(url: str, tree: str) -> dict[str, list[float]]:
+    got = subprocess.run([sys.executable, "-c", TRAINING_SQL, url], env=dict(os.environ, PYTHONPATH=tree),
+                         cwd=tree, capture_output=True, text=True, check=True)
+    return json.loads(got.stdout)
+
 
 def build(url: str, args: argparse.Namespace) -> None:
     import numpy as np
@@ -179,10 +207,14 @@ def main() -> None:
                      "postgresql" if args.postgres else "sqlite", "trajectories": args.trajectories,
                      "steps": args.steps, "pages": {}}
     try:
+        trees = {"this tree": ROOT} | ({"old tree": os.path.abspath(args.old)} if args.old else {})
+        results["training_sql"] = {name: training_sql(url, tree) for name, tree in trees.items()}
+        for name, got in results["training_sql"].items():
+            print(f"{name}: training panels' SQL, best of 5 (ms wall): "
+                  + ", ".join(f"{k} {1e3 * v[0]:.1f}" for k, v in got.items()), flush=True)
         follower = subprocess.Popen([sys.executable, "-c", FOLLOW, url, str(args.follow_s)],
                                     env=dict(os.environ, PYTHONPATH=ROOT))
         procs.append(follower)
-        trees = {"this tree": ROOT} | ({"old tree": os.path.abspath(args.old)} if args.old else {})
         bases = {}
         for name, tree in trees.items():
             proc, bases[name] = serve(url, tree)

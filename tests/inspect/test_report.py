@@ -317,7 +317,7 @@ def test_route_drift_panel_counts_the_drifted_rows_of_the_log(run_store):
     panel = next(p for p in data["panels"] if p["name"] == "route_drift")
     assert f"run: {drifted} of {compared}, " in json.dumps(panel["figure"]["layout"])
     bars = panel["figure"]["data"][-1]
-    assert {int(v): y for v, y in zip(bars["x"], bars["y"])} == pytest.approx(per_version)
+    assert {int(v): y for v, y in zip(bars["x"], bars["y"])} == pytest.approx(per_version, rel=5e-3)  # 3 digits
     over_time = panel["figure"]["data"][0]
     assert sum(over_time["y"]) == drifted
 

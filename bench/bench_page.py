@@ -108,6 +108,13 @@ def build(url: str, args: argparse.Namespace) -> None:
           f"{time.perf_counter() - t:.0f} s", flush=True)
 
 
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` (and its reaped children) from /proc."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return sum(int(v) for v in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+
+
 def serve(url: str, tree: str) -> tuple[subprocess.Popen, str]:
     env = dict(os.environ, PYTHONPATH=tree)
     proc = subprocess.Popen([sys.executable, "-m", "trajstore.cli", "--store", url, "report", "--serve", "--port",
@@ -215,10 +222,11 @@ def main() -> None:
         follower = subprocess.Popen([sys.executable, "-c", FOLLOW, url, str(args.follow_s)],
                                     env=dict(os.environ, PYTHONPATH=ROOT))
         procs.append(follower)
-        bases = {}
+        bases, servers = {}, {}
         for name, tree in trees.items():
             proc, bases[name] = serve(url, tree)
             procs.append(proc)
+            servers[name] = proc.pid
         from playwright.sync_api import sync_playwright
 
         with sync_playwright() as pw:
@@ -239,7 +247,7 @@ def main() -> None:
             with trajstore.connect(url, create=False) as store:
                 reader = trajstore.SampleReader(store, batch_size=args.batch_size)
                 batches = iter(reader)
-                start = {w.name: (w.received, w.refreshes()) for w in pages}
+                start = {w.name: (w.received, w.refreshes(), w.task_s(), cpu_s(servers[w.name])) for w in pages}
                 for i in range(args.probes):
                     summary = pages[0].page.evaluate(
                         "Array.from(document.querySelectorAll('#summary tr')).find(r => r.cells[0].textContent === "
@@ -266,8 +274,13 @@ def main() -> None:
                           + ", ".join(f"{w.name} {w.latencies[-1]:.2f} s" for w in pages), flush=True)
                     del batch
                 for w in pages:
-                    got, refreshes = start[w.name]
+                    got, refreshes, task, server = start[w.name]
                     updates = max(w.refreshes() - refreshes, 1)
+                    # what an update costs, whatever the machine's load: the server's CPU (change checks,
+                    # the panels' SQL, drawing, JSON) and the renderer's main-thread time, per probe
+                    results["pages"][w.name].update({
+                        "server_cpu_s_per_probe": (cpu_s(servers[w.name]) - server) / args.probes,
+                        "render_s_per_probe": (w.task_s() - task) / args.probes})
                     lat = sorted(w.latencies)
                     results["pages"][w.name].update({
                         "p50_s": statistics.median(lat), "max_s": lat[-1],
@@ -287,10 +300,12 @@ def main() -> None:
     results["load_average"] = [min(load), max(load)]
     print(f"\n{results['backend']}, {args.trajectories} trajectories, {args.steps} steps, {args.probes} probes "
           f"(load average {min(load):.1f}-{max(load):.1f} on {os.cpu_count()} cores)")
-    print(f"{'page':<10} {'p50 s':>6} {'max s':>6} {'idle core':>9} {'idle B/s':>9} {'KB/update':>9}")
+    print(f"{'page':<10} {'p50 s':>6} {'max s':>6} {'idle core':>9} {'idle B/s':>9} {'KB/update':>9} "
+          f"{'server CPU s/probe':>18} {'render s/probe':>14}")
     for name, r in results["pages"].items():
         print(f"{name:<10} {r['p50_s']:6.2f} {r['max_s']:6.2f} {r['idle_core_share']:9.1%} "
-              f"{r['idle_bytes_per_s']:9.0f} {r['bytes_per_update'] / 1e3:9.1f}")
+              f"{r['idle_bytes_per_s']:9.0f} {r['bytes_per_update'] / 1e3:9.1f} {r['server_cpu_s_per_probe']:18.2f} "
+              f"{r['render_s_per_probe']:14.2f}")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)

@@ -106,7 +106,8 @@ def test_the_panel_fixes_as_drawn(paused_run, browser, tmp_path):
     assert numbers and all(_significant(n) <= 3 for n in numbers), hover
 
     # the whole run by bucket: its version axis spans every version the run generated with
-    span = _gd(page, "run_trends", "return [Math.min(...gd.data[1].x), Math.max(...gd.data[1].x), gd.data[1].x.length];")
+    span = _gd(page, "run_trends",
+               "return [Math.min(...gd.data[1].x), Math.max(...gd.data[1].x), gd.data[1].x.length];")
     with paused_run.log.write_engine.connect() as conn:
         lo, hi = conn.execute(text("SELECT min(model_version), max(model_version) FROM events "
                                    "WHERE type = 'generation' AND model_version >= 0")).one()

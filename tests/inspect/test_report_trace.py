@@ -220,8 +220,6 @@ def test_run_trends_cover_every_version_and_step(run_store):
     p10, p50, p90, reward, failed, stale, max_stale = panels["run_trends"]["figure"]["data"]
     with read_only(url) as query:
         calls = query("SELECT model_version, output_len FROM generation_events WHERE model_version >= 0").rows
-        runs = query("SELECT max_model_version, reward FROM trajectory_summary WHERE reward IS NOT NULL "
-                     "AND status <> 'running' AND max_model_version >= 0").rows
         consumed = query("SELECT step, staleness FROM sample_consumption").rows
     lo, hi = min(v for v, _ in calls), max(v for v, _ in calls)
     buckets: dict[int, list] = {}

@@ -159,10 +159,15 @@ class Watched:
             "'trajectories' && r.cells[1].textContent.startsWith(n + ' ('))", count))
 
 
+RUN_SEED = 900_000 + int(time.time()) % 1_000_000 * 100
+"""Probe trajectories of this run have ids of their own: a store kept (``--keep``) and probed again
+gets new trajectories, never an append of one it already has (which adds nothing to show)."""
+
+
 def probe_events(cfg, i: int, version: int) -> list[dict]:
     from trajstore.demo._simulate import trajectory_events
 
-    return trajectory_events(replace(cfg, seed=900_000 + i), 0, version=version)
+    return trajectory_events(replace(cfg, seed=RUN_SEED + i), 0, version=version)
 
 
 def main() -> None:

@@ -14,10 +14,19 @@ trajectory count shows it: append -> drawn, per page, p50 and max over ``--probe
 Probes alternate which page is checked first. Also per page: the renderer's main-thread
 time while idle (``--idle-s`` with nothing appended: Chrome's ``TaskDuration`` through the
 DevTools protocol, as a share of one core) and the bytes received per update
-(``Network.dataReceived``). Results print as one table and as JSON (``--out``).
+(``Network.dataReceived``), and per probe the report server's CPU seconds (``/proc/PID/stat``) and
+the renderer's main-thread time: what an update costs whatever the machine's load. Before the
+browser, the training panels' SQL of each tree is timed on the built store (best of 5). Results
+print as one table and as JSON (``--out``).
+
+A big store is built once with ``--build-only --keep DIR`` (``--fill-batch`` trajectories per
+append) and probed by later runs with the same ``--keep DIR``; each run's probe trajectories have
+ids of their own.
 
     python bench/bench_page.py --trajectories 10000 --steps 500 --probes 20 --old /tmp/before
     python bench/bench_page.py --trajectories 10000 --steps 500 --probes 20 --old /tmp/before --postgres
+    python bench/bench_page.py --trajectories 100000 --steps 500 --build-only --keep /tmp/page100k
+    python bench/bench_page.py --trajectories 100000 --steps 500 --probes 20 --old /tmp/before --keep /tmp/page100k
 
 ``--old DIR``: a directory holding another trajstore tree (``git archive <commit> trajstore |
 tar -x -C DIR``); it needs this store's migrations (copy any newer

@@ -14,10 +14,19 @@ trajectory count shows it: append -> drawn, per page, p50 and max over ``--probe
 Probes alternate which page is checked first. Also per page: the renderer's main-thread
 time while idle (``--idle-s`` with nothing appended: Chrome's ``TaskDuration`` through the
 DevTools protocol, as a share of one core) and the bytes received per update
-(``Network.dataReceived``). Results print as one table and as JSON (``--out``).
+(``Network.dataReceived``), and per probe the report server's CPU seconds (``/proc/PID/stat``) and
+the renderer's main-thread time: what an update costs whatever the machine's load. Before the
+browser, the training panels' SQL of each tree is timed on the built store (best of 5). Results
+print as one table and as JSON (``--out``).
+
+A big store is built once with ``--build-only --keep DIR`` (``--fill-batch`` trajectories per
+append) and probed by later runs with the same ``--keep DIR``; each run's probe trajectories have
+ids of their own.
 
     python bench/bench_page.py --trajectories 10000 --steps 500 --probes 20 --old /tmp/before
     python bench/bench_page.py --trajectories 10000 --steps 500 --probes 20 --old /tmp/before --postgres
+    python bench/bench_page.py --trajectories 100000 --steps 500 --build-only --keep /tmp/page100k
+    python bench/bench_page.py --trajectories 100000 --steps 500 --probes 20 --old /tmp/before --keep /tmp/page100k
 
 ``--old DIR``: a directory holding another trajstore tree (``git archive <commit> trajstore |
 tar -x -C DIR``); it needs this store's migrations (copy any newer
@@ -51,6 +60,36 @@ with trajstore.connect(url, create=False) as store:
         time.sleep(every)
 """
 
+# The training panels' SQL by one tree (PYTHONPATH), each statement's best of 5 in wall and CPU seconds
+# (the database's own CPU, PostgreSQL's server, is in the wall time only)
+TRAINING_SQL = r"""
+import json, sys, time
+from trajstore.inspect._panels import PANELS
+from trajstore.inspect.sql import read_only
+url = sys.argv[1]
+out = {}
+with read_only(url) as query:
+    for panel in PANELS:
+        if panel.name not in ("training_steps", "never_trained"):
+            continue
+        for i, sql in enumerate(panel.queries(None)):
+            best = [float("inf"), float("inf")]
+            for _ in range(5):
+                t, c = time.perf_counter(), time.process_time()
+                query(sql)
+                best = [min(best[0], time.perf_counter() - t), min(best[1], time.process_time() - c)]
+            out[f"{panel.name}[{i}]"] = best
+print(json.dumps(out))
+"""
+
+
+def training_sql(url: str, tree: str) -> dict[str, list[float]]:
+    got = subprocess.run([sys.executable, "-c", TRAINING_SQL, url], env=dict(os.environ, PYTHONPATH=tree),
+                         cwd=tree, capture_output=True, text=True)
+    if got.returncode != 0:
+        raise SystemExit(f"timing the training panels' SQL of {tree} failed:\n{got.stderr}")
+    return json.loads(got.stdout)
+
 
 def build(url: str, args: argparse.Namespace) -> None:
     import numpy as np
@@ -61,7 +100,7 @@ def build(url: str, args: argparse.Namespace) -> None:
     cfg = config(args)
     t = time.perf_counter()
     with trajstore.connect(url) as store:
-        fill(store, cfg, 0, args.trajectories, 200, args.versions, args.trajectories)
+        fill(store, cfg, 0, args.trajectories, args.fill_batch, args.versions, args.trajectories)
         store.materialize()
         reader = trajstore.SampleReader(store, batch_size=args.batch_size)
         rng = np.random.default_rng(0)
@@ -78,6 +117,13 @@ def build(url: str, args: argparse.Namespace) -> None:
                     break
     print(f"built {args.trajectories} trajectories and {args.steps} training steps in "
           f"{time.perf_counter() - t:.0f} s", flush=True)
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` (and its reaped children) from /proc."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return sum(int(v) for v in fields[11:15]) / os.sysconf("SC_CLK_TCK")
 
 
 def serve(url: str, tree: str) -> tuple[subprocess.Popen, str]:
@@ -124,10 +170,15 @@ class Watched:
             "'trajectories' && r.cells[1].textContent.startsWith(n + ' ('))", count))
 
 
+RUN_SEED = 900_000 + int(time.time()) % 1_000_000 * 100
+"""Probe trajectories of this run have ids of their own: a store kept (``--keep``) and probed again
+gets new trajectories, never an append of one it already has (which adds nothing to show)."""
+
+
 def probe_events(cfg, i: int, version: int) -> list[dict]:
     from trajstore.demo._simulate import trajectory_events
 
-    return trajectory_events(replace(cfg, seed=900_000 + i), 0, version=version)
+    return trajectory_events(replace(cfg, seed=RUN_SEED + i), 0, version=version)
 
 
 def main() -> None:
@@ -145,6 +196,8 @@ def main() -> None:
     p.add_argument("--old", default=None, help="another trajstore tree, served beside this one")
     p.add_argument("--postgres", action="store_true", help="a throwaway PostgreSQL store (tests/pg_cluster.py)")
     p.add_argument("--keep", default=None, help="build the store in this directory and keep it (reused if there)")
+    p.add_argument("--fill-batch", type=int, default=1000, help="trajectories per append while building the store")
+    p.add_argument("--build-only", action="store_true", help="build the store (with --keep) and stop")
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "page.json"))
     args = p.parse_args()
     sys.path.insert(0, HERE)
@@ -163,24 +216,42 @@ def main() -> None:
         url = cluster.create_database("bench_page")
         os.environ["TRAJSTORE_PAYLOAD_DIR"] = os.path.join(workdir, "pg-payload")
         build(url, args)
+        # the page reads through a login holding only the reader role (trajstore sql and the report
+        # refuse a superuser), made as docs/sql.md says
+        from sqlalchemy.engine import make_url
+
+        from trajstore.inspect.sql import create_reader_login
+
+        with trajstore.connect(url) as store:
+            create_reader_login(store, "bench_page_reader", password="")
+        view_url = make_url(url).set(username="bench_page_reader", password=None).render_as_string(False)
     else:
-        url = f"sqlite:///{workdir}/run.db"
+        url = view_url = f"sqlite:///{workdir}/run.db"
         if not os.path.exists(f"{workdir}/run.db"):
             build(url, args)
+    if args.build_only:
+        if cluster is not None:
+            cluster.stop()
+        return
     procs = []
     load = [os.getloadavg()[0]]
     results: dict = {"command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d"), "backend":
                      "postgresql" if args.postgres else "sqlite", "trajectories": args.trajectories,
                      "steps": args.steps, "pages": {}}
     try:
+        trees = {"this tree": ROOT} | ({"old tree": os.path.abspath(args.old)} if args.old else {})
+        results["training_sql"] = {name: training_sql(view_url, tree) for name, tree in trees.items()}
+        for name, got in results["training_sql"].items():
+            print(f"{name}: training panels' SQL, best of 5 (ms wall): "
+                  + ", ".join(f"{k} {1e3 * v[0]:.1f}" for k, v in got.items()), flush=True)
         follower = subprocess.Popen([sys.executable, "-c", FOLLOW, url, str(args.follow_s)],
                                     env=dict(os.environ, PYTHONPATH=ROOT))
         procs.append(follower)
-        trees = {"this tree": ROOT} | ({"old tree": os.path.abspath(args.old)} if args.old else {})
-        bases = {}
+        bases, servers = {}, {}
         for name, tree in trees.items():
-            proc, bases[name] = serve(url, tree)
+            proc, bases[name] = serve(view_url, tree)
             procs.append(proc)
+            servers[name] = proc.pid
         from playwright.sync_api import sync_playwright
 
         with sync_playwright() as pw:
@@ -201,7 +272,7 @@ def main() -> None:
             with trajstore.connect(url, create=False) as store:
                 reader = trajstore.SampleReader(store, batch_size=args.batch_size)
                 batches = iter(reader)
-                start = {w.name: (w.received, w.refreshes()) for w in pages}
+                start = {w.name: (w.received, w.refreshes(), w.task_s(), cpu_s(servers[w.name])) for w in pages}
                 for i in range(args.probes):
                     summary = pages[0].page.evaluate(
                         "Array.from(document.querySelectorAll('#summary tr')).find(r => r.cells[0].textContent === "
@@ -228,8 +299,13 @@ def main() -> None:
                           + ", ".join(f"{w.name} {w.latencies[-1]:.2f} s" for w in pages), flush=True)
                     del batch
                 for w in pages:
-                    got, refreshes = start[w.name]
+                    got, refreshes, task, server = start[w.name]
                     updates = max(w.refreshes() - refreshes, 1)
+                    # what an update costs, whatever the machine's load: the server's CPU (change checks,
+                    # the panels' SQL, drawing, JSON) and the renderer's main-thread time, per probe
+                    results["pages"][w.name].update({
+                        "server_cpu_s_per_probe": (cpu_s(servers[w.name]) - server) / args.probes,
+                        "render_s_per_probe": (w.task_s() - task) / args.probes})
                     lat = sorted(w.latencies)
                     results["pages"][w.name].update({
                         "p50_s": statistics.median(lat), "max_s": lat[-1],
@@ -249,10 +325,12 @@ def main() -> None:
     results["load_average"] = [min(load), max(load)]
     print(f"\n{results['backend']}, {args.trajectories} trajectories, {args.steps} steps, {args.probes} probes "
           f"(load average {min(load):.1f}-{max(load):.1f} on {os.cpu_count()} cores)")
-    print(f"{'page':<10} {'p50 s':>6} {'max s':>6} {'idle core':>9} {'idle B/s':>9} {'KB/update':>9}")
+    print(f"{'page':<10} {'p50 s':>6} {'max s':>6} {'idle core':>9} {'idle B/s':>9} {'KB/update':>9} "
+          f"{'server CPU s/probe':>18} {'render s/probe':>14}")
     for name, r in results["pages"].items():
         print(f"{name:<10} {r['p50_s']:6.2f} {r['max_s']:6.2f} {r['idle_core_share']:9.1%} "
-              f"{r['idle_bytes_per_s']:9.0f} {r['bytes_per_update'] / 1e3:9.1f}")
+              f"{r['idle_bytes_per_s']:9.0f} {r['bytes_per_update'] / 1e3:9.1f} {r['server_cpu_s_per_probe']:18.2f} "
+              f"{r['render_s_per_probe']:14.2f}")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)

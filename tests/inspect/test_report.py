@@ -254,7 +254,8 @@ def test_token_panels_agree_with_the_samples(run_store):
     mean = panels["logprobs"]["figure"]["data"][-1]
     for v, got, n in zip(mean["x"], mean["y"], mean["customdata"]):
         sel = keep & (versions == int(v))
-        assert n == sel.sum() and got == pytest.approx(logprobs[sel].mean())
+        # the page shows 3 significant digits (_figures.rounded)
+        assert n == sel.sum() and got == pytest.approx(logprobs[sel].mean(), rel=5e-3)
     # Expert loads: the counted generated tokens' route rows (the row of the position before it), by version.
     heat = panels["expert_load"]["figure"]["data"][0]
     expected: dict[int, np.ndarray] = {}
@@ -264,7 +265,7 @@ def test_token_panels_agree_with_the_samples(run_store):
     assert [int(v) for v in heat["y"]] == sorted(expected)
     for v, row in zip(heat["y"], heat["z"]):
         want = expected[int(v)]
-        assert np.allclose(row, want / want.mean())
+        assert np.allclose(row, want / want.mean(), rtol=5e-3, atol=0)
 
 
 def test_token_panels_need_no_payload(run_store, tmp_path):
@@ -315,7 +316,7 @@ def test_route_drift_panel_counts_the_drifted_rows_of_the_log(run_store):
     panel = next(p for p in data["panels"] if p["name"] == "route_drift")
     assert f"run: {drifted} of {compared}, " in json.dumps(panel["figure"]["layout"])
     bars = panel["figure"]["data"][-1]
-    assert {int(v): y for v, y in zip(bars["x"], bars["y"])} == pytest.approx(per_version)
+    assert {int(v): y for v, y in zip(bars["x"], bars["y"])} == pytest.approx(per_version, rel=5e-3)  # 3 digits
     over_time = panel["figure"]["data"][0]
     assert sum(over_time["y"]) == drifted
 

@@ -105,3 +105,50 @@ def test_the_expert_load_colorbar_and_legend_keep_apart():
     bottom_of_colorbar = bar.y - bar.len / 2  # its y is its middle (yanchor "middle")
     assert fig.layout.legend.yanchor == "bottom" and fig.layout.legend.y == 0.0
     assert bottom_of_colorbar > 0.4  # the legend's few entries sit well below it
+
+
+def test_fractional_numbers_reach_the_page_with_three_significant_digits():
+    """Hovers show the values the figure carries: fractional ones are rounded (integer digits
+    kept), integers, labels and gaps untouched; a histogram's raw values are plotly's to bin."""
+    import numpy as np
+    import plotly.graph_objects as go
+
+    from trajstore.inspect._figures import figure_json, rounded
+
+    assert rounded([0.0123456, 12.345, 1234.56, 3, None, "v1", [2 / 3]]) == [0.0123, 12.3, 1235.0, 3, None, "v1",
+                                                                              [0.667]]
+    arr = rounded(np.array([1 / 3, -5.55555, 0.0, np.nan, 123456.789]))
+    assert arr[:3].tolist() == [0.333, -5.56, 0.0] and np.isnan(arr[3]) and arr[4] == 123457.0
+    assert rounded(np.arange(3)).tolist() == [0, 1, 2]
+    with drawing():
+        fig = go.Figure([go.Scatter(x=[1, 2], y=[0.123456789, np.nan], customdata=[[7, 0.98765]]),
+                         go.Histogram(x=[0.123456789])])
+        data = figure_json(fig)["data"]
+    assert list(data[0]["y"][:1]) == [0.123] and list(data[0]["x"]) == [1, 2]
+    assert [list(r) for r in data[0]["customdata"]] == [[7, 0.988]]
+    assert list(data[1]["x"]) == [0.123456789]
+
+
+def test_two_runs_side_by_side_on_the_training_panels():
+    """Two trainer runs (or projections) on one store: each panel draws each run as its own traces,
+    one colour a run, the run in the name, at the steps it recorded."""
+    steps = _result(*[(run, s, 8, 1.5 + k, 3 + k, 10) for k, run in enumerate(("run-a", "run-b")) for s in range(20)])
+    by_version = _result(("run-a", 3, 100, 0.01, 0.1), ("run-b", 3, 80, 0.02, 0.2))
+    by_step = _result(*[(run, s, 0.01 * (k + 1), 50) for k, run in enumerate(("run-a", "run-b")) for s in range(20)])
+    metrics = _result(*[(run, s, 0, '{"loss": %f}' % (k + 1.0 / (s + 1))) for k, run in enumerate(("run-a", "run-b"))
+                        for s in range(20)])
+    with drawing():
+        figs = [_panels_lineage._steps_draw(CLOCK, [steps, _result((400, 100))]),
+                _panels_lineage._train_mismatch_draw(CLOCK, [by_version, by_step]),
+                _step_panels._metrics_draw(CLOCK, [metrics])]
+    for fig in figs:
+        for run in ("run-a", "run-b"):
+            mine = [t for t in fig.data if t.name and (f"({run})" in t.name or t.name == run)]
+            assert mine, (run, [t.name for t in fig.data])
+            assert all(list(t.x) == (list(range(20)) if t.type == "scatter" else list(t.x)) for t in mine)
+        colours = {run: {t.line.color if t.type == "scatter" else t.marker.color for t in fig.data
+                         if t.name and run in t.name} for run in ("run-a", "run-b")}
+        assert len(colours["run-a"]) == len(colours["run-b"]) == 1 and colours["run-a"] != colours["run-b"]
+    bars = [t for t in figs[0].data if t.type == "bar"]
+    assert [t.name for t in bars] == ["samples consumed (run-a)", "samples consumed (run-b)"]
+    assert [list(t.y) for t in figs[0].data if t.name.startswith("mean staleness")] == [[1.5] * 20, [2.5] * 20]

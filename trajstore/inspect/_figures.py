@@ -196,8 +196,47 @@ def figure_json(fig: Any) -> dict[str, Any]:
 
         _TEMPLATE_JSON.update(pio.templates[TEMPLATE].to_plotly_json())
     out = fig.to_plotly_json()
+    for trace in out.get("data", ()):
+        if trace.get("type", "scatter") in _ROUNDED_TYPES:
+            for key in ("x", "y", "z", "customdata"):
+                if key in trace:
+                    trace[key] = rounded(trace[key])
     out.setdefault("layout", {})["template"] = _TEMPLATE_JSON
     return out
+
+
+SIGNIFICANT = 3
+"""Fractional numbers on the page (hovers, tables of figures) keep this many significant digits, and never
+fewer than their integer digits (12.345 -> 12.3, 0.012345 -> 0.0123, 1234.5 -> 1234 or 1235)."""
+_ROUNDED_TYPES = frozenset({"scatter", "scattergl", "bar", "heatmap"})
+"""Traces whose values are drawn as given (a histogram's or a box's raw values are binned by plotly: kept)."""
+
+
+def rounded(values: Any) -> Any:
+    """``values`` (a number, a list or tuple of them, nested, or a numpy array) with every fractional
+    float rounded to ``SIGNIFICANT`` significant digits (its integer digits kept); integers, strings,
+    None and non-finite floats are unchanged."""
+    import numpy as np
+
+    if isinstance(values, float):
+        if not math.isfinite(values) or values == int(values):
+            return values
+        return round(values, max(0, SIGNIFICANT - 1 - math.floor(math.log10(abs(values)))))
+    if isinstance(values, np.ndarray):
+        if values.dtype.kind == "O":
+            return [rounded(v) for v in values.tolist()]
+        if values.dtype.kind != "f":
+            return values
+        a = np.asarray(values, np.float64)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            mag = np.floor(np.log10(np.abs(a)))
+            decimals = np.where(np.isfinite(mag), np.maximum(0, SIGNIFICANT - 1 - mag), 0)
+            scale = 10.0 ** decimals
+            out = np.where(np.isfinite(a) & (a != 0), np.round(a * scale) / scale, a)
+        return out
+    if isinstance(values, (list, tuple)):
+        return [rounded(v) for v in values]
+    return values
 
 
 def _share(part: Any, whole: Any) -> float | None:

@@ -36,6 +36,7 @@ from trajstore.inspect._panels_run import (_finish_draw, _finish_sql, _groups_dr
 from trajstore.inspect._panels_tokens import (_drift_draw, _drift_sql, _experts_draw, _experts_sql, _length_draw,
                                               _length_sql, _logprob_draw, _logprob_sql, _read_samples,  # noqa: F401
                                               _routes_draw, _routes_sql)
+from trajstore.inspect._panels_trends import TRENDS
 from trajstore.inspect._step_panels import extend as _extend_panels
 from trajstore.inspect.sql import Query, QueryResult
 
@@ -133,6 +134,8 @@ PANELS: tuple[Panel, ...] = (
 )
 # per step, per task, length over time, and the links to the trace view, placed among the panels above
 PANELS = _extend_panels(PANELS)
+# the whole run by bucket of versions and of steps, after the per-version panels (the newest few versions)
+PANELS = tuple(q for p in PANELS for q in ((p, TRENDS) if p.name == "staleness" else (p,)))
 
 
 # -- the summary ---------------------------------------------------------------------

@@ -12,6 +12,8 @@ __all__: list[str] = []
 
 # -- training lineage: what the trainer did with the samples, per step ------------------------
 
+RUN_COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b")
+"""One colour per run (or projection) where a panel draws several side by side."""
 MAX_STEPS = 2000
 """The step panels show the newest this many training steps."""
 NO_STEPS = ("no training step recorded yet: a trainer records each step with SampleReader.record_step "
@@ -22,10 +24,11 @@ def _steps_sql(c: Clock) -> list[str]:
     return [f"SELECT run, step, count(*) AS samples, avg(staleness) AS staleness, max(staleness) AS max_staleness, "
             f"max(policy_version) AS policy_version FROM sample_consumption GROUP BY run, step "
             f"ORDER BY step DESC, run LIMIT {MAX_STEPS}",
-            # the samples (agg_samples), less the distinct ones a step consumed (linear in what was consumed)
-            "SELECT n AS samples, n - (SELECT count(*) FROM (SELECT DISTINCT c.trajectory_id, c.sample_index "
-            "FROM sample_consumption c JOIN samples s ON s.trajectory_id = c.trajectory_id "
-            "AND s.sample_index = c.sample_index) x) AS never_trained FROM (SELECT COALESCE(CAST(sum(samples) "
+            # the samples (agg_samples), less the distinct ones a step consumed that are samples of the store: one
+            # primary-key probe of samples per consumed sample (linear in what was consumed, not in the store)
+            "SELECT n AS samples, n - (SELECT count(*) FROM (SELECT DISTINCT trajectory_id, sample_index "
+            "FROM sample_consumption) c WHERE EXISTS (SELECT 1 FROM samples s WHERE s.trajectory_id = c.trajectory_id "
+            "AND s.sample_index = c.sample_index)) AS never_trained FROM (SELECT COALESCE(CAST(sum(samples) "
             "AS BIGINT), 0) AS n FROM agg_samples WHERE kind = 'merged_calls') a"]
 
 
@@ -40,15 +43,22 @@ def _steps_draw(c: Clock, r: list[QueryResult]) -> Any:
     fig = make_subplots(specs=[[{"secondary_y": True}]], subplot_titles=(
         f"samples consumed per step, and their staleness (never trained on: {_fmt(_share(never, total), '.1%')} "
         f"of {total} samples)",))
-    steps = [int(row[1]) for row in rows]
-    fig.add_trace(go.Bar(x=steps, y=[int(row[2]) for row in rows], name="samples consumed", opacity=0.6,
-                         customdata=[row[0] for row in rows], hovertemplate="run %{customdata}, step %{x}: "
-                         "%{y} samples<extra></extra>"), secondary_y=False)
-    fig.add_trace(go.Scatter(x=steps, y=[_num(row[3]) for row in rows], mode="lines+markers",
-                             name="mean staleness (policy - oldest token)",
-                             hovertemplate="step %{x}: %{y:.2f} versions<extra></extra>"), secondary_y=True)
-    fig.add_trace(go.Scatter(x=steps, y=[_num(row[4]) for row in rows], mode="lines", line=dict(dash="dot"),
-                             name="max staleness"), secondary_y=True)
+    runs = sorted({row[0] for row in rows})
+    for k, run in enumerate(runs):  # several runs (or projections) of one store: each its own traces, one colour
+        mine = [row for row in rows if row[0] == run]
+        label = f" ({run})" if len(runs) > 1 else ""
+        color = RUN_COLORS[k % len(RUN_COLORS)]
+        steps = [int(row[1]) for row in mine]
+        fig.add_trace(go.Bar(x=steps, y=[int(row[2]) for row in mine], name=f"samples consumed{label}", opacity=0.6,
+                             marker_color=color, legendgroup=run, customdata=[row[0] for row in mine],
+                             hovertemplate="run %{customdata}, step %{x}: %{y} samples<extra></extra>"),
+                      secondary_y=False)
+        fig.add_trace(go.Scatter(x=steps, y=[_num(row[3]) for row in mine], mode="lines+markers",
+                                 name=f"mean staleness (policy - oldest token){label}", legendgroup=run,
+                                 line=dict(color=color), hovertemplate="step %{x}: %{y} versions<extra></extra>"),
+                      secondary_y=True)
+        fig.add_trace(go.Scatter(x=steps, y=[_num(row[4]) for row in mine], mode="lines", legendgroup=run,
+                                 line=dict(dash="dot", color=color), name=f"max staleness{label}"), secondary_y=True)
     fig.update_xaxes(title_text="training step")
     fig.update_yaxes(title_text="samples", secondary_y=False, rangemode="tozero")
     fig.update_yaxes(title_text="versions behind", secondary_y=True, rangemode="tozero", showgrid=False)
@@ -71,12 +81,20 @@ def _train_mismatch_draw(c: Clock, r: list[QueryResult]) -> Any:
                 "SampleReader.record_step(..., annotations=...) (docs/reader.md)")
     fig = _wide_left(make_subplots, ("k3 between trainer and rollout logprobs per training step",
                                      "k3 per model version of the tokens"))
-    fig.add_trace(go.Scatter(x=[int(row[1]) for row in by_step], y=[_num(row[2]) for row in by_step],
-                             mode="lines+markers", name="k3 mean", customdata=[int(row[3]) for row in by_step],
-                             hovertemplate="step %{x}: %{y:.4g} over %{customdata} tokens<extra></extra>"), 1, 1)
-    fig.add_trace(go.Bar(x=[str(row[1]) for row in by_version], y=[_num(row[3]) for row in by_version],
-                         name="k3 mean per version", customdata=[int(row[2]) for row in by_version],
-                         hovertemplate="version %{x}: %{y:.4g} over %{customdata} tokens<extra></extra>"), 1, 2)
+    runs = sorted({row[0] for row in by_step} | {row[0] for row in by_version})
+    for k, run in enumerate(runs):  # each run (or projection) its own line and bars, one colour
+        label = f" ({run})" if len(runs) > 1 else ""
+        color = RUN_COLORS[k % len(RUN_COLORS)]
+        steps = [row for row in by_step if row[0] == run]
+        versions = [row for row in by_version if row[0] == run]
+        fig.add_trace(go.Scatter(x=[int(row[1]) for row in steps], y=[_num(row[2]) for row in steps],
+                                 mode="lines+markers", name=f"k3 mean{label}", legendgroup=run, line=dict(color=color),
+                                 customdata=[int(row[3]) for row in steps],
+                                 hovertemplate="step %{x}: %{y:.3g} over %{customdata} tokens<extra></extra>"), 1, 1)
+        fig.add_trace(go.Bar(x=[str(row[1]) for row in versions], y=[_num(row[3]) for row in versions],
+                             name=f"k3 mean per version{label}", legendgroup=run, marker_color=color,
+                             customdata=[int(row[2]) for row in versions],
+                             hovertemplate="version %{x}: %{y:.3g} over %{customdata} tokens<extra></extra>"), 1, 2)
     fig.update_xaxes(title_text="training step", row=1, col=1)
     fig.update_yaxes(title_text="k3 = exp(r) - 1 - r", row=1, col=1)
     _version_axis(fig, row=1, col=2)

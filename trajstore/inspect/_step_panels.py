@@ -35,13 +35,14 @@ WORST = 10
 def _never_trained_sql(c: Clock) -> list[str]:
     n = MAX_STEPS
     return [
-        # samples finished before each step was recorded: one running count over samples and steps in log order
-        "SELECT run, step, position, available FROM (SELECT run, step, position, is_step, "
-        "sum(1 - is_step) OVER (ORDER BY position ROWS UNBOUNDED PRECEDING) AS available FROM ("
-        "SELECT CAST(NULL AS VARCHAR(255)) AS run, CAST(NULL AS INTEGER) AS step, finished_position AS position, "
-        "0 AS is_step FROM samples UNION ALL "
-        "SELECT run, step, min(position), 1 FROM train_steps GROUP BY run, step) u) w "
-        f"WHERE is_step = 1 ORDER BY step DESC, run LIMIT {n}",
+        # samples finished before each step was recorded: per step, the samples that finished between the step
+        # before it (of those shown) and it, counted on ix_samples_order (finished_position, sample_index): every
+        # sample at most once, from the index alone, no sort of the samples; the draw sums them up
+        "SELECT run, step, position, (SELECT count(*) FROM samples s WHERE s.finished_position < w.position "
+        "AND s.finished_position > w.previous) AS added FROM (SELECT run, step, position, "
+        "COALESCE(lag(position) OVER (ORDER BY position), -1) AS previous FROM ("
+        "SELECT run, step, min(position) AS position FROM train_steps GROUP BY run, step "
+        f"ORDER BY step DESC, run LIMIT {n}) st) w ORDER BY position",
         "SELECT run, first_step, count(*) AS samples FROM (SELECT run, trajectory_id, sample_index, min(step) AS "
         "first_step FROM sample_consumption GROUP BY run, trajectory_id, sample_index) f "
         "GROUP BY run, first_step ORDER BY run, first_step",
@@ -54,9 +55,12 @@ def _never_trained_draw(c: Clock, r: list[QueryResult]) -> Any:
     import numpy as np
 
     go, make_subplots = _plotly()
-    steps = sorted(r[0].rows, key=lambda row: (row[0], row[1]))
-    if not steps:
+    if not r[0].rows:
         return NO_STEPS
+    # in log order: each step's samples available = those finished before it, a running sum
+    available_at = dict(zip(((row[0], row[1]) for row in r[0].rows), np.cumsum([int(row[3]) for row in r[0].rows])))
+    steps = sorted(((run, step, position, available_at[run, step]) for run, step, position, _ in r[0].rows),
+                   key=lambda row: (row[0], row[1]))
     first: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     for run in {row[0] for row in r[1].rows}:
         pts = [(int(s), int(n)) for rr, s, n in r[1].rows if rr == run]

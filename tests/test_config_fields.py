@@ -10,7 +10,8 @@ import pytest
 
 from trajstore._util.config import config_from_args, flags_of
 from trajstore._upkeep.retention_cli import ArchiveOptions, PartitionOptions
-from trajstore.cli import _parser
+from trajstore.cli import (_DemoOptions, _ExportOptions, _GcOptions, _InitOptions, _MaterializeOptions, _parser,
+                           _ProjectionOptions)
 from trajstore.ingest.proxy._config import ProxyConfig
 from trajstore.ingest.service import ServeConfig
 from trajstore.inspect.report import _ReportOptions
@@ -21,13 +22,19 @@ from trajstore.scale._config import ShardConfig, WorkerConfig
 
 COMMANDS = [("serve", ServeConfig), ("proxy", ProxyConfig), ("worker", ShardConfig), ("worker", WorkerConfig),
             ("worker", _Trackers), ("track", _Trackers), ("replay", ReplayConfig), ("report", _ReportOptions),
-            ("archive", ArchiveOptions), ("partition", PartitionOptions), ("sql", _SqlOptions), ("track", _Track)]
+            ("archive", ArchiveOptions), ("partition", PartitionOptions), ("sql", _SqlOptions), ("track", _Track),
+            ("init", _InitOptions), ("materialize", _MaterializeOptions), ("export", _ExportOptions), ("gc", _GcOptions),
+            ("demo", _DemoOptions), ("projection create", _ProjectionOptions)]
 GLOBAL = {"store", "payload"}  # the CLI's global flags (trajstore --store URL COMMAND ...)
 
 
 def _subparser(name: str):
-    sub = next(a for a in _parser()._actions if a.__class__.__name__ == "_SubParsersAction")
-    return sub.choices[name]
+    """The parser of ``name``, a command or a command's action (``"projection create"``)."""
+    parser = _parser()
+    for word in name.split():
+        sub = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction")
+        parser = sub.choices[word]
+    return parser
 
 
 @pytest.mark.parametrize("command,cls", COMMANDS)
@@ -48,9 +55,10 @@ def test_every_field_is_a_flag_of_its_command_with_help(command, cls):
 @pytest.mark.parametrize("command,cls", COMMANDS)
 def test_the_command_s_defaults_are_the_settings_defaults(command, cls):
     required = {ProxyConfig: (["--upstream", "http://127.0.0.1:9"], {"upstream": "http://127.0.0.1:9"}),
-                ArchiveOptions: (["/a"], {"out_dir": "/a"}), _SqlOptions: (["SELECT 1"], {"query": "SELECT 1"})}
+                ArchiveOptions: (["/a"], {"out_dir": "/a"}), _SqlOptions: (["SELECT 1"], {"query": "SELECT 1"}),
+                _ExportOptions: (["/e"], {"dir": "/e"}), _ProjectionOptions: (["p"], {"name": "p"})}
     argv, values = required.get(cls, ([], {}))
-    assert config_from_args(cls, _parser().parse_args([command, *argv])) == cls(**values)
+    assert config_from_args(cls, _parser().parse_args([*command.split(), *argv])) == cls(**values)
 
 
 def test_the_replay_server_s_tokens_repeat():

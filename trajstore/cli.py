@@ -12,14 +12,18 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import logging
 import os
 import sys
-from typing import Any, Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Callable
 
 from trajstore._util.argtypes import number
+from trajstore._util.config import add_flags, config_from_args, option
 from trajstore.errors import TrajstoreError, ValidationError
+from trajstore.fold import FoldPolicy
 
 __all__ = ["main"]
 
@@ -39,13 +43,103 @@ def _print_json(obj: Any) -> None:
     print(json.dumps(obj, indent=2, sort_keys=False, default=str))
 
 
+
+# -- each command's options: a dataclass field with its help is the flag (trajstore._util.config) --
+@dataclass(frozen=True)
+class _InitOptions:
+    reader_login: str | None = option(None, metavar="NAME",
+                                      help="PostgreSQL: also make NAME a login holding only the read-only role, for "
+                                           "trajstore sql and report (password from $TRAJSTORE_READER_PASSWORD; see "
+                                           "docs/sql.md)")
+
+
+@dataclass(frozen=True)
+class _MaterializeOptions:
+    """``Store.materialize``'s keywords, and what the command does around them (``--follow``'s loop:
+    ``trajstore.scale._config.ShardConfig``)."""
+
+    shard: int = option(0, help="this materializer's shard index (default 0)")
+    num_shards: int = option(1, help="number of materializer shards (default 1)")
+    max_trajectories: int = option(256, help="finished trajectories folded per transaction (default 256)")
+    refold_quarantined: bool = option(False, help="fold this shard's trajectories quarantined for a missing payload "
+                                                  "file, once it is back")
+    projection: str | None = option(None, metavar="NAME", help="fold into this named projection instead of the "
+                                                               "default samples (docs/projections.md)")
+    abandon_after_s: float | None = option(None, min=0, min_exclusive=True, metavar="SECONDS",
+                                           help="first finish running trajectories with no event for this long as "
+                                                "'abandoned' (a dead harness's); with --follow: checked every tenth "
+                                                "of it; default: never (docs/materializer.md)")
+    follow: bool = option(False, help="keep folding as trajectories finish, one log line per step, until "
+                                      "SIGTERM/SIGINT (then exit 0 after the step in progress); shard 0 also collects "
+                                      "retired payload")
+
+
+@dataclass(frozen=True)
+class _ExportOptions:
+    dir: str = option(flag="dir", help="directory to create with the part-NNNNN.parquet files")
+    replace: bool = option(False, help="replace an earlier export in DIR (atomically)")
+    projection: str | None = option(None, metavar="NAME", help="export this named projection's samples instead of "
+                                                               "the default ones (docs/projections.md)")
+    run: str | None = option(None, help="with --step: export the samples of that training step of this run")
+    step: int | None = option(None, help="with --run: the training step whose samples to export (every rank, "
+                                         "standing attempt)")
+
+
+@dataclass(frozen=True)
+class _GcOptions:
+    grace_s: float = option(3600.0, min=0, help="only files retired (or, unreferenced, written) longer ago than "
+                                                "this (default 3600)")
+    lease_max_age_s: float = option(6 * 3600.0, min=0, help="a reader's lease protects nothing retired longer ago "
+                                                            "than this (default 21600: 6 h)")
+    compact: bool = option(False, help="first rewrite many small log segments of unfolded trajectories into few")
+    target_bytes: int = option(64 << 20, flag="--target-mb", scale=1 / (1 << 20), min=0, min_exclusive=True,
+                               help="compacted segment size (default 64 MiB)")
+
+
+@dataclass
+class _DemoOptions:  # not frozen: the demo settles --dir's default on it
+    store: str | None = option(None, flag=None, dest="store", help="the global --store")
+    payload: str | None = option(None, flag=None, dest="payload", help="the global --payload")
+    trajectories: int = option(200, help="simulated trajectories (default 200)")
+    workers: int = option(4, help="simulated rollout worker processes (default 4)")
+    dir: str | None = option(None, help="where the demo store, export and report go (default ./trajstore-demo; "
+                                        "with --engine ./trajstore-engine-demo); files the demo did not make are "
+                                        "never touched, and --engine never touches the first demo's store")
+    no_train: bool = option(False, help="skip the megatron replay stage")
+    engine: bool = option(False, help="instead: agent episodes through a real `trajstore proxy` in front of a "
+                                      "simulated vLLM (CPU, no model; needs the server extra), printed call by call "
+                                      "(docs/first-hour.md)")
+    engine_only: bool = option(False, help="instead: serve the simulated vLLM alone on --host/--port until Ctrl-C")
+    host: str = option("127.0.0.1", help="with --engine-only: the address (default 127.0.0.1)")
+    port: int = option(8000, min=0, max=65535, help="with --engine-only: the port (default 8000)")
+    weight_update_every: int = option(10, min=0, metavar="TOKENS",
+                                      help="with --engine-only: the engine moves to the next weight label every this "
+                                           "many generated tokens (0: never; default 10)")
+
+
+@dataclass(frozen=True)
+class _ProjectionOptions:
+    name: str = option(flag="name", help="the projection's name (letters, digits, '_', '.', '-')")
+    merge: str = option("prefix", choices=FoldPolicy.MERGE,
+                        help="prefix: merge calls that continue the sequence (the default fold); none: one sample "
+                             "per call")
+    observation: str = option("prompt", choices=FoldPolicy.OBSERVATION,
+                              help="with --merge none: observation tokens only in the next call's prompt (prompt), or "
+                                   "also closing the previous call's response, loss mask 0 (response: SkyRL "
+                                   "step-wise)")
+    routes: str = option("first", choices=FoldPolicy.ROUTES,
+                         help="first: a recorded route is never overwritten (R3); last: re-sent rows replace it "
+                              "(only trajectories whose re-sent rows did not drift; see docs/projections.md)")
+
+
 def _cmd_init(args: argparse.Namespace) -> int:
+    opts = config_from_args(_InitOptions, args)
     store = _store(args, create=True)
     print(f"store ready: {store!r}")
-    if args.reader_login:
+    if opts.reader_login:
         from trajstore.inspect.sql import create_reader_login
 
-        print(create_reader_login(store, args.reader_login))
+        print(create_reader_login(store, opts.reader_login))
     return 0
 
 
@@ -79,20 +173,21 @@ def _cmd_materialize(args: argparse.Namespace) -> int:
     from trajstore._util.progress import progress_bar
 
     store = _store(args)
+    opts = config_from_args(_MaterializeOptions, args)
     if args.old_batch_size is not None:
         print("trajstore: --batch-size is deprecated; use --max-trajectories (same meaning)", file=sys.stderr)
-        args.max_trajectories = args.old_batch_size
-    m = Materializer(store, shard_index=args.shard, num_shards=args.num_shards,
-                     max_trajectories=args.max_trajectories, projection=args.projection)
-    if args.follow:
-        if args.refold_quarantined:
+        opts = dataclasses.replace(opts, max_trajectories=args.old_batch_size)
+    m = Materializer(store, shard_index=opts.shard, num_shards=opts.num_shards,
+                     max_trajectories=opts.max_trajectories, projection=opts.projection)
+    if opts.follow:
+        if opts.refold_quarantined:
             raise ValidationError("--follow folds as trajectories finish; run --refold-quarantined on its own",
                                   rule="cli")
         from trajstore.scale._worker import follow_from_args
 
         return follow_from_args(args, m)
-    if args.refold_quarantined:
-        if args.projection is not None:
+    if opts.refold_quarantined:
+        if opts.projection is not None:
             raise ValidationError("--refold-quarantined folds the default samples; leave out --projection",
                                   rule="cli")
         _print_json(m.refold_quarantined().to_dict())
@@ -101,12 +196,12 @@ def _cmd_materialize(args: argparse.Namespace) -> int:
             print(f"trajstore: {_trajectories(len(still))} still quarantined: a payload file they need is "
                   "still missing (trajstore info lists them)", file=sys.stderr)
         return 0
-    if args.abandon_after_s is not None:
-        abandoned = m.abandon_idle(args.abandon_after_s)
+    if opts.abandon_after_s is not None:
+        abandoned = m.abandon_idle(opts.abandon_after_s)
         if abandoned:
             print(f"finished {len(abandoned)} idle running trajectories as abandoned", file=sys.stderr)
     before = _quarantined(m)
-    what = "trajectories" if args.projection is None else f"trajectories into projection {args.projection}"
+    what = "trajectories" if opts.projection is None else f"trajectories into projection {opts.projection}"
     with progress_bar(f"materializing {what}", total=m.pending()) as advance:
         m.progress = advance
         stats = m.run()
@@ -117,7 +212,7 @@ def _cmd_materialize(args: argparse.Namespace) -> int:
     quarantined = _quarantined(m) - before
     if quarantined:
         # folded what it could, but these wait for a file: a script must not take that for success
-        shard = "" if args.num_shards == 1 else f" --shard {args.shard} --num-shards {args.num_shards}"
+        shard = "" if opts.num_shards == 1 else f" --shard {opts.shard} --num-shards {opts.num_shards}"
         print(f"error: {_trajectories(len(quarantined))} quarantined: a payload file they need is missing "
               f"(trajstore info lists them); once it is back, run: trajstore materialize --refold-quarantined"
               f"{shard}", file=sys.stderr)
@@ -146,28 +241,29 @@ def _cmd_export(args: argparse.Namespace) -> int:
     from trajstore.errors import ValidationError
 
     store = _store(args)
-    if (args.run is None) != (args.step is None):
+    opts = config_from_args(_ExportOptions, args)
+    if (opts.run is None) != (opts.step is None):
         raise ValidationError("export --run and --step go together (the samples of one training step)",
                               rule="export")
-    if args.run is not None:
+    if opts.run is not None:
         from trajstore.lineage import step_samples
 
-        samples = step_samples(store, run=args.run, step=args.step)
+        samples = step_samples(store, run=opts.run, step=opts.step)
         if not samples:
-            raise TrajstoreError(f"export: run {args.run!r} has no samples recorded for step {args.step}; "
+            raise TrajstoreError(f"export: run {opts.run!r} has no samples recorded for step {opts.step}; "
                                  f"{_recorded_steps(store)} (SampleReader.record_step records them)")
-        counts = export_samples(samples, args.dir, replace=args.replace)
-        print(f"exported {counts['samples']} samples of step {args.step} of run {args.run!r} to "
-              f"{counts['files']} Parquet file(s) in {args.dir}")
+        counts = export_samples(samples, opts.dir, replace=opts.replace)
+        print(f"exported {counts['samples']} samples of step {opts.step} of run {opts.run!r} to "
+              f"{counts['files']} Parquet file(s) in {opts.dir}")
         return 0
-    if args.projection is None:
+    if opts.projection is None:
         total = store.info()["samples"]
     else:
-        total = store.materialized.projection(args.projection).count_samples()
+        total = store.materialized.projection(opts.projection).count_samples()
     with progress_bar("exporting samples", total=total) as advance:
-        counts = export_samples(store.samples(projection=args.projection), args.dir, progress=advance,
-                                replace=args.replace)
-    print(f"exported {counts['samples']} samples to {counts['files']} Parquet file(s) in {args.dir}")
+        counts = export_samples(store.samples(projection=opts.projection), opts.dir, progress=advance,
+                                replace=opts.replace)
+    print(f"exported {counts['samples']} samples to {counts['files']} Parquet file(s) in {opts.dir}")
     return 0
 
 
@@ -206,18 +302,19 @@ def _cmd_gc(args: argparse.Namespace) -> int:
     import time
 
     store = _store(args)
-    if args.compact:
-        done = store.compact(target_bytes=int(args.target_mb * (1 << 20)))
+    opts = config_from_args(_GcOptions, args)
+    if opts.compact:
+        done = store.compact(target_bytes=opts.target_bytes)
         print(f"compacted: {done['events_moved']} running event(s) from {done['segments_retired']} small log "
               f"segment(s) into {done['segments_written']} (the old ones are retired)")
     now = time.time()
-    keep = store.log.segments_in_use(retired_before=now - args.grace_s)
+    keep = store.log.segments_in_use(retired_before=now - opts.grace_s)
     young = sum(1 for name, mtime in store.payload.list_names()
-                if name not in keep and now - mtime < args.grace_s)
-    removed = store.collect_garbage(grace_s=args.grace_s, lease_max_age_s=args.lease_max_age_s)
+                if name not in keep and now - mtime < opts.grace_s)
+    removed = store.collect_garbage(grace_s=opts.grace_s, lease_max_age_s=opts.lease_max_age_s)
     retired = len(store.log.segments_in_use(retired_before=float("-inf")) - store.log.referenced_segments())
     print(f"removed {len(removed)} payload file(s) (retired log segments or unreferenced); kept {young} younger "
-          f"than --grace-s {args.grace_s:g} (they may belong to appends still running) and {retired} retired "
+          f"than --grace-s {opts.grace_s:g} (they may belong to appends still running) and {retired} retired "
           "within it (a reader may still have them open)")
     return 0
 
@@ -265,8 +362,8 @@ def _cmd_payload(args: argparse.Namespace) -> int:
 def _cmd_projection(args: argparse.Namespace) -> int:
     store = _store(args)
     if args.action == "create":
-        row = store.create_projection(args.name, merge=args.merge, observation=args.observation,
-                                      routes=args.routes)
+        opts = config_from_args(_ProjectionOptions, args)
+        row = store.create_projection(opts.name, merge=opts.merge, observation=opts.observation, routes=opts.routes)
         print(f"created projection {row['name']} (merge={row['merge']}, observation={row['observation']}, "
               f"routes={row['routes']}); fill it with: trajstore materialize --projection {row['name']}")
     elif args.action == "list":
@@ -281,8 +378,6 @@ def _cmd_projection(args: argparse.Namespace) -> int:
 
 
 def _add_projection_command(add) -> None:
-    from trajstore.fold import FoldPolicy
-
     pr = add("projection", _cmd_projection, "named projections: the log re-folded under another fold policy")
     acts = pr.add_subparsers(dest="action", required=True, metavar="ACTION",
                              help="create, list or drop (ACTION -h: its options)")
@@ -292,27 +387,18 @@ def _add_projection_command(add) -> None:
         _add_global_options(sp, top=False)
         return sp
 
-    c = action("create", "define a projection (then: trajstore materialize --projection NAME)")
-    c.add_argument("name", help="the projection's name (letters, digits, '_', '.', '-')")
-    c.add_argument("--merge", choices=FoldPolicy.MERGE, default="prefix",
-                   help="prefix: merge calls that continue the sequence (the default fold); "
-                        "none: one sample per call")
-    c.add_argument("--observation", choices=FoldPolicy.OBSERVATION, default="prompt",
-                   help="with --merge none: observation tokens only in the next call's prompt (prompt), or "
-                        "also closing the previous call's response, loss mask 0 (response: SkyRL step-wise)")
-    c.add_argument("--routes", choices=FoldPolicy.ROUTES, default="first",
-                   help="first: a recorded route is never overwritten (R3); last: re-sent rows replace it "
-                        "(only trajectories whose re-sent rows did not drift; see docs/projections.md)")
+    add_flags(action("create", "define a projection (then: trajstore materialize --projection NAME)"), _ProjectionOptions)
     action("list", "every projection: its policy, samples and unfoldable trajectories")
     action("drop", "delete a projection's samples (nothing else)").add_argument("name", help="the projection")
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    if args.engine_only or args.engine:
+    opts = config_from_args(_DemoOptions, args)
+    if opts.engine_only or opts.engine:
         from trajstore.demo._agent import run_engine_demo, serve_engine
 
         try:
-            return (serve_engine if args.engine_only else run_engine_demo)(args)
+            return (serve_engine if opts.engine_only else run_engine_demo)(opts)
         except ModuleNotFoundError as e:
             missing = _missing_extra("demo --engine", e)
             if missing is None:
@@ -320,7 +406,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
             raise missing from None
     from trajstore.demo._run import run_demo
 
-    return run_demo(args)
+    return run_demo(opts)
 
 
 def _version() -> str:
@@ -361,51 +447,22 @@ def _parser() -> argparse.ArgumentParser:
         sp.set_defaults(func=fn)
         return sp
 
-    i = add("init", _cmd_init, "create the store (runs the Alembic migrations)")
-    i.add_argument("--reader-login", default=None, metavar="NAME",
-                   help="PostgreSQL: also make NAME a login holding only the read-only role, for trajstore sql "
-                        "and report (password from $TRAJSTORE_READER_PASSWORD; see docs/sql.md)")
+    add_flags(add("init", _cmd_init, "create the store (runs the Alembic migrations)"), _InitOptions)
     add("ingest", _cmd_ingest, "validate a JSONL file of wire-format events (or - for stdin), then append it; "
                                "a bad event stores nothing") \
         .add_argument("file", help="JSONL file, one wire-format event per line; - reads stdin")
     m = add("materialize", _cmd_materialize, "fold finished trajectories into samples; print the metrics")
-    m.add_argument("--shard", type=number(int), default=0, help="this materializer's shard index (default 0)")
-    m.add_argument("--num-shards", type=number(int), default=1, help="number of materializer shards (default 1)")
-    m.add_argument("--max-trajectories", type=number(int), default=256,
-                   help="finished trajectories folded per transaction (default 256)")
+    add_flags(m, _MaterializeOptions, skip=("refold_quarantined", "projection", "abandon_after_s", "follow"))
     m.add_argument("--batch-size", type=number(int), default=None, dest="old_batch_size", help=argparse.SUPPRESS)
-    m.add_argument("--refold-quarantined", action="store_true",
-                   help="fold this shard's trajectories quarantined for a missing payload file, once it is back")
-    m.add_argument("--projection", default=None, metavar="NAME",
-                   help="fold into this named projection instead of the default samples (docs/projections.md)")
-    m.add_argument("--abandon-after-s", type=number(float, min=0, min_exclusive=True), default=None, metavar="SECONDS",
-                   help="first finish running trajectories with no event for this long as 'abandoned' "
-                        "(a dead harness's); with --follow: checked every tenth of it; default: never "
-                        "(docs/materializer.md)")
-    m.add_argument("--follow", action="store_true",
-                   help="keep folding as trajectories finish, one log line per step, until SIGTERM/SIGINT (then "
-                        "exit 0 after the step in progress); shard 0 also collects retired payload")
+    add_flags(m, _MaterializeOptions, only=("refold_quarantined", "projection", "abandon_after_s", "follow"))
     from trajstore.scale._worker import add_follow_arguments
 
     add_follow_arguments(m)
-    e = add("export", _cmd_export, "write the samples as a Parquet dataset (appears whole or not at all)")
-    e.add_argument("dir", help="directory to create with the part-NNNNN.parquet files")
-    e.add_argument("--replace", action="store_true", help="replace an earlier export in DIR (atomically)")
-    e.add_argument("--projection", default=None, metavar="NAME",
-                   help="export this named projection's samples instead of the default ones (docs/projections.md)")
-    e.add_argument("--run", default=None, help="with --step: export the samples of that training step of this run")
-    e.add_argument("--step", type=int, default=None,
-                   help="with --run: the training step whose samples to export (every rank, standing attempt)")
+    add_flags(add("export", _cmd_export, "write the samples as a Parquet dataset (appears whole or not at all)"),
+              _ExportOptions)
     add("info", _cmd_info, "counts per status, event type and model version; unfoldable trajectories")
-    g = add("gc", _cmd_gc, "delete payload files no index row needs (retired log segments, crash leftovers)")
-    g.add_argument("--grace-s", type=number(float, min=0), default=3600.0,
-                   help="only files retired (or, unreferenced, written) longer ago than this (default 3600)")
-    g.add_argument("--lease-max-age-s", type=number(float, min=0), default=6 * 3600.0,
-                   help="a reader's lease protects nothing retired longer ago than this (default 21600: 6 h)")
-    g.add_argument("--compact", action="store_true",
-                   help="first rewrite many small log segments of unfolded trajectories into few")
-    g.add_argument("--target-mb", type=number(float, min=0, min_exclusive=True), default=64.0,
-                   help="compacted segment size (default 64 MiB)")
+    add_flags(add("gc", _cmd_gc, "delete payload files no index row needs (retired log segments, crash leftovers)"),
+              _GcOptions)
     pl = add("payload", _cmd_payload, "where the store's payload lives: show, set (record only) or move it")
     pl_sub = pl.add_subparsers(dest="action", required=True, metavar="ACTION", help="show, set or move")
     _add_global_options(pl_sub.add_parser("show", help="print the recorded payload location"), top=False)
@@ -418,24 +475,8 @@ def _parser() -> argparse.ArgumentParser:
     pm.add_argument("location", metavar="LOCATION", help="a path or pyarrow filesystem URI")
     _add_global_options(pm, top=False)
     pm.add_argument("--delete-old", action="store_true", help="delete the old files once the new place is recorded")
-    d = add("demo", _cmd_demo, "the main job end to end on the embedded store, with simulated rollouts")
-    d.add_argument("--trajectories", type=number(int), default=200, help="simulated trajectories (default 200)")
-    d.add_argument("--workers", type=number(int), default=4, help="simulated rollout worker processes (default 4)")
-    d.add_argument("--dir", default=None,
-                   help="where the demo store, export and report go (default ./trajstore-demo; with --engine "
-                        "./trajstore-engine-demo); files the demo did not make are never touched, and --engine "
-                        "never touches the first demo's store")
-    d.add_argument("--no-train", action="store_true", help="skip the megatron replay stage")
-    d.add_argument("--engine", action="store_true",
-                   help="instead: agent episodes through a real `trajstore proxy` in front of a simulated vLLM "
-                        "(CPU, no model; needs the server extra), printed call by call (docs/first-hour.md)")
-    d.add_argument("--engine-only", action="store_true",
-                   help="instead: serve the simulated vLLM alone on --host/--port until Ctrl-C")
-    d.add_argument("--host", default="127.0.0.1", help="with --engine-only: the address (default 127.0.0.1)")
-    d.add_argument("--port", type=number(int, min=0, max=65535), default=8000, help="with --engine-only: the port (default 8000)")
-    d.add_argument("--weight-update-every", type=number(int, min=0), default=10, metavar="TOKENS",
-                   help="with --engine-only: the engine moves to the next weight label every this many "
-                        "generated tokens (0: never; default 10)")
+    add_flags(add("demo", _cmd_demo, "the main job end to end on the embedded store, with simulated rollouts"),
+              _DemoOptions)
     _add_projection_command(add)
     from trajstore._upkeep.retention_cli import add_partition_command, add_retention_commands
 

@@ -35,7 +35,7 @@ def _odd_trajectories() -> list[list[dict]]:
                 gen("routes", 1, [1, 2, 3, 4, 5, 6], [7, 8], routed_experts=r[:7].tolist()),
                 gen("routes", 2, [1, 2, 3, 4, 5, 6, 7, 8, 9], [10], routed_experts=r[7:9].tolist(),
                     routed_experts_start=7),
-                gen("routes", 3, [1, 2, 3, 4, 99], [11, 12], routed_experts=r[4:7].tolist(),
+                gen("routes", 3, [1, 2, 3, 4, 99], [11, 12], routed_experts=r[4:6].tolist(),
                     routed_experts_start=4),
                 finished("routes")])
     # wide expert ids: uint16 in the sample too

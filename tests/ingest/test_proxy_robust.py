@@ -170,6 +170,48 @@ def test_an_upstream_that_closes_without_answering_gets_a_clear_502(store):
     assert resp.status_code == stream.status_code == 502 and _nothing_recorded(store)
 
 
+def _closing_first(paths_seen: list) -> "RawUpstream":
+    """An engine that closes the first connection of each path without answering (a kept-alive
+    connection it dropped as the call went out), then answers ``{"status": "ok"}``."""
+    def reply(method, path, body):
+        first = path not in paths_seen
+        paths_seen.append(path)
+        return [] if first else framed([b'{"status": "ok"}'])
+    return RawUpstream(reply)
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_an_idempotent_control_call_the_engine_dropped_unanswered_is_sent_once_more(store, engine, caplog):
+    """A trainer's pause must not fail because the engine closed a kept-alive connection as the
+    pause went out: a call that has the effect of once when sent twice is sent once more."""
+    from trajstore.ingest.proxy._sglang import make_sglang_proxy_app
+
+    make = make_proxy_app if engine == "vllm" else make_sglang_proxy_app
+    calls = [("POST", "/pause?mode=abort"), ("POST", "/resume"), ("GET", "/is_paused")] if engine == "vllm" else \
+        [("POST", "/pause_generation"), ("POST", "/continue_generation"), ("GET", "/health")]
+    seen: list = []
+    with caplog.at_level(logging.INFO, logger="trajstore.ingest.proxy"), _closing_first(seen) as up, \
+            serve_in_thread(make(store, up.url)) as proxy:
+        answers = [httpx.request(method, f"{proxy}{path}", timeout=30) for method, path in calls]
+    assert [(a.status_code, a.json()) for a in answers] == [(200, {"status": "ok"})] * 3
+    assert [m for m, _, _ in up.requests] == [m for m, _ in calls for _ in range(2)]
+    assert sum("without answering" in r.getMessage() for r in caplog.records) == 3
+
+
+@pytest.mark.parametrize("engine, path", [("vllm", "/update_weights"), ("vllm", "/start_weight_update"),
+                                          ("sglang", "/update_weights_from_disk"),
+                                          ("sglang", "/release_memory_occupation")])
+def test_a_weight_transfer_the_engine_dropped_unanswered_is_never_sent_twice(store, engine, path):
+    from trajstore.ingest.proxy._sglang import make_sglang_proxy_app
+
+    make = make_proxy_app if engine == "vllm" else make_sglang_proxy_app
+    seen: list = []
+    with _closing_first(seen) as up, serve_in_thread(make(store, up.url)) as proxy:
+        resp = httpx.post(f"{proxy}{path}", json={}, timeout=30)
+    assert_unreachable(resp)
+    assert [p for _, p, _ in up.requests] == [path]
+
+
 # --- the upstream URL, unnamed calls -------------------------------------------------------
 
 @pytest.mark.parametrize("given, used", [

@@ -16,6 +16,9 @@ from trajstore.ingest.proxy._sse import _passthrough, _sse_comments, _sse_event,
 
 log = logging.getLogger("trajstore.ingest.proxy")
 
+# How long an idle upstream connection is kept for the next call (seconds).
+KEEPALIVE_EXPIRY_S = 2.0
+
 _HOP_BY_HOP = {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "trailer",
                "upgrade", "proxy-authorization", "proxy-authenticate", "accept-encoding"}
 UNNAMED = "no X-Trajstore-Trajectory header and no trajstore.trajectory_id body field"
@@ -122,6 +125,10 @@ class _UpstreamForwarder:
     recorded: Mapping[str, str] = {}
     #: label-setting control endpoints -> the body field holding the new label
     label_fields: Mapping[str, str] = {}
+    #: relayed paths whose call is idempotent (pause, resume, a label set to a value, a read): sent once
+    #: more when the engine closes the connection without answering (a kept-alive connection the engine
+    #: closed as the call went out); a weight transfer is never sent twice
+    resend_safe: frozenset[str] = frozenset()
 
     def __init__(self, recorder: Recorder, upstream: str, *, model_version: int, num_experts: int | None,
                  timeout_s: float, authenticated: bool, upstream_api_key: str | None,
@@ -137,7 +144,10 @@ class _UpstreamForwarder:
 
             metrics = _ProxyMetrics(CollectorRegistry())
         self.metrics = metrics
-        self.client = httpx.AsyncClient(base_url=upstream.rstrip("/"), timeout=httpx.Timeout(timeout_s, connect=10.0))
+        # Idle connections are dropped after 2 s, before the engine's own keep-alive timeout (uvicorn's,
+        # under vLLM and SGLang, is 5 s) can close one as a call goes out on it.
+        self.client = httpx.AsyncClient(base_url=upstream.rstrip("/"), timeout=httpx.Timeout(timeout_s, connect=10.0),
+                                        limits=httpx.Limits(keepalive_expiry=KEEPALIVE_EXPIRY_S))
         self._noted_clients: set = set()
 
     def headers(self, request: Any) -> dict:
@@ -401,7 +411,15 @@ class _UpstreamForwarder:
             body = await request.body()
             query = request.url.query
             url = httpx.URL(path, query=query.encode("latin-1")) if query else path
-            resp = await self.client.request(request.method, url, content=body, headers=self.headers(request))
+            headers = self.headers(request)
+            try:
+                resp = await self.client.request(request.method, url, content=body, headers=headers)
+            except (httpx.RemoteProtocolError, httpx.ReadError) as e:
+                if path not in self.resend_safe:
+                    raise
+                log.info("the engine closed %s %s without answering (%s); sent once more", request.method, path,
+                         _one_line(e))
+                resp = await self.client.request(request.method, url, content=body, headers=headers)
             content = resp.content
         except httpx.HTTPError as e:
             return self._unreachable(e)

@@ -82,6 +82,12 @@ FORWARDED: tuple[tuple[str, str], ...] = (
     ("GET", "/flush_cache"), ("POST", "/flush_cache"),
 )
 
+# The forwarded calls that may be sent twice with the effect of once (reads, pause and continue,
+# aborts by id, a label set to a value, the cache flush); the weight updates and memory moves are not.
+RESEND_SAFE = frozenset(path for method, path in FORWARDED if method == "GET" and "memory" not in path) | {
+    "/tokenize", "/detokenize", "/v1/tokenize", "/v1/detokenize", "/pause_generation", "/continue_generation",
+    "/abort_request", "/update_weight_version", "/get_weights_by_name", "/flush_cache"}
+
 # The endpoints that set the engine's weight-version label and their body field
 # (managers/io_struct.py: UpdateWeightVersionReqInput.new_version, the weight updates' weight_version).
 LABEL_FIELDS = {"/update_weight_version": "new_version", "/update_weights_from_disk": "weight_version",
@@ -94,6 +100,7 @@ class SGLangForwarder(_UpstreamForwarder):
 
     recorded = RECORDED
     label_fields = LABEL_FIELDS
+    resend_safe = RESEND_SAFE
 
     def __init__(self, recorder: Recorder, upstream: str, *, layout: Any = None, **kwargs: Any) -> None:
         super().__init__(recorder, upstream, **kwargs)

@@ -47,6 +47,13 @@ FORWARDED: tuple[tuple[str, str], ...] = (
     ("POST", "/v1/chat/completions/derender"), ("POST", "/v1/completions/derender"),
 )
 
+# The forwarded calls that may be sent twice with the effect of once (reads, pause and resume,
+# aborts by id, a label set to a value); the weight transfers are not among them.
+RESEND_SAFE = frozenset(path for method, path in FORWARDED if method == "GET") | {
+    "/tokenize", "/detokenize", "/inference/v1/abort_requests", "/abort_requests", "/pause", "/resume",
+    "/update_weight_version", "/v1/chat/completions/render", "/v1/completions/render", "/v1/messages/render",
+    "/v1/responses/render", "/v1/chat/completions/derender", "/v1/completions/derender"}
+
 # The label-setting endpoints and their body field (entrypoints/rl/online/api_router.py).
 LABEL_FIELDS = {"/update_weight_version": "new_version", "/finish_weight_update": "weight_version"}
 
@@ -56,6 +63,7 @@ class VLLMForwarder(_UpstreamForwarder):
 
     recorded = RECORDED
     label_fields = LABEL_FIELDS
+    resend_safe = RESEND_SAFE
 
     def __init__(self, recorder: Recorder, upstream: str, *, version_map: VersionMap = None, **kwargs: Any) -> None:
         super().__init__(recorder, upstream, **kwargs)

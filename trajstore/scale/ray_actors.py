@@ -94,7 +94,9 @@ class MaterializerShard:
     def status(self) -> dict[str, Any]:
         """``shard``, ``pending`` (this shard's backlog), ``position`` (its checkpoint),
         ``max_trajectories`` (its fold batch), what this incarnation folded, ``following``,
-        the last error (None)."""
+        the last error (None). A step's counts are added when the step returns (after its
+        commit and, without a GC worker, its compaction), so they may trail ``position``
+        by the step in progress."""
         return {"shard": str(self.materializer.shard), "pending": self.materializer.pending(),
                 "position": self.materializer._checkpoint()[0],
                 "max_trajectories": self.materializer.max_trajectories, **self._folded,

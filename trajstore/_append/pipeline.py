@@ -200,6 +200,9 @@ def _once(store: AppendTarget, parsed: list[tuple[Event, str | None]], digests: 
     named = [(i, a.event, parsed[i][1]) for i, a in kept if _lineage.is_lineage(a.event)]
     lineage = ({i: f for (i, _, _), f in zip(named, _lineage.unread_step_facts(named))}  # type: ignore[arg-type]
                if unread else _admit_lineage(store, named, plan))
+    # the stored events' content digests (needed only at commit) are hashed on the pool
+    # while this thread writes the payload segment (its write releases the GIL)
+    digesting = digests.start([i for i, _ in kept])
     segment, seg_row, gen_rows = _write_segment(store, [a for _, a in kept])
     written = [segment] if segment is not None else []
     try:
@@ -210,14 +213,13 @@ def _once(store: AppendTarget, parsed: list[tuple[Event, str | None]], digests: 
         raise
     if notes is not None:
         written.append(notes)
-    # The segments' fsync runs on the pool while this thread hashes the content
-    # digests (needed only at commit), builds the rows and runs the index
-    # statements; the transaction waits for it before COMMIT, so the payload is
-    # durable before any committed row references it.
+    # The segments' fsync runs on the pool while this thread builds the rows and
+    # runs the index statements; the transaction waits for it before COMMIT, so the
+    # payload is durable before any committed row references it.
     synced = None if not written else _DIGEST_POOL.get().submit(
         lambda: [store.payload.make_durable(name) for name in written])
     try:
-        digest = digests.start([i for i, _ in kept]).result()
+        digest = digesting.result()
         event_rows = []
         for i, adm in kept:
             row = facts.event_row(adm, parsed[i][1], digest[i], gen_rows.get(id(adm)))

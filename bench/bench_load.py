@@ -669,16 +669,18 @@ def summary_rows(r: dict) -> list[dict[str, str]]:
                  f"≈{r['tokens_acknowledged'] / calls:.0f} new tokens/call",
          "figure": f"achieved {r['achieved_calls_per_s']:.1f} calls/s (load average {r['loadavg_start'][0]:.1f}–"
                    f"{r['loadavg_end'][0]:.1f}); CPU per call: proxy {pc['client_cpu_ms']:.2f} ms, service "
-                   f"{pc['service_cpu_ms']:.2f} ms, materializer {pc['materializer_cpu_ms']:.2f} ms, PostgreSQL "
-                   f"{pc['postgres_cpu_ms']:.2f} ms; {r.get('round_trips_per_batch') or float('nan'):.2f} round trips "
-                   f"per batch{at_rest}; projection to {pr['calls_per_s']:,.0f} calls/s: "
+                   f"{pc['service_cpu_ms']:.2f} ms, materializer {pc['materializer_cpu_ms']:.2f} ms"
+                   + (f", PostgreSQL {pc['postgres_cpu_ms']:.2f} ms" if "postgres_cpu_ms" in pc else "")
+                   + (f"; {r['round_trips_per_batch']:.2f} round trips per batch" if "round_trips_per_batch" in r else "")
+                   + f"{at_rest}; projection to {pr['calls_per_s']:,.0f} calls/s: "
                    f"{pr['trajstore_cores']:.1f} trajstore cores (proxies {pr['client_cores']:.1f}, service "
-                   f"{pr['service_cores']:.1f}, materializer {pr['materializer_cores']:.1f}), PostgreSQL "
-                   f"{pr['postgres_cores']:.1f}, {pr['s3_requests_per_s']:,.0f} S3 requests/s",
+                   f"{pr['service_cores']:.1f}, materializer {pr['materializer_cores']:.1f})"
+                   + (f", PostgreSQL {pr['postgres_cores']:.1f}" if "postgres_cores" in pr else "")
+                   + f", {pr.get('s3_requests_per_s', 0):,.0f} S3 requests/s",
          "baseline": "— (per-call costs; linear projection, an upper bound for requests)", "section": section},
         {"what": "the fold's S3 reads, same load generator",
          "figure": f"{pc.get('s3_GetObject', 0):.3f} `GetObject` per call; all S3 requests projected to "
-                   f"{pr['calls_per_s']:,.0f} calls/s: {pr['s3_requests_per_s']:,.0f}/s",
+                   f"{pr['calls_per_s']:,.0f} calls/s: {pr.get('s3_requests_per_s', 0):,.0f}/s",
          "baseline": "—", "section": section},
     ]
 

@@ -199,8 +199,9 @@ def _once(store: AppendTarget, parsed: list[tuple[Event, str | None]], digests: 
     named = [(i, a.event, parsed[i][1]) for i, a in kept if _lineage.is_lineage(a.event)]
     lineage = ({i: f for (i, _, _), f in zip(named, _lineage.unread_step_facts(named))}  # type: ignore[arg-type]
                if unread else _admit_lineage(store, named, plan))
-    # the stored events' content digests (needed only at commit) are hashed on the pool
-    # while this thread writes the payload segment (its write releases the GIL)
+    # the stored events' content digests not taken at the parse (events passed as objects)
+    # are hashed on the pool while this thread writes the payload segment (its write
+    # releases the GIL); they are needed only at commit
     digesting = digests.start([i for i, _ in kept])
     segment, seg_row, gen_rows = _write_segment(store, [a for _, a in kept])
     written = [segment] if segment is not None else []

@@ -652,6 +652,39 @@ def summary(r: dict) -> str:
     return "\n".join(lines)
 
 
+def summary_rows(r: dict) -> list[dict[str, str]]:
+    """docs/benchmarks.md's rows of this run (bench/summary.py reads them from ``--json``)."""
+    a, pc, pr = r["args"], r["per_call"], r["projection"]
+    section = "[Load generator](benchmarks-history.md#load-generator--benchbench_loadpy)"
+    calls = max(1, r["calls_acknowledged"])
+    rest = r["bytes_at_rest"][-1] if r["bytes_at_rest"] else None
+    at_rest = ""
+    if rest and rest.get("tokens"):
+        copies = rest["bytes"] / rest["samples_bytes"] if rest.get("samples_bytes") else float("nan")
+        at_rest = f"; {rest['bytes'] / rest['tokens']:.1f} B/token ({copies:.2f} copies) after the drain"
+    return [
+        {"what": f"load generator: {a['clients']} proxies × {a['rate']:g} calls/s × {a['seconds']:g} s through "
+                 f"`trajstore serve` + {'PostgreSQL' if a['backend'] == 'postgres' else 'SQLite'} + S3 (moto) + the "
+                 f"materializer, {LAYERS}×{TOPK} routes ({a['routes']} rows), "
+                 f"≈{r['tokens_acknowledged'] / calls:.0f} new tokens/call",
+         "figure": f"achieved {r['achieved_calls_per_s']:.1f} calls/s (load average {r['loadavg_start'][0]:.1f}–"
+                   f"{r['loadavg_end'][0]:.1f}); CPU per call: proxy {pc['client_cpu_ms']:.2f} ms, service "
+                   f"{pc['service_cpu_ms']:.2f} ms, materializer {pc['materializer_cpu_ms']:.2f} ms"
+                   + (f", PostgreSQL {pc['postgres_cpu_ms']:.2f} ms" if "postgres_cpu_ms" in pc else "")
+                   + (f"; {r['round_trips_per_batch']:.2f} round trips per batch" if "round_trips_per_batch" in r else "")
+                   + f"{at_rest}; projection to {pr['calls_per_s']:,.0f} calls/s: "
+                   f"{pr['trajstore_cores']:.1f} trajstore cores (proxies {pr['client_cores']:.1f}, service "
+                   f"{pr['service_cores']:.1f}, materializer {pr['materializer_cores']:.1f})"
+                   + (f", PostgreSQL {pr['postgres_cores']:.1f}" if "postgres_cores" in pr else "")
+                   + f", {pr.get('s3_requests_per_s', 0):,.0f} S3 requests/s",
+         "baseline": "— (per-call costs; linear projection, an upper bound for requests)", "section": section},
+        {"what": "the fold's S3 reads, same load generator",
+         "figure": f"{pc.get('s3_GetObject', 0):.3f} `GetObject` per call; all S3 requests projected to "
+                   f"{pr['calls_per_s']:,.0f} calls/s: {pr.get('s3_requests_per_s', 0):,.0f}/s",
+         "baseline": "—", "section": section},
+    ]
+
+
 def span(text: str) -> tuple[int, int]:
     lo, _, hi = text.partition("-")
     return int(lo), int(hi or lo)
@@ -697,6 +730,9 @@ def main() -> None:
     r = run(args)
     print(summary(r), flush=True)
     if args.json:
+        # what bench/summary.py puts in docs/benchmarks.md: the command, its date and load, the rows
+        r.update(command=" ".join(["bench/bench_load.py", *sys.argv[1:]]), loadavg=r["loadavg_start"],
+                 summary=summary_rows(r))
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(r, indent=2, default=str))
 

@@ -12,9 +12,13 @@ Encoding happens before any clock starts.
 
 Paths, each run interleaved with its baseline, ``--rounds`` times, median:
 
-* append: ``store.append`` of the wire events (one call per trajectory, and
-  one call per event) vs writing the unique arrays (tokens, logprobs, routes)
-  to one uncompressed Parquet file + fsync;
+* append: ``store.append`` of the wire events (one call per trajectory, one
+  call per event, and the events turn-major in calls of ``BATCH_EVENTS``: event
+  k of every trajectory, then event k+1, what a busy Writer or the service
+  sends when 32 trajectories generate at once; that store is deleted after each
+  round, so page-cache pages are reused as in a steady store) vs writing the
+  unique arrays (tokens, logprobs, routes) to one uncompressed Parquet file +
+  fsync;
 * bytes per unique token of the whole store after materialize (log payload +
   sample payload + SQL files), and again after ``collect_garbage(grace_s=0)``
   (the log segments whose events the materializer re-pointed are gone);
@@ -30,6 +34,10 @@ Paths, each run interleaved with its baseline, ``--rounds`` times, median:
   (200) requests only; service and client CPU per event are reported apart;
 * the materializer's poll with nothing to do and 100k unfinished events
   after its checkpoint, SQLite and PostgreSQL (tests/pg_cluster.PgCluster);
+* bytes: bytes per unique token of whole stores of ``--bytes-sizes``
+  trajectories (appended 32 at a time, one call per trajectory), right after
+  ``materialize`` and ``collect_garbage(grace_s=0)`` with the store open, and
+  at rest (closed);
 * memory: peak RSS of materializing (batches capped at 32k tokens) and of
   reading every sample (``store.samples()``, ``SampleReader``, every page
   touched) of stores of 1x, 4x and 16x ``--memory-base`` trajectories, each
@@ -46,6 +54,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -72,7 +81,10 @@ CFG = RolloutConfig(turns=4, prompt_tokens=100, output_tokens=500, observation_t
 TRAJECTORIES = 32
 POLL_EVENTS = 100_000
 TOKEN = "bench-token"
-PATHS = ("append", "materialize", "read", "http", "poll", "memory")
+PATHS = ("append", "materialize", "read", "bytes", "http", "poll", "memory")
+BATCH_EVENTS = 64  # events per store.append of the turn-major append (what a busy Writer sends)
+BATCH_APPEND = f"append, calls of {BATCH_EVENTS} events turn-major"
+BYTES_SIZES = "1,2,4,8,16,32,64,256"
 MEMORY_SCALES = (1, 4, 16)
 MEMORY_BATCH_TOKENS = 32_768  # the materializer's batch cap in the memory runs: the 1x store already spans two batches
 
@@ -102,6 +114,21 @@ def to_wire(events: list[dict]) -> list[dict]:
                      logprobs=encode_b64(e["logprobs"]), routed_experts=encode_npy_b64(e["routed_experts"]))
         out.append(e)
     return out
+
+
+def turn_major(wire: list[list[dict]], batch: int) -> list[list[dict]]:
+    """The trajectories' events interleaved turn by turn (event k of every trajectory,
+    then event k+1), in calls of ``batch`` events."""
+    flat = [t[k] for k in range(max(map(len, wire))) for t in wire if k < len(t)]
+    return [flat[i:i + batch] for i in range(0, len(flat), batch)]
+
+
+def _remove(*paths: str) -> None:
+    for path in paths:
+        if os.path.isdir(path):
+            shutil.rmtree(path)
+        elif os.path.exists(path):
+            os.remove(path)
 
 
 def unique_table(trajs: list[list[dict]]) -> pa.Table:
@@ -203,6 +230,7 @@ def append_materialize_read(args, out: dict) -> None:
     trajs = arrays_load(TRAJECTORIES)
     wire = [to_wire(t) for t in trajs]
     unique = unique_table(trajs)
+    batched = turn_major(wire, BATCH_EVENTS)
     tokens = int(np.diff(np.asarray(unique.column("tokens").chunk(0).offsets)).sum())
     wire_mb = sum(len(json.dumps(t)) for t in wire) / 2**20
     clock = Clock()
@@ -221,6 +249,13 @@ def append_materialize_read(args, out: dict) -> None:
                         for e in t:
                             s.append([e])
                 s.close()
+                base = f"{d}/b{r}"
+                s = trajstore.connect(f"sqlite:///{base}.db", payload=f"{base}.payload")
+                with clock(BATCH_APPEND):
+                    for call in batched:
+                        s.append(call)
+                s.close()
+                _remove(f"{base}.db", f"{base}.db-wal", f"{base}.db-shm", f"{base}.payload")
             url, payload = f"sqlite:///{d}/a{r}.db", f"{d}/a{r}.payload"
             s = trajstore.connect(url, payload=payload)
             with clock("append, one call per trajectory"):
@@ -270,6 +305,11 @@ def append_materialize_read(args, out: dict) -> None:
                  "cpu_s_median": {k: round(v, 4) for k, v in cpu.items()}}
     res["append"] = _rates(tokens, [k for k in wall if k.startswith(("append", "raw write unique"))],
                            "raw write unique arrays", wall, cpu)
+    if BATCH_APPEND in clock.wall:  # also each round's ratio (its raw write beside it), median
+        raw_w, raw_c = clock.wall["raw write unique arrays"], clock.cpu["raw write unique arrays"]
+        res["append"][BATCH_APPEND].update(
+            vs_raw_per_round=round(_med([r / a for r, a in zip(raw_w, clock.wall[BATCH_APPEND])]), 3),
+            cpu_vs_raw_per_round=round(_med([r / a for r, a in zip(raw_c, clock.cpu[BATCH_APPEND])]), 3))
     if "materialize" in wall:
         res["materialize"] = _rates(sample_tokens, ["materialize", "raw write sample arrays"],
                                     "raw write sample arrays", wall, cpu)
@@ -287,6 +327,34 @@ def append_materialize_read(args, out: dict) -> None:
                                                      "raw read sample arrays" + t], "raw read sample arrays" + t,
                                      wall, cpu)
     out["pipeline"] = res
+
+
+# -- bytes: bytes per unique token of whole stores by size -------------------
+def bytes_by_size(args, out: dict) -> None:
+    """Bytes per unique token of a store of N trajectories for each N of ``--bytes-sizes``:
+    after ``materialize``, right after ``collect_garbage(grace_s=0)`` (store open), at rest."""
+    res = {}
+    with tempfile.TemporaryDirectory(dir=args.tmp) as d:
+        for n in (int(x) for x in args.bytes_sizes.split(",") if x):
+            url, payload = f"sqlite:///{d}/a{n}.db", f"{d}/a{n}.payload"
+            s = trajstore.connect(url, payload=payload)
+            tokens = 0
+            for start in range(0, n, TRAJECTORIES):  # 32 at a time: the load's arrays stay small
+                trajs = arrays_load(min(TRAJECTORIES, n - start), start)
+                tokens += int(np.diff(np.asarray(unique_table(trajs).column("tokens").chunk(0).offsets)).sum())
+                for t in trajs:
+                    s.append(to_wire(t))
+            s.materialize()
+            before = _store_bytes(d, n, payload, tokens)
+            s.collect_garbage(grace_s=0)
+            after_gc = _store_bytes(d, n, payload, tokens)
+            s.close()
+            rest = _store_bytes(d, n, payload, tokens)
+            res[str(n)] = {"unique_tokens": tokens, **{
+                k: {**{part: round(v, 1) for part, v in sizes.items()}, "total": round(sum(sizes.values()), 1)}
+                for k, sizes in (("before_gc", before), ("after_gc", after_gc), ("at_rest", rest))}}
+            _remove(f"{d}/a{n}.db", f"{d}/a{n}.db-wal", f"{d}/a{n}.db-shm", payload)
+    out["bytes_by_store_size"] = res
 
 
 # -- memory: materialize and read peak RSS at 1x, 4x, 16x the load ------------
@@ -577,17 +645,22 @@ def main(argv: list[str] | None = None) -> dict:
                    help="extra argument for `trajstore serve` (repeatable), e.g. --serve-arg=--workers --serve-arg=2")
     p.add_argument("--http-requests-per-client", type=int, default=64,
                    help="requests (one ~1-MiB event each) per client per body kind and round (http; default 64: 512 events per kind and round, so the CPU clock's 10-ms ticks are small beside it)")
+    p.add_argument("--bytes-sizes", default=BYTES_SIZES,
+                   help=f"bytes: store sizes in trajectories, comma-separated (default {BYTES_SIZES})")
     p.add_argument("--memory-base", type=int, default=TRAJECTORIES, help="trajectories of the 1x store (memory)")
     p.add_argument("--tmp", default=None, help="scratch directory (default: system temp)")
     p.add_argument("--out", default=None, help="also write the JSON here")
     args = p.parse_args(argv)
     args.only = [x for x in args.only.split(",") if x]
     out: dict = {"machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]}, "rounds": args.rounds,
+                 "only": args.only,
                  # what bench/summary.py puts beside the figures in docs/benchmarks.md
                  "command": " ".join(["bench/bench_pipeline.py", *(argv if argv is not None else sys.argv[1:])]),
                  "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "loadavg": os.getloadavg()}
     if {"append", "materialize", "read"} & set(args.only):
         append_materialize_read(args, out)
+    if "bytes" in args.only:
+        bytes_by_size(args, out)
     if "http" in args.only:
         http_ingest(args, out)
     if "poll" in args.only:

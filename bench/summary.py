@@ -36,8 +36,18 @@ def _pipeline_rows(doc: dict[str, Any]) -> list[dict[str, str]]:
     section = "[Every bar beside the original code](benchmarks-history.md#every-bar-beside-the-original-code)"
     rounds = doc.get("rounds")
     rows = []
+    appended = _ran(doc, "append")  # a run without the append path times it only to build its store
+    batched = next((v for k, v in res.get("append", {}).items() if k.startswith("append, calls of")), None)
+    if appended and batched:
+        rows.append({"what": "append, calls of 64 wire events turn-major (routes re-sent each turn), vs raw "
+                             "Parquet write",
+                     "figure": f"{batched['vs_raw_per_round']:.3f}× wall, {batched['cpu_vs_raw_per_round']:.3f}× "
+                               f"CPU (median of {rounds} rounds' ratios)",
+                     "baseline": "a raw Parquet write (uncompressed, fsync) of the unique arrays, each round",
+                     "section": "[Append in batches of 64](benchmarks-history.md#append-in-batches-of-64-as-a-writer-"
+                                "sends-them--paired_appendpy---batch-64)"})
     app = res.get("append", {}).get("append, one call per trajectory")
-    if app:
+    if app and appended:
         rows.append({"what": "append, one call per trajectory, vs raw Arrow + SQLite", "section": section,
                      "figure": f"{app['vs_raw']:.3f}× wall, {app['cpu_vs_raw']:.3f}× CPU (median of {rounds} rounds)",
                      "baseline": "a raw Arrow write of the same unique arrays, same rounds"})
@@ -55,7 +65,28 @@ def _pipeline_rows(doc: dict[str, Any]) -> list[dict[str, str]]:
                      "figure": f"{rest['total']:.1f} (samples {rest['samples']:.1f}, SQL {rest['sql']:.1f}, "
                                f"log {rest['log']:.1f})",
                      "baseline": f"before the GC {before:.1f} (the log's copy and the samples')" if before else "-"})
+    sizes = doc.get("bytes_by_store_size")
+    if sizes:
+        totals = {int(n): v["after_gc"]["total"] for n, v in sizes.items()}
+        under = [n for n in sorted(totals) if all(totals[m] <= 420 for m in totals if m >= n)]
+        samples = [v["after_gc"]["samples"] for v in sizes.values()]
+        rows.append({"what": "bytes per unique token right after GC, by store size (trajectories of 2,400 tokens)",
+                     "section": "[The whole pipeline](#the-whole-pipeline-on-the-rl-load--benchbench_pipelinepy)",
+                     "figure": " · ".join(f"{n}: {totals[n]:.1f}" for n in sorted(totals))
+                               + (f" (≤ 420 from {under[0]} trajectories)" if under else ""),
+                     "baseline": f"the sample segments alone {min(samples):.1f}–{max(samples):.1f}; the SQL file "
+                                 f"of an empty store is ~0.5 MB"})
     return rows
+
+
+def _ran(doc: dict[str, Any], path: str) -> bool:
+    """Did bench_pipeline's run include ``path`` (its ``--only``, recorded or in its command)?"""
+    if "only" in doc:
+        return path in doc["only"]
+    words = (doc.get("command") or "").split()
+    if "--only" in words[:-1]:
+        return path in words[words.index("--only") + 1].split(",")
+    return not any(w.startswith("--only=") and path not in w for w in words)
 
 
 def rows_of(doc: dict[str, Any]) -> list[dict[str, str]]:

@@ -52,6 +52,11 @@ def test_bench_load_report_is_consistent(tmp_path: Path, backend: str) -> None:
     assert r["server_cpu_s"]["service"] > 0 and r["client_cpu_s"] > 0
     proj = r["projection"]
     assert proj["calls_per_s"] == 3300 and "formula" in proj
+    # what bench/summary.py writes into docs/benchmarks.md: the command, its load, the rows of this run
+    assert r["command"].startswith("bench/bench_load.py --backend") and r["loadavg"] == r["loadavg_start"]
+    assert [row["what"].split(":")[0] for row in r["summary"]] == ["load generator", "the fold's S3 reads, same load generator"]
+    assert f"achieved {r['achieved_calls_per_s']:.1f} calls/s" in r["summary"][0]["figure"]
+    assert f"{proj['trajstore_cores']:.1f} trajstore cores" in r["summary"][0]["figure"]
     assert proj["service_cores"] == pytest.approx(r["server_cpu_s"]["service"] / r["calls_acknowledged"] * 3300)
     if backend == "postgres":
         assert r["pg_service"]["round_trips"] > 0 and r["pg_service"]["commits"] >= r["batches"]

@@ -53,3 +53,27 @@ def test_a_stale_figure_is_caught(tmp_path):
     assert stale != text
     assert summary.table_rows(stale) != [summary._line(r) for r in rows]
     assert summary.rewrite(stale, rows) == summary.rewrite(text, rows)
+
+
+def test_pipeline_append_and_bytes_rows():
+    """bench_pipeline.py's JSON: the append rows come only from a run that had the append path
+    (a ``--only materialize`` run times an append to build its store, not as a figure); the
+    turn-major append row gives each round's ratio; the bytes row names the smallest store
+    size from which every measured size is within 420 bytes per token."""
+    summary = _summary()
+    batch = {"tokens_per_s": 1, "tokens_per_cpu_s": 1, "vs_raw": 0.4, "cpu_vs_raw": 0.3,
+             "vs_raw_per_round": 0.512, "cpu_vs_raw_per_round": 0.345}
+    one = {"tokens_per_s": 1, "tokens_per_cpu_s": 1, "vs_raw": 0.3, "cpu_vs_raw": 0.2}
+    pipeline = {"append": {"append, calls of 64 events turn-major": batch, "append, one call per trajectory": one}}
+    sizes = {str(n): {"after_gc": {"total": t, "samples": 399.0, "sql": t - 399.0, "log": 0.0}}
+             for n, t in ((1, 627.8), (8, 427.9), (16, 412.0), (32, 406.9))}
+    doc = {"command": "bench/bench_pipeline.py --only append,bytes", "date": "2026-01-01 00:00 UTC", "rounds": 5,
+           "only": ["append", "bytes"], "pipeline": pipeline, "bytes_by_store_size": sizes}
+    rows = summary.rows_of(doc)
+    assert [r["what"].split(",")[0] for r in rows] == ["append", "append", "bytes per unique token right after GC"]
+    assert rows[0]["figure"] == "0.512× wall, 0.345× CPU (median of 5 rounds' ratios)"
+    assert rows[2]["figure"] == "1: 627.8 · 8: 427.9 · 16: 412.0 · 32: 406.9 (≤ 420 from 16 trajectories)"
+    for without_append in ({"only": ["materialize"]}, {"command": "bench/bench_pipeline.py --only materialize"}):
+        other = {k: v for k, v in doc.items() if k not in ("only", "bytes_by_store_size")} | without_append
+        assert summary.rows_of(other) == []
+    assert len(summary.rows_of({k: v for k, v in doc.items() if k != "only"} | {"command": "bench/bench_pipeline.py"})) == 3

@@ -1,5 +1,6 @@
-"""Content digests of large appends are hashed on a process-wide pool (not a
-new thread per call); the pool survives fork (a child gets its own) and
+"""Content digests: a generation decoded from the wire is digested right after its
+parse; large appends of events passed as objects are hashed on a process-wide pool
+(not a new thread per call); the pool survives fork (a child gets its own) and
 idempotency still sees the same digests whichever path hashed them."""
 
 from __future__ import annotations
@@ -30,19 +31,54 @@ def _child_append(url: str, payload: str) -> None:
         s.append(_big("child", 2))
 
 
-def test_large_appends_share_one_pool_and_stay_idempotent(tmp_path):
+@pytest.mark.parametrize("form", ["objects", "wire"])
+def test_large_appends_share_one_pool_and_stay_idempotent(tmp_path, form):
+    from trajstore.events import parse_events
+
+    def big(tid: str, seed: int) -> list:
+        return parse_events(_big(tid, seed)) if form == "objects" else _big(tid, seed)
+
     with trajstore.connect(f"sqlite:///{tmp_path}/d.db") as s:
         for i in range(6):
-            s.append(_big(f"t{i}", i))
+            s.append(big(f"t{i}", i))
         pool_threads = {t.ident for t in threading.enumerate() if t.name.startswith("trajstore-digest")}
         assert 1 <= len(pool_threads) <= 4
-        assert s.append(_big("t0", 0)).num_duplicates == 2  # same digests: a retry
-        changed = _big("t0", 99)
+        assert s.append(big("t0", 0)).num_duplicates == 2  # same digests: a retry
+        assert s.append(_big("t0", 0) if form == "objects" else parse_events(_big("t0", 0))).num_duplicates == 2
+        changed = big("t0", 99)
         with pytest.raises(ConflictError):
             s.append(changed)
         for i in range(6, 12):
-            s.append(_big(f"t{i}", i))
+            s.append(big(f"t{i}", i))
         assert {t.ident for t in threading.enumerate() if t.name.startswith("trajstore-digest")} == pool_threads
+
+
+def test_a_generation_from_the_wire_is_digested_at_its_parse(tmp_path):
+    """Each generation parsed from a dict has its digest when the parse returns (hashed
+    while its arrays are in cache), the same bytes ``content_hash`` gives; an event
+    passed as an object is digested later, on demand; a refusal is located as before."""
+    from sqlalchemy import select
+
+    from trajstore._append.pipeline import _parse_digesting
+    from trajstore.errors import ValidationError
+    from trajstore.events import content_hash, parse_event
+    from trajstore.schema import events
+
+    batch = _big("w", 3) + [{"type": "reward", "trajectory_id": "w", "reward": 1.0}]
+    parsed, digests = _parse_digesting(batch)
+    assert set(digests.cache) == {1}
+    assert digests.cache[1] == content_hash(parse_event(batch[1]))
+    as_objects = [parse_event(e) for e in batch]
+    _, later = _parse_digesting(as_objects)
+    assert later.cache == {} and later.get(1) == digests.cache[1]
+    with pytest.raises(ValidationError) as e:
+        _parse_digesting(batch[:1] + [dict(batch[1], seq="x")])
+    assert e.value.index == 1
+    with trajstore.connect(f"sqlite:///{tmp_path}/w.db") as s:
+        s.append(batch)
+        with s.log.write_engine.connect() as conn:
+            stored = conn.execute(select(events.c.content_hash).where(events.c.type == "generation")).scalar_one()
+    assert bytes(stored) == digests.cache[1]
 
 
 def test_a_forked_child_appends_with_its_own_pool(tmp_path):

@@ -35,8 +35,9 @@ Pure: state in, state and facts out; the caller supplies ``load_sequence``.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
-from typing import Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -83,11 +84,12 @@ class TrajectoryState:
                         route_len=self.route_len, reward_mode=self.reward_mode, route_layers=self.route_layers,
                         route_topk=self.route_topk)
 
-    def with_tail(self, tail: FoldTail) -> TrajectoryState:
+    def with_tail(self, tail: FoldTail, **changes: Any) -> TrajectoryState:
+        """This state with the fold's ``tail`` (and ``changes``), in one construction."""
         assert tail.seq_hash is not None
         return replace(self, num_samples=tail.num_samples, seq_len=tail.seq_len, seq_hash=tail.seq_hash,
                        route_len=tail.route_len, reward_mode=tail.reward_mode, route_layers=tail.route_layers,
-                       route_topk=tail.route_topk)
+                       route_topk=tail.route_topk, **changes)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -403,7 +405,7 @@ def _admit_generation(
     _check_expert_ids(g, state.num_experts, same)
     check_version_forms(g, labels)
     resolved, unresolved = resolve_weight_versions(g, labels)
-    new_state = replace(state.with_tail(tail), revision=state.revision + 1, last_seq=g.seq)
+    new_state = state.with_tail(tail, revision=state.revision + 1, last_seq=g.seq)
     return Admitted(resolved, StoredGeneration.of(resolved, step, unresolved, drift), new_state)
 
 
@@ -461,13 +463,19 @@ def _next_recorded(have: RecordedRoutes | None, step: FoldStep) -> RecordedRoute
     return out.plus(step.routes_start, step.routes) if step.routes is not None else out
 
 
+@functools.lru_cache(maxsize=None)
+def _dtype_max(dtype: np.dtype) -> int:
+    """The largest value ``dtype`` holds (``np.iinfo`` builds an object per call)."""
+    return int(np.iinfo(dtype).max)
+
+
 def _check_expert_ids(g: Generation, num_experts: int | None, same: int = 0) -> None:
     """Every expert id sent is below the num_experts trajectory_started declared.
     ``same``: leading rows found equal to recorded ones, checked when they were
     recorded (a re-sent table's bulk: not scanned again)."""
     r = g.routed_experts
     # a dtype that cannot hold num_experts needs no scan (uint8 rows against 256+ experts)
-    if num_experts is None or r is None or not r.size or np.iinfo(r.dtype).max < num_experts:
+    if num_experts is None or r is None or not r.size or _dtype_max(r.dtype) < num_experts:
         return
     r = r[same:]
     if not r.size:

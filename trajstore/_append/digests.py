@@ -34,7 +34,8 @@ class Digests:
     def start(self, indices: Sequence[int]) -> "Future[dict[int, bytes]]":
         """The digests of ``indices``: hashed on a pooled thread when there is
         enough to hash to pay for the hand-off, else here and now."""
-        if sum(_array_bytes(self.events[i]) for i in indices) < INLINE_DIGEST_BYTES:
+        missing = [i for i in indices if i not in self.cache]
+        if sum(_array_bytes(self.events[i]) for i in missing) < INLINE_DIGEST_BYTES:
             future: Future[dict[int, bytes]] = Future()
             future.set_result({i: self.get(i) for i in indices})
             return future

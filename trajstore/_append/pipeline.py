@@ -44,8 +44,8 @@ from trajstore._append.admission import Admitted, RecordedRoutes, TrajectoryStat
 from trajstore._append.digests import DIGEST_POOL as _DIGEST_POOL, Digests as _Digests
 from trajstore._append.retries import split_retries as _split_retries
 from trajstore.errors import CommitUnknownError, ContentionError, TrajstoreError, ValidationError, first_line
-from trajstore.events import (Event, Generation, TrajectoryStarted, VersionLabel, decimal_label, identity_of,
-                              parse_events)
+from trajstore.events import (Event, Generation, TrajectoryStarted, VersionLabel, content_hash, decimal_label,
+                              identity_of, parse_event, parse_events)
 from trajstore.lineage import _admission as _lineage
 from trajstore.log.base import ChecksFailed, EventLog, SampleIndex, StaleState, TrajectoryWrite
 from trajstore.payload import PayloadStore
@@ -142,8 +142,7 @@ class AppendResult:
 
 
 def append(store: AppendTarget, events: Iterable[Mapping[str, Any] | Event]) -> AppendResult:
-    parsed = parse_all(events)
-    digests = _Digests([ev for ev, _ in parsed])
+    parsed, digests = _parse_digesting(events)
     # A batch that starts every trajectory it touches expects none of them, nor
     # any of its identities, in the log: it is admitted without reading the index
     # first. The unique keys it inserts (trajectory ids, identities) check that
@@ -200,6 +199,10 @@ def _once(store: AppendTarget, parsed: list[tuple[Event, str | None]], digests: 
     named = [(i, a.event, parsed[i][1]) for i, a in kept if _lineage.is_lineage(a.event)]
     lineage = ({i: f for (i, _, _), f in zip(named, _lineage.unread_step_facts(named))}  # type: ignore[arg-type]
                if unread else _admit_lineage(store, named, plan))
+    # the stored events' content digests not taken at the parse (events passed as objects)
+    # are hashed on the pool while this thread writes the payload segment (its write
+    # releases the GIL); they are needed only at commit
+    digesting = digests.start([i for i, _ in kept])
     segment, seg_row, gen_rows = _write_segment(store, [a for _, a in kept])
     written = [segment] if segment is not None else []
     try:
@@ -210,14 +213,13 @@ def _once(store: AppendTarget, parsed: list[tuple[Event, str | None]], digests: 
         raise
     if notes is not None:
         written.append(notes)
-    # The segments' fsync runs on the pool while this thread hashes the content
-    # digests (needed only at commit), builds the rows and runs the index
-    # statements; the transaction waits for it before COMMIT, so the payload is
-    # durable before any committed row references it.
+    # The segments' fsync runs on the pool while this thread builds the rows and
+    # runs the index statements; the transaction waits for it before COMMIT, so the
+    # payload is durable before any committed row references it.
     synced = None if not written else _DIGEST_POOL.get().submit(
         lambda: [store.payload.make_durable(name) for name in written])
     try:
-        digest = digests.start([i for i, _ in kept]).result()
+        digest = digesting.result()
         event_rows = []
         for i, adm in kept:
             row = facts.event_row(adm, parsed[i][1], digest[i], gen_rows.get(id(adm)))
@@ -348,6 +350,25 @@ def current_sequence(store: AppendTarget, trajectory_id: str) -> np.ndarray:
 
 def parse_all(events: Iterable[Mapping[str, Any] | Event]) -> list[tuple[Event, str | None]]:
     return [(ev, identity_of(ev)) for ev in parse_events(events)]
+
+
+def _parse_digesting(events: Iterable[Mapping[str, Any] | Event]) -> tuple[list[tuple[Event, str | None]], _Digests]:
+    """``parse_all``, each generation decoded from the wire digested right after its parse:
+    its arrays (a call's route table re-sent each turn: ~1 MB) are then still in the
+    CPU's cache, where hashing the batch's afterwards read them from memory again."""
+    parsed: list[tuple[Event, str | None]] = []
+    hashed: dict[int, bytes] = {}
+    for i, obj in enumerate(events):
+        try:
+            ev = parse_event(obj)
+        except ValidationError as e:
+            raise e.at(i) from None
+        parsed.append((ev, identity_of(ev)))
+        if isinstance(ev, Generation) and ev is not obj:
+            hashed[i] = content_hash(ev)
+    digests = _Digests([ev for ev, _ in parsed])
+    digests.cache.update(hashed)
+    return parsed, digests
 
 
 def labels_named(events: Sequence[Event]) -> set[str]:

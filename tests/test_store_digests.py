@@ -50,7 +50,10 @@ def test_large_appends_share_one_pool_and_stay_idempotent(tmp_path, form):
             s.append(changed)
         for i in range(6, 12):
             s.append(big(f"t{i}", i))
-        assert {t.ident for t in threading.enumerate() if t.name.startswith("trajstore-digest")} == pool_threads
+        # the same pool: its threads stay, and it never grows past its 4 (an executor may start one
+        # of its 4 later, when a hash is submitted before a thread it has is idle again)
+        after = {t.ident for t in threading.enumerate() if t.name.startswith("trajstore-digest")}
+        assert pool_threads <= after and len(after) <= 4
 
 
 def test_a_generation_from_the_wire_is_digested_at_its_parse(tmp_path):

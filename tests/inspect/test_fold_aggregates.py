@@ -71,7 +71,7 @@ def test_reads_are_exact_before_and_after_the_compaction_which_runs_once(store):
     assert Materializer(store, max_trajectories=5).run(compact=False).num_trajectories > 0
     assert _pending(store) > 0
     before = tables(store)  # totals and deltas summed
-    assert _expert_load_read(store) == {}  # counted by the compaction, off the fold's critical path
+    assert _expert_load_read(store) == _brute_force_expert_load(store)  # counted in the commits, read exactly
     folded = compact_run_aggregates(store)
     assert folded > 0 and _pending(store) == 0
     assert _expert_load_read(store) == _brute_force_expert_load(store)
@@ -86,17 +86,20 @@ def test_reads_are_exact_before_and_after_the_compaction_which_runs_once(store):
     assert tables(store) == after
 
 
-def test_a_commit_notes_its_segment_and_the_compaction_counts_its_expert_load_once(store):
+def test_a_commit_counts_its_expert_load_in_rows_of_its_own_and_the_compaction_folds_them_once(store):
     for events in _moe_events(8):
         store.append(events)
     Materializer(store, max_trajectories=4).run(compact=False)
     with store.log.read_engine.connect() as conn:
-        noted = [r[0] for r in conn.execute(text("SELECT segment FROM agg_expert_pending ORDER BY id")).all()]
-        segments = {r[0] for r in conn.execute(text("SELECT DISTINCT segment FROM samples")).all()}
-    assert len(noted) == 2 and set(noted) == segments  # one row per commit: its sample segment
-    assert _expert_load_read(store) == {}
-    assert compact_run_aggregates(store) > 0
+        noted = conn.execute(text("SELECT count(*) FROM agg_expert_pending")).scalar_one()
+        deltas = conn.execute(text("SELECT count(*) FROM agg_expert_load_delta")).scalar_one()
+        totals = conn.execute(text("SELECT count(*) FROM agg_expert_load")).scalar_one()
+    # counted in the commits from the routes they wrote (no segment read back): one array per
+    # (commit, version) in rows of the commit's own, nothing in the shared totals yet
+    assert noted == 0 and totals == 0 and deltas >= 4
     assert _expert_load_read(store) == _brute_force_expert_load(store)  # both layouts, every version
+    assert compact_run_aggregates(store) > 0
+    assert _expert_load_read(store) == _brute_force_expert_load(store)
     assert _pending(store) == 0
     assert compact_run_aggregates(store) == 0 and _expert_load_read(store) == _brute_force_expert_load(store)
     with store.log.read_engine.connect() as conn:  # ONE row per model version, both layouts summed in

@@ -175,6 +175,30 @@ def test_two_shards_commit_at_once_without_waiting_on_each_others_rows(fresh_pg_
         engine.dispose()
         store.close()
 
+def test_segments_an_older_version_noted_are_counted_once_by_the_compaction(store):
+    """A store upgraded with commits that noted their segment (``agg_expert_pending``) instead
+    of counting it: the compaction counts each noted segment once."""
+    from trajstore.log._aggregates import note_expert_pending
+    from trajstore.log._dialect import execute
+
+    for events in _moe_events(8):
+        store.append(events)
+    Materializer(store, max_trajectories=4).run(compact=False)
+
+    def as_before(conn, d):  # the commits' arrays gone, their segments noted instead
+        execute(conn, "DELETE FROM agg_expert_load_delta", ())
+        for (segment,) in execute(conn, "SELECT DISTINCT segment FROM samples ORDER BY segment", ()).fetchall():
+            note_expert_pending(conn, d, segment)
+
+    store.log.db.transaction("noting segments", as_before)
+    with store.log.read_engine.connect() as conn:
+        assert conn.execute(text("SELECT count(*) FROM agg_expert_pending")).scalar_one() == 2
+    assert _expert_load_read(store) == {}
+    assert compact_run_aggregates(store) > 0 and _pending(store) == 0
+    assert _expert_load_read(store) == _brute_force_expert_load(store)
+    assert compact_run_aggregates(store) == 0 and _expert_load_read(store) == _brute_force_expert_load(store)
+
+
 
 def _kill_when_waiting(url: str, like: str, timeout_s: float = 60) -> None:
     """Terminate the backend whose query starts with ``like`` once it waits on a lock."""

@@ -487,10 +487,10 @@ def sample_counts(samples: Iterable[Any], num_experts: Mapping[str, int | None] 
     their generated loss tokens' rollout logprobs. ``agg_expert_load`` is
     ``{(model_version,): counts[layer, expert]}`` (an int64 array: every expert below
     ``num_experts[trajectory_id]`` and the highest id routed to), one per version.
-    ``experts`` False: the logprobs only (the materializer's commit: the compaction counts
-    the expert load of its segment, ``trajstore.log._aggregates.count_pending_experts``).
-    ``every``: count one decode route in ``every`` (``decode_routes``), each ``every`` times.
-    ``logprobs`` False: the expert load only (the compaction's count of a committed segment)."""
+    ``experts`` False: the logprobs only. ``every``: count one decode route in ``every``
+    (``decode_routes``), each ``every`` times (the materializer's commit counts its samples'
+    routes as it wrote them, in the store's stride). ``logprobs`` False: the expert load only
+    (the compaction's count of a segment an older version noted in ``agg_expert_pending``)."""
     histogram: dict[tuple, list[float]] = {}
     per_version: dict[int, np.ndarray] = {}  # [layer, expert] counts
     lps: list[np.ndarray] = []  # generated loss tokens' logprobs and versions, per sample

@@ -429,16 +429,12 @@ def count_trajectories(conn: Any, d: SqlDialect, trajectory_ids: Iterable[str], 
     counted: list[str] = []
     for part in chunks(sorted(set(trajectory_ids))):
         marks = d.marks(len(part))
-        have = {r[0] for r in execute(conn, f"SELECT trajectory_id FROM {st} WHERE trajectory_id IN ({marks})",
-                                      tuple(part)).fetchall()}
-        part = [t for t in part if t not in have]
-        if not part:
-            continue
-        marks = d.marks(len(part))
+        # the ones not counted yet (no row of theirs in agg_trajectory_stats), in the same statement
         trajs = [dict(zip(_TRAJ_COLUMNS, r)) for r in execute(
             conn, f"SELECT t.trajectory_id, t.group_id, t.status, t.reward, {task_sql('t.metadata')}, "
             f"(SELECT max(x.created_at) FROM events x WHERE x.trajectory_id = t.trajectory_id) "
-            f"FROM {tr} t WHERE t.trajectory_id IN ({marks}) AND t.status <> 'running'", tuple(part)).fetchall()]
+            f"FROM {tr} t WHERE t.trajectory_id IN ({marks}) AND t.status <> 'running' "
+            f"AND NOT EXISTS (SELECT 1 FROM {st} c WHERE c.trajectory_id = t.trajectory_id)", tuple(part)).fetchall()]
         if not trajs:
             continue
         calls: dict[str, list[dict[str, Any]]] = {}

@@ -367,3 +367,16 @@ def test_a_bad_expert_load_sampling_setting_is_a_validation_error_naming_it(valu
         expert_sample_every(value)
     assert e.value.rule == "store_settings" and EXPERT_SAMPLE_SETTING in str(e.value) and repr(value) in str(e.value)
     assert expert_sample_every(None) == EXPERT_SAMPLE_EVERY and expert_sample_every(" 4 ") == 4
+
+
+def test_logprob_bins_by_arithmetic_are_the_bins_a_search_of_the_edges_finds():
+    from trajstore.log._aggregate_counts import LOGPROB_BINS, LOGPROB_RANGE, logprob_bin_edges, logprob_bins
+
+    rng = np.random.default_rng(7)
+    edges = logprob_bin_edges()
+    values = np.concatenate([rng.uniform(-14, 1, 100_000).astype(np.float32), edges.astype(np.float32),
+                             np.nextafter(edges.astype(np.float32), np.float32(-np.inf)),
+                             np.nextafter(edges.astype(np.float32), np.float32(np.inf)),
+                             np.asarray([np.nan, np.inf, -np.inf, -9999.0, 0.0, -0.0], np.float32)]).astype(np.float64)
+    searched = np.clip(np.searchsorted(edges, np.clip(values, *LOGPROB_RANGE), side="right") - 1, 0, LOGPROB_BINS - 1)
+    assert np.array_equal(logprob_bins(values), searched)

@@ -15,7 +15,7 @@ left without a row. SQLAlchemy Core: the same statements on every backend.
 
 from __future__ import annotations
 
-from typing import Any, Collection, Mapping, Sequence
+from typing import Collection, Mapping, Sequence
 
 from sqlalchemy import Connection, and_, delete, exists, func, select, update
 

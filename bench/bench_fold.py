@@ -7,8 +7,8 @@
 change). ``--before``: a source tree to compare with (e.g. ``git archive 263364a^ | tar -x -C /tmp/before``,
 the tree before the run aggregates entered the materializer's commit); this tree is "after".
 
-Load: 32 trajectories a step (``max_trajectories=32``), 2 steps a measurement after one
-untimed step (first-use costs: imports, statements); each
+Load: 32 trajectories a step (``max_trajectories=32``), ``--steps`` (2) steps a measurement
+after one untimed step (first-use costs: imports, statements); each
 trajectory 4 turns, a 100-token first prompt, 500 output and 100 observation tokens a
 turn: 2,400 unique tokens, 76,800 a step (bench_pipeline.py's load). Route layouts: none,
 24x4 and 48x8 (uint8 ids of 128 experts); 1 or 4 model versions among a step's
@@ -22,7 +22,8 @@ CPU per step (every backend of the cluster, /proc). Shards (``--shards``, Postgr
 this tree): N materializer processes of N shards at once over 32*N trajectories each... CPU
 per token of the materializers and the server together (this machine has 2 cores: N
 processes share them, so only the CPU per token, not the wall time, says whether shards
-scale).
+scale), and the share of 5 ms samples of ``pg_stat_activity`` in which a backend of the
+store's database waited on a lock.
 """
 
 from __future__ import annotations
@@ -112,7 +113,9 @@ def child(args: argparse.Namespace) -> dict:
         store.log.db.transaction("setting the expert-load sampling", lambda conn, d: execute(
             conn, f"INSERT INTO store_settings (name, value, updated_at) VALUES ({d.marks(3)})",
             (EXPERT_SAMPLE_SETTING, str(args.expert_every), time.time())))
-    m = Materializer(store, max_trajectories=PER_STEP, shard_index=args.shard, num_shards=args.num_shards)
+    # a shard's step: 32 of its own trajectories (a step reads the next finished events of every shard)
+    m = Materializer(store, max_trajectories=PER_STEP * args.num_shards, shard_index=args.shard,
+                     num_shards=args.num_shards)
     after = "compact" in Materializer.run.__code__.co_varnames
     warm_cpu = _cpu()
     m.run(max_steps=1, compact=False) if after else m.run(max_steps=1)  # warm: first-use costs (imports, SQL)
@@ -134,6 +137,66 @@ def child(args: argparse.Namespace) -> dict:
             "trajectories": stats.num_trajectories}
 
 
+# -- growth: the aggregate tables per hour at 3,300 calls/s ------------------------------------
+
+CALLS_PER_S = 3300
+CALLS_PER_TRAJECTORY = 4
+GROUP_SIZE = 8
+VERSIONS_PER_HOUR = 6  # a new policy every 10 minutes
+
+
+def growth(url: str, payload: str, trajectories: int, seconds: float) -> dict:
+    """Fill a PostgreSQL store with ``trajectories`` trajectories of 4 calls (groups of 8, a new
+    model version every 10 minutes of the clock) appended on a clock spread over ``seconds``,
+    fold and compact them, then measure each aggregate table: its rows, its bytes
+    (``pg_total_relation_size``, indexes and the compacted deltas' dead rows included: an
+    upper bound) and a row's width (``pg_column_size``), before and after an
+    archive of every trajectory but the newest hour's. The rows per hour at 3,300 calls/s
+    follow from the keys (docs/benchmarks.md states how)."""
+    import types
+
+    import trajstore
+    from trajstore._append import facts
+    from trajstore._upkeep.gc import compact_run_aggregates
+    from trajstore._upkeep.retention import archive_events
+    from trajstore.demo._simulate import RolloutConfig, trajectory_events
+    from trajstore.log._aggregates import FOLD_DELTA_TABLES, TABLES
+
+    start = time.time() - seconds - 7200
+    clock = [start]
+    facts.time = types.SimpleNamespace(time=lambda: clock[0])  # this process only
+    store = trajstore.connect(url, payload=payload)
+    cfg = RolloutConfig(turns=CALLS_PER_TRAJECTORY, prompt_tokens=32, output_tokens=16, observation_tokens=8,
+                        layers=2, topk=2, num_experts=8, group_size=GROUP_SIZE, seed=3)
+    for i in range(trajectories):
+        clock[0] = start + seconds * i / trajectories
+        store.append(trajectory_events(cfg, i, version=int((clock[0] - start) // 600)))
+    store.materialize()
+    compact_run_aggregates(store)
+    names = sorted({*TABLES, "agg_expert_load", "agg_trajectory_stats"} - set(FOLD_DELTA_TABLES.values()))
+
+    def measure() -> dict:
+        out = {}
+        with store.log.read_engine.connect() as conn:
+            conn.exec_driver_sql("ANALYZE")
+            for name in names:
+                rows = conn.exec_driver_sql(f"SELECT count(*) FROM {name}").scalar_one()
+                size = conn.exec_driver_sql(f"SELECT pg_total_relation_size('{name}')").scalar_one()
+                fine = conn.exec_driver_sql(f"SELECT count(*) FROM {name} WHERE width_s = 1").scalar_one() \
+                    if "width_s" in conn.exec_driver_sql(f"SELECT * FROM {name} LIMIT 0").keys() else None
+                width = conn.exec_driver_sql(f"SELECT avg(pg_column_size(t.*)) FROM {name} t").scalar_one()
+                out[name] = {"rows": rows, "bytes": size, "bytes_per_row": size / rows if rows else None,
+                             "rows_1s": fine, "row_width": float(width) if width is not None else None}
+        return out
+
+    before = measure()
+    with tempfile.TemporaryDirectory() as archive:
+        archive_events(store, archive, older_than_s=time.time() - (start + seconds - 3600))
+    after = measure()
+    store.close()
+    return {"trajectories": trajectories, "seconds": seconds, "before_archive": before, "after_archive": after}
+
+
 # -- the parent ---------------------------------------------------------------------------------
 
 def _run_child(tree: Path, extra: list[str]) -> dict:
@@ -141,6 +204,35 @@ def _run_child(tree: Path, extra: list[str]) -> dict:
         subprocess.run([sys.executable, str(REPO / "bench" / "bench_fold.py"), "--child", "--out", out.name, *extra],
                        check=True, env={"PYTHONPATH": str(tree), "PATH": "/usr/bin:/bin"}, cwd=tree)
         return json.loads(Path(out.name).read_text() or "{}")
+
+
+class _LockWaits:
+    """Samples, every 5 ms until ``stop``, whether a backend of database ``url`` waits on a
+    lock (``pg_stat_activity.wait_event_type = 'Lock'``): the shards' lock waits."""
+
+    def __init__(self, url: str) -> None:
+        import threading
+
+        import psycopg
+
+        self.conn = psycopg.connect(url.replace("postgresql+psycopg://", "postgresql://"), autocommit=True)
+        self.waiting = self.samples = 0
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.done.wait(0.005):
+            n = self.conn.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                                  "AND wait_event_type = 'Lock'").fetchone()[0]
+            self.samples += 1
+            self.waiting += int(n > 0)
+
+    def stop(self) -> tuple[int, int]:
+        self.done.set()
+        self.thread.join()
+        self.conn.close()
+        return self.waiting, self.samples
 
 
 def _postmaster(cluster) -> int:
@@ -188,7 +280,10 @@ def summary_rows(summary: dict[str, dict], label: str = "") -> list[dict[str, st
         rows.append({"what": f"the fold's shards on PostgreSQL, 48×8, aggregates on{label}",
                      "figure": "CPU (materializers + server) per token: " + ", ".join(
                          f"{k} shard{'s' if k > 1 else ''} {m['cpu_us_per_token_all']:.2f} µs" for k, m in shards)
-                     + " (2 cores)", "baseline": "1 shard", "section": SECTION})
+                     + " (2 cores)" + ("; samples with a lock wait: " + ", ".join(
+                         f"{100 * m['lock_wait_share']:.1f} %" for _, m in shards)
+                         if all("lock_wait_share" in m for _, m in shards) else ""),
+                     "baseline": "1 shard", "section": SECTION})
     return rows
 
 
@@ -203,11 +298,16 @@ def main() -> None:
     p.add_argument("--tree", action="append", default=[], metavar="NAME=PATH",
                    help="another source tree measured in the same run (e.g. main=/tmp/main), beside before and after")
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--steps", type=int, default=STEPS, help="measured steps a case (after one untimed step)")
     p.add_argument("--no-postgres", action="store_true")
     p.add_argument("--layouts", default="none,24x4,48x8")
     p.add_argument("--versions", default="1,4")
     p.add_argument("--shards", default="1,2,4", help="shard counts on PostgreSQL (empty: none)")
     p.add_argument("--out", default=None)
+    p.add_argument("--growth", type=int, default=0, metavar="N",
+                   help="instead: the aggregate tables' rows and bytes after N trajectories over --growth-s seconds "
+                        "of clock (PostgreSQL), before and after an archive of all but the newest hour")
+    p.add_argument("--growth-s", type=float, default=3 * 3600)
     # child options
     p.add_argument("--child", action="store_true")
     p.add_argument("--url")
@@ -222,6 +322,23 @@ def main() -> None:
         args.versions = int(args.versions)
         got = child(args)
         Path(args.out).write_text(json.dumps(got))
+        return
+    if args.growth:
+        sys.path.insert(0, str(REPO / "tests"))
+        from pg_cluster import PgCluster
+
+        cluster = PgCluster()
+        cluster.start()
+        try:
+            with tempfile.TemporaryDirectory() as tmp:
+                got = growth(cluster.create_database("growth"), f"{tmp}/p", args.growth, args.growth_s)
+        finally:
+            cluster.stop()
+        got.update(command=" ".join(["bench/bench_fold.py", *sys.argv[1:]]),
+                   date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), loadavg=os.getloadavg())
+        print(json.dumps(got, indent=1))
+        if args.out:
+            Path(args.out).write_text(json.dumps(got, indent=1))
         return
     trees = {"after": REPO, **({"before": args.before.resolve()} if args.before else {}),
              **{t.split("=", 1)[0]: Path(t.split("=", 1)[1]).resolve() for t in args.tree}}
@@ -256,7 +373,7 @@ def main() -> None:
                                 url, payload, pm = fresh(backend)
                                 common = ["--url", url, "--payload", payload, "--layout", layout,
                                           "--versions", versions]
-                                _run_child(tree, [*common, "--fill", str(PER_STEP * (STEPS + 1))])
+                                _run_child(tree, [*common, "--fill", str(PER_STEP * (args.steps + 1))])
                                 every = ["--expert-every", "1"] if name == "exact" else []
                                 got = _run_child(tree, [*common, *pm, *every])
                                 key = f"{backend} {layout} v{versions} {name}"
@@ -267,8 +384,9 @@ def main() -> None:
                 for k in shards:
                     url, payload, pm = fresh("postgresql")
                     common = ["--url", url, "--payload", payload, "--layout", "48x8", "--versions", "1"]
-                    _run_child(REPO, [*common, "--fill", str(PER_STEP * (STEPS + 1) * k)])
+                    _run_child(REPO, [*common, "--fill", str(PER_STEP * (args.steps + 1) * k)])
                     server0 = _server_cpu(_postmaster(cluster))
+                    waits = _LockWaits(url)
                     t0 = time.perf_counter()
                     outs = []
                     procs = []
@@ -282,13 +400,15 @@ def main() -> None:
                     for pr in procs:
                         assert pr.wait() == 0
                     wall = time.perf_counter() - t0
+                    lock_samples, samples = waits.stop()
                     server = _server_cpu(_postmaster(cluster)) - server0
                     parts = [json.loads(Path(o).read_text()) for o in outs]
                     tokens = sum(x["trajectories"] for x in parts) * 2400  # one 2,400-token sample each
                     got = {"shards": k, "tokens": tokens, "wall_s": wall, "server_cpu_s": server,
                            "cpu_s": sum(x["cpu_s"] for x in parts),
                            "compact_cpu_s": sum(x["compact_cpu_s"] for x in parts),
-                           "trajectories": sum(x["trajectories"] for x in parts)}
+                           "trajectories": sum(x["trajectories"] for x in parts),
+                           "lock_wait_share": lock_samples / max(samples, 1), "activity_samples": samples}
                     results.setdefault(f"postgresql shards {k}", []).append(got)
                     print(f"round {r + 1} shards {k}: {got}", file=sys.stderr, flush=True)
     finally:
@@ -297,10 +417,10 @@ def main() -> None:
     summary = {}
     for key, runs in results.items():
         med = {f: statistics.median(x[f] for x in runs) for f in runs[0] if isinstance(runs[0][f], (int, float))}
-        tokens = med["tokens"] or PER_STEP * STEPS * 2400
+        tokens = med["tokens"] or PER_STEP * args.steps * 2400
         med["tokens_per_cpu_s"] = tokens / med["cpu_s"]
         med["tokens_per_cpu_s_with_compaction"] = tokens / (med["cpu_s"] + med.get("compact_cpu_s", 0.0))
-        med["server_cpu_s_per_step"] = med["server_cpu_s"] / STEPS if "shards" not in key else med["server_cpu_s"]
+        med["server_cpu_s_per_step"] = med["server_cpu_s"] / args.steps if "shards" not in key else med["server_cpu_s"]
         if "shards" in key:
             med["cpu_us_per_token_all"] = 1e6 * (med["cpu_s"] + med["compact_cpu_s"] + med["server_cpu_s"]) / tokens
         summary[key] = med

@@ -367,3 +367,73 @@ def test_an_archive_into_a_full_disk_is_a_one_line_error_and_drops_nothing(tmp_p
     assert "disk full" in str(e.value) and "\n" not in str(e.value)
     assert _index(store) == before
     store.close()
+
+
+def _agg_rows(store) -> dict[str, list[tuple]]:
+    from trajstore.log._retention import BUCKETED
+
+    with store.log.read_engine.connect() as conn:
+        out = {t.name: sorted(tuple(r) for r in conn.execute(select(t.c.width_s, t.c.bucket_start)))
+               for t in BUCKETED}
+        out["agg_groups"] = sorted(conn.exec_driver_sql("SELECT group_id FROM agg_groups").all())
+    return out
+
+
+def _aggregate_panels(store) -> dict[str, object]:
+    """The page's panels drawn from the run aggregates alone (their SQL reads no other table)."""
+    import re
+
+    from tests.helpers import reader_url_for
+    from trajstore.inspect._panels import collect
+    from trajstore.inspect.sql import read_only
+
+    with read_only(reader_url_for(store.url)) as query:
+        data = collect(query)
+    out = {}
+    for p in data["panels"]:
+        named = {m.lower() for q in p["sql"] for m in re.findall(r"\b(?:FROM|JOIN)\s+([A-Za-z_]+)", q, re.I)}
+        if named and all(n.startswith("agg_") and n != "agg_trajectory_stats" for n in named):
+            out[p["name"]] = p["figure"] if p["figure"] is not None else p["note"]
+    return out
+
+
+def test_archive_trims_the_aggregate_rows_of_retired_data_and_the_page_is_unchanged(store_url, tmp_path,
+                                                                                  monkeypatch):
+    import types
+
+    from trajstore._append import facts
+    from trajstore._upkeep.gc import compact_run_aggregates
+    from trajstore.log._retention import FINE_BUCKETS_KEPT_S
+
+    clock = [1_700_000_000.0]  # a run in the past: archive takes trajectories last updated before now
+    monkeypatch.setattr(facts, "time", types.SimpleNamespace(time=lambda: clock[0]))
+    store = trajstore.connect(store_url, payload=str(tmp_path / "payload"))
+    cfg = RolloutConfig(turns=2, prompt_tokens=20, output_tokens=12, observation_tokens=4, layers=2, topk=2,
+                        num_experts=8, seed=5, group_size=2, abort_prob=0.0, fail_prob=0.0)
+    for i in range(16):  # two hours of run, a trajectory every 8 minutes, groups of two
+        store.append(trajectory_events(cfg, i))
+        clock[0] += 480.0
+    store.materialize()
+    compact_run_aggregates(store)
+    before_rows, before_page = _agg_rows(store), _aggregate_panels(store)
+    assert len(before_page) >= 4 and before_rows["agg_groups"] == [(f"group-5-{k:05d}",) for k in range(8)]
+    old = {t: [(w, b) for w, b in rows if w == 1 and b < max(b for w, b in rows if w == 1) - FINE_BUCKETS_KEPT_S]
+           for t, rows in before_rows.items() if t != "agg_groups"}  # behind each table's newest second
+    assert all(old.values())  # every bucketed table has 1-second rows older than the kept hour
+    # archive the first 10 trajectories (groups 0 to 4); groups 5 to 7 stay
+    with store.log.read_engine.connect() as conn:
+        cut = conn.exec_driver_sql("SELECT finished_position FROM trajectories ORDER BY finished_position "
+                                   "LIMIT 1 OFFSET 10").scalar_one()
+    assert main(["--store", store_url, "--payload", str(tmp_path / "payload"), "archive", str(tmp_path / "archive"),
+                 "--older-than-s", "0", "--before-position", str(cut)]) == 0
+    after_rows, after_page = _agg_rows(store), _aggregate_panels(store)
+    assert after_rows["agg_groups"] == [(f"group-5-{k:05d}",) for k in range(5, 8)]  # the retired groups' rows are gone
+    for t, rows in after_rows.items():
+        if t == "agg_groups":
+            continue
+        gone = set(before_rows[t]) - set(rows)
+        first = min(b for w, b in before_rows[t] if w == 1)
+        assert gone == {k for k in old[t] if not (t == "agg_trajectories" and k[1] == first)}, t
+        assert gone and set(rows) <= set(before_rows[t]), t  # only 1-second rows of the retired hour left
+    assert after_page == before_page  # every figure the aggregates draw: unchanged
+    store.close()

@@ -71,7 +71,7 @@ def test_reads_are_exact_before_and_after_the_compaction_which_runs_once(store):
     assert Materializer(store, max_trajectories=5).run(compact=False).num_trajectories > 0
     assert _pending(store) > 0
     before = tables(store)  # totals and deltas summed
-    assert _expert_load_read(store) == {}  # counted by the compaction, off the fold's critical path
+    assert _expert_load_read(store) == _brute_force_expert_load(store)  # counted in the commits, read exactly
     folded = compact_run_aggregates(store)
     assert folded > 0 and _pending(store) == 0
     assert _expert_load_read(store) == _brute_force_expert_load(store)
@@ -86,17 +86,20 @@ def test_reads_are_exact_before_and_after_the_compaction_which_runs_once(store):
     assert tables(store) == after
 
 
-def test_a_commit_notes_its_segment_and_the_compaction_counts_its_expert_load_once(store):
+def test_a_commit_counts_its_expert_load_in_rows_of_its_own_and_the_compaction_folds_them_once(store):
     for events in _moe_events(8):
         store.append(events)
     Materializer(store, max_trajectories=4).run(compact=False)
     with store.log.read_engine.connect() as conn:
-        noted = [r[0] for r in conn.execute(text("SELECT segment FROM agg_expert_pending ORDER BY id")).all()]
-        segments = {r[0] for r in conn.execute(text("SELECT DISTINCT segment FROM samples")).all()}
-    assert len(noted) == 2 and set(noted) == segments  # one row per commit: its sample segment
-    assert _expert_load_read(store) == {}
-    assert compact_run_aggregates(store) > 0
+        noted = conn.execute(text("SELECT count(*) FROM agg_expert_pending")).scalar_one()
+        deltas = conn.execute(text("SELECT count(*) FROM agg_expert_load_delta")).scalar_one()
+        totals = conn.execute(text("SELECT count(*) FROM agg_expert_load")).scalar_one()
+    # counted in the commits from the routes they wrote (no segment read back): one array per
+    # (commit, version) in rows of the commit's own, nothing in the shared totals yet
+    assert noted == 0 and totals == 0 and deltas >= 4
     assert _expert_load_read(store) == _brute_force_expert_load(store)  # both layouts, every version
+    assert compact_run_aggregates(store) > 0
+    assert _expert_load_read(store) == _brute_force_expert_load(store)
     assert _pending(store) == 0
     assert compact_run_aggregates(store) == 0 and _expert_load_read(store) == _brute_force_expert_load(store)
     with store.log.read_engine.connect() as conn:  # ONE row per model version, both layouts summed in
@@ -171,6 +174,30 @@ def test_two_shards_commit_at_once_without_waiting_on_each_others_rows(fresh_pg_
     finally:
         engine.dispose()
         store.close()
+
+def test_segments_an_older_version_noted_are_counted_once_by_the_compaction(store):
+    """A store upgraded with commits that noted their segment (``agg_expert_pending``) instead
+    of counting it: the compaction counts each noted segment once."""
+    from trajstore.log._aggregates import note_expert_pending
+    from trajstore.log._dialect import execute
+
+    for events in _moe_events(8):
+        store.append(events)
+    Materializer(store, max_trajectories=4).run(compact=False)
+
+    def as_before(conn, d):  # the commits' arrays gone, their segments noted instead
+        execute(conn, "DELETE FROM agg_expert_load_delta", ())
+        for (segment,) in execute(conn, "SELECT DISTINCT segment FROM samples ORDER BY segment", ()).fetchall():
+            note_expert_pending(conn, d, segment)
+
+    store.log.db.transaction("noting segments", as_before)
+    with store.log.read_engine.connect() as conn:
+        assert conn.execute(text("SELECT count(*) FROM agg_expert_pending")).scalar_one() == 2
+    assert _expert_load_read(store) == {}
+    assert compact_run_aggregates(store) > 0 and _pending(store) == 0
+    assert _expert_load_read(store) == _brute_force_expert_load(store)
+    assert compact_run_aggregates(store) == 0 and _expert_load_read(store) == _brute_force_expert_load(store)
+
 
 
 def _kill_when_waiting(url: str, like: str, timeout_s: float = 60) -> None:
@@ -340,3 +367,16 @@ def test_a_bad_expert_load_sampling_setting_is_a_validation_error_naming_it(valu
         expert_sample_every(value)
     assert e.value.rule == "store_settings" and EXPERT_SAMPLE_SETTING in str(e.value) and repr(value) in str(e.value)
     assert expert_sample_every(None) == EXPERT_SAMPLE_EVERY and expert_sample_every(" 4 ") == 4
+
+
+def test_logprob_bins_by_arithmetic_are_the_bins_a_search_of_the_edges_finds():
+    from trajstore.log._aggregate_counts import LOGPROB_BINS, LOGPROB_RANGE, logprob_bin_edges, logprob_bins
+
+    rng = np.random.default_rng(7)
+    edges = logprob_bin_edges()
+    values = np.concatenate([rng.uniform(-14, 1, 100_000).astype(np.float32), edges.astype(np.float32),
+                             np.nextafter(edges.astype(np.float32), np.float32(-np.inf)),
+                             np.nextafter(edges.astype(np.float32), np.float32(np.inf)),
+                             np.asarray([np.nan, np.inf, -np.inf, -9999.0, 0.0, -0.0], np.float32)]).astype(np.float64)
+    searched = np.clip(np.searchsorted(edges, np.clip(values, *LOGPROB_RANGE), side="right") - 1, 0, LOGPROB_BINS - 1)
+    assert np.array_equal(logprob_bins(values), searched)

@@ -450,22 +450,52 @@ def logprob_bin_edges() -> np.ndarray:
     return np.linspace(*LOGPROB_RANGE, LOGPROB_BINS + 1)
 
 
+_BIN_SCALE = LOGPROB_BINS / (LOGPROB_RANGE[1] - LOGPROB_RANGE[0])
+assert _BIN_SCALE == 2.0 ** round(math.log2(_BIN_SCALE)), "the bins' width must be a power of two (exact arithmetic)"
+
+
+def logprob_bins(lp: np.ndarray) -> np.ndarray:
+    """The histogram bin of each logprob (float64): the ``k`` with ``edges[k] <= lp <
+    edges[k + 1]`` (``logprob_bin_edges``), values clipped into the range (0 in the last bin,
+    NaN too). Arithmetic, not a search: a float32 logprob plus 12 times a power of two is
+    exact in float64, so the floor is the bin ``searchsorted`` finds."""
+    x = np.clip(lp, *LOGPROB_RANGE)
+    x -= LOGPROB_RANGE[0]
+    x *= _BIN_SCALE
+    return np.fmin(x, LOGPROB_BINS - 1, out=x).astype(np.intp)
+
+
+def _groups(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``np.unique(values, return_inverse=True)`` of small non-negative integers (model
+    versions) without a sort: a value's group is its offset from the smallest."""
+    values = np.asarray(values, np.int64)
+    low, high = int(values.min()), int(values.max())
+    if low < 0 or high - low > 1 << 20:
+        return np.unique(values, return_inverse=True)
+    if low == high:
+        return np.asarray([low], np.int64), np.zeros(len(values), np.intp)
+    offset = (values - low).astype(np.intp)
+    present = np.flatnonzero(np.bincount(offset, minlength=high - low + 1))
+    index = np.zeros(high - low + 1, np.intp)
+    index[present] = np.arange(len(present))
+    return present + low, index[offset]
+
+
 def sample_counts(samples: Iterable[Any], num_experts: Mapping[str, int | None] | None = None, *,
                   experts: bool = True, every: int = 1, logprobs: bool = True) -> Counts:
     """The aggregates of samples' token columns: expert load of their decode routes and
     their generated loss tokens' rollout logprobs. ``agg_expert_load`` is
     ``{(model_version,): counts[layer, expert]}`` (an int64 array: every expert below
     ``num_experts[trajectory_id]`` and the highest id routed to), one per version.
-    ``experts`` False: the logprobs only (the materializer's commit: the compaction counts
-    the expert load of its segment, ``trajstore.log._aggregates.count_pending_experts``).
-    ``every``: count one decode route in ``every`` (``decode_routes``), each ``every`` times.
-    ``logprobs`` False: the expert load only (the compaction's count of a committed segment)."""
+    ``experts`` False: the logprobs only. ``every``: count one decode route in ``every``
+    (``decode_routes``), each ``every`` times (the materializer's commit counts its samples'
+    routes as it wrote them, in the store's stride). ``logprobs`` False: the expert load only
+    (the compaction's count of a segment an older version noted in ``agg_expert_pending``)."""
     histogram: dict[tuple, list[float]] = {}
     per_version: dict[int, np.ndarray] = {}  # [layer, expert] counts
     lps: list[np.ndarray] = []  # generated loss tokens' logprobs and versions, per sample
     lvs: list[np.ndarray] = []
     routed: dict[tuple, tuple[list, list, list]] = {}  # layout -> decode rows, their versions, num_experts
-    edges = logprob_bin_edges()
     for s in samples:
         if logprobs:
             v = np.asarray(s.token_model_versions)
@@ -484,8 +514,8 @@ def sample_counts(samples: Iterable[Any], num_experts: Mapping[str, int | None] 
         have[2][0] = max(have[2][0], declared)
     if lps:  # one histogram per call, not per sample
         lp, lv = np.concatenate(lps), np.concatenate(lvs)
-        bins = np.clip(np.searchsorted(edges, np.clip(lp, *LOGPROB_RANGE), side="right") - 1, 0, LOGPROB_BINS - 1)
-        versions, vi = np.unique(lv, return_inverse=True)
+        bins = logprob_bins(lp)
+        versions, vi = _groups(lv)
         key = vi * LOGPROB_BINS + bins
         n = np.bincount(key, minlength=len(versions) * LOGPROB_BINS)
         total = np.bincount(key, weights=lp, minlength=len(versions) * LOGPROB_BINS)
@@ -493,7 +523,7 @@ def sample_counts(samples: Iterable[Any], num_experts: Mapping[str, int | None] 
             _add(histogram, (int(versions[k // LOGPROB_BINS]), int(k % LOGPROB_BINS)), (int(n[k]), float(total[k])))
     for rows_of, versions_of, (declared,) in routed.values():  # one count per layout, not per sample
         rows = rows_of[0] if len(rows_of) == 1 else np.concatenate(rows_of)
-        versions, vi = np.unique(np.concatenate(versions_of), return_inverse=True)
+        versions, vi = _groups(np.concatenate(versions_of))
         counts = count_routes(rows, max(declared, int(rows.max()) + 1), vi if len(versions) > 1 else None,
                               len(versions))
         if every > 1:
@@ -533,24 +563,41 @@ def decode_routes(sample: Any, every: int = 1) -> tuple[np.ndarray, np.ndarray] 
 def count_routes(rows: np.ndarray, num_experts: int, group: np.ndarray | None = None,
                  num_groups: int = 1) -> np.ndarray:
     """``counts[group, layer, expert]`` of route rows ``[n, layers, topk]`` (``group[i]``:
-    row i's group, all 0 by default). ``bincount`` over keys built a few hundred rows at a
-    time in one reused buffer of machine ints (the conversion ``bincount`` would make of
-    narrower keys costs more than the count; a chunk stays in cache)."""
+    row i's group, all 0 by default). Rows of several groups are ordered by group first
+    (a stable sort of a few thousand small ints) and each group counted apart, so one
+    count's bins stay one group's [layers, experts] (cache-sized). ``bincount`` over keys
+    built a few hundred rows at a time in one reused buffer (uint16 when the keys fit: the
+    conversion ``bincount`` makes of them costs less than building machine ints; a chunk
+    stays in cache)."""
     n, layers, topk = rows.shape
     per_group = layers * num_experts
-    size = num_groups * per_group
-    counts = np.zeros(size, np.int64)
+    counts = np.zeros((num_groups, per_group), np.int64)
     if not n:
         return counts.reshape(num_groups, layers, num_experts)
+    if group is None or num_groups == 1:
+        _count_into(counts[0], rows, num_experts)
+        return counts.reshape(num_groups, layers, num_experts)
+    group = np.asarray(group, np.intp)
+    order = np.argsort(group, kind="stable")
+    ends = np.searchsorted(group[order], np.arange(1, num_groups + 1), side="left")
+    start = 0
+    for g, end in enumerate(ends.tolist()):
+        if end > start:
+            _count_into(counts[g], rows[order[start:end]], num_experts)
+        start = end
+    return counts.reshape(num_groups, layers, num_experts)
+
+
+def _count_into(counts: np.ndarray, rows: np.ndarray, num_experts: int) -> None:
+    """Add the [layer, expert] counts of route rows ``[n, layers, topk]`` to ``counts`` (flat)."""
+    n, layers, topk = rows.shape
+    size = layers * num_experts
+    dtype = np.uint16 if size <= 1 << 16 else np.intp
     chunk = max(256, -(-size // max(layers * topk, 1)))  # a chunk's keys outnumber the bins
-    layer_offset = (np.arange(layers, dtype=np.intp) * num_experts)[None, :, None]
-    buf = np.empty((min(chunk, n), layers, topk), np.intp)
-    g = None if group is None else np.asarray(group, np.intp) * per_group
+    layer_offset = (np.arange(layers, dtype=dtype) * num_experts)[None, :, None]
+    buf = np.empty((min(chunk, n), layers, topk), dtype)
     for start in range(0, n, chunk):
         part = rows[start:start + chunk]
         key = buf[:len(part)]
         np.add(part, layer_offset, out=key, casting="unsafe")
-        if g is not None:
-            key += g[start:start + chunk, None, None]
         counts += np.bincount(key.ravel(), minlength=size)
-    return counts.reshape(num_groups, layers, num_experts)

@@ -288,8 +288,9 @@ EXPERT_SEGMENTS = 16
 
 
 def note_expert_pending(conn: Any, d: SqlDialect, segment: str) -> None:
-    """In a materializer commit: its sample segment's expert load is to be counted (a row of
-    its own in ``agg_expert_pending``; ``count_pending_experts`` counts it)."""
+    """Note that sample segment ``segment``'s expert load is to be counted (a row of its own in
+    ``agg_expert_pending``; ``count_pending_experts`` counts it): how commits before the
+    in-commit count left it, and how a test builds such a store."""
     execute(conn, d._cached(("note_expert_pending",), lambda: (
         f"INSERT INTO {d.table(agg_expert_pending)} (segment) VALUES ({d.p})")), (segment,))
 
@@ -309,7 +310,9 @@ def count_pending_experts(conn: Any, d: SqlDialect, load: Callable[[list[dict[st
     and the counts added together, so a segment counts exactly once. ``load(rows)``: the
     samples of ``samples`` rows (``segment``, ``segment_row``), from the payload. Counted
     here, off the fold's critical path: numpy's ``bincount`` over every decode route costs
-    about as much as the fold (docs/report.md, "Aggregates"). Returns the segments counted."""
+    about as much as the fold (docs/report.md, "Aggregates"). A materializer commit counts its
+    own samples' routes now (``agg_expert_load_delta``); this counts the segments an older
+    version noted. Returns the segments counted."""
     got = _take(conn, d, agg_expert_pending, ("segment",), limit)
     if not got:
         return 0
@@ -426,16 +429,12 @@ def count_trajectories(conn: Any, d: SqlDialect, trajectory_ids: Iterable[str], 
     counted: list[str] = []
     for part in chunks(sorted(set(trajectory_ids))):
         marks = d.marks(len(part))
-        have = {r[0] for r in execute(conn, f"SELECT trajectory_id FROM {st} WHERE trajectory_id IN ({marks})",
-                                      tuple(part)).fetchall()}
-        part = [t for t in part if t not in have]
-        if not part:
-            continue
-        marks = d.marks(len(part))
+        # the ones not counted yet (no row of theirs in agg_trajectory_stats), in the same statement
         trajs = [dict(zip(_TRAJ_COLUMNS, r)) for r in execute(
             conn, f"SELECT t.trajectory_id, t.group_id, t.status, t.reward, {task_sql('t.metadata')}, "
             f"(SELECT max(x.created_at) FROM events x WHERE x.trajectory_id = t.trajectory_id) "
-            f"FROM {tr} t WHERE t.trajectory_id IN ({marks}) AND t.status <> 'running'", tuple(part)).fetchall()]
+            f"FROM {tr} t WHERE t.trajectory_id IN ({marks}) AND t.status <> 'running' "
+            f"AND NOT EXISTS (SELECT 1 FROM {st} c WHERE c.trajectory_id = t.trajectory_id)", tuple(part)).fetchall()]
         if not trajs:
             continue
         calls: dict[str, list[dict[str, Any]]] = {}

@@ -7,13 +7,15 @@ their ``events`` rows once their archive file is durable: it marks the
 first makes it store nothing), deletes exactly the archived positions, checks
 no other event of those trajectories is left, deletes their
 ``agg_trajectory_stats`` rows (the run view's per-trajectory rows: the
-aggregate totals keep their counts), and retires the log segments left
-without a row. SQLAlchemy Core: the same statements on every backend.
+aggregate totals keep their counts) and the aggregate rows only retired data
+needs (``trim_aggregates``: settled groups none of whose trajectories is left,
+1-second buckets older than the newest hour), and retires the log segments
+left without a row. SQLAlchemy Core: the same statements on every backend.
 """
 
 from __future__ import annotations
 
-from typing import Any, Collection, Mapping, Sequence
+from typing import Collection, Mapping, Sequence
 
 from sqlalchemy import Connection, and_, delete, exists, func, select, update
 
@@ -21,10 +23,45 @@ from trajstore.log._dialect import SqlDialect, chunks
 from trajstore.log._segments import retire_emptied
 from trajstore.log._transaction import Database
 from trajstore.log.base import RELEASED, Shard, StaleState
-from trajstore.schema import (agg_trajectory_stats, events, materializer_checkpoints, projection_checkpoints, projection_unfoldable,
-                              projections, trajectories, unfoldable_trajectories, unresolved_labels, version_labels)
+from trajstore.schema import (agg_calls, agg_group_variance, agg_groups, agg_groups_delta, agg_rewards,
+                              agg_route_drift, agg_staleness, agg_trajectories, agg_trajectory_stats, events,
+                              materializer_checkpoints, projection_checkpoints, projection_unfoldable, projections,
+                              trajectories, unfoldable_trajectories, unresolved_labels, version_labels)
 
-__all__ = ["ARCHIVED_TYPES", "SqlRetention"]
+__all__ = ["ARCHIVED_TYPES", "FINE_BUCKETS_KEPT_S", "SqlRetention", "trim_aggregates"]
+
+FINE_BUCKETS_KEPT_S = 3600
+"""The run view's 1-second buckets kept behind each table's newest one: the page draws them only for
+a run shorter than ``MAX_BUCKETS`` (100) buckets of 30 s (``trajstore.inspect._timeaxis``); a longer
+one reads the 60-second and 1-hour buckets, which retention keeps."""
+BUCKETED = (agg_calls, agg_group_variance, agg_rewards, agg_route_drift, agg_staleness, agg_trajectories)
+
+
+def trim_aggregates(conn: Connection) -> dict[str, int]:
+    """Delete the run aggregates' rows that only retired data needs, in the caller's write
+    transaction (the archive's): ``agg_groups`` rows of groups none of whose trajectories is
+    left unarchived, settled (no delta of theirs pending: their part of ``agg_group_variance``
+    stays), and every bucketed table's 1-second rows more than ``FINE_BUCKETS_KEPT_S`` behind its
+    newest (the first second ``agg_trajectories`` counted stays: the page's time axis starts
+    there). Returns the rows deleted per table. Every figure the page shows is unchanged: no
+    total, 60-second or 1-hour row is touched, and no page reads a trimmed row (a run whose 1-second
+    rows reach back further than the kept hour is drawn in buckets of a minute or more)."""
+    out: dict[str, int] = {}
+    g, t = agg_groups, trajectories
+    out["agg_groups"] = conn.execute(delete(g).where(
+        ~exists().where(and_(t.c.group_id == g.c.group_id, t.c.archived_at.is_(None))),
+        ~exists().where(agg_groups_delta.c.group_id == g.c.group_id))).rowcount
+    for table in BUCKETED:
+        fine = table.c.width_s == 1
+        newest = conn.execute(select(func.max(table.c.bucket_start)).where(fine)).scalar_one_or_none()
+        if newest is None:
+            continue
+        conds = [fine, table.c.bucket_start < int(newest) - FINE_BUCKETS_KEPT_S]
+        if table is agg_trajectories:
+            first = select(func.min(table.c.bucket_start)).where(fine).scalar_subquery()
+            conds.append(table.c.bucket_start > first)
+        out[table.name] = conn.execute(delete(table).where(*conds)).rowcount
+    return out
 
 # The events of a trajectory that the archive holds (the wire events) and drops;
 # ``trajectory_released`` is the store's own, dropped with them.
@@ -124,6 +161,7 @@ class SqlRetention:
             for part in chunks(ids):  # their row of the run view's "trajectories to look at" (the run's
                 # totals keep counting them): agg_trajectory_stats grows with the live index only
                 conn.execute(delete(agg_trajectory_stats).where(agg_trajectory_stats.c.trajectory_id.in_(part)))
+            trim_aggregates(conn)  # the run view's rows only retired data needs
             if segment_names:
                 retire_emptied(conn, d, segment_names)
             return deleted

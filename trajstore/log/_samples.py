@@ -20,7 +20,7 @@ from typing import Any, Collection, Iterator, Mapping, Sequence
 from sqlalchemy import Connection, Engine, Table, and_, delete, func, insert, or_, select, text, update
 
 from trajstore.errors import IndexInvariantError, ProjectionChangedError, ValidationError
-from trajstore.log._aggregates import count_commit, count_sample_rows, insert_fold_deltas, note_expert_pending
+from trajstore.log._aggregates import count_commit, count_sample_rows, insert_fold_deltas
 from trajstore.log._dialect import CHUNK, SqlDialect, chunks
 from trajstore.log._segments import repoint, retire_emptied
 from trajstore.log._transaction import Database
@@ -126,8 +126,6 @@ class _SqlSamples(SampleIndex):
                 if aggregates:
                     insert_fold_deltas(conn, d, aggregates)
                 count_commit(conn, d, trajectories, sample_rows, expected_position, int(checkpoint["position"]))
-                if segment_row is not None and sample_rows:
-                    note_expert_pending(conn, d, segment_row["name"])
 
         def landed(conn: Connection, _: None) -> bool:
             pos = conn.execute(select(t.c.position).where(*self._conds(t), t.c.shard == key)).scalar_one_or_none()
@@ -231,9 +229,7 @@ class SqlSampleIndex(_SqlSamples):
                 retire_emptied(conn, d, {m.old_segment for m in repoints if m.old_segment})
             if aggregates:
                 insert_fold_deltas(conn, d, aggregates)
-            count_sample_rows(conn, d, sample_rows)
-            if segment_row is not None and sample_rows:
-                note_expert_pending(conn, d, segment_row["name"])  # their trajectories were counted when recorded
+            count_sample_rows(conn, d, sample_rows)  # their trajectories were counted when recorded
 
         def landed(conn: Connection, _: None) -> bool:
             ids = sorted(set(trajectory_ids))[:CHUNK]

@@ -75,6 +75,7 @@ from trajstore.payload._format import SegmentKind, rows_per_batch
 from trajstore.sample import Sample
 from trajstore.sample._codec import SAMPLE_BATCH_BYTES, RoutesPlan, sample_table
 from trajstore.log._aggregate_counts import sample_counts
+from trajstore.log._aggregates import sample_every
 
 __all__ = ["Materializer", "MaterializeStats", "shard_of"]
 
@@ -89,6 +90,7 @@ _DATA_ERRORS = (ValidationError, CorruptStoreError, OverflowError)
 _INFRASTRUCTURE_ERRORS = (StoreUnavailable, OSError, MemoryError)
 _MAX_MESSAGE = 1000  # characters of the reason kept in unfoldable_trajectories.message
 _INTERNAL_RETRY_S = 300.0  # a long-running materializer retries its internal errors this often
+_SETTING_TTL_S = 10.0  # a long-running materializer reads the expert-load sampling stride this often
 
 
 def shard_of(trajectory_id: str, num_shards: int) -> int:
@@ -168,6 +170,7 @@ class Materializer:
         self.progress = progress
         self.projection = projection
         self._internal_retry_at = 0.0  # time.monotonic() when run() next retries internal errors
+        self._every: tuple[float, int] | None = None  # (time.monotonic() read, the expert-load sampling stride)
         if projection is None:
             self.index = store.materialized
             self.policy = DEFAULT_POLICY
@@ -254,9 +257,9 @@ class Materializer:
         seg_row, sample_rows = self._write(seg_name, samples, calls, finished_at)
         # a projection's samples are a second view: the default samples keep the one copy
         repoints = _repoints(seg_name, folded, gen_rows) if self.projection is None else []
-        # the run view's counts of the default samples, in the commit that stores them
-        # (the expert load of its routes: counted by the compaction, off this critical path)
-        aggregates = sample_counts(samples, experts=False) if self.projection is None else None
+        # the run view's counts of the default samples (the expert load of one decode route in
+        # ``every``, from the routes just written, still in memory), in the commit that stores them
+        aggregates = self._counts(samples) if self.projection is None else None
         now = time.time()
         unfoldable_rows = [_unfoldable_row(tid, finished_at[tid], self.shard, err, now)
                            for tid, err in unfoldable.items()]
@@ -390,7 +393,7 @@ class Materializer:
             try:
                 self.store.materialized.commit_refold(error, attempted, sample_rows, seg_row, failed,
                                                       _repoints(seg_name, folded, gen_rows), kind=kind,
-                                                      aggregates=sample_counts(samples, experts=False))
+                                                      aggregates=self._counts(samples))
             except StaleState:
                 if seg_row is not None:
                     self.store.payload.delete(seg_name)  # another refold took them: nothing names this file
@@ -403,6 +406,16 @@ class Materializer:
             log.info("materializer %s: re-folded %d trajectories recorded as %s (%d still recorded)",
                      self.shard, len(folded), error or kind, len(still))
         return stats
+
+    def _counts(self, samples: list[Sample]) -> dict[str, Any]:
+        """The run view's counts of ``samples`` (their trajectories: the last ``_fold``'s): the
+        logprob histogram and the expert load of one decode route in the store's sampling
+        stride, counted from the routes as written (no read back)."""
+        now = time.monotonic()
+        if self._every is None or now - self._every[0] > _SETTING_TTL_S:
+            with self.store.log.db.reading("reading the expert-load sampling") as conn:
+                self._every = (now, sample_every(conn))
+        return sample_counts(samples, self._num_experts, every=self._every[1])
 
     def _checkpoint(self) -> tuple[int, FoldMetrics]:
         cp = self.index.load_checkpoint(self.shard)

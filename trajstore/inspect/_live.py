@@ -160,6 +160,7 @@ class _Snapshot:
         self._checked_at = -math.inf
         self._token: Any = None
         self._parts: _Parts | None = None
+        self._texts: dict[str, tuple[Any, str]] = {}
         self.computed = 0
 
     def _due(self, now: float) -> tuple[bool, Any]:
@@ -190,7 +191,10 @@ class _Snapshot:
                     token = self._changed() if self._changed is not None else None
                 data = self._compute()
                 listed = "panels" in data
-                panels = {p["name"]: json.dumps(p, cls=PlotlyJSONEncoder) for p in data.pop("panels", [])}
+                texts = self._texts  # a panel collect returned again (the same object) keeps its JSON text
+                self._texts = {p["name"]: (p, texts[p["name"]][1] if p["name"] in texts and texts[p["name"]][0] is p
+                                           else json.dumps(p, cls=PlotlyJSONEncoder)) for p in data.pop("panels", [])}
+                panels = {name: text for name, (_, text) in self._texts.items()}
                 head = json.dumps(data, cls=PlotlyJSONEncoder)
                 before = self._parts
                 version = 1 if before is None else before.version
@@ -209,10 +213,11 @@ class _Snapshot:
 
 def make_app(url: str | None, *, token: str | None, title: str = "trajstore report",
              refresh_s: float = DEFAULT_REFRESH_S, stuck_after_s: float = DEFAULT_STUCK_AFTER_S,
-             payload: str | None = None, tokenizer: str | None = None) -> Any:
+             payload: str | None = None, tokenizer: str | None = None, compare: str | None = None) -> Any:
     """The ASGI app of the live page over store ``url``. ``token=None``: no auth (the caller decided).
     ``payload``: the store's payload location when not the default. ``tokenizer``: a tokenizer.json
-    (or its directory) the trace view decodes tokens with (None: it shows ids)."""
+    (or its directory) the trace view decodes tokens with (None: it shows ids). ``compare``: a second
+    store whose run is drawn on the same panels (``trajstore.inspect._compare``)."""
     from starlette.applications import Starlette
     from starlette.concurrency import run_in_threadpool
     from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Response, StreamingResponse
@@ -225,19 +230,32 @@ def make_app(url: str | None, *, token: str | None, title: str = "trajstore repo
     _check_refresh(refresh_s)
     payload = _report_page.payload_location(url, payload)
     resolved = resolve_url(url)
-    backend = backend_of(resolved)
+
+    memo: dict[str, Any] = {}  # the panels drawn last time: unchanged rows are not drawn again
+    other = None if compare is None else (resolve_url(compare), _report_page.payload_location(compare, None), {})
 
     def compute() -> dict[str, Any]:
         with read_only(url) as query:
-            return collect(query, stuck_after_s=stuck_after_s, payload=payload)
+            data = collect(query, stuck_after_s=stuck_after_s, payload=payload, memo=memo)
+        if other is None:
+            return data
+        from trajstore.inspect._compare import merge, store_labels
+
+        with read_only(other[0]) as query:
+            data_b = collect(query, stuck_after_s=stuck_after_s, payload=other[1], memo=other[2])
+        return merge(data, data_b, store_labels(_report_page.store_label(url), _report_page.store_label(other[0])))
 
     def changed() -> Any:
         # the schema was brought up to date when the first snapshot was computed: straight to the backend
-        with backend.read_only(resolved, None, READER_ROLE) as query:
-            return tuple(query(CHANGED_SQL)[1][0])
+        tokens = []
+        for at in (resolved,) if other is None else (resolved, other[0]):
+            with backend_of(at).read_only(at, None, READER_ROLE) as query:
+                tokens.append(tuple(query(CHANGED_SQL)[1][0]))
+        return tuple(tokens)
 
     snapshot = _Snapshot(compute, min_age_s=min(refresh_s, 0.25), changed=changed, check_s=refresh_s)
-    index = _report_page.page(title, _report_page.store_label(url), live=True, refresh_s=refresh_s).encode()
+    label = _report_page.store_label(url) + ("" if compare is None else f" compared with {_report_page.store_label(compare)}")
+    index = _report_page.page(title, label, live=True, refresh_s=refresh_s).encode()
     script = plotly_js().encode()
     script_etag = '"' + hashlib.sha256(script).hexdigest()[:32] + '"'
 
@@ -354,11 +372,12 @@ def _check_refresh(refresh_s: float) -> None:
 def serve_report(url: str | None, *, host: str = "127.0.0.1", port: int = DEFAULT_PORT, token: str | None,
                  title: str = "trajstore report", refresh_s: float = DEFAULT_REFRESH_S,
                  stuck_after_s: float = DEFAULT_STUCK_AFTER_S, log_level: str = "warning",
-                 payload: str | None = None, tokenizer: str | None = None) -> None:
+                 payload: str | None = None, tokenizer: str | None = None, compare: str | None = None) -> None:
     """Serve the live page until SIGINT/SIGTERM. ``token=None`` serves it open (the caller decided).
-    ``tokenizer``: what the trace view decodes tokens with (``make_app``)."""
+    ``tokenizer``: what the trace view decodes tokens with; ``compare``: a second store (``make_app``)."""
     server = report_server(url, host=host, port=port, token=token, title=title, refresh_s=refresh_s,
-                           stuck_after_s=stuck_after_s, log_level=log_level, payload=payload, tokenizer=tokenizer)
+                           stuck_after_s=stuck_after_s, log_level=log_level, payload=payload, tokenizer=tokenizer,
+                           compare=compare)
     try:
         server.run()
     finally:
@@ -377,7 +396,7 @@ def page_url(host: str, port: int, token: str | None) -> str:
 def report_server(url: str | None, *, host: str = "127.0.0.1", port: int = DEFAULT_PORT, token: str | None,
                   title: str = "trajstore report", refresh_s: float = DEFAULT_REFRESH_S,
                   stuck_after_s: float = DEFAULT_STUCK_AFTER_S, log_level: str = "warning",
-                  payload: str | None = None, tokenizer: str | None = None) -> "_Server":
+                  payload: str | None = None, tokenizer: str | None = None, compare: str | None = None) -> "_Server":
     """The live page's server, its port bound, not yet serving: ``.run()`` serves (in any thread;
     signals are handled only in the main one), ``.server.should_exit = True`` stops it."""
     from trajstore.inspect.sql import read_only
@@ -385,8 +404,11 @@ def report_server(url: str | None, *, host: str = "127.0.0.1", port: int = DEFAU
     _check_refresh(refresh_s)
     with read_only(url) as query:  # a wrong store URL or login fails here, in one line, before serving
         collect(query, stuck_after_s=stuck_after_s, payload=_report_page.payload_location(url, payload, query))
+    if compare is not None:
+        with read_only(compare) as query:  # the compared store too
+            collect(query, stuck_after_s=stuck_after_s, payload=_report_page.payload_location(compare, None, query))
     app = make_app(url, token=token, title=title, refresh_s=refresh_s, stuck_after_s=stuck_after_s, payload=payload,
-                   tokenizer=tokenizer)
+                   tokenizer=tokenizer, compare=compare)
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
         family = infos[0][0]

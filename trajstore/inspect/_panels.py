@@ -179,7 +179,8 @@ def _summary(query: Query) -> list[list[str]]:
 # -- the page's data -------------------------------------------------------------------
 
 def collect(query: Query, *, stuck_after_s: float = DEFAULT_STUCK_AFTER_S, payload: str | None = None,
-            panels: Sequence[Panel] = PANELS, progress: Callable[[int], None] | None = None) -> dict[str, Any]:
+            panels: Sequence[Panel] = PANELS, progress: Callable[[int], None] | None = None,
+            memo: dict[str, Any] | None = None) -> dict[str, Any]:
     """Run every panel's SQL through ``query`` (one read-only snapshot) and draw it.
 
     Returns ``{"empty", "summary", "summary_sql", "panels": [{"name", "title",
@@ -188,7 +189,9 @@ def collect(query: Query, *, stuck_after_s: float = DEFAULT_STUCK_AFTER_S, paylo
     panel has nothing to draw yet). ``payload``: where the store's payload is
     (the token-level panels read the newest samples' segments there).
     ``progress(1)`` is called after each panel. An empty store (no trajectory) has no
-    panels at all: the page shows one "no data yet" state instead."""
+    panels at all: the page shows one "no data yet" state instead. ``memo``: a dict kept
+    between calls (the live page's): a panel whose SQL and rows are those of the previous call
+    is not drawn again, its previous entry (the same object) is returned."""
     ran: dict[str, QueryResult] = {}
     run = query
 
@@ -210,10 +213,19 @@ def collect(query: Query, *, stuck_after_s: float = DEFAULT_STUCK_AFTER_S, paylo
     with drawing():
         for panel in panels:
             sql = list(panel.queries(clock))
-            drawn = panel.draw(clock, [query(q) for q in sql])
-            figure, note = (None, drawn) if isinstance(drawn, str) else (figure_json(drawn), None)
-            data["panels"].append({"name": panel.name, "title": panel.title, "caption": panel.caption,
-                                   "sql": sql, "figure": figure, "note": note})
+            results = [query(q) for q in sql]
+            # what a drawing reads besides its rows: the clock's axis (its SQL has the bucket width and start)
+            rows = [clock.num_buckets, clock.length_bin, clock.stuck_after_s, [r.rows for r in results]]
+            before = memo.get(panel.name) if memo is not None else None
+            if before is not None and before[0] == sql and before[1] == rows:
+                data["panels"].append(before[2])  # the same rows draw the same figure
+            else:
+                drawn = panel.draw(clock, results)
+                figure, note = (None, drawn) if isinstance(drawn, str) else (figure_json(drawn), None)
+                data["panels"].append({"name": panel.name, "title": panel.title, "caption": panel.caption,
+                                       "sql": sql, "figure": figure, "note": note})
+                if memo is not None:
+                    memo[panel.name] = (sql, rows, data["panels"][-1])
             if progress:
                 progress(1)  # one panel drawn
     return data

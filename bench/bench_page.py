@@ -387,6 +387,19 @@ def main() -> None:
         if cluster is not None:
             cluster.stop()
     results["load_average"] = [min(load), max(load)]
+    # the "Current figures" row (bench/summary.py)
+    mine, old = results["pages"].get("this tree"), results["pages"].get("old tree")
+    if mine:
+        results["summary"] = [{
+            "what": f"run view in Chromium, append → drawn, {results['backend']}, {args.trajectories:,} trajectories, "
+                    f"{args.steps} training steps",
+            "figure": f"p50 {mine['p50_s']:.2f} s, max {mine['max_s']:.2f} s (panels in view p50 "
+                      f"{mine['panels_in_view_p50_s']:.2f} s, max {mine['panels_in_view_max_s']:.2f} s; {args.probes} "
+                      f"probes); idle page {mine['idle_core_share']:.1%} of a core; server CPU "
+                      f"{mine['server_cpu_s_per_probe']:.2f} s per probe",
+            "baseline": "-" if not old else f"--old tree, same run: p50 {old['p50_s']:.2f} s, max {old['max_s']:.2f} s, "
+                                            f"server CPU {old['server_cpu_s_per_probe']:.2f} s per probe",
+            "section": "[Run view in a browser](#the-run-view-in-a-browser--benchbench_pagepy)"}]
     print(f"\n{results['backend']}, {args.trajectories} trajectories, {args.steps} steps, {args.probes} probes "
           f"(load average {min(load):.1f}-{max(load):.1f} on {os.cpu_count()} cores)")
     print(f"{'page':<10} {'p50 s':>6} {'max s':>6} {'in view p50/max s':>17} {'idle core':>9} {'idle B/s':>9} {'KB/update':>9} "

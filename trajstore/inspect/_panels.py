@@ -37,6 +37,7 @@ from trajstore.inspect._panels_tokens import (_drift_draw, _drift_sql, _experts_
                                               _length_sql, _logprob_draw, _logprob_sql, _read_samples,  # noqa: F401
                                               _routes_draw, _routes_sql)
 from trajstore.inspect._panels_trends import TRENDS
+from trajstore.inspect._sources import kinds_of
 from trajstore.inspect._step_panels import extend as _extend_panels
 from trajstore.inspect.sql import Query, QueryResult
 
@@ -180,7 +181,7 @@ def _summary(query: Query) -> list[list[str]]:
 
 def collect(query: Query, *, stuck_after_s: float = DEFAULT_STUCK_AFTER_S, payload: str | None = None,
             panels: Sequence[Panel] = PANELS, progress: Callable[[int], None] | None = None,
-            memo: dict[str, Any] | None = None) -> dict[str, Any]:
+            memo: dict[str, Any] | None = None, moved: set[str] | None = None) -> dict[str, Any]:
     """Run every panel's SQL through ``query`` (one read-only snapshot) and draw it.
 
     Returns ``{"empty", "summary", "summary_sql", "panels": [{"name", "title",
@@ -191,7 +192,9 @@ def collect(query: Query, *, stuck_after_s: float = DEFAULT_STUCK_AFTER_S, paylo
     ``progress(1)`` is called after each panel. An empty store (no trajectory) has no
     panels at all: the page shows one "no data yet" state instead. ``memo``: a dict kept
     between calls (the live page's): a panel whose SQL and rows are those of the previous call
-    is not drawn again, its previous entry (the same object) is returned."""
+    is not drawn again, its previous entry (the same object) is returned. ``moved``: the kinds of
+    write since the previous call (``_sources``; None: any): a panel whose SQL reads no table such
+    a write changes keeps its previous rows without running its SQL."""
     ran: dict[str, QueryResult] = {}
     run = query
 
@@ -213,10 +216,13 @@ def collect(query: Query, *, stuck_after_s: float = DEFAULT_STUCK_AFTER_S, paylo
     with drawing():
         for panel in panels:
             sql = list(panel.queries(clock))
-            results = [query(q) for q in sql]
+            before = memo.get(panel.name) if memo is not None else None
+            if before is not None and moved is not None and before[0] == sql and not kinds_of(sql) & moved:
+                results = before[3]  # nothing its tables hold has moved
+            else:
+                results = [query(q) for q in sql]
             # what a drawing reads besides its rows: the clock's axis (its SQL has the bucket width and start)
             rows = [clock.num_buckets, clock.length_bin, clock.stuck_after_s, [r.rows for r in results]]
-            before = memo.get(panel.name) if memo is not None else None
             if before is not None and before[0] == sql and before[1] == rows:
                 data["panels"].append(before[2])  # the same rows draw the same figure
             else:
@@ -224,8 +230,8 @@ def collect(query: Query, *, stuck_after_s: float = DEFAULT_STUCK_AFTER_S, paylo
                 figure, note = (None, drawn) if isinstance(drawn, str) else (figure_json(drawn), None)
                 data["panels"].append({"name": panel.name, "title": panel.title, "caption": panel.caption,
                                        "sql": sql, "figure": figure, "note": note})
-                if memo is not None:
-                    memo[panel.name] = (sql, rows, data["panels"][-1])
+            if memo is not None:
+                memo[panel.name] = (sql, rows, data["panels"][-1], results)
             if progress:
                 progress(1)  # one panel drawn
     return data

@@ -36,47 +36,36 @@ def _page(data) -> list:
     return [(p["name"], p["figure"], p["note"]) for p in data["panels"]] + [data["summary"]]
 
 
-@pytest.mark.parametrize("write", ["rollout", "fold", "lineage"])
-def test_a_write_moves_only_the_panels_of_its_kind(run_store, write):
+def test_each_write_moves_only_the_panels_of_its_kind(run_store):
+    """Appended (not folded), then folded, then a training step: after each, the change query names
+    that kind, the panels of other kinds read what they read, and the live page's memo gives the
+    page computed from scratch (rows of the other kinds kept: the same panel objects)."""
     store, _ = run_store
     memo: dict = {}  # as the live page keeps it
     token, before = _token(store), _rows(store)
-    _collect(store, memo)
-    if write == "fold":  # appended first; the fold alone is the write checked
-        for events in run_events(100, 3):
-            store.append(events)
+    page = _collect(store, memo)
+    for write in ("rollout", "fold", "lineage"):
+        if write == "rollout":
+            for events in run_events(100, 3):
+                store.append(events)
+        elif write == "fold":
+            store.materialize()
+        else:
+            train(store, 50, steps=1)
         now = _token(store)
-        _collect(store, memo, moved(token, now))
-        token, before = now, _rows(store)
-    if write == "rollout":  # appended, not folded yet
-        for events in run_events(100, 3):
-            store.append(events)
-    elif write == "fold":
-        store.materialize()
-    else:
-        train(store, 50, steps=1)
-    now = _token(store)
-    kinds = moved(token, now)
-    assert kinds is not None and write in kinds and kinds <= {write, "compaction"}, kinds
-    after = _rows(store)
-    untouched = [name for name, (sql, _) in before.items() if after[name][0] == sql and not kinds_of(sql) & kinds]
-    assert len(untouched) >= 5, untouched  # the check below is about something
-    for name in untouched:
-        assert after[name][1] == before[name][1], (write, name)
-    assert any(after[name] != before[name] for name in before), write  # the write moved something
-
-    # what the live page computes with its memo (only the moved kinds' SQL rerun) is the page from scratch
-    assert _page(_collect(store, memo, kinds)) == _page(_collect(store))
-
-
-def test_the_memo_reuses_rows_only_for_the_kinds_that_did_not_move(run_store):
-    """A panel kept from the memo is the same object; a panel of a moved kind is recomputed."""
-    store, _ = run_store
-    memo: dict = {}
-    token = _token(store)
-    first = _collect(store, memo)
-    train(store, 60, steps=1)
-    second = _collect(store, memo, moved(token, _token(store)))
-    same = {p["name"] for p, q in zip(first["panels"], second["panels"]) if p is q}
-    assert not same & {"trainer_metrics", "training_steps"}, same
-    assert {"logprobs", "versions", "staleness", "merge_ratio"} <= same, same
+        kinds = moved(token, now)
+        assert kinds is not None and write in kinds and kinds <= {write, "compaction"}, (write, kinds)
+        after = _rows(store)
+        untouched = [name for name, (sql, _) in before.items() if after[name][0] == sql and not kinds_of(sql) & kinds]
+        assert len(untouched) >= 5, (write, untouched)  # the check below is about something
+        for name in untouched:
+            assert after[name][1] == before[name][1], (write, name)
+        assert any(after[name] != before[name] for name in before), write  # the write moved something
+        # the live page's computation (only the moved kinds' SQL rerun) is the page from scratch
+        got = _collect(store, memo, kinds)
+        assert _page(got) == _page(_collect(store)), write
+        kept = {p["name"] for p, q in zip(page["panels"], got["panels"]) if p is q}
+        assert kept and kept.isdisjoint(name for name, (sql, _) in after.items() if kinds_of(sql) & kinds
+                                        and after[name] != before[name]), (write, kept)
+        token, before, page = now, after, got
+    assert {"logprobs", "versions", "staleness", "merge_ratio"} <= kept, kept  # a training step moves none of them

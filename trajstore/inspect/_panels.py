@@ -221,8 +221,9 @@ def collect(query: Query, *, stuck_after_s: float = DEFAULT_STUCK_AFTER_S, paylo
                 results = before[3]  # nothing its tables hold has moved
             else:
                 results = [query(q) for q in sql]
-            # what a drawing reads besides its rows: the clock's axis (its SQL has the bucket width and start)
-            rows = [clock.num_buckets, clock.length_bin, clock.stuck_after_s, [r.rows for r in results]]
+            # what a drawing reads besides its rows: a time panel's axis spans the clock's buckets (their
+            # width and start are in its SQL, as the length bins and the stuck threshold are in theirs)
+            rows = [clock.num_buckets if any("bucket" in q for q in sql) else None, [r.rows for r in results]]
             if before is not None and before[0] == sql and before[1] == rows:
                 data["panels"].append(before[2])  # the same rows draw the same figure
             else:

@@ -1,5 +1,6 @@
 """What every panel of ``trajstore report`` is drawn with: the run's clock (time
-buckets, sizes), the ``Panel`` record, and the plotly helpers the panels share.
+buckets, sizes), the ``Panel`` record, and the figure helpers the panels share
+(figures are plain dicts in plotly's figure API: ``_plot``).
 
 The panels themselves are in ``_panels_run`` (over time, per trajectory and
 per version, from the inspection views), ``_panels_tokens`` (lengths, logprobs,

@@ -1,5 +1,5 @@
 """The panels of ``trajstore report``: SQL over the inspection views and the run
-aggregates, drawn with plotly.
+aggregates, drawn as plotly figures (plain dicts: ``_plot``).
 
 Every panel is a few read-only queries and a function that turns their rows
 into a plotly figure (``_panels_run``, ``_panels_tokens``, ``_panels_lineage``;

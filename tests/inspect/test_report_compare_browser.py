@@ -87,3 +87,14 @@ def test_a_static_export_compares_too(two_runs, browser, tmp_path):
     runs = _runs_of(page, "reward_curve")
     assert runs == {"run-a/run.db": {COLORS[0]}, "run-b/run.db": {COLORS[1]}}, runs
     assert page.errors == []
+
+
+def test_a_compared_store_that_is_not_there_is_one_line_and_nothing_written(two_runs, tmp_path, capsys):
+    from trajstore.cli import main
+
+    a, _ = two_runs
+    out = tmp_path / "out"
+    missing = tmp_path / "nowhere" / "run.db"
+    assert main(["--store", a.url, "report", str(out), "--compare", f"sqlite:///{missing}"]) == 1
+    assert capsys.readouterr().err == f"error: no store at {missing} (trajstore init, ingest or demo makes one)\n"
+    assert not out.exists()

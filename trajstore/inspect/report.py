@@ -55,6 +55,11 @@ def render_report(url: str | None, out_dir: str, *, title: str | None = None,
     decoder = load_tokenizer(tokenizer)  # a wrong path fails before anything is written
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise TrajstoreError(f"report: {out_dir} is a file; the report writes a directory (index.html and plotly.min.js)")
+    other = None
+    if compare is not None:  # the compared store is read first: a wrong one writes nothing
+        with read_only(compare) as query:
+            other = collect(query, stuck_after_s=DEFAULT_STUCK_AFTER_S if stuck_after_s is None else stuck_after_s,
+                            payload=_report_page.payload_location(compare, None, query))
     with read_only(url) as query:
         payload_at = _report_page.payload_location(url, payload, query)
         data = collect(query, stuck_after_s=DEFAULT_STUCK_AFTER_S if stuck_after_s is None else stuck_after_s,
@@ -66,12 +71,9 @@ def render_report(url: str | None, out_dir: str, *, title: str | None = None,
                                                                  decoder=decoder))
                                for tid in linked_ids(data)}
     label = _report_page.store_label(url)
-    if compare is not None:
+    if other is not None:
         from trajstore.inspect._compare import merge, store_labels
 
-        with read_only(compare) as query:
-            other = collect(query, stuck_after_s=DEFAULT_STUCK_AFTER_S if stuck_after_s is None else stuck_after_s,
-                            payload=_report_page.payload_location(compare, None, query))
         data = merge(data, other, store_labels(label, _report_page.store_label(compare)))
         label += f" compared with {_report_page.store_label(compare)}"
     page = _report_page.page(title or "trajstore report", label, live=False,

@@ -105,6 +105,17 @@ _JS = r"""
 
   function renderSummary(data) {
     const box = $("summary");
+    const rows = (data.summary_header ? [data.summary_header] : []).concat(data.summary);
+    const shown = box.querySelectorAll("table.summary tr");
+    if (!data.empty && shown.length === rows.length &&
+        rows.every((row, i) => shown[i].cells.length === row.length)) {
+      // the same table: only the cells whose text changed are touched (no new layout for the page)
+      rows.forEach((row, i) => row.forEach((v, j) => {
+        const cell = shown[i].cells[j];
+        if (cell.textContent !== String(v)) cell.textContent = v;
+      }));
+      return;
+    }
     box.replaceChildren();
     if (data.empty) return;
     const t = el("table", {class: "summary"});

@@ -10,7 +10,9 @@ system browser; no browser is downloaded).
 
 Each probe appends one distinctive finished trajectory and one training step of already
 folded samples, then watches both pages (a DOM probe every ~10 ms) until the summary's
-trajectory count shows it: append -> drawn, per page, p50 and max over ``--probes`` probes.
+trajectory count shows it: append -> drawn, per page, p50 and max over ``--probes`` probes; and
+until the panels in view are drawn with the same data (a page drawing panels after its summary
+says so in ``data-drawn``/``data-shown``; one drawing them in the summary's task, at once).
 Probes alternate which page is checked first. Also per page: the renderer's main-thread
 time while idle (``--idle-s`` with nothing appended: Chrome's ``TaskDuration`` through the
 DevTools protocol, as a share of one core) and the bytes received per update
@@ -20,8 +22,8 @@ browser, the training panels' SQL of each tree is timed on the built store (best
 print as one table and as JSON (``--out``).
 
 A big store is built once with ``--build-only --keep DIR`` (``--fill-batch`` trajectories per
-append) and probed by later runs with the same ``--keep DIR``; each run's probe trajectories have
-ids of their own.
+append) and probed by later runs with the same ``--keep DIR`` (with ``--postgres``, the server's
+data directory is kept there too, in DIR/pg); each run's probe trajectories have ids of their own.
 
     python bench/bench_page.py --trajectories 10000 --steps 500 --probes 20 --old /tmp/before
     python bench/bench_page.py --trajectories 10000 --steps 500 --probes 20 --old /tmp/before --postgres
@@ -119,6 +121,42 @@ def build(url: str, args: argparse.Namespace) -> None:
           f"{time.perf_counter() - t:.0f} s", flush=True)
 
 
+def kept_cluster(home: str):
+    """A PostgreSQL server whose data directory is ``home``/pg, kept between runs (``--keep``): the
+    first run creates and fills it, later runs start it again and probe the same store."""
+    import pwd
+    from pathlib import Path
+
+    from pg_cluster import PgCluster
+
+    class Kept(PgCluster):
+        def _make_base_dir(self) -> None:
+            self.base_dir = Path(home) / "pg"
+            self.base_dir.mkdir(parents=True, exist_ok=True)
+            if self.run_as_postgres:
+                pw = pwd.getpwnam("postgres")
+                os.chown(self.base_dir, pw.pw_uid, pw.pw_gid)
+
+        def _spawn_watchdog(self) -> None:  # the tests' watchdog deletes the directory: this one is kept
+            pass
+
+        def start(self) -> None:
+            if not (Path(home) / "pg" / "data" / "PG_VERSION").exists():
+                return super().start()
+            self._make_base_dir()
+            self.port = free_port()
+            self._write_settings()
+            self._run("pg_ctl", "-D", str(self.data_dir), "-l", str(self.log_path), "-w", "start")
+
+        def stop(self) -> None:
+            if self.base_dir is not None and (self.data_dir / "postmaster.pid").exists():
+                self._run("pg_ctl", "-D", str(self.data_dir), "-m", "fast", "-w", "stop", check=False)
+
+    from pg_cluster import free_loopback_port as free_port
+
+    return Kept()
+
+
 def cpu_s(pid: int) -> float:
     """User + system CPU seconds of process ``pid`` (and its reaped children) from /proc."""
     with open(f"/proc/{pid}/stat") as f:
@@ -157,12 +195,19 @@ class Watched:
         self.page.goto(base)
         self.page.wait_for_function("Number(document.body.dataset.refreshes) >= 1", timeout=600_000)
         self.latencies: list[float] = []
+        self.panel_latencies: list[float] = []
 
     def task_s(self) -> float:
         return {m["name"]: m["value"] for m in self.cdp.send("Performance.getMetrics")["metrics"]}["TaskDuration"]
 
     def refreshes(self) -> int:
         return int(self.page.evaluate("Number(document.body.dataset.refreshes || 0)"))
+
+    def in_view_drawn(self) -> bool:
+        """Whether the panels in view show the data the summary shows (a page that draws every panel in
+        the task that draws the summary has no ``data-shown``: drawn with it)."""
+        return bool(self.page.evaluate("document.body.dataset.shown === undefined || "
+                                       "document.body.dataset.drawn === document.body.dataset.shown"))
 
     def shows(self, count: int) -> bool:
         return bool(self.page.evaluate(
@@ -211,11 +256,17 @@ def main() -> None:
         sys.path.insert(0, os.path.join(ROOT, "tests"))
         from pg_cluster import PgCluster
 
-        cluster = PgCluster()
+        cluster = kept_cluster(workdir) if args.keep else PgCluster()
         cluster.start()
-        url = cluster.create_database("bench_page")
+        built = os.path.join(workdir, "pg-built")
         os.environ["TRAJSTORE_PAYLOAD_DIR"] = os.path.join(workdir, "pg-payload")
-        build(url, args)
+        if os.path.exists(built):
+            url = cluster.url("bench_page")
+        else:
+            url = cluster.create_database("bench_page")
+            build(url, args)
+            with open(built, "w") as f:
+                f.write(f"{args.trajectories} trajectories, {args.steps} steps\n")
         # the page reads through a login holding only the reader role (trajstore sql and the report
         # refuse a superuser), made as docs/sql.md says
         from sqlalchemy.engine import make_url
@@ -223,7 +274,9 @@ def main() -> None:
         from trajstore.inspect.sql import create_reader_login
 
         with trajstore.connect(url) as store:
-            create_reader_login(store, "bench_page_reader", password="")
+            if not os.path.exists(built + "-reader"):
+                create_reader_login(store, "bench_page_reader", password="")
+                open(built + "-reader", "w").close()
         view_url = make_url(url).set(username="bench_page_reader", password=None).render_as_string(False)
     else:
         url = view_url = f"sqlite:///{workdir}/run.db"
@@ -284,19 +337,27 @@ def main() -> None:
                     reader.record_step(args.steps + i, run="bench", policy_version=args.versions + 1)
                     t_ack = time.perf_counter()
                     order = pages if i % 2 == 0 else pages[::-1]
-                    waiting = list(order)
+                    waiting, drawing = list(order), []
                     deadline = t0 + 60
-                    while waiting and time.perf_counter() < deadline:
+                    while (waiting or drawing) and time.perf_counter() < deadline:
                         for w in list(waiting):
                             if w.shows(expected):
                                 w.latencies.append(time.perf_counter() - t0)
                                 waiting.remove(w)
+                                drawing.append(w)
+                        for w in list(drawing):  # then the panels in view, drawn with that data
+                            if w.in_view_drawn():
+                                w.panel_latencies.append(time.perf_counter() - t0)
+                                drawing.remove(w)
                         time.sleep(0.01)
                     for w in waiting:
                         w.latencies.append(float("inf"))
+                    for w in waiting + drawing:
+                        w.panel_latencies.append(float("inf"))
                     load.append(os.getloadavg()[0])
                     print(f"probe {i}: ack {1e3 * (t_ack - t0):.0f} ms; "
-                          + ", ".join(f"{w.name} {w.latencies[-1]:.2f} s" for w in pages), flush=True)
+                          + ", ".join(f"{w.name} {w.latencies[-1]:.2f} s (panels in view {w.panel_latencies[-1]:.2f} s)"
+                                      for w in pages), flush=True)
                     del batch
                 for w in pages:
                     got, refreshes, task, server = start[w.name]
@@ -307,8 +368,11 @@ def main() -> None:
                         "server_cpu_s_per_probe": (cpu_s(servers[w.name]) - server) / args.probes,
                         "render_s_per_probe": (w.task_s() - task) / args.probes})
                     lat = sorted(w.latencies)
+                    panel_lat = sorted(w.panel_latencies)
                     results["pages"][w.name].update({
                         "p50_s": statistics.median(lat), "max_s": lat[-1],
+                        "panels_in_view_p50_s": statistics.median(panel_lat), "panels_in_view_max_s": panel_lat[-1],
+                        "panels_in_view_latencies_s": panel_lat,
                         "bytes_per_update": (w.received - got) / updates, "updates": updates,
                         "latencies_s": lat})
             browser.close()
@@ -323,12 +387,26 @@ def main() -> None:
         if cluster is not None:
             cluster.stop()
     results["load_average"] = [min(load), max(load)]
+    # the "Current figures" row (bench/summary.py)
+    mine, old = results["pages"].get("this tree"), results["pages"].get("old tree")
+    if mine:
+        results["summary"] = [{
+            "what": f"run view in Chromium, append → drawn, {results['backend']}, {args.trajectories:,} trajectories, "
+                    f"{args.steps} training steps",
+            "figure": f"p50 {mine['p50_s']:.2f} s, max {mine['max_s']:.2f} s (panels in view p50 "
+                      f"{mine['panels_in_view_p50_s']:.2f} s, max {mine['panels_in_view_max_s']:.2f} s; {args.probes} "
+                      f"probes); idle page {mine['idle_core_share']:.1%} of a core; server CPU "
+                      f"{mine['server_cpu_s_per_probe']:.2f} s per probe",
+            "baseline": "-" if not old else f"--old tree, same run: p50 {old['p50_s']:.2f} s, max {old['max_s']:.2f} s, "
+                                            f"server CPU {old['server_cpu_s_per_probe']:.2f} s per probe",
+            "section": "[Run view in a browser](#the-run-view-in-a-browser--benchbench_pagepy)"}]
     print(f"\n{results['backend']}, {args.trajectories} trajectories, {args.steps} steps, {args.probes} probes "
           f"(load average {min(load):.1f}-{max(load):.1f} on {os.cpu_count()} cores)")
-    print(f"{'page':<10} {'p50 s':>6} {'max s':>6} {'idle core':>9} {'idle B/s':>9} {'KB/update':>9} "
+    print(f"{'page':<10} {'p50 s':>6} {'max s':>6} {'in view p50/max s':>17} {'idle core':>9} {'idle B/s':>9} {'KB/update':>9} "
           f"{'server CPU s/probe':>18} {'render s/probe':>14}")
     for name, r in results["pages"].items():
-        print(f"{name:<10} {r['p50_s']:6.2f} {r['max_s']:6.2f} {r['idle_core_share']:9.1%} "
+        print(f"{name:<10} {r['p50_s']:6.2f} {r['max_s']:6.2f} "
+              f"{r['panels_in_view_p50_s']:8.2f}/{r['panels_in_view_max_s']:<8.2f} {r['idle_core_share']:9.1%} "
               f"{r['idle_bytes_per_s']:9.0f} {r['bytes_per_update'] / 1e3:9.1f} {r['server_cpu_s_per_probe']:18.2f} "
               f"{r['render_s_per_probe']:14.2f}")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)

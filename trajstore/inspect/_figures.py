@@ -1,5 +1,6 @@
 """What every panel of ``trajstore report`` is drawn with: the run's clock (time
-buckets, sizes), the ``Panel`` record, and the plotly helpers the panels share.
+buckets, sizes), the ``Panel`` record, and the figure helpers the panels share
+(figures are plain dicts in plotly's figure API: ``_plot``).
 
 The panels themselves are in ``_panels_run`` (over time, per trajectory and
 per version, from the inspection views), ``_panels_tokens`` (lengths, logprobs,
@@ -18,7 +19,6 @@ stored buckets into the page's.
 from __future__ import annotations
 
 import datetime as _dt
-import threading
 from contextlib import contextmanager
 import math
 import time
@@ -39,19 +39,20 @@ RECENT_VERSIONS = 6
 
 
 def _plotly() -> Any:
-    try:
-        import plotly.graph_objects as go
-        from plotly.subplots import make_subplots
-    except ImportError:
-        raise TrajstoreError("trajstore report needs plotly: pip install -e '.[report]' in the trajstore checkout") from None
-    return go, make_subplots
+    """What the panels draw with: ``trajstore.inspect._plot`` (figures as plain dicts, in plotly's
+    figure API) and its ``make_subplots``."""
+    from trajstore.inspect import _plot
+
+    return _plot, _plot.make_subplots
 
 
 def plotly_js() -> str:
     """The plotly.js bundle shipped inside the plotly package (no CDN: pages work offline)."""
-    _plotly()
-    from plotly.offline import get_plotlyjs
-
+    try:
+        import plotly.graph_objects  # noqa: F401 - the package whole, as pip installs it
+        from plotly.offline import get_plotlyjs
+    except ImportError:
+        raise TrajstoreError("trajstore report needs plotly: pip install -e '.[report]' in the trajstore checkout") from None
     return get_plotlyjs()
 
 
@@ -163,38 +164,28 @@ def _layout(fig: Any, **kw: Any) -> Any:
 
 
 _TEMPLATE_JSON: dict[str, Any] = {}
-_NO_DEFAULT_TEMPLATE = threading.Lock()
 
 
 @contextmanager
 def drawing() -> Iterator[None]:
-    """Figures are built without plotly's default template: plotly validates and deep-copies
-    a template into every figure it makes and every ``update_layout`` that names one (most
-    of a refresh's time); ``figure_json`` adds the page's template to the JSON instead,
-    validated once. (plotly's default is process-wide: one drawing at a time.)"""
+    """Where figures are drawn (``collect``): figures are plain dicts (``_plot``), built without
+    plotly's template or validators; ``figure_json`` adds the page's template to the JSON."""
+    yield
+
+
+def _template() -> dict[str, Any]:
+    """``TEMPLATE`` as plotly defines it, read once (the page's look stays plotly's)."""
     try:
         import plotly.io as pio
-    except ImportError:  # the panel's _plotly() says what to install
-        yield
-        return
-    templates = pio.templates
-    # the attribute behind ``templates.default``, whose setter validates (the cost avoided here)
-    name = "_default" if hasattr(templates, "_default") else "default"
-    with _NO_DEFAULT_TEMPLATE:
-        default = getattr(templates, name)
-        setattr(templates, name, None)
-        try:
-            yield
-        finally:
-            setattr(templates, name, default)
+    except ImportError:
+        raise TrajstoreError("trajstore report needs plotly: pip install -e '.[report]' in the trajstore checkout") from None
+    return pio.templates[TEMPLATE].to_plotly_json()
 
 
 def figure_json(fig: Any) -> dict[str, Any]:
     """The figure as JSON-ready data, with the page's template (``TEMPLATE``)."""
     if not _TEMPLATE_JSON:
-        import plotly.io as pio
-
-        _TEMPLATE_JSON.update(pio.templates[TEMPLATE].to_plotly_json())
+        _TEMPLATE_JSON.update(_template())
     out = fig.to_plotly_json()
     for trace in out.get("data", ()):
         if trace.get("type", "scatter") in _ROUNDED_TYPES:
@@ -285,38 +276,37 @@ def _version_axis(fig: Any, **kw: Any) -> None:
     hundreds of versions instead of hairline bars and merged markers."""
     row, col = kw.get("row"), kw.get("col")
     if row is None:  # every x axis of the figure
-        axes = sorted({getattr(t, "xaxis", None) or "x" for t in fig.data})
+        axes = sorted({t.get("xaxis") or "x" for t in fig.data})
     else:
-        axes = [fig.get_subplot(row, col).xaxis.plotly_name.replace("axis", "")]
+        axes = [fig.axes_of(row, col)[0]]
     for axis in axes:
         name = "xaxis" + axis[1:]
-        if _as_scale(fig, axis):
-            fig.layout[name].update(title_text="model version", type="linear")
-        else:
-            fig.layout[name].update(title_text="model version", type="category")
+        kind = "linear" if _as_scale(fig, axis) else "category"
+        fig.layout.setdefault(name, {}).update(title={"text": "model version"}, type=kind)
 
 
 def _as_scale(fig: Any, axis: str) -> bool:
     """``_version_axis``'s many versions: the bars and markers on x axis ``axis`` made lines."""
-    mine = [t for t in fig.data if (getattr(t, "xaxis", None) or "x") == axis and t.type in ("bar", "scatter")]
-    versions = {str(x) for t in mine for x in (t.x or ())}
+    from trajstore.inspect._plot import Scatter
+
+    mine = [t for t in fig.data if (t.get("xaxis") or "x") == axis and t["type"] in ("bar", "scatter")]
+    versions = {str(x) for t in mine for x in (t.get("x") or ())}
     if len(versions) <= MANY_VERSIONS or not all(v.lstrip("-").isdigit() for v in versions):
         return False
-    go, _ = _plotly()
-    stacked = fig.layout.barmode in ("stack", "relative")
+    stacked = fig.layout.get("barmode") in ("stack", "relative")
+    lines = []
     for t in mine:
         line: dict[str, Any] = {"width": 1.5}
-        color = t.marker.color if t.marker is not None else None
+        color = (t.get("marker") or {}).get("color")
         if isinstance(color, str):
             line["color"] = color
-        elif t.type == "scatter" and t.line is not None and t.line.color is not None:
-            line["color"] = t.line.color
-        keep = {k: getattr(t, k) for k in ("name", "showlegend", "legendgroup", "customdata", "hovertemplate",
-                                           "xaxis", "yaxis") if getattr(t, k) is not None}
-        trace = go.Scatter(x=[int(x) for x in t.x], y=t.y, mode="lines", line=line,
-                           stackgroup=f"stack-{axis}" if stacked and t.type == "bar" else None, **keep)
-        fig.add_trace(trace)
-        fig.data = tuple(d for d in fig.data if d is not t)
+        elif t["type"] == "scatter" and (t.get("line") or {}).get("color") is not None:
+            line["color"] = t["line"]["color"]
+        keep = {k: t[k] for k in ("name", "showlegend", "legendgroup", "customdata", "hovertemplate",
+                                  "xaxis", "yaxis") if t.get(k) is not None}
+        lines.append(Scatter(x=[int(x) for x in t["x"]], y=t.get("y"), mode="lines", line=line,
+                             stackgroup=f"stack-{axis}" if stacked and t["type"] == "bar" else None, **keep))
+    fig.data[:] = [t for t in fig.data if all(t is not m for m in mine)] + lines
     return True
 
 

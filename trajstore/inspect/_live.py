@@ -2,7 +2,8 @@
 
 The page keeps one ``GET api/stream`` open (server-sent events). The server
 checks every ``refresh_s`` whether the store changed (``CHANGED_SQL``: a few
-indexed maxima, no count), and only then recomputes the panels (``panels.collect``,
+indexed maxima, no count, one token per kind of write), and only then recomputes the panels
+whose tables that kind of write changes (``_sources``; ``panels.collect``,
 in one read-only snapshot as ``trajstore sql`` opens it, once whatever the number
 of viewers, never more often than twice its own cost); the clock-dependent panels
 (stuck trajectories) are recomputed at least every ``MAX_AGE_S`` as well. Each
@@ -40,6 +41,7 @@ from trajstore._util.auth import same_token
 from trajstore.ingest._http import BearerAuth, bearer_ok, error_body
 from trajstore.inspect import _report_page, _trace
 from trajstore.inspect._panels import DEFAULT_STUCK_AFTER_S, collect, plotly_js
+from trajstore.inspect._sources import SIGNALS_SQL, moved, tokens
 
 __all__ = ["DEFAULT_PORT", "DEFAULT_REFRESH_S", "make_app", "serve_report"]
 
@@ -59,14 +61,10 @@ COOKIE = "trajstore_report"
 # lineage and labels included, takes the next log position), a fold (a shard's or a
 # projection's checkpoint moves), the background compaction (it counts the expert load of the
 # segments noted in agg_expert_pending and settles the groups of agg_groups_delta, deleting
-# what it counted). Maxima over primary keys, and tables as small as the compaction's lag:
-# nothing that grows with the store.
-CHANGED_SQL = ("SELECT (SELECT max(position) FROM events), "
-               "(SELECT max(updated_at) FROM materializer_checkpoints), "
-               "(SELECT sum(position) FROM materializer_checkpoints), "
-               "(SELECT max(updated_at) FROM projection_checkpoints), "
-               "(SELECT count(*) FROM materializer_checkpoints), "
-               "(SELECT count(*) FROM agg_expert_pending), (SELECT count(*) FROM agg_groups_delta)")
+# what it counted). Maxima over primary keys and ix_events_type_position, and tables as small as
+# the compaction's lag: nothing that grows with the store. One token per kind of write
+# (``_sources``): a recomputation reruns only the SQL of the panels whose tables that kind changes.
+CHANGED_SQL = SIGNALS_SQL
 
 
 def _cookie_value(token: str) -> str:
@@ -146,10 +144,11 @@ class _Snapshot:
     big store's views take seconds: the page then refreshes more slowly rather than keep the
     database busy); one computation at a time. ``changed=None``: recomputed on age alone."""
 
-    def __init__(self, compute: Callable[[], dict[str, Any]], min_age_s: float, *,
+    def __init__(self, compute: Callable[..., dict[str, Any]], min_age_s: float, *,
                  changed: Callable[[], Any] | None = None, check_s: float = 1.0,
-                 max_age_s: float = MAX_AGE_S) -> None:
+                 max_age_s: float = MAX_AGE_S, with_tokens: bool = False) -> None:
         self._compute = compute
+        self._with_tokens = with_tokens  # compute(before, now): the change tokens (before None: a full one)
         self._changed = changed
         self._min_age_s = min_age_s
         self._check_s = check_s
@@ -160,6 +159,7 @@ class _Snapshot:
         self._checked_at = -math.inf
         self._token: Any = None
         self._parts: _Parts | None = None
+        self._texts: dict[str, tuple[Any, str]] = {}
         self.computed = 0
 
     def _due(self, now: float) -> tuple[bool, Any]:
@@ -186,11 +186,15 @@ class _Snapshot:
                 from plotly.utils import PlotlyJSONEncoder
 
                 start = time.monotonic()
-                if token is _UNASKED:
+                full = token is _UNASKED  # the first, or one on age alone: everything is recomputed
+                if full:
                     token = self._changed() if self._changed is not None else None
-                data = self._compute()
+                data = self._compute(None if full else self._token, token) if self._with_tokens else self._compute()
                 listed = "panels" in data
-                panels = {p["name"]: json.dumps(p, cls=PlotlyJSONEncoder) for p in data.pop("panels", [])}
+                texts = self._texts  # a panel collect returned again (the same object) keeps its JSON text
+                self._texts = {p["name"]: (p, texts[p["name"]][1] if p["name"] in texts and texts[p["name"]][0] is p
+                                           else json.dumps(p, cls=PlotlyJSONEncoder)) for p in data.pop("panels", [])}
+                panels = {name: text for name, (_, text) in self._texts.items()}
                 head = json.dumps(data, cls=PlotlyJSONEncoder)
                 before = self._parts
                 version = 1 if before is None else before.version
@@ -209,10 +213,11 @@ class _Snapshot:
 
 def make_app(url: str | None, *, token: str | None, title: str = "trajstore report",
              refresh_s: float = DEFAULT_REFRESH_S, stuck_after_s: float = DEFAULT_STUCK_AFTER_S,
-             payload: str | None = None, tokenizer: str | None = None) -> Any:
+             payload: str | None = None, tokenizer: str | None = None, compare: str | None = None) -> Any:
     """The ASGI app of the live page over store ``url``. ``token=None``: no auth (the caller decided).
     ``payload``: the store's payload location when not the default. ``tokenizer``: a tokenizer.json
-    (or its directory) the trace view decodes tokens with (None: it shows ids)."""
+    (or its directory) the trace view decodes tokens with (None: it shows ids). ``compare``: a second
+    store whose run is drawn on the same panels (``trajstore.inspect._compare``)."""
     from starlette.applications import Starlette
     from starlette.concurrency import run_in_threadpool
     from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Response, StreamingResponse
@@ -225,19 +230,36 @@ def make_app(url: str | None, *, token: str | None, title: str = "trajstore repo
     _check_refresh(refresh_s)
     payload = _report_page.payload_location(url, payload)
     resolved = resolve_url(url)
-    backend = backend_of(resolved)
 
-    def compute() -> dict[str, Any]:
+    memo: dict[str, Any] = {}  # the panels drawn last time: unchanged rows are not drawn again
+    other = None if compare is None else (resolve_url(compare), _report_page.payload_location(compare, None), {})
+
+    def compute(before: Any, now: Any) -> dict[str, Any]:
+        """The page's data; ``before``/``now``: each store's change tokens at the last computation and
+        now (``before`` None: recompute every panel's SQL)."""
+        kinds = [None if before is None else moved(before[i], now[i]) for i in range(len(now))]
         with read_only(url) as query:
-            return collect(query, stuck_after_s=stuck_after_s, payload=payload)
+            data = collect(query, stuck_after_s=stuck_after_s, payload=payload, memo=memo, moved=kinds[0])
+        if other is None:
+            return data
+        from trajstore.inspect._compare import merge, store_labels
+
+        with read_only(other[0]) as query:
+            data_b = collect(query, stuck_after_s=stuck_after_s, payload=other[1], memo=other[2], moved=kinds[1])
+        return merge(data, data_b, store_labels(_report_page.store_label(url), _report_page.store_label(other[0])))
 
     def changed() -> Any:
         # the schema was brought up to date when the first snapshot was computed: straight to the backend
-        with backend.read_only(resolved, None, READER_ROLE) as query:
-            return tuple(query(CHANGED_SQL)[1][0])
+        out = []
+        for at in (resolved,) if other is None else (resolved, other[0]):
+            with backend_of(at).read_only(at, None, READER_ROLE) as query:
+                out.append(tokens(query(CHANGED_SQL)[1][0]))
+        return tuple(out)
 
-    snapshot = _Snapshot(compute, min_age_s=min(refresh_s, 0.25), changed=changed, check_s=refresh_s)
-    index = _report_page.page(title, _report_page.store_label(url), live=True, refresh_s=refresh_s).encode()
+    snapshot = _Snapshot(compute, min_age_s=min(refresh_s, 0.25), changed=changed, check_s=refresh_s,
+                         with_tokens=True)
+    label = _report_page.store_label(url) + ("" if compare is None else f" compared with {_report_page.store_label(compare)}")
+    index = _report_page.page(title, label, live=True, refresh_s=refresh_s).encode()
     script = plotly_js().encode()
     script_etag = '"' + hashlib.sha256(script).hexdigest()[:32] + '"'
 
@@ -354,11 +376,12 @@ def _check_refresh(refresh_s: float) -> None:
 def serve_report(url: str | None, *, host: str = "127.0.0.1", port: int = DEFAULT_PORT, token: str | None,
                  title: str = "trajstore report", refresh_s: float = DEFAULT_REFRESH_S,
                  stuck_after_s: float = DEFAULT_STUCK_AFTER_S, log_level: str = "warning",
-                 payload: str | None = None, tokenizer: str | None = None) -> None:
+                 payload: str | None = None, tokenizer: str | None = None, compare: str | None = None) -> None:
     """Serve the live page until SIGINT/SIGTERM. ``token=None`` serves it open (the caller decided).
-    ``tokenizer``: what the trace view decodes tokens with (``make_app``)."""
+    ``tokenizer``: what the trace view decodes tokens with; ``compare``: a second store (``make_app``)."""
     server = report_server(url, host=host, port=port, token=token, title=title, refresh_s=refresh_s,
-                           stuck_after_s=stuck_after_s, log_level=log_level, payload=payload, tokenizer=tokenizer)
+                           stuck_after_s=stuck_after_s, log_level=log_level, payload=payload, tokenizer=tokenizer,
+                           compare=compare)
     try:
         server.run()
     finally:
@@ -377,7 +400,7 @@ def page_url(host: str, port: int, token: str | None) -> str:
 def report_server(url: str | None, *, host: str = "127.0.0.1", port: int = DEFAULT_PORT, token: str | None,
                   title: str = "trajstore report", refresh_s: float = DEFAULT_REFRESH_S,
                   stuck_after_s: float = DEFAULT_STUCK_AFTER_S, log_level: str = "warning",
-                  payload: str | None = None, tokenizer: str | None = None) -> "_Server":
+                  payload: str | None = None, tokenizer: str | None = None, compare: str | None = None) -> "_Server":
     """The live page's server, its port bound, not yet serving: ``.run()`` serves (in any thread;
     signals are handled only in the main one), ``.server.should_exit = True`` stops it."""
     from trajstore.inspect.sql import read_only
@@ -385,8 +408,11 @@ def report_server(url: str | None, *, host: str = "127.0.0.1", port: int = DEFAU
     _check_refresh(refresh_s)
     with read_only(url) as query:  # a wrong store URL or login fails here, in one line, before serving
         collect(query, stuck_after_s=stuck_after_s, payload=_report_page.payload_location(url, payload, query))
+    if compare is not None:
+        with read_only(compare) as query:  # the compared store too
+            collect(query, stuck_after_s=stuck_after_s, payload=_report_page.payload_location(compare, None, query))
     app = make_app(url, token=token, title=title, refresh_s=refresh_s, stuck_after_s=stuck_after_s, payload=payload,
-                   tokenizer=tokenizer)
+                   tokenizer=tokenizer, compare=compare)
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
         family = infos[0][0]

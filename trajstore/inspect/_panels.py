@@ -1,5 +1,5 @@
 """The panels of ``trajstore report``: SQL over the inspection views and the run
-aggregates, drawn with plotly.
+aggregates, drawn as plotly figures (plain dicts: ``_plot``).
 
 Every panel is a few read-only queries and a function that turns their rows
 into a plotly figure (``_panels_run``, ``_panels_tokens``, ``_panels_lineage``;
@@ -37,6 +37,7 @@ from trajstore.inspect._panels_tokens import (_drift_draw, _drift_sql, _experts_
                                               _length_sql, _logprob_draw, _logprob_sql, _read_samples,  # noqa: F401
                                               _routes_draw, _routes_sql)
 from trajstore.inspect._panels_trends import TRENDS
+from trajstore.inspect._sources import kinds_of
 from trajstore.inspect._step_panels import extend as _extend_panels
 from trajstore.inspect.sql import Query, QueryResult
 
@@ -179,7 +180,8 @@ def _summary(query: Query) -> list[list[str]]:
 # -- the page's data -------------------------------------------------------------------
 
 def collect(query: Query, *, stuck_after_s: float = DEFAULT_STUCK_AFTER_S, payload: str | None = None,
-            panels: Sequence[Panel] = PANELS, progress: Callable[[int], None] | None = None) -> dict[str, Any]:
+            panels: Sequence[Panel] = PANELS, progress: Callable[[int], None] | None = None,
+            memo: dict[str, Any] | None = None, moved: set[str] | None = None) -> dict[str, Any]:
     """Run every panel's SQL through ``query`` (one read-only snapshot) and draw it.
 
     Returns ``{"empty", "summary", "summary_sql", "panels": [{"name", "title",
@@ -188,7 +190,11 @@ def collect(query: Query, *, stuck_after_s: float = DEFAULT_STUCK_AFTER_S, paylo
     panel has nothing to draw yet). ``payload``: where the store's payload is
     (the token-level panels read the newest samples' segments there).
     ``progress(1)`` is called after each panel. An empty store (no trajectory) has no
-    panels at all: the page shows one "no data yet" state instead."""
+    panels at all: the page shows one "no data yet" state instead. ``memo``: a dict kept
+    between calls (the live page's): a panel whose SQL and rows are those of the previous call
+    is not drawn again, its previous entry (the same object) is returned. ``moved``: the kinds of
+    write since the previous call (``_sources``; None: any): a panel whose SQL reads no table such
+    a write changes keeps its previous rows without running its SQL."""
     ran: dict[str, QueryResult] = {}
     run = query
 
@@ -210,10 +216,23 @@ def collect(query: Query, *, stuck_after_s: float = DEFAULT_STUCK_AFTER_S, paylo
     with drawing():
         for panel in panels:
             sql = list(panel.queries(clock))
-            drawn = panel.draw(clock, [query(q) for q in sql])
-            figure, note = (None, drawn) if isinstance(drawn, str) else (figure_json(drawn), None)
-            data["panels"].append({"name": panel.name, "title": panel.title, "caption": panel.caption,
-                                   "sql": sql, "figure": figure, "note": note})
+            before = memo.get(panel.name) if memo is not None else None
+            if before is not None and moved is not None and before[0] == sql and not kinds_of(sql) & moved:
+                results = before[3]  # nothing its tables hold has moved
+            else:
+                results = [query(q) for q in sql]
+            # what a drawing reads besides its rows: a time panel's axis spans the clock's buckets (their
+            # width and start are in its SQL, as the length bins and the stuck threshold are in theirs)
+            rows = [clock.num_buckets if any("bucket" in q for q in sql) else None, [r.rows for r in results]]
+            if before is not None and before[0] == sql and before[1] == rows:
+                data["panels"].append(before[2])  # the same rows draw the same figure
+            else:
+                drawn = panel.draw(clock, results)
+                figure, note = (None, drawn) if isinstance(drawn, str) else (figure_json(drawn), None)
+                data["panels"].append({"name": panel.name, "title": panel.title, "caption": panel.caption,
+                                       "sql": sql, "figure": figure, "note": note})
+            if memo is not None:
+                memo[panel.name] = (sql, rows, data["panels"][-1], results)
             if progress:
                 progress(1)  # one panel drawn
     return data

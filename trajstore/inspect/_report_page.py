@@ -3,7 +3,9 @@
 One page for both: the static export embeds the data ``collect`` returned in a
 ``<script type="application/json">`` element; the live page keeps ``api/stream``
 open (server-sent events: each message carries the panels that changed, see
-``_live``) and redraws only those in place (``Plotly.react``). plotly.js is a file beside the page (``plotly.min.js``),
+``_live``) and redraws only those in place (``Plotly.react``), each in a task of its own, the
+panels in view first (a changed panel out of view is redrawn when it scrolls into view).
+plotly.js is a file beside the page (``plotly.min.js``),
 from the plotly package: nothing is loaded from the internet.
 """
 
@@ -70,7 +72,7 @@ nav a{margin-right:12px;color:#2563eb;text-decoration:none}
 #empty{padding:48px;text-align:center}
 #empty h2{font-size:22px}
 table.summary{border-collapse:collapse;font-size:14px}
-table.summary td{padding:3px 14px 3px 0;border-bottom:1px solid #eee}
+table.summary td,table.summary th{padding:3px 14px 3px 0;border-bottom:1px solid #eee;text-align:left}
 details{font-size:12px;margin-top:4px}
 details summary{cursor:pointer;color:#2563eb}
 pre{background:#f6f8fa;padding:8px;white-space:pre-wrap;word-break:break-word;margin:4px 0;font-size:12px}
@@ -103,10 +105,22 @@ _JS = r"""
 
   function renderSummary(data) {
     const box = $("summary");
+    const rows = (data.summary_header ? [data.summary_header] : []).concat(data.summary);
+    const shown = box.querySelectorAll("table.summary tr");
+    if (!data.empty && shown.length === rows.length &&
+        rows.every((row, i) => shown[i].cells.length === row.length)) {
+      // the same table: only the cells whose text changed are touched (no new layout for the page)
+      rows.forEach((row, i) => row.forEach((v, j) => {
+        const cell = shown[i].cells[j];
+        if (cell.textContent !== String(v)) cell.textContent = v;
+      }));
+      return;
+    }
     box.replaceChildren();
     if (data.empty) return;
     const t = el("table", {class: "summary"});
-    for (const [k, v] of data.summary) t.appendChild(el("tr", {}, el("td", {text: k}), el("td", {text: v})));
+    if (data.summary_header) t.appendChild(el("tr", {}, ...data.summary_header.map((v) => el("th", {text: v}))));
+    for (const row of data.summary) t.appendChild(el("tr", {}, ...row.map((v) => el("td", {text: v}))));
     box.appendChild(el("h2", {text: "Run"}));
     box.appendChild(t);
     box.appendChild(sqlDetails(data.summary_sql));
@@ -144,34 +158,88 @@ _JS = r"""
     }
   }
 
-  // changed: the names of the panels whose content changed (null: all of them)
+  // changed: the names of the panels whose content changed (null: all of them). A changed
+  // figure is queued and drawn in a task of its own, the panels in view first: the summary and
+  // the panels on screen show without waiting for the rest. The first data draws every panel;
+  // later, a changed panel out of view is drawn when it scrolls into view (data-stale until then),
+  // so an open page spends its time on what is seen.
+  const queued = new Map();  // panel name -> its newest data, not drawn yet
+  let eager = true, draining = false, seenVersion = 0;
+  function section(name) { return document.querySelector('#panels > section[data-panel="' + name + '"]'); }
+  function inView(s) {
+    if (!s || document.hidden) return false;
+    const r = s.getBoundingClientRect();
+    return r.bottom > -100 && r.top < window.innerHeight + 100;
+  }
+
   function renderPanels(data, changed) {
-    if (!samePanels(data)) { buildPanels(data); changed = null; }
+    if (!samePanels(data)) { buildPanels(data); changed = null; eager = true; queued.clear(); }
     for (const p of data.panels) {
       if (changed && !changed.has(p.name)) continue;
-      const s = document.querySelector('#panels > section[data-panel="' + p.name + '"]');
-      const plot = s.querySelector(".plot"), note = s.querySelector(".note");
-      if (p.figure) {
-        note.hidden = true;
-        plot.hidden = false;
-        // uirevision: a refresh keeps the zoom the viewer chose
-        Plotly.react(plot, p.figure.data, Object.assign({uirevision: p.name}, p.figure.layout), plotConfig);
-        hookPlot(plot);
-        s.dataset.state = "plotted";
-      } else {
-        Plotly.purge(plot);
-        delete plot.dataset.hooked;
-        plot.hidden = true;
-        note.hidden = false;
-        note.textContent = p.note;
-        s.dataset.state = "note";
-      }
-      s.dataset.draws = String(Number(s.dataset.draws || 0) + 1);
-      redraws += 1;
+      const s = section(p.name);
       s.querySelector(".links").replaceChildren(...traceLinks(p));
       s.querySelector(".sql").replaceChildren(sqlDetails(p.sql));
+      queued.set(p.name, p);
+      s.dataset.stale = "1";
     }
+    drain();
   }
+
+  function drawPanel(p) {
+    const s = section(p.name);
+    if (!s) return;
+    const plot = s.querySelector(".plot"), note = s.querySelector(".note");
+    if (p.figure) {
+      note.hidden = true;
+      plot.hidden = false;
+      // uirevision: a refresh keeps the zoom the viewer chose
+      Plotly.react(plot, p.figure.data, Object.assign({uirevision: p.name}, p.figure.layout), plotConfig);
+      hookPlot(plot);
+      s.dataset.state = "plotted";
+    } else {
+      Plotly.purge(plot);
+      delete plot.dataset.hooked;
+      plot.hidden = true;
+      note.hidden = false;
+      note.textContent = p.note;
+      s.dataset.state = "note";
+    }
+    delete s.dataset.stale;
+    s.dataset.draws = String(Number(s.dataset.draws || 0) + 1);
+    redraws += 1;
+  }
+
+  // one queued panel per task: in view first; every one while the first data is drawn
+  function drain() {
+    if (draining) return;
+    let next = null;
+    for (const name of queued.keys()) if (inView(section(name))) { next = name; break; }
+    if (next === null && eager && queued.size) next = queued.keys().next().value;
+    if (next === null) {  // what is in view is drawn: the data counts as shown
+      eager = false;
+      if (seenVersion !== shownVersion) {
+        seenVersion = shownVersion;
+        refreshes += 1;
+        document.body.dataset.refreshes = String(refreshes);
+        document.body.dataset.redraws = String(redraws);
+        document.body.dataset.drawn = String(shownVersion);
+      }
+      return;
+    }
+    draining = true;
+    setTimeout(() => {
+      draining = false;
+      const p = queued.get(next);
+      queued.delete(next);
+      if (p) drawPanel(p);
+      document.body.dataset.redraws = String(redraws);
+      drain();
+    }, 0);
+  }
+  const onSight = () => { if (queued.size) drain(); };
+  window.addEventListener("scroll", onSight, {passive: true});
+  window.addEventListener("resize", onSight);
+  document.addEventListener("visibilitychange", onSight);
 
   // -- the trace view: trajectory ids a panel's traces carry (meta.trajectory_ids) open it --
   let traceFiles = {};
@@ -236,20 +304,20 @@ _JS = r"""
     });
   }
 
+  let shownVersion = 0;
   function render(data, changed) {
     traceFiles = data.trace_files || {};
+    shownVersion += 1;
     renderEmpty(data);
     renderSummary(data);
-    renderPanels(data, changed || null);
-    refreshes += 1;
     const when = new Date(data.generated_at * 1000);
     $("status").className = "";
     $("status").textContent = (cfg.live ? "live (redrawn when the store changes); " : "static export; ") +
       "data of " + when.toISOString().replace("T", " ").slice(0, 19) + " UTC";
     document.body.dataset.generatedAt = String(data.generated_at);
-    document.body.dataset.refreshes = String(refreshes);
-    document.body.dataset.redraws = String(redraws);
     document.body.dataset.panels = String(data.panels.length);
+    document.body.dataset.shown = String(shownVersion);
+    renderPanels(data, changed || null);  // draws in tasks of their own; refreshes counts once they are
   }
 
   function showError(text) {

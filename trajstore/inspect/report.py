@@ -31,7 +31,8 @@ __all__ = ["render_report", "add_cli_arguments", "run_from_args"]
 
 def render_report(url: str | None, out_dir: str, *, title: str | None = None,
                   stuck_after_s: float | None = None, payload: str | None = None,
-                  progress: Callable[[int], None] | None = None, tokenizer: str | None = None) -> dict[str, Any]:
+                  progress: Callable[[int], None] | None = None, tokenizer: str | None = None,
+                  compare: str | None = None) -> dict[str, Any]:
     """Write the static page into ``out_dir``: ``index.html`` (data embedded), ``plotly.min.js``,
     and the trace view (``trace-*.html``) of each trajectory the panels link to (at most 40).
 
@@ -41,7 +42,8 @@ def render_report(url: str | None, out_dir: str, *, title: str | None = None,
     ``payload``: the store's payload location when not the default (the
     token-level panels read the newest sample segments there, read-only).
     ``progress(1)`` is called after each panel is drawn. ``tokenizer``: a tokenizer.json (or
-    its directory) the trace pages decode tokens with (None: they show token ids)."""
+    its directory) the trace pages decode tokens with (None: they show token ids). ``compare``: a
+    second store whose run is drawn on the same panels (``trajstore.inspect._compare``)."""
     from plotly.utils import PlotlyJSONEncoder
 
     from trajstore.inspect import _report_page
@@ -53,6 +55,11 @@ def render_report(url: str | None, out_dir: str, *, title: str | None = None,
     decoder = load_tokenizer(tokenizer)  # a wrong path fails before anything is written
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise TrajstoreError(f"report: {out_dir} is a file; the report writes a directory (index.html and plotly.min.js)")
+    other = None
+    if compare is not None:  # the compared store is read first: a wrong one writes nothing
+        with read_only(compare) as query:
+            other = collect(query, stuck_after_s=DEFAULT_STUCK_AFTER_S if stuck_after_s is None else stuck_after_s,
+                            payload=_report_page.payload_location(compare, None, query))
     with read_only(url) as query:
         payload_at = _report_page.payload_location(url, payload, query)
         data = collect(query, stuck_after_s=DEFAULT_STUCK_AFTER_S if stuck_after_s is None else stuck_after_s,
@@ -63,7 +70,13 @@ def render_report(url: str | None, out_dir: str, *, title: str | None = None,
                                                                  back="index.html", tokenizer=tokenizer,
                                                                  decoder=decoder))
                                for tid in linked_ids(data)}
-    page = _report_page.page(title or "trajstore report", _report_page.store_label(url), live=False,
+    label = _report_page.store_label(url)
+    if other is not None:
+        from trajstore.inspect._compare import merge, store_labels
+
+        data = merge(data, other, store_labels(label, _report_page.store_label(compare)))
+        label += f" compared with {_report_page.store_label(compare)}"
+    page = _report_page.page(title or "trajstore report", label, live=False,
                              data_json=json.dumps(data, cls=PlotlyJSONEncoder))
     files = {"index": os.path.join(out_dir, "index.html"), "script": os.path.join(out_dir, _report_page.PLOTLY_JS)}
     for path, text in ((files["script"], script), (files["index"], page)):
@@ -108,6 +121,9 @@ class _ReportOptions:
     tokenizer: str | None = option(None, metavar="PATH",
                                    help="a Hugging Face tokenizer.json (or the model directory holding it): the "
                                         "trace view shows decoded tokens instead of token ids")
+    compare: str | None = option(None, metavar="STORE_URL",
+                                 help="a second store (another run) drawn on the same panels, each run its own "
+                                      "colour; read-only like the first (docs/report.md \"Comparing runs\")")
     serve: bool = option(False, group=_LIVE,
                          help="serve the page live over HTTP, redrawn from the store (read-only, token required)")
     refresh_s: float = option(DEFAULT_REFRESH_S, min=0, min_exclusive=True, group=_LIVE,
@@ -151,7 +167,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         token = server_token(options.token, insecure_no_auth=options.insecure_no_auth, host=options.host)
         serve_report(options.store_url, host=options.host, port=options.port, token=token,
                      title=options.title or "trajstore report", refresh_s=options.refresh_s, stuck_after_s=options.stuck_after_s, log_level=options.log_level,
-                     payload=options.payload, tokenizer=options.tokenizer)
+                     payload=options.payload, tokenizer=options.tokenizer, compare=options.compare)
         return 0
     if options.out_dir is None:
         raise TrajstoreError("report needs OUT_DIR (the static page) or --serve (the live page)")
@@ -167,7 +183,8 @@ def run_from_args(args: argparse.Namespace) -> int:
 
     with progress_bar("drawing the report's panels", total=len(PANELS), unit="panels") as advance:
         written = render_report(options.store_url, options.out_dir, title=options.title, stuck_after_s=options.stuck_after_s,
-                                payload=options.payload, progress=advance, tokenizer=options.tokenizer)
+                                payload=options.payload, progress=advance, tokenizer=options.tokenizer,
+                                compare=options.compare)
     if written["empty"]:
         print(f"wrote {written['index']}: no data yet (the store has no trajectories), 0 panels")
     else:

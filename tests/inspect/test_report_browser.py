@@ -57,8 +57,8 @@ def stop(proc: subprocess.Popen) -> str:
 
 
 @pytest.fixture
-def sqlite_run(tmp_path):
-    url = f"sqlite:///{tmp_path / 'run.db'}"
+def sqlite_run(tmp_path, migrated_template):
+    url = migrated_template.sqlite_copy(tmp_path / "run.db")
     store = trajstore.connect(url)  # the payload in its default place, where the report looks
     fill(store)
     yield store
@@ -157,17 +157,27 @@ def test_a_taken_port_is_one_error_line(sqlite_run):
 
 # -- in the browser -----------------------------------------------------------------------
 
-@pytest.fixture
-def browser():
+@pytest.fixture(scope="module")
+def chromium():
+    """One headless chromium per test module (a launch costs seconds); tests use ``browser``."""
     if not shutil.which(CHROMIUM) and not os.path.exists(CHROMIUM):
         pytest.fail(f"no chromium at {CHROMIUM}: apt-get install chromium (.ci/run does)")
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:
-        # launch() gives every browser a fresh temporary profile (user data dir)
+        # launch() gives the browser a fresh temporary profile (user data dir)
         b = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_FLAGS)
         yield b
         b.close()
+
+
+@pytest.fixture
+def browser(chromium):
+    """The module's chromium for one test: each ``Page`` is a context of its own (its own cookies,
+    storage and cache, as a new browser's), and every context the test opened is closed after it."""
+    yield chromium
+    for context in list(chromium.contexts):
+        context.close()
 
 
 class Page:

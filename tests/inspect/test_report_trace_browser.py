@@ -12,28 +12,11 @@ import pytest
 
 import trajstore
 from tests.inspect.test_report_browser import (TOKEN, Page, assert_every_panel_drawn, browser,  # noqa: F401
-                                               chromium, open_static_export, start_report_server, stop)
-from tests.inspect.test_report import fill
+                                               chromium, open_static_export, shared_run, shared_served,
+                                               start_report_server, stop)
 from tests.inspect.test_report_trace import HOSTILE_ID, HOSTILE_TEXT, _hostile_store, make_tokenizer, word
 
 CHANNELS = ("logprob", "trainer", "mismatch", "version", "drift", "call")
-
-
-@pytest.fixture(scope="module")
-def shared_run(tmp_path_factory, migrated_template):
-    """test_report_browser's ``sqlite_run``, filled once for the tests here that only read it."""
-    store = trajstore.connect(migrated_template.sqlite_copy(tmp_path_factory.mktemp("run") / "run.db"))
-    fill(store)
-    yield store
-    store.close()
-
-
-@pytest.fixture(scope="module")
-def shared_served(shared_run):
-    """test_report_browser's ``served`` on ``shared_run``: one report server for the tests that only read."""
-    proc, base = start_report_server(shared_run.url, "--token", TOKEN, "--refresh-s", "1", "--stuck-after-s", "0")
-    yield shared_run, base
-    stop(proc)
 
 
 def open_report(page: Page, base: str) -> None:

@@ -18,8 +18,9 @@
   five demo trajectories of the old names, not folded / folded.
 
 Migrated templates: a test whose fixtures include `store` (or a fixture its module names in
-`STORE_URL_CONNECTED_BY`) gets a `store_url` that is already migrated to head (the store
-connects and migrates it before the test runs anyway):
+`STORE_URL_CONNECTED_BY`; or a test the module names there, whose first step connects
+`store_url`) gets a `store_url` that is already migrated to head (the store connects and
+migrates it before the test does anything else anyway):
 a copy of a SQLite file migrated once per worker, or a PostgreSQL database made with
 `CREATE DATABASE ... TEMPLATE` from one migrated once per worker (`migrated_template`).
 The copy holds only what the migrations made (no store id, no payload location: the
@@ -222,9 +223,10 @@ def migrated_template(request: pytest.FixtureRequest, tmp_path_factory: pytest.T
 def _wants_migrated(request: pytest.FixtureRequest) -> bool:
     """The test's fixtures connect the store (and so migrate it) before it runs: ``store``, or
     a fixture its module names in ``STORE_URL_CONNECTED_BY`` (one that connects ``store_url``
-    first thing, as ``store`` does)."""
+    first thing, as ``store`` does); or the module names the test itself there (its first
+    step is that connect)."""
     first_connects = {"store", *getattr(request.module, "STORE_URL_CONNECTED_BY", ())}
-    return bool(first_connects & set(request.fixturenames))
+    return bool(first_connects & {*request.fixturenames, request.node.originalname})
 
 
 def _sqlite_case(request: pytest.FixtureRequest, tmp_path: Path) -> str:

@@ -3,7 +3,7 @@
 - `postgres_url` (session): URL of a database in a throwaway PostgreSQL cluster
   the suite starts itself (see tests/pg_cluster.py) and removes at the end.
 - `fresh_pg_url` (function): a new empty database in that cluster per test,
-  dropped afterwards.
+  dropped afterwards (made ahead and dropped in the background: `PgDatabases`).
 - `fault_cluster` (function): a second cluster shared by the tests that kill
   backends, change server settings or crash/restart the server; reset between
   tests (see the fixture).
@@ -18,8 +18,9 @@
   five demo trajectories of the old names, not folded / folded.
 
 Migrated templates: a test whose fixtures include `store` (or a fixture its module names in
-`STORE_URL_CONNECTED_BY`) gets a `store_url` that is already migrated to head (the store
-connects and migrates it before the test runs anyway):
+`STORE_URL_CONNECTED_BY`; or a test the module names there, whose first step connects
+`store_url`) gets a `store_url` that is already migrated to head (the store connects and
+migrates it before the test does anything else anyway):
 a copy of a SQLite file migrated once per worker, or a PostgreSQL database made with
 `CREATE DATABASE ... TEMPLATE` from one migrated once per worker (`migrated_template`).
 The copy holds only what the migrations made (no store id, no payload location: the
@@ -36,6 +37,7 @@ import os
 import secrets
 import shutil
 from collections.abc import Iterator
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
@@ -105,21 +107,64 @@ def postgres_url(pg_cluster: PgCluster) -> str:
     return pg_cluster.create_database("trajstore_test")
 
 
+class PgDatabases:
+    """The session cluster's per-test databases, made and dropped off the tests' path: while a
+    test runs, the database the next test of its kind takes is made (``CREATE DATABASE``, of the
+    same template), and a test's database is dropped after it in the background. Both wait on
+    the server's disk (a copy is WAL-logged and flushed) more than they use a core, so they
+    overlap the tests' own work instead of adding to it. One thread, in order; a database made
+    ahead that failed is made again when taken; the drops are done before the cluster stops."""
+
+    def __init__(self, cluster: PgCluster) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._cluster = cluster
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pg-databases")
+        self._ahead: dict[str | None, "Future[str]"] = {}
+
+    def take(self, template: str | None = None) -> str:
+        """A new database (t_<random>): empty, or a copy of ``template``; its URL."""
+        made = self._ahead.pop(template, None)
+        url = None
+        if made is not None:
+            try:
+                url = made.result()
+            except Exception:  # noqa: BLE001 - made again below, where a failure is the test's error
+                url = None
+        if url is None:
+            url = self._cluster.create_database(template=template)
+        self._ahead[template] = self._thread.submit(self._cluster.create_database, template=template)
+        return url
+
+    def drop(self, url: str) -> None:
+        self._thread.submit(self._cluster.drop_database, url.rsplit("/", 1)[1])
+
+    def close(self) -> None:
+        self._thread.shutdown(wait=True)
+
+
+@pytest.fixture(scope="session")
+def pg_databases(pg_cluster: PgCluster) -> Iterator[PgDatabases]:
+    databases = PgDatabases(pg_cluster)
+    yield databases
+    databases.close()
+
+
 @pytest.fixture
-def fresh_pg_url(pg_cluster: PgCluster) -> Iterator[str]:
+def fresh_pg_url(pg_databases: PgDatabases) -> Iterator[str]:
     """A new empty database (t_<random>) in the session cluster."""
-    url = pg_cluster.create_database()
+    url = pg_databases.take()
     yield url
-    pg_cluster.drop_database(url.rsplit("/", 1)[1])
+    pg_databases.drop(url)
 
 
 @pytest.fixture
-def migrated_pg_url(pg_cluster: PgCluster, migrated_template: "MigratedTemplate") -> Iterator[str]:
+def migrated_pg_url(pg_databases: PgDatabases, migrated_template: "MigratedTemplate") -> Iterator[str]:
     """A new database (t_<random>) in the session cluster, migrated to head: a copy of the
     worker's migrated template (``CREATE DATABASE ... TEMPLATE``)."""
-    url = pg_cluster.create_database(template=migrated_template.pg_database())
+    url = pg_databases.take(migrated_template.pg_database())
     yield url
-    pg_cluster.drop_database(url.rsplit("/", 1)[1])
+    pg_databases.drop(url)
 
 
 def migrate_new_store(url: str) -> None:
@@ -178,9 +223,10 @@ def migrated_template(request: pytest.FixtureRequest, tmp_path_factory: pytest.T
 def _wants_migrated(request: pytest.FixtureRequest) -> bool:
     """The test's fixtures connect the store (and so migrate it) before it runs: ``store``, or
     a fixture its module names in ``STORE_URL_CONNECTED_BY`` (one that connects ``store_url``
-    first thing, as ``store`` does)."""
+    first thing, as ``store`` does); or the module names the test itself there (its first
+    step is that connect)."""
     first_connects = {"store", *getattr(request.module, "STORE_URL_CONNECTED_BY", ())}
-    return bool(first_connects & set(request.fixturenames))
+    return bool(first_connects & {*request.fixturenames, request.node.originalname})
 
 
 def _sqlite_case(request: pytest.FixtureRequest, tmp_path: Path) -> str:

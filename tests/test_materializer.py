@@ -31,6 +31,16 @@ from tests.helpers import finished, gen, reader_url_for, reward, routes, snapsho
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+# The tests whose first step connects store_url (a store's first connect migrates it): theirs is a
+# copy of the migrated template (tests/conftest.py).
+STORE_URL_CONNECTED_BY = (
+    "test_kill_9_materializer_then_restart_equals_clean_run",
+    "test_cli_materialize_and_info_show_unfoldable",
+    "test_worker_follows_the_log_and_stops_on_sigterm",
+    "test_worker_collects_retired_segments_after_the_grace",
+)
+
+
 def run(store, calls, tid="t1", **started_kw):
     store.append([started(tid, **started_kw)] + [gen(tid, i, p, o, **kw) for i, (p, o, kw) in enumerate(calls)]
                  + [finished(tid)])

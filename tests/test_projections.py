@@ -37,6 +37,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 L, K = 2, 2
 
 
+# The tests whose first step connects store_url (a store's first connect migrates it): theirs is a
+# copy of the migrated template (tests/conftest.py).
+STORE_URL_CONNECTED_BY = (
+    "test_cli_projection_commands",
+    "test_kill_9_during_a_projection_materialization_then_resume_equals_a_clean_run",
+    "test_a_projection_and_the_default_materialized_at_once_equal_clean_runs",
+)
+
+
 def _turns(rng: np.random.Generator, prompt_len: int, turns: list[tuple[int, int]], *, drift: bool = True):
     """A SkyRL-style multi-turn episode as engine calls: turn i's prompt is the whole
     input so far (prompt + previous outputs and observations); every call returns

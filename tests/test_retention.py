@@ -19,6 +19,19 @@ CFG = RolloutConfig(turns=3, prompt_tokens=60, output_tokens=40, observation_tok
                     num_experts=64, mismatch_prob=0.25, abort_prob=0.1, fail_prob=0.05, seed=21)
 N = 12
 
+# The tests whose first step connects store_url (a store's first connect migrates it): theirs is a
+# copy of the migrated template (tests/conftest.py).
+STORE_URL_CONNECTED_BY = (
+    "test_archive_drops_folded_events_keeps_samples_and_refolds_the_same",
+    "test_a_lagging_projection_is_named_and_keeps_its_events",
+    "test_before_position_bounds_what_leaves",
+    "test_kill_9_between_the_archive_file_and_the_drop_loses_nothing",
+    "test_two_archive_runs_racing_archive_each_trajectory_once",
+    "test_labelled_weight_versions_refold_from_the_archive",
+    "test_downgrade_below_0016_is_refused_while_trajectories_are_archived",
+    "test_a_shard_without_a_checkpoint_yet_keeps_its_trajectories",
+)
+
 
 def _append(store, ids, *, finish: bool = True) -> None:
     for i in ids:

@@ -9,7 +9,8 @@ weight-version labels). Without that python the tests are skipped, unless
 ``$TRAJSTORE_REQUIRE_ENGINE=1`` (CI), where they fail.
 
 ``trajstore proxy`` runs as its own process (the CLI a user starts) in front
-of the engine, on the test's store.
+of the engine, on a store of the module's per backend (``store`` here is module-scoped:
+each test uses trajectory ids of its own and reads back only those).
 """
 
 from __future__ import annotations
@@ -106,14 +107,26 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
         _stop(proc)
 
 
-@pytest.fixture
-def proxy(engine: Engine, store, store_url: str, tmp_path: Path) -> Iterator[str]:
-    """``trajstore proxy`` (the CLI, its own process) between the test and the engine, on the test's store."""
+@pytest.fixture(scope="module")
+def store(module_store_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator["trajstore.Store"]:
+    """One store per backend for the module's tests (each test's trajectory ids are its own): the
+    proxy in front of it is started once per backend, not once per test."""
+    import trajstore
+
+    s = trajstore.connect(module_store_url, payload=str(tmp_path_factory.mktemp("engine-store") / "payload"))
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def proxy(engine: Engine, store, module_store_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """``trajstore proxy`` (the CLI, its own process) between the tests and the engine, on the module's store."""
+    work = tmp_path_factory.mktemp("proxy")
     port = free_port()
-    log = tmp_path / "proxy.log"
+    log = work / "proxy.log"
     script = Path(sys.executable).with_name("trajstore")
     cli = [str(script)] if script.exists() else [sys.executable, "-c", "import sys; from trajstore.cli import main; sys.exit(main())"]
-    cmd = [*cli, "--store", store_url, "--payload", str(tmp_path / "payload"), "proxy",
+    cmd = [*cli, "--store", module_store_url, "--payload", store.payload.location, "proxy",
            "--upstream", engine.url + "/v1", "--port", str(port), "--insecure-no-auth", "--log-level", "warning"]
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)

@@ -5,6 +5,9 @@ The engine is vLLM's CPU build (0.32.0) serving a tiny random Qwen3-MoE
 shape elsewhere: routed experts need Model Runner V2 (Triton), and its OpenAI
 endpoints ignore ``return_weight_versions`` (0.33 returns spans there); its
 ``/inference/v1/generate`` returns spans on every call.
+
+The engine is started once per module, the proxy and its store once per backend
+(tests/engine/conftest.py): each test's trajectory ids are its own, and it reads back only those.
 """
 
 from __future__ import annotations
@@ -89,8 +92,9 @@ def _episode(proxy: str, tid: str, call, version: int) -> tuple[list[int], list[
 def test_a_multi_turn_episode_is_one_sample_equal_to_what_vllm_returned(engine, proxy, store, endpoint):
     engine.label("default")
     call = _tito if endpoint == "generate" else _completion
-    first, choices, observations = _episode(proxy, "ep", call, version=4)
-    sample = _sample(store, "ep")
+    tid = f"ep-{endpoint}"
+    first, choices, observations = _episode(proxy, tid, call, version=4)
+    sample = _sample(store, tid)
     response, mask, lps = [], [], []
     for i, choice in enumerate(choices):
         response += choice["token_ids"]
@@ -108,7 +112,7 @@ def test_a_multi_turn_episode_is_one_sample_equal_to_what_vllm_returned(engine, 
     # the engine's label is "default": every generated token has the call's declared version
     versions = np.asarray(sample.token_model_versions)
     assert set(versions[np.asarray(mask) == 1]) == {4} and set(versions[np.asarray(mask) == 0]) == {-1}
-    gens = store.load_generations("ep")
+    gens = store.load_generations(tid)
     if endpoint == "generate":  # the token-in/token-out endpoint always sends spans: stored verbatim
         assert [g.weight_versions for g in gens] == [(("default", 0, 8),)] * 3
     for gen, choice in zip(gens, choices):
@@ -136,7 +140,8 @@ def test_decimal_and_mapped_labels_and_a_label_mapped_after_the_calls(engine, pr
     for tid in ("decimal", "mapped-before", "mapped-after"):
         _finish(proxy, tid)
     store.materialize()
-    done = {s.trajectory_id: s for s in store.samples()}
+    done = {s.trajectory_id: s for s in store.samples()
+            if s.trajectory_id in ("decimal", "mapped-before", "mapped-after")}
     assert set(done) == {"decimal", "mapped-before"}  # held back, not dropped
     assert set(done["decimal"].token_model_versions) == {17}
     assert set(done["mapped-before"].token_model_versions) == {42}
@@ -297,17 +302,18 @@ def test_vllms_floor_logprob_is_stored_as_missing_and_counted(engine, proxy, sto
     vLLM reports its logprob as -9999.0 (its floor): not a logprob."""
     engine.label("default")
     call = _tito if endpoint == "generate" else _completion
-    free = call(proxy, "floor", [11, 12, 13], 2, max_tokens=3)
-    forced = call(proxy, "floor", [11, 12, 13] + free["token_ids"], 2, max_tokens=3, allowed_token_ids=[FLOOR_TOKEN])
+    tid = f"floor-{endpoint}"
+    free = call(proxy, tid, [11, 12, 13], 2, max_tokens=3)
+    forced = call(proxy, tid, [11, 12, 13] + free["token_ids"], 2, max_tokens=3, allowed_token_ids=[FLOOR_TOKEN])
     assert forced["token_ids"] == [FLOOR_TOKEN] * 3 and _logprobs(forced) == [-9999.0] * 3
-    _finish(proxy, "floor")
-    sample = _sample(store, "floor")
+    _finish(proxy, tid)
+    sample = _sample(store, tid)
     assert list(sample.logprobs_mask) == [True] * 3 + [False] * 3
     np.testing.assert_array_equal(sample.rollout_logprobs[3:], 0.0)
     np.testing.assert_array_equal(sample.rollout_logprobs[:3], np.asarray(_logprobs(free), dtype=np.float32))
     from sqlalchemy import text
 
     with store.log.read_engine.connect() as conn:
-        counted = conn.execute(text("SELECT seq, num_placeholder_logprobs FROM events WHERE trajectory_id = 'floor' "
-                                    "AND type = 'generation' ORDER BY seq")).all()
+        counted = conn.execute(text("SELECT seq, num_placeholder_logprobs FROM events WHERE trajectory_id = :t "
+                                    "AND type = 'generation' ORDER BY seq"), {"t": tid}).all()
     assert [tuple(r) for r in counted] == [(0, 0), (1, 3)]

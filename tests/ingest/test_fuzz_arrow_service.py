@@ -42,6 +42,11 @@ def _rss_kib(pid: int, key: str = "VmRSS") -> int:
         return next(int(line.split()[1]) for line in f if line.startswith(key + ":"))
 
 
+# The store_url these fixtures connect first thing (a store's first connect migrates it): a
+# copy of the migrated template (tests/conftest.py).
+STORE_URL_CONNECTED_BY = ("serve",)
+
+
 @pytest.fixture
 def serve(store_url, tmp_path):
     with serve_process("--store", store_url, "--payload", str(tmp_path / "payload"), "serve", "--max-body-mb", "8",

@@ -17,6 +17,11 @@ from trajstore.ingest import _group_commit, sinks
 from trajstore.ingest.client import Writer
 
 
+# The store_url these fixtures connect first thing (a store's first connect migrates it): a
+# copy of the migrated template (tests/conftest.py).
+STORE_URL_CONNECTED_BY = ("url",)
+
+
 @pytest.fixture
 def url(store_url, tmp_path):
     # the payload location is recorded at creation; the writers open the store by URL alone

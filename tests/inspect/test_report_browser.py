@@ -57,8 +57,8 @@ def stop(proc: subprocess.Popen) -> str:
 
 
 @pytest.fixture
-def sqlite_run(tmp_path):
-    url = f"sqlite:///{tmp_path / 'run.db'}"
+def sqlite_run(tmp_path, migrated_template):
+    url = migrated_template.sqlite_copy(tmp_path / "run.db")
     store = trajstore.connect(url)  # the payload in its default place, where the report looks
     fill(store)
     yield store
@@ -72,12 +72,29 @@ def served(sqlite_run):
     stop(proc)
 
 
+@pytest.fixture(scope="module")
+def shared_run(tmp_path_factory, migrated_template):
+    """``sqlite_run``, filled once per module for the tests that only read it."""
+    store = trajstore.connect(migrated_template.sqlite_copy(tmp_path_factory.mktemp("run") / "run.db"))
+    fill(store)
+    yield store
+    store.close()
+
+
+@pytest.fixture(scope="module")
+def shared_served(shared_run):
+    """``served`` on ``shared_run``: one report server per module for the tests that only read."""
+    proc, base = start_report_server(shared_run.url, "--token", TOKEN, "--refresh-s", "1", "--stuck-after-s", "0")
+    yield shared_run, base
+    stop(proc)
+
+
 PATHS = ["/", "/plotly.min.js", "/api/data", "/api/stream", "/healthz", "/no-such-page", "/trace/traj-0-000000",
          "/api/trace?id=traj-0-000000"]
 
 
-def test_every_path_is_denied_without_the_token(served):
-    _, base = served
+def test_every_path_is_denied_without_the_token(shared_served):
+    _, base = shared_served
     with httpx.Client(base_url=base, timeout=30) as http:
         for path in PATHS:
             for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN},
@@ -95,8 +112,8 @@ def test_every_path_is_denied_without_the_token(served):
         assert http.get("/api/data?token=" + TOKEN).status_code == 401  # the token in a URL only logs in at /
 
 
-def test_the_token_reads_and_nothing_writes(served):
-    _, base = served
+def test_the_token_reads_and_nothing_writes(shared_served):
+    _, base = shared_served
     auth = {"Authorization": f"Bearer {TOKEN}"}
     with httpx.Client(base_url=base, timeout=30) as http:
         assert http.get("/", headers=auth).status_code == 200
@@ -122,9 +139,9 @@ def test_the_token_reads_and_nothing_writes(served):
         assert http.get("/api/data").status_code == 200  # the client kept the cookie
 
 
-def test_insecure_no_auth_serves_open_and_says_so(sqlite_run):
+def test_insecure_no_auth_serves_open_and_says_so(shared_run):
     env_line = []
-    proc, base = start_report_server(sqlite_run.url, "--insecure-no-auth", lines=env_line)
+    proc, base = start_report_server(shared_run.url, "--insecure-no-auth", lines=env_line)
     try:
         assert "WARNING: no token, anyone who can reach the port can read the run" in env_line[-1]
         with httpx.Client(base_url=base, timeout=30) as http:
@@ -134,22 +151,22 @@ def test_insecure_no_auth_serves_open_and_says_so(sqlite_run):
         stop(proc)
 
 
-def test_the_server_refuses_to_start_without_a_token(sqlite_run):
+def test_the_server_refuses_to_start_without_a_token(shared_run):
     env = {k: v for k, v in os.environ.items() if k != "TRAJSTORE_TOKEN"}
-    r = subprocess.run([sys.executable, "-m", "trajstore.cli", "--store", sqlite_run.url, "report", "--serve"],
+    r = subprocess.run([sys.executable, "-m", "trajstore.cli", "--store", shared_run.url, "report", "--serve"],
                        capture_output=True, text=True, env=env, timeout=60)
     assert r.returncode == 1
     assert r.stderr == "error: no token: pass --token or set $TRAJSTORE_TOKEN (or --insecure-no-auth to run open)\n"
 
 
-def test_a_taken_port_is_one_error_line(sqlite_run):
+def test_a_taken_port_is_one_error_line(shared_run):
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen(1)
         port = s.getsockname()[1]
-        r = subprocess.run([sys.executable, "-m", "trajstore.cli", "--store", sqlite_run.url, "report", "--serve",
+        r = subprocess.run([sys.executable, "-m", "trajstore.cli", "--store", shared_run.url, "report", "--serve",
                             "--token", TOKEN, "--port", str(port)], capture_output=True, text=True, timeout=60)
     assert r.returncode == 1
     assert r.stderr == f"error: cannot listen on 127.0.0.1:{port}: Address already in use\n"
@@ -157,17 +174,27 @@ def test_a_taken_port_is_one_error_line(sqlite_run):
 
 # -- in the browser -----------------------------------------------------------------------
 
-@pytest.fixture
-def browser():
+@pytest.fixture(scope="module")
+def chromium():
+    """One headless chromium per test module (a launch costs seconds); tests use ``browser``."""
     if not shutil.which(CHROMIUM) and not os.path.exists(CHROMIUM):
         pytest.fail(f"no chromium at {CHROMIUM}: apt-get install chromium (.ci/run does)")
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:
-        # launch() gives every browser a fresh temporary profile (user data dir)
+        # launch() gives the browser a fresh temporary profile (user data dir)
         b = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_FLAGS)
         yield b
         b.close()
+
+
+@pytest.fixture
+def browser(chromium):
+    """The module's chromium for one test: each ``Page`` is a context of its own (its own cookies,
+    storage and cache, as a new browser's), and every context the test opened is closed after it."""
+    yield chromium
+    for context in list(chromium.contexts):
+        context.close()
 
 
 class Page:
@@ -301,8 +328,8 @@ def test_the_live_page_is_pushed_only_what_changed(served, browser):
     assert page.errors == []
 
 
-def test_the_live_page_without_the_token_is_401(served, browser):
-    _, base = served
+def test_the_live_page_without_the_token_is_401(shared_served, browser):
+    _, base = shared_served
     page = Page(browser)
     assert page.page.goto(base).status == 401
     assert page.page.goto(f"{base}?token=wrong").status == 401
@@ -347,7 +374,7 @@ def open_static_export(store_url: str, browser, out) -> "Page":
     return page
 
 
-def test_the_static_export_opens_offline(sqlite_run, browser, tmp_path):
-    page = open_static_export(sqlite_run.url, browser, tmp_path / "export")
+def test_the_static_export_opens_offline(shared_run, browser, tmp_path):
+    page = open_static_export(shared_run.url, browser, tmp_path / "export")
     assert page.errors == []
     assert all(u.startswith("file://") for u in page.requests), page.requests

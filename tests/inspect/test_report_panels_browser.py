@@ -14,7 +14,7 @@ from sqlalchemy import text
 
 import trajstore
 from tests.inspect.test_report import fill
-from tests.inspect.test_report_browser import browser, open_static_export  # noqa: F401
+from tests.inspect.test_report_browser import browser, chromium, open_static_export  # noqa: F401
 from trajstore.inspect._rebuild import rebuild_aggregates
 
 PAUSE_S = 1800.0

@@ -12,7 +12,8 @@ import pytest
 
 import trajstore
 from tests.inspect.test_report_browser import (TOKEN, Page, assert_every_panel_drawn, browser,  # noqa: F401
-                                               open_static_export, served, sqlite_run, start_report_server, stop)
+                                               chromium, open_static_export, shared_run, shared_served,
+                                               start_report_server, stop)
 from tests.inspect.test_report_trace import HOSTILE_ID, HOSTILE_TEXT, _hostile_store, make_tokenizer, word
 
 CHANNELS = ("logprob", "trainer", "mismatch", "version", "drift", "call")
@@ -47,8 +48,8 @@ def assert_trace_drawn(page: Page) -> None:
     assert rows >= 2  # the header and the engine calls
 
 
-def test_a_panel_link_opens_the_trace_view(served, browser):
-    _, base = served
+def test_a_panel_link_opens_the_trace_view(shared_served, browser):
+    _, base = shared_served
     page = Page(browser)
     open_report(page, base)
     assert_every_panel_drawn(page)
@@ -68,8 +69,8 @@ def test_a_panel_link_opens_the_trace_view(served, browser):
     assert all(u.startswith(base) for u in page.requests)
 
 
-def test_clicking_a_bar_opens_the_trace_view(served, browser):
-    _, base = served
+def test_clicking_a_bar_opens_the_trace_view(shared_served, browser):
+    _, base = shared_served
     page = Page(browser)
     open_report(page, base)
     section = page.page.locator("#trajectories_to_look_at")
@@ -84,8 +85,8 @@ def test_clicking_a_bar_opens_the_trace_view(served, browser):
     assert page.errors == []
 
 
-def test_time_panels_share_their_zoom(served, browser):
-    _, base = served
+def test_time_panels_share_their_zoom(shared_served, browser):
+    _, base = shared_served
     page = Page(browser)
     open_report(page, base)
     time_panels = page.page.evaluate(
@@ -120,9 +121,9 @@ def test_time_panels_share_their_zoom(served, browser):
     assert page.errors == []
 
 
-def test_the_static_export_links_open_trace_files(sqlite_run, browser, tmp_path):
+def test_the_static_export_links_open_trace_files(shared_run, browser, tmp_path):
     out = tmp_path / "export"
-    page = open_static_export(sqlite_run.url, browser, out)
+    page = open_static_export(shared_run.url, browser, out)
     stuck_links = page.page.locator("#stuck a.trace-link")
     assert stuck_links.count() >= 1  # a running trajectory: its calls, no samples yet
     target = page.page.evaluate("document.querySelector('#trajectories_to_look_at .plot').data[1].meta"
@@ -181,11 +182,11 @@ def test_markup_in_ids_and_metadata_renders_as_text(tmp_path, browser):
         stop(proc)
 
 
-def test_hovering_a_token_shows_the_experts_it_was_routed_to(served, browser):
+def test_hovering_a_token_shows_the_experts_it_was_routed_to(shared_served, browser):
     """The trace view names, on hover, the experts each token was routed to (the sample's own
     route rows, MoE layers only); the engine-call table scrolls inside its card, the page
     never widens."""
-    store, base = served
+    store, base = shared_served
     sample = next(s for s in store.samples() if s.routed_experts is not None and len(s.response_ids) > 2)
     page = Page(browser)
     page.page.set_viewport_size({"width": 700, "height": 900})  # narrow: the call table is wider than this

@@ -24,6 +24,11 @@ REPO = Path(__file__).resolve().parents[2]
 REFUSED = {"acc@1": 0.25, "kl(avg)": 0.5, "reward%": 75.0}
 
 
+# The store_url these fixtures connect first thing (a store's first connect migrates it): a
+# copy of the migrated template (tests/conftest.py).
+STORE_URL_CONNECTED_BY = ("trained",)
+
+
 @pytest.fixture
 def trained(store_url, tmp_path):
     """A run's store whose newest step (7) carries metrics MLflow refuses, one near the float limit."""

@@ -46,6 +46,11 @@ def test_every_registered_backend_implements_the_backend(name):
     assert [m for m in needed if not own(m)] == []
 
 
+# The store_url these fixtures connect first thing (a store's first connect migrates it): a
+# copy of the migrated template (tests/conftest.py).
+STORE_URL_CONNECTED_BY = ("seam",)
+
+
 @pytest.fixture
 def seam(store_url, tmp_path):
     trajstore.connect(store_url, payload=str(tmp_path / "payload")).close()  # migrations

@@ -20,6 +20,14 @@ CFG = RolloutConfig(turns=3, prompt_tokens=60, output_tokens=40, observation_tok
 N = 16
 
 
+# The tests whose first step connects store_url (a store's first connect migrates it): theirs is a
+# copy of the migrated template (tests/conftest.py).
+STORE_URL_CONNECTED_BY = (
+    "test_kill_9_during_materialize_then_resume_equals_a_clean_run",
+    "test_kill_9_during_compaction_then_resume_equals_a_clean_run",
+)
+
+
 def _append(store, ids, *, finish: bool) -> None:
     for i in ids:
         evs = trajectory_events(CFG, i)

@@ -54,11 +54,31 @@ SCALARS = ("trajectory_id", "group_id", "sample_index", "is_last_step", "status"
            "min_model_version", "max_model_version")
 
 
+@pytest.fixture(scope="module")
+def filled(module_store_url, tmp_path_factory):
+    """A filled store on each backend (for what the backend matters to): built once per module
+    and shared by the tests that only read it (readers' leases aside). A test that writes takes
+    ``filled_own``."""
+    s = trajstore.connect(module_store_url, payload=str(tmp_path_factory.mktemp("filled") / "payload"))
+    fill(s, shuffled())
+    yield s
+    s.close()
+
+
 @pytest.fixture
-def filled(store):
-    """A filled store on each backend (for what the backend matters to)."""
+def filled_own(store):
+    """``filled`` for a test that writes to it: a store of the test's own."""
     fill(store, shuffled())
     return store
+
+
+@pytest.fixture(scope="module")
+def filled_server(filled, tmp_path_factory):
+    """One server over ``filled`` per backend, for the tests that only read through it (never
+    killed, no flags of their own)."""
+    server = ReplayProcess(filled.url, filled.payload.location, tmp_path_factory.mktemp("replay-filled"))
+    yield server.start()
+    server.stop()
 
 
 @pytest.fixture(scope="module")
@@ -73,10 +93,22 @@ def filled_sqlite(tmp_path_factory, migrated_template):
     s.close()
 
 
+@pytest.fixture(scope="module")
+def sqlite_server(filled_sqlite, tmp_path_factory):
+    """One server over ``filled_sqlite`` (its metrics on), for the tests that only ask it questions:
+    never killed, no flags of their own, its counters read as differences. A test that kills a
+    server, starts one with flags, leaves streams open or counts from zero starts its own
+    (``replay_servers``)."""
+    server = ReplayProcess(filled_sqlite.url, filled_sqlite.payload.location, tmp_path_factory.mktemp("replay-shared"),
+                           metrics_port=free_port())
+    yield server.start()
+    server.stop()
+
+
 @pytest.fixture
-def filled_sqlite_own(tmp_path):
+def filled_sqlite_own(tmp_path, migrated_template):
     """``filled_sqlite`` for a test that writes to it: a store of the test's own."""
-    s = trajstore.connect(f"sqlite:///{tmp_path / 'store.db'}", payload=str(tmp_path / "payload"))
+    s = trajstore.connect(migrated_template.sqlite_copy(tmp_path / "store.db"), payload=str(tmp_path / "payload"))
     fill(s, shuffled())
     yield s
     s.close()
@@ -110,9 +142,9 @@ def lockstep(readers, max_steps=None, pause_s=0.0):
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_batches_and_states_equal_sample_readers(filled, replay_servers, name):
+def test_batches_and_states_equal_sample_readers(filled, filled_server, name):
     config = dict(CONFIGS[name])
-    server = replay_servers(filled)
+    server = filled_server
     for world_size in (1, 2, 3):
         local, local_states = lockstep([SampleReader(filled, rank=r, world_size=world_size, **config)
                                         for r in range(world_size)])
@@ -139,14 +171,14 @@ def test_batches_and_states_equal_sample_readers(filled, replay_servers, name):
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
-def test_collated_batches_under_a_stateful_dataloader_equal_sample_dataset(filled_sqlite, replay_servers, num_workers):
+def test_collated_batches_under_a_stateful_dataloader_equal_sample_dataset(filled_sqlite, sqlite_server, num_workers):
     torchdata = pytest.importorskip("torchdata.stateful_dataloader")
     import torch
 
     from trajstore.replay.dataset import ReplayDataset
     from trajstore.train.collate import SampleDataset
 
-    server = replay_servers(filled_sqlite)
+    server = sqlite_server
     config = {"batch_size": 4, "keep_groups": True, "group_size": GROUP_SIZE}
 
     def run(dataset, state=None, stop=None):
@@ -233,12 +265,12 @@ def test_ranks_and_epochs_read_every_sample_once_through_servers_killed_and_rest
     assert kills[a.port] and kills[b.port], f"the servers were not both killed while reading: {dict(kills)}"
 
 
-def test_a_cut_stream_is_never_half_used(filled_sqlite, replay_servers):
+def test_a_cut_stream_is_never_half_used(filled_sqlite, replay_servers, sqlite_server):
     """A server killed while its answers are being streamed: the reader retries on the
     next one and its batches are whole and correct."""
     config = {"batch_size": 8}
     server = replay_servers(filled_sqlite)
-    spare = replay_servers(filled_sqlite)
+    spare = sqlite_server  # never killed
     reader = ReplayReader([server.location, spare.location], token=READ_TOKEN, **config)
     first = next(reader)
     server.kill9()
@@ -259,9 +291,9 @@ def test_no_server_answers_is_store_unavailable_after_the_retry_time(filled_sqli
 
 
 @pytest.mark.parametrize("token", [None, "wrong-token"])
-def test_missing_or_wrong_token_reads_nothing(filled_sqlite, replay_servers, token, monkeypatch):
+def test_missing_or_wrong_token_reads_nothing(filled_sqlite, sqlite_server, token, monkeypatch):
     monkeypatch.delenv("TRAJSTORE_REPLAY_TOKEN", raising=False)
-    server = replay_servers(filled_sqlite)
+    server = sqlite_server
     with pytest.raises(ValidationError, match="missing or wrong bearer token") as e:
         next(ReplayReader(server.location, token=token, batch_size=4))
     assert e.value.rule == "unauthorized"
@@ -336,8 +368,8 @@ MALFORMED = [
 ]
 
 
-def test_malformed_tickets_get_a_clear_error_and_the_server_keeps_serving(filled_sqlite, replay_servers):
-    server = replay_servers(filled_sqlite)
+def test_malformed_tickets_get_a_clear_error_and_the_server_keeps_serving(filled_sqlite, sqlite_server):
+    server = sqlite_server
     client = fl.connect(server.location)
     opts = fl.FlightCallOptions(headers=[(b"authorization", f"Bearer {READ_TOKEN}".encode())])
     for ticket, words in MALFORMED:
@@ -488,8 +520,8 @@ def test_ranks_spread_over_the_servers(filled_sqlite, replay_servers):
     assert sum(served) == sum(len(b) for step in local for b in step)
 
 
-def test_a_busy_port_is_one_line(filled_sqlite, replay_servers):
-    server = replay_servers(filled_sqlite)
+def test_a_busy_port_is_one_line(filled_sqlite, sqlite_server):
+    server = sqlite_server
     out = subprocess.run([sys.executable, "-m", "trajstore.cli", "replay", "--store", filled_sqlite.url, "--payload",
                           filled_sqlite.payload.location, "--port", str(server.port), "--token", READ_TOKEN],
                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT}, timeout=60)
@@ -499,7 +531,7 @@ def test_a_busy_port_is_one_line(filled_sqlite, replay_servers):
     assert "Traceback" not in out.stderr
 
 
-def test_tls(filled_sqlite, replay_servers, tmp_path):
+def test_tls(filled_sqlite, replay_servers, sqlite_server, tmp_path):
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
                     "-addext", "subjectAltName=DNS:localhost", "-keyout", str(key), "-out", str(cert)],
@@ -517,7 +549,7 @@ def test_tls(filled_sqlite, replay_servers, tmp_path):
     # handshake is no outage to wait out (it was retried for retry_timeout_s, then waited
     # out for unavailable_timeout_s).
     port = server.location.rsplit(":", 1)[1]
-    plain_port = replay_servers(filled_sqlite).location.rsplit(":", 1)[1]
+    plain_port = sqlite_server.location.rsplit(":", 1)[1]
     for location, roots, why in [(server.location, None, "certificate verify failed"),
                                  (f"grpc+tls://127.0.0.1:{port}", cert.read_bytes(), "127.0.0.1 is not in peer"),
                                  (f"grpc+tls://localhost:{plain_port}", cert.read_bytes(), "wrong version number")]:
@@ -530,9 +562,9 @@ def test_tls(filled_sqlite, replay_servers, tmp_path):
         assert time.monotonic() - start < 5, time.monotonic() - start
 
 
-def test_every_answer_announces_its_row_count(filled_sqlite, replay_servers):
+def test_every_answer_announces_its_row_count(filled_sqlite, sqlite_server):
     """What lets the reader tell a stream cut short from a short answer."""
-    server = replay_servers(filled_sqlite)
+    server = sqlite_server
     client = fl.connect(server.location)
     opts = fl.FlightCallOptions(headers=[(b"authorization", f"Bearer {READ_TOKEN}".encode())])
     rows = client.do_get(fl.Ticket(proto.encode(proto.ROWS, where={}, after=None, page_rows=7)), opts).read_all()
@@ -544,13 +576,13 @@ def test_every_answer_announces_its_row_count(filled_sqlite, replay_servers):
     assert not proto.complete(part.slice(0, 0))
 
 
-def test_the_metrics_count_the_ipc_bytes_and_the_tokens_sent(filled_sqlite, replay_servers):
+def test_the_metrics_count_the_ipc_bytes_and_the_tokens_sent(filled_sqlite, sqlite_server):
     """``payload_bytes_served`` is the bytes of the Arrow IPC messages sent (what the
     client receives, before gRPC's framing) and ``tokens_served`` their prompt and
     response tokens, for answers of contiguous and scattered rows."""
     import pyarrow.ipc as ipc
 
-    server = replay_servers(filled_sqlite, metrics=True)
+    server = sqlite_server
     client = fl.connect(server.location)
     opts = fl.FlightCallOptions(headers=[(b"authorization", f"Bearer {READ_TOKEN}".encode())])
     rows = next(filled_sqlite.materialized.iter_sample_rows(where={}, after=None, page_rows=10_000))
@@ -573,11 +605,11 @@ def test_the_metrics_count_the_ipc_bytes_and_the_tokens_sent(filled_sqlite, repl
     assert (after[0] - before[0], after[1] - before[1]) == (sent, tokens)
 
 
-def test_a_fail_over_never_closes_a_client_another_call_is_using(filled_sqlite, replay_servers):
+def test_a_fail_over_never_closes_a_client_another_call_is_using(filled_sqlite, sqlite_server):
     """Parallel fetches share one Flight client; when one of them fails over, the others
     are still inside their calls on it. Closing it under them crashed the process
     (a segfault in ``do_get``); it is closed when its last call ends."""
-    server = replay_servers(filled_sqlite)
+    server = sqlite_server
     store = ReplayStore(server.location, token=READ_TOKEN)
     inside, go = threading.Event(), threading.Event()
     answers: list = []
@@ -610,10 +642,10 @@ def test_a_fail_over_never_closes_a_client_another_call_is_using(filled_sqlite, 
         store.hello()
 
 
-def test_closing_a_reader_mid_prefetch_returns_and_leaves_no_fetch_running(filled_sqlite, replay_servers):
+def test_closing_a_reader_mid_prefetch_returns_and_leaves_no_fetch_running(filled_sqlite, sqlite_server):
     """A reader closed while its prefetch fetches: close() returns and no fetch thread
     outlives it (threads left running crashed a later test's process)."""
-    server = replay_servers(filled_sqlite)
+    server = sqlite_server
     reader = ReplayReader(server.location, token=READ_TOKEN, batch_size=4, streams=4)
     assert next(reader)
     ahead = next(iter(reader._pipelines))
@@ -623,8 +655,8 @@ def test_closing_a_reader_mid_prefetch_returns_and_leaves_no_fetch_running(fille
     assert not alive, alive
 
 
-def test_a_reader_config_argument_is_deprecated_as_for_sample_reader(filled_sqlite, replay_servers):
-    server = replay_servers(filled_sqlite)
+def test_a_reader_config_argument_is_deprecated_as_for_sample_reader(filled_sqlite, sqlite_server):
+    server = sqlite_server
     config = ReaderConfig(batch_size=4)
     with pytest.warns(DeprecationWarning, match=r"ReplayReader\(\.\.\., config\) is deprecated; pass the settings "
                                                 r"as keywords") as caught:
@@ -640,7 +672,7 @@ def test_a_reader_config_argument_is_deprecated_as_for_sample_reader(filled_sqli
         new.close()
 
 
-def test_bad_rows_and_deep_nesting_are_invalid_requests_that_disclose_no_path(filled_sqlite, replay_servers):
+def test_bad_rows_and_deep_nesting_are_invalid_requests_that_disclose_no_path(filled_sqlite, sqlite_server):
     """Rows past a segment's end and deeply nested JSON are the request's fault:
     "invalid request" (the client raises ValidationError, not CorruptStoreError), and
     no answer names where the server keeps the payload."""
@@ -648,7 +680,7 @@ def test_bad_rows_and_deep_nesting_are_invalid_requests_that_disclose_no_path(fi
     from sqlalchemy import select
     from trajstore.schema import segments
 
-    server = replay_servers(filled_sqlite)
+    server = sqlite_server
     client = fl.connect(server.location)
     opts = fl.FlightCallOptions(headers=[(b"authorization", f"Bearer {READ_TOKEN}".encode())])
     segment = next(filled_sqlite.materialized.iter_sample_rows(where={}, after=None, page_rows=1))[0]["segment"]
@@ -679,10 +711,10 @@ def test_bad_rows_and_deep_nesting_are_invalid_requests_that_disclose_no_path(fi
         store.close()
 
 
-def test_a_denied_get_schema_is_one_trajstore_error_not_an_os_error(filled_sqlite, replay_servers):
+def test_a_denied_get_schema_is_one_trajstore_error_not_an_os_error(filled_sqlite, sqlite_server):
     """pyarrow's client reports a refused GetSchema as a bare OSError; the replay client
     must not take it for an outage (retrying until retry_timeout_s) but say it was refused."""
-    server = replay_servers(filled_sqlite)
+    server = sqlite_server
     for token in (READ_TOKEN, "wrong-token"):
         store = ReplayStore(server.location, token=token, retry_timeout_s=30)
         try:
@@ -718,11 +750,13 @@ def test_a_wait_is_logged_once_not_once_per_parallel_stream(filled_sqlite_own, r
     waits = [r for r in caplog.records if "replay reader waits: server" in r.getMessage()]
     assert len(waits) == 1, [r.getMessage() for r in waits]
     ahead.close()
-def test_a_trainer_records_lineage_through_the_replay_reader(filled, replay_servers):
+def test_a_trainer_records_lineage_through_the_replay_reader(filled_own, replay_servers):
     """``ReplayReader.record_step`` with the read token: the step lands in the store
     as through SampleReader; a replay is a no-op, a redo takes the next attempt; the
     read token still writes nothing but lineage; the store's refusals keep their rule."""
     from sqlalchemy import text
+
+    filled = filled_own  # it writes: a store of its own
 
     server = replay_servers(filled)
     reader = ReplayReader(server.location, token=READ_TOKEN, batch_size=4)
@@ -757,12 +791,12 @@ def test_a_trainer_records_lineage_through_the_replay_reader(filled, replay_serv
     reader.close()
 
 
-def test_a_reader_fetches_a_batch_in_one_request_and_streams_batches_at_once(filled, replay_servers):
+def test_a_reader_fetches_a_batch_in_one_request_and_streams_batches_at_once(filled, filled_server):
     """The payload of a batch is one request per segment it spans (not split into
     smaller ones), and the reader keeps ``streams`` of them in flight: with every
     answer held 0.2 s on arrival, four are under way at once and an epoch takes
     less than the sum of the holds, and the batches are the local reader's."""
-    server = replay_servers(filled)
+    server = filled_server
     config = {"batch_size": 3, "page_rows": 1000}
     local = [keys(b) for b in SampleReader(filled, **config)]
     where = {(r["trajectory_id"], r["sample_index"]): r["segment"]
@@ -799,11 +833,11 @@ def test_a_reader_fetches_a_batch_in_one_request_and_streams_batches_at_once(fil
     assert took < 0.2 * asked, (took, asked)  # one at a time: at least 0.2 s each
 
 
-def test_a_reader_loads_its_read_ahead_on_streams_threads_not_one_per_batch(filled_sqlite, replay_servers):
+def test_a_reader_loads_its_read_ahead_on_streams_threads_not_one_per_batch(filled_sqlite, sqlite_server):
     """The read-ahead's loads run on ``streams`` threads kept for the iteration (a
     thread started per batch cost a thread start and a cold stack each), and the
     batches are the local reader's."""
-    server = replay_servers(filled_sqlite)
+    server = sqlite_server
     local = [keys(b) for b in SampleReader(filled_sqlite, batch_size=2)]
     reader = ReplayReader(server.location, token=READ_TOKEN, streams=3, batch_size=2)
     load, threads = reader._load, set()

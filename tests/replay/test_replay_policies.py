@@ -22,6 +22,7 @@ import time
 
 import pytest
 
+import trajstore
 from trajstore.materializer import Materializer
 from trajstore.reader import SampleReader
 from trajstore.replay import ReplayReader
@@ -41,16 +42,26 @@ POLICIES = {
 }
 
 
+@pytest.fixture(scope="module")
+def filled(module_store_url, tmp_path_factory):
+    """A filled store on each backend: built once per module and shared by the tests that only
+    read it (readers' leases aside). A test that appends takes ``filled_own``."""
+    s = trajstore.connect(module_store_url, payload=str(tmp_path_factory.mktemp("filled") / "payload"))
+    fill(s, shuffled())
+    yield s
+    s.close()
+
+
 @pytest.fixture
-def filled(store):
-    """A filled store on each backend."""
+def filled_own(store):
+    """``filled`` for a test that appends to it: a store of the test's own."""
     fill(store, shuffled())
     return store
 
 
 @pytest.mark.parametrize("policy", list(POLICIES))
-def test_samples_per_insert_paces_every_policy_without_changing_its_choice(filled, replay_servers, policy):
-    store = filled
+def test_samples_per_insert_paces_every_policy_without_changing_its_choice(filled_own, replay_servers, policy):
+    store = filled_own  # it appends: a store of its own
     uses = POLICIES[policy]["max_uses"] if policy == "reuse" else 1
     n = store.materialized.count_samples()
     # the limiter lets half of the epoch's serves through, then holds until as many samples again are inserted

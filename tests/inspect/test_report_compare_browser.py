@@ -8,7 +8,7 @@ import pytest
 
 import trajstore
 from tests.inspect.test_report import fill
-from tests.inspect.test_report_browser import TOKEN, Page, browser, start_report_server, stop  # noqa: F401
+from tests.inspect.test_report_browser import TOKEN, Page, browser, chromium, start_report_server, stop  # noqa: F401
 from trajstore.inspect._compare import COLORS
 
 # panels with both runs' data in this fixture (time, per version, distribution, training)

@@ -12,8 +12,9 @@ import pytest
 
 import trajstore
 from tests.inspect.test_report_browser import (TOKEN, Page, assert_every_panel_drawn, browser,  # noqa: F401
-                                               chromium, open_static_export, shared_run, shared_served,
-                                               start_report_server, stop)
+                                               chromium, open_static_export, served, shared_run, shared_served,
+                                               sqlite_run, start_report_server, stop)
+from tests.inspect.test_report import NUM_TRAJECTORIES, fill
 from tests.inspect.test_report_trace import HOSTILE_ID, HOSTILE_TEXT, _hostile_store, make_tokenizer, word
 
 CHANNELS = ("logprob", "trainer", "mismatch", "version", "drift", "call")
@@ -85,8 +86,8 @@ def test_clicking_a_bar_opens_the_trace_view(shared_served, browser):
     assert page.errors == []
 
 
-def test_time_panels_share_their_zoom(shared_served, browser):
-    _, base = shared_served
+def test_time_panels_share_their_zoom(served, browser):  # its own run: it appends
+    _, base = served
     page = Page(browser)
     open_report(page, base)
     time_panels = page.page.evaluate(
@@ -113,11 +114,22 @@ def test_time_panels_share_their_zoom(shared_served, browser):
             assert got and all([x[:23] for x in rr] == zoom for rr in got), (name, got, zoom)
     # a version axis (category) is left alone
     assert page.page.evaluate("document.querySelector('#versions .plot')._fullLayout.xaxis.type") == "category"
-    # and a refresh keeps the zoom (uirevision)
-    before = page.refreshes()
-    page.page.wait_for_function(f"Number(document.body.dataset.refreshes) > {before}", timeout=30_000)
-    kept = page.page.evaluate("document.querySelector('#reward_curve .plot')._fullLayout.xaxis.range.map(String)")
-    assert [x[:23] for x in kept] == zoom
+    # and a redraw keeps the zoom: new data moves the run's clock, and with it the figure's own time range
+    store, _ = served
+    redrawn = ("ingest_rate", "reward_curve")
+    draws = {name: int(page.page.evaluate(f"Number(document.getElementById('{name}').dataset.draws || 0)"))
+             for name in redrawn}
+    fill(store, first=NUM_TRAJECTORIES, count=2)  # appends, folds and trains
+    for name in redrawn:
+        page.page.locator(f"#{name}").scroll_into_view_if_needed()
+        page.page.wait_for_function(f"Number(document.getElementById('{name}').dataset.draws || 0) > {draws[name]}",
+                                    timeout=60_000)
+        kept = f"document.querySelector('#{name} .plot')._fullLayout.xaxis.range.map(x => String(x).slice(0, 23))"
+        try:
+            page.page.wait_for_function(f"JSON.stringify({kept}) === {json.dumps(json.dumps(zoom, separators=(',', ':')))}",
+                                        timeout=10_000)
+        except Exception:
+            raise AssertionError((name, page.page.evaluate(kept), zoom)) from None
     assert page.errors == []
 
 

@@ -192,9 +192,11 @@ _JS = r"""
     if (p.figure) {
       note.hidden = true;
       plot.hidden = false;
-      // uirevision: a refresh keeps the zoom the viewer chose
-      Plotly.react(plot, p.figure.data, Object.assign({uirevision: p.name}, p.figure.layout), plotConfig);
+      // uirevision keeps what the viewer changed while the figure's own value stays; a time axis's range
+      // moves with the run's clock, so the viewer's time zoom is put back after the draw
+      const drawn = Plotly.react(plot, p.figure.data, Object.assign({uirevision: p.name}, p.figure.layout), plotConfig);
       hookPlot(plot);
+      if (viewerZoom) drawn.then(() => keepZoom(plot));
       s.dataset.state = "plotted";
     } else {
       Plotly.purge(plot);
@@ -266,6 +268,18 @@ _JS = r"""
 
   // -- shared zoom: a zoom on one time axis applies to every time axis on the page --
   let syncing = false;
+  let viewerZoom = null;  // the time range the viewer chose; null: the run's own
+  function keepZoom(plot) {
+    if (!viewerZoom || !plot._fullLayout) return;
+    const update = {};
+    for (const ax of timeAxes(plot)) update[ax + ".range"] = viewerZoom.slice();
+    if (!Object.keys(update).length) return;
+    plot.dataset.keeping = "1";
+    Plotly.relayout(plot, update).finally(() => {
+      delete plot.dataset.keeping;
+      document.body.dataset.zoomsKept = String(Number(document.body.dataset.zoomsKept || 0) + 1);
+    });
+  }
   function timeAxes(plot) {
     const fl = plot._fullLayout || {};
     return Object.keys(fl).filter((k) => /^xaxis[0-9]*$/.test(k) && fl[k] && fl[k].type === "date");
@@ -281,7 +295,7 @@ _JS = r"""
       if (href) window.location.href = href;
     });
     plot.on("plotly_relayout", (ev) => {
-      if (syncing || !ev) return;
+      if (syncing || !ev || plot.dataset.keeping) return;
       let range = null, auto = false;
       for (const ax of timeAxes(plot)) {
         if (ev[ax + ".range[0]"] !== undefined) range = [ev[ax + ".range[0]"], ev[ax + ".range[1]"]];
@@ -289,6 +303,7 @@ _JS = r"""
         if (ev[ax + ".autorange"]) auto = true;
       }
       if (!range && !auto) return;
+      viewerZoom = range ? range.slice() : null;
       syncing = true;
       const jobs = [];
       for (const other of document.querySelectorAll("#panels .plot")) {

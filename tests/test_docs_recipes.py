@@ -77,6 +77,7 @@ WALKED = {
     "docs/report.md": {
         "docs/report.md:16": "a synopsis (URL, TOKEN); sql.md's cookbook runs the static and the live page",
         "docs/report.md:70": "needs the live page of the block above and jq",
+        "docs/report.md:133": "needs two stores of runs",
         "docs/report.md:337": "a synopsis (URL)",
         "docs/report.md:415": "a benchmark (docs/benchmarks.md)",
     },

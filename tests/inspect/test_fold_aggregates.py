@@ -261,6 +261,47 @@ def test_a_compaction_whose_backend_is_killed_changes_nothing_and_the_next_folds
         store.close()
 
 
+@pytest.mark.postgres
+def test_a_run_whose_compaction_fails_after_its_commits_keeps_its_counts(fresh_pg_url, tmp_path, caplog):
+    """The fold committed: a compaction that fails after it is a warning, not the run's error (the run's
+    counts stand, ``trajstore materialize`` does not report landed work as failed), and the next
+    compaction folds the deltas once."""
+    store = trajstore.connect(fresh_pg_url, payload=str(tmp_path / "payload"))
+    engine = create_engine(fresh_pg_url)
+    try:
+        for events in run_events(0, 8):
+            store.append(events)
+        m = Materializer(store, max_trajectories=16)
+        with engine.connect() as holder:  # the totals locked: the commits' delta rows go in, the compaction waits
+            holder.begin()
+            holder.execute(text("LOCK TABLE agg_rewards IN EXCLUSIVE MODE"))
+            out: dict = {}
+
+            def run() -> None:
+                try:
+                    out["stats"] = m.run()
+                except Exception as e:  # noqa: BLE001 - the outcome is asserted below
+                    out["error"] = e
+
+            with caplog.at_level("WARNING", logger="trajstore.materializer"):
+                t = threading.Thread(target=run)
+                t.start()
+                _kill_when_waiting(fresh_pg_url, "INSERT INTO agg_rewards")
+                t.join(60)
+            assert not t.is_alive()
+            holder.rollback()
+        assert "error" not in out, out
+        assert out["stats"].num_trajectories > 0 and m.pending() == 0  # every finished one folded
+        assert any("compacting the run aggregates failed" in r.getMessage() for r in caplog.records)
+        assert compact_run_aggregates(store) > 0
+        after = tables(store)
+        rebuild_aggregates(store)
+        assert tables(store) == after  # exactly once: equal to a recount
+    finally:
+        engine.dispose()
+        store.close()
+
+
 def test_the_fold_imports_no_pandas(tmp_path):
     """A fresh process that appends MoE rollouts and materializes them has not imported pandas
     (pyarrow's ``pa.array`` imports it on first use: 0.3 s at a process's first fold step)."""

@@ -66,7 +66,8 @@ from typing import Any, Callable
 from trajstore._util.deprecated import renamed
 from trajstore._upkeep.gc import GC_INTERVAL_S, GC_MARGIN_S, compact_run_aggregates
 from trajstore._append import facts
-from trajstore.errors import ConflictError, CorruptStoreError, PayloadMissingError, StoreUnavailable, ValidationError
+from trajstore.errors import (ConflictError, CorruptStoreError, PayloadMissingError, StoreUnavailable, TrajstoreError,
+                              ValidationError, first_line)
 from trajstore.events import decimal_label
 from trajstore.fold import DEFAULT_POLICY, FoldMetrics, FoldPolicy, FoldResult, fold
 from trajstore.log.base import DATA_ERROR, INTERNAL_ERROR, SAMPLES_KIND, Repoint, Shard, StaleState, shard_index_of
@@ -225,8 +226,17 @@ class Materializer:
             else:
                 break
         if compact and self.projection is None and (stats.num_trajectories or stats.num_internal_errors):
-            compact_run_aggregates(self.store)
+            self._compact(stats)
         return stats
+
+    def _compact(self, stats: MaterializeStats) -> None:
+        """Compact the run aggregates after commits that landed: a failure is logged, not raised (the fold
+        and its counts stand, the delta rows are summed at read time, and the next compaction folds them)."""
+        try:
+            compact_run_aggregates(self.store)
+        except TrajstoreError as e:
+            log.warning("materializer %s: folded %d trajectories; compacting the run aggregates failed, left to the "
+                        "next compaction: %s", self.shard, stats.num_trajectories, first_line(e))
 
     def step(self) -> MaterializeStats | None:
         """Fold one batch; None when nothing is pending."""
@@ -352,7 +362,7 @@ class Materializer:
         unchanged). The run aggregates are compacted after (as ``run`` does)."""
         stats = self._refold(PayloadMissingError.__name__, DATA_ERROR) + self._refold(None, INTERNAL_ERROR)
         if stats.num_trajectories:
-            compact_run_aggregates(self.store)
+            self._compact(stats)
         return stats
 
     def _refold(self, error: str | None, kind: str, position: int | None = None) -> MaterializeStats:

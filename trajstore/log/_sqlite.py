@@ -91,10 +91,18 @@ def _engine(url: str, *, immediate: bool, pool: type = QueuePool) -> Engine:
 _ENGINES: "weakref.WeakSet[Engine]" = weakref.WeakSet()
 
 
+_INHERITED: list = []
+
+
 def _forget_pools_in_forked_children() -> None:
-    # A SQLite connection must not be used across fork; the child starts with
-    # fresh pools and leaves the parent's connections alone (close=False).
+    # A SQLite connection must not be used across fork, nor closed in the child: closing
+    # an inherited connection there (as the child's garbage collector did, at any moment,
+    # with the pools dropped) disturbs the parent's use of the same files, and the
+    # parent lost acknowledged rows. The child starts with fresh pools and keeps the
+    # inherited ones referenced, never closed (a multiprocessing child ends with
+    # os._exit, without closing them either).
     for engine in list(_ENGINES):
+        _INHERITED.append(engine.pool)
         engine.dispose(close=False)
 
 

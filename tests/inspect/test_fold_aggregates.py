@@ -215,6 +215,25 @@ def _kill_when_waiting(url: str, like: str, timeout_s: float = 60) -> None:
             time.sleep(0.05)
 
 
+def _run_until_killed_waiting(call, url: str, like: str) -> dict:
+    """``call()`` on a thread, its backend terminated once it waits on a lock (``_kill_when_waiting``);
+    ``{"result": ...}`` or ``{"error": ...}``, the outcome for the test to assert."""
+    out: dict = {}
+
+    def run() -> None:
+        try:
+            out["result"] = call()
+        except Exception as e:  # noqa: BLE001 - the outcome is asserted by the caller
+            out["error"] = e
+
+    t = threading.Thread(target=run)
+    t.start()
+    _kill_when_waiting(url, like)
+    t.join(60)
+    assert not t.is_alive()
+    return out
+
+
 @pytest.mark.postgres
 def test_a_compaction_whose_backend_is_killed_changes_nothing_and_the_next_folds_once(fresh_pg_url, tmp_path):
     store = trajstore.connect(fresh_pg_url, payload=str(tmp_path / "payload"))
@@ -230,21 +249,9 @@ def test_a_compaction_whose_backend_is_killed_changes_nothing_and_the_next_folds
             width, start = holder.execute(text("SELECT width_s, bucket_start FROM agg_rewards_delta LIMIT 1")).one()
             holder.execute(text("INSERT INTO agg_rewards (width_s, bucket_start, rewarded, reward_sum, reward_min, "
                                 "reward_max) VALUES (:w, :b, 0, 0, 0, 0)"), {"w": width, "b": start})
-            out: dict = {}
-
-            def compact() -> None:
-                try:
-                    out["n"] = compact_run_aggregates(store)
-                except Exception as e:  # noqa: BLE001 - the outcome is asserted below
-                    out["error"] = e
-
-            t = threading.Thread(target=compact)
-            t.start()
             # it has folded agg_groups, agg_logprobs and agg_policy_versions' deltas (deleted,
             # totals upserted) in its transaction and waits on agg_rewards: killed there
-            _kill_when_waiting(fresh_pg_url, "INSERT INTO agg_rewards")
-            t.join(60)
-            assert not t.is_alive()
+            out = _run_until_killed_waiting(lambda: compact_run_aggregates(store), fresh_pg_url, "INSERT INTO agg_rewards")
             holder.rollback()
         err = out.get("error")
         assert isinstance(err, trajstore.TrajstoreError) and "\n" not in str(err), out
@@ -275,23 +282,11 @@ def test_a_run_whose_compaction_fails_after_its_commits_keeps_its_counts(fresh_p
         with engine.connect() as holder:  # the totals locked: the commits' delta rows go in, the compaction waits
             holder.begin()
             holder.execute(text("LOCK TABLE agg_rewards IN EXCLUSIVE MODE"))
-            out: dict = {}
-
-            def run() -> None:
-                try:
-                    out["stats"] = m.run()
-                except Exception as e:  # noqa: BLE001 - the outcome is asserted below
-                    out["error"] = e
-
             with caplog.at_level("WARNING", logger="trajstore.materializer"):
-                t = threading.Thread(target=run)
-                t.start()
-                _kill_when_waiting(fresh_pg_url, "INSERT INTO agg_rewards")
-                t.join(60)
-            assert not t.is_alive()
+                out = _run_until_killed_waiting(m.run, fresh_pg_url, "INSERT INTO agg_rewards")
             holder.rollback()
         assert "error" not in out, out
-        assert out["stats"].num_trajectories > 0 and m.pending() == 0  # every finished one folded
+        assert out["result"].num_trajectories > 0 and m.pending() == 0  # every finished one folded
         assert any("compacting the run aggregates failed" in r.getMessage() for r in caplog.records)
         assert compact_run_aggregates(store) > 0
         after = tables(store)

@@ -16,7 +16,9 @@ Paths, each run interleaved with its baseline, ``--rounds`` times, median:
   call per event, and the events turn-major in calls of ``BATCH_EVENTS``: event
   k of every trajectory, then event k+1, what a busy Writer or the service
   sends when 32 trajectories generate at once; that store is deleted after each
-  round, so page-cache pages are reused as in a steady store) vs writing the
+  round, so page-cache pages are reused as in a steady store; and the same calls
+  sending only the route rows not recorded yet, ``NEW_ROWS_APPEND``, the bound of any
+  saving on the re-sent rows) vs writing the
   unique arrays (tokens, logprobs, routes) to one uncompressed Parquet file +
   fsync;
 * bytes per unique token of the whole store after materialize (log payload +
@@ -84,6 +86,9 @@ TOKEN = "bench-token"
 PATHS = ("append", "materialize", "read", "bytes", "http", "poll", "memory")
 BATCH_EVENTS = 64  # events per store.append of the turn-major append (what a busy Writer sends)
 BATCH_APPEND = f"append, calls of {BATCH_EVENTS} events turn-major"
+NEW_ROWS_APPEND = f"append, new route rows only, calls of {BATCH_EVENTS} events turn-major"
+"""The same calls, each sending only the route rows its trajectory has not recorded
+(``routed_experts_start``): the bound of any saving on the re-sent rows."""
 BYTES_SIZES = "1,2,4,8,16,32,64,256"
 MEMORY_SCALES = (1, 4, 16)
 MEMORY_BATCH_TOKENS = 32_768  # the materializer's batch cap in the memory runs: the 1x store already spans two batches
@@ -112,6 +117,19 @@ def to_wire(events: list[dict]) -> list[dict]:
         if e["type"] == "generation":
             e = dict(e, prompt_ids=encode_b64(e["prompt_ids"]), output_ids=encode_b64(e["output_ids"]),
                      logprobs=encode_b64(e["logprobs"]), routed_experts=encode_npy_b64(e["routed_experts"]))
+        out.append(e)
+    return out
+
+
+def new_rows_only(events: list[dict]) -> list[dict]:
+    """The trajectory's events with each generation's routes cut to the rows past the
+    previous call's (``routed_experts_start`` set): what an engine asked for only new rows sends."""
+    out, seen = [], 0
+    for e in events:
+        if e["type"] == "generation":
+            rows = e["routed_experts"]
+            e = dict(e, routed_experts=rows[seen:], routed_experts_start=seen)
+            seen = len(rows)
         out.append(e)
     return out
 
@@ -231,6 +249,7 @@ def append_materialize_read(args, out: dict) -> None:
     wire = [to_wire(t) for t in trajs]
     unique = unique_table(trajs)
     batched = turn_major(wire, BATCH_EVENTS)
+    batched_new = turn_major([to_wire(new_rows_only(t)) for t in trajs], BATCH_EVENTS)
     tokens = int(np.diff(np.asarray(unique.column("tokens").chunk(0).offsets)).sum())
     wire_mb = sum(len(json.dumps(t)) for t in wire) / 2**20
     clock = Clock()
@@ -249,13 +268,14 @@ def append_materialize_read(args, out: dict) -> None:
                         for e in t:
                             s.append([e])
                 s.close()
-                base = f"{d}/b{r}"
-                s = trajstore.connect(f"sqlite:///{base}.db", payload=f"{base}.payload")
-                with clock(BATCH_APPEND):
-                    for call in batched:
-                        s.append(call)
-                s.close()
-                _remove(f"{base}.db", f"{base}.db-wal", f"{base}.db-shm", f"{base}.payload")
+                for name, calls in ((BATCH_APPEND, batched), (NEW_ROWS_APPEND, batched_new))[::1 - 2 * (r % 2)]:
+                    base = f"{d}/b{r}"  # the two forms alternate which goes first
+                    s = trajstore.connect(f"sqlite:///{base}.db", payload=f"{base}.payload")
+                    with clock(name):
+                        for call in calls:
+                            s.append(call)
+                    s.close()
+                    _remove(f"{base}.db", f"{base}.db-wal", f"{base}.db-shm", f"{base}.payload")
             url, payload = f"sqlite:///{d}/a{r}.db", f"{d}/a{r}.payload"
             s = trajstore.connect(url, payload=payload)
             with clock("append, one call per trajectory"):
@@ -307,9 +327,10 @@ def append_materialize_read(args, out: dict) -> None:
                            "raw write unique arrays", wall, cpu)
     if BATCH_APPEND in clock.wall:  # also each round's ratio (its raw write beside it), median
         raw_w, raw_c = clock.wall["raw write unique arrays"], clock.cpu["raw write unique arrays"]
-        res["append"][BATCH_APPEND].update(
-            vs_raw_per_round=round(_med([r / a for r, a in zip(raw_w, clock.wall[BATCH_APPEND])]), 3),
-            cpu_vs_raw_per_round=round(_med([r / a for r, a in zip(raw_c, clock.cpu[BATCH_APPEND])]), 3))
+        for name in (BATCH_APPEND, NEW_ROWS_APPEND):
+            res["append"][name].update(
+                vs_raw_per_round=round(_med([r / a for r, a in zip(raw_w, clock.wall[name])]), 3),
+                cpu_vs_raw_per_round=round(_med([r / a for r, a in zip(raw_c, clock.cpu[name])]), 3))
     if "materialize" in wall:
         res["materialize"] = _rates(sample_tokens, ["materialize", "raw write sample arrays"],
                                     "raw write sample arrays", wall, cpu)

@@ -38,12 +38,17 @@ def _pipeline_rows(doc: dict[str, Any]) -> list[dict[str, str]]:
     rows = []
     appended = _ran(doc, "append")  # a run without the append path times it only to build its store
     batched = next((v for k, v in res.get("append", {}).items() if k.startswith("append, calls of")), None)
+    new_rows = next((v for k, v in res.get("append", {}).items() if k.startswith("append, new route rows only")),
+                    None)
     if appended and batched:
+        bound = "" if not new_rows else (
+            f"; the same calls sending only the rows not recorded yet (routed_experts_start): "
+            f"{new_rows['vs_raw_per_round']:.3f}× wall, {new_rows['cpu_vs_raw_per_round']:.3f}× CPU")
         rows.append({"what": "append, calls of 64 wire events turn-major (routes re-sent each turn), vs raw "
                              "Parquet write",
                      "figure": f"{batched['vs_raw_per_round']:.3f}× wall, {batched['cpu_vs_raw_per_round']:.3f}× "
                                f"CPU (median of {rounds} rounds' ratios)",
-                     "baseline": "a raw Parquet write (uncompressed, fsync) of the unique arrays, each round",
+                     "baseline": "a raw Parquet write (uncompressed, fsync) of the unique arrays, each round" + bound,
                      "section": "[Append in batches of 64](benchmarks-history.md#append-in-batches-of-64-as-a-writer-"
                                 "sends-them--paired_appendpy---batch-64)"})
     app = res.get("append", {}).get("append, one call per trajectory")

@@ -77,3 +77,23 @@ def test_pipeline_append_and_bytes_rows():
         other = {k: v for k, v in doc.items() if k not in ("only", "bytes_by_store_size")} | without_append
         assert summary.rows_of(other) == []
     assert len(summary.rows_of({k: v for k, v in doc.items() if k != "only"} | {"command": "bench/bench_pipeline.py"})) == 3
+
+
+def test_pipeline_append_row_names_the_new_rows_bound():
+    """The turn-major append row's baseline cell carries the same calls sending only the
+    route rows not recorded yet, when the run measured them (the bound of any saving on
+    the re-sent rows), and says nothing of it when it did not."""
+    summary = _summary()
+    batch = {"tokens_per_s": 1, "tokens_per_cpu_s": 1, "vs_raw": 0.4, "cpu_vs_raw": 0.3,
+             "vs_raw_per_round": 0.444, "cpu_vs_raw_per_round": 0.429}
+    bound = dict(batch, vs_raw_per_round=0.561, cpu_vs_raw_per_round=0.532)
+    doc = {"command": "bench/bench_pipeline.py --only append", "date": "2026-01-01 00:00 UTC", "rounds": 9,
+           "only": ["append"], "pipeline": {"append": {
+               "append, calls of 64 events turn-major": batch,
+               "append, new route rows only, calls of 64 events turn-major": bound}}}
+    (row,) = summary.rows_of(doc)
+    assert row["figure"] == "0.444× wall, 0.429× CPU (median of 9 rounds' ratios)"
+    assert row["baseline"].endswith("only the rows not recorded yet (routed_experts_start): 0.561× wall, 0.532× CPU")
+    del doc["pipeline"]["append"]["append, new route rows only, calls of 64 events turn-major"]
+    (row,) = summary.rows_of(doc)
+    assert "routed_experts_start" not in row["baseline"]

@@ -5,9 +5,12 @@ found equal are not scanned again for ``num_experts``, a drifted one still is.""
 
 from __future__ import annotations
 
+import base64
+import io
+
 import numpy as np
 import pytest
-from helpers import gen, started
+from helpers import finished, gen, started
 from sqlalchemy import text
 
 from trajstore.events._wire import encode_npy_b64
@@ -67,3 +70,29 @@ def test_a_batch_of_resent_calls_gives_the_figures_of_one_call_per_append(store)
     t3 = np.concatenate([t0, rows([4, 5, 6, 7, 8, 9])])
     store.append([started("t", num_experts=16), call(0, t0), call(1, t1), call(2, t2), call(3, t3)])
     assert drift(store) == [(0, 0, 0), (1, 3, 0), (2, 5, 1), (3, 7, 0)]
+
+
+def test_a_changed_character_in_the_resent_base64_is_drift_and_the_recorded_row_stays(store):
+    """vLLM's layout (48 x 8 uint8 ids, every row re-sent as base64 .npy): one character changed
+    in the middle of the re-sent rows' text is a drifted row, counted, and the sample keeps the
+    row first recorded (routes are appended, never overwritten)."""
+    rng = np.random.default_rng(7)
+    first = rng.integers(0, 256, (300, 48, 8), dtype=np.uint8)
+    table = np.concatenate([first, rng.integers(0, 256, (200, 48, 8), dtype=np.uint8)])
+    store.append([started("t", num_experts=256), call(0, first)])
+    text = encode_npy_b64(table)
+    head = base64.b64decode(text[:16])  # .npy v1: magic, version, 2-byte header length
+    assert head[:8] == b"\x93NUMPY\x01\x00"
+    byte = 10 + int.from_bytes(head[8:10], "little") + 150 * 48 * 8 + 100  # inside row 150, a re-sent row
+    at = 4 * (byte // 3) + 1  # a character of that byte's quantum, not of a neighbouring row's
+    changed = text[:at] + ("A" if text[at] != "A" else "B") + text[at + 1:]
+    sent = np.lib.format.read_array(io.BytesIO(base64.b64decode(changed)))
+    differs = np.flatnonzero((sent != table).reshape(len(table), -1).any(axis=1))
+    assert differs.tolist() == [150]  # the changed character changed row 150 only
+    result = store.append([gen("t", 1, range(len(table) + 1), [], routed_experts=changed), finished("t")])
+    assert (result.route_rows_resent, result.route_rows_drifted) == (300, 1)
+    assert result.num_appended == 2 and drift(store) == [(0, 0, 0), (1, 300, 1)]
+    store.materialize()
+    (sample,) = list(store.samples())
+    assert np.array_equal(sample.routed_experts[:300], first)  # row 150 as first recorded
+    assert np.array_equal(sample.routed_experts[300:500], table[300:])

@@ -1,12 +1,13 @@
 """Shared fixtures: a real PostgreSQL for the session, and the two-backend `store_url`.
 
 - `postgres_url` (session): URL of a database in a throwaway PostgreSQL cluster
-  the suite starts itself (see tests/pg_cluster.py) and removes at the end.
+  the suite starts itself (see tests/pg_cluster.py) and removes at the end. No test
+  crashes it, so it runs without fsync (a killed server loses no commit without it).
 - `fresh_pg_url` (function): a new empty database in that cluster per test,
   dropped afterwards (made ahead and dropped in the background: `PgDatabases`).
 - `fault_cluster` (function): a second cluster shared by the tests that kill
-  backends, change server settings or crash/restart the server; reset between
-  tests (see the fixture).
+  backends, change server settings or crash/restart the server (with fsync on);
+  reset between tests (see the fixture).
 - `store_url` (function, one case per registered backend, ids "sqlite"/"postgres"):
   the URL a backend test runs against; the PostgreSQL case starts the cluster
   only when selected.
@@ -62,7 +63,7 @@ os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
 def pg_cluster() -> Iterator[PgCluster]:
     if os.environ.get(SKIP_POSTGRES_ENV) == "1":
         pytest.skip(f"{SKIP_POSTGRES_ENV}=1: PostgreSQL tests skipped")
-    with PgCluster() as cluster:
+    with PgCluster(fsync=False) as cluster:
         yield cluster
 
 

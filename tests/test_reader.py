@@ -481,6 +481,12 @@ def test_follow_sees_every_sample_once_while_another_process_writes(store, confi
     assert_resumed(steps, [], reference)
 
 
+# The producer's pause after each fold: twice the follow readers' poll interval (0.05 s), so a
+# reader that has caught up polls and finds nothing at least once per pause (the tests assert
+# that it waited); ten pauses of a 32-trajectory run.
+PRODUCER_PAUSE_S = 0.1
+
+
 def _produce_main(url: str, payload: str, n: int) -> None:
     store = trajstore.connect(url, payload=payload)
     m = Materializer(store, max_trajectories=2)
@@ -488,7 +494,7 @@ def _produce_main(url: str, payload: str, n: int) -> None:
         store.append(trajectory_events(CFG, i, version=i // 8))
         if k % 3 == 2:
             m.run()
-            time.sleep(0.3)
+            time.sleep(PRODUCER_PAUSE_S)
     m.run()
     store.close()
 

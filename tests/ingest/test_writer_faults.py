@@ -43,31 +43,33 @@ def _wait_for_a_transaction(cluster, dbname: str) -> None:
 
 
 @pytest.mark.parametrize("via", ["in_process", "http"])
-def test_writer_survives_two_postgres_crashes(pg_cluster, fresh_pg_url, tmp_path, monkeypatch, via):
+def test_writer_survives_two_postgres_crashes(fault_cluster, tmp_path, monkeypatch, via):
+    cluster = fault_cluster  # crashed twice: never the suite's main cluster
+    url = cluster.create_database()
     monkeypatch.setenv("TRAJSTORE_PAYLOAD_DIR", str(tmp_path / "payload"))
     with contextlib.ExitStack() as stack:
-        target = fresh_pg_url
+        target = url
         if via == "http":
             pytest.importorskip("fastapi", reason="needs the extra: pip install 'trajstore[server]'")
             from openai_upstream import serve_in_thread
             from trajstore.ingest.service import make_app
 
-            service_store = stack.enter_context(trajstore.connect(fresh_pg_url))
+            service_store = stack.enter_context(trajstore.connect(url))
             target = stack.enter_context(serve_in_thread(make_app(service_store, token="tok")))
         writer = Writer(target, token="tok", max_batch_events=4, flush_interval_s=0.01)
         producers = [threading.Thread(target=_produce, args=(writer, k, 0.05)) for k in range(NUM_TRAJ)]
         for t in producers:
             t.start()
         for _ in range(2):  # two crashes while the producers write, each with an append in flight
-            _wait_for_a_transaction(pg_cluster, fresh_pg_url.rsplit("/", 1)[1])
-            crash_cluster(pg_cluster)
+            _wait_for_a_transaction(cluster, url.rsplit("/", 1)[1])
+            crash_cluster(cluster)
             time.sleep(0.5)
-            start_cluster_again(pg_cluster)
+            start_cluster_again(cluster)
         for t in producers:
             t.join()
         writer.close()  # clean: no error raised
     assert writer.errors == []
-    with trajstore.connect(fresh_pg_url, payload=str(tmp_path / "payload")) as store:
+    with trajstore.connect(url, payload=str(tmp_path / "payload")) as store:
         states = {f"t{k}": store.trajectory_state(f"t{k}") for k in range(NUM_TRAJ)}
         missing = sorted(tid for tid, st in states.items() if st is None)
         assert missing == []

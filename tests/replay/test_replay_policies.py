@@ -1,7 +1,6 @@
-"""Sampling policies through `trajstore replay` servers as real processes:
+"""Sampling policies through `trajstore replay` servers as real processes (the
+server's samples-per-insert pacing of each policy: test_replay_pacing.py):
 
-* the server's samples-per-insert pacing holds each policy's reader and lets it
-  go on once rollouts insert more, without changing what the policy chooses;
 * a trainer process reading with a policy, killed -9 mid-epoch, restored from
   the last state it saved: the same steps as an uninterrupted reader;
 * ``ReplayDataset`` (StatefulDataLoader) takes the policy as ``SampleDataset`` does.
@@ -17,19 +16,16 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
 
 import trajstore
-from trajstore.materializer import Materializer
 from trajstore.reader import SampleReader
 from trajstore.replay import ReplayReader
-from trajstore.demo._simulate import trajectory_events
 
 from replay_procs import READ_TOKEN
-from test_reader import CFG, GROUP_SIZE, fill, keys, shuffled
+from test_reader import GROUP_SIZE, fill, keys, shuffled
 
 HERE = os.path.abspath(__file__)
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))
@@ -45,49 +41,11 @@ POLICIES = {
 @pytest.fixture(scope="module")
 def filled(module_store_url, tmp_path_factory):
     """A filled store on each backend: built once per module and shared by the tests that only
-    read it (readers' leases aside). A test that appends takes ``filled_own``."""
+    read it (readers' leases aside)."""
     s = trajstore.connect(module_store_url, payload=str(tmp_path_factory.mktemp("filled") / "payload"))
     fill(s, shuffled())
     yield s
     s.close()
-
-
-@pytest.fixture
-def filled_own(store):
-    """``filled`` for a test that appends to it: a store of the test's own."""
-    fill(store, shuffled())
-    return store
-
-
-@pytest.mark.parametrize("policy", list(POLICIES))
-def test_samples_per_insert_paces_every_policy_without_changing_its_choice(filled_own, replay_servers, policy):
-    store = filled_own  # it appends: a store of its own
-    uses = POLICIES[policy]["max_uses"] if policy == "reuse" else 1
-    n = store.materialized.count_samples()
-    # the limiter lets half of the epoch's serves through, then holds until as many samples again are inserted
-    server = replay_servers(store, "--samples-per-insert", str(uses / 2), "--hold-s", "0.5", metrics=True)
-    config = {"batch_size": 4, "policy": POLICIES[policy], "current_model_version": 6}
-    expected = [keys(b) for b in SampleReader(store, **config)]
-    assert sum(map(len, expected)) == uses * n
-    got: list = []
-    reader = ReplayReader(server.location, token=READ_TOKEN, **config)
-    t = threading.Thread(target=lambda: got.extend(keys(b) for b in reader), daemon=True)
-    t.start()
-    deadline = time.monotonic() + 60
-    while 'trajstore_replay_wait_seconds_total{reason="samples_per_insert"}' not in server.metrics():
-        assert time.monotonic() < deadline, "the policy's reader was never held"
-        time.sleep(0.1)
-    time.sleep(1.0)
-    assert t.is_alive() and sum(map(len, got)) <= uses * n / 2 + 4, "the limiter let the epoch through"
-    m = Materializer(store)
-    for i in range(100, 100 + 48):
-        store.append(trajectory_events(CFG, i, version=i // 8))
-    m.run()
-    assert store.materialized.count_samples() >= 2 * n
-    t.join(timeout=120)
-    assert not t.is_alive(), "the reader stayed held after the rollouts inserted more"
-    assert got == expected, "pacing changed what the policy chose"
-    reader.close()
 
 
 def _trainer_main(path: str) -> None:

@@ -7,6 +7,7 @@ SQLite's write engine begins with ``BEGIN IMMEDIATE``).
 
 from __future__ import annotations
 
+import functools
 import logging
 from pathlib import Path
 
@@ -29,7 +30,10 @@ def alembic_config() -> Config:
     return cfg
 
 
+@functools.cache
 def head_revision() -> str | None:
+    """The newest migration's revision, read once per process: Alembic compiles every migration
+    file from source to find it (tens of milliseconds), and every connect asks."""
     return ScriptDirectory.from_config(alembic_config()).get_current_head()
 
 

@@ -419,7 +419,8 @@ def events_of_sql(d: SqlDialect, n: int) -> str:
 
 def count_trajectories(conn: Any, d: SqlDialect, trajectory_ids: Iterable[str], *,
                        add: Callable[[Any, SqlDialect, Counts], None] = insert_fold_deltas,
-                       calls_of: Mapping[str, Sequence[Mapping[str, Any]]] | None = None) -> list[str]:
+                       calls_of: Mapping[str, Sequence[Mapping[str, Any]]] | None = None,
+                       finished_at: dict[str, float] | None = None) -> list[str]:
     """Count the finished trajectories of ``trajectory_ids`` not counted yet into
     ``agg_trajectory_stats`` (a row of each trajectory's own) and the per-trajectory
     aggregates, from their index rows (in the caller's write transaction: the materializer's
@@ -427,7 +428,8 @@ def count_trajectories(conn: Any, d: SqlDialect, trajectory_ids: Iterable[str], 
     default; a rebuild adds to the totals). ``calls_of``: trajectories whose generation event
     rows (``_CALL_COLUMNS`` at least) the caller read already (the fold's inputs: a finished
     trajectory's generation events never change but for their payload locators), not read
-    again; the others' are. Their groups' part of ``agg_group_variance`` is
+    again; the others' are. ``finished_at``: filled with the finish time of each trajectory
+    counted (its ``agg_trajectory_stats`` row's). Their groups' part of ``agg_group_variance`` is
     settled by the compaction (``settle_groups``). Returns the ids counted."""
     st, tr = d.table(agg_trajectory_stats), d.table(trajectories)
     counted: list[str] = []
@@ -454,6 +456,8 @@ def count_trajectories(conn: Any, d: SqlDialect, trajectory_ids: Iterable[str], 
         d.insert_rows(conn, agg_trajectory_stats, [{k: r[k] for k in _STATS_COLUMNS} for r in records])
         add(conn, d, trajectory_counts(records))
         counted.extend(r["trajectory_id"] for r in records)
+        if finished_at is not None:
+            finished_at.update((r["trajectory_id"], r["finished_at"]) for r in records)
     return counted
 
 
@@ -505,14 +509,16 @@ def count_policy_versions(conn: Any, d: SqlDialect, after: int, upto: int | None
 
 
 def count_sample_rows(conn: Any, d: SqlDialect, rows: Sequence[Mapping[str, Any]], *,
-                      add: Callable[[Any, SqlDialect, Counts], None] = insert_fold_deltas) -> None:
+                      add: Callable[[Any, SqlDialect, Counts], None] = insert_fold_deltas,
+                      known: Mapping[str, float] | None = None) -> None:
     """Count default sample rows (``samples`` columns) into ``agg_samples`` and ``agg_staleness``
-    (their trajectories counted already: ``agg_trajectory_stats`` gives the finish time)."""
+    (their trajectories counted already: ``agg_trajectory_stats`` gives the finish time, read
+    for those not in ``known``: the finish times the caller has just counted)."""
     if not rows:
         return
     st = d.table(agg_trajectory_stats)
-    finished_at: dict[str, float] = {}
-    for part in chunks(sorted({r["trajectory_id"] for r in rows})):
+    finished_at: dict[str, float] = dict(known or {})
+    for part in chunks(sorted({r["trajectory_id"] for r in rows} - set(finished_at))):
         finished_at.update(execute(conn, f"SELECT trajectory_id, finished_at FROM {st} WHERE trajectory_id IN "
                                          f"({d.marks(len(part))})", tuple(part)).fetchall())
     policy = sorted((int(p), int(v)) for v, p in execute(conn, totals_sql("agg_policy_versions", order=False),
@@ -528,8 +534,9 @@ def count_commit(conn: Any, d: SqlDialect, trajectory_ids: Sequence[str], sample
     seen in that stretch of the log, and its default samples (their groups are settled by
     the compaction)."""
     count_policy_versions(conn, d, after, upto)
-    count_trajectories(conn, d, trajectory_ids, calls_of=calls_of)
-    count_sample_rows(conn, d, sample_rows)
+    finished_at: dict[str, float] = {}
+    count_trajectories(conn, d, trajectory_ids, calls_of=calls_of, finished_at=finished_at)
+    count_sample_rows(conn, d, sample_rows, known=finished_at)
 
 
 def rebuild_trajectory_aggregates(conn: Any, d: SqlDialect, *, page_rows: int = 2000) -> int:

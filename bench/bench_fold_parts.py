@@ -39,6 +39,8 @@ def main() -> None:
     import trajstore.log._aggregates as agg
     import trajstore.log._samples as samples
     import trajstore.materializer as mat
+    import trajstore.payload._direct as direct
+    import trajstore.sample._codec as codec
     from trajstore._upkeep import gc
 
     tmp = tempfile.mkdtemp()
@@ -64,7 +66,9 @@ def main() -> None:
                          (store.log, ("fold_inputs", "pending_labels", "finished_after")),
                          (store.payload, ("write_samples",)), (store.materialized, ("commit_samples",)),
                          (samples, ("count_commit", "insert_fold_deltas", "repoint")),
-                         (gc, ("compact_aggregates", "count_pending_experts")), (agg, ("count_trajectories",))):
+                         (gc, ("compact_aggregates", "count_pending_experts")), (agg, ("count_trajectories",)),
+                         (direct, ("_image_capacity", "write_table", "_write_file")),
+                         (codec.PlannedRoutes, ("place",)), (mat, ("sample_counts",))):
         for name in names:
             wrap(owner, name)
     m = mat.Materializer(store, max_trajectories=bf.PER_STEP)

@@ -475,3 +475,44 @@ def test_0026_turns_the_expert_load_rows_into_one_array_per_version_and_back(sto
         _migrate(engine, "head")
     finally:
         engine.dispose()
+
+
+def test_0027_stores_the_expert_load_arrays_with_lz4_and_reads_them_the_same(store_url):
+    """0027 (PostgreSQL): the expert-load arrays' column is compressed with lz4 (uncompressed
+    where the server has no lz4) instead of the default pglz; an array written before and one
+    written after read back byte for byte; the downgrade puts the server's default back."""
+    import numpy as np
+
+    engine = create_engine(store_url)
+    postgres = engine.dialect.name == "postgresql"
+
+    def method() -> dict[str, tuple]:
+        with engine.connect() as conn:
+            return {t: conn.execute(text("SELECT a.attcompression, a.attstorage FROM pg_attribute a "
+                                         f"WHERE a.attrelid = '{t}'::regclass AND a.attname = 'counts'")).one()
+                    for t in ("agg_expert_load", "agg_expert_load_delta")}
+
+    try:
+        _migrate(engine, "0026")
+        arrays = [np.arange(48 * 128, dtype="<i8").reshape(48, 128) * k for k in (1, 3)]
+        with engine.begin() as conn:
+            conn.execute(text("INSERT INTO agg_expert_load_delta (model_version, layers, experts, counts) "
+                              "VALUES (1, 48, 128, :c)"), {"c": arrays[0].tobytes()})
+        before = method() if postgres else None
+        _migrate(engine, "0027")
+        with engine.begin() as conn:
+            conn.execute(text("INSERT INTO agg_expert_load_delta (model_version, layers, experts, counts) "
+                              "VALUES (2, 48, 128, :c)"), {"c": arrays[1].tobytes()})
+            got = dict(conn.execute(text("SELECT model_version, counts FROM agg_expert_load_delta")).all())
+        assert {int(v): bytes(c) for v, c in got.items()} == {1: arrays[0].tobytes(), 2: arrays[1].tobytes()}
+        if postgres:
+            with engine.connect() as conn:
+                lz4 = conn.execute(text("SELECT 'lz4' = ANY(enumvals) FROM pg_settings "
+                                        "WHERE name = 'default_toast_compression'")).scalar()
+            assert set(method().values()) == ({("l", "x")} if lz4 else {("", "e")}) and before != method()
+            assert set(before.values()) == {("", "x")}
+            _migrate(engine, "0026", down=True)
+            assert method() == before
+        _migrate(engine, "head")
+    finally:
+        engine.dispose()

@@ -407,8 +407,8 @@ lineage_annotation_versions = Table(
 # ``trajstore report --rebuild-aggregates``, which recounts them from the log and samples.
 
 # Decode routes of the default samples' generated tokens per layer and expert, ONE row per model
-# version of the token (0026): counts[layer, expert] as int64 bytes (little-endian, C order) of a
-# [layers, experts] layout, summed by numpy at read time with agg_expert_load_delta's arrays.
+# version of the token (0026): counts[layer, expert] as int64 bytes (little-endian, C order; lz4 on
+# PostgreSQL, 0027) of a [layers, experts] layout, summed by numpy with agg_expert_load_delta's arrays.
 agg_expert_load = Table(
     "agg_expert_load",
     metadata,

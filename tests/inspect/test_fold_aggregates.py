@@ -86,6 +86,39 @@ def test_reads_are_exact_before_and_after_the_compaction_which_runs_once(store):
     assert tables(store) == after
 
 
+def test_a_commit_counts_the_trajectories_from_the_events_the_fold_read_without_reading_them_again(store):
+    """The commit's per-trajectory counts take the generation events the fold read (a finished
+    trajectory's never change but for their locators), and its samples' counts the finish times
+    it has just counted: no statement of the commit reads them again, and the counts equal a
+    rebuild's, which reads them from SQL."""
+    from sqlalchemy import event
+
+    from trajstore.log._aggregates import events_of_sql
+
+    for events in run_events(0, 12) + _moe_events(6):
+        store.append(events)
+    reread = events_of_sql(store.log.db.dialect, 1).split(" WHERE ")[0]
+    seen: list[str] = []
+
+    def note(conn, cursor, statement, *args) -> None:
+        seen.append(statement)
+
+    event.listen(store.log.db.write_engine, "before_cursor_execute", note)
+    try:
+        assert Materializer(store, max_trajectories=5).run(compact=False).num_trajectories >= 12
+    finally:
+        event.remove(store.log.db.write_engine, "before_cursor_execute", note)
+    assert any("agg_trajectory_stats" in q for q in seen)  # the commits counted (on this engine)
+    assert not [q for q in seen if q.startswith(reread)]
+    # nor the finish times of the trajectories it has just counted, for its samples' counts
+    assert not [q for q in seen if q.startswith("SELECT trajectory_id, finished_at FROM agg_trajectory_stats")]
+    compact_run_aggregates(store)
+    counted = tables(store)
+    assert counted["agg_trajectory_shapes"] and counted["agg_versions"]
+    rebuild_aggregates(store)
+    assert tables(store) == counted
+
+
 def test_a_commit_counts_its_expert_load_in_rows_of_its_own_and_the_compaction_folds_them_once(store):
     for events in _moe_events(8):
         store.append(events)

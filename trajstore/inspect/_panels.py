@@ -89,7 +89,7 @@ PANELS: tuple[Panel, ...] = (
     Panel("expert_load", "Expert load balance (MoE routes)",
           "How often each expert was routed to when generating, relative to an even split, per model version (the "
           "MoE layers and top-k slots of every materialized sample's recorded decode routes, counted into "
-          "agg_expert_load as the materializer writes them, one decode route in 8 by default with its error stated; "
+          "agg_expert_load as the materializer writes them, one decode route in 32 by default with its error stated; "
           "the newest versions) and per layer for the newest "
           "version, and the busiest expert's load over the mean (verl's max_vio + 1): the router's balance as the "
           "policy moves. Layers whose every entry is 0 (vLLM's dense layers) are left out.",

@@ -418,12 +418,18 @@ def events_of_sql(d: SqlDialect, n: int) -> str:
 
 
 def count_trajectories(conn: Any, d: SqlDialect, trajectory_ids: Iterable[str], *,
-                       add: Callable[[Any, SqlDialect, Counts], None] = insert_fold_deltas) -> list[str]:
+                       add: Callable[[Any, SqlDialect, Counts], None] = insert_fold_deltas,
+                       calls_of: Mapping[str, Sequence[Mapping[str, Any]]] | None = None,
+                       finished_at: dict[str, float] | None = None) -> list[str]:
     """Count the finished trajectories of ``trajectory_ids`` not counted yet into
     ``agg_trajectory_stats`` (a row of each trajectory's own) and the per-trajectory
     aggregates, from their index rows (in the caller's write transaction: the materializer's
     commit that takes them). ``add``: how the counts are added (a commit's rows of its own by
-    default; a rebuild adds to the totals). Their groups' part of ``agg_group_variance`` is
+    default; a rebuild adds to the totals). ``calls_of``: trajectories whose generation event
+    rows (``_CALL_COLUMNS`` at least) the caller read already (the fold's inputs: a finished
+    trajectory's generation events never change but for their payload locators), not read
+    again; the others' are. ``finished_at``: filled with the finish time of each trajectory
+    counted (its ``agg_trajectory_stats`` row's). Their groups' part of ``agg_group_variance`` is
     settled by the compaction (``settle_groups``). Returns the ids counted."""
     st, tr = d.table(agg_trajectory_stats), d.table(trajectories)
     counted: list[str] = []
@@ -437,14 +443,21 @@ def count_trajectories(conn: Any, d: SqlDialect, trajectory_ids: Iterable[str], 
             f"AND NOT EXISTS (SELECT 1 FROM {st} c WHERE c.trajectory_id = t.trajectory_id)", tuple(part)).fetchall()]
         if not trajs:
             continue
-        calls: dict[str, list[dict[str, Any]]] = {}
-        for r in execute(conn, events_of_sql(d, len(trajs)), tuple(t["trajectory_id"] for t in trajs)).fetchall():
-            if r[0] == "generation":
-                calls.setdefault(r[1], []).append(dict(zip(_CALL_COLUMNS, r[1:])))
+        calls: dict[str, Sequence[Mapping[str, Any]]] = {}
+        unread = [t["trajectory_id"] for t in trajs if calls_of is None or t["trajectory_id"] not in calls_of]
+        if calls_of is not None:
+            calls.update((t["trajectory_id"], calls_of[t["trajectory_id"]]) for t in trajs
+                         if t["trajectory_id"] in calls_of)
+        if unread:
+            for r in execute(conn, events_of_sql(d, len(unread)), tuple(unread)).fetchall():
+                if r[0] == "generation":
+                    calls.setdefault(r[1], []).append(dict(zip(_CALL_COLUMNS, r[1:])))  # type: ignore[union-attr]
         records = [trajectory_record(t, calls.get(t["trajectory_id"], ())) for t in trajs]
         d.insert_rows(conn, agg_trajectory_stats, [{k: r[k] for k in _STATS_COLUMNS} for r in records])
         add(conn, d, trajectory_counts(records))
         counted.extend(r["trajectory_id"] for r in records)
+        if finished_at is not None:
+            finished_at.update((r["trajectory_id"], r["finished_at"]) for r in records)
     return counted
 
 
@@ -496,14 +509,16 @@ def count_policy_versions(conn: Any, d: SqlDialect, after: int, upto: int | None
 
 
 def count_sample_rows(conn: Any, d: SqlDialect, rows: Sequence[Mapping[str, Any]], *,
-                      add: Callable[[Any, SqlDialect, Counts], None] = insert_fold_deltas) -> None:
+                      add: Callable[[Any, SqlDialect, Counts], None] = insert_fold_deltas,
+                      known: Mapping[str, float] | None = None) -> None:
     """Count default sample rows (``samples`` columns) into ``agg_samples`` and ``agg_staleness``
-    (their trajectories counted already: ``agg_trajectory_stats`` gives the finish time)."""
+    (their trajectories counted already: ``agg_trajectory_stats`` gives the finish time, read
+    for those not in ``known``: the finish times the caller has just counted)."""
     if not rows:
         return
     st = d.table(agg_trajectory_stats)
-    finished_at: dict[str, float] = {}
-    for part in chunks(sorted({r["trajectory_id"] for r in rows})):
+    finished_at: dict[str, float] = dict(known or {})
+    for part in chunks(sorted({r["trajectory_id"] for r in rows} - set(finished_at))):
         finished_at.update(execute(conn, f"SELECT trajectory_id, finished_at FROM {st} WHERE trajectory_id IN "
                                          f"({d.marks(len(part))})", tuple(part)).fetchall())
     policy = sorted((int(p), int(v)) for v, p in execute(conn, totals_sql("agg_policy_versions", order=False),
@@ -512,14 +527,16 @@ def count_sample_rows(conn: Any, d: SqlDialect, rows: Sequence[Mapping[str, Any]
 
 
 def count_commit(conn: Any, d: SqlDialect, trajectory_ids: Sequence[str], sample_rows: Sequence[Mapping[str, Any]],
-                 after: int, upto: int) -> None:
+                 after: int, upto: int, calls_of: Mapping[str, Sequence[Mapping[str, Any]]] | None = None) -> None:
     """The materializer commit's counts of the run view, as rows of its own: the trajectories
-    it takes (finished after ``after`` up to ``upto`` in the log), the model versions first
+    it takes (finished after ``after`` up to ``upto`` in the log; ``calls_of``: the generation
+    event rows of those the fold read, ``count_trajectories``), the model versions first
     seen in that stretch of the log, and its default samples (their groups are settled by
     the compaction)."""
     count_policy_versions(conn, d, after, upto)
-    count_trajectories(conn, d, trajectory_ids)
-    count_sample_rows(conn, d, sample_rows)
+    finished_at: dict[str, float] = {}
+    count_trajectories(conn, d, trajectory_ids, calls_of=calls_of, finished_at=finished_at)
+    count_sample_rows(conn, d, sample_rows, known=finished_at)
 
 
 def rebuild_trajectory_aggregates(conn: Any, d: SqlDialect, *, page_rows: int = 2000) -> int:

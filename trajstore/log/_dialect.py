@@ -86,7 +86,9 @@ FOLD_EVENT_COLUMNS = ("position", "trajectory_id", "type", "seq", "event_id", "m
                       "has_token_rewards", "finish_reason", "segment", "segment_row", "segment_kind",
                       "version_spans", "sample_index", "is_merged", "weight_versions",
                       # what a projection with routes="last" needs to know was dropped (projections.md)
-                      "num_route_rows_sent", "route_rows_resent", "route_rows_drifted")
+                      "num_route_rows_sent", "route_rows_resent", "route_rows_drifted",
+                      # what the commit's run-view counts need besides (trajstore.log._aggregates._CALL_COLUMNS)
+                      "min_model_version", "num_placeholder_logprobs")
 _TYPE = FOLD_EVENT_COLUMNS.index("type")
 
 

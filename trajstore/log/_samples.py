@@ -89,6 +89,7 @@ class _SqlSamples(SampleIndex):
         repoints: Sequence[Repoint] = (),
         aggregates: Mapping[str, Any] | None = None,
         trajectories: Sequence[str] = (),
+        calls_of: Mapping[str, Sequence[Mapping[str, Any]]] | None = None,
     ) -> None:
         if repoints and self.projection_name is not None:
             raise IndexInvariantError("a projection never re-points events (the default samples hold them)")
@@ -125,7 +126,8 @@ class _SqlSamples(SampleIndex):
                 # takes (from their index rows): rows of this commit's own, compacted in the background
                 if aggregates:
                     insert_fold_deltas(conn, d, aggregates)
-                count_commit(conn, d, trajectories, sample_rows, expected_position, int(checkpoint["position"]))
+                count_commit(conn, d, trajectories, sample_rows, expected_position, int(checkpoint["position"]),
+                             calls_of)
 
         def landed(conn: Connection, _: None) -> bool:
             pos = conn.execute(select(t.c.position).where(*self._conds(t), t.c.shard == key)).scalar_one_or_none()

@@ -426,6 +426,7 @@ class SampleIndex(ABC):
         repoints: Sequence[Repoint] = (),
         aggregates: Mapping[str, Any] | None = None,
         trajectories: Sequence[str] = (),
+        calls_of: Mapping[str, Sequence[Mapping[str, Any]]] | None = None,
     ) -> None:
         """Insert sample rows (and ``unfoldable_trajectories`` rows) and move
         ``shard``'s checkpoint in one transaction; in the same transaction
@@ -437,7 +438,8 @@ class SampleIndex(ABC):
         first); the other errors as in the module doc. ``aggregates``: the run view's counts of
         the samples' token columns; ``trajectories``: the finished trajectories the commit takes
         (folded, unfoldable or held back), counted into the run view's per-trajectory aggregates
-        with its default samples."""
+        with its default samples; ``calls_of``: the generation event rows (``fold_inputs``) of
+        those of them the caller read already, not read again for the counts."""
 
     @abstractmethod
     def iter_sample_rows(self, *, where: Mapping[str, Any], after: tuple[int, int] | None,

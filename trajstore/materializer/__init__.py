@@ -165,6 +165,7 @@ class Materializer:
         self.store = store
         self.shard_index = shard_index
         self._num_experts: dict[str, int | None] = {}  # the last folded batch's trajectories' num_experts
+        self._calls_of: dict[str, list[dict[str, Any]]] = {}  # and their generation event rows (the commit's counts)
         self.num_shards = num_shards
         self.max_trajectories = max_trajectories
         self.max_batch_tokens = max_batch_tokens
@@ -278,7 +279,7 @@ class Materializer:
         try:
             self.index.commit_samples(self.shard, sample_rows, seg_row, checkpoint, position,
                                       unfoldable_rows=unfoldable_rows, repoints=repoints, aggregates=aggregates,
-                                      trajectories=[e["trajectory_id"] for e in mine])
+                                      trajectories=[e["trajectory_id"] for e in mine], calls_of=self._calls_of)
         except StaleState:
             # another materializer did this batch
             return MaterializeStats(position=self._checkpoint()[0]), None
@@ -459,6 +460,7 @@ class Materializer:
         folded: dict[str, FoldResult] = {}
         unfoldable: dict[str, BaseException] = {}
         gen_rows_of: dict[str, list[dict[str, Any]]] = {}
+        self._calls_of = {}
         ids = [e["trajectory_id"] for e in finished]
         if not ids:
             return folded, unfoldable, gen_rows_of, {}
@@ -485,6 +487,7 @@ class Materializer:
         held_calls = self.store.log.held_generations([t for t in ids if waiting.get(t)]) if waiting else {}
         trajs, events = self.store.log.fold_inputs(ids)
         self._num_experts = {tid: t["num_experts"] for tid, t in trajs.items()}  # for the run view's counts
+        self._calls_of = {tid: [r for r in rows if r["type"] == "generation"] for tid, rows in events.items()}
         if held_calls:
             # A held call resolves whole: the labels it waited for and the ones mapped before it
             # (never re-mapped, so reading them now decides the same as any re-run).

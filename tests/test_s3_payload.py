@@ -203,14 +203,10 @@ OUTAGE_BOUND_S = 30
 
 
 @pytest.fixture
-def both_store_urls(tmp_path, migrated_template, request) -> list[str]:
+def both_store_urls(tmp_path, migrated_template, migrated_pg_url) -> list[str]:
     """A migrated store on each backend: an outage test rides out one outage of the object
-    store with both (the outage, not the backend, is what takes the time). SQLite alone
-    where PostgreSQL tests are skipped (``TRAJSTORE_SKIP_POSTGRES=1``)."""
-    urls = [migrated_template.sqlite_copy(tmp_path / "store.db")]
-    if os.environ.get("TRAJSTORE_SKIP_POSTGRES") != "1":
-        urls.append(request.getfixturevalue("migrated_pg_url"))
-    return urls
+    store with both (the outage, not the backend, is what takes the time)."""
+    return [migrated_template.sqlite_copy(tmp_path / "store.db"), migrated_pg_url]
 
 
 def _outage_and_back(store_urls: list[str], server: StoppableS3, fault: str, options: str = "",

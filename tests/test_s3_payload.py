@@ -202,88 +202,72 @@ def test_an_unresponsive_object_store_fails_instead_of_hanging(tmp_path):
 OUTAGE_BOUND_S = 30
 
 
-@pytest.fixture
-def both_store_urls(tmp_path, migrated_template, migrated_pg_url) -> list[str]:
-    """A migrated store on each backend: an outage test rides out one outage of the object
-    store with both (the outage, not the backend, is what takes the time)."""
-    return [migrated_template.sqlite_copy(tmp_path / "store.db"), migrated_pg_url]
-
-
-def _outage_and_back(store_urls: list[str], server: StoppableS3, fault: str, options: str = "",
+def _outage_and_back(store_url: str, server: StoppableS3, fault: str, options: str = "",
                      bound_s: float = OUTAGE_BOUND_S) -> None:
     """Appends before, during and after an outage of the object store, with the
-    default options (no timeout in the location) and ``options``, on a store of each URL
-    (each under its own prefix, all through the one outage): during it every append
-    (two at once per store) raises StoreUnavailable within ``bound_s``, never a driver or OS
-    error; after it every acknowledged append reads back and, once GC has run, each store's
-    objects are exactly the segments its index names, every one whole."""
+    default options (no timeout in the location) and ``options``: during it every append
+    (two at once) raises StoreUnavailable within ``bound_s``, never a driver or OS error; after
+    it every acknowledged append reads back and, once GC has run, the store's objects are
+    exactly the segments its index names, every one whole."""
     from sqlalchemy import select
 
     from trajstore.schema import segments
 
-    stores = []
-    for url in store_urls:
-        prefix = f"run-{uuid.uuid4().hex[:8]}"
-        stores.append((prefix, trajstore.connect(url, payload=f"s3://{BUCKET}/{prefix}?endpoint_override="
-                                                              f"{server.endpoint}&scheme=http{options}")))
+    prefix = f"run-{uuid.uuid4().hex[:8]}"
+    store = trajstore.connect(store_url, payload=f"s3://{BUCKET}/{prefix}?endpoint_override={server.endpoint}"
+                                                 f"&scheme=http{options}")
     acknowledged = []
     for i in range(3):
-        for _, store in stores:
-            store.append(trajectory(f"before{i}"))
+        store.append(trajectory(f"before{i}"))
         acknowledged.append(f"before{i}")
 
-    def append_during(job: tuple) -> None:
-        store, i = job
+    def append_during(i: int) -> None:
         t0 = time.monotonic()
         with pytest.raises(StoreUnavailable) as err:
             store.append(trajectory(f"during{i}"))
         took = time.monotonic() - t0
-        assert took < bound_s, f"{fault} ({store.url}): the append failed after {took:.1f} s"
+        assert took < bound_s, f"{fault}: the append failed after {took:.1f} s"
         assert "payload" in str(err.value) and "\n" not in str(err.value)
 
     server.hang() if fault == "hang" else server.stop()
     try:
-        # Two appends at once per store (two writers of one store): each waits out the default
+        # Two appends at once (two writers of one store): each waits out the default
         # timeouts on its own (about 20 s on a hung server), so together they take one wait.
-        jobs = [(store, i) for _, store in stores for i in range(2)]
-        with ThreadPoolExecutor(len(jobs)) as pool:
-            list(pool.map(append_during, jobs))
-        for _, store in stores:
-            for i in range(2):
-                assert store.trajectory_state(f"during{i}") is None  # nothing of it in the index
+        with ThreadPoolExecutor(2) as pool:
+            list(pool.map(append_during, range(2)))
+        for i in range(2):
+            assert store.trajectory_state(f"during{i}") is None  # nothing of it in the index
     finally:
         server.resume() if fault == "hang" else server.start()
     for i in range(2):
-        for _, store in stores:
-            store.append(trajectory(f"during{i}"))  # the retry, once the store is back
-            store.append(trajectory(f"after{i}"))
-        acknowledged += [f"during{i}", f"after{i}"]
-    for _, store in stores:
-        for tid in acknowledged:
-            gens = store.load_generations(tid)
-            assert [list(g.output_ids) for g in gens] == [[4, 5], [7]]
+        store.append(trajectory(f"during{i}"))  # the retry, once the store is back
+        acknowledged.append(f"during{i}")
+        store.append(trajectory(f"after{i}"))
+        acknowledged.append(f"after{i}")
+    for tid in acknowledged:
+        gens = store.load_generations(tid)
+        assert [list(g.output_ids) for g in gens] == [[4, 5], [7]]
     time.sleep(1.1)  # GC's grace is whole seconds of the object store's clock
-    for prefix, store in stores:
-        store.collect_garbage(grace_s=0)
-        with store.log.read_engine.connect() as conn:
-            named = sorted(conn.execute(select(segments.c.name)).scalars())
-        assert _objects(server.endpoint, prefix) == named, store.url
-        assert len(named) == len(acknowledged)
-        for tid in acknowledged:  # every one whole, read again after the GC
-            assert len(store.load_generations(tid)) == 2
-        store.close()
+    store.collect_garbage(grace_s=0)
+    with store.log.read_engine.connect() as conn:
+        named = sorted(conn.execute(select(segments.c.name)).scalars())
+    assert _objects(server.endpoint, prefix) == named
+    assert len(named) == len(acknowledged)
+    for tid in acknowledged:  # every one whole, read again after the GC
+        assert len(store.load_generations(tid)) == 2
+    store.close()
 
 
-def test_a_hung_object_store_fails_appends_within_30_s_and_loses_nothing(both_store_urls, stoppable_s3):
+def test_a_hung_object_store_fails_appends_within_30_s_and_loses_nothing(store_url, stoppable_s3):
     """SIGSTOP of the server (before: no error for > 100 s with the default options)."""
-    _outage_and_back(both_store_urls, stoppable_s3, "hang")
+    _outage_and_back(store_url, stoppable_s3, "hang")
 
 
-def test_an_append_past_its_deadline_fails_then_and_what_it_wrote_late_is_deleted(both_store_urls, stoppable_s3):
+def test_an_append_past_its_deadline_fails_then_and_what_it_wrote_late_is_deleted(store_url, stoppable_s3):
     """``deadline=3``: a hung server fails each append at 3 s, before pyarrow's own
     timeouts (about 20 s); the uploads left running finish or fail after, and the GC
     (which waits for them) leaves exactly the segments the index names."""
-    _outage_and_back(both_store_urls, stoppable_s3, "hang", "&deadline=3", bound_s=8)
+    _outage_and_back(store_url, stoppable_s3, "hang", "&deadline=3", bound_s=8)
 
 
 def test_every_request_of_one_append_shares_its_deadline(stoppable_s3, tmp_path):
@@ -315,10 +299,10 @@ def test_every_request_of_one_append_shares_its_deadline(stoppable_s3, tmp_path)
     assert names == ["events-ok.arrow"], names  # finished late: deleted by themselves
 
 
-def test_a_stopped_object_store_fails_appends_with_store_unavailable_and_loses_nothing(both_store_urls, stoppable_s3):
+def test_a_stopped_object_store_fails_appends_with_store_unavailable_and_loses_nothing(store_url, stoppable_s3):
     """The server's port closed (before: a raw OSError from the cleanup's delete, which
     masked the StoreUnavailable of the write), then open again with its objects."""
-    _outage_and_back(both_store_urls, stoppable_s3, "stop")
+    _outage_and_back(store_url, stoppable_s3, "stop")
 
 
 def test_object_store_defaults_and_given_options_win():

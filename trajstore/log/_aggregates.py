@@ -443,11 +443,10 @@ def count_trajectories(conn: Any, d: SqlDialect, trajectory_ids: Iterable[str], 
             f"AND NOT EXISTS (SELECT 1 FROM {st} c WHERE c.trajectory_id = t.trajectory_id)", tuple(part)).fetchall()]
         if not trajs:
             continue
-        calls: dict[str, Sequence[Mapping[str, Any]]] = {}
-        unread = [t["trajectory_id"] for t in trajs if calls_of is None or t["trajectory_id"] not in calls_of]
-        if calls_of is not None:
-            calls.update((t["trajectory_id"], calls_of[t["trajectory_id"]]) for t in trajs
-                         if t["trajectory_id"] in calls_of)
+        read = calls_of or {}
+        calls: dict[str, Sequence[Mapping[str, Any]]] = {t["trajectory_id"]: read[t["trajectory_id"]]
+                                                         for t in trajs if t["trajectory_id"] in read}
+        unread = [t["trajectory_id"] for t in trajs if t["trajectory_id"] not in read]
         if unread:
             for r in execute(conn, events_of_sql(d, len(unread)), tuple(unread)).fetchall():
                 if r[0] == "generation":

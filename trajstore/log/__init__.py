@@ -26,6 +26,8 @@
 * ``_errors``       — the one driver-error translation boundary
 * ``_retention``    — ``SqlRetention``: which trajectories every fold has passed, and the
                       guarded transaction that drops their archived events
+* ``_pg_arrays``    — PostgreSQL: many rows as one statement of arrays (``unnest``): the
+                      materializer commit's inserts and re-pointing
 * ``_pg_partition`` — PostgreSQL: the event index partitioned by position (identities in
                       their own table, kept by a trigger)
 """

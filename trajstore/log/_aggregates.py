@@ -35,7 +35,7 @@ import numpy as np
 from trajstore.log._aggregate_counts import (
     DELTA_ROWS, FOLD_DELTAS, KEYS, MAX_VALUES, MIN_VALUES, TRAJECTORY_TABLES, VALUES, Counts, _add, _add_array, _buckets,
     event_counts, expert_array_rows, expert_arrays, expert_sample_every, expert_sample_every_sql, group_contribution,
-    sample_counts, sample_summary_counts, task_sql, totals_sql, trajectory_counts, trajectory_record)
+    merge, sample_counts, sample_summary_counts, task_sql, totals_sql, trajectory_counts, trajectory_record)
 from trajstore.log._dialect import SqlDialect, chunks, execute
 from trajstore.schema import (agg_calls, agg_expert_load, agg_expert_load_delta, agg_expert_pending, agg_group_variance, agg_groups,
                               agg_groups_delta, agg_logprobs, agg_logprobs_delta, agg_output_lengths,
@@ -134,7 +134,9 @@ def insert_fold_deltas(conn: Any, d: SqlDialect, counts: Mapping[str, Mapping[tu
     """A materializer commit's counts, as rows of its own: ``counts`` of ``FOLD_DELTAS`` tables
     inserted into their ``<table>_delta``, and ``agg_expert_load`` (``{(version,): counts
     array}``) as one ``agg_expert_load_delta`` row per version (the array's int64 bytes).
-    Plain INSERTs: no row another transaction may hold is updated or locked."""
+    Plain INSERTs (``SqlDialect.insert_tuples``: one statement on PostgreSQL): no row another
+    transaction may hold is updated or locked."""
+    parts = []
     for name in sorted(counts):
         part = counts[name]
         if not part:
@@ -145,21 +147,12 @@ def insert_fold_deltas(conn: Any, d: SqlDialect, counts: Mapping[str, Mapping[tu
                 if rest:  # a (version, layer, expert) row: not how a commit counts
                     raise ValueError("agg_expert_load counts of a commit are one array per model version")
                 _add_array(arrays, int(version), np.asarray(c, np.int64))
-            rows = expert_array_rows(arrays)
-            sql = d._cached(("fold_deltas", name), lambda: (
-                f"INSERT INTO {d.table(agg_expert_load_delta)} (model_version, layers, experts, counts) "
-                f"VALUES ({d.marks(4)})"))
-            execute(conn, sql, rows)
+            parts.append((agg_expert_load_delta, ("model_version", "layers", "experts", "counts"),
+                          expert_array_rows(arrays)))
             continue
-        table = FOLD_DELTA_TABLES[name]
-        cols = [*KEYS[name], *VALUES[name]]
-
-        def build() -> str:
-            return (f"INSERT INTO {d.table(table)} ({', '.join(d.col(table.c[c]) for c in cols)}) "
-                    f"VALUES ({d.marks(len(cols))})")
-
-        sql = d._cached(("fold_deltas", name), build)
-        execute(conn, sql, [(*k, *v) for k, v in sorted(part.items())])
+        parts.append((FOLD_DELTA_TABLES[name], (*KEYS[name], *VALUES[name]),
+                      [(*k, *v) for k, v in sorted(part.items())]))
+    d.insert_tuples(conn, parts)
 
 
 def add_expert_arrays(conn: Any, d: SqlDialect, arrays: Mapping[int, np.ndarray]) -> None:
@@ -526,16 +519,28 @@ def count_sample_rows(conn: Any, d: SqlDialect, rows: Sequence[Mapping[str, Any]
 
 
 def count_commit(conn: Any, d: SqlDialect, trajectory_ids: Sequence[str], sample_rows: Sequence[Mapping[str, Any]],
-                 after: int, upto: int, calls_of: Mapping[str, Sequence[Mapping[str, Any]]] | None = None) -> None:
+                 after: int, upto: int, calls_of: Mapping[str, Sequence[Mapping[str, Any]]] | None = None,
+                 aggregates: Mapping[str, Mapping[tuple, Any]] | None = None) -> None:
     """The materializer commit's counts of the run view, as rows of its own: the trajectories
     it takes (finished after ``after`` up to ``upto`` in the log; ``calls_of``: the generation
     event rows of those the fold read, ``count_trajectories``), the model versions first
     seen in that stretch of the log, and its default samples (their groups are settled by
-    the compaction)."""
+    the compaction), with ``aggregates`` (its samples' counts, ``insert_fold_deltas``). The
+    model versions are inserted first (the samples' staleness reads them); the other
+    counts all at once, at the end."""
     count_policy_versions(conn, d, after, upto)
+    pending: Counts = {}
+
+    def collect(_conn: Any, _d: SqlDialect, counts: Counts) -> None:
+        merge(pending, counts)
+
     finished_at: dict[str, float] = {}
-    count_trajectories(conn, d, trajectory_ids, calls_of=calls_of, finished_at=finished_at)
-    count_sample_rows(conn, d, sample_rows, known=finished_at)
+    count_trajectories(conn, d, trajectory_ids, add=collect, calls_of=calls_of, finished_at=finished_at)
+    count_sample_rows(conn, d, sample_rows, add=collect, known=finished_at)
+    overlap = set(pending) & set(aggregates or {})
+    if overlap:  # pragma: no cover - a commit's sample counts and its trajectories' count other tables
+        raise ValueError(f"counted twice in one commit: {sorted(overlap)}")
+    insert_fold_deltas(conn, d, {**(aggregates or {}), **pending})
 
 
 def rebuild_trajectory_aggregates(conn: Any, d: SqlDialect, *, page_rows: int = 2000) -> int:

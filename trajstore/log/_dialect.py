@@ -188,6 +188,16 @@ class SqlDialect:
             f"VALUES ({self.marks(len(names))})", [self._bind(table.c[n]) for n in names]))
         execute(conn, sql, self._params(rows, names, procs))
 
+    def insert_tuples(self, conn: Any, parts: Sequence[tuple[Any, Sequence[str], list[tuple]]]) -> None:
+        """Rows of several tables, each ``(table, names, rows)`` with the rows' values in
+        ``names``' order: one executemany per table (on PostgreSQL, one statement for all)."""
+        for table, names, rows in parts:
+            if rows:
+                sql = self._cached(("insert tuples", table.name, tuple(names)), lambda: (
+                    f"INSERT INTO {self.table(table)} ({', '.join(self.col(table.c[n]) for n in names)}) "
+                    f"VALUES ({self.marks(len(names))})"))
+                execute(conn, sql, rows)
+
     def select_where(self, conn: Any, table: Any, columns: Sequence[str], where: Mapping[str, Any]) -> Any:
         """``SELECT columns FROM table WHERE k = v AND ...`` (``where`` in the columns' order)."""
         keys = tuple(where)

@@ -124,10 +124,8 @@ class _SqlSamples(SampleIndex):
             if self.projection_name is None:
                 # the run view's counts of the default samples and of the finished trajectories it
                 # takes (from their index rows): rows of this commit's own, compacted in the background
-                if aggregates:
-                    insert_fold_deltas(conn, d, aggregates)
                 count_commit(conn, d, trajectories, sample_rows, expected_position, int(checkpoint["position"]),
-                             calls_of)
+                             calls_of, aggregates)
 
         def landed(conn: Connection, _: None) -> bool:
             pos = conn.execute(select(t.c.position).where(*self._conds(t), t.c.shard == key)).scalar_one_or_none()

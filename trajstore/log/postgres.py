@@ -118,6 +118,8 @@ from trajstore.errors import IndexInvariantError, TrajstoreError, ValidationErro
 from trajstore.log._backend import Backend, ReadQuery
 from trajstore.log._dialect import CHUNK, RESENT_IF_LOST, SERVER_MARK, chunks, execute
 from trajstore.log._errors import driver_errors
+from trajstore.log import _pg_arrays
+from trajstore.log.base import Repoint
 from trajstore.schema import events, trajectories, unresolved_labels
 
 __all__ = ["DEFAULT_CONNECT_TIMEOUT_S", "DEFAULT_STATEMENT_TIMEOUT", "PostgreSQL", "default_payload_dir",
@@ -356,8 +358,12 @@ class PostgreSQL(Backend):
                 f"{self.p} AND {self.col(events.c.type)} = '{_MARK_TYPES[name]}')")
 
     def insert_rows(self, conn: Any, table: Any, rows: Sequence[Mapping[str, Any]]) -> None:
+        """Rows as one statement of arrays (``_pg_arrays``); trajectories taking their
+        positions in the INSERT one by one."""
         if table is not trajectories or not any(v is SERVER_MARK for r in rows for v in r.values()):
-            return super().insert_rows(conn, table, rows)
+            if not _pg_arrays.insert_rows(self, conn, table, rows):
+                super().insert_rows(conn, table, rows)
+            return
         for row in rows:  # new trajectories of a batch taking its positions in its INSERT: few
             marked = tuple(k for k in _MARK_TYPES if row.get(k) is SERVER_MARK)
             names = tuple(c.name for c in table.columns if c.name in row and c.name not in marked)
@@ -367,6 +373,13 @@ class PostgreSQL(Backend):
                 [self._bind(table.c[n]) for n in names]))
             (values,) = self._params([row], names, procs)
             execute(conn, sql, values + (row["trajectory_id"],) * len(marked))
+
+    def insert_tuples(self, conn: Any, parts: Sequence[tuple[Any, Sequence[str], list[tuple]]]) -> None:
+        if not _pg_arrays.insert_tuples(self, conn, parts):
+            super().insert_tuples(conn, parts)
+
+    def repoint(self, conn: Any, moves: Sequence[Repoint], *, guarded: bool) -> int:
+        return _pg_arrays.repoint(self, conn, moves, guarded=guarded)
 
     def update_trajectories(self, conn: Any, updates: Sequence[tuple[dict[str, Any], int]]) -> int:
         """Guarded updates whose guard the server checks: each update that finds its row at

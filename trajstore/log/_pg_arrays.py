@@ -1,0 +1,127 @@
+"""PostgreSQL statements that take many rows as one statement of arrays.
+
+An executemany sends one Bind/Execute per row: the client dumps and frames
+every row apart, and the server runs the statement once per row. A
+materializer commit of 32 trajectories sent ~230 rows that way (its samples,
+its trajectories' stats rows, the re-pointed events, a dozen tables' counts).
+Here a table's rows go as one array per column (``unnest``), and the counts of
+all the tables as one statement: statements whose text does not depend on the
+number of rows, so psycopg prepares each once per connection. Measured on 128
+re-pointed events: client CPU 1.7 → 0.6 ms, server CPU 1.5 → 0.8 ms.
+
+psycopg dumps a list as an array of one element type: a column holding two
+Python types (an integer among floats) is made one type where the column's
+type allows it (floats), else the rows go as the executemany they were.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+from sqlalchemy import Float, String
+
+from trajstore.log._dialect import execute
+from trajstore.schema import events
+
+__all__ = ["columns_of", "insert_rows", "insert_tuples", "repoint"]
+
+
+def array_type(column: Any, dialect: Any) -> str:
+    """The SQL type of an array of ``column``'s values (a string column's without its length: a
+    cast to VARCHAR(n) would cut a longer value where an INSERT's own assignment refuses it)."""
+    return "TEXT[]" if isinstance(column.type, String) else f"{column.type.compile(dialect)}[]"
+
+
+def columns_of(params: Sequence[tuple], columns: Sequence[Any]) -> list[list[Any]] | None:
+    """``params`` (rows of values in ``columns``' order) as one list per column, each of one
+    Python type besides None (a float column's integers made floats); None when a column's
+    values cannot be (psycopg would refuse the array): the caller sends the rows one by one."""
+    out = [list(values) for values in zip(*params)]
+    for k, (values, column) in enumerate(zip(out, columns)):
+        kinds = {type(v) for v in values}
+        kinds.discard(type(None))
+        if len(kinds) > 1:
+            if not isinstance(column.type, Float) or not kinds <= {int, float}:
+                return None
+            out[k] = [None if v is None else float(v) for v in values]
+    return out
+
+
+def repoint_sql(d: Any, *, guarded: bool) -> str:
+    """One statement re-pointing events (``_dialect.SqlDialect.repoint``) from arrays: the new
+    locators, the positions and, guarded, the old locators each event must still have. The
+    events are locked in position order first (``FOR UPDATE`` under the ``ORDER BY``), as the
+    executemany in position order locked them: a materializer and a compaction re-pointing the
+    same events wait for each other, and never deadlock."""
+    c = events.c
+    t, pos = d.table(events), d.col(c.position)
+    given = ["CAST(%s AS TEXT[])", "CAST(%s AS BIGINT[])", "CAST(%s AS TEXT[])", "CAST(%s AS BIGINT[])"]
+    names = ["segment", "segment_row", "segment_kind", "position"]
+    guard = ""
+    if guarded:
+        given += ["CAST(%s AS TEXT[])", "CAST(%s AS BIGINT[])"]
+        names += ["old_segment", "old_segment_row"]
+        guard = (f" AND e.{d.col(c.segment)} = v.old_segment AND e.{d.col(c.segment_row)} = v.old_segment_row"
+                 f" AND e.{d.col(c.segment_kind)} IS NULL")
+    return (f"WITH v AS (SELECT * FROM unnest({', '.join(given)}) AS v({', '.join(names)})), "
+            f"l AS (SELECT e.{pos} FROM {t} e WHERE e.{pos} IN (SELECT v.position FROM v) ORDER BY e.{pos} "
+            f"FOR UPDATE) "
+            f"UPDATE {t} e SET {d.col(c.segment)} = v.segment, {d.col(c.segment_row)} = v.segment_row, "
+            f"{d.col(c.segment_kind)} = v.segment_kind FROM v "
+            f"WHERE e.{pos} = v.position AND v.position IN (SELECT l.{pos} FROM l){guard}")
+
+
+def insert_sql(d: Any, table: Any, names: Sequence[str]) -> str:
+    """``INSERT INTO table (names)`` from one array per column."""
+    cols = [table.c[n] for n in names]
+    return (f"INSERT INTO {d.table(table)} ({', '.join(d.col(c) for c in cols)}) SELECT * FROM "
+            f"unnest({', '.join(f'CAST(%s AS {array_type(c, d.dialect)})' for c in cols)})")
+
+
+def inserts_sql(d: Any, parts: Sequence[tuple[Any, Sequence[str]]]) -> str:
+    """Inserts into several tables (``(table, names)``) as one statement: each but the last a
+    data-modifying ``WITH`` (PostgreSQL runs every one, referenced or not)."""
+    first = ", ".join(f"i{k} AS ({insert_sql(d, table, names)})" for k, (table, names) in enumerate(parts[:-1]))
+    return f"WITH {first} {insert_sql(d, *parts[-1])}"
+
+
+def insert_rows(d: Any, conn: Any, table: Any, rows: Sequence[Mapping[str, Any]]) -> bool:
+    """``SqlDialect.insert_rows`` as one statement of arrays; False (nothing sent) for a single
+    row, or rows whose columns psycopg cannot send as arrays (``columns_of``)."""
+    if len(rows) < 2:
+        return False
+    keys = set().union(*rows)
+    columns = d._cached(("columns", table.name), lambda: tuple(c.name for c in table.columns))
+    names = tuple(n for n in columns if n in keys)
+    sql, procs, cols = d._cached(("insert arrays", table.name, names), lambda: (
+        insert_sql(d, table, names), [d._bind(table.c[n]) for n in names], [table.c[n] for n in names]))
+    arrays = columns_of(d._params(rows, names, procs), cols)
+    if arrays is None:
+        return False
+    execute(conn, sql, tuple(arrays))
+    return True
+
+
+def insert_tuples(d: Any, conn: Any, parts: Sequence[tuple[Any, Sequence[str], list[tuple]]]) -> bool:
+    """``SqlDialect.insert_tuples`` as one statement of arrays (``inserts_sql``); False (nothing
+    sent) for fewer than two tables, or rows psycopg cannot send as arrays."""
+    parts = [p for p in parts if p[2]]
+    arrays = [columns_of(rows, [table.c[n] for n in names]) for table, names, rows in parts]
+    if len(parts) < 2 or any(a is None for a in arrays):
+        return False
+    key = tuple((table.name, tuple(names)) for table, names, _ in parts)
+    sql = d._cached(("insert tuples arrays", key), lambda: inserts_sql(d, [(t, n) for t, n, _ in parts]))
+    execute(conn, sql, tuple(column for a in arrays for column in a))  # type: ignore[union-attr]
+    return True
+
+
+def repoint(d: Any, conn: Any, moves: Sequence[Any], *, guarded: bool) -> int:
+    """``SqlDialect.repoint`` as one statement of arrays (``repoint_sql``); the number of rows updated."""
+    ms = sorted(moves, key=lambda m: m.position)
+    params = ([m.segment for m in ms], [int(m.segment_row) for m in ms], [m.segment_kind for m in ms],
+              [int(m.position) for m in ms])
+    if guarded:
+        params += ([m.old_segment for m in ms],
+                   [None if m.old_segment_row is None else int(m.old_segment_row) for m in ms])
+    sql = d._cached(("repoint arrays", guarded), lambda: repoint_sql(d, guarded=guarded))
+    return execute(conn, sql, params).rowcount

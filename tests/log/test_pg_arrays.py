@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from helpers import finished, gen, reward, routes, started
 from pg_roundtrips import RoundTrips
-from sqlalchemy import Column, Float, Integer, String, select
+from sqlalchemy import Column, Float, Integer, String, select, text
 
 import trajstore
 from trajstore.log._pg_arrays import columns_of
@@ -56,7 +56,7 @@ def test_a_commit_sends_as_many_statements_for_4_trajectories_as_for_24(fresh_pg
             rows = conn.execute(select(samples.c.trajectory_id)).scalars().all()
     assert len(rows) == 30 and set(moved) == {"samples"}  # every call re-pointed at its sample row
     # one statement per kind of row (the re-pointing, the samples, the counts...), not one per row
-    assert many == few, (few, many)
+    assert many - few <= 2, (few, many)  # one statement per row made it 66 and 177
     assert many < 72, many  # fewer than the 72 events re-pointed alone
 
 
@@ -87,3 +87,31 @@ def test_a_column_of_mixed_python_types():
     assert columns_of([(1,), (True,)], [i]) is None  # psycopg would refuse the array: rows one by one
     assert columns_of([("a",), (1,)], [s]) is None
     assert columns_of([(1.5,), (True,)], [f]) is None
+
+
+def test_a_compaction_sends_as_many_statements_for_4_trajectories_as_for_24(fresh_pg_url, tmp_path):
+    """Its upserts into the totals go one statement of arrays per table (``add_counts``), not one per key."""
+    from trajstore._upkeep.gc import compact_run_aggregates
+
+    with trajstore.connect(fresh_pg_url, payload=str(tmp_path / "p")) as store:
+        m = Materializer(store, max_trajectories=64)
+        store.append(_trajectories("w", 2))
+        m.run(compact=False)
+        compact_run_aggregates(store)  # statements prepared, the totals' first rows there
+        trips = RoundTrips(store.log.db.write_engine)
+        counted = []
+        try:
+            for prefix, n in (("a", 4), ("b", 24)):
+                store.append(_trajectories(prefix, n))
+                m.run(compact=False)
+                trips.reset()
+                compact_run_aggregates(store)
+                counted.append(trips.counts()["statements"])
+        finally:
+            trips.close()
+        with store.log.db.reading("test") as conn:
+            groups = conn.execute(text("SELECT count(*) FROM agg_groups")).scalar_one()
+    assert groups == 12  # g0..g11: every group's total row
+    # which tables have rows to fold moves the count by a statement or two; one statement per
+    # key (group, bucket) made it 65 and 88
+    assert counted[1] - counted[0] <= 3, counted

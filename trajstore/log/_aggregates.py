@@ -84,9 +84,11 @@ def add_counts(conn: Any, d: SqlDialect, counts: Counts) -> None:
         keys, values = _split(table)
         t = d.table(table)
         total = name in DELTA_TABLES
+        cols = [*keys, *values]
+        rows = [(*k, *v) for k, v in sorted(part.items())]
+        arrays = d.as_arrays(table, cols, rows)
 
-        def build() -> str:
-            cols = [*keys, *values]
+        def build(source: str) -> str:
             maxima = {values[i] for i in MAX_VALUES.get(name, ())}
             minima = {values[i] for i in MIN_VALUES.get(name, ())}
 
@@ -102,13 +104,17 @@ def add_counts(conn: Any, d: SqlDialect, counts: Counts) -> None:
             names = ", ".join(d.col(table.c[c]) for c in cols)
             target = ", ".join(d.col(table.c[k]) for k in keys)
             if total:  # the key's total row: the partial unique index over the rows not delta
-                return (f"INSERT INTO {t} ({names}, delta) VALUES ({d.marks(len(cols))}, FALSE) "
+                rows_of = (f"SELECT *, FALSE FROM ({source}) AS s" if source
+                           else f"VALUES ({d.marks(len(cols))}, FALSE)")
+                return (f"INSERT INTO {t} ({names}, delta) {rows_of} "
                         f"ON CONFLICT ({target}) WHERE NOT delta DO UPDATE SET {updates}")
-            return (f"INSERT INTO {t} ({names}) VALUES ({d.marks(len(cols))}) "
-                    f"ON CONFLICT ({target}) DO UPDATE SET {updates}")
+            rows_of = source or f"VALUES ({d.marks(len(cols))})"
+            return f"INSERT INTO {t} ({names}) {rows_of} ON CONFLICT ({target}) DO UPDATE SET {updates}"
 
-        sql = d._cached(("add_counts", name), build)
-        execute(conn, sql, [(*k, *v) for k, v in sorted(part.items())])
+        if arrays is not None:  # the rows as one statement of arrays (PostgreSQL)
+            execute(conn, d._cached(("add_counts arrays", name), lambda: build(arrays[0])), arrays[1])
+        else:
+            execute(conn, d._cached(("add_counts", name), lambda: build("")), rows)
 
 
 def insert_deltas(conn: Any, d: SqlDialect, counts: Counts) -> None:
@@ -481,9 +487,9 @@ def settle_groups(conn: Any, d: SqlDialect, group_ids: Iterable[str]) -> None:
                     for key in _buckets(got[0]):
                         _add(delta, key, (sign, sign * got[1], sign * got[2]))
             updates.append((*(new or (None, None, None)), gid))
-        if updates:
-            execute(conn, f"UPDATE {g} SET counted_at = {d.p}, counted_zero = {d.p}, counted_variance = {d.p} "
-                          f"WHERE group_id = {d.p}", updates)
+        if updates:  # (in the groups' order: two compactions settling the same groups take turns)
+            d.update_rows(conn, agg_groups, ("counted_at", "counted_zero", "counted_variance"), "group_id",
+                          sorted(updates, key=lambda u: u[-1]))
         if delta:
             add_counts(conn, d, {"agg_group_variance": delta})
 

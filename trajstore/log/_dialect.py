@@ -188,6 +188,20 @@ class SqlDialect:
             f"VALUES ({self.marks(len(names))})", [self._bind(table.c[n]) for n in names]))
         execute(conn, sql, self._params(rows, names, procs))
 
+    def as_arrays(self, table: Any, names: Sequence[str], rows: Sequence[tuple]) -> tuple[str, tuple] | None:
+        """Rows (tuples in ``names``' order) as one source of rows and its parameters (``SELECT
+        * FROM unnest(...)`` and one list per column, on PostgreSQL), for an ``INSERT ... SELECT``;
+        None where rows go one by one (SQLite; a single row; values that cannot go as arrays)."""
+        return None
+
+    def update_rows(self, conn: Any, table: Any, names: Sequence[str], key: str, rows: Sequence[tuple]) -> None:
+        """``UPDATE table SET names WHERE key = ...`` for each row (the values of ``names``, then
+        the key's): one executemany (on PostgreSQL, one statement of arrays)."""
+        sql = self._cached(("update rows", table.name, tuple(names), key), lambda: (
+            f"UPDATE {self.table(table)} SET {', '.join(f'{self.col(table.c[n])} = {self.p}' for n in names)} "
+            f"WHERE {self.col(table.c[key])} = {self.p}"))
+        execute(conn, sql, list(rows))
+
     def insert_tuples(self, conn: Any, parts: Sequence[tuple[Any, Sequence[str], list[tuple]]]) -> None:
         """Rows of several tables, each ``(table, names, rows)`` with the rows' values in
         ``names``' order: one executemany per table (on PostgreSQL, one statement for all)."""

@@ -23,7 +23,7 @@ from sqlalchemy import Float, String
 from trajstore.log._dialect import execute
 from trajstore.schema import events
 
-__all__ = ["columns_of", "insert_rows", "insert_tuples", "repoint"]
+__all__ = ["array_source", "columns_of", "insert_rows", "insert_tuples", "repoint", "update_rows"]
 
 
 def array_type(column: Any, dialect: Any) -> str:
@@ -71,11 +71,14 @@ def repoint_sql(d: Any, *, guarded: bool) -> str:
             f"WHERE e.{pos} = v.position AND v.position IN (SELECT l.{pos} FROM l){guard}")
 
 
+def array_source(d: Any, table: Any, names: Sequence[str]) -> str:
+    """``SELECT * FROM unnest(...)``: rows of ``table``'s columns ``names`` from one array each."""
+    return f"SELECT * FROM unnest({', '.join(f'CAST(%s AS {array_type(table.c[n], d.dialect)})' for n in names)})"
+
+
 def insert_sql(d: Any, table: Any, names: Sequence[str]) -> str:
     """``INSERT INTO table (names)`` from one array per column."""
-    cols = [table.c[n] for n in names]
-    return (f"INSERT INTO {d.table(table)} ({', '.join(d.col(c) for c in cols)}) SELECT * FROM "
-            f"unnest({', '.join(f'CAST(%s AS {array_type(c, d.dialect)})' for c in cols)})")
+    return f"INSERT INTO {d.table(table)} ({', '.join(d.col(table.c[n]) for n in names)}) {array_source(d, table, names)}"
 
 
 def inserts_sql(d: Any, parts: Sequence[tuple[Any, Sequence[str]]]) -> str:
@@ -125,3 +128,26 @@ def repoint(d: Any, conn: Any, moves: Sequence[Any], *, guarded: bool) -> int:
                    [None if m.old_segment_row is None else int(m.old_segment_row) for m in ms])
     sql = d._cached(("repoint arrays", guarded), lambda: repoint_sql(d, guarded=guarded))
     return execute(conn, sql, params).rowcount
+
+
+def update_rows(d: Any, conn: Any, table: Any, names: Sequence[str], key: str, rows: Sequence[tuple]) -> bool:
+    """``SqlDialect.update_rows`` as one statement of arrays, the rows locked in the key's order
+    (``FOR UPDATE`` under the ``ORDER BY``); False (nothing sent) for a single row, or rows
+    psycopg cannot send as arrays."""
+    cols = [*names, key]
+    arrays = columns_of(rows, [table.c[n] for n in cols]) if len(rows) > 1 else None
+    if arrays is None:
+        return False
+
+    def build() -> str:
+        t, k = d.table(table), d.col(table.c[key])
+        given = ", ".join(f"CAST(%s AS {array_type(table.c[n], d.dialect)})" for n in cols)
+        aliases = ", ".join(f"c{i}" for i in range(len(cols)))
+        return (f"WITH v AS (SELECT * FROM unnest({given}) AS v({aliases})), "
+                f"l AS (SELECT x.{k} FROM {t} x WHERE x.{k} IN (SELECT v.c{len(names)} FROM v) ORDER BY x.{k} "
+                f"FOR UPDATE) "
+                f"UPDATE {t} x SET {', '.join(f'{d.col(table.c[n])} = v.c{i}' for i, n in enumerate(names))} FROM v "
+                f"WHERE x.{k} = v.c{len(names)} AND v.c{len(names)} IN (SELECT l.{k} FROM l)")
+
+    execute(conn, d._cached(("update rows arrays", table.name, tuple(names), key), build), tuple(arrays))
+    return True

@@ -374,6 +374,17 @@ class PostgreSQL(Backend):
             (values,) = self._params([row], names, procs)
             execute(conn, sql, values + (row["trajectory_id"],) * len(marked))
 
+    def as_arrays(self, table: Any, names: Sequence[str], rows: Sequence[tuple]) -> tuple[str, tuple] | None:
+        arrays = _pg_arrays.columns_of(rows, [table.c[n] for n in names]) if len(rows) > 1 else None
+        if arrays is None:
+            return None
+        return self._cached(("array source", table.name, tuple(names)),
+                            lambda: _pg_arrays.array_source(self, table, names)), tuple(arrays)
+
+    def update_rows(self, conn: Any, table: Any, names: Sequence[str], key: str, rows: Sequence[tuple]) -> None:
+        if not _pg_arrays.update_rows(self, conn, table, names, key, rows):
+            super().update_rows(conn, table, names, key, rows)
+
     def insert_tuples(self, conn: Any, parts: Sequence[tuple[Any, Sequence[str], list[tuple]]]) -> None:
         if not _pg_arrays.insert_tuples(self, conn, parts):
             super().insert_tuples(conn, parts)

@@ -131,13 +131,13 @@ def _check_shape(shape: Any, field: str) -> tuple[int, ...]:
 
 
 def _from_b64_object(value: dict, field: str) -> np.ndarray:
-    missing = {"b64", "dtype", "shape"} - value.keys()
-    if missing:
-        raise ValidationError(
-            f"{field} object lacks {sorted(missing)} (needs b64, dtype, shape)", rule="array_encoding"
-        )
-    extra = [k for k in value if k not in ("b64", "dtype", "shape")]
-    if extra:
+    if not (len(value) == 3 and "b64" in value and "dtype" in value and "shape" in value):  # exactly the three keys
+        missing = {"b64", "dtype", "shape"} - value.keys()
+        if missing:
+            raise ValidationError(
+                f"{field} object lacks {sorted(missing)} (needs b64, dtype, shape)", rule="array_encoding"
+            )
+        extra = [k for k in value if k not in ("b64", "dtype", "shape")]
         raise ValidationError(f"{field} object has unknown key {_safe_repr(extra[0])} (b64, dtype, shape only)",
                               rule="array_encoding")
     dtype_name = value["dtype"]

@@ -351,7 +351,7 @@ def _same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
             if isinstance(base, bytes):
                 offset = x.ctypes.data - np.frombuffer(base, np.uint8).ctypes.data
                 if 0 <= offset <= len(base) - x.nbytes:
-                    return base.startswith(memoryview(y).cast("B"), offset)
+                    return base.startswith(y.reshape(-1).view(np.uint8), offset)  # y's bytes, any dtype
     return bool(np.array_equal(a, b))
 
 

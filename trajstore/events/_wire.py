@@ -113,6 +113,8 @@ def _b64decode(text: Any, field: str) -> bytes:
 
 def _check_shape(shape: Any, field: str) -> tuple[int, ...]:
     """A list of at most ``_MAX_NDIM`` non-negative ints, none above int32 (products are Python ints)."""
+    if type(shape) is list and len(shape) == 1 and type(shape[0]) is int and 0 <= shape[0] <= _MAX_DIM:
+        return (shape[0],)  # a per-token array's [n], as JSON gives it
     if type(shape) in (list, tuple) and len(shape) <= _MAX_NDIM and all(
             type(d) is int and 0 <= d <= _MAX_DIM for d in shape):
         return tuple(shape)  # plain ints (what JSON gives): no ABC checks

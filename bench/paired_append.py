@@ -31,7 +31,15 @@ object.
 
 ``--steps``: one tree, the time and CPU of each step of ``Store.append`` per
 call (timers wrapped around the functions it calls; the last rounds after a
-warm-up).
+warm-up). ``--small-arrays``: the same events, calls and SQL with every array
+cut to a few tokens and 2 x 2 routes: the append's cost that does not grow
+with the arrays.
+
+``--preallocation``: one tree, the same process appending each round with a
+log segment's blocks allocated ahead (``PayloadStore.write(at_least=...)``) and
+without, alternating which goes first, for calls of ``--batch`` events (64 by
+default) and one call per trajectory; wall and CPU of each, and their ratios
+per pair.
 """
 
 from __future__ import annotations
@@ -48,10 +56,15 @@ import tempfile
 import time
 
 
-def _load(tree: str):
+def _load(tree: str, small_arrays: bool = False):
     sys.path[:0] = [tree, os.path.join(tree, "bench")]
     import bench_pipeline as bp
     import trajstore
+
+    if small_arrays:
+        import dataclasses
+
+        bp.CFG = dataclasses.replace(bp.CFG, prompt_tokens=4, output_tokens=4, observation_tokens=4, layers=2, topk=2)
 
     if not os.path.realpath(trajstore.__file__).startswith(os.path.realpath(tree)):
         raise SystemExit(f"imported {trajstore.__file__}, not the tree {tree}")
@@ -172,8 +185,8 @@ def coalesce(tree: str, rounds: int, linger_ms: float, max_batch_mb: float | Non
           f"{med(x['calls_per_object'] for x in res):.1f} calls per object")
 
 
-def steps(tree: str, rounds: int, batch: int = 0) -> None:
-    bp, trajstore, _, wire = _load(tree)
+def steps(tree: str, rounds: int, batch: int = 0, small_arrays: bool = False) -> None:
+    bp, trajstore, _, wire = _load(tree, small_arrays)
     if batch:
         wire = turn_major(wire, batch)
     import trajstore._append.facts as facts
@@ -215,19 +228,54 @@ def steps(tree: str, rounds: int, batch: int = 0) -> None:
     timed(pl.PayloadStore, "make_durable", "segment sync (pooled thread)")
     timed(lsql.SqlEventLog, "commit_append", "index transaction (incl. waiting for the sync)")
     warm = max(1, rounds // 2)
+    round_cpu: list[float] = []
     with tempfile.TemporaryDirectory() as d:
         for r in range(rounds):
             if r == warm:
                 totals.clear()
             s = trajstore.connect(f"sqlite:///{d}/a{r}.db", payload=f"{d}/p{r}")
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             for t in wire:
                 s.append(t)
+            round_cpu.append(time.process_time() - c0)
             print(f"round {r + 1}: {(time.perf_counter() - t0) * 1e3:.0f} ms for {len(wire)} calls", file=sys.stderr)
             s.close()
     calls = (rounds - warm) * len(wire)
     for label, (wall, cpu) in totals.items():
         print(f"{label:48s} wall {wall / calls * 1e3:6.3f} ms  CPU {cpu / calls * 1e3:6.3f} ms per call")
+    print(f"the append: CPU {statistics.median(round_cpu[warm:]) * 1e3:.1f} ms a round (median, process CPU)")
+
+
+def preallocation(tree: str, rounds: int, batch: int) -> None:
+    bp, trajstore, _, wire = _load(tree)
+    import trajstore.payload._store as ps
+
+    forms = {f"calls of {batch}": turn_major(wire, batch), "one call per trajectory": wire}
+    on_threshold = ps._PREALLOCATE_BYTES
+    res: dict[tuple[str, bool], list[tuple[float, float]]] = collections.defaultdict(list)
+    with tempfile.TemporaryDirectory() as d:
+        for r in range(rounds):
+            for form, calls in forms.items():
+                for on in ((True, False) if r % 2 else (False, True)):
+                    ps._PREALLOCATE_BYTES = on_threshold if on else 1 << 62
+                    s = trajstore.connect(f"sqlite:///{d}/a.db", payload=f"{d}/p")
+                    c0, t0 = time.process_time(), time.perf_counter()
+                    for t in calls:
+                        s.append(t)
+                    res[form, on].append((time.perf_counter() - t0, time.process_time() - c0))
+                    s.close()
+                    for f in os.listdir(d):
+                        path = os.path.join(d, f)
+                        shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+            print(f"round {r + 1}/{rounds}", file=sys.stderr)
+    ps._PREALLOCATE_BYTES = on_threshold
+    med = statistics.median
+    for form in forms:
+        off, on = res[form, False], res[form, True]
+        print(f"{form}: wall without / with {med(x[0] for x in off) * 1e3:.1f} / {med(x[0] for x in on) * 1e3:.1f} ms, "
+              f"CPU {med(x[1] for x in off) * 1e3:.1f} / {med(x[1] for x in on) * 1e3:.1f} ms; per pair, without / "
+              f"with: wall {med(a[0] / b[0] for a, b in zip(off, on)):.3f}, CPU {med(a[1] / b[1] for a, b in zip(off, on)):.3f} "
+              f"(cheaper in {sum(a[1] > b[1] for a, b in zip(off, on))} of {len(on)})")
 
 
 def main() -> None:
@@ -238,6 +286,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--steps", action="store_true")
     ap.add_argument("--coalesce", action="store_true")
+    ap.add_argument("--preallocation", action="store_true")
+    ap.add_argument("--small-arrays", action="store_true", help="--steps: every array a few tokens, 2 x 2 routes")
     ap.add_argument("--linger-ms", type=float, default=20.0)
     ap.add_argument("--max-batch-mb", type=float, default=None, help="--coalesce: the group's byte bound")
     ap.add_argument("--committers", type=int, default=1, help="--coalesce: groups appended at once")
@@ -249,10 +299,14 @@ def main() -> None:
             ap.error("--coalesce takes one tree")
         return coalesce(os.path.abspath(args.trees[0]), args.rounds or 10, args.linger_ms, args.max_batch_mb,
                         args.committers)
+    if args.preallocation:
+        if len(args.trees) != 1:
+            ap.error("--preallocation takes one tree")
+        return preallocation(os.path.abspath(args.trees[0]), args.rounds or 12, args.batch or 64)
     if args.steps:
         if len(args.trees) != 1:
             ap.error("--steps takes one tree")
-        return steps(os.path.abspath(args.trees[0]), args.rounds or 6, args.batch)
+        return steps(os.path.abspath(args.trees[0]), args.rounds or 6, args.batch, args.small_arrays)
     if len(args.trees) != 2:
         ap.error("give BEFORE and AFTER trees")
     paired(*(os.path.abspath(t) for t in args.trees), args.rounds or 20, args.batch)

@@ -96,3 +96,28 @@ def test_a_changed_character_in_the_resent_base64_is_drift_and_the_recorded_row_
     (sample,) = list(store.samples())
     assert np.array_equal(sample.routed_experts[:300], first)  # row 150 as first recorded
     assert np.array_equal(sample.routed_experts[300:500], table[300:])
+
+
+@pytest.mark.parametrize("where", ["first", "last"])
+def test_the_bytewise_comparison_of_resent_rows_finds_a_difference_in_any_byte(where):
+    """``_same_bytes``: one memcmp over a table decoded from bytes, on either side; the
+    same answer as ``np.array_equal`` for every layout it is given."""
+    from trajstore._append.admission import _same_bytes, _words
+
+    rng = np.random.default_rng(5)
+    rows = rng.integers(0, 128, (300, 48, 8), dtype=np.uint8)
+    raw = b"\x93NUMPY header" + rows.tobytes()  # a view at an offset in a bytes object, as decoded
+    sent = np.frombuffer(raw, np.uint8, offset=13).reshape(rows.shape)
+    kept = rows.copy()
+    assert _same_bytes(_words(sent, kept.dtype), _words(kept, sent.dtype))
+    assert _same_bytes(_words(kept, sent.dtype), _words(sent, kept.dtype))
+    changed = kept.copy()
+    changed.reshape(-1)[0 if where == "first" else -1] ^= 1
+    for a, b in ((sent, changed), (changed, sent)):
+        assert not _same_bytes(_words(a, b.dtype), _words(b, a.dtype))
+    # a part of the table (the rows re-sent for recorded positions), and arrays of no bytes object
+    assert _same_bytes(_words(sent[100:250], kept.dtype), _words(kept[100:250], sent.dtype))
+    assert _same_bytes(_words(sent[:250], kept.dtype), _words(changed[:250], sent.dtype)) == (where == "last")
+    assert _same_bytes(kept, rows.copy()) and not _same_bytes(kept, changed)
+    wide = kept.astype(np.uint16)  # another dtype: compared by value, as np.array_equal does
+    assert _same_bytes(_words(sent, wide.dtype), _words(wide, sent.dtype))

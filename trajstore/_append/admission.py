@@ -84,12 +84,20 @@ class TrajectoryState:
                         route_len=self.route_len, reward_mode=self.reward_mode, route_layers=self.route_layers,
                         route_topk=self.route_topk)
 
-    def with_tail(self, tail: FoldTail, **changes: Any) -> TrajectoryState:
-        """This state with the fold's ``tail`` (and ``changes``), in one construction."""
+    def with_tail(self, tail: FoldTail, revision: int, last_seq: int) -> TrajectoryState:
+        """This state after a call: the fold's ``tail``, ``revision`` and ``last_seq``, in one
+        construction (``dataclasses.replace`` costs several times the constructor)."""
         assert tail.seq_hash is not None
-        return replace(self, num_samples=tail.num_samples, seq_len=tail.seq_len, seq_hash=tail.seq_hash,
-                       route_len=tail.route_len, reward_mode=tail.reward_mode, route_layers=tail.route_layers,
-                       route_topk=tail.route_topk, **changes)
+        return TrajectoryState(self.trajectory_id, self.group_id, self.num_experts, self.status, revision, last_seq,
+                               tail.reward_mode, tail.route_layers, tail.route_topk, tail.seq_len, tail.seq_hash,
+                               tail.route_len, self.reward, tail.num_samples)
+
+    def moved(self, *, status: str | None = None, reward: float | None = None) -> TrajectoryState:
+        """This state one revision on, with a new ``status`` or ``reward`` (either, when given)."""
+        return TrajectoryState(self.trajectory_id, self.group_id, self.num_experts,
+                               self.status if status is None else status, self.revision + 1, self.last_seq,
+                               self.reward_mode, self.route_layers, self.route_topk, self.seq_len, self.seq_hash,
+                               self.route_len, self.reward if reward is None else reward, self.num_samples)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -185,7 +193,7 @@ class RecordedRoutes:
                 continue
             sent = _words(rows[a - start:b - start], c_rows.dtype)
             kept = _words(c_rows[a - c_start:b - c_start], rows.dtype)
-            if np.array_equal(sent, kept):  # the common case: one pass, no per-row reduction
+            if _same_bytes(sent, kept):  # the common case: one memcmp, no per-row reduction
                 continue
             differs = _differing_rows(sent, kept)
             if valid is not None:
@@ -328,6 +336,25 @@ def _words(rows: np.ndarray, other: np.dtype) -> np.ndarray:
     return flat
 
 
+def _same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
+    """``np.array_equal(a, b)``, as one ``memcmp`` (``bytes.startswith`` at the view's offset)
+    when the two have one dtype and shape, both C-contiguous, and one is a view of an
+    immutable ``bytes`` (a table decoded from base64): no [n, w] booleans written
+    and read back (a re-sent table is ~1 MB a call)."""
+    if a.dtype == b.dtype and a.shape == b.shape and a.flags.c_contiguous and b.flags.c_contiguous:
+        if not a.size:
+            return True
+        for x, y in ((a, b), (b, a)):
+            base = x.base
+            while isinstance(base, np.ndarray):
+                base = base.base
+            if isinstance(base, bytes):
+                offset = x.ctypes.data - np.frombuffer(base, np.uint8).ctypes.data
+                if 0 <= offset <= len(base) - x.nbytes:
+                    return base.startswith(y.reshape(-1).view(np.uint8), offset)  # y's bytes, any dtype
+    return bool(np.array_equal(a, b))
+
+
 def _differing_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Per row of two [n, w] arrays: does any entry differ? The [n, w] booleans are
     reduced as machine words (half the time of ``np.any(axis=1)`` on 48x8 rows)."""
@@ -376,8 +403,7 @@ def admit(
     if isinstance(event, TrajectoryStarted):
         if state is not None:
             raise ValidationError("trajectory already started", rule="already_started")
-        new = TrajectoryState(event.trajectory_id, event.group_id, event.num_experts)
-        return Admitted(event, None, replace(new, revision=1))
+        return Admitted(event, None, TrajectoryState(event.trajectory_id, event.group_id, event.num_experts, revision=1))
     if state is None:
         raise ValidationError("unknown trajectory (no trajectory_started event)", rule="unknown_trajectory")
     if isinstance(event, Reward) and event.event_id is None and state.status != "running" and event.reward == state.reward:
@@ -387,9 +413,9 @@ def admit(
     if state.status != "running":
         raise ValidationError(f"trajectory already finished ({state.status})", rule="finished_trajectory")
     if isinstance(event, TrajectoryFinished):
-        return Admitted(event, None, replace(state, status=event.status, revision=state.revision + 1))
+        return Admitted(event, None, state.moved(status=event.status))
     if isinstance(event, Reward):
-        return Admitted(event, None, replace(state, reward=event.reward, revision=state.revision + 1))
+        return Admitted(event, None, state.moved(reward=event.reward))
     return _admit_generation(event, state, load_sequence, labels or {}, recorded)
 
 
@@ -511,10 +537,13 @@ def admit_batch(
     stored_labels = dict(labels or {})
     batch_labels = map_labels(events, stored_labels)
     states = dict(states)
-    last_sequences: dict[str, np.ndarray] = {}
+    last_calls: dict[str, Generation] = {}  # a call's sequence is built only if asked for (rare)
 
     def sequence(tid: str) -> np.ndarray:
-        return last_sequences[tid] if tid in last_sequences else load_sequence(tid)
+        if tid in last_calls:
+            g = last_calls[tid]
+            return np.concatenate([g.prompt_ids, g.output_ids])
+        return load_sequence(tid)
 
     working: dict[str, RecordedRoutes | None] = {}  # absent: not needed yet (still as before the batch)
 
@@ -541,7 +570,7 @@ def admit_batch(
             continue
         states[ev.trajectory_id] = adm.state
         if isinstance(ev, Generation):
-            last_sequences[ev.trajectory_id] = np.concatenate([ev.prompt_ids, ev.output_ids])
+            last_calls[ev.trajectory_id] = ev
             s = adm.stored
             assert s is not None
             step = FoldStep(s.merged, s.sample_index, s.prefix_len, s.routes, s.routes_start)

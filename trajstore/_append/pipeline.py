@@ -266,11 +266,14 @@ def _write_segment(store: AppendTarget, admitted: list[Admitted]) -> tuple[str |
     gens = [a for a in admitted if a.stored is not None]
     if not gens:
         return None, None, {}
-    table = facts.segment_table([a.stored for a in gens])
+    stored = [a.stored for a in gens if a.stored is not None]
+    table = facts.segment_table(stored)
     name = store.payload.new_log_segment()
     # one event per record batch; not synced yet (the caller's make_durable)
     try:
-        size = store.payload.write(name, table, rows_per_batch=1, durable=False)
+        # the routes are written whole: the file holds at least their bytes (allocated ahead)
+        size = store.payload.write(name, table, rows_per_batch=1, durable=False,
+                                   at_least=sum(s.routes.nbytes for s in stored if s.routes is not None))
     except BaseException as e:
         store.payload.discard(name, after=e)  # nothing references it: a partial file is garbage
         raise

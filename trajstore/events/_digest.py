@@ -83,20 +83,44 @@ def _digest_fields(event: Event, h: Any) -> Any:
     # small pieces go in as one update (the same stream, so the same digest: a call
     # per piece cost more than hashing the routes).
     small: list[bytes] = []
-    for name in event.__dataclass_fields__:  # type: ignore[union-attr]
+    for name, encoded, skip_if_absent in _fields_of(type(event)):
         value = getattr(event, name)
-        if value is None and name in _HASH_SKIP_IF_ABSENT:
-            continue  # fields added later: events without them keep the digest they were stored with
-        small.append(name.encode())
-        if isinstance(value, np.ndarray):
+        kind = type(value)
+        if value is None:
+            if skip_if_absent:
+                continue  # fields added later: events without them keep the digest they were stored with
+            small.append(encoded)
+            small.append(b"None")
+        elif kind in _REPR_TYPES:  # the usual scalars: no ABC check (isinstance against Mapping is slow)
+            small.append(encoded)
+            small.append(repr(value).encode())
+        elif kind is np.ndarray or isinstance(value, np.ndarray):
+            small.append(encoded)
             small.append(str(value.shape).encode())
             h.update(b"".join(small))
             small.clear()
             h.update(memoryview(np.ascontiguousarray(value, dtype=value.dtype.newbyteorder("<"))).cast("B"))
         elif isinstance(value, Mapping):
+            small.append(encoded)
             small.append(json.dumps(value, sort_keys=True, default=str).encode())
         else:
+            small.append(encoded)
             small.append(repr(value).encode())
     if small:
         h.update(b"".join(small))
     return h
+
+
+_REPR_TYPES = frozenset({str, int, float, bool, tuple})
+"""Types whose digest piece is their ``repr`` (none of them an array or a Mapping)."""
+
+_FIELDS: dict[type, tuple[tuple[str, bytes, bool], ...]] = {}
+
+
+def _fields_of(cls: type) -> tuple[tuple[str, bytes, bool], ...]:
+    """An event class's fields in declaration order: (name, its bytes, skipped when None)."""
+    fields = _FIELDS.get(cls)
+    if fields is None:
+        fields = _FIELDS[cls] = tuple((name, name.encode(), name in _HASH_SKIP_IF_ABSENT)
+                                      for name in cls.__dataclass_fields__)  # type: ignore[attr-defined]
+    return fields

@@ -76,11 +76,16 @@ def _token_ids(value: Any, key: str) -> np.ndarray:
     elif arr.dtype.kind not in "iub":
         raise ValidationError(f"{key} must hold integers, got {arr.dtype}", rule="token_ids")
     if arr.size:
-        lo, hi = arr.min(), arr.max()
-        if lo < 0:
-            raise ValidationError(f"{key} holds a negative token id ({int(lo)})", rule="negative_token_id")
-        if hi > _INT32_MAX:
-            raise ValidationError(f"{key} holds a token id that does not fit in int32 ({hi})", rule="int32_range")
+        # a bound the dtype cannot cross is not scanned for (int32 ids: only the sign)
+        kind, size = arr.dtype.kind, arr.dtype.itemsize
+        if kind not in "ub":
+            lo = np.minimum.reduce(arr)
+            if lo < 0:
+                raise ValidationError(f"{key} holds a negative token id ({int(lo)})", rule="negative_token_id")
+        if not (kind == "b" or (kind == "i" and size <= 4) or (kind == "u" and size < 4)):
+            hi = np.maximum.reduce(arr)
+            if hi > _INT32_MAX:
+                raise ValidationError(f"{key} holds a token id that does not fit in int32 ({hi})", rule="int32_range")
     return np.ascontiguousarray(arr, dtype=np.int32)
 
 

@@ -113,6 +113,8 @@ def _b64decode(text: Any, field: str) -> bytes:
 
 def _check_shape(shape: Any, field: str) -> tuple[int, ...]:
     """A list of at most ``_MAX_NDIM`` non-negative ints, none above int32 (products are Python ints)."""
+    if type(shape) is list and len(shape) == 1 and type(shape[0]) is int and 0 <= shape[0] <= _MAX_DIM:
+        return (shape[0],)  # a per-token array's [n], as JSON gives it
     if type(shape) in (list, tuple) and len(shape) <= _MAX_NDIM and all(
             type(d) is int and 0 <= d <= _MAX_DIM for d in shape):
         return tuple(shape)  # plain ints (what JSON gives): no ABC checks
@@ -131,13 +133,13 @@ def _check_shape(shape: Any, field: str) -> tuple[int, ...]:
 
 
 def _from_b64_object(value: dict, field: str) -> np.ndarray:
-    missing = {"b64", "dtype", "shape"} - value.keys()
-    if missing:
-        raise ValidationError(
-            f"{field} object lacks {sorted(missing)} (needs b64, dtype, shape)", rule="array_encoding"
-        )
-    extra = [k for k in value if k not in ("b64", "dtype", "shape")]
-    if extra:
+    if not (len(value) == 3 and "b64" in value and "dtype" in value and "shape" in value):  # exactly the three keys
+        missing = {"b64", "dtype", "shape"} - value.keys()
+        if missing:
+            raise ValidationError(
+                f"{field} object lacks {sorted(missing)} (needs b64, dtype, shape)", rule="array_encoding"
+            )
+        extra = [k for k in value if k not in ("b64", "dtype", "shape")]
         raise ValidationError(f"{field} object has unknown key {_safe_repr(extra[0])} (b64, dtype, shape only)",
                               rule="array_encoding")
     dtype_name = value["dtype"]

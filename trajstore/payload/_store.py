@@ -35,7 +35,7 @@ from trajstore._util.pools import LazyPool
 from trajstore.errors import CorruptStoreError, StoreUnavailable, first_line
 from trajstore.payload._columns import SegmentRows, shared_rows
 from trajstore.payload._direct import write_arrow_segment
-from trajstore.payload._durable import fsync_path, replace_durably
+from trajstore.payload._durable import fsync_path, preallocate, replace_durably
 from trajstore.payload._errors import payload_errors
 from trajstore.payload._deadline import Remote, deadline
 from trajstore.payload._filesystem import _no_secret, deadline_of, filesystem_of, join
@@ -43,6 +43,9 @@ from trajstore.payload._format import CODECS, READ_OPTIONS, ROWS_PER_BATCH, Segm
 from trajstore.payload._reserve import Reserve
 
 log = logging.getLogger(__name__)
+
+_PREALLOCATE_BYTES = 1 << 20
+"""A write's ``at_least`` from which its blocks are allocated ahead (below, a syscall for little)."""
 
 __all__ = ["PayloadStore"]
 
@@ -121,7 +124,7 @@ class PayloadStore:
             self._reserve.close()
 
     def write(self, name: str, table: pa.Table, *, rows_per_batch: int | None = None, atomic: bool = False,
-              durable: bool = True) -> int:
+              durable: bool = True, at_least: int = 0) -> int:
         """Write ``table`` durably as segment ``name``; return its size in bytes.
 
         ``rows_per_batch``: rows per record batch / row group (reads of single
@@ -130,7 +133,10 @@ class PayloadStore:
         rewritten (with the same bytes) while a reader has the old file open.
         ``durable=False`` (not with ``atomic``): written but not yet synced;
         the caller must ``make_durable(name)`` before anything references it
-        (an append overlaps that fsync with its SQL statements)."""
+        (an append overlaps that fsync with its SQL statements).
+        ``at_least``: bytes the file is sure to hold when written uncompressed
+        (the raw bytes of a column written whole, e.g. a log segment's routes);
+        a local file allocates them before the write (``preallocate``)."""
         path = self.path(name)
         rows_per_batch = max(1, rows_per_batch or table.num_rows or 1)
         table = table.replace_schema_metadata({ROWS_PER_BATCH: str(rows_per_batch)})
@@ -157,8 +163,12 @@ class PayloadStore:
                 # small writes (metadata, offsets) become a few syscalls, and the large
                 # buffers pass through
                 with pa.OSFile(target, "wb") as raw, pa.BufferedOutputStream(raw, 1 << 16) as f:
+                    if at_least >= _PREALLOCATE_BYTES and self.log_compression is None:
+                        preallocate(raw.fileno(), at_least)  # uncompressed: at least these bytes follow
                     write_table(name, table, f, rows_per_batch, self.log_compression)
                     size = f.tell()
+                if size < at_least:  # a hint beyond what was written: the file is what was written
+                    os.truncate(target, size)
                 if durable:
                     fsync_path(target)
                 return size

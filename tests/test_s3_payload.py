@@ -202,6 +202,46 @@ def test_an_unresponsive_object_store_fails_instead_of_hanging(tmp_path):
 OUTAGE_BOUND_S = 30
 
 
+class _Pauses:
+    """What an append that outlives its bound was doing, for the failure's message: a ticker
+    thread notes every pause of more than 0.5 s in its 10 ms sleeps (the whole process stalled,
+    or one thread held the GIL that long), and ``stack_at`` takes a thread's stack at a time."""
+
+    def __init__(self) -> None:
+        self.t0 = time.monotonic()
+        self.seen: list[tuple[float, float]] = []
+        self._stop = threading.Event()
+        self._ticker = threading.Thread(target=self._tick, daemon=True)
+        self._ticker.start()
+
+    def _tick(self) -> None:
+        last = time.monotonic()
+        while not self._stop.wait(0.01):
+            now = time.monotonic()
+            if now - last > 0.5:
+                self.seen.append((round(last - self.t0, 1), round(now - last, 1)))
+            last = now
+
+    def stack_at(self, at_s: float) -> tuple[threading.Timer, list[str]]:
+        """A timer (started) that takes the calling thread's stack ``at_s`` from now."""
+        import traceback
+
+        ident, taken = threading.get_ident(), []
+
+        def take() -> None:
+            frame = sys._current_frames().get(ident)
+            taken.append("".join(traceback.format_stack(frame)) if frame else "(ended)")
+
+        timer = threading.Timer(at_s, take)
+        timer.daemon = True
+        timer.start()
+        return timer, taken
+
+    def close(self) -> None:
+        self._stop.set()
+        self._ticker.join(5)
+
+
 def _outage_and_back(store_url: str, server: StoppableS3, fault: str, options: str = "",
                      bound_s: float = OUTAGE_BOUND_S) -> None:
     """Appends before, during and after an outage of the object store, with the
@@ -222,14 +262,21 @@ def _outage_and_back(store_url: str, server: StoppableS3, fault: str, options: s
         acknowledged.append(f"before{i}")
 
     def append_during(i: int) -> None:
+        # an append still running 2 s before the bound (past its deadline): its stack then
+        timer, stack = pauses.stack_at(bound_s - 2)
         t0 = time.monotonic()
-        with pytest.raises(StoreUnavailable) as err:
-            store.append(trajectory(f"during{i}"))
+        try:
+            with pytest.raises(StoreUnavailable) as err:
+                store.append(trajectory(f"during{i}"))
+        finally:
+            timer.cancel()
         took = time.monotonic() - t0
-        assert took < bound_s, f"{fault}: the append failed after {took:.1f} s"
+        assert took < bound_s, (f"{fault}: the append failed after {took:.1f} s; the process's pauses "
+                                f"(at s, for s): {pauses.seen}; its stack at {bound_s - 2:g} s:\n{''.join(stack)}")
         assert "payload" in str(err.value) and "\n" not in str(err.value)
 
     server.hang() if fault == "hang" else server.stop()
+    pauses = _Pauses()
     try:
         # Two appends at once (two writers of one store): each waits out the default
         # timeouts on its own (about 20 s on a hung server), so together they take one wait.
@@ -238,6 +285,7 @@ def _outage_and_back(store_url: str, server: StoppableS3, fault: str, options: s
         for i in range(2):
             assert store.trajectory_state(f"during{i}") is None  # nothing of it in the index
     finally:
+        pauses.close()
         server.resume() if fault == "hang" else server.start()
     for i in range(2):
         store.append(trajectory(f"during{i}"))  # the retry, once the store is back

@@ -12,6 +12,7 @@ accepted by the kernel, never answered)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -316,6 +317,63 @@ def test_an_append_past_its_deadline_fails_then_and_what_it_wrote_late_is_delete
     timeouts (about 20 s); the uploads left running finish or fail after, and the GC
     (which waits for them) leaves exactly the segments the index names."""
     _outage_and_back(store_url, stoppable_s3, "hang", "&deadline=3", bound_s=8)
+
+
+def test_the_deadline_holds_with_the_processs_arrow_io_threads_all_taken(stoppable_s3, tmp_path):
+    """pyarrow runs an upload on its process-wide I/O pool (8 threads): with 12 uploads of
+    another filesystem hung on a server that never answers (what other code of the process,
+    or an earlier test, can leave behind), an append on a hung server still fails at its
+    ``deadline=3`` (the deadline's waits are on trajstore's own threads)."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(64)
+    held: list[socket.socket] = []
+
+    def accept() -> None:
+        while True:
+            try:
+                held.append(listener.accept()[0])  # accepted, never answered
+            except OSError:
+                return
+
+    threading.Thread(target=accept, daemon=True).start()
+    store = trajstore.connect(f"sqlite:///{tmp_path}/s.db", payload=f"s3://{BUCKET}/p-{uuid.uuid4().hex[:8]}"
+                              f"?endpoint_override={stoppable_s3.endpoint}&scheme=http&deadline=3")
+    store.append(trajectory("before"))
+    other = pafs.S3FileSystem(endpoint_override=f"127.0.0.1:{listener.getsockname()[1]}", scheme="http",
+                              connect_timeout=30, request_timeout=30,
+                              retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=1))
+
+    def upload(i: int) -> None:
+        with contextlib.suppress(OSError), other.open_output_stream(f"b/hog{i}") as out:
+            out.write(b"x" * 100)
+
+    hogs = [threading.Thread(target=upload, args=(i,), daemon=True) for i in range(12)]
+    for h in hogs:
+        h.start()
+    try:
+        deadline = time.monotonic() + 10
+        while len(held) < 8 and time.monotonic() < deadline:  # the pool's threads wait on the server
+            time.sleep(0.05)
+        assert len(held) >= 8, len(held)
+        stoppable_s3.hang()
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(StoreUnavailable, match="within the 3 s deadline"):
+                store.append(trajectory("during"))
+            took = time.monotonic() - t0
+        finally:
+            stoppable_s3.resume()
+        assert took < 4.5, took
+    finally:
+        listener.close()
+        for c in held:
+            c.close()  # the hung uploads fail now
+        for h in hogs:
+            h.join(30)
+    store.append(trajectory("during"))  # the retry, once the store is back
+    assert [list(g.output_ids) for g in store.load_generations("during")] == [[4, 5], [7]]
+    store.close()
 
 
 def test_every_request_of_one_append_shares_its_deadline(stoppable_s3, tmp_path):

@@ -12,6 +12,7 @@ accepted by the kernel, never answered)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -202,6 +203,46 @@ def test_an_unresponsive_object_store_fails_instead_of_hanging(tmp_path):
 OUTAGE_BOUND_S = 30
 
 
+class _Pauses:
+    """What an append that outlives its bound was doing, for the failure's message: a ticker
+    thread notes every pause of more than 0.5 s in its 10 ms sleeps (the whole process stalled,
+    or one thread held the GIL that long), and ``stack_at`` takes a thread's stack at a time."""
+
+    def __init__(self) -> None:
+        self.t0 = time.monotonic()
+        self.seen: list[tuple[float, float]] = []
+        self._stop = threading.Event()
+        self._ticker = threading.Thread(target=self._tick, daemon=True)
+        self._ticker.start()
+
+    def _tick(self) -> None:
+        last = time.monotonic()
+        while not self._stop.wait(0.01):
+            now = time.monotonic()
+            if now - last > 0.5:
+                self.seen.append((round(last - self.t0, 1), round(now - last, 1)))
+            last = now
+
+    def stack_at(self, at_s: float) -> tuple[threading.Timer, list[str]]:
+        """A timer (started) that takes the calling thread's stack ``at_s`` from now."""
+        import traceback
+
+        ident, taken = threading.get_ident(), []
+
+        def take() -> None:
+            frame = sys._current_frames().get(ident)
+            taken.append("".join(traceback.format_stack(frame)) if frame else "(ended)")
+
+        timer = threading.Timer(at_s, take)
+        timer.daemon = True
+        timer.start()
+        return timer, taken
+
+    def close(self) -> None:
+        self._stop.set()
+        self._ticker.join(5)
+
+
 def _outage_and_back(store_url: str, server: StoppableS3, fault: str, options: str = "",
                      bound_s: float = OUTAGE_BOUND_S) -> None:
     """Appends before, during and after an outage of the object store, with the
@@ -222,14 +263,21 @@ def _outage_and_back(store_url: str, server: StoppableS3, fault: str, options: s
         acknowledged.append(f"before{i}")
 
     def append_during(i: int) -> None:
+        # an append still running 2 s before the bound (past its deadline): its stack then
+        timer, stack = pauses.stack_at(bound_s - 2)
         t0 = time.monotonic()
-        with pytest.raises(StoreUnavailable) as err:
-            store.append(trajectory(f"during{i}"))
+        try:
+            with pytest.raises(StoreUnavailable) as err:
+                store.append(trajectory(f"during{i}"))
+        finally:
+            timer.cancel()
         took = time.monotonic() - t0
-        assert took < bound_s, f"{fault}: the append failed after {took:.1f} s"
+        assert took < bound_s, (f"{fault}: the append failed after {took:.1f} s; the process's pauses "
+                                f"(at s, for s): {pauses.seen}; its stack at {bound_s - 2:g} s:\n{''.join(stack)}")
         assert "payload" in str(err.value) and "\n" not in str(err.value)
 
     server.hang() if fault == "hang" else server.stop()
+    pauses = _Pauses()
     try:
         # Two appends at once (two writers of one store): each waits out the default
         # timeouts on its own (about 20 s on a hung server), so together they take one wait.
@@ -238,6 +286,7 @@ def _outage_and_back(store_url: str, server: StoppableS3, fault: str, options: s
         for i in range(2):
             assert store.trajectory_state(f"during{i}") is None  # nothing of it in the index
     finally:
+        pauses.close()
         server.resume() if fault == "hang" else server.start()
     for i in range(2):
         store.append(trajectory(f"during{i}"))  # the retry, once the store is back
@@ -268,6 +317,63 @@ def test_an_append_past_its_deadline_fails_then_and_what_it_wrote_late_is_delete
     timeouts (about 20 s); the uploads left running finish or fail after, and the GC
     (which waits for them) leaves exactly the segments the index names."""
     _outage_and_back(store_url, stoppable_s3, "hang", "&deadline=3", bound_s=8)
+
+
+def test_the_deadline_holds_with_the_processs_arrow_io_threads_all_taken(stoppable_s3, tmp_path):
+    """pyarrow runs an upload on its process-wide I/O pool (8 threads): with 12 uploads of
+    another filesystem hung on a server that never answers (what other code of the process,
+    or an earlier test, can leave behind), an append on a hung server still fails at its
+    ``deadline=3`` (the deadline's waits are on trajstore's own threads)."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(64)
+    held: list[socket.socket] = []
+
+    def accept() -> None:
+        while True:
+            try:
+                held.append(listener.accept()[0])  # accepted, never answered
+            except OSError:
+                return
+
+    threading.Thread(target=accept, daemon=True).start()
+    store = trajstore.connect(f"sqlite:///{tmp_path}/s.db", payload=f"s3://{BUCKET}/p-{uuid.uuid4().hex[:8]}"
+                              f"?endpoint_override={stoppable_s3.endpoint}&scheme=http&deadline=3")
+    store.append(trajectory("before"))
+    other = pafs.S3FileSystem(endpoint_override=f"127.0.0.1:{listener.getsockname()[1]}", scheme="http",
+                              connect_timeout=30, request_timeout=30,
+                              retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=1))
+
+    def upload(i: int) -> None:
+        with contextlib.suppress(OSError), other.open_output_stream(f"b/hog{i}") as out:
+            out.write(b"x" * 100)
+
+    hogs = [threading.Thread(target=upload, args=(i,), daemon=True) for i in range(12)]
+    for h in hogs:
+        h.start()
+    try:
+        deadline = time.monotonic() + 10
+        while len(held) < 8 and time.monotonic() < deadline:  # the pool's threads wait on the server
+            time.sleep(0.05)
+        assert len(held) >= 8, len(held)
+        stoppable_s3.hang()
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(StoreUnavailable, match="within the 3 s deadline"):
+                store.append(trajectory("during"))
+            took = time.monotonic() - t0
+        finally:
+            stoppable_s3.resume()
+        assert took < 4.5, took
+    finally:
+        listener.close()
+        for c in held:
+            c.close()  # the hung uploads fail now
+        for h in hogs:
+            h.join(30)
+    store.append(trajectory("during"))  # the retry, once the store is back
+    assert [list(g.output_ids) for g in store.load_generations("during")] == [[4, 5], [7]]
+    store.close()
 
 
 def test_every_request_of_one_append_shares_its_deadline(stoppable_s3, tmp_path):

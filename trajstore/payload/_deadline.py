@@ -65,8 +65,7 @@ class Remote:
         until = getattr(_local, "until", None)
         if until is None:  # no append under way: pyarrow's timeouts alone (a long transfer that moves is never cut)
             return request()
-        remaining = until - time.monotonic()
-        if remaining <= 0:
+        if until - time.monotonic() <= 0:
             raise StoreUnavailable(self._late(what))
         lock, state = threading.Lock(), {"given_up": False, "done": False}
 
@@ -84,7 +83,9 @@ class Remote:
 
         future = _POOL.get().submit(run)
         try:
-            return future.result(timeout=remaining)
+            # measured after the hand-off: a submit that had to start a thread (under the
+            # executors' process-wide lock) never adds its wait to the deadline
+            return future.result(timeout=max(0.0, until - time.monotonic()))
         except FutureTimeout:
             with lock:
                 if state["done"]:

@@ -210,3 +210,41 @@ def test_sample_segments_are_mapped_with_huge_pages_log_segments_as_they_are(tmp
     got = read_segment_samples(p, "samples-a.arrow", [0, 5])
     assert asked == [(tmp_path / "samples-a.arrow").stat().st_size]
     assert got[1].equals(plain[5])
+
+
+@pytest.mark.parametrize("direct_io", [True, False])
+def test_a_kept_image_buffer_leaves_none_of_its_old_bytes_in_the_next_segment(tmp_path, monkeypatch, direct_io):
+    """The image buffer a segment was laid out in is kept for the next one (no fresh memory
+    faulted in and zeroed each step): written over with garbage in between, the next segment,
+    smaller or larger, has the plain writer's bytes, and the buffer is the one kept."""
+    if not direct_io:
+        monkeypatch.setattr(os, "O_DIRECT", 0, raising=False)
+    monkeypatch.setattr(_direct, "_SPARE", _direct._Spare())
+    p = PayloadStore(str(tmp_path))
+    big = [s for r in _folded(RoutesPlan()) for s in r.samples]
+    _write_planned(p, "samples-0.arrow", big, 2)
+    [kept] = _direct._SPARE.buffers
+    for k, cut in enumerate((slice(0, 3), slice(None), slice(1, 2)), 1):  # smaller, as large, smaller
+        for buf in _direct._SPARE.buffers:
+            buf[:] = 0xA5  # what a kept buffer may hold: the last segment's bytes, or anything
+        fast = [s for r in _folded(RoutesPlan()) for s in r.samples][cut]
+        plain = [s for r in _folded() for s in r.samples][cut]
+        _write_planned(p, f"samples-{k}.arrow", fast, 2)
+        p.write(f"samples-plain-{k}.arrow", sample_table(plain), rows_per_batch=2)
+        assert (tmp_path / f"samples-{k}.arrow").read_bytes() == (tmp_path / f"samples-plain-{k}.arrow").read_bytes()
+    assert any(b is kept for b in _direct._SPARE.buffers)  # written over each time, never a new one
+    assert len(_direct._SPARE.buffers) == 1
+
+
+def test_image_buffers_above_the_bound_are_not_kept(monkeypatch):
+    spare = _direct._Spare(keep=2)
+    monkeypatch.setattr(_direct, "KEEP_BYTES", 1 << 16)
+    spare.give(_direct._aligned(1 << 17))
+    assert not spare.buffers
+    a, b, c = (_direct._aligned(n << 12) for n in (1, 3, 2))
+    for buf in (a, b, c):
+        spare.give(buf)
+    assert [len(x) for x in spare.buffers] == [3 << 12, 2 << 12]  # the largest two
+    assert spare.take(1 << 12) is c and spare.take(1 << 12) is b  # the smallest that fits
+    got = spare.take(1 << 12)
+    assert got.ctypes.data % 4096 == 0 and len(got) == 1 << 12 and not spare.buffers

@@ -248,18 +248,3 @@ def test_image_buffers_above_the_bound_are_not_kept(monkeypatch):
     assert spare.take(1 << 12) is c and spare.take(1 << 12) is b  # the smallest that fits
     got = spare.take(1 << 12)
     assert got.ctypes.data % 4096 == 0 and len(got) == 1 << 12 and not spare.buffers
-
-
-def test_image_buffers_are_kept_per_thread(monkeypatch):
-    """A thread's placed routes (views of the buffer its segment was laid out in) are never
-    written over by another thread's next segment."""
-    import threading
-
-    monkeypatch.setattr(_direct, "_SPARE", _direct._Spare())
-    mine = _direct._aligned(1 << 12)
-    _direct._SPARE.give(mine)
-    got: list = []
-    worker = threading.Thread(target=lambda: got.append(_direct._SPARE.take(1 << 12)))
-    worker.start()
-    worker.join()
-    assert got[0] is not mine and _direct._SPARE.buffers == [mine]

@@ -82,34 +82,35 @@ def _aligned(nbytes: int) -> np.ndarray:
     return raw[at : at + nbytes]
 
 
-class _Spare(threading.local):
-    """Image buffers kept between segments, at most ``keep`` of them, per thread (a
-    materializer writes one sample segment a step: its next segment is about as large). A
-    new buffer of tens of MB is fresh memory the kernel maps and zeroes page by page as it
-    is first written (about 2 ms of a 37 MB segment, as much as half the copy of its bytes);
-    a kept one is written over. Every byte of a file is written into the buffer before it
-    is written out (``_Image.write`` from the start, the last block's padding zeroed by
-    ``_write_file``), so a kept buffer's old bytes never reach a file. Per thread: the
-    routes placed in a segment's buffer (``PlannedRoutes.array``, which the materializer's
-    counts read after the write) stay as written until the same thread writes its next
-    sample segment."""
+class _Spare:
+    """Image buffers kept between segments, at most ``keep`` of them (a process writes one
+    sample segment a step: its next segment is about as large). A new buffer of tens of MB
+    is fresh memory the kernel maps and zeroes page by page as it is first written (about
+    2 ms of a 37 MB segment, as much as half the copy of its bytes); a kept one is written
+    over. Every byte of a file is written into the buffer before it is written out
+    (``_Image.write`` from the start, the last block's padding zeroed by ``_write_file``),
+    so a kept buffer's old bytes never reach a file."""
 
     def __init__(self, keep: int = 2) -> None:
         self.keep = keep
         self.buffers: list[np.ndarray] = []
+        self.lock = threading.Lock()
 
     def take(self, nbytes: int) -> np.ndarray:
         """A page-aligned buffer of at least ``nbytes`` (a multiple of the block)."""
-        fits = [b for b in self.buffers if len(b) >= nbytes]
-        if fits:
-            got = min(fits, key=len)
-            self.buffers = [b for b in self.buffers if b is not got]
-            return got
+        with self.lock:
+            fits = [b for b in self.buffers if len(b) >= nbytes]
+            if fits:
+                got = min(fits, key=len)
+                self.buffers = [b for b in self.buffers if b is not got]
+                return got
         return _aligned(nbytes)
 
     def give(self, buf: np.ndarray) -> None:
         """Keep ``buf`` for a later segment (the largest ``keep`` under ``KEEP_BYTES``)."""
-        if len(buf) <= KEEP_BYTES:
+        if len(buf) > KEEP_BYTES:
+            return
+        with self.lock:
             self.buffers = sorted([*self.buffers, buf], key=len, reverse=True)[: self.keep]
 
 

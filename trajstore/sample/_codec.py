@@ -186,10 +186,7 @@ class PlannedRoutes:
         return out
 
     def array(self) -> np.ndarray:
-        """The routes as an array: where they were placed, else a new one. Placed by the
-        sample segment's writer, they are a view of its image buffer, which the same
-        thread's next sample segment is laid out in (``payload._direct._Spare``): read
-        them before that (the materializer counts them right after the write)."""
+        """The routes as an array: where they were placed, else a new one."""
         return self.out if self.out is not None else self.place(np.empty(self.shape, self.dtype))
 
 

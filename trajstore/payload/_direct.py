@@ -10,7 +10,6 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import threading
 from typing import Any, Sequence
 
 import numpy as np
@@ -48,73 +47,30 @@ def write_arrow_segment(store: Any, name: str, table: pa.Table, rows_per_batch: 
         return store.write(name, table, rows_per_batch=rows_per_batch, atomic=True)
     table = table.replace_schema_metadata({ROWS_PER_BATCH: str(rows_per_batch)})
     image = _Image(_image_capacity(table, rows_per_batch), deferred)
-    try:
-        write_table(name, table, image, rows_per_batch, store.log_compression)
-        if not all(d.covered() for d in deferred):
-            # the writer copied a deferred buffer instead of handing it over (another pyarrow?): build them, again
-            log.warning("segment %s: deferred buffers were not written in place; building them first", name)
-            image.release()
-            image = _Image(_image_capacity(table, rows_per_batch), ())
-            write_table(name, _filled_table(table, deferred), image, rows_per_batch, store.log_compression)
-        data, size = image.buf, image.pos
-        path = store.path(name)
-        with payload_errors("cannot write payload segment", path):
-            if not store.local:
-                with store.fs.open_output_stream(path) as out:
-                    out.write(pa.py_buffer(data[:size]))
-                return size
-            replace_durably(path, store.root, lambda target: _write_file(target, data, size))
+    write_table(name, table, image, rows_per_batch, store.log_compression)
+    if not all(d.covered() for d in deferred):
+        # the writer copied a deferred buffer instead of handing it over (another pyarrow?): build them, again
+        log.warning("segment %s: deferred buffers were not written in place; building them first", name)
+        image = _Image(_image_capacity(table, rows_per_batch), ())
+        write_table(name, _filled_table(table, deferred), image, rows_per_batch, store.log_compression)
+    data, size = image.buf, image.pos
+    path = store.path(name)
+    with payload_errors("cannot write payload segment", path):
+        if not store.local:
+            with store.fs.open_output_stream(path) as out:
+                out.write(pa.py_buffer(data[:size]))
             return size
-    finally:
-        image.release()
+        replace_durably(path, store.root, lambda target: _write_file(target, data, size))
+        return size
 
 
 _BLOCK = 4096  # alignment of an O_DIRECT write's memory, offset and length (a multiple of any disk's block)
-
-
-KEEP_BYTES = 256 << 20
-"""The largest image buffer kept for the next segment (``_Spare``)."""
 
 
 def _aligned(nbytes: int) -> np.ndarray:
     raw = np.empty(nbytes + _BLOCK, np.uint8)
     at = -raw.ctypes.data % _BLOCK
     return raw[at : at + nbytes]
-
-
-class _Spare:
-    """Image buffers kept between segments, at most ``keep`` of them (a process writes one
-    sample segment a step: its next segment is about as large). A new buffer of tens of MB
-    is fresh memory the kernel maps and zeroes page by page as it is first written (about
-    2 ms of a 37 MB segment, as much as half the copy of its bytes); a kept one is written
-    over. Every byte of a file is written into the buffer before it is written out
-    (``_Image.write`` from the start, the last block's padding zeroed by ``_write_file``),
-    so a kept buffer's old bytes never reach a file."""
-
-    def __init__(self, keep: int = 2) -> None:
-        self.keep = keep
-        self.buffers: list[np.ndarray] = []
-        self.lock = threading.Lock()
-
-    def take(self, nbytes: int) -> np.ndarray:
-        """A page-aligned buffer of at least ``nbytes`` (a multiple of the block)."""
-        with self.lock:
-            fits = [b for b in self.buffers if len(b) >= nbytes]
-            if fits:
-                got = min(fits, key=len)
-                self.buffers = [b for b in self.buffers if b is not got]
-                return got
-        return _aligned(nbytes)
-
-    def give(self, buf: np.ndarray) -> None:
-        """Keep ``buf`` for a later segment (the largest ``keep`` under ``KEEP_BYTES``)."""
-        if len(buf) > KEEP_BYTES:
-            return
-        with self.lock:
-            self.buffers = sorted([*self.buffers, buf], key=len, reverse=True)[: self.keep]
-
-
-_SPARE = _Spare()
 
 
 class _Image:
@@ -124,7 +80,7 @@ class _Image:
     placeholder is filled in place by it, never copied from."""
 
     def __init__(self, capacity: int, deferred: Sequence[Any]) -> None:
-        self.buf = _SPARE.take(-(-max(capacity, 1) // _BLOCK) * _BLOCK)
+        self.buf = _aligned(-(-max(capacity, 1) // _BLOCK) * _BLOCK)
         self.pos = 0
         self.closed = False
         self.deferred = [(d.address, d.address + d.size, d) for d in deferred if d.size]
@@ -155,12 +111,6 @@ class _Image:
 
     def tell(self) -> int:
         return self.pos
-
-    def release(self) -> None:
-        """Hand the buffer back for a later segment (``_Spare``); this image is done."""
-        buf, self.buf = self.buf, np.zeros(0, np.uint8)
-        if len(buf):
-            _SPARE.give(buf)
 
     def flush(self) -> None:
         pass

@@ -230,36 +230,36 @@ def generations_from_log(
 
     A row's payload is either its own row of a log segment (``segment_kind``
     NULL) or, once the materializer re-pointed it, slices of the sample row it
-    was folded into (``segment_kind = 'samples'``, see ``_segment_row``); both
+    was folded into (``segment_kind = 'samples'``, see ``_payload_of``); both
     give the same arrays, so re-folding gives byte-identical samples."""
     out: list[Generation] = []
-    previous = np.zeros(0, dtype=np.int32)
+    previous = _NO_IDS
     for row in rows:
-        cols = _segment_row(tables, row)
-        tail, output = cols["prompt_tail"], cols["output_ids"]
+        tail, output, logprobs, loss_mask, token_rewards, versions, raw = _payload_of(tables, row)
         prefix = int(row["prefix_len"])
         if prefix > len(previous):
             raise CorruptStoreError(
                 f"trajectory {row['trajectory_id']!r} seq {row['seq']}: prefix_len {prefix} exceeds the sequence"
             )
         prompt = np.concatenate([previous[:prefix], tail]) if prefix else tail
+        spans = row.get("weight_versions")
         g = Generation(
             trajectory_id=row["trajectory_id"],
             seq=row["seq"],
             prompt_ids=prompt,
             output_ids=output,
             model_version=row["model_version"],
-            logprobs=cols["logprobs"],
-            loss_mask=cols["loss_mask"],
-            routed_experts=_routes(cols["routes"], row, route_shape),
+            logprobs=logprobs,
+            loss_mask=loss_mask,
+            routed_experts=_routes(raw, row, route_shape),
             routed_experts_start=row["routes_start"] or 0,
             reward=row["reward"],
-            token_rewards=cols["token_rewards"],
+            token_rewards=token_rewards,
             finish_reason=row["finish_reason"],
             event_id=row["event_id"],
-            token_model_versions=cols["token_model_versions"],
+            token_model_versions=versions,
             metadata=row.get("metadata"),
-            weight_versions=weight_versions_from_json(row.get("weight_versions")),
+            weight_versions=None if spans is None else weight_versions_from_json(spans),
         )
         if labels is not None and g.weight_versions is not None and g.token_model_versions is None:
             if held is None:
@@ -273,6 +273,29 @@ def generations_from_log(
         out.append(g)
         previous = np.concatenate([prompt, output])
     return out
+
+
+_NO_IDS = np.zeros(0, dtype=np.int32)
+_NO_IDS.flags.writeable = False
+
+
+def _payload_of(tables: Mapping[str, SegmentRows], row: Mapping[str, Any]) -> tuple[Any, ...]:
+    """A row's payload arrays: prompt tail, output ids, logprobs, loss mask, token rewards,
+    token versions (None: not stored), routes (raw bytes, or rows sliced from a sample row)."""
+    seg = tables[row["segment"]]
+    i = seg.index[int(row["segment_row"])]  # each column is decoded once per segment, then indexed
+    if row.get("segment_kind") == SAMPLES_KIND:
+        cols = _sample_slices(seg, i, row)
+        return (cols["prompt_tail"], cols["output_ids"], cols["logprobs"], cols["loss_mask"], cols["token_rewards"],
+                cols["token_model_versions"], cols["routes"])
+    # segments written before per-token versions existed have no such column
+    if seg.has("token_model_versions"):
+        tails, outputs, logprobs, masks, rewards, versions = seg.lists_of(_LOG_SPEC_VERSIONS)
+        tv = versions[i]
+    else:
+        tails, outputs, logprobs, masks, rewards = seg.lists_of(_LOG_SPEC)
+        tv = None
+    return tails[i], outputs[i], logprobs[i], masks[i], rewards[i], tv, seg.binaries("routes")[i]
 
 
 _LIST_DTYPES = {
@@ -291,20 +314,6 @@ _SAMPLE_SLICE_DTYPES = {name: SAMPLE_LIST_COLUMNS[name] for name in (
 
 _LOG_SPEC = tuple(_LIST_DTYPES.items())
 _LOG_SPEC_VERSIONS = _LOG_SPEC + (("token_model_versions", np.int32),)
-
-
-def _segment_row(tables: Mapping[str, SegmentRows], row: Mapping[str, Any]) -> dict[str, Any]:
-    seg = tables[row["segment"]]
-    i = seg.index[int(row["segment_row"])]  # each column is decoded once per segment, then indexed
-    if row.get("segment_kind") == SAMPLES_KIND:
-        return _sample_slices(seg, i, row)
-    # segments written before per-token versions existed have no such column
-    versions = seg.has("token_model_versions")
-    lists = seg.lists_of(_LOG_SPEC_VERSIONS if versions else _LOG_SPEC)
-    cols: dict[str, Any] = {name: values[i] for (name, _), values in zip(_LOG_SPEC, lists)}
-    cols["routes"] = seg.binaries("routes")[i]
-    cols["token_model_versions"] = lists[-1][i] if versions else None
-    return cols
 
 
 def _sample_slices(seg: SegmentRows, i: int, row: Mapping[str, Any]) -> dict[str, Any]:
@@ -376,7 +385,14 @@ def _routes(raw: Any, row: Mapping[str, Any], shape: tuple[int, int] | None) -> 
         return raw
     if shape is None:
         raise CorruptStoreError(f"trajectory {row['trajectory_id']!r} has routes but no [layers, topk]")
-    return routes_from_bytes(raw, row["routes_dtype"], *shape, rows=row["num_route_rows"])
+    dtype = _ROUTE_DTYPES.get(row["routes_dtype"])
+    if dtype is None:  # routes_from_bytes, its dtype kept
+        dtype = _ROUTE_DTYPES[row["routes_dtype"]] = np.dtype(row["routes_dtype"]).newbyteorder("<")
+    rows = row["num_route_rows"]
+    return np.frombuffer(raw, dtype=dtype).reshape(-1 if rows is None else int(rows), int(shape[0]), int(shape[1]))
+
+
+_ROUTE_DTYPES: dict[str, np.dtype] = {}
 
 
 def last_calls(store: Any, running: Sequence[tuple[str, int]]) -> dict[str, tuple[np.ndarray, Generation | None]]:

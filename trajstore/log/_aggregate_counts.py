@@ -492,50 +492,114 @@ def sample_counts(samples: Iterable[Any], num_experts: Mapping[str, int | None] 
     ``experts`` False: the logprobs only. ``every``: count one decode route in ``every``
     (``decode_routes``), each ``every`` times (the materializer's commit counts its samples'
     routes as it wrote them, in the store's stride). ``logprobs`` False: the expert load only
-    (the compaction's count of a segment an older version noted in ``agg_expert_pending``)."""
-    histogram: dict[tuple, list[float]] = {}
-    per_version: dict[int, np.ndarray] = {}  # [layer, expert] counts
-    lps: list[np.ndarray] = []  # generated loss tokens' logprobs and versions, per sample
-    lvs: list[np.ndarray] = []
-    routed: dict[tuple, tuple[list, list, list]] = {}  # layout -> decode rows, their versions, num_experts
+    (the compaction's count of a segment an older version noted in ``agg_expert_pending``).
+    The samples' token columns are laid end to end and counted at once (``bincount`` over
+    (version, bin) keys; the decode routes chosen for the whole batch, ``_decode_rows``), not
+    sample by sample."""
+    samples = list(samples)
+    out: Counts = {}
+    if logprobs and samples:
+        histogram = _logprob_counts(samples)
+        if histogram:
+            out["agg_logprobs"] = histogram
+    if not experts:
+        return out
+    by_layout: dict[tuple, list[tuple[Any, np.ndarray]]] = {}  # layout -> (sample, routes)
     for s in samples:
-        if logprobs:
-            v = np.asarray(s.token_model_versions)
-            keep = (v >= 0) & np.asarray(s.logprobs_mask, bool) & np.asarray(s.loss_mask, bool)
-            if keep.any():
-                lps.append(np.asarray(s.rollout_logprobs, np.float64)[keep])
-                lvs.append(v[keep])
-        got = decode_routes(s, every) if experts else None
-        if got is None or not len(got[0]):
+        routes = s.routed_experts
+        if routes is not None:
+            routes = routes.array() if hasattr(routes, "place") else np.asarray(routes)  # planned: as written
+            by_layout.setdefault(routes.shape[1:], []).append((s, routes))
+    per_version: dict[int, np.ndarray] = {}  # [layer, expert] counts
+    for group in by_layout.values():  # one count per layout, not per sample
+        rows, row_versions, counted = _decode_rows(group, every)
+        if not len(rows):
             continue
-        declared = int((num_experts or {}).get(s.trajectory_id) or 0)
-        layout = got[0].shape[1:]
-        have = routed.setdefault(layout, ([], [], [0]))
-        have[0].append(got[0])
-        have[1].append(got[1])
-        have[2][0] = max(have[2][0], declared)
-    if lps:  # one histogram per call, not per sample
-        lp, lv = np.concatenate(lps), np.concatenate(lvs)
-        bins = logprob_bins(lp)
-        versions, vi = _groups(lv)
-        key = vi * LOGPROB_BINS + bins
-        n = np.bincount(key, minlength=len(versions) * LOGPROB_BINS)
-        total = np.bincount(key, weights=lp, minlength=len(versions) * LOGPROB_BINS)
-        for k in np.flatnonzero(n):
-            _add(histogram, (int(versions[k // LOGPROB_BINS]), int(k % LOGPROB_BINS)), (int(n[k]), float(total[k])))
-    for rows_of, versions_of, (declared,) in routed.values():  # one count per layout, not per sample
-        rows = rows_of[0] if len(rows_of) == 1 else np.concatenate(rows_of)
-        versions, vi = _groups(np.concatenate(versions_of))
+        declared = max(int((num_experts or {}).get(s.trajectory_id) or 0)
+                       for (s, _), n in zip(group, counted) if n)
+        versions, vi = _groups(row_versions)
         counts = count_routes(rows, max(declared, int(rows.max()) + 1), vi if len(versions) > 1 else None,
                               len(versions))
         if every > 1:
             counts *= every
         for i, version in enumerate(versions.tolist()):
             _add_array(per_version, int(version), counts[i])
-    out = _nonempty({"agg_logprobs": histogram})
     if per_version:  # one array per version: no row per (layer, expert)
         out["agg_expert_load"] = {(v,): c for v, c in per_version.items()}  # type: ignore[dict-item]
     return out
+
+
+def _logprob_counts(samples: Sequence[Any]) -> dict[tuple, list[float]]:
+    """``agg_logprobs`` of samples: their generated (version >= 0) loss tokens with a reported
+    logprob, per (model version, bin): the token count and the logprobs' sum (float64, summed
+    in token order)."""
+    def joined(name: str, dtype: Any = None) -> np.ndarray:
+        parts = [getattr(s, name) for s in samples]
+        if dtype is None:
+            return np.concatenate(parts) if len(parts) > 1 else np.asarray(parts[0])
+        return np.concatenate(parts, dtype=dtype, casting="unsafe") if len(parts) > 1 \
+            else np.asarray(parts[0]).astype(dtype, casting="unsafe")
+
+    v = joined("token_model_versions")
+    keep = v >= 0
+    keep &= joined("logprobs_mask", np.bool_)
+    keep &= joined("loss_mask", np.bool_)
+    if not keep.any():
+        return {}
+    lp = joined("rollout_logprobs", np.float64)[keep]
+    versions, vi = _groups(v[keep])
+    key = vi * LOGPROB_BINS + logprob_bins(lp)
+    n = np.bincount(key, minlength=len(versions) * LOGPROB_BINS)
+    total = np.bincount(key, weights=lp, minlength=len(versions) * LOGPROB_BINS)
+    nz = np.flatnonzero(n)
+    return {(v_, b): [c, t] for v_, b, c, t in zip(versions[nz // LOGPROB_BINS].tolist(),
+                                                    (nz % LOGPROB_BINS).tolist(), n[nz].tolist(),
+                                                    total[nz].tolist())}
+
+
+def _decode_rows(group: Sequence[tuple[Any, np.ndarray]], every: int
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``decode_routes`` of several samples at once (``(sample, routes)`` of one layout): their
+    chosen rows end to end ``[n, layers, topk]``, those rows' token versions, and how many
+    rows each sample gave. The same rows, in the same order, as ``decode_routes`` sample by
+    sample: the selection is made over the samples' token columns laid end to end, and
+    only the gather of the rows is per sample."""
+    num = len(group)
+    lengths = np.fromiter((len(s.token_model_versions) for s, _ in group), np.intp, num)
+    starts = np.zeros(num, np.intp)
+    np.cumsum(lengths[:-1], out=starts[1:])
+    versions = np.concatenate([s.token_model_versions for s, _ in group]) if num > 1 \
+        else np.asarray(group[0][0].token_model_versions)
+    if every > 1:
+        firsts = [(-(zlib.crc32(f"{s.trajectory_id}/{s.sample_index}".encode()) % every)) % every for s, _ in group]
+        gen = np.concatenate([np.arange(a + f, a + n, every) for a, n, f in
+                              zip(starts.tolist(), lengths.tolist(), firsts)])
+        which = np.repeat(np.arange(num), [len(range(f, n, every)) for n, f in zip(lengths.tolist(), firsts)])
+    else:
+        gen = np.arange(len(versions))
+        which = np.repeat(np.arange(num), lengths)
+    generated = versions[gen] >= 0
+    gen, which = gen[generated], which[generated]
+    prompts = np.fromiter((len(s.prompt_ids) for s, _ in group), np.intp, num)
+    sizes = np.fromiter((len(r) for _, r in group), np.intp, num)
+    rows = gen - starts[which] + prompts[which] - 1  # each token's route row in its sample
+    ok = (rows >= 0) & (rows < sizes[which])
+    if any(s.routed_experts_mask is not None for s, _ in group):
+        parts = [np.zeros(n, np.bool_) if s.routed_experts_mask is None else np.asarray(s.routed_experts_mask, bool)
+                 for (s, _), n in zip(group, sizes.tolist())]
+        mask_starts = np.zeros(num, np.intp)
+        np.cumsum(np.fromiter(map(len, parts[:-1]), np.intp, num - 1), out=mask_starts[1:])
+        if (rows[ok] >= np.fromiter(map(len, parts), np.intp, num)[which[ok]]).any():
+            raise IndexError("a sample's routed_experts_mask is shorter than its routes")  # as indexing it raised
+        ok[ok] &= ~np.concatenate(parts)[mask_starts[which[ok]] + rows[ok]]
+    rows, which, gen = rows[ok], which[ok], gen[ok]
+    counted = np.bincount(which, minlength=num)
+    bounds = np.zeros(num + 1, np.intp)
+    np.cumsum(counted, out=bounds[1:])
+    parts = [r[rows[a:b]] for (_, r), a, b in zip(group, bounds[:-1].tolist(), bounds[1:].tolist()) if b > a]
+    if not parts:
+        return np.zeros((0, *group[0][1].shape[1:]), group[0][1].dtype), versions[:0], counted
+    return (parts[0] if len(parts) == 1 else np.concatenate(parts)), versions[gen], counted
 
 
 def decode_routes(sample: Any, every: int = 1) -> tuple[np.ndarray, np.ndarray] | None:

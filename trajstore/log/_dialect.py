@@ -177,12 +177,16 @@ class SqlDialect:
         return out
 
     # -- generic statements ----------------------------------------------------
-    def insert_rows(self, conn: Any, table: Any, rows: Sequence[Mapping[str, Any]]) -> None:
-        """One executemany; the columns are the union of the rows' keys (missing ones NULL)."""
+    def names_of(self, table: Any, rows: Sequence[Mapping[str, Any]]) -> tuple[str, ...]:
+        """The columns of ``table`` any of ``rows`` has, in the table's order."""
         keys = set().union(*rows)
         # the table's column names kept (iterating a Table's columns builds a list each time)
         columns = self._cached(("columns", table.name), lambda: tuple(c.name for c in table.columns))
-        names = tuple(n for n in columns if n in keys)
+        return tuple(n for n in columns if n in keys)
+
+    def insert_rows(self, conn: Any, table: Any, rows: Sequence[Mapping[str, Any]]) -> None:
+        """One executemany; the columns are the union of the rows' keys (missing ones NULL)."""
+        names = self.names_of(table, rows)
         sql, procs = self._cached(("insert", table.name, names), lambda: (
             f"INSERT INTO {self.table(table)} ({', '.join(self.col(table.c[n]) for n in names)}) "
             f"VALUES ({self.marks(len(names))})", [self._bind(table.c[n]) for n in names]))

@@ -47,28 +47,32 @@ def columns_of(params: Sequence[tuple], columns: Sequence[Any]) -> list[list[Any
     return out
 
 
+def locked_update_sql(d: Any, table: Any, names: Sequence[str], key: str, guard: Sequence[str] = (),
+                      where: str = "") -> str:
+    """``UPDATE table`` setting ``names`` of the rows whose ``key`` is given, from one array per
+    column: ``names``' new values, then the keys, then the values each ``guard`` column must
+    still have (``where``: a condition on the row ``x`` besides). The rows are locked in the
+    key's order first (``FOR UPDATE`` under the ``ORDER BY``), as an executemany in that order
+    locked them: two transactions updating the same rows wait for each other, and never
+    deadlock."""
+    t, k = d.table(table), d.col(table.c[key])
+    cols = [*names, key, *guard]
+    given = ", ".join(f"CAST(%s AS {array_type(table.c[n], d.dialect)})" for n in cols)
+    aliases = ", ".join(f"c{i}" for i in range(len(cols)))
+    at = len(names)  # the keys' array
+    checks = "".join(f" AND x.{d.col(table.c[g])} = v.c{at + 1 + i}" for i, g in enumerate(guard))
+    return (f"WITH v AS (SELECT * FROM unnest({given}) AS v({aliases})), "
+            f"l AS (SELECT x.{k} FROM {t} x WHERE x.{k} IN (SELECT v.c{at} FROM v) ORDER BY x.{k} FOR UPDATE) "
+            f"UPDATE {t} x SET {', '.join(f'{d.col(table.c[n])} = v.c{i}' for i, n in enumerate(names))} FROM v "
+            f"WHERE x.{k} = v.c{at} AND v.c{at} IN (SELECT l.{k} FROM l){checks}{where}")
+
+
 def repoint_sql(d: Any, *, guarded: bool) -> str:
-    """One statement re-pointing events (``_dialect.SqlDialect.repoint``) from arrays: the new
-    locators, the positions and, guarded, the old locators each event must still have. The
-    events are locked in position order first (``FOR UPDATE`` under the ``ORDER BY``), as the
-    executemany in position order locked them: a materializer and a compaction re-pointing the
-    same events wait for each other, and never deadlock."""
-    c = events.c
-    t, pos = d.table(events), d.col(c.position)
-    given = ["CAST(%s AS TEXT[])", "CAST(%s AS BIGINT[])", "CAST(%s AS TEXT[])", "CAST(%s AS BIGINT[])"]
-    names = ["segment", "segment_row", "segment_kind", "position"]
-    guard = ""
-    if guarded:
-        given += ["CAST(%s AS TEXT[])", "CAST(%s AS BIGINT[])"]
-        names += ["old_segment", "old_segment_row"]
-        guard = (f" AND e.{d.col(c.segment)} = v.old_segment AND e.{d.col(c.segment_row)} = v.old_segment_row"
-                 f" AND e.{d.col(c.segment_kind)} IS NULL")
-    return (f"WITH v AS (SELECT * FROM unnest({', '.join(given)}) AS v({', '.join(names)})), "
-            f"l AS (SELECT e.{pos} FROM {t} e WHERE e.{pos} IN (SELECT v.position FROM v) ORDER BY e.{pos} "
-            f"FOR UPDATE) "
-            f"UPDATE {t} e SET {d.col(c.segment)} = v.segment, {d.col(c.segment_row)} = v.segment_row, "
-            f"{d.col(c.segment_kind)} = v.segment_kind FROM v "
-            f"WHERE e.{pos} = v.position AND v.position IN (SELECT l.{pos} FROM l){guard}")
+    """One statement re-pointing events (``_dialect.SqlDialect.repoint``, ``locked_update_sql``):
+    the new locators by position and, guarded, the old locators each event must still have."""
+    where = f" AND x.{d.col(events.c.segment_kind)} IS NULL" if guarded else ""
+    return locked_update_sql(d, events, ("segment", "segment_row", "segment_kind"), "position",
+                             ("segment", "segment_row") if guarded else (), where)
 
 
 def array_source(d: Any, table: Any, names: Sequence[str]) -> str:
@@ -93,9 +97,7 @@ def insert_rows(d: Any, conn: Any, table: Any, rows: Sequence[Mapping[str, Any]]
     row, or rows whose columns psycopg cannot send as arrays (``columns_of``)."""
     if len(rows) < 2:
         return False
-    keys = set().union(*rows)
-    columns = d._cached(("columns", table.name), lambda: tuple(c.name for c in table.columns))
-    names = tuple(n for n in columns if n in keys)
+    names = d.names_of(table, rows)
     sql, procs, cols = d._cached(("insert arrays", table.name, names), lambda: (
         insert_sql(d, table, names), [d._bind(table.c[n]) for n in names], [table.c[n] for n in names]))
     arrays = columns_of(d._params(rows, names, procs), cols)
@@ -109,8 +111,10 @@ def insert_tuples(d: Any, conn: Any, parts: Sequence[tuple[Any, Sequence[str], l
     """``SqlDialect.insert_tuples`` as one statement of arrays (``inserts_sql``); False (nothing
     sent) for fewer than two tables, or rows psycopg cannot send as arrays."""
     parts = [p for p in parts if p[2]]
+    if len(parts) < 2:
+        return False
     arrays = [columns_of(rows, [table.c[n] for n in names]) for table, names, rows in parts]
-    if len(parts) < 2 or any(a is None for a in arrays):
+    if any(a is None for a in arrays):
         return False
     key = tuple((table.name, tuple(names)) for table, names, _ in parts)
     sql = d._cached(("insert tuples arrays", key), lambda: inserts_sql(d, [(t, n) for t, n, _ in parts]))
@@ -138,16 +142,6 @@ def update_rows(d: Any, conn: Any, table: Any, names: Sequence[str], key: str, r
     arrays = columns_of(rows, [table.c[n] for n in cols]) if len(rows) > 1 else None
     if arrays is None:
         return False
-
-    def build() -> str:
-        t, k = d.table(table), d.col(table.c[key])
-        given = ", ".join(f"CAST(%s AS {array_type(table.c[n], d.dialect)})" for n in cols)
-        aliases = ", ".join(f"c{i}" for i in range(len(cols)))
-        return (f"WITH v AS (SELECT * FROM unnest({given}) AS v({aliases})), "
-                f"l AS (SELECT x.{k} FROM {t} x WHERE x.{k} IN (SELECT v.c{len(names)} FROM v) ORDER BY x.{k} "
-                f"FOR UPDATE) "
-                f"UPDATE {t} x SET {', '.join(f'{d.col(table.c[n])} = v.c{i}' for i, n in enumerate(names))} FROM v "
-                f"WHERE x.{k} = v.c{len(names)} AND v.c{len(names)} IN (SELECT l.{k} FROM l)")
-
-    execute(conn, d._cached(("update rows arrays", table.name, tuple(names), key), build), tuple(arrays))
+    execute(conn, d._cached(("update rows arrays", table.name, tuple(names), key),
+                            lambda: locked_update_sql(d, table, names, key)), tuple(arrays))
     return True

@@ -385,14 +385,7 @@ def _routes(raw: Any, row: Mapping[str, Any], shape: tuple[int, int] | None) -> 
         return raw
     if shape is None:
         raise CorruptStoreError(f"trajectory {row['trajectory_id']!r} has routes but no [layers, topk]")
-    dtype = _ROUTE_DTYPES.get(row["routes_dtype"])
-    if dtype is None:  # routes_from_bytes, its dtype kept
-        dtype = _ROUTE_DTYPES[row["routes_dtype"]] = np.dtype(row["routes_dtype"]).newbyteorder("<")
-    rows = row["num_route_rows"]
-    return np.frombuffer(raw, dtype=dtype).reshape(-1 if rows is None else int(rows), int(shape[0]), int(shape[1]))
-
-
-_ROUTE_DTYPES: dict[str, np.dtype] = {}
+    return routes_from_bytes(raw, row["routes_dtype"], *shape, rows=row["num_route_rows"])
 
 
 def last_calls(store: Any, running: Sequence[tuple[str, int]]) -> dict[str, tuple[np.ndarray, Generation | None]]:

@@ -9,6 +9,8 @@ beside them (in SQL for the log, in columns of the sample segment);
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -161,8 +163,15 @@ def routes_from_bytes(raw: Any, dtype: str, layers: int, topk: int, rows: int | 
     """Routes ``[rows, layers, topk]`` viewing ``raw``, the raw little-endian bytes
     of a binary route value (a view: no copy). ``rows`` None: as many as the bytes
     hold; else they must hold exactly that many."""
-    flat = np.frombuffer(raw, dtype=np.dtype(dtype).newbyteorder("<"))
+    flat = np.frombuffer(raw, dtype=_little_endian(dtype))
     return flat.reshape(-1 if rows is None else int(rows), int(layers), int(topk))
+
+
+@functools.cache
+def _little_endian(dtype: str) -> np.dtype:
+    """The little-endian numpy dtype named ``dtype`` (made once per name: a fold views
+    every call's routes)."""
+    return np.dtype(dtype).newbyteorder("<")
 
 
 @dataclass

@@ -487,7 +487,6 @@ class Materializer:
         held_calls = self.store.log.held_generations([t for t in ids if waiting.get(t)]) if waiting else {}
         trajs, events = self.store.log.fold_inputs(ids)
         self._num_experts = {tid: t["num_experts"] for tid, t in trajs.items()}  # for the run view's counts
-        self._calls_of = {tid: [r for r in rows if r["type"] == "generation"] for tid, rows in events.items()}
         if held_calls:
             # A held call resolves whole: the labels it waited for and the ones mapped before it
             # (never re-mapped, so reading them now decides the same as any re-run).
@@ -502,6 +501,8 @@ class Materializer:
             # the old file, between resolving the locators and opening it: resolve once more.
             trajs, events = self.store.log.fold_inputs(ids)
             tables, bad_segments = self._read_segments([r for rows in events.values() for r in rows])
+        # each trajectory's generation rows, as read last (their locators): the fold's, and the commit's counts'
+        self._calls_of = {tid: [r for r in rows if r["type"] == "generation"] for tid, rows in events.items()}
         if any(isinstance(e, PayloadMissingError) for e in bad_segments.values()) \
                 and not self.store.payload.holds_any():
             raise StoreUnavailable(f"payload location {self.store.payload.location!r} holds no file (not mounted, "
@@ -514,7 +515,7 @@ class Materializer:
             try:
                 if traj is None:
                     raise CorruptStoreError(f"trajectory {tid!r} is finished in the log but has no row")
-                gen_rows = [r for r in rows if r["type"] == "generation"]
+                gen_rows = self._calls_of[tid]
                 for r in gen_rows:
                     if r["segment"] in bad_segments:
                         raise bad_segments[r["segment"]]

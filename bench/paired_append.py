@@ -33,7 +33,7 @@ object.
 call (timers wrapped around the functions it calls; the last rounds after a
 warm-up). ``--small-arrays``: the same events, calls and SQL with every array
 cut to a few tokens and 2 x 2 routes: the append's cost that does not grow
-with the arrays.
+with the arrays (also with two trees: the per-event and per-call work paired).
 
 ``--preallocation``: one tree, the same process appending each round with a
 log segment's blocks allocated ahead (``PayloadStore.write(at_least=...)``) and
@@ -78,9 +78,9 @@ def turn_major(wire: list[list[dict]], batch: int) -> list[list[dict]]:
     return [flat[i:i + batch] for i in range(0, len(flat), batch)]
 
 
-def child(tree: str, scratch: str, batch: int = 0) -> None:
+def child(tree: str, scratch: str, batch: int = 0, small_arrays: bool = False) -> None:
     """Serve rounds: one line in, one JSON line out."""
-    bp, trajstore, trajs, wire = _load(tree)
+    bp, trajstore, trajs, wire = _load(tree, small_arrays)
     unique = bp.unique_table(trajs)
     calls = turn_major(wire, batch) if batch else wire
     print("ready", flush=True)
@@ -101,13 +101,14 @@ def child(tree: str, scratch: str, batch: int = 0) -> None:
         print(json.dumps({"raw": raw, "raw_cpu": raw_cpu, "wall": wall, "cpu": cpu}), flush=True)
 
 
-def paired(before: str, after: str, rounds: int, batch: int = 0) -> None:
+def paired(before: str, after: str, rounds: int, batch: int = 0, small_arrays: bool = False) -> None:
     trees = {"before": before, "after": after}
     procs = {}
     with tempfile.TemporaryDirectory() as scratch:
         for k, tree in trees.items():
             os.makedirs(f"{scratch}/{k}")
-            procs[k] = subprocess.Popen([sys.executable, __file__, "--child", tree, f"{scratch}/{k}", str(batch)],
+            procs[k] = subprocess.Popen([sys.executable, __file__, "--child", tree, f"{scratch}/{k}", str(batch),
+                                         "small" if small_arrays else "full"],
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                         env=dict(os.environ, PYTHONPATH=tree))
         for p in procs.values():
@@ -279,15 +280,16 @@ def preallocation(tree: str, rounds: int, batch: int) -> None:
 
 
 def main() -> None:
-    if len(sys.argv) in (4, 5) and sys.argv[1] == "--child":
-        return child(sys.argv[2], sys.argv[3], int(sys.argv[4]) if len(sys.argv) == 5 else 0)
+    if len(sys.argv) in (4, 5, 6) and sys.argv[1] == "--child":
+        return child(sys.argv[2], sys.argv[3], int(sys.argv[4]) if len(sys.argv) >= 5 else 0,
+                     len(sys.argv) == 6 and sys.argv[5] == "small")
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("trees", nargs="+", help="BEFORE AFTER, or one tree with --steps")
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--steps", action="store_true")
     ap.add_argument("--coalesce", action="store_true")
     ap.add_argument("--preallocation", action="store_true")
-    ap.add_argument("--small-arrays", action="store_true", help="--steps: every array a few tokens, 2 x 2 routes")
+    ap.add_argument("--small-arrays", action="store_true", help="--steps, or two trees: every array a few tokens, 2 x 2 routes")
     ap.add_argument("--linger-ms", type=float, default=20.0)
     ap.add_argument("--max-batch-mb", type=float, default=None, help="--coalesce: the group's byte bound")
     ap.add_argument("--committers", type=int, default=1, help="--coalesce: groups appended at once")
@@ -309,7 +311,7 @@ def main() -> None:
         return steps(os.path.abspath(args.trees[0]), args.rounds or 6, args.batch, args.small_arrays)
     if len(args.trees) != 2:
         ap.error("give BEFORE and AFTER trees")
-    paired(*(os.path.abspath(t) for t in args.trees), args.rounds or 20, args.batch)
+    paired(*(os.path.abspath(t) for t in args.trees), args.rounds or 20, args.batch, args.small_arrays)
 
 
 if __name__ == "__main__":

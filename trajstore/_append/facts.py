@@ -103,22 +103,56 @@ def weight_versions_from_json(value: Any) -> tuple[tuple[str | int, int, int], .
 
 
 _EVENT_COLUMNS = tuple(c.name for c in events_table.columns if c.name != "position")
+_EVENT_ROW = dict.fromkeys(_EVENT_COLUMNS)
+"""An event row with every column None: each row is a copy (executemany takes its column list from the first row)."""
 
 
 def event_row(adm: Admitted, identity: str | None, content_hash: bytes, segment_row: int | None) -> dict[str, Any]:
     ev = adm.event
-    # Every row carries every column: executemany takes its column list from the first row.
-    row: dict[str, Any] = dict.fromkeys(_EVENT_COLUMNS)
-    row |= {
-        "trajectory_id": ev.trajectory_id,
-        "type": ev.type,
-        "seq": None,
-        "event_id": ev.event_id,
-        "identity": identity,
-        "content_hash": content_hash,
-        "created_at": time.time(),
-    }
-    if isinstance(ev, GroupDropped):  # the log keeps what it said (ledger_groups keeps the drop)
+    # Every row carries every column: a copy of the all-None row, its columns set one by one
+    # (a dict per row of 224 a round: no keyword dicts merged in)
+    row = _EVENT_ROW.copy()
+    row["trajectory_id"] = ev.trajectory_id
+    row["type"] = ev.type
+    row["event_id"] = ev.event_id
+    row["identity"] = identity
+    row["content_hash"] = content_hash
+    row["created_at"] = time.time()
+    if type(ev) is Generation or isinstance(ev, Generation):
+        s = adm.stored
+        assert s is not None
+        routes, sent, logprobs = s.routes, ev.routed_experts, ev.logprobs
+        row["seq"] = ev.seq
+        row["model_version"] = ev.model_version
+        row["prompt_len"] = len(ev.prompt_ids)
+        row["prefix_len"] = s.prefix_len
+        row["output_len"] = n_out = len(ev.output_ids)
+        row["num_loss_tokens"] = int(ev.loss_mask.sum()) if ev.loss_mask is not None else n_out
+        row["sample_index"] = s.sample_index
+        row["is_merged"] = s.merged
+        if routes is not None:
+            row["routes_start"] = s.routes_start
+            row["num_route_rows"] = len(routes)
+            row["routes_dtype"] = routes.dtype.name
+        if sent is not None:
+            row["num_route_rows_sent"] = len(sent)
+        row["reward"] = ev.reward
+        row["has_token_rewards"] = ev.token_rewards is not None
+        row["finish_reason"] = ev.finish_reason
+        row["segment_row"] = segment_row
+        row["min_model_version"] = first_model_version(ev)
+        row["version_spans"] = version_spans(ev)
+        if ev.metadata is not None:
+            row["metadata"] = dict(ev.metadata)
+        if ev.weight_versions is not None:
+            row["weight_versions"] = weight_versions_json(ev)
+        row["route_rows_resent"] = s.route_rows_resent
+        row["route_rows_drifted"] = s.route_rows_drifted
+        if logprobs is not None:
+            row["num_placeholder_logprobs"] = int(np.count_nonzero(logprobs <= LOGPROB_PLACEHOLDER))
+        # not a column: the log adds an unresolved_labels row per label
+        row["unresolved_labels"] = s.unresolved
+    elif isinstance(ev, GroupDropped):  # the log keeps what it said (ledger_groups keeps the drop)
         row["metadata"] = {"run": ev.run, "group_id": ev.group_id, "reason": ev.reason}
     elif isinstance(ev, VersionLabel):
         row["model_version"] = ev.model_version
@@ -127,37 +161,6 @@ def event_row(adm: Admitted, identity: str | None, content_hash: bytes, segment_
         row["reward"] = ev.reward
     elif isinstance(ev, TrajectoryFinished):
         row["status"] = ev.status
-    elif isinstance(ev, Generation):
-        s = adm.stored
-        assert s is not None
-        row.update(
-            seq=ev.seq,
-            model_version=ev.model_version,
-            prompt_len=len(ev.prompt_ids),
-            prefix_len=s.prefix_len,
-            output_len=len(ev.output_ids),
-            num_loss_tokens=int(ev.loss_mask.sum()) if ev.loss_mask is not None else len(ev.output_ids),
-            sample_index=s.sample_index,
-            is_merged=s.merged,
-            routes_start=s.routes_start if s.routes is not None else None,
-            num_route_rows_sent=len(ev.routed_experts) if ev.routed_experts is not None else None,
-            num_route_rows=len(s.routes) if s.routes is not None else None,
-            routes_dtype=s.routes.dtype.name if s.routes is not None else None,
-            reward=ev.reward,
-            has_token_rewards=ev.token_rewards is not None,
-            finish_reason=ev.finish_reason,
-            segment_row=segment_row,
-            min_model_version=first_model_version(ev),
-            version_spans=version_spans(ev),
-            metadata=None if ev.metadata is None else dict(ev.metadata),
-            weight_versions=weight_versions_json(ev),
-            route_rows_resent=s.route_rows_resent,
-            route_rows_drifted=s.route_rows_drifted,
-            num_placeholder_logprobs=None if ev.logprobs is None
-            else int(np.count_nonzero(ev.logprobs <= LOGPROB_PLACEHOLDER)),
-            # not a column: the log adds an unresolved_labels row per label
-            unresolved_labels=s.unresolved,
-        )
     return row
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 from collections.abc import Mapping  # isinstance against typing.Mapping is ~10x slower
 from typing import Any
 
@@ -99,7 +100,9 @@ def _digest_fields(event: Event, h: Any) -> Any:
             small.append(str(value.shape).encode())
             h.update(b"".join(small))
             small.clear()
-            h.update(memoryview(np.ascontiguousarray(value, dtype=value.dtype.newbyteorder("<"))).cast("B"))
+            if not (value.size and value.flags.c_contiguous and value.dtype.byteorder in _LITTLE):  # else as they are
+                value = np.ascontiguousarray(value, dtype=value.dtype.newbyteorder("<"))
+            h.update(memoryview(value).cast("B"))
         elif isinstance(value, Mapping):
             small.append(encoded)
             small.append(json.dumps(value, sort_keys=True, default=str).encode())
@@ -110,6 +113,9 @@ def _digest_fields(event: Event, h: Any) -> Any:
         h.update(b"".join(small))
     return h
 
+
+_LITTLE = ("<", "|") + (("=",) if sys.byteorder == "little" else ())
+"""Byte orders (``dtype.byteorder``) an array's bytes are digested in as they lie."""
 
 _REPR_TYPES = frozenset({str, int, float, bool, tuple})
 """Types whose digest piece is their ``repr`` (none of them an array or a Mapping)."""

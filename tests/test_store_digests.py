@@ -146,3 +146,24 @@ def test_content_digests_are_stable_across_releases():
               ("027a78d9ea26d780b538e145865a72664f", "70852fe8ca8fdb6a39c24cefdc91f3ea")]
     got = [(content_hash(ev).hex(), _legacy_content_hash(ev).hex()) for ev in parse_events(evs)]
     assert got == pinned
+
+
+def test_a_digest_is_the_same_whatever_the_arrays_byte_order_and_layout():
+    """An event passed as an object may hold big-endian or strided arrays: its digest is
+    that of the same values little-endian and contiguous (what the wire's decoding gives)."""
+    from trajstore.events import Generation, content_hash
+
+    routes = (np.arange(6 * 2 * 2) % 5).astype(np.uint8).reshape(6, 2, 2)
+    plain = Generation(trajectory_id="g", seq=0, prompt_ids=np.arange(5, dtype=np.int32),
+                       output_ids=np.array([7, 8], np.int32), model_version=1,
+                       logprobs=np.array([-0.5, -1.0], np.float32), routed_experts=routes)
+    wide = np.zeros((6, 2, 4), np.uint8)
+    wide[:, :, ::2] = routes
+    other = Generation(trajectory_id="g", seq=0, prompt_ids=np.arange(5, dtype=">i4"),
+                       output_ids=np.array([0, 7, 0, 8], np.int32)[1::2], model_version=1,
+                       logprobs=np.array([-0.5, -1.0], ">f4"), routed_experts=wide[:, :, ::2])
+    assert not other.output_ids.flags.c_contiguous and not other.routed_experts.flags.c_contiguous
+    assert content_hash(other) == content_hash(plain)
+    assert content_hash(plain).hex() != content_hash(Generation(
+        trajectory_id="g", seq=0, prompt_ids=np.arange(5, dtype=np.int32), output_ids=np.array([7, 9], np.int32),
+        model_version=1, logprobs=np.array([-0.5, -1.0], np.float32), routed_experts=routes)).hex()

@@ -12,6 +12,7 @@ import logging
 import mmap
 import os
 import sys
+import threading
 from typing import Any, Sequence
 
 import numpy as np
@@ -92,14 +93,19 @@ class _Spare:
 
     def __init__(self) -> None:
         self._buf: np.ndarray | None = None
+        self._lock = threading.Lock()  # materializers of several shards may write from threads of one process
 
     def take(self, nbytes: int) -> np.ndarray:
         """At least ``nbytes`` of page-aligned memory that nothing views."""
-        buf, self._buf = self._buf, None
+        with self._lock:
+            buf, self._buf = self._buf, None
         if buf is not None and len(buf) >= nbytes and sys.getrefcount(buf) <= 2:  # (``buf`` and the argument)
             return buf
         del buf
-        m = mmap.mmap(-1, -(-nbytes // _HUGE) * _HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        private = getattr(mmap, "MAP_PRIVATE", None), getattr(mmap, "MAP_ANONYMOUS", None)
+        if None in private:  # no such map here (Windows): the heap's, not kept (``give``)
+            return _aligned(nbytes)
+        m = mmap.mmap(-1, -(-nbytes // _HUGE) * _HUGE, flags=private[0] | private[1])
         advice = getattr(mmap, "MADV_HUGEPAGE", None)
         if advice is not None:
             try:
@@ -110,8 +116,11 @@ class _Spare:
 
     def give(self, buf: np.ndarray) -> None:
         """``buf`` (from ``take``) may serve the next image once nothing views it."""
-        if self._buf is None or len(buf) >= len(self._buf):
-            self._buf = buf
+        if isinstance(buf.base, np.ndarray):  # the heap's (``_aligned``): its views name the array it slices
+            return
+        with self._lock:
+            if self._buf is None or len(buf) >= len(self._buf):
+                self._buf = buf
 
 
 _SPARE = _Spare()

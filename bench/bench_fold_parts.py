@@ -36,6 +36,7 @@ def main() -> None:
     import bench_fold as bf
 
     import trajstore
+    import trajstore.log._aggregate_counts as counts
     import trajstore.log._aggregates as agg
     import trajstore.log._samples as samples
     import trajstore.materializer as mat
@@ -68,7 +69,9 @@ def main() -> None:
                          (samples, ("count_commit", "insert_fold_deltas", "repoint")),
                          (gc, ("compact_aggregates", "count_pending_experts")), (agg, ("count_trajectories",)),
                          (direct, ("_image_capacity", "write_table", "_write_file")),
-                         (codec.PlannedRoutes, ("place",)), (mat, ("sample_counts",))):
+                         (codec.PlannedRoutes, ("place",)), (mat, ("sample_counts",)),
+                         (counts, ("_decode_rows", "count_routes", "_logprob_counts")),
+                         (store.payload, ("read_many",)), (store.log, ("held_generations",))):
         for name in names:
             wrap(owner, name)
     m = mat.Materializer(store, max_trajectories=bf.PER_STEP)
@@ -87,6 +90,9 @@ def main() -> None:
     print(f"{args.layout}, {args.versions} version(s) a step: fold {1e3 * fold:.1f} ms/step, compaction "
           f"{1e3 * compact:.1f} ms/step; M tokens/CPU-s {tokens / fold / 1e6:.2f} "
           f"(with the compaction {tokens / (fold + compact) / 1e6:.2f})")
+    print(f"  (of the fold: user {1e3 * (r1.ru_utime - r0.ru_utime) / args.steps:.1f}, system "
+          f"{1e3 * (r1.ru_stime - r0.ru_stime) / args.steps:.1f} ms/step, "
+          f"{(r1.ru_minflt - r0.ru_minflt) / args.steps:.0f} minor page faults/step)")
     for name, s in sorted(spent.items(), key=lambda x: -x[1]):
         print(f"  {name:24s} {1e3 * s / args.steps:7.1f} ms/step")
 

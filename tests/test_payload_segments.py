@@ -95,6 +95,29 @@ def test_planned_routes_of_any_trajectory_equal_the_fold(tmp_path, generations, 
     p.delete(name)
 
 
+def test_a_segment_image_memory_serves_the_next_write_only_once_nothing_views_it(tmp_path, monkeypatch):
+    monkeypatch.setattr(_direct, "_SPARE", _direct._Spare())  # this test's own
+    plain = [s for r in _folded() for s in r.samples]
+    p = PayloadStore(str(tmp_path))
+    first = [s for r in _folded(RoutesPlan()) for s in r.samples]
+    _write_planned(p, "samples-1.arrow", first, 3)
+    kept = first[0].routed_experts.array()  # a view of the first image (as the commit's counts read it)
+    assert kept.base is _direct._SPARE._buf
+    before = kept.copy()
+    second = [s for r in _folded(RoutesPlan()) for s in r.samples][::-1]  # other bytes at those places
+    _write_planned(p, "samples-2.arrow", second, 3)
+    assert np.array_equal(kept, before)  # still viewed: a new image was made, this one left alone
+    assert second[0].routed_experts.array().base is not kept.base
+    del second, first, kept
+    spare = id(_direct._SPARE._buf)  # (an id: a reference would be a view that keeps it from serving)
+    third = [s for r in _folded(RoutesPlan()) for s in r.samples]
+    _write_planned(p, "samples-3.arrow", third, 3)
+    assert id(third[0].routed_experts.array().base) == spare  # nothing viewed the second image: it served the third
+    for name, want in (("samples-1.arrow", plain), ("samples-2.arrow", plain[::-1]), ("samples-3.arrow", plain)):
+        got = read_segment_samples(p, name, range(len(want)))
+        assert all(a.equals(b) for a, b in zip(got, want))
+
+
 def test_routes_column_nulls_and_planned_among_plain_arrays():
     plan = RoutesPlan()
     a, b = plan((2, 2, 2), np.uint8), plan((2, 2, 2), np.uint8)

@@ -1,6 +1,6 @@
 """The materializer's fold with the run aggregates on, beside another source tree, in one run.
 
-    PYTHONPATH=. .venv/bin/python bench/bench_fold.py --before /tmp/before [--rounds 2] [--no-postgres]
+    PYTHONPATH=. .venv/bin/python bench/bench_fold.py --before /tmp/before [--rounds 2] [--no-postgres | --no-sqlite]
         [--shards 1,2,4] [--out bench_fold.json]
 
 ``--tree NAME=PATH`` (repeatable): more trees measured in the same run (e.g. the tree before a
@@ -303,6 +303,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--steps", type=int, default=STEPS, help="measured steps a case (after one untimed step)")
     p.add_argument("--no-postgres", action="store_true")
+    p.add_argument("--no-sqlite", action="store_true", help="PostgreSQL's cases only (and its shards)")
     p.add_argument("--layouts", default="none,24x4,48x8")
     p.add_argument("--versions", default="1,4")
     p.add_argument("--shards", default="1,2,4", help="shard counts on PostgreSQL (empty: none)")
@@ -348,7 +349,9 @@ def main() -> None:
     if args.exact:
         trees["exact"] = REPO
     cluster = None
-    backends = ["sqlite"]
+    if args.no_sqlite and args.no_postgres:
+        p.error("--no-sqlite and --no-postgres leave nothing to measure")
+    backends = [] if args.no_sqlite else ["sqlite"]
     if not args.no_postgres:
         sys.path.insert(0, str(REPO / "tests"))
         from pg_cluster import PgCluster

@@ -23,6 +23,10 @@ from sqlalchemy import Float, String
 from trajstore.log._dialect import execute
 from trajstore.schema import events
 
+ARRAY = "%b"
+"""An array's placeholder: sent in binary (psycopg's ``%b``), which the server copies; as text
+(``%s``) it parses every element (``array_in``, a bytea's hex digits too)."""
+
 __all__ = ["array_source", "columns_of", "insert_rows", "insert_tuples", "repoint", "update_rows"]
 
 
@@ -57,7 +61,7 @@ def locked_update_sql(d: Any, table: Any, names: Sequence[str], key: str, guard:
     deadlock."""
     t, k = d.table(table), d.col(table.c[key])
     cols = [*names, key, *guard]
-    given = ", ".join(f"CAST(%s AS {array_type(table.c[n], d.dialect)})" for n in cols)
+    given = ", ".join(f"CAST({ARRAY} AS {array_type(table.c[n], d.dialect)})" for n in cols)
     aliases = ", ".join(f"c{i}" for i in range(len(cols)))
     at = len(names)  # the keys' array
     checks = "".join(f" AND x.{d.col(table.c[g])} = v.c{at + 1 + i}" for i, g in enumerate(guard))
@@ -77,7 +81,7 @@ def repoint_sql(d: Any, *, guarded: bool) -> str:
 
 def array_source(d: Any, table: Any, names: Sequence[str]) -> str:
     """``SELECT * FROM unnest(...)``: rows of ``table``'s columns ``names`` from one array each."""
-    return f"SELECT * FROM unnest({', '.join(f'CAST(%s AS {array_type(table.c[n], d.dialect)})' for n in names)})"
+    return f"SELECT * FROM unnest({', '.join(f'CAST({ARRAY} AS {array_type(table.c[n], d.dialect)})' for n in names)})"
 
 
 def insert_sql(d: Any, table: Any, names: Sequence[str]) -> str:

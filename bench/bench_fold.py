@@ -91,6 +91,34 @@ def _server_cpu(pid: int | None) -> float:
     return ns / 1e9 + ticks / os.sysconf("SC_CLK_TCK")
 
 
+def _database_cpu(pid: int | None, url: str) -> dict[int, int]:
+    """CPU nanoseconds (``/proc/<pid>/schedstat``) of each live child of the postmaster
+    ``pid`` that serves the database of ``url``: its backends and the autovacuum workers
+    in it (their process titles name the database). The cluster's figure
+    (``_server_cpu``) also holds every other database's autovacuum workers, and a reaped
+    worker in 10 ms ticks: noise of a few ms a step here, where each case has a database."""
+    if pid is None:
+        return {}
+    name = url.rsplit("/", 1)[-1].split("?", 1)[0]
+    out = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[1]) != pid:
+                continue
+            title = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").split()
+            if name in title:
+                out[int(stat.parent.name)] = int((stat.parent / "schedstat").read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
+
+
+def _database_cpu_since(pid: int | None, url: str, before: dict[int, int]) -> float:
+    """Seconds of CPU the database's processes spent since ``before`` (``_database_cpu``)."""
+    return sum(ns - before.get(p, 0) for p, ns in _database_cpu(pid, url).items()) / 1e9
+
+
 def _cpu() -> float:
     import resource
 
@@ -124,9 +152,11 @@ def child(args: argparse.Namespace) -> dict:
     m.run(max_steps=1, compact=False) if after else m.run(max_steps=1)  # warm: first-use costs (imports, SQL)
     warm_cpu = _cpu() - warm_cpu
     counted = {s.trajectory_id for s in store.samples()}
+    db0 = _database_cpu(args.postmaster, args.url)
     server0, cpu0, wall0 = _server_cpu(args.postmaster), _cpu(), time.perf_counter()
     stats = m.run(compact=False) if after else m.run()
     cpu1, server1, wall1 = _cpu(), _server_cpu(args.postmaster), time.perf_counter()
+    db_cpu = _database_cpu_since(args.postmaster, args.url, db0)
     compact_cpu = compact_server = 0.0
     if after:
         from trajstore._upkeep.gc import compact_run_aggregates
@@ -135,7 +165,8 @@ def child(args: argparse.Namespace) -> dict:
         compact_cpu, compact_server = _cpu() - cpu1, _server_cpu(args.postmaster) - server1
     tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in store.samples() if s.trajectory_id not in counted)
     store.close()
-    return {"warm_step_cpu_s": warm_cpu, "cpu_s": cpu1 - cpu0, "server_cpu_s": server1 - server0, "wall_s": wall1 - wall0,
+    return {"warm_step_cpu_s": warm_cpu, "cpu_s": cpu1 - cpu0, "server_cpu_s": server1 - server0,
+            "database_cpu_s": db_cpu, "wall_s": wall1 - wall0,
             "compact_cpu_s": compact_cpu, "compact_server_cpu_s": compact_server, "tokens": tokens,
             "trajectories": stats.num_trajectories}
 
@@ -272,10 +303,14 @@ def summary_rows(summary: dict[str, dict], label: str = "") -> list[dict[str, st
                 for layout in layouts))
         figure = "M tokens/CPU-s, 1 / 4 versions a step, fold (with the compaction): " + ", ".join(cells)
         if backend == "postgresql":
-            a, b = summary.get("postgresql 48x8 v1 after"), summary.get("postgresql 48x8 v1 before")
-            if a and b:
-                figure += (f"; server CPU per step (48×8) {1e3 * a['server_cpu_s_per_step']:.0f} ms "
-                           f"(before {1e3 * b['server_cpu_s_per_step']:.0f})")
+            for v in ("v1", "v4"):
+                a, b = summary.get(f"postgresql 48x8 {v} after"), summary.get(f"postgresql 48x8 {v} before")
+                if a and b:
+                    figure += (f"; server CPU per step (48×8, {v[1]} version{'s' if v == 'v4' else ''}) "
+                               f"{1e3 * a['server_cpu_s_per_step']:.1f} ms (before {1e3 * b['server_cpu_s_per_step']:.1f})")
+                    if "database_cpu_s_per_step" in a and "database_cpu_s_per_step" in b:
+                        figure += (f", its database's processes {1e3 * a['database_cpu_s_per_step']:.1f} ms "
+                                   f"(before {1e3 * b['database_cpu_s_per_step']:.1f})")
         rows.append({"what": f"the fold with the run aggregates, {backend}{label}", "figure": figure,
                      "baseline": "; ".join(["the tree before: " + ", ".join(base), *others]), "section": SECTION})
     shards = sorted((int(k.split()[-1]), m) for k, m in summary.items() if "shards" in k)
@@ -427,16 +462,19 @@ def main() -> None:
         med["tokens_per_cpu_s"] = tokens / med["cpu_s"]
         med["tokens_per_cpu_s_with_compaction"] = tokens / (med["cpu_s"] + med.get("compact_cpu_s", 0.0))
         med["server_cpu_s_per_step"] = med["server_cpu_s"] / args.steps if "shards" not in key else med["server_cpu_s"]
+        if "database_cpu_s" in med:
+            med["database_cpu_s_per_step"] = med["database_cpu_s"] / args.steps
         if "shards" in key:
             med["cpu_us_per_token_all"] = 1e6 * (med["cpu_s"] + med["compact_cpu_s"] + med["server_cpu_s"]) / tokens
         summary[key] = med
     doc = {"bench": "bench_fold", "command": " ".join(["bench/bench_fold.py", *sys.argv[1:]]),
            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "loadavg": os.getloadavg(),
            "rounds": args.rounds, "results": summary, "runs": results, "summary": summary_rows(summary, args.label)}
-    print(f"{'case':34s} {'M tok/CPU-s':>11s} {'+compact':>9s} {'server CPU ms/step':>18s}")
+    print(f"{'case':34s} {'M tok/CPU-s':>11s} {'+compact':>9s} {'server CPU ms/step':>18s} {'its database':>12s}")
     for key, med in summary.items():
         print(f"{key:34s} {med['tokens_per_cpu_s'] / 1e6:11.2f} {med['tokens_per_cpu_s_with_compaction'] / 1e6:9.2f} "
-              f"{1e3 * med['server_cpu_s_per_step']:18.1f}" + (f"  all CPU {med['cpu_us_per_token_all']:.3f} us/token"
+              f"{1e3 * med['server_cpu_s_per_step']:18.1f} {1e3 * med.get('database_cpu_s_per_step', 0.0):12.1f}"
+              + (f"  all CPU {med['cpu_us_per_token_all']:.3f} us/token"
                                                             if "cpu_us_per_token_all" in med else ""))
     if args.out:
         Path(args.out).write_text(json.dumps(doc, indent=1))

@@ -54,8 +54,11 @@ def test_concurrent_writer_processes_count_exactly(store_url, tmp_path):
     commit folds deltas): the totals equal a recount from the log, every delta ends up
     folded, and a fold changes no sum."""
     payload = str(tmp_path / "payload")
-    trajstore.connect(store_url, payload=payload).close()  # migrated once, before the writers fork
-    ctx = mp.get_context("fork")
+    trajstore.connect(store_url, payload=payload).close()  # migrated once, before the writers start
+    # Spawned, not forked: a test worker holds the threads of the tests it ran before (readers'
+    # prefetch and lease threads, pools), and a child forked from it can hang on a lock one of
+    # them held at the fork (seen once: pytest-timeout after 300 s, the writers still alive).
+    ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=aggregate_writer, args=(store_url, payload, w * PER_WRITER, PER_WRITER))
              for w in range(WRITERS)]
     for p in procs:

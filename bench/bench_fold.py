@@ -71,6 +71,23 @@ def _load(n: int, layout: tuple[int, int] | None, versions: int, start: int = 0)
     return out
 
 
+def _family(pid: int):
+    """``(process dir, its stat fields after the name)`` of the postmaster ``pid`` and of its
+    live children (its backends and workers)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(stat.parent.name) == pid or int(fields[1]) == pid:
+                yield stat.parent, fields
+        except (OSError, ValueError, IndexError):
+            continue
+
+
+def _schedstat_ns(proc: Path) -> int:
+    """A live process's CPU nanoseconds (``/proc/<pid>/schedstat``)."""
+    return int((proc / "schedstat").read_text().split()[0])
+
+
 def _server_cpu(pid: int | None) -> float:
     """CPU seconds of the postmaster ``pid``, its live children (backends) and the children it
     reaped: a live process's from ``/proc/<pid>/schedstat`` (nanoseconds; ``stat`` counts in
@@ -78,15 +95,12 @@ def _server_cpu(pid: int | None) -> float:
     if pid is None:
         return 0.0
     ticks, ns = 0, 0
-    for stat in Path("/proc").glob("[0-9]*/stat"):
+    for proc, fields in _family(pid):
         try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            if int(stat.parent.name) != pid and int(fields[1]) != pid:
-                continue
-            ns += int((stat.parent / "schedstat").read_text().split()[0])
+            ns += _schedstat_ns(proc)
         except (OSError, ValueError, IndexError):
             continue
-        if int(stat.parent.name) == pid:
+        if int(proc.name) == pid:
             ticks += int(fields[13]) + int(fields[14])
     return ns / 1e9 + ticks / os.sysconf("SC_CLK_TCK")
 
@@ -101,14 +115,11 @@ def _database_cpu(pid: int | None, url: str) -> dict[int, int]:
         return {}
     name = url.rsplit("/", 1)[-1].split("?", 1)[0]
     out = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
+    for proc, _ in _family(pid):
         try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            if int(fields[1]) != pid:
-                continue
-            title = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").split()
-            if name in title:
-                out[int(stat.parent.name)] = int((stat.parent / "schedstat").read_text().split()[0])
+            title = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").split()
+            if int(proc.name) != pid and name in title:
+                out[int(proc.name)] = _schedstat_ns(proc)
         except (OSError, ValueError, IndexError):
             continue
     return out

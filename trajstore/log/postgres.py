@@ -375,7 +375,7 @@ class PostgreSQL(Backend):
             execute(conn, sql, values + (row["trajectory_id"],) * len(marked))
 
     def as_arrays(self, table: Any, names: Sequence[str], rows: Sequence[tuple]) -> tuple[str, tuple] | None:
-        arrays = _pg_arrays.columns_of(rows, [table.c[n] for n in names]) if len(rows) > 1 else None
+        arrays = _pg_arrays.arrays_of(table, names, rows)
         if arrays is None:
             return None
         return self._cached(("array source", table.name, tuple(names)),

@@ -7,6 +7,7 @@ what was sent so that a retry with different content is told apart;
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import sys
@@ -120,13 +121,8 @@ _LITTLE = ("<", "|") + (("=",) if sys.byteorder == "little" else ())
 _REPR_TYPES = frozenset({str, int, float, bool, tuple})
 """Types whose digest piece is their ``repr`` (none of them an array or a Mapping)."""
 
-_FIELDS: dict[type, tuple[tuple[str, bytes, bool], ...]] = {}
-
-
+@functools.cache
 def _fields_of(cls: type) -> tuple[tuple[str, bytes, bool], ...]:
     """An event class's fields in declaration order: (name, its bytes, skipped when None)."""
-    fields = _FIELDS.get(cls)
-    if fields is None:
-        fields = _FIELDS[cls] = tuple((name, name.encode(), name in _HASH_SKIP_IF_ABSENT)
-                                      for name in cls.__dataclass_fields__)  # type: ignore[attr-defined]
-    return fields
+    return tuple((name, name.encode(), name in _HASH_SKIP_IF_ABSENT)
+                 for name in cls.__dataclass_fields__)  # type: ignore[attr-defined]

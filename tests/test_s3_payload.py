@@ -485,7 +485,10 @@ def test_the_materializer_reads_a_log_segment_in_one_request(store_url, s3_endpo
         if not whole:
             monkeypatch.setattr(payload_store, "WHOLE_READ_BYTES", 0)
         prefix = f"run-{uuid.uuid4().hex[:8]}"
-        store = trajstore.connect(store_url, payload=f"s3://{BUCKET}/{prefix}?endpoint_override={endpoint}&scheme=http")
+        # a GET slower than the default 3 s request timeout (moto on a loaded machine) is
+        # sent again by the S3 client, and would count twice: a timeout no test reaches
+        store = trajstore.connect(store_url, payload=f"s3://{BUCKET}/{prefix}?endpoint_override={endpoint}"
+                                                     f"&scheme=http&request_timeout=120")
         ids = [f"t{i}" for i in range(20)]
         store.append([e for tid in ids for e in trajectory(tid)])  # one append: one log segment of 40 calls
         start = log.stat().st_size

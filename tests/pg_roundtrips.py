@@ -6,7 +6,7 @@ every connection is a traced one). ``counts()`` reads the traces: a round
 trip is a run of messages the client sent followed by the server's answer
 (one F→B turn in the trace), so pipelined statements sent together count
 once. It also counts the statements (``Query`` and ``Execute`` messages, one
-per executemany row), the COMMITs (the server's answers: a prepared COMMIT
+per executemany row), the rows the server sent (``DataRow``), the COMMITs (the server's answers: a prepared COMMIT
 sends no text) and the pings (``SELECT 1``, or the empty query ``;``
 SQLAlchemy's ``pool_pre_ping`` sends).
 
@@ -47,7 +47,7 @@ class RoundTrips:
         import ctypes
 
         ctypes.CDLL(None).fflush(None)  # libpq writes the trace through a buffered stdio stream
-        out = {"round_trips": 0, "statements": 0, "commits": 0, "pings": 0, "connections": len(self._files)}
+        out = {"round_trips": 0, "statements": 0, "rows": 0, "commits": 0, "pings": 0, "connections": len(self._files)}
         for name in sorted(os.listdir(self.dir)):
             side = None
             with open(os.path.join(self.dir, name), errors="replace") as f:
@@ -62,6 +62,8 @@ class RoundTrips:
                         side = who
                     if who == "F" and kind in ("Query", "Execute"):
                         out["statements"] += 1
+                    if who == "B" and kind == "DataRow":
+                        out["rows"] += 1
                     text = parts[3] if len(parts) > 3 else ""
                     if who == "B" and kind == "CommandComplete" and '"COMMIT"' in text:
                         out["commits"] += 1  # (a prepared COMMIT sends no text: count the answers)

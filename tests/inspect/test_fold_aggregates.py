@@ -234,13 +234,13 @@ def test_segments_an_older_version_noted_are_counted_once_by_the_compaction(stor
 
 
 def _kill_when_waiting(url: str, like: str, timeout_s: float = 60) -> None:
-    """Terminate the backend whose query starts with ``like`` once it waits on a lock."""
+    """Terminate the backend whose query holds ``like`` once it waits on a lock."""
     dsn = url.replace("postgresql+psycopg://", "postgresql://")
     deadline = time.monotonic() + timeout_s
     with psycopg.connect(dsn, autocommit=True) as admin:
         while True:
             got = admin.execute("SELECT pid FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE %s",
-                                (like + "%",)).fetchall()
+                                ("%" + like + "%",)).fetchall()
             if got:
                 assert admin.execute("SELECT pg_terminate_backend(%s)", (got[0][0],)).fetchone()[0]
                 return
@@ -284,7 +284,7 @@ def test_a_compaction_whose_backend_is_killed_changes_nothing_and_the_next_folds
                                 "reward_max) VALUES (:w, :b, 0, 0, 0, 0)"), {"w": width, "b": start})
             # it has folded agg_groups, agg_logprobs and agg_policy_versions' deltas (deleted,
             # totals upserted) in its transaction and waits on agg_rewards: killed there
-            out = _run_until_killed_waiting(lambda: compact_run_aggregates(store), fresh_pg_url, "INSERT INTO agg_rewards")
+            out = _run_until_killed_waiting(lambda: compact_run_aggregates(store), fresh_pg_url, "INSERT INTO agg_rewards (")
             holder.rollback()
         err = out.get("error")
         assert isinstance(err, trajstore.TrajstoreError) and "\n" not in str(err), out
@@ -316,7 +316,7 @@ def test_a_run_whose_compaction_fails_after_its_commits_keeps_its_counts(fresh_p
             holder.begin()
             holder.execute(text("LOCK TABLE agg_rewards IN EXCLUSIVE MODE"))
             with caplog.at_level("WARNING", logger="trajstore.materializer"):
-                out = _run_until_killed_waiting(m.run, fresh_pg_url, "INSERT INTO agg_rewards")
+                out = _run_until_killed_waiting(m.run, fresh_pg_url, "INSERT INTO agg_rewards (")
             holder.rollback()
         assert "error" not in out, out
         assert out["result"].num_trajectories > 0 and m.pending() == 0  # every finished one folded

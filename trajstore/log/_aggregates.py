@@ -6,7 +6,8 @@ Two ways of adding, by who adds:
 * the compaction and a rebuild (the totals): ``add_counts``, one ``INSERT ... ON
   CONFLICT DO UPDATE`` executemany per table (SQLite and PostgreSQL spell it alike),
   keys sorted so two transactions adding to the same keys take their row locks in one
-  order; the expert load, one counts array per model version, by ``add_expert_arrays``
+  order; on PostgreSQL the compaction takes, sums and adds a table's deltas in one
+  statement, no delta row sent to the client (``_fold_on_server``); the expert load, one counts array per model version, by ``add_expert_arrays``
   (the version's row read, summed by numpy, written back: one row per version, not one
   per (layer, expert)). The materializer's commit inserts rows of its own
   (``insert_fold_deltas``);
@@ -73,6 +74,37 @@ def _split(table: Any) -> tuple[list[str], list[str]]:
     return list(KEYS[table.name]), list(VALUES[table.name])
 
 
+def _upsert_sql(d: SqlDialect, name: str, source: str) -> str:
+    """``INSERT`` of table ``name``'s rows (its key columns, then its counted columns) from
+    ``source`` (a ``SELECT``; empty: one row of parameters) added to the rows of their keys:
+    sums, the larger (smaller) of ``MAX_VALUES`` (``MIN_VALUES``), NULL standing for none.
+    The append's tables (``DELTA_TABLES``) add to the key's total row, the one not ``delta``."""
+    table = TABLES[name]
+    keys, values = _split(table)
+    t = d.table(table)
+    cols = [*keys, *values]
+    maxima = {values[i] for i in MAX_VALUES.get(name, ())}
+    minima = {values[i] for i in MIN_VALUES.get(name, ())}
+
+    def update(v: str) -> str:
+        c = d.col(table.c[v])
+        if v in maxima or v in minima:  # the larger (smaller) one, spelled alike on both backends; NULL: none
+            op = ">" if v in maxima else "<"
+            return (f"{c} = CASE WHEN {t}.{c} IS NULL OR excluded.{c} {op} {t}.{c} THEN "
+                    f"COALESCE(excluded.{c}, {t}.{c}) ELSE {t}.{c} END")
+        return f"{c} = {t}.{c} + excluded.{c}"
+
+    updates = ", ".join(update(v) for v in values)
+    names = ", ".join(d.col(table.c[c]) for c in cols)
+    target = ", ".join(d.col(table.c[k]) for k in keys)
+    if name in DELTA_TABLES:  # the key's total row: the partial unique index over the rows not delta
+        rows_of = f"SELECT *, FALSE FROM ({source}) AS s" if source else f"VALUES ({d.marks(len(cols))}, FALSE)"
+        return (f"INSERT INTO {t} ({names}, delta) {rows_of} "
+                f"ON CONFLICT ({target}) WHERE NOT delta DO UPDATE SET {updates}")
+    rows_of = source or f"VALUES ({d.marks(len(cols))})"
+    return f"INSERT INTO {t} ({names}) {rows_of} ON CONFLICT ({target}) DO UPDATE SET {updates}"
+
+
 def add_counts(conn: Any, d: SqlDialect, counts: Counts) -> None:
     """Add ``counts`` to the aggregate tables' rows of their keys (the totals of the delta
     tables): one upsert per table (``conn``: a Connection or a driver cursor)."""
@@ -82,39 +114,39 @@ def add_counts(conn: Any, d: SqlDialect, counts: Counts) -> None:
             continue
         table = TABLES[name]
         keys, values = _split(table)
-        t = d.table(table)
-        total = name in DELTA_TABLES
-        cols = [*keys, *values]
         rows = [(*k, *v) for k, v in sorted(part.items())]
-        arrays = d.as_arrays(table, cols, rows)
-
-        def build(source: str) -> str:
-            maxima = {values[i] for i in MAX_VALUES.get(name, ())}
-            minima = {values[i] for i in MIN_VALUES.get(name, ())}
-
-            def update(v: str) -> str:
-                c = d.col(table.c[v])
-                if v in maxima or v in minima:  # the larger (smaller) one, spelled alike on both backends; NULL: none
-                    op = ">" if v in maxima else "<"
-                    return (f"{c} = CASE WHEN {t}.{c} IS NULL OR excluded.{c} {op} {t}.{c} THEN "
-                            f"COALESCE(excluded.{c}, {t}.{c}) ELSE {t}.{c} END")
-                return f"{c} = {t}.{c} + excluded.{c}"
-
-            updates = ", ".join(update(v) for v in values)
-            names = ", ".join(d.col(table.c[c]) for c in cols)
-            target = ", ".join(d.col(table.c[k]) for k in keys)
-            if total:  # the key's total row: the partial unique index over the rows not delta
-                rows_of = (f"SELECT *, FALSE FROM ({source}) AS s" if source
-                           else f"VALUES ({d.marks(len(cols))}, FALSE)")
-                return (f"INSERT INTO {t} ({names}, delta) {rows_of} "
-                        f"ON CONFLICT ({target}) WHERE NOT delta DO UPDATE SET {updates}")
-            rows_of = source or f"VALUES ({d.marks(len(cols))})"
-            return f"INSERT INTO {t} ({names}) {rows_of} ON CONFLICT ({target}) DO UPDATE SET {updates}"
-
+        arrays = d.as_arrays(table, [*keys, *values], rows)
         if arrays is not None:  # the rows as one statement of arrays (PostgreSQL)
-            execute(conn, d._cached(("add_counts arrays", name), lambda: build(arrays[0])), arrays[1])
+            execute(conn, d._cached(("add_counts arrays", name), lambda: _upsert_sql(d, name, arrays[0])), arrays[1])
         else:
-            execute(conn, d._cached(("add_counts", name), lambda: build("")), rows)
+            execute(conn, d._cached(("add_counts", name), lambda: _upsert_sql(d, name, "")), rows)
+
+
+def _fold_on_server(conn: Any, d: SqlDialect, name: str, deltas: Any, *, limit: int) -> tuple[int, list]:
+    """PostgreSQL: fold up to ``limit`` delta rows of table ``name`` (rows of ``deltas``; of the
+    append's tables, those ``delta`` in the table itself) into their keys' totals in one
+    statement, none of them sent to the client: the rows no other transaction holds are
+    deleted (``FOR UPDATE SKIP LOCKED``), summed per key in key order (the max of
+    ``MAX_VALUES``, the min of ``MIN_VALUES``: a reader's ``totals_sql``) and upserted
+    (``_upsert_sql``). Returns the rows folded and the keys added to."""
+    keys, values = KEYS[name], VALUES[name]
+
+    def build() -> str:
+        t = d.table(deltas)
+        own = " WHERE delta" if deltas is TABLES.get(name) else ""
+        maxima, minima = MAX_VALUES.get(name, ()), MIN_VALUES.get(name, ())
+        sums = ", ".join(f"{'max' if i in maxima else 'min' if i in minima else 'sum'}({v})"
+                         for i, v in enumerate(values))
+        ks = ", ".join(keys)
+        summed = f"SELECT {ks}, {sums} FROM taken GROUP BY {ks} ORDER BY {ks}"
+        added = f"ARRAY(SELECT {keys[0]} FROM added)" if len(keys) == 1 else "NULL"
+        return (f"WITH taken AS (DELETE FROM {t} WHERE id IN (SELECT id FROM {t}{own} ORDER BY id LIMIT {d.p} "
+                f"FOR UPDATE SKIP LOCKED) RETURNING {ks}, {', '.join(values)}), "
+                f"added AS ({_upsert_sql(d, name, summed)} RETURNING {ks}) "
+                f"SELECT (SELECT count(*) FROM taken), {added}")
+
+    n, added = execute(conn, d._cached(("fold on server", name), build), (int(limit),)).fetchone()
+    return int(n), list(added or ())
 
 
 def insert_deltas(conn: Any, d: SqlDialect, counts: Counts) -> None:
@@ -205,6 +237,9 @@ def compact_event_aggregates(conn: Any, d: SqlDialect, *, limit: int = COMPACT_R
     take different deltas. Returns the number of deltas folded."""
     n = 0
     for name, table in sorted(DELTA_TABLES.items()):
+        if d.name == "postgresql":  # summed on the server, no row sent
+            n += _fold_on_server(conn, d, name, table, limit=limit)[0]
+            continue
         keys, values = _split(table)
         t = d.table(table)
 
@@ -253,6 +288,12 @@ def compact_aggregates(conn: Any, d: SqlDialect, *, limit: int = COMPACT_ROWS) -
     n = compact_event_aggregates(conn, d, limit=limit)
     groups: set[str] = set()
     for name, table in sorted(FOLD_DELTA_TABLES.items()):
+        if d.name == "postgresql":  # summed on the server, no row sent
+            got_n, added = _fold_on_server(conn, d, name, table, limit=limit)
+            if name == "agg_groups":
+                groups.update(added)
+            n += got_n
+            continue
         keys = KEYS[name]
         got = _take(conn, d, table, (*keys, *VALUES[name]), limit)
         if not got:

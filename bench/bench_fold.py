@@ -8,7 +8,8 @@ change). ``--before``: a source tree to compare with (e.g. ``git archive 263364a
 the tree before the run aggregates entered the materializer's commit); this tree is "after".
 
 Load: 32 trajectories a step (``max_trajectories=32``), ``--steps`` (2) steps a measurement
-after one untimed step (first-use costs: imports, statements); each
+after one untimed step and, "after", one untimed compaction (first-use costs: imports,
+statements); each
 trajectory 4 turns, a 100-token first prompt, 500 output and 100 observation tokens a
 turn: 2,400 unique tokens, 76,800 a step (bench_pipeline.py's load). Route layouts: none,
 24x4 and 48x8 (uint8 ids of 128 experts); 1 or 4 model versions among a step's
@@ -16,8 +17,9 @@ trajectories. Stores filled before the clock, each measurement in a fresh proces
 (trees and cases interleaved, ``--rounds`` times, median).
 
 Figures per case: tokens per CPU second of the materializer process (``materialize``, every
-step, its commit included; "after" also the compaction of the run aggregates, measured
-apart and included in ``tokens_per_cpu_s_with_compaction``), and on PostgreSQL the server's
+step, its commit included; "after" also the compaction of the run aggregates, once after
+the steps as ``Materializer.run`` does, measured apart and included in
+``tokens_per_cpu_s_with_compaction``), and on PostgreSQL the server's
 CPU per step (every backend of the cluster, /proc). Shards (``--shards``, PostgreSQL,
 this tree): N materializer processes of N shards at once over 32*N trajectories each... CPU
 per token of the materializers and the server together (this machine has 2 cores: N
@@ -161,6 +163,10 @@ def child(args: argparse.Namespace) -> dict:
     after = "compact" in Materializer.run.__code__.co_varnames
     warm_cpu = _cpu()
     m.run(max_steps=1, compact=False) if after else m.run(max_steps=1)  # warm: first-use costs (imports, SQL)
+    if after:  # the compaction's too: a materializer or GC worker compacts every pass, its statements built once
+        from trajstore._upkeep.gc import compact_run_aggregates
+
+        compact_run_aggregates(store)
     warm_cpu = _cpu() - warm_cpu
     counted = {s.trajectory_id for s in store.samples()}
     db0 = _database_cpu(args.postmaster, args.url)
@@ -170,8 +176,6 @@ def child(args: argparse.Namespace) -> dict:
     db_cpu = _database_cpu_since(args.postmaster, args.url, db0)
     compact_cpu = compact_server = 0.0
     if after:
-        from trajstore._upkeep.gc import compact_run_aggregates
-
         compact_run_aggregates(store)
         compact_cpu, compact_server = _cpu() - cpu1, _server_cpu(args.postmaster) - server1
     tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in store.samples() if s.trajectory_id not in counted)

@@ -6,8 +6,8 @@ every connection is a traced one). ``counts()`` reads the traces: a round
 trip is a run of messages the client sent followed by the server's answer
 (one F→B turn in the trace), so pipelined statements sent together count
 once. It also counts the statements (``Query`` and ``Execute`` messages, one
-per executemany row), the rows the server sent (``DataRow``), the COMMITs (the server's answers: a prepared COMMIT
-sends no text) and the pings (``SELECT 1``, or the empty query ``;``
+per executemany row), the rows the server sent (``DataRow``), the COMMITs (the
+server's answers: a prepared COMMIT sends no text) and the pings (``SELECT 1``, or the empty query ``;``
 SQLAlchemy's ``pool_pre_ping`` sends).
 
 Why not SQLAlchemy's ``before_cursor_execute``: the append runs on pooled

@@ -43,7 +43,7 @@ from trajstore.errors import ValidationError
 __all__ = ["Counts", "LOGPROB_RANGE", "LOGPROB_BINS", "DRIFT_WIDTHS_S", "KEYS", "VALUES", "MAX_VALUES", "MIN_VALUES",
            "DELTA_ROWS", "FOLD_DELTAS", "NONE", "TRAJECTORY_TABLES", "SUMMED_REWARD_BOUND", "TASK_KEYS", "task_sql", "trajectory_record", "event_counts", "trajectory_counts", "sample_summary_counts",
            "group_contribution",
-           "sample_counts", "totals_sql", "expert_load_sql", "expert_arrays", "expert_array_rows", "logprob_bin_edges", "decode_routes", "count_routes",
+           "sample_counts", "summed_values_sql", "totals_sql", "expert_load_sql", "expert_arrays", "expert_array_rows", "logprob_bin_edges", "decode_routes", "count_routes",
            "EXPERT_SAMPLE_EVERY", "EXPERT_SAMPLE_SETTING", "expert_sample_every_sql", "expert_sample_error"]
 
 LOGPROB_RANGE = (-12.0, 0.0)
@@ -149,6 +149,16 @@ moves them into the totals (schema.py, migration 0022)."""
 yet. The others (the materializer's) are one row per key (their key is the primary key)."""
 
 
+def summed_values_sql(table: str) -> str:
+    """Aggregate table ``table``'s counted columns summed over the rows of a key, as a
+    ``SELECT`` list: ``sum`` of each, ``max`` of ``MAX_VALUES``, ``min`` of ``MIN_VALUES``
+    (named as the columns). What a read sums (``totals_sql``) and what the compaction adds
+    to a key's total row on PostgreSQL (``trajstore.log._aggregates._fold_on_server``)."""
+    maxima, minima = MAX_VALUES.get(table, ()), MIN_VALUES.get(table, ())
+    return ", ".join(f"{'max' if i in maxima else 'min' if i in minima else 'sum'}({v}) AS {v}"
+                     for i, v in enumerate(VALUES[table]))
+
+
 def totals_sql(table: str, *, where: str = "", order: bool = True) -> str:
     """``SELECT`` of aggregate table ``table`` as one row per key: its key columns, then its
     counted columns summed over the key's rows (the max for ``MAX_VALUES``, the min for
@@ -164,15 +174,12 @@ def totals_sql(table: str, *, where: str = "", order: bool = True) -> str:
     cut, ordered = f" WHERE {where}" if where else "", f" ORDER BY {keys}" if order else ""
     if table not in DELTA_ROWS and table not in FOLD_DELTAS:
         return f"SELECT {keys}, {', '.join(values)} FROM {table}{cut}{ordered}"
-    maxima, minima = MAX_VALUES.get(table, ()), MIN_VALUES.get(table, ())
-    sums = ", ".join(f"{'max' if i in maxima else 'min' if i in minima else 'sum'}({v}) AS {v}"
-                     for i, v in enumerate(values))
     source = table
     if table in FOLD_DELTAS:
         cols = f"{keys}, {', '.join(values)}"
         source = f"(SELECT {cols} FROM {table}{cut} UNION ALL SELECT {cols} FROM {table}_delta{cut}) {table}"
         cut = ""
-    return f"SELECT {keys}, {sums} FROM {source}{cut} GROUP BY {keys}{ordered}"
+    return f"SELECT {keys}, {summed_values_sql(table)} FROM {source}{cut} GROUP BY {keys}{ordered}"
 
 
 def expert_load_sql(where: str = "") -> str:

@@ -7,9 +7,10 @@ Two ways of adding, by who adds:
   CONFLICT DO UPDATE`` executemany per table (SQLite and PostgreSQL spell it alike),
   keys sorted so two transactions adding to the same keys take their row locks in one
   order; on PostgreSQL the compaction takes, sums and adds a table's deltas in one
-  statement, no delta row sent to the client (``_fold_on_server``); the expert load, one counts array per model version, by ``add_expert_arrays``
-  (the version's row read, summed by numpy, written back: one row per version, not one
-  per (layer, expert)). The materializer's commit inserts rows of its own
+  statement, no delta row sent to the client (``_fold_on_server``); the expert load,
+  one counts array per model version, by ``add_expert_arrays`` (the version's row
+  read, summed by numpy, written back: one row per version, not one per (layer,
+  expert)). The materializer's commit inserts rows of its own
   (``insert_fold_deltas``);
 * the append (``agg_output_lengths``, ``agg_route_drift``, ``agg_calls``,
   ``agg_trajectories``): ``insert_deltas``,
@@ -36,7 +37,8 @@ import numpy as np
 from trajstore.log._aggregate_counts import (
     DELTA_ROWS, FOLD_DELTAS, KEYS, MAX_VALUES, MIN_VALUES, TRAJECTORY_TABLES, VALUES, Counts, _add, _add_array, _buckets,
     event_counts, expert_array_rows, expert_arrays, expert_sample_every, expert_sample_every_sql, group_contribution,
-    merge, sample_counts, sample_summary_counts, task_sql, totals_sql, trajectory_counts, trajectory_record)
+    merge, sample_counts, sample_summary_counts, summed_values_sql, task_sql, totals_sql, trajectory_counts,
+    trajectory_record)
 from trajstore.log._dialect import SqlDialect, chunks, execute
 from trajstore.schema import (agg_calls, agg_expert_load, agg_expert_load_delta, agg_expert_pending, agg_group_variance, agg_groups,
                               agg_groups_delta, agg_logprobs, agg_logprobs_delta, agg_output_lengths,
@@ -126,19 +128,16 @@ def _fold_on_server(conn: Any, d: SqlDialect, name: str, deltas: Any, *, limit: 
     """PostgreSQL: fold up to ``limit`` delta rows of table ``name`` (rows of ``deltas``; of the
     append's tables, those ``delta`` in the table itself) into their keys' totals in one
     statement, none of them sent to the client: the rows no other transaction holds are
-    deleted (``FOR UPDATE SKIP LOCKED``), summed per key in key order (the max of
-    ``MAX_VALUES``, the min of ``MIN_VALUES``: a reader's ``totals_sql``) and upserted
-    (``_upsert_sql``). Returns the rows folded and the keys added to."""
+    deleted (``FOR UPDATE SKIP LOCKED``), summed per key in key order as a read sums them
+    (``summed_values_sql``) and upserted (``_upsert_sql``). Returns the rows folded and, for
+    a table of one key column, the keys added to (else none)."""
     keys, values = KEYS[name], VALUES[name]
 
     def build() -> str:
         t = d.table(deltas)
         own = " WHERE delta" if deltas is TABLES.get(name) else ""
-        maxima, minima = MAX_VALUES.get(name, ()), MIN_VALUES.get(name, ())
-        sums = ", ".join(f"{'max' if i in maxima else 'min' if i in minima else 'sum'}({v})"
-                         for i, v in enumerate(values))
         ks = ", ".join(keys)
-        summed = f"SELECT {ks}, {sums} FROM taken GROUP BY {ks} ORDER BY {ks}"
+        summed = f"SELECT {ks}, {summed_values_sql(name)} FROM taken GROUP BY {ks} ORDER BY {ks}"
         added = f"ARRAY(SELECT {keys[0]} FROM added)" if len(keys) == 1 else "NULL"
         return (f"WITH taken AS (DELETE FROM {t} WHERE id IN (SELECT id FROM {t}{own} ORDER BY id LIMIT {d.p} "
                 f"FOR UPDATE SKIP LOCKED) RETURNING {ks}, {', '.join(values)}), "

@@ -90,26 +90,37 @@ def test_a_column_of_mixed_python_types():
     assert columns_of([(1.5,), (True,)], [f]) is None
 
 
-def test_a_compaction_sends_as_many_statements_for_4_trajectories_as_for_24(fresh_pg_url, tmp_path):
-    """Its upserts into the totals go one statement of arrays per table (``add_counts``), not one per key."""
+def _compactions(store, max_trajectories: int):
+    """Deltas of 4, then of 24 more trajectories, folded and committed (``max_trajectories`` a
+    commit) after a first compaction (statements prepared, the totals' first rows there): for
+    each, a function that compacts them and returns what it folded and the ``RoundTrips`` counts
+    of the compaction alone."""
     from trajstore._upkeep.gc import compact_run_aggregates
 
+    m = Materializer(store, max_trajectories=max_trajectories)
+    store.append(_trajectories("w", 2))
+    m.run(compact=False)
+    compact_run_aggregates(store)
+    trips = RoundTrips(store.log.db.write_engine)
+
+    def compact() -> tuple[int, dict[str, int]]:
+        trips.reset()
+        folded = compact_run_aggregates(store)
+        return folded, trips.counts()
+
+    try:
+        for prefix, n in (("a", 4), ("b", 24)):
+            store.append(_trajectories(prefix, n))
+            m.run(compact=False)
+            yield compact
+    finally:
+        trips.close()
+
+
+def test_a_compaction_sends_as_many_statements_for_4_trajectories_as_for_24(fresh_pg_url, tmp_path):
+    """Its upserts into the totals go one statement of arrays per table (``add_counts``), not one per key."""
     with trajstore.connect(fresh_pg_url, payload=str(tmp_path / "p")) as store:
-        m = Materializer(store, max_trajectories=64)
-        store.append(_trajectories("w", 2))
-        m.run(compact=False)
-        compact_run_aggregates(store)  # statements prepared, the totals' first rows there
-        trips = RoundTrips(store.log.db.write_engine)
-        counted = []
-        try:
-            for prefix, n in (("a", 4), ("b", 24)):
-                store.append(_trajectories(prefix, n))
-                m.run(compact=False)
-                trips.reset()
-                compact_run_aggregates(store)
-                counted.append(trips.counts()["statements"])
-        finally:
-            trips.close()
+        counted = [compact()[1]["statements"] for compact in _compactions(store, 64)]
         with store.log.db.reading("test") as conn:
             groups = conn.execute(text("SELECT count(*) FROM agg_groups")).scalar_one()
     assert groups == 12  # g0..g11: every group's total row
@@ -244,21 +255,9 @@ def test_a_compaction_folds_the_deltas_on_the_server_and_changes_no_sum(fresh_pg
                     for name in sorted(TABLES) if name != "agg_group_variance"}
 
     with trajstore.connect(fresh_pg_url, payload=str(tmp_path / "p")) as store:
-        m = Materializer(store, max_trajectories=8)
-        store.append(_trajectories("w", 2))
-        m.run(compact=False)
-        compact_run_aggregates(store)  # statements prepared, the totals' first rows there
-        trips = RoundTrips(store.log.db.write_engine)
-        try:
-            for prefix, n in (("a", 4), ("b", 24)):
-                store.append(_trajectories(prefix, n))
-                m.run(compact=False)  # several commits: several delta rows of a key
-                before = read(store)
-                trips.reset()
-                folded = compact_run_aggregates(store)
-                got = trips.counts()
-                assert folded > 0 and got["rows"] < folded, (folded, got)
-                assert read(store) == before
-                assert compact_run_aggregates(store) == 0
-        finally:
-            trips.close()
+        for compact in _compactions(store, 8):  # several commits: several delta rows of a key
+            before = read(store)
+            folded, got = compact()
+            assert folded > 0 and got["rows"] < folded, (folded, got)
+            assert read(store) == before
+            assert compact_run_aggregates(store) == 0
